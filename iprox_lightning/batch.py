@@ -1,0 +1,79 @@
+"""The batch format shared by every stage, and the per-example SFT loss.
+
+A batch is a ``dict`` with
+
+* ``input_ids``      ``LongTensor[B, T]`` — right-padded token ids;
+* ``attention_mask`` ``LongTensor[B, T]`` — 1 for real tokens, 0 for padding;
+* ``labels``         ``LongTensor[B, T]`` — Hugging Face convention (aligned with ``input_ids``,
+  the model shifts internally): the token id on response tokens, ``-100`` everywhere else
+  (prompt, template and padding);
+* ``id``             ``list[str]`` — a stable example id that survives shuffling, workers, DDP;
+* ``task``           ``list[str]`` (optional) — the task / category name of each example.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+REQUIRED_KEYS = ("input_ids", "attention_mask", "labels", "id")
+
+
+def check_batch(batch: Mapping[str, Any]) -> None:
+    """Raise a clear ``ValueError`` when ``batch`` does not follow the project's batch format."""
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"batch is missing key(s) {missing}; expected {list(REQUIRED_KEYS)} (+ optional 'task')")
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    if ids.dim() != 2 or ids.shape != mask.shape or ids.shape != labels.shape:
+        raise ValueError(
+            f"input_ids/attention_mask/labels must share one [B, T] shape, got "
+            f"{tuple(ids.shape)}, {tuple(mask.shape)}, {tuple(labels.shape)}"
+        )
+    if len(batch["id"]) != ids.shape[0]:
+        raise ValueError(f"batch has {ids.shape[0]} rows but {len(batch['id'])} ids")
+
+
+def shifted_token_mask(labels: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, T]`` mask of *input positions* whose next-token prediction is scored.
+
+    Position ``t`` predicts ``labels[:, t + 1]``; the last position never predicts anything.
+    """
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    mask[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return mask
+
+
+def per_example_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response-token cross-entropy and response-token count per example.
+
+    Returns ``(ce_sum[B], n_tokens[B])`` computed in float32.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    ce = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(shift_labels.shape)
+    n = (shift_labels != IGNORE_INDEX).sum(dim=1)
+    return ce.sum(dim=1), n
+
+
+def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L(z)`` = mean cross-entropy over the response tokens of each example.
+
+    Returns ``(loss[B], n_tokens[B])``. An example with no response token gets loss ``0`` (never
+    NaN) and ``n_tokens == 0``; its gradient is exactly zero.
+    """
+    ce_sum, n = per_example_token_ce(logits, labels)
+    return ce_sum / n.clamp(min=1).to(ce_sum.dtype), n
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy over all response tokens of the batch (the usual SFT loss)."""
+    ce_sum, n = per_example_token_ce(logits, labels)
+    return ce_sum.sum() / n.sum().clamp(min=1).to(ce_sum.dtype)

@@ -1,0 +1,103 @@
+"""Which layers IProX compresses, tracks and scores.
+
+By default: the attention and MLP projections inside the decoder blocks (``q/k/v/o``,
+``gate/up/down``, fused ``qkv_proj``/``gate_up_proj``, GPT-2 ``c_attn/c_proj/c_fc``), never the
+embeddings or the LM head. GPT-2-style ``Conv1D`` layers are included (their weight is ``[in, out]``).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+try:  # transformers >= 4
+    from transformers.pytorch_utils import Conv1D
+except Exception:  # pragma: no cover
+    Conv1D = ()  # type: ignore
+
+# leaf-name patterns of attention / MLP projections across Llama, Qwen, Gemma, Mistral, Phi, GPT-2, ...
+DEFAULT_TARGET_PATTERNS = (
+    r"q_proj", r"k_proj", r"v_proj", r"o_proj", r"qkv_proj", r"query_key_value", r"dense",
+    r"gate_proj", r"up_proj", r"down_proj", r"gate_up_proj", r"fc1", r"fc2", r"w1", r"w2", r"w3",
+    r"c_attn", r"c_proj", r"c_fc", r"out_proj", r"dense_h_to_4h", r"dense_4h_to_h", r"wq", r"wk", r"wv", r"wo",
+)
+# never touched, whatever the patterns say
+EXCLUDED_PATTERNS = (r"embed", r"lm_head", r"wte", r"wpe", r"score", r"classifier")
+# a module path must contain a decoder block index ("layers.3.", "h.3.", "blocks.3.")
+BLOCK_RE = re.compile(r"(^|\.)(layers|h|blocks|block|decoder_layers)\.\d+\.")
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    from ..lowrank import LowRankLinear
+
+    return isinstance(module, (nn.Linear, LowRankLinear)) or (bool(Conv1D) and isinstance(module, Conv1D))
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The weight of a linear-like layer as ``[out, in]`` (``Conv1D`` stores ``[in, out]``)."""
+    if Conv1D and isinstance(module, Conv1D):
+        return module.weight.t()
+    return module.weight
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a linear-like layer."""
+    from ..lowrank import LowRankLinear
+
+    if isinstance(module, LowRankLinear):
+        return module.out_features, module.in_features
+    w = linear_weight(module)
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def find_target_linears(
+    model: nn.Module,
+    patterns: Iterable[str] | None = None,
+    *,
+    include_lowrank: bool = True,
+) -> dict[str, nn.Module]:
+    """Map ``module path -> module`` for the targeted linear layers of a causal LM, in model order.
+
+    ``patterns`` are regexes matched against the leaf name (default ``DEFAULT_TARGET_PATTERNS``);
+    only modules inside a numbered decoder block are returned; embeddings / LM head never are.
+    Raises ``ValueError`` when nothing matches (so a wrong pattern never silently tracks nothing).
+    """
+    from ..lowrank import LowRankLinear
+
+    pats = [re.compile(rf"^(?:{p})$") for p in (patterns or DEFAULT_TARGET_PATTERNS)]
+    excl = [re.compile(p) for p in EXCLUDED_PATTERNS]
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if not name or not is_linear_like(module):
+            continue
+        if isinstance(module, LowRankLinear) and not include_lowrank:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if any(e.search(name) for e in excl):
+            continue
+        if not BLOCK_RE.search(name + "."):
+            continue
+        if any(p.match(leaf) for p in pats):
+            found[name] = module
+    if not found:
+        raise ValueError(
+            f"no targeted linear layer found in {type(model).__name__} with patterns "
+            f"{list(patterns or DEFAULT_TARGET_PATTERNS)}"
+        )
+    _refuse_shared(model, found)
+    return found
+
+
+def _refuse_shared(model: nn.Module, found: dict[str, nn.Module]) -> None:
+    """Per-module hooks break on a module reachable under two names: refuse it explicitly."""
+    seen: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if module in found.values():
+            if id(module) in seen and seen[id(module)] != name:
+                raise ValueError(
+                    f"targeted layer is shared between {seen[id(module)]!r} and {name!r}; "
+                    "per-layer statistics would mix both uses — untie it or exclude it"
+                )
+            seen[id(module)] = name

@@ -1,0 +1,42 @@
+import os
+import pathlib
+
+import pytest
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+if not SHARED.exists():  # clone next to ../shared (CI layout) or inside /work
+    SHARED = pathlib.Path(os.environ.get("IPROX_SHARED", "/work/shared"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run slow real-model tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("IPROX_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow real-model test: pass --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_dir():
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def eval_dir():
+    d = SHARED / "data" / "eval"
+    if not d.exists():
+        pytest.skip("../shared/data/eval not present")
+    return d
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf():
+    p = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not p.exists():
+        pytest.skip("SmolLM2 GGUF not present")
+    return p
