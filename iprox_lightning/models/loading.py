@@ -1,0 +1,192 @@
+"""Load a causal LM + tokenizer from a hub id, a local directory, a ``.gguf`` file, a saved IProX
+proxy directory, or ``"builtin"`` (the offline demo model).
+
+* GGUF files are dequantized to float by transformers (needs ``gguf``); the float model is cached
+  as safetensors (``save_pretrained``) the first time, so the next load takes seconds. The cache
+  lives in ``$IPROX_CACHE`` (default ``~/.cache/iprox_lightning``) under a key made of the file's
+  name, size and a hash of its first and last MiB; it is written to a temporary directory and
+  renamed atomically, so an interrupted first load never leaves a broken cache.
+* ``trust_remote_code`` is off unless the caller asks for it.
+* A directory holding ``iprox_proxy.json`` is an IProX proxy and goes through
+  :func:`iprox_lightning.compress.load_proxy`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PROXY_MANIFEST = "iprox_proxy.json"
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "bf16-true": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "16-true": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("IPROX_CACHE", Path.home() / ".cache" / "iprox_lightning"))
+
+
+def _gguf_cache_key(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > (1 << 20):
+            f.seek(max(size - (1 << 20), 0))
+            h.update(f.read(1 << 20))
+    return f"{path.stem}-{h.hexdigest()[:16]}"
+
+
+def gguf_cache_dir(path: str | os.PathLike) -> Path:
+    """Where the float safetensors copy of a GGUF file is (or will be) cached."""
+    return cache_root() / "gguf" / _gguf_cache_key(Path(path))
+
+
+def _finish_tokenizer(tok):
+    if tok is not None and tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token  # documented: padding reuses EOS when a model has no pad token
+    if tok is not None:
+        tok.padding_side = "right"
+    return tok
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
+    """The tokenizer for ``name_or_path`` (same resolution rules as :func:`load_model`)."""
+    from transformers import AutoTokenizer
+
+    if name_or_path == "builtin":
+        from ..data.synthetic import builtin_tokenizer
+
+        return builtin_tokenizer()
+    p = Path(name_or_path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}")
+        cached = gguf_cache_dir(p)
+        if (cached / "tokenizer_config.json").exists():
+            return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
+        return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+    return _finish_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
+
+
+def load_model(
+    name_or_path: str | nn.Module,
+    *,
+    gguf_file: str | None = None,
+    dtype: str | torch.dtype | None = torch.float32,
+    attn_implementation: str | None = "eager",
+    trust_remote_code: bool = False,
+    use_cache: bool = True,
+    tokenizer: bool = True,
+):
+    """Return ``(model, tokenizer)`` for a hub id, local dir, ``.gguf`` path, proxy dir or ``"builtin"``.
+
+    ``attn_implementation`` defaults to ``"eager"`` because the alignment stage needs a double
+    backward through attention (fused SDPA kernels have none); pass ``"sdpa"`` for fast scoring.
+    ``use_cache=False`` skips the GGUF safetensors cache. The model is returned in eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(name_or_path, nn.Module):
+        return name_or_path, None
+    torch_dtype = resolve_dtype(dtype)
+    name = str(name_or_path)
+    kwargs = dict(trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+
+    if name == "builtin":
+        from ..data.synthetic import builtin_model, builtin_tokenizer
+
+        model = builtin_model()
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+        return model.eval(), (builtin_tokenizer() if tokenizer else None)
+
+    p = Path(name)
+    if gguf_file is not None:
+        p = p / gguf_file
+    if p.is_dir() and (p / PROXY_MANIFEST).exists():
+        from ..compress import load_proxy
+
+        model, tok = load_proxy(p)
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+        return model.eval(), _finish_tokenizer(tok)
+
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}")
+        cached = gguf_cache_dir(p)
+        if use_cache and (cached / "config.json").exists():
+            log.info("loading cached float copy of %s from %s", p, cached)
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
+            tok = load_tokenizer(str(p)) if tokenizer else None
+            return model.eval(), tok
+        log.info("dequantizing GGUF %s (first load; cached afterwards)", p)
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
+        _drop_gguf_marker(model)
+        tok = _finish_tokenizer(__import__("transformers").AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+        if use_cache:
+            _write_cache(model, tok, cached)
+        return model.eval(), (tok if tokenizer else None)
+
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{p} is a file but not a .gguf model; pass a model directory, a hub id or a .gguf file")
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
+    tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
+    return model.eval(), tok
+
+
+def _drop_gguf_marker(model) -> None:
+    """transformers marks GGUF-loaded models as "quantized" although their weights are already
+    dequantized floats; drop the marker so the model saves and trains like any float model."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    for obj in (model, model.config):
+        if hasattr(obj, "quantization_config"):
+            try:
+                delattr(obj, "quantization_config")
+            except AttributeError:
+                pass
+    if hasattr(model, "is_quantized"):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
+
+
+def _write_cache(model, tok, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        os.replace(tmp, target)
+        log.info("cached float model at %s", target)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

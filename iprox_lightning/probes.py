@@ -1,0 +1,169 @@
+"""Probe collection for IPSVD (paper §4.1 "Efficient and Scalable Implementation" and Appendix
+"Implementation Details").
+
+One forward/backward pass over the probe set records, for every targeted layer, the layer input
+``h`` and the output-gradient ``δ = ∂L/∂y`` at a sample of token positions and stacks them as
+columns: ``H: [in, N]``, ``Delta: [out, N]``.
+
+* Loss: the **sum over examples of the per-example SFT loss** ``L(z)`` (mean cross-entropy over the
+  example's response tokens, :func:`iprox_lightning.batch.per_example_loss`). Each token's ``δ`` is
+  therefore the gradient of its own example's ``L(z)`` — the quantity influence scores use —
+  independent of the batch size and of the other examples' lengths.
+* Token sampling (not sequence means): ``N = num_tokens`` columns are spread uniformly over the valid
+  (``attention_mask == 1``) tokens of the whole probe set. Each batch's share is precomputed from
+  the masks (proportional to its valid-token count, largest-remainder rounding), then that many
+  positions are drawn uniformly without replacement inside the batch. The same positions serve
+  ``H`` and ``Delta`` and every layer. With fewer valid tokens than ``N``, all are used.
+* Memory: the probe batches are held as token ids (the probe set is small); per layer only the
+  ``N`` sampled columns are kept (float32), never whole sequences.
+* No ``.grad`` is touched: the input embeddings are made to require grad and gradients are taken
+  with ``torch.autograd.grad`` w.r.t. them, so a frozen or trainable model works alike. The model is
+  run in eval mode (no dropout) and its mode restored afterwards.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .batch import check_batch, per_example_loss
+from .models.targets import find_target_linears, linear_shape
+from .tracking import LayerTracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Probes:
+    """Per-layer probe matrices ``H[name]: [in, N]`` and ``Delta[name]: [out, N]`` (float32)."""
+
+    H: dict[str, torch.Tensor]
+    Delta: dict[str, torch.Tensor]
+    num_tokens: int  # N, the number of columns actually collected
+    num_valid_tokens: int  # valid tokens in the whole probe set
+    num_examples: int
+    mean_loss: float  # mean per-example SFT loss over the probe set
+    batch_shares: list[int] = field(default_factory=list)
+
+    def pop(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove and return ``(H, Delta)`` of one layer (frees memory as layers are compressed)."""
+        return self.H.pop(name), self.Delta.pop(name)
+
+
+def allocate_shares(counts: list[int], total: int) -> list[int]:
+    """Split ``total`` columns over batches proportionally to ``counts`` (largest remainder), never
+    more than a batch's count. ``sum(result) == min(total, sum(counts))``."""
+    n_all = sum(counts)
+    if total >= n_all:
+        return list(counts)
+    exact = [total * c / n_all for c in counts]
+    shares = [int(x) for x in exact]
+    rest = total - sum(shares)
+    order = sorted(range(len(counts)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:rest]:
+        shares[i] += 1
+    return shares
+
+
+def _move(batch: Mapping, device: torch.device) -> dict:
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def collect_probes(
+    model: nn.Module,
+    dataloader: Iterable[Mapping],
+    modules: Mapping[str, nn.Module] | None = None,
+    *,
+    num_tokens: int = 1024,
+    seed: int = 0,
+    storage_device: str | torch.device | None = None,
+    progress: bool = True,
+) -> Probes:
+    """Collect ``H``/``Delta`` probe columns of ``modules`` (default: the targeted linears of
+    ``model``) over ``dataloader`` (batches in the project's format). See the module docstring.
+
+    ``storage_device``: where the probe columns are kept (default: the model's device).
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    modules = dict(modules) if modules is not None else find_target_linears(model)
+    batches = []
+    for i, batch in enumerate(dataloader):
+        try:
+            check_batch(batch)
+        except ValueError as e:
+            raise ValueError(f"probe batch {i}: {e}") from None
+        batches.append(batch)
+    counts = [int(b["attention_mask"].sum()) for b in batches]
+    n_valid = sum(counts)
+    if n_valid == 0:
+        raise ValueError("the probe dataloader yielded no valid (attention_mask == 1) token")
+    shares = allocate_shares(counts, num_tokens)
+    N = sum(shares)
+    if N < num_tokens:
+        log.warning("probe set has only %d valid tokens (< num_tokens=%d): using all of them", N, num_tokens)
+
+    param = next(model.parameters())
+    device = param.device
+    store = torch.device(storage_device) if storage_device is not None else device
+    H = {n: torch.empty(linear_shape(m)[1], N, dtype=torch.float32, device=store) for n, m in modules.items()}
+    D = {n: torch.empty(linear_shape(m)[0], N, dtype=torch.float32, device=store) for n, m in modules.items()}
+    filled = {n: 0 for n in modules}
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    state = {"sel": None, "offset": 0, "n": 0}
+
+    def on_pair(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor) -> None:
+        b_idx, t_idx = state["sel"]
+        o, n = state["offset"], state["n"]
+        H[name][:, o : o + n] = h[b_idx, t_idx].to(store, torch.float32).T
+        D[name][:, o : o + n] = delta[b_idx, t_idx].to(store, torch.float32).T
+        filled[name] += n
+
+    emb_out: list[torch.Tensor] = []
+
+    def emb_hook(module, args, output):
+        out = output.detach().requires_grad_(True)
+        emb_out.append(out)
+        return out
+
+    was_training = model.training
+    model.eval()
+    handle = model.get_input_embeddings().register_forward_hook(emb_hook)
+    tracker = LayerTracker(modules, on_pair)
+    loss_sum, n_examples = 0.0, 0
+    try:
+        with tracker, torch.enable_grad():
+            for batch, share in tqdm(list(zip(batches, shares)), desc="IPSVD probes", disable=not progress):
+                n_examples += batch["input_ids"].shape[0]
+                if share == 0:
+                    continue
+                valid = batch["attention_mask"].bool().nonzero()  # [n_valid_b, 2]
+                pick = torch.randperm(valid.shape[0], generator=gen)[:share].sort().values
+                pos = valid[pick].to(device)
+                state["sel"] = (pos[:, 0], pos[:, 1])
+                state["n"] = share
+                b = _move(batch, device)
+                tracker.reset_step()
+                emb_out.clear()
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                losses, _ = per_example_loss(logits, b["labels"])
+                loss = losses.sum()
+                loss_sum += float(loss.detach())
+                torch.autograd.grad(loss, emb_out)
+                state["offset"] += share
+    finally:
+        handle.remove()
+        model.train(was_training)
+    missing = [n for n, k in filled.items() if k != N]
+    if missing:
+        raise RuntimeError(
+            f"no output-gradient reached layer(s) {missing[:5]}{'...' if len(missing) > 5 else ''} "
+            "during probe collection: are they used in the forward pass and does the loss depend on them?"
+        )
+    return Probes(H=H, Delta=D, num_tokens=N, num_valid_tokens=n_valid, num_examples=n_examples,
+                  mean_loss=loss_sum / max(n_examples, 1), batch_shares=shares)
