@@ -69,6 +69,16 @@ def allocate_shares(counts: list[int], total: int) -> list[int]:
     return shares
 
 
+def sample_positions(attention_mask: torch.Tensor, share: int, generator: torch.Generator) -> torch.Tensor:
+    """``share`` distinct valid positions ``[(b, t), ...]`` (``LongTensor[share, 2]``, row-major
+    order) drawn uniformly without replacement among ``attention_mask == 1``."""
+    valid = attention_mask.bool().nonzero()  # [n_valid, 2], row-major
+    if share > valid.shape[0]:
+        raise ValueError(f"cannot sample {share} positions among {valid.shape[0]} valid tokens")
+    pick = torch.randperm(valid.shape[0], generator=generator)[:share].sort().values
+    return valid[pick]
+
+
 def _move(batch: Mapping, device: torch.device) -> dict:
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
@@ -142,9 +152,7 @@ def collect_probes(
                 n_examples += batch["input_ids"].shape[0]
                 if share == 0:
                     continue
-                valid = batch["attention_mask"].bool().nonzero()  # [n_valid_b, 2]
-                pick = torch.randperm(valid.shape[0], generator=gen)[:share].sort().values
-                pos = valid[pick].to(device)
+                pos = sample_positions(batch["attention_mask"], share, gen).to(device)
                 state["sel"] = (pos[:, 0], pos[:, 1])
                 state["n"] = share
                 b = _move(batch, device)

@@ -1,0 +1,283 @@
+"""Scoring speed: the engine vs the LESS way vs a plain forward+backward, on the same batches.
+
+Three ways, interleaved batch by batch (so load changes on a shared machine hit all of them):
+
+  (a) engine   — ``InfluenceScorer.score_batch``: one forward, one backward w.r.t. the inputs only,
+                 per-layer ghost / materialised features from hooks;
+  (b) LESS way — per-example loop, batch size 1 (no padding), autograd gradient of the tracked
+                 weights, flattened and concatenated, then dot products / norms with the flat
+                 validation gradient(s);
+  (c) floor    — a plain forward + ``loss.backward()`` of the same batch: (c1) with only the tracked
+                 weights trainable (the paper's setting: embeddings / LM head frozen), (c2) with every
+                 parameter trainable.
+
+It also checks that (a) and (b) give the same scores. Examples:
+
+  python bench/speed.py --model /work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --pool /work/shared/data/pool/instructions.jsonl --batches 4 --batch-size 8 --seq-len 256
+  python bench/speed.py --random-init --shape llama-1b --device cuda --batches 8
+  python bench/speed.py --random-init --shape tiny --batches 2          # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
+from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.models.targets import Conv1D
+from iprox_lightning.scoring import InfluenceScorer
+from iprox_lightning.scoring.features import trim_batch
+
+SHAPES = {
+    # random-init Llama shapes (transformers LlamaConfig kwargs)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+    "smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(args):
+    if args.random_init:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        cfg = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=args.attn, dtype=getattr(torch, args.dtype))
+        return model.eval(), None
+    from iprox_lightning.models.loading import load_model
+
+    return load_model(args.model, dtype=args.dtype, attn_implementation=args.attn)
+
+
+def real_batches(tok, args, n_batches, offset):
+    """Pool examples formatted with a plain template, long enough for ``seq_len`` tokens; the prompt
+    (instruction + context) is masked, the response is scored; truncated to exactly ``seq_len``."""
+    out, cur = [], []
+    eos = tok.eos_token or ""
+    with open(args.pool) as f:
+        for line in f:
+            r = json.loads(line)
+            prompt = f"### Instruction:\n{r['instruction']}\n\n"
+            if r.get("context"):
+                prompt += f"### Input:\n{r['context']}\n\n"
+            prompt += "### Response:\n"
+            p = tok(prompt, add_special_tokens=False)["input_ids"]
+            a = tok(r["response"] + eos, add_special_tokens=False)["input_ids"]
+            if len(p) > args.seq_len // 2 or len(p) + len(a) < args.seq_len:
+                continue
+            if offset > 0:
+                offset -= 1
+                continue
+            ids = (p + a)[: args.seq_len]
+            labels = [IGNORE_INDEX] * len(p) + ids[len(p):]
+            cur.append((r["id"], r.get("category") or "all", ids, labels))
+            if len(cur) == args.batch_size:
+                out.append(collate(cur))
+                cur = []
+                if len(out) == n_batches:
+                    return out
+    raise SystemExit(f"not enough pool examples with >= {args.seq_len} tokens in {args.pool}")
+
+
+def random_batches(vocab, args, n_batches, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(n_batches):
+        rows = []
+        for j in range(args.batch_size):
+            ids = torch.randint(3, vocab, (args.seq_len,), generator=g).tolist()
+            p = args.seq_len // 4
+            rows.append((f"r{seed}-{b}-{j}", ["t0", "t1"][j % 2], ids, [IGNORE_INDEX] * p + ids[p:]))
+        out.append(collate(rows))
+    return out
+
+
+def collate(rows):
+    T = max(len(r[2]) for r in rows)
+    B = len(rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    for b, (_, _, x, y) in enumerate(rows):
+        ids[b, : len(x)], mask[b, : len(x)], labels[b, : len(y)] = torch.tensor(x), 1, torch.tensor(y)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "id": [r[0] for r in rows],
+            "task": [r[1] for r in rows]}
+
+
+def tracked_tensors(scorer):
+    """(tensor, transpose?) per VirtualLinear, in the scorer's order."""
+    out = []
+    for v in scorer.linears:
+        m = scorer.modules[v.module_name]
+        if isinstance(m, LowRankLinear):
+            out.append((m.A if v.key.endswith(".A") else m.B, False))
+        else:
+            out.append((m.weight, bool(Conv1D) and isinstance(m, Conv1D)))
+    return out
+
+
+def less_way(model, scorer, flat_val, batch, device):
+    """Per-example loop, batch size 1, materialised flat gradients (LESS)."""
+    params = [p for p, _ in tracked_tensors(scorer)]
+    req = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    scores = []
+    try:
+        for b in range(batch["input_ids"].shape[0]):
+            L = int(batch["attention_mask"][b].sum())
+            ids = batch["input_ids"][b: b + 1, :L].to(device)
+            labels = batch["labels"][b: b + 1, :L].to(device)
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            loss, _ = per_example_loss(logits, labels)
+            grads = torch.autograd.grad(loss.sum(), params)
+            g = torch.cat([(gr.t() if tr else gr).reshape(-1) for gr, (_, tr) in zip(grads, tracked_tensors(scorer))])
+            g = g.float()
+            dots = flat_val @ g
+            scores.append(float(dots[0] / (g.norm() * flat_val[0].norm()).clamp(min=1e-30)))
+    finally:
+        for p, r in zip(params, req):
+            p.requires_grad_(r)
+    return scores
+
+
+def floor(model, batch, device, trainable):
+    """Plain forward + backward with ``trainable`` parameters requiring grad."""
+    req = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(p in trainable)
+    try:
+        b = trim_batch({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+        loss, _ = per_example_loss(logits, b["labels"])
+        loss.sum().backward()
+    finally:
+        for p in model.parameters():
+            p.grad = None
+            p.requires_grad_(req[p])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--pool", default="/work/shared/data/pool/instructions.jsonl")
+    ap.add_argument("--random-init", action="store_true", help="random weights of --shape, random tokens")
+    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--val-batches", type=int, default=1)
+    ap.add_argument("--method", default="tracin", choices=["tracin", "kfac"])
+    ap.add_argument("--per-task", action="store_true", help="score against each validation task too (K vectors)")
+    ap.add_argument("--feature-mode", default="auto", choices=["auto", "ghost", "materialize"])
+    ap.add_argument("--skip-less", action="store_true", help="skip (b)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    t0 = time.perf_counter()
+    model, tok = build_model(args)
+    model.to(device)
+    print(f"model loaded in {time.perf_counter() - t0:.1f}s: "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, device={device}, "
+          f"threads={torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    if args.random_init:
+        vocab = model.config.vocab_size
+        batches = random_batches(vocab, args, args.batches, seed=1)
+        val = random_batches(vocab, args, args.val_batches, seed=2)
+    else:
+        val = real_batches(tok, args, args.val_batches, offset=0)
+        batches = real_batches(tok, args, args.batches, offset=args.val_batches * args.batch_size)
+    n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
+    print(f"{args.batches} batches x {args.batch_size} x <= {args.seq_len} tokens ({n_tok} real tokens)")
+
+    scorer = InfluenceScorer(model, method=args.method, per_task=args.per_task, feature_mode=args.feature_mode,
+                             kfac_examples=args.batch_size * args.val_batches)
+    t0 = time.perf_counter()
+    scorer.fit(val, val if args.method == "kfac" else None)
+    sync(device)
+    print(f"validation gradients{' + K-FAC factors' if args.method == 'kfac' else ''}: "
+          f"{time.perf_counter() - t0:.1f}s, {scorer.settings()['tracked_parameters'] / 1e6:.1f}M tracked params, "
+          f"K={len(scorer.task_names)} validation direction(s)")
+    T = args.seq_len
+    modes = {}
+    for v in scorer.linears:
+        from iprox_lightning.scoring.features import choose_mode
+
+        m = choose_mode(T, v.in_features, v.out_features, len(scorer.task_names), args.feature_mode)
+        modes[m] = modes.get(m, 0) + 1
+    print(f"per-layer feature paths at T={T}: {modes}")
+
+    tracked = {p for p, _ in tracked_tensors(scorer)}
+    everything = set(model.parameters())
+    flat_val = None
+    if not args.skip_less and args.method == "tracin":
+        n = float(scorer.val_counts.sum())
+        flat_val = torch.cat([scorer.V[v.key].sum(0).reshape(-1) for v in scorer.linears]).float()[None] / n
+
+    def timed(fn):
+        sync(device)
+        t = time.perf_counter()
+        r = fn()
+        sync(device)
+        return time.perf_counter() - t, r
+
+    # warm-up (allocator, kernels) on the first batch, not timed
+    small = {k: (v[:2] if torch.is_tensor(v) else v[:2]) for k, v in batches[0].items()}
+    scorer.score_batch(small)
+    floor(model, small, device, tracked)
+
+    times = {"a": [], "b": [], "c1": [], "c2": []}
+    diffs = []
+    for j, batch in enumerate(batches):
+        order = ["c1", "a", "b", "c2"][j % 4:] + ["c1", "a", "b", "c2"][: j % 4]  # rotate the order
+        for key in order:
+            if key == "a":
+                dt, res = timed(lambda: scorer.score_batch(batch))
+                a_scores = res["score"]
+            elif key == "b":
+                if flat_val is None:
+                    continue
+                dt, b_scores = timed(lambda: less_way(model, scorer, flat_val, batch, device))
+            elif key == "c1":
+                dt, _ = timed(lambda: floor(model, batch, device, tracked))
+            else:
+                dt, _ = timed(lambda: floor(model, batch, device, everything))
+            times[key].append(dt)
+        if flat_val is not None:
+            diffs.append(max(abs(x - y) for x, y in zip(a_scores, b_scores)))
+        print(f"batch {j}: " + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in times.items() if v), flush=True)
+
+    tot = {k: sum(v) for k, v in times.items() if v}
+    print("\n=== totals over", args.batches, "batches ===")
+    for k, label in [("a", "(a) engine"), ("b", "(b) LESS per-example loop"), ("c1", "(c1) fwd+bwd, tracked weights"),
+                     ("c2", "(c2) fwd+bwd, all params")]:
+        if k in tot:
+            print(f"{label:34s} {tot[k]:8.2f}s  (median batch {statistics.median(times[k]):.2f}s)")
+    print(f"(a)/(c1) = {tot['a'] / tot['c1']:.3f}   (a)/(c2) = {tot['a'] / tot['c2']:.3f}")
+    if "b" in tot:
+        print(f"(b)/(a)  = {tot['b'] / tot['a']:.3f}   max |score_a - score_b| = {max(diffs):.2e}")
+    return tot
+
+
+if __name__ == "__main__":
+    main()

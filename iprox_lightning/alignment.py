@@ -1,0 +1,383 @@
+"""Stage 2 of IProX: approximate gradient alignment in the proxy's weight space (paper §4.2).
+
+Notation: a proxy layer ``ℓ`` is a :class:`~iprox_lightning.lowrank.LowRankLinear` ``y = A (B x) + b``
+with ``A: [out, r]``, ``B: [r, in]``, replacing the target's dense ``W: [out, in]`` at the same
+module path. ``L`` is the response-token SFT loss of a batch (:func:`iprox_lightning.batch.sft_loss`).
+
+* **Teacher projections.** The target's weight gradient is ``∇_W L = Σ_t δ_t h_tᵀ`` (``h_t`` the
+  layer input, ``δ_t = dL/dy_t`` the output-gradient at token ``t``). It is projected into the
+  proxy's factor space by the chain rule through ``W = A B``:
+
+  ``P_A = ∇_W L · Bᵀ = Σ_t δ_t (B h_t)ᵀ``   (``[out, r]``)
+  ``P_B = Aᵀ · ∇_W L = Σ_t (Aᵀ δ_t) h_tᵀ``  (``[r, in]``)
+
+  computed from ``(h, δ)`` without ever forming the ``[out, in]`` matrix ``∇_W L``
+  (:func:`factor_projections`).
+
+* **Gradient alignment** (Eq. GA), with ``d(x, y) = 1 − cos(x, y)`` over the flattened matrices:
+
+  ``L_GA = 1/|ℒ| Σ_ℓ [ d(∇_{A_ℓ} L_proxy, sg(∇_{W_ℓ} L) B_ℓᵀ) + d(∇_{B_ℓ} L_proxy, A_ℓᵀ sg(∇_{W_ℓ} L)) ]``
+
+  ``∇_A L_proxy`` / ``∇_B L_proxy`` come from ``torch.autograd.grad(..., create_graph=True)`` so
+  ``L_GA`` can itself be differentiated (double backward). ``sg`` covers the teacher's gradient only:
+  with ``grad_through_projection=True`` (default, the formula as written) the projections stay
+  differentiable in the proxy's ``A``/``B``; with ``False`` the whole target ``P_A``/``P_B`` is a
+  constant (cheaper: the per-token ``h``/``δ`` are dropped as soon as they are projected).
+
+* **Output anchoring** (Eq. KD), over the response tokens of the batch (the positions whose
+  next-token prediction the SFT loss scores, :func:`~iprox_lightning.batch.shifted_token_mask`):
+
+  ``L_KL = τ² · mean_t KL(softmax(f_target,t / τ) ‖ softmax(f_proxy,t / τ))``
+
+* **Objective**: ``L = L_GA + λ_KL · L_KL`` (:func:`alignment_losses`).
+
+Everything here is plain PyTorch, usable without a Trainer; :class:`~iprox_lightning.modules.ProxyAlignModule`
+is the thin Lightning layer around :func:`alignment_losses`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import check_batch, shifted_token_mask, sft_loss
+from .lowrank import LowRankLinear
+from .models.targets import is_linear_like, linear_shape
+from .tracking import LayerTracker, requires_grad_inputs
+
+__all__ = [
+    "factor_projections",
+    "cosine_distance",
+    "gradient_alignment_loss",
+    "distillation_kl",
+    "proxy_factor_layers",
+    "teacher_pass",
+    "TeacherPass",
+    "alignment_losses",
+    "AlignmentOutput",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# elementary functions
+# ------------------------------------------------------------------------------------------------
+def factor_projections(
+    h: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P_A, P_B) = (Σ_t δ_t (B h_t)ᵀ, Σ_t (Aᵀ δ_t) h_tᵀ) = (∇_W L · Bᵀ, Aᵀ · ∇_W L)``.
+
+    ``h: [..., in]`` layer inputs and ``delta: [..., out]`` output-gradients (same leading shape);
+    ``A: [out, r]``, ``B: [r, in]``. Costs ``O(N·r·(in+out))`` and ``O(N·r)`` extra memory for
+    ``N`` tokens — the ``[out, in]`` gradient is never formed. Computed in float32 (or the
+    factors' dtype if wider). Differentiable in ``A``/``B`` (and in ``h``/``delta``).
+    """
+    n_in, n_out = B.shape[1], A.shape[0]
+    if h.shape[-1] != n_in or delta.shape[-1] != n_out or h.shape[:-1] != delta.shape[:-1]:
+        raise ValueError(
+            f"factor_projections: h {tuple(h.shape)} / delta {tuple(delta.shape)} do not match "
+            f"A {tuple(A.shape)} (out={n_out}) and B {tuple(B.shape)} (in={n_in})"
+        )
+    dt = torch.promote_types(A.dtype, torch.float32)
+    H = h.reshape(-1, n_in).to(dt)
+    D = delta.reshape(-1, n_out).to(dt)
+    P_A = D.t() @ (H @ B.to(dt).t())  # [out, r]
+    P_B = (D @ A.to(dt)).t() @ H  # [r, in]
+    return P_A, P_B
+
+
+def cosine_similarity_flat(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``cos(x, y) = <x, y> / (‖x‖ ‖y‖)`` over all entries, in float32; ``0`` if either is ~0."""
+    x = x.reshape(-1).float()
+    y = y.reshape(-1).float()
+    denom = (x.norm() * y.norm()).clamp_min(eps)
+    return (x @ y) / denom
+
+
+def cosine_distance(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``d(x, y) = 1 − cos(x, y)`` over the flattened tensors (the paper's distance, in ``[0, 2]``)."""
+    return 1.0 - cosine_similarity_flat(x, y, eps)
+
+
+def gradient_alignment_loss(
+    proxy_grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    projections: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``L_GA = mean_ℓ [d(∇_A, P_A) + d(∇_B, P_B)]`` with ``d = 1 − cos``.
+
+    ``proxy_grads[name] = (∇_A L_proxy, ∇_B L_proxy)`` and ``projections[name] = (P_A, P_B)``.
+    Returns ``(L_GA, cos_A, cos_B)`` where ``cos_A[name] = cos(∇_A, P_A)`` (and likewise for B) —
+    so ``L_GA = mean_ℓ (2 − cos_A − cos_B)``. The per-layer cosines are returned detached.
+    """
+    if set(proxy_grads) != set(projections):
+        missing = sorted(set(proxy_grads) ^ set(projections))
+        raise ValueError(f"gradient_alignment_loss: proxy gradients and teacher projections differ on layers {missing}")
+    if not proxy_grads:
+        raise ValueError("gradient_alignment_loss: no layer to align (the proxy has no LowRankLinear layer)")
+    total = 0.0
+    cos_a: dict[str, torch.Tensor] = {}
+    cos_b: dict[str, torch.Tensor] = {}
+    for name, (g_a, g_b) in proxy_grads.items():
+        p_a, p_b = projections[name]
+        if g_a.shape != p_a.shape or g_b.shape != p_b.shape:
+            raise ValueError(
+                f"layer {name!r}: proxy gradient shapes {tuple(g_a.shape)}, {tuple(g_b.shape)} != "
+                f"projection shapes {tuple(p_a.shape)}, {tuple(p_b.shape)}"
+            )
+        ca = cosine_similarity_flat(g_a, p_a)
+        cb = cosine_similarity_flat(g_b, p_b)
+        total = total + (1.0 - ca) + (1.0 - cb)
+        cos_a[name], cos_b[name] = ca.detach(), cb.detach()
+    return total / len(proxy_grads), cos_a, cos_b
+
+
+def distillation_kl(
+    teacher_logits: torch.Tensor,
+    proxy_logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 2.0,
+) -> torch.Tensor:
+    """``L_KL = τ² · mean over response tokens of KL(softmax(f_t/τ) ‖ softmax(f_p/τ))``.
+
+    ``teacher_logits``/``proxy_logits``: ``[B, T, V]``; response tokens are the positions whose
+    next-token prediction is scored (``shifted_token_mask(labels)``). Computed in float32; the
+    teacher side is detached. Returns ``0`` (with a graph) when the batch has no response token.
+    """
+    if teacher_logits.shape != proxy_logits.shape:
+        raise ValueError(f"distillation_kl: logits shapes differ: {tuple(teacher_logits.shape)} vs {tuple(proxy_logits.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"distillation_kl: temperature must be > 0, got {temperature}")
+    mask = shifted_token_mask(labels)
+    if not bool(mask.any()):
+        return proxy_logits.sum() * 0.0
+    t = teacher_logits.detach()[mask].float() / temperature
+    s = proxy_logits[mask].float() / temperature
+    log_p_t = F.log_softmax(t, dim=-1)
+    log_p_s = F.log_softmax(s, dim=-1)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(dim=-1)
+    return temperature**2 * kl.mean()
+
+
+# ------------------------------------------------------------------------------------------------
+# model-level passes
+# ------------------------------------------------------------------------------------------------
+def proxy_factor_layers(proxy: nn.Module, layers: Iterable[str] | None = None) -> dict[str, LowRankLinear]:
+    """The proxy's :class:`LowRankLinear` layers (``path -> module``) in model order — the aligned layers ℒ.
+
+    ``layers`` restricts to the given module paths (error naming any path that is not a LowRankLinear).
+    """
+    found = {n: m for n, m in proxy.named_modules() if isinstance(m, LowRankLinear)}
+    if layers is not None:
+        layers = list(layers)
+        bad = [n for n in layers if n not in found]
+        if bad:
+            raise ValueError(f"layers {bad} are not LowRankLinear layers of the proxy (it has {list(found)[:8]}...)")
+        found = {n: found[n] for n in layers}
+    if not found:
+        raise ValueError(
+            f"the proxy {type(proxy).__name__} has no LowRankLinear layer: compress it first "
+            "(IPSVDCallback / compress_model) or load a saved proxy"
+        )
+    return found
+
+
+def _model_inputs(batch: Mapping) -> dict:
+    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+
+
+@contextlib.contextmanager
+def _capture_input_embeddings(model: nn.Module, store: list):
+    """Record the (grad-requiring) input-embedding output; enter after ``requires_grad_inputs``."""
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, a, out: store.append(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@dataclass
+class TeacherPass:
+    """Result of :func:`teacher_pass`: detached logits, the SFT loss value and, per aligned layer, either
+    the projections ``(P_A, P_B)`` (``keep_tokens=False``) or the flattened ``(H [N, in], Δ [N, out])``."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+    projections: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def projections_for(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``(P_A, P_B)`` per layer; recomputed from the kept tokens with ``factors`` (differentiable) if kept."""
+        if self.tokens:
+            return {n: factor_projections(H, D, *factors[n]) for n, (H, D) in self.tokens.items()}
+        return self.projections
+
+
+def teacher_pass(
+    teacher: nn.Module,
+    batch: Mapping,
+    factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    *,
+    keep_tokens: bool = False,
+) -> TeacherPass:
+    """Forward + backward of the frozen teacher's SFT loss, projecting ``∇_W L`` of each layer.
+
+    ``factors[name] = (A, B)`` for each aligned layer path; the teacher's linear at the same path is
+    tracked with :class:`LayerTracker` and its ``(h, δ)`` pairs are projected with
+    :func:`factor_projections` during the backward (``keep_tokens=False``: ``O(proxy)`` memory), or kept
+    flattened so the projections can be recomputed differentiably in ``A``/``B`` (``keep_tokens=True``).
+    The graph is built through the input embeddings (``requires_grad_inputs``) and the backward is a
+    ``torch.autograd.grad`` w.r.t. the embedding output, so no teacher parameter ever gets ``.grad``.
+    """
+    check_batch(batch)
+    modules = dict(teacher.named_modules())
+    tracked: dict[str, nn.Module] = {}
+    for name, (A, B) in factors.items():
+        m = modules.get(name)
+        if m is None or not is_linear_like(m):
+            raise ValueError(f"aligned layer {name!r} is not a linear layer of the teacher {type(teacher).__name__}")
+        if linear_shape(m) != (A.shape[0], B.shape[1]):
+            raise ValueError(
+                f"layer {name!r}: teacher weight is [out, in] = {list(linear_shape(m))} but proxy factors give "
+                f"[{A.shape[0]}, {B.shape[1]}]"
+            )
+        tracked[name] = m
+    detached = {n: (A.detach(), B.detach()) for n, (A, B) in factors.items()}
+    proj: dict[str, list] = {}
+    tokens: dict[str, list] = {}
+
+    def on_pair(name, module, h, delta):
+        if keep_tokens:
+            H = h.reshape(-1, h.shape[-1])
+            D = delta.reshape(-1, delta.shape[-1])
+            if name in tokens:  # only with allow_reuse
+                tokens[name] = [torch.cat([tokens[name][0], H]), torch.cat([tokens[name][1], D])]
+            else:
+                tokens[name] = [H, D]
+            return
+        p_a, p_b = factor_projections(h, delta, *detached[name])
+        if name in proj:
+            proj[name][0] += p_a
+            proj[name][1] += p_b
+        else:
+            proj[name] = [p_a, p_b]
+
+    emb_out: list = []
+    with torch.enable_grad(), requires_grad_inputs(teacher), _capture_input_embeddings(teacher, emb_out), \
+            LayerTracker(tracked, on_pair):
+        logits = teacher(**_model_inputs(batch)).logits
+        loss = sft_loss(logits, batch["labels"])
+        if not emb_out:
+            raise RuntimeError("teacher_pass: the input-embedding hook did not fire")
+        torch.autograd.grad(loss, emb_out[-1], allow_unused=True)
+    missing = [n for n in tracked if n not in (tokens if keep_tokens else proj)]
+    if missing:
+        raise RuntimeError(f"teacher_pass: no gradient reached layers {missing} (not used in the forward?)")
+    return TeacherPass(
+        logits=logits.detach(),
+        loss=loss.detach(),
+        projections={n: (v[0], v[1]) for n, v in proj.items()},
+        tokens={n: (v[0], v[1]) for n, v in tokens.items()},
+    )
+
+
+@dataclass
+class AlignmentOutput:
+    """What :func:`alignment_losses` returns. ``loss`` carries the graph (when built with ``create_graph``)."""
+
+    loss: torch.Tensor  # L_GA + λ_KL · L_KL
+    l_ga: torch.Tensor
+    l_kl: torch.Tensor
+    proxy_sft: torch.Tensor  # detached SFT loss of the proxy on the batch
+    teacher_sft: torch.Tensor  # detached SFT loss of the teacher on the batch
+    cos_a: dict[str, torch.Tensor]
+    cos_b: dict[str, torch.Tensor]
+
+    def mean_cosines(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack(list(self.cos_a.values())).mean(), torch.stack(list(self.cos_b.values())).mean()
+
+
+def alignment_losses(
+    teacher: nn.Module,
+    proxy: nn.Module,
+    batch: Mapping,
+    *,
+    kl_weight: float = 0.1,
+    temperature: float = 2.0,
+    grad_through_projection: bool = True,
+    create_graph: bool = True,
+    layers: Iterable[str] | None = None,
+    factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> AlignmentOutput:
+    """``L = L_GA + λ_KL · L_KL`` on one batch (see the module docstring for the definitions).
+
+    1. teacher forward/backward → ``(P_A, P_B)`` per aligned layer and the teacher logits;
+    2. proxy forward → ``L_proxy`` (response-token SFT loss) and logits;
+    3. ``(∇_A, ∇_B) = autograd.grad(L_proxy, factors, create_graph=create_graph)``;
+    4. ``L_GA`` from the cosines, ``L_KL`` from the logits (skipped when ``kl_weight == 0``).
+
+    The caller runs ONE backward of ``loss`` (under DDP that single backward is what gets all-reduced).
+    ``factor_tensors`` overrides which tensors the gradients are taken against (e.g. the unsharded
+    parameters FSDP2 actually used in the forward); default: each layer's ``A``/``B`` parameters.
+    ``create_graph=False`` gives the same numbers without a differentiable ``loss`` (evaluation).
+    """
+    lowrank = proxy_factor_layers(proxy, layers)
+    names = list(lowrank)
+    t = teacher_pass(teacher, batch, {n: (m.A, m.B) for n, m in lowrank.items()}, keep_tokens=grad_through_projection and create_graph)
+
+    with torch.enable_grad():
+        captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        handles = []
+        if factor_tensors is None:
+            # record the factor tensors the forward really uses (plain params, or FSDP2's unsharded copies)
+            def make_pre_hook(name):
+                def pre_hook(module, args):
+                    captured[name] = (module.A, module.B)
+                return pre_hook
+
+            handles = [m.register_forward_pre_hook(make_pre_hook(n)) for n, m in lowrank.items()]
+        try:
+            out = proxy(**_model_inputs(batch))
+        finally:
+            for h in handles:
+                h.remove()
+        factors = dict(factor_tensors) if factor_tensors is not None else captured
+        missing = [n for n in names if n not in factors]
+        if missing:
+            raise RuntimeError(f"alignment_losses: proxy layers {missing} did not run in the forward")
+        logits = out.logits
+        l_proxy = sft_loss(logits, batch["labels"])
+        flat = [x for n in names for x in factors[n]]
+        not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
+        if not_req:
+            raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
+        grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        proxy_grads = {}
+        for i, n in enumerate(names):
+            g_a, g_b = grads[2 * i], grads[2 * i + 1]
+            if g_a is None or g_b is None:
+                raise RuntimeError(f"alignment_losses: layer {n!r} got no gradient from the proxy SFT loss")
+            proxy_grads[n] = (g_a, g_b)
+        if t.tokens:
+            projections = t.projections_for({n: factors[n] for n in names})
+        else:
+            projections = t.projections
+        l_ga, cos_a, cos_b = gradient_alignment_loss(proxy_grads, projections)
+        if kl_weight != 0:
+            l_kl = distillation_kl(t.logits, logits, batch["labels"], temperature)
+            loss = l_ga + kl_weight * l_kl
+        else:
+            with torch.no_grad():
+                l_kl = distillation_kl(t.logits, logits.detach(), batch["labels"], temperature)
+            loss = l_ga
+    return AlignmentOutput(
+        loss=loss,
+        l_ga=l_ga.detach(),
+        l_kl=l_kl.detach(),
+        proxy_sft=l_proxy.detach(),
+        teacher_sft=t.loss,
+        cos_a=cos_a,
+        cos_b=cos_b,
+    )

@@ -1,0 +1,319 @@
+"""Influence Scorer baseline (MATES-style; Yu et al. 2024, Gu et al. 2024).
+
+The target model scores a small hold-out of the pool (1 % in the paper); a small backbone LM with
+a regression head learns to predict those scores and then scores the whole pool. As in the paper
+(Appendix A.1): the backbone is the off-the-shelf proxy, every backbone layer is frozen (only the
+head trains, unless ``trainable_blocks > 0`` unfreezes the last blocks), Adam with weight decay
+``1e-2`` (L2, ``torch.optim.Adam``), learning rate ``1e-5``, 5 epochs.
+
+Model: ``ŷ(z) = w · pool(h_L(z)) + b`` with ``h_L`` the backbone's last hidden states (after its
+final norm) and ``pool`` the mean over real tokens (``"mean"``) or the last real token
+(``"last"``). Targets are z-scored with the training mean / std (stored as buffers) and the loss is
+the MSE on the z-scored targets; predictions are mapped back to the target scale, so they live in
+the same units as the target scores (rankings are what selection uses).
+
+Two front-ends: plain functions (:func:`fit_influence_scorer`, :func:`predict_scores`) and a
+:class:`InfluenceScorerModule` LightningModule (targets looked up by ``batch["id"]`` in a score
+table, predictions returned as ``{"id", "score"}`` by ``predict_step``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any, Iterable, Mapping, Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..batch import check_batch
+from .layer_extraction import decoder_blocks
+
+log = logging.getLogger(__name__)
+
+POOLINGS = ("mean", "last")
+
+
+class RegressionLM(nn.Module):
+    """A (frozen) causal-LM backbone + a linear regression head on pooled last hidden states."""
+
+    def __init__(self, lm: nn.Module, *, pooling: str = "mean", trainable_blocks: int = 0) -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.pooling = pooling
+        self.backbone = getattr(lm, "base_model", lm)  # the decoder without the LM head
+        hidden = int(lm.config.hidden_size)
+        self.head = nn.Linear(hidden, 1)
+        self.register_buffer("target_mean", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("target_std", torch.ones((), dtype=torch.float64))
+        self.backbone.requires_grad_(False)
+        self.trainable_blocks = int(trainable_blocks)
+        if self.trainable_blocks > 0:
+            _, blocks = decoder_blocks(lm)
+            if self.trainable_blocks > len(blocks):
+                raise ValueError(f"trainable_blocks={trainable_blocks} but the backbone has {len(blocks)} blocks")
+            for blk in list(blocks)[-self.trainable_blocks :]:
+                blk.requires_grad_(True)
+
+    @property
+    def backbone_frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.backbone.parameters())
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Pooled last hidden states ``[B, hidden]`` (float32)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.backbone_frozen):
+            h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        h = h.float()
+        mask = attention_mask.to(h.dtype)
+        if self.pooling == "mean":
+            return (h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        last = (attention_mask.sum(1) - 1).clamp(min=0)
+        return h[torch.arange(h.shape[0], device=h.device), last]
+
+    def head_forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """Prediction on the z-scored target scale, ``[B]``."""
+        return self.head(feats.to(self.head.weight.dtype)).squeeze(-1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head_forward(self.features(input_ids, attention_mask))
+
+    def to_target_scale(self, z: torch.Tensor) -> torch.Tensor:
+        return z.double() * self.target_std + self.target_mean
+
+    def set_target_stats(self, values: Sequence[float]) -> None:
+        v = torch.as_tensor(list(values), dtype=torch.float64)
+        if v.numel() == 0:
+            raise ValueError("no training target")
+        std = float(v.std(unbiased=False)) if v.numel() > 1 else 0.0
+        self.target_mean.fill_(float(v.mean()))
+        self.target_std.fill_(std if std > 0 else 1.0)
+
+    def standardize(self, y: torch.Tensor) -> torch.Tensor:
+        return ((y.double() - self.target_mean) / self.target_std).float()
+
+
+def build_regression_lm(backbone: str | nn.Module, *, pooling: str = "mean", trainable_blocks: int = 0,
+                        dtype: str = "float32") -> RegressionLM:
+    """A :class:`RegressionLM` on ``backbone`` (hub id / dir / .gguf / ``"builtin"`` via ``load_model``, or a module)."""
+    from ..models.loading import load_model
+
+    lm, _ = load_model(backbone, dtype=dtype, tokenizer=False) if not isinstance(backbone, nn.Module) else (backbone, None)
+    return RegressionLM(lm, pooling=pooling, trainable_blocks=trainable_blocks)
+
+
+def lookup_targets(ids: Sequence[str], targets: Mapping[str, float], where: str = "target scores") -> torch.Tensor:
+    """Targets of ``ids`` as a float64 tensor; ``KeyError`` naming the first missing id."""
+    missing = [i for i in ids if str(i) not in targets]
+    if missing:
+        raise KeyError(f"{len(missing)} example id(s) have no entry in {where}, e.g. {missing[0]!r}")
+    return torch.tensor([float(targets[str(i)]) for i in ids], dtype=torch.float64)
+
+
+def _device_of(m: nn.Module) -> torch.device:
+    return next(m.parameters()).device
+
+
+def fit_influence_scorer(
+    scorer: RegressionLM,
+    batches: Sequence[Mapping],
+    targets: Mapping[str, float],
+    *,
+    epochs: int = 5,
+    lr: float = 1e-5,
+    weight_decay: float = 1e-2,
+    seed: int = 0,
+    eval_batches: Sequence[Mapping] | None = None,
+    progress: bool = True,
+) -> list[dict[str, float]]:
+    """Train the head (and unfrozen blocks) on ``(example, target score)`` pairs; returns per-epoch history.
+
+    ``batches`` must be re-iterable (a list or a DataLoader); their ids are looked up in
+    ``targets``. With a frozen backbone the pooled features are computed once and cached (the
+    result is identical: the backbone is deterministic in eval mode). Batch order is shuffled
+    each epoch with ``seed``. History rows: ``{"epoch", "train_mse"}`` plus ``"eval_spearman"`` /
+    ``"eval_pearson"`` (against ``targets``) when ``eval_batches`` are given.
+    """
+    from ..analysis.retention import pearson, spearman
+
+    dev = _device_of(scorer)
+    batches = list(batches)
+    for b in batches:
+        check_batch(b)
+    all_ids = [str(i) for b in batches for i in b["id"]]
+    scorer.set_target_stats(lookup_targets(all_ids, targets).tolist())
+    params = [p for p in scorer.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    rng = random.Random(seed)
+    scorer.eval()  # no dropout in the backbone; the head has none
+    cached = None
+    if scorer.backbone_frozen:
+        with torch.no_grad():
+            cached = [scorer.features(b["input_ids"].to(dev), b["attention_mask"].to(dev)) for b in batches]
+    ys = [scorer.standardize(lookup_targets([str(i) for i in b["id"]], targets)).to(dev) for b in batches]
+    history = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=epochs * len(batches), desc="influence scorer", unit="batch", leave=False)
+    try:
+        for epoch in range(epochs):
+            order = list(range(len(batches)))
+            rng.shuffle(order)
+            tot, n = 0.0, 0
+            for j in order:
+                if cached is not None:
+                    pred = scorer.head_forward(cached[j])
+                else:
+                    b = batches[j]
+                    pred = scorer(b["input_ids"].to(dev), b["attention_mask"].to(dev))
+                loss = F.mse_loss(pred, ys[j])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                tot += loss.item() * len(ys[j])
+                n += len(ys[j])
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(mse=f"{tot / n:.4f}")
+            row = {"epoch": float(epoch), "train_mse": tot / max(n, 1)}
+            if eval_batches is not None:
+                pred = predict_scores(scorer, eval_batches, progress=False)
+                ids = sorted(pred)
+                t = lookup_targets(ids, targets).numpy()
+                p = [pred[i] for i in ids]
+                row["eval_spearman"] = spearman(p, t)
+                row["eval_pearson"] = pearson(p, t)
+            history.append(row)
+            log.info("influence scorer epoch %d: %s", epoch, row)
+    finally:
+        if bar is not None:
+            bar.close()
+    return history
+
+
+@torch.no_grad()
+def predict_scores(scorer: RegressionLM, batches: Iterable[Mapping], *, progress: bool = True) -> dict[str, float]:
+    """Score every example of ``batches``: ``{id: predicted score}`` on the target-score scale."""
+    dev = _device_of(scorer)
+    scorer.eval()
+    out: dict[str, float] = {}
+    it = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(batches, desc="scoring with influence scorer", unit="batch", leave=False)
+    for b in it:
+        check_batch(b)
+        z = scorer(b["input_ids"].to(dev), b["attention_mask"].to(dev))
+        for i, s in zip(b["id"], scorer.to_target_scale(z).cpu().tolist()):
+            out[str(i)] = float(s)
+    return out
+
+
+class InfluenceScorerModule(L.LightningModule):
+    """Lightning front-end of the Influence Scorer.
+
+    ``fit`` on the hold-out examples (their target scores are read from ``target_scores``, a
+    Parquet/JSONL score table, and matched by ``batch["id"]``); ``validate`` logs ``val/mse``,
+    ``val/spearman``, ``val/pearson`` against the same table; ``predict`` on the pool returns
+    ``{"id": [...], "score": tensor}`` per batch (the scoring engine's prediction format). Train for
+    5 epochs (``Trainer(max_epochs=5)``) to follow the paper.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "builtin",
+        target_scores: str | None = None,
+        pooling: str = "mean",
+        trainable_blocks: int = 0,
+        lr: float = 1e-5,
+        weight_decay: float = 1e-2,
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if isinstance(backbone, nn.Module):  # programmatic use (tests): keep the module out of hparams
+            self._backbone_module = backbone
+            self.save_hyperparameters(ignore=["backbone"])
+        else:
+            self._backbone_module = None
+            self.save_hyperparameters()
+        self.scorer: RegressionLM | None = None
+        self._targets: dict[str, float] | None = None
+        self._val_pred: list[torch.Tensor] = []
+        self._val_true: list[torch.Tensor] = []
+
+    # setup ---------------------------------------------------------------------------------
+    @property
+    def targets(self) -> dict[str, float]:
+        if self._targets is None:
+            if not self.hparams.target_scores:
+                raise ValueError("InfluenceScorerModule needs target_scores (a score table path) to train or validate")
+            from ..analysis.score_table import read_scores
+
+            self._targets = read_scores(self.hparams.target_scores)
+        return self._targets
+
+    def configure_model(self) -> None:
+        if self.scorer is not None:
+            return
+        src = self._backbone_module if self._backbone_module is not None else self.hparams.backbone
+        self.scorer = build_regression_lm(src, pooling=self.hparams.pooling,
+                                          trainable_blocks=self.hparams.trainable_blocks, dtype=self.hparams.dtype)
+
+    def on_fit_start(self) -> None:
+        ids = self._train_ids()
+        values = list(self.targets.values()) if ids is None else lookup_targets(ids, self.targets).tolist()
+        self.scorer.set_target_stats(values)
+        log.info("influence scorer: target mean %.4g, std %.4g over %d scores",
+                 float(self.scorer.target_mean), float(self.scorer.target_std), len(values))
+
+    def _train_ids(self) -> list[str] | None:
+        """Ids of the training set when the datamodule exposes them (``train_ids``), else ``None`` (use all targets)."""
+        dm = getattr(self.trainer, "datamodule", None)
+        ids = getattr(dm, "train_ids", None)
+        return [str(i) for i in ids] if ids is not None else None
+
+    # steps ---------------------------------------------------------------------------------
+    def _pred_and_target(self, batch):
+        check_batch(batch)
+        z = self.scorer(batch["input_ids"], batch["attention_mask"])
+        y = self.scorer.standardize(lookup_targets(batch["id"], self.targets, str(self.hparams.target_scores)).to(z.device))
+        return z, y
+
+    def training_step(self, batch, batch_idx):
+        z, y = self._pred_and_target(batch)
+        loss = F.mse_loss(z, y)
+        self.log("train/mse", loss, prog_bar=True, batch_size=len(y))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        z, y = self._pred_and_target(batch)
+        self._val_pred.append(z.detach().cpu())
+        self._val_true.append(y.detach().cpu())
+
+    def on_validation_epoch_end(self) -> None:
+        from ..analysis.retention import pearson, spearman
+
+        if not self._val_pred:
+            return
+        p = torch.cat(self._val_pred).double().numpy()
+        t = torch.cat(self._val_true).double().numpy()
+        self._val_pred.clear()
+        self._val_true.clear()
+        self.log_dict({"val/mse": float(((p - t) ** 2).mean()), "val/spearman": spearman(p, t),
+                       "val/pearson": pearson(p, t)}, sync_dist=False)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0) -> dict[str, Any]:
+        check_batch(batch)
+        z = self.scorer(batch["input_ids"], batch["attention_mask"])
+        return {"id": list(batch["id"]), "score": self.scorer.to_target_scale(z).float().cpu()}
+
+    def configure_optimizers(self):
+        params = [p for p in self.scorer.parameters() if p.requires_grad]
+        return torch.optim.Adam(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

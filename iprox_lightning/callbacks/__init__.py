@@ -1,0 +1,4 @@
+"""Lightning callbacks of IProX."""
+from .ipsvd import IPSVDCallback
+
+__all__ = ["IPSVDCallback"]

@@ -1,0 +1,156 @@
+"""``IPSVDCallback``: Stage 1 of IProX inside a Lightning ``fit`` — compress the proxy before
+alignment training starts, so the new factors are what the optimiser trains.
+
+It acts in ``setup(stage="fit")``: after the datamodule's ``setup`` and before ``configure_model``,
+strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFinetuning`` and
+``ModelPruning`` change models at the same point). Steps:
+
+1. ``pl_module.configure_model()`` if the module has one (contract: idempotent; it builds
+   ``pl_module.proxy`` — and for ``ProxyAlignModule`` a frozen ``pl_module.teacher``);
+2. the model ``getattr(pl_module, model_attr)`` (fallback ``pl_module.model``) is skipped if it
+   already holds ``LowRankLinear`` layers (resumed / loaded proxy);
+3. probes from ``trainer.datamodule.probe_dataloader()`` (fallback ``pl_module.probe_dataloader()``);
+4. :func:`~iprox_lightning.compress.compress_model` in place, on the strategy's root device;
+5. under multi-process strategies the factors are broadcast from rank 0 so every rank starts
+   bit-identical; per-layer rank / objective / time and the parameter counts go to the logger;
+   with ``save_dir`` rank 0 writes the proxy directory (:func:`~iprox_lightning.compress.save_proxy`).
+
+The :class:`~iprox_lightning.compress.CompressionReport` is kept as ``callback.report`` and
+``pl_module.ipsvd_report``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..compress import (
+    DEFAULT_DAMPING,
+    DEFAULT_DAMPING_MODE,
+    DEFAULT_MODE,
+    CompressionReport,
+    compress_model,
+    is_compressed,
+    lowrank_layers,
+    save_proxy,
+)
+
+log = logging.getLogger(__name__)
+
+
+class IPSVDCallback(Callback):
+    def __init__(
+        self,
+        sparsity: float = 0.5,
+        method: str = "ipsvd",
+        mode: str = DEFAULT_MODE,
+        damping: float = DEFAULT_DAMPING,
+        damping_mode: str = DEFAULT_DAMPING_MODE,
+        num_probe_tokens: int = 1024,
+        rank_multiple: int = 1,
+        targets: Optional[list[str]] = None,
+        model_attr: str = "proxy",
+        save_dir: Optional[str] = None,
+        seed: int = 0,
+        core_fallback: str = "exact",
+        compress_on_device: bool = True,
+    ) -> None:
+        """``sparsity`` ρ (fraction of targeted-layer weights removed); ``method`` "ipsvd" | "svd" |
+        "random"; ``mode`` "exact" | "core"; ``damping``/``damping_mode`` (paper: 1e-3 "absolute",
+        mode "core"); ``num_probe_tokens`` N per layer; ``rank_multiple`` (paper: 128 on GPUs);
+        ``targets`` regexes of layer leaf names; ``model_attr`` the module attribute holding the model
+        to compress; ``save_dir`` where rank 0 saves the proxy; ``compress_on_device`` moves the model
+        to the strategy's root device first (Lightning moves it there anyway)."""
+        super().__init__()
+        self.kwargs = dict(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
+                           num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
+                           seed=seed, core_fallback=core_fallback)
+        self.model_attr = model_attr
+        self.save_dir = save_dir
+        self.compress_on_device = compress_on_device
+        self.report: CompressionReport | None = None
+
+    # -------------------------------------------------------------------------------------------
+    def _target(self, pl_module: pl.LightningModule) -> torch.nn.Module:
+        model = getattr(pl_module, self.model_attr, None)
+        if model is None:
+            model = getattr(pl_module, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise AttributeError(
+                f"IPSVDCallback: {type(pl_module).__name__} has no model in attribute {self.model_attr!r} "
+                "(nor 'model'); build it in __init__ or configure_model(), or set model_attr"
+            )
+        return model
+
+    @staticmethod
+    def _probe_loader(trainer: pl.Trainer, pl_module: pl.LightningModule):
+        dm = trainer.datamodule
+        if dm is not None and hasattr(dm, "probe_dataloader"):
+            return dm.probe_dataloader()
+        if hasattr(pl_module, "probe_dataloader"):
+            return pl_module.probe_dataloader()
+        raise AttributeError(
+            "IPSVDCallback needs probe batches: give the datamodule (or the LightningModule) a "
+            "probe_dataloader() method returning batches in the project's format"
+        )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if hasattr(pl_module, "configure_model"):
+            pl_module.configure_model()
+        model = self._target(pl_module)
+        if is_compressed(model):
+            rank_zero_info(f"IPSVDCallback: {type(model).__name__} already holds "
+                           f"{len(lowrank_layers(model))} LowRankLinear layers; skipping compression")
+            return
+        if self.compress_on_device:
+            model.to(trainer.strategy.root_device)
+        try:
+            loader = self._probe_loader(trainer, pl_module)
+        except AttributeError:
+            if self.kwargs["method"] == "ipsvd":
+                raise
+            loader = None  # svd / random need no probes (the report then has no objective)
+        self.report = compress_model(model, loader, progress=trainer.is_global_zero, **self.kwargs)
+        pl_module.ipsvd_report = self.report
+        self._broadcast_factors(trainer, model)
+        rank_zero_info(f"IPSVDCallback: {self.report.summary()}")
+        self._log(trainer)
+        if self.save_dir and trainer.is_global_zero:
+            tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
+            save_proxy(model, tok, self.save_dir, self.report)
+        trainer.strategy.barrier("ipsvd")
+
+    @staticmethod
+    def _broadcast_factors(trainer: pl.Trainer, model: torch.nn.Module) -> None:
+        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return
+        with torch.no_grad():
+            for layer in lowrank_layers(model).values():
+                for p in (layer.A, layer.B):
+                    torch.distributed.broadcast(p.data, src=0)
+
+    def _log(self, trainer: pl.Trainer) -> None:
+        if trainer.logger is None or self.report is None or not trainer.is_global_zero:
+            return
+        rep = self.report
+        metrics = {
+            "ipsvd/params_before": float(rep.params_before),
+            "ipsvd/params_after": float(rep.params_after),
+            "ipsvd/params_requested": float(rep.params_requested),
+            "ipsvd/achieved_sparsity": rep.achieved_sparsity,
+            "ipsvd/time_probes_s": rep.time_probes_s,
+            "ipsvd/time_factors_s": rep.time_factors_s,
+        }
+        for lr in rep.layers:
+            metrics[f"ipsvd/rank/{lr.name}"] = float(lr.rank if lr.rank is not None else min(lr.in_features, lr.out_features))
+            if lr.objective is not None:
+                metrics[f"ipsvd/objective/{lr.name}"] = lr.objective
+                metrics[f"ipsvd/relative_objective/{lr.name}"] = lr.relative_objective
+            metrics[f"ipsvd/time_s/{lr.name}"] = lr.time_s
+        trainer.logger.log_metrics(metrics, step=0)

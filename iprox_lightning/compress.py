@@ -1,0 +1,394 @@
+"""Compress a causal LM into an IProX proxy (paper Stage 1), count its parameters, save and load it.
+
+``compress_model`` replaces, in place, every targeted linear layer (attention and MLP projections
+of the decoder blocks, fused ones and GPT-2 ``Conv1D`` included; never embeddings or LM head) by a
+:class:`~iprox_lightning.lowrank.LowRankLinear` whose factors come from IPSVD (or plain SVD /
+random init), at the rank the sparsity budget gives (:mod:`iprox_lightning.rank`). Layers whose rank
+would reach ``min(in, out)`` stay dense. The returned :class:`CompressionReport` holds per-layer
+rank, weighted objective, time, and the requested vs achieved parameter counts of the whole model
+(embeddings and LM head included), so users see the true proxy size.
+
+A proxy directory (``save_proxy`` / ``load_proxy``) holds ``config.json`` (+ ``generation_config.json``),
+the tokenizer files, every weight (factors included) in ``model.safetensors``, and the manifest
+``iprox_proxy.json`` (target model id, sparsity, per-layer rank, method, mode, damping, damping mode,
+probe count, parameter counts). Nothing is unpickled on load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .ipsvd import DAMPING_MODES, MODES, compute_factors, weighted_objective
+from .lowrank import LowRankLinear
+from .models.targets import find_target_linears, linear_shape, linear_weight
+from .probes import Probes, collect_probes
+from .rank import plan_ranks, requested_layer_params
+
+log = logging.getLogger(__name__)
+
+PROXY_MANIFEST = "iprox_proxy.json"
+PROXY_WEIGHTS = "model.safetensors"
+MANIFEST_VERSION = 1
+METHODS = ("ipsvd", "svd", "random")
+
+# Defaults chosen by the damping sweep on SmolLM2-135M (see bench/ipsvd_sweep.py and the README);
+# the paper's setting is mode="core", damping=1e-3, damping_mode="absolute".
+DEFAULT_MODE = "exact"
+DEFAULT_DAMPING = 1e-2
+DEFAULT_DAMPING_MODE = "relative"
+
+
+# ------------------------------------------------------------------------------------------------
+# parameter counting and layer replacement
+# ------------------------------------------------------------------------------------------------
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of distinct parameters of ``model`` (tied tensors counted once), embeddings and LM
+    head included."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, module)
+
+
+def lowrank_layers(model: nn.Module) -> dict[str, LowRankLinear]:
+    """``{name: LowRankLinear}`` of a model (empty for an uncompressed one)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+
+
+def is_compressed(model: nn.Module) -> bool:
+    """True when the model already holds ``LowRankLinear`` layers (e.g. a resumed proxy)."""
+    return bool(lowrank_layers(model))
+
+
+def _layer_bias(module: nn.Module) -> torch.Tensor | None:
+    b = getattr(module, "bias", None)
+    return b if isinstance(b, torch.Tensor) else None
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class LayerReport:
+    name: str
+    in_features: int
+    out_features: int
+    rank: int | None  # None: kept dense
+    bias: bool
+    params_before: int
+    params_after: int
+    params_requested: float
+    mode: str | None = None  # factor mode actually used (ipsvd), e.g. "exact" after a core fallback
+    objective: float | None = None  # weighted objective J(A B)
+    objective_dense: float | None = None  # J(0) = weighted norm of W: objective / objective_dense is the relative error
+    time_s: float = 0.0
+
+    @property
+    def relative_objective(self) -> float | None:
+        if self.objective is None or not self.objective_dense:
+            return None
+        return self.objective / self.objective_dense
+
+
+@dataclass
+class CompressionReport:
+    """What ``compress_model`` did. Parameter counts are for the whole model unless prefixed ``target_``."""
+
+    sparsity: float
+    method: str
+    mode: str | None
+    damping: float | None
+    damping_mode: str | None
+    rank_multiple: int
+    seed: int
+    num_probe_tokens: int  # requested N
+    probe_tokens: int  # collected N
+    probe_examples: int
+    params_before: int
+    params_after: int
+    params_requested: int  # whole model at exactly (1 − ρ) of every targeted layer
+    target_params_before: int
+    target_params_after: int
+    time_probes_s: float
+    time_factors_s: float
+    layers: list[LayerReport] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> dict[str, int | None]:
+        return {lr.name: lr.rank for lr in self.layers}
+
+    @property
+    def achieved_sparsity(self) -> float:
+        """Sparsity actually reached on the targeted layers."""
+        return 1.0 - self.target_params_after / max(self.target_params_before, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["achieved_sparsity"] = self.achieved_sparsity
+        return d
+
+    def summary(self) -> str:
+        n_low = sum(lr.rank is not None for lr in self.layers)
+        rel = [lr.relative_objective for lr in self.layers if lr.relative_objective is not None]
+        mean_rel = f", mean relative weighted error {sum(rel) / len(rel):.4g}" if rel else ""
+        return (
+            f"{self.method}{'/' + self.mode if self.mode else ''} at sparsity {self.sparsity}: "
+            f"{n_low}/{len(self.layers)} layers factorised, parameters {self.params_before:,} -> "
+            f"{self.params_after:,} (requested {self.params_requested:,}; targeted layers "
+            f"{self.target_params_before:,} -> {self.target_params_after:,}, achieved sparsity "
+            f"{self.achieved_sparsity:.4f}), probes {self.probe_tokens} tokens in {self.time_probes_s:.1f}s, "
+            f"factors in {self.time_factors_s:.1f}s{mean_rel}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# compression
+# ------------------------------------------------------------------------------------------------
+def compress_model(
+    model: nn.Module,
+    probe_dataloader: Iterable[Mapping] | None,
+    sparsity: float = 0.5,
+    *,
+    method: str = "ipsvd",
+    mode: str = DEFAULT_MODE,
+    damping: float = DEFAULT_DAMPING,
+    damping_mode: str = DEFAULT_DAMPING_MODE,
+    num_probe_tokens: int = 1024,
+    rank_multiple: int = 1,
+    targets: list[str] | None = None,
+    seed: int = 0,
+    core_fallback: str = "exact",
+    compute_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    probes: Probes | None = None,
+) -> CompressionReport:
+    """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
+
+    ``method``: ``"ipsvd"`` (needs ``probe_dataloader``), ``"svd"`` or ``"random"``. When a probe
+    dataloader is given, probes are collected for every method so the report holds the weighted
+    objective ``J`` (see :mod:`iprox_lightning.ipsvd`) of each layer, measured with the given
+    ``damping``/``damping_mode`` whatever the method — comparable across methods.
+    ``mode``/``damping``/``damping_mode``/``core_fallback``/``compute_dtype``: see
+    :func:`~iprox_lightning.ipsvd.ipsvd_factors` (a core→exact fallback is logged and recorded as the
+    layer's ``mode``). ``targets``: regex patterns of layer leaf names (default: all attention/MLP
+    projections). ``probes``: reuse probes collected beforehand by
+    :func:`~iprox_lightning.probes.collect_probes` on this model (not consumed; e.g. for a sweep)
+    instead of collecting them from ``probe_dataloader``. Factors are cast to the dtype/device of the replaced weight; biases are kept
+    (frozen). Raises if the model is already compressed.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "ipsvd":
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if damping_mode not in DAMPING_MODES:
+            raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
+        if probe_dataloader is None and probes is None:
+            raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+    if is_compressed(model):
+        raise ValueError("model already holds LowRankLinear layers (already compressed)")
+    modules = find_target_linears(model, targets)
+    plan = plan_ranks(modules, sparsity, rank_multiple)
+    params_before = count_parameters(model)
+    target_before = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in modules.values())
+    requested_total = params_before - target_before + sum(
+        requested_layer_params(linear_shape(m)[1], linear_shape(m)[0], sparsity) for m in modules.values()
+    )
+
+    t0 = time.perf_counter()
+    own_probes = probes is None
+    if probes is None and probe_dataloader is not None:
+        to_probe = {n: m for n, m in modules.items() if plan[n] is not None}
+        if to_probe:
+            probes = collect_probes(model, probe_dataloader, to_probe, num_tokens=num_probe_tokens, seed=seed,
+                                    progress=progress)
+    t_probes = time.perf_counter() - t0
+
+    layers: list[LayerReport] = []
+    t1 = time.perf_counter()
+    for name, module in tqdm(list(modules.items()), desc=f"IPSVD factors ({method})", disable=not progress):
+        out_f, in_f = linear_shape(module)
+        bias = _layer_bias(module)
+        rank = plan[name]
+        lr = LayerReport(name=name, in_features=in_f, out_features=out_f, rank=rank, bias=bias is not None,
+                         params_before=in_f * out_f, params_after=in_f * out_f,
+                         params_requested=requested_layer_params(in_f, out_f, sparsity))
+        layers.append(lr)
+        if rank is None:
+            continue
+        ts = time.perf_counter()
+        W = linear_weight(module).detach()
+        H = Delta = None
+        if probes is not None:
+            if name not in probes.H:
+                raise ValueError(f"layer {name!r}: no probes collected for it")
+            H, Delta = probes.pop(name) if own_probes else (probes.H[name], probes.Delta[name])
+            H, Delta = H.to(W.device), Delta.to(W.device)
+        used_mode = mode if method == "ipsvd" else None
+        kwargs: dict[str, Any] = dict(seed=seed + len(layers), compute_dtype=compute_dtype)
+        if method == "ipsvd":
+            kwargs.update(damping=damping, damping_mode=damping_mode, core_fallback="error")
+        try:
+            A, B = compute_factors(method, W, rank, H, Delta, mode=used_mode, **kwargs)
+        except ValueError as e:
+            if not (used_mode == "core" and core_fallback == "exact" and "mode='core'" in str(e)):
+                raise ValueError(f"layer {name!r}: {e}") from None
+            log.warning("layer %s: %s -> falling back to mode='exact'", name, e)
+            used_mode = "exact"
+            A, B = compute_factors(method, W, rank, H, Delta, mode="exact", **kwargs)
+        if H is not None:
+            obj_kw = dict(damping=damping, damping_mode=damping_mode)
+            lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)
+            lr.objective_dense = weighted_objective(W, None, None, H, Delta, **obj_kw)
+        new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
+                                         None if bias is None else bias.detach())
+        new.train(module.training)
+        _set_submodule(model, name, new)
+        lr.params_after = rank * (in_f + out_f)
+        lr.mode = used_mode
+        lr.time_s = time.perf_counter() - ts
+        del H, Delta
+    t_factors = time.perf_counter() - t1
+
+    report = CompressionReport(
+        sparsity=sparsity, method=method,
+        mode=mode if method == "ipsvd" else None,
+        damping=damping,
+        damping_mode=damping_mode,
+        rank_multiple=rank_multiple, seed=seed, num_probe_tokens=num_probe_tokens,
+        probe_tokens=probes.num_tokens if probes is not None else 0,
+        probe_examples=probes.num_examples if probes is not None else 0,
+        params_before=params_before, params_after=count_parameters(model),
+        params_requested=int(round(requested_total)),
+        target_params_before=target_before, target_params_after=sum(lr.params_after for lr in layers),
+        time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
+    )
+    log.info(report.summary())
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# save / load
+# ------------------------------------------------------------------------------------------------
+def build_manifest(model: nn.Module, report: CompressionReport | Mapping | None = None, **extra: Any) -> dict:
+    """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the
+    compression settings and parameter counts of ``report`` and any ``extra`` keys."""
+    layers = {}
+    for name, m in lowrank_layers(model).items():
+        layers[name] = {"rank": m.rank, "in_features": m.in_features, "out_features": m.out_features,
+                        "bias": m.bias is not None}
+    info: dict[str, Any] = {}
+    if isinstance(report, CompressionReport):
+        d = report.to_dict()
+        layer_info = {lr["name"]: lr for lr in d.pop("layers")}
+        for name, entry in layers.items():
+            if name in layer_info:
+                entry.update({k: layer_info[name][k] for k in ("mode", "objective", "objective_dense", "time_s")})
+        info.update(d)
+    elif report is not None:
+        info.update(dict(report))
+    info.update(extra)
+    target = info.pop("target_model", None) or getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    first = next(model.parameters(), None)
+    return {
+        "format_version": MANIFEST_VERSION,
+        "target_model": target,
+        **info,
+        "dtype": str(first.dtype).replace("torch.", "") if first is not None else None,
+        "params_after": count_parameters(model),
+        "layers": layers,
+    }
+
+
+def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: CompressionReport | Mapping | None = None,
+               **extra: Any) -> Path:
+    """Write a proxy directory (``config.json``, generation config, tokenizer files,
+    ``model.safetensors`` with every weight, ``iprox_proxy.json``). ``manifest`` is the
+    :class:`CompressionReport` (or a dict) of the compression; ``extra`` keys (e.g.
+    ``target_model="HuggingFaceTB/SmolLM2-135M-Instruct"``) are added to the manifest."""
+    from safetensors.torch import save_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if not is_compressed(model):
+        raise ValueError("save_proxy: the model holds no LowRankLinear layer (compress it first)")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("save_proxy needs a Hugging Face model with a .config")
+    config.save_pretrained(path)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        try:
+            gen.save_pretrained(path)
+        except Exception as e:  # an invalid generation config must not lose the proxy
+            log.warning("could not save generation config: %s", e)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    save_model(model, str(path / PROXY_WEIGHTS), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
+    man = build_manifest(model, manifest, **extra)
+    (path / PROXY_MANIFEST).write_text(json.dumps(man, indent=2, default=float) + "\n")
+    return path
+
+
+def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None) -> tuple[nn.Module, Any]:
+    """Rebuild a proxy saved by :func:`save_proxy`: the architecture from ``config.json``, the
+    ``LowRankLinear`` layers of the recorded ranks, then ``model.safetensors`` loaded strictly.
+    Returns ``(model in eval mode, tokenizer or None when the directory holds none)``."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    man_file = path / PROXY_MANIFEST
+    if not man_file.is_file():
+        raise FileNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
+    try:
+        manifest = json.loads(man_file.read_text())
+        layers = manifest["layers"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"{man_file}: malformed manifest ({e})") from None
+    weights = path / PROXY_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found (proxy weights)")
+    config = AutoConfig.from_pretrained(path)
+    build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"), torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
+    for name, spec in layers.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{man_file}: layer {name!r} does not exist in the {type(model).__name__} built from config.json") from None
+        out_f, in_f = linear_shape(old)
+        if (out_f, in_f) != (spec["out_features"], spec["in_features"]):
+            raise ValueError(f"{man_file}: layer {name!r} is {out_f}x{in_f} in the model but "
+                             f"{spec['out_features']}x{spec['in_features']} in the manifest")
+        w = linear_weight(old)
+        new = LowRankLinear(in_f, out_f, int(spec["rank"]), bias=bool(spec.get("bias", False)), dtype=w.dtype)
+        _set_submodule(model, name, new)
+    missing, unexpected = load_model(model, str(weights), strict=True)
+    if missing or unexpected:  # strict=True raises already; defensive
+        raise ValueError(f"{weights}: missing {missing}, unexpected {unexpected}")
+    if dtype is not None:
+        model = model.to(dtype)
+    if device is not None:
+        model = model.to(device)
+    tok = None
+    if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
+        tok = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tok
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The ``iprox_proxy.json`` of a proxy directory."""
+    return json.loads((Path(path) / PROXY_MANIFEST).read_text())

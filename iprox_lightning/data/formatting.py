@@ -1,0 +1,211 @@
+"""Turning canonical records into token ids with a prompt/response boundary.
+
+Conversation
+    A Dolly record becomes one user turn, ``instruction`` followed by ``"\\n\\n" + context`` when
+    the context is not empty, and one assistant turn, ``response``. A chat record keeps its
+    ``messages``; the trailing assistant turn(s) are the response, everything before the prompt.
+
+Chat template (``prompt_template="chat"``, or ``"auto"`` when the tokenizer has one)
+    ``prompt_text`` = the template applied to the prompt turns with ``add_generation_prompt=True``;
+    ``full_text`` = the template applied to the whole conversation. ``prompt_text`` must be a prefix
+    of ``full_text`` (else a ``ValueError`` names the example and suggests the plain template); the
+    response part is the rest (it includes the template's end-of-turn tokens, which the model must
+    learn to emit). Both parts are tokenized without adding special tokens (templates carry their
+    own BOS), so the boundary is exact and the prompt is tokenized as at generation time.
+
+Plain template (``prompt_template="plain"``, or ``"auto"`` without a chat template)::
+
+    <bos>### Instruction:
+    {instruction}
+
+    ### Input:
+    {context}
+
+    ### Response:
+    {response}<eos>
+
+    The ``### Input:`` block is left out when the context is empty; ``<bos>`` / ``<eos>`` only when
+    the tokenizer defines them. A chat record renders each prompt turn as ``### System:`` /
+    ``### Instruction:`` / ``### Response:`` (for system / user / earlier assistant turns), blocks
+    separated by a blank line, then ``### Response:\\n`` and the response turns joined by ``"\\n\\n"``.
+    The prompt part ends right after ``### Response:\\n``.
+
+Labels (Hugging Face convention, see :mod:`iprox_lightning.batch`) are ``-100`` on every prompt
+token and the token id on every response token.
+
+Truncation to ``max_length``
+    * ``"prompt_left"`` (default) keeps response tokens where possible: the prompt is cut from the
+      left (a leading BOS is kept) down to ``max(max_length - n_response, 1)`` tokens — at least one
+      prompt token stays, so the first response token is predicted — then, if still too long, the
+      response is cut from the right.
+    * ``"right"`` cuts the whole sequence from the right (like ``tokenizer(truncation=True)``); an
+      example whose response then starts beyond ``max_length`` loses every response token.
+
+An example left with no scored response token (no response token at position ≥ 1) is dropped;
+:func:`tokenize_records` returns the dropped ids so callers can count them in the log.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+PROMPT_TEMPLATES = ("auto", "chat", "plain")
+TRUNCATIONS = ("prompt_left", "right")
+_PLAIN_HEADERS = {"system": "### System:", "user": "### Instruction:", "assistant": "### Response:"}
+
+
+def user_content(instruction: str, context: str = "") -> str:
+    """The user turn of a Dolly record: the instruction, then a blank line and the context if any."""
+    return f"{instruction}\n\n{context}" if context and context.strip() else instruction
+
+
+def to_conversation(record: dict) -> tuple[list[dict], list[dict]]:
+    """``(prompt_messages, response_messages)`` of a canonical record."""
+    if "messages" in record:
+        msgs = record["messages"]
+        k = len(msgs)
+        while k > 0 and msgs[k - 1]["role"] == "assistant":
+            k -= 1
+        return list(msgs[:k]), list(msgs[k:])
+    return (
+        [{"role": "user", "content": user_content(record["instruction"], record.get("context") or "")}],
+        [{"role": "assistant", "content": record["response"]}],
+    )
+
+
+def render_plain(record: dict) -> tuple[str, str]:
+    """``(prompt_text, response_text)`` of the plain template (without BOS / EOS)."""
+    prompt, response = to_conversation(record)
+    if "messages" in record:
+        blocks = [f"{_PLAIN_HEADERS[m['role']]}\n{m['content']}" for m in prompt]
+    else:
+        blocks = [f"### Instruction:\n{record['instruction']}"]
+        if (record.get("context") or "").strip():
+            blocks.append(f"### Input:\n{record['context']}")
+    return "\n\n".join(blocks) + "\n\n### Response:\n", "\n\n".join(m["content"] for m in response)
+
+
+def render_chat(record: dict, tokenizer: Any) -> tuple[str, str]:
+    """``(prompt_text, response_text)`` with the tokenizer's chat template (see module doc)."""
+    prompt, response = to_conversation(record)
+    rid = record.get("id", "?")
+    try:
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+    except Exception as e:
+        raise ValueError(f"example {rid!r}: the tokenizer's chat template failed ({type(e).__name__}: {e}); "
+                         f"use prompt_template='plain'") from e
+    if not full_text.startswith(prompt_text):
+        raise ValueError(
+            f"example {rid!r}: the chat template does not render the prompt (with add_generation_prompt=True) "
+            f"as a prefix of the full conversation, so the response boundary is ambiguous; use prompt_template='plain'"
+        )
+    return prompt_text, full_text[len(prompt_text):]
+
+
+def resolve_template(tokenizer: Any, prompt_template: str = "auto") -> str:
+    """``"chat"`` or ``"plain"`` for ``prompt_template`` in :data:`PROMPT_TEMPLATES`."""
+    if prompt_template not in PROMPT_TEMPLATES:
+        raise ValueError(f"prompt_template must be one of {PROMPT_TEMPLATES}, got {prompt_template!r}")
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_template == "chat" and not has_chat:
+        raise ValueError("prompt_template='chat' but the tokenizer has no chat template; use 'plain' or 'auto'")
+    if prompt_template == "auto":
+        return "chat" if has_chat else "plain"
+    return prompt_template
+
+
+def truncate(
+    prompt_ids: list[int], response_ids: list[int], max_length: int, truncation: str = "prompt_left", bos_id: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Apply the truncation rule of the module doc; returns the kept ``(prompt_ids, response_ids)``."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    n_p, n_r = len(prompt_ids), len(response_ids)
+    if n_p + n_r <= max_length:
+        return prompt_ids, response_ids
+    if truncation == "right":
+        keep_p = min(n_p, max_length)
+        return prompt_ids[:keep_p], response_ids[: max_length - keep_p]
+    if truncation != "prompt_left":
+        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+    keep_p = min(n_p, max(max_length - n_r, 1))
+    if keep_p < n_p:
+        if bos_id is not None and keep_p >= 2 and prompt_ids[0] == bos_id:
+            prompt_ids = [bos_id] + prompt_ids[n_p - keep_p + 1:]
+        else:
+            prompt_ids = prompt_ids[n_p - keep_p:]
+    return prompt_ids, response_ids[: max_length - keep_p]
+
+
+@dataclass
+class TokenizedExample:
+    """One tokenized example: ``input_ids`` (int32 ``[T]``) whose first ``prompt_len`` tokens are prompt."""
+
+    id: str
+    task: str
+    input_ids: torch.Tensor
+    prompt_len: int
+
+    @property
+    def labels(self) -> torch.Tensor:
+        lab = self.input_ids.long().clone()
+        lab[: self.prompt_len] = -100
+        return lab
+
+    @property
+    def n_scored(self) -> int:
+        """Response tokens whose prediction is scored (those at positions >= 1)."""
+        return len(self.input_ids) - max(self.prompt_len, 1)
+
+
+def tokenize_records(
+    records: Sequence[dict],
+    tokenizer: Any,
+    *,
+    max_length: int = 512,
+    prompt_template: str = "auto",
+    truncation: str = "prompt_left",
+    chunk_size: int = 1024,
+    progress: bool = False,
+    desc: str = "tokenizing",
+) -> tuple[list[TokenizedExample], list[str]]:
+    """Tokenize canonical records; returns ``(examples, dropped_ids)`` (module doc for the rules)."""
+    mode = resolve_template(tokenizer, prompt_template)
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    examples: list[TokenizedExample] = []
+    dropped: list[str] = []
+    starts = range(0, len(records), chunk_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=desc, unit="chunk", total=len(starts))
+    for s in starts:
+        chunk = records[s : s + chunk_size]
+        texts = [render_chat(r, tokenizer) if mode == "chat" else render_plain(r) for r in chunk]
+        enc = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+        enc_p = tokenizer([t[0] for t in texts], **enc)["input_ids"]
+        enc_r = tokenizer([t[1] for t in texts], **enc)["input_ids"]
+        for r, p_ids, r_ids in zip(chunk, enc_p, enc_r):
+            p_ids, r_ids = list(p_ids), list(r_ids)
+            if mode == "plain":
+                if bos is not None:
+                    p_ids = [bos] + p_ids
+                if eos is not None:
+                    r_ids = r_ids + [eos]
+            p_ids, r_ids = truncate(p_ids, r_ids, max_length, truncation, bos)
+            ex = TokenizedExample(
+                id=r["id"], task=r["category"], input_ids=torch.tensor(p_ids + r_ids, dtype=torch.int32), prompt_len=len(p_ids)
+            )
+            if len(r_ids) == 0 or ex.n_scored <= 0:
+                dropped.append(r["id"])
+            else:
+                examples.append(ex)
+    return examples, dropped

@@ -1,0 +1,413 @@
+"""``SFTDataModule``: instruction data -> the project's batch format, with the paper's splits.
+
+Pipeline: :mod:`~iprox_lightning.data.sources` reads and validates records (files or a hub id,
+field mapping, clear errors) -> :mod:`~iprox_lightning.data.splits` draws the warm-up / probe /
+alignment subsets from one seed -> :mod:`~iprox_lightning.data.formatting` applies the chat (or
+plain) template, masks the prompt and truncates -> :class:`SFTCollator` right-pads into the batch
+format of :mod:`iprox_lightning.batch` (``input_ids``, ``attention_mask``, ``labels``, ``id``,
+``task``).
+
+Splits served (``dataloader(split)``):
+
+========== ===================================================================================
+``pool``        every pool example (the candidate pool that is scored; ``predict_dataloader``)
+``warmup``      random ``warmup_fraction`` of the pool
+``probe``       ``probe_fraction`` of the random ``construction_fraction`` subset (IPSVD probe)
+``align``       the rest of the construction subset (proxy alignment)
+``construction`` probe + align
+``selected``    the records of the file ``selected`` (output of the selection stage, Dolly JSONL)
+``validation``  the validation sets, a few examples per task, each with its task name
+========== ===================================================================================
+
+``"builtin"`` as ``pool`` / ``validation`` / ``tokenizer`` means the offline demo of
+:mod:`~iprox_lightning.data.synthetic` (``builtin_size`` pool examples; ``val_per_task``
+validation examples per validation family, 8 when not given). The built-in data are always
+generated with data seed 0, so ``seed`` changes the splits, never the data.
+
+Every split is read and tokenized on first use and cached; the numbers read / dropped / kept
+are logged (python logging, and ``data/<split>_{read,dropped,kept,tokens}`` to the Trainer's
+logger when one is attached) and kept in ``SFTDataModule.stats``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..batch import IGNORE_INDEX
+from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
+from .sources import is_hub_id, read_records
+from .splits import PoolSplits, make_splits, sample_per_task
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("pool", "warmup", "probe", "align", "construction", "selected", "validation")
+BUILTIN = "builtin"
+BUILTIN_VAL_PER_TASK = 8
+
+
+class SFTDataset(Dataset):
+    """Map-style dataset over :class:`TokenizedExample`; items are dicts with ``input_ids`` (int32),
+    ``prompt_len``, ``id`` and ``task``."""
+
+    def __init__(self, examples: Sequence[TokenizedExample]):
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        ex = self.examples[i]
+        return {"input_ids": ex.input_ids, "prompt_len": ex.prompt_len, "id": ex.id, "task": ex.task}
+
+    @property
+    def ids(self) -> list[str]:
+        return [ex.id for ex in self.examples]
+
+
+class SFTCollator:
+    """Right-pad items of :class:`SFTDataset` into the project's batch format.
+
+    ``input_ids`` are padded with ``pad_token_id``; ``attention_mask`` is 1 on real tokens;
+    ``labels`` equal ``input_ids`` on response tokens and ``-100`` on prompt and padding. The
+    padded length is the longest item, rounded up to ``pad_to_multiple_of`` when given.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = int(pad_token_id)
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, items: Sequence[dict]) -> dict[str, Any]:
+        if not items:
+            raise ValueError("SFTCollator: empty batch")
+        lengths = [len(it["input_ids"]) for it in items]
+        T = max(lengths)
+        if self.pad_to_multiple_of:
+            m = self.pad_to_multiple_of
+            T = (T + m - 1) // m * m
+        B = len(items)
+        input_ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, T), dtype=torch.long)
+        labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+        for b, (it, n) in enumerate(zip(items, lengths)):
+            ids = torch.as_tensor(it["input_ids"], dtype=torch.long)
+            input_ids[b, :n] = ids
+            attention_mask[b, :n] = 1
+            labels[b, it["prompt_len"] : n] = ids[it["prompt_len"] :]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "id": [it["id"] for it in items],
+            "task": [it["task"] for it in items],
+        }
+
+
+def read_validation_sets(
+    sources: str | Sequence[str],
+    field_map: dict[str, str] | None = None,
+    per_task: int | None = None,
+    seed: int = 0,
+) -> dict[str, list[dict]]:
+    """Validation records grouped by task: ``{task: [record, ...]}``.
+
+    The task of a record is its ``category`` field (mapped with ``field_map``; the source's name
+    when absent). ``per_task`` keeps at most that many records per task, drawn reproducibly with
+    :func:`~iprox_lightning.data.splits.sample_per_task`.
+    """
+    records = read_records(sources, field_map)
+    by_id = {r["id"]: r for r in records}
+    groups = sample_per_task([r["id"] for r in records], [r["category"] for r in records], per_task, seed)
+    return {task: [by_id[i] for i in ids] for task, ids in groups.items()}
+
+
+class SFTDataModule(L.LightningDataModule):
+    """Instruction data for every IProX stage (see the module doc for splits and the data schema).
+
+    Args:
+        pool: candidate pool — ``"builtin"``, a JSONL/JSON/Parquet file, a directory of them, a
+            Hugging Face dataset id (``"owner/name"`` or ``"owner/name:split"``), or a list of these.
+        validation: validation sets (same kinds of source; task = ``category``), or ``None``.
+        tokenizer: ``"builtin"``, a hub id, a local directory or a ``.gguf`` file
+            (``iprox_lightning.models.loading.load_tokenizer``).
+        field_map: canonical field -> source column, e.g. ``{"response": "output"}``.
+        prompt_template: ``"auto"`` (chat template when the tokenizer has one), ``"chat"``, ``"plain"``.
+        max_length: maximum tokens per example; truncation rule ``truncation`` (``"prompt_left"``
+            keeps response tokens, ``"right"`` cuts the end).
+        batch_size: batch size of ``train_dataloader`` (and ``align_dataloader``).
+        eval_batch_size: batch size of the other loaders (default ``batch_size``).
+        seed: seed of the splits and of the training shuffle.
+        warmup_fraction / construction_fraction / probe_fraction: split sizes (paper: 5%, 1%, 10%).
+        val_per_task: keep at most this many validation examples per task (builtin default 8).
+        train_split: what ``train_dataloader`` serves: ``warmup``, ``align``, ``probe``, ``pool``,
+            ``construction`` or ``selected``.
+        selected: JSONL of selected records (Dolly schema, ids kept), for ``train_split="selected"``.
+        builtin_size: number of examples of the built-in pool.
+        pad_to_multiple_of: round padded lengths up to a multiple of this.
+    """
+
+    def __init__(
+        self,
+        pool: str | list[str] = BUILTIN,
+        validation: str | list[str] | None = BUILTIN,
+        tokenizer: str = BUILTIN,
+        field_map: dict[str, str] | None = None,
+        prompt_template: str = "auto",
+        max_length: int = 512,
+        truncation: str = "prompt_left",
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        warmup_fraction: float = 0.05,
+        construction_fraction: float = 0.01,
+        probe_fraction: float = 0.1,
+        val_per_task: int | None = None,
+        train_split: str = "pool",
+        selected: str | None = None,
+        builtin_size: int = 2000,
+        pad_to_multiple_of: int | None = None,
+        trust_remote_code: bool = False,
+    ):
+        super().__init__()
+        if prompt_template not in PROMPT_TEMPLATES:
+            raise ValueError(f"prompt_template must be one of {PROMPT_TEMPLATES}, got {prompt_template!r}")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
+            raise ValueError(f"batch sizes must be >= 1, got {batch_size}, {eval_batch_size}")
+        if train_split not in SPLITS or train_split == "validation":
+            raise ValueError(f"train_split must be one of {[s for s in SPLITS if s != 'validation']}, got {train_split!r}")
+        if train_split == "selected" and not selected:
+            raise ValueError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
+        self.save_hyperparameters(ignore=["tokenizer"] if not isinstance(tokenizer, str) else None)
+        self.pool_sources = [pool] if isinstance(pool, str) else list(pool)
+        self.validation_sources = None if validation is None else ([validation] if isinstance(validation, str) else list(validation))
+        self.tokenizer_name = tokenizer
+        self.field_map = field_map
+        self.prompt_template = prompt_template
+        self.max_length = max_length
+        self.truncation = truncation
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.fractions = (warmup_fraction, construction_fraction, probe_fraction)
+        self.val_per_task = val_per_task
+        self.train_split = train_split
+        self.selected = selected
+        self.builtin_size = builtin_size
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.trust_remote_code = trust_remote_code
+        self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
+        self._pool_records: list[dict] | None = None
+        self._splits: PoolSplits | None = None
+        self._validation_records: list[dict] | None = None
+        self._datasets: dict[str, SFTDataset] = {}
+        self.stats: dict[str, dict[str, int]] = {}
+
+    # ------------------------------------------------------------------ resolution
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = _load_tokenizer(self.tokenizer_name, self.trust_remote_code)
+        return self._tokenizer
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        for cand in (tok.pad_token_id, tok.eos_token_id):
+            if cand is not None:
+                return int(cand)
+        return 0
+
+    def _read(self, sources: list[str], builtin: Any) -> list[dict]:
+        records: list[dict] = []
+        for src in sources:
+            records.extend(builtin() if src == BUILTIN else read_records(src, self.field_map))
+        ids = [r["id"] for r in records]
+        if len(set(ids)) != len(ids):
+            seen: set[str] = set()
+            dup = next(i for i in ids if i in seen or seen.add(i))
+            raise ValueError(f"duplicate id {dup!r} across the sources {sources}")
+        return records
+
+    @property
+    def pool_records(self) -> list[dict]:
+        """Canonical records of the candidate pool (in read order)."""
+        if self._pool_records is None:
+            from .synthetic import generate_builtin_dataset
+
+            self._pool_records = self._read(self.pool_sources, lambda: generate_builtin_dataset(self.builtin_size, seed=0))
+        return self._pool_records
+
+    @property
+    def splits(self) -> PoolSplits:
+        """Ids of the warm-up / probe / align subsets and of the pool (same seed -> same ids)."""
+        if self._splits is None:
+            self._splits = make_splits([r["id"] for r in self.pool_records], self.seed, *self.fractions)
+            s = self._splits
+            log.info("splits (seed %d) of %d pool examples: warmup %d, probe %d, align %d",
+                     self.seed, len(s.pool), len(s.warmup), len(s.probe), len(s.align))
+        return self._splits
+
+    @property
+    def validation_records(self) -> list[dict]:
+        """Canonical validation records, grouped by task (each ``category`` is its task name)."""
+        if self.validation_sources is None:
+            return []
+        if self._validation_records is None:
+            records: list[dict] = []
+            for src in self.validation_sources:
+                if src == BUILTIN:
+                    from .synthetic import builtin_validation
+
+                    records.extend(builtin_validation(self.val_per_task or BUILTIN_VAL_PER_TASK, seed=0))
+                else:
+                    for recs in read_validation_sets(src, self.field_map, self.val_per_task, self.seed).values():
+                        records.extend(recs)
+            ids = [r["id"] for r in records]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"duplicate ids across the validation sources {self.validation_sources}")
+            self._validation_records = records
+        return self._validation_records
+
+    @property
+    def validation_tasks(self) -> list[str]:
+        return list(dict.fromkeys(r["category"] for r in self.validation_records))
+
+    def records(self, split: str) -> list[dict]:
+        """Canonical records of ``split`` (the order of its ids)."""
+        if split == "validation":
+            return list(self.validation_records)
+        if split == "selected":
+            if not self.selected:
+                raise ValueError("split 'selected' needs `selected`: the JSONL file written by the selection stage")
+            return read_records(self.selected)
+        if split not in SPLITS:
+            raise KeyError(f"unknown split {split!r}; one of {SPLITS}")
+        if split == "pool":
+            return list(self.pool_records)
+        by_id = {r["id"]: r for r in self.pool_records}
+        return [by_id[i] for i in self.splits.get(split)]
+
+    def ids(self, split: str) -> list[str]:
+        """Ids served by ``split`` after tokenization (dropped examples excluded)."""
+        return self.dataset(split).ids
+
+    # ------------------------------------------------------------------ datasets
+    def dataset(self, split: str) -> SFTDataset:
+        """The tokenized :class:`SFTDataset` of ``split`` (built once, then cached)."""
+        if split not in self._datasets:
+            recs = self.records(split)
+            examples, dropped = tokenize_records(
+                recs, self.tokenizer, max_length=self.max_length, prompt_template=self.prompt_template,
+                truncation=self.truncation, progress=len(recs) > 5000, desc=f"tokenizing {split}",
+            )
+            if not examples:
+                raise ValueError(
+                    f"split {split!r}: all {len(recs)} examples were dropped (no response token left after "
+                    f"truncation to max_length={self.max_length}, truncation={self.truncation!r})")
+            self.stats[split] = {"read": len(recs), "dropped": len(dropped), "kept": len(examples),
+                                 "tokens": int(sum(len(e.input_ids) for e in examples))}
+            msg = "split %s: read %d, dropped %d (no response token left after truncation to %d tokens), kept %d"
+            log.info(msg, split, len(recs), len(dropped), self.max_length, len(examples))
+            if dropped:
+                log.warning("split %s: dropped ids (first 10): %s", split, dropped[:10])
+            self._log_stats(split)
+            self._datasets[split] = SFTDataset(examples)
+        return self._datasets[split]
+
+    def _log_stats(self, split: str) -> None:
+        trainer = getattr(self, "trainer", None)
+        logger = getattr(trainer, "logger", None) if trainer is not None else None
+        if logger is None:
+            return
+        try:
+            if trainer.is_global_zero:
+                logger.log_metrics({f"data/{split}_{k}": float(v) for k, v in self.stats[split].items()}, step=0)
+        except Exception as e:  # logging must never break data loading
+            log.debug("could not log data stats to %s: %s", type(logger).__name__, e)
+
+    def prepare_data(self) -> None:
+        """Download hub datasets once (rank 0); local files need nothing."""
+        srcs = self.pool_sources + (self.validation_sources or [])
+        hub = [s for s in srcs if s != BUILTIN and is_hub_id(s)]
+        if hub:
+            import datasets
+
+            from .sources import _split_hub_id
+
+            for s in hub:
+                name, split = _split_hub_id(s)
+                datasets.load_dataset(name, split=split)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build what ``stage`` needs: fit -> train split (+ validation), validate -> validation,
+        predict -> pool; ``None`` -> all of them."""
+        need = {
+            "fit": [self.train_split] + (["validation"] if self.validation_sources else []),
+            "validate": ["validation"] if self.validation_sources else [],
+            "test": ["validation"] if self.validation_sources else [],
+            "predict": ["pool"],
+        }
+        splits = need.get(stage, None) if stage is not None else sorted({s for v in need.values() for s in v})
+        for split in splits or []:
+            self.dataset(split)
+
+    # ------------------------------------------------------------------ loaders
+    def dataloader(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> DataLoader:
+        """A DataLoader over ``split`` in the batch format (seeded shuffle when ``shuffle``)."""
+        ds = self.dataset(split)
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            ds,
+            batch_size=batch_size or self.eval_batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            num_workers=self.num_workers,
+            collate_fn=SFTCollator(self.pad_token_id, self.pad_to_multiple_of),
+            persistent_workers=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self.dataloader(self.train_split, shuffle=True, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return self.dataloader("validation") if self.validation_sources else []
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.dataloader("pool")
+
+    def probe_dataloader(self) -> DataLoader:
+        return self.dataloader("probe")
+
+    def align_dataloader(self, shuffle: bool = True) -> DataLoader:
+        return self.dataloader("align", shuffle=shuffle, batch_size=self.batch_size)
+
+    def validation_dataloader(self) -> DataLoader:
+        if not self.validation_sources:
+            raise ValueError("SFTDataModule: no validation sets configured (validation=None)")
+        return self.dataloader("validation")
+
+
+def _load_tokenizer(name: str, trust_remote_code: bool = False):
+    try:
+        from ..models.loading import load_tokenizer
+    except ImportError:  # pragma: no cover - loading.py is part of the package
+        load_tokenizer = None
+    if load_tokenizer is None:
+        if name != BUILTIN:
+            raise ImportError("iprox_lightning.models.loading.load_tokenizer is unavailable")
+        from .synthetic import builtin_tokenizer
+
+        return builtin_tokenizer()
+    return load_tokenizer(name, trust_remote_code=trust_remote_code)

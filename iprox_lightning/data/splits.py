@@ -1,0 +1,144 @@
+"""Reproducible splits of the candidate pool, as in the paper (§ experimental setup).
+
+From one seed:
+
+* **warm-up** subset — a random ``warmup_fraction`` (5%) of the pool; the target model is warmed
+  up on it before scoring;
+* **construction** subset — a random ``construction_fraction`` (1%) of the pool, used to build the
+  IProX proxy, divided into the **probe** set (``probe_fraction`` = 10% of it; IPSVD statistics)
+  and the **alignment** set (the other 90%);
+* the **candidate pool** to score — the whole pool.
+
+The warm-up and construction subsets are disjoint: both are consecutive slices of one random
+permutation of the pool's ids, taken in sorted order so the result does not depend on the order
+the records were read in. The permutation is ``numpy.random.default_rng(seed).permutation``,
+stable across platforms and numpy versions.
+
+Rounding (``round`` is round-half-up here, ``⌊x + 0.5⌋``)::
+
+    n_warmup       = max(1, round(warmup_fraction * N))        (0 when warmup_fraction == 0)
+    n_construction = max(2, round(construction_fraction * N))
+    n_probe        = min(n_construction - 1, max(1, round(probe_fraction * n_construction)))
+    n_align        = n_construction - n_probe
+
+so even a tiny pool gets non-empty probe and alignment sets; ``n_warmup + n_construction`` must
+not exceed ``N``.
+
+Validation sets keep a few examples per task: :func:`sample_per_task`.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def _round(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def _check_fraction(name: str, value: float, *, allow_zero: bool) -> None:
+    lo_ok = value >= 0 if allow_zero else value > 0
+    if not (lo_ok and value <= 1):
+        raise ValueError(f"{name} must be in {'[0' if allow_zero else '(0'}, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    warmup: int
+    probe: int
+    align: int
+
+    @property
+    def construction(self) -> int:
+        return self.probe + self.align
+
+
+def split_sizes(
+    n: int, warmup_fraction: float = 0.05, construction_fraction: float = 0.01, probe_fraction: float = 0.1
+) -> SplitSizes:
+    """The split sizes for a pool of ``n`` examples (rounding rules in the module doc)."""
+    _check_fraction("warmup_fraction", warmup_fraction, allow_zero=True)
+    _check_fraction("construction_fraction", construction_fraction, allow_zero=False)
+    _check_fraction("probe_fraction", probe_fraction, allow_zero=False)
+    n_w = 0 if warmup_fraction == 0 else max(1, _round(warmup_fraction * n))
+    n_c = max(2, _round(construction_fraction * n))
+    n_p = min(n_c - 1, max(1, _round(probe_fraction * n_c)))
+    if n_w + n_c > n:
+        raise ValueError(
+            f"pool of {n} examples is too small for a warm-up subset of {n_w} and a construction subset of "
+            f"{n_c} (probe {n_p} + align {n_c - n_p}); lower warmup_fraction/construction_fraction or add data"
+        )
+    return SplitSizes(warmup=n_w, probe=n_p, align=n_c - n_p)
+
+
+@dataclass(frozen=True)
+class PoolSplits:
+    """Ids of each split (lists of str, in random order). ``pool`` is every id, sorted."""
+
+    warmup: list[str]
+    probe: list[str]
+    align: list[str]
+    pool: list[str]
+
+    @property
+    def construction(self) -> list[str]:
+        return self.probe + self.align
+
+    def get(self, name: str) -> list[str]:
+        if name not in ("warmup", "probe", "align", "construction", "pool"):
+            raise KeyError(f"unknown split {name!r}; one of warmup, probe, align, construction, pool")
+        return list(getattr(self, name))
+
+
+def make_splits(
+    ids: Sequence[str],
+    seed: int = 0,
+    warmup_fraction: float = 0.05,
+    construction_fraction: float = 0.01,
+    probe_fraction: float = 0.1,
+) -> PoolSplits:
+    """Warm-up / probe / alignment subsets and the candidate pool from one seed (module doc)."""
+    pool = sorted(ids)
+    if len(set(pool)) != len(pool):
+        dup = next(a for a, b in zip(pool, pool[1:]) if a == b)
+        raise ValueError(f"make_splits: duplicate id {dup!r}")
+    sizes = split_sizes(len(pool), warmup_fraction, construction_fraction, probe_fraction)
+    perm = np.random.default_rng(seed).permutation(len(pool))
+    order = [pool[i] for i in perm]
+    w, p = sizes.warmup, sizes.probe
+    return PoolSplits(
+        warmup=order[:w],
+        probe=order[w : w + p],
+        align=order[w + p : w + sizes.construction],
+        pool=pool,
+    )
+
+
+def sample_per_task(ids: Sequence[str], tasks: Sequence[str], per_task: int | None, seed: int = 0) -> dict[str, list[str]]:
+    """``{task: ids}`` keeping at most ``per_task`` random ids per task (all when ``None``).
+
+    Tasks keep their first-seen order; within a task the sample is drawn from the sorted ids with
+    ``numpy.random.default_rng([seed, crc32(task)])`` and returned sorted, so it is reproducible
+    and one task's sample does not depend on the other tasks.
+    """
+    if len(ids) != len(tasks):
+        raise ValueError(f"sample_per_task: {len(ids)} ids but {len(tasks)} tasks")
+    if per_task is not None and per_task < 1:
+        raise ValueError(f"per_task must be >= 1 or None, got {per_task}")
+    groups: Mapping[str, list[str]] = defaultdict(list)
+    for i, t in zip(ids, tasks):
+        groups[t].append(i)
+    out: dict[str, list[str]] = {}
+    for t, members in groups.items():
+        members = sorted(members)
+        if per_task is not None and len(members) > per_task:
+            rng = np.random.default_rng([seed, zlib.crc32(t.encode("utf-8"))])  # independent per task
+            keep = np.sort(rng.choice(len(members), size=per_task, replace=False))
+            members = [members[k] for k in keep]
+        out[t] = members
+    return out

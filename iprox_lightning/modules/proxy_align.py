@@ -1,0 +1,249 @@
+"""``ProxyAlignModule``: Stage 2 of IProX — train only the proxy's low-rank factors so its gradients
+follow the target's (paper §4.2). The math lives in :mod:`iprox_lightning.alignment`:
+
+``L = L_GA + λ_KL · L_KL`` with
+``L_GA = mean_ℓ [1 − cos(∇_{A_ℓ} L_proxy, sg(∇_{W_ℓ} L) B_ℓᵀ) + 1 − cos(∇_{B_ℓ} L_proxy, A_ℓᵀ sg(∇_{W_ℓ} L))]`` and
+``L_KL = τ² · mean over response tokens of KL(softmax(f_target/τ) ‖ softmax(f_proxy/τ))``.
+
+Models:
+
+* ``self.teacher`` — the target, loaded from ``target``; frozen (``requires_grad=False``), always in
+  eval mode, kept **outside** the module tree: it is in no ``state_dict``/checkpoint, in no optimiser,
+  and DDP/FSDP never wrap it; ``.to()``/``.cuda()``/``.half()`` of this module move it along.
+* ``self.proxy`` — a deep copy of the target (then compressed in place by
+  :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
+  ``setup("fit")``), or a saved proxy directory given as ``proxy``. Only the ``A``/``B`` factors of its
+  :class:`~iprox_lightning.lowrank.LowRankLinear` layers train; every other tensor (biases, norms,
+  embeddings, LM head, layers kept dense) is frozen and stays bit-identical. Both models run in eval
+  mode (dropout off) so their gradients are comparable.
+
+One training step: teacher forward+backward (hooks project ``∇_W L`` to ``(P_A, P_B)`` without forming
+it) → proxy forward → ``autograd.grad(L_proxy, factors, create_graph=True)`` → ``L`` → **one** backward
+(Lightning's automatic optimisation). Attention must support double backward (eager attention; the
+loader's default).
+
+Distributed semantics (DDP): each rank aligns on its local micro-batch — its own teacher projections,
+its own proxy gradients, its own cosines — and the single backward all-reduces (averages) the gradient
+of its local ``L``. The step therefore equals single-process training on the **mean of the per-micro-batch
+losses** ``(L(b_0) + … + L(b_{N-1}))/N`` — the same as gradient accumulation over the micro-batches — and
+not ``L`` of the concatenated batch (cosines of summed gradients do not decompose over examples).
+Ranks end with identical factors.
+
+Ablations: ``kl_weight=0`` (no KL anchor), ``align=False`` (IPSVD only: fit trains nothing and only
+saves the proxy), SVD instead of IPSVD init is ``IPSVDCallback(method="svd")``.
+
+At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
+:func:`iprox_lightning.compress.save_proxy` (rank 0), its manifest extended with the alignment settings.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from torch import nn
+
+from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
+from ..lowrank import LowRankLinear
+from .causal_lm import linear_warmup_decay, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def _is_proxy_dir(source: Any) -> bool:
+    from ..models.loading import PROXY_MANIFEST
+
+    return isinstance(source, str) and (Path(source) / PROXY_MANIFEST).is_file()
+
+
+class ProxyAlignModule(L.LightningModule):
+    """Stage 2 alignment of a low-rank proxy to its target (see the module docstring).
+
+    Args:
+        target: the (warmed-up) target model — hub id, directory, ``.gguf`` or ``"builtin"``; or an ``nn.Module``.
+        proxy: a saved proxy directory (or module) to start from; ``None``: a deep copy of the target that
+            ``IPSVDCallback`` compresses before training.
+        lr, weight_decay: AdamW over the factors (paper grid lr ∈ {1e-5, 5e-5, 1e-4}, wd 0.01).
+        kl_weight: λ_KL (paper grid {0, 0.1, 0.01, 0.001}, default 0.1); ``0`` disables the KL anchor.
+        temperature: τ of the KL term.
+        align: ``False`` → IPSVD-only ablation: no alignment step, fit just saves the proxy.
+        save_dir: where the aligned proxy is saved at the end of ``fit``.
+        grad_through_projection: keep the projections ``sg(∇_W L)·Bᵀ``, ``Aᵀ·sg(∇_W L)`` differentiable in
+            the factors (the paper's formula; keeps each layer's per-token ``h``/``δ`` for the step) —
+            ``False`` treats them as constants (memory of the projections only).
+        layers: restrict alignment to these proxy layer paths (default: every ``LowRankLinear``).
+        warmup_ratio, lr_schedule: learning-rate schedule (default constant, as the paper states no schedule).
+        dtype: dtype of both models when loaded by name.
+        log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
+    """
+
+    def __init__(
+        self,
+        target: Union[str, nn.Module] = "builtin",
+        proxy: Optional[Union[str, nn.Module]] = None,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        kl_weight: float = 0.1,
+        temperature: float = 2.0,
+        align: bool = True,
+        save_dir: Optional[str] = None,
+        grad_through_projection: bool = True,
+        layers: Optional[list[str]] = None,
+        warmup_ratio: float = 0.0,
+        lr_schedule: str = "constant",
+        dtype: str = "float32",
+        log_layer_cosines: bool = True,
+    ) -> None:
+        super().__init__()
+        if kl_weight < 0:
+            raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
+        self.save_hyperparameters(ignore=ignore or None)
+        # plain attributes (never registered submodules, even when given as nn.Module)
+        object.__setattr__(self, "target_source", target)
+        object.__setattr__(self, "proxy_source", proxy)
+        object.__setattr__(self, "_teacher", None)  # outside the module tree: no state_dict, no DDP/FSDP
+        self.proxy: Optional[nn.Module] = None
+        self.tokenizer: Any = None
+        self.compression_report: Any = None  # set by IPSVDCallback after compressing; goes into the manifest
+
+    # ------------------------------------------------------------------------------------- models
+    @property
+    def teacher(self) -> Optional[nn.Module]:
+        """The frozen target (eval mode, no grad); not a registered submodule."""
+        return self._teacher
+
+    def configure_model(self) -> None:
+        """Build teacher and proxy (idempotent) and (re)apply the trainable set: only ``LowRankLinear``
+        factors. Safe to call again after ``IPSVDCallback`` swapped layers (Lightning does)."""
+        if self.proxy is None:
+            teacher, tok = resolve_model(self.target_source, self.hparams.dtype)
+            teacher.eval().requires_grad_(False)
+            object.__setattr__(self, "_teacher", teacher)
+            if self.proxy_source is None:
+                proxy = copy.deepcopy(teacher)
+            else:
+                proxy, ptok = resolve_model(self.proxy_source, self.hparams.dtype)
+                tok = tok if tok is not None else ptok
+            self.tokenizer = tok
+            if hasattr(proxy, "config"):
+                proxy.config.use_cache = False
+            self.proxy = proxy
+        self._set_trainable()
+
+    def _set_trainable(self) -> None:
+        self.proxy.eval()
+        self.proxy.requires_grad_(False)
+        for m in self.proxy.modules():
+            if isinstance(m, LowRankLinear):
+                m.A.requires_grad_(True)
+                m.B.requires_grad_(True)
+
+    def factor_parameters(self) -> list[nn.Parameter]:
+        """The trainable ``A``/``B`` of the aligned layers, in model order."""
+        return [p for m in proxy_factor_layers(self.proxy, self.hparams.layers).values() for p in (m.A, m.B)]
+
+    def _apply(self, fn, *args, **kwargs):
+        # ``.to(device)``, ``.cuda()``, ``.double()`` … also reach the unregistered teacher
+        super()._apply(fn, *args, **kwargs)
+        if self._teacher is not None:
+            self._teacher._apply(fn, *args, **kwargs)
+        return self
+
+    # ------------------------------------------------------------------------------------- steps
+    def alignment_step(self, batch: dict, *, create_graph: bool = True) -> AlignmentOutput:
+        """``L_GA + λ_KL·L_KL`` on ``batch`` (see :func:`iprox_lightning.alignment.alignment_losses`)."""
+        if self.proxy.training:
+            self.proxy.eval()
+        if self._teacher.training:
+            self._teacher.eval()
+        return alignment_losses(
+            self._teacher, self.proxy, batch,
+            kl_weight=self.hparams.kl_weight, temperature=self.hparams.temperature,
+            grad_through_projection=self.hparams.grad_through_projection,
+            create_graph=create_graph, layers=self.hparams.layers,
+        )
+
+    def _log_output(self, out: AlignmentOutput, prefix: str, batch_size: int, per_layer: bool) -> None:
+        cos_a, cos_b = out.mean_cosines()
+        on_step = prefix == "align"
+        sync = prefix != "align"
+        self.log(f"{prefix}/l_ga", out.l_ga, prog_bar=True, on_step=on_step, on_epoch=not on_step,
+                 batch_size=batch_size, sync_dist=sync)
+        self.log_dict({f"{prefix}/loss": out.loss.detach(), f"{prefix}/l_kl": out.l_kl,
+                       f"{prefix}/cos_A_mean": cos_a, f"{prefix}/cos_B_mean": cos_b,
+                       f"{prefix}/proxy_sft": out.proxy_sft, f"{prefix}/teacher_sft": out.teacher_sft},
+                      on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=sync)
+        if per_layer:
+            d = {f"{prefix}/cos_A/{n}": c for n, c in out.cos_a.items()}
+            d.update({f"{prefix}/cos_B/{n}": c for n, c in out.cos_b.items()})
+            self.log_dict(d, on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=sync)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
+        if not self.hparams.align:
+            return -1  # IPSVD-only ablation: skip the epoch, on_fit_end still saves
+        return None
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out = self.alignment_step(batch, create_graph=True)
+        self._log_output(out, "align", batch["input_ids"].shape[0], self.hparams.log_layer_cosines)
+        return out.loss
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # cosines on held-out data need gradients: leave inference mode; clone inference tensors
+        with torch.inference_mode(False), torch.enable_grad():
+            batch = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            out = self.alignment_step(batch, create_graph=False)
+        self._log_output(out, "val", batch["input_ids"].shape[0], self.hparams.log_layer_cosines)
+
+    # ------------------------------------------------------------------------------------- optim
+    def configure_optimizers(self):
+        params = self.factor_parameters()
+        ids = {id(p) for p in params}
+        extra = [n for n, p in self.proxy.named_parameters() if p.requires_grad and id(p) not in ids]
+        if extra:
+            raise RuntimeError(f"ProxyAlignModule: only LowRankLinear factors may train, but {extra[:5]} require grad")
+        if self._teacher is not None and any(p.requires_grad for p in self._teacher.parameters()):
+            raise RuntimeError("ProxyAlignModule: the teacher must be frozen")
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        if self.hparams.lr_schedule == "constant" and self.hparams.warmup_ratio == 0:
+            return opt
+        total = self.trainer.estimated_stepping_batches
+        sched = linear_warmup_decay(opt, int(total), self.hparams.warmup_ratio, self.hparams.lr_schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------- saving
+    def on_fit_end(self) -> None:
+        if self.hparams.save_dir:
+            self.save_proxy(self.hparams.save_dir)
+
+    def save_proxy(self, save_dir: str) -> Path:
+        """Write the proxy directory (:func:`iprox_lightning.compress.save_proxy`) on rank 0."""
+        from ..compress import read_manifest, save_proxy
+
+        path = Path(save_dir)
+        zero = self.trainer.is_global_zero if self._trainer is not None else True
+        if zero:
+            manifest = self.compression_report
+            if manifest is None and _is_proxy_dir(self.proxy_source):
+                manifest = {k: v for k, v in read_manifest(self.proxy_source).items()
+                            if k not in ("format_version", "layers", "dtype", "params_after")}
+            extra: dict[str, Any] = {"alignment": {
+                "aligned": bool(self.hparams.align),
+                "steps": int(self.global_step) if self._trainer is not None else 0,
+                "lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay,
+                "kl_weight": self.hparams.kl_weight, "temperature": self.hparams.temperature,
+                "grad_through_projection": self.hparams.grad_through_projection,
+            }}
+            if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
+                extra["target_model"] = self.target_source
+            save_proxy(self.proxy, self.tokenizer, path, manifest, **extra)
+            log.info("saved aligned proxy to %s", path)
+        if self._trainer is not None:
+            self.trainer.strategy.barrier("save_proxy")
+        return path

@@ -1,0 +1,563 @@
+"""TracIn and K-FAC influence scores of training examples against a validation set.
+
+Definitions (sign convention: **higher score = more useful for the validation set**)
+-------------------------------------------------------------------------------------
+* Tracked parameters: for a dense model, the weights of the targeted linear layers in the decoder
+  blocks (``find_target_linears``: q/k/v/o, gate/up/down, fused qkv, GPT-2 ``Conv1D``; never
+  embeddings, LM head, norms or biases); for a proxy, the ``A`` and ``B`` factors of every
+  ``LowRankLinear`` plus any targeted linear left dense.
+* Per-example loss ``L(z)``: mean token cross-entropy over the example's response tokens.
+  Per-example gradient ``g(z)``: gradient of ``L(z)`` over the tracked parameters, one flat vector.
+* Validation gradient of a task ``T``: ``ḡ_T = mean over validation examples z' of task T of g(z')``
+  (examples without response tokens count, with ``g = 0``); ``ḡ`` = mean over all validation examples.
+* **TracIn** (LESS's SGD variant, one checkpoint): ``score(z) = cos(g(z), ḡ)``; per task
+  ``cos(g(z), ḡ_T)``, and LESS's aggregate ``max_T cos(g(z), ḡ_T)`` (``score_max``).
+  Multi-checkpoint TracIn: ``Σ_c η_c · cos(g_c(z), ḡ_c)`` (``multi_checkpoint_scores``).
+  With ``normalize=False`` the plain inner products ``⟨g(z), ḡ⟩`` are returned instead.
+* **K-FAC influence** (Grosse et al. 2023): per tracked weight ``W: [out, in]``,
+  ``C_h = E[h hᵀ]`` and ``C_δ = E[δ δᵀ]`` (means over the non-padding tokens of the first
+  ``kfac_examples`` training examples, ``h`` the layer input, ``δ = ∂L(z)/∂(W h)``), damped
+  ``C_λ = C + λ I`` with ``λ = damping · trace(C)/dim`` (``damping_mode="relative"``, as IPSVD) or
+  ``λ = damping`` (``"absolute"``); ``H = ⊕_layers C_δ,λ ⊗ C_h,λ``, preconditioned validation
+  gradient ``H⁻¹ ḡ = C_δ,λ⁻¹ Ḡ C_h,λ⁻¹`` per layer, and
+  ``score(z) = ⟨g(z), H⁻¹ ḡ⟩ / (‖H^{-1/2} g(z)‖ · ‖H^{-1/2} ḡ‖)`` — the cosine in the K-FAC metric
+  (``normalize=False``: the plain ``⟨g(z), H⁻¹ ḡ⟩``). Per task with ``ḡ_T`` likewise.
+* An example whose gradient is zero (e.g. no response token left after truncation) gets score 0
+  and ``zero_grad=True``, never NaN.
+
+Nothing materialises a flat per-example gradient: per layer, ``features.layer_features`` uses the
+ghost or the materialised ``[B, out, in]`` form, whichever is cheaper. Exactness against a
+brute-force autograd reference is tested in ``tests/test_scoring_influence.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .features import (
+    LayerMetric,
+    backward_pairs,
+    has_response_tokens,
+    layer_features,
+    tracked_modules,
+    trim_batch,
+    virtual_linears,
+)
+
+METHODS = ("tracin", "kfac")
+DAMPING_MODES = ("relative", "absolute")
+ALL_TASKS = "all"
+
+
+# --------------------------------------------------------------------------------------------
+# result type
+# --------------------------------------------------------------------------------------------
+class ScoreTable(Mapping):
+    """``id -> score`` (a read-only ``Mapping``) carrying the rest of the result as arrays.
+
+    Attributes (row ``j`` is example ``ids[j]``): ``scores [N]``, ``task_names [K]``,
+    ``task_scores [N, K]`` (score against each validation task), ``n_tokens [N]`` (response tokens),
+    ``zero_grad [N]`` (bool flag), ``tasks`` (the example's own task, or ``None``), ``settings``.
+    ``score_max`` is LESS's aggregate ``max_T`` of the per-task scores.
+    """
+
+    def __init__(self, ids, scores, task_names, task_scores, n_tokens, zero_grad, tasks=None, settings=None):
+        self.ids = [str(i) for i in ids]
+        self.scores = np.asarray(scores, dtype=np.float64).reshape(len(self.ids))
+        self.task_names = list(task_names)
+        self.task_scores = np.asarray(task_scores, dtype=np.float64).reshape(len(self.ids), len(self.task_names))
+        self.n_tokens = np.asarray(n_tokens, dtype=np.int64).reshape(len(self.ids))
+        self.zero_grad = np.asarray(zero_grad, dtype=bool).reshape(len(self.ids))
+        self.tasks = None if tasks is None else [None if t is None else str(t) for t in tasks]
+        self.settings = dict(settings or {})
+        self._index: dict[str, int] = {}
+        for j, i in enumerate(self.ids):
+            if i in self._index:
+                raise ValueError(f"duplicate example id {i!r} in the scored data (rows {self._index[i]} and {j})")
+            self._index[i] = j
+
+    # Mapping protocol
+    def __getitem__(self, key: str) -> float:
+        return float(self.scores[self._index[key]])
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return f"ScoreTable({len(self)} examples, tasks={self.task_names}, method={self.settings.get('method')})"
+
+    @property
+    def score_max(self) -> np.ndarray:
+        """LESS aggregation: ``max_T score_T(z)`` (``[N]``; 0 for flagged examples)."""
+        if not self.task_names:
+            return self.scores.copy()
+        return self.task_scores.max(axis=1)
+
+    def task_score(self, task: str) -> dict[str, float]:
+        k = self.task_names.index(task)
+        return dict(zip(self.ids, self.task_scores[:, k].tolist()))
+
+    # Arrow -------------------------------------------------------------------------------
+    def to_arrow(self):
+        import pyarrow as pa
+
+        cols: dict[str, Any] = {
+            "id": pa.array(self.ids, pa.string()),
+            "score": pa.array(self.scores, pa.float64()),
+            "score_max": pa.array(self.score_max, pa.float64()),
+        }
+        for k, t in enumerate(self.task_names):
+            cols[f"score/{t}"] = pa.array(self.task_scores[:, k], pa.float64())
+        cols["n_tokens"] = pa.array(self.n_tokens, pa.int64())
+        cols["zero_grad"] = pa.array(self.zero_grad, pa.bool_())
+        cols["task"] = pa.array(self.tasks if self.tasks is not None else [None] * len(self), pa.string())
+        return pa.table(cols)
+
+    @classmethod
+    def from_arrow(cls, table, settings=None) -> "ScoreTable":
+        names = [c[len("score/"):] for c in table.column_names if c.startswith("score/")]
+        n = table.num_rows
+        ts = np.stack([table.column(f"score/{t}").to_numpy() for t in names], axis=1) if names else np.zeros((n, 0))
+        return cls(
+            table.column("id").to_pylist(), table.column("score").to_numpy(), names, ts,
+            table.column("n_tokens").to_numpy(), table.column("zero_grad").to_numpy(zero_copy_only=False),
+            table.column("task").to_pylist() if "task" in table.column_names else None, settings,
+        )
+
+    def save(self, path: str) -> str:
+        """Write as Parquet (atomic: temp file + ``os.replace``)."""
+        import os
+
+        import pyarrow.parquet as pq
+
+        tmp = f"{path}.tmp-{os.getpid()}"
+        pq.write_table(self.to_arrow(), tmp)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "ScoreTable":
+        import pyarrow.parquet as pq
+
+        return cls.from_arrow(pq.read_table(path))
+
+
+# --------------------------------------------------------------------------------------------
+# K-FAC factors
+# --------------------------------------------------------------------------------------------
+def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(Q, e + λ, λ)`` with ``C = Q diag(e) Qᵀ`` and the damping ``λ`` of the given mode."""
+    if mode not in DAMPING_MODES:
+        raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {mode!r}")
+    C = C.double()
+    C = 0.5 * (C + C.t())
+    lam = float(damping) * float(torch.trace(C)) / C.shape[0] if mode == "relative" else float(damping)
+    e, Q = torch.linalg.eigh(C)
+    e = e.clamp(min=0.0) + lam
+    if not bool((e > 0).all()):
+        raise ValueError(
+            f"damped K-FAC factor is singular (damping={damping}, mode={mode}, trace={float(torch.trace(C))}); "
+            "increase damping"
+        )
+    return Q, e, lam
+
+
+class KFACFactors:
+    """Running sums of ``h hᵀ`` and ``δ δᵀ`` over non-padding tokens, per tracked weight."""
+
+    def __init__(self) -> None:
+        self.sum_hh: dict[str, torch.Tensor] = {}
+        self.sum_dd: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, float] = {}
+        self.examples = 0
+
+    def add(self, key: str, h: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> None:
+        m = mask.to(torch.bool)
+        hv = h[m].to(dtype)
+        dv = delta[m].to(dtype)
+        if key not in self.sum_hh:
+            self.sum_hh[key] = hv.new_zeros(hv.shape[-1], hv.shape[-1])
+            self.sum_dd[key] = dv.new_zeros(dv.shape[-1], dv.shape[-1])
+            self.tokens[key] = 0.0
+        self.sum_hh[key].addmm_(hv.t(), hv)
+        self.sum_dd[key].addmm_(dv.t(), dv)
+        self.tokens[key] += float(hv.shape[0])
+
+    def metrics(self, keys: Sequence[str], damping: float, mode: str, reduce: Callable | None = None,
+                dtype: torch.dtype = torch.float32) -> dict[str, LayerMetric]:
+        """All-reduce (``reduce``), normalise to means, damp, eigendecompose -> ``LayerMetric``s."""
+        out = {}
+        for key in keys:
+            if key not in self.sum_hh:
+                raise RuntimeError(f"no K-FAC statistics were collected for {key!r}: is the factor data empty?")
+            hh, dd = self.sum_hh[key], self.sum_dd[key]
+            n = torch.tensor([self.tokens[key]], dtype=torch.float64, device=hh.device)
+            if reduce is not None:
+                hh, dd, n = reduce(hh), reduce(dd), reduce(n)
+            n = float(n.item())
+            if n <= 0:
+                raise RuntimeError(f"K-FAC factors of {key!r} saw no token")
+            Qh, eh, _ = damped_eigh(hh / n, damping, mode)
+            Qd, ed, _ = damped_eigh(dd / n, damping, mode)
+            out[key] = LayerMetric(Qh, eh.rsqrt(), Qd, ed.rsqrt()).to(dtype)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# the scorer (plain object, used by the function API and by the Lightning module)
+# --------------------------------------------------------------------------------------------
+def _to_device(batch: Mapping, device) -> dict:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _slice_rows(batch: Mapping, n: int) -> dict:
+    B = batch["input_ids"].shape[0]
+    return {k: (v[:n] if (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B)
+                else (list(v)[:n] if isinstance(v, (list, tuple)) and len(v) == B else v))
+            for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def _progress(it, enabled: bool, desc: str, total=None):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, total=total, leave=False)
+
+
+class InfluenceScorer:
+    """Holds the prepared validation gradients (and K-FAC metric) and scores batches.
+
+    ``fit(val_batches, factor_batches)`` runs once; ``score_batch(batch)`` then returns, for the
+    examples of one batch, ``{"id", "score", "task_scores" [B, K], "n_tokens", "zero_grad", "task"}``.
+    For several processes pass ``shard=(rank, world_size)`` (batch ``j`` is processed by rank
+    ``j % world_size``), a ``reduce`` that all-reduces a tensor by sum and a ``gather`` that
+    all-gathers a picklable object into a list: the prepared state is then identical on every rank.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        method: str = "tracin",
+        normalize: bool = True,
+        per_task: bool = True,
+        damping: float = 1e-3,
+        damping_mode: str = "relative",
+        kfac_examples: int = 1024,
+        feature_mode: str = "auto",
+        target_patterns: list[str] | None = None,
+        feature_dtype: torch.dtype | None = None,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if damping_mode not in DAMPING_MODES:
+            raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
+        if kfac_examples < 1:
+            raise ValueError(f"kfac_examples must be >= 1, got {kfac_examples}")
+        self.model = model
+        self.method, self.normalize, self.per_task = method, bool(normalize), bool(per_task)
+        self.damping, self.damping_mode, self.kfac_examples = float(damping), damping_mode, int(kfac_examples)
+        self.feature_mode = feature_mode
+        self.target_patterns = target_patterns
+        self.modules = tracked_modules(model, target_patterns)
+        self.linears = virtual_linears(self.modules)
+        p = next(model.parameters())
+        self.dtype = feature_dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)
+        self.task_names: list[str] = []
+        self.V: dict[str, torch.Tensor] = {}  # key -> [K, out, in]: (whitened) Σ over task-T examples of g
+        self.metric: dict[str, LayerMetric] | None = None
+        self.val_counts: np.ndarray | None = None
+        self.vnorm_task: torch.Tensor | None = None
+        self.vnorm_all: float = 0.0
+        self.stats: dict[str, float] = {}
+        self.fitted = False
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def settings(self) -> dict:
+        return {
+            "method": self.method, "normalize": self.normalize, "per_task": self.per_task,
+            "damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.kfac_examples,
+            "feature_mode": self.feature_mode, "target_patterns": self.target_patterns,
+            "tracked_weights": len(self.linears),
+            "tracked_parameters": int(sum(v.out_features * v.in_features for v in self.linears)),
+            "task_names": self.task_names,
+            "val_counts": None if self.val_counts is None else [int(c) for c in self.val_counts],
+            **{k: v for k, v in self.stats.items()},
+        }
+
+    def _group(self, batch: Mapping) -> list[str]:
+        B = batch["input_ids"].shape[0]
+        if not self.per_task or "task" not in batch or batch["task"] is None:
+            return [ALL_TASKS] * B
+        return [str(t) for t in batch["task"]]
+
+    # ------------------------------------------------------------------------------------
+    def collect_factors(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, progress=False):
+        """K-FAC factors from the first ``kfac_examples`` examples of ``batches``."""
+        rank, world = shard
+        fac = KFACFactors()
+        seen = 0
+        t0 = time.perf_counter()
+        with _eval_mode(self.model):
+            for j, batch in enumerate(_progress(batches, progress, "K-FAC factors")):
+                if seen >= self.kfac_examples:
+                    break
+                B = batch["input_ids"].shape[0]
+                take = min(B, self.kfac_examples - seen)
+                seen += take
+                if j % world != rank:
+                    continue
+                b = trim_batch(_to_device(_slice_rows(batch, take), self.device))
+                mask = b["attention_mask"]
+                backward_pairs(self.model, self.modules, b,
+                               lambda key, h, d: fac.add(key, h, d, mask, torch.float64))
+                fac.examples += take
+        n_ex = torch.tensor([float(fac.examples)], dtype=torch.float64, device=self.device)
+        if reduce is not None:
+            n_ex = reduce(n_ex)
+        self.metric = fac.metrics([v.key for v in self.linears], self.damping, self.damping_mode, reduce, self.dtype)
+        self.stats["kfac_examples_used"] = int(n_ex.item())
+        self.stats["kfac_seconds"] = time.perf_counter() - t0
+
+    def collect_validation(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, gather=None,
+                           progress=False) -> None:
+        """Σ over the validation examples of each task of ``g(z')`` (per tracked weight)."""
+        rank, world = shard
+        sums: dict[str, dict[str, torch.Tensor]] = {v.key: {} for v in self.linears}
+        counts: dict[str, int] = {}
+        t0 = time.perf_counter()
+        with _eval_mode(self.model):
+            for j, batch in enumerate(_progress(batches, progress, "validation gradients")):
+                if j % world != rank:
+                    continue
+                groups = self._group(batch)
+                for g in groups:
+                    counts[g] = counts.get(g, 0) + 1
+                b = _to_device(batch, self.device)
+                keep = has_response_tokens(b)
+                if not bool(keep.any()):
+                    continue
+                b = trim_batch(b, keep)
+                kept_groups = [g for g, k in zip(groups, keep.tolist()) if k]
+                index = {}
+                for r, g in enumerate(kept_groups):
+                    index.setdefault(g, []).append(r)
+                index = {g: torch.tensor(r, device=self.device) for g, r in index.items()}
+
+                def on_pair(key, h, d):
+                    h, d = h.to(self.dtype), d.to(self.dtype)
+                    for g, rows in index.items():
+                        G = d[rows].flatten(0, 1).t() @ h[rows].flatten(0, 1)
+                        acc = sums[key]
+                        acc[g] = G if g not in acc else acc[g] + G
+
+                backward_pairs(self.model, self.modules, b, on_pair)
+        # identical task list on every rank
+        local = sorted(counts)
+        names = sorted(set().union(*gather(local))) if gather is not None else local
+        if not names:
+            raise ValueError("the validation data is empty: cannot compute validation gradients")
+        self.task_names = names
+        cnt = torch.tensor([float(counts.get(t, 0)) for t in names], dtype=torch.float64, device=self.device)
+        if reduce is not None:
+            cnt = reduce(cnt)
+        self.val_counts = cnt.cpu().numpy().astype(np.int64)
+        for v in self.linears:
+            acc = sums[v.key]
+            st = torch.stack([acc[t] if t in acc else torch.zeros(v.out_features, v.in_features, dtype=self.dtype,
+                                                                  device=self.device) for t in names])
+            if reduce is not None:
+                st = reduce(st)
+            self.V[v.key] = st
+            sums[v.key] = {}
+        self.stats["val_seconds"] = time.perf_counter() - t0
+        self.stats["val_examples"] = int(self.val_counts.sum())
+
+    def finalize(self) -> None:
+        """Whiten the validation gradients (K-FAC) and compute their norms."""
+        if self.method == "kfac":
+            if self.metric is None:
+                raise RuntimeError("K-FAC scoring needs factors: call collect_factors first")
+            for key in self.V:
+                self.V[key] = self.metric[key].matrix(self.V[key])
+        n = torch.as_tensor(self.val_counts, dtype=torch.float64)
+        sq_task = torch.zeros(len(self.task_names), dtype=torch.float64)
+        sq_all = 0.0
+        for key, V in self.V.items():
+            sq_task += V.double().pow(2).sum(dim=(1, 2)).cpu()
+            sq_all += float(V.double().sum(0).pow(2).sum())
+        self.vnorm_task = sq_task.sqrt() / n.clamp(min=1)
+        self.vnorm_all = math.sqrt(sq_all) / max(float(n.sum()), 1.0)
+        self.stats["val_grad_norm"] = self.vnorm_all
+        self.fitted = True
+
+    def fit(self, val_batches, factor_batches=None, *, shard=(0, 1), reduce=None, gather=None, progress=False):
+        """Prepare the scorer: K-FAC factors (``method="kfac"``) then validation gradients."""
+        if self.method == "kfac":
+            if factor_batches is None:
+                raise ValueError("method='kfac' needs training batches to estimate the K-FAC factors")
+            self.collect_factors(factor_batches, shard=shard, reduce=reduce, progress=progress)
+        self.collect_validation(val_batches, shard=shard, reduce=reduce, gather=gather, progress=progress)
+        self.finalize()
+        return self
+
+    # ------------------------------------------------------------------------------------
+    def score_batch(self, batch: Mapping) -> dict:
+        """Scores of the examples of one batch (see class docstring)."""
+        if not self.fitted:
+            raise RuntimeError("InfluenceScorer.score_batch called before fit()")
+        B = batch["input_ids"].shape[0]
+        K = len(self.task_names)
+        sq = torch.zeros(B, dtype=torch.float64)
+        dots = torch.zeros(B, K, dtype=torch.float64)
+        b = _to_device(batch, self.device)
+        n_tok = (b["labels"][:, 1:] != -100).sum(dim=1).cpu()
+        keep = has_response_tokens(b).cpu()
+        if bool(keep.any()):
+            tb = trim_batch(b, keep)
+            rows = torch.nonzero(keep).flatten()
+            sq_k = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+            dots_k = torch.zeros(len(rows), K, dtype=torch.float64, device=self.device)
+
+            def on_pair(key, h, d):
+                h, d = h.to(self.dtype), d.to(self.dtype)
+                if self.metric is not None and self.method == "kfac":
+                    h, d = self.metric[key].tokens(h, d)
+                s, dt = layer_features(h, d, self.V[key], self.feature_mode)
+                sq_k.add_(s.double())
+                dots_k.add_(dt.double())
+
+            with _eval_mode(self.model):
+                backward_pairs(self.model, self.modules, tb, on_pair)
+            sq[rows] = sq_k.cpu()
+            dots[rows] = dots_k.cpu()
+        n = torch.as_tensor(self.val_counts, dtype=torch.float64)
+        dot_all = dots.sum(dim=1) / n.sum().clamp(min=1)
+        dot_task = dots / n.clamp(min=1)
+        norm = sq.clamp(min=0).sqrt()
+        zero = (norm == 0) | (n_tok == 0)
+        if self.normalize:
+            den_all = norm * self.vnorm_all
+            score = torch.where(den_all > 0, dot_all / den_all.clamp(min=1e-300), torch.zeros_like(dot_all))
+            den_t = norm[:, None] * self.vnorm_task[None, :]
+            task_scores = torch.where(den_t > 0, dot_task / den_t.clamp(min=1e-300), torch.zeros_like(dot_task))
+        else:
+            score, task_scores = dot_all, dot_task
+        score = torch.where(zero, torch.zeros_like(score), score)
+        task_scores = torch.where(zero[:, None], torch.zeros_like(task_scores), task_scores)
+        return {
+            "id": [str(i) for i in batch["id"]],
+            "score": score.numpy(),
+            "task_scores": task_scores.numpy(),
+            "n_tokens": n_tok.numpy(),
+            "zero_grad": zero.numpy(),
+            "task": list(batch["task"]) if batch.get("task") is not None else None,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# function API
+# --------------------------------------------------------------------------------------------
+def _table_from_parts(parts: list[dict], task_names: list[str], settings: dict) -> ScoreTable:
+    ids, tasks = [], []
+    for p in parts:
+        ids += p["id"]
+        tasks += p["task"] if p["task"] is not None else [None] * len(p["id"])
+    K = len(task_names)
+    cat = lambda k, shape: np.concatenate([p[k] for p in parts]) if parts else np.zeros(shape)  # noqa: E731
+    return ScoreTable(ids, cat("score", (0,)), task_names, cat("task_scores", (0, K)), cat("n_tokens", (0,)),
+                      cat("zero_grad", (0,)), tasks if any(t is not None for t in tasks) else None, settings)
+
+
+def tracin_scores(
+    model: nn.Module,
+    train_dataloader: Iterable[Mapping],
+    val_dataloader: Iterable[Mapping],
+    *,
+    method: str = "tracin",
+    normalize: bool = True,
+    per_task: bool = True,
+    damping: float = 1e-3,
+    damping_mode: str = "relative",
+    kfac_examples: int = 1024,
+    factor_dataloader: Iterable[Mapping] | None = None,
+    feature_mode: str = "auto",
+    target_patterns: list[str] | None = None,
+    progress: bool = True,
+) -> ScoreTable:
+    """Influence score of every training example against the validation set.
+
+    ``method="tracin"``: ``score(z) = cos(g(z), ḡ)``; ``method="kfac"``: cosine in the K-FAC metric
+    ``⟨g, H⁻¹ḡ⟩ / (‖H^{-1/2}g‖ ‖H^{-1/2}ḡ‖)`` (see the module docstring for every definition;
+    higher = more useful). ``normalize=False`` returns the plain inner products.
+
+    ``train_dataloader`` / ``val_dataloader``: any iterables of batches in the project's batch
+    format (``input_ids``, ``attention_mask``, ``labels``, ``id``, optional ``task``). K-FAC factors
+    are estimated on the first ``kfac_examples`` examples of ``factor_dataloader`` (default: the
+    training batches, which must then be re-iterable). ``per_task``: also score against each
+    validation task's mean gradient (``ScoreTable.task_scores``, LESS max in ``score_max``).
+    ``feature_mode``: ``"auto"`` | ``"ghost"`` | ``"materialize"`` (identical numbers).
+
+    Returns a ``ScoreTable`` — a ``Mapping`` ``id -> score`` with per-task scores, response-token
+    counts and zero-gradient flags.
+    """
+    scorer = InfluenceScorer(model, method=method, normalize=normalize, per_task=per_task, damping=damping,
+                             damping_mode=damping_mode, kfac_examples=kfac_examples, feature_mode=feature_mode,
+                             target_patterns=target_patterns)
+    scorer.fit(val_dataloader, factor_dataloader if factor_dataloader is not None else train_dataloader,
+               progress=progress)
+    parts = [scorer.score_batch(b) for b in _progress(train_dataloader, progress, f"scoring ({method})")]
+    return _table_from_parts(parts, scorer.task_names, scorer.settings())
+
+
+def multi_checkpoint_scores(
+    models: Sequence[nn.Module],
+    train_dataloader: Iterable[Mapping],
+    val_dataloader: Iterable[Mapping],
+    *,
+    weights: Sequence[float],
+    **kwargs,
+) -> ScoreTable:
+    """Multi-checkpoint TracIn: ``Σ_c η_c · score_c(z)`` over checkpoints ``models`` with weights
+    ``η_c`` (learning rates); per-task scores likewise. ``kwargs`` go to ``tracin_scores``; the
+    data loaders must be re-iterable. An example is flagged ``zero_grad`` if it is at every checkpoint."""
+    if len(models) != len(weights) or not models:
+        raise ValueError(f"need one weight per checkpoint, got {len(models)} models and {len(weights)} weights")
+    total = None
+    for m, w in zip(models, weights):
+        t = tracin_scores(m, train_dataloader, val_dataloader, **kwargs)
+        if total is None:
+            total = ScoreTable(t.ids, w * t.scores, t.task_names, w * t.task_scores, t.n_tokens, t.zero_grad,
+                               t.tasks, {**t.settings, "checkpoint_weights": list(map(float, weights))})
+        else:
+            if t.ids != total.ids or t.task_names != total.task_names:
+                raise ValueError("checkpoints scored different ids or tasks; use a deterministic data loader")
+            total.scores += w * t.scores
+            total.task_scores += w * t.task_scores
+            total.zero_grad &= t.zero_grad
+    return total

@@ -1,0 +1,187 @@
+"""``InfluenceScoringModule``: influence scoring as a Lightning predict loop.
+
+The math lives in ``influence.InfluenceScorer``; this module only wires it to a ``Trainer``:
+
+* ``configure_model`` loads the model (``iprox_lightning.models.loading.load_model``: ``"builtin"``,
+  hub id, local dir, ``.gguf`` file or saved IProX proxy dir) unless an ``nn.Module`` was given.
+* ``on_predict_start`` computes the validation gradients (and, for ``method="kfac"``, the K-FAC
+  factors on the first ``kfac_examples`` examples of ``datamodule.dataloader(kfac_split)``) once.
+  Under DDP each rank takes every ``world_size``-th batch and the sums and example counts are
+  all-reduced, so the prepared state is identical on every rank.
+* ``predict_step`` returns ``{"id", "score", "task_scores", "task_names", "n_tokens", "zero_grad",
+  "task"}`` for the examples of the batch, skipping ids in ``skip_ids`` (set by
+  ``InfluenceWriter`` on resume).
+
+Lightning predicts under ``torch.inference_mode()``; gradients are taken inside
+``torch.inference_mode(False)`` + ``torch.enable_grad()`` on cloned inputs, so both
+``Trainer(inference_mode=True)`` (default) and ``inference_mode=False`` work.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable, Optional, Union
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+
+from .influence import DAMPING_MODES, METHODS, InfluenceScorer
+
+log = logging.getLogger(__name__)
+
+
+class InfluenceScoringModule(L.LightningModule):
+    """Score a candidate pool against validation sets with TracIn or K-FAC influence.
+
+    Args:
+        model: ``"builtin"``, a hub id, a local directory, a ``.gguf`` file, a saved proxy directory,
+            or (from Python) an already built ``nn.Module``.
+        method: ``"tracin"`` (cosine of gradients) or ``"kfac"`` (cosine in the K-FAC metric).
+        normalize: cosine scores (paper); ``False`` gives plain inner products.
+        per_task: also score against each validation task (LESS max aggregation in ``score_max``).
+        damping / damping_mode: K-FAC damping ``λ = damping·trace(C)/dim`` (``"relative"``) or
+            ``λ = damping`` (``"absolute"``).
+        kfac_examples: training examples used to estimate the K-FAC factors (paper: 1024).
+        kfac_split: data-module split the factors are estimated on (``datamodule.dataloader(split)``).
+        feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation.
+        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        dtype: model dtype when loading (``"float32"``, ``"bfloat16"``, ...).
+        attn_implementation: attention kernel when loading (one backward only, so ``"sdpa"`` is fine).
+        gguf_file: GGUF file name inside ``model`` when ``model`` is a directory.
+        trust_remote_code: passed to the loader.
+    """
+
+    def __init__(
+        self,
+        model: Union[str, nn.Module] = "builtin",
+        method: str = "tracin",
+        normalize: bool = True,
+        per_task: bool = True,
+        damping: float = 1e-3,
+        damping_mode: str = "relative",
+        kfac_examples: int = 1024,
+        kfac_split: str = "pool",
+        feature_mode: str = "auto",
+        target_patterns: Optional[list[str]] = None,
+        dtype: str = "float32",
+        attn_implementation: Optional[str] = "sdpa",
+        gguf_file: Optional[str] = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"InfluenceScoringModule: method must be one of {METHODS}, got {method!r}")
+        if damping_mode not in DAMPING_MODES:
+            raise ValueError(f"InfluenceScoringModule: damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
+        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        self.model_name = model if isinstance(model, str) else type(model).__name__
+        self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
+        self.scorer: InfluenceScorer | None = None
+        self.skip_ids: set[str] = set()
+        self.n_scored = 0
+        self.n_skipped = 0
+        self._val_loader: Iterable | None = None
+        self._factor_loader: Iterable | None = None
+
+    # ------------------------------------------------------------------ model and data
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        from ..models.loading import load_model
+
+        hp = self.hparams
+        self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                                 trust_remote_code=hp.trust_remote_code, tokenizer=False)
+        self.net.eval()
+
+    def attach_dataloaders(self, val: Iterable, factors: Iterable | None = None) -> "InfluenceScoringModule":
+        """Use these loaders instead of the trainer's data module (plain Python users)."""
+        self._val_loader, self._factor_loader = val, factors
+        return self
+
+    def _loaders(self):
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        val = self._val_loader
+        if val is None:
+            if dm is None:
+                raise RuntimeError("InfluenceScoringModule needs validation data: use a data module with "
+                                   "validation_dataloader() / val_dataloader() or call attach_dataloaders()")
+            val = dm.validation_dataloader() if hasattr(dm, "validation_dataloader") else dm.val_dataloader()
+        fac = self._factor_loader
+        if fac is None and self.hparams.method == "kfac":
+            if dm is not None and hasattr(dm, "dataloader"):
+                fac = dm.dataloader(self.hparams.kfac_split)
+            elif dm is not None:
+                fac = dm.predict_dataloader()
+            else:
+                raise RuntimeError("method='kfac' needs training data for the factors: attach_dataloaders(val, factors)")
+        return val, fac
+
+    def scoring_config(self) -> dict[str, Any]:
+        """The settings that must not change between a run and its resumption."""
+        hp = dict(self.hparams)
+        hp["model"] = self.model_name
+        return {k: hp.get(k) for k in ("model", "method", "normalize", "per_task", "damping", "damping_mode",
+                                       "kfac_examples", "kfac_split", "feature_mode", "target_patterns", "dtype")}
+
+    # ------------------------------------------------------------------ prediction
+    def on_predict_start(self) -> None:
+        if self.net is None:
+            self.configure_model()
+        hp = self.hparams
+        self.scorer = InfluenceScorer(
+            self.net, method=hp.method, normalize=hp.normalize, per_task=hp.per_task, damping=hp.damping,
+            damping_mode=hp.damping_mode, kfac_examples=hp.kfac_examples, feature_mode=hp.feature_mode,
+            target_patterns=hp.target_patterns,
+        )
+        val, fac = self._loaders()
+        strategy = self.trainer.strategy
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
+        t0 = time.perf_counter()
+        with torch.inference_mode(False), torch.enable_grad():
+            self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
+                            progress=rank == 0)
+        st = self.scorer.settings()
+        log.info("influence scoring prepared in %.1fs: %s", time.perf_counter() - t0, st)
+        if self.logger is not None:
+            metrics = {f"scoring/{k}": float(v) for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for t, c in zip(self.scorer.task_names, self.scorer.val_counts):
+                metrics[f"scoring/val_examples/{t}"] = float(c)
+            self.logger.log_metrics(metrics, step=0)
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        ids = [str(i) for i in batch["id"]]
+        keep = torch.tensor([i not in self.skip_ids for i in ids], dtype=torch.bool)
+        self.n_skipped += int((~keep).sum())
+        names = self.scorer.task_names
+        if not bool(keep.any()):
+            return _empty_result(names)
+        if not bool(keep.all()):
+            from .features import trim_batch
+
+            batch = trim_batch(batch, keep.to(batch["input_ids"].device))
+        with torch.inference_mode(False), torch.enable_grad():
+            out = self.scorer.score_batch(batch)
+        self.n_scored += len(out["id"])
+        out["task_names"] = list(names)
+        return out
+
+    def forward(self, *args, **kwargs):
+        return self.net(*args, **kwargs)
+
+
+def _empty_result(task_names: list[str]) -> dict:
+    return {"id": [], "score": np.zeros(0), "task_scores": np.zeros((0, len(task_names))), "n_tokens": np.zeros(0, np.int64),
+            "zero_grad": np.zeros(0, bool), "task": None, "task_names": list(task_names)}
+
+
+def _gather_objects(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+

@@ -1,0 +1,139 @@
+"""Top-k data selection from an influence score table.
+
+``select(scores_path, k=0.05, ...)`` reads the table written by ``InfluenceWriter`` (or
+``ScoreTable.save``), ranks examples by score (higher = more useful; ties broken by id so the
+result is deterministic), optionally de-duplicates and writes the subset as JSONL in the Dolly
+schema with the ids kept — the file ``SFTDataModule(selected=..., train_split="selected")`` reads.
+
+* ``k``: an ``int`` count, or a ``float`` fraction in ``(0, 1]`` of the ranked examples
+  (paper: 5%); the count is ``round(k · n)``, at least 1.
+* ``per_task=True`` ranks by LESS's aggregate ``max_T score_T(z)`` (column ``score_max``) instead
+  of the score against the pooled validation gradient (``score``).
+* Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
+* ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
+  identical text (instruction, context, response after whitespace normalisation).
+* ``pool``: the candidate pool file(s) (JSONL with an ``id`` field; Dolly keys) the records are
+  copied from. Without it the output holds ``{"id", "score"}`` rows only.
+
+A ``<output>.meta.json`` next to the output records the settings and the selected ids with scores.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+TEXT_FIELDS = ("instruction", "context", "response")
+
+
+def _read_scores(path: str):
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "scores.parquet"
+    if not p.exists():
+        raise FileNotFoundError(f"score table not found: {p}")
+    t = pq.read_table(p)
+    for c in ("id", "score"):
+        if c not in t.column_names:
+            raise ValueError(f"{p}: score table has no {c!r} column (columns: {t.column_names})")
+    return p, t
+
+
+def _read_pool(paths: Sequence[str], wanted: set[str]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+                if "id" not in rec:
+                    raise ValueError(f"{path}:{n}: record has no 'id' field; selection needs stable ids")
+                i = str(rec["id"])
+                if i in wanted and i not in out:
+                    out[i] = rec
+    return out
+
+
+def _norm_text(rec: dict) -> tuple:
+    return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
+
+
+def select(
+    scores_path: str,
+    *,
+    k: int | float = 0.05,
+    per_task: bool = False,
+    dedup: bool = True,
+    pool: str | list[str] | None = None,
+    output: str,
+) -> str:
+    """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL) and return its path.
+
+    See the module docstring for ``k``, ``per_task``, ``dedup`` and ``pool``.
+    """
+    src, table = _read_scores(scores_path)
+    col = "score_max" if per_task else "score"
+    if col not in table.column_names:
+        raise ValueError(f"{src}: column {col!r} missing (per_task={per_task}); columns: {table.column_names}")
+    ids = [str(i) for i in table.column("id").to_pylist()]
+    scores = [float(s) for s in table.column(col).to_pylist()]
+    flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
+    rows = [(s, i) for s, i, z in zip(scores, ids, flags) if not z and not math.isnan(s)]
+    rows.sort(key=lambda r: (-r[0], r[1]))  # deterministic: score desc, then id
+    if dedup:
+        seen: set[str] = set()
+        rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
+    elif len(set(ids)) != len(ids):
+        raise ValueError(f"{src}: duplicate ids in the score table and dedup=False")
+
+    pools = [pool] if isinstance(pool, str) else list(pool or [])
+    records = _read_pool(pools, {i for _, i in rows}) if pools else {}
+    if pools:
+        missing = [i for _, i in rows if i not in records]
+        if missing:
+            raise ValueError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
+        if dedup:
+            seen_text: set[tuple] = set()
+            kept = []
+            for r in rows:
+                key = _norm_text(records[r[1]])
+                if key not in seen_text:
+                    seen_text.add(key)
+                    kept.append(r)
+            rows = kept
+
+    n = len(rows)
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"k must be an int count or a float fraction, got {k!r}")
+    if isinstance(k, float):
+        if not 0.0 < k <= 1.0:
+            raise ValueError(f"fraction k must be in (0, 1], got {k}")
+        count = max(1, int(round(k * n))) if n else 0
+    else:
+        if k < 1:
+            raise ValueError(f"count k must be >= 1, got {k}")
+        count = min(int(k), n)
+    chosen = rows[:count]
+
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for s, i in chosen:
+            rec = records[i] if pools else {"id": i, "score": s}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    meta = {
+        "scores": str(src), "k": k, "count": len(chosen), "ranked": n, "column": col, "per_task": per_task,
+        "dedup": dedup, "pool": pools, "selected": [{"id": i, "score": s} for s, i in chosen],
+    }
+    Path(f"{out}.meta.json").write_text(json.dumps(meta, indent=1))
+    return str(out)

@@ -1,0 +1,181 @@
+"""ProxyAlignModule under a Lightning Trainer: trainable set, teacher isolation, logging, checkpoint, saving."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from iprox_lightning.compress import compress_model, load_proxy
+from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.modules import ProxyAlignModule
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_batch(seed: int, B: int = 4, T: int = 12, V: int = 128) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[:, : T // 2] = -100
+    return dict(input_ids=ids, attention_mask=torch.ones(B, T, dtype=torch.long), labels=labels,
+                id=[f"{seed}-{i}" for i in range(B)])
+
+
+def loader(n: int, offset: int = 0) -> DataLoader:
+    return DataLoader([make_batch(offset + i) for i in range(n)], batch_size=None)
+
+
+class SVDCompress(L.Callback):
+    """Stand-in for IPSVDCallback with the same contract: configure_model() then compress pl_module.proxy."""
+
+    def setup(self, trainer, pl_module, stage):
+        pl_module.configure_model()
+        if not any(isinstance(m, LowRankLinear) for m in pl_module.proxy.modules()):
+            pl_module.compression_report = compress_model(pl_module.proxy, None, 0.5, method="svd", progress=False)
+
+
+def trainer(tmp_path, **kw) -> L.Trainer:
+    kw.setdefault("max_steps", 4)
+    return L.Trainer(accelerator="cpu", devices=1, callbacks=[SVDCompress()], default_root_dir=tmp_path,
+                     logger=L.pytorch.loggers.CSVLogger(tmp_path), log_every_n_steps=1, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+def test_fit_trains_only_factors_and_saves_loadable_proxy(tmp_path):
+    target = tiny_causal_lm("llama", seed=3)
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    module = ProxyAlignModule(target=target, lr=1e-3, save_dir=str(tmp_path / "proxy"))
+    tr = trainer(tmp_path, max_steps=4, enable_checkpointing=True)
+    # snapshot the proxy right after compression (before the optimiser moves anything)
+    snap = {}
+
+    class Snap(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            snap.update({k: v.detach().clone() for k, v in pl_module.proxy.state_dict().items()})
+
+    tr.callbacks.append(Snap())
+    tr.fit(module, loader(4), val_dataloaders=loader(1, offset=100))
+
+    # teacher: the very target module, untouched, frozen, eval, no grad, not in the module tree
+    assert module.teacher is target and not module.teacher.training
+    assert all(not p.requires_grad and p.grad is None for p in target.parameters())
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, target_before[k]), k
+    assert not any(k.startswith(("teacher", "_teacher", "target")) for k in module.state_dict())
+    assert all(k.startswith("proxy.") for k in module.state_dict())
+
+    # optimiser: exactly the factors
+    opt_params = {id(p) for g in tr.optimizers[0].param_groups for p in g["params"]}
+    factors = {id(p) for m in module.proxy.modules() if isinstance(m, LowRankLinear) for p in (m.A, m.B)}
+    assert opt_params == factors and len(factors) == 28
+
+    # only factors changed; every other tensor bit-identical
+    after = module.proxy.state_dict()
+    changed = [k for k in after if not torch.equal(after[k], snap[k])]
+    assert changed and all(k.endswith((".A", ".B")) for k in changed)
+    assert len(changed) == 28  # every factor moved
+
+    # logged metrics (L_GA, L_KL, per-layer cosines, validation cosines)
+    metrics = tr.logged_metrics
+    for key in ("align/l_ga", "align/l_kl", "align/cos_A_mean", "val/l_ga",
+                "align/cos_A/model.layers.0.self_attn.q_proj", "val/cos_B/model.layers.1.mlp.down_proj"):
+        assert key in metrics, key
+    assert 0.0 <= float(metrics["align/l_ga"]) <= 4.0
+
+    # checkpoint holds no teacher weight and restores the proxy
+    ckpts = list(Path(tmp_path).rglob("*.ckpt"))
+    assert ckpts
+    ck = torch.load(ckpts[0], map_location="cpu", weights_only=True)
+    assert all(k.startswith("proxy.") for k in ck["state_dict"])
+    assert len(ck["optimizer_states"][0]["state"]) == 28
+
+    # the saved proxy reloads bit-identically with its manifest
+    loaded, _ = load_proxy(tmp_path / "proxy")
+    for k, v in module.proxy.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    man = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())
+    assert man["alignment"]["aligned"] is True and man["alignment"]["steps"] == 4
+    assert man["method"] == "svd" and man["sparsity"] == 0.5
+
+
+def test_loss_is_ga_plus_weighted_kl_and_kl_ablation(tmp_path):
+    target = tiny_causal_lm("llama", seed=1)
+    batch = make_batch(7)
+    outs = {}
+    for lam in (0.0, 0.5):
+        m = ProxyAlignModule(target=target, kl_weight=lam, temperature=1.5)
+        m.configure_model()
+        compress_model(m.proxy, None, 0.5, method="svd", progress=False)
+        m.configure_model()
+        outs[lam] = m.alignment_step(batch)
+    assert outs[0.0].loss.item() == pytest.approx(outs[0.0].l_ga.item(), abs=1e-7)
+    o = outs[0.5]
+    assert o.loss.item() == pytest.approx(o.l_ga.item() + 0.5 * o.l_kl.item(), rel=1e-6)
+    assert o.l_kl.item() > 0 and outs[0.0].l_kl.item() == pytest.approx(o.l_kl.item(), rel=1e-6)
+
+
+def test_align_false_only_saves(tmp_path):
+    target = tiny_causal_lm("qwen2", seed=2)
+    module = ProxyAlignModule(target=target, align=False, save_dir=str(tmp_path / "proxy"))
+    snap = {}
+
+    class Snap(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            snap.update({k: v.detach().clone() for k, v in pl_module.proxy.state_dict().items()})
+
+    tr = trainer(tmp_path, max_epochs=1, max_steps=-1, enable_checkpointing=False)
+    tr.callbacks.append(Snap())
+    tr.fit(module, loader(3))
+    assert tr.global_step == 0
+    for k, v in module.proxy.state_dict().items():
+        assert torch.equal(v, snap[k]), k
+    loaded, _ = load_proxy(tmp_path / "proxy")
+    assert json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())["alignment"]["aligned"] is False
+    assert sum(isinstance(m, LowRankLinear) for m in loaded.modules()) == 14
+
+
+def test_resume_from_saved_proxy_dir(tmp_path):
+    target = tiny_causal_lm("llama", seed=4)
+    proxy = copy.deepcopy(target)
+    compress_model(proxy, None, 0.6, method="svd", progress=False)
+    from iprox_lightning.compress import save_proxy
+
+    save_proxy(proxy, None, tmp_path / "p0", {"method": "svd", "sparsity": 0.6})
+    m = ProxyAlignModule(target=target, proxy=str(tmp_path / "p0"), lr=1e-3, save_dir=str(tmp_path / "p1"))
+    L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(m, loader(2))
+    man = json.loads((tmp_path / "p1" / "iprox_proxy.json").read_text())
+    assert man["sparsity"] == 0.6 and man["alignment"]["steps"] == 2
+    p1, _ = load_proxy(tmp_path / "p1")
+    changed = [k for k, v in p1.state_dict().items() if not torch.equal(v, proxy.state_dict()[k])]
+    assert changed and all(k.endswith((".A", ".B")) for k in changed)
+
+
+def test_teacher_follows_device_and_dtype_moves():
+    m = ProxyAlignModule(target=tiny_causal_lm("llama"))
+    m.configure_model()
+    m.to(torch.float64)
+    assert next(m.teacher.parameters()).dtype == torch.float64
+    assert next(m.proxy.parameters()).dtype == torch.float64
+
+
+def test_refuses_trainable_non_factors():
+    m = ProxyAlignModule(target=tiny_causal_lm("llama"))
+    m.configure_model()
+    compress_model(m.proxy, None, 0.5, method="svd", progress=False)
+    m.configure_model()
+    m.proxy.model.norm.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        m.configure_optimizers()

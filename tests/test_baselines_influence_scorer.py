@@ -1,0 +1,112 @@
+"""Influence Scorer (MATES-style) learns a synthetic score on a tiny model; Lightning front-end; random baseline."""
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from iprox_lightning.analysis import read_scores, write_scores
+from iprox_lightning.analysis.retention import spearman
+from iprox_lightning.baselines.influence_scorer import (
+    InfluenceScorerModule,
+    RegressionLM,
+    fit_influence_scorer,
+    predict_scores,
+)
+from iprox_lightning.baselines.random_selection import random_score, random_scores, random_subset, write_random_scores
+from iprox_lightning.models.tiny import tiny_causal_lm
+
+
+def _data(n, prefix, seed):
+    """Examples whose share of 'low' token ids varies; the synthetic score is that share."""
+    g = torch.Generator().manual_seed(seed)
+    batches, targets = [], {}
+    for s in range(0, n, 16):
+        ids = torch.randint(40, 128, (16, 20), generator=g)
+        share = torch.rand(16, 1, generator=g)
+        low = torch.randint(3, 40, (16, 20), generator=g)
+        ids = torch.where(torch.rand(16, 20, generator=g) < share, low, ids)
+        mask = torch.ones_like(ids)
+        mask[::3, 15:] = 0
+        names = [f"{prefix}{s + i}" for i in range(16)]
+        for name, row, m in zip(names, ids, mask):
+            targets[name] = float((row[m.bool()] < 40).float().mean())
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "id": names})
+    return batches, targets
+
+
+def test_regression_head_only_trains_head():
+    sc = RegressionLM(tiny_causal_lm("llama"))
+    trainable = [n for n, p in sc.named_parameters() if p.requires_grad]
+    assert trainable == ["head.weight", "head.bias"]
+    sc2 = RegressionLM(tiny_causal_lm("llama"), trainable_blocks=1, pooling="last")
+    names = {n for n, p in sc2.named_parameters() if p.requires_grad}
+    assert any(n.startswith("backbone.layers.1.") for n in names) and not any(n.startswith("backbone.layers.0.") for n in names)
+
+
+def test_pooling_matches_manual():
+    lm = tiny_causal_lm("qwen2")
+    batches, _ = _data(16, "p", 0)
+    b = batches[0]
+    h = lm.base_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    m = b["attention_mask"]
+    mean = RegressionLM(lm, pooling="mean").features(b["input_ids"], m)
+    last = RegressionLM(lm, pooling="last").features(b["input_ids"], m)
+    for i in range(4):
+        n = int(m[i].sum())
+        torch.testing.assert_close(mean[i], h[i, :n].mean(0))
+        torch.testing.assert_close(last[i], h[i, n - 1])
+
+
+def test_influence_scorer_learns_synthetic_score():
+    train, t_train = _data(160, "t", 1)
+    held, t_held = _data(96, "h", 2)
+    targets = {**t_train, **t_held}
+    sc = RegressionLM(tiny_causal_lm("llama"))
+    before = predict_scores(sc, held, progress=False)
+    ids = sorted(before)
+    rho_before = spearman([before[i] for i in ids], [targets[i] for i in ids])
+    hist = fit_influence_scorer(sc, train, targets, epochs=6, lr=1e-2, eval_batches=held, progress=False)
+    after = predict_scores(sc, held, progress=False)
+    rho_after = spearman([after[i] for i in ids], [targets[i] for i in ids])
+    assert rho_after > 0.5 and rho_after > abs(rho_before) + 0.2
+    assert hist[-1]["train_mse"] < hist[0]["train_mse"]
+    assert hist[-1]["eval_spearman"] == pytest.approx(rho_after)
+    # predictions are on the target scale (de-standardised)
+    pred = np.array([after[i] for i in ids])
+    assert abs(pred.mean() - np.mean([targets[i] for i in ids])) < 0.1
+    with pytest.raises(KeyError, match="no entry"):
+        fit_influence_scorer(sc, train, {"unrelated": 1.0}, epochs=1, progress=False)
+
+
+def test_influence_scorer_lightning_module(tmp_path):
+    train, t_train = _data(64, "t", 3)
+    pool, t_pool = _data(32, "p", 4)
+    table = write_scores(t_train, tmp_path / "holdout.parquet")
+    module = InfluenceScorerModule(backbone=tiny_causal_lm("llama"), target_scores=str(table), lr=1e-2)
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=DataLoader(train, batch_size=None))
+    assert float(module.scorer.target_std) == pytest.approx(np.std(list(t_train.values())))
+    preds = trainer.predict(module, dataloaders=DataLoader(pool, batch_size=None))
+    scores = {i: float(s) for p in preds for i, s in zip(p["id"], p["score"])}
+    assert set(scores) == set(t_pool)
+    assert spearman([scores[i] for i in sorted(scores)], [t_pool[i] for i in sorted(scores)]) > 0.3
+    # the function front-end gives the same predictions for the trained head
+    assert predict_scores(module.scorer, pool, progress=False) == pytest.approx(scores, rel=1e-5, abs=1e-6)
+
+
+def test_random_selection_is_seeded_and_order_free(tmp_path):
+    ids = [f"id{i}" for i in range(2000)]
+    a = random_scores(ids, seed=3)
+    b = random_scores(list(reversed(ids)), seed=3)
+    assert a == b and random_scores(ids, seed=4) != a
+    v = np.array(list(a.values()))
+    assert 0 <= v.min() and v.max() < 1 and abs(v.mean() - 0.5) < 0.03  # ~uniform
+    assert a["id7"] == random_score("id7", 3)
+    sub = random_subset(ids, 0.05, seed=3)
+    assert len(sub) == 100 and set(sub) == set(sorted(ids, key=a.get)[-100:])
+    path = write_random_scores(ids[:10], tmp_path / "random.jsonl", seed=3)
+    assert read_scores(path) == {i: a[i] for i in ids[:10]}
+    with pytest.raises(ValueError, match="duplicate"):
+        random_scores(["x", "x"])

@@ -1,0 +1,233 @@
+"""Training stages under 2-process CPU gloo (torchrun): DDP alignment and warm-up, FSDP2 warm-up.
+
+The test functions launch this very file with ``python -m torch.distributed.run --nproc_per_node=2``;
+each rank writes its final parameters to ``<out>/<mode>-rank<r>.safetensors`` and the test compares the
+ranks with each other and with a single-process reference computed here:
+
+* alignment (DDP): each rank aligns on its own micro-batch and the single backward averages the
+  gradients, so the step equals single-process AdamW on ``(L(b_0) + L(b_1)) / 2`` (per-micro-batch
+  losses averaged — NOT ``L`` of the concatenated batch, since the cosines do not decompose);
+* warm-up (DDP and FSDP2): the loss is normalised by the global response-token count, so the step
+  equals single-process training on the concatenated batch.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+STEPS = 3
+LR_ALIGN = 2e-3
+LR_WARM = 1e-3
+
+
+def make_batch(seed: int, B: int = 2, T: int = 10, V: int = 128, n_resp: int | None = None) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[:, : T - (n_resp or T // 2)] = -100
+    return dict(input_ids=ids, attention_mask=torch.ones(B, T, dtype=torch.long), labels=labels,
+                id=[f"{seed}-{i}" for i in range(B)])
+
+
+def micro_batch(step: int, rank: int) -> dict:
+    # unequal response-token counts across ranks, so token normalisation matters
+    return make_batch(100 * step + rank, n_resp=3 + 3 * rank)
+
+
+def concat(a: dict, b: dict) -> dict:
+    return {k: (torch.cat([a[k], b[k]]) if isinstance(a[k], torch.Tensor) else a[k] + b[k]) for k in a}
+
+
+def teacher_model():
+    from iprox_lightning.models.tiny import tiny_causal_lm
+
+    return tiny_causal_lm("llama", seed=5)
+
+
+def svd_proxy(teacher):
+    from iprox_lightning.compress import compress_model
+
+    proxy = copy.deepcopy(teacher)
+    compress_model(proxy, None, 0.5, method="svd", progress=False)
+    return proxy
+
+
+# ------------------------------------------------------------------------------------------------ worker
+MODES = ("align_ddp", "warmup_ddp", "warmup_fsdp2")
+
+
+def _run_mode(mode: str, out: str) -> None:
+    import lightning as L
+    from safetensors.torch import save_file
+    from torch.utils.data import DataLoader
+
+    from iprox_lightning.modules.causal_lm import full_state_dict
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    data = DataLoader([micro_batch(s, rank) for s in range(STEPS)], batch_size=None)
+    if mode == "align_ddp":
+        from iprox_lightning.modules import ProxyAlignModule
+
+        teacher = teacher_model()
+        module = ProxyAlignModule(target=teacher, proxy=svd_proxy(teacher), lr=LR_ALIGN, kl_weight=0.1,
+                                  log_layer_cosines=False)
+        strategy = "ddp"
+    else:
+        from iprox_lightning.modules import WarmupModule
+
+        module = WarmupModule(model=teacher_model(), lr=LR_WARM, warmup_ratio=0.0, lr_schedule="constant",
+                              save_dir=f"{out}/{mode}-hf")
+        if mode == "warmup_ddp":
+            strategy = "ddp"
+        else:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(module, data)
+    net = module.proxy if mode.startswith("align") else module.model
+    sharded = full_state_dict(net)  # collective under FSDP2; the full tensors land on rank 0 only
+    if sharded is not None:
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in sharded.items()}, f"{out}/{mode}-rank0.safetensors")
+        return
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()},
+              f"{out}/{mode}-rank{rank}.safetensors")
+
+
+def _worker(out: str) -> None:
+    torch.set_num_threads(1)
+    for mode in MODES:
+        try:
+            _run_mode(mode, out)
+        except Exception as e:  # record and go on, so one failing strategy does not hide the others
+            Path(f"{out}/{mode}-rank{os.environ['RANK']}.error").write_text(f"{type(e).__name__}: {e}")
+            raise
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dist_out(tmp_path_factory) -> Path:
+    """One torchrun launch (2 CPU gloo ranks) running every mode in turn: start-up is paid once."""
+    out = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(HERE), str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    (out / "log.txt").write_text(res.stdout + "\n" + res.stderr)
+    return out
+
+
+def _results(out: Path, mode: str, ranks=(0, 1)) -> list[dict]:
+    from safetensors.torch import load_file
+
+    errors = sorted(out.glob(f"{mode}-rank*.error"))
+    if errors:
+        raise AssertionError(f"{mode} failed: " + " | ".join(e.read_text()[:2000] for e in errors))
+    files = [out / f"{mode}-rank{r}.safetensors" for r in ranks]
+    if not all(f.is_file() for f in files):
+        raise AssertionError(f"{mode} wrote no result; log tail:\n{(out / 'log.txt').read_text()[-5000:]}")
+    return [load_file(f) for f in files]
+
+
+def _assert_close(a: dict, b: dict, rtol=1e-4, atol=1e-6, keys=None):
+    for k in keys or a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.distributed
+def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(dist_out):
+    from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
+
+    torch.set_num_threads(1)
+    r0, r1 = _results(dist_out, "align_ddp")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"ranks differ on {k}"
+
+    teacher = teacher_model().requires_grad_(False)
+    proxy = svd_proxy(teacher).requires_grad_(False)
+    init = {k: v.clone() for k, v in proxy.state_dict().items()}
+    params = [p for m in proxy_factor_layers(proxy).values() for p in (m.A, m.B)]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=LR_ALIGN, weight_decay=0.01)
+    for s in range(STEPS):
+        losses = [alignment_losses(teacher, proxy, micro_batch(s, r), kl_weight=0.1).loss for r in range(2)]
+        opt.zero_grad()
+        ((losses[0] + losses[1]) / 2).backward()
+        opt.step()
+    ref = proxy.state_dict()
+    moved = [k for k in ref if not torch.equal(ref[k], init[k])]
+    assert moved and all(k.endswith((".A", ".B")) for k in moved)
+    _assert_close(r0, ref)
+    # non-factor tensors bit-identical to the initial proxy on every rank
+    for k in init:
+        if not k.endswith((".A", ".B")):
+            assert torch.equal(r0[k], init[k]), k
+
+
+def _single_process_warmup() -> dict:
+    from iprox_lightning.modules.causal_lm import decay_param_groups, freeze_embeddings_and_head
+    from iprox_lightning.batch import sft_loss
+
+    model = teacher_model()
+    model.train()
+    freeze_embeddings_and_head(model)
+    opt = torch.optim.AdamW(decay_param_groups(model, 0.01), lr=LR_WARM)
+    for s in range(STEPS):
+        b = concat(micro_batch(s, 0), micro_batch(s, 1))
+        loss = sft_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.distributed
+def test_ddp_warmup_equals_single_process_on_concatenated_batch(dist_out):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    r0, r1 = _results(dist_out, "warmup_ddp")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"ranks differ on {k}"
+    _assert_close(r0, _single_process_warmup())
+    saved = AutoModelForCausalLM.from_pretrained(dist_out / "warmup_ddp-hf").state_dict()
+    for k in r0:
+        assert torch.equal(saved[k], r0[k]), k
+
+
+@pytest.mark.distributed
+def test_fsdp2_warmup_on_cpu_gloo(dist_out):
+    """ModelParallelStrategy (FSDP2, fully_shard per decoder block) trains on CPU gloo, equals single process."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    (r0,) = _results(dist_out, "warmup_fsdp2", ranks=(0,))
+    ref = _single_process_warmup()
+    assert set(r0) == set(ref)
+    _assert_close(r0, ref)
+    saved = AutoModelForCausalLM.from_pretrained(dist_out / "warmup_fsdp2-hf").state_dict()
+    for k in r0:
+        assert torch.equal(saved[k], r0[k]), k
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parents[1]))
+    _worker(sys.argv[1])

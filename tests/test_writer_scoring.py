@@ -1,0 +1,154 @@
+"""InfluenceScoringModule + InfluenceWriter through a real Trainer: single process vs the function
+API, resume after a crash, settings check, and DDP (2 gloo processes) vs single process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.scoring import ScoreTable, tracin_scores
+from iprox_lightning.scoring.module import InfluenceScoringModule
+from iprox_lightning.scoring.writer import SCORES_FILE, InfluenceWriter, shard_files
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_scoring_influence import TINY, collate, make_examples  # noqa: E402
+
+POOL = make_examples(17, seed=11, zero_every=6, tasks=["a", "b", "c"])
+VAL = make_examples(5, seed=12, tasks=["mmlu", "bbh"])
+
+
+class TinyDM(L.LightningDataModule):
+    def __init__(self, bs: int = 3):
+        super().__init__()
+        self.bs = bs
+
+    def dataloader(self, split: str):
+        data = {"pool": POOL, "validation": VAL}[split]
+        return DataLoader(data, batch_size=self.bs, collate_fn=collate)
+
+    def predict_dataloader(self):
+        return self.dataloader("pool")
+
+    def validation_dataloader(self):
+        return self.dataloader("validation")
+
+
+def build_model():
+    return tiny_causal_lm("llama", seed=21, dtype=torch.float64, **TINY)
+
+
+def reference(method="tracin", kfac_examples=8):
+    dm = TinyDM()
+    return tracin_scores(build_model(), dm.predict_dataloader(), dm.validation_dataloader(), method=method,
+                         kfac_examples=kfac_examples, progress=False)
+
+
+def make_trainer(callbacks, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
+
+
+def assert_table_equal(table: ScoreTable, ref: ScoreTable, rtol=1e-9):
+    assert sorted(table.ids) == sorted(ref.ids) and len(set(table.ids)) == len(table.ids)
+    assert table.task_names == ref.task_names
+    order = [table.ids.index(i) for i in ref.ids]
+    np.testing.assert_allclose(table.scores[order], ref.scores, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(table.task_scores[order], ref.task_scores, rtol=rtol, atol=rtol)
+    np.testing.assert_array_equal(table.n_tokens[order], ref.n_tokens)
+    np.testing.assert_array_equal(table.zero_grad[order], ref.zero_grad)
+    assert [table.tasks[j] for j in order] == ref.tasks
+
+
+@pytest.mark.parametrize("method,inference_mode", [("tracin", True), ("kfac", False)])
+def test_module_and_writer_match_function(tmp_path, method, inference_mode):
+    module = InfluenceScoringModule(build_model(), method=method, kfac_examples=8)
+    writer = InfluenceWriter(str(tmp_path), write_every_n_batches=2)
+    make_trainer([writer], inference_mode=inference_mode).predict(module, datamodule=TinyDM(), return_predictions=False)
+    assert len(shard_files(tmp_path)) == 3  # 6 batches, a shard every 2
+    table = ScoreTable.load(str(tmp_path / SCORES_FILE))
+    assert_table_equal(table, reference(method))
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    assert settings["config"]["method"] == method and settings["merge"]["rows"] == len(POOL)
+    assert settings["scorer"]["task_names"] == ["bbh", "mmlu"] and settings["scorer"]["val_counts"] == [2, 3]
+    cols = pq.read_table(tmp_path / SCORES_FILE).column_names
+    assert cols == ["id", "score", "score_max", "score/bbh", "score/mmlu", "n_tokens", "zero_grad", "task"]
+
+
+class Crash(L.Callback):
+    def __init__(self, after: int):
+        self.after = after
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if batch_idx + 1 == self.after:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.mark.parametrize("flush_on_exception", [False, True])
+def test_resume_after_crash_scores_each_id_once(tmp_path, flush_on_exception):
+    m1 = InfluenceScoringModule(build_model())
+    w1 = InfluenceWriter(str(tmp_path), write_every_n_batches=2, flush_on_exception=flush_on_exception)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer([w1, Crash(after=3)]).predict(m1, datamodule=TinyDM(), return_predictions=False)
+    written = 9 if flush_on_exception else 6  # 3 batches of 3; without the flush the 3rd batch is lost
+    assert w1.rows_written == written and not (tmp_path / SCORES_FILE).exists()
+
+    m2 = InfluenceScoringModule(build_model())
+    w2 = InfluenceWriter(str(tmp_path), write_every_n_batches=2)
+    make_trainer([w2]).predict(m2, datamodule=TinyDM(), return_predictions=False)
+    assert m2.n_skipped == written and m2.n_scored == len(POOL) - written  # nothing scored twice
+    table = ScoreTable.load(str(tmp_path / SCORES_FILE))
+    assert_table_equal(table, reference())  # nothing lost
+    assert json.loads((tmp_path / "settings.json").read_text())["merge"]["duplicates_dropped"] == 0
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    make_trainer([InfluenceWriter(str(tmp_path))]).predict(InfluenceScoringModule(build_model()), datamodule=TinyDM(),
+                                                           return_predictions=False)
+    with pytest.raises(ValueError, match="cannot resume with different settings.*method"):
+        make_trainer([InfluenceWriter(str(tmp_path))]).predict(
+            InfluenceScoringModule(build_model(), method="kfac"), datamodule=TinyDM(), return_predictions=False)
+
+
+DDP_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from test_writer_scoring import TinyDM, build_model
+from iprox_lightning.scoring.module import InfluenceScoringModule
+from iprox_lightning.scoring.writer import InfluenceWriter
+
+if __name__ == "__main__":
+    method = sys.argv[1]
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[InfluenceWriter({out!r}, write_every_n_batches=1)])
+    trainer.predict(InfluenceScoringModule(build_model(), method=method, kfac_examples=8), datamodule=TinyDM(),
+                    return_predictions=False)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", ["kfac"])
+def test_ddp_two_processes_equal_single_process(tmp_path, method):
+    out = tmp_path / "scores"
+    script = tmp_path / "ddp_score.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    r = subprocess.run([sys.executable, str(script), method], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = {Path(f).name[:7] for f in shard_files(out)}
+    assert ranks == {"rank000", "rank001"}  # both ranks scored a share
+    table = ScoreTable.load(str(out / SCORES_FILE))
+    assert_table_equal(table, reference(method), rtol=1e-5)
