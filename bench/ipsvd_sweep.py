@@ -75,8 +75,11 @@ def main(argv=None) -> None:
     ap.add_argument("--val", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--dampings", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0])
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target, tok = load_real_model(args.model)
     probe_b = make_batches(tok, read_pool(args.pool, args.probe_examples, seed=0), args.probe_length, 4)

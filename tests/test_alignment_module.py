@@ -43,7 +43,7 @@ class SVDCompress(L.Callback):
     def setup(self, trainer, pl_module, stage):
         pl_module.configure_model()
         if not any(isinstance(m, LowRankLinear) for m in pl_module.proxy.modules()):
-            pl_module.compression_report = compress_model(pl_module.proxy, None, 0.5, method="svd", progress=False)
+            pl_module.ipsvd_report = compress_model(pl_module.proxy, None, 0.5, method="svd", progress=False)
 
 
 def trainer(tmp_path, **kw) -> L.Trainer:
@@ -179,3 +179,44 @@ def test_refuses_trainable_non_factors():
     m.proxy.model.norm.weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         m.configure_optimizers()
+
+
+def test_with_real_ipsvd_callback_and_datamodule(tmp_path):
+    """The IPSVDCallback contract: configure_model() → compress pl_module.proxy from the teacher's probes → align."""
+    from iprox_lightning.callbacks.ipsvd import IPSVDCallback
+
+    class DM(L.LightningDataModule):
+        def train_dataloader(self):
+            return loader(3)
+
+        def probe_dataloader(self):
+            return loader(2, offset=50)
+
+    target = tiny_causal_lm("llama", seed=6)
+    module = ProxyAlignModule(target=target, lr=1e-3, save_dir=str(tmp_path / "proxy"))
+    cb = IPSVDCallback(sparsity=0.5, method="ipsvd", num_probe_tokens=32)
+    tr = L.Trainer(accelerator="cpu", max_steps=3, callbacks=[cb], logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False)
+    tr.fit(module, datamodule=DM())
+    assert module.ipsvd_report is cb.report and cb.report.method == "ipsvd"
+    assert sum(isinstance(m, LowRankLinear) for m in module.proxy.modules()) == 14
+    assert all(not p.requires_grad for p in module.teacher.parameters())
+    assert all(isinstance(m, torch.nn.Linear) for n, m in module.teacher.named_modules() if n.endswith("q_proj"))
+    man = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())
+    assert man["method"] == "ipsvd" and man["alignment"]["steps"] == 3 and man["num_probe_tokens"] == 32
+
+
+def test_layers_subset_trains_only_those_factors():
+    m = ProxyAlignModule(target=tiny_causal_lm("llama"), layers=["model.layers.1.mlp.down_proj"], lr=1e-2)
+    m.configure_model()
+    compress_model(m.proxy, None, 0.5, method="svd", progress=False)
+    m.configure_model()
+    opt = m.configure_optimizers()
+    before = {k: v.clone() for k, v in m.proxy.state_dict().items()}
+    out = m.alignment_step(make_batch(0))
+    assert list(out.cos_a) == ["model.layers.1.mlp.down_proj"]
+    out.loss.backward()
+    opt.step()
+    changed = sorted(k for k, v in m.proxy.state_dict().items() if not torch.equal(v, before[k]))
+    assert changed == ["proxy.model.layers.1.mlp.down_proj.A", "proxy.model.layers.1.mlp.down_proj.B"] or changed == [
+        "model.layers.1.mlp.down_proj.A", "model.layers.1.mlp.down_proj.B"]

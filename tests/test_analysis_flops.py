@@ -120,3 +120,16 @@ def test_stage_timer_records_time_memory_and_logs():
     assert rec.peak_memory_bytes is not None and rec.peak_memory_bytes > 80e6
     assert logged[-1][0]["time/probe_s"] == rec.wall_s and "memory/probe_peak_mb" in logged[-1][0]
     assert "probe" in timer.table()
+
+
+def test_flops_rows_report():
+    from iprox_lightning.analysis.report import flops_rows, format_table
+
+    t = ModelShape.from_model(tiny_causal_lm("llama"))
+    p = t.with_ranks({l.name: 4 for l in t.linears})
+    kw = dict(seq_len=32, n_train=50, n_val=5)
+    rows = flops_rows(t, {"target": None, "iprox": p}, **kw)
+    assert rows[0]["TFLOPs_scoring"] == pytest.approx(pipeline_flops(t, None, **kw)["scoring"] / 1e12)
+    assert rows[1]["TFLOPs_total"] == pytest.approx(pipeline_flops(t, p, **kw)["total"] / 1e12)
+    assert rows[1]["params_tracked"] == sum(4 * (l.in_features + l.out_features) for l in t.linears)
+    assert "| iprox |" in format_table(rows)

@@ -61,7 +61,7 @@ def svd_proxy(teacher):
 
 
 # ------------------------------------------------------------------------------------------------ worker
-MODES = ("align_ddp", "warmup_ddp", "warmup_fsdp2")
+MODES = ("align_ddp", "align_fsdp2", "warmup_ddp", "warmup_fsdp2")
 
 
 def _run_mode(mode: str, out: str) -> None:
@@ -73,13 +73,18 @@ def _run_mode(mode: str, out: str) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     data = DataLoader([micro_batch(s, rank) for s in range(STEPS)], batch_size=None)
-    if mode == "align_ddp":
+    if mode.startswith("align"):
         from iprox_lightning.modules import ProxyAlignModule
 
         teacher = teacher_model()
         module = ProxyAlignModule(target=teacher, proxy=svd_proxy(teacher), lr=LR_ALIGN, kl_weight=0.1,
-                                  log_layer_cosines=False)
-        strategy = "ddp"
+                                  log_layer_cosines=False, save_dir=f"{out}/{mode}-proxy")
+        if mode == "align_ddp":
+            strategy = "ddp"
+        else:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
         from iprox_lightning.modules import WarmupModule
 
@@ -151,14 +156,9 @@ def _assert_close(a: dict, b: dict, rtol=1e-4, atol=1e-6, keys=None):
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.distributed
-def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(dist_out):
+def _single_process_alignment() -> tuple[dict, dict]:
+    """AdamW on the mean of the two micro-batch alignment losses; returns (initial, final) proxy state."""
     from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
-
-    torch.set_num_threads(1)
-    r0, r1 = _results(dist_out, "align_ddp")
-    for k in r0:
-        assert torch.equal(r0[k], r1[k]), f"ranks differ on {k}"
 
     teacher = teacher_model().requires_grad_(False)
     proxy = svd_proxy(teacher).requires_grad_(False)
@@ -172,7 +172,18 @@ def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(d
         opt.zero_grad()
         ((losses[0] + losses[1]) / 2).backward()
         opt.step()
-    ref = proxy.state_dict()
+    return init, proxy.state_dict()
+
+
+@pytest.mark.distributed
+def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(dist_out):
+    from iprox_lightning.compress import load_proxy
+
+    torch.set_num_threads(1)
+    r0, r1 = _results(dist_out, "align_ddp")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"ranks differ on {k}"
+    init, ref = _single_process_alignment()
     moved = [k for k in ref if not torch.equal(ref[k], init[k])]
     assert moved and all(k.endswith((".A", ".B")) for k in moved)
     _assert_close(r0, ref)
@@ -180,6 +191,27 @@ def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(d
     for k in init:
         if not k.endswith((".A", ".B")):
             assert torch.equal(r0[k], init[k]), k
+    saved, _ = load_proxy(dist_out / "align_ddp-proxy")
+    for k, v in saved.state_dict().items():
+        assert torch.equal(v, r0[k]), k
+
+
+@pytest.mark.distributed
+def test_fsdp2_alignment_double_backward_on_cpu_gloo(dist_out):
+    """FSDP2 with unsharded params kept through both backward passes equals the DDP semantics."""
+    from iprox_lightning.compress import load_proxy
+
+    torch.set_num_threads(1)
+    (r0,) = _results(dist_out, "align_fsdp2", ranks=(0,))
+    init, ref = _single_process_alignment()
+    assert set(r0) == set(ref)
+    _assert_close(r0, ref)
+    for k in init:
+        if not k.endswith((".A", ".B")):
+            assert torch.equal(r0[k], init[k]), k
+    saved, _ = load_proxy(dist_out / "align_fsdp2-proxy")
+    for k, v in saved.state_dict().items():
+        assert torch.equal(v, r0[k]), k
 
 
 def _single_process_warmup() -> dict:

@@ -92,29 +92,29 @@ def data_dir(tmp_path):
 class ScriptedAnswers:
     """Forward hook making a tiny HF model "answer" scripted text: at the prefill call it finds,
     for each row, the question key occurring last in the prompt, then forces that key's response
-    token by token (then EOS)."""
+    token by token (then EOS). Generation runs one forward per new token (KV cache)."""
 
     def __init__(self, model, tok, responses: dict[str, str]):
         self.tok, self.responses = tok, responses
         self.scripts: list[list[int]] = []
-        self.t0 = 0
+        self.step = 0
         self.handle = model.register_forward_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs, output):
         ids = kwargs["input_ids"]
         if ids.shape[1] > 1:  # prefill: the whole (left-padded) prompt
-            self.t0 = ids.shape[1]
+            self.step = 0
             self.scripts = []
             for row in ids.tolist():
                 text = self.tok.decode(row, skip_special_tokens=True)
                 key = max(self.responses, key=lambda k: text.rfind(k))
                 assert text.rfind(key) >= 0, f"no scripted question in prompt ...{text[-80:]!r}"
                 self.scripts.append(self.tok(self.responses[key], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])
-        step = kwargs["attention_mask"].shape[1] - self.t0
         logits = output.logits.clone()
         for r, script in enumerate(self.scripts):
             logits[r, -1] = -1e4
-            logits[r, -1, script[min(step, len(script) - 1)]] = 1e4
+            logits[r, -1, script[min(self.step, len(script) - 1)]] = 1e4
+        self.step += 1  # one forward per generated token after the prefill
         output.logits = logits
         return output
 
@@ -150,7 +150,7 @@ def test_bbh_and_tydiqa_prompt_formats(data_dir, tok):
     no_cot = bbh_suite.strip_cot(COT.format(t="t2").split("-----\n", 1)[1])
     assert no_cot.startswith("Solve t2.\n\nQ: e1\nA: (A).\n\nQ: e2\nA: (B).")
 
-    ty = tydiqa_suite.build(TyDiQAConfig(languages=["english"]), tok, str(data_dir))
+    ty = tydiqa_suite.build(TyDiQAConfig(languages=["english"], chat_template=False), tok, str(data_dir))
     assert [r["shots"] for r in ty.records] == [1, 1]
     text = tok.decode(ty.records[0]["input_ids"], skip_special_tokens=True)
     assert text == (
@@ -168,7 +168,7 @@ def test_bbh_and_tydiqa_prompt_formats(data_dir, tok):
     assert chat.records[0]["input_ids"] == tok(f"<s><|user|>\n{user}</s>\n<|assistant|>\nVastaus:", add_special_tokens=False)["input_ids"]
     # context cut to max_context_tokens (characters here), and the one-shot file as eval set: no self-demo
     short = tydiqa_suite.build(
-        TyDiQAConfig(eval_file=str(data_dir / "tydiqa" / "tydiqa-one-shot.json"), max_context_tokens=5), tok, str(data_dir)
+        TyDiQAConfig(eval_file=str(data_dir / "tydiqa" / "tydiqa-one-shot.json"), max_context_tokens=5, chat_template=False), tok, str(data_dir)
     )
     assert [r["shots"] for r in short.records] == [0, 0]
     assert "Passage: Paris\nQuestion: Where is Paris?\nAnswer:" in tok.decode(short.records[0]["input_ids"])
@@ -220,7 +220,7 @@ def test_mmlu_bpe_tokenizer_letter_with_leading_space(data_dir, tmp_path):
     model = tiny_causal_lm("gpt2", vocab_size=len(bpe), seed=0, max_position_embeddings=2048)
     model.lm_head.register_forward_hook(lambda m, i, o: o + 50.0 * torch.nn.functional.one_hot(torch.tensor(letters[2]), o.shape[-1]))
     module = EvaluationModule(model, bpe, output_dir=str(tmp_path / "out"))
-    dm = EvalDataModule(data_dir=str(data_dir), suites=["mmlu"], batch_size=3)
+    dm = EvalDataModule(data_dir=str(data_dir), suites=["mmlu"], batch_size=3, mmlu={"shots": 2})
     trainer(tmp_path).test(module, datamodule=dm)
     assert module.results["test"]["mmlu/acc_micro"] == pytest.approx(60.0)
 
@@ -258,9 +258,9 @@ def test_bbh_max_new_tokens_cap(data_dir, tok, tmp_path):
 def test_tydiqa_end_to_end_scripted_and_validate(data_dir, tok, tmp_path):
     model = tiny(tok)
     responses = {
-        "Question: Who owns HBO?": " Home Box Office Inc\nmore text",
-        "Question: What colour is the sky?": " Blue.",
-        "Question: Mika on Ruandan paakaupunki?": "Kigali",
+        "Who owns HBO?": " Home Box Office Inc\nmore text",
+        "What colour is the sky?": " Blue.",
+        "Mika on Ruandan paakaupunki?": "Kigali",
     }
     ScriptedAnswers(model, tok, responses)
     module = EvaluationModule(model, tok, output_dir=str(tmp_path / "out"))
@@ -270,7 +270,7 @@ def test_tydiqa_end_to_end_scripted_and_validate(data_dir, tok, tmp_path):
     # brute-force expectation from the scripted answers and the gold answers
     exp = {}
     for (qid, _, q, golds) in TYDI_EVAL:
-        pred = responses[f"Question: {q}"].split("\n")[0].strip()
+        pred = responses[q].split("\n")[0].strip()
         exp.setdefault(qid.split("-")[0], []).append((squad_exact_match(pred, golds), squad_f1(pred, golds)))
     for lang, scores in exp.items():
         assert res[f"tydiqa/em/{lang}"] == pytest.approx(sum(s[0] for s in scores) / len(scores))

@@ -13,6 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .flops import ModelShape  # noqa: F401  (type hints)
+
 from .retention import DEFAULT_TOPK, retention_metrics, topk_count, topk_indices
 from .subspace import mean_nn_distance, subspace_affinity
 
@@ -63,6 +65,25 @@ def selection_rows(
                 "n_selected": len(ids),
             }
         )
+    return rows
+
+
+def flops_rows(
+    target: "ModelShape", proxies: Mapping[str, "ModelShape | None"], **pipeline_kwargs: Any
+) -> list[dict[str, Any]]:
+    """TFLOPs per stage for each proxy (``None`` = score with the target itself).
+
+    ``pipeline_kwargs`` go to :func:`~iprox_lightning.analysis.flops.pipeline_flops` (``seq_len``,
+    ``n_train``, ``n_val``, probe / alignment sizes); off-the-shelf proxies should pass no probe /
+    alignment examples — give them their own call or ``ModelShape`` with ``n_probe_examples=0``.
+    """
+    from .flops import pipeline_flops
+
+    rows = []
+    for name, shape in proxies.items():
+        f = pipeline_flops(target, shape, **pipeline_kwargs)
+        rows.append({"proxy": name, **{f"TFLOPs_{k}": v / 1e12 for k, v in f.items()},
+                     "params_tracked": (shape or target).tracked_params})
     return rows
 
 

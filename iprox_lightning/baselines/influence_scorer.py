@@ -148,10 +148,14 @@ def fit_influence_scorer(
     opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     rng = random.Random(seed)
     scorer.eval()  # no dropout in the backbone; the head has none
-    cached = None
+    cached = eval_cached = None
     if scorer.backbone_frozen:
         with torch.no_grad():
             cached = [scorer.features(b["input_ids"].to(dev), b["attention_mask"].to(dev)) for b in batches]
+            if eval_batches is not None:
+                eval_batches = list(eval_batches)
+                eval_cached = [(list(map(str, b["id"])), scorer.features(b["input_ids"].to(dev), b["attention_mask"].to(dev)))
+                               for b in eval_batches]
     ys = [scorer.standardize(lookup_targets([str(i) for i in b["id"]], targets)).to(dev) for b in batches]
     history = []
     bar = None
@@ -181,7 +185,12 @@ def fit_influence_scorer(
                     bar.set_postfix(mse=f"{tot / n:.4f}")
             row = {"epoch": float(epoch), "train_mse": tot / max(n, 1)}
             if eval_batches is not None:
-                pred = predict_scores(scorer, eval_batches, progress=False)
+                if eval_cached is not None:
+                    with torch.no_grad():
+                        pred = {i: float(v) for ids_, f in eval_cached
+                                for i, v in zip(ids_, scorer.to_target_scale(scorer.head_forward(f)).tolist())}
+                else:
+                    pred = predict_scores(scorer, eval_batches, progress=False)
                 ids = sorted(pred)
                 t = lookup_targets(ids, targets).numpy()
                 p = [pred[i] for i in ids]

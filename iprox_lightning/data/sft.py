@@ -9,15 +9,13 @@ format of :mod:`iprox_lightning.batch` (``input_ids``, ``attention_mask``, ``lab
 
 Splits served (``dataloader(split)``):
 
-========== ===================================================================================
-``pool``        every pool example (the candidate pool that is scored; ``predict_dataloader``)
-``warmup``      random ``warmup_fraction`` of the pool
-``probe``       ``probe_fraction`` of the random ``construction_fraction`` subset (IPSVD probe)
-``align``       the rest of the construction subset (proxy alignment)
-``construction`` probe + align
-``selected``    the records of the file ``selected`` (output of the selection stage, Dolly JSONL)
-``validation``  the validation sets, a few examples per task, each with its task name
-========== ===================================================================================
+* ``pool`` — every pool example: the candidate pool that is scored (``predict_dataloader``);
+* ``warmup`` — a random ``warmup_fraction`` of the pool;
+* ``probe`` — ``probe_fraction`` of the random ``construction_fraction`` subset (IPSVD probe set);
+* ``align`` — the rest of the construction subset (proxy alignment);
+* ``construction`` — probe + align;
+* ``selected`` — the records of the file ``selected`` (the selection stage's Dolly JSONL);
+* ``validation`` — the validation sets, a few examples per task, each with its task name.
 
 ``"builtin"`` as ``pool`` / ``validation`` / ``tokenizer`` means the offline demo of
 :mod:`~iprox_lightning.data.synthetic` (``builtin_size`` pool examples; ``val_per_task``
@@ -39,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..batch import IGNORE_INDEX
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
-from .sources import is_hub_id, read_records
+from .sources import is_hub_id, parse_hub_id, read_records
 from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
@@ -341,10 +339,8 @@ class SFTDataModule(L.LightningDataModule):
         if hub:
             import datasets
 
-            from .sources import _split_hub_id
-
             for s in hub:
-                name, split = _split_hub_id(s)
+                name, split = parse_hub_id(s)
                 datasets.load_dataset(name, split=split)
 
     def setup(self, stage: str | None = None) -> None:

@@ -109,7 +109,8 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}, row {i}", row
 
 
-def _split_hub_id(source: str) -> tuple[str, str]:
+def parse_hub_id(source: str) -> tuple[str, str]:
+    """``"owner/name[:split]"`` -> ``(name, split)``; the split defaults to ``"train"``."""
     name, sep, split = source.partition(":")
     return name, (split if sep and split else "train")
 
@@ -117,7 +118,7 @@ def _split_hub_id(source: str) -> tuple[str, str]:
 def _iter_hub(source: str) -> Iterator[tuple[str, Any]]:
     import datasets
 
-    name, split = _split_hub_id(source)
+    name, split = parse_hub_id(source)
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:
@@ -137,7 +138,7 @@ def source_name(source: str | os.PathLike) -> str:
         return p.name if p.is_dir() else p.stem
     if p.suffix in FILE_SUFFIXES:
         return p.stem
-    return _split_hub_id(s)[0].rstrip("/").split("/")[-1]
+    return parse_hub_id(s)[0].rstrip("/").split("/")[-1]
 
 
 def is_hub_id(source: str | os.PathLike) -> bool:

@@ -139,6 +139,7 @@ def evaluate_batch(model: nn.Module, tokenizer: Any, batch: dict[str, Any], metr
     answer = batch["answer"].to(pred.device)
     metrics["acc"].update(pred, answer, batch["task"])
     probs = torch.softmax(clp, dim=-1).tolist()
+    mass = clp.exp().sum(dim=-1).tolist()  # share of the next-token distribution on the four letters
     return [
         {
             "id": batch["id"][i],
@@ -147,6 +148,7 @@ def evaluate_batch(model: nn.Module, tokenizer: Any, batch: dict[str, Any], metr
             "answer": MMLU_CHOICES[int(answer[i])],
             "correct": bool(pred[i] == answer[i]),
             "choice_probs": [round(p, 6) for p in probs[i]],
+            "letter_mass": round(mass[i], 6),
             "shots": int(batch["shots"][i]),
         }
         for i in range(len(batch["id"]))

@@ -104,9 +104,12 @@ def apply_fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool = T
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    """Whether FSDP2 (``fully_shard``) manages ``model`` or one of its submodules."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
 from ..lowrank import LowRankLinear
-from .causal_lm import linear_warmup_decay, resolve_model
+from .causal_lm import apply_fully_shard, full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class ProxyAlignModule(L.LightningModule):
         object.__setattr__(self, "_teacher", None)  # outside the module tree: no state_dict, no DDP/FSDP
         self.proxy: Optional[nn.Module] = None
         self.tokenizer: Any = None
-        self.compression_report: Any = None  # set by IPSVDCallback after compressing; goes into the manifest
+        self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
 
     # ------------------------------------------------------------------------------------- models
     @property
@@ -135,12 +135,50 @@ class ProxyAlignModule(L.LightningModule):
                 proxy.config.use_cache = False
             self.proxy = proxy
         self._set_trainable()
+        if self._device_mesh is not None and not is_sharded(self.proxy) and any(
+                isinstance(m, LowRankLinear) for m in self.proxy.modules()):
+            self._shard_proxy()
+
+    def _shard_proxy(self) -> None:
+        """FSDP2 (``ModelParallelStrategy``): shard the proxy per decoder block, keeping the unsharded
+        parameters alive through both backward passes (``reshard_after_forward=False`` and
+        ``set_reshard_after_backward(False)``); they are freed after each optimiser step
+        (:meth:`on_train_batch_end`) so the next forward all-gathers the updated shards.
+        The gradients are taken w.r.t. the unsharded factors the forward used (see
+        :func:`~iprox_lightning.alignment.alignment_losses`). The teacher stays replicated."""
+        from torch.distributed.fsdp import FSDPModule
+
+        mesh = self._device_mesh
+        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            raise ValueError("tensor parallelism is not supported: use ModelParallelStrategy(data_parallel_size=N, "
+                             "tensor_parallel_size=1) for FSDP2")
+        apply_fully_shard(self.proxy, dp, reshard_after_forward=False)
+        for m in self.proxy.modules():
+            if isinstance(m, FSDPModule):
+                m.set_reshard_after_backward(False)
+
+    def _reshard(self) -> None:
+        if self.proxy is None or not is_sharded(self.proxy):
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.proxy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._reshard()  # FSDP2: drop the stale unsharded factors after the optimiser step
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._reshard()
 
     def _set_trainable(self) -> None:
         self.proxy.eval()
         self.proxy.requires_grad_(False)
-        for m in self.proxy.modules():
-            if isinstance(m, LowRankLinear):
+        only = set(self.hparams.layers) if self.hparams.layers is not None else None
+        for name, m in self.proxy.named_modules():
+            if isinstance(m, LowRankLinear) and (only is None or name in only):
                 m.A.requires_grad_(True)
                 m.B.requires_grad_(True)
 
@@ -228,8 +266,10 @@ class ProxyAlignModule(L.LightningModule):
 
         path = Path(save_dir)
         zero = self.trainer.is_global_zero if self._trainer is not None else True
+        full = full_state_dict(self.proxy)  # collective under FSDP2 (full tensors on rank 0)
         if zero:
-            manifest = self.compression_report
+            proxy = self.proxy if full is None else self._unsharded_copy(full)
+            manifest = self.ipsvd_report
             if manifest is None and _is_proxy_dir(self.proxy_source):
                 manifest = {k: v for k, v in read_manifest(self.proxy_source).items()
                             if k not in ("format_version", "layers", "dtype", "params_after")}
@@ -242,8 +282,22 @@ class ProxyAlignModule(L.LightningModule):
             }}
             if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
                 extra["target_model"] = self.target_source
-            save_proxy(self.proxy, self.tokenizer, path, manifest, **extra)
+            save_proxy(proxy, self.tokenizer, path, manifest, **extra)
             log.info("saved aligned proxy to %s", path)
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_proxy")
         return path
+
+    def _unsharded_copy(self, state_dict: dict) -> nn.Module:
+        """A plain (unsharded) proxy holding ``state_dict``: the teacher's architecture with the same
+        ``LowRankLinear`` layers (ranks read from the factor shapes)."""
+        from ..compress import _set_submodule
+
+        model = copy.deepcopy(self._teacher).to("cpu")
+        for name, m in self.proxy.named_modules():
+            if isinstance(m, LowRankLinear):
+                A = state_dict[f"{name}.A"]
+                _set_submodule(model, name, LowRankLinear(m.in_features, m.out_features, A.shape[1],
+                                                          bias=m.bias is not None, dtype=A.dtype))
+        model.load_state_dict(state_dict, strict=True)
+        return model

@@ -23,7 +23,9 @@ both give identical numbers (tested).
 
 A ``LowRankLinear`` (``y = A (B h)``) is handled as two *virtual* linears: ``∇_A = Σ_t δ_t (B h_t)ᵀ``
 (input ``B h``, output-gradient ``δ``) and ``∇_B = Σ_t (Aᵀ δ_t) h_tᵀ`` (input ``h``, output-gradient
-``Aᵀ δ``); see ``virtual_pairs``.
+``Aᵀ δ``). Both come from activations and their autograd gradients (``B h`` and ``∂L/∂(B h) = Aᵀ δ``
+are captured on the intermediate tensor of the layer's own forward), never from the parameters,
+so no step reads a parameter that FSDP may have resharded.
 
 A ``LayerMetric`` optionally maps ``(h, δ)`` to a whitened basis first (K-FAC: ``h̃ = S_h Q_hᵀ h``,
 ``δ̃ = S_δ Q_δᵀ δ``), so the same two routines give ``⟨g, H⁻¹ ḡ⟩`` and ``‖H^{-1/2} g‖²``.
@@ -83,20 +85,6 @@ def virtual_linears(modules: Mapping[str, nn.Module]) -> list[VirtualLinear]:
             o, i = linear_shape(m)
             out.append(VirtualLinear(f"{name}.weight", name, o, i))
     return out
-
-
-def virtual_pairs(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor):
-    """Yield ``(key, input, output_grad)`` of the tracked weight(s) of one hooked module.
-
-    Dense: ``(name.weight, h, δ)``. ``LowRankLinear``: ``(name.A, B h, δ)`` and ``(name.B, h, Aᵀ δ)``.
-    """
-    if isinstance(module, LowRankLinear):
-        B = module.B.detach().to(h.dtype)
-        A = module.A.detach().to(delta.dtype)
-        yield f"{name}.A", h @ B.t(), delta
-        yield f"{name}.B", h, delta @ A
-    else:
-        yield f"{name}.weight", h, delta
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,22 +234,58 @@ def backward_pairs(
 
 def _backward_pairs(model, modules, ids, mask, labels, on_pair) -> torch.Tensor:
     keep = mask.to(torch.bool).unsqueeze(-1)
+    inner: dict[str, torch.Tensor] = {}  # LowRankLinear name -> B h of this step
 
     def pair(name, module, h, delta):
-        if h.dim() == 2:  # unbatched call; should not happen with HF models
-            raise RuntimeError(f"tracked layer {name!r} received a 2-D input; expected [B, T, in]")
+        if h.dim() != 3:
+            raise RuntimeError(f"tracked layer {name!r} received a {h.dim()}-D input; expected [B, T, in]")
         d = delta * keep.to(delta.device)
-        for key, hin, dout in virtual_pairs(name, module, h, d):
-            on_pair(key, hin, dout)
+        if isinstance(module, LowRankLinear):
+            on_pair(f"{name}.A", inner.pop(name), d)
+        else:
+            on_pair(f"{name}.weight", h, d)
+
+    def inner_pair(name, h, grad_z):  # ∂L/∂(B h) = Aᵀ δ arrives after δ
+        on_pair(f"{name}.B", h, grad_z * keep.to(grad_z.device))
 
     embs: list[torch.Tensor] = []
-    with requires_grad_inputs(model), _capture_input_embeddings(model, embs), LayerTracker(modules, pair):
+    with requires_grad_inputs(model), _capture_input_embeddings(model, embs), \
+            _split_lowrank(modules, inner, inner_pair), LayerTracker(modules, pair):
         out = model(input_ids=ids, attention_mask=mask, use_cache=False)
         loss, n_tok = per_example_loss(out.logits, labels)
         if not embs:
             raise RuntimeError("the input-embedding module did not run; cannot take gradients")
         torch.autograd.grad(loss.sum(), embs, allow_unused=True)
     return n_tok.detach()
+
+
+@contextlib.contextmanager
+def _split_lowrank(modules: Mapping[str, nn.Module], inner: dict, inner_pair) -> Iterator[None]:
+    """Give every tracked ``LowRankLinear`` a forward that exposes its intermediate ``z = B h``:
+    ``z`` is stored in ``inner[name]`` and a tensor hook hands ``∂L/∂z`` to ``inner_pair``. Same
+    arithmetic as ``LowRankLinear.forward``; the instance attribute is removed on exit."""
+    import torch.nn.functional as F
+
+    patched = []
+    for name, m in modules.items():
+        if not isinstance(m, LowRankLinear):
+            continue
+
+        def forward(x, _m=m, _name=name):
+            z = F.linear(x, _m.B)
+            if torch.is_grad_enabled() and z.requires_grad:
+                inner[_name] = z.detach()
+                h = x.detach()
+                z.register_hook(lambda g, _h=h: inner_pair(_name, _h, g.detach()))
+            return F.linear(z, _m.A, _m.bias)
+
+        m.forward = forward
+        patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
 
 
 def has_response_tokens(batch: Mapping) -> torch.Tensor:

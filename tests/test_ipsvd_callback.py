@@ -1,0 +1,107 @@
+"""IPSVDCallback inside Trainer.fit: compresses before optimisers exist, so the optimiser trains the factors."""
+import csv
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from iprox_lightning.batch import sft_loss
+from iprox_lightning.callbacks import IPSVDCallback
+from iprox_lightning.compress import compress_model, lowrank_layers
+from iprox_lightning.models.targets import find_target_linears
+from iprox_lightning.models.tiny import tiny_causal_lm
+
+from test_probes import make_batches
+
+
+class ProbeData(pl.LightningDataModule):
+    def __init__(self):
+        super().__init__()
+        self.batches = make_batches(n_examples=6, batch_size=3, seed=0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+    def probe_dataloader(self):
+        return self.batches
+
+
+class TinyProxyModule(pl.LightningModule):
+    """Module contract: configure_model is idempotent and builds self.proxy; only factors are trained."""
+
+    def __init__(self, arch: str = "llama"):
+        super().__init__()
+        self.arch = arch
+        self.proxy = None
+        self.configure_calls = 0
+        self.optimizer_param_ids: set[int] = set()
+
+    def configure_model(self):
+        self.configure_calls += 1
+        if self.proxy is None:
+            self.proxy = tiny_causal_lm(self.arch, seed=0)
+
+    def training_step(self, batch, batch_idx):
+        out = self.proxy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return sft_loss(out.logits, batch["labels"])
+
+    def configure_optimizers(self):
+        params = [p for m in lowrank_layers(self.proxy).values() for p in (m.A, m.B)]
+        opt = torch.optim.SGD(params, lr=0.5)
+        self.optimizer_param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        return opt
+
+
+def _trainer(tmp_path, cb, **kw):
+    return pl.Trainer(max_steps=2, accelerator="cpu", devices=1, callbacks=[cb], logger=CSVLogger(tmp_path),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+def test_callback_compresses_before_optimizers(tmp_path):
+    module, data = TinyProxyModule(), ProbeData()
+    cb = IPSVDCallback(sparsity=0.5, num_probe_tokens=24, save_dir=str(tmp_path / "proxy"))
+    trainer = _trainer(tmp_path, cb)
+    snapshot = {}
+
+    class Snap(pl.Callback):  # factors right after compression, before any step
+        def on_fit_start(self, trainer, pl_module):
+            snapshot.update({n: m.A.detach().clone() for n, m in lowrank_layers(pl_module.proxy).items()})
+
+    trainer.callbacks.append(Snap())
+    trainer.fit(module, datamodule=data)
+    low = lowrank_layers(module.proxy)
+    assert len(low) == len(find_target_linears(tiny_causal_lm("llama")))
+    factor_ids = {id(p) for m in low.values() for p in (m.A, m.B)}
+    assert module.optimizer_param_ids == factor_ids  # the optimiser holds exactly the live factors
+    assert all(not torch.equal(m.A, snapshot[n]) for n, m in low.items())  # and it trained them
+    assert module.configure_calls >= 2  # called by the callback, then by Lightning (idempotent)
+    assert cb.report is not None and module.ipsvd_report is cb.report and cb.report.probe_tokens == 24
+    assert cb.report.params_after < cb.report.params_before
+    # logged to the logger
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    keys = set().union(*[{k for k, v in r.items() if v} for r in rows])
+    assert "ipsvd/params_after" in keys and "ipsvd/rank/model.layers.0.self_attn.q_proj" in keys
+    assert any(k.startswith("ipsvd/relative_objective/") for k in keys)
+    vals = [float(r["ipsvd/rank/model.layers.0.self_attn.q_proj"]) for r in rows if r.get("ipsvd/rank/model.layers.0.self_attn.q_proj")]
+    assert vals == [8.0]
+    assert (tmp_path / "proxy" / "iprox_proxy.json").is_file()
+
+
+def test_callback_skips_compressed_and_needs_probes(tmp_path):
+    module = TinyProxyModule()
+    module.configure_model()
+    compress_model(module.proxy, None, 0.5, method="svd", progress=False)
+    A0 = {n: m.A.detach().clone() for n, m in lowrank_layers(module.proxy).items()}
+    cb = IPSVDCallback(sparsity=0.7)
+    trainer = _trainer(tmp_path, cb)
+    cb.setup(trainer, module, "fit")  # resumed / already compressed: no-op
+    assert cb.report is None
+    assert all(torch.equal(m.A, A0[n]) for n, m in lowrank_layers(module.proxy).items())  # rho=0.5 factors kept
+
+    class NoProbes(pl.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(make_batches(3, 3), batch_size=None)
+
+    with pytest.raises(AttributeError, match="probe_dataloader"):
+        _trainer(tmp_path, IPSVDCallback()).fit(TinyProxyModule(), datamodule=NoProbes())
