@@ -368,3 +368,27 @@ def test_trainer_fit_with_datamodule(tmp_path):
     got = {k: float(v) for row in rows for k, v in row.items() if k.startswith("data/") and v}
     assert got["data/warmup_read"] == 12 and got["data/warmup_dropped"] == 0
     assert got["data/validation_kept"] == 2 * 8
+
+
+def test_eval_validation_sets_from_paper_suites(eval_dir):
+    """LESS-style validation sets: MMLU dev shots, BBH CoT exemplars, TyDiQA one-shot exemplars."""
+    from collections import Counter
+
+    from iprox_lightning.data.eval_validation import eval_validation_records, parse_eval_source, split_cot_prompt
+
+    recs = eval_validation_records(eval_dir)
+    counts = Counter(r["category"] for r in recs)
+    assert counts == {"mmlu": 57 * 5, "bbh": 27 * 3, "tydiqa": 9}
+    assert all(r["response"].strip() and r["instruction"].strip() for r in recs)
+    assert {r["response"] for r in recs if r["category"] == "mmlu"} <= set("ABCD")
+    assert all("So the answer is" in r["response"] for r in recs if r["category"] == "bbh")
+    assert parse_eval_source(f"eval:{eval_dir}:mmlu,bbh") == (str(eval_dir), ("mmlu", "bbh"))
+    assert parse_eval_source(f"eval:{eval_dir}") == (str(eval_dir), ("mmlu", "bbh", "tydiqa"))
+    assert parse_eval_source("data.jsonl") is None
+    with pytest.raises(ValueError, match="no 'A: ' answer"):
+        split_cot_prompt("header\n\nQ: a question without answer", "x.txt")
+
+    dm = SFTDataModule(pool="builtin", validation=f"eval:{eval_dir}", val_per_task=4, builtin_size=60)
+    tasks = Counter(r["category"] for r in dm.validation_records)
+    assert tasks == {"mmlu": 4, "bbh": 4, "tydiqa": 4}
+    assert dm.validation_tasks == ["mmlu", "bbh", "tydiqa"]

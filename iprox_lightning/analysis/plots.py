@@ -6,7 +6,8 @@
 * :func:`plot_retention_vs_sparsity` — retention metrics against the proxy's sparsity ρ.
 
 Every function returns a matplotlib ``Figure`` (Agg backend, no display needed) and writes a
-PNG when given ``path``; :func:`log_figure` sends a figure to TensorBoard.
+PNG when given ``path``; :func:`log_figure` sends a figure to TensorBoard. Close figures you no
+longer need (``matplotlib.pyplot.close(fig)``) when making many of them in one process.
 """
 from __future__ import annotations
 

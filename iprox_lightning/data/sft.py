@@ -266,6 +266,18 @@ class SFTDataModule(L.LightningDataModule):
                     from .synthetic import builtin_validation
 
                     records.extend(builtin_validation(self.val_per_task or BUILTIN_VAL_PER_TASK, seed=0))
+                elif src.startswith("eval:"):  # the paper's suites: "eval:<dir>[:mmlu,bbh,tydiqa]"
+                    from .eval_validation import eval_validation_records, parse_eval_source
+                    from .splits import sample_per_task
+
+                    eval_dir, suites = parse_eval_source(src)
+                    recs = eval_validation_records(eval_dir, suites)
+                    if self.val_per_task:
+                        groups = sample_per_task([r["id"] for r in recs], [r["category"] for r in recs],
+                                                 self.val_per_task, self.seed)
+                        keep = {i for ids in groups.values() for i in ids}
+                        recs = [r for r in recs if r["id"] in keep]
+                    records.extend(recs)
                 else:
                     for recs in read_validation_sets(src, self.field_map, self.val_per_task, self.seed).values():
                         records.extend(recs)
@@ -335,7 +347,7 @@ class SFTDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Download hub datasets once (rank 0); local files need nothing."""
         srcs = self.pool_sources + (self.validation_sources or [])
-        hub = [s for s in srcs if s != BUILTIN and is_hub_id(s)]
+        hub = [s for s in srcs if s != BUILTIN and not s.startswith("eval:") and is_hub_id(s)]
         if hub:
             import datasets
 

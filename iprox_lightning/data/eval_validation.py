@@ -1,0 +1,121 @@
+"""Validation sets for scoring, built from the paper's evaluation suites (LESS convention).
+
+LESS / IProX score the pool against a few examples per target task:
+
+* ``mmlu``   — the dev ("5-shot") questions of each subject: prompt = question + lettered choices +
+  ``"Answer:"``, response = the answer letter;
+* ``bbh``    — the chain-of-thought exemplars of ``cot-prompts/<task>.txt`` (3 per task): prompt =
+  the ``Q:`` text, response = the ``A:`` chain of thought ending in "So the answer is …";
+* ``tydiqa`` — the one-shot exemplars (one per language) of ``tydiqa-one-shot.json``: prompt = the
+  passage + question, response = the gold answer.
+
+Each record follows the Dolly schema with ``category`` = the suite name, so per-task scores are
+per suite (``mmlu``, ``bbh``, ``tydiqa``). ``SFTDataModule(validation="eval:<dir>")`` uses this,
+``"eval:<dir>:mmlu,bbh"`` restricts the suites.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+from .eval_readers import (
+    list_bbh_tasks,
+    read_bbh_cot_prompt,
+    read_mmlu,
+    read_tydiqa_one_shot,
+)
+
+SUITES = ("mmlu", "bbh", "tydiqa")
+LETTERS = "ABCD"
+_Q_SPLIT = re.compile(r"(?:^|\n\n)Q: ")
+
+
+def mmlu_validation_records(root: str | Path, per_subject: int | None = None) -> list[dict]:
+    root = Path(root)
+    out = []
+    for subject, qs in read_mmlu(root, split="dev").items():
+        for q in qs[: per_subject or len(qs)]:
+            choices = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(q.choices))
+            out.append({
+                "id": f"val-mmlu-{q.id}",
+                "instruction": f"{q.question.strip()}\n{choices}\nAnswer:",
+                "context": "",
+                "response": LETTERS[q.answer],
+                "category": "mmlu",
+                "subtask": subject,
+            })
+    return out
+
+
+def split_cot_prompt(text: str, where: str) -> list[tuple[str, str]]:
+    """``[(question, chain_of_thought_answer), ...]`` from a BBH ``cot-prompts/<task>.txt`` file."""
+    parts = _Q_SPLIT.split(text)[1:]  # drop the header / task description
+    pairs = []
+    for i, part in enumerate(parts):
+        if "\nA: " not in part:
+            raise ValueError(f"{where}: exemplar {i + 1} has no 'A: ' answer")
+        q, a = part.split("\nA: ", 1)
+        pairs.append((q.strip(), a.strip()))
+    if not pairs:
+        raise ValueError(f"{where}: no 'Q: ' exemplar found")
+    return pairs
+
+
+def bbh_validation_records(root: str | Path, per_task: int | None = None) -> list[dict]:
+    root = Path(root)
+    out = []
+    for task in list_bbh_tasks(root):
+        path = root / "cot-prompts" / f"{task}.txt"
+        pairs = split_cot_prompt(read_bbh_cot_prompt(path), str(path))
+        for j, (q, a) in enumerate(pairs[: per_task or len(pairs)]):
+            out.append({
+                "id": f"val-bbh-{task}-{j}",
+                "instruction": q,
+                "context": "",
+                "response": a,
+                "category": "bbh",
+                "subtask": task,
+            })
+    return out
+
+
+def tydiqa_validation_records(root: str | Path, per_language: int | None = None) -> list[dict]:
+    data = read_tydiqa_one_shot(Path(root) / "tydiqa-one-shot.json")
+    out = []
+    for lang, exs in data.items():
+        for ex in exs[: per_language or len(exs)]:
+            out.append({
+                "id": f"val-tydiqa-{ex.id}",
+                "instruction": "Answer the following question based on the information in the given passage.",
+                "context": f"Passage: {ex.context.strip()}\nQuestion: {ex.question.strip()}",
+                "response": ex.answers[0],
+                "category": "tydiqa",
+                "subtask": lang,
+            })
+    return out
+
+
+def eval_validation_records(eval_dir: str | Path, suites: Sequence[str] = SUITES, per_subtask: int | None = None) -> list[dict]:
+    """Validation records for the given suites from ``eval_dir`` (holding ``mmlu/``, ``bbh/``, ``tydiqa/``)."""
+    eval_dir = Path(eval_dir)
+    if not eval_dir.is_dir():
+        raise FileNotFoundError(f"evaluation data directory not found: {eval_dir}")
+    readers = {"mmlu": mmlu_validation_records, "bbh": bbh_validation_records, "tydiqa": tydiqa_validation_records}
+    out = []
+    for s in suites:
+        if s not in readers:
+            raise ValueError(f"unknown suite {s!r}; choose from {SUITES}")
+        out.extend(readers[s](eval_dir / s, per_subtask))
+    return out
+
+
+def parse_eval_source(src: str) -> tuple[str, tuple[str, ...]] | None:
+    """``"eval:<dir>[:suite,suite]"`` -> ``(dir, suites)``; ``None`` for any other source string."""
+    if not src.startswith("eval:"):
+        return None
+    rest = src[len("eval:"):]
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail and all(t in SUITES for t in tail.split(",")):
+        return head, tuple(tail.split(","))
+    return rest, SUITES
