@@ -16,6 +16,7 @@ def _pool_batches(tokenizer, path, n=8, max_len=64, batch_size=4):
             prompt = r["instruction"] + ("\n\n" + r["context"] if r["context"] else "") + "\n"
             p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             a = tokenizer(r["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            p = p[-(max_len // 2):]  # keep the end of long prompts so every example has response tokens
             ids = (p + a)[:max_len]
             lab = ([-100] * len(p) + a)[:max_len]
             rows.append((r["id"], ids, lab))
@@ -98,7 +99,7 @@ def test_smollm_sa_and_nnd(smollm, pool_batches):
 
     model, _ = smollm
     ids, G = per_example_gradients(model, pool_batches, projection_dim=8, seed=0, progress=False)
-    assert G.shape[0] == 8 and torch.isfinite(G).all()
+    assert G.shape[0] == 8 and torch.isfinite(G).all() and bool((G.norm(dim=1) > 0).all())
     sa_self = subspace_affinity(G[:4], G[:4])
     sa_other = subspace_affinity(G[:4], G[4:])
     nnd = mean_nn_distance(G[:4])

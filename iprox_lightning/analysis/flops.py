@@ -36,8 +36,8 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn

@@ -19,7 +19,6 @@ table, predictions returned as ``{"id", "score"}`` by ``predict_step``).
 from __future__ import annotations
 
 import logging
-import math
 import random
 from typing import Any, Iterable, Mapping, Sequence
 

@@ -86,6 +86,7 @@ class EvalDataModule(LightningDataModule):
         self.configs = {"mmlu": _as_config("mmlu", mmlu), "bbh": _as_config("bbh", bbh), "tydiqa": _as_config("tydiqa", tydiqa)}
         self.sort_by_length = sort_by_length
         self._tokenizer: Any = None
+        self._built_for: Any = None  # the tokenizer the records were built with
         self.suite_data: dict[str, SuiteData] = {}
 
     # ------------------------------------------------------------------ tokenizer
@@ -113,9 +114,10 @@ class EvalDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ lightning hooks
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.suite_data:
-            return
         tok = self._resolve_tokenizer()
+        if self.suite_data and self._built_for is tok:
+            return
+        self.suite_data = {}
         for name in self.suites:
             cfg = self.configs[name]
             if getattr(cfg, "path", None) is None and self.data_dir is None:
@@ -131,6 +133,7 @@ class EvalDataModule(LightningDataModule):
             log.info("%s: %d questions over %d task(s), prompt tokens max %d / mean %.0f",
                      name, len(lengths), len(data.tasks), max(lengths), sum(lengths) / len(lengths))
         self._pad_id = pad_token_id(tok)
+        self._built_for = tok
 
     @property
     def tasks(self) -> dict[str, list[str]]:

@@ -17,7 +17,9 @@ after ``"Answer:"`` — ``" A"`` for byte-level BPE / SentencePiece vocabularies
 that emit the space separately, the shared space token is appended to the prompt first (see
 :func:`~iprox_lightning.evaluation.common.continuation_tokens`). Accuracy is reported per subject,
 macro-averaged over subjects (``mmlu/acc``) and over all questions (``mmlu/acc_micro``, what
-open-instruct prints as "average accuracy").
+open-instruct prints as "average accuracy"). Each prediction also records ``letter_mass``, the
+next-token probability of the four letters together: near 1 when the letter tokens are the ones
+the model expects after "Answer:" (a quick check of the tokenization).
 """
 from __future__ import annotations
 

@@ -1,0 +1,211 @@
+"""The whole IProX method end to end, each stage through the same LightningCLI configs a user runs.
+
+    warm-up -> build proxy (IPSVD + alignment) -> score (target and proxy) -> select (target, proxy,
+    random) -> fine-tune on the proxy's selection -> summary
+
+Each stage reads the previous stage's output directory under ``workdir``. The exact config of
+every stage (the shipped ``configs/<stage>.yaml``, the ``configs/builtin/<stage>.yaml`` demo overlay
+when running on the built-in data, and a generated overlay with this run's paths) is kept in
+``<workdir>/configs/`` so each stage can be re-run by hand. A stage whose output already exists is
+skipped, so an interrupted pipeline resumes where it stopped (``--force true`` re-runs all).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _write_overlay(path: Path, content: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(content, sort_keys=False))
+    return path
+
+
+def _count_params(path: str) -> int:
+    from .models.loading import load_model
+
+    model, _ = load_model(path, tokenizer=False)
+    return sum(p.numel() for p in model.parameters())
+
+
+def pipeline(
+    workdir: str = "outputs/pipeline",
+    target: str = "builtin",
+    pool: str = "builtin",
+    validation: str = "builtin",
+    sparsity: float = 0.5,
+    select_fraction: float = 0.05,
+    method: str = "tracin",
+    config_dir: str | None = None,
+    demo_overlays: bool | None = None,
+    accelerator: str = "cpu",
+    devices: int = 1,
+    finetune: bool = True,
+    force: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run every stage and print a summary (proxy size vs target, time per stage, selection quality).
+
+    Args:
+        workdir: where every stage writes (``warmup/``, ``proxy/``, ``scores/``, ``selected/``, ...).
+        target: the target model (``builtin``, hub id, local dir, ``.gguf``).
+        pool: candidate pool source (``builtin``, JSONL/JSON/Parquet file, HF dataset id).
+        validation: validation sets (``builtin``, a file with a ``category`` column, ``eval:<dir>``).
+        sparsity: ρ, the share of each compressed layer's parameters removed.
+        select_fraction: k as a fraction of the pool (paper: 5%).
+        method: ``tracin`` or ``kfac``.
+        config_dir: the stage configs (default: the repository's ``configs/``).
+        demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
+        accelerator, devices: passed to every Trainer.
+        finetune: also fine-tune the target on the proxy's selection.
+        force: re-run stages whose outputs exist.
+        seed: seed of every stage.
+    """
+    from .cli import run_lightning
+    from .select import select
+
+    wd = Path(workdir)
+    cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
+    if not (cfg_dir / "warmup.yaml").exists():
+        raise FileNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
+    demo = (pool == "builtin") if demo_overlays is None else demo_overlays
+    run_cfg = wd / "configs"
+    times: dict[str, float] = {}
+    data_args = {"pool": pool, "validation": validation, "seed": seed}
+    trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
+
+    def stage(name: str, subcommand: str, overlay: dict, done: Path, tag: str | None = None) -> None:
+        key = f"{name}:{tag}" if tag else name
+        if done.exists() and not force:
+            log.info("stage %s: %s exists, skipped", name, done)
+            print(f"[pipeline] {key}: already done ({done}), skipped")
+            return
+        configs = [cfg_dir / f"{name}.yaml"]
+        if demo and (cfg_dir / "builtin" / f"{name}.yaml").exists():
+            configs.append(cfg_dir / "builtin" / f"{name}.yaml")
+        configs.append(_write_overlay(run_cfg / f"{key.replace(':', '_')}.yaml", overlay))
+        args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
+        print(f"[pipeline] {key}: python train.py " + " ".join(args))
+        t0 = time.perf_counter()
+        run_lightning(args)
+        times[key] = time.perf_counter() - t0
+
+    # 1. warm-up --------------------------------------------------------------------------------
+    warm = wd / "warmup" / "model"
+    stage("warmup", "fit", {
+        "seed_everything": seed,
+        "trainer": {**trainer_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "warmup"}}},
+        "model": {"init_args": {"model": target, "save_dir": str(warm)}},
+        "data": {"init_args": {**data_args, "tokenizer": target, "train_split": "warmup"}},
+    }, warm / "config.json")
+
+    # 2. build the proxy (IPSVD callback + alignment) -------------------------------------------
+    proxy = wd / "proxy" / "model"
+    stage("build_proxy", "fit", {
+        "seed_everything": seed,
+        "trainer": {**trainer_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "build_proxy"}},
+                    "callbacks": [{"class_path": "iprox_lightning.callbacks.IPSVDCallback",
+                                   "init_args": {"sparsity": sparsity, "method": "ipsvd"}}]},
+        "model": {"init_args": {"target": str(warm), "save_dir": str(proxy)}},
+        "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "align"}},
+    }, proxy / "iprox_proxy.json")
+
+    # 3. score the pool with the target (reference) and the proxy --------------------------------
+    score_dirs = {}
+    for who, model_dir in (("target", warm), ("proxy", proxy)):
+        out = wd / "scores" / who
+        score_dirs[who] = out
+        stage("score", "predict", {
+            "seed_everything": seed,
+            "trainer": {**trainer_common, "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
+                                                          "init_args": {"output_dir": str(out)}}]},
+            "model": {"init_args": {"model": str(model_dir), "method": method}},
+            "data": {"init_args": {**data_args, "tokenizer": str(warm)}},
+        }, out / "scores.parquet", tag=who)
+
+    # 4. select: target, proxy, random ---------------------------------------------------------
+    from .analysis.score_table import read_scores
+    from .baselines.random_selection import write_random_scores
+
+    scores = {who: read_scores(d / "scores.parquet") for who, d in score_dirs.items()}
+    rand_path = wd / "scores" / "random" / "scores.parquet"
+    if not rand_path.exists() or force:
+        write_random_scores(sorted(scores["target"]), rand_path, seed=seed)
+    scores["random"] = read_scores(rand_path)
+    selected = {}
+    t0 = time.perf_counter()
+    for who in ("target", "proxy", "random"):
+        src = rand_path if who == "random" else score_dirs[who] / "scores.parquet"
+        selected[who] = Path(select(str(src), k=select_fraction, output=str(wd / "selected" / f"{who}.jsonl")))
+    times["select"] = time.perf_counter() - t0
+
+    # 5. fine-tune the target on the proxy's selection ------------------------------------------
+    if finetune:
+        ft = wd / "finetune" / "model"
+        stage("finetune", "fit", {
+            "seed_everything": seed,
+            "trainer": {**trainer_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "finetune"}}},
+            "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
+            "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
+                                   "selected": str(selected["proxy"])}},
+        }, ft / "config.json")
+
+    # 6. summary --------------------------------------------------------------------------------
+    summary = _summary(wd, warm, proxy, scores, selected, times, pool)
+    (wd / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(_format_summary(summary))
+    return summary
+
+
+def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
+    from .analysis.retention import retention_metrics
+
+    manifest = json.loads((proxy / "iprox_proxy.json").read_text())
+    out: dict[str, Any] = {
+        "workdir": str(wd),
+        "target_params": _count_params(str(warm)),
+        "proxy_params": _count_params(str(proxy)),
+        "proxy_manifest": {k: manifest[k] for k in ("sparsity", "method", "mode", "damping", "damping_mode") if k in manifest},
+        "seconds_per_stage": {k: round(v, 2) for k, v in times.items()},
+        "retention_proxy_vs_target": retention_metrics(scores["proxy"], scores["target"]),
+        "retention_random_vs_target": retention_metrics(scores["random"], scores["target"]),
+    }
+    if pool == "builtin":
+        from .data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
+
+        ids = {who: [json.loads(l)["id"] for l in open(p) if l.strip()] for who, p in selected.items()}
+        out["oracle"] = {
+            "validation_families": list(BUILTIN_VALIDATION_FAMILIES),
+            "base_rate": oracle_share(sorted(scores["target"])),
+            **{f"{who}_selection": oracle_share(i) for who, i in ids.items()},
+        }
+    return out
+
+
+def _format_summary(s: dict[str, Any]) -> str:
+    lines = ["", "=" * 72, "IProX pipeline summary", "=" * 72]
+    tp, pp = s["target_params"], s["proxy_params"]
+    lines.append(f"target parameters : {tp:,}")
+    lines.append(f"proxy parameters  : {pp:,} ({pp / tp:.1%} of the target; {s['proxy_manifest']})")
+    lines.append("seconds per stage : " + ", ".join(f"{k} {v:.1f}" for k, v in s["seconds_per_stage"].items()))
+    r = s["retention_proxy_vs_target"]
+    lines.append(f"proxy vs target   : Spearman {r['spearman']:.3f}, Kendall {r['kendall']:.3f}, top-5% overlap {r['top5%']:.2f}")
+    r = s["retention_random_vs_target"]
+    lines.append(f"random vs target  : Spearman {r['spearman']:.3f}, top-5% overlap {r['top5%']:.2f}")
+    if "oracle" in s:
+        o = s["oracle"]
+        lines.append(f"selection oracle  : share of selected examples from the validation families {o['validation_families']}")
+        lines.append(f"   target {o['target_selection']:.3f} | proxy {o['proxy_selection']:.3f} | random {o['random_selection']:.3f}"
+                     f" | base rate {o['base_rate']:.3f}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
