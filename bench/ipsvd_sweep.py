@@ -37,30 +37,35 @@ def tracked_params(model) -> list[torch.Tensor]:
     return ps
 
 
-def per_example_grads(model, batches) -> torch.Tensor:
+def iter_grads(model, batches):
+    """Yield each example's flat gradient (batch size 1) over the tracked parameters, one at a time
+    (a SmolLM2 gradient is ~425 MB: never hold them all)."""
     params = tracked_params(model)
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    out = []
-    for b in batches:
-        for i in range(b["input_ids"].shape[0]):
-            n = int(b["attention_mask"][i].sum())
-            logits = model(input_ids=b["input_ids"][i : i + 1, :n]).logits
-            loss, _ = per_example_loss(logits, b["labels"][i : i + 1, :n])
-            gs = torch.autograd.grad(loss.sum(), params)
-            out.append(torch.cat([g.reshape(-1) for g in gs]))
-    for p, f in zip(model.parameters(), flags):
-        p.requires_grad_(f)
-    return torch.stack(out)
+    try:
+        for b in batches:
+            for i in range(b["input_ids"].shape[0]):
+                n = int(b["attention_mask"][i].sum())
+                logits = model(input_ids=b["input_ids"][i : i + 1, :n]).logits
+                loss, _ = per_example_loss(logits, b["labels"][i : i + 1, :n])
+                gs = torch.autograd.grad(loss.sum(), params)
+                yield torch.cat([g.reshape(-1) for g in gs])
+    finally:
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
 
 
 def tracin(model, train_batches, val_batches) -> torch.Tensor:
-    g_tr = per_example_grads(model, train_batches)
-    g_val = per_example_grads(model, val_batches).mean(0)
-    return torch.nn.functional.cosine_similarity(g_tr, g_val[None, :], dim=1)
+    """``cos(g(z), ḡ_val)`` for every training example, streaming the gradients."""
+    g_val, n = None, 0
+    for g in iter_grads(model, val_batches):
+        g_val, n = (g if g_val is None else g_val + g), n + 1
+    g_val = g_val / n
+    return torch.stack([torch.nn.functional.cosine_similarity(g, g_val, dim=0) for g in iter_grads(model, train_batches)])
 
 
 def main(argv=None) -> None:

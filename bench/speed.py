@@ -189,6 +189,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true", help="print the scores of (a) and (b)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,6 +266,8 @@ def main(argv=None):
             times[key].append(dt)
         if flat_val is not None:
             diffs.append(max(abs(x - y) for x, y in zip(a_scores, b_scores)))
+            if args.verbose:
+                print("  (a)", [round(float(x), 6) for x in a_scores], "\n  (b)", [round(x, 6) for x in b_scores])
         print(f"batch {j}: " + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in times.items() if v), flush=True)
 
     tot = {k: sum(v) for k, v in times.items() if v}

@@ -1,8 +1,25 @@
-"""iprox_lightning — influence-preserving proxies (IProX) for gradient-based data selection."""
+"""iprox_lightning — influence-preserving proxies (IProX) for gradient-based data selection.
+
+Stages: warm-up (``WarmupModule``) -> Stage 1 IPSVD (``IPSVDCallback`` / ``compress_model``)
+-> Stage 2 alignment (``ProxyAlignModule``) -> scoring (``InfluenceScoringModule`` +
+``InfluenceWriter`` / ``tracin_scores``) -> ``select`` -> fine-tuning (``FinetuneModule``)
+-> evaluation (``EvaluationModule``).
+"""
 from .batch import per_example_loss, sft_loss
+from .callbacks import IPSVDCallback
+from .compress import compress_model, count_parameters, load_proxy, save_proxy
+from .ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
 from .lowrank import LowRankLinear
+from .models.loading import load_model, load_tokenizer
 from .models.targets import find_target_linears
 from .models.tiny import tiny_causal_lm
 from .tracking import LayerTracker, requires_grad_inputs
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "IPSVDCallback", "LayerTracker", "LowRankLinear", "compress_model", "count_parameters",
+    "find_target_linears", "ipsvd_factors", "load_model", "load_proxy", "load_tokenizer",
+    "per_example_loss", "random_factors", "requires_grad_inputs", "save_proxy", "sft_loss",
+    "svd_factors", "tiny_causal_lm", "weighted_objective",
+]

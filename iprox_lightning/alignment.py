@@ -59,6 +59,7 @@ __all__ = [
     "TeacherPass",
     "alignment_losses",
     "AlignmentOutput",
+    "time_alignment_step",
 ]
 
 

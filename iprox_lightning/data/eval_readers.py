@@ -25,7 +25,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 MMLU_CHOICES = ("A", "B", "C", "D")
 
@@ -345,9 +345,3 @@ def _load_json(path: Path) -> Any:
     except json.JSONDecodeError as e:
         raise EvalDataError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
 
-
-def group_by(items: Iterable[Any], key: str) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {}
-    for it in items:
-        out.setdefault(getattr(it, key), []).append(it)
-    return out

@@ -70,7 +70,7 @@ class EvaluationModule(LightningModule):
             tok = tokenizer
         if tok is None:
             raise ValueError("EvaluationModule: pass tokenizer=... when model is an nn.Module")
-        self.model = lm.eval().requires_grad_(False)
+        self.model = lm  # the test/validate loops run it in eval mode under inference_mode
         self.tokenizer = tok
         self.output_dir = output_dir
         self.save_predictions = save_predictions
