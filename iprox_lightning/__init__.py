@@ -7,6 +7,7 @@ Stages: warm-up (``WarmupModule``) -> Stage 1 IPSVD (``IPSVDCallback`` / ``compr
 """
 from .batch import per_example_loss, sft_loss
 from .callbacks import IPSVDCallback
+from .evaluation import EvalDataModule, EvaluationModule, run_evaluation
 from .compress import compress_model, count_parameters, load_proxy, save_proxy
 from .ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
 from .lowrank import LowRankLinear
@@ -18,6 +19,7 @@ from .tracking import LayerTracker, requires_grad_inputs
 __version__ = "0.1.0"
 
 __all__ = [
+    "EvalDataModule", "EvaluationModule", "run_evaluation",
     "IPSVDCallback", "LayerTracker", "LowRankLinear", "compress_model", "count_parameters",
     "find_target_linears", "ipsvd_factors", "load_model", "load_proxy", "load_tokenizer",
     "per_example_loss", "random_factors", "requires_grad_inputs", "save_proxy", "sft_loss",

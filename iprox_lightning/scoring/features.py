@@ -138,9 +138,9 @@ def layer_features(
     K = 0 if V is None else V.shape[0]
     m = choose_mode(h.shape[1], h.shape[-1], delta.shape[-1], K, mode)
     if m == "materialize":
-        g = materialize_grads(h, delta)
-        sq = g.pow(2).sum(dim=(1, 2))
-        dots = None if V is None else g.flatten(1) @ V.flatten(1).t()
+        g = materialize_grads(h, delta).flatten(1)  # [B, out*in]
+        sq = torch.bmm(g.unsqueeze(1), g.unsqueeze(2)).view(-1)  # no [B, out*in] temporary
+        dots = None if V is None else g @ V.flatten(1).t()
         return sq, dots
     sq = ghost_sq_norms(h, delta)
     return sq, (None if V is None else ghost_dots(h, delta, V))
