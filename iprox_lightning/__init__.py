@@ -10,7 +10,9 @@ from .callbacks import IPSVDCallback
 from .evaluation import EvalDataModule, EvaluationModule, run_evaluation
 from .compress import compress_model, count_parameters, load_proxy, save_proxy
 from .ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
+from .alignment import alignment_losses, factor_projections, gradient_alignment_loss
 from .lowrank import LowRankLinear
+from .modules import CausalLMModule, FinetuneModule, ProxyAlignModule, WarmupModule
 from .models.loading import load_model, load_tokenizer
 from .models.targets import find_target_linears
 from .models.tiny import tiny_causal_lm
@@ -19,6 +21,8 @@ from .tracking import LayerTracker, requires_grad_inputs
 __version__ = "0.1.0"
 
 __all__ = [
+    "CausalLMModule", "FinetuneModule", "ProxyAlignModule", "WarmupModule", "alignment_losses",
+    "factor_projections", "gradient_alignment_loss",
     "EvalDataModule", "EvaluationModule", "run_evaluation",
     "IPSVDCallback", "LayerTracker", "LowRankLinear", "compress_model", "count_parameters",
     "find_target_linears", "ipsvd_factors", "load_model", "load_proxy", "load_tokenizer",

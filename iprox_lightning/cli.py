@@ -53,7 +53,7 @@ def _extra_commands() -> dict[str, Callable]:
     except ImportError:  # pragma: no cover
         pass
     try:
-        from .analysis.report import check, report
+        from .report import check, report
 
         cmds["report"] = report
         cmds["check"] = check

@@ -11,9 +11,11 @@ from .features import (
     virtual_linears,
 )
 from .influence import InfluenceScorer, KFACFactors, ScoreTable, multi_checkpoint_scores, tracin_scores
+from .module import InfluenceScoringModule
+from .writer import InfluenceWriter, done_ids, merge_shards
 
 __all__ = [
     "LayerMetric", "VirtualLinear", "backward_pairs", "choose_mode", "feature_costs", "layer_features",
     "tracked_modules", "virtual_linears", "InfluenceScorer", "KFACFactors", "ScoreTable",
-    "multi_checkpoint_scores", "tracin_scores",
+    "multi_checkpoint_scores", "tracin_scores", "InfluenceScoringModule", "InfluenceWriter", "done_ids", "merge_shards",
 ]

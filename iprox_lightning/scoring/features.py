@@ -130,7 +130,7 @@ def ghost_dots(h: torch.Tensor, delta: torch.Tensor, V: torch.Tensor) -> torch.T
 def layer_features(
     h: torch.Tensor, delta: torch.Tensor, V: torch.Tensor | None, mode: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(‖g_b‖² [B], ⟨g_b, V_k⟩ [B, K] or None)`` for one linear layer.
+    """``(‖g_b‖² [B], ⟨g_b, V_k⟩ [B, K] or None)`` (float64) for one linear layer.
 
     ``h: [B, T, in]``, ``delta: [B, T, out]`` (zero on positions that must not count, e.g. padding),
     ``V: [K, out, in]`` or ``None``. ``mode``: ``"auto"`` (cheaper path), ``"ghost"`` or ``"materialize"``.
@@ -138,12 +138,14 @@ def layer_features(
     K = 0 if V is None else V.shape[0]
     m = choose_mode(h.shape[1], h.shape[-1], delta.shape[-1], K, mode)
     if m == "materialize":
-        g = materialize_grads(h, delta).flatten(1)  # [B, out*in]
-        sq = torch.bmm(g.unsqueeze(1), g.unsqueeze(2)).view(-1)  # no [B, out*in] temporary
-        dots = None if V is None else g @ V.flatten(1).t()
+        g = materialize_grads(h, delta)  # [B, out, in]
+        # row norms then a float64 sum: accurate (a float32 dot over out*in elements errs ~1e-4) and
+        # no [B, out, in] temporary
+        sq = torch.linalg.vector_norm(g, dim=2).double().pow(2).sum(dim=1)
+        dots = None if V is None else (g.flatten(1) @ V.flatten(1).t()).double()
         return sq, dots
-    sq = ghost_sq_norms(h, delta)
-    return sq, (None if V is None else ghost_dots(h, delta, V))
+    sq = ghost_sq_norms(h, delta).double()
+    return sq, (None if V is None else ghost_dots(h, delta, V).double())
 
 
 # --------------------------------------------------------------------------------------------

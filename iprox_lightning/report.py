@@ -1,0 +1,173 @@
+"""``report`` and ``check``: the analysis tables users look at before trusting a proxy.
+
+* ``check`` — score a small random sample of the pool with the target and with a proxy (TracIn or
+  K-FAC, through :func:`~iprox_lightning.scoring.tracin_scores`) and print the retention table
+  (Spearman / Pearson / Kendall, top-1/5/10% overlap). A bad proxy is caught in minutes.
+* ``report`` — for a set of score tables already written by the scoring stage: retention of every
+  proxy against the target, optional SA / 1-NND of each selection (gradients of a reference model,
+  randomly projected), FLOPs per stage from the model shapes, plots (scatter, histograms) as PNG and
+  TensorBoard images, all in one Markdown table + JSON.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
+    from torch.utils.data import DataLoader, Subset
+
+    from .data.sft import SFTCollator
+
+    ds = dm.dataset(split)
+    index = {i: k for k, i in enumerate(ds.ids)}
+    return DataLoader(Subset(ds, [index[i] for i in ids]), batch_size=batch_size,
+                      collate_fn=SFTCollator(dm.pad_token_id), shuffle=False)
+
+
+def check(
+    target: str,
+    proxy: str,
+    pool: str = "builtin",
+    validation: str = "builtin",
+    tokenizer: str | None = None,
+    sample: int = 200,
+    method: str = "tracin",
+    max_length: int = 256,
+    batch_size: int = 8,
+    seed: int = 0,
+    output: str | None = None,
+) -> dict[str, Any]:
+    """Score ``sample`` random pool examples with ``target`` and ``proxy``; print the retention table.
+
+    Args:
+        target: the target model (hub id, dir, ``.gguf``, ``builtin``).
+        proxy: the proxy (saved IProX proxy dir, or any causal LM).
+        pool, validation: data sources as for ``SFTDataModule``.
+        tokenizer: defaults to the target's.
+        sample: number of random pool examples to score.
+        method: ``tracin`` or ``kfac``.
+        output: optional JSON path for the table.
+    """
+    from .analysis.report import format_table, retention_rows
+    from .baselines.random_selection import random_subset
+    from .data import SFTDataModule
+    from .models.loading import load_model
+    from .scoring import tracin_scores
+
+    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or target, max_length=max_length,
+                       batch_size=batch_size, seed=seed)
+    dm.setup("predict")
+    ids = dm.ids("pool")
+    chosen = random_subset(ids, min(1.0, sample / max(len(ids), 1)), seed=seed)[:sample]
+    tables, seconds = {}, {}
+    for name, path in (("target", target), ("proxy", proxy)):
+        model, _ = load_model(path, tokenizer=False)
+        t0 = time.perf_counter()
+        tables[name] = tracin_scores(model, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
+                                     method=method)
+        seconds[name] = time.perf_counter() - t0
+        del model
+    rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"])})
+    rows[0]["target_s"] = seconds["target"]
+    rows[0]["proxy_s"] = seconds["proxy"]
+    print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
+    print(format_table(rows))
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(rows, indent=2))
+    return rows[0]
+
+
+def report(
+    target_scores: str,
+    proxy_scores: dict[str, str],
+    output_dir: str = "outputs/report",
+    target_model: str | None = None,
+    proxy_models: dict[str, str] | None = None,
+    topk_fraction: float = 0.05,
+    seq_len: int = 512,
+    n_probe_examples: int = 0,
+    n_align_examples: int = 0,
+    n_val: int = 0,
+    gradient_model: str | None = None,
+    pool: str = "builtin",
+    validation: str = "builtin",
+    tokenizer: str | None = None,
+    max_length: int = 256,
+    projection_dim: int = 64,
+    max_examples: int | None = 2000,
+    plots: bool = True,
+) -> list[dict[str, Any]]:
+    """One retention / SA / 1-NND / FLOPs table for a set of proxies, plus plots.
+
+    Args:
+        target_scores: the target's score table (Parquet/JSONL written by the scoring stage).
+        proxy_scores: ``{name: score table}`` for each proxy (IProX variants, baselines, random).
+        output_dir: where ``report.md``, ``report.json`` and the PNGs go.
+        target_model, proxy_models: model dirs for the FLOPs columns (optional; ``proxy_models``
+            maps the same names; a name without a model is scored with no FLOPs column).
+        topk_fraction: the selection size for SA / 1-NND (paper: 5%).
+        seq_len, n_probe_examples, n_align_examples, n_val: sizes for the FLOPs model.
+        gradient_model: if set, per-example gradients of this model (randomly projected to
+            ``projection_dim`` per layer) on the pool and validation data give SA and 1-NND.
+    """
+    from .analysis.report import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
+    from .analysis.score_table import read_scores
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = read_scores(target_scores)
+    proxies = {name: read_scores(p) for name, p in proxy_scores.items()}
+    tables = [retention_rows(target, proxies)]
+
+    if target_model and proxy_models:
+        from .analysis.flops import ModelShape
+
+        def shape(path: str) -> "ModelShape":
+            from .models.loading import load_model
+
+            model, _ = load_model(path, tokenizer=False)
+            return ModelShape.from_model(model)
+
+        tshape = shape(target_model)
+        pshapes = {name: shape(p) for name, p in proxy_models.items()}
+        tables.append(flops_rows(tshape, pshapes, seq_len=seq_len, n_train=len(target), n_val=n_val,
+                                 n_probe_examples=n_probe_examples, n_align_examples=n_align_examples))
+
+    if gradient_model:
+        from .analysis.subspace import per_example_gradients
+        from .data import SFTDataModule
+        from .models.loading import load_model
+
+        dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or gradient_model, max_length=max_length)
+        dm.setup("predict")
+        model, _ = load_model(gradient_model, tokenizer=False)
+        pool_ids, G = per_example_gradients(model, dm.dataloader("pool"), projection_dim=projection_dim, max_examples=max_examples)
+        _, V = per_example_gradients(model, dm.validation_dataloader(), projection_dim=projection_dim)
+        present = set(pool_ids)
+        selections = {"target": [i for i in select_top(target, topk_fraction) if i in present]}
+        selections.update({n: [i for i in select_top(s, topk_fraction) if i in present] for n, s in proxies.items()})
+        tables.append(selection_rows(selections, pool_ids, G, V))
+
+    rows = merge_rows(*tables)
+    write_rows(rows, out / "report.json")
+    md = format_table(rows)
+    (out / "report.md").write_text(md + "\n")
+    if plots:
+        from .analysis.plots import plot_score_histograms, plot_score_scatter
+
+        for name, s in proxies.items():
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+            plot_score_scatter(s, target, frac=topk_fraction, path=out / f"scatter_{safe}.png")
+        plot_score_histograms({"target": target, **proxies}, standardize=True, path=out / "histograms.png")
+    print(md)
+    print(f"\nwritten: {out / 'report.md'}, {out / 'report.json'}" + (" and plots" if plots else ""))
+    return rows
