@@ -1,14 +1,27 @@
-"""Time IPSVD compression of SmolLM2-135M-Instruct at several sparsities, both factor modes.
+"""Compression cost and weighted error of IPSVD on a real model, at several sparsities.
 
-For each ρ it reports the proxy size (whole model, embeddings and LM head included), the probe
-and factor times, and the mean relative weighted objective ``J(A B) / J(0)`` of exact vs core vs
-plain SVD on the same probes. Probes are collected once (the probe pass does not depend on ρ).
+For each ``ρ`` of ``--sparsity`` and each method of ``--methods`` (``exact`` / ``core`` = IPSVD
+in that factor mode with the library's default damping unless ``--damping``/``--damping-mode``
+are given; ``svd`` = plain truncated SVD) it compresses a fresh copy of the target with the SAME
+probes (collected once: the probe pass does not depend on ``ρ``) and reports:
 
-    python bench/compress_real.py --examples 16 --max-length 256 --tokens 512 --sparsity 0.3 0.5 0.7
+* proxy size — parameters of the whole model (embeddings and LM head included), requested vs
+  achieved, and the float32 size in MiB;
+* ``factor_s`` — wall-clock of the factor computation (the one probe pass is reported separately);
+* ``J/J0 probe`` / ``J/J0 held-out`` — mean over the factorised layers of the undamped K-FAC
+  weighted error ``‖Δᵀ (W − AB) H‖² / ‖Δᵀ W H‖²`` on the probes and on held-out probes
+  (:class:`ipsvd_sweep.ObjectiveMeter`); ``J/J0 own`` — in the damped metric of the setting;
+* ``heldout_loss`` — mean per-example SFT loss on the held-out examples (target's in the header).
 
-Model: ``--model`` (default ``../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf``), data: the first
-``--examples`` rows of ``../shared/data/pool/instructions.jsonl`` (after a seeded shuffle),
-formatted with the tokenizer's chat template; labels on response tokens only.
+Data as in ``bench/ipsvd_sweep.py`` (SFTDataModule formatting; probe and held-out sets are
+disjoint slices of one seeded permutation of the pool)::
+
+    python bench/compress_real.py --sparsity 0.3 0.5 0.7 --out bench/results/compress_smollm2
+
+Built-in offline model (seconds)::
+
+    python bench/compress_real.py --model builtin --pool builtin --tokenizer builtin --probe-examples 8 \\
+        --heldout 8 --tokens 64 --probe-length 64 --out /tmp/compress
 """
 from __future__ import annotations
 
@@ -16,142 +29,142 @@ import argparse
 import copy
 import json
 import os
-import random
+import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from iprox_lightning.compress import compress_model, count_parameters
-from iprox_lightning.models.targets import find_target_linears
-from iprox_lightning.probes import collect_probes
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ipsvd_sweep import (  # noqa: E402
+    DEFAULT_MODEL,
+    DEFAULT_POOL,
+    ObjectiveMeter,
+    load_target,
+    mean_loss,
+    subset_loader,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("IPROX_SHARED", ROOT.parent / "shared"))
-if not SHARED.exists():
-    SHARED = Path("/work/shared")
-DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
+from iprox_lightning.compress import (  # noqa: E402
+    DEFAULT_DAMPING,
+    DEFAULT_DAMPING_MODE,
+    compress_model,
+    count_parameters,
+)
+from iprox_lightning.data import SFTDataModule  # noqa: E402
+from iprox_lightning.models.targets import find_target_linears, linear_weight  # noqa: E402
+from iprox_lightning.probes import collect_probes  # noqa: E402
 
-
-def load_real_model(path: str | Path):
-    from iprox_lightning.models.loading import load_model
-
-    return load_model(str(path), dtype=torch.float32, attn_implementation="eager")
-
-
-def read_pool(path: str | Path, n: int, seed: int = 0, skip: int = 0) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
-    random.Random(seed).shuffle(rows)
-    return rows[skip : skip + n]
-
-
-def encode(tok, row: dict, max_length: int) -> tuple[list[int], list[int]]:
-    """Chat-template prompt + response; labels −100 on the prompt (response kept under truncation)."""
-    user = row["instruction"] + (f"\n\n{row['context']}" if row.get("context") else "")
-    prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
-    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    r_ids = tok(row["response"] + (tok.eos_token or ""), add_special_tokens=False)["input_ids"]
-    p_ids = p_ids[: max(max_length // 2, max_length - len(r_ids))]
-    ids = (p_ids + r_ids)[:max_length]
-    labels = [-100] * len(p_ids) + r_ids
-    return ids, labels[: len(ids)]
+COLUMNS = [("params_after", "proxy params", "{:,}"), ("params_ratio", "of target", "{:.3f}"),
+           ("size_mib_fp32", "fp32 MiB", "{:.1f}"), ("factor_time_s", "factor s", "{:.1f}"),
+           ("rel_objective_probe", "J/J0 probe", "{:.4f}"), ("rel_objective_heldout", "J/J0 held-out", "{:.4f}"),
+           ("heldout_loss", "held-out loss", "{:.3f}")]
 
 
-def make_batches(tok, rows: list[dict], max_length: int, batch_size: int) -> list[dict]:
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    batches = []
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i : i + batch_size]
-        enc = [encode(tok, r, max_length) for r in chunk]
-        T = max(len(e[0]) for e in enc)
-        ids = torch.full((len(enc), T), pad, dtype=torch.long)
-        mask = torch.zeros(len(enc), T, dtype=torch.long)
-        labels = torch.full((len(enc), T), -100, dtype=torch.long)
-        for j, (x, y) in enumerate(enc):
-            ids[j, : len(x)] = torch.tensor(x)
-            mask[j, : len(x)] = 1
-            labels[j, : len(y)] = torch.tensor(y)
-        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
-                        "id": [str(r.get("id", i + j)) for j, r in enumerate(chunk)]})
-    return batches
+def markdown(result: dict) -> str:
+    head = ["ρ", "method"] + [c[1] for c in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        name = "svd" if r["method"] == "svd" else f"ipsvd/{r['mode']}"
+        lines.append("| " + " | ".join([f"{r['sparsity']:g}", name] + [f.format(r[k]) for k, _, f in COLUMNS]) + " |")
+    return "\n".join(lines) + "\n"
 
 
-def mean_rel(report) -> float:
-    vals = [lr.relative_objective for lr in report.layers if lr.relative_objective is not None]
-    return sum(vals) / len(vals)
-
-
-@torch.no_grad()
-def eval_loss(model, batches) -> float:
-    from iprox_lightning.batch import per_example_loss
-
-    tot, n = 0.0, 0
-    for b in batches:
-        losses, _ = per_example_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
-        tot, n = tot + float(losses.sum()), n + losses.numel()
-    return tot / n
-
-
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--pool", default=str(DEFAULT_POOL))
-    ap.add_argument("--examples", type=int, default=16)
-    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--builtin-size", type=int, default=400)
+    ap.add_argument("--probe-examples", type=int, default=16)
+    ap.add_argument("--heldout", type=int, default=8)
+    ap.add_argument("--probe-length", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512, help="probe columns N per layer")
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.3, 0.5, 0.7])
-    ap.add_argument("--modes", nargs="+", default=["exact", "core"])
-    ap.add_argument("--damping", type=float, default=None)
-    ap.add_argument("--damping-mode", default=None)
+    ap.add_argument("--methods", nargs="+", default=["exact", "core", "svd"], choices=["exact", "core", "svd"])
+    ap.add_argument("--damping", type=float, default=DEFAULT_DAMPING)
+    ap.add_argument("--damping-mode", default=DEFAULT_DAMPING_MODE)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--out", default=None, help="output prefix: PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)  # noqa: E731
 
-    damping = args.damping if args.damping is not None else DEFAULT_DAMPING
-    damping_mode = args.damping_mode or DEFAULT_DAMPING_MODE
+    target, tok = load_target(args.model)
+    if args.tokenizer is not None:
+        from iprox_lightning.models.loading import load_tokenizer
 
+        tok = load_tokenizer(args.tokenizer)
+    n_params = count_parameters(target)
+    log(f"target {args.model}: {n_params:,} parameters; torch threads {torch.get_num_threads()}")
+    dm = SFTDataModule(pool=args.pool, validation=None, tokenizer=tok, max_length=args.probe_length,
+                       seed=args.seed, builtin_size=args.builtin_size)
+    pool = dm.pool_records
+    perm = np.random.default_rng(args.seed).permutation(len(pool))
+    n_p, n_h = args.probe_examples, args.heldout
+    if n_p + n_h > len(pool):
+        raise ValueError(f"pool {args.pool} has {len(pool)} examples, need {n_p + n_h}")
+    probe_loader = subset_loader(dm, [pool[int(i)] for i in perm[:n_p]], args.probe_length, args.batch_size)
+    heldout_loader = subset_loader(dm, [pool[int(i)] for i in perm[n_p:n_p + n_h]], args.probe_length,
+                                   args.batch_size)
+    modules = find_target_linears(target)
+    weights = {n: linear_weight(m).detach().clone() for n, m in modules.items()}
     t = time.perf_counter()
-    target, tok = load_real_model(args.model)
-    print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s; {count_parameters(target):,} parameters", flush=True)
-    batches = make_batches(tok, read_pool(args.pool, args.examples), args.max_length, args.batch_size)
-    eval_batches = make_batches(tok, read_pool(args.pool, 8, skip=args.examples), args.max_length, args.batch_size)
-    t = time.perf_counter()
-    probes = collect_probes(target, batches, find_target_linears(target), num_tokens=args.tokens, progress=False)
+    probes = collect_probes(target, probe_loader, modules, num_tokens=args.tokens, seed=args.seed, progress=False)
     t_probes = time.perf_counter() - t
-    print(f"probes: {probes.num_tokens} tokens of {probes.num_valid_tokens} valid, {probes.num_examples} examples, "
-          f"{t_probes:.1f}s (one forward/backward)", flush=True)
-    base_loss = eval_loss(target, eval_batches)
-    print(f"target held-out loss {base_loss:.4f}  (damping {damping} {damping_mode})", flush=True)
-    results = []
+    heldout_probes = collect_probes(target, heldout_loader, modules, num_tokens=args.tokens, seed=args.seed + 1,
+                                    progress=False)
+    meters = SimpleNamespace(probe=ObjectiveMeter(weights, probes), heldout=ObjectiveMeter(weights, heldout_probes))
+    del heldout_probes
+    target_loss = mean_loss(target, heldout_loader)
+    log(f"probes: N={probes.num_tokens} of {probes.num_valid_tokens} valid tokens, {probes.num_examples} examples, "
+        f"{t_probes:.1f}s (one forward/backward); target held-out loss {target_loss:.4f}")
+
+    result = dict(args=vars(args), machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+                                                torch=torch.__version__, threads=torch.get_num_threads()),
+                  target=dict(params=n_params, heldout_loss=target_loss, probe_time_s=t_probes,
+                              probe_tokens=probes.num_tokens, probe_valid_tokens=probes.num_valid_tokens),
+                  rows=[])
+    prefix = Path(args.out) if args.out else None
     for rho in args.sparsity:
-        for method, mode in [("ipsvd", m) for m in args.modes] + [("svd", None)]:
+        for meth in args.methods:
             model = copy.deepcopy(target)
-            kw = dict(mode=mode) if mode else {}
-            rep = compress_model(model, None, rho, method=method, damping=damping, damping_mode=damping_mode,
-                                 probes=probes, progress=False, **kw)
-            loss = eval_loss(model, eval_batches)
-            row = dict(sparsity=rho, method=method, mode=mode, params_after=rep.params_after,
+            kw = dict(method="svd") if meth == "svd" else dict(method="ipsvd", mode=meth)
+            rep = compress_model(model, None, rho, damping=args.damping, damping_mode=args.damping_mode,
+                                 probes=probes, progress=False, seed=args.seed, **kw)
+            own = [lr.relative_objective for lr in rep.layers if lr.relative_objective is not None]
+            row = dict(sparsity=rho, method=kw["method"], mode=kw.get("mode"), params_after=rep.params_after,
                        params_requested=rep.params_requested, params_before=rep.params_before,
-                       size_mb_fp32=rep.params_after * 4 / 2**20, factor_time_s=rep.time_factors_s,
-                       probe_time_s=t_probes, mean_rel_objective=mean_rel(rep), heldout_loss=loss,
-                       fallbacks=sum(lr.mode == "exact" for lr in rep.layers if mode == "core"))
-            results.append(row)
-            print(f"rho={rho} {method:5s} {mode or '-':5s} params {rep.params_after:,} "
-                  f"({rep.params_after / rep.params_before:.3f} of target, requested {rep.params_requested:,}) "
-                  f"fp32 {row['size_mb_fp32']:.1f} MiB | factors {rep.time_factors_s:.1f}s | "
-                  f"mean J/J0 {row['mean_rel_objective']:.4g} | held-out loss {loss:.3f}"
-                  + (f" | core->exact fallbacks {row['fallbacks']}" if row["fallbacks"] else ""), flush=True)
+                       params_ratio=rep.params_after / rep.params_before, achieved_sparsity=rep.achieved_sparsity,
+                       size_mib_fp32=rep.params_after * 4 / 2**20, factor_time_s=rep.time_factors_s,
+                       rel_objective_probe=meters.probe.mean_relative(model),
+                       rel_objective_heldout=meters.heldout.mean_relative(model),
+                       rel_objective_own=float(np.mean(own)) if own else None,
+                       heldout_loss=mean_loss(model, heldout_loader),
+                       core_fallbacks=sum(lr.mode == "exact" for lr in rep.layers) if meth == "core" else 0,
+                       ranks=sorted({lr.rank for lr in rep.layers if lr.rank is not None}))
+            result["rows"].append(row)
+            log(f"rho={rho} {meth:5s} params {rep.params_after:,} ({row['params_ratio']:.3f} of target, requested "
+                f"{rep.params_requested:,}) fp32 {row['size_mib_fp32']:.1f} MiB | factors {rep.time_factors_s:.1f}s | "
+                f"J/J0 probe {row['rel_objective_probe']:.4f} held-out {row['rel_objective_heldout']:.4f} | "
+                f"held-out loss {row['heldout_loss']:.3f}"
+                + (f" | core->exact fallbacks {row['core_fallbacks']}" if row["core_fallbacks"] else ""))
             del model
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), damping=damping, damping_mode=damping_mode,
-                                                   target_loss=base_loss, results=results), indent=2))
+            if prefix is not None:
+                prefix.parent.mkdir(parents=True, exist_ok=True)
+                prefix.with_suffix(".json").write_text(json.dumps(result, indent=2))
+                prefix.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)

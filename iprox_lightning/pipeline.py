@@ -79,7 +79,8 @@ def pipeline(
         raise FileNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
     demo = (pool == "builtin") if demo_overlays is None else demo_overlays
     run_cfg = wd / "configs"
-    times: dict[str, float] = {}
+    times_path = wd / "seconds_per_stage.json"
+    times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() and not force else {}
     data_args = {"pool": pool, "validation": validation, "seed": seed}
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
@@ -99,6 +100,8 @@ def pipeline(
         t0 = time.perf_counter()
         run_lightning(args)
         times[key] = time.perf_counter() - t0
+        times_path.parent.mkdir(parents=True, exist_ok=True)
+        times_path.write_text(json.dumps(times, indent=2))
 
     # 1. warm-up --------------------------------------------------------------------------------
     warm = wd / "warmup" / "model"

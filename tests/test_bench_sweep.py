@@ -9,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import compress_real  # noqa: E402
 import ipsvd_sweep  # noqa: E402
 
 from iprox_lightning.ipsvd import ipsvd_factors, weighted_objective  # noqa: E402
@@ -51,7 +52,7 @@ def test_sweep_rows_and_numbers(sweep):
     md = out.with_suffix(".md").read_text()
     tracin_md, kfac_md = md.split("K-FAC retention")
     assert tracin_md.count("\n| ipsvd") == 8 and tracin_md.count("(best)") == 1
-    assert kfac_md.count("\n| ") == 2 + 2  # header, rule, svd, best
+    assert kfac_md.count("\n| ") == 3  # header, svd, best
 
 
 def test_sweep_resume_keeps_rows(sweep, tmp_path):
@@ -71,8 +72,9 @@ def test_objective_meter_matches_brute_force():
     meter = ipsvd_sweep.ObjectiveMeter({"l": W}, Probes(H={"l": H}, Delta={"l": D}, num_tokens=N, num_valid_tokens=N,
                                                         num_examples=1, mean_loss=0.0), dtype=torch.float64)
     # brute force: explicit second moments, tr(C_δ E C_h Eᵀ)
-    Ch, Cd = (H @ H.T).double() / N, (D @ D.T).double() / N
-    E = (W - A @ B).double()
+    Hd, Dd = H.double(), D.double()
+    Ch, Cd = Hd @ Hd.T / N, Dd @ Dd.T / N
+    E = W.double() - A.double() @ B.double()
     J = float(torch.trace(Cd @ E @ Ch @ E.T))
     J0 = float(torch.trace(Cd @ W.double() @ Ch @ W.double().T))
     assert meter.relative("l", A, B) == pytest.approx(J / J0, rel=1e-9)
@@ -90,3 +92,32 @@ def test_sweep_configs_and_best_row():
             dict(method="svd", spearman=0.9, **{"top10%": 1.0}, key="svd"),
             dict(method="ipsvd", spearman=float("nan"), **{"top10%": 1.0}, key="c")]
     assert ipsvd_sweep.best_row(rows)["key"] == "b"
+
+
+def test_objective_meter_float32_close_to_float64():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(20, 16, generator=g)
+    H, D = torch.randn(16, 10, generator=g), torch.randn(20, 10, generator=g) * 1e-4
+    A, B = ipsvd_factors(W, H, D, 5, damping=1e-2, mode="core")
+    pr = Probes(H={"l": H}, Delta={"l": D}, num_tokens=10, num_valid_tokens=10, num_examples=1, mean_loss=0.0)
+    r64 = ipsvd_sweep.ObjectiveMeter({"l": W}, pr, dtype=torch.float64).relative("l", A, B)
+    assert ipsvd_sweep.ObjectiveMeter({"l": W}, pr).relative("l", A, B) == pytest.approx(r64, rel=1e-4)
+
+
+def test_compress_real_script(tmp_path):
+    res = compress_real.main(["--model", "builtin", "--pool", "builtin", "--tokenizer", "builtin", "--builtin-size", "60",
+                              "--probe-examples", "8", "--heldout", "8", "--tokens", "96", "--probe-length", "64",
+                              "--sparsity", "0.3", "0.7", "--out", str(tmp_path / "c")])
+    rows = res["rows"]
+    assert [(r["sparsity"], r["method"], r["mode"]) for r in rows] == [
+        (rho, m, mode) for rho in (0.3, 0.7) for m, mode in (("ipsvd", "exact"), ("ipsvd", "core"), ("svd", None))]
+    for r in rows:
+        assert r["params_after"] < r["params_before"] and math.isfinite(r["heldout_loss"])
+        assert 0 <= r["rel_objective_probe"] <= 1.5 and r["factor_time_s"] >= 0
+    # more sparsity -> fewer parameters and larger SVD error; exact is the damped optimum so it beats SVD in-sample
+    by = {(r["sparsity"], r["mode"] or "svd"): r for r in rows}
+    assert by[(0.7, "svd")]["params_after"] < by[(0.3, "svd")]["params_after"]
+    assert by[(0.7, "svd")]["rel_objective_probe"] > by[(0.3, "svd")]["rel_objective_probe"]
+    assert by[(0.3, "exact")]["rel_objective_own"] <= by[(0.3, "svd")]["rel_objective_own"] + 1e-9
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert len(saved["rows"]) == 6 and (tmp_path / "c.md").read_text().count("\n| 0.") == 6

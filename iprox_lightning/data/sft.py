@@ -28,6 +28,8 @@ logger when one is attached) and kept in ``SFTDataModule.stats``.
 """
 from __future__ import annotations
 
+import json
+
 import logging
 from typing import Any, Sequence
 
@@ -37,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..batch import IGNORE_INDEX
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
-from .sources import is_hub_id, parse_hub_id, read_records
+from .sources import DataFormatError, is_hub_id, parse_hub_id, read_records
 from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
@@ -298,13 +300,38 @@ class SFTDataModule(L.LightningDataModule):
         if split == "selected":
             if not self.selected:
                 raise ValueError("split 'selected' needs `selected`: the JSONL file written by the selection stage")
-            return read_records(self.selected)
+            return self._selected_records()
         if split not in SPLITS:
             raise KeyError(f"unknown split {split!r}; one of {SPLITS}")
         if split == "pool":
             return list(self.pool_records)
         by_id = {r["id"]: r for r in self.pool_records}
         return [by_id[i] for i in self.splits.get(split)]
+
+    def _selected_records(self) -> list[dict]:
+        """The selection file: full records (Dolly schema), or id-only rows (``{"id", "score"}``,
+        as ``select`` writes without ``pool``) resolved against this module's pool by id."""
+        path = self.selected
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataFormatError(f"{path}, line {n}: malformed JSON ({e.msg})") from None
+                if not isinstance(rows[-1], dict) or "id" not in rows[-1]:
+                    raise DataFormatError(f"{path}, line {n}: missing field 'id'")
+        if rows and all(("instruction" not in r and "messages" not in r) for r in rows):
+            by_id = {r["id"]: r for r in self.pool_records}
+            missing = [r["id"] for r in rows if str(r["id"]) not in by_id]
+            if missing:
+                raise DataFormatError(
+                    f"{path}: {len(missing)} selected id(s) are not in the pool {self.pool_sources}, e.g. {missing[:3]}"
+                )
+            return [by_id[str(r["id"])] for r in rows]
+        return read_records(path)
 
     def ids(self, split: str) -> list[str]:
         """Ids served by ``split`` after tokenization (dropped examples excluded)."""
