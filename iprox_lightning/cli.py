@@ -8,6 +8,10 @@
     python train.py test    --config configs/evaluate.yaml      # MMLU / BBH / TyDiQA
     python train.py pipeline                                    # everything, on the built-in data
 
+    python train.py check   --target ... --proxy ...           # proxy check: retention on a random sample
+    python train.py report  --config configs/report.yaml        # retention / SA / 1-NND / FLOPs table + plots
+    python train.py layer_extraction | influence_scorer | random_scores   # the paper's baselines
+
 ``fit/validate/test/predict`` go to LightningCLI (any LightningModule / LightningDataModule by
 ``class_path``); ``select``, ``pipeline``, ``report`` and ``check`` are plain functions parsed by
 jsonargparse (``--config`` and ``--print_config`` work for them too).
@@ -59,6 +63,9 @@ def _extra_commands() -> dict[str, Callable]:
         cmds["check"] = check
     except ImportError:  # pragma: no cover
         pass
+    from .baselines.commands import influence_scorer, layer_extraction, random_scores
+
+    cmds.update(layer_extraction=layer_extraction, influence_scorer=influence_scorer, random_scores=random_scores)
     return cmds
 
 

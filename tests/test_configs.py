@@ -14,11 +14,26 @@ SUBCOMMAND = {
     "select": "select",
     "finetune": "fit",
     "evaluate": "test",
+    "report": "report",
+}
+# overlays: (base config, subcommand) they apply to; plain-function commands stand alone
+OVERLAYS = {
+    "ablations/svd_init": ("build_proxy", "fit"),
+    "ablations/random_init": ("build_proxy", "fit"),
+    "ablations/no_alignment": ("build_proxy", "fit"),
+    "ablations/no_kl": ("build_proxy", "fit"),
+    "baselines/off_the_shelf": ("score", "predict"),
+    "baselines/kfac": ("score", "predict"),
+    "baselines/layer_extraction": (None, "layer_extraction"),
+    "baselines/influence_scorer": (None, "influence_scorer"),
+    "baselines/random": (None, "random_scores"),
 }
 
 
 def test_every_config_is_registered():
     assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(SUBCOMMAND)
+    found = {f"{p.parent.name}/{p.stem}" for d in ("ablations", "baselines") for p in (CONFIGS / d).glob("*.yaml")}
+    assert found == set(OVERLAYS)
     assert {p.stem for p in (CONFIGS / "builtin").glob("*.yaml")} <= set(SUBCOMMAND)
 
 
@@ -36,6 +51,9 @@ def test_config_validates_against_code(stage, capsys):
     cfg = _print_config(args, capsys)
     if stage == "select":
         assert cfg["k"] == 0.05
+        return
+    if stage == "report":
+        assert cfg["topk_fraction"] == 0.05
         return
     # every class_path resolves to a class whose signature accepted the init_args
     assert cfg["model"]["class_path"].startswith("iprox_lightning.")
@@ -66,3 +84,20 @@ def test_bad_key_is_rejected(tmp_path, capsys):
         main(["fit", "--config", str(CONFIGS / "warmup.yaml"), "--config", str(bad), "--print_config"])
     assert e.value.code == 2
     assert "lrr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_ablation_and_baseline_configs_validate(name, capsys):
+    base, sub = OVERLAYS[name]
+    args = [sub] + (["--config", str(CONFIGS / f"{base}.yaml")] if base else []) + ["--config", str(CONFIGS / f"{name}.yaml")]
+    cfg = _print_config(args, capsys)
+    if name == "ablations/svd_init":
+        assert cfg["trainer"]["callbacks"][0]["init_args"]["method"] == "svd"
+    if name == "ablations/no_alignment":
+        assert cfg["model"]["init_args"]["align"] is False
+    if name == "ablations/no_kl":
+        assert cfg["model"]["init_args"]["kl_weight"] == 0.0
+    if name == "baselines/kfac":
+        assert cfg["model"]["init_args"]["method"] == "kfac"
+    if name == "baselines/layer_extraction":
+        assert cfg["sparsity"] == 0.3
