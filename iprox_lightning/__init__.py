@@ -16,11 +16,14 @@ from .modules import CausalLMModule, FinetuneModule, ProxyAlignModule, WarmupMod
 from .models.loading import load_model, load_tokenizer
 from .models.targets import find_target_linears
 from .models.tiny import tiny_causal_lm
+from .scoring import InfluenceScoringModule, InfluenceWriter, ScoreTable, multi_checkpoint_scores, tracin_scores
+from .select import select
 from .tracking import LayerTracker, requires_grad_inputs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InfluenceScoringModule", "InfluenceWriter", "ScoreTable", "multi_checkpoint_scores", "select", "tracin_scores",
     "CausalLMModule", "FinetuneModule", "ProxyAlignModule", "WarmupModule", "alignment_losses",
     "factor_projections", "gradient_alignment_loss",
     "EvalDataModule", "EvaluationModule", "run_evaluation",
