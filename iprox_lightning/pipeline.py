@@ -52,6 +52,8 @@ def pipeline(
     finetune: bool = True,
     force: bool = False,
     seed: int = 0,
+    data_args: dict[str, Any] | None = None,
+    align_epochs: int | None = None,
 ) -> dict[str, Any]:
     """Run every stage and print a summary (proxy size vs target, time per stage, selection quality).
 
@@ -69,6 +71,8 @@ def pipeline(
         finetune: also fine-tune the target on the proxy's selection.
         force: re-run stages whose outputs exist.
         seed: seed of every stage.
+        data_args: extra ``SFTDataModule`` arguments for every stage (e.g. ``{"max_length": 128}``).
+        align_epochs: epochs of the alignment stage (default: the config's).
     """
     from .cli import run_lightning
     from .select import select
@@ -81,7 +85,7 @@ def pipeline(
     run_cfg = wd / "configs"
     times_path = wd / "seconds_per_stage.json"
     times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() and not force else {}
-    data_args = {"pool": pool, "validation": validation, "seed": seed}
+    data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
 
@@ -116,7 +120,8 @@ def pipeline(
     proxy = wd / "proxy" / "model"
     stage("build_proxy", "fit", {
         "seed_everything": seed,
-        "trainer": {**trainer_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "build_proxy"}},
+        "trainer": {**trainer_common, **({"max_epochs": align_epochs} if align_epochs is not None else {}),
+                    "logger": {**logger, "init_args": {**logger["init_args"], "name": "build_proxy"}},
                     "callbacks": [{"class_path": "iprox_lightning.callbacks.IPSVDCallback",
                                    "init_args": {"sparsity": sparsity, "method": "ipsvd"}}]},
         "model": {"init_args": {"target": str(warm), "save_dir": str(proxy)}},
