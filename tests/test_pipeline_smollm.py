@@ -5,7 +5,7 @@ import pytest
 
 from iprox_lightning.pipeline import pipeline
 
-from .test_pipeline import run_all_variants
+from test_pipeline import run_all_variants
 
 pytestmark = pytest.mark.slow
 
