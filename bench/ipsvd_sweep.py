@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from iprox_lightning.analysis.retention import retention_metrics
+from iprox_lightning.analysis.retention import align_scores, retention_metrics, spearman
 from iprox_lightning.batch import per_example_loss
 from iprox_lightning.compress import compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
@@ -220,6 +220,18 @@ def retention(proxy: Mapping[str, float], target: Mapping[str, float]) -> dict[s
     return {k: float(v) for k, v in retention_metrics(proxy, target).items()}
 
 
+def spearman_interval(proxy: Mapping[str, float], target: Mapping[str, float], *, level: float = 0.9,
+                      n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval (resampling the scored examples with replacement, fixed seed)
+    of the Spearman correlation — how much of a difference between rows is sampling noise."""
+    _, p, t = align_scores(proxy, target)
+    rng = np.random.default_rng(seed)
+    vals = [spearman(p[i], t[i]) for i in (rng.integers(0, len(p), len(p)) for _ in range(n_boot))]
+    vals = np.array([v for v in vals if math.isfinite(v)])
+    a = (1 - level) / 2
+    return float(np.quantile(vals, a)), float(np.quantile(vals, 1 - a))
+
+
 # ------------------------------------------------------------------------------------------------
 # output
 # ------------------------------------------------------------------------------------------------
@@ -230,13 +242,19 @@ def _fmt(v, f: str) -> str:
 def markdown(result: Mapping) -> str:
     """The sweep's Markdown tables (TracIn retention for every row, then K-FAC if run)."""
     rows, best = result["rows"], result.get("best")
-    head = ["method", "mode", "damping mode", "damping"] + [c[1] for c in TABLE_COLUMNS]
+    ci = "target_scores" in result and all("proxy_scores" in r for r in rows)
+    head = ["method", "mode", "damping mode", "damping"] + [c[1] for c in TABLE_COLUMNS[:1]]
+    head += ["Spearman 90% CI"] * ci + [c[1] for c in TABLE_COLUMNS[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         mark = " **(best)**" if best and config_key(r) == config_key(best) else ""
         cells = [r["method"] + mark, r["mode"] or "–", r["damping_mode"] or "–",
                  "–" if r["damping"] is None else f"{r['damping']:g}"]
-        cells += [_fmt(r.get(k), f) for k, _, f in TABLE_COLUMNS]
+        cells += [_fmt(r.get(k), f) for k, _, f in TABLE_COLUMNS[:1]]
+        if ci:
+            lo, hi = spearman_interval(r["proxy_scores"], result["target_scores"])
+            cells.append(f"[{lo:+.2f}, {hi:+.2f}]")
+        cells += [_fmt(r.get(k), f) for k, _, f in TABLE_COLUMNS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n"
     if result.get("kfac"):
