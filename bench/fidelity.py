@@ -356,6 +356,44 @@ def retention(proxy: Mapping[str, float], target: Mapping[str, float]) -> dict[s
     return {k: float(v) for k, v in retention_metrics(proxy, target).items()}
 
 
+def interleaved_timing(target, proxies: Mapping[str, torch.nn.Module], batch: Mapping, val_batch: Mapping,
+                       repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Scoring cost per training batch, proxy vs target, robust to a shared machine's changing load.
+
+    Each model's :class:`~iprox_lightning.scoring.InfluenceScorer` is fitted on ``val_batch``; then
+    ``score_batch(batch)`` is timed ``repeats`` times per model, the models taking turns within each
+    repeat (target, proxy 1, proxy 2, …), after one untimed warm-up call each. Returns, per proxy,
+    the median wall-clock and process CPU seconds of the target and the proxy and their ratios.
+    """
+    from iprox_lightning.scoring import InfluenceScorer
+
+    models = {"target": target, **proxies}
+    scorers = {}
+    for name, m in models.items():
+        sc = InfluenceScorer(m, method="tracin", per_task=False)
+        sc.fit([val_batch])
+        sc.score_batch(batch)  # warm-up
+        scorers[name] = sc
+    wall: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(repeats):
+        for name, sc in scorers.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            sc.score_batch(batch)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    out = {}
+    for name in proxies:
+        out[name] = dict(target_wall_s=med(wall["target"]), proxy_wall_s=med(wall[name]),
+                         wall_ratio=med(wall[name]) / med(wall["target"]),
+                         target_cpu_s=med(cpu["target"]), proxy_cpu_s=med(cpu[name]),
+                         cpu_ratio=med(cpu[name]) / med(cpu["target"]), repeats=repeats,
+                         batch_examples=int(batch["input_ids"].shape[0]),
+                         batch_tokens=int(batch["attention_mask"].sum()))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # output
 # ------------------------------------------------------------------------------------------------
@@ -408,6 +446,14 @@ def markdown(result: Mapping) -> str:
             out.append(f"| {r['key']} | {r['alignment']['steps']} | {a['l_ga']:.4f} → {b['l_ga']:.4f} | "
                        f"{a['l_kl']:.4f} → {b['l_kl']:.4f} | {a['cos_a']:.3f} → {b['cos_a']:.3f} | "
                        f"{a['cos_b']:.3f} → {b['cos_b']:.3f} |")
+    if result.get("timing"):
+        tm = result["timing"]
+        out += ["", f"**Scoring-time ratio proxy / target, interleaved** ({tm['note']})\n",
+                "| proxy shape | params | wall s target | wall s proxy | wall ratio | CPU s target | CPU s proxy | CPU ratio |",
+                "|---|---|---|---|---|---|---|---|"]
+        for key, m in tm["rows"].items():
+            out.append(f"| {key} | {m['params']:,} | {m['target_wall_s']:.2f} | {m['proxy_wall_s']:.2f} | "
+                       f"{m['wall_ratio']:.2f} | {m['target_cpu_s']:.2f} | {m['proxy_cpu_s']:.2f} | {m['cpu_ratio']:.2f} |")
     if result.get("kfac"):
         kt = result["kfac_target"]
         out += ["", f"**K-FAC** (proxy K-FAC vs target K-FAC; target K-FAC vs target TracIn: Spearman "
@@ -501,6 +547,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output directory (fidelity.json, fidelity.md, PNGs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in OUT/fidelity.json")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the interleaved proxy/target scoring-time measurement of --timing-variants, merged "
+                         "into OUT/fidelity.json (proxy shapes only matter: SVD/IPSVD factors are replaced by random ones)")
+    ap.add_argument("--timing-variants", nargs="+", default=["random@0.3", "random@0.5", "random@0.7", "le@0.5"])
+    ap.add_argument("--timing-repeats", type=int, default=3)
+    ap.add_argument("--timing-examples", type=int, default=4, help="examples in the timed training batch")
     ap.add_argument("--plots-only", action="store_true", help="only (re)write the Markdown and plots of OUT/fidelity.json")
     ap.add_argument("--fail-fast", action="store_true", help="raise on the first failing variant (default: record and go on)")
     args = ap.parse_args(argv)
@@ -547,6 +599,39 @@ def main(argv=None) -> dict:
     log(f"target {args.model}: {count_parameters(target):,} parameters; torch threads {torch.get_num_threads()}")
     data = build_data(args, tok)
     log("data (examples, mean tokens): " + ", ".join(f"{k} {n} × {l:.0f}" for k, (n, l) in data["sizes"].items()))
+
+    if args.timing_only:
+        result = json.loads((out_dir / "fidelity.json").read_text()) if out_dir and (out_dir / "fidelity.json").exists() else {}
+        batch = next(iter(DataLoader(data["sample"].dataset, batch_size=args.timing_examples,
+                                     collate_fn=data["sample"].collate_fn)))
+        val_batch = next(iter(data["validation"].loader))
+        proxies = {}
+        for spec in args.timing_variants:
+            v = parse_variant(spec)
+            if v.method == "le":
+                from iprox_lightning.baselines.layer_extraction import layer_extraction_proxy
+
+                proxies[v.key], _ = layer_extraction_proxy(target, data["probe"], sparsity=v.rho, progress=False)
+            elif v.method in ("random", "svd"):
+                proxies[v.key] = copy.deepcopy(target)
+                compress_model(proxies[v.key], None, v.rho, method=v.method, progress=False, seed=args.seed)
+            else:
+                raise SystemExit(f"--timing-variants: use random@ρ / svd@ρ / le@ρ (only the shape matters), got {spec!r}")
+            for p in proxies[v.key].parameters():
+                p.requires_grad_(False)
+        log(f"timing {list(proxies)} on a batch of {args.timing_examples} examples, {args.timing_repeats} repeats")
+        rows = interleaved_timing(target, proxies, batch, val_batch, args.timing_repeats)
+        for k, m in rows.items():
+            m["params"] = count_parameters(proxies[k])
+            log(f"  {k}: wall ratio {m['wall_ratio']:.2f}, CPU ratio {m['cpu_ratio']:.2f}")
+        result["timing"] = dict(rows=rows, note=f"median of {args.timing_repeats} interleaved score_batch calls on "
+                                f"{args.timing_examples} pool examples; load average "
+                                f"{os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}")
+        if "target" in result:
+            write_outputs(out_dir, result)
+        else:
+            print(json.dumps(result["timing"], indent=1))
+        return result
 
     result: dict[str, Any] = {}
     if args.resume and out_dir is not None and (out_dir / "fidelity.json").exists():
@@ -643,6 +728,8 @@ def main(argv=None) -> dict:
         t_score = vt.records["scoring"].wall_s
         row = dict(
             key=v.key, method=v.method, mode=v.mode, rho=v.rho, align=v.align, kl=v.kl if v.align else None,
+            damping=args.damping if v.method == "ipsvd" else None,
+            damping_mode=args.damping_mode if v.method == "ipsvd" else None,
             **retention(sc["scores"], ref_scores),
             spearman_ci=bootstrap_spearman(sc["scores"], ref_scores, args.bootstrap, args.seed),
             split_half_spearman=split_half_spearman(sc["halves"]),

@@ -25,7 +25,8 @@ Per row (definitions):
   parameters are its ``A``/``B`` factors) against the target's;
 * ``J/J0 probe`` / ``J/J0 held-out`` — mean over the factorised layers of
   ``J(AB)/J(0)`` with the *undamped* K-FAC objective of the paper's Eq. 3,
-  ``J(Ŵ) = ‖C_δ^{1/2} (W − Ŵ) C_h^{1/2}‖_F² = ‖Δᵀ (W − Ŵ) H‖_F² / N²`` (:func:`undamped_objective`),
+  ``J(Ŵ) = ‖C_δ^{1/2} (W − Ŵ) C_h^{1/2}‖_F² = ‖Δᵀ (W − Ŵ) H‖_F² / N²``
+  (:func:`undamped_objective`),
   on the probe set (in-sample) and on the held-out probes. Undamped so that every row is measured
   with the same yardstick; ``J/J0 own`` (JSON only) is the report's value in each setting's own
   damped metric;
@@ -327,24 +328,32 @@ def main(argv=None) -> dict:
     log(f"target {args.model}: {count_parameters(target):,} parameters; torch threads {torch.get_num_threads()}")
     data = build_data(args, tok)
     modules = find_target_linears(target)
-    target_weights = {n: linear_weight(m).detach().clone() for n, m in modules.items()}
-
-    t = time.perf_counter()
-    probes = collect_probes(target, data["probe"], modules, num_tokens=args.tokens, seed=args.seed, progress=False)
-    t_probes = time.perf_counter() - t
-    heldout_probes = collect_probes(target, data["heldout"], modules, num_tokens=args.tokens, seed=args.seed + 1,
-                                    progress=False)
-    n_heldout = (heldout_probes.num_tokens, heldout_probes.num_valid_tokens)
-    meter_probe = ObjectiveMeter(target_weights, probes)
-    meter_heldout = ObjectiveMeter(target_weights, heldout_probes)
-    del heldout_probes
-    log(f"probes: N={probes.num_tokens} of {probes.num_valid_tokens} valid tokens, {probes.num_examples} examples "
-        f"({t_probes:.1f}s); held-out probes N={n_heldout[0]} of {n_heldout[1]} valid tokens")
 
     result: dict[str, Any] = {}
     if args.resume and prefix is not None and prefix.with_suffix(".json").exists():
         result = json.loads(prefix.with_suffix(".json").read_text())
         log(f"resuming: {len(result.get('rows', []))} row(s) already done")
+    configs = sweep_configs(args.modes, args.dampings, args.damping_modes)
+    if args.no_svd:
+        configs = configs[1:]
+    done = {config_key(r) for r in result.get("rows", [])}
+    pending = [c for c in configs if config_key(c) not in done]
+
+    t = time.perf_counter()
+    probes = collect_probes(target, data["probe"], modules, num_tokens=args.tokens, seed=args.seed, progress=False)
+    t_probes = time.perf_counter() - t
+    msg = f"probes: N={probes.num_tokens} of {probes.num_valid_tokens} valid tokens, {probes.num_examples} examples " \
+          f"({t_probes:.1f}s)"
+    if pending:  # the objective meters are only needed for rows still to compute
+        target_weights = {n: linear_weight(m).detach().clone() for n, m in modules.items()}
+        heldout_probes = collect_probes(target, data["heldout"], modules, num_tokens=args.tokens, seed=args.seed + 1,
+                                        progress=False)
+        msg += f"; held-out probes N={heldout_probes.num_tokens} of {heldout_probes.num_valid_tokens} valid tokens"
+        meter_probe = ObjectiveMeter(target_weights, probes)
+        meter_heldout = ObjectiveMeter(target_weights, heldout_probes)
+        del heldout_probes, target_weights
+    log(msg)
+
     if "target_scores" not in result:
         t = time.perf_counter()
         ref = scores_dict(tracin_scores(target, data["sample"], data["validation"], **TRACIN))
@@ -362,23 +371,18 @@ def main(argv=None) -> dict:
         log(f"target TracIn on {len(ref)} examples vs {data['n_validation']} validation examples in "
             f"{result['target']['scoring_time_s']:.1f}s; held-out loss {result['target']['heldout_loss']:.4f}")
     ref = result["target_scores"]
-    done = {config_key(r) for r in result["rows"]}
-
-    configs = sweep_configs(args.modes, args.dampings, args.damping_modes)
-    if args.no_svd:
-        configs = configs[1:]
 
     def make_proxy(c: Mapping):
         proxy = copy.deepcopy(target)
-        kw = dict(mode=c["mode"], damping=c["damping"], damping_mode=c["damping_mode"]) if c["method"] == "ipsvd" else {}
+        kw = {}
+        if c["method"] == "ipsvd":
+            kw = dict(mode=c["mode"], damping=c["damping"], damping_mode=c["damping_mode"])
         rep = compress_model(proxy, None, args.sparsity, method=c["method"], probes=probes, progress=False,
                              seed=args.seed, **kw)
         return proxy, rep
 
-    for c in configs:
+    for c in pending:
         key = config_key(c)
-        if key in done:
-            continue
         t0 = time.perf_counter()
         proxy, rep = make_proxy(c)
         t_score = time.perf_counter()
@@ -414,8 +418,9 @@ def main(argv=None) -> dict:
         if "kfac_target_scores" not in result:
             t = time.perf_counter()
             result["kfac_target_scores"] = scores_dict(tracin_scores(target, data["sample"], data["validation"], **kf))
-            result["kfac_target"] = dict(time_s=time.perf_counter() - t, damping=args.kfac_damping,
-                                         tracin_vs_kfac=retention(result["target_scores"], result["kfac_target_scores"]))
+            result["kfac_target"] = dict(
+                time_s=time.perf_counter() - t, damping=args.kfac_damping,
+                tracin_vs_kfac=retention(result["target_scores"], result["kfac_target_scores"]))
             write_outputs(prefix, result)
             log(f"target K-FAC scores in {time.perf_counter() - t:.1f}s")
         chosen = [c for c in configs if c["method"] == "svd"] + ([best] if best is not None else [])

@@ -185,3 +185,24 @@ def test_target_scoring_flops_formula():
     expected = fwd(10, 32) + bwd(10, 32) + 2 * 10 * shape.tracked_params + fwd(4, 50) + bwd(4, 50)
     assert fidelity.target_scoring_flops(shape, data) == pytest.approx(expected)
     assert scoring_flops(shape, n_train=0, n_val=4, seq_len=50)["inner_products"] == 0
+
+
+def test_timing_only_merges_into_the_results(run, tmp_path):
+    out, res = run
+    import shutil
+
+    shutil.copy(out / "fidelity.json", tmp_path / "fidelity.json")
+    r = fidelity.main(TINY + ["--timing-only", "--timing-variants", "random@0.5", "le@0.5", "--timing-repeats", "2",
+                              "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "fidelity.json").read_text())
+    assert [x["key"] for x in on_disk["rows"]] == [x["key"] for x in res["rows"]]  # rows untouched
+    rows = on_disk["timing"]["rows"]
+    assert set(rows) == {"random@0.5", "le@0.5"} and r["timing"]["rows"].keys() == rows.keys()
+    for m in rows.values():
+        assert m["target_wall_s"] > 0 and m["proxy_wall_s"] > 0 and m["repeats"] == 2 and m["batch_examples"] == 4
+        assert m["wall_ratio"] == pytest.approx(m["proxy_wall_s"] / m["target_wall_s"])
+        assert m["cpu_ratio"] == pytest.approx(m["proxy_cpu_s"] / m["target_cpu_s"])
+        assert 0 < m["params"] < on_disk["target"]["params"]
+    assert "interleaved" in (tmp_path / "fidelity.md").read_text()
+    with pytest.raises(SystemExit, match="timing-variants"):
+        fidelity.main(TINY + ["--timing-only", "--timing-variants", "ipsvd@0.5", "--out", str(tmp_path)])

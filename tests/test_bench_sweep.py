@@ -105,8 +105,9 @@ def test_objective_meter_float32_close_to_float64():
 
 
 def test_compress_real_script(tmp_path):
-    res = compress_real.main(["--model", "builtin", "--pool", "builtin", "--tokenizer", "builtin", "--builtin-size", "60",
-                              "--probe-examples", "8", "--heldout", "8", "--tokens", "96", "--probe-length", "64",
+    res = compress_real.main(["--model", "builtin", "--pool", "builtin", "--tokenizer", "builtin",
+                              "--builtin-size", "60", "--probe-examples", "8", "--heldout", "8", "--tokens", "96",
+                              "--probe-length", "64",
                               "--sparsity", "0.3", "0.7", "--out", str(tmp_path / "c")])
     rows = res["rows"]
     assert [(r["sparsity"], r["method"], r["mode"]) for r in rows] == [
