@@ -303,7 +303,7 @@ def align_proxy(teacher, proxy, loader, args, kl_weight: float, log) -> dict[str
             out.loss.backward()
             opt.step()
             ca, cb = out.mean_cosines()
-            hist.append(dict(step=step, loss=float(out.loss), l_ga=float(out.l_ga), l_kl=float(out.l_kl),
+            hist.append(dict(step=step, loss=float(out.loss.detach()), l_ga=float(out.l_ga), l_kl=float(out.l_kl),
                              cos_a=float(ca), cos_b=float(cb), proxy_sft=float(out.proxy_sft)))
             if step % max(1, args.align_steps // 5) == 0 or step == args.align_steps - 1:
                 log(f"    align step {step:3d}: L={hist[-1]['loss']:.4f} L_GA={hist[-1]['l_ga']:.4f} "
