@@ -45,7 +45,6 @@ from ipsvd_sweep import (  # noqa: E402
     ObjectiveMeter,
     load_target,
     mean_loss,
-    subset_loader,
 )
 
 from iprox_lightning.compress import (  # noqa: E402
@@ -111,8 +110,8 @@ def main(argv=None) -> dict:
     n_p, n_h = args.probe_examples, args.heldout
     if n_p + n_h > len(pool):
         raise ValueError(f"pool {args.pool} has {len(pool)} examples, need {n_p + n_h}")
-    probe_loader = subset_loader(dm, [pool[int(i)] for i in perm[:n_p]], args.probe_length, args.batch_size)
-    heldout_loader = subset_loader(dm, [pool[int(i)] for i in perm[n_p:n_p + n_h]], args.probe_length,
+    probe_loader = dm.records_dataloader([pool[int(i)] for i in perm[:n_p]], args.probe_length, args.batch_size)
+    heldout_loader = dm.records_dataloader([pool[int(i)] for i in perm[n_p:n_p + n_h]], args.probe_length,
                                    args.batch_size)
     modules = find_target_linears(target)
     weights = {n: linear_weight(m).detach().clone() for n, m in modules.items()}

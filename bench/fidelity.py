@@ -88,8 +88,6 @@ from iprox_lightning.analysis.flops import (
 from iprox_lightning.analysis.retention import retention_metrics, spearman
 from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
-from iprox_lightning.data.formatting import tokenize_records
-from iprox_lightning.data.sft import SFTCollator, SFTDataset
 from iprox_lightning.models.targets import find_target_linears
 from iprox_lightning.probes import collect_probes
 from iprox_lightning.scoring import tracin_scores
@@ -167,17 +165,6 @@ def parse_variant(spec: str, default_mode: str = DEFAULT_MODE) -> Variant:
 # ------------------------------------------------------------------------------------------------
 # data
 # ------------------------------------------------------------------------------------------------
-def subset_loader(dm: SFTDataModule, records: list[dict], max_length: int, batch_size: int) -> DataLoader:
-    """Batches (project format) of ``records`` tokenized with the data module's template/truncation."""
-    examples, dropped = tokenize_records(records, dm.tokenizer, max_length=max_length,
-                                         prompt_template=dm.prompt_template, truncation=dm.truncation)
-    if dropped:
-        print(f"  dropped {len(dropped)} example(s) without response tokens: {dropped[:5]}", flush=True)
-    if not examples:
-        raise ValueError(f"no example left after tokenization to {max_length} tokens")
-    return DataLoader(SFTDataset(examples), batch_size=batch_size, shuffle=False, collate_fn=SFTCollator(dm.pad_token_id))
-
-
 class HalvesLoader:
     """The validation batches with ``task`` replaced by ``half0``/``half1``, alternating within each
     original task (deterministic: the loader is not shuffled). Scoring with ``per_task=True`` then gives,
@@ -222,9 +209,9 @@ def build_data(args, tokenizer) -> dict[str, Any]:
     take = lambda i, j: [pool[int(k)] for k in perm[i:j]]  # noqa: E731
     val = dm.validation_dataloader()
     data = dict(
-        probe=subset_loader(dm, take(0, p), args.probe_length, args.probe_batch_size),
-        align=subset_loader(dm, take(p, p + a), args.align_length, args.align_batch_size) if a else None,
-        sample=subset_loader(dm, take(p + a, p + a + s), args.max_length, args.batch_size),
+        probe=dm.records_dataloader(take(0, p), args.probe_length, args.probe_batch_size),
+        align=dm.records_dataloader(take(p, p + a), args.align_length, args.align_batch_size) if a else None,
+        sample=dm.records_dataloader(take(p + a, p + a + s), args.max_length, args.batch_size),
         validation=HalvesLoader(val),
         validation_tasks=list(dm.validation_tasks),
     )

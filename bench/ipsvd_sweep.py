@@ -61,14 +61,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from iprox_lightning.analysis.retention import align_scores, retention_metrics, spearman
 from iprox_lightning.batch import per_example_loss
 from iprox_lightning.compress import compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
-from iprox_lightning.data.formatting import tokenize_records
-from iprox_lightning.data.sft import SFTCollator, SFTDataset
 from iprox_lightning.models.targets import find_target_linears, linear_weight
 from iprox_lightning.probes import Probes, collect_probes
 from iprox_lightning.scoring import tracin_scores
@@ -121,18 +118,6 @@ def best_row(rows: list[dict], method: str = "ipsvd") -> dict | None:
 # ------------------------------------------------------------------------------------------------
 # data
 # ------------------------------------------------------------------------------------------------
-def subset_loader(dm: SFTDataModule, records: list[dict], max_length: int, batch_size: int) -> DataLoader:
-    """Batches (project format) of ``records`` tokenized with the data module's template/truncation."""
-    examples, dropped = tokenize_records(records, dm.tokenizer, max_length=max_length,
-                                         prompt_template=dm.prompt_template, truncation=dm.truncation)
-    if dropped:
-        print(f"  dropped {len(dropped)} example(s) without response tokens: {dropped[:5]}", flush=True)
-    if not examples:
-        raise ValueError(f"no example left after tokenization to {max_length} tokens")
-    return DataLoader(SFTDataset(examples), batch_size=batch_size, shuffle=False,
-                      collate_fn=SFTCollator(dm.pad_token_id))
-
-
 def build_data(args, tokenizer) -> dict[str, Any]:
     """Disjoint probe / scored / held-out subsets of the pool (one seeded permutation) + validation."""
     dm = SFTDataModule(pool=args.pool, validation=args.validation, tokenizer=tokenizer,
@@ -147,9 +132,9 @@ def build_data(args, tokenizer) -> dict[str, Any]:
     take = lambda a, b: [pool[int(i)] for i in perm[a:b]]  # noqa: E731
     p, s = args.probe_examples, args.probe_examples + args.sample
     return dict(
-        probe=subset_loader(dm, take(0, p), args.probe_length, args.probe_batch_size),
-        sample=subset_loader(dm, take(p, s), args.max_length, args.batch_size),
-        heldout=subset_loader(dm, take(s, need), args.probe_length, args.probe_batch_size),
+        probe=dm.records_dataloader(take(0, p), args.probe_length, args.probe_batch_size),
+        sample=dm.records_dataloader(take(p, s), args.max_length, args.batch_size),
+        heldout=dm.records_dataloader(take(s, need), args.probe_length, args.probe_batch_size),
         validation=dm.validation_dataloader(),
         validation_tasks=dm.validation_tasks,
         n_validation=len(dm.validation_records),

@@ -43,30 +43,14 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCL
 
 
 def _extra_commands() -> dict[str, Callable]:
-    cmds: dict[str, Callable] = {}
-    try:
-        from .select import select
-
-        cmds["select"] = select
-    except ImportError:  # pragma: no cover - during development
-        pass
-    try:
-        from .pipeline import pipeline
-
-        cmds["pipeline"] = pipeline
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from .report import check, report
-
-        cmds["report"] = report
-        cmds["check"] = check
-    except ImportError:  # pragma: no cover
-        pass
+    """The plain-function subcommands (imported lazily: ``fit``/``predict`` runs don't need them)."""
     from .baselines.commands import influence_scorer, layer_extraction, random_scores
+    from .pipeline import pipeline
+    from .report import check, report
+    from .select import select
 
-    cmds.update(layer_extraction=layer_extraction, influence_scorer=influence_scorer, random_scores=random_scores)
-    return cmds
+    return {"select": select, "pipeline": pipeline, "report": report, "check": check,
+            "layer_extraction": layer_extraction, "influence_scorer": influence_scorer, "random_scores": random_scores}
 
 
 def main(args: list[str] | None = None):

@@ -192,8 +192,9 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
     manifest = json.loads((proxy / "iprox_proxy.json").read_text())
     out: dict[str, Any] = {
         "workdir": str(wd),
-        "target_params": _count_params(str(warm)),
-        "proxy_params": _count_params(str(proxy)),
+        # the manifest records both counts; load a model only for a manifest that lacks them
+        "target_params": manifest.get("params_before") or _count_params(str(warm)),
+        "proxy_params": manifest.get("params_after") or _count_params(str(proxy)),
         "proxy_manifest": {k: manifest[k] for k in ("sparsity", "method", "mode", "damping", "damping_mode") if k in manifest},
         "seconds_per_stage": {k: round(v, 2) for k, v in times.items()},
         "retention_proxy_vs_target": retention_metrics(scores["proxy"], scores["target"]),

@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 log = logging.getLogger(__name__)
 
 

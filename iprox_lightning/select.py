@@ -44,21 +44,16 @@ def _read_scores(path: str):
 
 
 def _read_pool(paths: Sequence[str], wanted: set[str]) -> dict[str, dict]:
+    from .data.sources import iter_jsonl
+
     out: dict[str, dict] = {}
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
-                if "id" not in rec:
-                    raise ValueError(f"{path}:{n}: record has no 'id' field; selection needs stable ids")
-                i = str(rec["id"])
-                if i in wanted and i not in out:
-                    out[i] = rec
+        for where, rec in iter_jsonl(path):
+            if "id" not in rec:
+                raise ValueError(f"{where}: record has no 'id' field; selection needs stable ids")
+            i = str(rec["id"])
+            if i in wanted and i not in out:
+                out[i] = rec
     return out
 
 

@@ -28,8 +28,6 @@ logger when one is attached) and kept in ``SFTDataModule.stats``.
 """
 from __future__ import annotations
 
-import json
-
 import logging
 from typing import Any, Sequence
 
@@ -39,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..batch import IGNORE_INDEX
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
-from .sources import DataFormatError, is_hub_id, parse_hub_id, read_records
+from .sources import DataFormatError, is_hub_id, iter_jsonl, parse_hub_id, read_records
 from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
@@ -313,16 +311,10 @@ class SFTDataModule(L.LightningDataModule):
         as ``select`` writes without ``pool``) resolved against this module's pool by id."""
         path = self.selected
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataFormatError(f"{path}, line {n}: malformed JSON ({e.msg})") from None
-                if not isinstance(rows[-1], dict) or "id" not in rows[-1]:
-                    raise DataFormatError(f"{path}, line {n}: missing field 'id'")
+        for where, row in iter_jsonl(path):
+            if not isinstance(row, dict) or "id" not in row:
+                raise DataFormatError(f"{where}: missing field 'id'")
+            rows.append(row)
         if rows and all(("instruction" not in r and "messages" not in r) for r in rows):
             by_id = {r["id"]: r for r in self.pool_records}
             missing = [r["id"] for r in rows if str(r["id"]) not in by_id]
@@ -409,6 +401,21 @@ class SFTDataModule(L.LightningDataModule):
             collate_fn=SFTCollator(self.pad_token_id, self.pad_to_multiple_of),
             persistent_workers=False,
         )
+
+    def records_dataloader(self, records: Sequence[dict], max_length: int | None = None,
+                           batch_size: int | None = None) -> DataLoader:
+        """Batches of arbitrary canonical ``records`` (e.g. a fixed sample for a benchmark), tokenized
+        with this module's tokenizer, template and truncation rule (``max_length`` overrides the
+        module's); not shuffled. Examples left without response tokens are dropped and logged."""
+        max_length = max_length or self.max_length
+        examples, dropped = tokenize_records(records, self.tokenizer, max_length=max_length,
+                                             prompt_template=self.prompt_template, truncation=self.truncation)
+        if dropped:
+            log.warning("dropped %d example(s) without response tokens: %s", len(dropped), dropped[:5])
+        if not examples:
+            raise ValueError(f"no example left after tokenization to {max_length} tokens")
+        return DataLoader(SFTDataset(examples), batch_size=batch_size or self.eval_batch_size, shuffle=False,
+                          collate_fn=SFTCollator(self.pad_token_id, self.pad_to_multiple_of))
 
     def train_dataloader(self) -> DataLoader:
         return self.dataloader(self.train_split, shuffle=True, batch_size=self.batch_size)

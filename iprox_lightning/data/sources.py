@@ -66,7 +66,9 @@ def resolve_field_map(field_map: Mapping[str, str] | None) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- raw rows
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for each non-blank line of a JSON Lines file; ``where`` is ``"<path>, line N"``.
+    A malformed line raises :class:`DataFormatError` naming the file, line and column."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -160,7 +162,7 @@ def iter_rows(source: str | os.PathLike) -> Iterator[tuple[str, str, Any]]:
     if p.suffix in FILE_SUFFIXES:
         if not p.is_file():
             raise FileNotFoundError(f"SFT data file not found: {p}")
-        reader = {".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet}[p.suffix]
+        reader = {".jsonl": iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet}[p.suffix]
         for where, row in reader(p):
             yield p.stem, where, row
         return
