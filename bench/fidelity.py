@@ -104,12 +104,17 @@ DEFAULT_VALIDATION = f"eval:{SHARED / 'data' / 'eval'}"
 DEFAULT_VARIANTS = [
     "ipsvd@0.5", "svd@0.5", "le@0.5",                       # (1) the headline comparison
     "ipsvd@0.5+align",                                      # (2) Stage 2 with KL
-    "ipsvd@0.3", "ipsvd@0.7", "le@0.3",                     # (3) other sparsities
+    "ipsvd@0.3", "ipsvd@0.7", "le@0.3", "le@0.7",           # (3) other sparsities
     f"ipsvd/{'core' if DEFAULT_MODE == 'exact' else 'exact'}@0.5",  # (4) the other IPSVD mode
-    "ipsvd@0.5+align+nokl", "svd@0.5+align", "random@0.5+align", "random@0.5",
+    "ipsvd@0.5+align+nokl", "svd@0.5+align", "random@0.5", "random@0.5+align",  # (5) ablations
+    "ipsvd@0.3+align", "ipsvd@0.7+align",                   # (6) Stage 2 at the other sparsities
+    f"ipsvd/{'core' if DEFAULT_MODE == 'exact' else 'exact'}@0.5+align",
+    "ipsvd/core/abs1e-3@0.5", "ipsvd/core/rel1e-3@0.5", "ipsvd/exact/rel1e-2@0.5",  # (7) damping settings of the sweep
 ]
 METHODS = ("ipsvd", "svd", "random", "le")
-SPEC_RE = re.compile(r"^(?P<method>[a-z]+)(?:/(?P<mode>[a-z]+))?@(?P<rho>[0-9.]+)(?P<flags>(?:\+[a-z]+)*)$")
+SPEC_RE = re.compile(r"^(?P<method>[a-z]+)(?:/(?P<mode>[a-z]+))?(?:/(?P<dmode>abs|rel)(?P<damping>[0-9.]+(?:e-?[0-9]+)?))?"
+                     r"@(?P<rho>[0-9.]+)(?P<flags>(?:\+[a-z]+)*)$")
+DAMPING_MODES = {"abs": "absolute", "rel": "relative"}
 HALVES = ("half0", "half1")
 
 
@@ -126,20 +131,28 @@ class Variant:
     mode: str | None = None
     align: bool = False
     kl: bool = True
+    damping: float | None = None  # None: the run's --damping / --damping-mode
+    damping_mode: str | None = None
 
     @property
     def key(self) -> str:
-        k = self.method + (f"/{self.mode}" if self.mode else "") + f"@{self.rho:g}"
+        k = self.method + (f"/{self.mode}" if self.mode else "")
+        if self.damping is not None:
+            k += f"/{self.damping_mode[:3]}{self.damping:g}"
+        k += f"@{self.rho:g}"
         if self.align:
             k += "+align" + ("" if self.kl else "+nokl")
         return k
 
 
 def parse_variant(spec: str, default_mode: str = DEFAULT_MODE) -> Variant:
-    """``METHOD[/MODE]@RHO[+align][+nokl]`` -> :class:`Variant` (IPSVD's mode defaults to ``default_mode``)."""
+    """``METHOD[/MODE[/abs|relDAMPING]]@RHO[+align][+nokl]`` -> :class:`Variant` (IPSVD's mode defaults
+    to ``default_mode``, its damping to the run's ``--damping``/``--damping-mode``), e.g.
+    ``ipsvd/core/rel1e-3@0.5+align``."""
     m = SPEC_RE.match(spec.strip())
     if not m:
-        raise ValueError(f"variant {spec!r}: expected METHOD[/MODE]@RHO[+align][+nokl], e.g. 'ipsvd/core@0.5+align'")
+        raise ValueError(f"variant {spec!r}: expected METHOD[/MODE[/abs|relDAMPING]]@RHO[+align][+nokl], "
+                         "e.g. 'ipsvd/core@0.5+align' or 'ipsvd/exact/rel1e-2@0.5'")
     method, mode, flags = m["method"], m["mode"], [f for f in m["flags"].split("+") if f]
     if method not in METHODS:
         raise ValueError(f"variant {spec!r}: method must be one of {METHODS}, got {method!r}")
@@ -155,11 +168,21 @@ def parse_variant(spec: str, default_mode: str = DEFAULT_MODE) -> Variant:
         mode = mode or default_mode
         if mode not in ("core", "exact"):
             raise ValueError(f"variant {spec!r}: IPSVD mode must be core or exact, got {mode!r}")
-    elif mode:
-        raise ValueError(f"variant {spec!r}: only ipsvd takes a /MODE")
+    elif mode or m["dmode"]:
+        raise ValueError(f"variant {spec!r}: only ipsvd takes a /MODE or a damping")
     if method == "le" and "align" in flags:
         raise ValueError(f"variant {spec!r}: Layer Extraction has no low-rank factors to align")
-    return Variant(method=method, rho=rho, mode=mode, align="align" in flags, kl="nokl" not in flags)
+    damping = float(m["damping"]) if m["dmode"] else None
+    return Variant(method=method, rho=rho, mode=mode, align="align" in flags, kl="nokl" not in flags,
+                   damping=damping, damping_mode=DAMPING_MODES[m["dmode"]] if m["dmode"] else None)
+
+
+def damping_of(v: Variant, args) -> float:
+    return args.damping if v.damping is None else v.damping
+
+
+def damping_mode_of(v: Variant, args) -> str:
+    return args.damping_mode if v.damping_mode is None else v.damping_mode
 
 
 # ------------------------------------------------------------------------------------------------
@@ -525,7 +548,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--kl-weight", type=float, default=0.1)
     ap.add_argument("--kfac", action="store_true", help="also K-FAC scores of the target and of --kfac-variants")
-    ap.add_argument("--kfac-variants", nargs="+", default=["ipsvd@0.5", "svd@0.5", "le@0.5"])
+    ap.add_argument("--kfac-variants", nargs="+", default=["ipsvd@0.5", "svd@0.5", "le@0.5", "ipsvd@0.5+align"])
     ap.add_argument("--kfac-damping", type=float, default=1e-3, help="K-FAC scoring damping (relative)")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the Spearman CI")
     ap.add_argument("--seed", type=int, default=0)
@@ -678,7 +701,8 @@ def main(argv=None) -> dict:
             info["stage_time"] = {"probe": vt.records["probe"].wall_s, "factors": 0.0}
         else:
             proxy = copy.deepcopy(target)
-            kw = dict(mode=v.mode, damping=args.damping, damping_mode=args.damping_mode) if v.method == "ipsvd" else {}
+            kw = dict(mode=v.mode, damping=damping_of(v, args), damping_mode=damping_mode_of(v, args)) \
+                if v.method == "ipsvd" else {}
             with vt.stage("factors"):
                 rep = compress_model(proxy, None, v.rho, method=v.method, probes=probes if v.method == "ipsvd" else None,
                                      progress=False, seed=args.seed, **kw)
@@ -715,8 +739,8 @@ def main(argv=None) -> dict:
         t_score = vt.records["scoring"].wall_s
         row = dict(
             key=v.key, method=v.method, mode=v.mode, rho=v.rho, align=v.align, kl=v.kl if v.align else None,
-            damping=args.damping if v.method == "ipsvd" else None,
-            damping_mode=args.damping_mode if v.method == "ipsvd" else None,
+            damping=damping_of(v, args) if v.method == "ipsvd" else None,
+            damping_mode=damping_mode_of(v, args) if v.method == "ipsvd" else None,
             **retention(sc["scores"], ref_scores),
             spearman_ci=bootstrap_spearman(sc["scores"], ref_scores, args.bootstrap, args.seed),
             split_half_spearman=split_half_spearman(sc["halves"]),

@@ -11,11 +11,15 @@ Three ways, interleaved batch by batch (so load changes on a shared machine hit 
                  weights trainable (the paper's setting: embeddings / LM head frozen), (c2) with every
                  parameter trainable.
 
-It also checks that (a) and (b) give the same scores. Examples:
+It also checks that (a) and (b) give the same scores. With ``--proxy-rhos`` it times (a) for low-rank
+proxies of the same model at each sparsity ρ too (random factors: only the shape matters for speed),
+in the same interleaved loop, and reports proxy/target ratios. ``--out FILE.json`` saves every number.
+Examples:
 
   python bench/speed.py --model /work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \
       --pool /work/shared/data/pool/instructions.jsonl --batches 4 --batch-size 8 --seq-len 256
-  python bench/speed.py --random-init --shape llama-1b --device cuda --batches 8
+  python bench/speed.py --random-init --shape llama-1b --device cuda --dtype bfloat16 --batches 8 \
+      --proxy-rhos 0.3 0.5 0.7 --out bench/results/speed_llama-1b_gpu.json   # on a lent GPU
   python bench/speed.py --random-init --shape tiny --batches 2          # smoke test
 """
 from __future__ import annotations
@@ -40,7 +44,10 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=512),
     "smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    # Llama-3.2-1B / -3B shapes
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
 }
 
@@ -151,6 +158,7 @@ def less_way(model, scorer, flat_val, batch, device):
             # float32 values errs by 1%), so reduce per layer segment and accumulate in float64
             dot = sq = vsq = 0.0
             for seg_g, seg_v in zip(g.split(sizes), flat_val.split(sizes)):
+                seg_g = seg_g.float()  # bf16 / fp16 models: reduce in float32 per segment
                 dot += float(seg_g @ seg_v)
                 sq += float(seg_g @ seg_g)
                 vsq += float(seg_v @ seg_v)
@@ -196,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="print the scores of (a) and (b)")
+    ap.add_argument("--proxy-rhos", type=float, nargs="*", default=[],
+                    help="also time (a) for random-factor low-rank proxies at these sparsities")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -234,6 +245,11 @@ def main(argv=None):
         modes[m] = modes.get(m, 0) + 1
     print(f"per-layer feature paths at T={T}: {modes}")
 
+    proxies = {}
+    for rho in args.proxy_rhos:
+        proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, scorer, val, args)
+        print(f"proxy rho={rho:g}: {proxies[f'p{rho:g}'][1]['params'] / 1e6:.1f}M params")
+
     tracked = {p for p, _ in tracked_tensors(scorer)}
     everything = set(model.parameters())
     flat_val = None
@@ -252,13 +268,18 @@ def main(argv=None):
     small = {k: (v[:2] if torch.is_tensor(v) else v[:2]) for k, v in batches[0].items()}
     scorer.score_batch(small)
     floor(model, small, device, tracked)
+    for pscorer, _ in proxies.values():
+        pscorer.score_batch(small)
 
-    times = {"a": [], "b": [], "c1": [], "c2": []}
+    keys = ["c1", "a", "b", "c2", *proxies]
+    times = {k: [] for k in keys}
     diffs = []
     for j, batch in enumerate(batches):
-        order = ["c1", "a", "b", "c2"][j % 4:] + ["c1", "a", "b", "c2"][: j % 4]  # rotate the order
+        order = keys[j % len(keys):] + keys[: j % len(keys)]  # rotate the order
         for key in order:
-            if key == "a":
+            if key in proxies:
+                dt, _ = timed(lambda: proxies[key][0].score_batch(batch))
+            elif key == "a":
                 dt, res = timed(lambda: scorer.score_batch(batch))
                 a_scores = res["score"]
             elif key == "b":
@@ -278,14 +299,53 @@ def main(argv=None):
 
     tot = {k: sum(v) for k, v in times.items() if v}
     print("\n=== totals over", args.batches, "batches ===")
-    for k, label in [("a", "(a) engine"), ("b", "(b) LESS per-example loop"), ("c1", "(c1) fwd+bwd, tracked weights"),
-                     ("c2", "(c2) fwd+bwd, all params")]:
+    labels = [("a", "(a) engine"), ("b", "(b) LESS per-example loop"), ("c1", "(c1) fwd+bwd, tracked weights"),
+              ("c2", "(c2) fwd+bwd, all params")] + [(k, f"(a) engine, proxy rho={k[1:]}") for k in proxies]
+    for k, label in labels:
         if k in tot:
-            print(f"{label:34s} {tot[k]:8.2f}s  (median batch {statistics.median(times[k]):.2f}s)")
-    print(f"(a)/(c1) = {tot['a'] / tot['c1']:.3f}   (a)/(c2) = {tot['a'] / tot['c2']:.3f}")
+            print(f"{label:34s} {tot[k]:8.2f}s  (median batch {statistics.median(times[k]):.2f}s, "
+                  f"{n_tok / tot[k]:,.0f} tokens/s)")
+    ratios = {"engine/fwd_bwd_tracked": tot["a"] / tot["c1"], "engine/fwd_bwd_all": tot["a"] / tot["c2"]}
+    print(f"(a)/(c1) = {ratios['engine/fwd_bwd_tracked']:.3f}   (a)/(c2) = {ratios['engine/fwd_bwd_all']:.3f}")
     if "b" in tot:
-        print(f"(b)/(a)  = {tot['b'] / tot['a']:.3f}   max |score_a - score_b| = {max(diffs):.2e}")
-    return tot
+        ratios["loop/engine"] = tot["b"] / tot["a"]
+        print(f"(b)/(a)  = {ratios['loop/engine']:.3f}   max |score_a - score_b| = {max(diffs):.2e}")
+    for k in proxies:
+        ratios[f"proxy{k[1:]}/target"] = tot[k] / tot["a"]
+        print(f"proxy rho={k[1:]} / target (engine) = {ratios[f'proxy{k[1:]}/target']:.3f}")
+    result = dict(
+        args=vars(args), device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        torch=torch.__version__, threads=torch.get_num_threads(), tokens=n_tok,
+        params=sum(p.numel() for p in model.parameters()), tracked_params=scorer.settings()["tracked_parameters"],
+        times_s=times, totals_s=tot, tokens_per_s={k: n_tok / v for k, v in tot.items()}, ratios=ratios,
+        max_abs_diff_engine_vs_loop=max(diffs) if diffs else None,
+        proxies={k: info for k, (_, info) in proxies.items()},
+        peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def build_proxy_scorer(model, rho, target_scorer, val, args):
+    """A low-rank copy of ``model`` at sparsity ``rho`` (random factors) and its fitted scorer."""
+    import copy
+
+    from iprox_lightning.compress import compress_model
+
+    proxy = copy.deepcopy(model)
+    rep = compress_model(proxy, None, rho, method="random", progress=False, seed=0)
+    for p in proxy.parameters():
+        p.requires_grad_(False)
+    scorer = InfluenceScorer(proxy, method=args.method, per_task=args.per_task, feature_mode=args.feature_mode,
+                             kfac_examples=args.batch_size * args.val_batches)
+    scorer.fit(val, val if args.method == "kfac" else None)
+    return scorer, dict(rho=rho, params=rep.params_after, achieved_sparsity=rep.achieved_sparsity,
+                        tracked_params=scorer.settings()["tracked_parameters"])
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ TINY = ["--model", "builtin", "--pool", "builtin", "--validation", "builtin", "-
         "--max-length", "64", "--probe-length", "64", "--align-length", "64", "--align-steps", "3",
         "--val-per-task", "2", "--bootstrap", "50", "--threads", "1", "--fail-fast"]
 VARIANTS = ["ipsvd@0.5", "svd@0.5", "le@0.5", "ipsvd@0.5+align", "ipsvd/core@0.3", "ipsvd@0.5+align+nokl",
-            "random@0.5+align"]
+            "random@0.5+align", "ipsvd/core/rel1e-3@0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +115,25 @@ def test_parse_variant():
     assert v.key == "ipsvd/core@0.5+align+nokl"
     assert fidelity.parse_variant("ipsvd@0.3").key == f"ipsvd/{DEFAULT_MODE}@0.3"
     assert fidelity.parse_variant("le@0.5").key == "le@0.5"
-    for bad in ("foo@0.5", "svd/core@0.5", "ipsvd@1.5", "le@0.5+align", "svd@0.5+nokl", "ipsvd@0.5+fast", "ipsvd"):
+    d = fidelity.parse_variant("ipsvd/exact/rel1e-2@0.5+align")
+    assert (d.mode, d.damping, d.damping_mode, d.align) == ("exact", 1e-2, "relative", True)
+    assert d.key == "ipsvd/exact/rel0.01@0.5+align" and fidelity.parse_variant(d.key) == d
+    assert fidelity.parse_variant("ipsvd/core/abs0.1@0.3").damping_mode == "absolute"
+    for bad in ("foo@0.5", "svd/core@0.5", "svd/rel1e-3@0.5", "ipsvd/core/xyz1@0.5", "ipsvd@1.5", "le@0.5+align", "svd@0.5+nokl", "ipsvd@0.5+fast", "ipsvd"):
         with pytest.raises(ValueError, match="variant"):
             fidelity.parse_variant(bad)
+
+
+def test_damping_variant_reaches_ipsvd(run):
+    """A per-variant damping is recorded and changes the factors (hence the scores) against the default row."""
+    _, res = run
+    rows = {r["key"]: r for r in res["rows"]}
+    d, base = rows["ipsvd/core/rel0.001@0.5"], rows["ipsvd/core@0.5"]
+    assert (d["damping"], d["damping_mode"]) == (1e-3, "relative")
+    assert (base["damping"], base["damping_mode"]) == (fidelity.DEFAULT_DAMPING, fidelity.DEFAULT_DAMPING_MODE)
+    assert d["params"] == base["params"]
+    diff = max(abs(d["proxy_scores"][k] - base["proxy_scores"][k]) for k in base["proxy_scores"])
+    assert diff > 1e-6
 
 
 def test_halves_match_scoring_each_half_alone():

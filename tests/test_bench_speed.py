@@ -1,0 +1,54 @@
+"""bench/speed.py on a tiny random-init Llama, so the script cannot rot: the engine agrees with the
+per-example (LESS) loop, every timing / ratio is recorded, and the proxies have the sizes compress_model gives."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import speed  # noqa: E402
+
+TINY = ["--random-init", "--shape", "tiny", "--batches", "3", "--batch-size", "4", "--seq-len", "32", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("speed") / "speed.json"
+    res = speed.main(TINY + ["--proxy-rhos", "0.3", "0.7", "--out", str(out)])
+    return res, out
+
+
+def test_engine_matches_per_example_loop_and_everything_is_timed(result):
+    res, out = result
+    assert res["max_abs_diff_engine_vs_loop"] < 1e-5
+    assert set(res["totals_s"]) == {"a", "b", "c1", "c2", "p0.3", "p0.7"}
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in res["times_s"].values())
+    assert res["tokens"] == 3 * 4 * 32  # random batches have no padding
+    for k, v in res["totals_s"].items():
+        assert res["tokens_per_s"][k] == pytest.approx(res["tokens"] / v)
+    r = res["ratios"]
+    assert r["loop/engine"] == pytest.approx(res["totals_s"]["b"] / res["totals_s"]["a"])
+    assert r["proxy0.7/target"] == pytest.approx(res["totals_s"]["p0.7"] / res["totals_s"]["a"])
+    assert all(math.isfinite(x) and x > 0 for x in r.values())
+    assert json.loads(out.read_text())["ratios"] == pytest.approx(r)
+
+
+def test_proxy_sizes_follow_the_sparsity(result):
+    res, _ = result
+    p3, p7 = res["proxies"]["p0.3"], res["proxies"]["p0.7"]
+    assert p7["params"] < p3["params"] < res["params"]
+    assert p3["tracked_params"] > p7["tracked_params"]
+    assert p3["achieved_sparsity"] == pytest.approx(0.3, abs=0.05)
+    assert p7["achieved_sparsity"] == pytest.approx(0.7, abs=0.05)
+
+
+def test_bfloat16_model_scores_close_to_the_loop():
+    res = speed.main(TINY[:-2] + ["--batches", "2", "--dtype", "bfloat16", "--threads", "1"])
+    assert res["max_abs_diff_engine_vs_loop"] < 1e-3
+
+
+def test_shapes_are_llama_3_2():
+    assert speed.SHAPES["llama-1b"]["hidden_size"] == 2048 and speed.SHAPES["llama-1b"]["num_hidden_layers"] == 16
+    assert speed.SHAPES["llama-3b"]["hidden_size"] == 3072 and speed.SHAPES["llama-3b"]["num_hidden_layers"] == 28
