@@ -118,8 +118,12 @@ def test_read_scores_sniffs_and_validates(tmp_path):
     assert read_scores(tmp_path / "table.bin") == {"1": 0.1, "2": 0.2}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "a", "score": 1}) + "\n" + json.dumps({"id": "b"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: record lacks 'id' or 'score'"):
         read_scores(bad)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"id": "a", "score": 1}) + "\n\n{oops\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl, line 3: malformed JSON"):
+        read_scores(broken)
     pq.write_table(pa.table({"id": ["a"], "value": [1.0]}), tmp_path / "nocol.parquet")
     with pytest.raises(ValueError, match="missing column"):
         read_scores(tmp_path / "nocol.parquet")

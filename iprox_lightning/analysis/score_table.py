@@ -80,20 +80,16 @@ def _read_parquet(path: Path, id_column: str, score_column: str) -> dict[str, fl
 
 
 def _read_jsonl(path: Path, id_column: str, score_column: str) -> dict[str, float]:
+    from iprox_lightning.data.sources import iter_jsonl
+
     out: dict[str, float] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if id_column not in rec or score_column not in rec:
-                raise ValueError(f"{path}:{line_no}: record lacks {id_column!r} or {score_column!r}: keys {sorted(rec)}")
-            if rec[score_column] is None:
-                raise ValueError(f"{path}:{line_no}: id {rec[id_column]!r} has a null {score_column!r}")
-            _merge(out, {str(rec[id_column]): float(rec[score_column])}, f"{path}:{line_no}")
+    for where, rec in iter_jsonl(path):
+        if not isinstance(rec, dict) or id_column not in rec or score_column not in rec:
+            keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+            raise ValueError(f"{where}: record lacks {id_column!r} or {score_column!r}: keys {keys}")
+        if rec[score_column] is None:
+            raise ValueError(f"{where}: id {rec[id_column]!r} has a null {score_column!r}")
+        _merge(out, {str(rec[id_column]): float(rec[score_column])}, where)
     return out
 
 
