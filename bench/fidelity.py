@@ -290,6 +290,60 @@ def bootstrap_spearman(proxy: Mapping[str, float], target: Mapping[str, float], 
     return float(lo), float(hi)
 
 
+def paired_bootstrap_difference(a: Mapping[str, float], b: Mapping[str, float], target: Mapping[str, float],
+                                n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """``Spearman(a, target) − Spearman(b, target)`` and its percentile 95% interval, resampling the
+    *same* examples for both proxies (paired), so the shared sample noise cancels."""
+    ids = sorted(set(a) & set(b) & set(target))
+    pa, pb, t = (np.array([d[i] for i in ids]) for d in (a, b, target))
+    diff = spearman(pa, t) - spearman(pb, t)
+    if n <= 0 or len(ids) < 3:
+        return float(diff), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    vals = []
+    for _ in range(n):
+        idx = rng.integers(0, len(ids), len(ids))
+        v = spearman(pa[idx], t[idx]) - spearman(pb[idx], t[idx])
+        if math.isfinite(v):
+            vals.append(v)
+    lo, hi = np.percentile(vals, [2.5, 97.5]) if vals else (float("nan"), float("nan"))
+    return float(diff), float(lo), float(hi)
+
+
+# (a, b, question): rows of the paired-difference table, where both variants ran
+COMPARISONS = [
+    ("ipsvd/{m}@0.5", "svd@0.5", "IPSVD vs SVD init (ρ = 0.5)"),
+    ("ipsvd/{m}@0.5", "le@0.5", "IPSVD vs Layer Extraction (ρ = 0.5)"),
+    ("ipsvd/{m}@0.5+align", "le@0.5", "IProX (aligned) vs Layer Extraction (ρ = 0.5)"),
+    ("ipsvd/{m}@0.5+align", "ipsvd/{m}@0.5", "alignment gain, IPSVD init (ρ = 0.5)"),
+    ("ipsvd/{m}@0.5+align", "ipsvd/{m}@0.5+align+nokl", "KL term in the alignment (ρ = 0.5)"),
+    ("ipsvd/{m}@0.5+align+nokl", "ipsvd/{m}@0.5", "alignment without KL vs none (ρ = 0.5)"),
+    ("ipsvd/{m}@0.5+align", "svd@0.5+align", "IPSVD vs SVD init, both aligned (ρ = 0.5)"),
+    ("svd@0.5+align", "svd@0.5", "alignment gain, SVD init (ρ = 0.5)"),
+    ("random@0.5+align", "random@0.5", "alignment gain, random init (ρ = 0.5)"),
+    ("ipsvd/core@0.5", "ipsvd/exact@0.5", "IPSVD core vs exact (ρ = 0.5)"),
+    ("ipsvd/core@0.5+align", "ipsvd/exact@0.5+align", "IPSVD core vs exact, aligned (ρ = 0.5)"),
+    ("ipsvd/{m}@0.3", "le@0.3", "IPSVD vs Layer Extraction (ρ = 0.3)"),
+    ("ipsvd/{m}@0.3+align", "le@0.3", "IProX (aligned) vs Layer Extraction (ρ = 0.3)"),
+    ("ipsvd/{m}@0.7", "le@0.7", "IPSVD vs Layer Extraction (ρ = 0.7)"),
+    ("ipsvd/{m}@0.7+align", "le@0.7", "IProX (aligned) vs Layer Extraction (ρ = 0.7)"),
+]
+
+
+def paired_differences(result: Mapping, n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """The :data:`COMPARISONS` whose two rows exist, with paired-bootstrap intervals."""
+    mode = result.get("defaults", {}).get("ipsvd_mode", DEFAULT_MODE)
+    rows = {r["key"]: r for r in result["rows"]}
+    out = []
+    for a, b, question in COMPARISONS:
+        a, b = a.format(m=mode), b.format(m=mode)
+        if a in rows and b in rows:
+            d, lo, hi = paired_bootstrap_difference(rows[a]["proxy_scores"], rows[b]["proxy_scores"],
+                                                    result["target_scores"], n, seed)
+            out.append(dict(a=a, b=b, question=question, diff=d, lo=lo, hi=hi))
+    return out
+
+
 def align_proxy(teacher, proxy, loader, args, kl_weight: float, log) -> dict[str, Any]:
     """Stage 2: ``--align-steps`` AdamW steps (lr ``--lr``, wd 0.01) on the proxy's A/B factors only."""
     from iprox_lightning.alignment import alignment_losses
@@ -446,6 +500,15 @@ def markdown(result: Mapping) -> str:
                    f"{ts['factors']:.1f} | {ts['alignment']:.1f} | {ts['scoring']:.1f} | {r['scoring_ratio']:.2f} | "
                    f"{fl['probe'] / 1e12:.2f} | {fl['alignment'] / 1e12:.2f} | {fl['scoring'] / 1e12:.2f} | "
                    f"{fl['scoring'] / t['flops_scoring']:.2f} | {_mib(peak)} |")
+    pairs = paired_differences(result, n=2 * result["args"].get("bootstrap", 1000), seed=result["args"].get("seed", 0))
+    if pairs:
+        out += ["", "**Paired differences** (Spearman(a) − Spearman(b) against the target, paired bootstrap over the "
+                "same examples, 95% interval; * = interval excludes 0)\n",
+                "| question | a | b | Δ Spearman | 95% CI |", "|---|---|---|---|---|"]
+        for q in pairs:
+            sig = " *" if math.isfinite(q["lo"]) and (q["lo"] > 0 or q["hi"] < 0) else ""
+            out.append(f"| {q['question']} | {q['a']} | {q['b']} | {q['diff']:+.3f}{sig} | "
+                       f"[{_f(q['lo'], '{:+.2f}')}, {_f(q['hi'], '{:+.2f}')}] |")
     aligned = [r for r in rows if r.get("alignment")]
     if aligned:
         out += ["", "**Alignment** (mean of the first / last 5 steps)\n",

@@ -136,6 +136,30 @@ def test_damping_variant_reaches_ipsvd(run):
     assert diff > 1e-6
 
 
+def test_paired_bootstrap_difference():
+    rng = np.random.default_rng(0)
+    t = rng.normal(size=60)
+    a, b = t + rng.normal(scale=0.5, size=60), t + rng.normal(scale=3.0, size=60)
+    ids = [f"x{i}" for i in range(60)]
+    da, db, dt = (dict(zip(ids, v.tolist())) for v in (a, b, t))
+    d, lo, hi = fidelity.paired_bootstrap_difference(da, db, dt, n=400, seed=1)
+    assert d == pytest.approx(stats.spearmanr(a, t)[0] - stats.spearmanr(b, t)[0], abs=1e-12)
+    assert lo < d < hi and lo > 0  # a is clearly closer to the target than b
+    assert fidelity.paired_bootstrap_difference(da, da, dt, n=100) == (0.0, 0.0, 0.0)
+
+
+def test_markdown_has_the_paired_differences_of_the_rows_that_ran(run):
+    _, res = run
+    qs = {q["question"]: q for q in fidelity.paired_differences(res, n=50)}
+    assert {"IPSVD vs SVD init (ρ = 0.5)", "alignment gain, IPSVD init (ρ = 0.5)",
+            "KL term in the alignment (ρ = 0.5)"} <= set(qs)
+    assert "IPSVD core vs exact (ρ = 0.5)" not in qs  # exact did not run
+    rows = {r["key"]: r for r in res["rows"]}
+    q = qs["IPSVD vs SVD init (ρ = 0.5)"]
+    assert q["diff"] == pytest.approx(rows[q["a"]]["spearman"] - rows[q["b"]]["spearman"], abs=1e-9)
+    assert "**Paired differences**" in fidelity.markdown(res)
+
+
 def test_halves_match_scoring_each_half_alone():
     """The per-half scores of one pass equal TracIn against each half's examples alone (brute force)."""
     from iprox_lightning.batch import per_example_loss  # noqa: F401 (documents the loss)
