@@ -550,7 +550,7 @@ def write_outputs(out_dir: Path | None, result: dict) -> None:
 
 
 def write_plots(out_dir: Path | None, result: dict, dpi: int = 80) -> list[str]:
-    """One scatter per row and retention-vs-sparsity for every method with ≥ 2 sparsities (no alignment)."""
+    """One scatter per row and retention-vs-sparsity for every variant family with ≥ 2 sparsities."""
     if out_dir is None:
         return []
     import matplotlib
@@ -569,9 +569,8 @@ def write_plots(out_dir: Path | None, result: dict, dpi: int = 80) -> list[str]:
         plt.close(fig)
         files.append(name)
     series: dict[str, dict[float, dict]] = {}
-    for r in result["rows"]:
-        if not r["align"]:
-            series.setdefault(r["method"] + (f"/{r['mode']}" if r["mode"] else ""), {})[r["rho"]] = r
+    for r in result["rows"]:  # one series per variant family: "ipsvd/core", "ipsvd/core+align", "le", ...
+        series.setdefault(re.sub(r"@[0-9.]+", "", r["key"]), {})[r["rho"]] = r
     series = {k: v for k, v in series.items() if len(v) >= 2}
     if series:
         fig = plot_retention_vs_sparsity(series, metrics=("spearman", "top5%"))
