@@ -19,10 +19,11 @@ BBH, MMLU, TyDiQA), ≤ ``--val-max-length`` tokens. Its examples are split into
 within each task) so that one scoring pass also yields the scores against each half: the Spearman between
 the target's two half-scores is the *validation-set noise level* of the reference itself.
 
-Variants (``--variants``; grammar ``METHOD[/MODE]@RHO[+align][+nokl]``):
+Variants (``--variants``; grammar ``METHOD[/MODE[/abs|relDAMPING]]@RHO[+align][+nokl]``):
 
 * ``ipsvd@ρ`` — IPSVD (Stage 1) with the default mode/damping of
-  :func:`~iprox_lightning.compress.compress_model` (``ipsvd/core@ρ``, ``ipsvd/exact@ρ`` pick the mode);
+  :func:`~iprox_lightning.compress.compress_model` (``ipsvd/core@ρ``, ``ipsvd/exact@ρ`` pick the mode,
+  ``ipsvd/core/rel1e-3@ρ`` also the damping: ``abs`` = absolute, ``rel`` = relative to the mean eigenvalue);
 * ``svd@ρ`` — plain truncated-SVD initialisation; ``random@ρ`` — random factors;
 * ``+align`` — then Stage 2 (:func:`~iprox_lightning.alignment.alignment_losses`: gradient alignment
   + ``--kl-weight`` · KL, τ = 2) for ``--align-steps`` AdamW steps on the ``A``/``B`` factors only;
@@ -50,7 +51,7 @@ Outputs under ``--out DIR``: ``fidelity.json`` (rewritten after every row; ``--r
 rows), ``fidelity.md`` (tables), ``scatter_<variant>.png`` and ``retention_vs_sparsity.png``.
 The command of ``docs/BENCHMARKS.md``::
 
-    python bench/fidelity.py --out bench/results/fidelity --threads 2 --kfac
+    python bench/fidelity.py --out bench/results/fidelity --threads 2 --sample 256 --max-length 128 --kfac
 
 The built-in offline model and data (seconds)::
 
@@ -86,6 +87,7 @@ from iprox_lightning.analysis.flops import (
     svd_flops,
 )
 from iprox_lightning.analysis.retention import retention_metrics, spearman
+from iprox_lightning.batch import IGNORE_INDEX
 from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.models.targets import find_target_linears
@@ -245,6 +247,49 @@ def build_data(args, tokenizer) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
+def length_features(loader: Iterable[Mapping]) -> dict[str, dict[str, float]]:
+    """Per scored example: ``response_tokens`` (tokens whose loss counts) and ``total_tokens``."""
+    out: dict[str, dict[str, float]] = {"response_tokens": {}, "total_tokens": {}}
+    for batch in loader:
+        resp = (batch["labels"] != IGNORE_INDEX).sum(1)
+        total = batch["attention_mask"].sum(1)
+        for i, ex_id in enumerate(batch["id"]):
+            out["response_tokens"][str(ex_id)] = float(resp[i])
+            out["total_tokens"][str(ex_id)] = float(total[i])
+    return out
+
+
+def partial_spearman(proxy: Mapping[str, float], target: Mapping[str, float], control: Mapping[str, float]) -> float:
+    """Spearman of ``proxy`` and ``target`` with ``control`` partialled out: the Pearson correlation of
+    their ranks after regressing each on the rank of ``control`` (ties get average ranks). Retention
+    that does not come from the control (here: response length) alone. NaN when either ranking is a
+    function of the control (nothing left to correlate)."""
+    from scipy.stats import rankdata
+
+    ids = sorted(set(proxy) & set(target) & set(control))
+    if len(ids) < 4:
+        return float("nan")
+    p, t, c = (rankdata([d[i] for i in ids]) for d in (proxy, target, control))
+    r_pt, r_pc, r_tc = np.corrcoef(p, t)[0, 1], np.corrcoef(p, c)[0, 1], np.corrcoef(t, c)[0, 1]
+    den = math.sqrt(max((1 - r_pc ** 2) * (1 - r_tc ** 2), 0.0))
+    return float((r_pt - r_pc * r_tc) / den) if den > 0 else float("nan")
+
+
+def trivial_baselines(loader: Iterable[Mapping], target: Mapping[str, float], n_boot: int, seed: int) -> dict:
+    """Retention of model-free rankings (by length) against the target: the floor a proxy must beat.
+    Both signs are reported (long-first and short-first)."""
+    out = {}
+    feats = length_features(loader)
+    out["_features"] = feats
+    for name, feat in feats.items():
+        for sign, label in ((1.0, "longest first"), (-1.0, "shortest first")):
+            f = {k: sign * v for k, v in feat.items()}
+            m = retention(f, target)
+            m["spearman_ci"] = bootstrap_spearman(f, target, n_boot, seed)
+            out[f"{name}, {label}"] = m
+    return out
+
+
 def score(model, data, args, method: str = "tracin") -> dict[str, Any]:
     """Scores of the sample (``id -> score``) and against each validation half."""
     kw = dict(method=method, per_task=True, progress=args.progress)
@@ -479,13 +524,16 @@ def markdown(result: Mapping) -> str:
            f"Reference noise: Spearman between the target's scores against two disjoint validation halves = "
            f"{_f(t['split_half_spearman'], '{:+.3f}')}.\n",
            "**Retention** (proxy TracIn vs target TracIn; 95% bootstrap CI of Spearman over the scored examples)\n",
-           "| variant | ρ | Spearman | 95% CI | Kendall | top-5% | top-10% | Pearson | split-half ρ_s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| variant | ρ | Spearman | 95% CI | Kendall | top-5% | top-10% | Pearson | split-half ρ_s | "
+           "Spearman, length partialled out |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    lengths = result.get("trivial", {}).get("_features", {}).get("response_tokens")
     for r in rows:
         lo, hi = r["spearman_ci"]
+        part = partial_spearman(r["proxy_scores"], result["target_scores"], lengths) if lengths else float("nan")
         out.append(f"| {r['key']} | {r['rho']:g} | {_f(r['spearman'], '{:+.3f}')} | [{_f(lo, '{:+.2f}')}, {_f(hi, '{:+.2f}')}] | "
                    f"{_f(r['kendall'], '{:+.3f}')} | {_f(r['top5%'], '{:.2f}')} | {_f(r['top10%'], '{:.2f}')} | "
-                   f"{_f(r['pearson'], '{:+.3f}')} | {_f(r['split_half_spearman'], '{:+.3f}')} |")
+                   f"{_f(r['pearson'], '{:+.3f}')} | {_f(r['split_half_spearman'], '{:+.3f}')} | {_f(part, '{:+.3f}')} |")
     out += ["", "**Cost** (wall-clock s per stage; analytic TFLOPs; peak RSS MiB of the process; scoring ratio = "
             "proxy / target scoring wall-clock)\n",
             "| variant | params | % of target | probe s | factors s | align s | scoring s | scoring ratio | "
@@ -500,6 +548,15 @@ def markdown(result: Mapping) -> str:
                    f"{ts['factors']:.1f} | {ts['alignment']:.1f} | {ts['scoring']:.1f} | {r['scoring_ratio']:.2f} | "
                    f"{fl['probe'] / 1e12:.2f} | {fl['alignment'] / 1e12:.2f} | {fl['scoring'] / 1e12:.2f} | "
                    f"{fl['scoring'] / t['flops_scoring']:.2f} | {_mib(peak)} |")
+    if result.get("trivial"):
+        out += ["", "**Model-free floor** (rank the sample by length alone; retention against the target's TracIn)\n",
+                "| ranking | Spearman | 95% CI | Kendall | top-5% | top-10% |", "|---|---|---|---|---|---|"]
+        for name, m in result["trivial"].items():
+            if name.startswith("_"):
+                continue
+            lo, hi = m["spearman_ci"]
+            out.append(f"| {name} | {_f(m['spearman'], '{:+.3f}')} | [{_f(lo, '{:+.2f}')}, {_f(hi, '{:+.2f}')}] | "
+                       f"{_f(m['kendall'], '{:+.3f}')} | {_f(m['top5%'], '{:.2f}')} | {_f(m['top10%'], '{:.2f}')} |")
     pairs = paired_differences(result, n=2 * result["args"].get("bootstrap", 1000), seed=result["args"].get("seed", 0))
     if pairs:
         out += ["", "**Paired differences** (Spearman(a) − Spearman(b) against the target, paired bootstrap over the "
@@ -733,6 +790,9 @@ def main(argv=None) -> dict:
             f"{result['target']['split_half_spearman']:+.3f}")
     ref_scores = result["target_scores"]
     t_target = result["target"]["scoring_s"]
+    if "trivial" not in result:
+        result["trivial"] = trivial_baselines(data["sample"], ref_scores, args.bootstrap, args.seed)
+        write_outputs(out_dir, result)
     done = {r["key"] for r in result["rows"]}
 
     probes = None

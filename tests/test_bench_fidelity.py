@@ -160,6 +160,39 @@ def test_markdown_has_the_paired_differences_of_the_rows_that_ran(run):
     assert "**Paired differences**" in fidelity.markdown(res)
 
 
+def test_model_free_length_floor(run):
+    _, res = run
+    tr = res["trivial"]
+    for name in ("response_tokens", "total_tokens"):
+        a, b = tr[f"{name}, longest first"], tr[f"{name}, shortest first"]
+        assert a["spearman"] == pytest.approx(-b["spearman"], abs=1e-12)
+        assert -1 <= a["spearman"] <= 1
+    assert "**Model-free floor**" in fidelity.markdown(res)
+
+
+def test_partial_spearman_equals_residual_correlation_of_ranks():
+    rng = np.random.default_rng(3)
+    c = rng.integers(5, 60, size=80).astype(float)  # ties, like token counts
+    t = -c + rng.normal(scale=10, size=80)
+    p = -c + rng.normal(scale=10, size=80) + 0.5 * (t + c)
+    ids = [str(i) for i in range(80)]
+    dp, dt, dc = (dict(zip(ids, v.tolist())) for v in (p, t, c))
+    ranks = [stats.rankdata(v) for v in (p, t, c)]
+    X = np.stack([np.ones(80), ranks[2]], 1)
+    res = [r - X @ np.linalg.lstsq(X, r, rcond=None)[0] for r in ranks[:2]]
+    brute = float(np.corrcoef(res[0], res[1])[0, 1])
+    assert fidelity.partial_spearman(dp, dt, dc) == pytest.approx(brute, abs=1e-10)
+    # a proxy that is a function of the length alone has no residual: undefined, reported as NaN
+    assert math.isnan(fidelity.partial_spearman({k: -v for k, v in dc.items()}, dt, dc))
+
+
+def test_length_features_count_tokens():
+    batch = {"id": ["a", "b"], "labels": torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, -100]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
+    f = fidelity.length_features([batch])
+    assert f == {"response_tokens": {"a": 2.0, "b": 1.0}, "total_tokens": {"a": 3.0, "b": 4.0}}
+
+
 def test_halves_match_scoring_each_half_alone():
     """The per-half scores of one pass equal TracIn against each half's examples alone (brute force)."""
     from iprox_lightning.batch import per_example_loss  # noqa: F401 (documents the loss)
