@@ -275,6 +275,27 @@ def partial_spearman(proxy: Mapping[str, float], target: Mapping[str, float], co
     return float((r_pt - r_pc * r_tc) / den) if den > 0 else float("nan")
 
 
+def bootstrap_partial_spearman(proxy: Mapping[str, float], target: Mapping[str, float], control: Mapping[str, float],
+                               n: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """Percentile 95% bootstrap interval of :func:`partial_spearman` (resampling the scored examples)."""
+    ids = sorted(set(proxy) & set(target) & set(control))
+    if n <= 0 or len(ids) < 4:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    vals = []
+    for _ in range(n):
+        pick = [ids[j] for j in rng.integers(0, len(ids), len(ids))]
+        # resampled duplicates need distinct keys
+        sub = lambda d: {f"{k}#{j}": d[k] for j, k in enumerate(pick)}  # noqa: E731
+        v = partial_spearman(sub(proxy), sub(target), sub(control))
+        if math.isfinite(v):
+            vals.append(v)
+    if not vals:
+        return float("nan"), float("nan")
+    lo, hi = np.percentile(vals, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def trivial_baselines(loader: Iterable[Mapping], target: Mapping[str, float], n_boot: int, seed: int) -> dict:
     """Retention of model-free rankings (by length) against the target: the floor a proxy must beat.
     Both signs are reported (long-first and short-first)."""
@@ -525,15 +546,24 @@ def markdown(result: Mapping) -> str:
            f"{_f(t['split_half_spearman'], '{:+.3f}')}.\n",
            "**Retention** (proxy TracIn vs target TracIn; 95% bootstrap CI of Spearman over the scored examples)\n",
            "| variant | ρ | Spearman | 95% CI | Kendall | top-5% | top-10% | Pearson | split-half ρ_s | "
-           "Spearman, length partialled out |",
+           "Spearman, length partialled out [95% CI] |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     lengths = result.get("trivial", {}).get("_features", {}).get("response_tokens")
+    n_boot, seed = result["args"].get("bootstrap", 1000), result["args"].get("seed", 0)
+
+    def partial(scores, ref):
+        if not lengths:
+            return "–"
+        v = partial_spearman(scores, ref, lengths)
+        lo, hi = bootstrap_partial_spearman(scores, ref, lengths, n_boot, seed)
+        return f"{_f(v, '{:+.3f}')} [{_f(lo, '{:+.2f}')}, {_f(hi, '{:+.2f}')}]"
+
     for r in rows:
         lo, hi = r["spearman_ci"]
-        part = partial_spearman(r["proxy_scores"], result["target_scores"], lengths) if lengths else float("nan")
+        part = partial(r["proxy_scores"], result["target_scores"])
         out.append(f"| {r['key']} | {r['rho']:g} | {_f(r['spearman'], '{:+.3f}')} | [{_f(lo, '{:+.2f}')}, {_f(hi, '{:+.2f}')}] | "
                    f"{_f(r['kendall'], '{:+.3f}')} | {_f(r['top5%'], '{:.2f}')} | {_f(r['top10%'], '{:.2f}')} | "
-                   f"{_f(r['pearson'], '{:+.3f}')} | {_f(r['split_half_spearman'], '{:+.3f}')} | {_f(part, '{:+.3f}')} |")
+                   f"{_f(r['pearson'], '{:+.3f}')} | {_f(r['split_half_spearman'], '{:+.3f}')} | {part} |")
     out += ["", "**Cost** (wall-clock s per stage; analytic TFLOPs; peak RSS MiB of the process; scoring ratio = "
             "proxy / target scoring wall-clock)\n",
             "| variant | params | % of target | probe s | factors s | align s | scoring s | scoring ratio | "
@@ -588,11 +618,14 @@ def markdown(result: Mapping) -> str:
         kt = result["kfac_target"]
         out += ["", f"**K-FAC** (proxy K-FAC vs target K-FAC; target K-FAC vs target TracIn: Spearman "
                 f"{kt['vs_tracin']['spearman']:+.3f}; target K-FAC scoring {kt['scoring_s']:.1f} s)\n",
-                "| variant | Spearman | 95% CI | Kendall | top-5% | top-10% | scoring s |", "|---|---|---|---|---|---|---|"]
+                "| variant | Spearman | 95% CI | Kendall | top-5% | top-10% | scoring s | Spearman, length partialled out [95% CI] |",
+                "|---|---|---|---|---|---|---|---|"]
         for key, m in result["kfac"].items():
             lo, hi = m["spearman_ci"]
+            ks = m.get("proxy_scores")
             out.append(f"| {key} | {m['spearman']:+.3f} | [{_f(lo, '{:+.2f}')}, {_f(hi, '{:+.2f}')}] | "
-                       f"{m['kendall']:+.3f} | {m['top5%']:.2f} | {m['top10%']:.2f} | {m['scoring_s']:.1f} |")
+                       f"{m['kendall']:+.3f} | {m['top5%']:.2f} | {m['top10%']:.2f} | {m['scoring_s']:.1f} | "
+                       f"{partial(ks, result['kfac_target_scores']) if ks else '–'} |")
     return "\n".join(out) + "\n"
 
 
@@ -905,7 +938,7 @@ def main(argv=None) -> dict:
             ks = score(proxy, data, args, method="kfac")["scores"]
             m = retention(ks, result["kfac_target_scores"])
             m.update(spearman_ci=bootstrap_spearman(ks, result["kfac_target_scores"], args.bootstrap, args.seed),
-                     scoring_s=time.perf_counter() - t0)
+                     scoring_s=time.perf_counter() - t0, proxy_scores=ks)
             result["kfac"][v.key] = m
             write_outputs(out_dir, result)
             log(f"  K-FAC {v.key}: spearman {m['spearman']:+.4f} kendall {m['kendall']:+.4f} top5% {m['top5%']:.2f}")
