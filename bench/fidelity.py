@@ -86,6 +86,7 @@ from iprox_lightning.analysis.flops import (
     scoring_flops,
     svd_flops,
 )
+from iprox_lightning.analysis.retention import partial_spearman as retention_partial_spearman
 from iprox_lightning.analysis.retention import retention_metrics, spearman
 from iprox_lightning.batch import IGNORE_INDEX
 from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, compress_model, count_parameters, lowrank_layers
@@ -260,19 +261,12 @@ def length_features(loader: Iterable[Mapping]) -> dict[str, dict[str, float]]:
 
 
 def partial_spearman(proxy: Mapping[str, float], target: Mapping[str, float], control: Mapping[str, float]) -> float:
-    """Spearman of ``proxy`` and ``target`` with ``control`` partialled out: the Pearson correlation of
-    their ranks after regressing each on the rank of ``control`` (ties get average ranks). Retention
-    that does not come from the control (here: response length) alone. NaN when either ranking is a
-    function of the control (nothing left to correlate)."""
-    from scipy.stats import rankdata
-
+    """:func:`iprox_lightning.analysis.retention.partial_spearman` over the ids the three maps share
+    (``control`` = response length: retention that length alone does not explain)."""
     ids = sorted(set(proxy) & set(target) & set(control))
     if len(ids) < 4:
         return float("nan")
-    p, t, c = (rankdata([d[i] for i in ids]) for d in (proxy, target, control))
-    r_pt, r_pc, r_tc = np.corrcoef(p, t)[0, 1], np.corrcoef(p, c)[0, 1], np.corrcoef(t, c)[0, 1]
-    den = math.sqrt(max((1 - r_pc ** 2) * (1 - r_tc ** 2), 0.0))
-    return float((r_pt - r_pc * r_tc) / den) if den > 0 else float("nan")
+    return retention_partial_spearman(*(np.array([d[i] for i in ids]) for d in (proxy, target, control)))
 
 
 def bootstrap_partial_spearman(proxy: Mapping[str, float], target: Mapping[str, float], control: Mapping[str, float],

@@ -136,3 +136,22 @@ def test_read_scores_sniffs_and_validates(tmp_path):
     write_scores({"a": 1.0}, d / "rank0.parquet")
     write_scores({"b": 2.0}, d / "rank1.jsonl")
     assert read_scores(d) == {"a": 1.0, "b": 2.0}
+
+
+def test_partial_spearman_against_scipy_residuals():
+    """Partial Spearman = Pearson of the rank residuals after least squares on the control's rank."""
+    from scipy import stats
+
+    from iprox_lightning.analysis.retention import partial_spearman
+
+    rng = np.random.default_rng(5)
+    c = rng.integers(1, 30, size=120).astype(float)
+    y = -c + rng.normal(scale=6, size=120)
+    x = y + rng.normal(scale=8, size=120) - 0.3 * c
+    r = [stats.rankdata(v) for v in (x, y, c)]
+    X = np.stack([np.ones(120), r[2]], 1)
+    res = [v - X @ np.linalg.lstsq(X, v, rcond=None)[0] for v in r[:2]]
+    assert partial_spearman(x, y, c) == pytest.approx(float(np.corrcoef(*res)[0, 1]), abs=1e-10)
+    assert np.isnan(partial_spearman(-c, y, c))
+    # an unrelated control changes little
+    assert partial_spearman(x, y, rng.normal(size=120)) == pytest.approx(stats.spearmanr(x, y)[0], abs=0.05)

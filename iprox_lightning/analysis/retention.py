@@ -86,6 +86,17 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     return pearson(rankdata(x), rankdata(y))
 
 
+def partial_spearman(x: np.ndarray, y: np.ndarray, control: np.ndarray) -> float:
+    """Spearman of ``x`` and ``y`` with ``control`` partialled out: the Pearson correlation of their
+    ranks after regressing each on the rank of ``control``. Use it to report retention that a nuisance
+    variable (e.g. response length, which TracIn rankings often follow) does not explain. ``nan`` when
+    either ranking is a function of the control."""
+    rx, ry, rc = rankdata(x), rankdata(y), rankdata(control)
+    r_xy, r_xc, r_yc = pearson(rx, ry), pearson(rx, rc), pearson(ry, rc)
+    den = np.sqrt(max((1 - r_xc ** 2) * (1 - r_yc ** 2), 0.0))
+    return float((r_xy - r_xc * r_yc) / den) if den > 1e-12 else float("nan")
+
+
 def kendall(x: np.ndarray, y: np.ndarray) -> float:
     """Kendall's τ_b (tie-corrected), via ``scipy.stats.kendalltau``."""
     from scipy.stats import kendalltau
