@@ -30,6 +30,29 @@ def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
                       collate_fn=SFTCollator(dm.pad_token_id), shuffle=False)
 
 
+def response_tokens(loader) -> dict[str, int]:
+    """Number of scored (response) tokens per example id of a batch loader."""
+    from .batch import IGNORE_INDEX
+
+    out = {}
+    for batch in loader:
+        counts = (batch["labels"] != IGNORE_INDEX).sum(1)
+        out.update({str(i): int(c) for i, c in zip(batch["id"], counts)})
+    return out
+
+
+def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: dict[str, int]) -> dict[str, float]:
+    """How much of the target's ranking response length alone explains (``length_floor``: Spearman of
+    shortest-first with the target) and the proxy's retention with length partialled out."""
+    import numpy as np
+
+    from .analysis.retention import partial_spearman, spearman
+
+    ids = sorted(set(target) & set(proxy) & set(lengths))
+    t, p, n = (np.array([d[i] for i in ids], dtype=float) for d in (target, proxy, lengths))
+    return {"length_floor": spearman(-n, t), "spearman_length_partialled": partial_spearman(p, t, n)}
+
+
 def check(
     target: str,
     proxy: str,
@@ -44,6 +67,11 @@ def check(
     output: str | None = None,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy``; print the retention table.
+
+    Besides Spearman / Kendall / top-k overlap the row holds ``length_floor`` (how well ranking by
+    response length alone, shortest first, matches the target) and ``spearman_length_partialled``
+    (the proxy's retention that length does not explain) — TracIn rankings often follow length, and
+    then raw retention flatters any proxy (see docs/BENCHMARKS.md).
 
     Args:
         target: the target model (hub id, dir, ``.gguf``, ``builtin``).
@@ -76,6 +104,8 @@ def check(
     rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"])})
     rows[0]["target_s"] = seconds["target"]
     rows[0]["proxy_s"] = seconds["proxy"]
+    rows[0].update(length_confound(dict(tables["target"]), dict(tables["proxy"]),
+                                   response_tokens(_sample_loader(dm, "pool", chosen, batch_size))))
     print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
     print(format_table(rows))
     if output:

@@ -1,7 +1,9 @@
 """The whole method end to end on the built-in data, through the same configs users run."""
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from iprox_lightning.analysis.score_table import read_scores
 from iprox_lightning.cli import main
@@ -51,6 +53,8 @@ def test_proxy_check_and_report_commands(run, capsys, tmp_path):
                 "--sample", "120", "--output", str(tmp_path / "check.json")])
     assert row["n"] == 120 and row["spearman"] > 0.8
     assert json.loads((tmp_path / "check.json").read_text())[0]["spearman"] == row["spearman"]
+    assert -1 <= row["length_floor"] <= 1 and -1 <= row["spearman_length_partialled"] <= 1
+
     rows = main(["report", "--target_scores", str(wd / "scores" / "target" / "scores.parquet"),
                  "--proxy_scores", json.dumps({"iprox": str(wd / "scores" / "proxy" / "scores.parquet"),
                                                "random": str(wd / "scores" / "random" / "scores.parquet")}),
@@ -63,6 +67,26 @@ def test_proxy_check_and_report_commands(run, capsys, tmp_path):
     assert by["iprox"]["TFLOPs_scoring"] > 0 and "SA" in by["iprox"] and "1-NND" in by["target"]
     assert (tmp_path / "report" / "report.md").read_text().startswith("| proxy |")
     assert (tmp_path / "report" / "scatter_iprox.png").stat().st_size > 5000
+
+
+def test_length_confound_against_brute_force():
+    from scipy import stats
+
+    from iprox_lightning.report import length_confound, response_tokens
+
+    batch = {"id": ["a", "b", "c", "d", "e"], "labels": torch.tensor(
+        [[-100, 1, 2, 3], [-100, -100, 1, -100], [-100, 1, 2, -100], [1, 2, 3, 4], [-100, -100, -100, 5]])}
+    n = response_tokens([batch])
+    assert n == {"a": 3, "b": 1, "c": 2, "d": 4, "e": 1}
+    t = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.0, "e": 0.7}
+    p = {"a": 0.2, "b": 0.6, "c": 0.8, "d": 0.1, "e": 0.3}
+    out = length_confound(t, p, n)
+    ids = sorted(n)
+    assert out["length_floor"] == pytest.approx(stats.spearmanr([-n[i] for i in ids], [t[i] for i in ids])[0])
+    r = [stats.rankdata([d[i] for i in ids]) for d in (p, t, n)]
+    X = np.stack([np.ones(5), r[2]], 1)
+    res = [v - X @ np.linalg.lstsq(X, v, rcond=None)[0] for v in r[:2]]
+    assert out["spearman_length_partialled"] == pytest.approx(float(np.corrcoef(*res)[0, 1]), abs=1e-10)
 
 
 CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs"
