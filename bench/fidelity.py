@@ -88,20 +88,16 @@ from iprox_lightning.analysis.flops import (
 )
 from iprox_lightning.analysis.retention import partial_spearman as retention_partial_spearman
 from iprox_lightning.analysis.retention import retention_metrics, spearman
-from iprox_lightning.batch import IGNORE_INDEX
+from iprox_lightning.batch import token_counts
 from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.models.targets import find_target_linears
 from iprox_lightning.probes import collect_probes
 from iprox_lightning.scoring import tracin_scores
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("IPROX_SHARED", ROOT.parent / "shared"))
-if not SHARED.exists():
-    SHARED = Path("/work/shared")
-DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
-DEFAULT_VALIDATION = f"eval:{SHARED / 'data' / 'eval'}"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ipsvd_sweep import DEFAULT_MODEL, DEFAULT_POOL, DEFAULT_VALIDATION, load_target  # noqa: E402
+
 
 # priority order: a run cut short still has the most important rows
 DEFAULT_VARIANTS = [
@@ -248,18 +244,6 @@ def build_data(args, tokenizer) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
-def length_features(loader: Iterable[Mapping]) -> dict[str, dict[str, float]]:
-    """Per scored example: ``response_tokens`` (tokens whose loss counts) and ``total_tokens``."""
-    out: dict[str, dict[str, float]] = {"response_tokens": {}, "total_tokens": {}}
-    for batch in loader:
-        resp = (batch["labels"] != IGNORE_INDEX).sum(1)
-        total = batch["attention_mask"].sum(1)
-        for i, ex_id in enumerate(batch["id"]):
-            out["response_tokens"][str(ex_id)] = float(resp[i])
-            out["total_tokens"][str(ex_id)] = float(total[i])
-    return out
-
-
 def partial_spearman(proxy: Mapping[str, float], target: Mapping[str, float], control: Mapping[str, float]) -> float:
     """:func:`iprox_lightning.analysis.retention.partial_spearman` over the ids the three maps share
     (``control`` = response length: retention that length alone does not explain)."""
@@ -273,28 +257,17 @@ def bootstrap_partial_spearman(proxy: Mapping[str, float], target: Mapping[str, 
                                n: int = 1000, seed: int = 0) -> tuple[float, float]:
     """Percentile 95% bootstrap interval of :func:`partial_spearman` (resampling the scored examples)."""
     ids = sorted(set(proxy) & set(target) & set(control))
-    if n <= 0 or len(ids) < 4:
+    if len(ids) < 4:
         return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    vals = []
-    for _ in range(n):
-        pick = [ids[j] for j in rng.integers(0, len(ids), len(ids))]
-        # resampled duplicates need distinct keys
-        sub = lambda d: {f"{k}#{j}": d[k] for j, k in enumerate(pick)}  # noqa: E731
-        v = partial_spearman(sub(proxy), sub(target), sub(control))
-        if math.isfinite(v):
-            vals.append(v)
-    if not vals:
-        return float("nan"), float("nan")
-    lo, hi = np.percentile(vals, [2.5, 97.5])
-    return float(lo), float(hi)
+    p, t, c = (np.array([d[i] for i in ids]) for d in (proxy, target, control))
+    return percentile_interval(lambda idx: retention_partial_spearman(p[idx], t[idx], c[idx]), len(ids), n, seed)
 
 
 def trivial_baselines(loader: Iterable[Mapping], target: Mapping[str, float], n_boot: int, seed: int) -> dict:
     """Retention of model-free rankings (by length) against the target: the floor a proxy must beat.
     Both signs are reported (long-first and short-first)."""
     out = {}
-    feats = length_features(loader)
+    feats = token_counts(loader)
     out["_features"] = feats
     for name, feat in feats.items():
         for sign, label in ((1.0, "longest first"), (-1.0, "shortest first")):
@@ -329,25 +302,27 @@ def split_half_spearman(halves: Mapping[str, Mapping[str, float]]) -> float:
     return spearman(np.array([halves[HALVES[0]][i] for i in ids]), np.array([halves[HALVES[1]][i] for i in ids]))
 
 
-def bootstrap_spearman(proxy: Mapping[str, float], target: Mapping[str, float], n: int = 1000,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile 95% bootstrap interval of Spearman (resampling the scored examples with replacement)."""
-    ids = sorted(set(proxy) & set(target))
-    p = np.array([proxy[i] for i in ids])
-    t = np.array([target[i] for i in ids])
-    if n <= 0 or len(ids) < 3:
+def percentile_interval(statistic, n_items: int, n: int, seed: int) -> tuple[float, float]:
+    """Percentile 95% bootstrap interval of ``statistic(idx)`` over ``n`` resamples ``idx`` of
+    ``range(n_items)`` with replacement (non-finite values are dropped; NaNs if none is left)."""
+    if n <= 0:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
-    vals = []
-    for _ in range(n):
-        idx = rng.integers(0, len(ids), len(ids))
-        v = spearman(p[idx], t[idx])
-        if math.isfinite(v):
-            vals.append(v)
+    vals = [v for v in (statistic(rng.integers(0, n_items, n_items)) for _ in range(n)) if math.isfinite(v)]
     if not vals:
         return float("nan"), float("nan")
     lo, hi = np.percentile(vals, [2.5, 97.5])
     return float(lo), float(hi)
+
+
+def bootstrap_spearman(proxy: Mapping[str, float], target: Mapping[str, float], n: int = 1000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile 95% bootstrap interval of Spearman (resampling the scored examples with replacement)."""
+    ids = sorted(set(proxy) & set(target))
+    if len(ids) < 3:
+        return float("nan"), float("nan")
+    p, t = (np.array([d[i] for i in ids]) for d in (proxy, target))
+    return percentile_interval(lambda idx: spearman(p[idx], t[idx]), len(ids), n, seed)
 
 
 def paired_bootstrap_difference(a: Mapping[str, float], b: Mapping[str, float], target: Mapping[str, float],
@@ -357,17 +332,10 @@ def paired_bootstrap_difference(a: Mapping[str, float], b: Mapping[str, float], 
     ids = sorted(set(a) & set(b) & set(target))
     pa, pb, t = (np.array([d[i] for i in ids]) for d in (a, b, target))
     diff = spearman(pa, t) - spearman(pb, t)
-    if n <= 0 or len(ids) < 3:
+    if len(ids) < 3:
         return float(diff), float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    vals = []
-    for _ in range(n):
-        idx = rng.integers(0, len(ids), len(ids))
-        v = spearman(pa[idx], t[idx]) - spearman(pb[idx], t[idx])
-        if math.isfinite(v):
-            vals.append(v)
-    lo, hi = np.percentile(vals, [2.5, 97.5]) if vals else (float("nan"), float("nan"))
-    return float(diff), float(lo), float(hi)
+    lo, hi = percentile_interval(lambda idx: spearman(pa[idx], t[idx]) - spearman(pb[idx], t[idx]), len(ids), n, seed)
+    return float(diff), lo, hi
 
 
 # (a, b, question): rows of the paired-difference table, where both variants ran
@@ -717,16 +685,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(v.align for v in args.parsed_variants) and args.align_examples < 1:
         ap.error("aligned variants need --align-examples >= 1")
     return args
-
-
-def load_target(name: str):
-    from iprox_lightning.models.loading import load_model
-
-    model, tok = load_model(name, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model, tok
 
 
 def main(argv=None) -> dict:

@@ -12,7 +12,7 @@ A batch is a ``dict`` with
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,19 @@ def check_batch(batch: Mapping[str, Any]) -> None:
         )
     if len(batch["id"]) != ids.shape[0]:
         raise ValueError(f"batch has {ids.shape[0]} rows but {len(batch['id'])} ids")
+
+
+def token_counts(batches: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per example id: ``response_tokens`` (labels other than ``IGNORE_INDEX``) and ``total_tokens``
+    (attention mask), over every batch of ``batches``."""
+    out: dict[str, dict[str, float]] = {"response_tokens": {}, "total_tokens": {}}
+    for batch in batches:
+        resp = (batch["labels"] != IGNORE_INDEX).sum(1).tolist()
+        total = batch["attention_mask"].sum(1).tolist()
+        for ex_id, r, t in zip(batch["id"], resp, total):
+            out["response_tokens"][str(ex_id)] = float(r)
+            out["total_tokens"][str(ex_id)] = float(t)
+    return out
 
 
 def shifted_token_mask(labels: torch.Tensor) -> torch.Tensor:

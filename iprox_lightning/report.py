@@ -30,18 +30,7 @@ def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
                       collate_fn=SFTCollator(dm.pad_token_id), shuffle=False)
 
 
-def response_tokens(loader) -> dict[str, int]:
-    """Number of scored (response) tokens per example id of a batch loader."""
-    from .batch import IGNORE_INDEX
-
-    out = {}
-    for batch in loader:
-        counts = (batch["labels"] != IGNORE_INDEX).sum(1)
-        out.update({str(i): int(c) for i, c in zip(batch["id"], counts)})
-    return out
-
-
-def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: dict[str, int]) -> dict[str, float]:
+def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: dict[str, float]) -> dict[str, float]:
     """How much of the target's ranking response length alone explains (``length_floor``: Spearman of
     shortest-first with the target) and the proxy's retention with length partialled out."""
     import numpy as np
@@ -84,6 +73,7 @@ def check(
     """
     from .analysis.report import format_table, retention_rows
     from .baselines.random_selection import random_subset
+    from .batch import token_counts
     from .data import SFTDataModule
     from .models.loading import load_model
     from .scoring import tracin_scores
@@ -104,8 +94,8 @@ def check(
     rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"])})
     rows[0]["target_s"] = seconds["target"]
     rows[0]["proxy_s"] = seconds["proxy"]
-    rows[0].update(length_confound(dict(tables["target"]), dict(tables["proxy"]),
-                                   response_tokens(_sample_loader(dm, "pool", chosen, batch_size))))
+    lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
+    rows[0].update(length_confound(dict(tables["target"]), dict(tables["proxy"]), lengths))
     print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
     print(format_table(rows))
     if output:

@@ -186,10 +186,12 @@ def test_partial_spearman_equals_residual_correlation_of_ranks():
     assert math.isnan(fidelity.partial_spearman({k: -v for k, v in dc.items()}, dt, dc))
 
 
-def test_length_features_count_tokens():
+def test_token_counts_count_tokens():
     batch = {"id": ["a", "b"], "labels": torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, -100]]),
              "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
-    f = fidelity.length_features([batch])
+    from iprox_lightning.batch import token_counts
+
+    f = token_counts([batch])
     assert f == {"response_tokens": {"a": 2.0, "b": 1.0}, "total_tokens": {"a": 3.0, "b": 4.0}}
 
 

@@ -72,11 +72,13 @@ def test_proxy_check_and_report_commands(run, capsys, tmp_path):
 def test_length_confound_against_brute_force():
     from scipy import stats
 
-    from iprox_lightning.report import length_confound, response_tokens
+    from iprox_lightning.batch import token_counts
+    from iprox_lightning.report import length_confound
 
     batch = {"id": ["a", "b", "c", "d", "e"], "labels": torch.tensor(
-        [[-100, 1, 2, 3], [-100, -100, 1, -100], [-100, 1, 2, -100], [1, 2, 3, 4], [-100, -100, -100, 5]])}
-    n = response_tokens([batch])
+        [[-100, 1, 2, 3], [-100, -100, 1, -100], [-100, 1, 2, -100], [1, 2, 3, 4], [-100, -100, -100, 5]]),
+             "attention_mask": torch.ones(5, 4, dtype=torch.long)}
+    n = token_counts([batch])["response_tokens"]
     assert n == {"a": 3, "b": 1, "c": 2, "d": 4, "e": 1}
     t = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.0, "e": 0.7}
     p = {"a": 0.2, "b": 0.6, "c": 0.8, "d": 0.1, "e": 0.3}
