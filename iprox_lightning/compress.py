@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +27,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .ipsvd import DAMPING_MODES, MODES, compute_factors, weighted_objective
+from .ipsvd import DAMPING_MODES, MODES, compute_factors, plain_spectrum, weighted_objective, weighted_spectrum
 from .lowrank import LowRankLinear
 from .models.targets import find_target_linears, linear_shape, linear_weight
 from .probes import Probes, collect_probes
-from .rank import plan_ranks, requested_layer_params
+from .rank import allocate_ranks, plan_ranks, requested_layer_params
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ PROXY_MANIFEST = "iprox_proxy.json"
 PROXY_WEIGHTS = "model.safetensors"
 MANIFEST_VERSION = 1
 METHODS = ("ipsvd", "svd", "random")
+ALLOCATIONS = ("uniform", "global")
 
 # Defaults = the best TracIn retention (Spearman, tie-break top-10% overlap) of the damping sweep on
 # SmolLM2-135M-Instruct at ρ = 0.5 (bench/ipsvd_sweep.py, docs/IPSVD_SWEEP.md). The top settings are
@@ -127,6 +129,9 @@ class CompressionReport:
     time_probes_s: float
     time_factors_s: float
     layers: list[LayerReport] = field(default_factory=list)
+    allocation: str = "uniform"
+    keep_dense: list[str] | None = None
+    time_allocation_s: float = 0.0
 
     @property
     def ranks(self) -> dict[str, int | None]:
@@ -176,6 +181,8 @@ def compress_model(
     compute_dtype: torch.dtype | None = None,
     progress: bool = True,
     probes: Probes | None = None,
+    allocation: str = "uniform",
+    keep_dense: list[str] | None = None,
 ) -> CompressionReport:
     """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
 
@@ -188,7 +195,14 @@ def compress_model(
     layer's ``mode``). ``targets``: regex patterns of layer leaf names (default: all attention/MLP
     projections). ``probes``: reuse probes collected beforehand by
     :func:`~iprox_lightning.probes.collect_probes` on this model (not consumed; e.g. for a sweep)
-    instead of collecting them from ``probe_dataloader``. Factors are cast to the dtype/device of the replaced weight; biases are kept
+    instead of collecting them from ``probe_dataloader``.
+    ``allocation``: ``"uniform"`` — every layer at the rank of sparsity ρ (:func:`~iprox_lightning.rank.plan_ranks`);
+    ``"global"`` — one budget of ``(1 − ρ)·Σ in·out`` weights for all targeted layers, spent greedily where
+    truncation costs most (:func:`~iprox_lightning.rank.allocate_ranks` over each layer's
+    :func:`~iprox_lightning.ipsvd.weighted_spectrum` for IPSVD, its plain singular values for SVD): the
+    parameter count is the uniform one's, the ranks differ per layer. ``keep_dense``: regex patterns of
+    full layer names (``re.search``, e.g. ``"layers\\.0\\.mlp"``) kept dense; under ``"global"`` they are
+    charged to the same budget. Factors are cast to the dtype/device of the replaced weight; biases are kept
     (frozen). Raises if the model is already compressed.
     """
     if method not in METHODS:
@@ -200,10 +214,19 @@ def compress_model(
             raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
         if probe_dataloader is None and probes is None:
             raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+    if allocation == "global" and method == "random":
+        raise ValueError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
+    if allocation == "global" and method == "ipsvd" and mode != "exact":
+        raise ValueError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
     if is_compressed(model):
         raise ValueError("model already holds LowRankLinear layers (already compressed)")
     modules = find_target_linears(model, targets)
+    spared = _match_layers(modules, keep_dense)
     plan = plan_ranks(modules, sparsity, rank_multiple)
+    for name in spared:
+        plan[name] = None
     params_before = count_parameters(model)
     target_before = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in modules.values())
     requested_total = params_before - target_before + sum(
@@ -213,11 +236,18 @@ def compress_model(
     t0 = time.perf_counter()
     own_probes = probes is None
     if probes is None and probe_dataloader is not None:
-        to_probe = {n: m for n, m in modules.items() if plan[n] is not None}
+        to_probe = {n: m for n, m in modules.items()
+                    if plan[n] is not None or (allocation == "global" and n not in spared)}
         if to_probe:
             probes = collect_probes(model, probe_dataloader, to_probe, num_tokens=num_probe_tokens, seed=seed,
                                     progress=progress)
     t_probes = time.perf_counter() - t0
+
+    t_alloc = time.perf_counter()
+    if allocation == "global":
+        plan = _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode,
+                            rank_multiple, compute_dtype, progress)
+    t_alloc = time.perf_counter() - t_alloc
 
     layers: list[LayerReport] = []
     t1 = time.perf_counter()
@@ -277,9 +307,44 @@ def compress_model(
         params_requested=int(round(requested_total)),
         target_params_before=target_before, target_params_after=sum(lr.params_after for lr in layers),
         time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
+        allocation=allocation, keep_dense=list(keep_dense) if keep_dense else None, time_allocation_s=t_alloc,
     )
     log.info(report.summary())
     return report
+
+
+def _match_layers(modules: Mapping[str, nn.Module], patterns: list[str] | None) -> list[str]:
+    """Names of ``modules`` matched by any regex of ``patterns``; a pattern matching nothing is an error."""
+    if not patterns:
+        return []
+    out = []
+    for pat in patterns:
+        rx = re.compile(pat)
+        hits = [n for n in modules if rx.search(n)]
+        if not hits:
+            raise ValueError(f"keep_dense pattern {pat!r} matches no targeted layer (e.g. {next(iter(modules), '')!r})")
+        out.extend(h for h in hits if h not in out)
+    return out
+
+
+def _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode, rank_multiple,
+                 compute_dtype, progress) -> dict[str, int | None]:
+    """Ranks of ``allocation="global"``: one budget ``(1 − ρ)·Σ in·out`` over all targeted layers."""
+    shapes = {n: linear_shape(m) for n, m in modules.items()}  # (out, in)
+    budget = sum((1.0 - sparsity) * o * i for o, i in shapes.values())
+    spectra = {}
+    for name, module in tqdm(list(modules.items()), desc="rank allocation (spectra)", disable=not progress):
+        if name in spared:
+            continue
+        W = linear_weight(module).detach()
+        if method == "ipsvd":
+            if probes is None or name not in probes.H:
+                raise ValueError(f"layer {name!r}: global allocation needs its probes")
+            spectra[name] = weighted_spectrum(W, probes.H[name].to(W.device), probes.Delta[name].to(W.device),
+                                              damping=damping, damping_mode=damping_mode, compute_dtype=compute_dtype)
+        else:
+            spectra[name] = plain_spectrum(W)
+    return allocate_ranks(spectra, shapes, budget, rank_multiple=rank_multiple, dense={n: True for n in spared})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -225,6 +225,39 @@ def ipsvd_factors(
     return A.float().contiguous(), B.float().contiguous()
 
 
+def weighted_spectrum(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    Delta: torch.Tensor,
+    *,
+    damping: float = 1e-3,
+    damping_mode: str = "relative",
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Singular values ``σ`` (descending, float64, ``min(in, out)`` of them) of the whitened weight
+    ``S = C_δ,λ^{1/2} W C_h,λ^{1/2}``. They price truncation exactly: the exact IPSVD factors at rank
+    ``r`` leave ``J_r = Σ_{i>r} σ_i²`` (and ``J(0) = Σ σ_i²``), in the same units — the expected squared
+    first-order change of the per-example loss under the K-FAC model — for every layer, which is what
+    makes one parameter budget comparable across layers (:func:`iprox_lightning.rank.allocate_ranks`)."""
+    out_f, in_f = weight.shape
+    _check_inputs(weight, H, Delta, 1)
+    dense = compute_dtype or _F64
+    N = H.shape[1]
+    lam_h, lam_d = damping_values(H, Delta, damping, damping_mode)
+    U_h, D_h = _thin_svd(H, lam_h, N)
+    U_d, D_d = _thin_svd(Delta, lam_d, N)
+    S_mat = _apply_sqrt(_apply_sqrt(weight.detach().to(dense), U_h.to(dense), D_h.to(dense), lam_h, 0.5, "right"),
+                        U_d.to(dense), D_d.to(dense), lam_d, 0.5, "left")
+    _, S, _ = _gram_svd(S_mat.to(_F64))
+    return S
+
+
+def plain_spectrum(weight: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``W`` itself (descending, float64): what plain SVD truncation prices,
+    ``‖W − W_r‖_F² = Σ_{i>r} σ_i²``."""
+    return torch.linalg.svdvals(weight.detach().to(_F64))
+
+
 def svd_factors(weight: torch.Tensor, rank: int, *, compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain truncated SVD ``W ≈ (U_r Σ_r^{1/2}) (Σ_r^{1/2} V_rᵀ)`` — the paper's "w/o IPSVD" ablation
     (the best rank-r approximation in the unweighted Frobenius norm). Float32 factors."""

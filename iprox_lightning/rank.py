@@ -43,3 +43,102 @@ def plan_ranks(modules: Mapping[str, nn.Module], sparsity: float, rank_multiple:
 def requested_layer_params(in_features: int, out_features: int, sparsity: float) -> float:
     """Weights a layer should hold at sparsity ``ρ``: ``(1 − ρ)·in·out`` (before rounding)."""
     return (1.0 - sparsity) * in_features * out_features
+
+
+def dense_rank(in_features: int, out_features: int) -> int:
+    """The smallest rank at which the factors hold at least as many weights as the dense layer
+    (``r·(in + out) ≥ in·out``), capped at ``min(in, out)``: from there on the layer stays dense."""
+    r = -(-in_features * out_features // (in_features + out_features))  # ceil
+    return min(r, min(in_features, out_features))
+
+
+def allocate_ranks(
+    spectra: Mapping[str, "torch.Tensor | list[float]"],
+    shapes: Mapping[str, tuple[int, int]],
+    budget: float,
+    *,
+    rank_multiple: int = 1,
+    min_rank: int | None = None,
+    dense: Mapping[str, bool] | None = None,
+) -> dict[str, int | None]:
+    """Global rank allocation: one parameter ``budget`` for all layers, spent where truncation costs most.
+
+    ``spectra[name]``: the layer's singular values ``σ`` (descending) of the matrix whose truncation is
+    priced, so that keeping the top ``r`` costs ``Σ_{i>r} σ_i²`` (the whitened weight for IPSVD,
+    :func:`iprox_lightning.ipsvd.weighted_spectrum`; ``W`` for plain SVD). ``shapes[name] = (out, in)``.
+    ``budget``: weights all these layers may hold together (e.g. ``(1 − ρ)·Σ in·out``).
+    ``dense[name] = True`` forces a layer dense (its ``in·out`` is charged first).
+
+    Greedy: every layer starts at ``min_rank`` (default ``rank_multiple``); then, repeatedly, the block of
+    ``rank_multiple`` next components with the largest ``Σσ² / (block·(in + out))`` — loss kept per
+    weight spent — is added while it fits. A layer whose factors would hold as many weights as the dense
+    layer (:func:`dense_rank`) is kept dense (``None``). Within a layer the gains fall (``σ`` sorted), so
+    for equal ``in + out`` this is the exact optimum of the budgeted problem, and otherwise the optimum
+    of its fractional relaxation up to the last block that did not fit.
+    Returns ``{name: rank or None (dense)}``; raises if even the minimum ranks exceed the budget.
+    """
+    import heapq
+
+    mult = int(rank_multiple)
+    if mult < 1:
+        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+    r0 = mult if min_rank is None else int(min_rank)
+    dense = dict(dense or {})
+    unknown = set(dense) - set(shapes)
+    if unknown:
+        raise ValueError(f"dense: unknown layer(s) {sorted(unknown)[:5]}")
+    sig2: dict[str, list[float]] = {}
+    for name in shapes:
+        if name not in spectra and not dense.get(name):
+            raise ValueError(f"layer {name!r}: no spectrum given")
+        if name in spectra:
+            s = [float(x) for x in (spectra[name].tolist() if hasattr(spectra[name], "tolist") else spectra[name])]
+            if any(b > a * (1 + 1e-9) + 1e-300 for a, b in zip(s, s[1:])):
+                raise ValueError(f"layer {name!r}: spectrum must be sorted in descending order")
+            sig2[name] = [x * x for x in s]
+    plan: dict[str, int | None] = {}
+    spent = 0.0
+    for name, (out_f, in_f) in shapes.items():
+        if dense.get(name):
+            plan[name] = None
+            spent += in_f * out_f
+        else:
+            r = min(r0, min(in_f, out_f))
+            plan[name] = r
+            spent += r * (in_f + out_f)
+    if spent > budget:
+        raise ValueError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
+                         f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
+
+    def next_block(name: str, r: int) -> tuple[float, float, bool]:
+        """(gain, cost, to_dense) of the layer's next step from rank ``r``: ``rank_multiple`` more
+        components, or — when that reaches :func:`dense_rank` — the switch to the dense layer, which
+        keeps every remaining component."""
+        out_f, in_f = shapes[name]
+        if r + mult >= dense_rank(in_f, out_f):
+            return sum(sig2[name][r:]), float(in_f * out_f - r * (in_f + out_f)), True
+        return sum(sig2[name][r : r + mult]), float(mult * (in_f + out_f)), False
+
+    heap: list[tuple[float, str]] = []
+
+    def push(name: str) -> None:
+        r = plan[name]
+        if r is None:
+            return
+        gain, cost, _ = next_block(name, r)
+        heapq.heappush(heap, (-gain / max(cost, 1.0), name))
+
+    for name in shapes:
+        push(name)
+    while heap:
+        _, name = heapq.heappop(heap)
+        gain, cost, to_dense = next_block(name, plan[name])
+        if spent + cost > budget:
+            continue  # does not fit: this layer stops here (cheaper steps of other layers may still fit)
+        spent += cost
+        if to_dense:
+            plan[name] = None
+        else:
+            plan[name] += mult
+            push(name)
+    return plan
