@@ -219,3 +219,53 @@ def test_layers_subset_trains_only_those_factors():
     opt.step()
     changed = sorted(k for k, v in m.proxy.state_dict().items() if not torch.equal(v, before[k]))
     assert changed == ["model.layers.1.mlp.down_proj.A", "model.layers.1.mlp.down_proj.B"]
+
+
+def test_keep_best_restores_the_factors_with_the_lowest_held_out_loss(tmp_path):
+    """Validate after every step; the saved proxy holds the factors of the best held-out ``val/loss``
+    (recomputed here on the restored proxy), not the last ones."""
+    target = tiny_causal_lm("llama", seed=3)
+    val = loader(1, offset=100)
+    module = ProxyAlignModule(target=target, lr=0.3, save_dir=str(tmp_path / "proxy"), log_layer_cosines=False)
+    seen = []
+
+    class Record(L.Callback):  # the factors as they were at each validation
+        def on_validation_epoch_end(self, trainer, pl_module):
+            seen.append((int(trainer.global_step), float(trainer.callback_metrics["val/loss"]),
+                         [p.detach().clone() for p in pl_module.factor_parameters()]))
+
+    tr = trainer(tmp_path, max_steps=5, val_check_interval=1, enable_checkpointing=False)
+    tr.callbacks.append(Record())
+    tr.fit(module, loader(5), val_dataloaders=val)
+    assert len(seen) == 5 and len(module.validation_history) == 5
+    best_step, best_val, best_factors = min(seen, key=lambda x: x[1])
+    last_factors = seen[-1][2]
+    assert best_val < seen[-1][1]  # lr 0.3 overshoots: the last factors are not the best
+    for p, q in zip(module.factor_parameters(), best_factors):
+        assert torch.equal(p.detach(), q)
+    assert not all(torch.equal(p, q) for p, q in zip(best_factors, last_factors))
+    with torch.enable_grad():
+        recomputed = float(module.alignment_step(next(iter(val)), create_graph=False).loss)
+    assert recomputed == pytest.approx(best_val, rel=1e-4)
+    manifest = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())
+    assert manifest["alignment"]["best"] == {"value": pytest.approx(best_val), "step": best_step}
+    assert [h["step"] for h in manifest["alignment"]["validation_history"]] == [s for s, _, _ in seen]
+    sd = load_proxy(str(tmp_path / "proxy"))[0].state_dict()
+    for (name, m) in ((n, m) for n, m in module.proxy.named_modules() if isinstance(m, LowRankLinear)):
+        assert torch.equal(sd[f"{name}.A"], m.A.detach())
+
+
+def test_keep_best_off_saves_the_last_factors(tmp_path):
+    target = tiny_causal_lm("llama", seed=3)
+    module = ProxyAlignModule(target=target, lr=0.3, keep_best=False, log_layer_cosines=False)
+    last = []
+
+    class Record(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            last.extend(p.detach().clone() for p in pl_module.factor_parameters())
+
+    tr = trainer(tmp_path, max_steps=3, val_check_interval=1, enable_checkpointing=False)
+    tr.callbacks.append(Record())
+    tr.fit(module, loader(3), val_dataloaders=loader(1, offset=100))
+    assert all(torch.equal(p.detach(), q) for p, q in zip(module.factor_parameters(), last))
+    assert module._best is None and len(module.validation_history) == 3

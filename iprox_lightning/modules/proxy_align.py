@@ -78,6 +78,12 @@ class ProxyAlignModule(L.LightningModule):
         warmup_ratio, lr_schedule: learning-rate schedule (default constant, as the paper states no schedule).
         dtype: dtype of both models when loaded by name.
         log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
+        keep_best: after every validation run, compare the held-out ``monitor`` (a logged ``val/*`` metric,
+            lower is better; default ``val/loss`` = held-out ``L_GA + λ_KL·L_KL``) with the best so far and keep
+            a copy of the factors that reached it; at the end of ``fit`` the best factors are restored before
+            saving (the manifest records the step, the value and every validation result). Without a
+            validation loader nothing is kept and the last factors are saved.
+        monitor: the held-out metric of ``keep_best``.
     """
 
     def __init__(
@@ -96,6 +102,8 @@ class ProxyAlignModule(L.LightningModule):
         lr_schedule: str = "constant",
         dtype: str = "float32",
         log_layer_cosines: bool = True,
+        keep_best: bool = True,
+        monitor: str = "val/loss",
     ) -> None:
         super().__init__()
         if kl_weight < 0:
@@ -111,6 +119,8 @@ class ProxyAlignModule(L.LightningModule):
         self.proxy: Optional[nn.Module] = None
         self.tokenizer: Any = None
         self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
+        self._best: Optional[dict[str, Any]] = None  # keep_best: {"value", "step", "factors"}
+        self.validation_history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------------------------- models
     @property
@@ -239,6 +249,33 @@ class ProxyAlignModule(L.LightningModule):
             out = self.alignment_step(batch, create_graph=False)
         self._log_output(out, "val", batch["input_ids"].shape[0], self.hparams.log_layer_cosines)
 
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        if not metrics:
+            return
+        self.validation_history.append({"step": int(self.global_step), **metrics})
+        if not self.hparams.keep_best:
+            return
+        if self.hparams.monitor not in metrics:
+            raise KeyError(f"ProxyAlignModule(monitor={self.hparams.monitor!r}): not among the logged held-out "
+                           f"metrics {sorted(metrics)}")
+        value = metrics[self.hparams.monitor]
+        if self._best is None or value < self._best["value"]:
+            factors = [p.detach().clone() for p in self.factor_parameters()]
+            self._best = {"value": value, "step": int(self.global_step), "factors": factors}
+
+    def restore_best(self) -> Optional[dict[str, Any]]:
+        """Copy the kept best factors back into the proxy (``keep_best``); returns ``{"value", "step"}``
+        or ``None`` when nothing was kept."""
+        if self._best is None:
+            return None
+        with torch.no_grad():
+            for p, q in zip(self.factor_parameters(), self._best["factors"]):
+                p.copy_(q)
+        return {"value": self._best["value"], "step": self._best["step"]}
+
     # ------------------------------------------------------------------------------------- optim
     def configure_optimizers(self):
         params = self.factor_parameters()
@@ -257,6 +294,10 @@ class ProxyAlignModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------- saving
     def on_fit_end(self) -> None:
+        best = self.restore_best() if self.hparams.keep_best else None
+        if best is not None:
+            log.info("restored the best held-out factors: %s = %.6g at step %d", self.hparams.monitor,
+                     best["value"], best["step"])
         if self.hparams.save_dir:
             self.save_proxy(self.hparams.save_dir)
 
@@ -279,6 +320,10 @@ class ProxyAlignModule(L.LightningModule):
                 "lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay,
                 "kl_weight": self.hparams.kl_weight, "temperature": self.hparams.temperature,
                 "grad_through_projection": self.hparams.grad_through_projection,
+                "keep_best": bool(self.hparams.keep_best), "monitor": self.hparams.monitor,
+                "best": ({"value": self._best["value"], "step": self._best["step"]}
+                         if self._best is not None else None),
+                "validation_history": self.validation_history,
             }}
             if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
                 extra["target_model"] = self.target_source
