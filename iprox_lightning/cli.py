@@ -30,16 +30,31 @@ class IProXCLI(LightningCLI):
 
 
 def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCLI:
-    return IProXCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-        args=args,
-        run=run,
-    )
+    """Run LightningCLI on ``args`` (``None``: the command line).
+
+    When ``args`` are given (the pipeline, tests) the process's own command line is hidden from
+    LightningCLI while it runs: it would otherwise warn that both were given, although only
+    ``args`` are parsed.
+    """
+    from .console import quiet_lightning_tips
+
+    quiet_lightning_tips()
+    saved = sys.argv
+    if args is not None:
+        sys.argv = sys.argv[:1]
+    try:
+        return IProXCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+        )
+    finally:
+        sys.argv = saved
 
 
 def _extra_commands() -> dict[str, Callable]:

@@ -12,10 +12,14 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
 * Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
 * ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
   identical text (instruction, context, response after whitespace normalisation).
-* ``pool``: the candidate pool file(s) (JSONL with an ``id`` field; Dolly keys) the records are
-  copied from. Without it the output holds ``{"id", "score"}`` rows only.
+* ``pool``: the candidate pool the records are copied from — any source ``SFTDataModule`` reads
+  (``builtin``, a JSONL/JSON/Parquet file, a directory, a HF dataset id, a list of these; in Python
+  also a ``datasets.Dataset`` or a list of record dicts). Default: ``builtin`` when every scored id is
+  a built-in id. Without a pool the output holds ``{"id", "score"}`` rows only (and says so).
 
-A ``<output>.meta.json`` next to the output records the settings and the selected ids with scores.
+A ``<output>.meta.json`` next to the output records the settings, the selected ids with scores and
+the selection's explanation (:mod:`iprox_lightning.selection_summary`: share per category vs the pool,
+per validation task, lengths, top/bottom examples), which ``select`` also prints.
 """
 from __future__ import annotations
 
@@ -43,18 +47,15 @@ def _read_scores(path: str):
     return p, t
 
 
-def _read_pool(paths: Sequence[str], wanted: set[str]) -> dict[str, dict]:
-    from .data.sources import iter_jsonl
+def _default_pool(ids: Sequence[str]):
+    from .data.synthetic import builtin_family
 
-    out: dict[str, dict] = {}
-    for path in paths:
-        for where, rec in iter_jsonl(path):
-            if "id" not in rec:
-                raise ValueError(f"{where}: record has no 'id' field; selection needs stable ids")
-            i = str(rec["id"])
-            if i in wanted and i not in out:
-                out[i] = rec
-    return out
+    try:
+        for i in ids:
+            builtin_family(i)
+    except ValueError:
+        return None
+    return "builtin" if ids else None
 
 
 def _norm_text(rec: dict) -> tuple:
@@ -69,10 +70,20 @@ def select(
     dedup: bool = True,
     pool: str | list[str] | None = None,
     output: str,
+    quiet: bool = False,
 ) -> str:
-    """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL) and return its path.
+    """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
+    return the output path.
 
-    See the module docstring for ``k``, ``per_task``, ``dedup`` and ``pool``.
+    Args:
+        scores_path: score table (Parquet) written by the scoring stage, or its directory.
+        k: an int count, or a float fraction in (0, 1] of the ranked examples (paper: 0.05).
+        per_task: rank by LESS's max over validation tasks (``score_max``) instead of ``score``.
+        dedup: one row per id and, with a pool, one example per identical text.
+        pool: the candidate pool to copy records from (any source SFTDataModule reads; default
+            ``builtin`` when all ids are built-in ids, else ids and scores only).
+        output: the JSONL file to write (``<output>.meta.json`` goes next to it).
+        quiet: do not print the explanation.
     """
     src, table = _read_scores(scores_path)
     col = "score_max" if per_task else "score"
@@ -89,8 +100,13 @@ def select(
     elif len(set(ids)) != len(ids):
         raise ValueError(f"{src}: duplicate ids in the score table and dedup=False")
 
-    pools = [pool] if isinstance(pool, str) else list(pool or [])
-    records = _read_pool(pools, {i for _, i in rows}) if pools else {}
+    from .data.pool import describe, read_pool
+
+    if pool is None:
+        pool = _default_pool(ids)
+    pools = [] if pool is None else [describe(pool)]
+    pool_records = read_pool(pool) if pool is not None else []
+    records = {r["id"]: r for r in pool_records}
     if pools:
         missing = [i for _, i in rows if i not in records]
         if missing:
@@ -130,5 +146,16 @@ def select(
         "scores": str(src), "k": k, "count": len(chosen), "ranked": n, "column": col, "per_task": per_task,
         "dedup": dedup, "pool": pools, "selected": [{"id": i, "score": s} for s, i in chosen],
     }
+    if pools:
+        from .selection_summary import explain_selection, format_selection
+
+        table_rows = {str(r["id"]): r for r in table.to_pylist()}
+        meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows)
     Path(f"{out}.meta.json").write_text(json.dumps(meta, indent=1))
+    if not quiet:
+        what = "records (Dolly schema, ids kept)" if pools else "{id, score} rows (no pool given: pass --pool to copy the records)"
+        print(f"select: wrote {len(chosen)} of {n} ranked examples ({col}, k={k}) as {what} to {out}"
+              f" (+ {out.name}.meta.json)")
+        if pools:
+            print(format_selection(meta["explanation"]))
     return str(out)

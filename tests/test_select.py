@@ -56,7 +56,8 @@ def test_count_fraction_and_determinism(scored, tmp_path):
     ids = read_ids(out)
     assert len(ids) == round(0.25 * (N - 2)) == 10 and "ex-003" not in ids and "ex-017" not in ids
     rec = json.loads(open(out).readline())
-    assert set(rec) == {"id", "source", "category", "instruction", "context", "response"}  # Dolly schema, id kept
+    # the canonical record (Dolly schema, id kept) that SFTDataModule reads; extra pool columns are dropped
+    assert set(rec) == {"id", "category", "instruction", "context", "response"}
     meta = json.loads(open(out + ".meta.json").read())
     assert meta["count"] == 10 and [m["id"] for m in meta["selected"]] == ids
 

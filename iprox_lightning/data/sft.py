@@ -127,7 +127,8 @@ class SFTDataModule(L.LightningDataModule):
 
     Args:
         pool: candidate pool — ``"builtin"``, a JSONL/JSON/Parquet file, a directory of them, a
-            Hugging Face dataset id (``"owner/name"`` or ``"owner/name:split"``), or a list of these.
+            Hugging Face dataset id (``"owner/name"`` or ``"owner/name:split"``), or a list of these;
+            in Python also an in-memory ``datasets.Dataset`` or list of record dicts.
         validation: validation sets (same kinds of source; task = ``category``), or ``None``.
         tokenizer: ``"builtin"``, a hub id, a local directory or a ``.gguf`` file
             (``iprox_lightning.models.loading.load_tokenizer``).
@@ -183,8 +184,12 @@ class SFTDataModule(L.LightningDataModule):
             raise ValueError(f"train_split must be one of {[s for s in SPLITS if s != 'validation']}, got {train_split!r}")
         if train_split == "selected" and not selected:
             raise ValueError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
-        self.save_hyperparameters(ignore=["tokenizer"] if not isinstance(tokenizer, str) else None)
-        self.pool_sources = [pool] if isinstance(pool, str) else list(pool)
+        from .pool import is_in_memory
+
+        self._pool_in_memory = pool if is_in_memory(pool) else None
+        self.save_hyperparameters(ignore=(["tokenizer"] if not isinstance(tokenizer, str) else [])
+                                  + (["pool"] if self._pool_in_memory is not None else []))
+        self.pool_sources = [] if self._pool_in_memory is not None else [pool] if isinstance(pool, str) else list(pool)
         self.validation_sources = None if validation is None else ([validation] if isinstance(validation, str) else list(validation))
         self.tokenizer_name = tokenizer
         self.field_map = field_map
@@ -238,6 +243,10 @@ class SFTDataModule(L.LightningDataModule):
     @property
     def pool_records(self) -> list[dict]:
         """Canonical records of the candidate pool (in read order)."""
+        if self._pool_records is None and self._pool_in_memory is not None:
+            from .pool import read_pool
+
+            self._pool_records = read_pool(self._pool_in_memory, self.field_map)
         if self._pool_records is None:
             from .synthetic import generate_builtin_dataset
 

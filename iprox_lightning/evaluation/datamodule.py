@@ -85,9 +85,22 @@ class EvalDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.configs = {"mmlu": _as_config("mmlu", mmlu), "bbh": _as_config("bbh", bbh), "tydiqa": _as_config("tydiqa", tydiqa)}
         self.sort_by_length = sort_by_length
+        self.skipped: dict[str, str] = {}
+        if self.data_dir is not None or all(getattr(self.configs[s], "path", None) for s in self.suites):
+            self._check_inputs()  # missing files fail here, before a model is loaded or a prompt built
         self._tokenizer: Any = None
         self._built_for: Any = None  # the tokenizer the records were built with
         self.suite_data: dict[str, SuiteData] = {}
+
+    def _check_inputs(self) -> None:
+        from .inputs import check_inputs
+
+        requested = self.__dict__.setdefault("_requested_suites", list(self.suites))
+        self.suites, self.skipped = check_inputs(requested, self.configs, self.data_dir)
+        for name, why in self.skipped.items():
+            print(f"[evaluate] {name} skipped: {why}")
+        if not self.suites:
+            raise FileNotFoundError(f"EvalDataModule: every requested suite was skipped: {self.skipped}")
 
     # ------------------------------------------------------------------ tokenizer
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -122,6 +135,10 @@ class EvalDataModule(LightningDataModule):
             cfg = self.configs[name]
             if getattr(cfg, "path", None) is None and self.data_dir is None:
                 raise ValueError(f"EvalDataModule: no data_dir (or {name}.path) given and $IPROX_EVAL_DIR is unset")
+        if "_requested_suites" not in self.__dict__:
+            self._check_inputs()
+        for name in self.suites:
+            cfg = self.configs[name]
             data = SUITES[name].build(cfg, tok, self.data_dir)
             if not data.records:
                 raise ValueError(f"EvalDataModule: suite {name!r} has no questions after sampling")

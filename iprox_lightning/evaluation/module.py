@@ -172,6 +172,7 @@ class EvaluationModule(LightningModule):
             "metrics": results,
             "n_questions": {s: len(p) for s, p in preds.items()},
             "suites": info,
+            "skipped": dict(getattr(dm, "skipped", {})),
         }
         with open(out / f"{prefix}_metrics.json", "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2, ensure_ascii=False)

@@ -92,6 +92,12 @@ def read_eval_file(path: str | Path) -> list[TyDiQAExample]:
     return [ex for exs in read_tydiqa_one_shot(path).values() for ex in exs]
 
 
+def _is_goldp(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith("{") and '"data"' in head[:200]
+
+
 def tydiqa_prompt(example: TyDiQAExample, demos: Sequence[TyDiQAExample]) -> tuple[str, str]:
     """``(user_text, answer_label)``: the prompt up to (excluding) the answer label."""
     if example.lang not in TEMPLATES:
@@ -107,8 +113,11 @@ def tydiqa_prompt(example: TyDiQAExample, demos: Sequence[TyDiQAExample]) -> tup
 def build(cfg: TyDiQAConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData:
     root = Path(cfg.path) if cfg.path else Path(data_dir or ".") / "tydiqa"
     chat = resolve_chat_template(tokenizer, cfg.chat_template)
-    eval_path = Path(cfg.eval_file) if cfg.eval_file else root / GOLDP_DEV
+    from .inputs import resolve_in
+
+    eval_path = resolve_in(root, cfg.eval_file, GOLDP_DEV)
     examples = read_eval_file(eval_path)
+    smoke = eval_path.name == ONE_SHOT or not _is_goldp(eval_path)
     langs = sorted({ex.lang for ex in examples})
     if cfg.languages is not None:
         unknown = [l for l in cfg.languages if l not in langs]
@@ -120,7 +129,7 @@ def build(cfg: TyDiQAConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteDa
         raise EvalDataError(f"{eval_path}: no prompt template for language(s) {missing}; known: {sorted(TEMPLATES)}")
     demo_pool: dict[str, list[TyDiQAExample]] = {}
     if cfg.shots > 0:
-        shots_path = Path(cfg.shots_file) if cfg.shots_file else root / ONE_SHOT
+        shots_path = resolve_in(root, cfg.shots_file, ONE_SHOT)
         demo_pool = read_tydiqa_one_shot(shots_path)
         lacking = [l for l in langs if l not in demo_pool]
         if lacking:
@@ -152,7 +161,9 @@ def build(cfg: TyDiQAConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteDa
         records=records,
         tasks=langs,
         constants={"max_new_tokens": cfg.max_new_tokens, "stop": list(STOP)},
-        info={"chat_template": chat, "eval_file": str(eval_path), "n_fewer_shots": n_fewer_shots, "n_questions": len(records)},
+        info={"chat_template": chat, "eval_file": str(eval_path), "n_fewer_shots": n_fewer_shots, "n_questions": len(records),
+              "eval_set": (f"SMOKE SET: the {len(records)} one-shot exemplars ({eval_path.name}), not TyDiQA GoldP dev"
+                           if smoke else "TyDiQA GoldP dev")},
     )
 
 

@@ -85,6 +85,9 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
         if (cached / "tokenizer_config.json").exists():
             return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+    from .hub import check_model_source
+
+    check_model_source(str(name_or_path), "tokenizer")
     return _finish_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
 
 
@@ -152,6 +155,9 @@ def load_model(
 
     if p.exists() and not p.is_dir():
         raise ValueError(f"{p} is a file but not a .gguf model; pass a model directory, a hub id or a .gguf file")
+    from .hub import check_model_source
+
+    check_model_source(name, "model")
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
     tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
