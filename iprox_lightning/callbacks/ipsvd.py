@@ -58,17 +58,21 @@ class IPSVDCallback(Callback):
         seed: int = 0,
         core_fallback: str = "exact",
         compress_on_device: bool = True,
+        allocation: str = "uniform",
+        keep_dense: Optional[list[str]] = None,
     ) -> None:
         """``sparsity`` ρ (fraction of targeted-layer weights removed); ``method`` "ipsvd" | "svd" |
         "random"; ``mode`` "exact" | "core"; ``damping``/``damping_mode`` (paper: 1e-3 "absolute",
         mode "core"); ``num_probe_tokens`` N per layer; ``rank_multiple`` (paper: 128 on GPUs);
         ``targets`` regexes of layer leaf names; ``model_attr`` the module attribute holding the model
         to compress; ``save_dir`` where rank 0 saves the proxy; ``compress_on_device`` moves the model
-        to the strategy's root device first (Lightning moves it there anyway)."""
+        to the strategy's root device first (Lightning moves it there anyway); ``allocation`` "uniform" (every
+        layer at ρ) | "global" (one budget over all layers, spent where truncation costs most);
+        ``keep_dense`` regexes of full layer names kept dense (see :func:`~iprox_lightning.compress.compress_model`)."""
         super().__init__()
         self.kwargs = dict(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
                            num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
-                           seed=seed, core_fallback=core_fallback)
+                           seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense)
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device

@@ -1,0 +1,698 @@
+"""Proxy fidelity benchmark v2: every proxy and every score made by the product's own stages.
+
+Each stage is the command a user runs (``python train.py fit|predict|layer_extraction`` with the shipped
+``configs/*.yaml`` plus a generated overlay kept in ``OUT/configs/``), run as a subprocess one at a time:
+
+1. **warm-up** (``configs/warmup.yaml``, ``WarmupModule``): the target fine-tuned on the pool's warm-up split
+   (a random 5%, 1 epoch, lr 1e-5, wd 0.01, embeddings/LM head frozen) -> ``OUT/warmed`` (git-ignored);
+2. **sample** (in this script): a stratified sample (by ``source``, largest remainder) of ``--sample`` pool
+   examples outside the warm-up and construction splits -> ``OUT/sample.jsonl``; and the validation set:
+   **every** few-shot example of the suites under ``--eval-dir`` (LESS-style, MMLU dev 5 × 57, BBH CoT 3 × 27,
+   TyDiQA 1 × 9) with each suite split in two alternating halves, tasks ``<suite>.half0|half1`` ->
+   ``OUT/validation.jsonl``;
+3. **references**: the warmed target and the target as shipped score the sample (``configs/score.yaml``,
+   TracIn, ``per_task``) -> ``OUT/scores/<key>/scores.parquet``;
+4. **proxies**: ``configs/build_proxy.yaml`` (``IPSVDCallback`` + ``ProxyAlignModule``) from the warmed target
+   on the product's probe / alignment splits, or ``layer_extraction`` -> ``OUT/proxies/<key>``; each proxy scores
+   the same sample against the same validation set;
+5. **summary**: ``OUT/summary.json`` (``meta`` + ``rows``, baselines included), then ``OUT/summary.md`` and the
+   plot are generated from it.
+
+Every stage is skipped when its output exists **and** its fingerprint (the stage's settings) matches the
+recorded one in ``OUT/state.json``; a changed setting re-runs it. An interrupted run resumes (re-run the
+same command).
+
+Variants: ``le@ρ`` (Layer Extraction) or ``METHOD[/OPTION...]@ρ[+align]`` with METHOD ``ipsvd`` | ``svd`` |
+``random`` and options ``core`` | ``exact``, ``abs<d>`` | ``rel<d>`` (damping), ``global`` (global rank
+allocation), ``spare0`` (block 0's MLP kept dense); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``).
+
+Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
+``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
+sets ``train.py select`` picks from each table), each with a percentile bootstrap CI over the scored examples;
+``spearman_max`` (LESS max aggregation over the validation subsets); ``spearman_vs_unwarmed``; ``params``;
+``scoring_time_ratio`` (CPU seconds of the row's scoring stage / the warmed target's); paired-bootstrap
+differences against ``length_sort``, ``layer_extraction`` and ``svd`` rows. The ceiling: the target's
+split-half reliability (Spearman between its LESS-max scores against the two validation halves).
+
+    python bench/fidelity_v2.py --out bench/results/fidelity_v2 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
+DEFAULT_EVAL = SHARED / "data" / "eval"
+HALVES = ("half0", "half1")
+BASELINES = ("length_sort", "layer_extraction", "svd")
+DEFAULT_VARIANTS = [
+    "ipsvd/exact/rel1e-3/global@0.5", "le@0.5", "svd@0.5", "ipsvd/core/abs1e-1@0.5",
+    "ipsvd/exact/rel1e-3/global@0.5+align", "ipsvd/exact/rel1e-3@0.5",
+    "ipsvd/exact/rel1e-3/global@0.3", "le@0.3",
+]
+SPARE0 = [r"layers\.0\.mlp\."]
+
+
+# ------------------------------------------------------------------------------------------------
+# variants
+# ------------------------------------------------------------------------------------------------
+def parse_variant(spec: str) -> dict[str, Any]:
+    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align]`` -> ``{"key", "kind", "rho", "align", "ipsvd": {...}}``."""
+    s = spec.strip()
+    align = s.endswith("+align")
+    body, _, rho_s = s.removesuffix("+align").partition("@")
+    try:
+        rho = float(rho_s)
+    except ValueError:
+        raise ValueError(f"variant {spec!r}: expected ...@RHO, e.g. 'ipsvd/exact/global@0.5+align'") from None
+    if not 0 < rho < 1:
+        raise ValueError(f"variant {spec!r}: sparsity must be in (0, 1)")
+    method, *opts = body.split("/")
+    if method == "le":
+        if opts or align:
+            raise ValueError(f"variant {spec!r}: Layer Extraction takes no options and has no factors to align")
+        return {"key": s, "kind": "le", "rho": rho, "align": False, "ipsvd": {}}
+    if method not in ("ipsvd", "svd", "random"):
+        raise ValueError(f"variant {spec!r}: method must be le, ipsvd, svd or random")
+    cb: dict[str, Any] = {"sparsity": rho, "method": method}
+    for o in opts:
+        if o in ("core", "exact"):
+            cb["mode"] = o
+        elif o[:3] in ("abs", "rel") and len(o) > 3:
+            cb["damping_mode"] = "absolute" if o.startswith("abs") else "relative"
+            cb["damping"] = float(o[3:])
+        elif o == "global":
+            cb["allocation"] = "global"
+        elif o == "spare0":
+            cb["keep_dense"] = SPARE0
+        else:
+            raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0)")
+    return {"key": s, "kind": "proxy", "rho": rho, "align": align, "ipsvd": cb}
+
+
+def dir_name(key: str) -> str:
+    return key.replace("/", "_").replace("@", "-at-").replace("+", "-").replace(":", "_")
+
+
+# ------------------------------------------------------------------------------------------------
+# stages (the product's commands, skipped on a matching fingerprint)
+# ------------------------------------------------------------------------------------------------
+class Stages:
+    """Runs ``python train.py ...`` stages one at a time and records them in ``OUT/state.json``."""
+
+    def __init__(self, out: Path, threads: int | None, log: Callable[[str], None], dry_run: bool = False):
+        self.out, self.threads, self.log, self.dry_run = out, threads, log, dry_run
+        self.path = out / "state.json"
+        self.state = json.loads(self.path.read_text()) if self.path.exists() else {"stages": {}}
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        os.replace(tmp, self.path)
+
+    def run(self, key: str, subcommand: str, configs: list[Path], overlay: dict, fingerprint: dict,
+            done: Path, clean: Path | None = None) -> dict:
+        rec = self.state["stages"].get(key)
+        fp = json.dumps(fingerprint, sort_keys=True)
+        if done.exists() and rec is not None and rec.get("fingerprint") == fp:
+            return rec
+        if done.exists() or (clean is not None and clean.exists()):
+            why = "no record" if rec is None else "settings changed"
+            self.log(f"stage {key}: existing output from another setting ({why}): removing {clean or done}")
+            target = clean or done
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        ov = self.out / "configs" / f"{dir_name(key)}.yaml"
+        ov.parent.mkdir(parents=True, exist_ok=True)
+        ov.write_text(yaml.safe_dump(overlay, sort_keys=False))
+        args = [subcommand] + [a for c in [*configs, ov] for a in ("--config", str(c))]
+        cmd = [sys.executable, "train.py", *args]
+        printable = "python train.py " + " ".join(shlex.quote(str(a)) for a in args)
+        self.log(f"stage {key}: {printable}")
+        if self.dry_run:
+            return {"command": printable}
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        logf = self.out / "logs" / f"{dir_name(key)}.log"
+        logf.parent.mkdir(parents=True, exist_ok=True)
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        with open(logf, "w") as f:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        wall = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            tail = logf.read_text()[-3000:]
+            raise RuntimeError(f"stage {key} failed (exit {proc.returncode}); log {logf}:\n{tail}")
+        if not done.exists():
+            raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
+        rec = {"fingerprint": fp, "command": printable, "wall_s": wall,
+               "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
+               "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "load_average": os.getloadavg()[0]}
+        self.state["stages"][key] = rec
+        self.save()
+        self.log(f"stage {key}: done in {wall:.0f}s (CPU {rec['cpu_s']:.0f}s)")
+        return rec
+
+
+def logger_overlay(out: Path, name: str) -> dict:
+    return {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {"save_dir": str(out / "logs" / "tensorboard"), "name": name}}
+
+
+# ------------------------------------------------------------------------------------------------
+# data (sample and validation files)
+# ------------------------------------------------------------------------------------------------
+def stratified_sample(records: list[dict], n: int, seed: int, by: str = "source") -> list[dict]:
+    """``n`` records drawn without replacement, each stratum (value of ``by``) getting its share
+    ``n·|stratum|/|records|`` (largest remainder, ties by stratum name), shuffled within the stratum with
+    ``seed``. Returned in stratum order, then draw order."""
+    if n > len(records):
+        raise ValueError(f"sample of {n} asked from {len(records)} records")
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(str(r.get(by)), []).append(r)
+    names = sorted(groups)
+    exact = {g: n * len(groups[g]) / len(records) for g in names}
+    take = {g: int(math.floor(exact[g])) for g in names}
+    for g in sorted(names, key=lambda g: (-(exact[g] - take[g]), g))[: n - sum(take.values())]:
+        take[g] += 1
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in names:
+        idx = rng.permutation(len(groups[g]))[: take[g]]
+        out.extend(groups[g][int(i)] for i in idx)
+    return out
+
+
+def split_halves(records: list[dict]) -> list[dict]:
+    """Validation records with ``category`` = ``<task>.half0|half1``, alternating within each task."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in records:
+        t = r["category"]
+        out.append({**r, "category": f"{t}.{HALVES[seen.get(t, 0) % 2]}"})
+        seen[t] = seen.get(t, 0) + 1
+    return out
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------------
+def read_table(path: Path) -> dict[str, Any]:
+    """``{"id": [...], "score": array, "score_max": array, "tasks": {name: array}, "n_tokens": array}``."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    cols = t.column_names
+    out = {"id": [str(i) for i in t.column("id").to_pylist()],
+           "score": np.asarray(t.column("score").to_pylist(), dtype=float),
+           "score_max": np.asarray(t.column("score_max").to_pylist(), dtype=float),
+           "n_tokens": np.asarray(t.column("n_tokens").to_pylist(), dtype=float),
+           "tasks": {c.split("/", 1)[1]: np.asarray(t.column(c).to_pylist(), dtype=float)
+                     for c in cols if c.startswith("score/")}}
+    return out
+
+
+def safetensors_param_count(model_dir: Path) -> int | None:
+    """Parameters stored in a model directory's ``*.safetensors`` files (read from the headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    n = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                n += int(np.prod(h.get_slice(k).get_shape()))
+    return n
+
+
+def as_map(table: Mapping[str, Any], col: str = "score") -> dict[str, float]:
+    return dict(zip(table["id"], map(float, table[col])))
+
+
+def half_max(table: Mapping[str, Any], half: str) -> dict[str, float]:
+    cols = [v for k, v in table["tasks"].items() if k.endswith("." + half)]
+    if not cols:
+        return {}
+    return dict(zip(table["id"], map(float, np.max(np.stack(cols), axis=0))))
+
+
+def percentile_interval(stat: Callable[[np.ndarray], float], n_items: int, n: int, seed: int) -> list[float]:
+    rng = np.random.default_rng(seed)
+    vals = [v for v in (stat(rng.integers(0, n_items, n_items)) for _ in range(n)) if math.isfinite(v)]
+    if not vals:
+        return [float("nan"), float("nan")]
+    lo, hi = np.percentile(vals, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def topk_set_overlap(p: np.ndarray, t: np.ndarray, frac: float) -> float:
+    from iprox_lightning.analysis.retention import topk_overlap
+
+    return float(topk_overlap(p, t, frac))
+
+
+def row_metrics(proxy: Mapping[str, float], target: Mapping[str, float], length: Mapping[str, float],
+                picked: Mapping[float, set[str]] | None, target_picked: Mapping[float, set[str]],
+                n_boot: int, seed: int) -> dict[str, Any]:
+    """Retention of ``proxy`` against ``target`` on their shared ids (see the module docstring)."""
+    from iprox_lightning.analysis.retention import partial_spearman, spearman
+
+    ids = sorted(set(proxy) & set(target) & set(length))
+    p, t, c = (np.array([d[i] for i in ids]) for d in (proxy, target, length))
+    m: dict[str, Any] = {"n": len(ids), "spearman": float(spearman(p, t)),
+                         "spearman_ci": percentile_interval(lambda ix: spearman(p[ix], t[ix]), len(ids), n_boot, seed),
+                         "spearman_length_partialled": float(partial_spearman(p, t, c)),
+                         "partialled_ci": percentile_interval(lambda ix: partial_spearman(p[ix], t[ix], c[ix]),
+                                                              len(ids), n_boot, seed)}
+    for frac, name in ((0.05, "top5_overlap"), (0.10, "top10_overlap")):
+        if picked is not None:  # the sets `select` wrote
+            a, b = picked[frac], target_picked[frac]
+            m[name] = len(a & b) / max(len(b), 1)
+        else:
+            m[name] = topk_set_overlap(p, t, frac)
+        m[name.replace("overlap", "ci")] = percentile_interval(lambda ix: topk_set_overlap(p[ix], t[ix], frac),
+                                                               len(ids), n_boot, seed)
+    return m
+
+
+def paired_difference(a: Mapping[str, float], b: Mapping[str, float], target: Mapping[str, float],
+                      length: Mapping[str, float], n_boot: int, seed: int) -> dict[str, Any]:
+    """``metric(a) − metric(b)`` for raw and length-partialled Spearman, paired bootstrap CI."""
+    from iprox_lightning.analysis.retention import partial_spearman, spearman
+
+    ids = sorted(set(a) & set(b) & set(target) & set(length))
+    pa, pb, t, c = (np.array([d[i] for i in ids]) for d in (a, b, target, length))
+    out = {}
+    for name, f in (("spearman", lambda x, ix: spearman(x[ix], t[ix])),
+                    ("partialled", lambda x, ix: partial_spearman(x[ix], t[ix], c[ix]))):
+        full = np.arange(len(ids))
+        out[name] = float(f(pa, full) - f(pb, full))
+        out[name + "_ci"] = percentile_interval(lambda ix: f(pa, ix) - f(pb, ix), len(ids), n_boot, seed)
+    return out
+
+
+def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
+    """The ids ``train.py select`` picks at 5% and 10% from a score table (the product's function)."""
+    from iprox_lightning.select import select
+
+    out = {}
+    for frac in (0.05, 0.10):
+        dst = work / f"select_{int(frac * 100)}.jsonl"
+        select(str(scores), k=frac, pool=str(pool), output=str(dst), quiet=True)
+        out[frac] = {json.loads(line)["id"] for line in open(dst) if line.strip()}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# outputs
+# ------------------------------------------------------------------------------------------------
+def fmt_ci(ci) -> str:
+    return "" if ci is None or any(not math.isfinite(x) for x in ci) else f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def markdown(summary: Mapping[str, Any]) -> str:
+    meta = summary["meta"]
+    lines = [f"# Proxy fidelity v2 — {meta.get('target_name')}", "",
+             f"Warmed-up target: {meta['target_warmed_up']}; {meta['n_scored']} scored pool examples (stratified by "
+             f"source, ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
+             f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); commit "
+             f"`{meta['commit']}`; {meta.get('machine', '')}.", "",
+             f"Ceiling (the warmed target's split-half reliability, LESS-max scores against the two validation halves): "
+             f"Spearman {meta['target_split_half']['spearman']:+.3f}, length-partialled "
+             f"{meta['target_split_half']['partialled']:+.3f}.", "",
+             "| variant | ρ | params | Spearman | partialled (length) | top-5% | top-10% | Spearman (LESS max) | vs unwarmed | scoring CPU ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        def g(k, f="{:+.3f}"):
+            v = r.get(k)
+            return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
+        lines.append(
+            f"| {r['variant']} | {g('rho', '{:g}')} | {g('params', '{:,}')} | {g('spearman')}{fmt_ci(r.get('spearman_ci'))} | "
+            f"{g('spearman_length_partialled')}{fmt_ci(r.get('partialled_ci'))} | {g('top5_overlap', '{:.2f}')} | "
+            f"{g('top10_overlap', '{:.2f}')} | {g('spearman_max')} | {g('spearman_vs_unwarmed')} | "
+            f"{g('scoring_time_ratio', '{:.2f}')} |")
+    if summary.get("paired"):
+        lines += ["", "Paired bootstrap differences (same examples resampled for both rows):", "",
+                  "| row | − baseline | Δ Spearman | Δ partialled |", "|---|---|---|---|"]
+        for d in summary["paired"]:
+            lines.append(f"| {d['a']} | {d['b']} | {d['spearman']:+.3f}{fmt_ci(d['spearman_ci'])} | "
+                         f"{d['partialled']:+.3f}{fmt_ci(d['partialled_ci'])} |")
+    if summary.get("stages"):
+        lines += ["", "Stages (wall-clock / CPU seconds; the command of each is in `state.json`):", "",
+                  "| stage | wall s | CPU s |", "|---|---|---|"]
+        for k, s in summary["stages"].items():
+            if "wall_s" in s:
+                lines.append(f"| {k} | {s['wall_s']:.0f} | {s['cpu_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(out: Path, summary: Mapping[str, Any]) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if r.get("spearman") is not None]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5))
+    y = np.arange(len(rows))
+    for k, (key, ci, label) in enumerate((("spearman", "spearman_ci", "raw"),
+                                          ("spearman_length_partialled", "partialled_ci", "length partialled"))):
+        vals = np.array([r[key] for r in rows])
+        err = np.array([[r[key] - r[ci][0], r[ci][1] - r[key]] if r.get(ci) else [0, 0] for r in rows]).T
+        ax.errorbar(vals, y + (k - 0.5) * 0.3, xerr=np.abs(err), fmt="o", label=label, capsize=2)
+    ax.set_yticks(y, [r["variant"] for r in rows])
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.set_xlabel("Spearman with the warmed target's TracIn scores (95% bootstrap CI)")
+    ax.legend(loc="lower right")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    path = out / "retention.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def write_outputs(out: Path, summary: dict) -> None:
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, out / "summary.json")
+    (out / "summary.md").write_text(markdown(summary))
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="the target (hub id, dir, .gguf, builtin)")
+    ap.add_argument("--pool", default=str(DEFAULT_POOL))
+    ap.add_argument("--eval-dir", default=str(DEFAULT_EVAL), help="suites for the validation set ('builtin': demo)")
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    ap.add_argument("--sample", type=int, default=512)
+    ap.add_argument("--max-length", type=int, default=128, help="tokens of scored / validation / probe / align examples")
+    ap.add_argument("--warmup-max-length", type=int, default=256)
+    ap.add_argument("--no-warmup", action="store_true", help="build proxies from the target as shipped")
+    ap.add_argument("--no-unwarmed", action="store_true", help="skip the second reference (target as shipped)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--align-epochs", type=int, default=2)
+    ap.add_argument("--align-lr", type=float, default=1e-3)
+    ap.add_argument("--align-batch-size", type=int, default=4)
+    ap.add_argument("--align-val-per-task", type=int, default=6, help="held-out validation examples per task for keep_best")
+    ap.add_argument("--kl-weight", type=float, default=0.1)
+    ap.add_argument("--num-probe-tokens", type=int, default=1024)
+    ap.add_argument("--builtin-size", type=int, default=2000)
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--summary-only", action="store_true", help="only recompute summary/tables/plot from finished stages")
+    ap.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
+    return ap.parse_args(argv)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants]
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    log = lambda m: print(f"[{time.perf_counter() - t_start:7.1f}s] {m}", flush=True)  # noqa: E731
+    st = Stages(out, args.threads, log, dry_run=args.dry_run)
+    cfg = ROOT / "configs"
+    builtin = args.pool == "builtin"
+    demo = (lambda name: [cfg / "builtin" / f"{name}.yaml"] if builtin and (cfg / "builtin" / f"{name}.yaml").exists()
+            else [])
+    data_common = {"seed": args.seed, "builtin_size": args.builtin_size}
+
+    # 1. warm-up ---------------------------------------------------------------------------------
+    warmed = out / "warmed"
+    if args.no_warmup:
+        target = args.model
+    else:
+        fp = {"model": args.model, "pool": args.pool, "max_length": args.warmup_max_length, "seed": args.seed,
+              "config": (cfg / "warmup.yaml").read_text(), "builtin_size": args.builtin_size}
+        if not args.summary_only:
+            st.run("warmup", "fit", [cfg / "warmup.yaml", *demo("warmup")], {
+                "seed_everything": args.seed,
+                "trainer": {"default_root_dir": str(out / "lightning"), "limit_val_batches": 0,
+                            "num_sanity_val_steps": 0, "logger": logger_overlay(out, "warmup")},
+                "model": {"init_args": {"model": args.model, "save_dir": str(warmed)}},
+                "data": {"init_args": {**data_common, "pool": args.pool, "validation": None, "tokenizer": args.model,
+                                       "max_length": args.warmup_max_length, "train_split": "warmup"}},
+            }, fp, warmed / "config.json", clean=warmed)
+        target = str(warmed)
+
+    # 2. sample and validation files -------------------------------------------------------------
+    from iprox_lightning.data import SFTDataModule
+
+    dm = SFTDataModule(pool=args.pool, validation=None, tokenizer="builtin", seed=args.seed,
+                       builtin_size=args.builtin_size)
+    used = set(dm.splits.warmup) | set(dm.splits.probe) | set(dm.splits.align)
+    candidates = [r for r in dm.pool_records if r["id"] not in used]
+    sample = stratified_sample(candidates, args.sample, args.seed, by="source" if not builtin else "category")
+    sample_path = out / "sample.jsonl"
+    write_jsonl(sample_path, sample)
+    if args.eval_dir == "builtin":
+        from iprox_lightning.data.synthetic import builtin_validation
+
+        val = builtin_validation(6, seed=0)
+    else:
+        from iprox_lightning.data.eval_validation import eval_validation_records
+
+        val = eval_validation_records(args.eval_dir, ("mmlu", "bbh", "tydiqa"))
+    val_path = out / "validation.jsonl"
+    write_jsonl(val_path, split_halves(val))
+    val_counts: dict[str, int] = {}
+    for r in val:
+        val_counts[r["category"]] = val_counts.get(r["category"], 0) + 1
+    data_fp = {"sample": [r["id"] for r in sample], "validation": [r["id"] for r in val],
+               "max_length": args.max_length, "batch_size": args.batch_size, "seed": args.seed}
+
+    def score(key: str, model: str, tokenizer: str, model_fp: Any) -> dict:
+        d = out / "scores" / dir_name(key)
+        fp = {"model": model_fp, "data": data_fp, "config": (cfg / "score.yaml").read_text()}
+        return st.run(f"score:{key}", "predict", [cfg / "score.yaml", *demo("score")], {
+            "seed_everything": args.seed,
+            "trainer": {"default_root_dir": str(out / "lightning"),
+                        "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
+                                       "init_args": {"output_dir": str(d)}}]},
+            "model": {"init_args": {"model": model, "method": "tracin", "per_task": True}},
+            "data": {"init_args": {**data_common, "pool": str(sample_path), "validation": str(val_path),
+                                   "tokenizer": tokenizer, "max_length": args.max_length,
+                                   "batch_size": args.batch_size}},
+        }, fp, d / "scores.parquet", clean=d)
+
+    def stage_fp(key: str) -> str | None:
+        rec = st.state["stages"].get(key)
+        return rec["fingerprint"] if rec else None
+
+    if not args.summary_only:
+        # 3. references ----------------------------------------------------------------------------
+        score("target", target, target, stage_fp("warmup") if not args.no_warmup else args.model)
+        if not args.no_warmup and not args.no_unwarmed:
+            score("target_unwarmed", args.model, target, args.model)
+
+        # 4. proxies -------------------------------------------------------------------------------
+        for v in variants:
+            pdir = out / "proxies" / dir_name(v["key"])
+            try:
+                if v["kind"] == "le":
+                    fp = {"target": stage_fp("warmup") or target, "rho": v["rho"], "max_length": args.max_length,
+                          "config": (cfg / "baselines" / "layer_extraction.yaml").read_text()}
+                    st.run(f"build:{v['key']}", "layer_extraction", [cfg / "baselines" / "layer_extraction.yaml"], {
+                        "model": target, "output_dir": str(pdir), "pool": args.pool, "sparsity": v["rho"],
+                        "max_length": args.max_length, "seed": args.seed,
+                    }, fp, pdir / "config.json", clean=pdir)
+                else:
+                    cb = {"class_path": "iprox_lightning.callbacks.IPSVDCallback",
+                          "init_args": {"num_probe_tokens": args.num_probe_tokens, "seed": args.seed, **v["ipsvd"]}}
+                    trainer: dict[str, Any] = {"default_root_dir": str(out / "lightning"), "callbacks": [cb],
+                                               "logger": logger_overlay(out, f"build_{dir_name(v['key'])}")}
+                    model = {"target": target, "save_dir": str(pdir), "align": v["align"], "lr": args.align_lr,
+                             "kl_weight": args.kl_weight, "keep_best": True}
+                    data = {**data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
+                            "batch_size": args.align_batch_size}
+                    if v["align"]:
+                        trainer.update(max_epochs=args.align_epochs, num_sanity_val_steps=0)
+                        model.update(lr_schedule="linear", warmup_ratio=0.05)
+                        data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
+                    else:
+                        trainer.update(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
+                        data.update(validation=None)
+                    fp = {"target": stage_fp("warmup") or target, "callback": cb, "model": model, "data": data,
+                          "trainer": {k: v2 for k, v2 in trainer.items() if k not in ("logger", "default_root_dir")},
+                          "config": (cfg / "build_proxy.yaml").read_text()}
+                    st.run(f"build:{v['key']}", "fit", [cfg / "build_proxy.yaml"], {
+                        "seed_everything": args.seed, "trainer": trainer, "model": {"init_args": model},
+                        "data": {"init_args": data},
+                    }, fp, pdir / "iprox_proxy.json", clean=pdir)
+                score(v["key"], str(pdir), target, stage_fp(f"build:{v['key']}"))
+                st.state.get("errors", {}).pop(v["key"], None)
+            except RuntimeError as e:
+                log(f"variant {v['key']} FAILED: {e}")
+                st.state.setdefault("errors", {})[v["key"]] = str(e)[-2000:]
+                st.save()
+    if args.dry_run:
+        return {}
+
+    # 5. summary ---------------------------------------------------------------------------------
+    summary = build_summary(args, out, st, variants, sample_path, val_counts, target)
+    write_outputs(out, summary)
+    summary["plot"] = write_plot(out, summary)
+    write_outputs(out, summary)
+    print(markdown(summary))
+    return summary
+
+
+def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_counts: dict, target: str) -> dict:
+    from iprox_lightning.analysis.retention import partial_spearman, spearman
+
+    ref_path = out / "scores" / "target" / "scores.parquet"
+    if not ref_path.exists():
+        raise SystemExit(f"{ref_path} missing: the target has not been scored yet")
+    ref = read_table(ref_path)
+    tmap = as_map(ref)
+    length = dict(zip(ref["id"], map(float, ref["n_tokens"])))
+    work = out / "selections"
+    work.mkdir(exist_ok=True)
+    (work / "target").mkdir(exist_ok=True)
+    t_sets = select_sets(ref_path, sample_path, work / "target")
+    ref_max = as_map(ref, "score_max")
+    cpu_target = st.state["stages"].get("score:target", {}).get("cpu_s")
+    h0, h1 = half_max(ref, HALVES[0]), half_max(ref, HALVES[1])
+    ids = sorted(set(h0) & set(h1))
+    a, b, c = (np.array([d[i] for i in ids]) for d in (h0, h1, length))
+    rows: list[dict] = []
+    unwarmed_path = out / "scores" / "target_unwarmed" / "scores.parquet"
+    unwarmed = as_map(read_table(unwarmed_path)) if unwarmed_path.exists() else None
+
+    def add_row(variant: str, rho, scores: Mapping[str, float], table=None, sets=None, extra=None):
+        m = row_metrics(scores, tmap, length, sets, t_sets, args.bootstrap, args.seed)
+        r = {"variant": variant, "rho": rho, **m}
+        if table is not None:
+            pm = as_map(table, "score_max")
+            ids_m = sorted(set(pm) & set(ref_max))
+            r["spearman_max"] = float(spearman(np.array([pm[i] for i in ids_m]), np.array([ref_max[i] for i in ids_m])))
+        if unwarmed is not None:
+            ids_u = sorted(set(scores) & set(unwarmed))
+            r["spearman_vs_unwarmed"] = float(spearman(np.array([scores[i] for i in ids_u]),
+                                                       np.array([unwarmed[i] for i in ids_u])))
+        r.update(extra or {})
+        rows.append(r)
+        return r
+
+    # baselines on the same sample
+    add_row("length_sort", None, {i: -v for i, v in length.items()},
+            extra={"params": 0, "scoring_time_ratio": 0.0, "note": "shortest response first (model-free)"})
+    rng = np.random.default_rng(args.seed)
+    add_row("random", None, dict(zip(ref["id"], rng.random(len(ref["id"])))), extra={"params": 0, "scoring_time_ratio": 0.0})
+    if unwarmed is not None:
+        rec = st.state["stages"].get("score:target_unwarmed", {})
+        t_u = read_table(unwarmed_path)
+        (work / "target_unwarmed").mkdir(exist_ok=True)
+        add_row("target_unwarmed", None, unwarmed, t_u, select_sets(unwarmed_path, sample_path, work / "target_unwarmed"),
+                extra={"scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
+                       "note": "the target as shipped (no warm-up)"})
+    for v in variants:
+        p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
+        if not p.exists():
+            continue
+        tab = read_table(p)
+        (work / dir_name(v["key"])).mkdir(exist_ok=True)
+        sets = select_sets(p, sample_path, work / dir_name(v["key"]))
+        rec = st.state["stages"].get(f"score:{v['key']}", {})
+        params = None
+        pdir = out / "proxies" / dir_name(v["key"])
+        man = pdir / "iprox_proxy.json"
+        if man.exists():
+            mj = json.loads(man.read_text())
+            params = mj.get("params_after")
+            extra = {"alignment_best": (mj.get("alignment") or {}).get("best"),
+                     "allocation": mj.get("allocation"), "mode": mj.get("mode"), "damping": mj.get("damping"),
+                     "damping_mode": mj.get("damping_mode"), "method": mj.get("method")}
+        else:
+            extra = {"method": "layer_extraction"}
+            params = safetensors_param_count(pdir)
+        base = "layer_extraction" if v["kind"] == "le" else ("svd" if v["ipsvd"].get("method") == "svd" and not v["align"]
+                                                             and "allocation" not in v["ipsvd"] else v["key"])
+        add_row(v["key"], v["rho"], as_map(tab), tab, sets, extra={
+            "params": params, "kind": base if base in BASELINES else "proxy",
+            "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
+            "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]
+                                   if "score:target" in st.state["stages"] else None), **extra})
+    # paired differences of every proxy row against the baselines at the same ρ
+    by = {r["variant"]: r for r in rows}
+    maps = {"length_sort": {i: -v for i, v in length.items()}}
+    for v in variants:
+        p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
+        if p.exists():
+            maps[v["key"]] = as_map(read_table(p))
+    paired = []
+    for r in rows:
+        if r.get("kind") != "proxy":
+            continue
+        for b_row in rows:
+            bk = b_row.get("kind") if b_row["variant"] != "length_sort" else "length_sort"
+            if bk not in BASELINES or (b_row.get("rho") not in (None, r["rho"])):
+                continue
+            if r["variant"] in maps and b_row["variant"] in maps:
+                paired.append({"a": r["variant"], "b": b_row["variant"],
+                               **paired_difference(maps[r["variant"]], maps[b_row["variant"]], tmap, length,
+                                                   args.bootstrap, args.seed)})
+    meta = {
+        "target_warmed_up": not args.no_warmup, "target": args.model, "target_name": Path(args.model).name,
+        "n_scored": len(ref["id"]), "n_validation": int(sum(val_counts.values())), "validation_counts": val_counts,
+        "commit": git_commit(), "max_length": args.max_length, "sample_requested": args.sample,
+        "seed": args.seed, "align_epochs": args.align_epochs, "align_lr": args.align_lr,
+        "kl_weight": args.kl_weight, "num_probe_tokens": args.num_probe_tokens,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.threads or 'default'}",
+        "target_split_half": {"spearman": float(spearman(a, b)) if len(ids) > 3 else float("nan"),
+                              "partialled": float(partial_spearman(a, b, c)) if len(ids) > 3 else float("nan"),
+                              "note": "LESS max over each validation half's suites; halves alternate within each suite"},
+        "errors": st.state.get("errors", {}),
+    }
+    return {"meta": meta, "rows": rows, "paired": paired, "stages": st.state["stages"]}
+
+
+if __name__ == "__main__":
+    main()
