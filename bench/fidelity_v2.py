@@ -121,6 +121,7 @@ class Stages:
         self.out, self.threads, self.log, self.dry_run = out, threads, log, dry_run
         self.path = out / "state.json"
         self.state = json.loads(self.path.read_text()) if self.path.exists() else {"stages": {}}
+        self.ran: list[str] = []  # stages run (or, in a dry run, that would run) by this process
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -133,6 +134,10 @@ class Stages:
         fp = json.dumps(fingerprint, sort_keys=True)
         if done.exists() and rec is not None and rec.get("fingerprint") == fp:
             return rec
+        self.ran.append(key)
+        if self.dry_run:
+            self.log(f"stage {key}: would run")
+            return {}
         if done.exists() or (clean is not None and clean.exists()):
             why = "no record" if rec is None else "settings changed"
             self.log(f"stage {key}: existing output from another setting ({why}): removing {clean or done}")
@@ -145,8 +150,6 @@ class Stages:
         cmd = [sys.executable, "train.py", *args]
         printable = "python train.py " + " ".join(shlex.quote(str(a)) for a in args)
         self.log(f"stage {key}: {printable}")
-        if self.dry_run:
-            return {"command": printable}
         env = dict(os.environ)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
@@ -573,7 +576,7 @@ def main(argv=None) -> dict:
                 st.state.setdefault("errors", {})[v["key"]] = str(e)[-2000:]
                 st.save()
     if args.dry_run:
-        return {}
+        return {"would_run": st.ran}
 
     # 5. summary ---------------------------------------------------------------------------------
     summary = build_summary(args, out, st, variants, sample_path, val_counts, target)

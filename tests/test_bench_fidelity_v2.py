@@ -1,0 +1,108 @@
+"""bench/fidelity_v2.py: its pure parts against brute force, and a tiny end-to-end run through the
+product's stages on the built-in data (summary contents, fingerprint skip, changed-setting re-run)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import fidelity_v2 as fv2  # noqa: E402
+
+from iprox_lightning.analysis.retention import spearman  # noqa: E402
+
+
+def test_parse_variant():
+    v = fv2.parse_variant("ipsvd/exact/rel1e-3/global/spare0@0.5+align")
+    assert v["kind"] == "proxy" and v["align"] and v["rho"] == 0.5
+    assert v["ipsvd"] == {"sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
+                          "damping": 1e-3, "allocation": "global", "keep_dense": fv2.SPARE0}
+    assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False, "ipsvd": {}}
+    assert fv2.parse_variant("svd@0.7")["ipsvd"] == {"sparsity": 0.7, "method": "svd"}
+    for bad, msg in (("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
+                     ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO")):
+        with pytest.raises(ValueError, match=msg):
+            fv2.parse_variant(bad)
+
+
+def test_stratified_sample_shares_and_determinism():
+    recs = [{"id": f"a{i}", "source": "a"} for i in range(60)] + [{"id": f"b{i}", "source": "b"} for i in range(30)] \
+        + [{"id": f"c{i}", "source": "c"} for i in range(10)]
+    s = fv2.stratified_sample(recs, 20, seed=3)
+    counts = {k: sum(r["source"] == k for r in s) for k in "abc"}
+    assert counts == {"a": 12, "b": 6, "c": 2}  # exact proportional shares
+    assert len({r["id"] for r in s}) == 20
+    assert [r["id"] for r in s] == [r["id"] for r in fv2.stratified_sample(recs, 20, seed=3)]
+    # largest remainder: 7 of (60, 30, 10) -> exact 4.2, 2.1, 0.7 -> 4, 2, 1
+    s7 = fv2.stratified_sample(recs, 7, seed=0)
+    assert {k: sum(r["source"] == k for r in s7) for k in "abc"} == {"a": 4, "b": 2, "c": 1}
+    with pytest.raises(ValueError, match="sample of 101"):
+        fv2.stratified_sample(recs, 101, seed=0)
+
+
+def test_split_halves_alternate_within_each_task():
+    recs = [{"id": str(i), "category": t} for i, t in enumerate("aabab")]
+    cats = [r["category"] for r in fv2.split_halves(recs)]
+    assert cats == ["a.half0", "a.half1", "b.half0", "a.half0", "b.half1"]
+
+
+def test_row_metrics_and_paired_difference_against_brute_force():
+    rng = np.random.default_rng(0)
+    n = 60
+    ids = [f"x{i}" for i in range(n)]
+    length = rng.integers(5, 50, n).astype(float)
+    target = -length + rng.normal(0, 10, n)
+    proxy = target + rng.normal(0, 5, n)
+    maps = [dict(zip(ids, v)) for v in (proxy, target, length)]
+    m = fv2.row_metrics(*maps, None, {}, n_boot=50, seed=0)
+    assert m["spearman"] == pytest.approx(spearman(proxy, target))
+    # partialled = Pearson of the residuals of ranks regressed on the length ranks (least squares)
+    from iprox_lightning.analysis.retention import rankdata
+
+    rp, rt, rc = rankdata(proxy), rankdata(target), rankdata(length)
+    X = np.stack([np.ones(n), rc], 1)
+    res = [r - X @ np.linalg.lstsq(X, r, rcond=None)[0] for r in (rp, rt)]
+    assert m["spearman_length_partialled"] == pytest.approx(np.corrcoef(*res)[0, 1], abs=1e-10)
+    k = round(0.05 * n)
+    top_p, top_t = set(np.argsort(-proxy)[:k]), set(np.argsort(-target)[:k])
+    assert m["top5_overlap"] == pytest.approx(len(top_p & top_t) / k)
+    assert m["spearman_ci"][0] <= m["spearman"] <= m["spearman_ci"][1]
+    # sets given (as `select` wrote them): overlap is their intersection over the target's set
+    m2 = fv2.row_metrics(*maps, {0.05: {"x1", "x2"}, 0.10: {"x1"}}, {0.05: {"x2", "x3"}, 0.10: {"x4", "x5"}}, 10, 0)
+    assert (m2["top5_overlap"], m2["top10_overlap"]) == (0.5, 0.0)
+    d = fv2.paired_difference(maps[0], {i: -v for i, v in maps[2].items()}, maps[1], maps[2], 50, 0)
+    assert d["spearman"] == pytest.approx(spearman(proxy, target) - spearman(-length, target))
+
+
+def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
+    out = tmp_path / "v2"
+    argv = ["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30", "--max-length", "48",
+            "--no-warmup", "--variants", "ipsvd/exact/rel1e-3/global@0.5", "le@0.5", "--bootstrap", "50",
+            "--threads", "1", "--out", str(out)]
+    s = fv2.main(argv)
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert set(rows) == {"length_sort", "random", "ipsvd/exact/rel1e-3/global@0.5", "le@0.5"}
+    assert s["meta"]["n_scored"] == 30 and s["meta"]["target_warmed_up"] is False
+    assert s["meta"]["n_validation"] == 12
+    # the summary's Spearman is recomputed from the product's own score tables
+    t = fv2.read_table(out / "scores" / "target" / "scores.parquet")
+    p = fv2.read_table(out / "scores" / fv2.dir_name("ipsvd/exact/rel1e-3/global@0.5") / "scores.parquet")
+    tm, pm = fv2.as_map(t), fv2.as_map(p)
+    ids = sorted(tm)
+    assert rows["ipsvd/exact/rel1e-3/global@0.5"]["spearman"] == pytest.approx(
+        spearman(np.array([pm[i] for i in ids]), np.array([tm[i] for i in ids])))
+    assert rows["ipsvd/exact/rel1e-3/global@0.5"]["params"] <= 1.02 * rows["le@0.5"]["params"]
+    assert rows["ipsvd/exact/rel1e-3/global@0.5"]["allocation"] == "global"
+    assert json.loads((out / "summary.json").read_text())["rows"] == json.loads(json.dumps(s["rows"]))
+    assert (out / "summary.md").read_text().count("\n| ") >= 5
+    state = json.loads((out / "state.json").read_text())
+    assert set(state["stages"]) == {"score:target", "build:ipsvd/exact/rel1e-3/global@0.5",
+                                    "score:ipsvd/exact/rel1e-3/global@0.5", "build:le@0.5", "score:le@0.5"}
+    # same command again: nothing re-runs
+    assert fv2.main(argv + ["--dry-run"])["would_run"] == []
+    # a changed setting re-runs what depends on it (here everything: the scored examples changed)
+    changed = fv2.main([a if a != "48" else "40" for a in argv] + ["--dry-run"])["would_run"]
+    assert set(changed) == set(state["stages"])
