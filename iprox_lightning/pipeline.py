@@ -1,7 +1,8 @@
 """The whole IProX method end to end, each stage through the same LightningCLI configs a user runs.
 
     warm-up -> build proxy (IPSVD + alignment) -> score (target and proxy) -> select (target, proxy,
-    random) -> fine-tune on the proxy's selection -> summary
+    random) -> fine-tune on each of the three selections -> evaluate each on held-out examples of the
+    validation tasks -> summary (retention, the selections explained, the fine-tuned effect)
 
 Each stage reads the previous stage's output directory under ``workdir``. The exact config of
 every stage (the shipped ``configs/<stage>.yaml``, the ``configs/builtin/<stage>.yaml`` demo overlay
@@ -69,7 +70,9 @@ def pipeline(
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
         accelerator, devices: passed to every Trainer.
-        finetune: also fine-tune the target on the proxy's selection.
+        finetune: also fine-tune the warmed-up target on each selection (proxy's, target's, random of
+            the same size) and evaluate each on held-out examples of the validation tasks
+            (:mod:`iprox_lightning.evaluation.heldout`).
         force: re-run stages whose outputs exist.
         seed: seed of every stage.
         data_args: extra ``SFTDataModule`` arguments for every stage (e.g. ``{"max_length": 128}``).
@@ -165,22 +168,33 @@ def pipeline(
     t0 = time.perf_counter()
     for who in ("target", "proxy", "random"):
         src = rand_path if who == "random" else score_dirs[who] / "scores.parquet"
-        selected[who] = Path(select(str(src), k=select_fraction, output=str(wd / "selected" / f"{who}.jsonl")))
+        selected[who] = Path(select(str(src), k=select_fraction, pool=pool, quiet=True,
+                                    output=str(wd / "selected" / f"{who}.jsonl")))
     times["select"] = time.perf_counter() - t0
 
-    # 5. fine-tune the target on the proxy's selection ------------------------------------------
+    # 5. fine-tune the warmed-up target on each selection, evaluate each on held-out examples -----
+    effect = None
     if finetune:
-        ft = wd / "finetune" / "model"
-        stage("finetune", "fit", {
-            "seed_everything": seed,
-            "trainer": {**trainer_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "finetune"}}},
-            "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
-            "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
-                                   "selected": str(selected["proxy"])}},
-        }, ft / "config.json")
+        for who in ("proxy", "target", "random"):
+            ft = wd / "finetune" / who / "model"
+            stage("finetune", "fit", {
+                "seed_everything": seed,
+                "trainer": {**trainer_common,
+                            "logger": {**logger, "init_args": {**logger["init_args"], "name": f"finetune_{who}"}}},
+                "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
+                "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
+                                       "selected": str(selected[who])}},
+            }, ft / "config.json", tag=who)
+        from .selection_effect import selection_effect
+
+        t0 = time.perf_counter()
+        effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args)
+        times["evaluate"] = time.perf_counter() - t0
 
     # 6. summary --------------------------------------------------------------------------------
     summary = _summary(wd, warm, proxy, scores, selected, times, pool)
+    if effect is not None:
+        summary["selection_effect"] = effect
     (wd / "summary.json").write_text(json.dumps(summary, indent=2))
     print(_format_summary(summary))
     return summary
@@ -208,7 +222,14 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
             "validation_families": list(BUILTIN_VALIDATION_FAMILIES),
             "base_rate": oracle_share(sorted(scores["target"])),
             **{f"{who}_selection": oracle_share(i) for who, i in ids.items()},
+            "per_family": {who: {f: oracle_share(i, [f]) for f in BUILTIN_VALIDATION_FAMILIES} for who, i in ids.items()},
         }
+    out["selection"] = {}
+    for who, p in selected.items():
+        meta = Path(f"{p}.meta.json")
+        expl = json.loads(meta.read_text()).get("explanation") if meta.exists() else None
+        if expl:
+            out["selection"][who] = expl
     return out
 
 
@@ -227,5 +248,18 @@ def _format_summary(s: dict[str, Any]) -> str:
         lines.append(f"selection oracle  : share of selected examples from the validation families {o['validation_families']}")
         lines.append(f"   target {o['target_selection']:.3f} | proxy {o['proxy_selection']:.3f} | random {o['random_selection']:.3f}"
                      f" | base rate {o['base_rate']:.3f}")
+        if "per_family" in o:
+            for fam in o["validation_families"]:
+                lines.append(f"   {fam + ' share':<17}: " + " | ".join(
+                    f"{who} {o['per_family'][who][fam]:.3f}" for who in ("target", "proxy", "random") if who in o["per_family"]))
+    if s.get("selection", {}).get("proxy"):
+        from .selection_summary import format_selection
+
+        lines.append("proxy's selection :")
+        lines.extend("   " + l for l in format_selection(s["selection"]["proxy"]).splitlines())
+    if s.get("selection_effect"):
+        from .selection_effect import format_effect
+
+        lines.extend(format_effect(s["selection_effect"]))
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -105,16 +105,17 @@ def check(
 
 
 def report(
-    target_scores: str,
-    proxy_scores: dict[str, str],
-    output_dir: str = "outputs/report",
+    workdir: str | None = None,
+    target_scores: str | None = None,
+    proxy_scores: dict[str, str] | None = None,
+    output_dir: str | None = None,
     target_model: str | None = None,
     proxy_models: dict[str, str] | None = None,
     topk_fraction: float = 0.05,
     seq_len: int = 512,
-    n_probe_examples: int = 0,
-    n_align_examples: int = 0,
-    n_val: int = 0,
+    n_probe_examples: int | None = None,
+    n_align_examples: int | None = None,
+    n_val: int | None = None,
     gradient_model: str | None = None,
     pool: str = "builtin",
     validation: str = "builtin",
@@ -124,24 +125,63 @@ def report(
     max_examples: int | None = 2000,
     plots: bool = True,
 ) -> list[dict[str, Any]]:
-    """One retention / SA / 1-NND / FLOPs table for a set of proxies, plus plots.
+    """One retention / SA / 1-NND / FLOPs table for a set of proxies, plus plots, as ``report.md``
+    (heading, settings, table, column legend, plots, selections explained) and ``report.json``.
 
     Args:
+        workdir: a pipeline run (or the stage-by-stage ``outputs``): finds the target's and every
+            other score table, the models, the selections and the summary itself
+            (:func:`iprox_lightning.analysis.report_doc.discover_workdir`); SA / 1-NND use the
+            warmed-up target's gradients. Explicit arguments override what it finds.
         target_scores: the target's score table (Parquet/JSONL written by the scoring stage).
         proxy_scores: ``{name: score table}`` for each proxy (IProX variants, baselines, random).
-        output_dir: where ``report.md``, ``report.json`` and the PNGs go.
-        target_model, proxy_models: model dirs for the FLOPs columns (optional; ``proxy_models``
-            maps the same names; a name without a model is scored with no FLOPs column).
+        output_dir: where ``report.md``, ``report.json`` and the PNGs go (default
+            ``<workdir>/report``, or ``outputs/report``).
+        target_model: the target model dir, for the FLOPs columns and the target's cost row.
+        proxy_models: ``{name: model dir}`` for the FLOPs columns (same names as ``proxy_scores``).
         topk_fraction: the selection size for SA / 1-NND (paper: 5%).
-        seq_len, n_probe_examples, n_align_examples, n_val: sizes for the FLOPs model.
+        seq_len: tokens per example in the FLOPs model.
+        n_probe_examples: probe examples of the IPSVD stage in the FLOPs model (default: from the
+            proxy's manifest).
+        n_align_examples: alignment examples in the FLOPs model (default: manifest's steps × 4).
+        n_val: validation examples in the FLOPs model (default: the validation set's size).
         gradient_model: if set, per-example gradients of this model (randomly projected to
             ``projection_dim`` per layer) on the pool and validation data give SA and 1-NND.
+        pool: the candidate pool (for SA / 1-NND).
+        validation: the validation sets (for SA / 1-NND and ``n_val``).
+        tokenizer: tokenizer for SA / 1-NND (default: ``gradient_model``'s).
+        max_length: token cap per example for SA / 1-NND.
+        projection_dim: random projection size per layer for SA / 1-NND.
+        max_examples: at most this many pool examples get gradients for SA / 1-NND.
+        plots: also write the scatter and histogram PNGs.
     """
     from .analysis.report import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
     from .analysis.score_table import read_scores
 
-    out = Path(output_dir)
+    found: dict[str, Any] = {}
+    if workdir:
+        from .analysis.report_doc import discover_workdir
+
+        found = discover_workdir(workdir)
+        target_scores = target_scores or found["target_scores"]
+        proxy_scores = proxy_scores or found["proxy_scores"]
+        target_model = target_model or found.get("target_model")
+        proxy_models = proxy_models or found.get("proxy_models")
+        gradient_model = gradient_model or found.get("target_model")
+    if not target_scores or not proxy_scores:
+        raise ValueError("report: pass --workdir (a pipeline run) or both --target_scores and --proxy_scores")
+    out = Path(output_dir or (Path(workdir) / "report" if workdir else "outputs/report"))
     out.mkdir(parents=True, exist_ok=True)
+    if n_probe_examples is None or n_align_examples is None:
+        from .analysis.report_doc import manifest_sizes
+
+        sizes = next((manifest_sizes(p) for p in (proxy_models or {}).values() if manifest_sizes(p)), {})
+        n_probe_examples = sizes.get("n_probe_examples", 0) if n_probe_examples is None else n_probe_examples
+        n_align_examples = sizes.get("n_align_examples", 0) if n_align_examples is None else n_align_examples
+    if n_val is None:
+        from .data import SFTDataModule
+
+        n_val = len(SFTDataModule(pool=pool, validation=validation, tokenizer="builtin").validation_records)
     target = read_scores(target_scores)
     proxies = {name: read_scores(p) for name, p in proxy_scores.items()}
     tables = [retention_rows(target, proxies)]
@@ -157,6 +197,7 @@ def report(
 
         tshape = shape(target_model)
         pshapes = {name: shape(p) for name, p in proxy_models.items()}
+        pshapes["target"] = None  # the cost row of scoring with the target itself
         tables.append(flops_rows(tshape, pshapes, seq_len=seq_len, n_train=len(target), n_val=n_val,
                                  n_probe_examples=n_probe_examples, n_align_examples=n_align_examples))
 
@@ -168,24 +209,42 @@ def report(
         dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or gradient_model, max_length=max_length)
         dm.setup("predict")
         model, _ = load_model(gradient_model, tokenizer=False)
-        pool_ids, G = per_example_gradients(model, dm.dataloader("pool"), projection_dim=projection_dim, max_examples=max_examples)
+        # gradients of the selected examples only (their union), not of the whole pool
+        wanted = {"target": select_top(target, topk_fraction), **{n: select_top(s, topk_fraction) for n, s in proxies.items()}}
+        union = sorted({i for ids in wanted.values() for i in ids})[: max_examples or None]
+        by_id = {r["id"]: r for r in dm.pool_records}
+        pool_ids, G = per_example_gradients(model, dm.records_dataloader([by_id[i] for i in union if i in by_id]),
+                                            projection_dim=projection_dim)
         _, V = per_example_gradients(model, dm.validation_dataloader(), projection_dim=projection_dim)
         present = set(pool_ids)
-        selections = {"target": [i for i in select_top(target, topk_fraction) if i in present]}
-        selections.update({n: [i for i in select_top(s, topk_fraction) if i in present] for n, s in proxies.items()})
+        selections = {n: [i for i in ids if i in present] for n, ids in wanted.items()}
         tables.append(selection_rows(selections, pool_ids, G, V))
 
     rows = merge_rows(*tables)
+    for r in rows:  # counts are integers, not 2000.000
+        for c in ("n", "n_selected", "params_tracked"):
+            if isinstance(r.get(c), float) and r[c] == int(r[c]):
+                r[c] = int(r[c])
     write_rows(rows, out / "report.json")
-    md = format_table(rows)
-    (out / "report.md").write_text(md + "\n")
+    pngs = []
     if plots:
         from .analysis.plots import plot_score_histograms, plot_score_scatter
 
         for name, s in proxies.items():
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
             plot_score_scatter(s, target, frac=topk_fraction, path=out / f"scatter_{safe}.png")
+            pngs.append(out / f"scatter_{safe}.png")
         plot_score_histograms({"target": target, **proxies}, standardize=True, path=out / "histograms.png")
+        pngs.append(out / "histograms.png")
+    from .analysis.report_doc import render_markdown
+
+    settings = {"workdir": workdir, "target_scores": target_scores, "proxy_scores": proxy_scores,
+                "target_model": target_model, "proxy_models": proxy_models, "gradient_model (SA, 1-NND)": gradient_model,
+                "top-k for SA / 1-NND": topk_fraction, "FLOPs model": f"seq_len {seq_len}, pool {len(target)}, validation {n_val}, "
+                f"probe examples {n_probe_examples}, alignment examples {n_align_examples}"}
+    md = render_markdown(rows, {k: v for k, v in settings.items() if v is not None}, [str(p) for p in pngs],
+                         found.get("selections"), found.get("summary"))
+    (out / "report.md").write_text(md)
     print(md)
-    print(f"\nwritten: {out / 'report.md'}, {out / 'report.json'}" + (" and plots" if plots else ""))
+    print(f"written: {out / 'report.md'}, {out / 'report.json'}" + (" and plots" if plots else ""))
     return rows

@@ -56,8 +56,8 @@ def test_histograms_and_retention_curve_png(tmp_path):
     proxy, target = _scores()
     fig = plot_score_histograms({"proxy": proxy, "target": target}, bins=20, path=tmp_path / "hist.png")
     _png_ok(tmp_path / "hist.png")
-    patches = fig.axes[0].patches
-    assert len(patches) == 2  # one stepfilled polygon per table
+    assert len(fig.axes) == 2 and all(len(ax.patches) == 1 for ax in fig.axes)  # one panel per table, shared bins
+    assert fig.axes[0].get_shared_x_axes().joined(fig.axes[0], fig.axes[1])
     results = {
         "IPSVD": {0.3: {"spearman": 0.9, "top5%": 0.7}, 0.5: {"spearman": 0.8, "top5%": 0.6}, 0.7: {"spearman": 0.6, "top5%": 0.4}},
         "SVD": {0.3: {"spearman": 0.7, "top5%": 0.5}, 0.5: {"spearman": 0.5, "top5%": 0.3}, 0.7: {"spearman": 0.2, "top5%": 0.1}},

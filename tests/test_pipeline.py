@@ -20,7 +20,8 @@ def run(tmp_path_factory):
 def test_pipeline_selects_like_the_target(run):
     wd, s = run
     for path in ("warmup/model/config.json", "proxy/model/iprox_proxy.json", "scores/target/scores.parquet",
-                 "scores/proxy/scores.parquet", "selected/proxy.jsonl", "finetune/model/config.json", "summary.json"):
+                 "scores/proxy/scores.parquet", "selected/proxy.jsonl", "finetune/proxy/model/config.json",
+                 "finetune/target/model/config.json", "finetune/random/model/config.json", "summary.json"):
         assert (wd / path).exists(), path
     assert s["proxy_params"] < 0.7 * s["target_params"]
     o = s["oracle"]
@@ -42,7 +43,7 @@ def test_pipeline_resumes_without_rerunning(run, capsys):
     wd, s = run
     again = pipeline(workdir=str(wd))
     out = capsys.readouterr().out
-    assert out.count("already done") == 5  # warmup, build_proxy, 2 x score, finetune: nothing re-ran
+    assert out.count("already done") == 7  # warmup, build_proxy, 2 x score, 3 x finetune: nothing re-ran
     assert again["retention_proxy_vs_target"] == s["retention_proxy_vs_target"]
     assert again["oracle"] == s["oracle"]
 
@@ -65,7 +66,8 @@ def test_proxy_check_and_report_commands(run, capsys, tmp_path):
     by = {r["proxy"]: r for r in rows}
     assert by["iprox"]["spearman"] == pytest.approx(s["retention_proxy_vs_target"]["spearman"])
     assert by["iprox"]["TFLOPs_scoring"] > 0 and "SA" in by["iprox"] and "1-NND" in by["target"]
-    assert (tmp_path / "report" / "report.md").read_text().startswith("| proxy |")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert md.startswith("# IProX proxy report") and "| proxy | n |" in md and "- **SA** — subspace affinity" in md
     assert (tmp_path / "report" / "scatter_iprox.png").stat().st_size > 5000
 
 

@@ -24,3 +24,53 @@ def test_readme_quick_start_matches_ci():
     assert len(lines) == 2
     ci = (README.parent / ".ci" / "run").read_text()
     assert lines[1] in ci  # .ci/run runs exactly the README's test command
+
+
+def readme_stage_commands() -> list[str]:
+    """The commands of the README's stage table, in order, exactly as written there."""
+    text = README.read_text()
+    section = text[text.index("## The pipeline, one config per stage"):]
+    section = section[: section.index("\n\n", section.index("| stage | command |"))]
+    return re.findall(r"^\|[^|]*\| `(python train\.py [^`]*)` \|", section, re.M)
+
+
+def test_readme_stage_commands_run_as_written(tmp_path, monkeypatch, capsys, eval_dir):
+    """Every stage command of the README, verbatim, in order, from a directory laid out like a clone
+    (``configs/`` here, the eval suites in ``../shared/data/eval``): each stage finds the previous one's output."""
+    import json
+    import shlex
+
+    import pytest
+
+    from iprox_lightning.cli import main
+
+    cmds = readme_stage_commands()
+    assert len(cmds) == 11 and cmds[-1] == "python train.py pipeline --workdir outputs/pipeline"
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    (repo / "configs").symlink_to(README.parent / "configs")
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "eval").symlink_to(eval_dir)
+    monkeypatch.chdir(repo)
+    for cmd in cmds[:-1]:
+        args = shlex.split(cmd)
+        assert args[:2] == ["python", "train.py"]
+        main(args[2:])
+    out = capsys.readouterr().out
+    o = repo / "outputs"
+    for path in ("warmup/model/config.json", "proxy/model/iprox_proxy.json", "scores/target/scores.parquet",
+                 "scores/proxy/scores.parquet", "scores/random/scores.parquet", "selected/proxy.jsonl",
+                 "finetune/proxy/model/config.json", "eval/proxy/test_metrics.json", "report/report.md"):
+        assert (o / path).exists(), path
+    sel = [json.loads(line) for line in open(o / "selected" / "proxy.jsonl")]
+    assert len(sel) == 100 and all(r["instruction"] and r["response"] for r in sel)  # full records
+    assert "select: wrote 100 of 1991 ranked examples" in out and "pool share" in out  # 9 duplicate texts dropped
+    metrics = json.loads((o / "eval" / "proxy" / "test_metrics.json").read_text())
+    assert {"mmlu/acc", "bbh/em"} <= set(metrics["metrics"]) and "tydiqa" in metrics["skipped"]
+    assert "[evaluate] tydiqa skipped" in out
+    md = (o / "report" / "report.md").read_text()
+    assert "| proxy |" in md and "| random |" in md and "| target |" in md and "## Selection `proxy` explained" in md
+    # the last row (the whole pipeline) is run by tests/test_pipeline.py; here its command line must parse
+    with pytest.raises(SystemExit) as e:
+        main(shlex.split(cmds[-1])[2:] + ["--print_config"])
+    assert e.value.code in (0, None)

@@ -117,7 +117,7 @@ def plot_score_histograms(
     path: str | os.PathLike | None = None,
     title: str = "score distributions",
 ):
-    """Overlaid histograms of several score tables (``name -> {id: score}``); ``standardize`` z-scores each."""
+    """Histograms of several score tables, one panel each on shared bins (``name -> {id: score}``); ``standardize`` z-scores each."""
     if not tables:
         raise ValueError("plot_score_histograms needs at least one score table")
     values = {}
@@ -129,13 +129,15 @@ def plot_score_histograms(
             v = (v - v.mean()) / v.std()
         values[name] = v
     edges = np.histogram_bin_edges(np.concatenate(list(values.values())), bins=bins)  # shared bins
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, v in values.items():
-        ax.hist(v, bins=edges, alpha=0.5, label=f"{name} (n={v.size})", histtype="stepfilled")
-    ax.set_xlabel("score (z-scored)" if standardize else "score")
-    ax.set_ylabel("examples")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    # one panel per table on a shared x axis (overlaid translucent histograms of 4+ series are unreadable)
+    fig, axes = plt.subplots(len(values), 1, figsize=(6, 1.2 + 1.3 * len(values)), sharex=True, squeeze=False)
+    for k, (ax, (name, v)) in enumerate(zip(axes[:, 0], values.items())):
+        ax.hist(v, bins=edges, color=f"C{k}", histtype="stepfilled")
+        ax.set_ylabel("examples", fontsize=8)
+        ax.text(0.99, 0.92, f"{name} (n={v.size}, median {np.median(v):.2f})", transform=ax.transAxes,
+                ha="right", va="top", fontsize=9)
+    axes[-1, 0].set_xlabel("score (z-scored per table)" if standardize else "score")
+    axes[0, 0].set_title(title, fontsize=10)
     fig.tight_layout()
     if path is not None:
         save_figure(fig, path)

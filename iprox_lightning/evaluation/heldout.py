@@ -1,0 +1,78 @@
+"""The selection's effect: a fine-tuned model on held-out examples of the validation tasks.
+
+:func:`heldout_records` draws the evaluation examples: on the built-in data, fresh examples of the
+validation families from a random stream independent of the pool's and of the validation set used
+for scoring (so the number is not fitted to the scoring gradients); on other data, the validation
+records themselves (labelled as such: they steered the selection, so this is an in-sample check).
+
+:func:`heldout_metrics` scores a model on them in one teacher-forced forward pass per batch:
+
+* ``loss`` — mean over examples of the mean response-token cross-entropy (lower is better);
+* ``exact_match`` — share of examples whose every response token (end-of-sequence included) is the
+  model's argmax given the correct prefix, which is exactly "greedy decoding reproduces the
+  response" (higher is better);
+
+overall and per task (``category``).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+HELDOUT_SEED_OFFSET = 1000
+
+
+def heldout_records(pool: Any, validation: Any, n_per_task: int = 50, seed: int = 0,
+                    validation_records: Sequence[dict] | None = None) -> tuple[list[dict], str]:
+    """``(records, description)``: see the module doc."""
+    if pool == "builtin" and validation == "builtin":
+        from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, builtin_validation
+
+        recs = builtin_validation(n_per_task, seed=HELDOUT_SEED_OFFSET + seed)
+        for r in recs:
+            r["id"] = r["id"].replace("builtin-val-", "builtin-heldout-")
+        return recs, (f"{len(recs)} fresh built-in examples of the validation families "
+                      f"{list(BUILTIN_VALIDATION_FAMILIES)} (not in the pool or the scoring validation set)")
+    if validation_records is None:
+        raise ValueError("heldout_records: pass validation_records for non-built-in data")
+    return list(validation_records), (f"the {len(validation_records)} validation examples (they also steered the "
+                                      "selection: an in-sample check, not a held-out one)")
+
+
+@torch.no_grad()
+def heldout_metrics(model: torch.nn.Module, batches) -> dict[str, Any]:
+    """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc)."""
+    from ..batch import IGNORE_INDEX, per_example_loss
+
+    was_training = model.training
+    model.eval()
+    per_task: dict[str, list[tuple[float, bool]]] = {}
+    try:
+        for b in batches:
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            loss, n = per_example_loss(logits, b["labels"])
+            pred, gold = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
+            scored = gold != IGNORE_INDEX
+            exact = ((pred == gold) | ~scored).all(dim=1) & (n > 0)
+            for t, l, e in zip(b["task"], loss.tolist(), exact.tolist()):
+                per_task.setdefault(t, []).append((l, bool(e)))
+    finally:
+        model.train(was_training)
+    allv = [v for vs in per_task.values() for v in vs]
+    if not allv:
+        raise ValueError("heldout_metrics: no examples")
+    mean = lambda vs, k: sum(v[k] for v in vs) / len(vs)
+    return {"n": len(allv), "loss": mean(allv, 0), "exact_match": mean(allv, 1),
+            "per_task": {t: {"n": len(vs), "loss": mean(vs, 0), "exact_match": mean(vs, 1)} for t, vs in per_task.items()}}
+
+
+def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, max_length: int = 128,
+                     batch_size: int = 32) -> dict[str, Any]:
+    """Load ``model_dir`` and run :func:`heldout_metrics` on ``records`` (tokenized like training)."""
+    from ..data import SFTDataModule
+    from ..models.loading import load_model
+
+    dm = SFTDataModule(pool=list(records), validation=None, tokenizer=tokenizer, max_length=max_length)
+    model, _ = load_model(model_dir, tokenizer=False)
+    return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size))
