@@ -69,6 +69,9 @@ def check(
         tokenizer: defaults to the target's.
         sample: number of random pool examples to score.
         method: ``tracin`` or ``kfac``.
+        max_length: token cap per example.
+        batch_size: examples per batch.
+        seed: seed of the random sample.
         output: optional JSON path for the table.
     """
     from .analysis.report import format_table, retention_rows

@@ -31,6 +31,13 @@ def test_pipeline_selects_like_the_target(run):
     assert o["target_selection"] >= 0.9
     assert o["proxy_selection"] >= 0.9
     assert s["retention_proxy_vs_target"]["spearman"] > 0.8
+    # per-family oracle split sums to the oracle share; the selections are explained; the fine-tuned effect is there
+    for who in ("target", "proxy", "random"):
+        assert sum(o["per_family"][who].values()) == pytest.approx(o[f"{who}_selection"])
+        assert s["selection"][who]["count"] == 100 and s["selection"][who]["pool_size"] == 2000
+    eff = s["selection_effect"]["metrics"]
+    assert set(eff) == {"base", "proxy", "target", "random"} and all(m["n"] == 100 for m in eff.values())
+    assert eff["base"]["loss"] > 0 and eff["proxy"]["loss"] != eff["base"]["loss"]
     assert abs(s["retention_random_vs_target"]["spearman"]) < 0.15
     # selection size: 5% of the 2000-example pool, ids kept
     ids = [json.loads(l)["id"] for l in open(wd / "selected" / "proxy.jsonl")]

@@ -38,6 +38,18 @@ def layer_extraction(
 ) -> dict:
     """Block importance ``1 − E[cos(h_i, h_{i+1})]`` on a random ``sample_fraction`` of the pool (the
     IProX construction split), keep the top ``(1 − sparsity)`` share of blocks, save the smaller dense model.
+
+    Args:
+        model: the (warmed-up) target to extract layers from.
+        output_dir: where the smaller model is saved (score it with configs/score.yaml).
+        pool: the candidate pool (any source SFTDataModule reads).
+        tokenizer: tokenizer (default: the model's).
+        sparsity: share of blocks' parameters to remove (ShortGPT drops whole blocks).
+        sample_fraction: share of the pool used to measure block importance.
+        max_length: token cap per example.
+        batch_size: examples per batch.
+        seed: seed of the sample.
+        dtype: dtype of the saved model.
     """
     from .layer_extraction import run_layer_extraction
 
@@ -67,6 +79,22 @@ def influence_scorer(
     pool, then score the whole pool; writes ``output`` (Parquet score table, columns id, score).
 
     Only the hold-out ids need target scores (``target_scores`` may hold just those).
+
+    Args:
+        backbone: the small frozen model under the regression head (dir, ``.gguf``, hub id, ``builtin``).
+        target_scores: the target's score table (only the hold-out ids are read).
+        output: the score table to write (Parquet).
+        pool: the candidate pool (any source SFTDataModule reads).
+        tokenizer: tokenizer (default: the backbone's).
+        holdout_fraction: share of the pool the head is fitted on (paper: 1%).
+        epochs: training epochs of the head.
+        lr: learning rate (Adam).
+        weight_decay: weight decay.
+        pooling: how token states are pooled for the head (``mean`` or ``last``).
+        trainable_blocks: how many top blocks of the backbone are also trained.
+        max_length: token cap per example.
+        batch_size: examples per batch.
+        seed: seed of the hold-out split and training.
     """
     from ..analysis.score_table import read_scores, write_scores
     from .influence_scorer import build_regression_lm, fit_influence_scorer, predict_scores
@@ -80,14 +108,23 @@ def influence_scorer(
     path = write_scores(scores, output)
     Path(str(path) + ".json").write_text(json.dumps({"baseline": "influence_scorer", "backbone": backbone,
                                                      "holdout": len(dm.ids("construction")), "history": history}, indent=2))
+    print(f"influence_scorer: fitted on {len(dm.ids('construction'))} hold-out examples, scored {len(scores)} pool "
+          f"examples -> {path}")
     return {"output": str(path), "n": len(scores), "history": history}
 
 
 def random_scores(output: str, pool: str = "builtin", seed: int = 0) -> str:
-    """Seeded random scores for every pool example (random selection via ``select``)."""
-    from ..data.sources import read_records
-    from ..data.synthetic import generate_builtin_dataset
+    """Seeded random scores for every pool example (random selection via ``select``).
+
+    Args:
+        output: the score table to write (Parquet).
+        pool: the candidate pool (any source SFTDataModule reads).
+        seed: seed of the random scores.
+    """
+    from ..data.pool import read_pool
     from .random_selection import write_random_scores
 
-    recs = generate_builtin_dataset() if pool == "builtin" else read_records(pool)
-    return str(write_random_scores(sorted(r["id"] for r in recs), output, seed=seed))
+    recs = read_pool(pool)
+    path = str(write_random_scores(sorted(r["id"] for r in recs), output, seed=seed))
+    print(f"random_scores: wrote seeded (seed {seed}) random scores for {len(recs)} pool examples to {path}")
+    return path
