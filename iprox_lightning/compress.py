@@ -132,6 +132,7 @@ class CompressionReport:
     allocation: str = "uniform"
     keep_dense: list[str] | None = None
     time_allocation_s: float = 0.0
+    health: dict[str, float] | None = None  # proxy vs target on held-out batches (IPSVDCallback)
 
     @property
     def ranks(self) -> dict[str, int | None]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -269,3 +270,62 @@ def test_keep_best_off_saves_the_last_factors(tmp_path):
     tr.fit(module, loader(3), val_dataloaders=loader(1, offset=100))
     assert all(torch.equal(p.detach(), q) for p, q in zip(module.factor_parameters(), last))
     assert module._best is None and len(module.validation_history) == 3
+
+
+def test_ipsvd_callback_health_check_matches_brute_force(tmp_path):
+    """Right after compression the callback compares proxy and teacher on the alignment split; the numbers
+    equal a direct computation (per-example loss means, token-mean KL, top-1 agreement) and reach the manifest."""
+    import torch.nn.functional as F
+
+    from iprox_lightning.callbacks.ipsvd import IPSVDCallback
+
+    align = [make_batch(200 + i) for i in range(3)]
+
+    class DM(L.LightningDataModule):
+        def train_dataloader(self):
+            return loader(2)
+
+        def probe_dataloader(self):
+            return loader(2, offset=50)
+
+        def dataloader(self, split):
+            assert split == "align"
+            return DataLoader(align, batch_size=None)
+
+    target = tiny_causal_lm("llama", seed=6)
+    module = ProxyAlignModule(target=target, align=False, save_dir=str(tmp_path / "proxy"))
+    cb = IPSVDCallback(sparsity=0.7, method="svd", health_batches=2)
+    snap = {}
+
+    class Snap(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            snap["proxy"] = copy.deepcopy(pl_module.proxy)
+
+    tr = L.Trainer(accelerator="cpu", max_epochs=1, callbacks=[cb, Snap()], logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False)
+    tr.fit(module, datamodule=DM())
+    h = cb.report.health
+    proxy = snap["proxy"].eval()
+    losses = {"t": [], "p": []}
+    kl, agree, n = 0.0, 0, 0
+    with torch.no_grad():
+        for b in align[:2]:
+            lt = target(input_ids=b["input_ids"]).logits
+            lp = proxy(input_ids=b["input_ids"]).logits
+            for key, lg in (("t", lt), ("p", lp)):
+                for i in range(lg.shape[0]):  # per example: mean CE over its response tokens
+                    lab = b["labels"][i, 1:]
+                    m = lab != -100
+                    losses[key].append(float(F.cross_entropy(lg[i, :-1][m], lab[m])))
+            m = b["labels"][:, 1:] != -100
+            pt, pp = F.log_softmax(lt[:, :-1][m], -1), F.log_softmax(lp[:, :-1][m], -1)
+            kl += float((pt.exp() * (pt - pp)).sum())
+            agree += int((pt.argmax(-1) == pp.argmax(-1)).sum())
+            n += int(m.sum())
+    assert h["target_loss"] == pytest.approx(np.mean(losses["t"]), rel=1e-5)
+    assert h["proxy_loss"] == pytest.approx(np.mean(losses["p"]), rel=1e-5)
+    assert h["kl"] == pytest.approx(kl / n, rel=1e-4)
+    assert h["top1_agreement"] == pytest.approx(agree / n)
+    assert h["examples"] == 8 and h["batches"] == 2
+    man = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())
+    assert man["health"]["kl"] == pytest.approx(h["kl"])

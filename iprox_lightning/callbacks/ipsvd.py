@@ -60,6 +60,7 @@ class IPSVDCallback(Callback):
         compress_on_device: bool = True,
         allocation: str = "uniform",
         keep_dense: Optional[list[str]] = None,
+        health_batches: int = 4,
     ) -> None:
         """``sparsity`` ρ (fraction of targeted-layer weights removed); ``method`` "ipsvd" | "svd" |
         "random"; ``mode`` "exact" | "core"; ``damping``/``damping_mode`` (paper: 1e-3 "absolute",
@@ -68,7 +69,11 @@ class IPSVDCallback(Callback):
         to compress; ``save_dir`` where rank 0 saves the proxy; ``compress_on_device`` moves the model
         to the strategy's root device first (Lightning moves it there anyway); ``allocation`` "uniform" (every
         layer at ρ) | "global" (one budget over all layers, spent where truncation costs most);
-        ``keep_dense`` regexes of full layer names kept dense (see :func:`~iprox_lightning.compress.compress_model`)."""
+        ``keep_dense`` regexes of full layer names kept dense (see :func:`~iprox_lightning.compress.compress_model`);
+        ``health_batches``: right after compression, compare the proxy with the uncompressed teacher
+        (``pl_module.teacher``) on this many batches of the datamodule's alignment split — data Stage 1 never
+        saw — (:func:`~iprox_lightning.analysis.health.proxy_health`: loss, KL, top-1 agreement); logged, kept in
+        ``report.health`` and the manifest, and a proxy with KL > 1 nat/token is reported loudly (0 disables)."""
         super().__init__()
         self.kwargs = dict(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
                            num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
@@ -76,6 +81,7 @@ class IPSVDCallback(Callback):
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device
+        self.health_batches = health_batches
         self.report: CompressionReport | None = None
 
     # -------------------------------------------------------------------------------------------
@@ -124,11 +130,38 @@ class IPSVDCallback(Callback):
         pl_module.ipsvd_report = self.report
         self._broadcast_factors(trainer, model)
         rank_zero_info(f"IPSVDCallback: {self.report.summary()}")
+        self._health(trainer, pl_module, model)
         self._log(trainer)
         if self.save_dir and trainer.is_global_zero:
             tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
             save_proxy(model, tok, self.save_dir, self.report)
         trainer.strategy.barrier("ipsvd")
+
+    def _health(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
+        teacher = getattr(pl_module, "teacher", None)
+        dm = trainer.datamodule
+        if not self.health_batches or teacher is None or dm is None or not hasattr(dm, "dataloader"):
+            return
+        from itertools import islice
+
+        from ..analysis.health import proxy_health
+
+        try:
+            batches = list(islice(iter(dm.dataloader("align")), self.health_batches))
+        except (KeyError, ValueError) as e:  # a datamodule without an alignment split
+            log.info("IPSVDCallback: no health check (%s)", e)
+            return
+        h = proxy_health(teacher, model, batches)
+        h["batches"] = len(batches)
+        self.report.health = h
+        msg = (f"IPSVDCallback: proxy health on {h['examples']} held-out examples: loss {h['proxy_loss']:.3f} "
+               f"(target {h['target_loss']:.3f}), KL {h['kl']:.3f} nat/token, top-1 agreement {h['top1_agreement']:.3f}")
+        if h["kl"] > 1.0:
+            log.warning("%s — the proxy has lost much of the target's function; its gradients will not follow the "
+                        "target's (try allocation='global', mode='exact', keep_dense for fragile layers, or a lower "
+                        "sparsity)", msg)
+        else:
+            rank_zero_info(msg)
 
     @staticmethod
     def _broadcast_factors(trainer: pl.Trainer, model: torch.nn.Module) -> None:
@@ -151,6 +184,8 @@ class IPSVDCallback(Callback):
             "ipsvd/time_probes_s": rep.time_probes_s,
             "ipsvd/time_factors_s": rep.time_factors_s,
         }
+        for k, v in (rep.health or {}).items():
+            metrics[f"ipsvd/health/{k}"] = float(v)
         for lr in rep.layers:
             metrics[f"ipsvd/rank/{lr.name}"] = float(lr.rank if lr.rank is not None else min(lr.in_features, lr.out_features))
             if lr.objective is not None:
