@@ -42,6 +42,18 @@ def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: 
     return {"length_floor": spearman(-n, t), "spearman_length_partialled": partial_spearman(p, t, n)}
 
 
+def _proxy_sparsity(proxy: str) -> float | None:
+    """Achieved sparsity of the targeted layers of a saved IProX proxy (``None`` for any other model)."""
+    from .models.loading import PROXY_MANIFEST
+
+    path = Path(proxy) / PROXY_MANIFEST
+    if not path.is_file():
+        return None
+    m = json.loads(path.read_text())
+    before, after = m.get("target_params_before"), m.get("target_params_after")
+    return 1.0 - after / before if before and after is not None else m.get("sparsity")
+
+
 def check(
     target: str,
     proxy: str,
@@ -54,6 +66,7 @@ def check(
     batch_size: int = 8,
     seed: int = 0,
     output: str | None = None,
+    layer_extraction: bool = True,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy``; print the retention table.
 
@@ -73,6 +86,10 @@ def check(
         batch_size: examples per batch.
         seed: seed of the random sample.
         output: optional JSON path for the table.
+        layer_extraction: also score the free baselines on the same sample — ``length sort`` (shortest
+            response first, model-free) and, for an IProX proxy directory, Layer Extraction of the target at
+            the proxy's achieved sparsity (same parameter budget) — as extra rows. A proxy worth using beats
+            both, also with length partialled out.
     """
     from .analysis.report import format_table, retention_rows
     from .baselines.random_selection import random_subset
@@ -94,11 +111,26 @@ def check(
                                      method=method)
         seconds[name] = time.perf_counter() - t0
         del model
-    rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"])})
+    lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
+    others: dict[str, dict[str, float]] = {}
+    if layer_extraction:
+        others["length sort (shortest first)"] = {i: -float(v) for i, v in lengths.items()}
+        le_rho = _proxy_sparsity(proxy)
+        if le_rho is not None:
+            from .baselines.layer_extraction import layer_extraction_proxy
+
+            model, _ = load_model(target, tokenizer=False)
+            le, _ = layer_extraction_proxy(model, dm.dataloader("probe"), sparsity=le_rho, progress=False)
+            t0 = time.perf_counter()
+            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(tracin_scores(
+                le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(), method=method))
+            seconds["layer_extraction"] = time.perf_counter() - t0
+            del model, le
+    rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"]), **others})
     rows[0]["target_s"] = seconds["target"]
     rows[0]["proxy_s"] = seconds["proxy"]
-    lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
-    rows[0].update(length_confound(dict(tables["target"]), dict(tables["proxy"]), lengths))
+    for r, table in zip(rows, [dict(tables["proxy"]), *others.values()]):
+        r.update(length_confound(dict(tables["target"]), table, lengths))
     print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
     print(format_table(rows))
     if output:
