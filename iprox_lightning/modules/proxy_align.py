@@ -177,6 +177,13 @@ class ProxyAlignModule(L.LightningModule):
             if isinstance(m, FSDPModule):
                 m.reshard()
 
+    def on_fit_start(self) -> None:
+        # The proxy runs in eval mode (no dropout; alignment_step switches it before every forward). Hand it
+        # to the fit loop in train mode so Lightning's "modules in eval mode at the start of training" check,
+        # meant for accidental eval mode, stays quiet for this intentional one.
+        if self.proxy is not None:
+            self.proxy.train()
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._reshard()  # FSDP2: drop the stale unsharded factors after the optimiser step
 
