@@ -427,6 +427,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-length", type=int, default=128, help="tokens of scored / validation / probe / align examples")
     ap.add_argument("--warmup-max-length", type=int, default=256)
     ap.add_argument("--no-warmup", action="store_true", help="build proxies from the target as shipped")
+    ap.add_argument("--adopt-warmup", default=None, metavar="NOTE",
+                    help="record an existing OUT/warmed (made by the equivalent warm-up command, described in NOTE) "
+                         "as this run's warm-up instead of re-running it")
     ap.add_argument("--no-unwarmed", action="store_true", help="skip the second reference (target as shipped)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--align-epochs", type=int, default=2)
@@ -474,6 +477,12 @@ def main(argv=None) -> dict:
     else:
         fp = {"model": args.model, "pool": args.pool, "max_length": args.warmup_max_length, "seed": args.seed,
               "config": (cfg / "warmup.yaml").read_text(), "builtin_size": args.builtin_size}
+        if args.adopt_warmup and (warmed / "config.json").exists() and "warmup" not in st.state["stages"]:
+            st.state["stages"]["warmup"] = {"fingerprint": json.dumps(fp, sort_keys=True), "adopted": args.adopt_warmup,
+                                            "finished": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(
+                                                (warmed / "config.json").stat().st_mtime))}
+            st.save()
+            log(f"warm-up: adopted the existing {warmed} ({args.adopt_warmup})")
         if not args.summary_only:
             st.run("warmup", "fit", [cfg / "warmup.yaml", *demo("warmup")], {
                 "seed_everything": args.seed,
@@ -532,8 +541,6 @@ def main(argv=None) -> dict:
     if not args.summary_only:
         # 3. references ----------------------------------------------------------------------------
         score("target", target, target, stage_fp("warmup") if not args.no_warmup else args.model)
-        if not args.no_warmup and not args.no_unwarmed:
-            score("target_unwarmed", args.model, target, args.model)
 
         # 4. proxies -------------------------------------------------------------------------------
         for v in variants:
@@ -575,6 +582,9 @@ def main(argv=None) -> dict:
                 log(f"variant {v['key']} FAILED: {e}")
                 st.state.setdefault("errors", {})[v["key"]] = str(e)[-2000:]
                 st.save()
+        # the target as shipped, last: the second reference column (the effect of the warm-up)
+        if not args.no_warmup and not args.no_unwarmed:
+            score("target_unwarmed", args.model, target, args.model)
     if args.dry_run:
         return {"would_run": st.ran}
 
