@@ -436,6 +436,8 @@ def parse_args(argv=None):
     ap.add_argument("--align-lr", type=float, default=1e-3)
     ap.add_argument("--align-batch-size", type=int, default=4)
     ap.add_argument("--align-val-per-task", type=int, default=6, help="held-out validation examples per task for keep_best")
+    ap.add_argument("--align-val-every", type=float, default=0.5,
+                    help="held-out check (keep_best) every this fraction of an alignment epoch")
     ap.add_argument("--kl-weight", type=float, default=0.1)
     ap.add_argument("--num-probe-tokens", type=int, default=1024)
     ap.add_argument("--builtin-size", type=int, default=2000)
@@ -563,7 +565,8 @@ def main(argv=None) -> dict:
                     data = {**data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
                             "batch_size": args.align_batch_size}
                     if v["align"]:
-                        trainer.update(max_epochs=args.align_epochs, num_sanity_val_steps=0)
+                        trainer.update(max_epochs=args.align_epochs, num_sanity_val_steps=0,
+                                       val_check_interval=args.align_val_every)
                         model.update(lr_schedule="linear", warmup_ratio=0.05)
                         data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
                     else:
