@@ -24,7 +24,7 @@ same command).
 
 Variants: ``le@ρ`` (Layer Extraction) or ``METHOD[/OPTION...]@ρ[+align]`` with METHOD ``ipsvd`` | ``svd`` |
 ``random`` and options ``core`` | ``exact``, ``abs<d>`` | ``rel<d>`` (damping), ``global`` (global rank
-allocation), ``spare0`` (block 0's MLP kept dense); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``).
+allocation), ``spare0`` (block 0's MLP kept dense), ``n<N>`` (probe tokens per layer); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``).
 
 Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
 ``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
@@ -102,8 +102,11 @@ def parse_variant(spec: str) -> dict[str, Any]:
             cb["allocation"] = "global"
         elif o == "spare0":
             cb["keep_dense"] = SPARE0
+        elif o[:1] == "n" and o[1:].isdigit():
+            cb["num_probe_tokens"] = int(o[1:])
         else:
-            raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0)")
+            raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0, "
+                             "n<probe tokens>)")
     return {"key": s, "kind": "proxy", "rho": rho, "align": align, "ipsvd": cb}
 
 
