@@ -33,18 +33,18 @@ TEXT_FIELDS = ("instruction", "context", "response")
 
 
 def _read_scores(path: str):
-    import pyarrow.parquet as pq
+    from .io.scores import read_table
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / "scores.parquet"
-    if not p.exists():
-        raise FileNotFoundError(f"score table not found: {p}")
-    t = pq.read_table(p)
-    for c in ("id", "score"):
-        if c not in t.column_names:
-            raise ValueError(f"{p}: score table has no {c!r} column (columns: {t.column_names})")
-    return p, t
+    return read_table(path)
+
+
+def _table_fingerprint(src: Path) -> str | None:
+    """Digest of the fingerprint recorded next to a merged score table (``None`` for other tables)."""
+    from .io.fingerprint import digest
+    from .io.scores import read_settings
+
+    fp = read_settings(src.parent).get("fingerprint") if src.name == "scores.parquet" else None
+    return digest(fp) if fp else None
 
 
 def _default_pool(ids: Sequence[str]):
@@ -71,6 +71,7 @@ def select(
     pool: str | list[str] | None = None,
     output: str,
     quiet: bool = False,
+    skip_flagged: bool = False,
 ) -> str:
     """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
     return the output path.
@@ -84,6 +85,8 @@ def select(
             ``builtin`` when all ids are built-in ids, else ids and scores only).
         output: the JSONL file to write (``<output>.meta.json`` goes next to it).
         quiet: do not print the explanation.
+        skip_flagged: leave out rows flagged ``nonfinite`` (NaN/inf gradient) or holding a NaN/inf score,
+            and report how many; without it such rows stop the selection with an error naming them.
     """
     src, table = _read_scores(scores_path)
     col = "score_max" if per_task else "score"
@@ -92,8 +95,18 @@ def select(
     ids = [str(i) for i in table.column("id").to_pylist()]
     scores = [float(s) for s in table.column(col).to_pylist()]
     flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
-    rows = [(s, i) for s, i, z in zip(scores, ids, flags) if not z and not math.isnan(s)]
-    rows.sort(key=lambda r: (-r[0], r[1]))  # deterministic: score desc, then id
+    nonfin = table.column("nonfinite").to_pylist() if "nonfinite" in table.column_names else [False] * len(ids)
+    bad = [(i, s) for s, i, nf in zip(scores, ids, nonfin) if nf or not math.isfinite(s)]
+    if bad and not skip_flagged:
+        raise ValueError(
+            f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
+            f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
+            "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
+    bad_ids = {i for i, _ in bad}
+    rows = [(s, i) for s, i, z in zip(scores, ids, flags) if not z and i not in bad_ids]
+    from .io.scores import topk_order
+
+    rows = [rows[j] for j in topk_order([r[0] for r in rows], [r[1] for r in rows])]  # score desc, then id
     if dedup:
         seen: set[str] = set()
         rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
@@ -122,36 +135,27 @@ def select(
             rows = kept
 
     n = len(rows)
-    if isinstance(k, bool) or not isinstance(k, (int, float)):
-        raise TypeError(f"k must be an int count or a float fraction, got {k!r}")
-    if isinstance(k, float):
-        if not 0.0 < k <= 1.0:
-            raise ValueError(f"fraction k must be in (0, 1], got {k}")
-        count = max(1, int(round(k * n))) if n else 0
-    else:
-        if k < 1:
-            raise ValueError(f"count k must be >= 1, got {k}")
-        count = min(int(k), n)
-    chosen = rows[:count]
+    from .io.scores import topk_count
+
+    chosen = rows[:topk_count(k, n)]
 
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for s, i in chosen:
-            rec = records[i] if pools else {"id": i, "score": s}
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
     meta = {
-        "scores": str(src), "k": k, "count": len(chosen), "ranked": n, "column": col, "per_task": per_task,
-        "dedup": dedup, "pool": pools, "selected": [{"id": i, "score": s} for s, i in chosen],
+        "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
+        "column": col, "per_task": per_task, "dedup": dedup, "pool": pools,
+        "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
+        "selected": [{"id": i, "score": s} for s, i in chosen],
     }
     if pools:
         from .selection_summary import explain_selection, format_selection
 
         table_rows = {str(r["id"]): r for r in table.to_pylist()}
         meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows)
-    Path(f"{out}.meta.json").write_text(json.dumps(meta, indent=1))
+    from .io.selection import write_selection
+
+    write_selection(out, [(i, s) for s, i in chosen], records if pools else None, meta)
+    if bad and not quiet:
+        print(f"select: skipped {len(bad)} row(s) flagged 'nonfinite' (NaN/inf), e.g. {sorted(bad_ids)[:3]}")
     if not quiet:
         what = "records (Dolly schema, ids kept)" if pools else "{id, score} rows (no pool given: pass --pool to copy the records)"
         print(f"select: wrote {len(chosen)} of {n} ranked examples ({col}, k={k}) as {what} to {out}"

@@ -56,8 +56,8 @@ def test_count_fraction_and_determinism(scored, tmp_path):
     ids = read_ids(out)
     assert len(ids) == round(0.25 * (N - 2)) == 10 and "ex-003" not in ids and "ex-017" not in ids
     rec = json.loads(open(out).readline())
-    # the canonical record (Dolly schema, id kept) that SFTDataModule reads; extra pool columns are dropped
-    assert set(rec) == {"id", "category", "instruction", "context", "response"}
+    # one format: id + score + the canonical record (Dolly schema) that SFTDataModule reads; extra pool columns dropped
+    assert set(rec) == {"id", "score", "category", "instruction", "context", "response"}
     meta = json.loads(open(out + ".meta.json").read())
     assert meta["count"] == 10 and [m["id"] for m in meta["selected"]] == ids
 

@@ -82,7 +82,7 @@ def test_module_and_writer_match_function(tmp_path, method, inference_mode):
     assert settings["config"]["method"] == method and settings["merge"]["rows"] == len(POOL)
     assert settings["scorer"]["task_names"] == ["bbh", "mmlu"] and settings["scorer"]["val_counts"] == [2, 3]
     cols = pq.read_table(tmp_path / SCORES_FILE).column_names
-    assert cols == ["id", "score", "score_max", "score/bbh", "score/mmlu", "n_tokens", "zero_grad", "task"]
+    assert cols == ["id", "score", "score_max", "score/bbh", "score/mmlu", "n_tokens", "zero_grad", "nonfinite", "task"]
 
 
 class Crash(L.Callback):
@@ -115,7 +115,7 @@ def test_resume_after_crash_scores_each_id_once(tmp_path, flush_on_exception):
 def test_resume_with_other_settings_is_refused(tmp_path):
     make_trainer([InfluenceWriter(str(tmp_path))]).predict(InfluenceScoringModule(build_model()), datamodule=TinyDM(),
                                                            return_predictions=False)
-    with pytest.raises(ValueError, match="cannot resume with different settings.*method"):
+    with pytest.raises(ValueError, match=r"produced from different inputs(.|\n)*settings.method: 'tracin' -> 'kfac'"):
         make_trainer([InfluenceWriter(str(tmp_path))]).predict(
             InfluenceScoringModule(build_model(), method="kfac"), datamodule=TinyDM(), return_predictions=False)
 

@@ -105,16 +105,18 @@ def kendall(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest scores; ties broken by position (``align_scores`` sorts by id)."""
-    order = np.lexsort((np.arange(len(scores)), -np.asarray(scores, dtype=np.float64)))
-    return order[:k]
+    """Indices of the ``k`` largest scores; ties broken by position (``align_scores`` sorts by id).
+    The ranking rule is the package's one: :func:`iprox_lightning.io.scores.topk_order`."""
+    from ..io.scores import topk_order
+
+    return topk_order(scores)[:k]
 
 
 def topk_count(frac: float, n: int) -> int:
-    """``k = max(1, round(frac · n))`` (capped at ``n``)."""
-    if not 0 < frac <= 1:
-        raise ValueError(f"top-k fraction must be in (0, 1], got {frac}")
-    return min(n, max(1, int(round(frac * n))))
+    """``k = max(1, round(frac · n))`` (capped at ``n``): :func:`iprox_lightning.io.scores.topk_count`."""
+    from ..io.scores import topk_count as count
+
+    return count(float(frac), n)
 
 
 def topk_overlap(proxy: np.ndarray, target: np.ndarray, frac: float) -> float:

@@ -213,6 +213,7 @@ class SFTDataModule(L.LightningDataModule):
         self._validation_records: list[dict] | None = None
         self._datasets: dict[str, SFTDataset] = {}
         self.stats: dict[str, dict[str, int]] = {}
+        self.dropped_ids: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ resolution
     @property
@@ -316,23 +317,19 @@ class SFTDataModule(L.LightningDataModule):
         return [by_id[i] for i in self.splits.get(split)]
 
     def _selected_records(self) -> list[dict]:
-        """The selection file: full records (Dolly schema), or id-only rows (``{"id", "score"}``,
-        as ``select`` writes without ``pool``) resolved against this module's pool by id."""
-        path = self.selected
-        rows = []
-        for where, row in iter_jsonl(path):
-            if not isinstance(row, dict) or "id" not in row:
-                raise DataFormatError(f"{where}: missing field 'id'")
-            rows.append(row)
-        if rows and all(("instruction" not in r and "messages" not in r) for r in rows):
-            by_id = {r["id"]: r for r in self.pool_records}
-            missing = [r["id"] for r in rows if str(r["id"]) not in by_id]
-            if missing:
-                raise DataFormatError(
-                    f"{path}: {len(missing)} selected id(s) are not in the pool {self.pool_sources}, e.g. {missing[:3]}"
-                )
-            return [by_id[str(r["id"])] for r in rows]
-        return read_records(path)
+        """The selection file (:mod:`iprox_lightning.io.selection`): its records, or its ids resolved
+        against this module's pool."""
+        from ..io.selection import read_selection
+
+        return read_selection(self.selected, lambda: self.pool_records, self.pool_sources)
+
+    def dropped_report(self, splits: Sequence[str] = SPLITS) -> dict[str, Any]:
+        """``{split: {"read", "dropped", "kept", "dropped_ids", "rule"}}`` for the tokenized splits among
+        ``splits``: the examples left without a response token after truncation, by id."""
+        rule = {"max_length": self.max_length, "truncation": self.truncation}
+        return {sp: {**{k: self.stats[sp][k] for k in ("read", "dropped", "kept")},
+                     "dropped_ids": list(self.dropped_ids.get(sp, [])), **rule}
+                for sp in splits if sp in self.stats}
 
     def ids(self, split: str) -> list[str]:
         """Ids served by ``split`` after tokenization (dropped examples excluded)."""
@@ -351,6 +348,7 @@ class SFTDataModule(L.LightningDataModule):
                 raise ValueError(
                     f"split {split!r}: all {len(recs)} examples were dropped (no response token left after "
                     f"truncation to max_length={self.max_length}, truncation={self.truncation!r})")
+            self.dropped_ids[split] = list(dropped)
             self.stats[split] = {"read": len(recs), "dropped": len(dropped), "kept": len(examples),
                                  "tokens": int(sum(len(e.input_ids) for e in examples))}
             msg = "split %s: read %d, dropped %d (no response token left after truncation to %d tokens), kept %d"

@@ -24,6 +24,9 @@ Definitions (sign convention: **higher score = more useful for the validation se
   (``normalize=False``: the plain ``⟨g(z), H⁻¹ ḡ⟩``). Per task with ``ḡ_T`` likewise.
 * An example whose gradient is zero (e.g. no response token left after truncation) gets score 0
   and ``zero_grad=True``, never NaN.
+* Non-finite values are never hidden: a NaN/inf validation gradient raises an error naming the
+  task(s); an example whose gradient is NaN/inf (e.g. an fp16 overflow) keeps NaN scores and is
+  flagged ``nonfinite=True`` (``select`` refuses such rows unless told to skip them).
 
 Nothing materialises a flat per-example gradient: per layer, ``features.layer_features`` uses the
 ghost or the materialised ``[B, out, in]`` form, whichever is cheaper. Exactness against a
@@ -64,17 +67,21 @@ class ScoreTable(Mapping):
 
     Attributes (row ``j`` is example ``ids[j]``): ``scores [N]``, ``task_names [K]``,
     ``task_scores [N, K]`` (score against each validation task), ``n_tokens [N]`` (response tokens),
-    ``zero_grad [N]`` (bool flag), ``tasks`` (the example's own task, or ``None``), ``settings``.
-    ``score_max`` is LESS's aggregate ``max_T`` of the per-task scores.
+    ``zero_grad [N]`` (bool flag), ``nonfinite [N]`` (bool flag: NaN/inf gradient, scores NaN), ``tasks``
+    (the example's own task, or ``None``), ``settings``. ``score_max`` is LESS's aggregate ``max_T`` of
+    the per-task scores. On disk: :mod:`iprox_lightning.io.scores`.
     """
 
-    def __init__(self, ids, scores, task_names, task_scores, n_tokens, zero_grad, tasks=None, settings=None):
+    def __init__(self, ids, scores, task_names, task_scores, n_tokens, zero_grad, tasks=None, settings=None,
+                 nonfinite=None):
         self.ids = [str(i) for i in ids]
         self.scores = np.asarray(scores, dtype=np.float64).reshape(len(self.ids))
         self.task_names = list(task_names)
         self.task_scores = np.asarray(task_scores, dtype=np.float64).reshape(len(self.ids), len(self.task_names))
         self.n_tokens = np.asarray(n_tokens, dtype=np.int64).reshape(len(self.ids))
         self.zero_grad = np.asarray(zero_grad, dtype=bool).reshape(len(self.ids))
+        self.nonfinite = (np.zeros(len(self.ids), bool) if nonfinite is None
+                          else np.asarray(nonfinite, dtype=bool).reshape(len(self.ids)))
         self.tasks = None if tasks is None else [None if t is None else str(t) for t in tasks]
         self.settings = dict(settings or {})
         self._index: dict[str, int] = {}
@@ -107,49 +114,42 @@ class ScoreTable(Mapping):
         k = self.task_names.index(task)
         return dict(zip(self.ids, self.task_scores[:, k].tolist()))
 
-    # Arrow -------------------------------------------------------------------------------
+    # Arrow (layout and files: iprox_lightning.io.scores) ----------------------------------
     def to_arrow(self):
-        import pyarrow as pa
+        from ..io.scores import arrow_table
 
-        cols: dict[str, Any] = {
-            "id": pa.array(self.ids, pa.string()),
-            "score": pa.array(self.scores, pa.float64()),
-            "score_max": pa.array(self.score_max, pa.float64()),
-        }
-        for k, t in enumerate(self.task_names):
-            cols[f"score/{t}"] = pa.array(self.task_scores[:, k], pa.float64())
-        cols["n_tokens"] = pa.array(self.n_tokens, pa.int64())
-        cols["zero_grad"] = pa.array(self.zero_grad, pa.bool_())
-        cols["task"] = pa.array(self.tasks if self.tasks is not None else [None] * len(self), pa.string())
-        return pa.table(cols)
+        return arrow_table(self.ids, self.scores, self.task_names, self.task_scores, self.n_tokens, self.zero_grad,
+                           self.nonfinite, self.tasks)
 
     @classmethod
     def from_arrow(cls, table, settings=None) -> "ScoreTable":
-        names = [c[len("score/"):] for c in table.column_names if c.startswith("score/")]
+        from ..io.scores import task_names_of
+
+        names = task_names_of(table)
         n = table.num_rows
         ts = np.stack([table.column(f"score/{t}").to_numpy() for t in names], axis=1) if names else np.zeros((n, 0))
+        col = lambda c: table.column(c).to_numpy(zero_copy_only=False)  # noqa: E731
         return cls(
             table.column("id").to_pylist(), table.column("score").to_numpy(), names, ts,
-            table.column("n_tokens").to_numpy(), table.column("zero_grad").to_numpy(zero_copy_only=False),
+            table.column("n_tokens").to_numpy(), col("zero_grad"),
             table.column("task").to_pylist() if "task" in table.column_names else None, settings,
+            nonfinite=col("nonfinite") if "nonfinite" in table.column_names else None,
         )
 
     def save(self, path: str) -> str:
         """Write as Parquet (atomic: temp file + ``os.replace``)."""
-        import os
+        from ..io.scores import write_parquet_atomic
 
-        import pyarrow.parquet as pq
-
-        tmp = f"{path}.tmp-{os.getpid()}"
-        pq.write_table(self.to_arrow(), tmp)
-        os.replace(tmp, path)
+        write_parquet_atomic(self.to_arrow(), path)
         return path
 
     @classmethod
     def load(cls, path: str) -> "ScoreTable":
-        import pyarrow.parquet as pq
+        """Read a merged score table (a file, or a scoring directory with its ``settings.json``)."""
+        from ..io.scores import read_settings, read_table
 
-        return cls.from_arrow(pq.read_table(path))
+        p, table = read_table(path)
+        return cls.from_arrow(table, read_settings(p.parent) if p.name == "scores.parquet" else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,6 +411,14 @@ class InfluenceScorer:
         for key, V in self.V.items():
             sq_task += V.double().pow(2).sum(dim=(1, 2)).cpu()
             sq_all += float(V.double().sum(0).pow(2).sum())
+        bad = [t for t, v in zip(self.task_names, sq_task.tolist()) if not math.isfinite(v)]
+        if bad or not math.isfinite(sq_all):
+            tasks = bad or self.task_names
+            raise ValueError(
+                f"the validation gradient of task(s) {tasks} is not finite (NaN/inf; squared norm "
+                f"{[sq_task[self.task_names.index(t)].item() for t in tasks]}): the model overflows or holds "
+                "NaN weights on those validation examples (try float32/bfloat16 instead of float16, or check "
+                "the model); no scores were computed")
         self.vnorm_task = sq_task.sqrt() / n.clamp(min=1)
         self.vnorm_all = math.sqrt(sq_all) / max(float(n.sum()), 1.0)
         self.stats["val_grad_norm"] = self.vnorm_all
@@ -459,8 +467,9 @@ class InfluenceScorer:
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
         dot_all = dots.sum(dim=1) / n.sum().clamp(min=1)
         dot_task = dots / n.clamp(min=1)
+        nonfinite = ~torch.isfinite(sq) | ~torch.isfinite(dots).all(dim=1)
         norm = sq.clamp(min=0).sqrt()
-        zero = (norm == 0) | (n_tok == 0)
+        zero = ((norm == 0) | (n_tok == 0)) & ~nonfinite
         if self.normalize:
             den_all = norm * self.vnorm_all
             score = torch.where(den_all > 0, dot_all / den_all.clamp(min=1e-300), torch.zeros_like(dot_all))
@@ -470,12 +479,16 @@ class InfluenceScorer:
             score, task_scores = dot_all, dot_task
         score = torch.where(zero, torch.zeros_like(score), score)
         task_scores = torch.where(zero[:, None], torch.zeros_like(task_scores), task_scores)
+        nan = torch.full_like(score, float("nan"))
+        score = torch.where(nonfinite, nan, score)  # never a silent 0: NaN + the flag
+        task_scores = torch.where(nonfinite[:, None], nan[:, None].expand_as(task_scores), task_scores)
         return {
             "id": [str(i) for i in batch["id"]],
             "score": score.numpy(),
             "task_scores": task_scores.numpy(),
             "n_tokens": n_tok.numpy(),
             "zero_grad": zero.numpy(),
+            "nonfinite": nonfinite.numpy(),
             "task": list(batch["task"]) if batch.get("task") is not None else None,
         }
 
@@ -491,7 +504,8 @@ def _table_from_parts(parts: list[dict], task_names: list[str], settings: dict) 
     K = len(task_names)
     cat = lambda k, shape: np.concatenate([p[k] for p in parts]) if parts else np.zeros(shape)  # noqa: E731
     return ScoreTable(ids, cat("score", (0,)), task_names, cat("task_scores", (0, K)), cat("n_tokens", (0,)),
-                      cat("zero_grad", (0,)), tasks if any(t is not None for t in tasks) else None, settings)
+                      cat("zero_grad", (0,)), tasks if any(t is not None for t in tasks) else None, settings,
+                      nonfinite=cat("nonfinite", (0,)))
 
 
 def tracin_scores(
@@ -553,11 +567,13 @@ def multi_checkpoint_scores(
         t = tracin_scores(m, train_dataloader, val_dataloader, **kwargs)
         if total is None:
             total = ScoreTable(t.ids, w * t.scores, t.task_names, w * t.task_scores, t.n_tokens, t.zero_grad,
-                               t.tasks, {**t.settings, "checkpoint_weights": list(map(float, weights))})
+                               t.tasks, {**t.settings, "checkpoint_weights": list(map(float, weights))},
+                               nonfinite=t.nonfinite)
         else:
             if t.ids != total.ids or t.task_names != total.task_names:
                 raise ValueError("checkpoints scored different ids or tasks; use a deterministic data loader")
             total.scores += w * t.scores
             total.task_scores += w * t.task_scores
             total.zero_grad &= t.zero_grad
+            total.nonfinite |= t.nonfinite
     return total

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import lightning as L
@@ -125,6 +126,35 @@ class InfluenceScoringModule(L.LightningModule):
         hp["model"] = self.model_name
         return {k: hp.get(k) for k in ("model", "method", "normalize", "per_task", "damping", "damping_mode",
                                        "kfac_examples", "kfac_split", "feature_mode", "target_patterns", "dtype")}
+
+    def scoring_provenance(self) -> dict[str, Any]:
+        """What produced this run's scores: ``{"fingerprint": {model, settings, pool, validation}, "data":
+        {...}}``. The fingerprint holds the model's identity (files of a local dir / file, else a hash of
+        the loaded weights), :meth:`scoring_config`, and content digests of the scored pool (the trainer's
+        predict data) and of the validation set; ``data`` counts and lists the examples the data module
+        dropped (no response token left after truncation). Used by ``InfluenceWriter`` to refuse resuming
+        or reusing an output directory produced from different inputs."""
+        from ..io.fingerprint import loader_digest, module_identity, source_identity
+
+        hp = self.hparams
+        if isinstance(hp.get("model"), str) and Path(hp.model).exists():
+            model_id: Any = source_identity(hp.model)
+        else:
+            if self.net is None:
+                self.configure_model()
+            model_id = {"name": self.model_name, "weights": module_identity(self.net)}
+        fp: dict[str, Any] = {"model": model_id, "settings": self.scoring_config()}
+        loaders = self.trainer.predict_dataloaders if self._trainer is not None else None
+        if loaders is not None:
+            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+            fp["pool"] = [loader_digest(dl) for dl in loaders] if len(loaders) != 1 else loader_digest(loaders[0])
+        val, _ = self._loaders()
+        fp["validation"] = loader_digest(val)
+        out: dict[str, Any] = {"fingerprint": fp}
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "dropped_report"):
+            out["data"] = dm.dropped_report(("pool", "validation"))
+        return out
 
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:

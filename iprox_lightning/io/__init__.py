@@ -1,0 +1,9 @@
+"""One home for each on-disk artifact: the proxy directory (:mod:`.proxy`), the score table
+(:mod:`.scores`: shards, merged Parquet, settings) and the selection file (:mod:`.selection`), each with a
+schema version and a fingerprint of what produced it (:mod:`.fingerprint`). Every other module reads and
+writes these artifacts through here."""
+from .fingerprint import FingerprintMismatch, digest, diff
+from .scores import SCHEMA_VERSION, read_scores, read_table, topk_count, topk_indices, topk_order, write_scores
+
+__all__ = ["FingerprintMismatch", "digest", "diff", "SCHEMA_VERSION", "read_scores", "read_table", "topk_count",
+           "topk_indices", "topk_order", "write_scores"]
