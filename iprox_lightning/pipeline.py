@@ -103,20 +103,33 @@ def pipeline(
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
 
-    def stage(name: str, subcommand: str, overlay: dict, done: Path, tag: str | None = None) -> None:
+    from .io.stages import StageLedger
+
+    # a stage's output is reused only when its fingerprint (configs, overlay, sources, upstream stages) matches
+    ledger = StageLedger(wd, {"target": target, "pool": pool, "validation": validation}, force=force)
+
+    def stage(name: str, subcommand: str, overlay: dict, done: Path, tag: str | None = None,
+              upstream: tuple = (), files: tuple = ()) -> None:
         key = f"{name}:{tag}" if tag else name
-        if done.exists() and not force:
-            log.info("stage %s: %s exists, skipped", name, done)
-            print(f"[pipeline] {key}: already done ({done}), skipped")
-            return
         configs = [cfg_dir / f"{name}.yaml"]
         if demo and (cfg_dir / "builtin" / f"{name}.yaml").exists():
             configs.append(cfg_dir / "builtin" / f"{name}.yaml")
+        fp = ledger.prepare(key, configs, overlay, upstream=upstream, files=files)
+        if ledger.reuse(key, done):
+            log.info("stage %s: %s exists with fingerprint %s, reused", key, done, fp)
+            print(f"[pipeline] {key}: reused ({done}, fingerprint {fp[:12]} matches)")
+            return
+        if done.name == "scores.parquet":  # start the scoring output fresh (force, or an unrecorded old run)
+            from .io.scores import clear_output
+
+            if force:
+                clear_output(done.parent)
         configs.append(_write_overlay(run_cfg / f"{key.replace(':', '_')}.yaml", overlay))
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         print(f"[pipeline] {key}: python train.py " + " ".join(args))
         t0 = time.perf_counter()
         run_lightning(args)
+        ledger.record(key)
         times[key] = time.perf_counter() - t0
         times_path.parent.mkdir(parents=True, exist_ok=True)
         times_path.write_text(json.dumps(times, indent=2))
@@ -140,7 +153,7 @@ def pipeline(
                                    "init_args": {"sparsity": sparsity, "method": "ipsvd"}}]},
         "model": {"init_args": {"target": str(warm), "save_dir": str(proxy)}},
         "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "align"}},
-    }, proxy / "iprox_proxy.json")
+    }, proxy / "iprox_proxy.json", upstream=("warmup",))
 
     # 3. score the pool with the target (reference) and the proxy --------------------------------
     score_dirs = {}
@@ -153,7 +166,7 @@ def pipeline(
                                                           "init_args": {"output_dir": str(out)}}]},
             "model": {"init_args": {"model": str(model_dir), "method": method}},
             "data": {"init_args": {**data_args, "tokenizer": str(warm)}},
-        }, out / "scores.parquet", tag=who)
+        }, out / "scores.parquet", tag=who, upstream=("warmup", "build_proxy") if who == "proxy" else ("warmup",))
 
     # 4. select: target, proxy, random ---------------------------------------------------------
     from .analysis.score_table import read_scores
@@ -161,8 +174,7 @@ def pipeline(
 
     scores = {who: read_scores(d / "scores.parquet") for who, d in score_dirs.items()}
     rand_path = wd / "scores" / "random" / "scores.parquet"
-    if not rand_path.exists() or force:
-        write_random_scores(sorted(scores["target"]), rand_path, seed=seed)
+    write_random_scores(sorted(scores["target"]), rand_path, seed=seed)  # cheap: always from this run's pool
     scores["random"] = read_scores(rand_path)
     selected = {}
     t0 = time.perf_counter()
@@ -184,7 +196,7 @@ def pipeline(
                 "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
                 "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
                                        "selected": str(selected[who])}},
-            }, ft / "config.json", tag=who)
+            }, ft / "config.json", tag=who, upstream=("warmup",), files=(selected[who],))
         from .selection_effect import selection_effect
 
         t0 = time.perf_counter()
@@ -193,6 +205,9 @@ def pipeline(
 
     # 6. summary --------------------------------------------------------------------------------
     summary = _summary(wd, warm, proxy, scores, selected, times, pool)
+    from .io.stages import pipeline_provenance
+
+    summary.update(pipeline_provenance(ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
     if effect is not None:
         summary["selection_effect"] = effect
     (wd / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -239,6 +254,10 @@ def _format_summary(s: dict[str, Any]) -> str:
     lines.append(f"target parameters : {tp:,}")
     lines.append(f"proxy parameters  : {pp:,} ({pp / tp:.1%} of the target; {s['proxy_manifest']})")
     lines.append("seconds per stage : " + ", ".join(f"{k} {v:.1f}" for k, v in s["seconds_per_stage"].items()))
+    if "stages" in s:
+        from .io.stages import format_provenance
+
+        lines.extend(format_provenance(s))
     r = s["retention_proxy_vs_target"]
     lines.append(f"proxy vs target   : Spearman {r['spearman']:.3f}, Kendall {r['kendall']:.3f}, top-5% overlap {r['top5%']:.2f}")
     r = s["retention_random_vs_target"]

@@ -50,9 +50,45 @@ def test_pipeline_resumes_without_rerunning(run, capsys):
     wd, s = run
     again = pipeline(workdir=str(wd))
     out = capsys.readouterr().out
-    assert out.count("already done") == 7  # warmup, build_proxy, 2 x score, 3 x finetune: nothing re-ran
+    assert out.count("reused (") == 7  # warmup, build_proxy, 2 x score, 3 x finetune: nothing re-ran
+    assert {k: v["status"] for k, v in again["stages"].items()} == {
+        k: "reused" for k in ("warmup", "build_proxy", "score:target", "score:proxy", "finetune:proxy",
+                              "finetune:target", "finetune:random")}
+    assert again["stages"]["build_proxy"]["fingerprint"] == s["stages"]["build_proxy"]["fingerprint"]
+    assert again["method"] == "tracin" and again["sparsity"] == 0.5
+    fp = again["stages"]["build_proxy"]["fingerprint"][:12]
+    assert f"stages reused     : warmup (" in out and f"build_proxy ({fp})" in out
     assert again["retention_proxy_vs_target"] == s["retention_proxy_vs_target"]
     assert again["oracle"] == s["oracle"]
+
+
+@pytest.mark.parametrize("flag,stage,what", [
+    ("--sparsity=0.3", "build_proxy", "overlay.trainer.callbacks[0].init_args.sparsity: 0.5 -> 0.3"),
+    ("--method=kfac", "score:target", "overlay.model.init_args.method: 'tracin' -> 'kfac'"),
+])
+def test_pipeline_refuses_to_reuse_stages_of_other_inputs(run, flag, stage, what):
+    """Issue 12: a changed flag in an existing workdir must not reprint the old results."""
+    from iprox_lightning.io import FingerprintMismatch
+
+    wd, _ = run
+    before = (wd / "summary.json").read_text()
+    with pytest.raises(FingerprintMismatch) as e:
+        main(["pipeline", "--workdir", str(wd), flag])
+    msg = str(e.value)
+    assert msg.startswith(f"stage {stage}: ") and "produced from different inputs" in msg
+    assert what in msg and "--force true" in msg and "new --workdir" in msg
+    assert (wd / "summary.json").read_text() == before  # nothing rewritten
+
+
+def test_pipeline_refuses_an_unrecorded_stage_output(tmp_path):
+    """An output without a stage record (older workdir, hand-made) is never silently reused."""
+    from iprox_lightning.io import FingerprintMismatch
+
+    (tmp_path / "warmup" / "model").mkdir(parents=True)
+    (tmp_path / "warmup" / "model" / "config.json").write_text("{}")
+    with pytest.raises(FingerprintMismatch, match=r"stage warmup: .*config.json exists but .*stages/warmup.json does "
+                                                  r"not record what produced it"):
+        pipeline(workdir=str(tmp_path))
 
 
 def test_proxy_check_and_report_commands(run, capsys, tmp_path):

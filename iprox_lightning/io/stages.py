@@ -1,0 +1,142 @@
+"""Pipeline stage records: a stage's output is reused only when its fingerprint matches.
+
+Each stage's fingerprint is a digest of everything it was run from: the contents of its config files,
+the generated overlay (paths, sparsity, method, seed, ...), the identity of the run's sources (target
+model, pool, validation set: :func:`~iprox_lightning.io.fingerprint.source_identity`), the fingerprints of
+the stages it reads, and the identity of any input file (e.g. the selection a fine-tune trains on). It is
+written to ``<workdir>/stages/<stage>.json`` after the stage succeeds.
+
+On the next run a stage whose output exists is reused when the fingerprints match; otherwise the
+pipeline stops with :class:`~iprox_lightning.io.fingerprint.FingerprintMismatch` listing what differs
+(``--force true`` re-runs, or use a new ``--workdir``). An output without a record (an older workdir, or
+one written by hand) is refused the same way: its provenance is unknown.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from .fingerprint import FingerprintMismatch, diff, digest, file_identity, source_identity
+
+STAGES_DIR = "stages"
+
+
+def sources_identity(sources: Mapping[str, Any]) -> dict[str, Any]:
+    """Identity of the pipeline's named sources (``eval:<dir>[:suites]`` resolves to the directory)."""
+    out = {}
+    for k, v in sources.items():
+        if isinstance(v, str) and v.startswith("eval:"):
+            from ..data.eval_validation import parse_eval_source
+
+            d, suites = parse_eval_source(v)
+            out[k] = {"eval": source_identity(d), "suites": list(suites)}
+        else:
+            out[k] = source_identity(v)
+    return out
+
+
+class StageLedger:
+    """Decides, per stage, between reuse and run, and records what each run was made from."""
+
+    def __init__(self, workdir: str | os.PathLike, sources: Mapping[str, Any], *, force: bool = False,
+                 hint: str = "re-run with --force true to recompute (overwrites the stage outputs), or use a new --workdir"):
+        self.dir = Path(workdir) / STAGES_DIR
+        self.sources = sources_identity(sources)
+        self.force = force
+        self.hint = hint
+        self.inputs: dict[str, dict] = {}
+        self.fingerprints: dict[str, str] = {}
+        self.status: dict[str, str] = {}
+
+    def record_path(self, key: str) -> Path:
+        return self.dir / f"{key.replace(':', '_')}.json"
+
+    def prepare(self, key: str, configs: Sequence[str | os.PathLike], overlay: Mapping, *,
+                upstream: Iterable[str] = (), files: Iterable[str | os.PathLike] = ()) -> str:
+        """Compute and remember the fingerprint of stage ``key``; returns it."""
+        inputs = {
+            "configs": {f"{Path(c).parent.name}/{Path(c).name}": file_identity(c).get("sha256") for c in configs},
+            "overlay": json.loads(json.dumps(overlay, default=str)),
+            "sources": self.sources,
+            "upstream": {u: self.fingerprints.get(u) for u in upstream},
+            "files": {str(f): file_identity(f) if Path(f).is_file() else None for f in files},
+        }
+        self.inputs[key] = inputs
+        self.fingerprints[key] = digest(inputs)
+        return self.fingerprints[key]
+
+    def reuse(self, key: str, done: str | os.PathLike) -> bool:
+        """``True``: reuse the existing output; ``False``: run the stage. Raises on a mismatch."""
+        done = Path(done)
+        if self.force or not done.exists():
+            self.status[key] = "ran"
+            return False
+        rec_path = self.record_path(key)
+        if not rec_path.exists():
+            raise FingerprintMismatch(
+                f"stage {key}: {done} exists but {rec_path} does not record what produced it (an older or hand-made "
+                f"output), so it cannot be reused safely; {self.hint}")
+        rec = json.loads(rec_path.read_text())
+        if rec.get("fingerprint") != self.fingerprints[key]:
+            lines = diff(rec.get("inputs", {}), self.inputs[key])
+            raise FingerprintMismatch(
+                f"stage {key}: {done} was produced from different inputs (fingerprint {rec.get('fingerprint')} -> "
+                f"{self.fingerprints[key]}); refusing to reuse it. What differs (previous -> now):\n  "
+                + "\n  ".join(lines or ["(no field listed)"]) + f"\n{self.hint}")
+        self.status[key] = "reused"
+        return True
+
+    def record(self, key: str) -> Path:
+        """Write the record of stage ``key`` (after it succeeded)."""
+        from .scores import write_json_atomic
+
+        return write_json_atomic(self.record_path(key), {"stage": key, "fingerprint": self.fingerprints[key],
+                                                         "inputs": self.inputs[key]})
+
+    def summary(self) -> dict[str, dict[str, str]]:
+        """``{stage: {"status": "ran" | "reused", "fingerprint": ...}}`` in run order."""
+        return {k: {"status": self.status.get(k, "ran"), "fingerprint": fp} for k, fp in self.fingerprints.items()}
+
+
+def format_stages(stages: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """Summary lines: which stages were reused (with fingerprints) and which ran."""
+    reused = [f"{k} ({v['fingerprint'][:12]})" for k, v in stages.items() if v.get("status") == "reused"]
+    ran = [k for k, v in stages.items() if v.get("status") != "reused"]
+    lines = []
+    if reused:
+        lines.append("stages reused     : " + ", ".join(reused) + " (fingerprints match)")
+    if ran:
+        lines.append("stages run        : " + ", ".join(ran))
+    return lines
+
+
+def pipeline_provenance(ledger: StageLedger, *, method: str, sparsity: float,
+                        score_dirs: Mapping[str, str | os.PathLike]) -> dict[str, Any]:
+    """The pipeline summary's provenance fields: method, ρ, each stage's status and fingerprint, and the
+    examples the scoring stages dropped (no response token left after truncation), from their settings."""
+    from .scores import read_settings
+
+    dropped = {}
+    for who, d in score_dirs.items():
+        data = read_settings(d).get("data") or {}
+        dropped[who] = {split: {"dropped": v.get("dropped", 0), "dropped_ids": v.get("dropped_ids", [])[:20],
+                                "max_length": v.get("max_length"), "truncation": v.get("truncation")}
+                        for split, v in data.items()}
+    return {"method": method, "sparsity": sparsity, "stages": ledger.summary(), "truncation_dropped": dropped}
+
+
+def format_provenance(s: Mapping[str, Any]) -> list[str]:
+    """Summary lines for :func:`pipeline_provenance`'s fields."""
+    lines = [f"method / sparsity : {s.get('method')} / rho = {s.get('sparsity')}"]
+    lines += format_stages(s.get("stages", {}))
+    drops = s.get("truncation_dropped") or {}
+    parts = []
+    for who, splits in drops.items():
+        for split, v in splits.items():
+            if v.get("dropped"):
+                parts.append(f"{who} {split} {v['dropped']} (e.g. {', '.join(v['dropped_ids'][:3])})")
+    if parts:
+        lines.append("dropped by truncation (no response token left): " + "; ".join(parts))
+    return lines
