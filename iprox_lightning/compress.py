@@ -8,10 +8,9 @@ would reach ``min(in, out)`` stay dense. The returned :class:`CompressionReport`
 rank, weighted objective, time, and the requested vs achieved parameter counts of the whole model
 (embeddings and LM head included), so users see the true proxy size.
 
-A proxy directory (``save_proxy`` / ``load_proxy``) holds ``config.json`` (+ ``generation_config.json``),
-the tokenizer files, every weight (factors included) in ``model.safetensors``, and the manifest
-``iprox_proxy.json`` (target model id, sparsity, per-layer rank, method, mode, damping, damping mode,
-probe count, parameter counts). Nothing is unpickled on load.
+A proxy directory (``save_proxy`` / ``load_proxy``, defined in :mod:`iprox_lightning.io.proxy`) holds
+``config.json``, the tokenizer files, every weight (factors included) in ``iprox_proxy.safetensors`` and the
+manifest ``iprox_proxy.json``; it loads as a proxy or not at all. Nothing is unpickled on load.
 """
 from __future__ import annotations
 
@@ -35,9 +34,7 @@ from .rank import allocate_ranks, plan_ranks, requested_layer_params
 
 log = logging.getLogger(__name__)
 
-PROXY_MANIFEST = "iprox_proxy.json"
-PROXY_WEIGHTS = "model.safetensors"
-MANIFEST_VERSION = 1
+from .io.proxy import MANIFEST_VERSION, PROXY_MANIFEST, PROXY_WEIGHTS  # noqa: E402,F401  (the proxy dir: io.proxy)
 METHODS = ("ipsvd", "svd", "random")
 ALLOCATIONS = ("uniform", "global")
 
@@ -349,116 +346,6 @@ def _global_plan(modules, plan, spared, sparsity, method, probes, damping, dampi
 
 
 # ------------------------------------------------------------------------------------------------
-# save / load
+# save / load: the proxy directory's one home is iprox_lightning.io.proxy (re-exported here)
 # ------------------------------------------------------------------------------------------------
-def build_manifest(model: nn.Module, report: CompressionReport | Mapping | None = None, **extra: Any) -> dict:
-    """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the
-    compression settings and parameter counts of ``report`` and any ``extra`` keys."""
-    layers = {}
-    for name, m in lowrank_layers(model).items():
-        layers[name] = {"rank": m.rank, "in_features": m.in_features, "out_features": m.out_features,
-                        "bias": m.bias is not None}
-    info: dict[str, Any] = {}
-    if isinstance(report, CompressionReport):
-        d = report.to_dict()
-        layer_info = {lr["name"]: lr for lr in d.pop("layers")}
-        for name, entry in layers.items():
-            if name in layer_info:
-                entry.update({k: layer_info[name][k] for k in ("mode", "objective", "objective_dense", "time_s")})
-        info.update(d)
-    elif report is not None:
-        info.update(dict(report))
-    info.update(extra)
-    target = info.pop("target_model", None) or getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    first = next(model.parameters(), None)
-    return {
-        "format_version": MANIFEST_VERSION,
-        "target_model": target,
-        **info,
-        "dtype": str(first.dtype).replace("torch.", "") if first is not None else None,
-        "params_after": count_parameters(model),
-        "layers": layers,
-    }
-
-
-def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: CompressionReport | Mapping | None = None,
-               **extra: Any) -> Path:
-    """Write a proxy directory (``config.json``, generation config, tokenizer files,
-    ``model.safetensors`` with every weight, ``iprox_proxy.json``). ``manifest`` is the
-    :class:`CompressionReport` (or a dict) of the compression; ``extra`` keys (e.g.
-    ``target_model="HuggingFaceTB/SmolLM2-135M-Instruct"``) are added to the manifest."""
-    from safetensors.torch import save_model
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    if not is_compressed(model):
-        raise ValueError("save_proxy: the model holds no LowRankLinear layer (compress it first)")
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError("save_proxy needs a Hugging Face model with a .config")
-    config.save_pretrained(path)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        try:
-            gen.save_pretrained(path)
-        except Exception as e:  # an invalid generation config must not lose the proxy
-            log.warning("could not save generation config: %s", e)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    save_model(model, str(path / PROXY_WEIGHTS), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
-    man = build_manifest(model, manifest, **extra)
-    (path / PROXY_MANIFEST).write_text(json.dumps(man, indent=2, default=float) + "\n")
-    return path
-
-
-def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None) -> tuple[nn.Module, Any]:
-    """Rebuild a proxy saved by :func:`save_proxy`: the architecture from ``config.json``, the
-    ``LowRankLinear`` layers of the recorded ranks, then ``model.safetensors`` loaded strictly.
-    Returns ``(model in eval mode, tokenizer or None when the directory holds none)``."""
-    from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    man_file = path / PROXY_MANIFEST
-    if not man_file.is_file():
-        raise FileNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
-    try:
-        manifest = json.loads(man_file.read_text())
-        layers = manifest["layers"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise ValueError(f"{man_file}: malformed manifest ({e})") from None
-    weights = path / PROXY_WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found (proxy weights)")
-    config = AutoConfig.from_pretrained(path)
-    build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"), torch.float32)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
-    for name, spec in layers.items():
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"{man_file}: layer {name!r} does not exist in the {type(model).__name__} built from config.json") from None
-        out_f, in_f = linear_shape(old)
-        if (out_f, in_f) != (spec["out_features"], spec["in_features"]):
-            raise ValueError(f"{man_file}: layer {name!r} is {out_f}x{in_f} in the model but "
-                             f"{spec['out_features']}x{spec['in_features']} in the manifest")
-        w = linear_weight(old)
-        new = LowRankLinear(in_f, out_f, int(spec["rank"]), bias=bool(spec.get("bias", False)), dtype=w.dtype)
-        _set_submodule(model, name, new)
-    missing, unexpected = load_model(model, str(weights), strict=True)
-    if missing or unexpected:  # strict=True raises already; defensive
-        raise ValueError(f"{weights}: missing {missing}, unexpected {unexpected}")
-    if dtype is not None:
-        model = model.to(dtype)
-    if device is not None:
-        model = model.to(device)
-    tok = None
-    if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
-        tok = AutoTokenizer.from_pretrained(path)
-    return model.eval(), tok
-
-
-def read_manifest(path: str | Path) -> dict:
-    """The ``iprox_proxy.json`` of a proxy directory."""
-    return json.loads((Path(path) / PROXY_MANIFEST).read_text())
+from .io.proxy import build_manifest, load_proxy, read_manifest, save_proxy  # noqa: E402,F401

@@ -24,7 +24,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-PROXY_MANIFEST = "iprox_proxy.json"
+from ..io.proxy import PROXY_MANIFEST  # noqa: E402  (the proxy directory's one home)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -128,8 +128,12 @@ def load_model(
     p = Path(name)
     if gguf_file is not None:
         p = p / gguf_file
-    if p.is_dir() and (p / PROXY_MANIFEST).exists():
-        from ..compress import load_proxy
+    if p.is_dir():
+        from ..io.proxy import check_not_a_bare_proxy, is_proxy_dir
+
+        check_not_a_bare_proxy(p)  # factor tensors without a manifest: never load them as a plain model
+    if p.is_dir() and is_proxy_dir(p):
+        from ..io.proxy import load_proxy
 
         model, tok = load_proxy(p)
         if torch_dtype is not None:

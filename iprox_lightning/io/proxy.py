@@ -1,0 +1,296 @@
+"""The proxy directory: the only reader and writer of a saved IProX proxy.
+
+Layout (:data:`MANIFEST_VERSION` 2)::
+
+    config.json (+ generation_config.json)   # the target architecture (a plain Hugging Face config)
+    tokenizer files
+    iprox_proxy.safetensors                   # every weight, the LowRankLinear factors ``<layer>.A`` / ``.B`` included
+    iprox_proxy.json                          # manifest: format_version, target model, settings, per-layer ranks,
+                                              # parameter counts, fingerprint of the weights file
+    README.md                                 # how to load it
+
+A proxy loads as a proxy or not at all:
+
+* :func:`load_proxy` rebuilds the architecture from ``config.json``, replaces each manifest layer by a
+  ``LowRankLinear`` of the recorded rank, checks the weights file's tensor names and shapes against that
+  model **before** loading (missing / unexpected tensors, a rank that disagrees with the factors, a layer
+  the config does not have: each a :class:`ProxyFormatError` naming the file, tensor and shapes), then
+  loads strictly. Nothing is unpickled; ``trust_remote_code`` is never used.
+* Plain ``AutoModelForCausalLM.from_pretrained(proxy_dir)`` fails loudly: the weights are not in a file
+  transformers reads (``model.safetensors``), so it cannot return a model with randomly initialised
+  projections. (Writing dense ``A·B`` products instead would load, but as a *different* model: the
+  gradients of a dense layer are not the proxy's factor gradients.)
+* :func:`check_not_a_bare_proxy` lets the generic loader refuse a directory whose weights hold factor
+  tensors but whose manifest is missing.
+
+Version 1 directories (weights in ``model.safetensors``) still load through :func:`load_proxy`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PROXY_MANIFEST = "iprox_proxy.json"
+PROXY_WEIGHTS = "iprox_proxy.safetensors"
+LEGACY_WEIGHTS = "model.safetensors"  # format_version 1
+MANIFEST_VERSION = 2
+_FACTOR = re.compile(r"\.(A|B)$")
+
+README = """# IProX proxy
+
+This directory is an IProX proxy (low-rank factors `A`, `B` replace the attention/MLP projections).
+Load it with
+
+```python
+import iprox_lightning as ipx
+proxy, tok = ipx.load_proxy("{path}")      # or ipx.load_model("{path}")
+```
+
+`AutoModelForCausalLM.from_pretrained` cannot load it (the factors are not transformers weights), on
+purpose: it would silently return random projections. `iprox_proxy.json` records the ranks and settings.
+"""
+
+
+class ProxyFormatError(ValueError):
+    """A proxy directory that cannot be loaded as the proxy it claims to be."""
+
+
+def weights_file(path: str | Path) -> Path | None:
+    p = Path(path)
+    for name in (PROXY_WEIGHTS, LEGACY_WEIGHTS):
+        if (p / name).is_file():
+            return p / name
+    return None
+
+
+def tensor_shapes(file: str | Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` from a safetensors header (no tensor is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def _metadata(file: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def is_proxy_dir(path: str | Path) -> bool:
+    """True for a directory holding a proxy manifest or proxy weights."""
+    p = Path(path)
+    return p.is_dir() and ((p / PROXY_MANIFEST).is_file() or (p / PROXY_WEIGHTS).is_file())
+
+
+def check_not_a_bare_proxy(path: str | Path) -> None:
+    """Raise :class:`ProxyFormatError` when ``path`` holds proxy weights (factor tensors ``<layer>.A`` /
+    ``.B``, or the proxy weights file) but no ``iprox_proxy.json``: transformers would load such a
+    directory with randomly initialised projections."""
+    p = Path(path)
+    if not p.is_dir() or (p / PROXY_MANIFEST).is_file():
+        return
+    if (p / PROXY_WEIGHTS).is_file():
+        raise ProxyFormatError(f"{p}: holds {PROXY_WEIGHTS} but no {PROXY_MANIFEST}: it is an IProX proxy without "
+                               "its manifest (ranks, settings) and cannot be loaded; copy the manifest back or "
+                               "rebuild the proxy")
+    files = sorted(p.glob("*.safetensors"))
+    for f in files:
+        try:
+            names = tensor_shapes(f)
+            meta = _metadata(f)
+        except Exception:  # not a readable safetensors file: leave the error to transformers
+            continue
+        factors = sorted(n for n in names if _FACTOR.search(n))
+        if factors or "iprox_proxy" in meta:
+            raise ProxyFormatError(
+                f"{f}: holds {len(factors)} low-rank factor tensor(s) (e.g. {factors[:2]}) but {p} has no "
+                f"{PROXY_MANIFEST}: loading it as a plain model would give randomly initialised projections; "
+                "copy the manifest back or rebuild the proxy")
+
+
+# ----------------------------------------------------------------------------------------------- save
+def build_manifest(model: nn.Module, report: Any = None, **extra: Any) -> dict:
+    """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the compression
+    settings and parameter counts of ``report`` (a ``CompressionReport`` — any fields of its ``to_dict()`` —
+    or a dict) and any ``extra`` keys."""
+    from ..compress import CompressionReport, count_parameters, lowrank_layers
+
+    layers = {}
+    for name, m in lowrank_layers(model).items():
+        layers[name] = {"rank": m.rank, "in_features": m.in_features, "out_features": m.out_features,
+                        "bias": m.bias is not None}
+    info: dict[str, Any] = {}
+    if isinstance(report, CompressionReport):
+        d = report.to_dict()
+        layer_info = {lr["name"]: lr for lr in d.pop("layers", [])}
+        for name, entry in layers.items():
+            if name in layer_info:
+                entry.update({k: layer_info[name][k] for k in ("mode", "objective", "objective_dense", "time_s")
+                              if k in layer_info[name]})
+        info.update(d)
+    elif report is not None:
+        info.update(dict(report))
+    info.update(extra)
+    for k in ("format_version", "layers", "dtype", "params_after", "weights"):  # always recomputed here
+        info.pop(k, None)
+    target = info.pop("target_model", None) or getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    first = next(model.parameters(), None)
+    return {
+        "format_version": MANIFEST_VERSION,
+        "target_model": target,
+        **info,
+        "dtype": str(first.dtype).replace("torch.", "") if first is not None else None,
+        "params_after": count_parameters(model),
+        "layers": layers,
+    }
+
+
+def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any = None, **extra: Any) -> Path:
+    """Write a proxy directory (module docstring). ``manifest`` is the ``CompressionReport`` (or a dict) of
+    the compression; ``extra`` keys (e.g. ``target_model="HuggingFaceTB/SmolLM2-135M-Instruct"``) are added
+    to the manifest."""
+    from safetensors.torch import save_model
+
+    from ..compress import is_compressed
+    from .fingerprint import file_identity
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if not is_compressed(model):
+        raise ValueError("save_proxy: the model holds no LowRankLinear layer (compress it first)")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("save_proxy needs a Hugging Face model with a .config")
+    config.save_pretrained(path)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        try:
+            gen.save_pretrained(path)
+        except Exception as e:  # an invalid generation config must not lose the proxy
+            log.warning("could not save generation config: %s", e)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    (path / LEGACY_WEIGHTS).unlink(missing_ok=True)  # never leave a file transformers would load
+    save_model(model, str(path / PROXY_WEIGHTS), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
+    man = build_manifest(model, manifest, **extra)
+    man["weights"] = {"file": PROXY_WEIGHTS, **file_identity(path / PROXY_WEIGHTS)}
+    (path / PROXY_MANIFEST).write_text(json.dumps(man, indent=2, default=float) + "\n")
+    (path / "README.md").write_text(README.format(path=path))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- load
+def read_manifest(path: str | Path) -> dict:
+    """The ``iprox_proxy.json`` of a proxy directory (validated: a JSON object with ``layers``)."""
+    man_file = Path(path) / PROXY_MANIFEST
+    if not man_file.is_file():
+        raise FileNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
+    try:
+        manifest = json.loads(man_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ProxyFormatError(f"{man_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), dict):
+        raise ProxyFormatError(f"{man_file}: malformed manifest (no 'layers' object)")
+    if int(manifest.get("format_version", 1)) > MANIFEST_VERSION:
+        raise ProxyFormatError(f"{man_file}: format_version {manifest['format_version']} is newer than this "
+                               f"iprox_lightning reads ({MANIFEST_VERSION})")
+    return manifest
+
+
+def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapping[str, dict]) -> None:
+    """Compare the weights file's header with the model built from config + manifest, before loading."""
+    have = tensor_shapes(weights)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # tied weights (e.g. lm_head tied to the embeddings) are saved once
+    tied = {k for k in want if k not in have and _is_tied(model, k, have)}
+    for name, spec in layers.items():
+        r = int(spec["rank"])
+        for fac, shape in ((f"{name}.A", (spec["out_features"], r)), (f"{name}.B", (r, spec["in_features"]))):
+            if fac in have and have[fac] != tuple(shape):
+                raise ProxyFormatError(
+                    f"{man_file}: layer {name!r} has rank {r} in the manifest, but {weights.name} holds {fac} with "
+                    f"shape {list(have[fac])} (expected {list(shape)}): the manifest and the weights disagree")
+    missing = sorted(k for k in want if k not in have and k not in tied)
+    unexpected = sorted(k for k in have if k not in want)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s) {missing[:5]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensor(s) {unexpected[:5]}")
+        raise ProxyFormatError(f"{weights}: does not match the proxy described by {man_file.name} and config.json: "
+                               + "; ".join(parts) + " — refusing to load with randomly initialised or ignored weights")
+    for k, shape in want.items():
+        if k in have and have[k] != shape:
+            raise ProxyFormatError(f"{weights}: tensor {k} has shape {list(have[k])}, the model expects {list(shape)}")
+
+
+def _is_tied(model: nn.Module, key: str, have: Mapping[str, Any]) -> bool:
+    sd = model.state_dict()
+    t = sd[key]
+    return any(k in have and sd[k].data_ptr() == t.data_ptr() for k in sd if k != key)
+
+
+def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None) -> tuple[nn.Module, Any]:
+    """Rebuild a proxy saved by :func:`save_proxy`: the architecture from ``config.json``, the
+    ``LowRankLinear`` layers of the recorded ranks, the weights file checked against them, then loaded
+    strictly. Returns ``(model in eval mode, tokenizer or None when the directory holds none)``."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ..compress import _set_submodule
+    from ..lowrank import LowRankLinear
+    from ..models.targets import linear_shape, linear_weight
+
+    path = Path(path)
+    man_file = path / PROXY_MANIFEST
+    if not man_file.is_file():
+        check_not_a_bare_proxy(path)
+    manifest = read_manifest(path)
+    layers = manifest["layers"]
+    weights = weights_file(path)
+    if weights is None:
+        raise FileNotFoundError(f"{path / PROXY_WEIGHTS} not found (proxy weights)")
+    for name, spec in layers.items():
+        miss = [k for k in ("rank", "in_features", "out_features") if k not in spec]
+        if miss:
+            raise ProxyFormatError(f"{man_file}: layer {name!r} lacks field(s) {miss}")
+    config = AutoConfig.from_pretrained(path)
+    build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"), torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
+    for name, spec in layers.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise ProxyFormatError(f"{man_file}: layer {name!r} does not exist in the {type(model).__name__} built "
+                                   "from config.json") from None
+        out_f, in_f = linear_shape(old)
+        if (out_f, in_f) != (spec["out_features"], spec["in_features"]):
+            raise ProxyFormatError(f"{man_file}: layer {name!r} is {out_f}x{in_f} in the model but "
+                                   f"{spec['out_features']}x{spec['in_features']} in the manifest")
+        w = linear_weight(old)
+        new = LowRankLinear(in_f, out_f, int(spec["rank"]), bias=bool(spec.get("bias", False)), dtype=w.dtype)
+        _set_submodule(model, name, new)
+    _check_tensors(model, weights, man_file, layers)
+    missing, unexpected = load_model(model, str(weights), strict=True)
+    if missing or unexpected:  # strict=True raises already; defensive
+        raise ProxyFormatError(f"{weights}: missing {missing}, unexpected {unexpected}")
+    if dtype is not None:
+        model = model.to(dtype)
+    if device is not None:
+        model = model.to(device)
+    tok = None
+    if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
+        tok = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tok
