@@ -172,6 +172,7 @@ class Stages:
         rec = {"fingerprint": fp, "command": printable, "wall_s": wall,
                "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
                "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "commit": git_commit(dirty=True),
                "load_average": os.getloadavg()[0]}
         self.state["stages"][key] = rec
         self.save()
@@ -453,10 +454,14 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def git_commit() -> str:
+def git_commit(dirty: bool = False) -> str:
+    """Short HEAD commit of the checkout (``+dirty`` appended when ``dirty`` and tracked files differ)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
+        if dirty and subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0:
+            head += "+dirty"
+        return head
     except Exception:
         return "unknown"
 
