@@ -1,0 +1,255 @@
+"""Issue 12: artifacts you can trust. Each case is hit the way a user hits it (public API or CLI) and the
+exact outcome is asserted: the error names the file / field / difference, or the rows carry the flag, and
+nothing stale or zeroed survives."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from iprox_lightning.cli import main
+from iprox_lightning.io import FingerprintMismatch
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.scoring import ScoreTable, tracin_scores
+from iprox_lightning.scoring.module import InfluenceScoringModule
+from iprox_lightning.scoring.writer import SCORES_FILE, InfluenceWriter, shard_files
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_scoring_influence import TINY, batches, collate, make_examples  # noqa: E402
+
+NAN_TOKEN = 2  # make_examples draws tokens from [3, vocab): token 2 appears only where a test puts it
+
+
+def nan_model():
+    """Tiny llama whose embedding of NAN_TOKEN is NaN: examples holding it get a NaN gradient (like an fp16
+    overflow), every other example is untouched."""
+    m = tiny_causal_lm("llama", seed=21, dtype=torch.float64, **TINY)
+    with torch.no_grad():
+        m.get_input_embeddings().weight[NAN_TOKEN] = float("nan")
+    return m
+
+
+def poison(examples, rows):
+    out = []
+    for j, e in enumerate(examples):
+        e = dict(e, input_ids=e["input_ids"].clone())
+        if j in rows:
+            e["input_ids"][0] = NAN_TOKEN  # prompt token: the whole response is NaN downstream
+        out.append(e)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ (3) non-finite
+def test_nonfinite_validation_gradient_is_an_error_naming_the_task():
+    pool = make_examples(6, seed=1)
+    val = poison(make_examples(6, seed=2, tasks=["mmlu", "bbh"]), rows={0})  # row 0 is an mmlu example
+    with pytest.raises(ValueError, match=r"validation gradient of task\(s\) \['mmlu'\] is not finite.*no scores"):
+        tracin_scores(nan_model(), batches(pool, 3), batches(val, 3), progress=False)
+
+
+@pytest.mark.parametrize("method", ["tracin", "kfac"])
+def test_nonfinite_example_gradient_is_flagged_not_zeroed(method):
+    clean = make_examples(9, seed=3, zero_every=4)
+    pool = poison(clean, rows={1, 5})
+    val = make_examples(4, seed=4, tasks=["mmlu", "bbh"])
+    fac = batches(make_examples(6, seed=5), 3)  # K-FAC factors from clean examples
+    table = tracin_scores(nan_model(), batches(pool, 3), batches(val, 3), method=method, kfac_examples=6,
+                          factor_dataloader=fac, progress=False)
+    flagged = [i for i, f in zip(table.ids, table.nonfinite) if f]
+    assert flagged == [pool[1]["id"], pool[5]["id"]]
+    j = [table.ids.index(i) for i in flagged]
+    assert np.isnan(table.scores[j]).all() and np.isnan(table.task_scores[j]).all() and not table.zero_grad[j].any()
+    # every other row is exactly what scoring the clean rows alone gives (nothing else contaminated)
+    rest = [e for k, e in enumerate(clean) if k not in (1, 5)]
+    ref = tracin_scores(nan_model(), batches(rest, 3), batches(val, 3), method=method, kfac_examples=6,
+                        factor_dataloader=fac, progress=False)
+    keep = [table.ids.index(i) for i in ref.ids]
+    np.testing.assert_allclose(table.scores[keep], ref.scores, rtol=1e-12, atol=1e-12)
+    assert not table.nonfinite[keep].any() and list(table.zero_grad[keep]) == list(ref.zero_grad)
+
+
+def _score_table_with(tmp_path, values: dict, nonfinite=()):
+    ids = sorted(values)
+    t = ScoreTable(ids, [values[i] for i in ids], ["t"], [[values[i]] for i in ids], [3] * len(ids),
+                   [False] * len(ids), nonfinite=[i in nonfinite for i in ids])
+    d = tmp_path / "scores"
+    d.mkdir()
+    t.save(str(d / SCORES_FILE))
+    return d
+
+
+def test_select_refuses_nonfinite_rows_unless_told_to_skip(tmp_path, capsys):
+    d = _score_table_with(tmp_path, {"a": 0.5, "b": float("nan"), "c": 0.9, "d": float("inf"), "e": 0.1},
+                          nonfinite={"b"})
+    out = tmp_path / "sel.jsonl"
+    with pytest.raises(ValueError) as e:
+        main(["select", "--scores_path", str(d), "--k", "2", "--output", str(out)])
+    msg = str(e.value)
+    assert "scores.parquet: 2 row(s) have a non-finite 'score' or are flagged 'nonfinite'" in msg
+    assert "'b' -> nan" in msg and "'d' -> inf" in msg and "--skip_flagged true" in msg and not out.exists()
+    main(["select", "--scores_path", str(d), "--k", "2", "--output", str(out), "--skip_flagged", "true"])
+    assert [json.loads(l)["id"] for l in open(out)] == ["c", "a"]  # +inf is not ranked first
+    meta = json.loads(Path(f"{out}.meta.json").read_text())
+    assert meta["skipped"] == {"zero_grad": 0, "nonfinite": 2} and meta["ranked"] == 3
+    assert meta["schema_version"] == 1 and meta["records"] is False
+    assert "select: skipped 2 row(s) flagged 'nonfinite' (NaN/inf), e.g. ['b', 'd']" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ (2) fingerprints
+POOL_A = make_examples(10, seed=11, tasks=["x", "y"])
+POOL_B = make_examples(4, seed=13, tasks=["x", "y"])
+VAL_A = make_examples(4, seed=12, tasks=["mmlu", "bbh"])
+VAL_B = make_examples(4, seed=14, tasks=["mmlu", "bbh"])
+
+
+class DM(L.LightningDataModule):
+    def __init__(self, pool=POOL_A, val=VAL_A):
+        super().__init__()
+        self.pool, self.val = pool, val
+
+    def predict_dataloader(self):
+        return DataLoader(self.pool, batch_size=3, collate_fn=collate)
+
+    def validation_dataloader(self):
+        return DataLoader(self.val, batch_size=3, collate_fn=collate)
+
+
+def score(out, dm, *, model_seed=21, overwrite=False, **kw):
+    model = tiny_causal_lm("llama", seed=model_seed, dtype=torch.float64, **TINY)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[InfluenceWriter(str(out), write_every_n_batches=1, overwrite=overwrite)])
+    module = InfluenceScoringModule(model, **kw)
+    trainer.predict(module, datamodule=dm, return_predictions=False)
+    return module
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(dm=DM(pool=POOL_B)), "pool.content"),
+    (dict(dm=DM(val=VAL_B)), "validation.content"),
+    (dict(dm=DM(), method="kfac", kfac_examples=4), "settings.method: 'tracin' -> 'kfac'"),
+    (dict(dm=DM(), model_seed=22), "model.weights"),
+])
+def test_scoring_into_a_directory_of_other_inputs_is_refused(tmp_path, change, field):
+    score(tmp_path, DM())
+    before = (tmp_path / SCORES_FILE).read_bytes()
+    kw = dict(change)
+    dm = kw.pop("dm")
+    with pytest.raises(FingerprintMismatch) as e:
+        score(tmp_path, dm, **kw)
+    msg = str(e.value)
+    assert f"{tmp_path} holds 4 shard(s) produced from different inputs" in msg and field in msg
+    assert "--trainer.callbacks.overwrite true" in msg and "new output_dir" in msg
+    assert (tmp_path / SCORES_FILE).read_bytes() == before  # the old table is untouched, not mixed
+
+
+def test_overwrite_starts_fresh_with_only_the_new_pool(tmp_path):
+    score(tmp_path, DM())
+    score(tmp_path, DM(pool=POOL_B), overwrite=True)
+    table = ScoreTable.load(str(tmp_path))
+    assert sorted(table.ids) == sorted(e["id"] for e in POOL_B)  # 4 rows, none of the old pool's 10
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    assert settings["fingerprint"]["pool"]["n"] == 4 and settings["schema_version"] == 2
+
+
+def test_shards_without_a_fingerprint_are_refused(tmp_path):
+    score(tmp_path, DM())
+    (tmp_path / "settings.json").unlink()
+    with pytest.raises(FingerprintMismatch, match=r"already holds 4 shard\(s\) but .*settings.json records no "
+                                                  r"fingerprint"):
+        score(tmp_path, DM(), method="kfac", kfac_examples=4)
+
+
+def test_same_inputs_resume_and_corrupt_last_shard_is_rescored(tmp_path, caplog):
+    score(tmp_path, DM())
+    ref = ScoreTable.load(str(tmp_path))
+    last = shard_files(tmp_path)[-1]
+    last_ids = pq.read_table(last).column("id").to_pylist()
+    data = Path(last).read_bytes()
+    Path(last).write_bytes(data[: len(data) // 2])  # a crash mid-write of a non-atomic copy
+    (tmp_path / SCORES_FILE).unlink()
+    m = score(tmp_path, DM())
+    assert m.n_scored == len(last_ids) == 1 and m.n_skipped == len(POOL_A) - 1  # only the lost ids re-scored
+    table = ScoreTable.load(str(tmp_path))
+    assert table.ids == ref.ids and np.array_equal(table.scores, ref.scores)
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    (rep,) = settings["repairs"]
+    assert rep["shard"] == last and rep["moved_to"].endswith(f"shards/corrupt/{Path(last).name}")
+    assert f"score shard {last} is unreadable" in caplog.text and "scored again" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ (4) proxies
+@pytest.fixture
+def proxy_dir(tmp_path):
+    from iprox_lightning import compress_model, save_proxy
+
+    model = tiny_causal_lm("llama", seed=3, **TINY)
+    compress_model(model, None, 0.5, method="svd", progress=False)
+    return save_proxy(model, None, tmp_path / "proxy", target_model="tiny"), model
+
+
+def test_saved_proxy_loads_exactly_and_plain_transformers_refuses_it(proxy_dir):
+    from transformers import AutoModelForCausalLM
+
+    from iprox_lightning import load_model
+
+    path, model = proxy_dir
+    loaded, _ = load_model(str(path), tokenizer=False)
+    x = torch.randint(3, 64, (2, 7))
+    assert torch.equal(loaded(x).logits, model.eval()(x).logits)
+    with pytest.raises(OSError, match="model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(path)  # never a model with random projections
+    assert "ipx.load_proxy" in (path / "README.md").read_text()
+
+
+def test_proxy_without_manifest_is_refused(proxy_dir):
+    from safetensors.torch import load_file, save_file
+
+    from iprox_lightning import load_model
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, _ = proxy_dir
+    (path / "iprox_proxy.json").unlink()
+    with pytest.raises(ProxyFormatError, match=r"holds iprox_proxy.safetensors but no iprox_proxy.json"):
+        load_model(str(path))
+    # a version-1 layout (factors in model.safetensors) without its manifest: transformers would load it randomly
+    save_file(load_file(path / "iprox_proxy.safetensors"), path / "model.safetensors")
+    (path / "iprox_proxy.safetensors").unlink()
+    with pytest.raises(ProxyFormatError, match=r"model.safetensors: holds \d+ low-rank factor tensor\(s\) .*"
+                                               r"model.layers.0.mlp.down_proj.A.*has no iprox_proxy.json: loading it as a plain model would "
+                                               r"give randomly initialised projections"):
+        load_model(str(path))
+
+
+def test_proxy_tensors_must_match_the_manifest(proxy_dir):
+    from safetensors.torch import load_file, save_file
+
+    from iprox_lightning import load_proxy
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, _ = proxy_dir
+    man_file = path / "iprox_proxy.json"
+    man = json.loads(man_file.read_text())
+    name = "model.layers.0.self_attn.q_proj"
+    r = man["layers"][name]["rank"]
+    man["layers"][name]["rank"] = r + 1
+    man_file.write_text(json.dumps(man))
+    with pytest.raises(ProxyFormatError, match=rf"layer '{name}' has rank {r + 1} in the manifest, but "
+                                               rf"iprox_proxy.safetensors holds {name}.A with shape \[16, {r}\]"):
+        load_proxy(path)
+    man["layers"][name]["rank"] = r
+    man_file.write_text(json.dumps(man))
+    tensors = load_file(path / "iprox_proxy.safetensors")
+    tensors.pop(f"{name}.B")
+    tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    save_file(tensors, path / "iprox_proxy.safetensors")
+    with pytest.raises(ProxyFormatError, match=rf"1 missing tensor\(s\) \['{name}.B'\]; 1 unexpected tensor\(s\) "
+                                               r"\['model.layers.0.extra.weight'\]"):
+        load_proxy(path)
