@@ -253,3 +253,131 @@ def test_proxy_tensors_must_match_the_manifest(proxy_dir):
     with pytest.raises(ProxyFormatError, match=rf"1 missing tensor\(s\) \['{name}.B'\]; 1 unexpected tensor\(s\) "
                                                r"\['model.layers.0.extra.weight'\]"):
         load_proxy(path)
+
+
+# ------------------------------------------------------------------------------------------------ (5) bad inputs
+def _records(n, long_prompt_every=0):
+    out = []
+    for j in range(n):
+        ctx = "x" * 300 if long_prompt_every and j % long_prompt_every == 0 else ""
+        out.append({"id": f"r{j}", "instruction": f"say {j}", "context": ctx, "response": f"ok {j}",
+                    "category": "a" if j % 2 else "b"})
+    return out
+
+
+def _write_jsonl(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_non_utf8_data_names_file_line_and_byte_offset(tmp_path, suffix):
+    from iprox_lightning.data.sft import SFTDataModule
+    from iprox_lightning.data.sources import DataFormatError
+
+    recs = _records(4)
+    if suffix == ".jsonl":
+        lines = [json.dumps(r).encode() + b"\n" for r in recs]
+        lines[2] = lines[2].replace(b"say 2", b"say \xff2")
+        data = b"".join(lines)
+    else:
+        data = json.dumps(recs, indent=1).encode().replace(b"say 2", b"say \xff2")
+    (tmp_path / f"pool{suffix}").write_bytes(data)
+    offset = data.index(b"\xff")
+    line = data[:offset].count(b"\n") + 1
+    dm = SFTDataModule(pool=str(tmp_path / f"pool{suffix}"), validation=None, tokenizer="builtin")
+    with pytest.raises(DataFormatError) as e:
+        dm.setup("predict")
+        dm.dataset("pool")
+    assert str(e.value) == (f"{tmp_path / f'pool{suffix}'}, line {line}: invalid UTF-8 at byte offset {offset} "
+                            "(bytes ff: invalid start byte); re-encode the file as UTF-8")
+
+
+def _bbh_dir(root: Path, tasks=("alpha", "beta", "gamma")):
+    bbh = root / "bbh"
+    (bbh / "cot-prompts").mkdir(parents=True)
+    (bbh / "bbh-three-shot.json").write_text(json.dumps({"alpha": "metadata, not a task"}))
+    for t in tasks:
+        (bbh / f"{t}.json").write_text(json.dumps({"examples": [{"input": "1+1?", "target": "2"}]}))
+        (bbh / "cot-prompts" / f"{t}.txt").write_text(f"{t} task\n\nQ: 1+1?\nA: One plus one. So the answer is 2.")
+    return bbh
+
+
+def test_partial_bbh_directory_lists_the_missing_pieces(tmp_path):
+    from iprox_lightning.data.eval_readers import EvalDataError, bbh_dropped_tasks, list_bbh_tasks
+    from iprox_lightning.data.sft import SFTDataModule
+
+    bbh = _bbh_dir(tmp_path)
+    assert list_bbh_tasks(bbh) == ["alpha", "beta", "gamma"]  # bbh-three-shot.json is not a task
+    (bbh / "cot-prompts" / "beta.txt").unlink()
+    (bbh / "gamma.json").unlink()
+    dm = SFTDataModule(pool="builtin", validation=f"eval:{tmp_path}:bbh", tokenizer="builtin", builtin_size=20)
+    with pytest.raises(EvalDataError) as e:
+        dm.validation_records
+    assert str(e.value) == (f"{bbh}: partial BBH directory, 2 task(s) incomplete: beta: cot-prompts/beta.txt missing; "
+                            "gamma: bbh/gamma.json missing (restore the files, or pass allow_partial=True to use the "
+                            "complete tasks only)")
+    assert list_bbh_tasks(bbh, allow_partial=True) == ["alpha"]
+    assert bbh_dropped_tasks(bbh) == ["beta: cot-prompts/beta.txt missing", "gamma: bbh/gamma.json missing"]
+
+
+def test_unknown_suite_name_in_eval_source(tmp_path):
+    from iprox_lightning.data.sft import SFTDataModule
+
+    _bbh_dir(tmp_path)
+    dm = SFTDataModule(pool="builtin", validation=f"eval:{tmp_path}:bbh,mmmlu", tokenizer="builtin", builtin_size=20)
+    with pytest.raises(ValueError) as e:
+        dm.validation_records
+    assert str(e.value) == (f"'eval:{tmp_path}:bbh,mmmlu': unknown suite name(s) ['mmmlu'] after the directory "
+                            f"'{tmp_path}'; choose from ['mmlu', 'bbh', 'tydiqa'] (comma-separated, e.g. "
+                            f"'eval:{tmp_path}:mmlu,bbh')")
+
+
+def test_truncation_drops_are_counted_and_listed_in_the_score_settings(tmp_path):
+    from iprox_lightning.data.sft import SFTDataModule
+
+    pool = _write_jsonl(tmp_path / "pool.jsonl", _records(9, long_prompt_every=4))  # r0, r4, r8 have 300-char prompts
+    val = _write_jsonl(tmp_path / "val.jsonl", _records(4))
+    dm = SFTDataModule(pool=str(pool), validation=str(val), tokenizer="builtin", max_length=64, truncation="right",
+                       batch_size=4)
+    out = tmp_path / "scores"
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[InfluenceWriter(str(out))])
+    trainer.predict(InfluenceScoringModule("builtin"), datamodule=dm, return_predictions=False)
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["data"]["pool"] == {"read": 9, "dropped": 3, "kept": 6, "dropped_ids": ["r0", "r4", "r8"],
+                                        "max_length": 64, "truncation": "right"}
+    assert settings["data"]["validation"]["dropped"] == 0
+    assert sorted(ScoreTable.load(str(out)).ids) == ["r1", "r2", "r3", "r5", "r6", "r7"]
+
+
+DDP_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from test_artifacts import DM, POOL_A, VAL_A
+from test_writer_scoring import build_model
+from iprox_lightning.scoring.module import InfluenceScoringModule
+from iprox_lightning.scoring.writer import InfluenceWriter
+
+if __name__ == "__main__":
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[InfluenceWriter({out!r})])
+    trainer.predict(InfluenceScoringModule(build_model()), datamodule=DM(pool=POOL_A[:1]), return_predictions=False)
+"""
+
+
+@pytest.mark.distributed
+def test_ddp_with_fewer_examples_than_processes_says_why(tmp_path):
+    import os
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "ddp_one.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "s"))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0
+    assert ("ValueError: the pool to score has 1 example(s) but the run has 2 processes: distributed scoring needs at "
+            "least one example per process; run with at most 1 device(s) (e.g. --trainer.devices 1)") in r.stderr
+    assert "AssertionError" not in r.stderr

@@ -65,7 +65,11 @@ def read_mmlu_csv(path: str | os.PathLike, subject: str | None = None, split: st
         subject = subject or name_subject or stem
         split = split or name_split or "test"
     out: list[MMLUQuestion] = []
-    with open(path, newline="", encoding="utf-8") as f:
+    from io import StringIO
+
+    from .sources import read_utf8
+
+    with StringIO(read_utf8(path, error=EvalDataError), newline="") as f:
         for row_idx, row in enumerate(csv.reader(f)):
             where = f"{path}, row {row_idx + 1}"
             if len(row) != 6:
@@ -164,7 +168,9 @@ def read_bbh_cot_prompt(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"BBH CoT prompt not found: {path}")
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    from .sources import read_utf8
+
+    lines = read_utf8(path, error=EvalDataError).splitlines(keepends=True)
     if len(lines) >= 2 and "canary" in lines[0].lower() and lines[1].strip().startswith("---"):
         lines = lines[2:]
     text = "".join(lines)
@@ -173,24 +179,61 @@ def read_bbh_cot_prompt(path: str | os.PathLike) -> str:
     return text
 
 
-def list_bbh_tasks(root: str | os.PathLike) -> list[str]:
-    """Sorted task names having both ``<root>/<task>.json`` and ``<root>/cot-prompts/<task>.txt``."""
+def list_bbh_tasks(root: str | os.PathLike, *, allow_partial: bool = False) -> list[str]:
+    """Sorted task names having both ``<root>/<task>.json`` and ``<root>/cot-prompts/<task>.txt``.
+
+    A partial directory — a CoT prompt without its task file, or a task file (a JSON object with
+    ``examples``) without its CoT prompt — is an :class:`EvalDataError` listing the missing pieces;
+    ``allow_partial=True`` uses the complete tasks only and logs the dropped ones
+    (``bbh_dropped_tasks(root)`` lists them)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"BBH directory not found: {root}")
-    prompts = root / "cot-prompts"
-    tasks = sorted(p.stem for p in root.glob("*.json") if (prompts / f"{p.stem}.txt").is_file())
+    tasks, missing = _bbh_inventory(root)
+    if missing:
+        if not allow_partial:
+            raise EvalDataError(
+                f"{root}: partial BBH directory, {len(missing)} task(s) incomplete: " + "; ".join(missing[:10])
+                + (f"; ... and {len(missing) - 10} more" if len(missing) > 10 else "")
+                + " (restore the files, or pass allow_partial=True to use the complete tasks only)")
+        import logging
+
+        logging.getLogger(__name__).warning("%s: partial BBH directory, dropped %d task(s): %s", root, len(missing),
+                                            "; ".join(missing))
     if not tasks:
         raise EvalDataError(f"{root}: no '<task>.json' with a matching 'cot-prompts/<task>.txt'")
     return tasks
 
 
+def _bbh_inventory(root: Path) -> tuple[list[str], list[str]]:
+    """``(complete tasks, descriptions of the incomplete ones)`` of a BBH directory."""
+    prompts = root / "cot-prompts"
+    jsons = {p.stem: p for p in root.glob("*.json")}
+    txts = {p.stem for p in prompts.glob("*.txt")} if prompts.is_dir() else set()
+    tasks = sorted(t for t in jsons if t in txts)
+    missing = [f"{t}: {root.name}/{t}.json missing" for t in sorted(txts - set(jsons))]
+    for t in sorted(set(jsons) - txts):
+        try:
+            is_task = isinstance(d := json.loads(jsons[t].read_bytes()), dict) and "examples" in d
+        except (ValueError, OSError):
+            is_task = False
+        if is_task:  # not a metadata file such as bbh-three-shot.json
+            missing.append(f"{t}: cot-prompts/{t}.txt missing")
+    return tasks, sorted(missing)
+
+
+def bbh_dropped_tasks(root: str | os.PathLike) -> list[str]:
+    """The incomplete tasks of a BBH directory (what ``allow_partial=True`` drops)."""
+    return _bbh_inventory(Path(root))[1]
+
+
 def read_bbh(
-    root: str | os.PathLike, tasks: Sequence[str] | None = None
+    root: str | os.PathLike, tasks: Sequence[str] | None = None, *, allow_partial: bool = False
 ) -> dict[str, tuple[str, list[BBHExample]]]:
-    """``{task: (cot_prompt, examples)}`` for the given tasks (all tasks with a prompt by default)."""
+    """``{task: (cot_prompt, examples)}`` for the given tasks (by default all tasks; a partial directory
+    is an error unless ``allow_partial`` or the tasks are named explicitly)."""
     root = Path(root)
-    available = list_bbh_tasks(root)
+    available = list_bbh_tasks(root, allow_partial=allow_partial or tasks is not None)
     if tasks is None:
         tasks = available
     unknown = [t for t in tasks if t not in available]
@@ -339,9 +382,10 @@ def sample_per_group(items: Sequence[Any], n: int | None, seed: int, group: str)
 def _load_json(path: Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"file not found: {path}")
+    from .sources import read_utf8
+
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_utf8(path, error=EvalDataError))
     except json.JSONDecodeError as e:
         raise EvalDataError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
 

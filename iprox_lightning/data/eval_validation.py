@@ -118,4 +118,8 @@ def parse_eval_source(src: str) -> tuple[str, tuple[str, ...]] | None:
     head, sep, tail = rest.rpartition(":")
     if sep and tail and all(t in SUITES for t in tail.split(",")):
         return head, tuple(tail.split(","))
+    if sep and tail and head and "/" not in tail and "\\" not in tail and not Path(rest).exists():
+        unknown = [t for t in tail.split(",") if t not in SUITES]
+        raise ValueError(f"{src!r}: unknown suite name(s) {unknown} after the directory {head!r}; choose from "
+                         f"{list(SUITES)} (comma-separated, e.g. 'eval:{head}:mmlu,bbh')")
     return rest, SUITES

@@ -66,11 +66,35 @@ def resolve_field_map(field_map: Mapping[str, str] | None) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- raw rows
+def decode_utf8(data: bytes, path: str | os.PathLike, *, line: int | None = None, offset: int = 0,
+                error: type = None) -> str:
+    """``data.decode("utf-8")``; invalid bytes raise ``error`` (default :class:`DataFormatError`) naming
+    the file, the line and the byte offset in the file (``offset`` = the file offset of ``data``)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        ln = line if line is not None else data.count(b"\n", 0, e.start) + 1
+        bad = data[e.start:e.end].hex(" ")
+        raise (error or DataFormatError)(
+            f"{path}, line {ln}: invalid UTF-8 at byte offset {offset + e.start} (bytes {bad}: {e.reason}); "
+            "re-encode the file as UTF-8") from None
+
+
+def read_utf8(path: str | os.PathLike, error: type = None) -> str:
+    """The text of a UTF-8 file; invalid bytes raise naming file, line and byte offset (:func:`decode_utf8`)."""
+    with open(path, "rb") as f:
+        return decode_utf8(f.read(), path, error=error)
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for each non-blank line of a JSON Lines file; ``where`` is ``"<path>, line N"``.
-    A malformed line raises :class:`DataFormatError` naming the file, line and column."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    A malformed line raises :class:`DataFormatError` naming the file, line and column (invalid UTF-8: the
+    byte offset)."""
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, start=1):
+            line = decode_utf8(raw, path, line=lineno, offset=offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -82,8 +106,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise DataFormatError(f"{path}, line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
     if isinstance(data, dict):

@@ -97,6 +97,15 @@ class InfluenceScoringModule(L.LightningModule):
                                  trust_remote_code=hp.trust_remote_code, tokenizer=False)
         self.net.eval()
 
+    def setup(self, stage: str) -> None:
+        if stage != "predict" or self._trainer is None or self.trainer.world_size <= 1:
+            return
+        dm = getattr(self.trainer, "datamodule", None)
+        loader = dm.predict_dataloader() if dm is not None and hasattr(dm, "predict_dataloader") else None
+        ds = getattr(loader, "dataset", None)
+        n = len(ds) if ds is not None and hasattr(ds, "__len__") else None
+        check_examples_per_process(n, self.trainer.world_size)
+
     def attach_dataloaders(self, val: Iterable, factors: Iterable | None = None) -> "InfluenceScoringModule":
         """Use these loaders instead of the trainer's data module (plain Python users)."""
         self._val_loader, self._factor_loader = val, factors
@@ -203,9 +212,18 @@ class InfluenceScoringModule(L.LightningModule):
         return self.net(*args, **kwargs)
 
 
+def check_examples_per_process(n: int | None, world_size: int) -> None:
+    """Distributed scoring gives each process every ``world_size``-th example and needs at least one per
+    process (Lightning's predict sampler asserts it); fewer examples than processes is a clear error."""
+    if n is not None and world_size > 1 and 0 < n < world_size:
+        raise ValueError(f"the pool to score has {n} example(s) but the run has {world_size} processes: distributed "
+                         f"scoring needs at least one example per process; run with at most {n} device(s) "
+                         "(e.g. --trainer.devices 1)")
+
+
 def _empty_result(task_names: list[str]) -> dict:
     return {"id": [], "score": np.zeros(0), "task_scores": np.zeros((0, len(task_names))), "n_tokens": np.zeros(0, np.int64),
-            "zero_grad": np.zeros(0, bool), "task": None, "task_names": list(task_names)}
+            "zero_grad": np.zeros(0, bool), "nonfinite": np.zeros(0, bool), "task": None, "task_names": list(task_names)}
 
 
 def _gather_objects(obj) -> list:
