@@ -8,7 +8,9 @@ Each stage reads the previous stage's output directory under ``workdir``. The ex
 every stage (the shipped ``configs/<stage>.yaml``, the ``configs/builtin/<stage>.yaml`` demo overlay
 when running on the built-in data, and a generated overlay with this run's paths) is kept in
 ``<workdir>/configs/`` so each stage can be re-run by hand. A stage whose output already exists is
-skipped, so an interrupted pipeline resumes where it stopped (``--force true`` re-runs all).
+reused only when its fingerprint matches (:mod:`iprox_lightning.io.stages`: configs, overlay, sources,
+upstream stages), so an interrupted pipeline resumes where it stopped; a changed flag in an existing
+workdir stops with what differs (``--force true`` re-runs all, or use a new ``--workdir``).
 """
 from __future__ import annotations
 
@@ -218,7 +220,9 @@ def pipeline(
 def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
     from .analysis.retention import retention_metrics
 
-    manifest = json.loads((proxy / "iprox_proxy.json").read_text())
+    from .io.proxy import read_manifest
+
+    manifest = read_manifest(proxy)
     out: dict[str, Any] = {
         "workdir": str(wd),
         # the manifest records both counts; load a model only for a manifest that lacks them

@@ -66,10 +66,11 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
 
 def manifest_sizes(proxy_dir: str | Path, align_batch_size: int = 4) -> dict[str, int]:
     """``n_probe_examples`` and (≈ steps × batch size) ``n_align_examples`` from a proxy's manifest."""
-    p = Path(proxy_dir) / "iprox_proxy.json"
-    if not p.exists():
+    from ..io.proxy import PROXY_MANIFEST, read_manifest
+
+    if not (Path(proxy_dir) / PROXY_MANIFEST).exists():
         return {}
-    m = json.loads(p.read_text())
+    m = read_manifest(proxy_dir)
     steps = int((m.get("alignment") or {}).get("steps") or 0)
     return {"n_probe_examples": int(m.get("probe_examples") or 0), "n_align_examples": steps * align_batch_size}
 
