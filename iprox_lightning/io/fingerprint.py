@@ -103,15 +103,44 @@ def examples_digest(items: Iterable[Mapping]) -> dict:
     return {"n": n, "ids": h_ids.hexdigest()[:16], "content": h_all.hexdigest()[:16]}
 
 
-def loader_digest(loader) -> dict:
-    """:func:`examples_digest` of a data loader: of its ``dataset`` items when it has a map-style data
-    set (every example once, whatever the sampler), else of its batches."""
+def _item_bytes(obj) -> bytes:
+    """Canonical bytes of an arbitrary data-set item (dicts, sequences, tensors, arrays, scalars)."""
+    import numpy as np
+
+    if hasattr(obj, "detach"):
+        obj = obj.detach().cpu().numpy()
+    if isinstance(obj, np.ndarray):
+        return f"nd{obj.dtype}{obj.shape}".encode() + np.ascontiguousarray(obj).tobytes()
+    if isinstance(obj, Mapping):
+        return b"{" + b"".join(str(k).encode() + b":" + _item_bytes(obj[k]) + b"," for k in sorted(obj, key=str)) + b"}"
+    if isinstance(obj, (list, tuple)):
+        return b"[" + b"".join(_item_bytes(x) + b"," for x in obj) + b"]"
+    return repr(obj).encode()
+
+
+def loader_digest(loader, *, iterate: bool = True) -> dict:
+    """Digest of the examples behind a data loader: of its map-style ``dataset`` items (every example
+    once, whatever the sampler; :func:`examples_digest` for the project's items, a canonical byte dump of
+    any other item), else — when ``iterate`` — of its batches. A live loader the trainer is iterating must
+    not be iterated again (``iterate=False``: an iterable data set is then recorded as not fingerprinted)."""
     ds = getattr(loader, "dataset", None)
     if ds is not None and hasattr(ds, "__len__") and hasattr(ds, "__getitem__"):
+        n = len(ds)
         try:
-            return examples_digest(ds[i] for i in range(len(ds)))
-        except (KeyError, TypeError, IndexError):
-            pass
+            return examples_digest(ds[i] for i in range(n))
+        except (KeyError, TypeError, IndexError, AttributeError):
+            h_all = hashlib.sha256()
+            h_ids = hashlib.sha256()
+            for i in range(n):
+                it = ds[i]
+                h_all.update(_item_bytes(it))
+                if isinstance(it, Mapping) and "id" in it:
+                    h_ids.update(str(it["id"]).encode() + b"\0")
+            return {"n": n, "ids": h_ids.hexdigest()[:16], "content": h_all.hexdigest()[:16]}
+    from collections.abc import Iterator
+
+    if not iterate or isinstance(loader, Iterator):  # a one-shot iterator must not be consumed here
+        return {"n": None, "content": "not fingerprinted (iterable data set)"}
     return examples_digest(loader)
 
 

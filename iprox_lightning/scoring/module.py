@@ -156,7 +156,8 @@ class InfluenceScoringModule(L.LightningModule):
         loaders = self.trainer.predict_dataloaders if self._trainer is not None else None
         if loaders is not None:
             loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-            fp["pool"] = [loader_digest(dl) for dl in loaders] if len(loaders) != 1 else loader_digest(loaders[0])
+            digests = [loader_digest(dl, iterate=False) for dl in loaders]  # never re-iterate the live loader
+            fp["pool"] = digests if len(digests) != 1 else digests[0]
         val, _ = self._loaders()
         fp["validation"] = loader_digest(val)
         out: dict[str, Any] = {"fingerprint": fp}
