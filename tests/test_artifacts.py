@@ -381,3 +381,31 @@ def test_ddp_with_fewer_examples_than_processes_says_why(tmp_path):
     assert ("ValueError: the pool to score has 1 example(s) but the run has 2 processes: distributed scoring needs at "
             "least one example per process; run with at most 1 device(s) (e.g. --trainer.devices 1)") in r.stderr
     assert "AssertionError" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ (1) one selection format
+def test_selection_file_has_one_format_read_by_its_meta(tmp_path):
+    from iprox_lightning.data.sft import SFTDataModule
+    from iprox_lightning.data.sources import DataFormatError
+
+    pool = _write_jsonl(tmp_path / "pool.jsonl", _records(6))
+    d = _score_table_with(tmp_path, {f"r{j}": float(j) for j in range(6)})
+    with_pool, ids_only = tmp_path / "sel.jsonl", tmp_path / "ids.jsonl"
+    main(["select", "--scores_path", str(d), "--k", "2", "--pool", str(pool), "--output", str(with_pool)])
+    main(["select", "--scores_path", str(d), "--k", "2", "--output", str(ids_only)])
+    lines = [json.loads(l) for l in open(with_pool)]
+    assert [(r["id"], r["score"]) for r in lines] == [("r5", 5.0), ("r4", 4.0)] and lines[0]["response"] == "ok 5"
+    assert [json.loads(l) for l in open(ids_only)] == [{"id": "r5", "score": 5.0}, {"id": "r4", "score": 4.0}]
+    for path, records in ((with_pool, True), (ids_only, False)):
+        meta = json.loads(Path(f"{path}.meta.json").read_text())
+        assert meta["schema_version"] == 1 and meta["records"] is records
+        dm = SFTDataModule(pool=str(pool), validation=None, tokenizer="builtin", selected=str(path),
+                           train_split="selected")
+        assert [r["instruction"] for r in dm.records("selected")] == ["say 5", "say 4"]
+    # the meta says records: a line without one is an error naming the line, not a guess
+    with_pool.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"id": "r4", "score": 4.0}) + "\n")
+    dm = SFTDataModule(pool=str(pool), validation=None, tokenizer="builtin", selected=str(with_pool),
+                       train_split="selected")
+    with pytest.raises(DataFormatError, match=r"sel.jsonl, line 2: sel.jsonl.meta.json says the lines carry records, "
+                                              r"but this line has no 'instruction'/'response'"):
+        dm.records("selected")
