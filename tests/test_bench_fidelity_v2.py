@@ -106,3 +106,13 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
     # a changed setting re-runs what depends on it (here everything: the scored examples changed)
     changed = fv2.main([a if a != "48" else "40" for a in argv] + ["--dry-run"])["would_run"]
     assert set(changed) == set(state["stages"])
+
+
+def test_splice_docs_replaces_only_the_generated_section(tmp_path):
+    doc = tmp_path / "B.md"
+    doc.write_text(f"# Page\nintro\n{fv2.DOCS_BEGIN}\nold table\n{fv2.DOCS_END}\nreading\n")
+    fv2.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n")
+    assert doc.read_text() == f"# Page\nintro\n{fv2.DOCS_BEGIN}\n| a | b |\n{fv2.DOCS_END}\nreading\n"
+    (tmp_path / "C.md").write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        fv2.splice_docs(tmp_path / "C.md", "x")
