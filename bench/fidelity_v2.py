@@ -340,6 +340,58 @@ def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
     return out
 
 
+def interleaved_timing(models: Mapping[str, Any], batch: Mapping, val_batch: Mapping, repeats: int = 3) -> dict:
+    """Scoring time per training batch of each model, taken in turns (robust to a shared machine's changing
+    load): each model's :class:`~iprox_lightning.scoring.InfluenceScorer` is fitted on ``val_batch``, warmed up
+    once, then ``score_batch(batch)`` is timed ``repeats`` times, the models alternating within each repeat.
+    Returns ``{name: {"wall_s", "cpu_s"}}`` (medians)."""
+    from iprox_lightning.scoring import InfluenceScorer
+
+    scorers = {}
+    for name, m in models.items():
+        sc = InfluenceScorer(m, method="tracin", per_task=False)
+        sc.fit([val_batch])
+        sc.score_batch(batch)
+        scorers[name] = sc
+    wall: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(repeats):
+        for name, sc in scorers.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            sc.score_batch(batch)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {k: {"wall_s": float(np.median(wall[k])), "cpu_s": float(np.median(cpu[k]))} for k in models}
+
+
+def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_path: Path) -> dict:
+    """Interleaved scoring-time ratios of the built proxies vs the target on one batch of the sample."""
+    import torch
+
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.models.loading import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dm = SFTDataModule(pool=str(sample_path), validation=str(val_path), tokenizer=target, max_length=args.max_length,
+                       batch_size=args.batch_size, seed=args.seed)
+    batch = next(iter(dm.dataloader("pool", batch_size=args.batch_size)))
+    val_batch = next(iter(dm.dataloader("validation", batch_size=args.batch_size)))
+    models = {"target": load_model(target, tokenizer=False)[0]}
+    for v in variants:
+        pdir = out / "proxies" / dir_name(v["key"])
+        if (pdir / "config.json").exists():
+            models[v["key"]] = load_model(str(pdir), tokenizer=False)[0]
+    for m in models.values():
+        m.eval().requires_grad_(False)
+    t = interleaved_timing(models, batch, val_batch, repeats=args.timing_repeats)
+    ref = t.pop("target")
+    return {"target": ref, "rows": {k: {**v, "wall_ratio": v["wall_s"] / ref["wall_s"],
+                                        "cpu_ratio": v["cpu_s"] / ref["cpu_s"]} for k, v in t.items()},
+            "batch_examples": int(batch["input_ids"].shape[0]), "batch_tokens": int(batch["attention_mask"].sum()),
+            "repeats": args.timing_repeats, "load_average": os.getloadavg()[0]}
+
+
 # ------------------------------------------------------------------------------------------------
 # outputs
 # ------------------------------------------------------------------------------------------------
@@ -358,7 +410,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
              f"Ceiling (the warmed target's split-half reliability, LESS-max scores against the two validation halves): "
              f"Spearman {meta['target_split_half']['spearman']:+.3f}, length-partialled "
              f"{meta['target_split_half']['partialled']:+.3f}.", "",
-             "| variant | ρ | params | Spearman | partialled (length) | top-5% | top-10% | Spearman (LESS max) | vs unwarmed | scoring CPU ratio |",
+             "| variant | ρ | params | Spearman | partialled (length) | top-5% | top-10% | Spearman (LESS max) | vs unwarmed | scoring time ratio ¹ |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         def g(k, f="{:+.3f}"):
@@ -369,6 +421,10 @@ def markdown(summary: Mapping[str, Any]) -> str:
             f"{g('spearman_length_partialled')}{fmt_ci(r.get('partialled_ci'))} | {g('top5_overlap', '{:.2f}')} | "
             f"{g('top10_overlap', '{:.2f}')} | {g('spearman_max')} | {g('spearman_vs_unwarmed')} | "
             f"{g('scoring_time_ratio', '{:.2f}')} |")
+    src = "interleaved wall-clock per batch, `timing.json`" if summary.get("timing") else \
+        "CPU seconds of the row's scoring stage / the target's (sensitive to the machine's load)"
+    lines += ["", f"¹ proxy / target scoring time: {src}. Partialled retention of `length_sort` is undefined (it is "
+              "the control itself)."]
     if summary.get("paired"):
         lines += ["", "Paired bootstrap differences (same examples resampled for both rows):", "",
                   "| row | − baseline | Δ Spearman | Δ partialled |", "|---|---|---|---|"]
@@ -466,6 +522,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--summary-only", action="store_true", help="only recompute summary/tables/plot from finished stages")
     ap.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
+    ap.add_argument("--timing", action="store_true",
+                    help="measure proxy/target scoring time interleaved in one process (OUT/timing.json); the "
+                         "scoring_time_ratio column then comes from it instead of the stages' CPU seconds")
+    ap.add_argument("--timing-repeats", type=int, default=3)
     ap.add_argument("--docs", default=None, help="also write the tables into this Markdown page between its markers")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -617,8 +677,21 @@ def main(argv=None) -> dict:
     if args.dry_run:
         return {"would_run": st.ran}
 
-    # 5. summary ---------------------------------------------------------------------------------
+    # 5. interleaved scoring time (one process, models taking turns) -----------------------------
+    timing_path = out / "timing.json"
+    if args.timing and not args.dry_run:
+        log("interleaved scoring-time measurement")
+        timing_path.write_text(json.dumps(run_timing(args, out, target, variants, sample_path, val_path), indent=1))
+
+    # 6. summary ---------------------------------------------------------------------------------
     summary = build_summary(args, out, st, variants, sample_path, val_counts, target)
+    if timing_path.exists():
+        timing = json.loads(timing_path.read_text())
+        summary["timing"] = timing
+        for r in summary["rows"]:
+            if r["variant"] in timing["rows"]:
+                r["scoring_time_ratio"] = timing["rows"][r["variant"]]["wall_ratio"]
+                r["scoring_time_ratio_source"] = "interleaved"
     write_outputs(out, summary)
     summary["plot"] = write_plot(out, summary)
     write_outputs(out, summary)
