@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         for meth in args.methods:
             model = copy.deepcopy(target)
             kw = dict(method="svd") if meth == "svd" else dict(method="ipsvd", mode=meth)
-            rep = compress_model(model, None, rho, damping=args.damping, damping_mode=args.damping_mode,
+            rep = compress_model(model, None, rho, damping=args.damping, damping_mode=args.damping_mode, allocation="uniform",
                                  probes=probes, progress=False, seed=args.seed, **kw)
             own = [lr.relative_objective for lr in rep.layers if lr.relative_objective is not None]
             row = dict(sparsity=rho, method=kw["method"], mode=kw.get("mode"), params_after=rep.params_after,

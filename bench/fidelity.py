@@ -812,6 +812,7 @@ def main(argv=None) -> dict:
                 if v.method == "ipsvd" else {}
             with vt.stage("factors"):
                 rep = compress_model(proxy, None, v.rho, method=v.method, probes=probes if v.method == "ipsvd" else None,
+                                     allocation="uniform",  # v1 (superseded) compared uniform ranks only
                                      progress=False, seed=args.seed, **kw)
             info["compression"] = dict(params_after=rep.params_after, achieved_sparsity=rep.achieved_sparsity,
                                        core_fallbacks=sum(lr.mode == "exact" for lr in rep.layers) if v.mode == "core" else 0)

@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
         if c["method"] == "ipsvd":
             kw = dict(mode=c["mode"], damping=c["damping"], damping_mode=c["damping_mode"])
         rep = compress_model(proxy, None, args.sparsity, method=c["method"], probes=probes, progress=False,
-                             seed=args.seed, **kw)
+                             seed=args.seed, allocation="uniform", **kw)
         return proxy, rep
 
     for c in pending:

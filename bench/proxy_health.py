@@ -50,7 +50,7 @@ def parse_variant(spec: str) -> dict:
     method, *opts = body.split("/")
     if method not in ("ipsvd", "svd"):
         raise ValueError(f"variant {spec!r}: method must be ipsvd or svd")
-    kw: dict = {"method": method, "sparsity": float(rho)}
+    kw: dict = {"method": method, "sparsity": float(rho), "allocation": "uniform"}
     for o in opts:
         if o in ("core", "exact"):
             kw["mode"] = o

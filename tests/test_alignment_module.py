@@ -195,7 +195,7 @@ def test_with_real_ipsvd_callback_and_datamodule(tmp_path):
 
     target = tiny_causal_lm("llama", seed=6)
     module = ProxyAlignModule(target=target, lr=1e-3, save_dir=str(tmp_path / "proxy"))
-    cb = IPSVDCallback(sparsity=0.5, method="ipsvd", num_probe_tokens=32)
+    cb = IPSVDCallback(sparsity=0.5, method="ipsvd", num_probe_tokens=32, allocation="uniform")
     tr = L.Trainer(accelerator="cpu", max_steps=3, callbacks=[cb], logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False)
     tr.fit(module, datamodule=DM())

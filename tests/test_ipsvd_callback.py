@@ -60,7 +60,7 @@ def _trainer(tmp_path, cb, **kw):
 
 def test_callback_compresses_before_optimizers(tmp_path):
     module, data = TinyProxyModule(), ProbeData()
-    cb = IPSVDCallback(sparsity=0.5, num_probe_tokens=24, save_dir=str(tmp_path / "proxy"))
+    cb = IPSVDCallback(sparsity=0.5, num_probe_tokens=24, allocation="uniform", save_dir=str(tmp_path / "proxy"))
     trainer = _trainer(tmp_path, cb)
     snapshot = {}
 

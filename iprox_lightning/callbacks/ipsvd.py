@@ -58,7 +58,7 @@ class IPSVDCallback(Callback):
         seed: int = 0,
         core_fallback: str = "exact",
         compress_on_device: bool = True,
-        allocation: str = "uniform",
+        allocation: Optional[str] = None,
         keep_dense: Optional[list[str]] = None,
         health_batches: int = 4,
     ) -> None:
@@ -68,7 +68,8 @@ class IPSVDCallback(Callback):
         ``targets`` regexes of layer leaf names; ``model_attr`` the module attribute holding the model
         to compress; ``save_dir`` where rank 0 saves the proxy; ``compress_on_device`` moves the model
         to the strategy's root device first (Lightning moves it there anyway); ``allocation`` "uniform" (every
-        layer at ρ) | "global" (one budget over all layers, spent where truncation costs most);
+        layer at ρ) | "global" (one budget over all layers, spent where truncation costs most) | None (global for
+        exact IPSVD, the default, else uniform);
         ``keep_dense`` regexes of full layer names kept dense (see :func:`~iprox_lightning.compress.compress_model`);
         ``health_batches``: right after compression, compare the proxy with the uncompressed teacher
         (``pl_module.teacher``) on this many batches of the datamodule's alignment split — data Stage 1 never
