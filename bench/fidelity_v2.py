@@ -626,6 +626,9 @@ def main(argv=None) -> dict:
         rec = st.state["stages"].get(key)
         return rec["fingerprint"] if rec else None
 
+    if not args.summary_only and not args.dry_run:
+        st.state["run_command"] = "python bench/fidelity_v2.py " + " ".join(shlex.quote(a) for a in args.argv)
+        st.save()
     if not args.summary_only:
         # 3. references ----------------------------------------------------------------------------
         score("target", target, target, stage_fp("warmup") if not args.no_warmup else args.model)
@@ -807,7 +810,8 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
                               "partialled": float(partial_spearman(a, b, c)) if len(ids) > 3 else float("nan"),
                               "note": "LESS max over each validation half's suites; halves alternate within each suite"},
         "errors": st.state.get("errors", {}),
-        "command": "python bench/fidelity_v2.py " + " ".join(shlex.quote(a) for a in (args.argv or [])),
+        "command": st.state.get("run_command") or "python bench/fidelity_v2.py " + " ".join(
+            shlex.quote(a) for a in (args.argv or [])),
     }
     return {"meta": meta, "rows": rows, "paired": paired, "stages": st.state["stages"]}
 

@@ -21,8 +21,8 @@ TINY = ["--model", "builtin", "--pool", "builtin", "--validation", "builtin", "-
         "--builtin-size", "120", "--sample", "24", "--probe-examples", "8", "--align-examples", "8", "--tokens", "64",
         "--max-length", "64", "--probe-length", "64", "--align-length", "64", "--align-steps", "3",
         "--val-per-task", "2", "--bootstrap", "50", "--threads", "1", "--fail-fast"]
-VARIANTS = ["ipsvd@0.5", "svd@0.5", "le@0.5", "ipsvd@0.5+align", "ipsvd/core@0.3", "ipsvd@0.5+align+nokl",
-            "random@0.5+align", "ipsvd/core/rel1e-3@0.5"]
+VARIANTS = ["ipsvd@0.5", "svd@0.5", "le@0.5", "ipsvd@0.5+align", "ipsvd@0.3", "ipsvd@0.5+align+nokl",
+            "random@0.5+align", "ipsvd/exact/abs0.1@0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_every_row_has_finite_numbers(run):
     by = {r["key"]: r for r in on_disk["rows"]}
     assert by[f"ipsvd/{DEFAULT_MODE}@0.5"]["flops"]["probe"] > by["svd@0.5"]["flops"]["probe"] > 0
     assert by["le@0.5"]["layer_extraction"]["num_layers_after"] == 1  # 2 blocks, half removed
-    assert by["ipsvd/core@0.3"]["params"] > by[f"ipsvd/{DEFAULT_MODE}@0.5"]["params"]
+    assert by[f"ipsvd/{DEFAULT_MODE}@0.3"]["params"] > by[f"ipsvd/{DEFAULT_MODE}@0.5"]["params"]
     # K-FAC: target reference + the two requested proxies
     assert set(on_disk["kfac"]) == {f"ipsvd/{DEFAULT_MODE}@0.5", "le@0.5"}
     assert len(on_disk["kfac_target_scores"]) == 24
@@ -128,8 +128,8 @@ def test_damping_variant_reaches_ipsvd(run):
     """A per-variant damping is recorded and changes the factors (hence the scores) against the default row."""
     _, res = run
     rows = {r["key"]: r for r in res["rows"]}
-    d, base = rows["ipsvd/core/rel0.001@0.5"], rows["ipsvd/core@0.5"]
-    assert (d["damping"], d["damping_mode"]) == (1e-3, "relative")
+    d, base = rows["ipsvd/exact/abs0.1@0.5"], rows[f"ipsvd/{DEFAULT_MODE}@0.5"]
+    assert (d["damping"], d["damping_mode"]) == (0.1, "absolute")
     assert (base["damping"], base["damping_mode"]) == (fidelity.DEFAULT_DAMPING, fidelity.DEFAULT_DAMPING_MODE)
     assert d["params"] == base["params"]
     diff = max(abs(d["proxy_scores"][k] - base["proxy_scores"][k]) for k in base["proxy_scores"])
