@@ -404,8 +404,8 @@ def markdown(summary: Mapping[str, Any]) -> str:
     lines = [f"# Proxy fidelity v2 — {meta.get('target_name')}", "",
              f"Warmed-up target: {meta['target_warmed_up']}; {meta['n_scored']} scored pool examples (stratified by "
              f"source, ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
-             f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); commit "
-             f"`{meta['commit']}`; {meta.get('machine', '')}.", "",
+             f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); "
+             f"summary written at commit `{meta['commit']}`; {meta.get('machine', '')}.", "",
              f"Command: `{meta.get('command', '')}` (stage commands and per-stage commits in `state.json`).", "",
              f"Ceiling (the warmed target's split-half reliability, LESS-max scores against the two validation halves): "
              f"Spearman {meta['target_split_half']['spearman']:+.3f}, length-partialled "
@@ -458,8 +458,8 @@ def write_plot(out: Path, summary: Mapping[str, Any]) -> str | None:
         ax.errorbar(vals, y + (k - 0.5) * 0.3, xerr=np.abs(err), fmt="o", label=label, capsize=2)
     ax.set_yticks(y, [r["variant"] for r in rows])
     ax.axvline(0, color="grey", lw=0.5)
-    ax.set_xlabel("Spearman with the warmed target's TracIn scores (95% bootstrap CI)")
-    ax.legend(loc="lower right")
+    ax.set_xlabel("Spearman with the target's TracIn scores (95% bootstrap CI)")
+    ax.legend(loc="lower left")
     ax.invert_yaxis()
     fig.tight_layout()
     path = out / "retention.png"
