@@ -56,6 +56,7 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (fidelity.interleaved_timing)
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
@@ -340,30 +341,6 @@ def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
     return out
 
 
-def interleaved_timing(models: Mapping[str, Any], batch: Mapping, val_batch: Mapping, repeats: int = 3) -> dict:
-    """Scoring time per training batch of each model, taken in turns (robust to a shared machine's changing
-    load): each model's :class:`~iprox_lightning.scoring.InfluenceScorer` is fitted on ``val_batch``, warmed up
-    once, then ``score_batch(batch)`` is timed ``repeats`` times, the models alternating within each repeat.
-    Returns ``{name: {"wall_s", "cpu_s"}}`` (medians)."""
-    from iprox_lightning.scoring import InfluenceScorer
-
-    scorers = {}
-    for name, m in models.items():
-        sc = InfluenceScorer(m, method="tracin", per_task=False)
-        sc.fit([val_batch])
-        sc.score_batch(batch)
-        scorers[name] = sc
-    wall: dict[str, list[float]] = {k: [] for k in models}
-    cpu: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(repeats):
-        for name, sc in scorers.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            sc.score_batch(batch)
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return {k: {"wall_s": float(np.median(wall[k])), "cpu_s": float(np.median(cpu[k]))} for k in models}
-
-
 def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_path: Path) -> dict:
     """Interleaved scoring-time ratios of the built proxies vs the target on one batch of the sample."""
     import torch
@@ -384,10 +361,15 @@ def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_pa
             models[v["key"]] = load_model(str(pdir), tokenizer=False)[0]
     for m in models.values():
         m.eval().requires_grad_(False)
-    t = interleaved_timing(models, batch, val_batch, repeats=args.timing_repeats)
-    ref = t.pop("target")
-    return {"target": ref, "rows": {k: {**v, "wall_ratio": v["wall_s"] / ref["wall_s"],
-                                        "cpu_ratio": v["cpu_s"] / ref["cpu_s"]} for k, v in t.items()},
+    from fidelity import interleaved_timing  # the v1 bench's interleaved loop (models take turns per repeat)
+
+    target_model = models.pop("target")
+    t = interleaved_timing(target_model, models, batch, val_batch, repeats=args.timing_repeats)
+    first = next(iter(t.values()))
+    ref = {"wall_s": first["target_wall_s"], "cpu_s": first["target_cpu_s"]}
+    return {"target": ref, "rows": {k: {"wall_s": v["proxy_wall_s"], "cpu_s": v["proxy_cpu_s"],
+                                        "wall_ratio": v["wall_ratio"], "cpu_ratio": v["cpu_ratio"]}
+                                    for k, v in t.items()},
             "batch_examples": int(batch["input_ids"].shape[0]), "batch_tokens": int(batch["attention_mask"].sum()),
             "repeats": args.timing_repeats, "load_average": os.getloadavg()[0]}
 
