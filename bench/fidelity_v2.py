@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shlex
 import shutil
@@ -75,10 +76,15 @@ SPARE0 = [r"layers\.0\.mlp\."]
 # variants
 # ------------------------------------------------------------------------------------------------
 def parse_variant(spec: str) -> dict[str, Any]:
-    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align]`` -> ``{"key", "kind", "rho", "align", "ipsvd": {...}}``."""
+    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
+    "ipsvd": {...}}`` (``align_epochs`` None: ``--align-epochs``)."""
     s = spec.strip()
-    align = s.endswith("+align")
-    body, _, rho_s = s.removesuffix("+align").partition("@")
+    m = re.search(r"\+align(\d*)$", s)
+    align = m is not None
+    align_epochs = int(m.group(1)) if m and m.group(1) else None
+    if align_epochs == 0:
+        raise ValueError(f"variant {spec!r}: +align0 aligns nothing; leave out +align")
+    body, _, rho_s = (s[: m.start()] if m else s).partition("@")
     try:
         rho = float(rho_s)
     except ValueError:
@@ -89,7 +95,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
     if method == "le":
         if opts or align:
             raise ValueError(f"variant {spec!r}: Layer Extraction takes no options and has no factors to align")
-        return {"key": s, "kind": "le", "rho": rho, "align": False, "ipsvd": {}}
+        return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "ipsvd": {}}
     if method not in ("ipsvd", "svd", "random"):
         raise ValueError(f"variant {spec!r}: method must be le, ipsvd, svd or random")
     cb: dict[str, Any] = {"sparsity": rho, "method": method}
@@ -108,7 +114,9 @@ def parse_variant(spec: str) -> dict[str, Any]:
         else:
             raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0, "
                              "n<probe tokens>)")
-    return {"key": s, "kind": "proxy", "rho": rho, "align": align, "ipsvd": cb}
+    if method == "ipsvd" and cb.get("mode", "exact") == "exact" and "allocation" not in cb:
+        cb["allocation"] = "uniform"  # the variant says what it is: without /global, the same ρ in every layer
+    return {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "ipsvd": cb}
 
 
 def dir_name(key: str) -> str:
@@ -636,7 +644,7 @@ def main(argv=None) -> dict:
                     data = {**data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
                             "batch_size": args.align_batch_size}
                     if v["align"]:
-                        trainer.update(max_epochs=args.align_epochs, num_sanity_val_steps=0,
+                        trainer.update(max_epochs=v["align_epochs"] or args.align_epochs, num_sanity_val_steps=0,
                                        val_check_interval=args.align_val_every)
                         model.update(lr_schedule="linear", warmup_ratio=0.05)
                         data.update(validation=str(val_path), val_per_task=args.align_val_per_task)

@@ -20,9 +20,15 @@ def test_parse_variant():
     assert v["kind"] == "proxy" and v["align"] and v["rho"] == 0.5
     assert v["ipsvd"] == {"sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
                           "damping": 1e-3, "allocation": "global", "keep_dense": fv2.SPARE0}
-    assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False, "ipsvd": {}}
+    assert v["align_epochs"] is None  # --align-epochs
+    assert fv2.parse_variant("ipsvd/global@0.5+align5")["align_epochs"] == 5
+    assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False,
+                                           "align_epochs": None, "ipsvd": {}}
     assert fv2.parse_variant("svd@0.7")["ipsvd"] == {"sparsity": 0.7, "method": "svd"}
-    for bad, msg in (("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
+    # an exact-IPSVD variant without /global pins uniform ranks, whatever the library's default allocation is
+    assert fv2.parse_variant("ipsvd/exact/rel1e-3@0.5")["ipsvd"]["allocation"] == "uniform"
+    assert "allocation" not in fv2.parse_variant("ipsvd/core@0.5")["ipsvd"]
+    for bad, msg in (("ipsvd@0.5+align0", "aligns nothing"), ("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
                      ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO")):
         with pytest.raises(ValueError, match=msg):
             fv2.parse_variant(bad)
