@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Entry point: ``python train.py {fit,validate,test,predict,select,pipeline,report,check} ...``.
+"""Entry point: ``python train.py <command> ...`` (``python train.py --help`` lists every command).
 
-See ``iprox_lightning/cli.py`` and ``configs/`` (one YAML per stage).
+See ``iprox_lightning/commands/`` (one module per command) and ``configs/`` (one YAML per stage).
 """
 from iprox_lightning.cli import main
 

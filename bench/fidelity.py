@@ -80,7 +80,6 @@ from torch.utils.data import DataLoader
 
 from iprox_lightning.analysis.flops import (
     ModelShape,
-    StageTimer,
     alignment_flops,
     probe_flops,
     scoring_flops,
@@ -97,6 +96,7 @@ from iprox_lightning.scoring import tracin_scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ipsvd_sweep import DEFAULT_MODEL, DEFAULT_POOL, DEFAULT_VALIDATION, load_target  # noqa: E402
+from stage_timer import StageTimer  # noqa: E402
 
 
 # priority order: a run cut short still has the most important rows

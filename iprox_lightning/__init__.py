@@ -7,7 +7,7 @@ Stages: warm-up (``WarmupModule``) -> Stage 1 IPSVD (``IPSVDCallback`` / ``compr
 """
 from .batch import per_example_loss, sft_loss
 from .callbacks import IPSVDCallback
-from .evaluation import EvalDataModule, EvaluationModule, run_evaluation
+from .evaluation import EvalDataModule, EvaluationModule
 from .compress import compress_model, count_parameters, load_proxy, save_proxy
 from .ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
 from .alignment import alignment_losses, factor_projections, gradient_alignment_loss
@@ -26,7 +26,7 @@ __all__ = [
     "InfluenceScoringModule", "InfluenceWriter", "ScoreTable", "multi_checkpoint_scores", "select", "tracin_scores",
     "CausalLMModule", "FinetuneModule", "ProxyAlignModule", "WarmupModule", "alignment_losses",
     "factor_projections", "gradient_alignment_loss",
-    "EvalDataModule", "EvaluationModule", "run_evaluation",
+    "EvalDataModule", "EvaluationModule",
     "IPSVDCallback", "LayerTracker", "LowRankLinear", "compress_model", "count_parameters",
     "find_target_linears", "ipsvd_factors", "load_model", "load_proxy", "load_tokenizer",
     "per_example_loss", "random_factors", "requires_grad_inputs", "save_proxy", "sft_loss",

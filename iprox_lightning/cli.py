@@ -1,4 +1,4 @@
-"""Command line: LightningCLI for the Trainer stages, plain functions for the rest.
+"""Command line: ``python train.py <command> ...`` (``python train.py --help`` lists the commands).
 
     python train.py fit     --config configs/warmup.yaml        # Stage 0: warm-up
     python train.py fit     --config configs/build_proxy.yaml   # Stage 1 (IPSVDCallback) + Stage 2 (alignment)
@@ -8,73 +8,45 @@
     python train.py test    --config configs/evaluate.yaml      # MMLU / BBH / TyDiQA
     python train.py pipeline                                    # everything, on the built-in data
 
-    python train.py check   --target ... --proxy ...           # proxy check: retention on a random sample
-    python train.py report  --config configs/report.yaml        # retention / SA / 1-NND / FLOPs table + plots
-    python train.py layer_extraction | influence_scorer | random_scores   # the paper's baselines
-
-``fit/validate/test/predict`` go to LightningCLI (any LightningModule / LightningDataModule by
-``class_path``); ``select``, ``pipeline``, ``report`` and ``check`` are plain functions parsed by
-jsonargparse (``--config`` and ``--print_config`` work for them too).
+``fit/validate/test/predict`` go to LightningCLI (:mod:`iprox_lightning.commands.lightning`); every
+other command is a function in :mod:`iprox_lightning.commands` parsed by jsonargparse.
 """
 from __future__ import annotations
 
 import sys
-from typing import Callable
-
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
 
 
-class IProXCLI(LightningCLI):
-    """LightningCLI with the project's defaults (re-runs may reuse a log dir)."""
+def usage() -> str:
+    """The top-level help: every command with one line saying what it does."""
+    from .commands import COMMANDS, TRAINER_COMMANDS, summary
 
-
-def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCLI:
-    """Run LightningCLI on ``args`` (``None``: the command line).
-
-    When ``args`` are given (the pipeline, tests) the process's own command line is hidden from
-    LightningCLI while it runs: it would otherwise warn that both were given, although only
-    ``args`` are parsed.
-    """
-    from .console import quiet_lightning_tips
-
-    quiet_lightning_tips()
-    saved = sys.argv
-    if args is not None:
-        sys.argv = sys.argv[:1]
-    try:
-        return IProXCLI(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            args=args,
-            run=run,
-        )
-    finally:
-        sys.argv = saved
-
-
-def _extra_commands() -> dict[str, Callable]:
-    """The plain-function subcommands (imported lazily: ``fit``/``predict`` runs don't need them)."""
-    from .baselines.commands import influence_scorer, layer_extraction, random_scores
-    from .pipeline import pipeline
-    from .report import check, report
-    from .select import select
-
-    return {"select": select, "pipeline": pipeline, "report": report, "check": check,
-            "layer_extraction": layer_extraction, "influence_scorer": influence_scorer, "random_scores": random_scores}
+    rows = list(TRAINER_COMMANDS.items()) + [(name, summary(name)) for name in COMMANDS]
+    width = max(len(name) for name, _ in rows)
+    lines = ["usage: python train.py <command> [--config FILE ...] [options]", "",
+             "IProX: influence-preserving proxies for gradient-based data selection.", "",
+             "Lightning commands (one LightningModule / LightningDataModule per config):"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in rows[:len(TRAINER_COMMANDS)]]
+    lines += ["", "IProX commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in rows[len(TRAINER_COMMANDS):]]
+    lines += ["", "python train.py <command> --help shows a command's options; --print_config its full config."]
+    return "\n".join(lines)
 
 
 def main(args: list[str] | None = None):
+    from .commands import COMMANDS, command
+
     argv = list(sys.argv[1:] if args is None else args)
-    extra = _extra_commands()
-    if argv and argv[0] in extra:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        if not argv:
+            raise SystemExit(2)
+        return None
+    if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
-        return CLI(extra[argv[0]], args=argv[1:], as_positional=False)
+        return CLI(command(argv[0]), args=argv[1:], as_positional=False)
+    from .commands.lightning import run_lightning
+
     return run_lightning(None if args is None else argv)
 
 

@@ -28,7 +28,15 @@ from tqdm.auto import tqdm
 
 from .ipsvd import DAMPING_MODES, MODES, compute_factors, plain_spectrum, weighted_objective, weighted_spectrum
 from .lowrank import LowRankLinear
-from .models.targets import find_target_linears, linear_shape, linear_weight
+from .models.targets import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
+    count_parameters,
+    find_target_linears,
+    is_compressed,
+    linear_shape,
+    linear_weight,
+    lowrank_layers,
+    set_submodule,
+)
 from .probes import Probes, collect_probes
 from .rank import allocate_ranks, plan_ranks, requested_layer_params
 
@@ -59,31 +67,6 @@ def resolve_allocation(allocation: str | None, method: str, mode: str) -> str:
     if allocation is not None:
         return allocation
     return DEFAULT_ALLOCATION if (method == "ipsvd" and mode == "exact") else "uniform"
-
-
-# ------------------------------------------------------------------------------------------------
-# parameter counting and layer replacement
-# ------------------------------------------------------------------------------------------------
-def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
-    """Number of distinct parameters of ``model`` (tied tensors counted once), embeddings and LM
-    head included."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, leaf, module)
-
-
-def lowrank_layers(model: nn.Module) -> dict[str, LowRankLinear]:
-    """``{name: LowRankLinear}`` of a model (empty for an uncompressed one)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
-
-
-def is_compressed(model: nn.Module) -> bool:
-    """True when the model already holds ``LowRankLinear`` layers (e.g. a resumed proxy)."""
-    return bool(lowrank_layers(model))
 
 
 def _layer_bias(module: nn.Module) -> torch.Tensor | None:
@@ -299,7 +282,7 @@ def compress_model(
         new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
                                          None if bias is None else bias.detach())
         new.train(module.training)
-        _set_submodule(model, name, new)
+        set_submodule(model, name, new)
         lr.params_after = rank * (in_f + out_f)
         lr.mode = used_mode
         lr.time_s = time.perf_counter() - ts

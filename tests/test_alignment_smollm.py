@@ -8,7 +8,7 @@ import torch
 
 from iprox_lightning.alignment import alignment_losses, proxy_factor_layers, teacher_pass
 from iprox_lightning.batch import sft_loss
-from iprox_lightning.compress import _set_submodule
+from iprox_lightning.models.targets import set_submodule
 from iprox_lightning.ipsvd import svd_factors
 from iprox_lightning.lowrank import LowRankLinear
 
@@ -25,7 +25,7 @@ def test_smollm_projections_and_one_step(smollm_gguf):
     for name in LAYERS:  # compress two layers with plain SVD (rank = half of min(out, in))
         W = proxy.get_submodule(name).weight
         A, B = svd_factors(W, min(W.shape) // 2)
-        _set_submodule(proxy, name, LowRankLinear.from_factors(A, B))
+        set_submodule(proxy, name, LowRankLinear.from_factors(A, B))
     for m in proxy_factor_layers(proxy).values():
         m.A.requires_grad_(True)
         m.B.requires_grad_(True)

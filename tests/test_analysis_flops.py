@@ -1,4 +1,4 @@
-"""Analytic FLOPs vs a hand count and vs torch.utils.flop_counter; the stage timer."""
+"""Analytic FLOPs vs a hand count and vs torch.utils.flop_counter."""
 import time
 
 import pytest
@@ -7,7 +7,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from iprox_lightning.analysis.flops import (
     ModelShape,
-    StageTimer,
     alignment_flops,
     ipsvd_flops,
     pipeline_flops,
@@ -101,29 +100,8 @@ def test_stage_flops_hand_count():
     assert pipeline_flops(t, None, seq_len=T, n_train=7, n_val=2)["scoring"] > sc["total"]
 
 
-def test_stage_timer_records_time_memory_and_logs():
-    logged = []
-
-    class Logger:
-        def log_metrics(self, metrics, step):
-            logged.append((metrics, step))
-
-    timer = StageTimer(logger=Logger(), device="cpu")
-    with timer.stage("probe", flops=1e6):
-        time.sleep(0.05)
-        buf = torch.ones(20_000_000)  # 80 MB
-        del buf
-    with timer.stage("probe"):
-        time.sleep(0.01)
-    rec = timer.records["probe"]
-    assert rec.calls == 2 and rec.wall_s >= 0.06 and rec.flops == 1e6
-    assert rec.peak_memory_bytes is not None and rec.peak_memory_bytes > 80e6
-    assert logged[-1][0]["time/probe_s"] == rec.wall_s and "memory/probe_peak_mb" in logged[-1][0]
-    assert "probe" in timer.table()
-
-
 def test_flops_rows_report():
-    from iprox_lightning.analysis.report import flops_rows, format_table
+    from iprox_lightning.analysis.tables import flops_rows, format_table
 
     t = ModelShape.from_model(tiny_causal_lm("llama"))
     p = t.with_ranks({l.name: 4 for l in t.linears})

@@ -11,7 +11,7 @@ from iprox_lightning.analysis.plots import (
     scatter_categories,
 )
 from iprox_lightning.baselines.random_selection import random_scores
-from iprox_lightning.analysis.report import format_table, merge_rows, retention_rows, select_top, selection_rows
+from iprox_lightning.analysis.tables import format_table, merge_rows, retention_rows, select_top, selection_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

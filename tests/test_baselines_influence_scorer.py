@@ -1,14 +1,11 @@
 """Influence Scorer (MATES-style) learns a synthetic score on a tiny model; Lightning front-end; random baseline."""
-import lightning as L
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
-from iprox_lightning.analysis import read_scores, write_scores
+from iprox_lightning.analysis import read_scores
 from iprox_lightning.analysis.retention import spearman
 from iprox_lightning.baselines.influence_scorer import (
-    InfluenceScorerModule,
     RegressionLM,
     fit_influence_scorer,
     predict_scores,
@@ -77,23 +74,6 @@ def test_influence_scorer_learns_synthetic_score():
     assert abs(pred.mean() - np.mean([targets[i] for i in ids])) < 0.1
     with pytest.raises(KeyError, match="no entry"):
         fit_influence_scorer(sc, train, {"unrelated": 1.0}, epochs=1, progress=False)
-
-
-def test_influence_scorer_lightning_module(tmp_path):
-    train, t_train = _data(64, "t", 3)
-    pool, t_pool = _data(32, "p", 4)
-    table = write_scores(t_train, tmp_path / "holdout.parquet")
-    module = InfluenceScorerModule(backbone=tiny_causal_lm("llama"), target_scores=str(table), lr=1e-2)
-    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, train_dataloaders=DataLoader(train, batch_size=None))
-    assert float(module.scorer.target_std) == pytest.approx(np.std(list(t_train.values())))
-    preds = trainer.predict(module, dataloaders=DataLoader(pool, batch_size=None))
-    scores = {i: float(s) for p in preds for i, s in zip(p["id"], p["score"])}
-    assert set(scores) == set(t_pool)
-    assert spearman([scores[i] for i in sorted(scores)], [t_pool[i] for i in sorted(scores)]) > 0.3
-    # the function front-end gives the same predictions for the trained head
-    assert predict_scores(module.scorer, pool, progress=False) == pytest.approx(scores, rel=1e-5, abs=1e-6)
 
 
 def test_random_selection_is_seeded_and_order_free(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iprox_lightning.data.synthetic import builtin_tokenizer
+from iprox_lightning.models.builtin import builtin_tokenizer
 from iprox_lightning.evaluation.common import (
     continuation_tokens,
     greedy_generate,

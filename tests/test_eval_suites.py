@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from iprox_lightning.data.synthetic import builtin_tokenizer
+from iprox_lightning.models.builtin import builtin_tokenizer
 from iprox_lightning.evaluation import (
     EvalDataModule,
     EvaluationModule,

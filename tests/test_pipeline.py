@@ -7,7 +7,7 @@ import torch
 
 from iprox_lightning.analysis.score_table import read_scores
 from iprox_lightning.cli import main
-from iprox_lightning.pipeline import pipeline
+from iprox_lightning.commands.pipeline import pipeline
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_length_confound_against_brute_force():
     from scipy import stats
 
     from iprox_lightning.batch import token_counts
-    from iprox_lightning.report import length_confound
+    from iprox_lightning.analysis.retention import length_confound
 
     batch = {"id": ["a", "b", "c", "d", "e"], "labels": torch.tensor(
         [[-100, 1, 2, 3], [-100, -100, 1, -100], [-100, 1, 2, -100], [1, 2, 3, 4], [-100, -100, -100, 5]]),

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from iprox_lightning.pipeline import pipeline
+from iprox_lightning.commands.pipeline import pipeline
 
 from test_pipeline import run_all_variants
 

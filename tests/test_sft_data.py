@@ -11,7 +11,8 @@ from iprox_lightning.data.formatting import render_plain, tokenize_records, trun
 from iprox_lightning.data.sft import SFTCollator, SFTDataModule, read_validation_sets
 from iprox_lightning.data.sources import write_records_jsonl
 from iprox_lightning.data.splits import make_splits, sample_per_task, split_sizes
-from iprox_lightning.data.synthetic import BUILTIN_VALIDATION_FAMILIES, builtin_model, builtin_tokenizer, oracle_share
+from iprox_lightning.data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
+from iprox_lightning.models.builtin import builtin_model, builtin_tokenizer
 
 REC = {"id": "r1", "category": "sort", "instruction": "Sort.", "context": "b a", "response": "a b"}
 

@@ -1,4 +1,4 @@
-"""The built-in demo data, tokenizer and tiny model (iprox_lightning/data/synthetic.py)."""
+"""The built-in demo data, tokenizer and tiny model (iprox_lightning/data/synthetic.py, iprox_lightning/models/builtin.py)."""
 import collections
 import re
 
@@ -6,16 +6,14 @@ import pytest
 import torch
 
 from iprox_lightning.data.synthetic import (
-    BUILTIN_ALPHABET,
     BUILTIN_FAMILIES,
     BUILTIN_VALIDATION_FAMILIES,
     builtin_family,
-    builtin_model,
-    builtin_tokenizer,
     builtin_validation,
     generate_builtin_dataset,
     oracle_share,
 )
+from iprox_lightning.models.builtin import BUILTIN_ALPHABET, builtin_model, builtin_tokenizer
 
 
 def _check_response(r):

@@ -2,14 +2,13 @@
 from .flops import (
     LinearShape,
     ModelShape,
-    StageTimer,
     alignment_flops,
     ipsvd_flops,
     pipeline_flops,
     probe_flops,
     scoring_flops,
 )
-from .report import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
+from .tables import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
 from .retention import kendall, partial_spearman, pearson, retention_metrics, spearman, topk_overlap
 from .score_table import read_scores, write_scores
 from .subspace import (
@@ -22,7 +21,7 @@ from .subspace import (
 )
 
 __all__ = [
-    "LinearShape", "ModelShape", "StageTimer", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",
+    "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",
     "scoring_flops", "flops_rows", "format_table", "merge_rows", "retention_rows", "select_top", "selection_rows", "write_rows",
     "kendall", "partial_spearman", "pearson", "retention_metrics", "spearman", "topk_overlap", "read_scores", "write_scores",
     "KroneckerProjector", "mean_nn_distance", "nearest_neighbor_distances", "per_example_gradients",

@@ -78,7 +78,7 @@ def manifest_sizes(proxy_dir: str | Path, align_batch_size: int = 4) -> dict[str
 def render_markdown(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], plots: Sequence[str],
                     selections: Mapping[str, Any] | None = None, summary: Mapping[str, Any] | None = None) -> str:
     from ..selection_summary import format_selection
-    from .report import format_table
+    from .tables import format_table
 
     cols = []
     for r in rows:

@@ -154,3 +154,13 @@ def retention_metrics(
     for frac in topk:
         out[topk_key(frac)] = topk_overlap(p, t, frac)
     return out
+
+
+def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: dict[str, float]) -> dict[str, float]:
+    """How much of the target's ranking response length alone explains (``length_floor``: Spearman of
+    shortest-first with the target) and the proxy's retention with length partialled out."""
+    import numpy as np
+
+    ids = sorted(set(target) & set(proxy) & set(lengths))
+    t, p, n = (np.array([d[i] for i in ids], dtype=float) for d in (target, proxy, lengths))
+    return {"length_floor": spearman(-n, t), "spearman_length_partialled": partial_spearman(p, t, n)}

@@ -12,17 +12,15 @@ final norm) and ``pool`` the mean over real tokens (``"mean"``) or the last real
 the MSE on the z-scored targets; predictions are mapped back to the target scale, so they live in
 the same units as the target scores (rankings are what selection uses).
 
-Two front-ends: plain functions (:func:`fit_influence_scorer`, :func:`predict_scores`) and a
-:class:`InfluenceScorerModule` LightningModule (targets looked up by ``batch["id"]`` in a score
-table, predictions returned as ``{"id", "score"}`` by ``predict_step``).
+Plain functions: :func:`fit_influence_scorer`, :func:`predict_scores` (the ``influence_scorer`` command,
+:mod:`iprox_lightning.commands.influence_scorer`, runs them).
 """
 from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,108 +218,3 @@ def predict_scores(scorer: RegressionLM, batches: Iterable[Mapping], *, progress
         for i, s in zip(b["id"], scorer.to_target_scale(z).cpu().tolist()):
             out[str(i)] = float(s)
     return out
-
-
-class InfluenceScorerModule(L.LightningModule):
-    """Lightning front-end of the Influence Scorer.
-
-    ``fit`` on the hold-out examples (their target scores are read from ``target_scores``, a
-    Parquet/JSONL score table, and matched by ``batch["id"]``); ``validate`` logs ``val/mse``,
-    ``val/spearman``, ``val/pearson`` against the same table; ``predict`` on the pool returns
-    ``{"id": [...], "score": tensor}`` per batch (the scoring engine's prediction format). Train for
-    5 epochs (``Trainer(max_epochs=5)``) to follow the paper.
-    """
-
-    def __init__(
-        self,
-        backbone: str = "builtin",
-        target_scores: str | None = None,
-        pooling: str = "mean",
-        trainable_blocks: int = 0,
-        lr: float = 1e-5,
-        weight_decay: float = 1e-2,
-        dtype: str = "float32",
-    ) -> None:
-        super().__init__()
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        if isinstance(backbone, nn.Module):  # programmatic use (tests): keep the module out of hparams
-            self._backbone_module = backbone
-            self.save_hyperparameters(ignore=["backbone"])
-        else:
-            self._backbone_module = None
-            self.save_hyperparameters()
-        self.scorer: RegressionLM | None = None
-        self._targets: dict[str, float] | None = None
-        self._val_pred: list[torch.Tensor] = []
-        self._val_true: list[torch.Tensor] = []
-
-    # setup ---------------------------------------------------------------------------------
-    @property
-    def targets(self) -> dict[str, float]:
-        if self._targets is None:
-            if not self.hparams.target_scores:
-                raise ValueError("InfluenceScorerModule needs target_scores (a score table path) to train or validate")
-            from ..analysis.score_table import read_scores
-
-            self._targets = read_scores(self.hparams.target_scores)
-        return self._targets
-
-    def configure_model(self) -> None:
-        if self.scorer is not None:
-            return
-        src = self._backbone_module if self._backbone_module is not None else self.hparams.backbone
-        self.scorer = build_regression_lm(src, pooling=self.hparams.pooling,
-                                          trainable_blocks=self.hparams.trainable_blocks, dtype=self.hparams.dtype)
-
-    def on_fit_start(self) -> None:
-        ids = self._train_ids()
-        values = list(self.targets.values()) if ids is None else lookup_targets(ids, self.targets).tolist()
-        self.scorer.set_target_stats(values)
-        log.info("influence scorer: target mean %.4g, std %.4g over %d scores",
-                 float(self.scorer.target_mean), float(self.scorer.target_std), len(values))
-
-    def _train_ids(self) -> list[str] | None:
-        """Ids of the training set when the datamodule exposes them (``train_ids``), else ``None`` (use all targets)."""
-        dm = getattr(self.trainer, "datamodule", None)
-        ids = getattr(dm, "train_ids", None)
-        return [str(i) for i in ids] if ids is not None else None
-
-    # steps ---------------------------------------------------------------------------------
-    def _pred_and_target(self, batch):
-        check_batch(batch)
-        z = self.scorer(batch["input_ids"], batch["attention_mask"])
-        y = self.scorer.standardize(lookup_targets(batch["id"], self.targets, str(self.hparams.target_scores)).to(z.device))
-        return z, y
-
-    def training_step(self, batch, batch_idx):
-        z, y = self._pred_and_target(batch)
-        loss = F.mse_loss(z, y)
-        self.log("train/mse", loss, prog_bar=True, batch_size=len(y))
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        z, y = self._pred_and_target(batch)
-        self._val_pred.append(z.detach().cpu())
-        self._val_true.append(y.detach().cpu())
-
-    def on_validation_epoch_end(self) -> None:
-        from ..analysis.retention import pearson, spearman
-
-        if not self._val_pred:
-            return
-        p = torch.cat(self._val_pred).double().numpy()
-        t = torch.cat(self._val_true).double().numpy()
-        self._val_pred.clear()
-        self._val_true.clear()
-        self.log_dict({"val/mse": float(((p - t) ** 2).mean()), "val/spearman": spearman(p, t),
-                       "val/pearson": pearson(p, t)}, sync_dist=False)
-
-    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0) -> dict[str, Any]:
-        check_batch(batch)
-        z = self.scorer(batch["input_ids"], batch["attention_mask"])
-        return {"id": list(batch["id"]), "score": self.scorer.to_target_scale(z).float().cpu()}
-
-    def configure_optimizers(self):
-        params = [p for p in self.scorer.parameters() if p.requires_grad]
-        return torch.optim.Adam(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

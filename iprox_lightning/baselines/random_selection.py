@@ -36,7 +36,7 @@ def random_subset(ids: Iterable[str], fraction: float, seed: int = 0) -> list[st
 
     Used for the paper's 1 % samples (layer-extraction calibration, influence-scorer hold-out).
     """
-    from ..analysis.report import select_top
+    from ..analysis.tables import select_top
 
     return select_top(random_scores(ids, seed), fraction)
 

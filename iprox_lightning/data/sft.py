@@ -448,15 +448,17 @@ class SFTDataModule(L.LightningDataModule):
         return self.dataloader("validation")
 
 
-def _load_tokenizer(name: str, trust_remote_code: bool = False):
-    try:
-        from ..models.loading import load_tokenizer
-    except ImportError:  # pragma: no cover - loading.py is part of the package
-        load_tokenizer = None
-    if load_tokenizer is None:
-        if name != BUILTIN:
-            raise ImportError("iprox_lightning.models.loading.load_tokenizer is unavailable")
-        from .synthetic import builtin_tokenizer
+def pool_sample_datamodule(pool: str, tokenizer: str, fraction: float, *, max_length: int, batch_size: int,
+                           seed: int) -> "SFTDataModule":
+    """An ``SFTDataModule`` set up for ``predict`` on ``pool`` (no validation sets) whose ``construction``
+    split is a random ``fraction`` of the pool: the sample the baselines measure or fit on."""
+    dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer, max_length=max_length,
+                       batch_size=batch_size, seed=seed, construction_fraction=fraction)
+    dm.setup("predict")
+    return dm
 
-        return builtin_tokenizer()
+
+def _load_tokenizer(name: str, trust_remote_code: bool = False):
+    from ..models.loading import load_tokenizer
+
     return load_tokenizer(name, trust_remote_code=trust_remote_code)

@@ -1,7 +1,7 @@
 """Downstream evaluation of the paper (LESS / open-instruct conventions): MMLU 5-shot accuracy,
 BBH 3-shot CoT exact match, TyDiQA GoldP 1-shot EM/F1 — as a Lightning test/validate loop with
-torchmetrics (:class:`EvaluationModule` + :class:`EvalDataModule`) or one call
-(:func:`run_evaluation`)."""
+torchmetrics (:class:`EvaluationModule` + :class:`EvalDataModule`, ``python train.py test --config
+configs/evaluate.yaml``)."""
 from .bbh import BBHConfig
 from .datamodule import SUITES, EvalDataModule
 from .metrics import (
@@ -16,11 +16,11 @@ from .metrics import (
     squad_normalize,
 )
 from .mmlu import MMLUConfig
-from .module import EvaluationModule, run_evaluation
+from .module import EvaluationModule
 from .tydiqa import TyDiQAConfig
 
 __all__ = [
     "BBHConfig", "EvalDataModule", "EvaluationModule", "ExactMatch", "MMLUConfig", "PerTaskAccuracy",
     "PerTaskMean", "SUITES", "SquadF1", "TyDiQAConfig", "bbh_exact_match", "extract_bbh_answer",
-    "run_evaluation", "squad_exact_match", "squad_f1", "squad_normalize",
+    "squad_exact_match", "squad_f1", "squad_normalize",
 ]

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from .datamodule import SUITES, EvalDataModule
+from .datamodule import SUITES
 from .metrics import flatten_results
 
 log = logging.getLogger(__name__)
@@ -184,29 +184,3 @@ class EvaluationModule(LightningModule):
                     for r in sorted(recs, key=lambda r: r["id"]):
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
         log.info("evaluation results written to %s", out)
-
-
-def run_evaluation(
-    model: Union[str, nn.Module],
-    tokenizer: Optional[Any] = None,
-    *,
-    data_dir: Optional[str] = None,
-    suites: Optional[list[str]] = None,
-    batch_size: int = 4,
-    output_dir: Optional[str] = None,
-    mmlu: Optional[dict] = None,
-    bbh: Optional[dict] = None,
-    tydiqa: Optional[dict] = None,
-    trainer_kwargs: Optional[dict] = None,
-    **module_kwargs: Any,
-) -> dict[str, float]:
-    """Evaluate ``model`` with a one-device ``Trainer.test`` and return the flat metric dict
-    (``{"mmlu/acc": ..., "bbh/em": ..., "tydiqa/f1": ..., per task ...}``)."""
-    module = EvaluationModule(model, tokenizer, output_dir=output_dir, **module_kwargs)
-    dm = EvalDataModule(data_dir=data_dir, suites=suites, batch_size=batch_size, mmlu=mmlu, bbh=bbh, tydiqa=tydiqa)
-    kw = dict(accelerator="auto", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False)
-    kw.update(trainer_kwargs or {})
-    if output_dir is None and not kw.get("logger"):
-        kw.setdefault("default_root_dir", "eval_runs")
-    Trainer(**kw).test(module, datamodule=dm)
-    return module.results["test"]

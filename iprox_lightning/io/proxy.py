@@ -123,14 +123,14 @@ def build_manifest(model: nn.Module, report: Any = None, **extra: Any) -> dict:
     """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the compression
     settings and parameter counts of ``report`` (a ``CompressionReport`` — any fields of its ``to_dict()`` —
     or a dict) and any ``extra`` keys."""
-    from ..compress import CompressionReport, count_parameters, lowrank_layers
+    from ..models.targets import count_parameters, lowrank_layers
 
     layers = {}
     for name, m in lowrank_layers(model).items():
         layers[name] = {"rank": m.rank, "in_features": m.in_features, "out_features": m.out_features,
                         "bias": m.bias is not None}
     info: dict[str, Any] = {}
-    if isinstance(report, CompressionReport):
+    if hasattr(report, "to_dict"):  # a CompressionReport
         d = report.to_dict()
         layer_info = {lr["name"]: lr for lr in d.pop("layers", [])}
         for name, entry in layers.items():
@@ -161,7 +161,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     to the manifest."""
     from safetensors.torch import save_model
 
-    from ..compress import is_compressed
+    from ..models.targets import is_compressed
     from .fingerprint import file_identity
 
     path = Path(path)
@@ -249,9 +249,8 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..compress import _set_submodule
     from ..lowrank import LowRankLinear
-    from ..models.targets import linear_shape, linear_weight
+    from ..models.targets import linear_shape, linear_weight, set_submodule
 
     path = Path(path)
     man_file = path / PROXY_MANIFEST
@@ -281,7 +280,7 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
                                    f"{spec['out_features']}x{spec['in_features']} in the manifest")
         w = linear_weight(old)
         new = LowRankLinear(in_f, out_f, int(spec["rank"]), bias=bool(spec.get("bias", False)), dtype=w.dtype)
-        _set_submodule(model, name, new)
+        set_submodule(model, name, new)
     _check_tensors(model, weights, man_file, layers)
     missing, unexpected = load_model(model, str(weights), strict=True)
     if missing or unexpected:  # strict=True raises already; defensive

@@ -8,7 +8,7 @@ proxy directory, or ``"builtin"`` (the offline demo model).
   renamed atomically, so an interrupted first load never leaves a broken cache.
 * ``trust_remote_code`` is off unless the caller asks for it.
 * A directory holding ``iprox_proxy.json`` is an IProX proxy and goes through
-  :func:`iprox_lightning.compress.load_proxy`.
+  :func:`iprox_lightning.io.proxy.load_proxy`.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if name_or_path == "builtin":
-        from ..data.synthetic import builtin_tokenizer
+        from .builtin import builtin_tokenizer
 
         return builtin_tokenizer()
     p = Path(name_or_path)
@@ -118,7 +118,7 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
 
     if name == "builtin":
-        from ..data.synthetic import builtin_model, builtin_tokenizer
+        from .builtin import builtin_model, builtin_tokenizer
 
         model = builtin_model()
         if torch_dtype is not None:

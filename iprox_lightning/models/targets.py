@@ -1,4 +1,4 @@
-"""Which layers IProX compresses, tracks and scores.
+"""Which layers IProX compresses, tracks and scores, and the helpers that count, find and swap them.
 
 By default: the attention and MLP projections inside the decoder blocks (``q/k/v/o``,
 ``gate/up/down``, fused ``qkv_proj``/``gate_up_proj``, GPT-2 ``c_attn/c_proj/c_fc``), never the
@@ -101,3 +101,28 @@ def _refuse_shared(model: nn.Module, found: dict[str, nn.Module]) -> None:
                     "per-layer statistics would mix both uses — untie it or exclude it"
                 )
             seen[id(module)] = name
+
+
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of distinct parameters of ``model`` (tied tensors counted once), embeddings and LM
+    head included."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted path ``name`` of ``model`` (replacing what is there)."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, module)
+
+
+def lowrank_layers(model: nn.Module) -> dict:
+    """``{name: LowRankLinear}`` of a model (empty for an uncompressed one)."""
+    from ..lowrank import LowRankLinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+
+
+def is_compressed(model: nn.Module) -> bool:
+    """True when the model already holds ``LowRankLinear`` layers (e.g. a resumed proxy)."""
+    return bool(lowrank_layers(model))

@@ -343,13 +343,13 @@ class ProxyAlignModule(L.LightningModule):
     def _unsharded_copy(self, state_dict: dict) -> nn.Module:
         """A plain (unsharded) proxy holding ``state_dict``: the teacher's architecture with the same
         ``LowRankLinear`` layers (ranks read from the factor shapes)."""
-        from ..compress import _set_submodule
+        from ..models.targets import set_submodule
 
         model = copy.deepcopy(self._teacher).to("cpu")
         for name, m in self.proxy.named_modules():
             if isinstance(m, LowRankLinear):
                 A = state_dict[f"{name}.A"]
-                _set_submodule(model, name, LowRankLinear(m.in_features, m.out_features, A.shape[1],
+                set_submodule(model, name, LowRankLinear(m.in_features, m.out_features, A.shape[1],
                                                           bias=m.bias is not None, dtype=A.dtype))
         model.load_state_dict(state_dict, strict=True)
         return model

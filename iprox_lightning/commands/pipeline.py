@@ -1,4 +1,6 @@
-"""The whole IProX method end to end, each stage through the same LightningCLI configs a user runs.
+"""Run the whole method end to end (warm-up to evaluation) and print a summary; built-in demo data by default.
+
+Each stage goes through the same LightningCLI configs a user runs:
 
     warm-up -> build proxy (IPSVD + alignment) -> score (target and proxy) -> select (target, proxy,
     random) -> fine-tune on each of the three selections -> evaluate each on held-out examples of the
@@ -24,7 +26,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
@@ -34,10 +36,11 @@ def _write_overlay(path: Path, content: dict) -> Path:
 
 
 def _count_params(path: str) -> int:
-    from .models.loading import load_model
+    from ..models.loading import load_model
+    from ..models.targets import count_parameters
 
     model, _ = load_model(path, tokenizer=False)
-    return sum(p.numel() for p in model.parameters())
+    return count_parameters(model)
 
 
 def pipeline(
@@ -85,8 +88,8 @@ def pipeline(
     """
     import torch
 
-    from .cli import run_lightning
-    from .select import select
+    from ..select import select
+    from .lightning import run_lightning
 
     if num_threads is None and target == "builtin":
         num_threads = 1
@@ -105,7 +108,7 @@ def pipeline(
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
 
-    from .io.stages import StageLedger
+    from ..io.stages import StageLedger
 
     # a stage's output is reused only when its fingerprint (configs, overlay, sources, upstream stages) matches
     ledger = StageLedger(wd, {"target": target, "pool": pool, "validation": validation}, force=force)
@@ -122,7 +125,7 @@ def pipeline(
             print(f"[pipeline] {key}: reused ({done}, fingerprint {fp[:12]} matches)")
             return
         if done.name == "scores.parquet":  # start the scoring output fresh (force, or an unrecorded old run)
-            from .io.scores import clear_output
+            from ..io.scores import clear_output
 
             if force:
                 clear_output(done.parent)
@@ -171,8 +174,8 @@ def pipeline(
         }, out / "scores.parquet", tag=who, upstream=("warmup", "build_proxy") if who == "proxy" else ("warmup",))
 
     # 4. select: target, proxy, random ---------------------------------------------------------
-    from .analysis.score_table import read_scores
-    from .baselines.random_selection import write_random_scores
+    from ..analysis.score_table import read_scores
+    from ..baselines.random_selection import write_random_scores
 
     scores = {who: read_scores(d / "scores.parquet") for who, d in score_dirs.items()}
     rand_path = wd / "scores" / "random" / "scores.parquet"
@@ -199,7 +202,7 @@ def pipeline(
                 "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
                                        "selected": str(selected[who])}},
             }, ft / "config.json", tag=who, upstream=("warmup",), files=(selected[who],))
-        from .selection_effect import selection_effect
+        from ..selection_effect import selection_effect
 
         t0 = time.perf_counter()
         effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args)
@@ -207,7 +210,7 @@ def pipeline(
 
     # 6. summary --------------------------------------------------------------------------------
     summary = _summary(wd, warm, proxy, scores, selected, times, pool)
-    from .io.stages import pipeline_provenance
+    from ..io.stages import pipeline_provenance
 
     summary.update(pipeline_provenance(ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
     if effect is not None:
@@ -218,9 +221,9 @@ def pipeline(
 
 
 def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
-    from .analysis.retention import retention_metrics
+    from ..analysis.retention import retention_metrics
 
-    from .io.proxy import read_manifest
+    from ..io.proxy import read_manifest
 
     manifest = read_manifest(proxy)
     out: dict[str, Any] = {
@@ -234,7 +237,7 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
         "retention_random_vs_target": retention_metrics(scores["random"], scores["target"]),
     }
     if pool == "builtin":
-        from .data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
+        from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
 
         ids = {who: [json.loads(l)["id"] for l in open(p) if l.strip()] for who, p in selected.items()}
         out["oracle"] = {
@@ -259,7 +262,7 @@ def _format_summary(s: dict[str, Any]) -> str:
     lines.append(f"proxy parameters  : {pp:,} ({pp / tp:.1%} of the target; {s['proxy_manifest']})")
     lines.append("seconds per stage : " + ", ".join(f"{k} {v:.1f}" for k, v in s["seconds_per_stage"].items()))
     if "stages" in s:
-        from .io.stages import format_provenance
+        from ..io.stages import format_provenance
 
         lines.extend(format_provenance(s))
     r = s["retention_proxy_vs_target"]
@@ -276,12 +279,12 @@ def _format_summary(s: dict[str, Any]) -> str:
                 lines.append(f"   {fam + ' share':<17}: " + " | ".join(
                     f"{who} {o['per_family'][who][fam]:.3f}" for who in ("target", "proxy", "random") if who in o["per_family"]))
     if s.get("selection", {}).get("proxy"):
-        from .selection_summary import format_selection
+        from ..selection_summary import format_selection
 
         lines.append("proxy's selection :")
         lines.extend("   " + l for l in format_selection(s["selection"]["proxy"]).splitlines())
     if s.get("selection_effect"):
-        from .selection_effect import format_effect
+        from ..selection_effect import format_effect
 
         lines.extend(format_effect(s["selection_effect"]))
     lines.append("=" * 72)

@@ -1,142 +1,14 @@
-"""``report`` and ``check``: the analysis tables users look at before trusting a proxy.
+"""Report on finished score tables: retention, SA / 1-NND, FLOPs, plots, selections explained (--workdir: a pipeline run).
 
-* ``check`` — score a small random sample of the pool with the target and with a proxy (TracIn or
-  K-FAC, through :func:`~iprox_lightning.scoring.tracin_scores`) and print the retention table
-  (Spearman / Pearson / Kendall, top-1/5/10% overlap). A bad proxy is caught in minutes.
-* ``report`` — for a set of score tables already written by the scoring stage: retention of every
-  proxy against the target, optional SA / 1-NND of each selection (gradients of a reference model,
-  randomly projected), FLOPs per stage from the model shapes, plots (scatter, histograms) as PNG and
-  TensorBoard images, all in one Markdown table + JSON.
+For a set of score tables already written by the scoring stage: retention of every proxy against the
+target, optional SA / 1-NND of each selection (gradients of a reference model, randomly projected),
+FLOPs per stage from the model shapes, plots (scatter, histograms) as PNG, all in one Markdown
+report + JSON.
 """
 from __future__ import annotations
 
-import json
-import logging
-import time
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
-
-
-def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
-    from torch.utils.data import DataLoader, Subset
-
-    from .data.sft import SFTCollator
-
-    ds = dm.dataset(split)
-    index = {i: k for k, i in enumerate(ds.ids)}
-    return DataLoader(Subset(ds, [index[i] for i in ids]), batch_size=batch_size,
-                      collate_fn=SFTCollator(dm.pad_token_id), shuffle=False)
-
-
-def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: dict[str, float]) -> dict[str, float]:
-    """How much of the target's ranking response length alone explains (``length_floor``: Spearman of
-    shortest-first with the target) and the proxy's retention with length partialled out."""
-    import numpy as np
-
-    from .analysis.retention import partial_spearman, spearman
-
-    ids = sorted(set(target) & set(proxy) & set(lengths))
-    t, p, n = (np.array([d[i] for i in ids], dtype=float) for d in (target, proxy, lengths))
-    return {"length_floor": spearman(-n, t), "spearman_length_partialled": partial_spearman(p, t, n)}
-
-
-def _proxy_sparsity(proxy: str) -> float | None:
-    """Achieved sparsity of the targeted layers of a saved IProX proxy (``None`` for any other model)."""
-    from .models.loading import PROXY_MANIFEST
-
-    path = Path(proxy) / PROXY_MANIFEST
-    if not path.is_file():
-        return None
-    m = json.loads(path.read_text())
-    before, after = m.get("target_params_before"), m.get("target_params_after")
-    return 1.0 - after / before if before and after is not None else m.get("sparsity")
-
-
-def check(
-    target: str,
-    proxy: str,
-    pool: str = "builtin",
-    validation: str = "builtin",
-    tokenizer: str | None = None,
-    sample: int = 200,
-    method: str = "tracin",
-    max_length: int = 256,
-    batch_size: int = 8,
-    seed: int = 0,
-    output: str | None = None,
-    layer_extraction: bool = True,
-) -> dict[str, Any]:
-    """Score ``sample`` random pool examples with ``target`` and ``proxy``; print the retention table.
-
-    Besides Spearman / Kendall / top-k overlap the row holds ``length_floor`` (how well ranking by
-    response length alone, shortest first, matches the target) and ``spearman_length_partialled``
-    (the proxy's retention that length does not explain) — TracIn rankings often follow length, and
-    then raw retention flatters any proxy (see docs/BENCHMARKS.md).
-
-    Args:
-        target: the target model (hub id, dir, ``.gguf``, ``builtin``).
-        proxy: the proxy (saved IProX proxy dir, or any causal LM).
-        pool, validation: data sources as for ``SFTDataModule``.
-        tokenizer: defaults to the target's.
-        sample: number of random pool examples to score.
-        method: ``tracin`` or ``kfac``.
-        max_length: token cap per example.
-        batch_size: examples per batch.
-        seed: seed of the random sample.
-        output: optional JSON path for the table.
-        layer_extraction: also score the free baselines on the same sample — ``length sort`` (shortest
-            response first, model-free) and, for an IProX proxy directory, Layer Extraction of the target at
-            the proxy's achieved sparsity (same parameter budget) — as extra rows. A proxy worth using beats
-            both, also with length partialled out.
-    """
-    from .analysis.report import format_table, retention_rows
-    from .baselines.random_selection import random_subset
-    from .batch import token_counts
-    from .data import SFTDataModule
-    from .models.loading import load_model
-    from .scoring import tracin_scores
-
-    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or target, max_length=max_length,
-                       batch_size=batch_size, seed=seed)
-    dm.setup("predict")
-    ids = dm.ids("pool")
-    chosen = random_subset(ids, min(1.0, sample / max(len(ids), 1)), seed=seed)[:sample]
-    tables, seconds = {}, {}
-    for name, path in (("target", target), ("proxy", proxy)):
-        model, _ = load_model(path, tokenizer=False)
-        t0 = time.perf_counter()
-        tables[name] = tracin_scores(model, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
-                                     method=method)
-        seconds[name] = time.perf_counter() - t0
-        del model
-    lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
-    others: dict[str, dict[str, float]] = {}
-    if layer_extraction:
-        others["length sort (shortest first)"] = {i: -float(v) for i, v in lengths.items()}
-        le_rho = _proxy_sparsity(proxy)
-        if le_rho is not None:
-            from .baselines.layer_extraction import layer_extraction_proxy
-
-            model, _ = load_model(target, tokenizer=False)
-            le, _ = layer_extraction_proxy(model, dm.dataloader("probe"), sparsity=le_rho, progress=False)
-            t0 = time.perf_counter()
-            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(tracin_scores(
-                le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(), method=method))
-            seconds["layer_extraction"] = time.perf_counter() - t0
-            del model, le
-    rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"]), **others})
-    rows[0]["target_s"] = seconds["target"]
-    rows[0]["proxy_s"] = seconds["proxy"]
-    for r, table in zip(rows, [dict(tables["proxy"]), *others.values()]):
-        r.update(length_confound(dict(tables["target"]), table, lengths))
-    print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
-    print(format_table(rows))
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(rows, indent=2))
-    return rows[0]
 
 
 def report(
@@ -190,12 +62,12 @@ def report(
         max_examples: at most this many pool examples get gradients for SA / 1-NND.
         plots: also write the scatter and histogram PNGs.
     """
-    from .analysis.report import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
-    from .analysis.score_table import read_scores
+    from ..analysis.tables import flops_rows, merge_rows, retention_rows, select_top, selection_rows, write_rows
+    from ..analysis.score_table import read_scores
 
     found: dict[str, Any] = {}
     if workdir:
-        from .analysis.report_doc import discover_workdir
+        from ..analysis.report_doc import discover_workdir
 
         found = discover_workdir(workdir)
         target_scores = target_scores or found["target_scores"]
@@ -208,13 +80,13 @@ def report(
     out = Path(output_dir or (Path(workdir) / "report" if workdir else "outputs/report"))
     out.mkdir(parents=True, exist_ok=True)
     if n_probe_examples is None or n_align_examples is None:
-        from .analysis.report_doc import manifest_sizes
+        from ..analysis.report_doc import manifest_sizes
 
         sizes = next((manifest_sizes(p) for p in (proxy_models or {}).values() if manifest_sizes(p)), {})
         n_probe_examples = sizes.get("n_probe_examples", 0) if n_probe_examples is None else n_probe_examples
         n_align_examples = sizes.get("n_align_examples", 0) if n_align_examples is None else n_align_examples
     if n_val is None:
-        from .data import SFTDataModule
+        from ..data import SFTDataModule
 
         n_val = len(SFTDataModule(pool=pool, validation=validation, tokenizer="builtin").validation_records)
     target = read_scores(target_scores)
@@ -222,10 +94,10 @@ def report(
     tables = [retention_rows(target, proxies)]
 
     if target_model and proxy_models:
-        from .analysis.flops import ModelShape
+        from ..analysis.flops import ModelShape
 
         def shape(path: str) -> "ModelShape":
-            from .models.loading import load_model
+            from ..models.loading import load_model
 
             model, _ = load_model(path, tokenizer=False)
             return ModelShape.from_model(model)
@@ -237,9 +109,9 @@ def report(
                                  n_probe_examples=n_probe_examples, n_align_examples=n_align_examples))
 
     if gradient_model:
-        from .analysis.subspace import per_example_gradients
-        from .data import SFTDataModule
-        from .models.loading import load_model
+        from ..analysis.subspace import per_example_gradients
+        from ..data import SFTDataModule
+        from ..models.loading import load_model
 
         dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or gradient_model, max_length=max_length)
         dm.setup("predict")
@@ -263,7 +135,7 @@ def report(
     write_rows(rows, out / "report.json")
     pngs = []
     if plots:
-        from .analysis.plots import plot_score_histograms, plot_score_scatter
+        from ..analysis.plots import plot_score_histograms, plot_score_scatter
 
         for name, s in proxies.items():
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
@@ -271,7 +143,7 @@ def report(
             pngs.append(out / f"scatter_{safe}.png")
         plot_score_histograms({"target": target, **proxies}, standardize=True, path=out / "histograms.png")
         pngs.append(out / "histograms.png")
-    from .analysis.report_doc import render_markdown
+    from ..analysis.report_doc import render_markdown
 
     settings = {"workdir": workdir, "target_scores": target_scores, "proxy_scores": proxy_scores,
                 "target_model": target_model, "proxy_models": proxy_models, "gradient_model (SA, 1-NND)": gradient_model,

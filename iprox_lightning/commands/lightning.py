@@ -1,0 +1,39 @@
+"""The Trainer commands ``fit``, ``validate``, ``test`` and ``predict``: LightningCLI over any LightningModule / LightningDataModule.
+
+The stage configs in ``configs/`` pick the module and data module by ``class_path``
+(``--model.help ProxyAlignModule`` lists one module's options).
+"""
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+
+
+def run_lightning(args: list[str] | None = None, *, run: bool = True) -> LightningCLI:
+    """Run LightningCLI on ``args`` (``None``: the command line).
+
+    When ``args`` are given (the pipeline, tests) the process's own command line is hidden from
+    LightningCLI while it runs: it would otherwise warn that both were given, although only
+    ``args`` are parsed. Re-runs may reuse a log dir (the saved config is overwritten).
+    """
+    from ..console import quiet_lightning_tips
+
+    quiet_lightning_tips()
+    saved = sys.argv
+    if args is not None:
+        sys.argv = sys.argv[:1]
+    try:
+        return LightningCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+        )
+    finally:
+        sys.argv = saved

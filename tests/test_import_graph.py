@@ -1,0 +1,124 @@
+"""The package's import graph has no cycles: every import between two of its modules, at module level or
+inside a function, read with ``ast`` (an import inside a function hides a cycle from Python, not from a reader)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "iprox_lightning"
+
+
+def module_files(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
+    """``{dotted module name: (file, is a package __init__)}`` for every ``.py`` file under ``root``."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported_modules(name: str, path: Path, is_package: bool, modules: set[str]) -> set[str]:
+    """The package modules that module ``name`` imports (a ``from X import y`` of a submodule ``X.y`` counts as
+    ``X.y`` only; the importer's own parent packages are left out: Python initialises them first anyway)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for top in ast.walk(tree) if _type_checking_only(top) for n in ast.walk(top)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            submodules = {f"{source}.{a.name}" for a in node.names} & modules
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # names defined in ``source`` itself
+                found.add(source)
+    parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    return {m for m in found if m in modules and m != name and m not in parents}
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    files = module_files(root)
+    return {name: imported_modules(name, path, is_pkg, set(files)) for name, (path, is_pkg) in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or ``None`` (depth-first search, colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_on_small_graphs():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"x": {"y"}, "y": {"y2"}, "y2": {"y"}}) == ["y", "y2", "y"]
+
+
+def test_import_graph_reads_relative_and_lazy_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n    return b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from .. import a\nfrom typing import TYPE_CHECKING\n"
+                                      "if TYPE_CHECKING:\n    from ..c import C\n")
+    (pkg / "c.py").write_text("")
+    graph = import_graph(pkg)
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub": set(), "pkg.sub.b": {"pkg.a"}, "pkg.c": set()}
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
+
+
+def test_package_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 50 and graph["iprox_lightning.cli"]  # the package was read, not an empty tree
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("importer, forbidden", [
+    ("iprox_lightning.models.loading", "iprox_lightning.data.synthetic"),  # the built-in model lives in models/
+    ("iprox_lightning.models.loading", "iprox_lightning.compress"),
+    ("iprox_lightning.io.proxy", "iprox_lightning.compress"),
+])
+def test_low_layers_do_not_import_high_ones(importer, forbidden):
+    graph = import_graph()
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert forbidden not in reachable(importer)
