@@ -1,12 +1,28 @@
-"""Console hygiene for the command line: what Lightning prints that is not about this run.
+"""Console hygiene for the command line: one progress-bar style, and nothing printed that is not about this run.
 
-Lightning (>= 2.6) prints two advertising tips on every ``Trainer`` ("💡 Tip: ... litlogger" and
-"... litmodels"). They are logged at INFO level through ``lightning.pytorch.utilities.rank_zero``;
-:func:`quiet_lightning_tips` drops exactly those records (everything else that logger says is kept).
+* **One progress-bar style: tqdm.** Lightning picks ``RichProgressBar`` / ``RichModelSummary`` whenever
+  ``rich`` is installed, while everything outside the Trainer loops (IPSVD probes and factors, K-FAC
+  factors, validation gradients, transformers' weight loading and GGUF conversion, the baselines) uses
+  tqdm. :func:`add_console_callbacks` gives every CLI Trainer :class:`ProgressBar` (Lightning's
+  ``TQDMProgressBar`` without the logger's ``v_num``) and :class:`Summary` (the plain-text model summary
+  without a FLOPs column and ``Total FLOPs: 0`` line: Lightning counts FLOPs only for modules with an
+  ``example_input_array``, which these LLM modules do not have, so the count is always an unknown 0).
+  A progress bar or summary callback the user configures is kept instead.
+* **Tips.** Lightning (>= 2.6) prints two advertising tips on every ``Trainer`` ("💡 Tip: ... litlogger"
+  and "... litmodels"), logged at INFO level through ``lightning.pytorch.utilities.rank_zero``;
+  :func:`quiet_lightning_tips` drops exactly those records (everything else that logger says is kept).
+* **A library-version warning.** Lightning 2.6's ``utilities/_pytree.py`` builds ``LeafSpec()``, which
+  torch >= 2.10 marks deprecated (``FutureWarning``) on every fit/predict batch transfer; it is about
+  Lightning's code, not this run, so :func:`quiet_lightning_tips` ignores exactly that warning from
+  exactly that module.
 """
 from __future__ import annotations
 
 import logging
+import warnings
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar as _ProgressBarBase, TQDMProgressBar
 
 _TIP_PREFIX = "💡 Tip:"
 _LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -21,8 +37,55 @@ _FILTER = _DropTips()
 
 
 def quiet_lightning_tips() -> None:
-    """Drop Lightning's advertising tips (idempotent)."""
+    """Drop Lightning's advertising tips and its torch-pytree deprecation warning (idempotent)."""
     for name in _LOGGERS:
         lg = logging.getLogger(name)
         if _FILTER not in lg.filters:
             lg.addFilter(_FILTER)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar without the logger's version number (``v_num``) among the metrics."""
+
+    def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+
+class Summary(ModelSummary):
+    """Lightning's plain-text model summary, without FLOPs when they are unknown (counted as 0: the module
+    has no ``example_input_array``)."""
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops, **summarize_kwargs) -> None:
+        if total_flops:
+            return ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
+                                          total_training_modes, total_flops, **summarize_kwargs)
+        from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+
+        cols = [c for c in summary_data if c[0] != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, 0, *cols)
+        lines = table.splitlines()
+        if lines and lines[-1].rstrip().endswith("Total Flops"):
+            lines = lines[:-1]
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("\n" + "\n".join(lines))
+
+
+def add_console_callbacks(config: dict[str, Any]) -> dict[str, Any]:
+    """Add :class:`ProgressBar` and :class:`Summary` to a Trainer's keyword arguments ``config`` unless it
+    disables them (``enable_progress_bar`` / ``enable_model_summary`` false) or already holds a progress
+    bar / model summary callback. Returns ``config`` (modified in place)."""
+    cbs = config.get("callbacks")
+    cbs = [] if cbs is None else (list(cbs) if isinstance(cbs, (list, tuple)) else [cbs])
+    if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, _ProgressBarBase) for c in cbs):
+        cbs.append(ProgressBar())
+    if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in cbs):
+        cbs.append(Summary())
+        # the callback is in the list: Lightning's own default is off (else it says it is "skipping" its default)
+        config["enable_model_summary"] = False
+    config["callbacks"] = cbs
+    return config

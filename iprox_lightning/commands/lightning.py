@@ -11,7 +11,17 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 
-def run_lightning(args: list[str] | None = None, *, run: bool = True) -> LightningCLI:
+class IProXCLI(LightningCLI):
+    """LightningCLI with the project's console defaults (one tqdm progress-bar style and a model summary without
+    unknown FLOPs, :func:`iprox_lightning.console.add_console_callbacks`)."""
+
+    def _instantiate_trainer(self, config, callbacks):
+        from ..console import add_console_callbacks
+
+        return super()._instantiate_trainer(add_console_callbacks(config), callbacks)
+
+
+def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCLI:
     """Run LightningCLI on ``args`` (``None``: the command line).
 
     When ``args`` are given (the pipeline, tests) the process's own command line is hidden from
@@ -25,7 +35,7 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> Lightni
     if args is not None:
         sys.argv = sys.argv[:1]
     try:
-        return LightningCLI(
+        return IProXCLI(
             LightningModule,
             LightningDataModule,
             subclass_mode_model=True,

@@ -168,7 +168,8 @@ def pipeline(
         stage("score", "predict", {
             "seed_everything": seed,
             "trainer": {**trainer_common, "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
-                                                          "init_args": {"output_dir": str(out)}}]},
+                                                          "init_args": {"output_dir": str(out)}}],
+                        "logger": {**logger, "init_args": {**logger["init_args"], "name": f"score_{who}"}}},
             "model": {"init_args": {"model": str(model_dir), "method": method}},
             "data": {"init_args": {**data_args, "tokenizer": str(warm)}},
         }, out / "scores.parquet", tag=who, upstream=("warmup", "build_proxy") if who == "proxy" else ("warmup",))

@@ -15,6 +15,12 @@ The math lives in ``influence.InfluenceScorer``; this module only wires it to a 
 Lightning predicts under ``torch.inference_mode()``; gradients are taken inside
 ``torch.inference_mode(False)`` + ``torch.enable_grad()`` on cloned inputs, so both
 ``Trainer(inference_mode=True)`` (default) and ``inference_mode=False`` work.
+
+With a logger (``configs/score.yaml``: TensorBoard under ``outputs/logs/score``) the run logs, every
+``trainer.log_every_n_steps`` batches and once more at the end (totals over all processes):
+``scoring/examples`` (scored so far), ``scoring/tokens_per_s`` and ``scoring/examples_per_s`` (since the
+first batch, preparation excluded), ``scoring/nonfinite`` and ``scoring/zero_grad`` (rows carrying those
+flags), ``scoring/skipped_resumed``; at the start ``scoring/prepare_seconds`` and the scorer's settings.
 """
 from __future__ import annotations
 
@@ -83,6 +89,11 @@ class InfluenceScoringModule(L.LightningModule):
         self.skip_ids: set[str] = set()
         self.n_scored = 0
         self.n_skipped = 0
+        self.n_tokens = 0
+        self.n_nonfinite = 0
+        self.n_zero_grad = 0
+        self._t_first: float | None = None
+        self._log_step = 0
         self._val_loader: Iterable | None = None
         self._factor_loader: Iterable | None = None
 
@@ -185,14 +196,45 @@ class InfluenceScoringModule(L.LightningModule):
             self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
                             progress=rank == 0)
         st = self.scorer.settings()
-        log.info("influence scoring prepared in %.1fs: %s", time.perf_counter() - t0, st)
+        prepare_s = time.perf_counter() - t0
+        log.info("influence scoring prepared in %.1fs: %s", prepare_s, st)
+        self.n_scored = self.n_skipped = self.n_tokens = self.n_nonfinite = self.n_zero_grad = 0
+        self._t_first, self._log_step = None, 0
         if self.logger is not None:
             metrics = {f"scoring/{k}": float(v) for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             for t, c in zip(self.scorer.task_names, self.scorer.val_counts):
                 metrics[f"scoring/val_examples/{t}"] = float(c)
+            metrics["scoring/prepare_seconds"] = prepare_s
             self.logger.log_metrics(metrics, step=0)
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+        out = self._score(batch)
+        self._log_step += 1
+        every = getattr(self._trainer, "log_every_n_steps", 50) if self._trainer is not None else 50
+        if self.logger is not None and every and self._log_step % every == 0:
+            self.logger.log_metrics(self.scoring_counters(), step=self._log_step)
+        return out
+
+    def on_predict_end(self) -> None:
+        if self.logger is not None:
+            self.logger.log_metrics(self.scoring_counters(reduce=True), step=max(self._log_step, 1))
+
+    def scoring_counters(self, reduce: bool = False) -> dict[str, float]:
+        """What the scoring run logs: examples scored, tokens/s and examples/s since the first batch, rows
+        flagged non-finite or zero-gradient, resumed ids skipped (``reduce``: summed over processes)."""
+        counts = [self.n_scored, self.n_tokens, self.n_nonfinite, self.n_zero_grad, self.n_skipped]
+        if reduce and self._trainer is not None and self.trainer.world_size > 1:
+            t = self.trainer.strategy.reduce(torch.tensor(counts, dtype=torch.float64, device=self.device), reduce_op="sum")
+            counts = [int(v) for v in t.tolist()]
+        n, tok, nonfinite, zero, skipped = counts
+        dt = time.perf_counter() - self._t_first if self._t_first is not None else 0.0
+        return {"scoring/examples": float(n), "scoring/tokens_per_s": tok / dt if dt > 0 else 0.0,
+                "scoring/examples_per_s": n / dt if dt > 0 else 0.0, "scoring/nonfinite": float(nonfinite),
+                "scoring/zero_grad": float(zero), "scoring/skipped_resumed": float(skipped)}
+
+    def _score(self, batch: dict) -> dict:
         ids = [str(i) for i in batch["id"]]
         keep = torch.tensor([i not in self.skip_ids for i in ids], dtype=torch.bool)
         self.n_skipped += int((~keep).sum())
@@ -206,6 +248,9 @@ class InfluenceScoringModule(L.LightningModule):
         with torch.inference_mode(False), torch.enable_grad():
             out = self.scorer.score_batch(batch)
         self.n_scored += len(out["id"])
+        self.n_tokens += int(np.asarray(out["n_tokens"]).sum())
+        self.n_nonfinite += int(np.asarray(out.get("nonfinite", ())).sum())
+        self.n_zero_grad += int(np.asarray(out.get("zero_grad", ())).sum())
         out["task_names"] = list(names)
         return out
 
