@@ -92,7 +92,7 @@ from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFA
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.models.targets import find_target_linears
 from iprox_lightning.probes import collect_probes
-from iprox_lightning.scoring import tracin_scores
+from iprox_lightning.scoring import influence_scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ipsvd_sweep import DEFAULT_MODEL, DEFAULT_POOL, DEFAULT_VALIDATION, load_target  # noqa: E402
@@ -280,10 +280,10 @@ def trivial_baselines(loader: Iterable[Mapping], target: Mapping[str, float], n_
 
 def score(model, data, args, method: str = "tracin") -> dict[str, Any]:
     """Scores of the sample (``id -> score``) and against each validation half."""
-    kw = dict(method=method, per_task=True, progress=args.progress)
+    kw = dict(metric=method, per_task=True, progress=args.progress)
     if method == "kfac":
         kw.update(damping=args.kfac_damping, damping_mode="relative", kfac_examples=len(data["sample"].dataset))
-    table = tracin_scores(model, data["sample"], data["validation"], **kw)
+    table = influence_scores(model, data["sample"], data["validation"], **kw)
     ids = [str(i) for i in table]
     names = list(table.task_names)
     halves = {}
@@ -462,7 +462,7 @@ def interleaved_timing(target, proxies: Mapping[str, torch.nn.Module], batch: Ma
     models = {"target": target, **proxies}
     scorers = {}
     for name, m in models.items():
-        sc = InfluenceScorer(m, method="tracin", per_task=False)
+        sc = InfluenceScorer(m, per_task=False)
         sc.fit([val_batch])
         sc.score_batch(batch)  # warm-up
         scorers[name] = sc

@@ -33,7 +33,7 @@ Per row (definitions):
 * ``heldout_loss`` — mean per-example SFT loss on the held-out set (the target's is in the header);
 * ``factor_s`` — wall-clock of the factor computation of all layers (probes excluded).
 
-``--kfac`` adds K-FAC retention (:func:`tracin_scores` with ``method="kfac"``, factors from the
+``--kfac`` adds K-FAC retention (:func:`influence_scores` with ``metric="kfac"``, factors from the
 scored sample) for plain SVD and the best IPSVD setting (by Spearman, tie-break top-10%).
 
 Results: ``--out PREFIX`` writes ``PREFIX.json`` (rewritten after every row; ``--resume`` skips the
@@ -68,7 +68,7 @@ from iprox_lightning.compress import compress_model, count_parameters, lowrank_l
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.models.targets import find_target_linears, linear_weight
 from iprox_lightning.probes import Probes, collect_probes
-from iprox_lightning.scoring import tracin_scores
+from iprox_lightning.scoring import influence_scores, tracin_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("IPROX_SHARED", ROOT.parent / "shared"))
@@ -79,7 +79,7 @@ DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
 DEFAULT_VALIDATION = f"eval:{SHARED / 'data' / 'eval'}"
 
 # TracIn against the mean validation gradient (per-task scores are not needed: per_task=False)
-TRACIN = dict(method="tracin", per_task=False, progress=False)
+TRACIN = dict(per_task=False, progress=False)
 
 # metrics shown in the Markdown table, in order: (JSON key, column title, format)
 TABLE_COLUMNS = [
@@ -398,11 +398,11 @@ def main(argv=None) -> dict:
     if best is not None:
         log(f"best IPSVD setting: {best['key']} (spearman {best['spearman']:+.4f}, top10% {best['top10%']:.3f})")
     if args.kfac:
-        kf = dict(method="kfac", damping=args.kfac_damping, damping_mode="relative", kfac_examples=args.sample,
+        kf = dict(metric="kfac", damping=args.kfac_damping, damping_mode="relative", kfac_examples=args.sample,
                   per_task=False, progress=False)
         if "kfac_target_scores" not in result:
             t = time.perf_counter()
-            result["kfac_target_scores"] = scores_dict(tracin_scores(target, data["sample"], data["validation"], **kf))
+            result["kfac_target_scores"] = scores_dict(influence_scores(target, data["sample"], data["validation"], **kf))
             result["kfac_target"] = dict(
                 time_s=time.perf_counter() - t, damping=args.kfac_damping,
                 tracin_vs_kfac=retention(result["target_scores"], result["kfac_target_scores"]))
@@ -414,7 +414,7 @@ def main(argv=None) -> dict:
             if key in result["kfac"]:
                 continue
             proxy, _ = make_proxy(c)
-            table = scores_dict(tracin_scores(proxy, data["sample"], data["validation"], **kf))
+            table = scores_dict(influence_scores(proxy, data["sample"], data["validation"], **kf))
             result["kfac"][key] = retention(table, result["kfac_target_scores"])
             write_outputs(prefix, result)
             m = result["kfac"][key]

@@ -36,7 +36,6 @@ is the thin Lightning layer around :func:`alignment_losses`.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -47,7 +46,7 @@ from torch import nn
 from .batch import check_batch, shifted_token_mask, sft_loss
 from .lowrank import LowRankLinear
 from .models.targets import is_linear_like, linear_shape
-from .tracking import LayerTracker, requires_grad_inputs
+from .tracking import PairTracker, backward_pairs
 
 __all__ = [
     "factor_projections",
@@ -57,6 +56,7 @@ __all__ = [
     "proxy_factor_layers",
     "teacher_pass",
     "TeacherPass",
+    "FactorProjectionTracker",
     "alignment_losses",
     "AlignmentOutput",
     "time_alignment_step",
@@ -189,14 +189,25 @@ def _model_inputs(batch: Mapping) -> dict:
     return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
 
 
-@contextlib.contextmanager
-def _capture_input_embeddings(model: nn.Module, store: list):
-    """Record the (grad-requiring) input-embedding output; enter after ``requires_grad_inputs``."""
-    handle = model.get_input_embeddings().register_forward_hook(lambda m, a, out: store.append(out))
-    try:
-        yield
-    finally:
-        handle.remove()
+class FactorProjectionTracker(PairTracker):
+    """Per aligned layer, the teacher's ``(h, δ)`` projected into the proxy's factor space with
+    :func:`factor_projections` (``projections[name] = (P_A, P_B)``, ``O(proxy)`` memory), or, with
+    ``keep_tokens=True``, kept flattened (``tokens[name] = (H [N, in], Δ [N, out])``) so the projections
+    can be recomputed differentiably in ``A``/``B``."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                 keep_tokens: bool) -> None:
+        self.modules = dict(modules)
+        self.factors = {n: (A.detach(), B.detach()) for n, (A, B) in factors.items()}
+        self.keep_tokens = keep_tokens
+        self.projections: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_pair(self, name: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        if self.keep_tokens:
+            self.tokens[name] = (h.reshape(-1, h.shape[-1]), delta.reshape(-1, delta.shape[-1]))
+        else:
+            self.projections[name] = factor_projections(h, delta, *self.factors[name])
 
 
 @dataclass
@@ -226,11 +237,9 @@ def teacher_pass(
     """Forward + backward of the frozen teacher's SFT loss, projecting ``∇_W L`` of each layer.
 
     ``factors[name] = (A, B)`` for each aligned layer path; the teacher's linear at the same path is
-    tracked with :class:`LayerTracker` and its ``(h, δ)`` pairs are projected with
-    :func:`factor_projections` during the backward (``keep_tokens=False``: ``O(proxy)`` memory), or kept
-    flattened so the projections can be recomputed differentiably in ``A``/``B`` (``keep_tokens=True``).
-    The graph is built through the input embeddings (``requires_grad_inputs``) and the backward is a
-    ``torch.autograd.grad`` w.r.t. the embedding output, so no teacher parameter ever gets ``.grad``.
+    tracked by a :class:`FactorProjectionTracker` over one step of the backward-pairs engine
+    (:func:`iprox_lightning.tracking.backward_pairs`, loss :func:`~iprox_lightning.batch.sft_loss`): the
+    backward is a ``torch.autograd.grad`` w.r.t. the embedding output, so no teacher parameter ever gets ``.grad``.
     """
     check_batch(batch)
     modules = dict(teacher.named_modules())
@@ -245,43 +254,12 @@ def teacher_pass(
                 f"[{A.shape[0]}, {B.shape[1]}]"
             )
         tracked[name] = m
-    detached = {n: (A.detach(), B.detach()) for n, (A, B) in factors.items()}
-    proj: dict[str, list] = {}
-    tokens: dict[str, list] = {}
-
-    def on_pair(name, module, h, delta):
-        if keep_tokens:
-            H = h.reshape(-1, h.shape[-1])
-            D = delta.reshape(-1, delta.shape[-1])
-            if name in tokens:  # only with allow_reuse
-                tokens[name] = [torch.cat([tokens[name][0], H]), torch.cat([tokens[name][1], D])]
-            else:
-                tokens[name] = [H, D]
-            return
-        p_a, p_b = factor_projections(h, delta, *detached[name])
-        if name in proj:
-            proj[name][0] += p_a
-            proj[name][1] += p_b
-        else:
-            proj[name] = [p_a, p_b]
-
-    emb_out: list = []
-    with torch.enable_grad(), requires_grad_inputs(teacher), _capture_input_embeddings(teacher, emb_out), \
-            LayerTracker(tracked, on_pair):
-        logits = teacher(**_model_inputs(batch)).logits
-        loss = sft_loss(logits, batch["labels"])
-        if not emb_out:
-            raise RuntimeError("teacher_pass: the input-embedding hook did not fire")
-        torch.autograd.grad(loss, emb_out[-1], allow_unused=True)
-    missing = [n for n in tracked if n not in (tokens if keep_tokens else proj)]
+    tracker = FactorProjectionTracker(tracked, factors, keep_tokens)
+    step = backward_pairs(teacher, batch, [tracker], loss_fn=sft_loss)
+    missing = [n for n in tracked if n not in (tracker.tokens if keep_tokens else tracker.projections)]
     if missing:
         raise RuntimeError(f"teacher_pass: no gradient reached layers {missing} (not used in the forward?)")
-    return TeacherPass(
-        logits=logits.detach(),
-        loss=loss.detach(),
-        projections={n: (v[0], v[1]) for n, v in proj.items()},
-        tokens={n: (v[0], v[1]) for n, v in tokens.items()},
-    )
+    return TeacherPass(logits=step.logits, loss=step.loss, projections=tracker.projections, tokens=tracker.tokens)
 
 
 @dataclass

@@ -265,16 +265,17 @@ def compress_model(
             H, Delta = H.to(W.device), Delta.to(W.device)
         used_mode = mode if method == "ipsvd" else None
         kwargs: dict[str, Any] = dict(seed=seed + len(layers), compute_dtype=compute_dtype)
+        fallbacks: list[str] = []
         if method == "ipsvd":
-            kwargs.update(damping=damping, damping_mode=damping_mode, core_fallback="error")
+            kwargs.update(damping=damping, damping_mode=damping_mode, core_fallback=core_fallback,
+                          on_fallback=fallbacks.append)
         try:
             A, B = compute_factors(method, W, rank, H, Delta, mode=used_mode, **kwargs)
         except ValueError as e:
-            if not (used_mode == "core" and core_fallback == "exact" and "mode='core'" in str(e)):
-                raise ValueError(f"layer {name!r}: {e}") from None
-            log.warning("layer %s: %s -> falling back to mode='exact'", name, e)
+            raise ValueError(f"layer {name!r}: {e}") from None
+        if fallbacks:
+            log.warning("layer %s: %s -> falling back to mode='exact'", name, fallbacks[0])
             used_mode = "exact"
-            A, B = compute_factors(method, W, rank, H, Delta, mode="exact", **kwargs)
         if H is not None:
             obj_kw = dict(damping=damping, damping_mode=damping_mode)
             lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)

@@ -52,11 +52,13 @@ The returned factors are float32 on the device of ``weight``: the caller casts.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
+from .damping import DAMPING_MODES, damping_value  # noqa: F401  (DAMPING_MODES: re-exported)
+
 MODES = ("exact", "core")
-DAMPING_MODES = ("relative", "absolute")
 SPLITS = ("balanced", "paper")
 _F64 = torch.float64
 
@@ -82,19 +84,11 @@ def _check_inputs(weight: torch.Tensor, H: torch.Tensor, Delta: torch.Tensor, ra
 
 
 def damping_values(H: torch.Tensor, Delta: torch.Tensor, damping: float, damping_mode: str) -> tuple[float, float]:
-    """``(λ_h, λ_δ)`` as defined in the module docstring."""
-    if damping_mode not in DAMPING_MODES:
-        raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
-    if not damping > 0:
-        raise ValueError(f"damping must be > 0 (the damped second moments must be invertible), got {damping}")
-    if damping_mode == "absolute":
-        return float(damping), float(damping)
+    """``(λ_h, λ_δ)`` of ``C_h = H Hᵀ / N`` and ``C_δ = Δ Δᵀ / N`` (:func:`~iprox_lightning.damping.damping_value`)."""
     N = H.shape[1]
-    lam = []
-    for X in (H, Delta):
-        tr = float(X.to(_F64).pow(2).sum()) / N  # tr(X Xᵀ / N)
-        lam.append(damping * tr / X.shape[0] if tr > 0 else float(damping))
-    return lam[0], lam[1]
+    lam_h, lam_d = (damping_value(float(X.to(_F64).pow(2).sum()) / N, X.shape[0], damping, damping_mode)  # tr(X Xᵀ / N)
+                    for X in (H, Delta))
+    return lam_h, lam_d
 
 
 def _gram_svd(X: torch.Tensor, k: int | None = None, rel_tol: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,6 +169,7 @@ def ipsvd_factors(
     damping_mode: str = "relative",
     mode: str = "core",
     core_fallback: str = "error",
+    on_fallback: Callable[[str], None] | None = None,
     split: str = "balanced",
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +178,8 @@ def ipsvd_factors(
 
     ``mode``: ``"exact"`` (exact damped minimiser, any rank) or ``"core"`` (paper's appendix
     formula, rank ≤ rank of the core). ``core_fallback``: ``"error"`` (raise when ``mode="core"`` and
-    the rank exceeds what the core holds) or ``"exact"`` (use the exact mode then).
-    ``compute_dtype``: dtype of the dense ``out×in`` work (default float64; the small SVDs are
+    the rank exceeds what the core holds) or ``"exact"`` (use the exact mode then, after calling
+    ``on_fallback(reason)`` when given). ``compute_dtype``: dtype of the dense ``out×in`` work (default float64; the small SVDs are
     always float64). Returns float32 factors on ``weight.device``.
     """
     out_f, in_f, N = _check_inputs(weight, H, Delta, rank)
@@ -207,14 +202,14 @@ def ipsvd_factors(
             Vr = U_h @ (Qh[:rank].T / D_h[:, None])  # U_H D_H⁻¹ Q_r      [in, r]
             A, B = _split(Ul, S[:rank], Vr, split)
             return A.float().contiguous(), B.float().contiguous()
+        why = (f"N = {N} probe tokens" if S.shape[0] == min(N, in_f, out_f)
+               else f"N = {N} probe tokens, rank-deficient probes")
+        reason = (f"mode='core' supports rank <= {S.shape[0]} ({why}; at most min(N, in, out) = "
+                  f"{min(N, in_f, out_f)}), got rank {rank}")
         if core_fallback == "error":
-            why = (f"N = {N} probe tokens" if S.shape[0] == min(N, in_f, out_f)
-                   else f"N = {N} probe tokens, rank-deficient probes")
-            raise ValueError(
-                f"mode='core' supports rank <= {S.shape[0]} ({why}; at most min(N, in, out) = "
-                f"{min(N, in_f, out_f)}), got rank {rank}: collect more probe tokens, use mode='exact', "
-                "or pass core_fallback='exact'"
-            )
+            raise ValueError(f"{reason}: collect more probe tokens, use mode='exact', or pass core_fallback='exact'")
+        if on_fallback is not None:
+            on_fallback(reason)
     # exact: S = C_δ,λ^{1/2} W C_h,λ^{1/2} (out × in), top-r SVD, map back with C^{-1/2}
     Ud, Dd, Uh, Dh = U_d.to(dense), D_d.to(dense), U_h.to(dense), D_h.to(dense)
     S_mat = _apply_sqrt(_apply_sqrt(W.to(dense), Uh, Dh, lam_h, 0.5, "right"), Ud, Dd, lam_d, 0.5, "left")

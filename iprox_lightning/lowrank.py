@@ -14,6 +14,10 @@ class LowRankLinear(nn.Module):
     ``A: [out, r]`` and ``B: [r, in]`` are trainable parameters; the bias (if any) is kept as a
     parameter that is frozen by default. Works under ``torch.no_grad``/inference mode, autocast
     (both matmuls go through ``F.linear``), DDP and FSDP (plain parameters, no custom autograd).
+
+    The rank-``r`` activation ``z = B x`` passes through ``self.bottleneck``, an ``nn.Identity`` (no
+    parameter, no state-dict key): the seam where hooks see ``z`` and ``∂L/∂z``
+    (:mod:`iprox_lightning.tracking`).
     """
 
     def __init__(
@@ -32,6 +36,7 @@ class LowRankLinear(nn.Module):
             raise ValueError(f"rank must be in [1, min(in, out)={min(in_features, out_features)}], got {rank}")
         self.in_features, self.out_features, self.rank = int(in_features), int(out_features), int(rank)
         kw = dict(device=device, dtype=dtype)
+        self.bottleneck = nn.Identity()
         self.A = nn.Parameter(torch.empty(out_features, rank, **kw))
         self.B = nn.Parameter(torch.empty(rank, in_features, **kw))
         if bias:
@@ -66,7 +71,7 @@ class LowRankLinear(nn.Module):
         return self.A @ self.B
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.B), self.A, self.bias)
+        return F.linear(self.bottleneck(F.linear(x, self.B)), self.A, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, bias={self.bias is not None}"

@@ -16,9 +16,9 @@ columns: ``H: [in, N]``, ``Delta: [out, N]``.
   ``H`` and ``Delta`` and every layer. With fewer valid tokens than ``N``, all are used.
 * Memory: the probe batches are held as token ids (the probe set is small); per layer only the
   ``N`` sampled columns are kept (float32), never whole sequences.
-* No ``.grad`` is touched: the input embeddings are made to require grad and gradients are taken
-  with ``torch.autograd.grad`` w.r.t. them, so a frozen or trainable model works alike. The model is
-  run in eval mode (no dropout) and its mode restored afterwards.
+* One step of the backward-pairs engine (:func:`iprox_lightning.tracking.backward_pairs`) per batch,
+  consumed by a :class:`ProbeTracker`: no ``.grad`` is touched, so a frozen or trainable model works
+  alike. The model is run in eval mode (no dropout) and its mode restored afterwards.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .batch import check_batch, per_example_loss
+from .batch import check_batch
 from .models.targets import find_target_linears, linear_shape
-from .tracking import LayerTracker
+from .tracking import PairTracker, backward_pairs
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,37 @@ def _move(batch: Mapping, device: torch.device) -> dict:
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
+class ProbeTracker(PairTracker):
+    """Writes the ``(h, δ)`` of the selected token positions of each step as the next columns of
+    ``H[name]: [in, N]`` and ``Delta[name]: [out, N]`` (float32, on ``store``)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], num_columns: int, store: torch.device) -> None:
+        self.modules = dict(modules)
+        self.H = {n: torch.empty(linear_shape(m)[1], num_columns, dtype=torch.float32, device=store)
+                  for n, m in self.modules.items()}
+        self.Delta = {n: torch.empty(linear_shape(m)[0], num_columns, dtype=torch.float32, device=store)
+                      for n, m in self.modules.items()}
+        self.filled = {n: 0 for n in self.modules}
+        self.store = store
+        self.offset = 0
+        self.positions: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def select(self, positions: torch.Tensor) -> None:
+        """The ``[(b, t), ...]`` positions (``LongTensor[n, 2]``) the next step records."""
+        self.positions = (positions[:, 0], positions[:, 1])
+
+    def on_pair(self, name: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        b_idx, t_idx = self.positions
+        o, n = self.offset, b_idx.shape[0]
+        self.H[name][:, o : o + n] = h[b_idx, t_idx].to(self.store, torch.float32).T
+        self.Delta[name][:, o : o + n] = delta[b_idx, t_idx].to(self.store, torch.float32).T
+        self.filled[name] += n
+
+    def end_step(self) -> None:
+        self.offset += self.positions[0].shape[0]
+        self.positions = None
+
+
 def collect_probes(
     model: nn.Module,
     dataloader: Iterable[Mapping],
@@ -117,61 +148,26 @@ def collect_probes(
     if N < num_tokens:
         log.warning("probe set has only %d valid tokens (< num_tokens=%d): using all of them", N, num_tokens)
 
-    param = next(model.parameters())
-    device = param.device
-    store = torch.device(storage_device) if storage_device is not None else device
-    H = {n: torch.empty(linear_shape(m)[1], N, dtype=torch.float32, device=store) for n, m in modules.items()}
-    D = {n: torch.empty(linear_shape(m)[0], N, dtype=torch.float32, device=store) for n, m in modules.items()}
-    filled = {n: 0 for n in modules}
+    device = next(model.parameters()).device
+    tracker = ProbeTracker(modules, N, torch.device(storage_device) if storage_device is not None else device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    state = {"sel": None, "offset": 0, "n": 0}
-
-    def on_pair(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor) -> None:
-        b_idx, t_idx = state["sel"]
-        o, n = state["offset"], state["n"]
-        H[name][:, o : o + n] = h[b_idx, t_idx].to(store, torch.float32).T
-        D[name][:, o : o + n] = delta[b_idx, t_idx].to(store, torch.float32).T
-        filled[name] += n
-
-    emb_out: list[torch.Tensor] = []
-
-    def emb_hook(module, args, output):
-        out = output.detach().requires_grad_(True)
-        emb_out.append(out)
-        return out
-
     was_training = model.training
     model.eval()
-    handle = model.get_input_embeddings().register_forward_hook(emb_hook)
-    tracker = LayerTracker(modules, on_pair)
     loss_sum, n_examples = 0.0, 0
     try:
-        with tracker, torch.enable_grad():
-            for batch, share in tqdm(list(zip(batches, shares)), desc="IPSVD probes", disable=not progress):
-                n_examples += batch["input_ids"].shape[0]
-                if share == 0:
-                    continue
-                pos = sample_positions(batch["attention_mask"], share, gen).to(device)
-                state["sel"] = (pos[:, 0], pos[:, 1])
-                state["n"] = share
-                b = _move(batch, device)
-                tracker.reset_step()
-                emb_out.clear()
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-                losses, _ = per_example_loss(logits, b["labels"])
-                loss = losses.sum()
-                loss_sum += float(loss.detach())
-                torch.autograd.grad(loss, emb_out)
-                state["offset"] += share
+        for batch, share in tqdm(list(zip(batches, shares)), desc="IPSVD probes", disable=not progress):
+            n_examples += batch["input_ids"].shape[0]
+            if share == 0:
+                continue
+            tracker.select(sample_positions(batch["attention_mask"], share, gen).to(device))
+            loss_sum += float(backward_pairs(model, _move(batch, device), [tracker]).loss)
     finally:
-        handle.remove()
         model.train(was_training)
-    missing = [n for n, k in filled.items() if k != N]
+    missing = [n for n, k in tracker.filled.items() if k != N]
     if missing:
         raise RuntimeError(
             f"no output-gradient reached layer(s) {missing[:5]}{'...' if len(missing) > 5 else ''} "
             "during probe collection: are they used in the forward pass and does the loss depend on them?"
         )
-    return Probes(H=H, Delta=D, num_tokens=N, num_valid_tokens=n_valid, num_examples=n_examples,
+    return Probes(H=tracker.H, Delta=tracker.Delta, num_tokens=N, num_valid_tokens=n_valid, num_examples=n_examples,
                   mean_loss=loss_sum / max(n_examples, 1), batch_shares=shares)

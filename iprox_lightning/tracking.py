@@ -1,44 +1,52 @@
-"""One hook layer for every per-layer statistic (the kronfluence pattern).
+"""The backward-pairs engine: one forward, ONE backward, each tracked layer's ``(h, δ)`` to its consumers.
 
-``LayerTracker`` registers, on each tracked linear-like module, a forward hook that keeps the
-layer input ``h`` (``[..., in]``) and a tensor hook on the layer output that receives the
-output-gradient ``δ`` (``[..., out]``) during backward. Each (h, δ) pair is handed to
-``on_pair(name, module, h, delta)`` — probe collection (IPSVD), gradient features (scoring),
-K-FAC factors and the teacher projections of the alignment stage are all such callbacks.
+Every per-layer statistic of the project is computed from the same pairs: the layer input ``h``
+(``[..., in]``) and the output-gradient ``δ = ∂loss/∂y`` (``[..., out]``) of each tracked layer. IPSVD
+probes (:mod:`iprox_lightning.probes`), per-example gradient features, validation gradients and K-FAC
+factors (:mod:`iprox_lightning.scoring`) and the teacher projections of the alignment stage
+(:mod:`iprox_lightning.alignment`) are each a small :class:`PairTracker` over one hook layer
+(:class:`LayerTracker`) — the kronfluence pattern.
 
-The forward must build a graph through the tracked outputs: either some parameter before them
-requires grad, or the input embeddings do (``requires_grad_inputs(model)``). Gradients can then
-be taken with ``torch.autograd.grad(loss, inputs)`` so nothing is accumulated in ``param.grad``
-(FSDP-safe). A module called twice within one tracked step raises, because its per-example
-statistics would mix both uses.
+:func:`backward_pairs` runs one step for a list of trackers:
+
+1. ``tracker.start_step(batch)`` for every tracker;
+2. the forward ``model(input_ids, attention_mask, use_cache=False)`` with the input-embedding output made a
+   grad-requiring leaf (:func:`requires_grad_inputs`), so a frozen model builds a graph through every layer;
+3. ``loss_fn(logits, labels)`` and ``torch.autograd.grad`` of it w.r.t. the embedding output only: nothing
+   is accumulated in ``param.grad`` (frozen, trainable and sharded parameters alike);
+4. during that backward, ``tracker.on_pair(name, h, δ)`` for every tracked layer of the tracker (in
+   backward order: last layer first);
+5. ``tracker.end_step()`` for every tracker.
+
+A :class:`~iprox_lightning.lowrank.LowRankLinear` ``y = A (B h)`` exposes its rank-``r`` activation
+``z = B h`` as the submodule ``bottleneck`` (an identity): tracked like any other layer it gives
+``(z, ∂loss/∂z)``, from which the factor gradients follow (:mod:`iprox_lightning.scoring.features`).
+
+A tracked module that runs twice in one step raises, because its per-step statistics would mix both uses.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from .batch import per_example_loss
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
 
 class LayerTracker:
-    def __init__(
-        self,
-        modules: Mapping[str, nn.Module],
-        on_pair: PairFn,
-        *,
-        on_forward: Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None] | None = None,
-        allow_reuse: bool = False,
-    ) -> None:
+    """The hook layer: on each module of ``modules``, a forward hook keeps the input ``h`` and registers a
+    tensor hook on the output that hands ``on_pair(name, module, h, δ)`` the output-gradient during backward."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], on_pair: PairFn) -> None:
         self.modules = dict(modules)
         self.on_pair = on_pair
-        self.on_forward = on_forward
-        self.allow_reuse = allow_reuse
         self._handles: list = []
         self._uses: dict[str, int] = {}
-        self.enabled = True
 
     # life cycle -----------------------------------------------------------------------------
     def register(self) -> "LayerTracker":
@@ -64,17 +72,15 @@ class LayerTracker:
     # hooks ----------------------------------------------------------------------------------
     def _make_hook(self, name: str):
         def hook(module: nn.Module, args, output):
-            if not self.enabled or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
                 return None
             self._uses[name] = self._uses.get(name, 0) + 1
-            if self._uses[name] > 1 and not self.allow_reuse:
+            if self._uses[name] > 1:
                 raise RuntimeError(
                     f"tracked layer {name!r} ran twice in one step (shared module or re-entrant "
                     "checkpointing); its per-example statistics would mix both uses"
                 )
             h = args[0].detach()
-            if self.on_forward is not None:
-                self.on_forward(name, module, h, output)
             if not output.requires_grad:
                 raise RuntimeError(
                     f"output of tracked layer {name!r} does not require grad: make a parameter before it "
@@ -92,16 +98,92 @@ class LayerTracker:
 
 
 @contextlib.contextmanager
-def requires_grad_inputs(model: nn.Module):
-    """Make the input-embedding output require grad, so a model whose parameters are all frozen
-    still builds a graph through every layer (and tensor hooks on layer outputs fire)."""
+def requires_grad_inputs(model: nn.Module, outputs: list | None = None):
+    """Make the input-embedding output a grad-requiring leaf, so a model whose parameters are all frozen
+    still builds a graph through every layer (and tensor hooks on layer outputs fire). Each such leaf is
+    appended to ``outputs`` when given (the tensors to take gradients against)."""
     emb = model.get_input_embeddings()
 
     def hook(module, args, output):
-        return output.detach().requires_grad_(True)
+        leaf = output.detach().requires_grad_(True)
+        if outputs is not None:
+            outputs.append(leaf)
+        return leaf
 
     handle = emb.register_forward_hook(hook)
     try:
         yield
     finally:
         handle.remove()
+
+
+class PairTracker:
+    """A consumer of the engine's pairs: one statistic over the layers of ``self.modules``
+    (``{module path: module}``). Life cycle per step, driven by :func:`backward_pairs`:
+    ``start_step(batch)``, ``on_pair(name, h, δ)`` once per tracked layer during the backward, ``end_step()``.
+    Results are read from the tracker once its steps are done."""
+
+    modules: dict[str, nn.Module]
+
+    def start_step(self, batch: Mapping) -> None:
+        pass
+
+    def on_pair(self, name: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def end_step(self) -> None:
+        pass
+
+
+def sum_of_example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``Σ_z L(z)`` (``L`` the per-example response-token mean, :func:`~iprox_lightning.batch.per_example_loss`):
+    each row of ``δ`` is then exactly its own example's output-gradient, whatever the batch."""
+    return per_example_loss(logits, labels)[0].sum()
+
+
+@dataclass
+class BackwardStep:
+    """What :func:`backward_pairs` returns: the detached logits and the detached loss it differentiated."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
+def backward_pairs(
+    model: nn.Module,
+    batch: Mapping,
+    trackers: Sequence[PairTracker],
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sum_of_example_losses,
+) -> BackwardStep:
+    """One step of the engine over ``batch`` (``input_ids``, ``attention_mask``, ``labels``) for ``trackers``
+    (see the module docstring). ``loss_fn(logits, labels)`` gives the scalar whose gradient ``δ`` is (default
+    :func:`sum_of_example_losses`). Works inside ``torch.inference_mode()`` (Lightning's predict loop):
+    the step runs with inference mode off, on copies of the input tensors."""
+    modules: dict[str, nn.Module] = {}
+    by_name: dict[str, list[PairTracker]] = {}
+    for tracker in trackers:
+        for name, module in tracker.modules.items():
+            if modules.setdefault(name, module) is not module:
+                raise ValueError(f"trackers disagree on the module at {name!r}")
+            by_name.setdefault(name, []).append(tracker)
+
+    def dispatch(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor) -> None:
+        for tracker in by_name[name]:
+            tracker.on_pair(name, h, delta)
+
+    with torch.inference_mode(False), torch.enable_grad():
+        # copies: tensors made under inference mode cannot enter autograd
+        ids, mask, labels = (batch[k].clone() for k in ("input_ids", "attention_mask", "labels"))
+        for tracker in trackers:
+            tracker.start_step({**batch, "input_ids": ids, "attention_mask": mask, "labels": labels})
+        leaves: list[torch.Tensor] = []
+        with requires_grad_inputs(model, leaves), LayerTracker(modules, dispatch):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            loss = loss_fn(logits, labels)
+            if not leaves:
+                raise RuntimeError("the input-embedding module did not run; cannot take gradients")
+            torch.autograd.grad(loss, leaves, allow_unused=True)
+        for tracker in trackers:
+            tracker.end_step()
+    return BackwardStep(logits=logits.detach(), loss=loss.detach())

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from iprox_lightning.cli import main
 from iprox_lightning.io import FingerprintMismatch
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.scoring import ScoreTable, tracin_scores
+from iprox_lightning.scoring import ScoreTable, influence_scores, tracin_scores
 from iprox_lightning.scoring.module import InfluenceScoringModule
 from iprox_lightning.scoring.writer import SCORES_FILE, InfluenceWriter, shard_files
 
@@ -60,16 +60,16 @@ def test_nonfinite_example_gradient_is_flagged_not_zeroed(method):
     pool = poison(clean, rows={1, 5})
     val = make_examples(4, seed=4, tasks=["mmlu", "bbh"])
     fac = batches(make_examples(6, seed=5), 3)  # K-FAC factors from clean examples
-    table = tracin_scores(nan_model(), batches(pool, 3), batches(val, 3), method=method, kfac_examples=6,
-                          factor_dataloader=fac, progress=False)
+    table = influence_scores(nan_model(), batches(pool, 3), batches(val, 3), metric=method, kfac_examples=6,
+                             factor_dataloader=fac, progress=False)
     flagged = [i for i, f in zip(table.ids, table.nonfinite) if f]
     assert flagged == [pool[1]["id"], pool[5]["id"]]
     j = [table.ids.index(i) for i in flagged]
     assert np.isnan(table.scores[j]).all() and np.isnan(table.task_scores[j]).all() and not table.zero_grad[j].any()
     # every other row is exactly what scoring the clean rows alone gives (nothing else contaminated)
     rest = [e for k, e in enumerate(clean) if k not in (1, 5)]
-    ref = tracin_scores(nan_model(), batches(rest, 3), batches(val, 3), method=method, kfac_examples=6,
-                        factor_dataloader=fac, progress=False)
+    ref = influence_scores(nan_model(), batches(rest, 3), batches(val, 3), metric=method, kfac_examples=6,
+                           factor_dataloader=fac, progress=False)
     keep = [table.ids.index(i) for i in ref.ids]
     np.testing.assert_allclose(table.scores[keep], ref.scores, rtol=1e-12, atol=1e-12)
     assert not table.nonfinite[keep].any() and list(table.zero_grad[keep]) == list(ref.zero_grad)

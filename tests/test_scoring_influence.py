@@ -15,6 +15,7 @@ from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import (
     choose_mode,
     feature_costs,
+    influence_scores,
     layer_features,
     multi_checkpoint_scores,
     tracin_scores,
@@ -262,8 +263,8 @@ def test_kfac_matches_bruteforce(arch, proxy):
     model = make_proxy(arch) if proxy else tiny_causal_lm(arch, seed=4, dtype=torch.float64, **TINY)
     n_fac = 7  # cuts the 3rd training batch: partial batches are handled
     ref, per_task, tasks = ref_scores(model, TRAIN, VAL, method="kfac", factor_examples=TRAIN[:n_fac])
-    table = tracin_scores(model, batches(TRAIN, 3), batches(VAL, 4), method="kfac", kfac_examples=n_fac,
-                          progress=False)
+    table = influence_scores(model, batches(TRAIN, 3), batches(VAL, 4), metric="kfac", kfac_examples=n_fac,
+                             progress=False)
     assert table.settings["kfac_examples_used"] == n_fac
     assert_close_scores(table, ref, per_task, tasks)
     # the K-FAC metric matters: the scores differ from TracIn's
@@ -276,8 +277,8 @@ def test_kfac_absolute_damping_ghost_and_plain():
     ref, per_task, tasks = ref_scores(model, TRAIN, VAL, method="kfac", factor_examples=TRAIN[:4], damping=1e-2,
                                       damping_mode="absolute", normalize=False)
     for mode in ("ghost", "materialize"):
-        t = tracin_scores(model, batches(TRAIN, 4), batches(VAL, 4), method="kfac", kfac_examples=4, damping=1e-2,
-                          damping_mode="absolute", normalize=False, feature_mode=mode, progress=False)
+        t = influence_scores(model, batches(TRAIN, 4), batches(VAL, 4), metric="kfac", kfac_examples=4, damping=1e-2,
+                             damping_mode="absolute", normalize=False, feature_mode=mode, progress=False)
         assert_close_scores(t, ref, per_task, tasks)
 
 
@@ -320,6 +321,6 @@ def test_duplicate_ids_and_bad_arguments_raise():
     with pytest.raises(ValueError, match="duplicate example id"):
         tracin_scores(model, batches(dup, 2), batches(VAL, 4), progress=False)
     with pytest.raises(ValueError, match="method must be one of"):
-        tracin_scores(model, batches(TRAIN, 2), batches(VAL, 4), method="lissa", progress=False)
+        influence_scores(model, batches(TRAIN, 2), batches(VAL, 4), metric="lissa", progress=False)
     with pytest.raises(ValueError, match="validation data is empty"):
         tracin_scores(model, batches(TRAIN, 2), [], progress=False)

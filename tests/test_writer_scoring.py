@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.scoring import ScoreTable, tracin_scores
+from iprox_lightning.scoring import ScoreTable, influence_scores
 from iprox_lightning.scoring.module import InfluenceScoringModule
 from iprox_lightning.scoring.writer import SCORES_FILE, InfluenceWriter, shard_files
 
@@ -50,8 +50,8 @@ def build_model():
 
 def reference(method="tracin", kfac_examples=8):
     dm = TinyDM()
-    return tracin_scores(build_model(), dm.predict_dataloader(), dm.validation_dataloader(), method=method,
-                         kfac_examples=kfac_examples, progress=False)
+    return influence_scores(build_model(), dm.predict_dataloader(), dm.validation_dataloader(), metric=method,
+                            kfac_examples=kfac_examples, progress=False)
 
 
 def make_trainer(callbacks, **kw):

@@ -1,6 +1,6 @@
 """Check a proxy before trusting it: score a random pool sample with the target and the proxy, print retention.
 
-The sample is scored with TracIn or K-FAC (:func:`~iprox_lightning.scoring.tracin_scores`); the table holds
+The sample is scored with TracIn or K-FAC (:func:`~iprox_lightning.scoring.influence_scores`); the table holds
 Spearman / Pearson / Kendall and top-1/5/10% overlap, with response length partialled out, next to the free
 baselines (length sort, Layer Extraction at the proxy's sparsity). A bad proxy is caught in minutes.
 """
@@ -78,7 +78,7 @@ def check(
     from ..batch import token_counts
     from ..data import SFTDataModule
     from ..models.loading import load_model
-    from ..scoring import tracin_scores
+    from ..scoring import influence_scores
 
     dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or target, max_length=max_length,
                        batch_size=batch_size, seed=seed)
@@ -89,8 +89,8 @@ def check(
     for name, path in (("target", target), ("proxy", proxy)):
         model, _ = load_model(path, tokenizer=False)
         t0 = time.perf_counter()
-        tables[name] = tracin_scores(model, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
-                                     method=method)
+        tables[name] = influence_scores(model, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
+                                        metric=method)
         seconds[name] = time.perf_counter() - t0
         del model
     lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
@@ -104,8 +104,8 @@ def check(
             model, _ = load_model(target, tokenizer=False)
             le, _ = layer_extraction_proxy(model, dm.dataloader("probe"), sparsity=le_rho, progress=False)
             t0 = time.perf_counter()
-            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(tracin_scores(
-                le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(), method=method))
+            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(influence_scores(
+                le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(), metric=method))
             seconds["layer_extraction"] = time.perf_counter() - t0
             del model, le
     rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"]), **others})

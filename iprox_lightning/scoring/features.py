@@ -23,26 +23,25 @@ both give identical numbers (tested).
 
 A ``LowRankLinear`` (``y = A (B h)``) is handled as two *virtual* linears: ``∇_A = Σ_t δ_t (B h_t)ᵀ``
 (input ``B h``, output-gradient ``δ``) and ``∇_B = Σ_t (Aᵀ δ_t) h_tᵀ`` (input ``h``, output-gradient
-``Aᵀ δ``). Both come from activations and their autograd gradients (``B h`` and ``∂L/∂(B h) = Aᵀ δ``
-are captured on the intermediate tensor of the layer's own forward), never from the parameters,
-so no step reads a parameter that FSDP may have resharded.
+``Aᵀ δ``); ``B h`` and ``∂L/∂(B h) = Aᵀ δ`` are the pair of the layer's ``bottleneck`` seam. The pairs come
+from the backward-pairs engine (:mod:`iprox_lightning.tracking`) through a :class:`WeightPairTracker`.
 
-A ``LayerMetric`` optionally maps ``(h, δ)`` to a whitened basis first (K-FAC: ``h̃ = S_h Q_hᵀ h``,
-``δ̃ = S_δ Q_δᵀ δ``), so the same two routines give ``⟨g, H⁻¹ ḡ⟩`` and ``‖H^{-1/2} g‖²``.
+An influence metric (:mod:`.metrics`) optionally maps ``(h, δ)`` to a whitened basis first (K-FAC:
+``h̃ = S_h Q_hᵀ h``, ``δ̃ = S_δ Q_δᵀ δ``), so the same two routines give ``⟨g, H⁻¹ ḡ⟩`` and ``‖H^{-1/2} g‖²``.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 
-from ..batch import IGNORE_INDEX, check_batch, per_example_loss
+from ..batch import IGNORE_INDEX, check_batch
 from ..lowrank import LowRankLinear
 from ..models.targets import Conv1D, find_target_linears, linear_shape
-from ..tracking import LayerTracker, requires_grad_inputs
+from ..tracking import PairTracker
 
 FEATURE_MODES = ("auto", "ghost", "materialize")
 
@@ -149,45 +148,132 @@ def layer_features(
 
 
 # --------------------------------------------------------------------------------------------
-# metric (identity for TracIn, whitening by the damped K-FAC factors for influence functions)
+# per-weight pairs from the backward-pairs engine
 # --------------------------------------------------------------------------------------------
-@dataclass
-class LayerMetric:
-    """Whitening of one tracked weight's gradients: ``g ↦ S_δ Q_δᵀ g Q_h S_h``.
+class WeightPairTracker(PairTracker):
+    """Base of the scoring trackers: turns the engine's per-layer pairs into per-weight pairs and hands
+    ``on_weight(key, h [B, T, in], δ [B, T, out])`` to the subclass for every tracked weight
+    (``VirtualLinear.key``), ``δ`` zeroed on padding positions (``attention_mask == 0``; prompt positions
+    keep their generally non-zero output-gradients).
 
-    With ``C_λ = Q diag(e + λ) Qᵀ`` and ``S = diag((e + λ)^{-1/2})`` this is ``H^{-1/2} g`` of the
-    Kronecker-factored ``H = C_δ,λ ⊗ C_h,λ`` written in the factors' eigenbases; so
-    ``⟨g̃, ṽ⟩ = ⟨g, H⁻¹ v⟩`` and ``‖g̃‖² = ‖H^{-1/2} g‖²``. For ``g = Σ_t δ_t h_tᵀ`` it is applied to
-    the tokens: ``h̃_t = S_h Q_hᵀ h_t``, ``δ̃_t = S_δ Q_δᵀ δ_t``.
+    A dense layer gives its own pair. A ``LowRankLinear`` ``y = A z + b``, ``z = B h``, is tracked together
+    with its ``bottleneck`` seam: the layer's pair ``(h, δ)`` arrives first in the backward, the seam's
+    ``(z, ∂L/∂z = Aᵀ δ)`` right after, and then ``A`` gets ``(z, δ)`` and ``B`` gets ``(h, Aᵀ δ)``. Both come
+    from activations and their autograd gradients, never from the parameters, so no step reads a parameter
+    that FSDP may have resharded.
     """
 
-    Q_h: torch.Tensor
-    s_h: torch.Tensor
-    Q_d: torch.Tensor
-    s_d: torch.Tensor
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        self.modules: dict[str, nn.Module] = {}
+        self.seams: dict[str, str] = {}  # bottleneck path -> its LowRankLinear's path
+        for name, m in modules.items():
+            self.modules[name] = m
+            if isinstance(m, LowRankLinear):
+                self.modules[f"{name}.bottleneck"] = m.bottleneck
+                self.seams[f"{name}.bottleneck"] = name
+        self.lowrank = set(self.seams.values())
 
-    def tokens(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (h @ self.Q_h) * self.s_h, (delta @ self.Q_d) * self.s_d
+    def start_step(self, batch: Mapping) -> None:
+        self.keep = batch["attention_mask"].to(torch.bool).unsqueeze(-1)
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # LowRankLinear path -> (h, δ)
 
-    def matrix(self, G: torch.Tensor) -> torch.Tensor:
-        """Whiten gradient-shaped matrices ``G: [..., out, in]``."""
-        return self.s_d[:, None] * (self.Q_d.t() @ G @ self.Q_h) * self.s_h
+    def on_pair(self, name: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        if h.dim() != 3:
+            raise RuntimeError(f"tracked layer {name!r} received a {h.dim()}-D input; expected [B, T, in]")
+        d = delta * self.keep.to(delta.device)
+        layer = self.seams.get(name)
+        if layer is not None:
+            h_layer, d_layer = self.pending.pop(layer)
+            self.on_weight(f"{layer}.A", h, d_layer)
+            self.on_weight(f"{layer}.B", h_layer, d)
+        elif name in self.lowrank:
+            self.pending[name] = (h, d)
+        else:
+            self.on_weight(f"{name}.weight", h, d)
 
-    def to(self, dtype: torch.dtype, device=None) -> "LayerMetric":
-        return LayerMetric(*(t.to(dtype=dtype, device=device) for t in (self.Q_h, self.s_h, self.Q_d, self.s_d)))
+    def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class ValidationGradientTracker(WeightPairTracker):
+    """Per tracked weight and per group of examples (``group_of(batch)`` names each row's group, e.g. its
+    validation task), the sum of the per-example gradients ``Σ_z g(z) = Σ_z Σ_t δ_t h_tᵀ`` (``sums[key][group]``)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], keys: list[str], group_of, dtype: torch.dtype) -> None:
+        super().__init__(modules)
+        self.sums: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
+        self.group_of = group_of
+        self.dtype = dtype
+
+    def start_step(self, batch: Mapping) -> None:
+        super().start_step(batch)
+        index: dict[str, list[int]] = {}
+        for r, g in enumerate(self.group_of(batch)):
+            index.setdefault(g, []).append(r)
+        self.rows = {g: torch.tensor(r, device=batch["input_ids"].device) for g, r in index.items()}
+
+    def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        h, delta = h.to(self.dtype), delta.to(self.dtype)
+        acc = self.sums[key]
+        for g, rows in self.rows.items():
+            G = delta[rows].flatten(0, 1).t() @ h[rows].flatten(0, 1)
+            acc[g] = G if g not in acc else acc[g] + G
+
+
+class ScoreFeatureTracker(WeightPairTracker):
+    """Per example of a step, summed over the tracked weights: ``sq = ‖M g(z)‖²`` and ``dots[:, k] = ⟨M g(z), V_k⟩``
+    (float64), ``M`` the influence metric's map applied to the tokens (:meth:`.metrics.InfluenceMetric.tokens`)
+    and ``V[key]: [K, out, in]`` fixed (whitened validation) directions; :func:`layer_features` per weight."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], metric, V: Mapping[str, torch.Tensor], n_directions: int,
+                 dtype: torch.dtype, feature_mode: str) -> None:
+        super().__init__(modules)
+        self.metric, self.V, self.K, self.dtype, self.feature_mode = metric, V, n_directions, dtype, feature_mode
+
+    def start_step(self, batch: Mapping) -> None:
+        super().start_step(batch)
+        B, device = batch["input_ids"].shape[0], batch["input_ids"].device
+        self.sq = torch.zeros(B, dtype=torch.float64, device=device)
+        self.dots = torch.zeros(B, self.K, dtype=torch.float64, device=device)
+
+    def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        h, delta = self.metric.tokens(key, h.to(self.dtype), delta.to(self.dtype))
+        s, dt = layer_features(h, delta, self.V[key], self.feature_mode)
+        self.sq.add_(s.double())
+        self.dots.add_(dt.double())
 
 
 # --------------------------------------------------------------------------------------------
-# one forward + one backward of Σ_z L(z), handing (key, h, δ) of every tracked weight
+# batch plumbing
 # --------------------------------------------------------------------------------------------
+def to_device(batch: Mapping, device) -> dict:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def slice_rows(batch: Mapping, n: int) -> dict:
+    """The first ``n`` examples of ``batch``."""
+    B = batch["input_ids"].shape[0]
+    return {k: (v[:n] if (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B)
+                else (list(v)[:n] if isinstance(v, (list, tuple)) and len(v) == B else v))
+            for k, v in batch.items()}
+
+
 @contextlib.contextmanager
-def _capture_input_embeddings(model: nn.Module, store: list) -> Iterator[None]:
-    emb = model.get_input_embeddings()
-    handle = emb.register_forward_hook(lambda m, a, out: store.append(out))
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()
     try:
         yield
     finally:
-        handle.remove()
+        model.train(was)
+
+
+def progress_bar(it, enabled: bool, desc: str, total=None):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, total=total, leave=False)
 
 
 def trim_batch(batch: Mapping, keep: torch.Tensor | None = None) -> dict:
@@ -210,84 +296,6 @@ def trim_batch(batch: Mapping, keep: torch.Tensor | None = None) -> dict:
         else:
             out[k] = v
     return out
-
-
-def backward_pairs(
-    model: nn.Module,
-    modules: Mapping[str, nn.Module],
-    batch: Mapping,
-    on_pair: Callable[[str, torch.Tensor, torch.Tensor], None],
-) -> torch.Tensor:
-    """Run one forward and ONE backward of ``Σ_z L(z)`` over ``batch`` and call
-    ``on_pair(key, h [B, T, in], δ [B, T, out])`` for every tracked weight (``VirtualLinear.key``).
-
-    ``L(z)`` is the mean response-token cross-entropy of example ``z``, so the rows of ``δ`` are
-    exactly each example's own output-gradients (no mean-over-batch scaling). ``δ`` is zeroed on
-    padding positions (``attention_mask == 0``); prompt positions keep their (generally non-zero)
-    output-gradients. Nothing is written to ``param.grad`` (gradients are taken with respect to
-    the input embeddings only), so this works with frozen and with sharded parameters.
-    Returns the number of response tokens per example (``[B]``).
-    """
-    with torch.inference_mode(False), torch.enable_grad():
-        # clones: tensors made under inference mode (Lightning's predict loop) cannot enter autograd
-        ids, mask, labels = (batch[k].clone() for k in ("input_ids", "attention_mask", "labels"))
-        return _backward_pairs(model, modules, ids, mask, labels, on_pair)
-
-
-def _backward_pairs(model, modules, ids, mask, labels, on_pair) -> torch.Tensor:
-    keep = mask.to(torch.bool).unsqueeze(-1)
-    inner: dict[str, torch.Tensor] = {}  # LowRankLinear name -> B h of this step
-
-    def pair(name, module, h, delta):
-        if h.dim() != 3:
-            raise RuntimeError(f"tracked layer {name!r} received a {h.dim()}-D input; expected [B, T, in]")
-        d = delta * keep.to(delta.device)
-        if isinstance(module, LowRankLinear):
-            on_pair(f"{name}.A", inner.pop(name), d)
-        else:
-            on_pair(f"{name}.weight", h, d)
-
-    def inner_pair(name, h, grad_z):  # ∂L/∂(B h) = Aᵀ δ arrives after δ
-        on_pair(f"{name}.B", h, grad_z * keep.to(grad_z.device))
-
-    embs: list[torch.Tensor] = []
-    with requires_grad_inputs(model), _capture_input_embeddings(model, embs), \
-            _split_lowrank(modules, inner, inner_pair), LayerTracker(modules, pair):
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
-        loss, n_tok = per_example_loss(out.logits, labels)
-        if not embs:
-            raise RuntimeError("the input-embedding module did not run; cannot take gradients")
-        torch.autograd.grad(loss.sum(), embs, allow_unused=True)
-    return n_tok.detach()
-
-
-@contextlib.contextmanager
-def _split_lowrank(modules: Mapping[str, nn.Module], inner: dict, inner_pair) -> Iterator[None]:
-    """Give every tracked ``LowRankLinear`` a forward that exposes its intermediate ``z = B h``:
-    ``z`` is stored in ``inner[name]`` and a tensor hook hands ``∂L/∂z`` to ``inner_pair``. Same
-    arithmetic as ``LowRankLinear.forward``; the instance attribute is removed on exit."""
-    import torch.nn.functional as F
-
-    patched = []
-    for name, m in modules.items():
-        if not isinstance(m, LowRankLinear):
-            continue
-
-        def forward(x, _m=m, _name=name):
-            z = F.linear(x, _m.B)
-            if torch.is_grad_enabled() and z.requires_grad:
-                inner[_name] = z.detach()
-                h = x.detach()
-                z.register_hook(lambda g, _h=h: inner_pair(_name, _h, g.detach()))
-            return F.linear(z, _m.A, _m.bias)
-
-        m.forward = forward
-        patched.append(m)
-    try:
-        yield
-    finally:
-        for m in patched:
-            del m.forward
 
 
 def has_response_tokens(batch: Mapping) -> torch.Tensor:

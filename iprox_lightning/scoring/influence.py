@@ -17,11 +17,15 @@ Definitions (sign convention: **higher score = more useful for the validation se
 * **K-FAC influence** (Grosse et al. 2023): per tracked weight ``W: [out, in]``,
   ``C_h = E[h hᵀ]`` and ``C_δ = E[δ δᵀ]`` (means over the non-padding tokens of the first
   ``kfac_examples`` training examples, ``h`` the layer input, ``δ = ∂L(z)/∂(W h)``), damped
-  ``C_λ = C + λ I`` with ``λ = damping · trace(C)/dim`` (``damping_mode="relative"``, as IPSVD) or
-  ``λ = damping`` (``"absolute"``); ``H = ⊕_layers C_δ,λ ⊗ C_h,λ``, preconditioned validation
+  ``C_λ = C + λ I`` by the project's damping rule, the same as IPSVD's (:mod:`iprox_lightning.damping`:
+  ``λ = damping · trace(C)/dim``, or ``damping`` when the trace is 0, with ``damping_mode="relative"``;
+  ``λ = damping`` with ``"absolute"``); ``H = ⊕_layers C_δ,λ ⊗ C_h,λ``, preconditioned validation
   gradient ``H⁻¹ ḡ = C_δ,λ⁻¹ Ḡ C_h,λ⁻¹`` per layer, and
   ``score(z) = ⟨g(z), H⁻¹ ḡ⟩ / (‖H^{-1/2} g(z)‖ · ‖H^{-1/2} ḡ‖)`` — the cosine in the K-FAC metric
   (``normalize=False``: the plain ``⟨g(z), H⁻¹ ḡ⟩``). Per task with ``ḡ_T`` likewise.
+* Both are one interface, an influence metric ``M`` (:mod:`.metrics`; TracIn: the identity, K-FAC:
+  ``H^{-1/2}``): ``score(z) = ⟨M g(z), M ḡ⟩ / (‖M g(z)‖ ‖M ḡ‖)``. :func:`influence_scores` takes any metric,
+  :func:`tracin_scores` is TracIn.
 * An example whose gradient is zero (e.g. no response token left after truncation) gets score 0
   and ``zero_grad=True``, never NaN.
 * Non-finite values are never hidden: a NaN/inf validation gradient raises an error naming the
@@ -34,28 +38,29 @@ brute-force autograd reference is tested in ``tests/test_scoring_influence.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..tracking import backward_pairs
 from .features import (
-    LayerMetric,
-    backward_pairs,
+    ScoreFeatureTracker,
+    ValidationGradientTracker,
+    eval_mode,
     has_response_tokens,
-    layer_features,
+    progress_bar,
+    to_device,
     tracked_modules,
     trim_batch,
     virtual_linears,
 )
+from .metrics import InfluenceMetric, TracIn, influence_metric
 
-METHODS = ("tracin", "kfac")
-DAMPING_MODES = ("relative", "absolute")
 ALL_TASKS = "all"
 
 
@@ -153,102 +158,13 @@ class ScoreTable(Mapping):
 
 
 # --------------------------------------------------------------------------------------------
-# K-FAC factors
-# --------------------------------------------------------------------------------------------
-def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(Q, e + λ, λ)`` with ``C = Q diag(e) Qᵀ`` and the damping ``λ`` of the given mode."""
-    if mode not in DAMPING_MODES:
-        raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {mode!r}")
-    C = C.double()
-    C = 0.5 * (C + C.t())
-    lam = float(damping) * float(torch.trace(C)) / C.shape[0] if mode == "relative" else float(damping)
-    e, Q = torch.linalg.eigh(C)
-    e = e.clamp(min=0.0) + lam
-    if not bool((e > 0).all()):
-        raise ValueError(
-            f"damped K-FAC factor is singular (damping={damping}, mode={mode}, trace={float(torch.trace(C))}); "
-            "increase damping"
-        )
-    return Q, e, lam
-
-
-class KFACFactors:
-    """Running sums of ``h hᵀ`` and ``δ δᵀ`` over non-padding tokens, per tracked weight."""
-
-    def __init__(self) -> None:
-        self.sum_hh: dict[str, torch.Tensor] = {}
-        self.sum_dd: dict[str, torch.Tensor] = {}
-        self.tokens: dict[str, float] = {}
-        self.examples = 0
-
-    def add(self, key: str, h: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> None:
-        m = mask.to(torch.bool)
-        hv = h[m].to(dtype)
-        dv = delta[m].to(dtype)
-        if key not in self.sum_hh:
-            self.sum_hh[key] = hv.new_zeros(hv.shape[-1], hv.shape[-1])
-            self.sum_dd[key] = dv.new_zeros(dv.shape[-1], dv.shape[-1])
-            self.tokens[key] = 0.0
-        self.sum_hh[key].addmm_(hv.t(), hv)
-        self.sum_dd[key].addmm_(dv.t(), dv)
-        self.tokens[key] += float(hv.shape[0])
-
-    def metrics(self, keys: Sequence[str], damping: float, mode: str, reduce: Callable | None = None,
-                dtype: torch.dtype = torch.float32) -> dict[str, LayerMetric]:
-        """All-reduce (``reduce``), normalise to means, damp, eigendecompose -> ``LayerMetric``s."""
-        out = {}
-        for key in keys:
-            if key not in self.sum_hh:
-                raise RuntimeError(f"no K-FAC statistics were collected for {key!r}: is the factor data empty?")
-            hh, dd = self.sum_hh[key], self.sum_dd[key]
-            n = torch.tensor([self.tokens[key]], dtype=torch.float64, device=hh.device)
-            if reduce is not None:
-                hh, dd, n = reduce(hh), reduce(dd), reduce(n)
-            n = float(n.item())
-            if n <= 0:
-                raise RuntimeError(f"K-FAC factors of {key!r} saw no token")
-            Qh, eh, _ = damped_eigh(hh / n, damping, mode)
-            Qd, ed, _ = damped_eigh(dd / n, damping, mode)
-            out[key] = LayerMetric(Qh, eh.rsqrt(), Qd, ed.rsqrt()).to(dtype)
-        return out
-
-
-# --------------------------------------------------------------------------------------------
 # the scorer (plain object, used by the function API and by the Lightning module)
 # --------------------------------------------------------------------------------------------
-def _to_device(batch: Mapping, device) -> dict:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-def _slice_rows(batch: Mapping, n: int) -> dict:
-    B = batch["input_ids"].shape[0]
-    return {k: (v[:n] if (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B)
-                else (list(v)[:n] if isinstance(v, (list, tuple)) and len(v) == B else v))
-            for k, v in batch.items()}
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module):
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
-def _progress(it, enabled: bool, desc: str, total=None):
-    if not enabled:
-        return it
-    from tqdm.auto import tqdm
-
-    return tqdm(it, desc=desc, total=total, leave=False)
-
-
 class InfluenceScorer:
-    """Holds the prepared validation gradients (and K-FAC metric) and scores batches.
+    """Holds the prepared validation gradients (in the influence ``metric``) and scores batches.
 
-    ``fit(val_batches, factor_batches)`` runs once; ``score_batch(batch)`` then returns, for the
+    ``metric``: an :class:`~.metrics.InfluenceMetric` or its name (``"tracin"`` | ``"kfac"`` with default
+    options, :func:`~.metrics.influence_metric`). ``fit(val_batches, factor_batches)`` runs once; ``score_batch(batch)`` then returns, for the
     examples of one batch, ``{"id", "score", "task_scores" [B, K], "n_tokens", "zero_grad", "task"}``.
     For several processes pass ``shard=(rank, world_size)`` (batch ``j`` is processed by rank
     ``j % world_size``), a ``reduce`` that all-reduces a tensor by sum and a ``gather`` that
@@ -259,25 +175,16 @@ class InfluenceScorer:
         self,
         model: nn.Module,
         *,
-        method: str = "tracin",
+        metric: InfluenceMetric | str = "tracin",
         normalize: bool = True,
         per_task: bool = True,
-        damping: float = 1e-3,
-        damping_mode: str = "relative",
-        kfac_examples: int = 1024,
         feature_mode: str = "auto",
         target_patterns: list[str] | None = None,
         feature_dtype: torch.dtype | None = None,
     ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if damping_mode not in DAMPING_MODES:
-            raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
-        if kfac_examples < 1:
-            raise ValueError(f"kfac_examples must be >= 1, got {kfac_examples}")
         self.model = model
-        self.method, self.normalize, self.per_task = method, bool(normalize), bool(per_task)
-        self.damping, self.damping_mode, self.kfac_examples = float(damping), damping_mode, int(kfac_examples)
+        self.metric = influence_metric(metric) if isinstance(metric, str) else metric
+        self.normalize, self.per_task = bool(normalize), bool(per_task)
         self.feature_mode = feature_mode
         self.target_patterns = target_patterns
         self.modules = tracked_modules(model, target_patterns)
@@ -286,7 +193,6 @@ class InfluenceScorer:
         self.dtype = feature_dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)
         self.task_names: list[str] = []
         self.V: dict[str, torch.Tensor] = {}  # key -> [K, out, in]: (whitened) Σ over task-T examples of g
-        self.metric: dict[str, LayerMetric] | None = None
         self.val_counts: np.ndarray | None = None
         self.vnorm_task: torch.Tensor | None = None
         self.vnorm_all: float = 0.0
@@ -300,8 +206,7 @@ class InfluenceScorer:
 
     def settings(self) -> dict:
         return {
-            "method": self.method, "normalize": self.normalize, "per_task": self.per_task,
-            "damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.kfac_examples,
+            "method": self.metric.name, "normalize": self.normalize, "per_task": self.per_task, **self.metric.settings(),
             "feature_mode": self.feature_mode, "target_patterns": self.target_patterns,
             "tracked_weights": len(self.linears),
             "tracked_parameters": int(sum(v.out_features * v.in_features for v in self.linears)),
@@ -317,66 +222,25 @@ class InfluenceScorer:
         return [str(t) for t in batch["task"]]
 
     # ------------------------------------------------------------------------------------
-    def collect_factors(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, progress=False):
-        """K-FAC factors from the first ``kfac_examples`` examples of ``batches``."""
-        rank, world = shard
-        fac = KFACFactors()
-        seen = 0
-        t0 = time.perf_counter()
-        with _eval_mode(self.model):
-            for j, batch in enumerate(_progress(batches, progress, "K-FAC factors")):
-                if seen >= self.kfac_examples:
-                    break
-                B = batch["input_ids"].shape[0]
-                take = min(B, self.kfac_examples - seen)
-                seen += take
-                if j % world != rank:
-                    continue
-                b = trim_batch(_to_device(_slice_rows(batch, take), self.device))
-                mask = b["attention_mask"]
-                backward_pairs(self.model, self.modules, b,
-                               lambda key, h, d: fac.add(key, h, d, mask, torch.float64))
-                fac.examples += take
-        n_ex = torch.tensor([float(fac.examples)], dtype=torch.float64, device=self.device)
-        if reduce is not None:
-            n_ex = reduce(n_ex)
-        self.metric = fac.metrics([v.key for v in self.linears], self.damping, self.damping_mode, reduce, self.dtype)
-        self.stats["kfac_examples_used"] = int(n_ex.item())
-        self.stats["kfac_seconds"] = time.perf_counter() - t0
-
     def collect_validation(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, gather=None,
                            progress=False) -> None:
         """Σ over the validation examples of each task of ``g(z')`` (per tracked weight)."""
         rank, world = shard
-        sums: dict[str, dict[str, torch.Tensor]] = {v.key: {} for v in self.linears}
+        tracker = ValidationGradientTracker(self.modules, [v.key for v in self.linears], self._group, self.dtype)
+        sums = tracker.sums
         counts: dict[str, int] = {}
         t0 = time.perf_counter()
-        with _eval_mode(self.model):
-            for j, batch in enumerate(_progress(batches, progress, "validation gradients")):
+        with eval_mode(self.model):
+            for j, batch in enumerate(progress_bar(batches, progress, "validation gradients")):
                 if j % world != rank:
                     continue
-                groups = self._group(batch)
-                for g in groups:
+                for g in self._group(batch):
                     counts[g] = counts.get(g, 0) + 1
-                b = _to_device(batch, self.device)
+                b = to_device(batch, self.device)
                 keep = has_response_tokens(b)
                 if not bool(keep.any()):
                     continue
-                b = trim_batch(b, keep)
-                kept_groups = [g for g, k in zip(groups, keep.tolist()) if k]
-                index = {}
-                for r, g in enumerate(kept_groups):
-                    index.setdefault(g, []).append(r)
-                index = {g: torch.tensor(r, device=self.device) for g, r in index.items()}
-
-                def on_pair(key, h, d):
-                    h, d = h.to(self.dtype), d.to(self.dtype)
-                    for g, rows in index.items():
-                        G = d[rows].flatten(0, 1).t() @ h[rows].flatten(0, 1)
-                        acc = sums[key]
-                        acc[g] = G if g not in acc else acc[g] + G
-
-                backward_pairs(self.model, self.modules, b, on_pair)
+                backward_pairs(self.model, trim_batch(b, keep), [tracker])
         # identical task list on every rank
         local = sorted(counts)
         names = sorted(set().union(*gather(local))) if gather is not None else local
@@ -399,12 +263,9 @@ class InfluenceScorer:
         self.stats["val_examples"] = int(self.val_counts.sum())
 
     def finalize(self) -> None:
-        """Whiten the validation gradients (K-FAC) and compute their norms."""
-        if self.method == "kfac":
-            if self.metric is None:
-                raise RuntimeError("K-FAC scoring needs factors: call collect_factors first")
-            for key in self.V:
-                self.V[key] = self.metric[key].matrix(self.V[key])
+        """Map the validation gradients by the metric and compute their norms."""
+        for key in self.V:
+            self.V[key] = self.metric.matrix(key, self.V[key])
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
         sq_task = torch.zeros(len(self.task_names), dtype=torch.float64)
         sq_all = 0.0
@@ -425,11 +286,9 @@ class InfluenceScorer:
         self.fitted = True
 
     def fit(self, val_batches, factor_batches=None, *, shard=(0, 1), reduce=None, gather=None, progress=False):
-        """Prepare the scorer: K-FAC factors (``method="kfac"``) then validation gradients."""
-        if self.method == "kfac":
-            if factor_batches is None:
-                raise ValueError("method='kfac' needs training batches to estimate the K-FAC factors")
-            self.collect_factors(factor_batches, shard=shard, reduce=reduce, progress=progress)
+        """Prepare the scorer: fit the metric (K-FAC factors on ``factor_batches``) then the validation gradients."""
+        self.stats.update(self.metric.fit(self.model, self.modules, [v.key for v in self.linears], factor_batches,
+                                          dtype=self.dtype, shard=shard, reduce=reduce, progress=progress))
         self.collect_validation(val_batches, shard=shard, reduce=reduce, gather=gather, progress=progress)
         self.finalize()
         return self
@@ -443,27 +302,16 @@ class InfluenceScorer:
         K = len(self.task_names)
         sq = torch.zeros(B, dtype=torch.float64)
         dots = torch.zeros(B, K, dtype=torch.float64)
-        b = _to_device(batch, self.device)
+        b = to_device(batch, self.device)
         n_tok = (b["labels"][:, 1:] != -100).sum(dim=1).cpu()
         keep = has_response_tokens(b).cpu()
         if bool(keep.any()):
-            tb = trim_batch(b, keep)
             rows = torch.nonzero(keep).flatten()
-            sq_k = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
-            dots_k = torch.zeros(len(rows), K, dtype=torch.float64, device=self.device)
-
-            def on_pair(key, h, d):
-                h, d = h.to(self.dtype), d.to(self.dtype)
-                if self.metric is not None and self.method == "kfac":
-                    h, d = self.metric[key].tokens(h, d)
-                s, dt = layer_features(h, d, self.V[key], self.feature_mode)
-                sq_k.add_(s.double())
-                dots_k.add_(dt.double())
-
-            with _eval_mode(self.model):
-                backward_pairs(self.model, self.modules, tb, on_pair)
-            sq[rows] = sq_k.cpu()
-            dots[rows] = dots_k.cpu()
+            tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.feature_mode)
+            with eval_mode(self.model):
+                backward_pairs(self.model, trim_batch(b, keep), [tracker])
+            sq[rows] = tracker.sq.cpu()
+            dots[rows] = tracker.dots.cpu()
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
         dot_all = dots.sum(dim=1) / n.sum().clamp(min=1)
         dot_task = dots / n.clamp(min=1)
@@ -508,31 +356,31 @@ def _table_from_parts(parts: list[dict], task_names: list[str], settings: dict) 
                       nonfinite=cat("nonfinite", (0,)))
 
 
-def tracin_scores(
+def influence_scores(
     model: nn.Module,
     train_dataloader: Iterable[Mapping],
     val_dataloader: Iterable[Mapping],
     *,
-    method: str = "tracin",
+    metric: InfluenceMetric | str = "tracin",
     normalize: bool = True,
     per_task: bool = True,
-    damping: float = 1e-3,
-    damping_mode: str = "relative",
-    kfac_examples: int = 1024,
     factor_dataloader: Iterable[Mapping] | None = None,
     feature_mode: str = "auto",
     target_patterns: list[str] | None = None,
     progress: bool = True,
+    **metric_options,
 ) -> ScoreTable:
-    """Influence score of every training example against the validation set.
+    """Influence score of every training example against the validation set, in the influence ``metric``.
 
-    ``method="tracin"``: ``score(z) = cos(g(z), ḡ)``; ``method="kfac"``: cosine in the K-FAC metric
-    ``⟨g, H⁻¹ḡ⟩ / (‖H^{-1/2}g‖ ‖H^{-1/2}ḡ‖)`` (see the module docstring for every definition;
-    higher = more useful). ``normalize=False`` returns the plain inner products.
+    ``metric``: an :class:`~.metrics.InfluenceMetric`, or its name with ``metric_options`` (``damping``,
+    ``damping_mode``, ``kfac_examples``: :func:`~.metrics.influence_metric`). ``"tracin"``:
+    ``score(z) = cos(g(z), ḡ)``; ``"kfac"``: cosine in the K-FAC metric ``⟨g, H⁻¹ḡ⟩ / (‖H^{-1/2}g‖ ‖H^{-1/2}ḡ‖)``
+    (see the module docstring for every definition; higher = more useful). ``normalize=False`` returns the
+    plain inner products.
 
     ``train_dataloader`` / ``val_dataloader``: any iterables of batches in the project's batch
-    format (``input_ids``, ``attention_mask``, ``labels``, ``id``, optional ``task``). K-FAC factors
-    are estimated on the first ``kfac_examples`` examples of ``factor_dataloader`` (default: the
+    format (``input_ids``, ``attention_mask``, ``labels``, ``id``, optional ``task``). A metric fitted on data
+    (K-FAC factors: the first ``kfac_examples`` examples) reads ``factor_dataloader`` (default: the
     training batches, which must then be re-iterable). ``per_task``: also score against each
     validation task's mean gradient (``ScoreTable.task_scores``, LESS max in ``score_max``).
     ``feature_mode``: ``"auto"`` | ``"ghost"`` | ``"materialize"`` (identical numbers).
@@ -540,13 +388,34 @@ def tracin_scores(
     Returns a ``ScoreTable`` — a ``Mapping`` ``id -> score`` with per-task scores, response-token
     counts and zero-gradient flags.
     """
-    scorer = InfluenceScorer(model, method=method, normalize=normalize, per_task=per_task, damping=damping,
-                             damping_mode=damping_mode, kfac_examples=kfac_examples, feature_mode=feature_mode,
+    if isinstance(metric, str):
+        metric = influence_metric(metric, **metric_options)
+    elif metric_options:
+        raise TypeError(f"options {sorted(metric_options)} are for a metric given by name, not {type(metric).__name__}")
+    scorer = InfluenceScorer(model, metric=metric, normalize=normalize, per_task=per_task, feature_mode=feature_mode,
                              target_patterns=target_patterns)
     scorer.fit(val_dataloader, factor_dataloader if factor_dataloader is not None else train_dataloader,
                progress=progress)
-    parts = [scorer.score_batch(b) for b in _progress(train_dataloader, progress, f"scoring ({method})")]
+    parts = [scorer.score_batch(b) for b in progress_bar(train_dataloader, progress, f"scoring ({metric.name})")]
     return _table_from_parts(parts, scorer.task_names, scorer.settings())
+
+
+def tracin_scores(
+    model: nn.Module,
+    train_dataloader: Iterable[Mapping],
+    val_dataloader: Iterable[Mapping],
+    *,
+    normalize: bool = True,
+    per_task: bool = True,
+    feature_mode: str = "auto",
+    target_patterns: list[str] | None = None,
+    progress: bool = True,
+) -> ScoreTable:
+    """TracIn: ``score(z) = cos(g(z), ḡ)`` of every training example (:func:`influence_scores` with the
+    identity metric; same arguments)."""
+    return influence_scores(model, train_dataloader, val_dataloader, metric=TracIn(), normalize=normalize,
+                            per_task=per_task, feature_mode=feature_mode, target_patterns=target_patterns,
+                            progress=progress)
 
 
 def multi_checkpoint_scores(
@@ -558,13 +427,14 @@ def multi_checkpoint_scores(
     **kwargs,
 ) -> ScoreTable:
     """Multi-checkpoint TracIn: ``Σ_c η_c · score_c(z)`` over checkpoints ``models`` with weights
-    ``η_c`` (learning rates); per-task scores likewise. ``kwargs`` go to ``tracin_scores``; the
+    ``η_c`` (learning rates); per-task scores likewise. ``kwargs`` go to :func:`influence_scores` (default
+    metric TracIn); the
     data loaders must be re-iterable. An example is flagged ``zero_grad`` if it is at every checkpoint."""
     if len(models) != len(weights) or not models:
         raise ValueError(f"need one weight per checkpoint, got {len(models)} models and {len(weights)} weights")
     total = None
     for m, w in zip(models, weights):
-        t = tracin_scores(m, train_dataloader, val_dataloader, **kwargs)
+        t = influence_scores(m, train_dataloader, val_dataloader, **kwargs)
         if total is None:
             total = ScoreTable(t.ids, w * t.scores, t.task_names, w * t.task_scores, t.n_tokens, t.zero_grad,
                                t.tasks, {**t.settings, "checkpoint_weights": list(map(float, weights))},

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .influence import DAMPING_MODES, METHODS, InfluenceScorer
+from .influence import InfluenceScorer
+from .metrics import influence_metric
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,10 @@ class InfluenceScoringModule(L.LightningModule):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"InfluenceScoringModule: method must be one of {METHODS}, got {method!r}")
-        if damping_mode not in DAMPING_MODES:
-            raise ValueError(f"InfluenceScoringModule: damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
+        try:
+            self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
+        except ValueError as e:
+            raise ValueError(f"InfluenceScoringModule: {e}") from None
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -131,13 +132,14 @@ class InfluenceScoringModule(L.LightningModule):
                                    "validation_dataloader() / val_dataloader() or call attach_dataloaders()")
             val = dm.validation_dataloader() if hasattr(dm, "validation_dataloader") else dm.val_dataloader()
         fac = self._factor_loader
-        if fac is None and self.hparams.method == "kfac":
+        if fac is None and self.metric.needs_factor_data:
             if dm is not None and hasattr(dm, "dataloader"):
                 fac = dm.dataloader(self.hparams.kfac_split)
             elif dm is not None:
                 fac = dm.predict_dataloader()
             else:
-                raise RuntimeError("method='kfac' needs training data for the factors: attach_dataloaders(val, factors)")
+                raise RuntimeError(f"method={self.metric.name!r} needs training data for the factors: "
+                                   "attach_dataloaders(val, factors)")
         return val, fac
 
     def scoring_config(self) -> dict[str, Any]:
@@ -182,11 +184,8 @@ class InfluenceScoringModule(L.LightningModule):
         if self.net is None:
             self.configure_model()
         hp = self.hparams
-        self.scorer = InfluenceScorer(
-            self.net, method=hp.method, normalize=hp.normalize, per_task=hp.per_task, damping=hp.damping,
-            damping_mode=hp.damping_mode, kfac_examples=hp.kfac_examples, feature_mode=hp.feature_mode,
-            target_patterns=hp.target_patterns,
-        )
+        self.scorer = InfluenceScorer(self.net, metric=self.metric, normalize=hp.normalize, per_task=hp.per_task,
+                                      feature_mode=hp.feature_mode, target_patterns=hp.target_patterns)
         val, fac = self._loaders()
         strategy = self.trainer.strategy
         world, rank = self.trainer.world_size, self.trainer.global_rank
