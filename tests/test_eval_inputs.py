@@ -66,3 +66,64 @@ def test_unreachable_hub_id_fails_fast(monkeypatch):
     with pytest.raises(FileNotFoundError, match="outputs/nowhere/model': no such file or directory"):
         load_model("outputs/nowhere/model")
     assert time.perf_counter() - t0 < 1.0
+
+
+# ------------------------------------------------------------------------------------- partial BBH (issue 12)
+def _partial_bbh(root):
+    """A BBH folder with 3 tasks: alpha complete, beta without its CoT prompt, gamma without its task file."""
+    bbh = root / "bbh"
+    (bbh / "cot-prompts").mkdir(parents=True)
+    for t in ("alpha", "beta", "gamma"):
+        (bbh / f"{t}.json").write_text(json.dumps({"examples": [{"input": f"{t} {i}?", "target": "yes"} for i in range(2)]}))
+        (bbh / "cot-prompts" / f"{t}.txt").write_text(f"{t}\n\nQ: 1+1?\nA: Add. So the answer is 2.")
+    (bbh / "cot-prompts" / "beta.txt").unlink()
+    (bbh / "gamma.json").unlink()
+    return bbh
+
+
+def _test_args(d, out, *extra):
+    return ["test", "--seed_everything", "0", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false",
+            "--model", "iprox_lightning.evaluation.EvaluationModule", "--model.model", "builtin",
+            "--model.output_dir", str(out),
+            "--data", "iprox_lightning.evaluation.EvalDataModule", "--data.data_dir", str(d),
+            "--data.suites", "[bbh]", "--data.batch_size", "4", "--data.bbh.max_new_tokens", "2", *extra]
+
+
+def test_partial_bbh_is_an_error_naming_the_missing_files_and_the_option(tmp_path):
+    from iprox_lightning.cli import main
+
+    bbh = _partial_bbh(tmp_path)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:  # the CLI (jsonargparse) re-raises the data module's EvalDataError
+        main(_test_args(tmp_path, tmp_path / "out"))
+    assert time.perf_counter() - t0 < 30  # at construction: no model run, no prompt built
+    assert (
+        f"{bbh}: partial BBH directory, 2 task(s) incomplete: beta: cot-prompts/beta.txt missing; gamma: bbh/gamma.json "
+        "missing (restore the files, name the tasks with bbh.tasks, or set bbh.allow_partial: true — "
+        "--data.bbh.allow_partial true — to evaluate the complete tasks only; the skipped ones are recorded in the metrics)") in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_partial_bbh_opt_in_from_the_cli_records_the_skipped_tasks(tmp_path):
+    from iprox_lightning.cli import main
+
+    out = tmp_path / "out"
+    _partial_bbh(tmp_path)
+    main(_test_args(tmp_path, out, "--data.bbh.allow_partial", "true"))
+    metrics = json.loads((out / "test_metrics.json").read_text())
+    assert metrics["suites"]["bbh"]["skipped_tasks"] == ["beta: cot-prompts/beta.txt missing",
+                                                          "gamma: bbh/gamma.json missing"]
+    assert metrics["suites"]["bbh"]["config"]["allow_partial"] is True
+    assert metrics["n_questions"] == {"bbh": 2}  # alpha's 2 questions, nothing from beta or gamma
+    preds = [json.loads(l) for l in open(out / "test_predictions" / "bbh.jsonl")]
+    assert sorted({p["task"] for p in preds}) == ["alpha"] and len(preds) == 2
+
+
+def test_complete_bbh_records_no_skipped_task(tmp_path):
+    bbh = _partial_bbh(tmp_path)
+    (bbh / "gamma.json").write_text(json.dumps({"examples": [{"input": "g?", "target": "yes"}]}))
+    (bbh / "cot-prompts" / "beta.txt").write_text("beta\n\nQ: 1+1?\nA: Add. So the answer is 2.")
+    dm = EvalDataModule(data_dir=str(tmp_path), suites=["bbh"], tokenizer="builtin", bbh={"allow_partial": True})
+    dm.setup("test")
+    assert dm.suite_data["bbh"].info["skipped_tasks"] == [] and dm.suite_data["bbh"].tasks == ["alpha", "beta", "gamma"]

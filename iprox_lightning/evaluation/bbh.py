@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from ..data.eval_readers import read_bbh, sample_per_group
+from ..data.eval_readers import bbh_dropped_tasks, read_bbh, sample_per_group
 from .common import chat_prompt, encode_prompts, greedy_generate, resolve_chat_template
 from .metrics import ExactMatch, bbh_exact_match, extract_bbh_answer
 from .suite import SuiteData, left_truncate
@@ -32,11 +32,26 @@ STOP = ("\n\n",)
 
 @dataclass
 class BBHConfig:
-    """BBH options. ``path`` defaults to ``<data_dir>/bbh``; ``max_prompt_tokens`` (optional)
-    cuts over-long prompts from the left."""
+    """BBH options.
+
+    Args:
+        path: the BBH folder (``<task>.json`` + ``cot-prompts/<task>.txt``; default ``<data_dir>/bbh``).
+        tasks: the tasks to evaluate (default: every task of the folder).
+        allow_partial: evaluate the complete tasks of a partial folder (a task file without its CoT prompt,
+            or a prompt without its task file) instead of stopping; the skipped tasks are printed and recorded
+            in the metrics file (``suites.bbh.skipped_tasks``). Off by default: a partial folder is an error
+            listing the missing files.
+        max_per_task: a seeded sample of at most this many questions per task (LESS: 40).
+        max_new_tokens: generation cap per question.
+        cot: keep the exemplars' chain of thought (``False``: question and final answer only).
+        chat_template: wrap prompts in the tokenizer's chat template (``None``: when it has one).
+        max_prompt_tokens: cut over-long prompts from the left to this many tokens.
+        seed: sampling seed of ``max_per_task``.
+    """
 
     path: Optional[str] = None
     tasks: Optional[list[str]] = None
+    allow_partial: bool = False
     max_per_task: Optional[int] = 40
     max_new_tokens: int = 512
     cot: bool = True
@@ -68,7 +83,9 @@ def bbh_prompt(cot_prompt: str, question: str) -> str:
 def build(cfg: BBHConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData:
     root = Path(cfg.path) if cfg.path else Path(data_dir or ".") / "bbh"
     chat = resolve_chat_template(tokenizer, cfg.chat_template)
-    data = read_bbh(root, cfg.tasks)
+    # read_bbh logs the skipped tasks (one warning); the metrics file records them
+    skipped_tasks = bbh_dropped_tasks(root) if cfg.allow_partial and cfg.tasks is None else []
+    data = read_bbh(root, cfg.tasks, allow_partial=cfg.allow_partial)
     records: list[dict[str, Any]] = []
     n_truncated = 0
     for task, (cot, examples) in data.items():
@@ -89,7 +106,8 @@ def build(cfg: BBHConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData:
         records=records,
         tasks=list(data),
         constants={"max_new_tokens": cfg.max_new_tokens, "stop": list(STOP)},
-        info={"chat_template": chat, "n_truncated": n_truncated, "n_questions": len(records), "cot": cfg.cot},
+        info={"chat_template": chat, "n_truncated": n_truncated, "n_questions": len(records), "cot": cfg.cot,
+              "skipped_tasks": skipped_tasks},
     )
 
 

@@ -5,7 +5,9 @@
 
 * MMLU: ``<path>/dev`` and ``<path>/<split>`` must exist, and the requested subjects must have
   both a dev and a ``<split>`` CSV;
-* BBH: ``<path>`` and ``<path>/cot-prompts`` must exist, and the requested tasks both files;
+* BBH: ``<path>`` and ``<path>/cot-prompts`` must exist, and the requested tasks both files; without
+  ``tasks`` every task must be complete (a partial folder is an error listing the missing files, unless
+  ``bbh.allow_partial``: then the complete tasks run and the skipped ones are recorded in the metrics);
 * TyDiQA: ``eval_file`` (default ``<path>/tydiqa-goldp-v1.1-dev.json``, the public GoldP dev set,
   not shipped here) and, with shots, ``shots_file`` (default ``<path>/tydiqa-one-shot.json``).
   When ``eval_file`` is *not set* and the GoldP file is absent the suite is **skipped** (one line);
@@ -63,6 +65,17 @@ def check_inputs(suites: list[str], configs: dict[str, Any], data_dir: Optional[
             for t in cfg.tasks or []:
                 _need(root / f"{t}.json", "bbh.tasks")
                 _need(root / "cot-prompts" / f"{t}.txt", "bbh.tasks")
+            if not cfg.tasks:
+                from ..data.eval_readers import EvalDataError, bbh_dropped_tasks
+
+                missing = bbh_dropped_tasks(root)
+                if missing and not getattr(cfg, "allow_partial", False):
+                    raise EvalDataError(
+                        f"{root}: partial BBH directory, {len(missing)} task(s) incomplete: " + "; ".join(missing[:10])
+                        + (f"; ... and {len(missing) - 10} more" if len(missing) > 10 else "")
+                        + " (restore the files, name the tasks with bbh.tasks, or set bbh.allow_partial: true — "
+                        "--data.bbh.allow_partial true — to evaluate the complete tasks only; the skipped ones are "
+                        "recorded in the metrics)")
         elif name == "tydiqa":
             eval_path = resolve_in(root, cfg.eval_file, GOLDP_DEV)
             if not eval_path.is_file():
