@@ -23,7 +23,12 @@ A proxy loads as a proxy or not at all:
 * :func:`check_not_a_bare_proxy` lets the generic loader refuse a directory whose weights hold factor
   tensors but whose manifest is missing.
 
-Version 1 directories (weights in ``model.safetensors``) still load through :func:`load_proxy`.
+Version 1 directories (weights in ``model.safetensors``, written by ``save_pretrained`` or the first
+``save_proxy``) load through the same checked path (:func:`load_proxy`: missing / unexpected tensors are a
+:class:`ProxyFormatError`), with a warning: transformers *does* read ``model.safetensors``, so plain
+``from_pretrained`` on such a directory returns random projections. :func:`upgrade_proxy` (``python -m
+iprox_lightning.io.proxy upgrade <dir>``) re-saves it as version 2 in place, after which plain
+``from_pretrained`` fails loudly.
 """
 from __future__ import annotations
 
@@ -285,6 +290,8 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     missing, unexpected = load_model(model, str(weights), strict=True)
     if missing or unexpected:  # strict=True raises already; defensive
         raise ProxyFormatError(f"{weights}: missing {missing}, unexpected {unexpected}")
+    if weights.name == LEGACY_WEIGHTS:
+        log.warning("%s", legacy_message(path))
     if dtype is not None:
         model = model.to(dtype)
     if device is not None:
@@ -293,3 +300,65 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
         tok = AutoTokenizer.from_pretrained(path)
     return model.eval(), tok
+
+
+def legacy_message(path: str | Path) -> str:
+    return (f"{path}: a version-1 proxy directory (weights in {LEGACY_WEIGHTS}). It loaded through the checked "
+            f"proxy loader, but plain AutoModelForCausalLM.from_pretrained on it would return randomly initialised "
+            f"projections; re-save it as version 2 with `python -m iprox_lightning.io.proxy upgrade {path}`")
+
+
+def upgrade_proxy(path: str | Path) -> Path:
+    """Re-save a version-1 proxy directory as version 2, in place: the weights are loaded through
+    :func:`load_proxy` (checked against config + manifest), written to ``iprox_proxy.safetensors`` with the
+    manifest updated (format_version, weights fingerprint; the recorded settings kept), verified to load back
+    identically, and only then ``model.safetensors`` is removed (so plain ``from_pretrained`` fails instead of
+    returning random projections). A version-2 directory is left as it is. Returns ``path``."""
+    path = Path(path)
+    weights = weights_file(path)
+    if weights is None or weights.name != LEGACY_WEIGHTS or (path / PROXY_WEIGHTS).is_file():
+        if (path / PROXY_WEIGHTS).is_file() and (path / LEGACY_WEIGHTS).is_file():
+            raise ProxyFormatError(f"{path}: holds both {PROXY_WEIGHTS} and {LEGACY_WEIGHTS}; remove the one that "
+                                   "is not the proxy's weights")
+        read_manifest(path)  # a readable version-2 proxy, or a clear error
+        return path
+    manifest = read_manifest(path)
+    model, tok = load_proxy(path)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    extra = {k: v for k, v in manifest.items() if k not in ("format_version", "layers", "dtype", "params_after", "weights")}
+    legacy = path / LEGACY_WEIGHTS
+    moved = legacy.with_name(LEGACY_WEIGHTS + ".v1-upgrading")
+    old_manifest = (path / PROXY_MANIFEST).read_text()
+    legacy.rename(moved)  # kept until the new file is verified; transformers does not read this name
+    try:
+        save_proxy(model, tok, path, manifest=None, **extra)
+        again, _ = load_proxy(path)
+        after = again.state_dict()
+        if set(after) != set(before) or any(not torch.equal(after[k], before[k]) for k in before):
+            raise ProxyFormatError(f"{path}: the re-saved weights do not load back identically; {LEGACY_WEIGHTS} kept")
+    except Exception:
+        (path / PROXY_WEIGHTS).unlink(missing_ok=True)
+        (path / PROXY_MANIFEST).write_text(old_manifest)
+        moved.rename(legacy)
+        raise
+    moved.unlink()
+    log.info("%s: upgraded to proxy format_version %d", path, MANIFEST_VERSION)
+    return path
+
+
+def _main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m iprox_lightning.io.proxy",
+                                 description="IProX proxy directories: upgrade a version-1 directory in place.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("upgrade", help="re-save version-1 proxy directories (model.safetensors) as version 2")
+    up.add_argument("paths", nargs="+", help="proxy directories")
+    args = ap.parse_args(argv)
+    for p in args.paths:
+        upgrade_proxy(p)
+        print(f"{p}: proxy format_version {MANIFEST_VERSION} ({PROXY_WEIGHTS}); plain from_pretrained now refuses it")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
