@@ -181,7 +181,11 @@ def test_core_rank_above_probe_count_errors_or_falls_back():
     W, H, Delta = _problem(20, 16, 5, seed=4)
     with pytest.raises(ValueError, match=r"mode='core' supports rank <= 5 \(N = 5 probe tokens"):
         ipsvd_factors(W, H, Delta, 8, mode="core")
-    Af, Bf = ipsvd_factors(W, H, Delta, 8, mode="core", core_fallback="exact")
+    reasons = []
+    Af, Bf = ipsvd_factors(W, H, Delta, 8, mode="core", core_fallback="exact", on_fallback=reasons.append)
+    assert reasons == ["mode='core' supports rank <= 5 (N = 5 probe tokens; at most min(N, in, out) = 5), got rank 8"]
+    ipsvd_factors(W, H, Delta, 4, mode="core", core_fallback="exact", on_fallback=reasons.append)
+    assert len(reasons) == 1  # the core holds rank 4: no fallback
     Ae, Be = ipsvd_factors(W, H, Delta, 8, mode="exact")
     assert torch.equal(Af, Ae) and torch.equal(Bf, Be)
     A_ref, B_ref, _, _ = exact_reference(W, H, Delta, 8, 1e-3, "relative")
