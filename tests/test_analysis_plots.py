@@ -1,9 +1,12 @@
-"""Plots: non-empty PNGs with the expected number of points; TensorBoard images; the report table."""
+"""Plots: the data each figure shows (points per category, thresholds, histogram counts per bin, curve values,
+labels), read back from the matplotlib objects; TensorBoard images; the report table."""
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from iprox_lightning.analysis.plots import (
+    CATEGORY_COLORS,
     log_figure,
     plot_retention_vs_sparsity,
     plot_score_histograms,
@@ -24,51 +27,101 @@ def _scores(n=200, seed=0):
     return dict(zip(ids, p.tolist())), dict(zip(ids, t.tolist()))
 
 
-def _png_ok(path):
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 5000
-    import matplotlib.image as mpimg
-
-    img = mpimg.imread(path)
-    assert img.shape[0] > 200 and img.shape[1] > 200 and img[..., :3].std() > 0.01  # not blank
+def _labelled(ax):
+    """{legend label: collection} of the scatter series (matplotlib's private artists start with '_')."""
+    return {c.get_label(): c for c in ax.collections if c.get_label() and not c.get_label().startswith("_")}
 
 
-def test_scatter_png_points_and_categories(tmp_path):
+def test_scatter_shows_every_shared_point_in_its_category(tmp_path):
     proxy, target = _scores()
     proxy["only_in_proxy"] = 5.0  # not shared -> not plotted
     fig = plot_score_scatter(proxy, target, frac=0.05, path=tmp_path / "scatter.png")
-    _png_ok(tmp_path / "scatter.png")
+    assert (tmp_path / "scatter.png").read_bytes()[:8] == PNG_MAGIC
     ax = fig.axes[0]
-    n_points = sum(len(c.get_offsets()) for c in ax.collections if hasattr(c, "get_offsets") and c.get_offsets().ndim == 2 and len(c.get_offsets()) and c.get_label() and not c.get_label().startswith("_"))
-    assert n_points == 200
-    # 10 selected by each side (5 % of 200); categories partition the points consistently
     ids = sorted(target)
     p = np.array([proxy[i] for i in ids])
     t = np.array([target[i] for i in ids])
     cat = scatter_categories(p, t, 0.05)
+    # 10 selected by each side (5 % of 200)
     assert (cat == "both top-k").sum() + (cat == "proxy top-k only").sum() == 10
     assert (cat == "both top-k").sum() + (cat == "target top-k only").sum() == 10
-    labels = [c.get_label() for c in ax.collections if c.get_label() and not c.get_label().startswith("_")]
-    assert any(l.startswith(f"both top-k ({(cat == 'both top-k').sum()})") for l in labels)
+    series = _labelled(ax)
+    want = {f"{name} ({int((cat == name).sum())})": name for name in CATEGORY_COLORS if (cat == name).any()}
+    assert set(series) == set(want)
+    for label, name in want.items():
+        xy = np.asarray(series[label].get_offsets())
+        sel = cat == name
+        # exactly this category's (proxy, target) pairs, in id order
+        np.testing.assert_array_equal(xy, np.stack([p[sel], t[sel]], 1))
+    assert sum(len(c.get_offsets()) for c in series.values()) == 200  # 'only_in_proxy' not drawn
+    # the dashed threshold lines sit at the 10th largest proxy / target score
+    (vline,), (hline,) = [l for l in ax.get_lines() if l.get_xdata()[0] == l.get_xdata()[-1]], \
+        [l for l in ax.get_lines() if l.get_ydata()[0] == l.get_ydata()[-1]]
+    assert vline.get_xdata()[0] == np.sort(p)[-10] and hline.get_ydata()[0] == np.sort(t)[-10]
+    assert ax.get_xlabel() == "proxy score" and ax.get_ylabel() == "target score"
+    rho = stats.spearmanr(p, t)[0]
+    assert ax.get_title().startswith(f"n=200  Spearman={rho:.3f}  Pearson={np.corrcoef(p, t)[0, 1]:.3f}  top5% overlap=")
+    assert ax.get_title().endswith(f"overlap={(cat == 'both top-k').sum() / 10:.2f}")
 
 
-def test_histograms_and_retention_curve_png(tmp_path):
+def _step_heights(patch, edges):
+    """Bar heights of a ``histtype='stepfilled'`` polygon, read at the middle of each bin."""
+    xy = patch.get_xy()
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        top = [y for (x0, y0), (x1, y) in zip(xy[:-1], xy[1:]) if np.isclose(x0, lo) and np.isclose(x1, hi) and np.isclose(y0, y)]
+        assert len(top) == 1, (lo, hi)
+        out.append(top[0])
+    return np.array(out)
+
+
+def test_histograms_count_each_table_on_shared_bins(tmp_path):
     proxy, target = _scores()
     fig = plot_score_histograms({"proxy": proxy, "target": target}, bins=20, path=tmp_path / "hist.png")
-    _png_ok(tmp_path / "hist.png")
-    assert len(fig.axes) == 2 and all(len(ax.patches) == 1 for ax in fig.axes)  # one panel per table, shared bins
+    assert (tmp_path / "hist.png").read_bytes()[:8] == PNG_MAGIC
+    assert len(fig.axes) == 2 and all(len(ax.patches) == 1 for ax in fig.axes)  # one panel per table
     assert fig.axes[0].get_shared_x_axes().joined(fig.axes[0], fig.axes[1])
+    allv = np.array(list(proxy.values()) + list(target.values()))
+    edges = np.histogram_bin_edges(allv, bins=20)
+    for ax, (name, table) in zip(fig.axes, (("proxy", proxy), ("target", target))):
+        v = np.array(list(table.values()))
+        counts, _ = np.histogram(v, bins=edges)
+        np.testing.assert_array_equal(_step_heights(ax.patches[0], edges), counts)
+        assert counts.sum() == 200
+        (text,) = ax.texts
+        assert text.get_text() == f"{name} (n=200, median {np.median(v):.2f})"
+        assert ax.get_ylabel() == "examples"
+    assert fig.axes[-1].get_xlabel() == "score" and fig.axes[0].get_title() == "score distributions"
+    z = plot_score_histograms({"proxy": proxy}, bins=10, standardize=True)
+    zp = np.array(list(proxy.values()))
+    zp = (zp - zp.mean()) / zp.std()
+    np.testing.assert_array_equal(_step_heights(z.axes[0].patches[0], np.histogram_bin_edges(zp, bins=10)),
+                                  np.histogram(zp, bins=10)[0])
+    assert z.axes[0].get_xlabel() == "score (z-scored per table)"
+
+
+def test_retention_curve_one_line_per_method_and_metric(tmp_path):
     results = {
         "IPSVD": {0.3: {"spearman": 0.9, "top5%": 0.7}, 0.5: {"spearman": 0.8, "top5%": 0.6}, 0.7: {"spearman": 0.6, "top5%": 0.4}},
-        "SVD": {0.3: {"spearman": 0.7, "top5%": 0.5}, 0.5: {"spearman": 0.5, "top5%": 0.3}, 0.7: {"spearman": 0.2, "top5%": 0.1}},
+        "SVD": {0.5: {"spearman": 0.5, "top5%": 0.3}, 0.3: {"spearman": 0.7, "top5%": 0.5}, 0.7: {"spearman": 0.2, "top5%": 0.1}},
     }
     fig = plot_retention_vs_sparsity(results, metrics=("spearman", "top5%"), path=tmp_path / "curve.png")
-    _png_ok(tmp_path / "curve.png")
-    lines = fig.axes[0].get_lines()
-    assert len(lines) == 4 and all(len(l.get_xdata()) == 3 for l in lines)
-    np.testing.assert_allclose(lines[0].get_ydata(), [0.9, 0.8, 0.6])
+    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC
+    ax = fig.axes[0]
+    got = {l.get_label(): (list(l.get_xdata()), list(l.get_ydata())) for l in ax.get_lines()}
+    assert got == {  # x sorted by ρ whatever the input order
+        "IPSVD: spearman": ([0.3, 0.5, 0.7], [0.9, 0.8, 0.6]), "IPSVD: top5%": ([0.3, 0.5, 0.7], [0.7, 0.6, 0.4]),
+        "SVD: spearman": ([0.3, 0.5, 0.7], [0.7, 0.5, 0.2]), "SVD: top5%": ([0.3, 0.5, 0.7], [0.5, 0.3, 0.1]),
+    }
+    # a method keeps one marker and line style, a metric one colour
+    style = {l.get_label(): (l.get_marker(), l.get_linestyle(), l.get_color()) for l in ax.get_lines()}
+    assert style["IPSVD: spearman"][:2] == style["IPSVD: top5%"][:2] != style["SVD: spearman"][:2]
+    assert style["IPSVD: spearman"][2] == style["SVD: spearman"][2] != style["SVD: top5%"][2]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(got)
+    assert ax.get_xlabel() == "sparsity ρ (share of parameters removed)" and ax.get_ylabel() == "retention"
     single = plot_retention_vs_sparsity(results["SVD"], metrics=("spearman",))
-    np.testing.assert_allclose(single.axes[0].get_lines()[0].get_ydata(), [0.7, 0.5, 0.2])
+    (line,) = single.axes[0].get_lines()
+    assert line.get_label() == "spearman" and list(line.get_ydata()) == [0.7, 0.5, 0.2]
     with pytest.raises(KeyError, match="kendall"):
         plot_retention_vs_sparsity(results, metrics=("kendall",))
 
