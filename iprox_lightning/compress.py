@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -67,6 +67,71 @@ def resolve_allocation(allocation: str | None, method: str, mode: str) -> str:
     if allocation is not None:
         return allocation
     return DEFAULT_ALLOCATION if (method == "ipsvd" and mode == "exact") else "uniform"
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """The settings of Stage 1 (how :func:`compress` turns a model into a proxy), checked when built.
+
+    Parsed as is by the CLI (``IPSVDCallback``'s options), passed unchanged to :func:`compress`, kept in
+    :attr:`CompressionReport.compression` and written verbatim into the proxy manifest (``"compression"``).
+
+    Args:
+        sparsity: ρ, the share of the targeted layers' weights removed (0.5 keeps half).
+        method: how factors are initialised: ``"ipsvd"`` (influence-preserving, needs probes), ``"svd"`` (plain
+            truncated SVD of each weight) or ``"random"``.
+        mode: IPSVD solution: ``"exact"`` (the damped weighted optimum) or ``"core"`` (the paper's, restricted to the
+            probe span).
+        damping: IPSVD damping λ of the probe covariances.
+        damping_mode: ``"relative"`` (λ times the mean eigenvalue) or ``"absolute"`` (λ as is).
+        num_probe_tokens: N, the probe tokens collected per layer.
+        rank_multiple: round every rank down to a multiple of this (paper: 128 on GPUs).
+        targets: regexes of the layer leaf names to compress (default: every attention/MLP projection).
+        seed: seed of the probe sample and of random factors.
+        core_fallback: what ``mode="core"`` does where the probe span cannot hold the rank: ``"exact"`` (use the
+            exact mode for that layer, logged) or ``"error"``.
+        allocation: ``"uniform"`` (every layer at ρ), ``"global"`` (one budget over all layers, spent where
+            truncation costs most) or ``None`` (global for exact IPSVD, else uniform).
+        keep_dense: regexes of full layer names kept dense (charged to the budget under ``"global"``).
+    """
+
+    sparsity: float = 0.5
+    method: str = "ipsvd"
+    mode: str = DEFAULT_MODE
+    damping: float = DEFAULT_DAMPING
+    damping_mode: str = DEFAULT_DAMPING_MODE
+    num_probe_tokens: int = 1024
+    rank_multiple: int = 1
+    targets: Optional[tuple[str, ...]] = None
+    seed: int = 0
+    core_fallback: str = "exact"
+    allocation: Optional[str] = None
+    keep_dense: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        for name in ("targets", "keep_dense"):  # lists from YAML / callers: frozen as tuples
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "ipsvd":
+            if self.mode not in MODES:
+                raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            if self.damping_mode not in DAMPING_MODES:
+                raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {self.damping_mode!r}")
+        allocation = self.resolved_allocation
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        if allocation == "global" and self.method == "random":
+            raise ValueError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
+        if allocation == "global" and self.method == "ipsvd" and self.mode != "exact":
+            raise ValueError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
+
+    @property
+    def resolved_allocation(self) -> str:
+        """:attr:`allocation`, with ``None`` resolved (:func:`resolve_allocation`)."""
+        return resolve_allocation(self.allocation, self.method, self.mode)
 
 
 def _layer_bias(module: nn.Module) -> torch.Tensor | None:
@@ -125,6 +190,7 @@ class CompressionReport:
     keep_dense: list[str] | None = None
     time_allocation_s: float = 0.0
     health: dict[str, float] | None = None  # proxy vs target on held-out batches (IPSVDCallback)
+    compression: CompressionConfig | None = None  # the settings as given (written verbatim into the manifest)
 
     @property
     def ranks(self) -> dict[str, int | None]:
@@ -177,10 +243,26 @@ def compress_model(
     allocation: str | None = None,
     keep_dense: list[str] | None = None,
 ) -> CompressionReport:
+    """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (same names, same defaults)."""
+    config = CompressionConfig(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
+                               num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
+                               seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense)
+    return compress(model, probe_dataloader, config, compute_dtype=compute_dtype, progress=progress, probes=probes)
+
+
+def compress(
+    model: nn.Module,
+    probe_dataloader: Iterable[Mapping] | None,
+    config: CompressionConfig,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    probes: Probes | None = None,
+) -> CompressionReport:
     """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
 
-    ``method``: ``"ipsvd"`` (needs ``probe_dataloader``), ``"svd"`` or ``"random"``. When a probe
-    dataloader is given, probes are collected for every method so the report holds the weighted
+    ``config`` (:class:`CompressionConfig`) says how. ``method``: ``"ipsvd"`` (needs ``probe_dataloader``),
+    ``"svd"`` or ``"random"``. When a probe dataloader is given, probes are collected for every method so the report holds the weighted
     objective ``J`` (see :mod:`iprox_lightning.ipsvd`) of each layer, measured with the given
     ``damping``/``damping_mode`` whatever the method — comparable across methods.
     ``mode``/``damping``/``damping_mode``/``core_fallback``/``compute_dtype``: see
@@ -198,22 +280,15 @@ def compress_model(
     charged to the same budget. Factors are cast to the dtype/device of the replaced weight; biases are kept
     (frozen). Raises if the model is already compressed.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "ipsvd":
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if damping_mode not in DAMPING_MODES:
-            raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
-        if probe_dataloader is None and probes is None:
-            raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
-    allocation = resolve_allocation(allocation, method, mode)
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
-    if allocation == "global" and method == "random":
-        raise ValueError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
-    if allocation == "global" and method == "ipsvd" and mode != "exact":
-        raise ValueError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
+    sparsity, method, mode, damping, damping_mode = (config.sparsity, config.method, config.mode, config.damping,
+                                                      config.damping_mode)
+    num_probe_tokens, rank_multiple, seed, core_fallback = (config.num_probe_tokens, config.rank_multiple, config.seed,
+                                                            config.core_fallback)
+    targets = list(config.targets) if config.targets is not None else None
+    keep_dense = list(config.keep_dense) if config.keep_dense is not None else None
+    allocation = config.resolved_allocation
+    if method == "ipsvd" and probe_dataloader is None and probes is None:
+        raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
     if is_compressed(model):
         raise ValueError("model already holds LowRankLinear layers (already compressed)")
     modules = find_target_linears(model, targets)
@@ -303,6 +378,7 @@ def compress_model(
         target_params_before=target_before, target_params_after=sum(lr.params_after for lr in layers),
         time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
         allocation=allocation, keep_dense=list(keep_dense) if keep_dense else None, time_allocation_s=t_alloc,
+        compression=config,
     )
     log.info(report.summary())
     return report

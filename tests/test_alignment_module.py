@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -205,6 +206,11 @@ def test_with_real_ipsvd_callback_and_datamodule(tmp_path):
     assert all(isinstance(m, torch.nn.Linear) for n, m in module.teacher.named_modules() if n.endswith("q_proj"))
     man = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())
     assert man["method"] == "ipsvd" and man["alignment"]["steps"] == 3 and man["num_probe_tokens"] == 32
+    # both stages' configs, verbatim (frozen dataclasses; tuples become JSON lists)
+    assert man["compression"] == {**dataclasses.asdict(cb.config), "targets": None, "keep_dense": None}
+    assert man["compression"]["num_probe_tokens"] == 32 and man["compression"]["allocation"] == "uniform"
+    assert {k: man["alignment"][k] for k in dataclasses.asdict(module.config)} == dataclasses.asdict(module.config)
+    assert man["alignment"]["lr"] == 1e-3 and man["alignment"]["aligned"] is True
 
 
 def test_layers_subset_trains_only_those_factors():

@@ -10,7 +10,7 @@ strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFin
 2. the model ``getattr(pl_module, model_attr)`` (fallback ``pl_module.model``) is skipped if it
    already holds ``LowRankLinear`` layers (resumed / loaded proxy);
 3. probes from ``trainer.datamodule.probe_dataloader()`` (fallback ``pl_module.probe_dataloader()``);
-4. :func:`~iprox_lightning.compress.compress_model` in place, on the strategy's root device;
+4. :func:`~iprox_lightning.compress.compress` with :class:`~iprox_lightning.compress.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
 5. under multi-process strategies the factors are broadcast from rank 0 so every rank starts
    bit-identical; per-layer rank / objective / time and the parameter counts go to the logger;
    with ``save_dir`` rank 0 writes the proxy directory (:func:`~iprox_lightning.compress.save_proxy`).
@@ -32,8 +32,9 @@ from ..compress import (
     DEFAULT_DAMPING,
     DEFAULT_DAMPING_MODE,
     DEFAULT_MODE,
+    CompressionConfig,
     CompressionReport,
-    compress_model,
+    compress,
     is_compressed,
     lowrank_layers,
     save_proxy,
@@ -62,23 +63,39 @@ class IPSVDCallback(Callback):
         keep_dense: Optional[list[str]] = None,
         health_batches: int = 4,
     ) -> None:
-        """``sparsity`` ρ (fraction of targeted-layer weights removed); ``method`` "ipsvd" | "svd" |
-        "random"; ``mode`` "exact" | "core"; ``damping``/``damping_mode`` (paper: 1e-3 "absolute",
-        mode "core"); ``num_probe_tokens`` N per layer; ``rank_multiple`` (paper: 128 on GPUs);
-        ``targets`` regexes of layer leaf names; ``model_attr`` the module attribute holding the model
-        to compress; ``save_dir`` where rank 0 saves the proxy; ``compress_on_device`` moves the model
-        to the strategy's root device first (Lightning moves it there anyway); ``allocation`` "uniform" (every
-        layer at ρ) | "global" (one budget over all layers, spent where truncation costs most) | None (global for
-        exact IPSVD, the default, else uniform);
-        ``keep_dense`` regexes of full layer names kept dense (see :func:`~iprox_lightning.compress.compress_model`);
-        ``health_batches``: right after compression, compare the proxy with the uncompressed teacher
-        (``pl_module.teacher``) on this many batches of the datamodule's alignment split — data Stage 1 never
-        saw — (:func:`~iprox_lightning.analysis.health.proxy_health`: loss, KL, top-1 agreement); logged, kept in
-        ``report.health`` and the manifest, and a proxy with KL > 1 nat/token is reported loudly (0 disables)."""
+        """Stage 1 inside ``fit``: compress ``pl_module.<model_attr>`` in ``setup`` (module docstring).
+
+        The compression options (``sparsity`` ... ``keep_dense``) are the fields of
+        :class:`~iprox_lightning.compress.CompressionConfig`, built once here and kept as ``self.config``.
+
+        Args:
+            sparsity: ρ, the share of the targeted layers' weights removed (0.5 keeps half).
+            method: factor initialisation: ``"ipsvd"`` (needs the datamodule's probe batches), ``"svd"`` or
+                ``"random"``.
+            mode: IPSVD solution: ``"exact"`` (damped weighted optimum) or ``"core"`` (the paper's, probe span).
+            damping: IPSVD damping λ (paper: 1e-3 ``"absolute"`` with mode ``"core"``).
+            damping_mode: ``"relative"`` (λ times the mean eigenvalue) or ``"absolute"``.
+            num_probe_tokens: N, the probe tokens collected per layer.
+            rank_multiple: round every rank down to a multiple of this (paper: 128 on GPUs).
+            targets: regexes of the layer leaf names to compress (default: every attention/MLP projection).
+            model_attr: the LightningModule attribute holding the model to compress (fallback ``model``).
+            save_dir: where rank 0 saves the compressed proxy right away (before any alignment).
+            seed: seed of the probe sample and of random factors.
+            core_fallback: ``"exact"`` (a layer whose probe span cannot hold its rank uses the exact mode) or
+                ``"error"``.
+            compress_on_device: move the model to the strategy's root device before compressing.
+            allocation: ``"uniform"`` (every layer at ρ), ``"global"`` (one budget over all layers, spent where
+                truncation costs most) or ``None`` (global for exact IPSVD, else uniform).
+            keep_dense: regexes of full layer names kept dense.
+            health_batches: batches of the alignment split (data Stage 1 never saw) on which the proxy is compared
+                with the uncompressed teacher right after compression (loss, KL, top-1 agreement; logged, kept in
+                the report and the manifest, loud when KL > 1 nat/token); 0 disables the check.
+        """
         super().__init__()
-        self.kwargs = dict(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
-                           num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
-                           seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense)
+        self.config = CompressionConfig(
+            sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
+            num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets, seed=seed,
+            core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense)
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device
@@ -124,10 +141,10 @@ class IPSVDCallback(Callback):
         try:
             loader = self._probe_loader(trainer, pl_module)
         except AttributeError:
-            if self.kwargs["method"] == "ipsvd":
+            if self.config.method == "ipsvd":
                 raise
             loader = None  # svd / random need no probes (the report then has no objective)
-        self.report = compress_model(model, loader, progress=trainer.is_global_zero, **self.kwargs)
+        self.report = compress(model, loader, self.config, progress=trainer.is_global_zero)
         pl_module.ipsvd_report = self.report
         self._broadcast_factors(trainer, model)
         rank_zero_info(f"IPSVDCallback: {self.report.summary()}")

@@ -59,7 +59,8 @@ def check(
     Args:
         target: the target model (hub id, dir, ``.gguf``, ``builtin``).
         proxy: the proxy (saved IProX proxy dir, or any causal LM).
-        pool, validation: data sources as for ``SFTDataModule``.
+        pool: the candidate pool the sample is drawn from (any source ``SFTDataModule`` reads).
+        validation: the validation sets (any source ``SFTDataModule`` reads).
         tokenizer: defaults to the target's.
         sample: number of random pool examples to score.
         method: ``tracin`` or ``kfac``.

@@ -74,7 +74,8 @@ def pipeline(
         method: ``tracin`` or ``kfac``.
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
-        accelerator, devices: passed to every Trainer.
+        accelerator: the Trainer accelerator of every stage (``cpu``, ``gpu``, ``auto``).
+        devices: the Trainer devices of every stage.
         finetune: also fine-tune the warmed-up target on each selection (proxy's, target's, random of
             the same size) and evaluate each on held-out examples of the validation tasks
             (:mod:`iprox_lightning.evaluation.heldout`).

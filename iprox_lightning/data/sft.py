@@ -134,18 +134,22 @@ class SFTDataModule(L.LightningDataModule):
             (``iprox_lightning.models.loading.load_tokenizer``).
         field_map: canonical field -> source column, e.g. ``{"response": "output"}``.
         prompt_template: ``"auto"`` (chat template when the tokenizer has one), ``"chat"``, ``"plain"``.
-        max_length: maximum tokens per example; truncation rule ``truncation`` (``"prompt_left"``
-            keeps response tokens, ``"right"`` cuts the end).
+        max_length: maximum tokens per example (longer ones are cut by the ``truncation`` rule).
+        truncation: ``"prompt_left"`` (cut the prompt's start, keep the response tokens) or ``"right"`` (cut the end).
         batch_size: batch size of ``train_dataloader`` (and ``align_dataloader``).
         eval_batch_size: batch size of the other loaders (default ``batch_size``).
         seed: seed of the splits and of the training shuffle.
-        warmup_fraction / construction_fraction / probe_fraction: split sizes (paper: 5%, 1%, 10%).
+        num_workers: DataLoader worker processes.
+        warmup_fraction: share of the pool in the warm-up split (paper: 5%).
+        construction_fraction: share of the pool in the proxy-construction split (probe + alignment; paper: 1%).
+        probe_fraction: share of the construction split used as IPSVD probes (paper: 10%; the rest aligns).
         val_per_task: keep at most this many validation examples per task (builtin default 8).
         train_split: what ``train_dataloader`` serves: ``warmup``, ``align``, ``probe``, ``pool``,
             ``construction`` or ``selected``.
         selected: JSONL of selected records (Dolly schema, ids kept), for ``train_split="selected"``.
         builtin_size: number of examples of the built-in pool.
         pad_to_multiple_of: round padded lengths up to a multiple of this.
+        trust_remote_code: let the tokenizer (and Hugging Face data sets) run code from their repository.
     """
 
     def __init__(

@@ -56,8 +56,11 @@ class EvalDataModule(LightningDataModule):
         suites: which suites to run, in order (default all three).
         tokenizer: tokenizer name/path; ``None`` = the evaluated module's tokenizer.
         batch_size: prompts per batch (forward passes for MMLU, generation for BBH/TyDiQA).
-        mmlu, bbh, tydiqa: per-suite options (:class:`MMLUConfig`, :class:`BBHConfig`,
-            :class:`TyDiQAConfig`, or dicts of their fields) — caps, shots, chat template, tokens.
+        num_workers: DataLoader worker processes.
+        mmlu: MMLU options (:class:`MMLUConfig` or a dict of its fields): caps, shots, chat template.
+        bbh: BBH options (:class:`BBHConfig` or a dict of its fields): caps, shots, generated tokens.
+        tydiqa: TyDiQA options (:class:`TyDiQAConfig` or a dict of its fields): evaluation file, caps, tokens.
+        sort_by_length: order the prompts longest first, so prompts of similar length share a batch (less padding).
     """
 
     def __init__(

@@ -38,7 +38,9 @@ class EvaluationModule(LightningModule):
             directory, ``.gguf`` file, IProX proxy directory) or an ``nn.Module``.
         tokenizer: tokenizer name/path or object; default: the one loaded with ``model`` (required
             when ``model`` is an ``nn.Module``).
-        dtype, attn_implementation, trust_remote_code: passed to ``load_model`` for names.
+        dtype: weights dtype when ``model`` is loaded by name.
+        attn_implementation: attention kernel when ``model`` is loaded by name (``"sdpa"``, ``"eager"``).
+        trust_remote_code: let a model loaded by name run code from its repository.
         output_dir: where results go (default ``<trainer.log_dir>/eval``).
         save_predictions: also write the per-question predictions.
     """

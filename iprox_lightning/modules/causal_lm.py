@@ -127,10 +127,12 @@ class CausalLMModule(L.LightningModule):
     Args:
         model: hub id, local directory, ``.gguf`` file, saved proxy dir or ``"builtin"``
             (:func:`~iprox_lightning.models.loading.load_model`); an ``nn.Module`` also works from Python.
-        lr, weight_decay: AdamW settings (decay on matrices only).
+        lr: AdamW learning rate (paper: 1e-5).
+        weight_decay: AdamW weight decay, on matrices only (paper: 0.01).
         freeze_embeddings: freeze input embeddings and LM head.
         save_dir: where ``save_pretrained`` writes the trained model + tokenizer at the end of ``fit``.
-        warmup_ratio, lr_schedule: learning-rate schedule (``"linear"`` or ``"constant"``).
+        warmup_ratio: share of the steps with a linear learning-rate warm-up.
+        lr_schedule: after the warm-up, ``"linear"`` (decay to 0) or ``"constant"``.
         gradient_checkpointing: HF gradient checkpointing (``use_reentrant=False``).
         dtype: weights dtype when loading by name (``"float32"``, ``"bfloat16"``, ...).
         fsdp_reshard_after_forward: FSDP2 ``reshard_after_forward`` (only under ``ModelParallelStrategy``).

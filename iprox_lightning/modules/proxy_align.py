@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -59,6 +60,49 @@ def _is_proxy_dir(source: Any) -> bool:
     return isinstance(source, str) and (Path(source) / PROXY_MANIFEST).is_file()
 
 
+@dataclass(frozen=True)
+class AlignConfig:
+    """The settings of Stage 2 (the alignment objective and its optimisation), checked when built.
+
+    ``ProxyAlignModule`` builds it from its options (same names) and keeps it as ``module.config``; it is
+    written verbatim into the ``"alignment"`` block of the proxy manifest.
+
+    Args:
+        lr: AdamW learning rate over the factors (paper grid {1e-5, 5e-5, 1e-4}).
+        weight_decay: AdamW weight decay (paper: 0.01).
+        kl_weight: λ_KL, the weight of the logits anchor (paper grid {0, 0.1, 0.01, 0.001}); 0 disables it.
+        temperature: τ of the KL term.
+        align: ``False`` → the IPSVD-only ablation: no alignment step, ``fit`` just saves the proxy.
+        grad_through_projection: keep the projections of ``∇_W L`` onto the factors differentiable (the paper's
+            formula) rather than constants.
+        layers: restrict alignment to these proxy layer paths (default: every ``LowRankLinear``).
+        warmup_ratio: share of the steps with a linear learning-rate warm-up.
+        lr_schedule: ``"constant"`` or ``"linear"`` (decay to 0 after the warm-up).
+        keep_best: keep the factors with the best held-out ``monitor`` and restore them before saving.
+        monitor: the held-out metric of ``keep_best`` (a logged ``val/*`` metric, lower is better).
+    """
+
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    kl_weight: float = 0.1
+    temperature: float = 2.0
+    align: bool = True
+    grad_through_projection: bool = True
+    layers: Optional[tuple[str, ...]] = None
+    warmup_ratio: float = 0.0
+    lr_schedule: str = "constant"
+    keep_best: bool = True
+    monitor: str = "val/loss"
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.kl_weight < 0:
+            raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
 class ProxyAlignModule(L.LightningModule):
     """Stage 2 alignment of a low-rank proxy to its target (see the module docstring).
 
@@ -66,7 +110,8 @@ class ProxyAlignModule(L.LightningModule):
         target: the (warmed-up) target model — hub id, directory, ``.gguf`` or ``"builtin"``; or an ``nn.Module``.
         proxy: a saved proxy directory (or module) to start from; ``None``: a deep copy of the target that
             ``IPSVDCallback`` compresses before training.
-        lr, weight_decay: AdamW over the factors (paper grid lr ∈ {1e-5, 5e-5, 1e-4}, wd 0.01).
+        lr: AdamW learning rate over the factors (paper grid {1e-5, 5e-5, 1e-4}).
+        weight_decay: AdamW weight decay (paper: 0.01).
         kl_weight: λ_KL (paper grid {0, 0.1, 0.01, 0.001}, default 0.1); ``0`` disables the KL anchor.
         temperature: τ of the KL term.
         align: ``False`` → IPSVD-only ablation: no alignment step, fit just saves the proxy.
@@ -75,7 +120,8 @@ class ProxyAlignModule(L.LightningModule):
             the factors (the paper's formula; keeps each layer's per-token ``h``/``δ`` for the step) —
             ``False`` treats them as constants (memory of the projections only).
         layers: restrict alignment to these proxy layer paths (default: every ``LowRankLinear``).
-        warmup_ratio, lr_schedule: learning-rate schedule (default constant, as the paper states no schedule).
+        warmup_ratio: share of the steps with a linear learning-rate warm-up.
+        lr_schedule: ``"constant"`` (default: the paper states no schedule) or ``"linear"`` (decay to 0).
         dtype: dtype of both models when loaded by name.
         log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
         keep_best: after every validation run, compare the held-out ``monitor`` (a logged ``val/*`` metric,
@@ -106,10 +152,10 @@ class ProxyAlignModule(L.LightningModule):
         monitor: str = "val/loss",
     ) -> None:
         super().__init__()
-        if kl_weight < 0:
-            raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.config = AlignConfig(lr=lr, weight_decay=weight_decay, kl_weight=kl_weight, temperature=temperature,
+                                  align=align, grad_through_projection=grad_through_projection, layers=layers,
+                                  warmup_ratio=warmup_ratio, lr_schedule=lr_schedule, keep_best=keep_best,
+                                  monitor=monitor)
         ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
         self.save_hyperparameters(ignore=ignore or None)
         # plain attributes (never registered submodules, even when given as nn.Module)
@@ -193,7 +239,7 @@ class ProxyAlignModule(L.LightningModule):
     def _set_trainable(self) -> None:
         self.proxy.eval()
         self.proxy.requires_grad_(False)
-        only = set(self.hparams.layers) if self.hparams.layers is not None else None
+        only = set(self.config.layers) if self.config.layers is not None else None
         for name, m in self.proxy.named_modules():
             if isinstance(m, LowRankLinear) and (only is None or name in only):
                 m.A.requires_grad_(True)
@@ -201,7 +247,7 @@ class ProxyAlignModule(L.LightningModule):
 
     def factor_parameters(self) -> list[nn.Parameter]:
         """The trainable ``A``/``B`` of the aligned layers, in model order."""
-        return [p for m in proxy_factor_layers(self.proxy, self.hparams.layers).values() for p in (m.A, m.B)]
+        return [p for m in proxy_factor_layers(self.proxy, self.config.layers).values() for p in (m.A, m.B)]
 
     def _apply(self, fn, *args, **kwargs):
         # ``.to(device)``, ``.cuda()``, ``.double()`` … also reach the unregistered teacher
@@ -219,9 +265,9 @@ class ProxyAlignModule(L.LightningModule):
             self._teacher.eval()
         return alignment_losses(
             self._teacher, self.proxy, batch,
-            kl_weight=self.hparams.kl_weight, temperature=self.hparams.temperature,
-            grad_through_projection=self.hparams.grad_through_projection,
-            create_graph=create_graph, layers=self.hparams.layers,
+            kl_weight=self.config.kl_weight, temperature=self.config.temperature,
+            grad_through_projection=self.config.grad_through_projection,
+            create_graph=create_graph, layers=self.config.layers,
         )
 
     def _log_output(self, out: AlignmentOutput, prefix: str, batch_size: int, per_layer: bool) -> None:
@@ -240,7 +286,7 @@ class ProxyAlignModule(L.LightningModule):
             self.log_dict(d, on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=sync)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
-        if not self.hparams.align:
+        if not self.config.align:
             return -1  # IPSVD-only ablation: skip the epoch, on_fit_end still saves
         return None
 
@@ -263,12 +309,12 @@ class ProxyAlignModule(L.LightningModule):
         if not metrics:
             return
         self.validation_history.append({"step": int(self.global_step), **metrics})
-        if not self.hparams.keep_best:
+        if not self.config.keep_best:
             return
-        if self.hparams.monitor not in metrics:
-            raise KeyError(f"ProxyAlignModule(monitor={self.hparams.monitor!r}): not among the logged held-out "
+        if self.config.monitor not in metrics:
+            raise KeyError(f"ProxyAlignModule(monitor={self.config.monitor!r}): not among the logged held-out "
                            f"metrics {sorted(metrics)}")
-        value = metrics[self.hparams.monitor]
+        value = metrics[self.config.monitor]
         if self._best is None or value < self._best["value"]:
             factors = [p.detach().clone() for p in self.factor_parameters()]
             self._best = {"value": value, "step": int(self.global_step), "factors": factors}
@@ -292,18 +338,18 @@ class ProxyAlignModule(L.LightningModule):
             raise RuntimeError(f"ProxyAlignModule: only LowRankLinear factors may train, but {extra[:5]} require grad")
         if self._teacher is not None and any(p.requires_grad for p in self._teacher.parameters()):
             raise RuntimeError("ProxyAlignModule: the teacher must be frozen")
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        if self.hparams.lr_schedule == "constant" and self.hparams.warmup_ratio == 0:
+        opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        if self.config.lr_schedule == "constant" and self.config.warmup_ratio == 0:
             return opt
         total = self.trainer.estimated_stepping_batches
-        sched = linear_warmup_decay(opt, int(total), self.hparams.warmup_ratio, self.hparams.lr_schedule)
+        sched = linear_warmup_decay(opt, int(total), self.config.warmup_ratio, self.config.lr_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------- saving
     def on_fit_end(self) -> None:
-        best = self.restore_best() if self.hparams.keep_best else None
+        best = self.restore_best() if self.config.keep_best else None
         if best is not None:
-            log.info("restored the best held-out factors: %s = %.6g at step %d", self.hparams.monitor,
+            log.info("restored the best held-out factors: %s = %.6g at step %d", self.config.monitor,
                      best["value"], best["step"])
         if self.hparams.save_dir:
             self.save_proxy(self.hparams.save_dir)
@@ -322,12 +368,9 @@ class ProxyAlignModule(L.LightningModule):
                 manifest = {k: v for k, v in read_manifest(self.proxy_source).items()
                             if k not in ("format_version", "layers", "dtype", "params_after")}
             extra: dict[str, Any] = {"alignment": {
-                "aligned": bool(self.hparams.align),
+                **asdict(self.config),
+                "aligned": bool(self.config.align),
                 "steps": int(self.global_step) if self._trainer is not None else 0,
-                "lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay,
-                "kl_weight": self.hparams.kl_weight, "temperature": self.hparams.temperature,
-                "grad_through_projection": self.hparams.grad_through_projection,
-                "keep_best": bool(self.hparams.keep_best), "monitor": self.hparams.monitor,
                 "best": ({"value": self._best["value"], "step": self._best["step"]}
                          if self._best is not None else None),
                 "validation_history": self.validation_history,
