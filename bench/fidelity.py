@@ -457,12 +457,12 @@ def interleaved_timing(target, proxies: Mapping[str, torch.nn.Module], batch: Ma
     repeat (target, proxy 1, proxy 2, …), after one untimed warm-up call each. Returns, per proxy,
     the median wall-clock and process CPU seconds of the target and the proxy and their ratios.
     """
-    from iprox_lightning.scoring import InfluenceScorer
+    from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
 
     models = {"target": target, **proxies}
     scorers = {}
     for name, m in models.items():
-        sc = InfluenceScorer(m, per_task=False)
+        sc = InfluenceScorer(m, ScoringConfig(per_task=False))
         sc.fit([val_batch])
         sc.score_batch(batch)  # warm-up
         scorers[name] = sc

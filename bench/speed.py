@@ -35,7 +35,7 @@ import torch
 from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
 from iprox_lightning.lowrank import LowRankLinear
 from iprox_lightning.models.targets import Conv1D
-from iprox_lightning.scoring import InfluenceScorer, influence_metric
+from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
 from iprox_lightning.scoring.features import trim_batch
 
 SHAPES = {
@@ -228,8 +228,8 @@ def main(argv=None):
     n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
     print(f"{args.batches} batches x {args.batch_size} x <= {args.seq_len} tokens ({n_tok} real tokens)")
 
-    scorer = InfluenceScorer(model, metric=influence_metric(args.method, kfac_examples=args.batch_size * args.val_batches),
-                             per_task=args.per_task, feature_mode=args.feature_mode)
+    scorer = InfluenceScorer(model, ScoringConfig(method=args.method, kfac_examples=args.batch_size * args.val_batches,
+                                                per_task=args.per_task, feature_mode=args.feature_mode))
     t0 = time.perf_counter()
     scorer.fit(val, val if args.method == "kfac" else None)
     sync(device)
@@ -341,8 +341,8 @@ def build_proxy_scorer(model, rho, target_scorer, val, args):
     rep = compress_model(proxy, None, rho, method="random", progress=False, seed=0)
     for p in proxy.parameters():
         p.requires_grad_(False)
-    scorer = InfluenceScorer(proxy, metric=influence_metric(args.method, kfac_examples=args.batch_size * args.val_batches),
-                             per_task=args.per_task, feature_mode=args.feature_mode)
+    scorer = InfluenceScorer(proxy, ScoringConfig(method=args.method, kfac_examples=args.batch_size * args.val_batches,
+                                                per_task=args.per_task, feature_mode=args.feature_mode))
     scorer.fit(val, val if args.method == "kfac" else None)
     return scorer, dict(rho=rho, params=rep.params_after, achieved_sparsity=rep.achieved_sparsity,
                         tracked_params=scorer.settings()["tracked_parameters"])

@@ -135,6 +135,8 @@ def score(out, dm, *, model_seed=21, overwrite=False, **kw):
     (dict(dm=DM(pool=POOL_B)), "pool.content"),
     (dict(dm=DM(val=VAL_B)), "validation.content"),
     (dict(dm=DM(), method="kfac", kfac_examples=4), "settings.method: 'tracin' -> 'kfac'"),
+    (dict(dm=DM(), damping=1e-2), "settings.damping: 0.001 -> 0.01"),
+    (dict(dm=DM(), kfac_split="validation"), "settings.kfac_split: 'pool' -> 'validation'"),
     (dict(dm=DM(), model_seed=22), "model.weights"),
 ])
 def test_scoring_into_a_directory_of_other_inputs_is_refused(tmp_path, change, field):
@@ -148,6 +150,19 @@ def test_scoring_into_a_directory_of_other_inputs_is_refused(tmp_path, change, f
     assert f"{tmp_path} holds 4 shard(s) produced from different inputs" in msg and field in msg
     assert "--trainer.callbacks.overwrite true" in msg and "new output_dir" in msg
     assert (tmp_path / SCORES_FILE).read_bytes() == before  # the old table is untouched, not mixed
+
+
+def test_the_fingerprinted_scoring_settings_keep_their_fields_and_values(tmp_path):
+    """The settings part of the resume fingerprint: the model's name, the ScoringConfig, the factor split and the
+    loading dtype, under the same names as before the ScoringConfig existed, so older score directories resume."""
+    module = score(tmp_path, DM(), method="kfac", kfac_examples=4, target_patterns=["q_proj"])
+    expected = {"model": "LlamaForCausalLM", "method": "kfac", "normalize": True, "per_task": True, "damping": 1e-3,
+                "damping_mode": "relative", "kfac_examples": 4, "kfac_split": "pool", "feature_mode": "auto",
+                "target_patterns": ["q_proj"], "dtype": "float32"}
+    assert module.scoring_config() == expected
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    assert settings["fingerprint"]["settings"] == settings["config"] == expected
+    assert settings["scoring"] == {k: v for k, v in expected.items() if k not in ("model", "kfac_split", "dtype")}
 
 
 def test_overwrite_starts_fresh_with_only_the_new_pool(tmp_path):

@@ -14,9 +14,6 @@ from iprox_lightning.commands import COMMANDS, TRAINER_COMMANDS, command
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-# options whose help lives with code another change owns (issue 13: scoring options in one ScoringConfig)
-NOT_YET = {"iprox_lightning.scoring.InfluenceScoringModule": {"damping", "damping_mode"}}
-
 
 def configured_classes() -> list[str]:
     found = set()
@@ -45,7 +42,7 @@ def test_every_option_of_a_configured_class_has_help(class_path):
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(getattr(importlib.import_module(module), name), "x", fail_untyped=False)
     assert len([a for a in parser._actions if a.dest.startswith("x.")]) > 1
-    assert set(options_without_help(parser, "x.")) <= NOT_YET.get(class_path, set())
+    assert options_without_help(parser, "x.") == []
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -21,7 +21,7 @@ import json, os, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_scoring_influence import batches, make_examples, make_proxy
-from iprox_lightning.scoring import InfluenceScorer, influence_metric
+from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
 
 OUT, METHOD = {out!r}, sys.argv[1]
 
@@ -43,7 +43,7 @@ def run(rank, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     train, val = data()
-    scorer = InfluenceScorer(model, metric=influence_metric(METHOD, kfac_examples=8)).fit(val, train)
+    scorer = InfluenceScorer(model, ScoringConfig(method=METHOD, kfac_examples=8)).fit(val, train)
     res = scorer.score_batch(train[rank])
     no_grad = all(p.grad is None for p in model.parameters())
     json.dump({{"score": res["score"].tolist(), "task_scores": res["task_scores"].tolist(), "no_grad": no_grad}},
@@ -56,7 +56,7 @@ if __name__ == "__main__":
 
     mp.spawn(run, args=(2,), nprocs=2)
     train, val = data()
-    scorer = InfluenceScorer(make_proxy("llama", seed=3), metric=influence_metric(METHOD, kfac_examples=8)).fit(val, train)
+    scorer = InfluenceScorer(make_proxy("llama", seed=3), ScoringConfig(method=METHOD, kfac_examples=8)).fit(val, train)
     ref = [scorer.score_batch(b) for b in train[:2]]
     json.dump([{{"score": r["score"].tolist(), "task_scores": r["task_scores"].tolist()}} for r in ref],
               open(os.path.join(OUT, "ref.json"), "w"))

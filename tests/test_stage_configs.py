@@ -1,5 +1,6 @@
-"""CompressionConfig (Stage 1) and AlignConfig (Stage 2): frozen, checked when built, the same settings whichever
-front end builds them (keyword function, callback, module), and the keyword form gives the same proxy."""
+"""CompressionConfig (Stage 1), AlignConfig (Stage 2) and ScoringConfig (Stage 3): frozen, checked when built, the
+same settings whichever front end builds them (keyword function, callback, module), and the keyword form gives the
+same proxy / scores."""
 import dataclasses
 import inspect
 
@@ -11,6 +12,9 @@ from iprox_lightning.compress import CompressionConfig, compress, compress_model
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import ProxyAlignModule
 from iprox_lightning.modules.proxy_align import AlignConfig
+from iprox_lightning.scoring import InfluenceScoringModule
+from iprox_lightning.scoring.influence import ScoringConfig
+from iprox_lightning.scoring.metrics import KFAC, TracIn
 
 
 def test_compression_config_is_frozen_and_freezes_lists():
@@ -68,3 +72,33 @@ def test_align_config_is_what_the_module_uses():
         ProxyAlignModule(kl_weight=-1.0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         AlignConfig(temperature=0.0)
+
+
+def test_scoring_config_is_frozen_and_what_the_module_and_scorer_use():
+    model = tiny_causal_lm("llama", seed=1)
+    kw = dict(method="kfac", per_task=False, damping=1e-2, damping_mode="absolute", kfac_examples=8,
+              feature_mode="ghost", target_patterns=["q_proj", "v_proj"])
+    m = InfluenceScoringModule(model, **kw)
+    assert m.config == ScoringConfig(**kw)
+    assert m.config.target_patterns == ("q_proj", "v_proj")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.config.damping = 1.0
+    assert isinstance(m.metric, KFAC) and (m.metric.damping, m.metric.damping_mode, m.metric.examples) == (1e-2, "absolute", 8)
+    assert isinstance(InfluenceScoringModule(model).metric, TracIn)
+    fields = {f.name for f in dataclasses.fields(ScoringConfig)}
+    assert fields <= set(inspect.signature(InfluenceScoringModule).parameters)  # same names as the module's options
+    assert ScoringConfig(**kw).to_dict() == {**kw, "normalize": True}  # plain JSON values (lists, not tuples)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "lissa"}, "method must be one of"),
+    ({"damping_mode": "scaled"}, "damping_mode must be one of"),
+    ({"kfac_examples": 0}, "kfac_examples must be >= 1"),
+    ({"method": "kfac", "damping": 0.0}, "damping must be > 0"),
+    ({"feature_mode": "fast"}, "feature_mode must be one of"),
+])
+def test_scoring_config_refuses_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ScoringConfig(**kwargs)
+    with pytest.raises(ValueError, match="InfluenceScoringModule: " + message):  # when the module is built
+        InfluenceScoringModule("builtin", **kwargs)

@@ -7,6 +7,11 @@ Layout of a scoring output directory::
     scores.parquet                        # merged: one row per id, sorted by id
     settings.json                         # schema_version, fingerprint, scoring settings, merge summary
 
+``settings.json`` holds ``fingerprint`` (below), ``scoring`` (the run's ``ScoringConfig`` verbatim,
+:class:`iprox_lightning.scoring.influence.ScoringConfig`), ``config`` (the fingerprinted settings: the model's name,
+the ``ScoringConfig``, the factor split, the loading dtype), ``data`` (examples dropped by truncation), ``scorer``
+(the scorer's settings and preparation statistics), ``merge`` and ``repairs``.
+
 Columns (:data:`SCHEMA_VERSION` 2): ``id``, ``score``, ``score_max`` (LESS max over validation tasks),
 ``score/<task>`` per validation task, ``n_tokens`` (response tokens), ``zero_grad`` (no gradient: score
 0), ``nonfinite`` (the example's gradient was NaN/inf: scores NaN), ``task`` (the example's own task).

@@ -8,14 +8,21 @@ from .features import (
     tracked_modules,
     virtual_linears,
 )
-from .influence import InfluenceScorer, ScoreTable, influence_scores, multi_checkpoint_scores, tracin_scores
+from .influence import (
+    InfluenceScorer,
+    ScoreTable,
+    ScoringConfig,
+    influence_scores,
+    multi_checkpoint_scores,
+    tracin_scores,
+)
 from .metrics import KFAC, InfluenceMetric, KFACFactors, LayerMetric, TracIn, influence_metric
 from .module import InfluenceScoringModule
 from .writer import InfluenceWriter, done_ids, merge_shards
 
 __all__ = [
     "LayerMetric", "VirtualLinear", "choose_mode", "feature_costs", "layer_features",
-    "tracked_modules", "virtual_linears", "InfluenceScorer", "KFACFactors", "ScoreTable",
+    "tracked_modules", "virtual_linears", "InfluenceScorer", "KFACFactors", "ScoreTable", "ScoringConfig",
     "InfluenceMetric", "TracIn", "KFAC", "influence_metric", "influence_scores",
     "multi_checkpoint_scores", "tracin_scores", "InfluenceScoringModule", "InfluenceWriter", "done_ids", "merge_shards",
 ]

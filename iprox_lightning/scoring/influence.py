@@ -41,7 +41,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from torch import nn
 
 from ..tracking import backward_pairs
 from .features import (
+    FEATURE_MODES,
     ScoreFeatureTracker,
     ValidationGradientTracker,
     eval_mode,
@@ -158,13 +160,68 @@ class ScoreTable(Mapping):
 
 
 # --------------------------------------------------------------------------------------------
+# the settings
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScoringConfig:
+    """The settings of influence scoring (how :class:`InfluenceScorer` scores), checked when built.
+
+    ``InfluenceScoringModule`` builds it from its options (same names) and keeps it as ``module.config``; it is
+    passed unchanged to :class:`InfluenceScorer` and written verbatim into the ``"scoring"`` block of the score
+    table's ``settings.json`` (:mod:`iprox_lightning.io.scores`). :func:`influence_scores` builds it from its
+    keyword arguments.
+
+    Args:
+        method: the influence metric by name: ``"tracin"`` (cosine of gradients) or ``"kfac"`` (cosine in the
+            K-FAC metric); :func:`~.metrics.influence_metric`.
+        normalize: cosine scores (paper); ``False`` gives plain inner products.
+        per_task: also score against each validation task (LESS max aggregation in ``score_max``).
+        damping: K-FAC damping of the factors (the project's damping rule, :mod:`iprox_lightning.damping`).
+        damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
+        kfac_examples: training examples the K-FAC factors are estimated on (paper: 1024).
+        feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation (identical numbers).
+        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+    """
+
+    method: str = "tracin"
+    normalize: bool = True
+    per_task: bool = True
+    damping: float = 1e-3
+    damping_mode: str = "relative"
+    kfac_examples: int = 1024
+    feature_mode: str = "auto"
+    target_patterns: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
+            object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
+        if self.feature_mode not in FEATURE_MODES:
+            raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}")
+        self.build_metric()  # checks method and the K-FAC options, whatever the method
+
+    def build_metric(self) -> InfluenceMetric:
+        """A new :class:`~.metrics.InfluenceMetric` named by ``method``, with this config's options."""
+        return influence_metric(self.method, damping=self.damping, damping_mode=self.damping_mode,
+                                kfac_examples=self.kfac_examples)
+
+    def to_dict(self) -> dict:
+        """The settings as plain JSON values (``target_patterns`` a list)."""
+        d = asdict(self)
+        if d["target_patterns"] is not None:
+            d["target_patterns"] = list(d["target_patterns"])
+        return d
+
+
+# --------------------------------------------------------------------------------------------
 # the scorer (plain object, used by the function API and by the Lightning module)
 # --------------------------------------------------------------------------------------------
 class InfluenceScorer:
-    """Holds the prepared validation gradients (in the influence ``metric``) and scores batches.
+    """Holds the prepared validation gradients (in the influence metric) and scores batches.
 
-    ``metric``: an :class:`~.metrics.InfluenceMetric` or its name (``"tracin"`` | ``"kfac"`` with default
-    options, :func:`~.metrics.influence_metric`). ``fit(val_batches, factor_batches)`` runs once; ``score_batch(batch)`` then returns, for the
+    ``config``: the :class:`ScoringConfig` (default: its defaults). ``metric``: the metric to score in, an
+    :class:`~.metrics.InfluenceMetric` (default: the one ``config.method`` names, ``config.build_metric()``; from
+    Python any metric object, its name and options then recorded in :meth:`settings`).
+    ``fit(val_batches, factor_batches)`` runs once; ``score_batch(batch)`` then returns, for the
     examples of one batch, ``{"id", "score", "task_scores" [B, K], "n_tokens", "zero_grad", "task"}``.
     For several processes pass ``shard=(rank, world_size)`` (batch ``j`` is processed by rank
     ``j % world_size``), a ``reduce`` that all-reduces a tensor by sum and a ``gather`` that
@@ -174,19 +231,15 @@ class InfluenceScorer:
     def __init__(
         self,
         model: nn.Module,
+        config: ScoringConfig | None = None,
         *,
-        metric: InfluenceMetric | str = "tracin",
-        normalize: bool = True,
-        per_task: bool = True,
-        feature_mode: str = "auto",
-        target_patterns: list[str] | None = None,
+        metric: InfluenceMetric | None = None,
         feature_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
-        self.metric = influence_metric(metric) if isinstance(metric, str) else metric
-        self.normalize, self.per_task = bool(normalize), bool(per_task)
-        self.feature_mode = feature_mode
-        self.target_patterns = target_patterns
+        self.config = config if config is not None else ScoringConfig()
+        self.metric = metric if metric is not None else self.config.build_metric()
+        target_patterns = None if self.config.target_patterns is None else list(self.config.target_patterns)
         self.modules = tracked_modules(model, target_patterns)
         self.linears = virtual_linears(self.modules)
         p = next(model.parameters())
@@ -205,9 +258,12 @@ class InfluenceScorer:
         return next(self.model.parameters()).device
 
     def settings(self) -> dict:
+        """What scored: the metric's name and options, the config's other settings, what was tracked and the
+        validation tasks, and the preparation's statistics."""
+        c = self.config.to_dict()
         return {
-            "method": self.metric.name, "normalize": self.normalize, "per_task": self.per_task, **self.metric.settings(),
-            "feature_mode": self.feature_mode, "target_patterns": self.target_patterns,
+            "method": self.metric.name, "normalize": c["normalize"], "per_task": c["per_task"], **self.metric.settings(),
+            "feature_mode": c["feature_mode"], "target_patterns": c["target_patterns"],
             "tracked_weights": len(self.linears),
             "tracked_parameters": int(sum(v.out_features * v.in_features for v in self.linears)),
             "task_names": self.task_names,
@@ -217,7 +273,7 @@ class InfluenceScorer:
 
     def _group(self, batch: Mapping) -> list[str]:
         B = batch["input_ids"].shape[0]
-        if not self.per_task or "task" not in batch or batch["task"] is None:
+        if not self.config.per_task or "task" not in batch or batch["task"] is None:
             return [ALL_TASKS] * B
         return [str(t) for t in batch["task"]]
 
@@ -307,7 +363,7 @@ class InfluenceScorer:
         keep = has_response_tokens(b).cpu()
         if bool(keep.any()):
             rows = torch.nonzero(keep).flatten()
-            tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.feature_mode)
+            tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.config.feature_mode)
             with eval_mode(self.model):
                 backward_pairs(self.model, trim_batch(b, keep), [tracker])
             sq[rows] = tracker.sq.cpu()
@@ -318,7 +374,7 @@ class InfluenceScorer:
         nonfinite = ~torch.isfinite(sq) | ~torch.isfinite(dots).all(dim=1)
         norm = sq.clamp(min=0).sqrt()
         zero = ((norm == 0) | (n_tok == 0)) & ~nonfinite
-        if self.normalize:
+        if self.config.normalize:
             den_all = norm * self.vnorm_all
             score = torch.where(den_all > 0, dot_all / den_all.clamp(min=1e-300), torch.zeros_like(dot_all))
             den_t = norm[:, None] * self.vnorm_task[None, :]
@@ -388,12 +444,14 @@ def influence_scores(
     Returns a ``ScoreTable`` — a ``Mapping`` ``id -> score`` with per-task scores, response-token
     counts and zero-gradient flags.
     """
+    options = dict(normalize=normalize, per_task=per_task, feature_mode=feature_mode, target_patterns=target_patterns)
     if isinstance(metric, str):
-        metric = influence_metric(metric, **metric_options)
+        scorer = InfluenceScorer(model, ScoringConfig(method=metric, **options, **metric_options))
     elif metric_options:
         raise TypeError(f"options {sorted(metric_options)} are for a metric given by name, not {type(metric).__name__}")
-    scorer = InfluenceScorer(model, metric=metric, normalize=normalize, per_task=per_task, feature_mode=feature_mode,
-                             target_patterns=target_patterns)
+    else:
+        scorer = InfluenceScorer(model, ScoringConfig(**options), metric=metric)
+    metric = scorer.metric
     scorer.fit(val_dataloader, factor_dataloader if factor_dataloader is not None else train_dataloader,
                progress=progress)
     parts = [scorer.score_batch(b) for b in progress_bar(train_dataloader, progress, f"scoring ({metric.name})")]

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .influence import InfluenceScorer
-from .metrics import influence_metric
+from .influence import InfluenceScorer, ScoringConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +42,18 @@ log = logging.getLogger(__name__)
 class InfluenceScoringModule(L.LightningModule):
     """Score a candidate pool against validation sets with TracIn or K-FAC influence.
 
+    The scoring options (``method`` ... ``target_patterns``) are the fields of
+    :class:`~iprox_lightning.scoring.influence.ScoringConfig`, built once here and kept as ``self.config``; the
+    scorer gets it unchanged and ``InfluenceWriter`` writes it verbatim into the score table's settings.
+
     Args:
         model: ``"builtin"``, a hub id, a local directory, a ``.gguf`` file, a saved proxy directory,
             or (from Python) an already built ``nn.Module``.
         method: ``"tracin"`` (cosine of gradients) or ``"kfac"`` (cosine in the K-FAC metric).
         normalize: cosine scores (paper); ``False`` gives plain inner products.
         per_task: also score against each validation task (LESS max aggregation in ``score_max``).
-        damping / damping_mode: K-FAC damping ``λ = damping·trace(C)/dim`` (``"relative"``) or
-            ``λ = damping`` (``"absolute"``).
+        damping: K-FAC damping of the factors (the project's damping rule; used by ``method="kfac"``).
+        damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
         kfac_examples: training examples used to estimate the K-FAC factors (paper: 1024).
         kfac_split: data-module split the factors are estimated on (``datamodule.dataloader(split)``).
         feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation.
@@ -80,9 +83,12 @@ class InfluenceScoringModule(L.LightningModule):
     ) -> None:
         super().__init__()
         try:
-            self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
+            self.config = ScoringConfig(method=method, normalize=normalize, per_task=per_task, damping=damping,
+                                        damping_mode=damping_mode, kfac_examples=kfac_examples,
+                                        feature_mode=feature_mode, target_patterns=target_patterns)
         except ValueError as e:
             raise ValueError(f"InfluenceScoringModule: {e}") from None
+        self.metric = self.config.build_metric()
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -143,15 +149,14 @@ class InfluenceScoringModule(L.LightningModule):
         return val, fac
 
     def scoring_config(self) -> dict[str, Any]:
-        """The settings that must not change between a run and its resumption."""
-        hp = dict(self.hparams)
-        hp["model"] = self.model_name
-        return {k: hp.get(k) for k in ("model", "method", "normalize", "per_task", "damping", "damping_mode",
-                                       "kfac_examples", "kfac_split", "feature_mode", "target_patterns", "dtype")}
+        """The settings that must not change between a run and its resumption: the model's name, the
+        :class:`ScoringConfig`, the factor split and the loading dtype."""
+        return {"model": self.model_name, **self.config.to_dict(), "kfac_split": self.hparams.kfac_split,
+                "dtype": self.hparams.dtype}
 
     def scoring_provenance(self) -> dict[str, Any]:
-        """What produced this run's scores: ``{"fingerprint": {model, settings, pool, validation}, "data":
-        {...}}``. The fingerprint holds the model's identity (files of a local dir / file, else a hash of
+        """What produced this run's scores: ``{"fingerprint": {model, settings, pool, validation}, "scoring":
+        the ScoringConfig verbatim, "data": {...}}``. The fingerprint holds the model's identity (files of a local dir / file, else a hash of
         the loaded weights), :meth:`scoring_config`, and content digests of the scored pool (the trainer's
         predict data) and of the validation set; ``data`` counts and lists the examples the data module
         dropped (no response token left after truncation). Used by ``InfluenceWriter`` to refuse resuming
@@ -173,7 +178,7 @@ class InfluenceScoringModule(L.LightningModule):
             fp["pool"] = digests if len(digests) != 1 else digests[0]
         val, _ = self._loaders()
         fp["validation"] = loader_digest(val)
-        out: dict[str, Any] = {"fingerprint": fp}
+        out: dict[str, Any] = {"fingerprint": fp, "scoring": self.config.to_dict()}
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None and hasattr(dm, "dropped_report"):
             out["data"] = dm.dropped_report(("pool", "validation"))
@@ -183,9 +188,7 @@ class InfluenceScoringModule(L.LightningModule):
     def on_predict_start(self) -> None:
         if self.net is None:
             self.configure_model()
-        hp = self.hparams
-        self.scorer = InfluenceScorer(self.net, metric=self.metric, normalize=hp.normalize, per_task=hp.per_task,
-                                      feature_mode=hp.feature_mode, target_patterns=hp.target_patterns)
+        self.scorer = InfluenceScorer(self.net, self.config, metric=self.metric)
         val, fac = self._loaders()
         strategy = self.trainer.strategy
         world, rank = self.trainer.world_size, self.trainer.global_rank
