@@ -59,3 +59,38 @@ def test_top_level_help_lists_every_command_with_one_line():
         description = line.strip()[len(name):].strip()
         assert len(description.split()) >= 4, line  # a sentence, not a bare word
     assert text.count("\n  ") == len(TRAINER_COMMANDS) + len(COMMANDS)
+
+
+LIGHTNING_MODULES = {
+    "WarmupModule": "iprox_lightning.modules.WarmupModule",
+    "FinetuneModule": "iprox_lightning.modules.FinetuneModule",
+    "ProxyAlignModule": "iprox_lightning.modules.ProxyAlignModule",
+    "InfluenceScoringModule": "iprox_lightning.scoring.InfluenceScoringModule",
+    "EvaluationModule": "iprox_lightning.evaluation.EvaluationModule",
+}
+
+
+def class_options(class_path: str) -> set[str]:
+    """The options jsonargparse makes of a class's signature (``**kwargs`` followed to the parent class)."""
+    module, _, name = class_path.rpartition(".")
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(getattr(importlib.import_module(module), name), "x", fail_untyped=False)
+    return {a.dest[2:] for a in parser._actions if a.dest.startswith("x.") and not a.dest.endswith(".help")}
+
+
+@pytest.mark.parametrize("name", LIGHTNING_MODULES)
+def test_model_help_lists_that_modules_options_and_no_torch_layers(name, capsys):
+    """``python train.py fit --model.help <Name>``: the module's own options, not the hundreds of ``nn.Module``
+    subclasses jsonargparse would list for its ``Union[str, nn.Module]`` model argument."""
+    from iprox_lightning.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--model.help", name])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    options = class_options(LIGHTNING_MODULES[name])
+    assert f"Help for --model.help=iprox_lightning.{name}" in text
+    listed = set(re.findall(r"^  --model\.(\w+)[ \n]", text, flags=re.M))
+    assert listed == options  # every option of this module, none of another
+    assert "known subclasses" not in text and "torch.nn." not in text and "torch.ao." not in text
+    assert len(text.splitlines()) < 30 + 6 * len(options)  # one module's options, a few lines each

@@ -7,8 +7,26 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
+
+
+def is_torch_module_base(cls: type) -> bool:
+    """``torch.nn.Module`` itself (not its subclasses, so not ``LightningModule``)."""
+    return cls is torch.nn.Module
+
+
+def hide_torch_module_subclasses() -> None:
+    """Our modules take their model as ``Union[str, nn.Module]``: a name or path on the command line, an already
+    built ``nn.Module`` only from Python. jsonargparse treats a class-typed option as "any subclass, by class path"
+    and lists every importable ``nn.Module`` subclass (hundreds of ``torch.nn`` / ``torch.ao`` layers) in the help
+    of that option, which buries a module's own options under ``--model.help <Name>``. Declared a type without
+    subclasses on the command line, ``nn.Module`` keeps accepting its Python objects and the help lists only the
+    module's options. (Process-wide jsonargparse setting; idempotent.)"""
+    from jsonargparse import set_parsing_settings
+
+    set_parsing_settings(subclasses_disabled=[is_torch_module_base])
 
 
 class IProXCLI(LightningCLI):
@@ -31,6 +49,7 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCL
     from ..console import quiet_lightning_tips
 
     quiet_lightning_tips()
+    hide_torch_module_subclasses()
     saved = sys.argv
     if args is not None:
         sys.argv = sys.argv[:1]
