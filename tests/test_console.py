@@ -98,10 +98,18 @@ def test_scoring_logs_examples_tokens_per_second_and_flags():
     pool = poison(make_examples(10, seed=3, zero_every=4), rows={1, 5})  # NaN rows 1, 5; zero-gradient rows 3, 7
     val = make_examples(4, seed=4, tasks=["mmlu", "bbh"])
     rec = _Recorder()
-    module = InfluenceScoringModule(nan_model()).attach_dataloaders(batches(val, 3))
+
+    class PoolAndValidation(L.LightningDataModule):
+        def predict_dataloader(self):
+            return torch.utils.data.DataLoader(pool, batch_size=3, collate_fn=collate)
+
+        def validation_dataloader(self):
+            return batches(val, 3)
+
+    module = InfluenceScoringModule(nan_model())
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=rec, log_every_n_steps=2, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    out = trainer.predict(module, torch.utils.data.DataLoader(pool, batch_size=3, collate_fn=collate))
+    out = trainer.predict(module, datamodule=PoolAndValidation())
     rows = {k: np.concatenate([o[k] for o in out]) for k in ("n_tokens", "nonfinite", "zero_grad")}
     assert int(rows["nonfinite"].sum()) == 2 and int(rows["zero_grad"].sum()) == 2  # what the rows say ...
 

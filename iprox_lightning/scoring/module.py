@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -101,8 +101,6 @@ class InfluenceScoringModule(L.LightningModule):
         self.n_zero_grad = 0
         self._t_first: float | None = None
         self._log_step = 0
-        self._val_loader: Iterable | None = None
-        self._factor_loader: Iterable | None = None
 
     # ------------------------------------------------------------------ model and data
     def configure_model(self) -> None:
@@ -124,28 +122,16 @@ class InfluenceScoringModule(L.LightningModule):
         n = len(ds) if ds is not None and hasattr(ds, "__len__") else None
         check_examples_per_process(n, self.trainer.world_size)
 
-    def attach_dataloaders(self, val: Iterable, factors: Iterable | None = None) -> "InfluenceScoringModule":
-        """Use these loaders instead of the trainer's data module (plain Python users)."""
-        self._val_loader, self._factor_loader = val, factors
-        return self
-
     def _loaders(self):
+        """The validation loader and, for a metric fitted on data, the factor loader, from the trainer's data module."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        val = self._val_loader
-        if val is None:
-            if dm is None:
-                raise RuntimeError("InfluenceScoringModule needs validation data: use a data module with "
-                                   "validation_dataloader() / val_dataloader() or call attach_dataloaders()")
-            val = dm.validation_dataloader() if hasattr(dm, "validation_dataloader") else dm.val_dataloader()
-        fac = self._factor_loader
-        if fac is None and self.metric.needs_factor_data:
-            if dm is not None and hasattr(dm, "dataloader"):
-                fac = dm.dataloader(self.hparams.kfac_split)
-            elif dm is not None:
-                fac = dm.predict_dataloader()
-            else:
-                raise RuntimeError(f"method={self.metric.name!r} needs training data for the factors: "
-                                   "attach_dataloaders(val, factors)")
+        if dm is None:
+            raise RuntimeError("InfluenceScoringModule needs validation data: pass a data module with "
+                               "validation_dataloader() / val_dataloader() (trainer.predict(module, datamodule=dm))")
+        val = dm.validation_dataloader() if hasattr(dm, "validation_dataloader") else dm.val_dataloader()
+        fac = None
+        if self.metric.needs_factor_data:
+            fac = dm.dataloader(self.hparams.kfac_split) if hasattr(dm, "dataloader") else dm.predict_dataloader()
         return val, fac
 
     def scoring_config(self) -> dict[str, Any]:
