@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Optional
 
 import pytest
 
 from iprox_lightning.evaluation import EvalDataModule
+from iprox_lightning.data.eval_readers import EvalDataError
 
 
 def _eval_dir(root, goldp=False):
@@ -95,14 +97,51 @@ def test_partial_bbh_is_an_error_naming_the_missing_files_and_the_option(tmp_pat
 
     bbh = _partial_bbh(tmp_path)
     t0 = time.perf_counter()
-    with pytest.raises(ValueError) as e:  # the CLI (jsonargparse) re-raises the data module's EvalDataError
+    with pytest.raises(EvalDataError) as e:  # the data module's own error, not jsonargparse's Union wrapper
         main(_test_args(tmp_path, tmp_path / "out"))
     assert time.perf_counter() - t0 < 30  # at construction: no model run, no prompt built
-    assert (
+    assert str(e.value) == (
         f"{bbh}: partial BBH directory, 2 task(s) incomplete: beta: cot-prompts/beta.txt missing; gamma: bbh/gamma.json "
         "missing (restore the files, name the tasks with bbh.tasks, or set bbh.allow_partial: true — "
-        "--data.bbh.allow_partial true — to evaluate the complete tasks only; the skipped ones are recorded in the metrics)") in str(e.value)
+        "--data.bbh.allow_partial true — to evaluate the complete tasks only; the skipped ones are recorded in the metrics)")
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # nothing of the wrapper is printed
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_tydiqa_file_through_the_cli_is_the_data_modules_error(tmp_path):
+    from iprox_lightning.cli import main
+
+    d = _eval_dir(tmp_path / "eval")
+    args = _test_args(d, tmp_path / "out", "--data.suites", "[tydiqa]", "--data.tydiqa.eval_file", "nope.json")
+    with pytest.raises(FileNotFoundError) as e:
+        main(args)
+    assert str(e.value) == (f"evaluation input not found: {d / 'tydiqa' / 'nope.json'} (set by tydiqa.eval_file; "
+                            f"relative names are looked up in {d / 'tydiqa'} first)")
+    assert e.value.__cause__ is None and "Union subtypes" not in str(e.value)
+
+
+class Refuses:
+    def __init__(self, x: int = 0):
+        try:
+            {}["key"]
+        except KeyError as low_level:
+            raise ValueError(f"x={x} is refused") from low_level  # our message, with its own cause
+
+
+def test_construction_error_unwraps_only_jsonargparse_layers():
+    from jsonargparse import ArgumentParser
+
+    from iprox_lightning.commands.lightning import construction_error
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--thing", type=Optional[Refuses])
+    with pytest.raises(ValueError) as e:
+        parser.instantiate_classes(parser.parse_args(["--thing", f"{__name__}.Refuses", "--thing.x", "3"]))
+    assert "Union subtypes" in str(e.value)  # what jsonargparse raises ...
+    root = construction_error(e.value)
+    assert str(root) == "x=3 is refused" and isinstance(root.__cause__, KeyError)  # ... and what the user sees
+    plain = ValueError("no cause")
+    assert construction_error(plain) is plain
 
 
 def test_partial_bbh_opt_in_from_the_cli_records_the_skipped_tasks(tmp_path):

@@ -6,6 +6,7 @@ The stage configs in ``configs/`` pick the module and data module by ``class_pat
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -29,9 +30,36 @@ def hide_torch_module_subclasses() -> None:
     set_parsing_settings(subclasses_disabled=[is_torch_module_base])
 
 
+def raised_in_jsonargparse(error: BaseException) -> bool:
+    """Whether ``error`` was raised by jsonargparse's own code (the innermost frame of its traceback)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "jsonargparse" in Path(tb.tb_frame.f_code.co_filename).parts
+
+
+def construction_error(error: BaseException) -> BaseException:
+    """The error a class raised while jsonargparse built it: jsonargparse re-raises it as the ``__cause__`` of its
+    own "Does not validate against any of the Union subtypes" ``ValueError`` (the model and data options are
+    ``Union[<base class>, None]``); unwrap those layers, keep everything else."""
+    while error.__cause__ is not None and raised_in_jsonargparse(error):
+        error = error.__cause__
+    return error
+
+
 class IProXCLI(LightningCLI):
     """LightningCLI with the project's console defaults (one tqdm progress-bar style and a model summary without
-    unknown FLOPs, :func:`iprox_lightning.console.add_console_callbacks`)."""
+    unknown FLOPs, :func:`iprox_lightning.console.add_console_callbacks`), and the errors of the classes it builds
+    as they raised them (:func:`construction_error`)."""
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as e:
+            cause = construction_error(e)
+            if cause is e:
+                raise
+            raise cause from None
 
     def _instantiate_trainer(self, config, callbacks):
         from ..console import add_console_callbacks
