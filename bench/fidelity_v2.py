@@ -126,6 +126,30 @@ def dir_name(key: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # stages (the product's commands, skipped on a matching fingerprint)
 # ------------------------------------------------------------------------------------------------
+# trainer settings that change where a stage logs or how it looks, never what it computes
+PRESENTATION_KEYS = ("logger", "default_root_dir", "log_every_n_steps", "enable_progress_bar", "enable_model_summary")
+
+
+def canonical_fingerprint(fp: str) -> str:
+    """``fp`` (a stage fingerprint, JSON) with every ``config`` text parsed as YAML and its trainer's presentation
+    settings (``PRESENTATION_KEYS``) dropped: editing a comment or the logger of a shipped config does not re-run a
+    stage; any other change of the config does."""
+    def norm(x: Any) -> Any:
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                if k == "config" and isinstance(v, str):
+                    v = yaml.safe_load(v) or {}
+                    if isinstance(v.get("trainer"), dict):
+                        v["trainer"] = {tk: tv for tk, tv in v["trainer"].items() if tk not in PRESENTATION_KEYS}
+                out[k] = norm(v)
+            return out
+        if isinstance(x, list):
+            return [norm(v) for v in x]
+        return x
+    return json.dumps(norm(json.loads(fp)), sort_keys=True)
+
+
 class Stages:
     """Runs ``python train.py ...`` stages one at a time and records them in ``OUT/state.json``."""
 
@@ -144,8 +168,9 @@ class Stages:
             done: Path, clean: Path | None = None) -> dict:
         rec = self.state["stages"].get(key)
         fp = json.dumps(fingerprint, sort_keys=True)
-        if done.exists() and rec is not None and rec.get("fingerprint") == fp:
-            return rec
+        if done.exists() and rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
+                rec["fingerprint"]) == canonical_fingerprint(fp)):
+            return rec  # (the stored record: stages downstream were fingerprinted with it)
         self.ran.append(key)
         if self.dry_run:
             self.log(f"stage {key}: would run")
@@ -603,7 +628,7 @@ def main(argv=None) -> dict:
         fp = {"model": model_fp, "data": data_fp, "config": (cfg / "score.yaml").read_text()}
         return st.run(f"score:{key}", "predict", [cfg / "score.yaml", *demo("score")], {
             "seed_everything": args.seed,
-            "trainer": {"default_root_dir": str(out / "lightning"),
+            "trainer": {"default_root_dir": str(out / "lightning"), "logger": logger_overlay(out, f"score_{dir_name(key)}"),
                         "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
                                        "init_args": {"output_dir": str(d)}}]},
             "model": {"init_args": {"model": model, "method": "tracin", "per_task": True}},
@@ -694,8 +719,48 @@ def main(argv=None) -> dict:
     return summary
 
 
+def all_variants(listed: list[dict], state: dict) -> list[dict]:
+    """The listed variants, then every variant an earlier invocation scored (kept in ``state.json``), so one
+    summary holds every row measured in ``OUT`` (each row says the commit it was built at)."""
+    keys = {v["key"] for v in listed}
+    more = [k.removeprefix("score:") for k in state["stages"] if k.startswith("score:")]
+    return listed + [parse_variant(k) for k in more if k not in keys and k not in ("target", "target_unwarmed")]
+
+
+PROXY_INFO = ("params", "alignment_best", "alignment_history", "allocation", "mode", "damping", "damping_mode",
+              "method", "health")
+
+
+def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
+    """Parameters and build facts of a row's proxy: from its manifest (or, for Layer Extraction, its tensors);
+    when the proxy directory is gone (weights are never kept), from the previous ``summary.json`` row whose
+    build stage had the same fingerprint -- never from a different setting."""
+    pdir = out / "proxies" / dir_name(v["key"])
+    man = pdir / "iprox_proxy.json"
+    if man.exists():
+        mj = json.loads(man.read_text())
+        al = mj.get("alignment") or {}
+        return {"params": mj.get("params_after"), "alignment_best": al.get("best"),
+                "alignment_history": al.get("validation_history"), "allocation": mj.get("allocation"), "mode": mj.get("mode"),
+                "damping": mj.get("damping"), "damping_mode": mj.get("damping_mode"), "method": mj.get("method"),
+                "health": mj.get("health")}
+    if v["kind"] == "le" and (pdir / "config.json").exists():
+        return {"params": safetensors_param_count(pdir), "method": "layer_extraction"}
+    if previous:
+        old_build = previous.get("stages", {}).get(f"build:{v['key']}", {})
+        if build.get("fingerprint") and old_build.get("fingerprint") == build["fingerprint"]:
+            for r in previous.get("rows", []):
+                if r["variant"] == v["key"]:
+                    return {k: r[k] for k in PROXY_INFO if k in r}
+    return {"params": None, "method": "layer_extraction" if v["kind"] == "le" else v["ipsvd"].get("method")}
+
+
 def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_counts: dict, target: str) -> dict:
     from iprox_lightning.analysis.retention import partial_spearman, spearman
+
+    variants = all_variants(variants, st.state)
+    prev_path = out / "summary.json"
+    previous = json.loads(prev_path.read_text()) if prev_path.exists() else None
 
     ref_path = out / "scores" / "target" / "scores.parquet"
     if not ref_path.exists():
@@ -751,29 +816,21 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         (work / dir_name(v["key"])).mkdir(exist_ok=True)
         sets = select_sets(p, sample_path, work / dir_name(v["key"]))
         rec = st.state["stages"].get(f"score:{v['key']}", {})
-        params = None
-        pdir = out / "proxies" / dir_name(v["key"])
-        man = pdir / "iprox_proxy.json"
-        if man.exists():
-            mj = json.loads(man.read_text())
-            params = mj.get("params_after")
-            extra = {"alignment_best": (mj.get("alignment") or {}).get("best"),
-                     "allocation": mj.get("allocation"), "mode": mj.get("mode"), "damping": mj.get("damping"),
-                     "damping_mode": mj.get("damping_mode"), "method": mj.get("method")}
-        else:
-            extra = {"method": "layer_extraction"}
-            params = safetensors_param_count(pdir)
+        build = st.state["stages"].get(f"build:{v['key']}", {})
+        info = proxy_info(out, v, build, previous)
         base = "layer_extraction" if v["kind"] == "le" else ("svd" if v["ipsvd"].get("method") == "svd" and not v["align"]
                                                              and "allocation" not in v["ipsvd"] else v["key"])
         add_row(v["key"], v["rho"], as_map(tab), tab, sets, extra={
-            "params": params, "kind": base if base in BASELINES else "proxy",
+            "kind": base if base in BASELINES else "proxy",
+            "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
+            "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
             "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
             "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]
-                                   if "score:target" in st.state["stages"] else None), **extra})
+                                   if "score:target" in st.state["stages"] else None), **info})
     # paired differences of every proxy row against the baselines at the same ρ
     by = {r["variant"]: r for r in rows}
     maps = {"length_sort": {i: -v for i, v in length.items()}}
-    for v in variants:
+    for v in variants:  # (all_variants: also the rows of earlier invocations)
         p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
         if p.exists():
             maps[v["key"]] = as_map(read_table(p))

@@ -3,6 +3,7 @@ product's stages on the built-in data (summary contents, fingerprint skip, chang
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +33,20 @@ def test_parse_variant():
                      ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO")):
         with pytest.raises(ValueError, match=msg):
             fv2.parse_variant(bad)
+
+
+def test_canonical_fingerprint_ignores_comments_and_logging_only():
+    cfg = "# stage\ntrainer:\n  max_epochs: 1\n  logger: false\nmodel:\n  lr: 0.001\n"
+    fp = lambda text, **kw: json.dumps({"config": text, "data": {"n": 3}, **kw}, sort_keys=True)  # noqa: E731
+    same = fv2.canonical_fingerprint
+    edited = "# stage, now logging\ntrainer:\n  max_epochs: 1\n  logger:\n    class_path: TensorBoardLogger\n" \
+             "  default_root_dir: elsewhere\nmodel:\n  lr: 0.001  # same value\n"
+    assert same(fp(cfg)) == same(fp(edited))
+    assert same(fp(cfg)) != same(fp(cfg.replace("max_epochs: 1", "max_epochs: 2")))
+    assert same(fp(cfg)) != same(fp(cfg.replace("0.001", "0.01")))
+    assert same(fp(cfg)) != same(fp(cfg, extra=1))
+    nested = lambda text: json.dumps({"model": {"config": text}})  # noqa: E731
+    assert same(nested(cfg)) == same(nested(edited))
 
 
 def test_stratified_sample_shares_and_determinism():
@@ -116,6 +131,22 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
     # a changed setting re-runs what depends on it (here everything: the scored examples changed)
     changed = fv2.main([a if a != "48" else "40" for a in argv] + ["--dry-run"])["would_run"]
     assert set(changed) == set(state["stages"])
+    # a later invocation listing other variants keeps the earlier rows; with the proxy directory gone, the row's
+    # build facts come from the previous summary (same build fingerprint), never from another setting
+    shutil.rmtree(out / "proxies" / fv2.dir_name("ipsvd/exact/rel1e-3/global@0.5"))
+    later = argv[:argv.index("--variants")] + ["--variants", "le@0.5"] + argv[argv.index("--bootstrap"):]
+    s2 = fv2.main(later + ["--summary-only"])
+    rows2 = {r["variant"]: r for r in s2["rows"]}
+    assert set(rows2) == set(rows)
+    kept = rows2["ipsvd/exact/rel1e-3/global@0.5"]
+    assert kept["params"] == rows["ipsvd/exact/rel1e-3/global@0.5"]["params"]
+    assert kept["allocation"] == "global" and kept["spearman"] == rows["ipsvd/exact/rel1e-3/global@0.5"]["spearman"]
+    assert kept["built_commit"] == state["stages"]["build:ipsvd/exact/rel1e-3/global@0.5"]["commit"]
+    prev = json.loads((out / "summary.json").read_text())
+    prev["stages"]["build:ipsvd/exact/rel1e-3/global@0.5"]["fingerprint"] = "another setting"
+    (out / "summary.json").write_text(json.dumps(prev))
+    s3 = fv2.main(later + ["--summary-only"])
+    assert {r["variant"]: r for r in s3["rows"]}["ipsvd/exact/rel1e-3/global@0.5"]["params"] is None
 
 
 def test_splice_docs_replaces_only_the_generated_section(tmp_path):
