@@ -24,7 +24,8 @@ same command).
 
 Variants: ``le@ρ`` (Layer Extraction) or ``METHOD[/OPTION...]@ρ[+align]`` with METHOD ``ipsvd`` | ``svd`` |
 ``random`` and options ``core`` | ``exact``, ``abs<d>`` | ``rel<d>`` (damping), ``global`` (global rank
-allocation), ``spare0`` (block 0's MLP kept dense), ``n<N>`` (probe tokens per layer); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``).
+allocation), ``spare0`` (block 0's MLP kept dense), ``n<N>`` (probe tokens per layer); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``); ``+align<EPOCHS>`` and ``+align[<EPOCHS>]:<LR>`` set
+them for one variant (``+align2:1e-4``).
 
 Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
 ``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
@@ -76,12 +77,18 @@ SPARE0 = [r"layers\.0\.mlp\."]
 # variants
 # ------------------------------------------------------------------------------------------------
 def parse_variant(spec: str) -> dict[str, Any]:
-    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
-    "ipsvd": {...}}`` (``align_epochs`` None: ``--align-epochs``)."""
+    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
+    "align_lr", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None: ``--align-epochs`` / ``--align-lr``)."""
     s = spec.strip()
-    m = re.search(r"\+align(\d*)$", s)
+    m = re.search(r"\+align(\d*)(?::([0-9.eE+-]+))?$", s)
     align = m is not None
     align_epochs = int(m.group(1)) if m and m.group(1) else None
+    try:
+        align_lr = float(m.group(2)) if m and m.group(2) else None
+    except ValueError:
+        raise ValueError(f"variant {spec!r}: alignment learning rate {m.group(2)!r} is not a number") from None
+    if align_lr is not None and not align_lr > 0:
+        raise ValueError(f"variant {spec!r}: alignment learning rate must be > 0")
     if align_epochs == 0:
         raise ValueError(f"variant {spec!r}: +align0 aligns nothing; leave out +align")
     body, _, rho_s = (s[: m.start()] if m else s).partition("@")
@@ -95,7 +102,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
     if method == "le":
         if opts or align:
             raise ValueError(f"variant {spec!r}: Layer Extraction takes no options and has no factors to align")
-        return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "ipsvd": {}}
+        return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "align_lr": None, "ipsvd": {}}
     if method not in ("ipsvd", "svd", "random"):
         raise ValueError(f"variant {spec!r}: method must be le, ipsvd, svd or random")
     cb: dict[str, Any] = {"sparsity": rho, "method": method}
@@ -116,7 +123,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
                              "n<probe tokens>)")
     if method == "ipsvd" and cb.get("mode", "exact") == "exact" and "allocation" not in cb:
         cb["allocation"] = "uniform"  # the variant says what it is: without /global, the same ρ in every layer
-    return {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "ipsvd": cb}
+    return {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "align_lr": align_lr,
+            "ipsvd": cb}
 
 
 def dir_name(key: str) -> str:
@@ -664,7 +672,7 @@ def main(argv=None) -> dict:
                           "init_args": {"num_probe_tokens": args.num_probe_tokens, "seed": args.seed, **v["ipsvd"]}}
                     trainer: dict[str, Any] = {"default_root_dir": str(out / "lightning"), "callbacks": [cb],
                                                "logger": logger_overlay(out, f"build_{dir_name(v['key'])}")}
-                    model = {"target": target, "save_dir": str(pdir), "align": v["align"], "lr": args.align_lr,
+                    model = {"target": target, "save_dir": str(pdir), "align": v["align"], "lr": v["align_lr"] or args.align_lr,
                              "kl_weight": args.kl_weight, "keep_best": True}
                     data = {**data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
                             "batch_size": args.align_batch_size}
@@ -823,6 +831,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         add_row(v["key"], v["rho"], as_map(tab), tab, sets, extra={
             "kind": base if base in BASELINES else "proxy",
             "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
+            "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
             "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
             "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
             "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]

@@ -23,13 +23,17 @@ def test_parse_variant():
                           "damping": 1e-3, "allocation": "global", "keep_dense": fv2.SPARE0}
     assert v["align_epochs"] is None  # --align-epochs
     assert fv2.parse_variant("ipsvd/global@0.5+align5")["align_epochs"] == 5
+    assert v["align_lr"] is None  # --align-lr
+    v2 = fv2.parse_variant("ipsvd/global@0.5+align2:1e-4")
+    assert (v2["align"], v2["align_epochs"], v2["align_lr"], v2["rho"]) == (True, 2, 1e-4, 0.5)
+    assert fv2.parse_variant("ipsvd/global@0.5+align:3e-4")[("align_epochs")] is None
     assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False,
-                                           "align_epochs": None, "ipsvd": {}}
+                                           "align_epochs": None, "align_lr": None, "ipsvd": {}}
     assert fv2.parse_variant("svd@0.7")["ipsvd"] == {"sparsity": 0.7, "method": "svd"}
     # an exact-IPSVD variant without /global pins uniform ranks, whatever the library's default allocation is
     assert fv2.parse_variant("ipsvd/exact/rel1e-3@0.5")["ipsvd"]["allocation"] == "uniform"
     assert "allocation" not in fv2.parse_variant("ipsvd/core@0.5")["ipsvd"]
-    for bad, msg in (("ipsvd@0.5+align0", "aligns nothing"), ("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
+    for bad, msg in (("ipsvd@0.5+align0", "aligns nothing"), ("ipsvd@0.5+align2:0", "> 0"), ("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
                      ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO")):
         with pytest.raises(ValueError, match=msg):
             fv2.parse_variant(bad)
