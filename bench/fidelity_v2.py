@@ -429,7 +429,11 @@ def markdown(summary: Mapping[str, Any]) -> str:
              f"source, ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
              f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); "
              f"summary written at commit `{meta['commit']}`; {meta.get('machine', '')}.", "",
-             f"Command: `{meta.get('command', '')}` (stage commands and per-stage commits in `state.json`).", "",
+             *(["Commands (every invocation that ran stages into this directory, in order; each stage's own command in "
+                 "`state.json`):", "", *[f"{i}. `{c['command']}` (started {c['started']}, commit `{c['commit']}`)"
+                                         for i, c in enumerate(meta["commands"], 1)]]
+               if meta.get("commands") else
+               [f"Command: `{meta.get('command', '')}` (stage commands and per-stage commits in `state.json`)."]), "",
              f"Ceiling (the warmed target's split-half reliability, LESS-max scores against the two validation halves): "
              f"Spearman {meta['target_split_half']['spearman']:+.3f}, length-partialled "
              f"{meta['target_split_half']['partialled']:+.3f}.", "",
@@ -456,10 +460,10 @@ def markdown(summary: Mapping[str, Any]) -> str:
                          f"{d['partialled']:+.3f}{fmt_ci(d['partialled_ci'])} |")
     if summary.get("stages"):
         lines += ["", "Stages (wall-clock / CPU seconds; the command of each is in `state.json`):", "",
-                  "| stage | wall s | CPU s |", "|---|---|---|"]
+                  "| stage | wall s | CPU s | commit |", "|---|---|---|---|"]
         for k, s in summary["stages"].items():
             if "wall_s" in s:
-                lines.append(f"| {k} | {s['wall_s']:.0f} | {s['cpu_s']:.0f} |")
+                lines.append(f"| {k} | {s['wall_s']:.0f} | {s['cpu_s']:.0f} | {s.get('commit', '—')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -650,7 +654,11 @@ def main(argv=None) -> dict:
         return rec["fingerprint"] if rec else None
 
     if not args.summary_only and not args.dry_run:
-        st.state["run_command"] = "python bench/fidelity_v2.py " + " ".join(shlex.quote(a) for a in args.argv)
+        cmd = "python bench/fidelity_v2.py " + " ".join(shlex.quote(a) for a in args.argv)
+        st.state["run_command"] = cmd  # the latest; every invocation that ran stages, in order:
+        runs = st.state.setdefault("run_commands", [])
+        if not runs or runs[-1]["command"] != cmd:
+            runs.append({"command": cmd, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(dirty=True)})
         st.save()
     if not args.summary_only:
         # 3. references ----------------------------------------------------------------------------
@@ -866,6 +874,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
                               "partialled": float(partial_spearman(a, b, c)) if len(ids) > 3 else float("nan"),
                               "note": "LESS max over each validation half's suites; halves alternate within each suite"},
         "errors": st.state.get("errors", {}),
+        "commands": st.state.get("run_commands", []),
         "command": st.state.get("run_command") or "python bench/fidelity_v2.py " + " ".join(
             shlex.quote(a) for a in (args.argv or [])),
     }
