@@ -1,4 +1,4 @@
-"""Real-model checks on SmolLM2-135M (slow): layer extraction, FLOPs, SA / 1-NND, influence scorer."""
+"""Real-model checks on SmolLM2-135M (slow): layer extraction, FLOPs, SA / 1-NND, regression scorer."""
 import json
 
 import pytest

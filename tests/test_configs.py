@@ -25,7 +25,7 @@ OVERLAYS = {
     "baselines/off_the_shelf": ("score", "predict"),
     "baselines/kfac": ("score", "predict"),
     "baselines/layer_extraction": (None, "layer_extraction"),
-    "baselines/influence_scorer": (None, "influence_scorer"),
+    "baselines/regression_scorer": (None, "regression_scorer"),
     "baselines/random": (None, "random_scores"),
 }
 

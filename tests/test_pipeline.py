@@ -212,12 +212,12 @@ def run_all_variants(wd, tmp_path, *, demo=True, data=None, base_model="builtin"
           "--output_dir", str(tmp_path / "le"), "--sample_fraction", le_fraction,
           *[a for k, v in data.items() if k in ("pool", "max_length") for a in (f"--{k}", str(v))]])
     results["layer_extraction"] = _score(wd, tmp_path / "le", tmp_path / "le_scores", demo=demo, data=data)
-    # Influence Scorer trained on the target's hold-out scores
-    main(["influence_scorer", *_cfg("baselines/influence_scorer"), "--backbone", base_model, "--tokenizer", str(warm),
+    # regression scorer (the paper's Influence Scorer baseline) trained on the target's hold-out scores
+    main(["regression_scorer", *_cfg("baselines/regression_scorer"), "--backbone", base_model, "--tokenizer", str(warm),
           "--target_scores", str(wd / "scores" / "target" / "scores.parquet"),
-          "--output", str(tmp_path / "is.parquet"), "--holdout_fraction", "0.1", "--lr", "1e-2",
+          "--output", str(tmp_path / "rs.parquet"), "--holdout_fraction", "0.1", "--lr", "1e-2",
           *[a for k, v in data.items() if k in ("pool", "max_length") for a in (f"--{k}", str(v))]])
-    results["influence_scorer"] = read_scores(tmp_path / "is.parquet")
+    results["regression_scorer"] = read_scores(tmp_path / "rs.parquet")
     # random
     main(["random_scores", *_cfg("baselines/random"), "--output", str(tmp_path / "rand.parquet"),
           *(["--pool", str(data["pool"])] if "pool" in data else [])])

@@ -46,7 +46,7 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"report --workdir {wd}: no target score table at {wd / 'scores' / 'target' / 'scores.parquet'} "
                                 "(run the target scoring stage first)")
     proxies = {d.name: _scores(d) for d in sorted((wd / "scores").iterdir()) if d.is_dir() and d.name != "target" and _scores(d)}
-    proxies.update({p.stem: p for p in sorted((wd / "scores").glob("*.parquet"))})  # e.g. influence_scorer.parquet
+    proxies.update({p.stem: p for p in sorted((wd / "scores").glob("*.parquet"))})  # e.g. regression_scorer.parquet
     if not proxies:
         raise FileNotFoundError(f"report --workdir {wd}: no score table besides the target's under {wd / 'scores'}")
     out: dict[str, Any] = {"target_scores": str(target), "proxy_scores": {k: str(v) for k, v in proxies.items()}}

@@ -1,8 +1,9 @@
-"""The paper's baselines: Layer Extraction (ShortGPT), Influence Scorer (MATES-style), random selection."""
-from .influence_scorer import (
+"""The paper's baselines: Layer Extraction (ShortGPT), the regression scorer (the paper's Influence Scorer,
+MATES-style regression head), random selection."""
+from .regression_scorer import (
     RegressionLM,
     build_regression_lm,
-    fit_influence_scorer,
+    fit_regression_scorer,
     predict_scores,
 )
 from .layer_extraction import (
@@ -17,7 +18,7 @@ from .layer_extraction import (
 from .random_selection import random_score, random_scores, random_subset, write_random_scores
 
 __all__ = [
-    "RegressionLM", "build_regression_lm", "fit_influence_scorer", "predict_scores",
+    "RegressionLM", "build_regression_lm", "fit_regression_scorer", "predict_scores",
     "block_importance", "blocks_to_keep", "decoder_blocks", "layer_extraction_proxy", "remove_blocks",
     "run_layer_extraction", "save_layer_extraction", "random_score", "random_scores", "random_subset",
     "write_random_scores",

@@ -34,7 +34,7 @@ def random_scores(ids: Iterable[str], seed: int = 0) -> dict[str, float]:
 def random_subset(ids: Iterable[str], fraction: float, seed: int = 0) -> list[str]:
     """The ``max(1, round(fraction · n))`` ids with the largest random scores (a seeded uniform sample).
 
-    Used for the paper's 1 % samples (layer-extraction calibration, influence-scorer hold-out).
+    Used for the paper's 1 % samples (layer-extraction calibration, regression-scorer hold-out).
     """
     from ..analysis.tables import select_top
 

@@ -1,13 +1,13 @@
-"""Influence Scorer (MATES-style) learns a synthetic score on a tiny model; Lightning front-end; random baseline."""
+"""The regression scorer (the paper's Influence Scorer baseline, MATES-style) learns a synthetic score on a tiny model; Lightning front-end; random baseline."""
 import numpy as np
 import pytest
 import torch
 
 from iprox_lightning.analysis import read_scores
 from iprox_lightning.analysis.retention import spearman
-from iprox_lightning.baselines.influence_scorer import (
+from iprox_lightning.baselines.regression_scorer import (
     RegressionLM,
-    fit_influence_scorer,
+    fit_regression_scorer,
     predict_scores,
 )
 from iprox_lightning.baselines.random_selection import random_score, random_scores, random_subset, write_random_scores
@@ -55,7 +55,7 @@ def test_pooling_matches_manual():
         torch.testing.assert_close(last[i], h[i, n - 1])
 
 
-def test_influence_scorer_learns_synthetic_score():
+def test_regression_scorer_learns_synthetic_score():
     train, t_train = _data(160, "t", 1)
     held, t_held = _data(96, "h", 2)
     targets = {**t_train, **t_held}
@@ -63,7 +63,7 @@ def test_influence_scorer_learns_synthetic_score():
     before = predict_scores(sc, held, progress=False)
     ids = sorted(before)
     rho_before = spearman([before[i] for i in ids], [targets[i] for i in ids])
-    hist = fit_influence_scorer(sc, train, targets, epochs=6, lr=1e-2, eval_batches=held, progress=False)
+    hist = fit_regression_scorer(sc, train, targets, epochs=6, lr=1e-2, eval_batches=held, progress=False)
     after = predict_scores(sc, held, progress=False)
     rho_after = spearman([after[i] for i in ids], [targets[i] for i in ids])
     assert rho_after > 0.5 and rho_after > abs(rho_before) + 0.2
@@ -73,7 +73,7 @@ def test_influence_scorer_learns_synthetic_score():
     pred = np.array([after[i] for i in ids])
     assert abs(pred.mean() - np.mean([targets[i] for i in ids])) < 0.1
     with pytest.raises(KeyError, match="no entry"):
-        fit_influence_scorer(sc, train, {"unrelated": 1.0}, epochs=1, progress=False)
+        fit_regression_scorer(sc, train, {"unrelated": 1.0}, epochs=1, progress=False)
 
 
 def test_random_selection_is_seeded_and_order_free(tmp_path):

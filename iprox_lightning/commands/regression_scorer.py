@@ -1,11 +1,11 @@
-"""Baseline scorer: MATES-style regression head fitted to the target's scores on a hold-out, then scoring the pool."""
+"""Baseline (the paper's Influence Scorer, MATES-style): a regression head learns the target's hold-out scores, then scores the pool."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 
-def influence_scorer(
+def regression_scorer(
     backbone: str,
     target_scores: str,
     output: str,
@@ -44,18 +44,18 @@ def influence_scorer(
     """
     from ..analysis.score_table import read_scores, write_scores
     from ..data.sft import pool_sample_datamodule
-    from ..baselines.influence_scorer import build_regression_lm, fit_influence_scorer, predict_scores
+    from ..baselines.regression_scorer import build_regression_lm, fit_regression_scorer, predict_scores
 
     dm = pool_sample_datamodule(pool, tokenizer or backbone, holdout_fraction, max_length=max_length,
                                 batch_size=batch_size, seed=seed)
     targets = read_scores(target_scores)
     scorer = build_regression_lm(backbone, pooling=pooling, trainable_blocks=trainable_blocks)
-    history = fit_influence_scorer(scorer, dm.dataloader("construction"), targets, epochs=epochs, lr=lr,
-                                   weight_decay=weight_decay, seed=seed)
+    history = fit_regression_scorer(scorer, dm.dataloader("construction"), targets, epochs=epochs, lr=lr,
+                                    weight_decay=weight_decay, seed=seed)
     scores = predict_scores(scorer, dm.dataloader("pool"))
     path = write_scores(scores, output)
-    Path(str(path) + ".json").write_text(json.dumps({"baseline": "influence_scorer", "backbone": backbone,
+    Path(str(path) + ".json").write_text(json.dumps({"baseline": "regression_scorer", "backbone": backbone,
                                                      "holdout": len(dm.ids("construction")), "history": history}, indent=2))
-    print(f"influence_scorer: fitted on {len(dm.ids('construction'))} hold-out examples, scored {len(scores)} pool "
+    print(f"regression_scorer: fitted on {len(dm.ids('construction'))} hold-out examples, scored {len(scores)} pool "
           f"examples -> {path}")
     return {"output": str(path), "n": len(scores), "history": history}

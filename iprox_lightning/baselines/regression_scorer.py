@@ -1,4 +1,6 @@
-"""Influence Scorer baseline (MATES-style; Yu et al. 2024, Gu et al. 2024).
+"""Regression-scorer baseline: the paper's Influence Scorer baseline (MATES-style regression head; Yu et al.
+2024, Gu et al. 2024). Not influence scoring itself (that is :mod:`iprox_lightning.scoring.influence`): a
+learned model that predicts the target's influence scores.
 
 The target model scores a small hold-out of the pool (1 % in the paper); a small backbone LM with
 a regression head learns to predict those scores and then scores the whole pool. As in the paper
@@ -12,8 +14,8 @@ final norm) and ``pool`` the mean over real tokens (``"mean"``) or the last real
 the MSE on the z-scored targets; predictions are mapped back to the target scale, so they live in
 the same units as the target scores (rankings are what selection uses).
 
-Plain functions: :func:`fit_influence_scorer`, :func:`predict_scores` (the ``influence_scorer`` command,
-:mod:`iprox_lightning.commands.influence_scorer`, runs them).
+Plain functions: :func:`fit_regression_scorer`, :func:`predict_scores` (the ``regression_scorer`` command,
+:mod:`iprox_lightning.commands.regression_scorer`, runs them).
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def _device_of(m: nn.Module) -> torch.device:
     return next(m.parameters()).device
 
 
-def fit_influence_scorer(
+def fit_regression_scorer(
     scorer: RegressionLM,
     batches: Sequence[Mapping],
     targets: Mapping[str, float],
@@ -159,7 +161,7 @@ def fit_influence_scorer(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=epochs * len(batches), desc="influence scorer", unit="batch", leave=False)
+        bar = tqdm(total=epochs * len(batches), desc="regression scorer", unit="batch", leave=False)
     try:
         for epoch in range(epochs):
             order = list(range(len(batches)))
@@ -194,7 +196,7 @@ def fit_influence_scorer(
                 row["eval_spearman"] = spearman(p, t)
                 row["eval_pearson"] = pearson(p, t)
             history.append(row)
-            log.info("influence scorer epoch %d: %s", epoch, row)
+            log.info("regression scorer epoch %d: %s", epoch, row)
     finally:
         if bar is not None:
             bar.close()
@@ -211,7 +213,7 @@ def predict_scores(scorer: RegressionLM, batches: Iterable[Mapping], *, progress
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(batches, desc="scoring with influence scorer", unit="batch", leave=False)
+        it = tqdm(batches, desc="scoring with regression scorer", unit="batch", leave=False)
     for b in it:
         check_batch(b)
         z = scorer(b["input_ids"].to(dev), b["attention_mask"].to(dev))
