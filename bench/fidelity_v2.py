@@ -824,11 +824,13 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         add_row("target_unwarmed", None, unwarmed, t_u, select_sets(unwarmed_path, sample_path, work / "target_unwarmed"),
                 extra={"scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
                        "note": "the target as shipped (no warm-up)"})
+    maps = {"length_sort": {i: -v for i, v in length.items()}}  # score maps of the rows, for the paired differences
     for v in variants:
         p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
         if not p.exists():
             continue
         tab = read_table(p)
+        maps[v["key"]] = as_map(tab)
         (work / dir_name(v["key"])).mkdir(exist_ok=True)
         sets = select_sets(p, sample_path, work / dir_name(v["key"]))
         rec = st.state["stages"].get(f"score:{v['key']}", {})
@@ -836,7 +838,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         info = proxy_info(out, v, build, previous)
         base = "layer_extraction" if v["kind"] == "le" else ("svd" if v["ipsvd"].get("method") == "svd" and not v["align"]
                                                              and "allocation" not in v["ipsvd"] else v["key"])
-        add_row(v["key"], v["rho"], as_map(tab), tab, sets, extra={
+        add_row(v["key"], v["rho"], maps[v["key"]], tab, sets, extra={
             "kind": base if base in BASELINES else "proxy",
             "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
             "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
@@ -845,12 +847,6 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
             "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]
                                    if "score:target" in st.state["stages"] else None), **info})
     # paired differences of every proxy row against the baselines at the same ρ
-    by = {r["variant"]: r for r in rows}
-    maps = {"length_sort": {i: -v for i, v in length.items()}}
-    for v in variants:  # (all_variants: also the rows of earlier invocations)
-        p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
-        if p.exists():
-            maps[v["key"]] = as_map(read_table(p))
     paired = []
     for r in rows:
         if r.get("kind") != "proxy":
