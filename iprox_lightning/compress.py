@@ -8,6 +8,12 @@ would reach ``min(in, out)`` stay dense. The returned :class:`CompressionReport`
 rank, weighted objective, time, and the requested vs achieved parameter counts of the whole model
 (embeddings and LM head included), so users see the true proxy size.
 
+``drop_blocks = d > 0`` (:attr:`CompressionConfig.drop_blocks`) first removes the ``d`` least important
+decoder blocks as the Layer Extraction baseline does (:mod:`iprox_lightning.baselines.layer_extraction`:
+ShortGPT importance on the probe batches, blocks cut and renumbered), then compresses the remaining blocks
+at the SAME whole-model parameter budget as ``d = 0`` would request: the weights freed by the dropped blocks
+go back to the remaining layers (see :func:`compress`).
+
 A proxy directory (``save_proxy`` / ``load_proxy``, defined in :mod:`iprox_lightning.io.proxy`) holds
 ``config.json``, the tokenizer files, every weight (factors included) in ``iprox_proxy.safetensors`` and the
 manifest ``iprox_proxy.json``; it loads as a proxy or not at all. Nothing is unpickled on load.
@@ -38,7 +44,7 @@ from .models.targets import (  # noqa: F401  (count_parameters, is_compressed, l
     set_submodule,
 )
 from .probes import Probes, collect_probes
-from .rank import allocate_ranks, plan_ranks, requested_layer_params
+from .rank import allocate_ranks, minimum_allocation, plan_ranks, requested_layer_params, uniform_plan_for_budget
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,8 @@ class CompressionConfig:
         allocation: ``"uniform"`` (every layer at ρ), ``"global"`` (one budget over all layers, spent where
             truncation costs most) or ``None`` (global for exact IPSVD, else uniform).
         keep_dense: regexes of full layer names kept dense (charged to the budget under ``"global"``).
+        drop_blocks: d, the least important decoder blocks (Layer Extraction importance on the probe batches) removed
+            before compressing; the remaining layers get the whole-model budget of ρ (0: no block removed).
     """
 
     sparsity: float = 0.5
@@ -107,6 +115,7 @@ class CompressionConfig:
     core_fallback: str = "exact"
     allocation: Optional[str] = None
     keep_dense: Optional[tuple[str, ...]] = None
+    drop_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("targets", "keep_dense"):  # lists from YAML / callers: frozen as tuples
@@ -115,6 +124,8 @@ class CompressionConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if isinstance(self.drop_blocks, bool) or not isinstance(self.drop_blocks, int) or self.drop_blocks < 0:
+            raise ValueError(f"drop_blocks must be an integer >= 0, got {self.drop_blocks!r}")
         if self.method == "ipsvd":
             if self.mode not in MODES:
                 raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -165,6 +176,22 @@ class LayerReport:
 
 
 @dataclass
+class BlockDropReport:
+    """What ``drop_blocks`` did (``CompressionReport.block_drop``; the manifest's ``"block_drop"``)."""
+
+    dropped: list[int]  # original indices of the removed blocks
+    kept: list[int]  # original indices of the kept blocks (now 0 .. len(kept) − 1)
+    importance: list[float]  # I_LE of every original block (layer_extraction.block_importance)
+    num_blocks_before: int
+    num_blocks_after: int
+    params_dropped: int  # parameters of the removed blocks
+    importance_tokens: int  # real tokens the importance was averaged over (the probe batches)
+    layer_budget: float  # weights the remaining targeted layers may hold (params_requested − everything else)
+    layer_sparsity: float | None = None  # uniform allocation: the one sparsity ρ' solved for the remaining layers
+    time_s: float = 0.0
+
+
+@dataclass
 class CompressionReport:
     """What ``compress_model`` did. Parameter counts are for the whole model unless prefixed ``target_``."""
 
@@ -191,6 +218,7 @@ class CompressionReport:
     time_allocation_s: float = 0.0
     health: dict[str, float] | None = None  # proxy vs target on held-out batches (IPSVDCallback)
     compression: CompressionConfig | None = None  # the settings as given (written verbatim into the manifest)
+    block_drop: BlockDropReport | None = None  # drop_blocks > 0: the removed blocks (counts above: original model)
 
     @property
     def ranks(self) -> dict[str, int | None]:
@@ -204,19 +232,25 @@ class CompressionReport:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["achieved_sparsity"] = self.achieved_sparsity
+        if d["block_drop"] is None:
+            del d["block_drop"]
         return d
 
     def summary(self) -> str:
         n_low = sum(lr.rank is not None for lr in self.layers)
         rel = [lr.relative_objective for lr in self.layers if lr.relative_objective is not None]
         mean_rel = f", mean relative weighted error {sum(rel) / len(rel):.4g}" if rel else ""
+        bd = self.block_drop
+        dropped = (f", dropped blocks {bd.dropped} of {bd.num_blocks_before} (Layer Extraction importance)"
+                   + (f", remaining layers at sparsity {bd.layer_sparsity:.4f}" if bd.layer_sparsity is not None else "")
+                   if bd is not None else "")
         return (
             f"{self.method}{'/' + self.mode if self.mode else ''} at sparsity {self.sparsity}: "
             f"{n_low}/{len(self.layers)} layers factorised, parameters {self.params_before:,} -> "
             f"{self.params_after:,} (requested {self.params_requested:,}; targeted layers "
             f"{self.target_params_before:,} -> {self.target_params_after:,}, achieved sparsity "
             f"{self.achieved_sparsity:.4f}), probes {self.probe_tokens} tokens in {self.time_probes_s:.1f}s, "
-            f"factors in {self.time_factors_s:.1f}s{mean_rel}"
+            f"factors in {self.time_factors_s:.1f}s{mean_rel}{dropped}"
         )
 
 
@@ -242,11 +276,13 @@ def compress_model(
     probes: Probes | None = None,
     allocation: str | None = None,
     keep_dense: list[str] | None = None,
+    drop_blocks: int = 0,
 ) -> CompressionReport:
     """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (same names, same defaults)."""
     config = CompressionConfig(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
                                num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
-                               seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense)
+                               seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense,
+                               drop_blocks=drop_blocks)
     return compress(model, probe_dataloader, config, compute_dtype=compute_dtype, progress=progress, probes=probes)
 
 
@@ -279,6 +315,21 @@ def compress(
     full layer names (``re.search``, e.g. ``"layers\\.0\\.mlp"``) kept dense; under ``"global"`` they are
     charged to the same budget. Factors are cast to the dtype/device of the replaced weight; biases are kept
     (frozen). Raises if the model is already compressed.
+
+    ``drop_blocks = d > 0``: the probe batches (read once into a list) first give the Layer Extraction block
+    importance (:func:`~iprox_lightning.baselines.layer_extraction.block_importance`, every real token of every
+    probe batch — the same data as the probes, no second sample); the ``d`` least important blocks are removed
+    in place (:func:`~iprox_lightning.baselines.layer_extraction.remove_blocks`: config lists cut, ``layer_idx``
+    renumbered), and the probes are collected on the cut model (its blocks see new inputs). The remaining
+    targeted layers then get ``params_requested`` (the whole original model at ``(1 − ρ)`` of every targeted
+    layer, as for ``d = 0``) minus every other parameter of the cut model: ``"global"`` spends that one budget;
+    ``"uniform"`` solves for the one sparsity ``ρ'`` of the remaining layers whose plan comes closest to it
+    (:func:`~iprox_lightning.rank.uniform_plan_for_budget`). ``keep_dense`` patterns match the cut model's
+    (renumbered) layer names and are charged to the budget under either allocation. Precollected ``probes``
+    are refused (they were taken before the cut). Raises, naming the numbers, when ``d`` is not below the number
+    of blocks or the budget left is infeasible (at least the remaining layers' dense size, or below their
+    smallest plan). Parameter counts of the report (``params_before``, ``target_params_before``,
+    ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
     """
     sparsity, method, mode, damping, damping_mode = (config.sparsity, config.method, config.mode, config.damping,
                                                       config.damping_mode)
@@ -287,20 +338,51 @@ def compress(
     targets = list(config.targets) if config.targets is not None else None
     keep_dense = list(config.keep_dense) if config.keep_dense is not None else None
     allocation = config.resolved_allocation
+    drop = config.drop_blocks
     if method == "ipsvd" and probe_dataloader is None and probes is None:
         raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+    if drop and probes is not None:
+        raise ValueError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
+                         "remaining blocks see new inputs); pass the probe_dataloader instead")
+    if drop and probe_dataloader is None:
+        raise ValueError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
     if is_compressed(model):
         raise ValueError("model already holds LowRankLinear layers (already compressed)")
     modules = find_target_linears(model, targets)
-    spared = _match_layers(modules, keep_dense)
-    plan = plan_ranks(modules, sparsity, rank_multiple)
-    for name in spared:
-        plan[name] = None
     params_before = count_parameters(model)
     target_before = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in modules.values())
     requested_total = params_before - target_before + sum(
         requested_layer_params(linear_shape(m)[1], linear_shape(m)[0], sparsity) for m in modules.values()
     )
+    block_drop = None
+    if drop:  # choose the blocks and check the budget BEFORE the model is cut: a refused setting leaves it as it was
+        probe_dataloader = list(probe_dataloader)  # one read: block importance, then probes of the cut model
+        block_drop, path = _choose_blocks(model, probe_dataloader, drop, progress)
+        modules = {_renamed(n, path, block_drop): m for n, m in modules.items()
+                   if _renamed(n, path, block_drop) is not None}
+    spared = _match_layers(modules, keep_dense)
+    plan = plan_ranks(modules, sparsity, rank_multiple)
+    for name in spared:
+        plan[name] = None
+    if drop:
+        block_drop.layer_budget = _remaining_budget(modules, params_before, requested_total, sparsity, block_drop)
+        shapes = {n: linear_shape(m) for n, m in modules.items()}
+        try:
+            if allocation == "uniform":
+                plan, block_drop.layer_sparsity = uniform_plan_for_budget(
+                    shapes, block_drop.layer_budget, rank_multiple=rank_multiple, dense={n: True for n in spared})
+            else:
+                minimum_allocation(shapes, block_drop.layer_budget, rank_multiple=rank_multiple,
+                                   dense={n: True for n in spared})
+        except ValueError as e:
+            raise ValueError(f"drop_blocks={drop}, sparsity {sparsity}, remaining layers: {e}") from None
+        from .baselines.layer_extraction import remove_blocks
+
+        remove_blocks(model, block_drop.kept, inplace=True)
+        cut = find_target_linears(model, targets)
+        if list(cut) != list(modules) or any(cut[n] is not modules[n] for n in cut):  # pragma: no cover (invariant)
+            raise RuntimeError(f"drop_blocks: the cut model's layers {list(cut)[:4]}... are not the renamed "
+                               f"remaining layers {list(modules)[:4]}...")
 
     t0 = time.perf_counter()
     own_probes = probes is None
@@ -314,8 +396,14 @@ def compress(
 
     t_alloc = time.perf_counter()
     if allocation == "global":
-        plan = _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode,
-                            rank_multiple, compute_dtype, progress)
+        try:
+            plan = _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode,
+                                rank_multiple, compute_dtype, progress,
+                                budget=block_drop.layer_budget if block_drop is not None else None)
+        except ValueError as e:
+            if block_drop is None:
+                raise
+            raise ValueError(f"drop_blocks={drop}, sparsity {sparsity}, remaining layers: {e}") from None
     t_alloc = time.perf_counter() - t_alloc
 
     layers: list[LayerReport] = []
@@ -378,7 +466,7 @@ def compress(
         target_params_before=target_before, target_params_after=sum(lr.params_after for lr in layers),
         time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
         allocation=allocation, keep_dense=list(keep_dense) if keep_dense else None, time_allocation_s=t_alloc,
-        compression=config,
+        compression=config, block_drop=block_drop,
     )
     log.info(report.summary())
     return report
@@ -399,10 +487,11 @@ def _match_layers(modules: Mapping[str, nn.Module], patterns: list[str] | None) 
 
 
 def _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode, rank_multiple,
-                 compute_dtype, progress) -> dict[str, int | None]:
-    """Ranks of ``allocation="global"``: one budget ``(1 − ρ)·Σ in·out`` over all targeted layers."""
+                 compute_dtype, progress, budget: float | None = None) -> dict[str, int | None]:
+    """Ranks of ``allocation="global"``: one budget (default ``(1 − ρ)·Σ in·out``) over all targeted layers."""
     shapes = {n: linear_shape(m) for n, m in modules.items()}  # (out, in)
-    budget = sum((1.0 - sparsity) * o * i for o, i in shapes.values())
+    if budget is None:
+        budget = sum((1.0 - sparsity) * o * i for o, i in shapes.values())
     spectra = {}
     for name, module in tqdm(list(modules.items()), desc="rank allocation (spectra)", disable=not progress):
         if name in spared:
@@ -416,6 +505,56 @@ def _global_plan(modules, plan, spared, sparsity, method, probes, damping, dampi
         else:
             spectra[name] = plain_spectrum(W)
     return allocate_ranks(spectra, shapes, budget, rank_multiple=rank_multiple, dense={n: True for n in spared})
+
+
+def _choose_blocks(model: nn.Module, batches: list, drop: int, progress: bool) -> tuple[BlockDropReport, str]:
+    """The ``drop`` least important decoder blocks of ``model`` (Layer Extraction importance on ``batches``),
+    not yet removed: ``(report, path of the block list)``; ``layer_budget`` is filled in by the caller."""
+    from .baselines.layer_extraction import block_importance, decoder_blocks, most_important_blocks
+
+    path, blocks = decoder_blocks(model)
+    L = len(blocks)
+    if drop >= L:
+        raise ValueError(f"drop_blocks={drop} must be below the model's number of decoder blocks ({L}): at least one "
+                         "block is kept")
+    t0 = time.perf_counter()
+    imp = block_importance(model, batches, progress=progress)
+    keep = most_important_blocks(imp, L - drop)
+    dropped = [i for i in range(L) if i not in keep]
+    kept_ids = {id(p) for i in keep for p in blocks[i].parameters()}
+    params_dropped = sum(p.numel() for p in {id(p): p for i in dropped for p in blocks[i].parameters()}.values()
+                         if id(p) not in kept_ids)  # a tensor shared with a kept block (or counted twice) stays
+    tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+    log.info("drop_blocks=%d: removing blocks %s of %d (Layer Extraction importance %s)", drop, dropped, L,
+             [round(float(x), 4) for x in imp])
+    return BlockDropReport(dropped=dropped, kept=keep, importance=[float(x) for x in imp], num_blocks_before=L,
+                           num_blocks_after=len(keep), params_dropped=params_dropped, importance_tokens=tokens,
+                           layer_budget=float("nan"), time_s=time.perf_counter() - t0), path
+
+
+def _renamed(name: str, path: str, bd: BlockDropReport) -> str | None:
+    """A layer's name once the blocks are cut and renumbered (``None``: inside a dropped block)."""
+    if not name.startswith(path + "."):
+        return name
+    idx, _, tail = name[len(path) + 1:].partition(".")
+    i = int(idx)
+    return None if i in bd.dropped else f"{path}.{bd.kept.index(i)}.{tail}"
+
+
+def _remaining_budget(modules: Mapping[str, nn.Module], params_before: int, requested_total: float, sparsity: float,
+                      bd: BlockDropReport) -> float:
+    """Weights the remaining targeted layers ``modules`` may hold so the cut model totals ``requested_total``
+    parameters; raises when that is at least their dense size (nothing left to compress at equal budget)."""
+    dense = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in modules.values())
+    rest = params_before - bd.params_dropped - dense  # every parameter of the cut model but these layers' weights
+    budget = requested_total - rest
+    if budget >= dense:
+        raise ValueError(
+            f"drop_blocks={len(bd.dropped)}, sparsity {sparsity}: the whole model may hold {requested_total:,.0f} "
+            f"parameters; after removing {len(bd.dropped)} of {bd.num_blocks_before} blocks everything but the "
+            f"remaining targeted layers holds {rest:,}, which leaves {budget:,.0f} weights for layers that hold only "
+            f"{dense:,} dense: the budget cannot be spent; drop fewer blocks or raise the sparsity")
+    return float(budget)
 
 
 # ------------------------------------------------------------------------------------------------

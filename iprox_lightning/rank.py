@@ -52,6 +52,34 @@ def dense_rank(in_features: int, out_features: int) -> int:
     return min(r, min(in_features, out_features))
 
 
+def minimum_allocation(
+    shapes: Mapping[str, tuple[int, int]],
+    budget: float,
+    *,
+    rank_multiple: int = 1,
+    min_rank: int | None = None,
+    dense: Mapping[str, bool] | None = None,
+) -> tuple[dict[str, int | None], float]:
+    """Where :func:`allocate_ranks` starts: ``(plan, weights)`` with every layer at ``min_rank`` (default
+    ``rank_multiple``) and the ``dense`` ones dense; raises when that already exceeds ``budget``."""
+    r0 = int(rank_multiple) if min_rank is None else int(min_rank)
+    dense = dense or {}
+    plan: dict[str, int | None] = {}
+    spent = 0.0
+    for name, (out_f, in_f) in shapes.items():
+        if dense.get(name):
+            plan[name] = None
+            spent += in_f * out_f
+        else:
+            r = min(r0, min(in_f, out_f))
+            plan[name] = r
+            spent += r * (in_f + out_f)
+    if spent > budget:
+        raise ValueError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
+                         f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
+    return plan, spent
+
+
 def allocate_ranks(
     spectra: Mapping[str, "torch.Tensor | list[float]"],
     shapes: Mapping[str, tuple[int, int]],
@@ -96,19 +124,7 @@ def allocate_ranks(
             if any(b > a * (1 + 1e-9) + 1e-300 for a, b in zip(s, s[1:])):
                 raise ValueError(f"layer {name!r}: spectrum must be sorted in descending order")
             sig2[name] = [x * x for x in s]
-    plan: dict[str, int | None] = {}
-    spent = 0.0
-    for name, (out_f, in_f) in shapes.items():
-        if dense.get(name):
-            plan[name] = None
-            spent += in_f * out_f
-        else:
-            r = min(r0, min(in_f, out_f))
-            plan[name] = r
-            spent += r * (in_f + out_f)
-    if spent > budget:
-        raise ValueError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
-                         f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
+    plan, spent = minimum_allocation(shapes, budget, rank_multiple=mult, min_rank=r0, dense=dense)
 
     def next_block(name: str, r: int) -> tuple[float, float, bool]:
         """(gain, cost, to_dense) of the layer's next step from rank ``r``: ``rank_multiple`` more
@@ -142,3 +158,72 @@ def allocate_ranks(
             plan[name] += mult
             push(name)
     return plan
+
+
+def uniform_plan_for_budget(
+    shapes: Mapping[str, tuple[int, int]],
+    budget: float,
+    *,
+    rank_multiple: int = 1,
+    dense: Mapping[str, bool] | None = None,
+) -> tuple[dict[str, int | None], float]:
+    """``(plan, ρ')``: ONE sparsity ``ρ'`` for every layer (:func:`rank_for_sparsity`) whose plan holds the
+    number of weights closest to ``budget`` (ties: the plan that does not exceed it, then ``ρ'`` nearest the
+    continuous solution ``1 − (budget − dense)/Σ in·out``).
+
+    ``shapes[name] = (out, in)``; ``dense[name] = True`` keeps a layer dense and charges its ``in·out`` to the
+    budget. A plan is piecewise constant in ``ρ'`` (ranks are rounded), so every piece is tried: the ranks
+    change where ``(1 − ρ')·in·out/(in + out)`` crosses a half multiple of ``rank_multiple``. The continuous
+    solution is itself a candidate, so with ``rank_multiple = m`` the plan is within ``m/2 · Σ (in + out)``
+    weights of ``budget`` wherever no rank is clamped at ``m`` or switched to dense at that solution.
+    Raises (naming the numbers) when ``budget`` is at least the dense layers' ``Σ in·out`` (nothing left to
+    compress) or below the smallest plan (rank ``rank_multiple`` everywhere).
+    """
+    mult = int(rank_multiple)
+    if mult < 1:
+        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+    dense = dict(dense or {})
+    unknown = set(dense) - set(shapes)
+    if unknown:
+        raise ValueError(f"dense: unknown layer(s) {sorted(unknown)[:5]}")
+    groups: dict[tuple[int, int], int] = {}  # (out, in) -> how many factorised layers have that shape
+    charged = 0.0
+    for name, (out_f, in_f) in shapes.items():
+        if dense.get(name):
+            charged += in_f * out_f
+        else:
+            groups[(out_f, in_f)] = groups.get((out_f, in_f), 0) + 1
+    full = charged + sum(n * o * i for (o, i), n in groups.items())
+    if budget >= full:
+        raise ValueError(f"budget {budget:,.0f} weights is at least what the layers hold dense ({full:,.0f}): "
+                         "nothing to compress")
+    if not groups:
+        raise ValueError("every layer is kept dense: no sparsity to solve for")
+
+    def total(rho: float) -> float:
+        t = charged
+        for (o, i), n in groups.items():
+            r = rank_for_sparsity(i, o, rho, mult)
+            t += n * (o * i if r is None else r * (i + o))
+        return t
+
+    breaks = {0.0, 1.0}
+    for o, i in groups:
+        k = 0
+        while True:  # ρ' where (1 − ρ')·c/m = k + ½, c = in·out/(in + out)
+            rho = 1.0 - (k + 0.5) * mult * (i + o) / (i * o)
+            if rho <= 0.0:
+                break
+            breaks.add(rho)
+            k += 1
+    pts = sorted(breaks)
+    smallest = total(0.5 * (pts[-2] + pts[-1]))  # the last piece below ρ' = 1: the smallest ranks
+    if budget < smallest:
+        raise ValueError(f"budget {budget:,.0f} weights is below the smallest plan ({smallest:,.0f}: dense layers + "
+                         f"rank {mult} everywhere); raise the budget (lower sparsity)")
+    rho_c = 1.0 - (budget - charged) / (full - charged)
+    cands = {r: total(r) for r in [min(max(rho_c, 0.0), pts[-2])] + [0.5 * (a + b) for a, b in zip(pts, pts[1:])]}
+    best = min(cands, key=lambda r: (abs(cands[r] - budget), cands[r] > budget, abs(r - rho_c)))
+    plan = {name: (None if dense.get(name) else rank_for_sparsity(i, o, best, mult))
+            for name, (o, i) in shapes.items()}
+    return plan, best

@@ -131,10 +131,17 @@ def blocks_to_keep(importance: torch.Tensor | Sequence[float], sparsity: float) 
     """Indices (ascending) of the ``max(1, round((1 − ρ) · L))`` most important blocks."""
     if not 0 <= sparsity < 1:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    L = torch.as_tensor(importance).numel()
+    return most_important_blocks(importance, max(1, int(round((1 - sparsity) * L))))
+
+
+def most_important_blocks(importance: torch.Tensor | Sequence[float], n_keep: int) -> list[int]:
+    """Indices (ascending) of the ``n_keep`` most important blocks; among equal importances the earlier block
+    is kept. (:func:`blocks_to_keep` at a sparsity; ``compress(drop_blocks=d)`` keeps ``L − d``.)"""
     imp = torch.as_tensor(importance, dtype=torch.float64)
     L = imp.numel()
-    n_keep = max(1, int(round((1 - sparsity) * L)))
-    # stable: among equal importances keep the earlier block
+    if not 1 <= n_keep <= L:
+        raise ValueError(f"keep between 1 and {L} blocks, got {n_keep}")
     order = sorted(range(L), key=lambda i: (-float(imp[i]), i))
     return sorted(order[:n_keep])
 

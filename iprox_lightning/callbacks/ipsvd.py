@@ -10,7 +10,8 @@ strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFin
 2. the model ``getattr(pl_module, model_attr)`` (fallback ``pl_module.model``) is skipped if it
    already holds ``LowRankLinear`` layers (resumed / loaded proxy);
 3. probes from ``trainer.datamodule.probe_dataloader()`` (fallback ``pl_module.probe_dataloader()``);
-4. :func:`~iprox_lightning.compress.compress` with :class:`~iprox_lightning.compress.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
+4. :func:`~iprox_lightning.compress.compress` (with ``drop_blocks``: the least important blocks removed
+   first) with :class:`~iprox_lightning.compress.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
 5. under multi-process strategies the factors are broadcast from rank 0 so every rank starts
    bit-identical; per-layer rank / objective / time and the parameter counts go to the logger;
    with ``save_dir`` rank 0 writes the proxy directory (:func:`~iprox_lightning.compress.save_proxy`).
@@ -62,10 +63,11 @@ class IPSVDCallback(Callback):
         allocation: Optional[str] = None,
         keep_dense: Optional[list[str]] = None,
         health_batches: int = 4,
+        drop_blocks: int = 0,
     ) -> None:
         """Stage 1 inside ``fit``: compress ``pl_module.<model_attr>`` in ``setup`` (module docstring).
 
-        The compression options (``sparsity`` ... ``keep_dense``) are the fields of
+        The compression options (``sparsity`` ... ``keep_dense``, ``drop_blocks``) are the fields of
         :class:`~iprox_lightning.compress.CompressionConfig`, built once here and kept as ``self.config``.
 
         Args:
@@ -90,12 +92,15 @@ class IPSVDCallback(Callback):
             health_batches: batches of the alignment split (data Stage 1 never saw) on which the proxy is compared
                 with the uncompressed teacher right after compression (loss, KL, top-1 agreement; logged, kept in
                 the report and the manifest, loud when KL > 1 nat/token); 0 disables the check.
+            drop_blocks: remove this many least important decoder blocks (Layer Extraction importance on the probe
+                batches) before compressing; the remaining layers get the whole-model parameter budget of ``sparsity``
+                (0: keep every block). Not with Stage 2 alignment (``align: true``), which pairs layers by path.
         """
         super().__init__()
         self.config = CompressionConfig(
             sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
             num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets, seed=seed,
-            core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense)
+            core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense, drop_blocks=drop_blocks)
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device
@@ -136,6 +141,7 @@ class IPSVDCallback(Callback):
             rank_zero_info(f"IPSVDCallback: {type(model).__name__} already holds "
                            f"{len(lowrank_layers(model))} LowRankLinear layers; skipping compression")
             return
+        self._check_drop_blocks(pl_module)
         if self.compress_on_device:
             model.to(trainer.strategy.root_device)
         try:
@@ -154,6 +160,20 @@ class IPSVDCallback(Callback):
             tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
             save_proxy(model, tok, self.save_dir, self.report)
         trainer.strategy.barrier("ipsvd")
+
+    def _check_drop_blocks(self, pl_module: pl.LightningModule) -> None:
+        """Stage 2 pairs each proxy layer with the teacher layer of the same path; with blocks dropped the proxy's
+        blocks are renumbered (its block 2 may be the teacher's block 3), so alignment would compare the wrong
+        layers. Refuse that pairing before compressing; the IPSVD-only proxy (``align: false``) is fine."""
+        if not self.config.drop_blocks or getattr(pl_module, "teacher", None) is None:
+            return
+        align = getattr(getattr(pl_module, "config", None), "align", None)
+        if align:
+            raise ValueError(
+                f"IPSVDCallback(drop_blocks={self.config.drop_blocks}): {type(pl_module).__name__} aligns the proxy "
+                "with the target layer by layer path, but dropping blocks renumbers the proxy's blocks, so block i of "
+                "the proxy would be aligned with block i of the target; build this proxy without alignment "
+                "(align: false) or set drop_blocks: 0")
 
     def _health(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
         teacher = getattr(pl_module, "teacher", None)
@@ -202,6 +222,8 @@ class IPSVDCallback(Callback):
             "ipsvd/time_probes_s": rep.time_probes_s,
             "ipsvd/time_factors_s": rep.time_factors_s,
         }
+        if rep.block_drop is not None:
+            metrics["ipsvd/blocks_dropped"] = float(len(rep.block_drop.dropped))
         for k, v in (rep.health or {}).items():
             metrics[f"ipsvd/health/{k}"] = float(v)
         for lr in rep.layers:

@@ -6,7 +6,8 @@ Layout (:data:`MANIFEST_VERSION` 2)::
     tokenizer files
     iprox_proxy.safetensors                   # every weight, the LowRankLinear factors ``<layer>.A`` / ``.B`` included
     iprox_proxy.json                          # manifest: format_version, target model, settings, per-layer ranks,
-                                              # parameter counts, fingerprint of the weights file
+                                              # parameter counts, fingerprint of the weights file (and, for
+                                              # ``drop_blocks``, "block_drop": removed blocks + their importance)
     README.md                                 # how to load it
 
 A proxy loads as a proxy or not at all:
@@ -246,6 +247,21 @@ def _is_tied(model: nn.Module, key: str, have: Mapping[str, Any]) -> bool:
     return any(k in have and sd[k].data_ptr() == t.data_ptr() for k in sd if k != key)
 
 
+def _check_block_drop(config: Any, manifest: Mapping[str, Any], man_file: Path) -> None:
+    """A proxy compressed with ``drop_blocks`` (manifest ``"block_drop"``: the original indices of the removed
+    blocks) must have a ``config.json`` with that many fewer decoder blocks."""
+    bd = manifest.get("block_drop")
+    if bd is None:
+        return
+    if not isinstance(bd, Mapping) or not isinstance(bd.get("dropped"), list) or "num_blocks_before" not in bd:
+        raise ProxyFormatError(f"{man_file}: malformed 'block_drop' (needs 'dropped' and 'num_blocks_before')")
+    want = int(bd["num_blocks_before"]) - len(bd["dropped"])
+    have = getattr(config, "num_hidden_layers", None)
+    if have != want:
+        raise ProxyFormatError(f"{man_file}: blocks {bd['dropped']} of {bd['num_blocks_before']} were dropped, so the "
+                               f"proxy has {want} decoder blocks, but config.json says num_hidden_layers={have}")
+
+
 def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: torch.dtype | None = None,
                device: str | torch.device | None = None) -> tuple[nn.Module, Any]:
     """Rebuild a proxy saved by :func:`save_proxy`: the architecture from ``config.json``, the
@@ -271,6 +287,7 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
         if miss:
             raise ProxyFormatError(f"{man_file}: layer {name!r} lacks field(s) {miss}")
     config = AutoConfig.from_pretrained(path)
+    _check_block_drop(config, manifest, man_file)
     build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"), torch.float32)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
     for name, spec in layers.items():
