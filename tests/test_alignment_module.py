@@ -230,13 +230,16 @@ def test_layers_subset_trains_only_those_factors():
 
 def test_keep_best_restores_the_factors_with_the_lowest_held_out_loss(tmp_path):
     """Validate after every step; the saved proxy holds the factors of the best held-out ``val/loss``
-    (recomputed here on the restored proxy), not the last ones."""
+    (recomputed here on the restored proxy), not the last ones. The un-aligned factors are the step-0 candidate."""
     target = tiny_causal_lm("llama", seed=3)
     val = loader(1, offset=100)
     module = ProxyAlignModule(target=target, lr=0.3, save_dir=str(tmp_path / "proxy"), log_layer_cosines=False)
-    seen = []
+    seen, init = [], []
 
     class Record(L.Callback):  # the factors as they were at each validation
+        def on_train_start(self, trainer, pl_module):  # runs before the module's own step-0 evaluation
+            init.extend(p.detach().clone() for p in pl_module.factor_parameters())
+
         def on_validation_epoch_end(self, trainer, pl_module):
             seen.append((int(trainer.global_step), float(trainer.callback_metrics["val/loss"]),
                          [p.detach().clone() for p in pl_module.factor_parameters()]))
@@ -244,7 +247,18 @@ def test_keep_best_restores_the_factors_with_the_lowest_held_out_loss(tmp_path):
     tr = trainer(tmp_path, max_steps=5, val_check_interval=1, enable_checkpointing=False)
     tr.callbacks.append(Record())
     tr.fit(module, loader(5), val_dataloaders=val)
-    assert len(seen) == 5 and len(module.validation_history) == 5
+    assert len(seen) == 5 and len(module.validation_history) == 6
+    step0 = module.validation_history[0]
+    assert step0["step"] == 0
+    with torch.enable_grad():  # step 0 = the un-aligned factors on the full held-out set
+        m0 = ProxyAlignModule(target=target, proxy=copy.deepcopy(module.proxy), log_layer_cosines=False)
+        m0.configure_model()
+        with torch.no_grad():
+            for p, q in zip(m0.factor_parameters(), init):
+                p.copy_(q)
+        assert float(m0.alignment_step(next(iter(val)), create_graph=False).loss) == pytest.approx(step0["val/loss"],
+                                                                                                   rel=1e-5)
+    seen.insert(0, (0, step0["val/loss"], init))
     best_step, best_val, best_factors = min(seen, key=lambda x: x[1])
     last_factors = seen[-1][2]
     assert best_val < seen[-1][1]  # lr 0.3 overshoots: the last factors are not the best

@@ -14,6 +14,8 @@ Splits served (``dataloader(split)``):
 * ``probe`` — ``probe_fraction`` of the random ``construction_fraction`` subset (IPSVD probe set);
 * ``align`` — the rest of the construction subset (proxy alignment);
 * ``construction`` — probe + align;
+* ``fidelity`` — ``n`` further pool examples in none of the splits above (the held-out examples of
+  Stage 2's ranking-fidelity check), served by ``fidelity_dataloader(n)``; empty until asked for;
 * ``selected`` — the records of the file ``selected`` (the selection stage's Dolly JSONL);
 * ``validation`` — the validation sets, a few examples per task, each with its task name.
 
@@ -42,7 +44,7 @@ from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("pool", "warmup", "probe", "align", "construction", "selected", "validation")
+SPLITS = ("pool", "warmup", "probe", "align", "construction", "fidelity", "selected", "validation")
 BUILTIN = "builtin"
 BUILTIN_VAL_PER_TASK = 8
 
@@ -184,8 +186,9 @@ class SFTDataModule(L.LightningDataModule):
             raise ValueError(f"max_length must be >= 2, got {max_length}")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
             raise ValueError(f"batch sizes must be >= 1, got {batch_size}, {eval_batch_size}")
-        if train_split not in SPLITS or train_split == "validation":
-            raise ValueError(f"train_split must be one of {[s for s in SPLITS if s != 'validation']}, got {train_split!r}")
+        if train_split not in SPLITS or train_split in ("validation", "fidelity"):
+            raise ValueError(f"train_split must be one of {[s for s in SPLITS if s not in ('validation', 'fidelity')]}, "
+                             f"got {train_split!r}")
         if train_split == "selected" and not selected:
             raise ValueError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
         from .pool import is_in_memory
@@ -205,6 +208,7 @@ class SFTDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.fractions = (warmup_fraction, construction_fraction, probe_fraction)
+        self.fidelity_examples = 0  # size of the "fidelity" split, set by fidelity_dataloader(n)
         self.val_per_task = val_per_task
         self.train_split = train_split
         self.selected = selected
@@ -260,12 +264,13 @@ class SFTDataModule(L.LightningDataModule):
 
     @property
     def splits(self) -> PoolSplits:
-        """Ids of the warm-up / probe / align subsets and of the pool (same seed -> same ids)."""
+        """Ids of the warm-up / probe / align (/ fidelity) subsets and of the pool (same seed -> same ids)."""
         if self._splits is None:
-            self._splits = make_splits([r["id"] for r in self.pool_records], self.seed, *self.fractions)
+            self._splits = make_splits([r["id"] for r in self.pool_records], self.seed, *self.fractions,
+                                       fidelity_examples=self.fidelity_examples)
             s = self._splits
-            log.info("splits (seed %d) of %d pool examples: warmup %d, probe %d, align %d",
-                     self.seed, len(s.pool), len(s.warmup), len(s.probe), len(s.align))
+            log.info("splits (seed %d) of %d pool examples: warmup %d, probe %d, align %d, fidelity %d",
+                     self.seed, len(s.pool), len(s.warmup), len(s.probe), len(s.align), len(s.fidelity))
         return self._splits
 
     @property
@@ -317,6 +322,9 @@ class SFTDataModule(L.LightningDataModule):
             raise KeyError(f"unknown split {split!r}; one of {SPLITS}")
         if split == "pool":
             return list(self.pool_records)
+        if split == "fidelity" and not self.fidelity_examples:
+            raise ValueError("split 'fidelity' is empty: ask for it with fidelity_dataloader(n) "
+                             "(ProxyAlignModule(fidelity_examples=n) does)")
         by_id = {r["id"]: r for r in self.pool_records}
         return [by_id[i] for i in self.splits.get(split)]
 
@@ -445,6 +453,19 @@ class SFTDataModule(L.LightningDataModule):
 
     def align_dataloader(self, shuffle: bool = True) -> DataLoader:
         return self.dataloader("align", shuffle=shuffle, batch_size=self.batch_size)
+
+    def fidelity_dataloader(self, n: int, batch_size: int | None = None) -> DataLoader:
+        """The ``fidelity`` split: ``n`` pool examples in no other split (warm-up, probe, align), drawn from the
+        same seeded permutation right after the construction subset (:func:`~.splits.make_splits`), so the other
+        splits' ids do not change; not shuffled. Examples left without a response token are dropped as in every
+        split. Stage 2's ranking-fidelity check (``ProxyAlignModule(fidelity_examples=n)``) reads it."""
+        if n < 1:
+            raise ValueError(f"fidelity_dataloader: n must be >= 1, got {n}")
+        if n != self.fidelity_examples:
+            self.fidelity_examples = n
+            self._splits = None  # recomputed with the fidelity slice; the other splits' ids stay the same
+            self._datasets.pop("fidelity", None)
+        return self.dataloader("fidelity", batch_size=batch_size)
 
     def validation_dataloader(self) -> DataLoader:
         if not self.validation_sources:

@@ -7,12 +7,17 @@ From one seed:
 * **construction** subset — a random ``construction_fraction`` (1%) of the pool, used to build the
   IProX proxy, divided into the **probe** set (``probe_fraction`` = 10% of it; IPSVD statistics)
   and the **alignment** set (the other 90%);
+* the **fidelity** subset — ``fidelity_examples`` further ids (default 0) in none of the splits above:
+  held-out pool examples on which Stage 2 measures the proxy's ranking fidelity (Spearman of the
+  proxy's and the target's TracIn scores, ``ProxyAlignModule(fidelity_examples=...)``);
 * the **candidate pool** to score — the whole pool.
 
-The warm-up and construction subsets are disjoint: both are consecutive slices of one random
-permutation of the pool's ids, taken in sorted order so the result does not depend on the order
-the records were read in. The permutation is ``numpy.random.default_rng(seed).permutation``,
-stable across platforms and numpy versions.
+The warm-up, construction and fidelity subsets are disjoint: all are consecutive slices (in that
+order) of one random permutation of the pool's ids, taken in sorted order so the result does not
+depend on the order the records were read in; the fidelity slice comes last, so asking for it
+changes no other split's ids, and ``n`` fidelity ids are the first ``n`` of a larger request. The
+permutation is ``numpy.random.default_rng(seed).permutation``, stable across platforms and numpy
+versions.
 
 Rounding (``round`` is round-half-up here, ``⌊x + 0.5⌋``)::
 
@@ -21,8 +26,8 @@ Rounding (``round`` is round-half-up here, ``⌊x + 0.5⌋``)::
     n_probe        = min(n_construction - 1, max(1, round(probe_fraction * n_construction)))
     n_align        = n_construction - n_probe
 
-so even a tiny pool gets non-empty probe and alignment sets; ``n_warmup + n_construction`` must
-not exceed ``N``.
+so even a tiny pool gets non-empty probe and alignment sets; ``n_warmup + n_construction`` (and
+``+ fidelity_examples``) must not exceed ``N``.
 
 Validation sets keep a few examples per task: :func:`sample_per_task`.
 """
@@ -31,7 +36,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -78,20 +83,24 @@ def split_sizes(
 
 @dataclass(frozen=True)
 class PoolSplits:
-    """Ids of each split (lists of str, in random order). ``pool`` is every id, sorted."""
+    """Ids of each split (lists of str, in random order). ``pool`` is every id, sorted; ``fidelity`` is
+    empty unless ``make_splits(fidelity_examples=n)`` asked for it."""
 
     warmup: list[str]
     probe: list[str]
     align: list[str]
     pool: list[str]
+    fidelity: list[str] = field(default_factory=list)
+
+    NAMES = ("warmup", "probe", "align", "construction", "fidelity", "pool")
 
     @property
     def construction(self) -> list[str]:
         return self.probe + self.align
 
     def get(self, name: str) -> list[str]:
-        if name not in ("warmup", "probe", "align", "construction", "pool"):
-            raise KeyError(f"unknown split {name!r}; one of warmup, probe, align, construction, pool")
+        if name not in self.NAMES:
+            raise KeyError(f"unknown split {name!r}; one of {', '.join(self.NAMES)}")
         return list(getattr(self, name))
 
 
@@ -101,21 +110,32 @@ def make_splits(
     warmup_fraction: float = 0.05,
     construction_fraction: float = 0.01,
     probe_fraction: float = 0.1,
+    fidelity_examples: int = 0,
 ) -> PoolSplits:
-    """Warm-up / probe / alignment subsets and the candidate pool from one seed (module doc)."""
+    """Warm-up / probe / alignment (/ fidelity) subsets and the candidate pool from one seed (module doc).
+    ``fidelity_examples`` ids after the construction subset form the ``fidelity`` split; the other splits'
+    ids do not depend on it."""
     pool = sorted(ids)
     if len(set(pool)) != len(pool):
         dup = next(a for a, b in zip(pool, pool[1:]) if a == b)
         raise ValueError(f"make_splits: duplicate id {dup!r}")
     sizes = split_sizes(len(pool), warmup_fraction, construction_fraction, probe_fraction)
+    if fidelity_examples < 0:
+        raise ValueError(f"fidelity_examples must be >= 0, got {fidelity_examples}")
+    end = sizes.warmup + sizes.construction
+    if end + fidelity_examples > len(pool):
+        raise ValueError(
+            f"pool of {len(pool)} examples is too small for {fidelity_examples} fidelity examples besides the "
+            f"warm-up ({sizes.warmup}) and construction ({sizes.construction}) subsets; at most {len(pool) - end}")
     perm = np.random.default_rng(seed).permutation(len(pool))
     order = [pool[i] for i in perm]
     w, p = sizes.warmup, sizes.probe
     return PoolSplits(
         warmup=order[:w],
         probe=order[w : w + p],
-        align=order[w + p : w + sizes.construction],
+        align=order[w + p : end],
         pool=pool,
+        fidelity=order[end : end + fidelity_examples],
     )
 
 

@@ -29,6 +29,29 @@ losses** ``(L(b_0) + … + L(b_{N-1}))/N`` — the same as gradient accumulation
 not ``L`` of the concatenated batch (cosines of summed gradients do not decompose over examples).
 Ranks end with identical factors.
 
+Held-out checks and ``keep_best``: every validation run (not Lightning's sanity check) computes the held-out
+``val/*`` metrics (``val/loss`` = ``L_GA + λ_KL·L_KL`` on the validation loader, cosines, SFT losses); ``keep_best``
+keeps the factors with the lowest ``monitor`` and restores them at the end of ``fit``. The un-aligned factors
+(IPSVD only) are a candidate too: in ``on_train_start``, before the first optimiser step, the module runs the same
+held-out metrics itself over the **full** validation loader(s) (``limit_val_batches`` respected, batch-size
+weighted means reduced over ranks like Lightning's ``sync_dist`` epoch means), logs them at step 0 and records
+them in ``validation_history`` (step 0 of a fresh fit). It does so when ``keep_best`` (with ``align``) is on or
+``fidelity_examples > 0``, and a validation loader exists.
+
+Ranking fidelity (``fidelity_examples = n > 0``): what the proxy is for is ranking the pool like the target, which
+the held-out alignment loss need not follow. At the start of ``fit`` the module takes the datamodule's ``fidelity``
+split (``datamodule.fidelity_dataloader(n)``: ``n`` seeded pool examples in no warm-up / probe / align split) and
+scores it once with the frozen target, :func:`~iprox_lightning.scoring.influence.tracin_scores` (default
+``ScoringConfig``: ``score = cos(g(z), ḡ)``) against the datamodule's ``val_dataloader()``. At step 0 and after
+every validation run the current proxy scores the same examples the same way, and the module logs
+``val/fidelity_spearman`` (Spearman of proxy vs target scores; NaN if a score is not finite) and
+``val/fidelity_loss = 1 − val/fidelity_spearman`` (lower is better: ``monitor="val/fidelity_loss"`` makes
+``keep_best`` keep the best-ranking factors). Cost of one check: one forward+backward of the proxy over every
+validation example and every fidelity example (``⌈n_val/b⌉ + ⌈n/b⌉`` batches); the target's scores cost the same
+once per fit. Under DDP/FSDP2 every rank runs the check identically on the full (unsharded) fidelity and
+validation data — under FSDP2 the forwards are collectives, so every rank must — and rank 0's Spearman is
+broadcast, so ``keep_best`` decides identically everywhere.
+
 Ablations: ``kl_weight=0`` (no KL anchor), ``align=False`` (IPSVD only: fit trains nothing and only
 saves the proxy), SVD instead of IPSVD init is ``IPSVDCallback(method="svd")``.
 
@@ -38,12 +61,15 @@ At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
+import numpy as np
 import torch
 from torch import nn
 
@@ -52,6 +78,13 @@ from ..lowrank import LowRankLinear
 from .causal_lm import apply_fully_shard, full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 
 log = logging.getLogger(__name__)
+
+FIDELITY_SPEARMAN = "val/fidelity_spearman"
+FIDELITY_LOSS = "val/fidelity_loss"
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _is_proxy_dir(source: Any) -> bool:
@@ -78,8 +111,13 @@ class AlignConfig:
         layers: restrict alignment to these proxy layer paths (default: every ``LowRankLinear``).
         warmup_ratio: share of the steps with a linear learning-rate warm-up.
         lr_schedule: ``"constant"`` or ``"linear"`` (decay to 0 after the warm-up).
-        keep_best: keep the factors with the best held-out ``monitor`` and restore them before saving.
-        monitor: the held-out metric of ``keep_best`` (a logged ``val/*`` metric, lower is better).
+        keep_best: keep the factors with the best held-out ``monitor`` and restore them before saving (the
+            un-aligned factors, evaluated before the first step, are a candidate at step 0).
+        monitor: the held-out metric of ``keep_best`` (a logged ``val/*`` metric, lower is better;
+            ``val/fidelity_loss`` needs ``fidelity_examples > 0``).
+        fidelity_examples: ``n > 0`` → after every validation run measure the proxy's ranking fidelity on ``n``
+            held-out pool examples (the ``fidelity`` split): Spearman of its TracIn scores vs the target's, logged
+            as ``val/fidelity_spearman`` and ``val/fidelity_loss = 1 − Spearman``; ``0`` (default) → off.
     """
 
     lr: float = 5e-5
@@ -93,6 +131,7 @@ class AlignConfig:
     lr_schedule: str = "constant"
     keep_best: bool = True
     monitor: str = "val/loss"
+    fidelity_examples: int = 0
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -101,6 +140,12 @@ class AlignConfig:
             raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if isinstance(self.fidelity_examples, bool) or not isinstance(self.fidelity_examples, int) \
+                or self.fidelity_examples < 0:
+            raise ValueError(f"fidelity_examples must be an int >= 0, got {self.fidelity_examples!r}")
+        if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
+            raise ValueError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
+                             "ranking fidelity is measured on)")
 
 
 class ProxyAlignModule(L.LightningModule):
@@ -127,9 +172,17 @@ class ProxyAlignModule(L.LightningModule):
         keep_best: after every validation run, compare the held-out ``monitor`` (a logged ``val/*`` metric,
             lower is better; default ``val/loss`` = held-out ``L_GA + λ_KL·L_KL``) with the best so far and keep
             a copy of the factors that reached it; at the end of ``fit`` the best factors are restored before
-            saving (the manifest records the step, the value and every validation result). Without a
-            validation loader nothing is kept and the last factors are saved.
-        monitor: the held-out metric of ``keep_best``.
+            saving (the manifest records the step, the value and every validation result). The un-aligned
+            factors are a candidate too: evaluated on the full validation loader before the first step, they
+            are recorded at step 0. Without a validation loader nothing is kept and the last factors are saved.
+        monitor: the held-out metric of ``keep_best``: ``val/loss`` (default), another logged ``val/*`` metric, or
+            ``val/fidelity_loss`` (``1 −`` the ranking fidelity; needs ``fidelity_examples > 0``).
+        fidelity_examples: ``n > 0`` → measure the proxy's ranking fidelity at step 0 and after every validation
+            run: the Spearman correlation of its TracIn scores with the frozen target's (scored once) on ``n``
+            held-out pool examples in no other split (the datamodule's ``fidelity_dataloader(n)``), against the
+            datamodule's validation examples; logged as ``val/fidelity_spearman`` and ``val/fidelity_loss`` and
+            recorded in the manifest. One check costs a forward+backward of the proxy over the validation and
+            the ``n`` fidelity examples. ``0`` (default): off.
     """
 
     def __init__(
@@ -150,12 +203,13 @@ class ProxyAlignModule(L.LightningModule):
         log_layer_cosines: bool = True,
         keep_best: bool = True,
         monitor: str = "val/loss",
+        fidelity_examples: int = 0,
     ) -> None:
         super().__init__()
         self.config = AlignConfig(lr=lr, weight_decay=weight_decay, kl_weight=kl_weight, temperature=temperature,
                                   align=align, grad_through_projection=grad_through_projection, layers=layers,
                                   warmup_ratio=warmup_ratio, lr_schedule=lr_schedule, keep_best=keep_best,
-                                  monitor=monitor)
+                                  monitor=monitor, fidelity_examples=fidelity_examples)
         ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
         self.save_hyperparameters(ignore=ignore or None)
         # plain attributes (never registered submodules, even when given as nn.Module)
@@ -167,6 +221,8 @@ class ProxyAlignModule(L.LightningModule):
         self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
         self._best: Optional[dict[str, Any]] = None  # keep_best: {"value", "step", "factors"}
         self.validation_history: list[dict[str, float]] = []
+        # fidelity_examples > 0: {"loader", "val", "ids", "target", "validation_examples"}, once per fit
+        self._fidelity: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------------------------- models
     @property
@@ -229,6 +285,7 @@ class ProxyAlignModule(L.LightningModule):
         # meant for accidental eval mode, stays quiet for this intentional one.
         if self.proxy is not None:
             self.proxy.train()
+        self._fidelity = None  # the fidelity examples and the target's scores: taken anew by each fit
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._reshard()  # FSDP2: drop the stale unsharded factors after the optimiser step
@@ -270,20 +327,25 @@ class ProxyAlignModule(L.LightningModule):
             create_graph=create_graph, layers=self.config.layers,
         )
 
-    def _log_output(self, out: AlignmentOutput, prefix: str, batch_size: int, per_layer: bool) -> None:
+    @staticmethod
+    def _output_metrics(out: AlignmentOutput, prefix: str, per_layer: bool) -> dict[str, torch.Tensor]:
+        """The metrics of one batch's :class:`AlignmentOutput` under ``prefix/`` (what is logged)."""
         cos_a, cos_b = out.mean_cosines()
+        d = {f"{prefix}/l_ga": out.l_ga, f"{prefix}/loss": out.loss.detach(), f"{prefix}/l_kl": out.l_kl,
+             f"{prefix}/cos_A_mean": cos_a, f"{prefix}/cos_B_mean": cos_b,
+             f"{prefix}/proxy_sft": out.proxy_sft, f"{prefix}/teacher_sft": out.teacher_sft}
+        if per_layer:
+            d.update({f"{prefix}/cos_A/{n}": c for n, c in out.cos_a.items()})
+            d.update({f"{prefix}/cos_B/{n}": c for n, c in out.cos_b.items()})
+        return d
+
+    def _log_output(self, out: AlignmentOutput, prefix: str, batch_size: int, per_layer: bool) -> None:
         on_step = prefix == "align"
         sync = prefix != "align"
-        self.log(f"{prefix}/l_ga", out.l_ga, prog_bar=True, on_step=on_step, on_epoch=not on_step,
+        d = self._output_metrics(out, prefix, per_layer)
+        self.log(f"{prefix}/l_ga", d.pop(f"{prefix}/l_ga"), prog_bar=True, on_step=on_step, on_epoch=not on_step,
                  batch_size=batch_size, sync_dist=sync)
-        self.log_dict({f"{prefix}/loss": out.loss.detach(), f"{prefix}/l_kl": out.l_kl,
-                       f"{prefix}/cos_A_mean": cos_a, f"{prefix}/cos_B_mean": cos_b,
-                       f"{prefix}/proxy_sft": out.proxy_sft, f"{prefix}/teacher_sft": out.teacher_sft},
-                      on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=sync)
-        if per_layer:
-            d = {f"{prefix}/cos_A/{n}": c for n, c in out.cos_a.items()}
-            d.update({f"{prefix}/cos_B/{n}": c for n, c in out.cos_b.items()})
-            self.log_dict(d, on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=sync)
+        self.log_dict(d, on_step=on_step, on_epoch=not on_step, batch_size=batch_size, sync_dist=sync)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
         if not self.config.align:
@@ -304,20 +366,146 @@ class ProxyAlignModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
-            return
+            return  # a partial look (num_sanity_val_steps batches): never a keep_best candidate
+        if self.config.fidelity_examples:
+            rho = self.fidelity_check()
+            self.log(FIDELITY_SPEARMAN, rho, sync_dist=True)  # identical on every rank (broadcast)
+            self.log(FIDELITY_LOSS, 1.0 - rho, sync_dist=True)
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-        if not metrics:
-            return
-        self.validation_history.append({"step": int(self.global_step), **metrics})
+        if metrics:
+            self._record(int(self.global_step), metrics)
+
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
+        """One held-out result: into ``validation_history``; with ``keep_best`` a candidate (a non-finite
+        ``monitor`` value never is)."""
+        self.validation_history.append({"step": step, **metrics})
         if not self.config.keep_best:
             return
         if self.config.monitor not in metrics:
             raise KeyError(f"ProxyAlignModule(monitor={self.config.monitor!r}): not among the logged held-out "
                            f"metrics {sorted(metrics)}")
         value = metrics[self.config.monitor]
-        if self._best is None or value < self._best["value"]:
+        if math.isfinite(value) and (self._best is None or value < self._best["value"]):
             factors = [p.detach().clone() for p in self.factor_parameters()]
-            self._best = {"value": value, "step": int(self.global_step), "factors": factors}
+            self._best = {"value": value, "step": step, "factors": factors}
+
+    # ------------------------------------------------------------------------------------- step 0
+    def on_train_start(self) -> None:
+        """Before the first optimiser step: the target's fidelity scores (``fidelity_examples > 0``) and the
+        held-out metrics of the un-aligned factors, a ``keep_best`` candidate at this step (0 in a fresh fit)."""
+        if not ((self.config.keep_best and self.config.align) or self.config.fidelity_examples):
+            return
+        metrics = self._heldout_metrics()
+        if metrics is None:
+            return  # no validation loader: nothing to compare against
+        if self.config.fidelity_examples:
+            rho = self.fidelity_check()
+            metrics[FIDELITY_SPEARMAN], metrics[FIDELITY_LOSS] = rho, 1.0 - rho
+        # float32 like the values Lightning logs later, so the candidates compare on one footing
+        metrics = {k: float(np.float32(v)) for k, v in metrics.items()}
+        step = int(self.global_step)
+        if self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        self._record(step, metrics)
+
+    def _val_loaders(self) -> list:
+        """The fit loop's validation loaders (set up as Lightning does, e.g. with the distributed sampler)."""
+        trainer = self.trainer
+        if not trainer.enable_validation:
+            return []
+        if trainer.val_dataloaders is None:
+            trainer.validating = True
+            trainer.fit_loop.epoch_loop.val_loop.setup_data()
+            trainer.training = True
+        loaders = trainer.val_dataloaders
+        if loaders is None:
+            return []
+        if isinstance(loaders, dict):
+            return list(loaders.values())
+        return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+    def _heldout_metrics(self) -> Optional[dict[str, float]]:
+        """The ``val/*`` metrics of :meth:`validation_step` over the full validation loader(s), computed here
+        (outside Lightning's loop): batch-size weighted means, summed over ranks — Lightning's ``sync_dist``
+        epoch mean; ``/dataloader_idx_k`` suffixes with several loaders. ``None`` without a validation loader."""
+        loaders = self._val_loaders()
+        limits = list(self.trainer.num_val_batches) or [float("inf")] * len(loaders)
+        if not loaders or not sum(limits):
+            return None
+        sums: dict[str, list[float]] = {}
+        for i, (loader, limit) in enumerate(zip(loaders, limits)):
+            suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
+            for j, batch in enumerate(loader):
+                if j >= limit:
+                    break
+                batch = self.trainer.strategy.batch_to_device(batch, dataloader_idx=i)
+                with torch.enable_grad():
+                    out = self.alignment_step(batch, create_graph=False)
+                self._reshard()
+                size = batch["input_ids"].shape[0]
+                for k, v in self._output_metrics(out, "val", self.hparams.log_layer_cosines).items():
+                    acc = sums.setdefault(k + suffix, [0.0, 0.0])
+                    acc[0] += float(v) * size
+                    acc[1] += size
+        names = sorted(sums)
+        if not names:
+            return None
+        total = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.device)
+        total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        return {k: float(s / w) for k, (s, w) in zip(names, total.tolist())}
+
+    # ------------------------------------------------------------------------------------- fidelity
+    def _fidelity_state(self) -> dict[str, Any]:
+        """The fidelity examples and the target's TracIn scores of them (computed once)."""
+        if self._fidelity is None:
+            n = self.config.fidelity_examples
+            dm = self.trainer.datamodule if self._trainer is not None else None
+            if dm is None or not hasattr(dm, "fidelity_dataloader") or not hasattr(dm, "val_dataloader"):
+                raise ValueError(f"ProxyAlignModule(fidelity_examples={n}) needs a datamodule with "
+                                 "fidelity_dataloader(n) and val_dataloader() (SFTDataModule)")
+            loader, val = dm.fidelity_dataloader(n), dm.val_dataloader()
+            if val is None or (isinstance(val, (list, tuple)) and not val):
+                raise ValueError(f"ProxyAlignModule(fidelity_examples={n}) needs validation examples: the datamodule "
+                                 "has no validation loader")
+            target = self._tracin(self._teacher, loader, val)
+            if not np.all(np.isfinite(target.scores)):
+                raise ValueError("the target's TracIn scores of the fidelity examples are not finite")
+            self._fidelity = {"loader": loader, "val": val, "ids": list(target.ids), "target": target.scores,
+                              "validation_examples": int(target.settings.get("val_examples", 0))}
+            log.info("fidelity check: %d held-out pool examples against %d validation examples",
+                     len(target.ids), self._fidelity["validation_examples"])
+        return self._fidelity
+
+    def _tracin(self, model: nn.Module, loader, val):
+        """The product's TracIn scores (:func:`~iprox_lightning.scoring.influence.tracin_scores`, default
+        ``ScoringConfig``) of ``loader``'s examples against the validation batches ``val``."""
+        from ..scoring.influence import tracin_scores
+
+        val_batches = itertools.chain.from_iterable(val) if isinstance(val, (list, tuple)) else val
+        try:
+            return tracin_scores(model, loader, val_batches, progress=False)
+        finally:
+            self._reshard()
+
+    def fidelity_check(self) -> float:
+        """Spearman of the current proxy's TracIn scores of the fidelity examples with the target's (the
+        score ``cos(g(z), ḡ)``); NaN when a proxy factor or score is not finite. Rank 0's value on every rank."""
+        state = self._fidelity_state()
+        finite = is_sharded(self.proxy) or all(bool(torch.isfinite(p.detach()).all())
+                                               for p in self.factor_parameters())
+        rho = float("nan")
+        if finite:
+            table = self._tracin(self.proxy, state["loader"], state["val"])
+            if list(table.ids) != state["ids"]:
+                raise RuntimeError("fidelity check: the proxy scored other examples than the target")
+            if np.all(np.isfinite(table.scores)):
+                from ..analysis.retention import spearman
+
+                rho = float(spearman(table.scores, state["target"]))
+        if self._trainer is not None:
+            rho = float(self.trainer.strategy.broadcast(rho, src=0))
+        return rho
 
     def restore_best(self) -> Optional[dict[str, Any]]:
         """Copy the kept best factors back into the proxy (``keep_best``); returns ``{"value", "step"}``
@@ -373,7 +561,9 @@ class ProxyAlignModule(L.LightningModule):
                 "steps": int(self.global_step) if self._trainer is not None else 0,
                 "best": ({"value": self._best["value"], "step": self._best["step"]}
                          if self._best is not None else None),
-                "validation_history": self.validation_history,
+                "validation_history": [{k: _finite_or_none(v) for k, v in h.items()}
+                                       for h in self.validation_history],  # strict JSON: NaN -> null
+                "fidelity": self._fidelity_summary(),
             }}
             if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
                 extra["target_model"] = self.target_source
@@ -382,6 +572,17 @@ class ProxyAlignModule(L.LightningModule):
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_proxy")
         return path
+
+    def _fidelity_summary(self) -> Optional[dict[str, Any]]:
+        """The manifest's record of the ranking-fidelity check (``None`` when off)."""
+        if not self.config.fidelity_examples:
+            return None
+        state = self._fidelity or {}
+        history = [{"step": h["step"], "spearman": _finite_or_none(h[FIDELITY_SPEARMAN])}
+                   for h in self.validation_history if FIDELITY_SPEARMAN in h]
+        return {"examples": len(state.get("ids", [])), "validation_examples": state.get("validation_examples"),
+                "scores": "tracin (default ScoringConfig), score = cos(g(z), mean validation gradient)",
+                "ids": state.get("ids", []), "history": history}
 
     def _unsharded_copy(self, state_dict: dict) -> nn.Module:
         """A plain (unsharded) proxy holding ``state_dict``: the teacher's architecture with the same
