@@ -25,7 +25,10 @@ same command).
 Variants: ``le@ρ`` (Layer Extraction) or ``METHOD[/OPTION...]@ρ[+align]`` with METHOD ``ipsvd`` | ``svd`` |
 ``random`` and options ``core`` | ``exact``, ``abs<d>`` | ``rel<d>`` (damping), ``global`` (global rank
 allocation), ``spare0`` (block 0's MLP kept dense), ``n<N>`` (probe tokens per layer); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``); ``+align<EPOCHS>`` and ``+align[<EPOCHS>]:<LR>`` set
-them for one variant (``+align2:1e-4``).
+them for one variant (``+align2:1e-4``); ``drop<N>`` drops the N least important blocks (Layer Extraction's
+importance) and spends the freed budget on IPSVD of the rest (no ``+align``); a trailing ``+fid<N>`` keeps the aligned
+factors with the best ranking fidelity on N held-out pool examples (``monitor: val/fidelity_loss``) instead of the
+best held-out alignment loss.
 
 Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
 ``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
@@ -80,8 +83,11 @@ def parse_variant(spec: str) -> dict[str, Any]:
     """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
     "align_lr", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None: ``--align-epochs`` / ``--align-lr``)."""
     s = spec.strip()
-    m = re.search(r"\+align(\d*)(?::([0-9.eE+-]+))?$", s)
+    m = re.search(r"\+align(\d*)(?::([0-9.eE+-]+))?(?:\+fid(\d+))?$", s)
     align = m is not None
+    fidelity = int(m.group(3)) if m and m.group(3) else None
+    if fidelity == 0:
+        raise ValueError(f"variant {spec!r}: +fid0 checks nothing; leave out +fid")
     align_epochs = int(m.group(1)) if m and m.group(1) else None
     try:
         align_lr = float(m.group(2)) if m and m.group(2) else None
@@ -102,7 +108,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
     if method == "le":
         if opts or align:
             raise ValueError(f"variant {spec!r}: Layer Extraction takes no options and has no factors to align")
-        return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "align_lr": None, "ipsvd": {}}
+        return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "align_lr": None,
+                "fidelity": None, "ipsvd": {}}
     if method not in ("ipsvd", "svd", "random"):
         raise ValueError(f"variant {spec!r}: method must be le, ipsvd, svd or random")
     cb: dict[str, Any] = {"sparsity": rho, "method": method}
@@ -118,13 +125,18 @@ def parse_variant(spec: str) -> dict[str, Any]:
             cb["keep_dense"] = SPARE0
         elif o[:1] == "n" and o[1:].isdigit():
             cb["num_probe_tokens"] = int(o[1:])
+        elif o[:4] == "drop" and o[4:].isdigit() and int(o[4:]) > 0:
+            cb["drop_blocks"] = int(o[4:])
         else:
             raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0, "
-                             "n<probe tokens>)")
+                             "n<probe tokens>, drop<blocks>)")
+    if "drop_blocks" in cb and align:
+        raise ValueError(f"variant {spec!r}: a proxy with dropped blocks cannot be aligned (Stage 2 pairs proxy and "
+                         "target layers by path)")
     if method == "ipsvd" and cb.get("mode", "exact") == "exact" and "allocation" not in cb:
         cb["allocation"] = "uniform"  # the variant says what it is: without /global, the same ρ in every layer
     return {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "align_lr": align_lr,
-            "ipsvd": cb}
+            "fidelity": fidelity, "ipsvd": cb}
 
 
 def dir_name(key: str) -> str:
@@ -688,6 +700,8 @@ def main(argv=None) -> dict:
                         trainer.update(max_epochs=v["align_epochs"] or args.align_epochs, num_sanity_val_steps=0,
                                        val_check_interval=args.align_val_every)
                         model.update(lr_schedule="linear", warmup_ratio=0.05)
+                        if v["fidelity"]:  # keep_best by ranking fidelity on held-out pool examples
+                            model.update(fidelity_examples=v["fidelity"], monitor="val/fidelity_loss")
                         data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
                     else:
                         trainer.update(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
@@ -743,8 +757,24 @@ def all_variants(listed: list[dict], state: dict) -> list[dict]:
     return listed + [parse_variant(k) for k in more if k not in keys and k not in ("target", "target_unwarmed")]
 
 
-PROXY_INFO = ("params", "alignment_best", "alignment_history", "allocation", "mode", "damping", "damping_mode",
-              "method", "health")
+PROXY_INFO = ("params", "alignment_best", "alignment_history", "alignment_fidelity", "allocation", "mode", "damping",
+              "damping_mode", "method", "health", "block_drop")
+
+
+def _fidelity_facts(fid: Mapping[str, Any] | None, out: Path) -> dict | None:
+    """The ranking-fidelity check of an aligned proxy (``+fid<N>``): its history and how many of its held-out pool
+    examples are also in the scored sample (the check picks factors, so the overlap is reported)."""
+    if not fid:
+        return None
+    sample = {json.loads(line)["id"] for line in (out / "sample.jsonl").read_text().splitlines() if line.strip()}
+    return {"examples": fid.get("examples"), "validation_examples": fid.get("validation_examples"),
+            "history": fid.get("history"), "overlap_with_sample": len(sample & set(fid.get("ids") or []))}
+
+
+def _block_drop_facts(bd: Mapping[str, Any] | None) -> dict | None:
+    if not bd:
+        return None
+    return {k: bd.get(k) for k in ("dropped", "importance", "params_dropped", "layer_budget", "layer_sparsity") if k in bd}
 
 
 def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
@@ -759,7 +789,8 @@ def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
         return {"params": mj.get("params_after"), "alignment_best": al.get("best"),
                 "alignment_history": al.get("validation_history"), "allocation": mj.get("allocation"), "mode": mj.get("mode"),
                 "damping": mj.get("damping"), "damping_mode": mj.get("damping_mode"), "method": mj.get("method"),
-                "health": mj.get("health")}
+                "health": mj.get("health"), "alignment_fidelity": _fidelity_facts(al.get("fidelity"), out),
+                "block_drop": _block_drop_facts(mj.get("block_drop"))}
     if v["kind"] == "le" and (pdir / "config.json").exists():
         return {"params": safetensors_param_count(pdir), "method": "layer_extraction"}
     if previous:
@@ -842,6 +873,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
             "kind": base if base in BASELINES else "proxy",
             "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
             "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
+            "align_monitor": ("val/fidelity_loss" if v.get("fidelity") else "val/loss") if v["align"] else None,
             "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
             "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
             "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]

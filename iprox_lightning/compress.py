@@ -32,7 +32,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .ipsvd import DAMPING_MODES, MODES, compute_factors, plain_spectrum, weighted_objective, weighted_spectrum
+from .damping import check_damping_mode
+from .ipsvd import MODES, compute_factors, plain_spectrum, weighted_objective, weighted_spectrum
 from .lowrank import LowRankLinear
 from .models.targets import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
     count_parameters,
@@ -129,8 +130,7 @@ class CompressionConfig:
         if self.method == "ipsvd":
             if self.mode not in MODES:
                 raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-            if self.damping_mode not in DAMPING_MODES:
-                raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {self.damping_mode!r}")
+            check_damping_mode(self.damping_mode)
         allocation = self.resolved_allocation
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")

@@ -28,13 +28,20 @@ def test_parse_variant():
     assert (v2["align"], v2["align_epochs"], v2["align_lr"], v2["rho"]) == (True, 2, 1e-4, 0.5)
     assert fv2.parse_variant("ipsvd/global@0.5+align:3e-4")[("align_epochs")] is None
     assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False,
-                                           "align_epochs": None, "align_lr": None, "ipsvd": {}}
+                                           "align_epochs": None, "align_lr": None, "fidelity": None, "ipsvd": {}}
+    f = fv2.parse_variant("ipsvd/global@0.5+align2:1e-3+fid128")
+    assert (f["align_epochs"], f["align_lr"], f["fidelity"], f["key"]) == (2, 1e-3, 128, "ipsvd/global@0.5+align2:1e-3+fid128")
+    assert fv2.parse_variant("ipsvd/global@0.5+align+fid64")["fidelity"] == 64
+    assert fv2.parse_variant("ipsvd/global@0.5+align")["fidelity"] is None
+    assert fv2.parse_variant("ipsvd/exact/global/drop2@0.3")["ipsvd"]["drop_blocks"] == 2
     assert fv2.parse_variant("svd@0.7")["ipsvd"] == {"sparsity": 0.7, "method": "svd"}
     # an exact-IPSVD variant without /global pins uniform ranks, whatever the library's default allocation is
     assert fv2.parse_variant("ipsvd/exact/rel1e-3@0.5")["ipsvd"]["allocation"] == "uniform"
     assert "allocation" not in fv2.parse_variant("ipsvd/core@0.5")["ipsvd"]
     for bad, msg in (("ipsvd@0.5+align0", "aligns nothing"), ("ipsvd@0.5+align2:0", "> 0"), ("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
-                     ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO")):
+                     ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO"),
+                     ("ipsvd/drop0@0.5", "unknown option"), ("ipsvd/drop1@0.5+align", "cannot be aligned"),
+                     ("ipsvd@0.5+align+fid0", "checks nothing")):
         with pytest.raises(ValueError, match=msg):
             fv2.parse_variant(bad)
 
@@ -161,3 +168,30 @@ def test_splice_docs_replaces_only_the_generated_section(tmp_path):
     (tmp_path / "C.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
         fv2.splice_docs(tmp_path / "C.md", "x")
+
+
+def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):
+    """The two lever rows go through the product's stages: a block-dropping IPSVD proxy (the manifest's block_drop
+    reaches the row, parameters match the requested budget) and an aligned proxy whose keep_best monitors the
+    ranking fidelity on held-out pool examples (the row carries that check's history and its overlap with the
+    scored sample)."""
+    out = tmp_path / "v2"
+    # the built-in model has 2 blocks: dropping one leaves room for IPSVD only at a high sparsity
+    drop, fid = "ipsvd/exact/rel1e-3/global/drop1@0.8", "ipsvd/exact/rel1e-3/global@0.5+align1+fid8"
+    s = fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30",
+                  "--max-length", "48", "--no-warmup", "--variants", drop, fid, "--bootstrap", "20",
+                  "--align-val-per-task", "2", "--threads", "1", "--out", str(out)])
+    rows = {r["variant"]: r for r in s["rows"]}
+    man = json.loads((out / "proxies" / fv2.dir_name(drop) / "iprox_proxy.json").read_text())
+    assert rows[drop]["block_drop"]["dropped"] == man["block_drop"]["dropped"] and len(man["block_drop"]["dropped"]) == 1
+    assert rows[drop]["params"] == man["params_after"]
+    assert 0.98 * man["params_requested"] <= rows[drop]["params"] <= man["params_requested"]
+    man = json.loads((out / "proxies" / fv2.dir_name(fid) / "iprox_proxy.json").read_text())
+    al = man["alignment"]
+    assert (al["fidelity_examples"], al["monitor"]) == (8, "val/fidelity_loss")
+    f = rows[fid]["alignment_fidelity"]
+    assert f["history"] == al["fidelity"]["history"] and f["history"][0]["step"] == 0
+    sample = {json.loads(line)["id"] for line in (out / "sample.jsonl").read_text().splitlines()}
+    assert f["overlap_with_sample"] == len(sample & set(al["fidelity"]["ids"]))
+    best = min(al["validation_history"], key=lambda h: h["val/fidelity_loss"])
+    assert al["best"]["step"] == best["step"] and rows[fid]["align_monitor"] == "val/fidelity_loss"

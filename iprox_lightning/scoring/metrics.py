@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..damping import DAMPING_MODES, check_damping, damping_value
+from ..damping import check_damping, check_damping_mode, damping_value
 from ..tracking import backward_pairs
 from .features import WeightPairTracker, eval_mode, progress_bar, slice_rows, to_device, trim_batch
 
@@ -221,8 +221,7 @@ def influence_metric(name: str, *, damping: float = 1e-3, damping_mode: str = "r
     K-FAC options are checked whatever the name, so a config is valid or not independently of ``method``."""
     if name not in METRICS:
         raise ValueError(f"method must be one of {METRICS}, got {name!r}")
-    if damping_mode not in DAMPING_MODES:
-        raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}")
+    check_damping_mode(damping_mode)
     if kfac_examples < 1:
         raise ValueError(f"kfac_examples must be >= 1, got {kfac_examples}")
     if name == "kfac":
