@@ -211,3 +211,20 @@ def test_callback_drop_blocks_option_and_alignment_guard(tmp_path):
     cb.setup(trainer, module, "fit")
     assert module.proxy.config.num_hidden_layers == 1 and len(cb.report.block_drop.dropped) == 1
     assert load_proxy(tmp_path / "proxy")[0].config.num_hidden_layers == 1
+
+
+def test_align_module_refuses_a_loaded_proxy_with_dropped_blocks(tmp_path):
+    """A saved dropped-block proxy given to ProxyAlignModule(proxy=dir) skips the callback's guard; the module's own
+    check refuses to align it (layers would be paired with the wrong target block), and align=False loads it."""
+    from iprox_lightning.modules import ProxyAlignModule
+
+    teacher = tiny_causal_lm("llama", seed=0)
+    proxy = tiny_causal_lm("llama", seed=0)
+    compress_model(proxy, _batches(), sparsity=0.7, drop_blocks=1, num_probe_tokens=N_TOKENS, allocation="uniform")
+    save_proxy(proxy, None, tmp_path / "proxy")
+    module = ProxyAlignModule(target=teacher, proxy=str(tmp_path / "proxy"))
+    with pytest.raises(ValueError, match=r"has 1 decoder blocks and the target 2"):
+        module.configure_model()
+    kept = ProxyAlignModule(target=teacher, proxy=str(tmp_path / "proxy"), align=False)
+    kept.configure_model()
+    assert kept.proxy.config.num_hidden_layers == 1

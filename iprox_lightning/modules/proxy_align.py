@@ -93,6 +93,18 @@ def _is_proxy_dir(source: Any) -> bool:
     return isinstance(source, str) and (Path(source) / PROXY_MANIFEST).is_file()
 
 
+def _check_same_blocks(teacher: nn.Module, proxy: nn.Module, source: Any, align: bool) -> None:
+    """Stage 2 pairs proxy and teacher layers by module path, so an aligned proxy must keep every decoder block of
+    its target (a proxy built with ``drop_blocks`` renumbers the kept blocks: block ``i`` of it is not the
+    target's block ``i``)."""
+    n_t = getattr(getattr(teacher, "config", None), "num_hidden_layers", None)
+    n_p = getattr(getattr(proxy, "config", None), "num_hidden_layers", None)
+    if align and n_t is not None and n_p is not None and n_t != n_p:
+        raise ValueError(f"ProxyAlignModule: the proxy {source!r} has {n_p} decoder blocks and the target {n_t}; "
+                         "alignment pairs layers by path, so a proxy with dropped blocks cannot be aligned "
+                         "(use align: false, or build the proxy without drop_blocks)")
+
+
 @dataclass(frozen=True)
 class AlignConfig:
     """The settings of Stage 2 (the alignment objective and its optimisation), checked when built.
@@ -242,6 +254,7 @@ class ProxyAlignModule(L.LightningModule):
             else:
                 proxy, ptok = resolve_model(self.proxy_source, self.hparams.dtype)
                 tok = tok if tok is not None else ptok
+                _check_same_blocks(teacher, proxy, self.proxy_source, self.config.align)
             self.tokenizer = tok
             if hasattr(proxy, "config"):
                 proxy.config.use_cache = False
