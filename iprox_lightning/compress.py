@@ -358,8 +358,7 @@ def compress(
     if drop:  # choose the blocks and check the budget BEFORE the model is cut: a refused setting leaves it as it was
         probe_dataloader = list(probe_dataloader)  # one read: block importance, then probes of the cut model
         block_drop, path = _choose_blocks(model, probe_dataloader, drop, progress)
-        modules = {_renamed(n, path, block_drop): m for n, m in modules.items()
-                   if _renamed(n, path, block_drop) is not None}
+        modules = {new: m for n, m in modules.items() if (new := _renamed(n, path, block_drop)) is not None}
     spared = _match_layers(modules, keep_dense)
     plan = plan_ranks(modules, sparsity, rank_multiple)
     for name in spared:

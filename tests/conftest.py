@@ -8,6 +8,18 @@ import torch
 # (and keeps parallel DDP test processes from oversubscribing the 2 CI cores).
 torch.set_num_threads(int(os.environ.get("IPROX_TEST_THREADS", "1")))
 
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, whatever IPROX_TEST_THREADS says: tiny matmuls oversubscribe the 2 shared
+    cores badly (modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
 if not SHARED.exists():  # clone next to ../shared (CI layout) or inside /work
     SHARED = pathlib.Path(os.environ.get("IPROX_SHARED", "/work/shared"))

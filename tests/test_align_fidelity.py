@@ -23,12 +23,7 @@ from iprox_lightning.modules.proxy_align import AlignConfig
 from iprox_lightning.scoring.influence import tracin_scores
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 # ------------------------------------------------------------------------------------------------ the split

@@ -22,13 +22,7 @@ from iprox_lightning.models.targets import linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """2 shared cores: intra-op threads oversubscribe badly on these tiny matmuls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 def make_batch(seed: int, B: int = 3, T: int = 12, V: int = 128, pad: bool = True) -> dict:

@@ -24,13 +24,7 @@ from iprox_lightning.evaluation.common import continuation_tokens
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 @pytest.fixture(scope="module")

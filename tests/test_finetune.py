@@ -11,12 +11,7 @@ from iprox_lightning.batch import sft_loss
 from iprox_lightning.modules import FinetuneModule, WarmupModule
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 def test_defaults_are_the_papers():

@@ -12,12 +12,7 @@ from iprox_lightning.modules import WarmupModule
 from iprox_lightning.modules.causal_lm import decay_param_groups, linear_warmup_decay
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 def make_batch(seed: int, B: int = 4, T: int = 12, V: int = 128) -> dict:
