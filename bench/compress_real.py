@@ -54,7 +54,7 @@ from iprox_lightning.compress import (  # noqa: E402
     count_parameters,
 )
 from iprox_lightning.data import SFTDataModule  # noqa: E402
-from iprox_lightning.models.targets import find_target_linears, linear_weight  # noqa: E402
+from iprox_lightning.target_layers import find_target_linears, linear_weight  # noqa: E402
 from iprox_lightning.probes import collect_probes  # noqa: E402
 
 COLUMNS = [("params_after", "proxy params", "{:,}"), ("params_ratio", "of target", "{:.3f}"),

@@ -90,7 +90,7 @@ from iprox_lightning.analysis.retention import retention_metrics, spearman
 from iprox_lightning.batch import token_counts
 from iprox_lightning.compress import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
-from iprox_lightning.models.targets import find_target_linears
+from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.probes import collect_probes
 from iprox_lightning.scoring import influence_scores
 

@@ -66,7 +66,7 @@ from iprox_lightning.analysis.retention import align_scores, retention_metrics, 
 from iprox_lightning.batch import per_example_loss
 from iprox_lightning.compress import compress_model, count_parameters, lowrank_layers
 from iprox_lightning.data import SFTDataModule
-from iprox_lightning.models.targets import find_target_linears, linear_weight
+from iprox_lightning.target_layers import find_target_linears, linear_weight
 from iprox_lightning.probes import Probes, collect_probes
 from iprox_lightning.scoring import influence_scores, tracin_scores
 

@@ -28,7 +28,7 @@ import torch
 from iprox_lightning.analysis.health import proxy_health
 from iprox_lightning.compress import compress_model
 from iprox_lightning.data import SFTDataModule
-from iprox_lightning.models.targets import find_target_linears
+from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.probes import collect_probes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

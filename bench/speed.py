@@ -34,7 +34,7 @@ import torch
 
 from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
 from iprox_lightning.lowrank import LowRankLinear
-from iprox_lightning.models.targets import Conv1D
+from iprox_lightning.target_layers import Conv1D
 from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
 from iprox_lightning.scoring.features import trim_batch
 

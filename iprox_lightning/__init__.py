@@ -14,7 +14,7 @@ from .alignment import alignment_losses, factor_projections, gradient_alignment_
 from .lowrank import LowRankLinear
 from .modules import CausalLMModule, FinetuneModule, ProxyAlignModule, WarmupModule
 from .models.loading import load_model, load_tokenizer
-from .models.targets import find_target_linears
+from .target_layers import find_target_linears
 from .models.tiny import tiny_causal_lm
 from .scoring import InfluenceScoringModule, InfluenceWriter, ScoreTable, multi_checkpoint_scores, tracin_scores
 from .select import select

@@ -45,7 +45,7 @@ from torch import nn
 
 from .batch import check_batch, shifted_token_mask, sft_loss
 from .lowrank import LowRankLinear
-from .models.targets import is_linear_like, linear_shape
+from .target_layers import is_linear_like, linear_shape
 from .tracking import PairTracker, backward_pairs
 
 __all__ = [

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from .damping import check_damping_mode
 from .ipsvd import MODES, compute_factors, plain_spectrum, weighted_objective, weighted_spectrum
 from .lowrank import LowRankLinear
-from .models.targets import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
+from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
     count_parameters,
     find_target_linears,
     is_compressed,

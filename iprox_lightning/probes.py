@@ -31,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batch import check_batch
-from .models.targets import find_target_linears, linear_shape
+from .target_layers import find_target_linears, linear_shape
 from .tracking import PairTracker, backward_pairs
 
 log = logging.getLogger(__name__)

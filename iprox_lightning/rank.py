@@ -15,7 +15,7 @@ from typing import Mapping
 
 from torch import nn
 
-from .models.targets import linear_shape
+from .target_layers import linear_shape
 
 
 def rank_for_sparsity(in_features: int, out_features: int, sparsity: float, rank_multiple: int = 1) -> int | None:

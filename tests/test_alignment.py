@@ -18,7 +18,7 @@ from iprox_lightning.alignment import (
 )
 from iprox_lightning.batch import sft_loss
 from iprox_lightning.compress import compress_model
-from iprox_lightning.models.targets import linear_weight
+from iprox_lightning.target_layers import linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 

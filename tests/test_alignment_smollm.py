@@ -8,7 +8,7 @@ import torch
 
 from iprox_lightning.alignment import alignment_losses, proxy_factor_layers, teacher_pass
 from iprox_lightning.batch import sft_loss
-from iprox_lightning.models.targets import set_submodule
+from iprox_lightning.target_layers import set_submodule
 from iprox_lightning.ipsvd import svd_factors
 from iprox_lightning.lowrank import LowRankLinear
 

@@ -16,7 +16,7 @@ from iprox_lightning.compress import (
 )
 from iprox_lightning.ipsvd import ipsvd_factors, svd_factors
 from iprox_lightning.lowrank import LowRankLinear
-from iprox_lightning.models.targets import find_target_linears, linear_shape, linear_weight
+from iprox_lightning.target_layers import find_target_linears, linear_shape, linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.probes import collect_probes
 from iprox_lightning.rank import rank_for_sparsity

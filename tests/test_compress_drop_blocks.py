@@ -20,7 +20,7 @@ from iprox_lightning.compress import (
 )
 from iprox_lightning.io.proxy import ProxyFormatError
 from iprox_lightning.ipsvd import compute_factors, weighted_spectrum
-from iprox_lightning.models.targets import find_target_linears, linear_shape, linear_weight
+from iprox_lightning.target_layers import find_target_linears, linear_shape, linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.probes import collect_probes
 from iprox_lightning.rank import allocate_ranks, rank_for_sparsity

@@ -105,6 +105,35 @@ def test_package_has_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each sub-package's modules merged into one node (``iprox_lightning.data.sft`` ->
+    ``data``); a top-level module is its own node (``iprox_lightning.compress`` -> ``compress``)."""
+    def node(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 1 else m
+
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(node(a), set()).update(node(b) for b in targets if node(b) != node(a))
+    return out
+
+
+def test_folder_graph_merges_subpackages():
+    graph = {"p": set(), "p.a": {"p.sub.b"}, "p.sub": set(), "p.sub.b": {"p.sub.c"}, "p.sub.c": {"p.a"}}
+    assert folder_graph(graph) == {"p": set(), "a": {"sub"}, "sub": {"a"}}
+    assert find_cycle(folder_graph(graph)) == ["a", "sub", "a"]
+
+
+def test_package_folders_have_no_import_cycle():
+    """The folders layer too: io (artifact and record formats) < models < data < ... (no folder leans on a
+    folder that leans back on it)."""
+    graph = folder_graph(import_graph())
+    assert {"data", "io", "models", "scoring", "commands"} <= set(graph)
+    assert "io" in graph["models"] and "io" in graph["data"]  # the edges the layering is about exist
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between folders: " + " -> ".join(cycle)
+
+
 @pytest.mark.parametrize("importer, forbidden", [
     ("iprox_lightning.models.loading", "iprox_lightning.data.synthetic"),  # the built-in model lives in models/
     ("iprox_lightning.models.loading", "iprox_lightning.compress"),

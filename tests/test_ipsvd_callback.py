@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import CSVLogger
 from iprox_lightning.batch import sft_loss
 from iprox_lightning.callbacks import IPSVDCallback
 from iprox_lightning.compress import compress_model, lowrank_layers
-from iprox_lightning.models.targets import find_target_linears
+from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 from test_probes import make_batches

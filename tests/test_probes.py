@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from iprox_lightning.batch import per_example_loss
-from iprox_lightning.models.targets import find_target_linears
+from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.probes import allocate_shares, collect_probes, sample_positions
 

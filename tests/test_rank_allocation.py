@@ -7,7 +7,7 @@ import torch
 
 from iprox_lightning.compress import compress_model, count_parameters, lowrank_layers
 from iprox_lightning.ipsvd import ipsvd_factors, plain_spectrum, svd_factors, weighted_objective, weighted_spectrum
-from iprox_lightning.models.targets import find_target_linears, linear_shape
+from iprox_lightning.target_layers import find_target_linears, linear_shape
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.rank import allocate_ranks, dense_rank
 

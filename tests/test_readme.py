@@ -74,3 +74,27 @@ def test_readme_stage_commands_run_as_written(tmp_path, monkeypatch, capsys, eva
     with pytest.raises(SystemExit) as e:
         main(shlex.split(cmds[-1])[2:] + ["--print_config"])
     assert e.value.code in (0, None)
+
+
+def architecture_paths(text: str) -> set[str]:
+    """The file paths ARCHITECTURE.md names in backticks (``x.py``, ``dir/x.py``, ``x.yaml``, ``x.md``)."""
+    return {p for p in re.findall(r"`([\w/.\-]+\.(?:py|yaml|md))`", text)}
+
+
+def test_architecture_names_only_files_that_exist():
+    """ARCHITECTURE.md matches the code: every file it names is there (in the package, the repository root,
+    ``configs/`` or ``bench/``), and every sub-package of the package has its row."""
+    root = README.parent
+    text = (root / "ARCHITECTURE.md").read_text()
+    paths = architecture_paths(text)
+    assert {"tracking.py", "io/proxy.py", "target_layers.py", "io/records.py", "data/sources.py"} <= paths
+    bases = (root / "iprox_lightning", root, root / "configs", root / "bench")
+    missing = sorted(p for p in paths if not any((b / p).exists() for b in bases))
+    assert not missing, f"ARCHITECTURE.md names files that do not exist: {missing}"
+    folders = sorted(d.name for d in (root / "iprox_lightning").iterdir() if (d / "__init__.py").exists())
+    assert [d for d in folders if f"`{d}/" not in text] == []
+
+
+def test_architecture_paths_reader():
+    assert architecture_paths("see `io/proxy.py` and `configs/warmup.yaml`, not `x`") == {"io/proxy.py",
+                                                                                          "configs/warmup.yaml"}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from iprox_lightning.batch import per_example_loss, sft_loss, shifted_token_mask
-from iprox_lightning.models.targets import find_target_linears
+from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.tracking import LayerTracker, requires_grad_inputs
 

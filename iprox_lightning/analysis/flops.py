@@ -88,7 +88,7 @@ class ModelShape:
     def from_model(cls, model: nn.Module, *, name: str = "") -> "ModelShape":
         """Read the shapes of a (possibly meta-device, possibly low-rank) HF causal LM."""
         from ..lowrank import LowRankLinear
-        from ..models.targets import BLOCK_RE, find_target_linears, is_linear_like, linear_shape
+        from ..target_layers import BLOCK_RE, find_target_linears, is_linear_like, linear_shape
 
         tracked = set(find_target_linears(model))
         linears = []

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..batch import check_batch, per_example_loss
 from ..lowrank import LowRankLinear
-from ..models.targets import Conv1D, find_target_linears
+from ..target_layers import Conv1D, find_target_linears
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def _write_overlay(path: Path, content: dict) -> Path:
 
 def _count_params(path: str) -> int:
     from ..models.loading import load_model
-    from ..models.targets import count_parameters
+    from ..target_layers import count_parameters
 
     model, _ = load_model(path, tokenizer=False)
     return count_parameters(model)
@@ -109,10 +109,16 @@ def pipeline(
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
 
+    from ..data.eval_validation import parse_eval_source
     from ..io.stages import StageLedger
 
-    # a stage's output is reused only when its fingerprint (configs, overlay, sources, upstream stages) matches
-    ledger = StageLedger(wd, {"target": target, "pool": pool, "validation": validation}, force=force)
+    # a stage's output is reused only when its fingerprint (configs, overlay, sources, upstream stages) matches;
+    # an eval:<dir>[:suites] validation source is identified by its directory and suites
+    sources = {"target": target, "pool": pool, "validation": validation}
+    for k, v in sources.items():
+        if isinstance(v, str) and (parsed := parse_eval_source(v)):
+            sources[k] = {"eval": parsed[0], "suites": list(parsed[1])}
+    ledger = StageLedger(wd, sources, force=force)
 
     def stage(name: str, subcommand: str, overlay: dict, done: Path, tag: str | None = None,
               upstream: tuple = (), files: tuple = ()) -> None:

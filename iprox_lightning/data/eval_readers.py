@@ -67,7 +67,7 @@ def read_mmlu_csv(path: str | os.PathLike, subject: str | None = None, split: st
     out: list[MMLUQuestion] = []
     from io import StringIO
 
-    from .sources import read_utf8
+    from ..io.records import read_utf8
 
     with StringIO(read_utf8(path, error=EvalDataError), newline="") as f:
         for row_idx, row in enumerate(csv.reader(f)):
@@ -168,7 +168,7 @@ def read_bbh_cot_prompt(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"BBH CoT prompt not found: {path}")
-    from .sources import read_utf8
+    from ..io.records import read_utf8
 
     lines = read_utf8(path, error=EvalDataError).splitlines(keepends=True)
     if len(lines) >= 2 and "canary" in lines[0].lower() and lines[1].strip().startswith("---"):
@@ -382,7 +382,7 @@ def sample_per_group(items: Sequence[Any], n: int | None, seed: int, group: str)
 def _load_json(path: Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"file not found: {path}")
-    from .sources import read_utf8
+    from ..io.records import read_utf8
 
     try:
         return json.loads(read_utf8(path, error=EvalDataError))

@@ -129,7 +129,7 @@ def build_manifest(model: nn.Module, report: Any = None, **extra: Any) -> dict:
     """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the compression
     settings and parameter counts of ``report`` (a ``CompressionReport`` — any fields of its ``to_dict()`` —
     or a dict) and any ``extra`` keys."""
-    from ..models.targets import count_parameters, lowrank_layers
+    from ..target_layers import count_parameters, lowrank_layers
 
     layers = {}
     for name, m in lowrank_layers(model).items():
@@ -167,7 +167,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     to the manifest."""
     from safetensors.torch import save_model
 
-    from ..models.targets import is_compressed
+    from ..target_layers import is_compressed
     from .fingerprint import file_identity
 
     path = Path(path)
@@ -271,7 +271,7 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ..lowrank import LowRankLinear
-    from ..models.targets import linear_shape, linear_weight, set_submodule
+    from ..target_layers import linear_shape, linear_weight, set_submodule
 
     path = Path(path)
     man_file = path / PROXY_MANIFEST

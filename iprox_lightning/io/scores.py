@@ -337,7 +337,7 @@ def _read_parquet(path: Path, id_column: str, score_column: str) -> dict[str, fl
 
 
 def _read_jsonl(path: Path, id_column: str, score_column: str) -> dict[str, float]:
-    from ..data.sources import iter_jsonl
+    from .records import iter_jsonl
 
     out: dict[str, float] = {}
     for where, rec in iter_jsonl(path):

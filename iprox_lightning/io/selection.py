@@ -60,7 +60,7 @@ def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Calla
                    pool_name: Any = None) -> list[dict]:
     """The selected examples as canonical records (file order). Lines without records are resolved by id
     against ``pool_records`` (a list, or a callable returning it, called only when needed); raises naming the file and line on a bad line or an id not in the pool."""
-    from ..data.sources import DataFormatError, iter_jsonl, normalize_row
+    from .records import DataFormatError, iter_jsonl, normalize_row
 
     meta = read_meta(path)
     if meta is not None and meta.get("schema_version", SCHEMA_VERSION) > SCHEMA_VERSION:

@@ -24,14 +24,12 @@ STAGES_DIR = "stages"
 
 
 def sources_identity(sources: Mapping[str, Any]) -> dict[str, Any]:
-    """Identity of the pipeline's named sources (``eval:<dir>[:suites]`` resolves to the directory)."""
+    """Identity of the pipeline's named sources. A value ``{"eval": <dir>, "suites": [...]}`` (an
+    ``eval:<dir>[:suites]`` source, parsed by the caller) is identified by its directory and suites."""
     out = {}
     for k, v in sources.items():
-        if isinstance(v, str) and v.startswith("eval:"):
-            from ..data.eval_validation import parse_eval_source
-
-            d, suites = parse_eval_source(v)
-            out[k] = {"eval": source_identity(d), "suites": list(suites)}
+        if isinstance(v, Mapping) and set(v) == {"eval", "suites"}:
+            out[k] = {"eval": source_identity(v["eval"]), "suites": list(v["suites"])}
         else:
             out[k] = source_identity(v)
     return out

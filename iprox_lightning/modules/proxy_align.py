@@ -600,7 +600,7 @@ class ProxyAlignModule(L.LightningModule):
     def _unsharded_copy(self, state_dict: dict) -> nn.Module:
         """A plain (unsharded) proxy holding ``state_dict``: the teacher's architecture with the same
         ``LowRankLinear`` layers (ranks read from the factor shapes)."""
-        from ..models.targets import set_submodule
+        from ..target_layers import set_submodule
 
         model = copy.deepcopy(self._teacher).to("cpu")
         for name, m in self.proxy.named_modules():

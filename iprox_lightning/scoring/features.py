@@ -40,7 +40,7 @@ from torch import nn
 
 from ..batch import IGNORE_INDEX, check_batch
 from ..lowrank import LowRankLinear
-from ..models.targets import Conv1D, find_target_linears, linear_shape
+from ..target_layers import Conv1D, find_target_linears, linear_shape
 from ..tracking import PairTracker
 
 FEATURE_MODES = ("auto", "ghost", "materialize")

@@ -30,7 +30,7 @@ BLOCK_RE = re.compile(r"(^|\.)(layers|h|blocks|block|decoder_layers)\.\d+\.")
 
 
 def is_linear_like(module: nn.Module) -> bool:
-    from ..lowrank import LowRankLinear
+    from .lowrank import LowRankLinear
 
     return isinstance(module, (nn.Linear, LowRankLinear)) or (bool(Conv1D) and isinstance(module, Conv1D))
 
@@ -44,7 +44,7 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
 
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear-like layer."""
-    from ..lowrank import LowRankLinear
+    from .lowrank import LowRankLinear
 
     if isinstance(module, LowRankLinear):
         return module.out_features, module.in_features
@@ -64,7 +64,7 @@ def find_target_linears(
     only modules inside a numbered decoder block are returned; embeddings / LM head never are.
     Raises ``ValueError`` when nothing matches (so a wrong pattern never silently tracks nothing).
     """
-    from ..lowrank import LowRankLinear
+    from .lowrank import LowRankLinear
 
     pats = [re.compile(rf"^(?:{p})$") for p in (patterns or DEFAULT_TARGET_PATTERNS)]
     excl = [re.compile(p) for p in EXCLUDED_PATTERNS]
@@ -118,7 +118,7 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def lowrank_layers(model: nn.Module) -> dict:
     """``{name: LowRankLinear}`` of a model (empty for an uncompressed one)."""
-    from ..lowrank import LowRankLinear
+    from .lowrank import LowRankLinear
 
     return {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
 
