@@ -1,4 +1,5 @@
-"""Training stages under 2-process CPU gloo (torchrun): DDP alignment and warm-up, FSDP2 warm-up.
+"""Training stages under 2-process CPU gloo (torchrun): DDP and FSDP2 alignment (FSDP2 also with held-out
+checks and ``keep_best``), DDP and FSDP2 warm-up.
 
 The test functions launch this very file with ``python -m torch.distributed.run --nproc_per_node=2``;
 each rank writes its final parameters to ``<out>/<mode>-rank<r>.safetensors`` and the test compares the
@@ -13,6 +14,7 @@ ranks with each other and with a single-process reference computed here:
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 import subprocess
@@ -25,6 +27,7 @@ import torch
 HERE = Path(__file__).resolve()
 STEPS = 3
 LR_ALIGN = 2e-3
+LR_ALIGN_VAL = 4e-3  # align_fsdp2_val: the held-out loss falls after step 1, then rises (best step 1 of 0..3)
 LR_WARM = 1e-3
 
 
@@ -61,7 +64,12 @@ def svd_proxy(teacher):
 
 
 # ------------------------------------------------------------------------------------------------ worker
-MODES = ("align_ddp", "align_fsdp2", "warmup_ddp", "warmup_fsdp2")
+MODES = ("align_ddp", "align_fsdp2", "align_fsdp2_val", "warmup_ddp", "warmup_fsdp2")
+VAL_BATCHES = 2
+
+
+def val_micro_batch(i: int, rank: int) -> dict:
+    return make_batch(5000 + 10 * i + rank, n_resp=4 + rank)
 
 
 def _run_mode(mode: str, out: str) -> None:
@@ -77,8 +85,10 @@ def _run_mode(mode: str, out: str) -> None:
         from iprox_lightning.modules import ProxyAlignModule
 
         teacher = teacher_model()
-        module = ProxyAlignModule(target=teacher, proxy=svd_proxy(teacher), lr=LR_ALIGN, kl_weight=0.1,
-                                  log_layer_cosines=False, save_dir=f"{out}/{mode}-proxy")
+        module = ProxyAlignModule(target=teacher, proxy=svd_proxy(teacher), kl_weight=0.1,
+                                  lr=LR_ALIGN_VAL if mode == "align_fsdp2_val" else LR_ALIGN,
+                                  log_layer_cosines=False, save_dir=f"{out}/{mode}-proxy",
+                                  keep_best=mode == "align_fsdp2_val")
         if mode == "align_ddp":
             strategy = "ddp"
         else:
@@ -96,10 +106,16 @@ def _run_mode(mode: str, out: str) -> None:
             from lightning.pytorch.strategies import ModelParallelStrategy
 
             strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    validation = {}
+    if mode == "align_fsdp2_val":  # a held-out check after every step, and the un-aligned factors at step 0
+        validation = dict(val_check_interval=1, num_sanity_val_steps=0)
+        val = DataLoader([val_micro_batch(i, rank) for i in range(VAL_BATCHES)], batch_size=None)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False)
-    trainer.fit(module, data)
+                        use_distributed_sampler=False, **validation)
+    trainer.fit(module, data, val if validation else None)
+    if validation:
+        Path(f"{out}/{mode}-history-rank{rank}.json").write_text(json.dumps(module.validation_history))
     net = module.proxy if mode.startswith("align") else module.model
     sharded = full_state_dict(net)  # collective under FSDP2; the full tensors land on rank 0 only
     if sharded is not None:
@@ -212,6 +228,47 @@ def test_fsdp2_alignment_double_backward_on_cpu_gloo(dist_out):
     saved, _ = load_proxy(dist_out / "align_fsdp2-proxy")
     for k, v in saved.state_dict().items():
         assert torch.equal(v, r0[k]), k
+
+
+@pytest.mark.distributed
+def test_fsdp2_alignment_with_heldout_checks_and_keep_best(dist_out):
+    """FSDP2 with a validation loader: the held-out loss at step 0 (un-aligned factors, computed outside
+    Lightning's loop) and after every step equals single-process alignment evaluated on both ranks' held-out
+    batches, on both ranks; keep_best saves the factors of the best step."""
+    from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
+    from iprox_lightning.compress import load_proxy
+
+    torch.set_num_threads(1)
+    (r0,) = _results(dist_out, "align_fsdp2_val", ranks=(0,))
+    hist = [json.loads((dist_out / f"align_fsdp2_val-history-rank{r}.json").read_text()) for r in (0, 1)]
+    assert hist[0] == hist[1] and [h["step"] for h in hist[0]] == list(range(STEPS + 1))
+    # single-process reference: the DDP semantics of the training step, a held-out loss after each step
+    teacher = teacher_model().requires_grad_(False)
+    proxy = svd_proxy(teacher).requires_grad_(False)
+    params = [p for m in proxy_factor_layers(proxy).values() for p in (m.A, m.B)]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=LR_ALIGN_VAL, weight_decay=0.01)
+    ref_loss, ref_factors = [], []
+    for s in range(STEPS + 1):
+        held = [alignment_losses(teacher, proxy, val_micro_batch(i, r), kl_weight=0.1, create_graph=False).loss
+                for r in (0, 1) for i in range(VAL_BATCHES)]
+        ref_loss.append(float(torch.stack(held).mean()))
+        ref_factors.append({k: v.clone() for k, v in proxy.state_dict().items()})
+        if s == STEPS:
+            break
+        losses = [alignment_losses(teacher, proxy, micro_batch(s, r), kl_weight=0.1).loss for r in range(2)]
+        opt.zero_grad()
+        ((losses[0] + losses[1]) / 2).backward()
+        opt.step()
+    got = [h["val/loss"] for h in hist[0]]
+    assert got == pytest.approx(ref_loss, rel=1e-4)
+    assert len(set(round(v, 6) for v in ref_loss)) == len(ref_loss)  # every step moved the held-out loss
+    best = min(range(len(got)), key=got.__getitem__)
+    assert 0 < best < STEPS  # neither the un-aligned nor the last factors: restoring is really tested
+    saved, _ = load_proxy(dist_out / "align_fsdp2_val-proxy")
+    _assert_close(saved.state_dict(), ref_factors[best])
+    _assert_close(r0, ref_factors[best])  # restored into the module as well
 
 
 def _single_process_warmup() -> dict:

@@ -292,6 +292,17 @@ class ProxyAlignModule(L.LightningModule):
             if isinstance(m, FSDPModule):
                 m.reshard()
 
+    def _unshard(self) -> None:
+        """FSDP2: gather the factors before a step, so the teacher pass projects its gradients with the very
+        (unsharded) ``A``/``B`` the proxy forward then uses; a no-op for an unsharded proxy."""
+        if self.proxy is None or not is_sharded(self.proxy):
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.proxy.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()
+
     def on_fit_start(self) -> None:
         # The proxy runs in eval mode (no dropout; alignment_step switches it before every forward). Hand it
         # to the fit loop in train mode so Lightning's "modules in eval mode at the start of training" check,
@@ -333,6 +344,7 @@ class ProxyAlignModule(L.LightningModule):
             self.proxy.eval()
         if self._teacher.training:
             self._teacher.eval()
+        self._unshard()
         return alignment_losses(
             self._teacher, self.proxy, batch,
             kl_weight=self.config.kl_weight, temperature=self.config.temperature,
