@@ -227,7 +227,8 @@ def run_all_variants(wd, tmp_path, *, demo=True, data=None, base_model="builtin"
     for name, sc in results.items():
         assert set(sc) == set(target), name  # every pool example scored exactly once
         sel = main(["select", *_cfg("select"), "--scores_path", _write(sc, tmp_path / f"{name}.parquet"),
-                    "--output", str(tmp_path / "sel" / f"{name}.jsonl")])
+                    "--output", str(tmp_path / "sel" / f"{name}.jsonl"),
+                    *(["--pool", str(data["pool"])] if "pool" in data else [])])
         ids = [json.loads(l)["id"] for l in open(sel)]
         assert len(ids) == k
         results[name] = (retention_metrics(sc, target)["spearman"], ids)
