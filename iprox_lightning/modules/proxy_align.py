@@ -271,37 +271,32 @@ class ProxyAlignModule(L.LightningModule):
         (:meth:`on_train_batch_end`) so the next forward all-gathers the updated shards.
         The gradients are taken w.r.t. the unsharded factors the forward used (see
         :func:`~iprox_lightning.alignment.alignment_losses`). The teacher stays replicated."""
-        from torch.distributed.fsdp import FSDPModule
-
         mesh = self._device_mesh
         dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
         if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
             raise ValueError("tensor parallelism is not supported: use ModelParallelStrategy(data_parallel_size=N, "
                              "tensor_parallel_size=1) for FSDP2")
         apply_fully_shard(self.proxy, dp, reshard_after_forward=False)
-        for m in self.proxy.modules():
-            if isinstance(m, FSDPModule):
-                m.set_reshard_after_backward(False)
+        for m in self._fsdp_modules():
+            m.set_reshard_after_backward(False)
 
-    def _reshard(self) -> None:
+    def _fsdp_modules(self) -> list:
+        """The proxy's FSDP2-sharded modules (none when it is not sharded)."""
         if self.proxy is None or not is_sharded(self.proxy):
-            return
+            return []
         from torch.distributed.fsdp import FSDPModule
 
-        for m in self.proxy.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        return [m for m in self.proxy.modules() if isinstance(m, FSDPModule)]
+
+    def _reshard(self) -> None:
+        for m in self._fsdp_modules():
+            m.reshard()
 
     def _unshard(self) -> None:
         """FSDP2: gather the factors before a step, so the teacher pass projects its gradients with the very
         (unsharded) ``A``/``B`` the proxy forward then uses; a no-op for an unsharded proxy."""
-        if self.proxy is None or not is_sharded(self.proxy):
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.proxy.modules():
-            if isinstance(m, FSDPModule):
-                m.unshard()
+        for m in self._fsdp_modules():
+            m.unshard()
 
     def on_fit_start(self) -> None:
         # The proxy runs in eval mode (no dropout; alignment_step switches it before every forward). Hand it
