@@ -41,17 +41,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from ..io.records import (  # noqa: F401  (the record format's one home; re-exported as part of this API)
-    CANONICAL_FIELDS,
-    CHAT_ROLES,
-    DEFAULT_FIELD_MAP,
-    DataFormatError,
-    decode_utf8,
-    iter_jsonl,
-    normalize_row,
-    read_utf8,
-    resolve_field_map,
-)
+from ..io.records import DataFormatError, iter_jsonl, normalize_row, read_utf8, resolve_field_map
 
 log = logging.getLogger(__name__)
 
