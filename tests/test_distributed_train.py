@@ -172,23 +172,31 @@ def _assert_close(a: dict, b: dict, rtol=1e-4, atol=1e-6, keys=None):
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-def _single_process_alignment() -> tuple[dict, dict]:
-    """AdamW on the mean of the two micro-batch alignment losses; returns (initial, final) proxy state."""
+def _single_process_alignment(lr: float = LR_ALIGN, heldout: bool = False) -> tuple[list[dict], list[float]]:
+    """AdamW on the mean of the two micro-batch alignment losses. Returns the proxy state at steps 0..STEPS
+    and, with ``heldout``, the mean alignment loss on both ranks' held-out batches at each of those steps."""
     from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
 
     teacher = teacher_model().requires_grad_(False)
     proxy = svd_proxy(teacher).requires_grad_(False)
-    init = {k: v.clone() for k, v in proxy.state_dict().items()}
     params = [p for m in proxy_factor_layers(proxy).values() for p in (m.A, m.B)]
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=LR_ALIGN, weight_decay=0.01)
-    for s in range(STEPS):
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    states, held = [], []
+    for s in range(STEPS + 1):
+        states.append({k: v.detach().clone() for k, v in proxy.state_dict().items()})
+        if heldout:
+            losses = [alignment_losses(teacher, proxy, val_micro_batch(i, r), kl_weight=0.1, create_graph=False).loss
+                      for r in (0, 1) for i in range(VAL_BATCHES)]
+            held.append(float(torch.stack(losses).mean()))
+        if s == STEPS:
+            break
         losses = [alignment_losses(teacher, proxy, micro_batch(s, r), kl_weight=0.1).loss for r in range(2)]
         opt.zero_grad()
         ((losses[0] + losses[1]) / 2).backward()
         opt.step()
-    return init, proxy.state_dict()
+    return states, held
 
 
 @pytest.mark.distributed
@@ -199,7 +207,8 @@ def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(d
     r0, r1 = _results(dist_out, "align_ddp")
     for k in r0:
         assert torch.equal(r0[k], r1[k]), f"ranks differ on {k}"
-    init, ref = _single_process_alignment()
+    states, _ = _single_process_alignment()
+    init, ref = states[0], states[-1]
     moved = [k for k in ref if not torch.equal(ref[k], init[k])]
     assert moved and all(k.endswith((".A", ".B")) for k in moved)
     _assert_close(r0, ref)
@@ -219,7 +228,8 @@ def test_fsdp2_alignment_double_backward_on_cpu_gloo(dist_out):
 
     torch.set_num_threads(1)
     (r0,) = _results(dist_out, "align_fsdp2", ranks=(0,))
-    init, ref = _single_process_alignment()
+    states, _ = _single_process_alignment()
+    init, ref = states[0], states[-1]
     assert set(r0) == set(ref)
     _assert_close(r0, ref)
     for k in init:
@@ -235,7 +245,6 @@ def test_fsdp2_alignment_with_heldout_checks_and_keep_best(dist_out):
     """FSDP2 with a validation loader: the held-out loss at step 0 (un-aligned factors, computed outside
     Lightning's loop) and after every step equals single-process alignment evaluated on both ranks' held-out
     batches, on both ranks; keep_best saves the factors of the best step."""
-    from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
     from iprox_lightning.compress import load_proxy
 
     torch.set_num_threads(1)
@@ -243,24 +252,7 @@ def test_fsdp2_alignment_with_heldout_checks_and_keep_best(dist_out):
     hist = [json.loads((dist_out / f"align_fsdp2_val-history-rank{r}.json").read_text()) for r in (0, 1)]
     assert hist[0] == hist[1] and [h["step"] for h in hist[0]] == list(range(STEPS + 1))
     # single-process reference: the DDP semantics of the training step, a held-out loss after each step
-    teacher = teacher_model().requires_grad_(False)
-    proxy = svd_proxy(teacher).requires_grad_(False)
-    params = [p for m in proxy_factor_layers(proxy).values() for p in (m.A, m.B)]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=LR_ALIGN_VAL, weight_decay=0.01)
-    ref_loss, ref_factors = [], []
-    for s in range(STEPS + 1):
-        held = [alignment_losses(teacher, proxy, val_micro_batch(i, r), kl_weight=0.1, create_graph=False).loss
-                for r in (0, 1) for i in range(VAL_BATCHES)]
-        ref_loss.append(float(torch.stack(held).mean()))
-        ref_factors.append({k: v.clone() for k, v in proxy.state_dict().items()})
-        if s == STEPS:
-            break
-        losses = [alignment_losses(teacher, proxy, micro_batch(s, r), kl_weight=0.1).loss for r in range(2)]
-        opt.zero_grad()
-        ((losses[0] + losses[1]) / 2).backward()
-        opt.step()
+    ref_factors, ref_loss = _single_process_alignment(LR_ALIGN_VAL, heldout=True)
     got = [h["val/loss"] for h in hist[0]]
     assert got == pytest.approx(ref_loss, rel=1e-4)
     assert len(set(round(v, 6) for v in ref_loss)) == len(ref_loss)  # every step moved the held-out loss
