@@ -7,8 +7,10 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
 
 * ``k``: an ``int`` count, or a ``float`` fraction in ``(0, 1]`` of the ranked examples
   (paper: 5%); the count is ``round(k · n)``, at least 1.
-* ``per_task=True`` ranks by LESS's aggregate ``max_T score_T(z)`` (column ``score_max``) instead
-  of the score against the pooled validation gradient (``score``).
+* ``rule`` / ``task``: how the score columns become one ranking (:mod:`iprox_lightning.selection_rules`):
+  ``pooled`` (default: the score against the pooled validation gradient), ``mean`` / ``max`` over the parts of
+  one target task (``max`` is LESS's max over subtasks), ``balanced`` (task-balanced round-robin).
+  ``per_task=True`` is ``rule="max"`` over every task (column ``score_max``).
 * Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
 * ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
   identical text (instruction, context, response after whitespace normalisation).
@@ -24,10 +26,11 @@ per validation task, lengths, top/bottom examples), which ``select`` also prints
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Sequence
+
+import numpy as np
 
 TEXT_FIELDS = ("instruction", "context", "response")
 
@@ -66,6 +69,8 @@ def select(
     scores_path: str,
     *,
     k: int | float = 0.05,
+    rule: str = "pooled",
+    task: str | None = None,
     per_task: bool = False,
     dedup: bool = True,
     pool: str | list[str] | None = None,
@@ -79,7 +84,13 @@ def select(
     Args:
         scores_path: score table (Parquet) written by the scoring stage, or its directory.
         k: an int count, or a float fraction in (0, 1] of the ranked examples (paper: 0.05).
-        per_task: rank by LESS's max over validation tasks (``score_max``) instead of ``score``.
+        rule: how the table's columns become one ranking (:mod:`iprox_lightning.selection_rules`): ``pooled``
+            (the pooled ``score``), ``mean`` / ``max`` (mean / LESS max over the parts of ``task``, or over every
+            task column when no task is given), ``balanced`` (task-balanced round-robin over standardised task
+            scores).
+        task: the target task to select for (its columns ``score/<task>`` and ``score/<task>.<part>``; rules
+            ``mean``, ``max``, ``balanced``).
+        per_task: shorthand for ``rule="max"`` without a task (LESS's max over validation tasks, ``score_max``).
         dedup: one row per id and, with a pool, one example per identical text.
         pool: the candidate pool to copy records from (any source SFTDataModule reads; default
             ``builtin`` when all ids are built-in ids, else ids and scores only).
@@ -89,24 +100,31 @@ def select(
             and report how many; without it such rows stop the selection with an error naming them.
     """
     src, table = _read_scores(scores_path)
-    col = "score_max" if per_task else "score"
-    if col not in table.column_names:
-        raise ValueError(f"{src}: column {col!r} missing (per_task={per_task}); columns: {table.column_names}")
+    if per_task:
+        if rule not in ("pooled", "max") or task is not None:
+            raise ValueError("per_task=True means rule='max' over every task; pass rule/task instead")
+        rule = "max"
+    from .selection_rules import rule_columns, rule_order
+
+    used = rule_columns(rule, table.column_names, task)
+    col = used[0] if len(used) == 1 else f"{rule}({', '.join(used)})"
     ids = [str(i) for i in table.column("id").to_pylist()]
-    scores = [float(s) for s in table.column(col).to_pylist()]
+    values = {c: np.asarray([np.nan if v is None else float(v) for v in table.column(c).to_pylist()], np.float64)
+              for c in used}
     flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
     nonfin = table.column("nonfinite").to_pylist() if "nonfinite" in table.column_names else [False] * len(ids)
-    bad = [(i, s) for s, i, nf in zip(scores, ids, nonfin) if nf or not math.isfinite(s)]
+    finite = np.all([np.isfinite(v) for v in values.values()], axis=0) if ids else np.ones(0, bool)
+    bad = [(i, float(values[used[0]][j])) for j, (i, nf) in enumerate(zip(ids, nonfin)) if nf or not finite[j]]
     if bad and not skip_flagged:
         raise ValueError(
             f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
             f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
             "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
     bad_ids = {i for i, _ in bad}
-    rows = [(s, i) for s, i, z in zip(scores, ids, flags) if not z and i not in bad_ids]
-    from .io.scores import topk_order
-
-    rows = [rows[j] for j in topk_order([r[0] for r in rows], [r[1] for r in rows])]  # score desc, then id
+    keep = np.asarray([not z and i not in bad_ids for i, z in zip(ids, flags)], bool)
+    kept_ids = [i for i, m in zip(ids, keep) if m]
+    order, value = rule_order(rule, kept_ids, {c: v[keep] for c, v in values.items()}, task)
+    rows = [(float(value[j]), kept_ids[j]) for j in order]  # best first (ties by id)
     if dedup:
         seen: set[str] = set()
         rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
@@ -142,7 +160,7 @@ def select(
     out = Path(output)
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
-        "column": col, "per_task": per_task, "dedup": dedup, "pool": pools,
+        "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }

@@ -1,0 +1,121 @@
+"""Selection rules (pooled, per-task mean, LESS max over subtasks, task-balanced) against brute-force
+references, and through ``select`` / the CLI."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from iprox_lightning.scoring import ScoreTable
+from iprox_lightning.select import select
+from iprox_lightning.selection_rules import RULES, rule_order, task_columns
+
+N = 30
+TASKS = ["bbh.date", "bbh.navigate", "mmlu.anatomy", "mmlu.astronomy", "mmlu.virology", "tydiqa"]
+
+
+@pytest.fixture()
+def table(tmp_path):
+    rng = np.random.default_rng(1)
+    ids = [f"ex-{j:03d}" for j in range(N)]
+    ts = rng.normal(size=(N, len(TASKS)))
+    ts[:, 5] *= 10  # a task on another scale: balanced must standardise
+    scores = ts.mean(axis=1)
+    zero = np.zeros(N, bool)
+    zero[4] = True
+    t = ScoreTable(ids, scores, TASKS, ts, np.full(N, 3), zero, ["t"] * N)
+    path = tmp_path / "scores.parquet"
+    t.save(str(path))
+    pool = tmp_path / "pool.jsonl"
+    with open(pool, "w") as f:
+        for i in ids:
+            f.write(json.dumps({"id": i, "category": "c", "instruction": f"q {i}", "response": "r"}) + "\n")
+    return ids, scores, ts, str(path), str(pool)
+
+
+def brute_order(ids, values):
+    return [i for _, i in sorted(zip(values, ids), key=lambda r: (-r[0], r[1]))]
+
+
+def cols(scores, ts):
+    return {"score": scores, **{f"score/{t}": ts[:, k] for k, t in enumerate(TASKS)}}
+
+
+def test_task_columns_take_a_task_and_its_parts_only(table):
+    ids, scores, ts, *_ = table
+    assert list(task_columns(cols(scores, ts), "mmlu")) == ["score/mmlu.anatomy", "score/mmlu.astronomy",
+                                                            "score/mmlu.virology"]
+    assert list(task_columns(cols(scores, ts), "tydiqa")) == ["score/tydiqa"]
+    assert len(task_columns(cols(scores, ts), None)) == len(TASKS)
+    with pytest.raises(ValueError, match=r"no score column for task 'mm'.*\['bbh', 'mmlu', 'tydiqa'\]"):
+        task_columns(cols(scores, ts), "mm")
+
+
+def test_pooled_mean_max_equal_brute_force(table):
+    ids, scores, ts, *_ = table
+    c = cols(scores, ts)
+    order, value = rule_order("pooled", ids, c)
+    assert [ids[j] for j in order] == brute_order(ids, scores)
+    np.testing.assert_array_equal(value, scores)
+    for rule, agg in (("mean", np.mean), ("max", np.max)):
+        for task, parts in (("mmlu", [2, 3, 4]), ("bbh", [0, 1]), (None, list(range(6)))):
+            want = [agg(ts[j, parts]) for j in range(N)]
+            order, value = rule_order(rule, ids, c, task)
+            assert [ids[j] for j in order] == brute_order(ids, want), (rule, task)
+            np.testing.assert_allclose(value, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="takes no task"):
+        rule_order("pooled", ids, c, "mmlu")
+    with pytest.raises(ValueError, match="unknown selection rule 'best'.*pooled, mean, max, balanced"):
+        rule_order("best", ids, c)
+    assert set(RULES) == {"pooled", "mean", "max", "balanced"}
+
+
+def test_balanced_round_robin_over_standardised_tasks(table):
+    ids, scores, ts, *_ = table
+    order, value = rule_order("balanced", ids, cols(scores, ts), None)
+    assert sorted(order.tolist()) == list(range(N))  # a permutation: every example exactly once
+    z = (ts - ts.mean(0)) / ts.std(0)
+    # brute force: task t (round-robin) takes its best remaining example by z-score
+    taken, want, picker = set(), [], []
+    while len(want) < N:
+        for t in range(len(TASKS)):
+            rest = [j for j in brute_order(list(range(N)), z[:, t]) if j not in taken]
+            if rest:
+                taken.add(rest[0])
+                want.append(rest[0])
+                picker.append(t)
+    assert order.tolist() == want
+    np.testing.assert_allclose(value[want], [z[j, t] for j, t in zip(want, picker)], atol=1e-12)
+    # the first len(TASKS) picks are each task's own best: the 10x-scaled task does not dominate
+    assert [int(np.argmax(z[:, t])) in want[: len(TASKS)] for t in range(len(TASKS))] == [True] * len(TASKS)
+
+
+def test_select_with_rule_and_task(table, tmp_path):
+    ids, scores, ts, path, pool = table
+    ok = [j for j in range(N) if j != 4]  # ex-004 has no gradient
+    out = select(path, k=5, rule="max", task="mmlu", dedup=False, pool=pool, output=str(tmp_path / "m.jsonl"))
+    got = [json.loads(line)["id"] for line in open(out)]
+    assert got == brute_order([ids[j] for j in ok], [ts[j, 2:5].max() for j in ok])[:5]
+    meta = json.loads(open(out + ".meta.json").read())
+    assert meta["rule"] == "max" and meta["task"] == "mmlu" and meta["count"] == 5
+    assert [m["score"] for m in meta["selected"]] == pytest.approx(sorted((ts[j, 2:5].max() for j in ok),
+                                                                          reverse=True)[:5])
+    # per_task=True is LESS max over every task column (score_max)
+    a = select(path, k=6, per_task=True, dedup=False, pool=pool, output=str(tmp_path / "a.jsonl"))
+    b = select(path, k=6, rule="max", dedup=False, pool=pool, output=str(tmp_path / "b.jsonl"))
+    assert open(a).read() == open(b).read()
+    with pytest.raises(ValueError, match="no score column for task 'gsm8k'"):
+        select(path, k=5, rule="mean", task="gsm8k", pool=pool, output=str(tmp_path / "x.jsonl"))
+
+
+def test_select_cli_names_the_rule(table, tmp_path):
+    from iprox_lightning.cli import main
+
+    ids, scores, ts, path, pool = table
+    out = tmp_path / "cli.jsonl"
+    main(["select", "--scores_path", path, "--k", "4", "--rule", "mean", "--task", "bbh", "--dedup", "false",
+          "--pool", pool, "--output", str(out), "--quiet", "true"])
+    ok = [j for j in range(N) if j != 4]
+    assert [json.loads(line)["id"] for line in open(out)] == brute_order(
+        [ids[j] for j in ok], [ts[j, :2].mean() for j in ok])[:4]
