@@ -5,7 +5,8 @@ Sources
     * a ``.json`` file holding a list of objects, or an object with exactly one list of objects
       (e.g. ``{"data": [...]}``);
     * a ``.parquet`` file;
-    * a directory: every ``*.jsonl`` / ``*.json`` / ``*.parquet`` file below it, in sorted order;
+    * a directory: every ``*.jsonl`` / ``*.json`` / ``*.parquet`` file below it, in sorted order; files and
+      folders whose name starts with ``.`` (``.ipynb_checkpoints/``, ``.cache/``) are skipped, counted in a warning;
     * a Hugging Face dataset id (anything that is not an existing path and has no file suffix),
       read with ``datasets.load_dataset(id, split=split)``; ``"owner/name:split"`` picks a split
       (default ``train``; slices such as ``train[:1000]`` work).
@@ -116,13 +117,30 @@ def is_hub_id(source: str | os.PathLike) -> bool:
     return not p.exists() and p.suffix not in FILE_SUFFIXES and str(source) != "builtin"
 
 
+def is_hidden(path: Path, root: Path) -> bool:
+    """True when a file or folder name on ``path`` below ``root`` starts with ``'.'`` (``.ipynb_checkpoints/``,
+    ``.cache/``, editor swap files): never data."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def data_files(directory: Path) -> tuple[list[Path], list[Path]]:
+    """``(data files, hidden data files)`` below ``directory``, each in sorted order: the files with a data suffix,
+    split by :func:`is_hidden` (the hidden ones are skipped by :func:`iter_rows`)."""
+    found = sorted(f for f in directory.rglob("*") if f.is_file() and f.suffix in FILE_SUFFIXES)
+    return [f for f in found if not is_hidden(f, directory)], [f for f in found if is_hidden(f, directory)]
+
+
 def iter_rows(source: str | os.PathLike) -> Iterator[tuple[str, str, Any]]:
     """Yield ``(source_name, where, raw_row)`` for every record of ``source`` (see module doc)."""
     p = Path(str(source))
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in FILE_SUFFIXES)
+        files, hidden = data_files(p)
+        if hidden:
+            log.warning("%s: skipped %d hidden file(s) (a name or folder starting with '.', e.g. %s)", p, len(hidden),
+                        ", ".join(str(f.relative_to(p)) for f in hidden[:3]))
         if not files:
-            raise FileNotFoundError(f"SFT data directory {p} holds no {'/'.join(FILE_SUFFIXES)} files")
+            raise FileNotFoundError(f"SFT data directory {p} holds no {'/'.join(FILE_SUFFIXES)} files"
+                                    + (f" (besides {len(hidden)} hidden one(s), skipped)" if hidden else ""))
         for f in files:
             yield from iter_rows(f)
         return
