@@ -22,7 +22,7 @@ TRAINER_COMMANDS = {
 }
 """The LightningCLI subcommands (:mod:`.lightning`) and what they do in this project."""
 
-COMMANDS = ("select", "pipeline", "report", "check", "layer_extraction", "regression_scorer", "random_scores")
+COMMANDS = ("select", "pipeline", "report", "check", "layer_extraction", "regression_scorer", "random_scores", "rds_scores")
 """The plain-function commands, in the order ``train.py --help`` lists them."""
 
 

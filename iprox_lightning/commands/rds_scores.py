@@ -1,0 +1,56 @@
+"""Baseline scores: RDS+ (cosine of position-weighted mean-pooled final hidden states to each validation task)."""
+from __future__ import annotations
+
+
+def rds_scores(
+    model: str,
+    output_dir: str,
+    pool: str = "builtin",
+    validation: str = "builtin",
+    tokenizer: str | None = None,
+    max_length: int = 512,
+    batch_size: int = 8,
+    seed: int = 0,
+    builtin_size: int = 2000,
+) -> str:
+    """Score every pool example with RDS+ (forward passes only) and write ``<output_dir>/scores.parquet`` (the
+    influence-score format: ``select`` takes it with any rule) and ``settings.json`` (model, pool and validation
+    identity).
+
+    Args:
+        model: the model whose representations are compared (paper: the warmed-up target).
+        output_dir: where ``scores.parquet`` and ``settings.json`` go.
+        pool: the candidate pool (any source SFTDataModule reads).
+        validation: the validation sets (a file with a ``category`` column, ``builtin``, ``eval:<dir>``).
+        tokenizer: tokenizer (default: the model's).
+        max_length: token cap per example.
+        batch_size: examples per forward pass.
+        seed: seed of the data module's splits.
+        builtin_size: size of the built-in pool (``pool: builtin``).
+    """
+    import time
+    from pathlib import Path
+
+    from ..baselines.rds import rds_table
+    from ..data import SFTDataModule
+    from ..io.fingerprint import loader_digest, source_identity
+    from ..io.scores import write_settings
+    from ..models.loading import load_model
+
+    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or model, max_length=max_length,
+                       batch_size=batch_size, seed=seed, builtin_size=builtin_size)
+    dm.setup("predict")
+    dm.setup("validate")
+    net, _ = load_model(model, tokenizer=False)
+    t0 = time.perf_counter()
+    table = rds_table(dm.predict_dataloader(), dm.validation_dataloader(), net)
+    wall = time.perf_counter() - t0
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = table.save(str(out / "scores.parquet"))
+    write_settings(out, {"method": "rds+", **table.settings, "wall_s": wall, "fingerprint": {
+        "model": source_identity(model), "settings": {"method": "rds+", "max_length": max_length},
+        "pool": loader_digest(dm.predict_dataloader()), "validation": loader_digest(dm.validation_dataloader())}})
+    print(f"rds_scores: RDS+ scores of {len(table)} pool examples against {len(table.task_names)} validation "
+          f"task(s) in {wall:.1f} s -> {path}")
+    return path
