@@ -9,7 +9,17 @@ from .flops import (
     scoring_flops,
 )
 from .tables import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
-from .retention import kendall, partial_spearman, pearson, retention_metrics, spearman, topk_overlap
+from .retention import (
+    kendall,
+    partial_spearman,
+    pearson,
+    per_task_retention,
+    per_task_scores,
+    retention_metrics,
+    spearman,
+    topk_overlap,
+    worst_task,
+)
 from .score_table import read_scores, write_scores
 from .subspace import (
     KroneckerProjector,
@@ -23,7 +33,8 @@ from .subspace import (
 __all__ = [
     "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",
     "scoring_flops", "flops_rows", "format_table", "merge_rows", "retention_rows", "select_top", "selection_rows", "write_rows",
-    "kendall", "partial_spearman", "pearson", "retention_metrics", "spearman", "topk_overlap", "read_scores", "write_scores",
+    "kendall", "partial_spearman", "pearson", "per_task_retention", "per_task_scores", "retention_metrics", "spearman",
+    "topk_overlap", "worst_task", "read_scores", "write_scores",
     "KroneckerProjector", "mean_nn_distance", "nearest_neighbor_distances", "per_example_gradients",
     "subspace_affinity", "subspace_basis",
 ]

@@ -15,11 +15,19 @@ examples, retention is measured on the ``n`` ids they share:
 
 All of them are 1 for a perfect proxy; the paper selects the top 5 % by score, so ``top5%`` is
 the number that matters most for data selection.
+
+**Per validation task** (:func:`per_task_retention`, :func:`worst_task`): the pooled score is one cosine to the
+mean gradient of *all* validation examples, so the largest task dominates it; a user selects one subset per
+target task. ``per_task_retention`` takes ``id -> {task: score}`` tables (:func:`per_task_scores` reads them from
+a score table's ``score/<task>`` columns) and gives each task's Spearman, length-partialled Spearman and top-k
+overlap of the per-task top-k sets (Spearman from ``scipy.stats.spearmanr``); ``worst_task`` is the minimum over
+tasks — the number a proxy should be judged by.
 """
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Sequence
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -164,3 +172,154 @@ def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: 
     ids = sorted(set(target) & set(proxy) & set(lengths))
     t, p, n = (np.array([d[i] for i in ids], dtype=float) for d in (target, proxy, lengths))
     return {"length_floor": spearman(-n, t), "spearman_length_partialled": partial_spearman(p, t, n)}
+
+
+# ------------------------------------------------------------------------------------------------
+# per validation task
+# ------------------------------------------------------------------------------------------------
+PER_TASK_TOPK = (0.05, 0.10)
+
+#: ``interval(stat, n) -> [lo, hi]``: a confidence interval of ``stat(index array)`` over ``n`` items
+#: (e.g. a percentile bootstrap that calls ``stat`` on resampled index arrays)
+Interval = Callable[[Callable[[np.ndarray], float], int], Sequence[float]]
+
+
+def per_task_scores(source: Any) -> dict[str, dict[str, float]]:
+    """``id -> {task: score}`` of a score table: a :class:`~iprox_lightning.scoring.ScoreTable` (``ids``,
+    ``task_names``, ``task_scores``) or a Parquet score table / scoring directory (its ``score/<task>``
+    columns). Empty dicts per id when the table has no per-task columns."""
+    if hasattr(source, "task_names") and hasattr(source, "task_scores"):
+        ids, names, ts = list(source.ids), list(source.task_names), np.asarray(source.task_scores, dtype=np.float64)
+    else:
+        from ..io.scores import read_table, task_names_of
+
+        _, table = read_table(source)
+        names = task_names_of(table)
+        ids = [str(i) for i in table.column("id").to_pylist()]
+        ts = np.stack([np.asarray(table.column(f"score/{t}").to_pylist(), dtype=np.float64) for t in names], axis=1) \
+            if names else np.zeros((len(ids), 0))
+    return {str(i): {t: float(ts[j, k]) for k, t in enumerate(names)} for j, i in enumerate(ids)}
+
+
+def _rank_corr(*cols: np.ndarray) -> np.ndarray:
+    """Spearman correlation matrix of the columns (``scipy.stats.spearmanr``; NaN where a column is constant)."""
+    import warnings
+
+    from scipy.stats import spearmanr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # constant input: NaN, as documented
+        r = np.asarray(spearmanr(np.stack(cols, axis=1)).statistic, dtype=np.float64)
+    return r if r.ndim == 2 else np.array([[1.0, float(r)], [float(r), 1.0]])  # two columns: a scalar
+
+
+def _spearman(p: np.ndarray, t: np.ndarray) -> float:
+    return float(_rank_corr(p, t)[0, 1]) if len(p) > 1 else float("nan")
+
+
+def _partialled(p: np.ndarray, t: np.ndarray, c: np.ndarray) -> float:
+    """Spearman of ``p`` and ``t`` with ``c`` partialled out: ``(r_pt − r_pc r_tc) / sqrt((1 − r_pc²)(1 − r_tc²))``
+    on Spearman correlations (= the Pearson correlation of the rank residuals after regressing on ``c``'s ranks);
+    NaN when either ranking is a function of ``c``."""
+    if len(p) < 3:
+        return float("nan")
+    r = _rank_corr(p, t, c)
+    r_pt, r_pc, r_tc = r[0, 1], r[0, 2], r[1, 2]
+    u, v = 1 - r_pc ** 2, 1 - r_tc ** 2
+    if not (np.isfinite([u, v]).all() and u > 1e-9 and v > 1e-9):  # a ranking is (up to rounding) the control's
+        return float("nan")
+    return float((r_pt - r_pc * r_tc) / math.sqrt(u * v))
+
+
+def per_task_retention(
+    proxy: Mapping[str, Mapping[str, float]],
+    target: Mapping[str, Mapping[str, float]],
+    lengths: Mapping[str, float] | None = None,
+    *,
+    tasks: Sequence[str] | None = None,
+    topk: Sequence[float] = PER_TASK_TOPK,
+    interval: Interval | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Retention of ``proxy`` w.r.t. ``target`` for each validation task, on the ids both tables (and
+    ``lengths``, when given) share.
+
+    ``proxy`` / ``target``: ``id -> {task: score}`` (:func:`per_task_scores`). ``tasks``: which tasks, in this
+    order (default: those both tables hold for every id, sorted). ``lengths``: ``id -> response length``, for the
+    length-partialled Spearman. ``interval``: ``interval(stat, n) -> [lo, hi]``, called once per task and metric
+    with ``stat(index array)`` (e.g. a percentile bootstrap); its result is stored under ``<metric>_ci``.
+
+    Returns ``{task: {"n", "spearman", "spearman_length_partialled" (with ``lengths``), "top5%", "top10%"}}``:
+    Spearman of the task's scores (``scipy.stats.spearmanr``), the same with the length ranks partialled out, and
+    ``|top_k(proxy task scores) ∩ top_k(target task scores)| / k`` with :func:`topk_count` / :func:`topk_indices`
+    (ties broken by id). Raises ``ValueError`` when the tables share no id or a task score is not finite.
+    """
+    common = set(map(str, proxy)) & set(map(str, target))
+    if lengths is not None:
+        common &= set(map(str, lengths))
+    ids = sorted(common)
+    if not ids:
+        raise ValueError(f"the proxy ({len(proxy)} ids) and target ({len(target)} ids) score tables"
+                         f"{'' if lengths is None else ' and the lengths'} share no id")
+    if tasks is None:
+        tasks = sorted(set.intersection(*(set(d[i]) for d in (proxy, target) for i in ids)))
+    c = None if lengths is None else np.array([float(lengths[i]) for i in ids], dtype=np.float64)
+    out: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        cols = []
+        for name, d in (("proxy", proxy), ("target", target)):
+            try:
+                v = np.array([float(d[i][task]) for i in ids], dtype=np.float64)
+            except KeyError:
+                raise ValueError(f"{name} score table has no score for task {task!r} on every shared id") from None
+            if not np.isfinite(v).all():
+                bad = ids[int(np.flatnonzero(~np.isfinite(v))[0])]
+                raise ValueError(f"{name} score of id {bad!r} on task {task!r} is not finite")
+            cols.append(v)
+        p, t = cols
+        stats: dict[str, Callable[[np.ndarray], float]] = {
+            "spearman": lambda ix, p=p, t=t: _spearman(p[ix], t[ix])}
+        if c is not None:
+            stats["spearman_length_partialled"] = lambda ix, p=p, t=t: _partialled(p[ix], t[ix], c[ix])
+        for frac in topk:
+            stats[topk_key(frac)] = lambda ix, p=p, t=t, frac=frac: topk_overlap(p[ix], t[ix], frac)
+        full = np.arange(len(ids))
+        m: dict[str, Any] = {"n": len(ids)}
+        for key, f in stats.items():
+            m[key] = float(f(full))
+            if interval is not None:
+                m[f"{key}_ci"] = [float(x) for x in interval(f, len(ids))]
+        out[task] = m
+    return out
+
+
+def worst_task(per_task: Mapping[str, Mapping[str, Any]],
+               metrics: Sequence[str] = ("spearman", "spearman_length_partialled")) -> dict[str, Any]:
+    """The minimum over tasks of each metric of :func:`per_task_retention`: ``{metric: value, metric_task: task}``
+    (tasks where the metric is undefined (NaN) are skipped; NaN and ``None`` when it is undefined on every task)."""
+    out: dict[str, Any] = {}
+    for key in metrics:
+        vals = [(float(m[key]), task) for task, m in per_task.items()
+                if m.get(key) is not None and math.isfinite(float(m[key]))]
+        v, task = min(vals) if vals else (float("nan"), None)
+        out[key], out[f"{key}_task"] = v, task
+    return out
+
+
+def format_per_task(per_task: Mapping[str, Mapping[str, Any]], indent: str = "   ", width: int = 15) -> list[str]:
+    """Console lines of :func:`per_task_retention` (one per task) and :func:`worst_task`."""
+    lines = []
+    for task, m in per_task.items():
+        part = m.get("spearman_length_partialled")
+        lines.append(f"{indent}{'on ' + task:<{width}}: Spearman {m['spearman']:.3f}"
+                     + (f", length-partialled {part:.3f}" if part is not None else "")
+                     + "".join(f", {k.replace('top', 'top-')} overlap {m[k]:.2f}" for k in m
+                               if k.startswith("top") and not k.endswith("_ci")))
+    w = worst_task(per_task)
+
+    def worst(key: str) -> str:
+        return f"{w[key]:.3f} ({w[key + '_task']})" if w[key + "_task"] is not None else "undefined"
+    if per_task:
+        lines.append(f"{indent}{'worst task':<{width}}: Spearman {worst('spearman')}"
+                     + (f", length-partialled {worst('spearman_length_partialled')}"
+                        if any("spearman_length_partialled" in m for m in per_task.values()) else ""))
+    return lines

@@ -2,7 +2,9 @@
 
 The sample is scored with TracIn or K-FAC (:func:`~iprox_lightning.scoring.influence_scores`); the table holds
 Spearman / Pearson / Kendall and top-1/5/10% overlap, with response length partialled out, next to the free
-baselines (length sort, Layer Extraction at the proxy's sparsity). A bad proxy is caught in minutes.
+baselines (length sort, Layer Extraction at the proxy's sparsity), then the same per validation task (Spearman,
+length-partialled Spearman, top-5/10% overlap of each task's top-k, and the worst task). A bad proxy is caught in
+minutes.
 """
 from __future__ import annotations
 
@@ -54,7 +56,11 @@ def check(
     Besides Spearman / Kendall / top-k overlap the row holds ``length_floor`` (how well ranking by
     response length alone, shortest first, matches the target) and ``spearman_length_partialled``
     (the proxy's retention that length does not explain) — TracIn rankings often follow length, and
-    then raw retention flatters any proxy (see docs/BENCHMARKS.md).
+    then raw retention flatters any proxy (see docs/BENCHMARKS.md). The pooled score is one cosine to the mean
+    gradient of every validation example, so the largest task dominates it: each row also holds ``per_task``
+    (:func:`~iprox_lightning.analysis.retention.per_task_retention` of the per-task scores: Spearman,
+    length-partialled Spearman, top-5% / top-10% overlap per validation task) and ``worst_task`` (the minimum over
+    tasks); the length sort ranks every task by length.
 
     Args:
         target: the target model (hub id, dir, ``.gguf``, ``builtin``).
@@ -73,7 +79,7 @@ def check(
             the proxy's achieved sparsity (same parameter budget) — as extra rows. A proxy worth using beats
             both, also with length partialled out.
     """
-    from ..analysis.retention import length_confound
+    from ..analysis.retention import format_per_task, length_confound, per_task_retention, per_task_scores, worst_task
     from ..analysis.tables import format_table, retention_rows
     from ..baselines.random_selection import random_subset
     from ..batch import token_counts
@@ -96,8 +102,12 @@ def check(
         del model
     lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
     others: dict[str, dict[str, float]] = {}
+    task_maps = {"proxy": per_task_scores(tables["proxy"])}  # id -> {task: score} of every row
+    t_tasks = per_task_scores(tables["target"])
+    names = tables["target"].task_names
     if layer_extraction:
         others["length sort (shortest first)"] = {i: -float(v) for i, v in lengths.items()}
+        task_maps["length sort (shortest first)"] = {i: dict.fromkeys(names, -float(v)) for i, v in lengths.items()}
         le_rho = _proxy_sparsity(proxy)
         if le_rho is not None:
             from ..baselines.layer_extraction import layer_extraction_proxy
@@ -105,17 +115,28 @@ def check(
             model, _ = load_model(target, tokenizer=False)
             le, _ = layer_extraction_proxy(model, dm.dataloader("probe"), sparsity=le_rho, progress=False)
             t0 = time.perf_counter()
-            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(influence_scores(
-                le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(), metric=method))
+            le_table = influence_scores(le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
+                                        metric=method)
+            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(le_table)
+            task_maps[f"layer extraction (ρ={le_rho:.2f})"] = per_task_scores(le_table)
             seconds["layer_extraction"] = time.perf_counter() - t0
             del model, le
     rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"]), **others})
     rows[0]["target_s"] = seconds["target"]
     rows[0]["proxy_s"] = seconds["proxy"]
-    for r, table in zip(rows, [dict(tables["proxy"]), *others.values()]):
+    for r, table, tm in zip(rows, [dict(tables["proxy"]), *others.values()], task_maps.values()):
         r.update(length_confound(dict(tables["target"]), table, lengths))
+        if names:
+            r["per_task"] = per_task_retention(tm, t_tasks, lengths, tasks=names)
+            r["worst_task"] = worst_task(r["per_task"])
     print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
-    print(format_table(rows))
+    columns = list(dict.fromkeys(c for r in rows for c in r if c not in ("per_task", "worst_task")))
+    print(format_table(rows, columns))
+    if names:
+        print(f"\nper validation task (the pooled score above is one cosine to all of them together): {', '.join(names)}")
+        for r in rows:
+            print(f"{r['proxy']}:")
+            print("\n".join(format_per_task(r["per_task"])))
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(rows, indent=2))

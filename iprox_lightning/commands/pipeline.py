@@ -228,6 +228,20 @@ def pipeline(
     return summary
 
 
+def _per_task(wd) -> dict[str, Any]:
+    """Proxy vs target per validation task (the score tables' ``score/<task>`` columns; lengths = the target table's
+    response tokens): :func:`~iprox_lightning.analysis.retention.per_task_retention` and its worst task."""
+    from ..analysis.retention import per_task_retention, per_task_scores, worst_task
+    from ..io.scores import read_table
+
+    target = wd / "scores" / "target" / "scores.parquet"
+    _, table = read_table(target)
+    lengths = dict(zip(map(str, table.column("id").to_pylist()), map(float, table.column("n_tokens").to_pylist())))
+    per_task = per_task_retention(per_task_scores(wd / "scores" / "proxy" / "scores.parquet"), per_task_scores(target),
+                                  lengths)
+    return {"retention_proxy_vs_target_per_task": per_task, "retention_proxy_vs_target_worst_task": worst_task(per_task)}
+
+
 def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
     from ..analysis.retention import retention_metrics
 
@@ -243,6 +257,7 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
         "seconds_per_stage": {k: round(v, 2) for k, v in times.items()},
         "retention_proxy_vs_target": retention_metrics(scores["proxy"], scores["target"]),
         "retention_random_vs_target": retention_metrics(scores["random"], scores["target"]),
+        **_per_task(Path(wd)),
     }
     if pool == "builtin":
         from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
@@ -275,6 +290,10 @@ def _format_summary(s: dict[str, Any]) -> str:
         lines.extend(format_provenance(s))
     r = s["retention_proxy_vs_target"]
     lines.append(f"proxy vs target   : Spearman {r['spearman']:.3f}, Kendall {r['kendall']:.3f}, top-5% overlap {r['top5%']:.2f}")
+    if s.get("retention_proxy_vs_target_per_task"):  # the pooled score mixes the tasks; each task on its own
+        from ..analysis.retention import format_per_task
+
+        lines.extend(format_per_task(s["retention_proxy_vs_target_per_task"]))
     r = s["retention_random_vs_target"]
     lines.append(f"random vs target  : Spearman {r['spearman']:.3f}, top-5% overlap {r['top5%']:.2f}")
     if "oracle" in s:
