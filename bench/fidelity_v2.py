@@ -38,6 +38,15 @@ sets ``train.py select`` picks from each table), each with a percentile bootstra
 differences against ``length_sort``, ``layer_extraction`` and ``svd`` rows. The ceiling: the target's
 split-half reliability (Spearman between its LESS-max scores against the two validation halves).
 
+Per task (``per_task`` of every row, reference rows included): the pooled ``score`` is one cosine to the mean
+gradient of all validation examples (MMLU is 285 of the 375), but a user selects one subset per target task. A
+suite's score is the mean of its two half-columns (``score/<suite>.half0|half1``); per suite the row holds Spearman,
+length-partialled Spearman and the top-5% / top-10% overlap of the per-suite top-k sets, each with the same bootstrap
+CI (:func:`iprox_lightning.analysis.retention.per_task_retention`, the library's one function), and ``worst_task``
+(the minimum over suites of the Spearman and of the partialled one) -- the headline of the tables. ``meta``
+holds the per-suite split-half reliability of the target (``target_split_half_per_task``: the same metrics between
+its half0 and half1 scores), the per-task ceiling.
+
     python bench/fidelity_v2.py --out bench/results/fidelity_v2 --threads 2
 """
 from __future__ import annotations
@@ -327,6 +336,22 @@ def half_max(table: Mapping[str, Any], half: str) -> dict[str, float]:
     return dict(zip(table["id"], map(float, np.max(np.stack(cols), axis=0))))
 
 
+def suite_of(task: str) -> str:
+    """``mmlu.half0`` -> ``mmlu``; a task name without a half suffix is its own suite."""
+    base, _, half = task.rpartition(".")
+    return base if base and half in HALVES else task
+
+
+def suite_scores(table: Mapping[str, Any], half: str | None = None) -> dict[str, dict[str, float]]:
+    """``id -> {suite: score}``: the mean of the suite's half-columns, or only the ``half`` one when given."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for name, col in table["tasks"].items():
+        if half is None or name.endswith("." + half):
+            groups.setdefault(suite_of(name), []).append(col)
+    means = {s: np.mean(np.stack(cols), axis=0) for s, cols in groups.items()}
+    return {i: {s: float(v[j]) for s, v in means.items()} for j, i in enumerate(table["id"])}
+
+
 def percentile_interval(stat: Callable[[np.ndarray], float], n_items: int, n: int, seed: int) -> list[float]:
     rng = np.random.default_rng(seed)
     vals = [v for v in (stat(rng.integers(0, n_items, n_items)) for _ in range(n)) if math.isfinite(v)]
@@ -434,9 +459,98 @@ def fmt_ci(ci) -> str:
     return "" if ci is None or any(not math.isfinite(x) for x in ci) else f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
 
 
+SUITE_NAMES = {"mmlu": "MMLU", "bbh": "BBH", "tydiqa": "TyDiQA"}
+
+
+def _num(v, f: str = "{:+.3f}") -> str:
+    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
+
+
+def headline_row(rows) -> dict | None:
+    """The row the headline names: the best worst task (Spearman, then partialled) among the rows with a ρ
+    (proxies and the Layer Extraction / SVD baselines); reference rows are its comparison, never the headline."""
+    def key(r):
+        w = r.get("worst_task") or {}
+        v = [w.get("spearman"), w.get("spearman_length_partialled")]
+        return tuple(x if x is not None and math.isfinite(x) else -math.inf for x in v)
+    cand = [r for r in rows if r.get("rho") is not None and r.get("worst_task")]
+    return max(cand, key=key) if cand else None
+
+
+def headline(summary: Mapping[str, Any]) -> list[str]:
+    """The first lines of the tables: the best row by its worst task, with the references and the per-task ceiling."""
+    meta, rows = summary["meta"], summary["rows"]
+    suites = meta.get("suites") or []
+    best = headline_row(rows)
+    if best is None or not suites:
+        return []
+    name = lambda s: SUITE_NAMES.get(s, s)  # noqa: E731
+
+    def per(r, key="spearman"):
+        return " / ".join(f"{name(s)} {_num(r['per_task'][s][key], '{:+.2f}')}" for s in suites)
+
+    def worst(r, ci: bool = False):
+        w = r["worst_task"]
+        if not w.get("spearman_task"):
+            return "worst task —"
+        interval = fmt_ci(r["per_task"][w["spearman_task"]].get("spearman_ci")) if ci else ""
+        return (f"worst task {name(w['spearman_task'])} {_num(w['spearman'], '{:+.2f}')}{interval}"
+                + (f" (length-partialled: {name(w['spearman_length_partialled_task'])} "
+                   f"{_num(w['spearman_length_partialled'], '{:+.2f}')})" if w.get("spearman_length_partialled_task")
+                   else ""))
+    out = [f"**Headline (the worst task, not the pooled score): `{best['variant']}`** — {worst(best, ci=True)}; "
+           f"per task Spearman {per(best)}; pooled {_num(best.get('spearman'), '{:+.2f}')}."]
+    refs = {r["variant"]: r for r in rows if r["variant"] in ("target_unwarmed", "length_sort")}
+    notes = []
+    if "target_unwarmed" in refs:
+        notes.append(f"off-the-shelf target (full size, not warmed up): {per(refs['target_unwarmed'])}, "
+                     f"{worst(refs['target_unwarmed'], ci=True)}")
+    if "length_sort" in refs:
+        notes.append(f"length sort (model-free): {per(refs['length_sort'])}")
+    if meta.get("target_split_half_per_task"):
+        sh = meta["target_split_half_per_task"]
+        notes.append("ceiling (the warmed target's split-half reliability per suite): "
+                     + " / ".join(f"{name(s)} {_num(sh[s]['spearman'], '{:.3f}')}" for s in suites if s in sh))
+    if notes:
+        out[0] += " References: " + "; ".join(notes) + "."
+    return out
+
+
+def per_task_table(summary: Mapping[str, Any]) -> list[str]:
+    """Per-suite Spearman [CI] and worst task, length-partialled, top-5% / top-10% overlap of the per-suite top-k
+    sets; reference rows first, then the rest by their worst task (best first); the headline row in bold."""
+    suites = summary["meta"].get("suites") or []
+    rows = [r for r in summary["rows"] if r.get("per_task")]
+    if not suites or not rows:
+        return []
+    name = lambda s: SUITE_NAMES.get(s, s)  # noqa: E731
+    best = headline_row(summary["rows"])
+    refs = [r for r in rows if r.get("rho") is None]
+    rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: tuple(
+        -(x if x is not None and math.isfinite(x) else -math.inf)
+        for x in (r["worst_task"].get("spearman"), r["worst_task"].get("spearman_length_partialled"))))
+    head = (["variant", "ρ"] + [f"{name(s)} Spearman" for s in suites] + ["worst task"]
+            + [f"{name(s)} partialled" for s in suites] + ["worst partialled"]
+            + [f"top-5% {' / '.join(map(name, suites))}", f"top-10% {' / '.join(map(name, suites))}"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in refs + rest:
+        pt, w = r["per_task"], r["worst_task"]
+        b = (lambda x: f"**{x}**") if r is best else (lambda x: x)
+        wt = lambda k: (f"{_num(w[k])} ({name(w[k + '_task'])})" if w.get(k + "_task") else "—")  # noqa: E731
+        cells = ([b(r["variant"]), _num(r.get("rho"), "{:g}")]
+                 + [f"{_num(pt[s]['spearman'])}{fmt_ci(pt[s].get('spearman_ci'))}" for s in suites]
+                 + [b(wt("spearman"))]
+                 + [f"{_num(pt[s].get('spearman_length_partialled'))}{fmt_ci(pt[s].get('spearman_length_partialled_ci'))}"
+                    for s in suites]
+                 + [wt("spearman_length_partialled")]
+                 + [" / ".join(_num(pt[s].get(k), "{:.2f}") for s in suites) for k in ("top5%", "top10%")])
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(summary: Mapping[str, Any]) -> str:
     meta = summary["meta"]
-    lines = [f"# Proxy fidelity v2 — {meta.get('target_name')}", "",
+    lines = [f"# Proxy fidelity v2 — {meta.get('target_name')}", "", *[x for h in headline(summary) for x in (h, "")],
              f"Warmed-up target: {meta['target_warmed_up']}; {meta['n_scored']} scored pool examples (stratified by "
              f"source, ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
              f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); "
@@ -446,8 +560,17 @@ def markdown(summary: Mapping[str, Any]) -> str:
                                          for i, c in enumerate(meta["commands"], 1)]]
                if meta.get("commands") else
                [f"Command: `{meta.get('command', '')}` (stage commands and per-stage commits in `state.json`)."]), "",
-             f"Ceiling (the warmed target's split-half reliability, LESS-max scores against the two validation halves): "
-             f"Spearman {meta['target_split_half']['spearman']:+.3f}, length-partialled "
+             *(["Per task (a suite's score = the mean of its two halves' scores; Spearman and length-partialled Spearman "
+                 "with the warmed target's suite score [95% bootstrap CI], top-k overlap of the per-suite top-k sets; "
+                 "the worst task is the minimum over suites). Ceiling per suite (the warmed target's half0 vs half1 "
+                 "scores): " + ", ".join(
+                     f"{SUITE_NAMES.get(s, s)} {_num(m['spearman'], '{:+.3f}')} (partialled "
+                     f"{_num(m.get('spearman_length_partialled'), '{:+.3f}')})"
+                     for s, m in meta.get("target_split_half_per_task", {}).items()) + ".", "",
+                 *per_task_table(summary), ""] if per_task_table(summary) else []),
+             f"Pooled (one cosine to the mean gradient of all {meta['n_validation']} validation examples, so the largest "
+             f"suite dominates it). Ceiling (the warmed target's split-half reliability, LESS-max scores against the two "
+             f"validation halves): Spearman {meta['target_split_half']['spearman']:+.3f}, length-partialled "
              f"{meta['target_split_half']['partialled']:+.3f}.", "",
              "| variant | ρ | params | Spearman | partialled (length) | top-5% | top-10% | Spearman (LESS max) | vs unwarmed | scoring time ratio ¹ |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -510,15 +633,16 @@ def write_plot(out: Path, summary: Mapping[str, Any]) -> str | None:
 DOCS_BEGIN, DOCS_END = "<!-- fidelity_v2:begin (generated by bench/fidelity_v2.py --docs) -->", "<!-- fidelity_v2:end -->"
 
 
-def splice_docs(doc: Path, md: str) -> None:
-    """Replace the text between the generated-section markers of ``doc`` with ``md`` (the markers must exist)."""
+def splice_docs(doc: Path, md: str, begin: str = DOCS_BEGIN, end: str = DOCS_END) -> None:
+    """Replace the text between the generated-section markers ``begin`` … ``end`` of ``doc`` with ``md`` (the
+    markers must exist)."""
     text = doc.read_text()
-    if DOCS_BEGIN not in text or DOCS_END not in text:
-        raise ValueError(f"{doc}: markers {DOCS_BEGIN!r} … {DOCS_END!r} not found")
-    head, rest = text.split(DOCS_BEGIN, 1)
-    _, tail = rest.split(DOCS_END, 1)
+    if begin not in text or end not in text:
+        raise ValueError(f"{doc}: markers {begin!r} … {end!r} not found")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     body = md.split("\n", 1)[1] if md.startswith("# ") else md  # the page has its own heading
-    doc.write_text(f"{head}{DOCS_BEGIN}\n{body.strip()}\n{DOCS_END}{tail}")
+    doc.write_text(f"{head}{begin}\n{body.strip()}\n{end}{tail}")
 
 
 def write_outputs(out: Path, summary: dict) -> None:
@@ -803,7 +927,7 @@ def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
 
 
 def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_counts: dict, target: str) -> dict:
-    from iprox_lightning.analysis.retention import partial_spearman, spearman
+    from iprox_lightning.analysis.retention import partial_spearman, per_task_retention, spearman, worst_task
 
     variants = all_variants(variants, st.state)
     prev_path = out / "summary.json"
@@ -827,10 +951,22 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
     rows: list[dict] = []
     unwarmed_path = out / "scores" / "target_unwarmed" / "scores.parquet"
     unwarmed = as_map(read_table(unwarmed_path)) if unwarmed_path.exists() else None
+    # per task: each suite's score (mean of its halves), the validation file's suite order
+    t_suites = suite_scores(ref)
+    held = set.intersection(*map(set, t_suites.values())) if t_suites else set()
+    suites = [s for s in val_counts if s in held] + sorted(held - set(val_counts))
+    boot = lambda stat, n_items: percentile_interval(stat, n_items, args.bootstrap, args.seed)  # noqa: E731
+
+    def per_task(by_suite: Mapping[str, Mapping[str, float]]) -> dict:
+        pt = per_task_retention(by_suite, t_suites, length, tasks=suites, interval=boot)
+        return {"per_task": pt, "worst_task": worst_task(pt)}
 
     def add_row(variant: str, rho, scores: Mapping[str, float], table=None, sets=None, extra=None):
         m = row_metrics(scores, tmap, length, sets, t_sets, args.bootstrap, args.seed)
         r = {"variant": variant, "rho": rho, **m}
+        # a row without per-task columns (length sort, random) ranks every suite by its one score
+        r.update(per_task(suite_scores(table) if table is not None else
+                          {i: dict.fromkeys(suites, v) for i, v in scores.items()}))
         if table is not None:
             pm = as_map(table, "score_max")
             ids_m = sorted(set(pm) & set(ref_max))
@@ -853,8 +989,9 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         t_u = read_table(unwarmed_path)
         (work / "target_unwarmed").mkdir(exist_ok=True)
         add_row("target_unwarmed", None, unwarmed, t_u, select_sets(unwarmed_path, sample_path, work / "target_unwarmed"),
-                extra={"scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
-                       "note": "the target as shipped (no warm-up)"})
+                extra={"kind": "reference",
+                       "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
+                       "note": "off-the-shelf, full size: the target as shipped (no warm-up)"})
     maps = {"length_sort": {i: -v for i, v in length.items()}}  # score maps of the rows, for the paired differences
     for v in variants:
         p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
@@ -901,6 +1038,11 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         "target_split_half": {"spearman": float(spearman(a, b)) if len(ids) > 3 else float("nan"),
                               "partialled": float(partial_spearman(a, b, c)) if len(ids) > 3 else float("nan"),
                               "note": "LESS max over each validation half's suites; halves alternate within each suite"},
+        "suites": suites,
+        "target_split_half_per_task": per_task_retention(suite_scores(ref, HALVES[0]), suite_scores(ref, HALVES[1]),
+                                                         length, tasks=suites, interval=boot),
+        "target_split_half_per_task_note": "per suite: the target's scores against the suite's half0 examples vs "
+                                           "its half1 examples (the per-task ceiling)",
         "errors": st.state.get("errors", {}),
         "commands": st.state.get("run_commands", []),
         "command": st.state.get("run_command") or "python bench/fidelity_v2.py " + " ".join(

@@ -81,6 +81,35 @@ def test_split_halves_alternate_within_each_task():
     assert cats == ["a.half0", "a.half1", "b.half0", "a.half0", "b.half1"]
 
 
+def test_suite_scores_average_the_two_halves():
+    assert [fv2.suite_of(t) for t in ("mmlu.half0", "bbh.half1", "tydiqa", "a.b.half0", "x.half2")] == \
+        ["mmlu", "bbh", "tydiqa", "a.b", "x.half2"]
+    table = {"id": ["a", "b"], "tasks": {"bbh.half0": np.array([1.0, 2.0]), "bbh.half1": np.array([3.0, 0.0]),
+                                         "mmlu.half0": np.array([0.5, 0.5]), "mmlu.half1": np.array([0.1, -0.5])}}
+    assert fv2.suite_scores(table) == {"a": {"bbh": 2.0, "mmlu": 0.3}, "b": {"bbh": 1.0, "mmlu": 0.0}}
+    assert fv2.suite_scores(table, "half1") == {"a": {"bbh": 3.0, "mmlu": 0.1}, "b": {"bbh": 0.0, "mmlu": -0.5}}
+
+
+def test_headline_and_per_task_table_are_chosen_by_the_worst_task():
+    def row(variant, rho, worst, pooled):
+        pt = {s: {"spearman": v, "spearman_length_partialled": v - 0.1, "top5%": 0.5, "top10%": 0.5,
+                  "spearman_ci": [v - 0.05, v + 0.05]} for s, v in zip(("mmlu", "bbh"), (0.6, worst))}
+        return {"variant": variant, "rho": rho, "spearman": pooled, "per_task": pt,
+                "worst_task": {"spearman": worst, "spearman_task": "bbh", "spearman_length_partialled": worst - 0.1,
+                               "spearman_length_partialled_task": "bbh"}}
+    rows = [row("target_unwarmed", None, 0.42, 0.51), row("pooled-best", 0.3, 0.17, 0.61), row("worst-best", 0.3, 0.39, 0.60)]
+    summary = {"meta": {"suites": ["mmlu", "bbh"], "target_split_half_per_task": {
+        "mmlu": {"spearman": 0.997}, "bbh": {"spearman": 0.91}}}, "rows": rows}
+    assert fv2.headline_row(rows)["variant"] == "worst-best"  # a reference row is never the headline
+    head = fv2.headline(summary)[0]
+    assert head.startswith("**Headline (the worst task, not the pooled score): `worst-best`** — worst task BBH +0.39 "
+                           "[+0.34, +0.44]") and "off-the-shelf target (full size, not warmed up): MMLU +0.60 / BBH +0.42" in head
+    table = fv2.per_task_table(summary)
+    assert table[0].startswith("| variant | ρ | MMLU Spearman | BBH Spearman | worst task |")
+    assert [l.split(" | ")[0] for l in table[2:]] == ["| target_unwarmed", "| **worst-best**", "| pooled-best"]
+    assert "**+0.390 (BBH)**" in table[3]
+
+
 def test_row_metrics_and_paired_difference_against_brute_force():
     rng = np.random.default_rng(0)
     n = 60
@@ -126,6 +155,36 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
     ids = sorted(tm)
     assert rows["ipsvd/exact/rel1e-3/global@0.5"]["spearman"] == pytest.approx(
         spearman(np.array([pm[i] for i in ids]), np.array([tm[i] for i in ids])))
+    # per task: each suite's score is the mean of its two halves; Spearman by scipy, the rest by the library function
+    from scipy.stats import spearmanr
+
+    from iprox_lightning.analysis.retention import per_task_retention, worst_task
+
+    suites = s["meta"]["suites"]
+    assert suites == list(s["meta"]["validation_counts"]) and len(suites) == 2
+    ts, ps, length = fv2.suite_scores(t), fv2.suite_scores(p), dict(zip(t["id"], t["n_tokens"]))
+    row = rows["ipsvd/exact/rel1e-3/global@0.5"]
+    for suite in suites:
+        half = lambda tab, i, h: float(tab["tasks"][f"{suite}.{h}"][tab["id"].index(i)])  # noqa: E731
+        assert row["per_task"][suite]["spearman"] == pytest.approx(spearmanr(
+            [(half(p, i, "half0") + half(p, i, "half1")) / 2 for i in ids],
+            [(half(t, i, "half0") + half(t, i, "half1")) / 2 for i in ids]).statistic, abs=1e-12)
+        lo, hi = row["per_task"][suite]["spearman_ci"]
+        assert lo <= row["per_task"][suite]["spearman"] <= hi
+        assert set(row["per_task"][suite]) >= {"spearman_length_partialled", "top5%", "top10%", "top5%_ci", "top10%_ci",
+                                               "spearman_length_partialled_ci"}
+    want = per_task_retention(ps, ts, length, tasks=suites)
+    assert {k: {m: v[m] for m in want[k]} for k, v in row["per_task"].items()} == want
+    assert row["worst_task"] == worst_task(row["per_task"])
+    # the length sort ranks every suite by length; the split-half ceiling per suite compares the target's halves
+    assert rows["length_sort"]["per_task"][suites[0]]["spearman"] == pytest.approx(
+        spearmanr([-length[i] for i in ids], [ts[i][suites[0]] for i in ids]).statistic, abs=1e-12)
+    assert s["meta"]["target_split_half_per_task"][suites[1]]["spearman"] == pytest.approx(spearmanr(
+        [fv2.suite_scores(t, "half0")[i][suites[1]] for i in ids],
+        [fv2.suite_scores(t, "half1")[i][suites[1]] for i in ids]).statistic, abs=1e-12)
+    md = (out / "summary.md").read_text()
+    assert md.split("\n")[2].startswith(f"**Headline (the worst task, not the pooled score): `{fv2.headline_row(s['rows'])['variant']}`")
+    assert "| variant | ρ | " + " | ".join(f"{x} Spearman" for x in suites) + " | worst task |" in md
     assert rows["ipsvd/exact/rel1e-3/global@0.5"]["params"] <= 1.02 * rows["le@0.5"]["params"]
     assert rows["ipsvd/exact/rel1e-3/global@0.5"]["allocation"] == "global"
     timing = json.loads((out / "timing.json").read_text())
