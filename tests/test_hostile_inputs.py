@@ -39,3 +39,74 @@ def test_directory_pool_skips_hidden_files_and_folders_and_says_how_many(tmp_pat
         recs = dm.pool_records
     assert [r["id"] for r in recs] == ["r0", "r1", "r2", "r3"]
     assert "skipped 2 hidden file(s)" in caplog.text and ".ipynb_checkpoints/data-checkpoint.jsonl" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ one scoring run per dir
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _score_args(out, tmp_path):
+    return ["predict", "--config", str(ROOT / "configs/score.yaml"), "--config", str(ROOT / "configs/builtin/score.yaml"),
+            "--model.init_args.model", "builtin", "--data.init_args.tokenizer", "builtin",
+            "--data.init_args.builtin_size", "24", "--data.init_args.batch_size", "12",
+            "--data.init_args.val_per_task", "1", "--trainer.logger", "false",
+            "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.callbacks.output_dir", str(out), "--trainer.callbacks.write_every_n_batches", "1"]
+
+
+def paused_scoring(args):
+    """Run ``python train.py <args>`` and pause after the first written shard until stdin gets a line (a scoring
+    run caught in the middle)."""
+    import sys
+
+    from iprox_lightning.scoring.writer import InfluenceWriter
+
+    write = InfluenceWriter.write_on_batch_end
+
+    def pausing(self, *a, **k):
+        write(self, *a, **k)
+        if not getattr(self, "_paused", False):
+            self._paused = True
+            print("\n<paused>", flush=True)
+            sys.stdin.readline()
+
+    InfluenceWriter.write_on_batch_end = pausing
+    main(args)
+
+
+def test_two_scoring_runs_into_one_directory(tmp_path):
+    """Two writers into one score directory: a run started while another is scoring there stops naming the
+    directory and the other's pid (before: both exited 0 and merged each other's shards); once the first has died
+    (killed mid-run, its lock file left on disk) the directory is free again and the run resumes its shards."""
+    import os
+    import subprocess
+    import sys
+
+    from iprox_lightning.io.scores import OutputLocked
+    from iprox_lightning.scoring import ScoreTable
+
+    out = tmp_path / "scores"
+    args = _score_args(out, tmp_path)
+    first = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                               f"from test_hostile_inputs import paused_scoring; paused_scoring({args!r})"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in first.stdout:  # the progress bar writes to stdout too
+            if line.strip() == "<paused>":
+                break
+        else:
+            pytest.fail("the first scoring run ended before it paused")
+        with pytest.raises(OutputLocked, match=rf"^{out} is being written by another scoring run \(pid {first.pid} on "
+                                               rf"host .*lock file {out}/.scoring.lock\).*another output_dir"):
+            main(args)
+        assert not (out / "scores.parquet").exists()
+    finally:
+        first.kill()  # a crash: the kernel releases its lock, its lock file stays
+        first.wait(timeout=60)
+    assert json.loads((out / ".scoring.lock").read_text())["pid"] == first.pid
+    main(args)
+    settings = json.loads((out / "settings.json").read_text())
+    assert len(ScoreTable.load(str(out)).ids) == 24 and settings["merge"]["duplicates_dropped"] == 0
+    assert (out / ".scoring.lock").read_text() == ""  # released

@@ -6,6 +6,7 @@ Layout of a scoring output directory::
     shards/corrupt/...                    # unreadable shards moved aside on resume (their ids re-scored)
     scores.parquet                        # merged: one row per id, sorted by id
     settings.json                         # schema_version, fingerprint, scoring settings, merge summary
+    .scoring.lock                         # held (flock) by the run writing here: a second run is refused
 
 ``settings.json`` holds ``fingerprint`` (below), ``scoring`` (the run's ``ScoringConfig`` verbatim,
 :class:`iprox_lightning.scoring.influence.ScoringConfig`), ``config`` (the fingerprinted settings: the model's name,
@@ -34,6 +35,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -49,6 +51,7 @@ SHARD_DIR = "shards"
 CORRUPT_DIR = "corrupt"
 SCORES_FILE = "scores.parquet"
 SETTINGS_FILE = "settings.json"
+LOCK_FILE = ".scoring.lock"
 FLAG_COLUMNS = ("zero_grad", "nonfinite")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -88,6 +91,89 @@ def read_settings(output_dir: str | os.PathLike) -> dict:
 
 def write_settings(output_dir: str | os.PathLike, settings: Mapping) -> Path:
     return write_json_atomic(Path(output_dir) / SETTINGS_FILE, {**settings, "schema_version": SCHEMA_VERSION})
+
+
+# ----------------------------------------------------------------------------------- one writer at a time
+class OutputLocked(RuntimeError):
+    """Another scoring run is writing into the same output directory."""
+
+
+class ScoreDirLock:
+    """An exclusive lock on a scoring output directory, held for a whole scoring run.
+
+    ``<output_dir>/.scoring.lock`` is locked with ``flock`` (released by the kernel when the holder exits, so a
+    crashed run never leaves a stale lock) and records the holder's pid, host and start time for the error a
+    second run gets. The file is left in place after release (removing it would let two runs lock two different
+    files). Where the file system has no ``flock`` the run goes on unlocked, with a warning."""
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.dir = Path(output_dir)
+        self.path = self.dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def holder(self) -> str:
+        """Who holds (or last held) the lock, from the lock file."""
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        if not info.get("pid"):
+            return "holder unknown"
+        host = info.get("host", "?")
+        alive = ""
+        if host == socket.gethostname():
+            try:
+                os.kill(int(info["pid"]), 0)
+            except ProcessLookupError:
+                alive = ", no longer running (a process it started may still hold the lock)"
+            except (OSError, ValueError):
+                pass
+        return f"pid {info['pid']} on host {host}, started {info.get('started', '?')}{alive}"
+
+    def acquire(self) -> "ScoreDirLock":
+        import fcntl
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputLocked(
+                f"{self.dir} is being written by another scoring run ({self.holder()}; lock file {self.path}): two "
+                "runs into one output directory would mix their shards and settings. Wait for it to finish, or "
+                "score into another output_dir") from None
+        except OSError as e:  # e.g. a network file system without flock
+            os.close(fd)
+            log.warning("%s: cannot lock (%s); make sure no other scoring run writes into this directory", self.path, e)
+            return self
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "ScoreDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # ----------------------------------------------------------------------------------- columns
@@ -279,7 +365,8 @@ def read_scores(path: str | os.PathLike, *, id_column: str = "id", score_column:
 
     The format is chosen by suffix (``.parquet``/``.pq`` vs ``.jsonl``/``.json``/``.ndjson``); an
     unknown suffix is sniffed (Parquet magic bytes ``PAR1``). A directory holding ``scores.parquet`` is
-    that table; any other directory is the union of its ``*.parquet`` and ``*.jsonl`` files. Raises
+    that table; any other directory is the union of its ``*.parquet`` and ``*.jsonl`` files (names starting with
+    ``.`` skipped). Raises
     ``ValueError`` naming the file and row on a missing column, a duplicated id with different scores,
     or a non-finite score.
     """
@@ -287,7 +374,8 @@ def read_scores(path: str | os.PathLike, *, id_column: str = "id", score_column:
     if path.is_dir():
         if (path / SCORES_FILE).is_file():
             return read_scores(path / SCORES_FILE, id_column=id_column, score_column=score_column)
-        files = sorted(p for p in path.iterdir() if p.suffix in PARQUET_SUFFIXES + JSONL_SUFFIXES)
+        files = sorted(p for p in path.iterdir()
+                       if p.suffix in PARQUET_SUFFIXES + JSONL_SUFFIXES and not p.name.startswith("."))
         if not files:
             raise FileNotFoundError(f"{path}: directory holds no .parquet/.jsonl score table")
         out: dict[str, float] = {}

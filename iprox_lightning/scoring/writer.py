@@ -3,6 +3,11 @@
 The files (layout, columns, ``settings.json``, fingerprint) are defined and read/written only by
 :mod:`iprox_lightning.io.scores`; this callback decides *when* to write them.
 
+One run at a time: rank 0 holds an exclusive lock on ``output_dir`` (``.scoring.lock``,
+:class:`~iprox_lightning.io.scores.ScoreDirLock`) from ``setup`` to the end of the merge; a second run started
+into the same directory meanwhile stops with :class:`~iprox_lightning.io.scores.OutputLocked` naming the directory
+and the holder's pid (two runs would mix their shards and settings). A crashed holder releases it with its process.
+
 Resume: at ``on_predict_start`` the writer compares the directory's recorded fingerprint (model
 identity, scoring settings, digests of the pool and of the validation set) with this run's. A match
 resumes: the ids already present in ``shards/`` are handed to the module (``pl_module.skip_ids``) and
@@ -25,6 +30,8 @@ from ..io.scores import (  # noqa: F401  (re-exported: the historical import pat
     SCORES_FILE,
     SETTINGS_FILE,
     SHARD_DIR,
+    OutputLocked,
+    ScoreDirLock,
     check_fingerprint,
     clear_output,
     done_ids,
@@ -86,6 +93,16 @@ class InfluenceWriter(BasePredictionWriter):
         if stage != "predict":
             return
         self._rank = trainer.global_rank
+        refused = None
+        if trainer.global_rank == 0:  # one run at a time per directory (a second one would mix shards / settings)
+            try:
+                self._lock = ScoreDirLock(self.output_dir).acquire()
+            except OutputLocked as e:
+                refused = str(e)
+        if trainer.world_size > 1:
+            refused = trainer.strategy.broadcast(refused, src=0)
+        if refused:
+            raise OutputLocked(refused)
         if self.overwrite and trainer.global_rank == 0:
             clear_output(self.output_dir)
             log.info("InfluenceWriter: overwrite=True, cleared %s", self.output_dir)
@@ -157,9 +174,22 @@ class InfluenceWriter(BasePredictionWriter):
             log.info("InfluenceWriter: merged scores -> %s", self.merged_path)
         trainer.strategy.barrier()
         self.merged_path = str(self.output_dir / SCORES_FILE) if self.merge else None
+        self._unlock()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if self.flush_on_exception:
-            self.flush()
-        else:
-            self._buffer = []
+        try:
+            if self.flush_on_exception:
+                self.flush()
+            else:
+                self._buffer = []
+        finally:
+            self._unlock()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._unlock()
+
+    def _unlock(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+            self._lock = None
