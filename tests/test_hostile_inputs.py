@@ -110,3 +110,60 @@ def test_two_scoring_runs_into_one_directory(tmp_path):
     settings = json.loads((out / "settings.json").read_text())
     assert len(ScoreTable.load(str(out)).ids) == 24 and settings["merge"]["duplicates_dropped"] == 0
     assert (out / ".scoring.lock").read_text() == ""  # released
+
+
+# ------------------------------------------------------------------------------------------------ one huge record
+def _counting_tokenizer():
+    """The built-in tokenizer, recording the longest text it was asked to tokenize or render."""
+    from iprox_lightning.models.builtin import builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    base = type(tok)
+
+    class Counting(base):
+        longest = 0
+
+        def __call__(self, text, *a, **k):
+            texts = [text] if isinstance(text, str) else list(text)
+            Counting.longest = max([Counting.longest] + [len(t) for t in texts])
+            return base.__call__(self, text, *a, **k)
+
+        def apply_chat_template(self, conversation, *a, **k):
+            Counting.longest = max([Counting.longest] + [len(m["content"]) for m in conversation])
+            return base.apply_chat_template(self, conversation, *a, **k)
+
+    tok.__class__ = Counting
+    return tok
+
+
+@pytest.mark.parametrize("template,truncation", [("chat", "prompt_left"), ("plain", "right")])
+def test_a_huge_record_is_cut_before_it_is_tokenized(tmp_path, monkeypatch, template, truncation):
+    """One 400 kB field (a 50 MB line used to peak at ~19 GB): the tokenizer never sees more than max_length × 64
+    characters of it, and the kept tokens are those of the uncut text."""
+    from iprox_lightning.data import formatting
+    from iprox_lightning.data.sft import SFTDataModule
+
+    big = "".join("abcdefghij klmnopqrst"[j % 21] for j in range(400_000))
+    recs = _records(3)
+    recs[0]["context"] = big + " END OF CONTEXT"
+    recs[1]["response"] = "START OF RESPONSE " + big
+    recs.append({"id": "chat", "category": "b", "messages": [{"role": "user", "content": big + " question?"},
+                                                              {"role": "assistant", "content": "answer " + big}]})
+    pool = _write_jsonl(tmp_path / "pool.jsonl", recs)
+
+    def tokenized(bound):
+        monkeypatch.setattr(formatting, "CHARS_PER_TOKEN_BOUND", bound)
+        tok = _counting_tokenizer()
+        type(tok).longest = 0
+        dm = SFTDataModule(pool=str(pool), validation=None, tokenizer=tok, max_length=128, prompt_template=template,
+                           truncation=truncation)
+        ds = dm.dataset("pool")
+        return {ex.id: (ex.input_ids.tolist(), ex.prompt_len) for ex in ds.examples}, type(tok).longest
+
+    got, longest = tokenized(64)
+    assert longest <= 128 * 64 + 100  # the field's bound plus the template's own text
+    want, longest_uncut = tokenized(10**9)
+    assert longest_uncut > 400_000
+    assert got == want
+    # "right" keeps the prompt's start: a 400 kB prompt leaves no room for the response
+    assert set(got) == ({"r0", "r1", "r2", "chat"} if truncation == "prompt_left" else {"r1", "r2"})

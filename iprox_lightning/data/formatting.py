@@ -41,6 +41,12 @@ Truncation to ``max_length``
     * ``"right"`` cuts the whole sequence from the right (like ``tokenizer(truncation=True)``); an
       example whose response then starts beyond ``max_length`` loses every response token.
 
+Text that can never be kept is cut before tokenizing: no token spans more than :data:`CHARS_PER_TOKEN_BOUND`
+characters, so of each text field only ``max_length × CHARS_PER_TOKEN_BOUND`` characters can reach the kept tokens
+— the field's end for a prompt field under ``"prompt_left"`` (instruction, context, prompt turns), its start
+otherwise (:func:`bound_record`). A 50 MB record with ``max_length=128`` is tokenized as 8 K characters per field,
+not 50 MB; the kept tokens are those of the uncut text whenever tokens average at most half the bound.
+
 An example left with no scored response token (no response token at position ≥ 1) is dropped;
 :func:`tokenize_records` returns the dropped ids so callers can count them in the log.
 """
@@ -117,6 +123,35 @@ def resolve_template(tokenizer: Any, prompt_template: str = "auto") -> str:
     return prompt_template
 
 
+CHARS_PER_TOKEN_BOUND = 64
+"""Characters per token that no real tokenizer exceeds (long whitespace or punctuation runs included); with
+``max_length`` it bounds how much of a field's text is rendered and tokenized (:func:`bound_record`)."""
+
+
+def _cut(text: Any, max_chars: int, keep_end: bool) -> Any:
+    if not isinstance(text, str) or len(text) <= max_chars:
+        return text
+    return text[len(text) - max_chars:] if keep_end else text[:max_chars]
+
+
+def bound_record(record: dict, max_chars: int, truncation: str = "prompt_left") -> dict:
+    """``record`` with each text field cut to ``max_chars`` characters on the side :func:`truncate` drops: prompt
+    fields (``instruction``, ``context``, prompt turns of ``messages``) keep their end under ``"prompt_left"``, their
+    start under ``"right"``; response fields keep their start. The same dict when nothing is longer."""
+    keep_end = truncation == "prompt_left"
+    if "messages" in record:
+        prompt, response = to_conversation(record)
+        if all(len(m["content"]) <= max_chars for m in record["messages"]):
+            return record
+        msgs = [{**m, "content": _cut(m["content"], max_chars, keep_end)} for m in prompt]
+        msgs += [{**m, "content": _cut(m["content"], max_chars, False)} for m in response]
+        return {**record, "messages": msgs}
+    fields = {"instruction": keep_end, "context": keep_end, "response": False}
+    if all(not isinstance(record.get(f), str) or len(record[f]) <= max_chars for f in fields):
+        return record
+    return {**record, **{f: _cut(record[f], max_chars, end) for f, end in fields.items() if f in record}}
+
+
 def truncate(
     prompt_ids: list[int], response_ids: list[int], max_length: int, truncation: str = "prompt_left", bos_id: int | None = None
 ) -> tuple[list[int], list[int]]:
@@ -188,7 +223,7 @@ def tokenize_records(
 
         starts = tqdm(starts, desc=desc, unit="chunk", total=len(starts))
     for s in starts:
-        chunk = records[s : s + chunk_size]
+        chunk = [bound_record(r, max_length * CHARS_PER_TOKEN_BOUND, truncation) for r in records[s : s + chunk_size]]
         texts = [render_chat(r, tokenizer) if mode == "chat" else render_plain(r) for r in chunk]
         enc = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
         enc_p = tokenizer([t[0] for t in texts], **enc)["input_ids"]
