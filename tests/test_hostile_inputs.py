@@ -167,3 +167,44 @@ def test_a_huge_record_is_cut_before_it_is_tokenized(tmp_path, monkeypatch, temp
     assert got == want
     # "right" keeps the prompt's start: a 400 kB prompt leaves no room for the response
     assert set(got) == ({"r0", "r1", "r2", "chat"} if truncation == "prompt_left" else {"r1", "r2"})
+
+
+# ------------------------------------------------------------------------------------------------ endless chat template
+def test_a_chat_template_that_never_ends_stops_naming_the_tokenizer(tmp_path, monkeypatch):
+    from iprox_lightning.data import formatting
+    from iprox_lightning.data.sft import SFTDataModule
+    from iprox_lightning.models.builtin import builtin_tokenizer
+
+    monkeypatch.setattr(formatting, "CHAT_TEMPLATE_SECONDS", 1.0)
+    tok = builtin_tokenizer()
+    tok.name_or_path = "my-org/looping-template"
+    tok.chat_template = ("{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}"
+                         "{% endfor %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}")
+    pool = _write_jsonl(tmp_path / "pool.jsonl", _records(3))
+    dm = SFTDataModule(pool=str(pool), validation=None, tokenizer=tok, max_length=64)
+    with pytest.raises(ValueError, match=r"the chat template of tokenizer 'my-org/looping-template' did not finish "
+                                         r"rendering example 'r0' within 1 s .*prompt_template='plain'"):
+        dm.dataset("pool")
+    # the plain template is the way out; a well-behaved template renders as before
+    assert SFTDataModule(pool=str(pool), validation=None, tokenizer=tok, max_length=64,
+                         prompt_template="plain").dataset("pool").ids == ["r0", "r1", "r2"]
+
+
+def test_the_chat_template_time_limit_also_holds_outside_the_main_thread():
+    import threading
+
+    from iprox_lightning.data.formatting import call_with_time_limit
+
+    out = {}
+
+    def worker():
+        try:
+            call_with_time_limit(lambda: threading.Event().wait(30), 0.2, "took too long")
+        except ValueError as e:
+            out["error"] = str(e)
+        out["value"] = call_with_time_limit(lambda: 42, 5, "unused")
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    assert out == {"error": "took too long", "value": 42}

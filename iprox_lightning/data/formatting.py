@@ -11,7 +11,9 @@ Chat template (``prompt_template="chat"``, or ``"auto"`` when the tokenizer has 
     of ``full_text`` (else a ``ValueError`` names the example and suggests the plain template); the
     response part is the rest (it includes the template's end-of-turn tokens, which the model must
     learn to emit). Both parts are tokenized without adding special tokens (templates carry their
-    own BOS), so the boundary is exact and the prompt is tokenized as at generation time.
+    own BOS), so the boundary is exact and the prompt is tokenized as at generation time. A template
+    is a program: a rendering that takes longer than :data:`CHAT_TEMPLATE_SECONDS` (one that loops
+    forever) stops with :class:`ChatTemplateTimeout` naming the tokenizer and the example.
 
 Plain template (``prompt_template="plain"``, or ``"auto"`` without a chat template)::
 
@@ -53,7 +55,7 @@ An example left with no scored response token (no response token at position ≥
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -93,13 +95,81 @@ def render_plain(record: dict) -> tuple[str, str]:
     return "\n\n".join(blocks) + "\n\n### Response:\n", "\n\n".join(m["content"] for m in response)
 
 
-def render_chat(record: dict, tokenizer: Any) -> tuple[str, str]:
-    """``(prompt_text, response_text)`` with the tokenizer's chat template (see module doc)."""
+CHAT_TEMPLATE_SECONDS = 30.0
+"""Time limit of one chat-template rendering (a template is a program: one that loops forever would hang the run)."""
+
+
+class ChatTemplateTimeout(ValueError):
+    """A tokenizer's chat template did not finish rendering within :data:`CHAT_TEMPLATE_SECONDS`."""
+
+
+def tokenizer_name(tokenizer: Any) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def timeout_message(tokenizer: Any, what: str, seconds: float) -> str:
+    return (f"the chat template of tokenizer {tokenizer_name(tokenizer)!r} did not finish rendering {what} within "
+            f"{seconds:g} s (a template that never ends?); fix the tokenizer's chat_template or use "
+            "prompt_template='plain'")
+
+
+def call_with_time_limit(fn: Callable[[], Any], seconds: float, message: str) -> Any:
+    """``fn()``, stopped after ``seconds`` with :class:`ChatTemplateTimeout` (``message``). In the main thread a
+    ``SIGALRM`` timer interrupts ``fn`` itself (an earlier timer is restored); elsewhere ``fn`` runs in a daemon
+    thread that is abandoned when it overruns."""
+    import signal
+    import threading
+    import time
+
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def on_alarm(signum, frame):
+            raise ChatTemplateTimeout(message)
+
+        t0 = time.monotonic()
+        old_handler = signal.signal(signal.SIGALRM, on_alarm)
+        old_timer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old_handler)
+            if old_timer:
+                signal.setitimer(signal.ITIMER_REAL, max(old_timer - (time.monotonic() - t0), 1e-3))
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            result["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="chat-template")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise ChatTemplateTimeout(message)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def render_chat(record: dict, tokenizer: Any, time_limit: float | None = None) -> tuple[str, str]:
+    """``(prompt_text, response_text)`` with the tokenizer's chat template (see module doc); each rendering stopped
+    after ``time_limit`` seconds (``None``: :data:`CHAT_TEMPLATE_SECONDS`; ``0``: no limit) with
+    :class:`ChatTemplateTimeout` naming the tokenizer."""
     prompt, response = to_conversation(record)
     rid = record.get("id", "?")
+    limit = CHAT_TEMPLATE_SECONDS if time_limit is None else time_limit
+
+    def render(msgs, **kw):
+        fn = lambda: tokenizer.apply_chat_template(msgs, tokenize=False, **kw)  # noqa: E731
+        return call_with_time_limit(fn, limit, timeout_message(tokenizer, f"example {rid!r}", limit)) if limit else fn()
+
     try:
-        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        full_text = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+        prompt_text = render(prompt, add_generation_prompt=True)
+        full_text = render(prompt + response)
+    except ChatTemplateTimeout:
+        raise
     except Exception as e:
         raise ValueError(f"example {rid!r}: the tokenizer's chat template failed ({type(e).__name__}: {e}); "
                          f"use prompt_template='plain'") from e
@@ -217,6 +287,11 @@ def tokenize_records(
     eos = getattr(tokenizer, "eos_token_id", None)
     examples: list[TokenizedExample] = []
     dropped: list[str] = []
+    import threading
+
+    # every rendering is timed in the main thread (a signal timer costs microseconds); elsewhere the first one only
+    in_main = threading.current_thread() is threading.main_thread()
+    _limit = lambda j: None if in_main or j == 0 else 0  # noqa: E731
     starts = range(0, len(records), chunk_size)
     if progress:
         from tqdm.auto import tqdm
@@ -224,7 +299,8 @@ def tokenize_records(
         starts = tqdm(starts, desc=desc, unit="chunk", total=len(starts))
     for s in starts:
         chunk = [bound_record(r, max_length * CHARS_PER_TOKEN_BOUND, truncation) for r in records[s : s + chunk_size]]
-        texts = [render_chat(r, tokenizer) if mode == "chat" else render_plain(r) for r in chunk]
+        texts = [render_chat(r, tokenizer, time_limit=_limit(s + j)) if mode == "chat" else render_plain(r)
+                 for j, r in enumerate(chunk)]
         enc = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
         enc_p = tokenizer([t[0] for t in texts], **enc)["input_ids"]
         enc_r = tokenizer([t[1] for t in texts], **enc)["input_ids"]

@@ -177,10 +177,14 @@ def resolve_chat_template(tokenizer: Any, use: bool | None) -> bool:
 def chat_prompt(tokenizer: Any, user_text: str, assistant_prefix: str) -> str:
     """open-instruct's chat formatting with the tokenizer's own template: one user turn, the
     generation prompt, then ``assistant_prefix`` (joined with a space unless the template already
-    ends in whitespace)."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
-    )
+    ends in whitespace). A rendering slower than ``CHAT_TEMPLATE_SECONDS`` stops naming the tokenizer."""
+    from ..data import formatting
+
+    limit = formatting.CHAT_TEMPLATE_SECONDS
+    text = formatting.call_with_time_limit(
+        lambda: tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
+                                              add_generation_prompt=True),
+        limit, formatting.timeout_message(tokenizer, "an evaluation prompt", limit))
     if not isinstance(text, str):
         raise TypeError("apply_chat_template(tokenize=False) did not return a string")
     if not assistant_prefix:
