@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from iprox_lightning.evaluation.heldout import heldout_metrics, heldout_records
@@ -52,3 +53,30 @@ def test_builtin_heldout_is_fresh_and_labelled():
     lines = format_effect({"heldout": desc, "metrics": {w: {"loss": 1.0 + k, "exact_match": 0.1 * k, "per_task": {}}
                                                          for k, w in enumerate(("base", "proxy", "target", "random"))}})
     assert lines[1].endswith("base 1.000 | proxy 2.000 | target 3.000 | random 4.000")
+
+
+def test_suite_heldout_records_never_overlap_the_validation_set(eval_dir):
+    """Held-out MMLU questions come from the test split and BBH examples from the task files: none is a validation
+    (dev / CoT-exemplar) example; per subtask counts and the gold answers are the files' own."""
+    from iprox_lightning.data.eval_readers import read_bbh, read_mmlu
+    from iprox_lightning.data.eval_validation import eval_validation_records
+    from iprox_lightning.evaluation.heldout import suite_heldout_records
+
+    recs = suite_heldout_records(str(eval_dir), ("mmlu", "bbh"), per_subtask=2, seed=0)
+    assert recs == suite_heldout_records(str(eval_dir), ("mmlu", "bbh"), per_subtask=2, seed=0)  # reproducible
+    by = {}
+    for r in recs:
+        by.setdefault(r["category"], {}).setdefault(r["subtask"], []).append(r)
+    assert len(by["mmlu"]) == 57 and all(len(v) == 2 for v in by["mmlu"].values())
+    assert len(by["bbh"]) == 27 and all(len(v) == 2 for v in by["bbh"].values())
+    val = eval_validation_records(eval_dir, ("mmlu", "bbh"))
+    val_text = {(v["instruction"], v["response"]) for v in val}
+    assert not any((r["instruction"], r["response"]) in val_text for r in recs)
+    mmlu_test = {q.question.strip(): "ABCD"[q.answer] for qs in read_mmlu(eval_dir / "mmlu", split="test").values()
+                 for q in qs}
+    assert all(mmlu_test[r["instruction"].split("\nA. ")[0]] == r["response"] for r in recs if r["category"] == "mmlu")
+    bbh = {(ex.input.strip(), ex.target.strip()) for _, (_, exs) in read_bbh(eval_dir / "bbh").items() for ex in exs}
+    assert all((r["instruction"], r["response"]) in bbh for r in recs if r["category"] == "bbh")
+    assert len({r["id"] for r in recs}) == len(recs)
+    with pytest.raises(ValueError, match="TyDiQA's GoldP dev file"):
+        suite_heldout_records(str(eval_dir), ("tydiqa",))

@@ -50,6 +50,7 @@ def pipeline(
     validation: str = "builtin",
     sparsity: float = 0.5,
     select_fraction: float = 0.05,
+    select_rule: str = "pooled",
     method: str = "tracin",
     config_dir: str | None = None,
     demo_overlays: bool | None = None,
@@ -71,6 +72,9 @@ def pipeline(
         validation: validation sets (``builtin``, a file with a ``category`` column, ``eval:<dir>``).
         sparsity: ρ, the share of each compressed layer's parameters removed.
         select_fraction: k as a fraction of the pool (paper: 5%).
+        select_rule: how the score columns become one ranking (``pooled``, ``mean``, ``max``, ``balanced``:
+            :mod:`iprox_lightning.selection_rules`); the same rule for the target's, the proxy's and the random
+            selection.
         method: ``tracin`` or ``kfac``.
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
@@ -193,7 +197,8 @@ def pipeline(
     t0 = time.perf_counter()
     for who in ("target", "proxy", "random"):
         src = rand_path if who == "random" else score_dirs[who] / "scores.parquet"
-        selected[who] = Path(select(str(src), k=select_fraction, pool=pool, quiet=True,
+        selected[who] = Path(select(str(src), k=select_fraction, rule="pooled" if who == "random" else select_rule,
+                                    pool=pool, quiet=True,
                                     output=str(wd / "selected" / f"{who}.jsonl")))
     times["select"] = time.perf_counter() - t0
 
@@ -218,6 +223,7 @@ def pipeline(
 
     # 6. summary --------------------------------------------------------------------------------
     summary = _summary(wd, warm, proxy, scores, selected, times, pool)
+    summary["selection_rule"] = {"rule": select_rule, "k": select_fraction}
     from ..io.stages import pipeline_provenance
 
     summary.update(pipeline_provenance(ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
@@ -288,6 +294,9 @@ def _format_summary(s: dict[str, Any]) -> str:
         from ..io.stages import format_provenance
 
         lines.extend(format_provenance(s))
+    if "selection_rule" in s:
+        sr = s["selection_rule"]
+        lines.append(f"selection rule    : {sr['rule']} (target and proxy; random: uniform), k = {sr['k']:g} of the pool")
     r = s["retention_proxy_vs_target"]
     lines.append(f"proxy vs target   : Spearman {r['spearman']:.3f}, Kendall {r['kendall']:.3f}, top-5% overlap {r['top5%']:.2f}")
     if s.get("retention_proxy_vs_target_per_task"):  # the pooled score mixes the tasks; each task on its own

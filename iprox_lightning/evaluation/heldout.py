@@ -40,14 +40,48 @@ def heldout_records(pool: Any, validation: Any, n_per_task: int = 50, seed: int 
                                       "selection: an in-sample check, not a held-out one)")
 
 
+def suite_heldout_records(eval_dir: str, suites: Sequence[str] = ("mmlu", "bbh"), per_subtask: int = 3,
+                          seed: int = 0) -> list[dict]:
+    """Held-out examples of the paper's suites that never steer a selection, ``per_subtask`` per MMLU subject /
+    BBH task, drawn reproducibly from ``seed``: MMLU **test** questions (the validation set holds the dev shots)
+    and BBH task examples (the validation set holds the CoT-prompt exemplars). Formatted like the validation
+    records, zero-shot: MMLU question + lettered choices + ``Answer:``, response the gold letter; BBH the task
+    input, response the gold answer. ``category`` is the suite, ``subtask`` the subject / task."""
+    from pathlib import Path
+
+    from ..data.eval_readers import read_bbh, read_mmlu, sample_per_group
+    from ..data.eval_validation import LETTERS
+
+    out: list[dict] = []
+    for suite in suites:
+        root = Path(eval_dir) / suite
+        if suite == "mmlu":
+            for subject, qs in read_mmlu(root, split="test").items():
+                for q in sample_per_group(qs, per_subtask, seed, f"heldout:mmlu:{subject}"):
+                    choices = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(q.choices))
+                    out.append({"id": f"heldout-{q.id.replace('/', '-')}", "instruction": f"{q.question.strip()}\n{choices}\nAnswer:",
+                                "context": "", "response": LETTERS[q.answer], "category": "mmlu", "subtask": subject})
+        elif suite == "bbh":
+            for task, (_, exs) in read_bbh(root).items():
+                for j, ex in enumerate(sample_per_group(exs, per_subtask, seed, f"heldout:bbh:{task}")):
+                    out.append({"id": f"heldout-{ex.id.replace('/', '-')}", "instruction": ex.input.strip(),
+                                "context": "", "response": ex.target.strip(), "category": "bbh", "subtask": task})
+        else:
+            raise ValueError(f"no held-out split for suite {suite!r} here (mmlu, bbh); TyDiQA's GoldP dev file "
+                             "is not shipped: hold out pool QA examples instead")
+    return out
+
+
 @torch.no_grad()
-def heldout_metrics(model: torch.nn.Module, batches) -> dict[str, Any]:
-    """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc)."""
+def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) -> dict[str, Any]:
+    """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc); ``per_example`` adds
+    ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over examples)."""
     from ..batch import IGNORE_INDEX, per_example_loss
 
     was_training = model.training
     model.eval()
     per_task: dict[str, list[tuple[float, bool]]] = {}
+    examples: list[dict] = []
     try:
         for b in batches:
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
@@ -55,24 +89,29 @@ def heldout_metrics(model: torch.nn.Module, batches) -> dict[str, Any]:
             pred, gold = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
             scored = gold != IGNORE_INDEX
             exact = ((pred == gold) | ~scored).all(dim=1) & (n > 0)
-            for t, l, e in zip(b["task"], loss.tolist(), exact.tolist()):
+            ids = b.get("id") or [None] * len(b["task"])
+            for i, t, l, e in zip(ids, b["task"], loss.tolist(), exact.tolist()):
                 per_task.setdefault(t, []).append((l, bool(e)))
+                examples.append({"id": None if i is None else str(i), "task": t, "loss": l, "exact_match": bool(e)})
     finally:
         model.train(was_training)
     allv = [v for vs in per_task.values() for v in vs]
     if not allv:
         raise ValueError("heldout_metrics: no examples")
     mean = lambda vs, k: sum(v[k] for v in vs) / len(vs)
-    return {"n": len(allv), "loss": mean(allv, 0), "exact_match": mean(allv, 1),
-            "per_task": {t: {"n": len(vs), "loss": mean(vs, 0), "exact_match": mean(vs, 1)} for t, vs in per_task.items()}}
+    out = {"n": len(allv), "loss": mean(allv, 0), "exact_match": mean(allv, 1),
+           "per_task": {t: {"n": len(vs), "loss": mean(vs, 0), "exact_match": mean(vs, 1)} for t, vs in per_task.items()}}
+    if per_example:
+        out["examples"] = examples
+    return out
 
 
 def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, max_length: int = 128,
-                     batch_size: int = 32) -> dict[str, Any]:
+                     batch_size: int = 32, per_example: bool = False) -> dict[str, Any]:
     """Load ``model_dir`` and run :func:`heldout_metrics` on ``records`` (tokenized like training)."""
     from ..data import SFTDataModule
     from ..models.loading import load_model
 
     dm = SFTDataModule(pool=list(records), validation=None, tokenizer=tokenizer, max_length=max_length)
     model, _ = load_model(model_dir, tokenizer=False)
-    return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size))
+    return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size), per_example=per_example)

@@ -1,0 +1,91 @@
+"""bench/effect.py end to end on the built-in data (a tiny fidelity run's tables -> selections -> fine-tunes ->
+held-out evaluations -> summary), checked against the product's own select and a brute-force recomputation of
+every summary number; a second invocation re-runs nothing."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import effect  # noqa: E402
+import fidelity_v2 as fv2  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VARIANT = "ipsvd/exact/rel1e-3/global@0.5"
+
+
+@pytest.fixture(scope="module")
+def fidelity_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("effect") / "v2"
+    fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30", "--max-length", "48",
+              "--no-warmup", "--no-unwarmed", "--variants", VARIANT, "--bootstrap", "20", "--threads", "1",
+              "--out", str(out)])
+    return out
+
+
+def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
+            "--eval-dir", "builtin", "--tasks", "addition", "uppercase", "--priority-tasks", "addition",
+            "--selectors", "target", "iprox@0.5", "length", "--source", f"iprox@0.5={VARIANT}",
+            "--random-seeds", "0", "1", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
+            "--builtin-per-task", "8", "--bootstrap", "200", "--threads", "1"]
+    s = effect.main(argv)
+    m = s["meta"]
+    assert m["k"] == 6 and m["pool_sample"] == 30 and m["rule"] == "mean" and m["target_warmed_up"] is False
+    assert {t: h["n"] for t, h in m["heldout"].items()} == {"addition": 8, "uppercase": 8}
+
+    # selections are the product's select on the fidelity run's tables: rule 'mean' over the task's halves
+    from iprox_lightning.select import select
+
+    for task in ("addition", "uppercase"):
+        for sel, table in (("target", "target"), ("iprox@0.5", fv2.dir_name(VARIANT))):
+            ref = select(str(fidelity_dir / "scores" / table / "scores.parquet"), k=6, rule="mean", task=task,
+                         pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / "ref.jsonl"), quiet=True)
+            got = out / "selections" / f"{fv2.dir_name(f'{task}/{sel}')}.jsonl"
+            assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    # the length sort: the 6 shortest scored responses (ties by id), one subset for both tasks
+    t = fv2.read_table(fidelity_dir / "scores" / "target" / "scores.parquet")
+    shortest = [i for _, i in sorted(zip(t["n_tokens"], t["id"]))[:6]]
+    assert [json.loads(x)["id"] for x in open(out / "selections" / "length.jsonl")] == shortest
+
+    # every row recomputed from the cached per-example evaluations
+    evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
+    assert set(evals) == {"base", "random:0", "random:1", "length", "addition/target", "uppercase/target",
+                          "addition/iprox@0.5", "uppercase/iprox@0.5"}
+    rows = {(r["task"], r["selector"], r["metric"]): r for r in s["rows"]}
+    for task in ("addition", "uppercase"):
+        def per_example(key, metric):
+            ex = {e["id"]: e[metric] for e in evals[key]["tasks"][task]["examples"]}
+            ids = [json.loads(x)["id"] for x in open(out / "heldout" / f"{task}.jsonl")]
+            return np.asarray([float(ex[i]) for i in ids])
+
+        for metric, hib in (("loss", False), ("exact_match", True)):
+            rand = (per_example("random:0", metric) + per_example("random:1", metric)) / 2
+            for sel, key in (("base", "base"), ("length", "length"), ("target", f"{task}/target"),
+                             ("iprox@0.5", f"{task}/iprox@0.5"), ("random:0", "random:0")):
+                r, v = rows[(task, sel, metric)], per_example(key, metric)
+                assert r["value"] == pytest.approx(v.mean(), abs=1e-12) and r["heldout_n"] == 8
+                d = (v - rand) if hib else (rand - v)
+                assert r["diff_vs_random"] == pytest.approx(d.mean(), abs=1e-12)
+                assert r["ci"][0] <= r["value"] + 1e-12 and r["value"] <= r["ci"][1] + 1e-12
+                assert r["higher_is_better"] is hib
+            nf = m["noise_floor"][f"{task}/{metric}"]
+            seeds = [per_example(f"random:{s}", metric).mean() for s in (0, 1)]
+            assert nf["spread"] == pytest.approx(max(seeds) - min(seeds), abs=1e-12)
+    # fine-tuning moved the model: every fine-tuned row differs from the base row on the loss
+    assert all(rows[(t, s, "loss")]["value"] != rows[(t, "base", "loss")]["value"]
+               for t in ("addition", "uppercase") for s in ("target", "length", "random:0"))
+    assert rows[("addition", "iprox@0.5", "loss")]["scoring_cost_ratio"] > 0
+    assert (out / "summary.md").read_text().startswith("# Downstream effect")
+
+    # resume: the same command runs no stage again and gives the same summary
+    before = json.loads((out / "state.json").read_text())["stages"]
+    again = effect.main(argv)
+    assert json.loads((out / "state.json").read_text())["stages"] == before
+    assert again["rows"] == s["rows"]
