@@ -9,6 +9,7 @@ from .batch import per_example_loss, sft_loss
 from .callbacks import IPSVDCallback
 from .evaluation import EvalDataModule, EvaluationModule
 from .compress import compress_model, count_parameters, load_proxy, save_proxy
+from .io.proxy import export_proxy
 from .ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
 from .alignment import alignment_losses, factor_projections, gradient_alignment_loss
 from .lowrank import LowRankLinear
@@ -28,7 +29,7 @@ __all__ = [
     "factor_projections", "gradient_alignment_loss",
     "EvalDataModule", "EvaluationModule",
     "IPSVDCallback", "LayerTracker", "LowRankLinear", "compress_model", "count_parameters",
-    "find_target_linears", "ipsvd_factors", "load_model", "load_proxy", "load_tokenizer",
+    "export_proxy", "find_target_linears", "ipsvd_factors", "load_model", "load_proxy", "load_tokenizer",
     "per_example_loss", "random_factors", "requires_grad_inputs", "save_proxy", "sft_loss",
     "svd_factors", "tiny_causal_lm", "weighted_objective",
 ]

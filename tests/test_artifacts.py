@@ -219,8 +219,8 @@ def test_saved_proxy_loads_exactly_and_plain_transformers_refuses_it(proxy_dir):
     loaded, _ = load_model(str(path), tokenizer=False)
     x = torch.randint(3, 64, (2, 7))
     assert torch.equal(loaded(x).logits, model.eval()(x).logits)
-    with pytest.raises(OSError, match="model.safetensors"):
-        AutoModelForCausalLM.from_pretrained(path)  # never a model with random projections
+    with pytest.raises(ValueError, match=r"IProX proxy.*load_proxy.*export"):
+        AutoModelForCausalLM.from_pretrained(path)  # never a model with random projections; says what to do
     assert "ipx.load_proxy" in (path / "README.md").read_text()
 
 

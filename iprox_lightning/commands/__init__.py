@@ -22,7 +22,8 @@ TRAINER_COMMANDS = {
 }
 """The LightningCLI subcommands (:mod:`.lightning`) and what they do in this project."""
 
-COMMANDS = ("select", "pipeline", "report", "check", "layer_extraction", "regression_scorer", "random_scores", "rds_scores")
+COMMANDS = ("select", "pipeline", "report", "check", "layer_extraction", "regression_scorer", "random_scores", "rds_scores",
+            "export_proxy")
 """The plain-function commands, in the order ``train.py --help`` lists them."""
 
 

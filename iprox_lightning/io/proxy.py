@@ -19,8 +19,10 @@ A proxy loads as a proxy or not at all:
   loads strictly. Nothing is unpickled; ``trust_remote_code`` is never used.
 * Plain ``AutoModelForCausalLM.from_pretrained(proxy_dir)`` fails loudly: the weights are not in a file
   transformers reads (``model.safetensors``), so it cannot return a model with randomly initialised
-  projections. (Writing dense ``A·B`` products instead would load, but as a *different* model: the
-  gradients of a dense layer are not the proxy's factor gradients.)
+  projections; ``config.json``'s ``transformers_weights`` (:data:`FROM_PRETRAINED_NOTE`) makes transformers' error
+  say to use :func:`load_proxy` or :func:`export_proxy`. (Writing dense ``A·B`` products instead would load, but as
+  a *different* model: the gradients of a dense layer are not the proxy's factor gradients; :func:`export_proxy`
+  writes such a model, for other tools, to another directory.)
 * :func:`check_not_a_bare_proxy` lets the generic loader refuse a directory whose weights hold factor
   tensors but whose manifest is missing.
 
@@ -62,6 +64,7 @@ proxy, tok = ipx.load_proxy("{path}")      # or ipx.load_model("{path}")
 
 `AutoModelForCausalLM.from_pretrained` cannot load it (the factors are not transformers weights), on
 purpose: it would silently return random projections. `iprox_proxy.json` records the ranks and settings.
+For other tools, export a dense Hugging Face model (same logits): `python -m iprox_lightning.io.proxy export {path} OUT`.
 """
 
 
@@ -178,6 +181,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     if config is None:
         raise ValueError("save_proxy needs a Hugging Face model with a .config")
     config.save_pretrained(path)
+    add_from_pretrained_note(path)
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         try:
@@ -330,7 +334,8 @@ def upgrade_proxy(path: str | Path) -> Path:
     :func:`load_proxy` (checked against config + manifest), written to ``iprox_proxy.safetensors`` with the
     manifest updated (format_version, weights fingerprint; the recorded settings kept), verified to load back
     identically, and only then ``model.safetensors`` is removed (so plain ``from_pretrained`` fails instead of
-    returning random projections). A version-2 directory is left as it is. Returns ``path``."""
+    returning random projections). A version-2 directory is left as it is, except that its ``config.json``
+    gets the :data:`FROM_PRETRAINED_NOTE` if it lacks it. Returns ``path``."""
     path = Path(path)
     weights = weights_file(path)
     if weights is None or weights.name != LEGACY_WEIGHTS or (path / PROXY_WEIGHTS).is_file():
@@ -338,6 +343,7 @@ def upgrade_proxy(path: str | Path) -> Path:
             raise ProxyFormatError(f"{path}: holds both {PROXY_WEIGHTS} and {LEGACY_WEIGHTS}; remove the one that "
                                    "is not the proxy's weights")
         read_manifest(path)  # a readable version-2 proxy, or a clear error
+        add_from_pretrained_note(path)  # directories saved before the note existed
         return path
     manifest = read_manifest(path)
     model, tok = load_proxy(path)
@@ -367,14 +373,71 @@ def _main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m iprox_lightning.io.proxy",
-                                 description="IProX proxy directories: upgrade a version-1 directory in place.")
+                                 description="IProX proxy directories: upgrade a version-1 directory in place, or export a proxy as a dense Hugging Face model.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("upgrade", help="re-save version-1 proxy directories (model.safetensors) as version 2")
     up.add_argument("paths", nargs="+", help="proxy directories")
+    ex = sub.add_parser("export", help="write a dense Hugging Face model (each A·B as one weight) that plain "
+                                       "AutoModelForCausalLM.from_pretrained loads")
+    ex.add_argument("proxy", help="the proxy directory")
+    ex.add_argument("output", help="the directory to write (must not exist or be empty, unless --overwrite true)")
+    ex.add_argument("--dtype", default=None, help="dtype of the exported weights (default: the proxy's)")
+    ex.add_argument("--overwrite", nargs="?", const="true", default="false", choices=["true", "false"],
+                    help="replace the contents of a non-empty output directory")
     args = ap.parse_args(argv)
+    if args.cmd == "export":
+        out = export_proxy(args.proxy, args.output, dtype=args.dtype, overwrite=args.overwrite == "true")
+        print(f"{args.proxy}: exported as a dense Hugging Face model to {out} "
+              f"(AutoModelForCausalLM.from_pretrained loads it; provenance in {out}/iprox_export.json)")
+        return
     for p in args.paths:
         upgrade_proxy(p)
         print(f"{p}: proxy format_version {MANIFEST_VERSION} ({PROXY_WEIGHTS}); plain from_pretrained now refuses it")
+
+
+FROM_PRETRAINED_NOTE = (
+    "not a transformers checkpoint: this directory is an IProX proxy, whose low-rank factors (iprox_proxy.safetensors) "
+    "are not weights transformers can load. Load it with iprox_lightning.load_proxy(<this directory>) (or "
+    "iprox_lightning.load_model), or write a dense Hugging Face model that from_pretrained loads: "
+    "`python -m iprox_lightning.io.proxy export <this directory> <output directory>` "
+    "(or `python train.py export_proxy --proxy <this directory> --output <output directory>`)")
+"""Written as ``transformers_weights`` into a proxy's ``config.json``. transformers (>= 4.53) reads that key as the
+name of the weights file and, as it is not a ``*.safetensors`` name, raises a ``ValueError`` that quotes it: plain
+``from_pretrained(proxy_dir)`` then says what to do instead of "no file named model.safetensors". ``load_proxy``
+ignores it; ``save_pretrained`` drops it (transformers never writes the key back)."""
+
+
+def add_from_pretrained_note(path: str | Path) -> None:
+    """Put :data:`FROM_PRETRAINED_NOTE` into ``path/config.json`` (``transformers_weights``), if not already there."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("transformers_weights") == FROM_PRETRAINED_NOTE:
+        return
+    cfg["transformers_weights"] = FROM_PRETRAINED_NOTE
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def export_proxy(path: str | Path, output: str | Path, *, dtype: str | torch.dtype | None = None,
+                 overwrite: bool = False) -> Path:
+    """Write the proxy at ``path`` as a dense Hugging Face model to ``output`` (:mod:`.proxy_export`): each
+    ``LowRankLinear`` as one layer with weight ``A @ B``, saved with ``save_pretrained`` (safetensors) plus the
+    tokenizer and ``iprox_export.json`` (the proxy's path, manifest and weights digests). The proxy is loaded through
+    :func:`load_proxy` (all its checks); the export is loaded back with ``from_pretrained`` and its logits compared
+    with the proxy's before it is moved into place. ``dtype``: of the exported weights (default: the proxy's).
+    Refuses ``output`` == ``path`` (or inside / around it), an existing proxy directory, and a non-empty directory
+    unless ``overwrite``. Returns ``output``."""
+    from .proxy_export import check_export_target, write_export
+
+    path, output = Path(path), Path(output)
+    check_export_target(path, output, overwrite=overwrite)
+    if is_proxy_dir(output):
+        raise FileExistsError(f"export: the output {output} is an IProX proxy directory; refusing to replace a proxy "
+                              "with an export (choose another directory)")
+    manifest = read_manifest(path)
+    model, tok = load_proxy(path)
+    return write_export(model, tok, path, output, manifest, dtype=dtype, overwrite=overwrite)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,8 @@ proxy directory, or ``"builtin"`` (the offline demo model).
   renamed atomically, so an interrupted first load never leaves a broken cache.
 * ``trust_remote_code`` is off unless the caller asks for it.
 * A directory holding ``iprox_proxy.json`` is an IProX proxy and goes through
-  :func:`iprox_lightning.io.proxy.load_proxy`.
+  :func:`iprox_lightning.io.proxy.load_proxy`; a path to its manifest or weights file is refused with an error
+  naming the directory, ``load_proxy`` and the dense export.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-from ..io.proxy import PROXY_MANIFEST  # noqa: E402  (the proxy directory's one home)
+from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS  # noqa: E402  (the proxy directory's one home)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -157,6 +158,10 @@ def load_model(
             _write_cache(model, tok, cached)
         return model.eval(), (tok if tokenizer else None)
 
+    if p.is_file() and p.parent.is_dir() and is_proxy_file(p):
+        raise ValueError(f"{p} is a file of the IProX proxy directory {p.parent}: pass the directory itself "
+                         f"(load_model / iprox_lightning.load_proxy load it as a proxy), or export a dense Hugging Face "
+                         f"model with `python -m iprox_lightning.io.proxy export {p.parent} <output directory>`")
     if p.exists() and not p.is_dir():
         raise ValueError(f"{p} is a file but not a .gguf model; pass a model directory, a hub id or a .gguf file")
     from .hub import check_model_source
@@ -200,3 +205,9 @@ def _write_cache(model, tok, target: Path) -> None:
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def is_proxy_file(path: str | os.PathLike) -> bool:
+    """True for the manifest or weights file of a proxy directory (a path that should have been the directory)."""
+    p = Path(path)
+    return p.name in (PROXY_MANIFEST, PROXY_WEIGHTS) and (p.parent / PROXY_MANIFEST).is_file()
