@@ -208,3 +208,83 @@ def test_the_chat_template_time_limit_also_holds_outside_the_main_thread():
     t.start()
     t.join(10)
     assert out == {"error": "took too long", "value": 42}
+
+
+# ------------------------------------------------------------------------------------------------ proxy weights
+@pytest.fixture
+def proxy(tmp_path):
+    import torch
+
+    from iprox_lightning import compress_model, save_proxy
+    from iprox_lightning.models.tiny import tiny_causal_lm
+    from test_scoring_influence import TINY
+
+    model = tiny_causal_lm("llama", seed=3, **TINY)
+    compress_model(model, None, 0.5, method="svd", progress=False)
+    return save_proxy(model, None, tmp_path / "proxy", target_model="tiny"), torch
+
+
+def test_proxy_weights_replaced_after_saving_are_refused(proxy):
+    """Same tensor names, shapes and dtype, other values (another proxy's weights copied in, a bit flipped): the
+    manifest's sha256 of the weights file is checked."""
+    from safetensors.torch import load_file, save_file
+
+    from iprox_lightning import load_model
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, torch = proxy
+    man = json.loads((path / "iprox_proxy.json").read_text())
+    tensors = load_file(path / "iprox_proxy.safetensors")
+    name = "model.layers.0.self_attn.q_proj.A"
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, path / "iprox_proxy.safetensors", metadata={"format": "pt", "iprox_proxy": "2"})
+    with pytest.raises(ProxyFormatError, match=rf"iprox_proxy.safetensors: sha256 [0-9a-f]+ differs from "
+                                               rf"{man['weights']['sha256']} recorded in iprox_proxy.json"):
+        load_model(str(path), tokenizer=False)
+    data = (path / "iprox_proxy.safetensors").read_bytes()
+    (path / "iprox_proxy.safetensors").write_bytes(data[: len(data) // 2])  # cut short
+    with pytest.raises(ProxyFormatError, match=r"iprox_proxy.safetensors: not a readable safetensors file"):
+        load_model(str(path), tokenizer=False)
+
+
+def test_proxy_factors_stored_in_another_dtype_are_refused(proxy):
+    from safetensors.torch import load_file, save_file
+
+    from iprox_lightning import load_proxy
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, torch = proxy
+    tensors = load_file(path / "iprox_proxy.safetensors")
+    for k in tensors:
+        if k.endswith((".A", ".B")):
+            tensors[k] = tensors[k].to(torch.bfloat16)
+    save_file(tensors, path / "iprox_proxy.safetensors", metadata={"format": "pt", "iprox_proxy": "2"})
+    man = json.loads((path / "iprox_proxy.json").read_text())
+    man.pop("weights")  # even without the digest (an older manifest) the dtype is checked
+    (path / "iprox_proxy.json").write_text(json.dumps(man))
+    with pytest.raises(ProxyFormatError, match=r"iprox_proxy.safetensors: 14 tensor\(s\) stored as another dtype "
+                                               r"than the iprox_proxy.json records \(float32\), e.g. "
+                                               r"model.layers.0.mlp.down_proj.A: bfloat16"):
+        load_proxy(path)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dtype", "float99", r"'dtype' is 'float99'; a proxy's weights are one of \['float32', "),
+    ("dtype", "nn", r"'dtype' is 'nn'"),
+    ("format_version", "two", r"'format_version' is 'two', not an integer"),
+    ("layers.model.layers.0.self_attn.q_proj.rank", "eight", r"layer 'model.layers.0.self_attn.q_proj': "
+                                                             r"\{'rank': 'eight'\} must be positive integers"),
+])
+def test_a_manifest_with_a_nonsense_field_names_file_and_field(proxy, field, value, message):
+    from iprox_lightning import load_model
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, _ = proxy
+    man = json.loads((path / "iprox_proxy.json").read_text())
+    if field.startswith("layers."):
+        man["layers"]["model.layers.0.self_attn.q_proj"]["rank"] = value
+    else:
+        man[field] = value
+    (path / "iprox_proxy.json").write_text(json.dumps(man))
+    with pytest.raises(ProxyFormatError, match=rf"^{path}/iprox_proxy.json: {message}"):
+        load_model(str(path), tokenizer=False)

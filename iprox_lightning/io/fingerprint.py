@@ -30,10 +30,12 @@ def digest(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(_canonical(obj).encode()).hexdigest()[:n]
 
 
-def file_identity(path: str | os.PathLike) -> dict:
+def file_identity(path: str | os.PathLike, hash_limit: int | None = HASH_LIMIT) -> dict:
+    """``{"size", "sha256"}`` (16 hex chars) of a file; above ``hash_limit`` bytes ``{"size", "mtime_ns"}``
+    (``hash_limit=None``: always hashed)."""
     p = Path(path)
     st = p.stat()
-    if st.st_size <= HASH_LIMIT:
+    if hash_limit is None or st.st_size <= hash_limit:
         h = hashlib.sha256()
         with open(p, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -16,7 +16,10 @@ A proxy loads as a proxy or not at all:
   ``LowRankLinear`` of the recorded rank, checks the weights file's tensor names and shapes against that
   model **before** loading (missing / unexpected tensors, a rank that disagrees with the factors, a layer
   the config does not have: each a :class:`ProxyFormatError` naming the file, tensor and shapes), then
-  loads strictly. Nothing is unpickled; ``trust_remote_code`` is never used.
+  loads strictly. The weights file must also be the one saved with the manifest (its size and SHA-256, recorded
+  in ``"weights"``) and hold every floating tensor in the manifest's ``dtype``: a replaced, cut-short or converted
+  file is a :class:`ProxyFormatError` naming the file and the expected vs found digest / dtype.
+  Nothing is unpickled; ``trust_remote_code`` is never used.
 * Plain ``AutoModelForCausalLM.from_pretrained(proxy_dir)`` fails loudly: the weights are not in a file
   transformers reads (``model.safetensors``), so it cannot return a model with randomly initialised
   projections; ``config.json``'s ``transformers_weights`` (:data:`FROM_PRETRAINED_NOTE`) makes transformers' error
@@ -86,6 +89,21 @@ def tensor_shapes(file: str | Path) -> dict[str, tuple[int, ...]]:
 
     with safe_open(str(file), framework="pt") as f:
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def tensor_dtypes(file: str | Path) -> dict[str, str]:
+    """``{name: dtype}`` from a safetensors header, as torch dtype names (``"float32"``); unknown codes as written."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return {k: _ST_DTYPES.get(f.get_slice(k).get_dtype(), f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+MANIFEST_DTYPES = ("float32", "float16", "bfloat16", "float64")
+"""The floating dtypes a proxy's weights may be stored in (the manifest's ``dtype``)."""
 
 
 def _metadata(file: Path) -> dict:
@@ -193,7 +211,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     (path / LEGACY_WEIGHTS).unlink(missing_ok=True)  # never leave a file transformers would load
     save_model(model, str(path / PROXY_WEIGHTS), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
     man = build_manifest(model, manifest, **extra)
-    man["weights"] = {"file": PROXY_WEIGHTS, **file_identity(path / PROXY_WEIGHTS)}
+    man["weights"] = {"file": PROXY_WEIGHTS, **file_identity(path / PROXY_WEIGHTS, hash_limit=None)}
     (path / PROXY_MANIFEST).write_text(json.dumps(man, indent=2, default=float) + "\n")
     (path / "README.md").write_text(README.format(path=path))
     return path
@@ -211,6 +229,16 @@ def read_manifest(path: str | Path) -> dict:
         raise ProxyFormatError(f"{man_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), dict):
         raise ProxyFormatError(f"{man_file}: malformed manifest (no 'layers' object)")
+    dtype = manifest.get("dtype")
+    if dtype is not None and dtype not in MANIFEST_DTYPES:
+        raise ProxyFormatError(f"{man_file}: 'dtype' is {dtype!r}; a proxy's weights are one of {list(MANIFEST_DTYPES)}")
+    version = manifest.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProxyFormatError(f"{man_file}: 'format_version' is {version!r}, not an integer")
+    for name, spec in manifest["layers"].items():
+        if not isinstance(spec, dict):
+            raise ProxyFormatError(f"{man_file}: layer {name!r} is {spec!r}, not an object with rank / in_features / "
+                                   "out_features")
     if int(manifest.get("format_version", 1)) > MANIFEST_VERSION:
         raise ProxyFormatError(f"{man_file}: format_version {manifest['format_version']} is newer than this "
                                f"iprox_lightning reads ({MANIFEST_VERSION})")
@@ -219,8 +247,14 @@ def read_manifest(path: str | Path) -> dict:
 
 def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapping[str, dict]) -> None:
     """Compare the weights file's header with the model built from config + manifest, before loading."""
-    have = tensor_shapes(weights)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        have = tensor_shapes(weights)
+        have_dtypes = tensor_dtypes(weights)
+    except Exception as e:  # safetensors raises its own error type for a truncated or foreign file
+        raise ProxyFormatError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                               f"{weights.stat().st_size} bytes") from None
+    state = model.state_dict()
+    want = {k: tuple(v.shape) for k, v in state.items()}
     # tied weights (e.g. lm_head tied to the embeddings) are saved once
     tied = {k for k in want if k not in have and _is_tied(model, k, have)}
     for name, spec in layers.items():
@@ -243,6 +277,37 @@ def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapp
     for k, shape in want.items():
         if k in have and have[k] != shape:
             raise ProxyFormatError(f"{weights}: tensor {k} has shape {list(have[k])}, the model expects {list(shape)}")
+    wrong = sorted(k for k in have if state[k].is_floating_point() and have_dtypes[k] != _dtype_name(state[k].dtype))
+    if wrong:
+        k = wrong[0]
+        raise ProxyFormatError(f"{weights}: {len(wrong)} tensor(s) stored as another dtype than the {man_file.name} "
+                               f"records ({_dtype_name(state[k].dtype)}), e.g. {k}: {have_dtypes[k]} — refusing to "
+                               "convert them silently")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_weights_digest(weights: Path, manifest: Mapping[str, Any], man_file: Path) -> None:
+    """The weights file is the one saved with the manifest: its size and SHA-256 (as recorded in ``"weights"``;
+    older manifests of large files recorded size and mtime: size only)."""
+    rec = manifest.get("weights")
+    if not isinstance(rec, Mapping):
+        return
+    size = weights.stat().st_size
+    if rec.get("size") is not None and int(rec["size"]) != size:
+        raise ProxyFormatError(f"{weights}: {size} bytes, but {man_file.name} records {rec['size']} bytes for the "
+                               "proxy's weights: the file was replaced or cut short after the proxy was saved")
+    want = rec.get("sha256")
+    if want:
+        from .fingerprint import file_identity
+
+        found = file_identity(weights, hash_limit=None)["sha256"]
+        if found[:len(want)] != want[:len(found)]:
+            raise ProxyFormatError(f"{weights}: sha256 {found} differs from {want} recorded in {man_file.name}: the "
+                                   "weights are not the ones saved with this manifest (re-save the proxy, or restore "
+                                   "the file)")
 
 
 def _is_tied(model: nn.Module, key: str, have: Mapping[str, Any]) -> bool:
@@ -290,9 +355,13 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
         miss = [k for k in ("rank", "in_features", "out_features") if k not in spec]
         if miss:
             raise ProxyFormatError(f"{man_file}: layer {name!r} lacks field(s) {miss}")
+        bad = {k: spec[k] for k in ("rank", "in_features", "out_features")
+               if isinstance(spec[k], bool) or not isinstance(spec[k], int) or spec[k] < 1}
+        if bad:
+            raise ProxyFormatError(f"{man_file}: layer {name!r}: {bad} must be positive integers")
     config = AutoConfig.from_pretrained(path)
     _check_block_drop(config, manifest, man_file)
-    build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"), torch.float32)
+    build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"))  # one of MANIFEST_DTYPES (read_manifest)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
     for name, spec in layers.items():
         try:
@@ -308,6 +377,8 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
         new = LowRankLinear(in_f, out_f, int(spec["rank"]), bias=bool(spec.get("bias", False)), dtype=w.dtype)
         set_submodule(model, name, new)
     _check_tensors(model, weights, man_file, layers)
+    if weights.name == PROXY_WEIGHTS:
+        _check_weights_digest(weights, manifest, man_file)
     missing, unexpected = load_model(model, str(weights), strict=True)
     if missing or unexpected:  # strict=True raises already; defensive
         raise ProxyFormatError(f"{weights}: missing {missing}, unexpected {unexpected}")
