@@ -369,8 +369,8 @@ class Effect:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         md = markdown(summary)
         (self.out / "summary.md").write_text(md)
-        if a.docs:
-            splice_effect_docs(Path(a.docs), md)
+        for doc in a.docs or []:
+            splice_effect_docs(Path(doc), md)
         return summary
 
 
@@ -460,7 +460,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--keep-models", action="store_true", help="keep the fine-tuned weights (0.5 GB each)")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite summary/tables from the cached evaluations")
-    ap.add_argument("--docs", default=None, help="also write the tables into this Markdown page between its markers")
+    ap.add_argument("--docs", nargs="*", default=None,
+                    help="also write the tables into these Markdown pages between their effect markers")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args
