@@ -288,3 +288,88 @@ def test_a_manifest_with_a_nonsense_field_names_file_and_field(proxy, field, val
     (path / "iprox_proxy.json").write_text(json.dumps(man))
     with pytest.raises(ProxyFormatError, match=rf"^{path}/iprox_proxy.json: {message}"):
         load_model(str(path), tokenizer=False)
+
+
+# ------------------------------------------------------------------------------------------------ truncated GGUF
+def _gguf(path):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(16)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.add_tensor("output.weight", np.ones((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("keep,message", [(-40, r"not a readable GGUF file, truncated or damaged \(472 bytes; "),
+                                          (100, r"not a readable GGUF file, truncated or damaged \(100 bytes; "),
+                                          (0, r"not a GGUF file \(starts with b'', not b'GGUF'; 0 bytes\)")])
+def test_a_truncated_gguf_file_is_named(tmp_path, monkeypatch, keep, message):
+    pytest.importorskip("gguf")
+    from iprox_lightning import load_model
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "cache"))
+    data = _gguf(tmp_path / "full.gguf").read_bytes()
+    cut = tmp_path / "model.gguf"
+    cut.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+    with pytest.raises(ValueError, match=rf"^{cut}: {message}"):
+        load_model(str(cut))
+
+
+# ------------------------------------------------------------------------------------------------ bad tables / records
+@pytest.mark.parametrize("scores,message", [
+    (["0.5", "high", "0.1"], r"column 'score' holds string values, not numbers \(e.g. row 0: '0.5'\)"),
+    ([0.5, None, 0.1], r"row 1 \(id 'b'\) has a null 'score'; 1 null\(s\) in that column"),
+])
+def test_select_on_a_score_table_with_non_numeric_or_null_scores_names_file_and_row(tmp_path, scores, message):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "scores.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "score": scores}), table)
+    with pytest.raises(ValueError, match=rf"^{table}: {message}"):
+        main(["select", "--scores_path", str(table), "--k", "2", "--output", str(tmp_path / "sel.jsonl")])
+    assert not (tmp_path / "sel.jsonl").exists()
+
+
+@pytest.mark.parametrize("line,message", [('{"id": "b", "score": "high"}', r"id 'b' has a str 'score' \('high'\)"),
+                                          ('{"id": "b", "score": [1]}', r"id 'b' has a list 'score' \('\[1\]'\)")])
+def test_a_jsonl_score_table_with_a_non_numeric_score_names_file_and_line(tmp_path, line, message):
+    from iprox_lightning.analysis.score_table import read_scores
+
+    path = tmp_path / "scores.jsonl"
+    path.write_text('{"id": "a", "score": 0.5}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}, line 2: {message}, not a number"):
+        read_scores(path)
+
+
+def test_fine_tuning_on_an_empty_selection_file_names_the_file(tmp_path):
+    empty = tmp_path / "selected.jsonl"
+    empty.write_text("")
+    args = ["fit", "--config", str(ROOT / "configs/finetune.yaml"), "--config", str(ROOT / "configs/builtin/finetune.yaml"),
+            "--model.init_args.model", "builtin", "--model.init_args.save_dir", str(tmp_path / "model"),
+            "--data.init_args.tokenizer", "builtin", "--data.init_args.selected", str(empty),
+            "--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(ValueError, match=rf"^the selection file {empty} holds no examples: nothing to train on"):
+        main(args)
+    assert not (tmp_path / "model").exists()
+
+
+def test_a_truncated_stage_record_is_refused_naming_it(tmp_path):
+    from iprox_lightning.commands.pipeline import pipeline
+    from iprox_lightning.io import FingerprintMismatch
+
+    (tmp_path / "warmup" / "model").mkdir(parents=True)
+    (tmp_path / "warmup" / "model" / "config.json").write_text("{}")
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "warmup.json").write_text('{"stage": "warmup", "fingerp')  # cut short by a full disk
+    with pytest.raises(FingerprintMismatch, match=rf"^stage warmup: {tmp_path}/stages/warmup.json is not readable JSON "
+                                                  r"\(Unterminated string starting at; cut short\?\), so what produced "
+                                                  r".*config.json is unknown .*--force true"):
+        pipeline(workdir=str(tmp_path))

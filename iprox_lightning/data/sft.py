@@ -352,6 +352,10 @@ class SFTDataModule(L.LightningDataModule):
         """The tokenized :class:`SFTDataset` of ``split`` (built once, then cached)."""
         if split not in self._datasets:
             recs = self.records(split)
+            if not recs:
+                where = f"the selection file {self.selected}" if split == "selected" else f"split {split!r}"
+                raise ValueError(f"{where} holds no examples: nothing to " + (
+                    "train on (select kept none? check its .meta.json)" if split == "selected" else "serve"))
             examples, dropped = tokenize_records(
                 recs, self.tokenizer, max_length=self.max_length, prompt_template=self.prompt_template,
                 truncation=self.truncation, progress=len(recs) > 5000, desc=f"tokenizing {split}",

@@ -350,7 +350,28 @@ def read_table(path: str | os.PathLike):
     for c in ("id", "score"):
         if c not in t.column_names:
             raise ValueError(f"{p}: score table has no {c!r} column (columns: {t.column_names})")
+    check_columns(t, p)
     return p, t
+
+
+def check_columns(table, where: Any) -> None:
+    """Refuse a score table whose score columns (``score``, ``score_max``, ``score/<task>``) are not numeric or hold
+    nulls, or whose ``id`` column holds nulls: ``ValueError`` naming the file, the column and the first bad row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for c in table.column_names:
+        if c != "id" and c != "score" and c != "score_max" and not c.startswith("score/"):
+            continue
+        col = table.column(c)
+        if c != "id" and not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
+            raise ValueError(f"{where}: column {c!r} holds {col.type} values, not numbers (e.g. row 0: "
+                             f"{col[0].as_py()!r}); a score table's scores are floats")
+        if col.null_count:
+            row = pc.index(pc.is_null(col), True).as_py()
+            rid = table.column("id")[row].as_py() if c != "id" else None
+            raise ValueError(f"{where}: row {row}" + (f" (id {rid!r})" if rid is not None else "")
+                             + f" has a null {c!r}; {col.null_count} null(s) in that column")
 
 
 def _check_finite(scores: Mapping[str, float], where: str) -> None:
@@ -414,14 +435,24 @@ def _read_parquet(path: Path, id_column: str, score_column: str) -> dict[str, fl
     missing = [c for c in (id_column, score_column) if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; columns are {table.column_names}")
-    ids = [str(x) for x in table.column(id_column).to_pylist()]
+    ids = table.column(id_column).to_pylist()
     vals = table.column(score_column).to_pylist()
     out: dict[str, float] = {}
     for row, (k, v) in enumerate(zip(ids, vals)):
-        if v is None:
-            raise ValueError(f"{path}: row {row} (id {k!r}) has a null {score_column!r}")
-        _merge(out, {k: float(v)}, f"{path} row {row}")
+        where = f"{path}, row {row}"
+        if k is None:
+            raise ValueError(f"{where}: null {id_column!r}")
+        _merge(out, {str(k): _score_value(v, where, str(k), score_column)}, where)
     return out
+
+
+def _score_value(v: Any, where: str, rid: str, column: str) -> float:
+    """``float(v)`` for a number; anything else (null, text, a list, a bool) raises naming the place and the id."""
+    if v is None:
+        raise ValueError(f"{where}: id {rid!r} has a null {column!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where}: id {rid!r} has a {type(v).__name__} {column!r} ({str(v)[:40]!r}), not a number")
+    return float(v)
 
 
 def _read_jsonl(path: Path, id_column: str, score_column: str) -> dict[str, float]:
@@ -432,9 +463,8 @@ def _read_jsonl(path: Path, id_column: str, score_column: str) -> dict[str, floa
         if not isinstance(rec, dict) or id_column not in rec or score_column not in rec:
             keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
             raise ValueError(f"{where}: record lacks {id_column!r} or {score_column!r}: keys {keys}")
-        if rec[score_column] is None:
-            raise ValueError(f"{where}: id {rec[id_column]!r} has a null {score_column!r}")
-        _merge(out, {str(rec[id_column]): float(rec[score_column])}, where)
+        _merge(out, {str(rec[id_column]): _score_value(rec[score_column], where, str(rec[id_column]), score_column)},
+               where)
     return out
 
 

@@ -76,7 +76,7 @@ class StageLedger:
             raise FingerprintMismatch(
                 f"stage {key}: {done} exists but {rec_path} does not record what produced it (an older or hand-made "
                 f"output), so it cannot be reused safely; {self.hint}")
-        rec = json.loads(rec_path.read_text())
+        rec = self.read_record(key, done)
         if rec.get("fingerprint") != self.fingerprints[key]:
             lines = diff(rec.get("inputs", {}), self.inputs[key])
             raise FingerprintMismatch(
@@ -85,6 +85,21 @@ class StageLedger:
                 + "\n  ".join(lines or ["(no field listed)"]) + f"\n{self.hint}")
         self.status[key] = "reused"
         return True
+
+    def read_record(self, key: str, done: str | os.PathLike) -> dict:
+        """The record of stage ``key``; an unreadable one (cut short, not a JSON object) is refused like a missing
+        one: what produced ``done`` is unknown."""
+        rec_path = self.record_path(key)
+        try:
+            rec = json.loads(rec_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FingerprintMismatch(
+                f"stage {key}: {rec_path} is not readable JSON ({getattr(e, 'msg', e)}; cut short?), so what produced "
+                f"{done} is unknown and it cannot be reused safely; {self.hint}") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("inputs", {}), dict):
+            raise FingerprintMismatch(f"stage {key}: {rec_path} is not a stage record (a JSON object with "
+                                      f"'fingerprint' and 'inputs'); {self.hint}")
+        return rec
 
     def record(self, key: str) -> Path:
         """Write the record of stage ``key`` (after it succeeded)."""

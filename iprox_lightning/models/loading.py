@@ -6,6 +6,7 @@ proxy directory, or ``"builtin"`` (the offline demo model).
   lives in ``$IPROX_CACHE`` (default ``~/.cache/iprox_lightning``) under a key made of the file's
   name, size and a hash of its first and last MiB; it is written to a temporary directory and
   renamed atomically, so an interrupted first load never leaves a broken cache.
+  A file that is not GGUF or is cut short stops with a ``ValueError`` naming it (:func:`check_gguf`).
 * ``trust_remote_code`` is off unless the caller asks for it.
 * A directory holding ``iprox_proxy.json`` is an IProX proxy and goes through
   :func:`iprox_lightning.io.proxy.load_proxy`; a path to its manifest or weights file is refused with an error
@@ -62,6 +63,30 @@ def gguf_cache_dir(path: str | os.PathLike) -> Path:
     return cache_root() / "gguf" / _gguf_cache_key(Path(path))
 
 
+def check_gguf(path: str | os.PathLike) -> None:
+    """Refuse a GGUF file that cannot be read whole (truncated download, not GGUF) with a ``ValueError`` naming the
+    file, before transformers fails deep inside its reader. Reads the header and tensor table only (memory-mapped);
+    skipped when the ``gguf`` package is missing (transformers then says it needs it)."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{p}: not a GGUF file (starts with {magic!r}, not b'GGUF'; {size} bytes)")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return
+    try:
+        reader = GGUFReader(str(p))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # the reader raises struct / numpy errors for a cut header or tensor table
+        raise ValueError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; "
+                         f"{type(e).__name__}: {e})") from None
+    if end > size:
+        raise ValueError(f"{p}: truncated GGUF file: its tensors end at byte {end}, the file has {size} bytes")
+
+
 def _finish_tokenizer(tok):
     if tok is not None and tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token  # documented: padding reuses EOS when a model has no pad token
@@ -85,6 +110,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
         cached = gguf_cache_dir(p)
         if (cached / "tokenizer_config.json").exists():
             return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
+        check_gguf(p)
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
     from .hub import check_model_source
 
@@ -150,6 +176,7 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
             tok = load_tokenizer(str(p)) if tokenizer else None
             return model.eval(), tok
+        check_gguf(p)
         log.info("dequantizing GGUF %s (first load; cached afterwards)", p)
         model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
         _drop_gguf_marker(model)
