@@ -196,10 +196,16 @@ class Effect:
                quiet=True)
         return out
 
+    def finetune_fingerprint(self, selection: Path) -> dict:
+        a = self.args
+        ids = [json.loads(line)["id"] for line in open(selection)]
+        return {"warmup": self.target_fp, "selected": ids, "epochs": a.epochs, "lr": a.lr,
+                "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed,
+                "config": (ROOT / "configs" / "finetune.yaml").read_text()}
+
     def finetune(self, key: str, selection: Path) -> tuple[str, dict]:
         a = self.args
         d = self.out / "models" / dir_name(key)
-        ids = [json.loads(line)["id"] for line in open(selection)]
         overlay = {
             "seed_everything": a.seed,
             "trainer": {"default_root_dir": str(self.out / "lightning"), "max_epochs": a.epochs, "limit_val_batches": 0,
@@ -209,22 +215,25 @@ class Effect:
                                    "selected": str(selection), "max_length": a.max_length, "batch_size": a.batch_size,
                                    "seed": a.seed}},
         }
-        fp = {"warmup": self.target_fp, "selected": ids, "epochs": a.epochs, "lr": a.lr,
-              "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed,
-              "config": (ROOT / "configs" / "finetune.yaml").read_text()}
+        fp = self.finetune_fingerprint(selection)
         rec = self.st.run(f"finetune:{key}", "fit", [ROOT / "configs" / "finetune.yaml"], overlay, fp,
                           d / "config.json", clean=d)
         return str(d), rec
+
+    def evals_todo(self, key: str, model_fp: str, tasks: list[str]) -> tuple[dict, dict, list[str]]:
+        """``(cached evaluations of key, wanted fingerprint per task, tasks whose evaluation is missing or stale)``."""
+        path = self.evals_dir / f"{dir_name(key)}.json"
+        cached = json.loads(path.read_text()) if path.exists() else {"tasks": {}}
+        cached.update(key=key, selector=key.split("/", 1)[-1])
+        want = {t: digest([model_fp, self.heldout_digest[t], self.args.eval_max_length]) for t in tasks}
+        return cached, want, [t for t in tasks if cached["tasks"].get(t, {}).get("fingerprint") != want[t]]
 
     def evaluate(self, key: str, model_dir: str, model_fp: str, tasks: list[str]) -> dict:
         """``{task: [{"id", "loss", "exact_match"}, ...]}``, cached in ``OUT/evals/<key>.json`` by fingerprint."""
         from iprox_lightning.evaluation.heldout import evaluate_heldout
 
         path = self.evals_dir / f"{dir_name(key)}.json"
-        cached = json.loads(path.read_text()) if path.exists() else {"tasks": {}}
-        cached.update(key=key, selector=key.split("/", 1)[-1])
-        want = {t: digest([model_fp, self.heldout_digest[t], self.args.eval_max_length]) for t in tasks}
-        todo = [t for t in tasks if cached["tasks"].get(t, {}).get("fingerprint") != want[t]]
+        cached, want, todo = self.evals_todo(key, model_fp, tasks)
         if todo and model_dir != self.warmed and not (Path(model_dir) / "config.json").exists():
             raise RuntimeError(f"{key}: model {model_dir} is gone but evaluations {todo} are missing; re-run its "
                                "fine-tune (delete its record from state.json)")
@@ -245,6 +254,10 @@ class Effect:
         if selection is None:  # the warmed target itself
             model_dir, fp = self.warmed, self.target_fp
         else:
+            rec = self.st.state["stages"].get(f"finetune:{key}")
+            fp = json.dumps(self.finetune_fingerprint(selection), sort_keys=True)
+            if rec is not None and rec["fingerprint"] == fp and not self.evals_todo(key, fp, tasks)[2]:
+                return  # fine-tuned and evaluated with these settings (the weights were not kept)
             model_dir, rec = self.finetune(key, selection)
             fp = rec.get("fingerprint", "")
         self.evaluate(key, model_dir, fp, tasks)
