@@ -280,14 +280,14 @@ class Effect:
             write_jsonl(self.out / "heldout" / f"{t}.jsonl", recs)
             self.heldout_digest[t] = digest(recs)
         state = self.st.state
+        tasks = list(a.tasks)
+        if a.summary_only:
+            return self.write_summary()
         cmd = "python bench/effect.py " + " ".join(shlex.quote(x) for x in a.argv)
         runs = state.setdefault("run_commands", [])
         if not runs or runs[-1]["command"] != cmd:
             runs.append({"command": cmd, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(True)})
         self.st.save()
-        tasks = list(a.tasks)
-        if a.summary_only:
-            return self.write_summary()
         self.run_model("base", None, tasks)
         for s in a.random_seeds:
             self.run_model(f"random:{s}", self.selection(None, f"random:{s}"), tasks)
