@@ -44,7 +44,10 @@ def main(args: list[str] | None = None):
     if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
-        return CLI(command(argv[0]), args=argv[1:], as_positional=False)
+        from .commands.lightning import restricted_imports
+
+        with restricted_imports():
+            return CLI(command(argv[0]), args=argv[1:], as_positional=False)
     from .commands.lightning import run_lightning
 
     return run_lightning(None if args is None else argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -373,3 +374,55 @@ def test_a_truncated_stage_record_is_refused_naming_it(tmp_path):
                                                   r"\(Unterminated string starting at; cut short\?\), so what produced "
                                                   r".*config.json is unknown .*--force true"):
         pipeline(workdir=str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------ class_path imports
+@pytest.fixture
+def side_effect_module(tmp_path, monkeypatch):
+    """A module that, when imported, writes a file (any code could run there)."""
+    marker = tmp_path / "imported.txt"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "not_our_module.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nimport lightning\nclass Module(lightning.LightningModule):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    monkeypatch.delenv("IPROX_ALLOW_IMPORTS", raising=False)
+    sys.modules.pop("not_our_module", None)
+    yield marker
+    sys.modules.pop("not_our_module", None)
+
+
+@pytest.mark.parametrize("where", ["flag", "config"])
+def test_a_class_path_outside_the_cli_packages_is_refused_before_it_is_imported(tmp_path, side_effect_module, capsys,
+                                                                                where):
+    args = ["fit", "--config", str(ROOT / "configs/warmup.yaml"), "--trainer.logger", "false"]
+    if where == "flag":
+        args += ["--model", "not_our_module.Module"]
+    else:
+        cfg = tmp_path / "evil.yaml"
+        cfg.write_text("model:\n  class_path: not_our_module.Module\n")
+        args += ["--config", str(cfg)]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code != 0 and not side_effect_module.exists()
+    err = capsys.readouterr().err
+    assert "import path 'not_our_module.Module' (a class_path?) is outside the packages the command line may import " \
+           "(iprox_lightning, lightning, " in err and "IPROX_ALLOW_IMPORTS=not_our_module" in err
+
+
+def test_a_class_path_of_an_allowed_package_is_imported(tmp_path, side_effect_module, monkeypatch, capsys):
+    """The opt-in: IPROX_ALLOW_IMPORTS names the package (here only --print_config runs, nothing is trained)."""
+    monkeypatch.setenv("IPROX_ALLOW_IMPORTS", "not_our_module")
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(ROOT / "configs/warmup.yaml"), "--model", "not_our_module.Module",
+              "--print_config"])
+    assert e.value.code in (0, None) and side_effect_module.read_text() == "ran"
+    assert "class_path: not_our_module.Module" in capsys.readouterr().out
+
+
+def test_a_class_path_in_a_plain_command_argument_is_not_imported(tmp_path, side_effect_module):
+    """The function commands (pipeline, select, ...) parse free-form dicts (``data_args``), where jsonargparse used to
+    import and build any ``class_path``: it stays a plain dict now."""
+    with pytest.raises(FileNotFoundError, match="stage configs not found"):  # stops right after parsing
+        main(["pipeline", "--workdir", str(tmp_path / "wd"), "--config_dir", str(tmp_path / "none"), "--data_args",
+              '{"field_map": {"class_path": "not_our_module.Module"}}'])
+    assert not side_effect_module.exists()

@@ -1,11 +1,13 @@
 """The Trainer commands ``fit``, ``validate``, ``test`` and ``predict``: LightningCLI over any LightningModule / LightningDataModule.
 
 The stage configs in ``configs/`` pick the module and data module by ``class_path``
-(``--model.help ProxyAlignModule`` lists one module's options).
+(``--model.help ProxyAlignModule`` lists one module's options). A ``class_path`` may only name the packages of
+:data:`ALLOWED_IMPORTS` (others via ``$IPROX_ALLOW_IMPORTS``): anything else is refused before it is imported.
 """
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -67,6 +69,56 @@ class IProXCLI(LightningCLI):
         return super()._instantiate_trainer(add_console_callbacks(config), callbacks)
 
 
+ALLOWED_IMPORTS = ("iprox_lightning", "lightning", "pytorch_lightning", "torch.optim", "torchmetrics")
+"""The packages a config's ``class_path`` (or any import path given as a value) may name on the command line."""
+IMPORTS_ENV = "IPROX_ALLOW_IMPORTS"
+"""Extra packages a ``class_path`` may name, comma-separated (``*``: any); e.g. ``IPROX_ALLOW_IMPORTS=my_project``."""
+
+
+def allowed_imports() -> list[str] | None:
+    """:data:`ALLOWED_IMPORTS` plus the packages named in ``$IPROX_ALLOW_IMPORTS`` (``None``: any import allowed)."""
+    import os
+
+    extra = [e.strip() for e in os.environ.get(IMPORTS_ENV, "").split(",") if e.strip()]
+    return None if "*" in extra else list(ALLOWED_IMPORTS) + extra
+
+
+@contextmanager
+def restricted_imports():
+    """While parsing a command line or config, a ``class_path`` outside :func:`allowed_imports` is refused
+    *before* its module is imported (importing runs the module's top-level code, whatever the config is later
+    checked for): jsonargparse's import-path policy, ``*`` denied and the allowed packages allowed, with an error
+    saying how to allow a package. The previous policy is restored afterwards (the settings are process-wide)."""
+    allowed = allowed_imports()
+    if allowed is None:
+        yield
+        return
+    from jsonargparse import _common, _typehints, _util, set_parsing_settings
+
+    saved = {k: _common.parsing_settings[k] for k in ("import_path_verdicts", "import_paths_enforced")}
+    check = _common.check_import_path
+
+    def check_with_hint(path: str) -> None:
+        try:
+            check(path)
+        except _common.ImportDenied:
+            raise _common.ImportDenied(
+                f"import path {path!r} (a class_path?) is outside the packages the command line may import "
+                f"({', '.join(allowed)}); it was not imported, as importing runs the module's code. To allow it, "
+                f"set {IMPORTS_ENV}={path.split('.')[0]} (comma-separated packages; '*' allows any)") from None
+
+    set_parsing_settings(import_path_denylist=["*"], import_path_allowlist=allowed)
+    patched = [(m, m.check_import_path) for m in (_util, _typehints) if hasattr(m, "check_import_path")]
+    for m, _ in patched:
+        m.check_import_path = check_with_hint
+    try:
+        yield
+    finally:
+        for m, f in patched:
+            m.check_import_path = f
+        _common.parsing_settings.update(saved)
+
+
 def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCLI:
     """Run LightningCLI on ``args`` (``None``: the command line).
 
@@ -82,15 +134,16 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCL
     if args is not None:
         sys.argv = sys.argv[:1]
     try:
-        return IProXCLI(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            args=args,
-            run=run,
-        )
+        with restricted_imports():
+            return IProXCLI(
+                LightningModule,
+                LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                save_config_kwargs={"overwrite": True},
+                auto_configure_optimizers=False,
+                args=args,
+                run=run,
+            )
     finally:
         sys.argv = saved
