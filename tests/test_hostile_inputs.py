@@ -426,3 +426,42 @@ def test_a_class_path_in_a_plain_command_argument_is_not_imported(tmp_path, side
         main(["pipeline", "--workdir", str(tmp_path / "wd"), "--config_dir", str(tmp_path / "none"), "--data_args",
               '{"field_map": {"class_path": "not_our_module.Module"}}'])
     assert not side_effect_module.exists()
+
+
+# ------------------------------------------------------------------------------------------------ stage outputs by content
+def test_a_stage_output_replaced_by_hand_reruns_the_stages_that_read_it(tmp_path, capsys):
+    """Replace the proxy by another one by hand: the proxy's scores are computed again from it (they used to be
+    reused from the old proxy); the stages that do not read it are reused."""
+    import torch
+
+    from iprox_lightning import load_proxy, save_proxy
+    from iprox_lightning.analysis.score_table import read_scores
+    from iprox_lightning.commands.pipeline import pipeline
+    from iprox_lightning.io.proxy import read_manifest
+
+    wd = tmp_path / "wd"
+    kw = dict(workdir=str(wd), finetune=False, data_args={"builtin_size": 300})
+    pipeline(**kw)
+    before = read_scores(wd / "scores" / "proxy" / "scores.parquet")
+    proxy_dir = wd / "proxy" / "model"
+    model, tok = load_proxy(proxy_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".A"):
+                p.mul_(-1.0).add_(0.05)  # another proxy of the same shape
+    extra = {k: v for k, v in read_manifest(proxy_dir).items()
+             if k not in ("format_version", "layers", "dtype", "params_after", "weights")}
+    save_proxy(model, tok, proxy_dir, **extra)
+    capsys.readouterr()
+    again = pipeline(**kw)
+    out = capsys.readouterr().out
+    assert {k: v["status"] for k, v in again["stages"].items()} == {
+        "warmup": "reused", "build_proxy": "reused", "score:target": "reused", "score:proxy": "ran"}
+    note = "[pipeline] build_proxy: note: its output changed since it was recorded (used as it is now): "
+    assert note in out and "iprox_proxy.safetensors: '" in out.split(note)[1].splitlines()[0]
+    again_line = "[pipeline] score:proxy: runs again: the output of a stage it reads changed: "
+    assert again_line in out
+    assert "upstream_outputs.build_proxy.iprox_proxy.safetensors: '" in out.split(again_line)[1].splitlines()[0]
+    assert read_scores(wd / "scores" / "proxy" / "scores.parquet") != before
+    third = pipeline(**kw)  # now everything matches again
+    assert {v["status"] for v in third["stages"].values()} == {"reused"}

@@ -11,8 +11,9 @@ every stage (the shipped ``configs/<stage>.yaml``, the ``configs/builtin/<stage>
 when running on the built-in data, and a generated overlay with this run's paths) is kept in
 ``<workdir>/configs/`` so each stage can be re-run by hand. A stage whose output already exists is
 reused only when its fingerprint matches (:mod:`iprox_lightning.io.stages`: configs, overlay, sources,
-upstream stages), so an interrupted pipeline resumes where it stopped; a changed flag in an existing
-workdir stops with what differs (``--force true`` re-runs all, or use a new ``--workdir``).
+upstream stages and the content of their outputs), so an interrupted pipeline resumes where it stopped; a changed
+flag in an existing workdir stops with what differs (``--force true`` re-runs all, or use a new ``--workdir``); a
+stage output replaced by hand is used, and the stages that read it run again.
 """
 from __future__ import annotations
 
@@ -131,21 +132,26 @@ def pipeline(
         if demo and (cfg_dir / "builtin" / f"{name}.yaml").exists():
             configs.append(cfg_dir / "builtin" / f"{name}.yaml")
         fp = ledger.prepare(key, configs, overlay, upstream=upstream, files=files)
-        if ledger.reuse(key, done):
+        output = done if done.name == "scores.parquet" else done.parent  # what downstream stages read
+        if ledger.reuse(key, done, output):
             log.info("stage %s: %s exists with fingerprint %s, reused", key, done, fp)
             print(f"[pipeline] {key}: reused ({done}, fingerprint {fp[:12]} matches)")
+            if key in ledger.notes:
+                print(f"[pipeline] {key}: note: {ledger.notes[key]}")
             return
-        if done.name == "scores.parquet":  # start the scoring output fresh (force, or an unrecorded old run)
+        if key in ledger.notes:
+            print(f"[pipeline] {key}: runs again: {ledger.notes[key]}")
+        if done.name == "scores.parquet":  # start the scoring output fresh (force, or an upstream output changed)
             from ..io.scores import clear_output
 
-            if force:
+            if force or key in ledger.notes:
                 clear_output(done.parent)
         configs.append(_write_overlay(run_cfg / f"{key.replace(':', '_')}.yaml", overlay))
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         print(f"[pipeline] {key}: python train.py " + " ".join(args))
         t0 = time.perf_counter()
         run_lightning(args)
-        ledger.record(key)
+        ledger.record(key, output)
         times[key] = time.perf_counter() - t0
         times_path.parent.mkdir(parents=True, exist_ok=True)
         times_path.write_text(json.dumps(times, indent=2))

@@ -4,12 +4,14 @@ Each stage's fingerprint is a digest of everything it was run from: the contents
 the generated overlay (paths, sparsity, method, seed, ...), the identity of the run's sources (target
 model, pool, validation set: :func:`~iprox_lightning.io.fingerprint.source_identity`), the fingerprints of
 the stages it reads, and the identity of any input file (e.g. the selection a fine-tune trains on). It is
-written to ``<workdir>/stages/<stage>.json`` after the stage succeeds.
+written to ``<workdir>/stages/<stage>.json`` after the stage succeeds, with content digests (sizes + SHA-256 of
+the files) of the stage's own output and of the outputs of the stages it read.
 
 On the next run a stage whose output exists is reused when the fingerprints match; otherwise the
 pipeline stops with :class:`~iprox_lightning.io.fingerprint.FingerprintMismatch` listing what differs
 (``--force true`` re-runs, or use a new ``--workdir``). An output without a record (an older workdir, or
-one written by hand) is refused the same way: its provenance is unknown.
+one written by hand) is refused the same way: its provenance is unknown. An output replaced by hand after it was
+recorded is used as it is, and the stages that read it run again (the output digests they recorded differ).
 """
 from __future__ import annotations
 
@@ -35,8 +37,42 @@ def sources_identity(sources: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def output_identity(path: str | os.PathLike, known: Mapping[str, Any] | None = None) -> dict[str, dict]:
+    """``{file: {"size", "sha256", "stat"}}`` of a stage's output (one file, or every file below a directory but
+    hidden ones). A file whose size, mtime, ctime and inode equal those recorded in ``known`` (``"stat"``) keeps
+    its recorded SHA-256 instead of being read again (ctime cannot be set back by hand)."""
+    p = Path(path)
+    if p.is_file():
+        files = [(p.name, p)]
+    elif p.is_dir():
+        files = [(str(f.relative_to(p)), f) for f in sorted(p.rglob("*"))
+                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+    else:
+        return {}
+    out = {}
+    for rel, f in files:
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        old = (known or {}).get(rel)
+        if isinstance(old, Mapping) and old.get("stat") == stamp and old.get("sha256"):
+            out[rel] = dict(old)
+        else:
+            out[rel] = {"size": st.st_size, "sha256": file_identity(f, hash_limit=None)["sha256"], "stat": stamp}
+    return out
+
+
+def _content(identity: Mapping[str, Mapping]) -> dict[str, str]:
+    """The content part of :func:`output_identity`: ``{file: sha256}``."""
+    return {rel: v.get("sha256") for rel, v in identity.items()}
+
+
 class StageLedger:
-    """Decides, per stage, between reuse and run, and records what each run was made from."""
+    """Decides, per stage, between reuse and run, and records what each run was made from.
+
+    Besides its inputs, each record holds a content digest of the stage's output (:func:`output_identity`) and of
+    the outputs of the stages it read (``upstream_outputs``). An output replaced by hand (or re-made differently) is
+    therefore used as it is, and every stage that read the old one runs again (:attr:`notes` says why) instead of
+    being reused; a difference in the inputs still stops the pipeline."""
 
     def __init__(self, workdir: str | os.PathLike, sources: Mapping[str, Any], *, force: bool = False,
                  hint: str = "re-run with --force true to recompute (overwrites the stage outputs), or use a new --workdir"):
@@ -47,6 +83,10 @@ class StageLedger:
         self.inputs: dict[str, dict] = {}
         self.fingerprints: dict[str, str] = {}
         self.status: dict[str, str] = {}
+        self.outputs: dict[str, dict] = {}  # stage -> output_identity of its output now
+        self.output_paths: dict[str, Path] = {}  # stage -> its output (file or directory)
+        self.upstream: dict[str, tuple] = {}  # stage -> the stages it reads
+        self.notes: dict[str, str] = {}  # stage -> why it runs again / what changed in its output
 
     def record_path(self, key: str) -> Path:
         return self.dir / f"{key.replace(':', '_')}.json"
@@ -61,13 +101,18 @@ class StageLedger:
             "upstream": {u: self.fingerprints.get(u) for u in upstream},
             "files": {str(f): file_identity(f) if Path(f).is_file() else None for f in files},
         }
+        self.upstream[key] = tuple(upstream)
         self.inputs[key] = inputs
         self.fingerprints[key] = digest(inputs)
         return self.fingerprints[key]
 
-    def reuse(self, key: str, done: str | os.PathLike) -> bool:
-        """``True``: reuse the existing output; ``False``: run the stage. Raises on a mismatch."""
+    def reuse(self, key: str, done: str | os.PathLike, output: str | os.PathLike | None = None) -> bool:
+        """``True``: reuse the existing output; ``False``: run the stage (also when the only difference is the
+        output of an upstream stage, :attr:`notes` says which). Raises on any other mismatch. ``output``: the
+        stage's output (file or directory; default ``done``'s directory) whose content digest downstream stages
+        depend on."""
         done = Path(done)
+        self.output_paths[key] = Path(output) if output is not None else done.parent
         if self.force or not done.exists():
             self.status[key] = "ran"
             return False
@@ -83,7 +128,20 @@ class StageLedger:
                 f"stage {key}: {done} was produced from different inputs (fingerprint {rec.get('fingerprint')} -> "
                 f"{self.fingerprints[key]}); refusing to reuse it. What differs (previous -> now):\n  "
                 + "\n  ".join(lines or ["(no field listed)"]) + f"\n{self.hint}")
+        read = rec.get("upstream_outputs")  # absent in records written before output digests existed
+        if isinstance(read, Mapping):
+            now = self._upstream_outputs(key)
+            if read != now:  # an upstream output was replaced or re-made since this stage read it: run again
+                self.status[key] = "ran"
+                self.notes[key] = "the output of a stage it reads changed: " + "; ".join(
+                    diff({"upstream_outputs": read}, {"upstream_outputs": now}))
+                return False
         self.status[key] = "reused"
+        recorded = rec.get("output")
+        self.outputs[key] = output_identity(self.output_paths[key], recorded if isinstance(recorded, Mapping) else None)
+        if isinstance(recorded, Mapping) and _content(recorded) != _content(self.outputs[key]):
+            self.notes[key] = ("its output changed since it was recorded (used as it is now): "
+                               + "; ".join(diff(_content(recorded), _content(self.outputs[key]))))
         return True
 
     def read_record(self, key: str, done: str | os.PathLike) -> dict:
@@ -101,12 +159,21 @@ class StageLedger:
                                       f"'fingerprint' and 'inputs'); {self.hint}")
         return rec
 
-    def record(self, key: str) -> Path:
-        """Write the record of stage ``key`` (after it succeeded)."""
+    def record(self, key: str, output: str | os.PathLike | None = None) -> Path:
+        """Write the record of stage ``key`` (after it succeeded), with the content digest of its ``output``
+        (default: the one :meth:`reuse` was told)."""
         from .scores import write_json_atomic
 
-        return write_json_atomic(self.record_path(key), {"stage": key, "fingerprint": self.fingerprints[key],
-                                                         "inputs": self.inputs[key]})
+        rec = {"stage": key, "fingerprint": self.fingerprints[key], "inputs": self.inputs[key],
+               "upstream_outputs": self._upstream_outputs(key)}
+        output = output if output is not None else self.output_paths.get(key)
+        if output is not None:
+            self.outputs[key] = rec["output"] = output_identity(output)
+        return write_json_atomic(self.record_path(key), rec)
+
+    def _upstream_outputs(self, key: str) -> dict[str, dict[str, str]]:
+        """``{upstream stage: {file: sha256}}``: the current outputs of the stages ``key`` reads."""
+        return {u: _content(self.outputs.get(u, {})) for u in self.upstream.get(key, ())}
 
     def summary(self) -> dict[str, dict[str, str]]:
         """``{stage: {"status": "ran" | "reused", "fingerprint": ...}}`` in run order."""
