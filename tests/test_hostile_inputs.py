@@ -465,3 +465,34 @@ def test_a_stage_output_replaced_by_hand_reruns_the_stages_that_read_it(tmp_path
     assert read_scores(wd / "scores" / "proxy" / "scores.parquet") != before
     third = pipeline(**kw)  # now everything matches again
     assert {v["status"] for v in third["stages"].values()} == {"reused"}
+
+
+def test_a_stage_whose_input_file_another_stage_rewrote_runs_again(tmp_path):
+    """The selection a fine-tune reads is rewritten by select (new scores, another k): the fine-tune runs again,
+    told why, instead of stopping the pipeline; a changed option still stops it."""
+    from iprox_lightning.io import FingerprintMismatch
+    from iprox_lightning.io.stages import StageLedger
+
+    cfg = tmp_path / "finetune.yaml"
+    cfg.write_text("seed_everything: 0\n")
+    sel = tmp_path / "selected.jsonl"
+    sel.write_text('{"id": "a"}\n')
+    done = tmp_path / "finetune" / "config.json"
+
+    def ledger(overlay=None):
+        led = StageLedger(tmp_path, {"target": "builtin"})
+        led.prepare("finetune:proxy", [cfg], overlay or {"lr": 1}, files=(sel,))
+        return led
+
+    first = ledger()
+    assert first.reuse("finetune:proxy", done) is False
+    done.parent.mkdir()
+    done.write_text("{}")
+    first.record("finetune:proxy")
+    assert ledger().reuse("finetune:proxy", done) is True
+    sel.write_text('{"id": "b"}\n')
+    again = ledger()
+    assert again.reuse("finetune:proxy", done) is False
+    assert again.notes["finetune:proxy"].startswith(f"an input file changed: files.{sel}.sha256: ")
+    with pytest.raises(FingerprintMismatch, match=r"overlay.lr: 1 -> 2"):
+        ledger({"lr": 2}).reuse("finetune:proxy", done)

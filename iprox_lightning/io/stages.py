@@ -123,7 +123,13 @@ class StageLedger:
                 f"output), so it cannot be reused safely; {self.hint}")
         rec = self.read_record(key, done)
         if rec.get("fingerprint") != self.fingerprints[key]:
-            lines = diff(rec.get("inputs", {}), self.inputs[key])
+            old, now = rec.get("inputs", {}), self.inputs[key]
+            lines = diff(old, now)
+            if [k for k in set(old) | set(now) if old.get(k) != now.get(k)] == ["files"]:
+                # only an input file another stage wrote (the selection a fine-tune reads) changed: run again
+                self.status[key] = "ran"
+                self.notes[key] = "an input file changed: " + "; ".join(lines)
+                return False
             raise FingerprintMismatch(
                 f"stage {key}: {done} was produced from different inputs (fingerprint {rec.get('fingerprint')} -> "
                 f"{self.fingerprints[key]}); refusing to reuse it. What differs (previous -> now):\n  "
