@@ -496,3 +496,31 @@ def test_a_stage_whose_input_file_another_stage_rewrote_runs_again(tmp_path):
     assert again.notes["finetune:proxy"].startswith(f"an input file changed: files.{sel}.sha256: ")
     with pytest.raises(FingerprintMismatch, match=r"overlay.lr: 1 -> 2"):
         ledger({"lr": 2}).reuse("finetune:proxy", done)
+
+
+# ------------------------------------------------------------------------------------------------ pipeline arguments
+def test_a_second_pipeline_into_the_same_workdir_is_refused(tmp_path):
+    """Two pipelines into one workdir would train into the same model directories: the second stops at once."""
+    import os
+
+    from iprox_lightning.io.scores import OutputLocked, ScoreDirLock
+
+    wd = tmp_path / "wd"
+    with ScoreDirLock(wd, ".pipeline.lock", "pipeline run"):  # another pipeline holds it
+        with pytest.raises(OutputLocked, match=rf"^{wd} is being written by another pipeline run \(pid {os.getpid()} "
+                                               r".*use another --workdir"):
+            main(["pipeline", "--workdir", str(wd)])
+    assert sorted(p.name for p in wd.iterdir()) == [".pipeline.lock"]
+
+
+@pytest.mark.parametrize("flag,message", [
+    (["--select_fraction", "0"], r"select_fraction must be a fraction in \(0, 1\], got 0"),
+    (["--sparsity", "1.5"], r"sparsity must be in \[0, 1\), got 1.5"),
+    (["--method", "bogus"], r"method: method must be one of \('tracin', 'kfac'\), got 'bogus'"),
+])
+def test_pipeline_arguments_a_late_stage_would_refuse_stop_before_any_stage_runs(tmp_path, flag, message):
+    """They used to stop only after warm-up and proxy building (sparsity) or scoring (select_fraction) ran."""
+    wd = tmp_path / "wd"
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        main(["pipeline", "--workdir", str(wd)] + flag)
+    assert not wd.exists()

@@ -103,6 +103,37 @@ def pipeline(
         torch.set_num_threads(num_threads)
 
     wd = Path(workdir)
+    check_arguments(wd, sparsity, select_fraction, method)
+    from ..io.scores import ScoreDirLock
+
+    with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
+        return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
+                         select_fraction=select_fraction, select_rule=select_rule, method=method,
+                         config_dir=config_dir, demo_overlays=demo_overlays, accelerator=accelerator, devices=devices,
+                         finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
+                         run_lightning=run_lightning, select=select)
+
+
+def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str) -> None:
+    """Refuse at once the arguments a late stage would refuse (after warm-up and proxy building ran)."""
+    if wd.exists() and not wd.is_dir():
+        raise NotADirectoryError(f"workdir {wd} is a file, not a directory")
+    if isinstance(sparsity, bool) or not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    if isinstance(select_fraction, bool) or not 0.0 < select_fraction <= 1.0:
+        raise ValueError(f"select_fraction must be a fraction in (0, 1], got {select_fraction}")
+    from ..scoring.influence import ScoringConfig
+
+    try:
+        ScoringConfig(method=method)
+    except ValueError as e:
+        raise ValueError(f"method: {e}") from None
+
+
+def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
+              demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, run_lightning,
+              select) -> dict[str, Any]:
+    """The stages of :func:`pipeline`, run while its workdir lock is held."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
     if not (cfg_dir / "warmup.yaml").exists():
         raise FileNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")

@@ -99,16 +99,18 @@ class OutputLocked(RuntimeError):
 
 
 class ScoreDirLock:
-    """An exclusive lock on a scoring output directory, held for a whole scoring run.
+    """An exclusive lock on an output directory (a scoring run's; the pipeline's workdir), held for a whole run.
 
     ``<output_dir>/.scoring.lock`` is locked with ``flock`` (released by the kernel when the holder exits, so a
     crashed run never leaves a stale lock) and records the holder's pid, host and start time for the error a
     second run gets. The file is left in place after release (removing it would let two runs lock two different
     files). Where the file system has no ``flock`` the run goes on unlocked, with a warning."""
 
-    def __init__(self, output_dir: str | os.PathLike):
+    def __init__(self, output_dir: str | os.PathLike, lock_file: str = LOCK_FILE, what: str = "scoring run",
+                 hint: str = "score into another output_dir"):
         self.dir = Path(output_dir)
-        self.path = self.dir / LOCK_FILE
+        self.path = self.dir / lock_file
+        self.what, self.hint = what, hint
         self._fd: int | None = None
 
     def holder(self) -> str:
@@ -140,9 +142,8 @@ class ScoreDirLock:
         except BlockingIOError:
             os.close(fd)
             raise OutputLocked(
-                f"{self.dir} is being written by another scoring run ({self.holder()}; lock file {self.path}): two "
-                "runs into one output directory would mix their shards and settings. Wait for it to finish, or "
-                "score into another output_dir") from None
+                f"{self.dir} is being written by another {self.what} ({self.holder()}; lock file {self.path}): two "
+                f"runs into one directory would mix their outputs. Wait for it to finish, or {self.hint}") from None
         except OSError as e:  # e.g. a network file system without flock
             os.close(fd)
             log.warning("%s: cannot lock (%s); make sure no other scoring run writes into this directory", self.path, e)
