@@ -17,7 +17,11 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
 * ``pool``: the candidate pool the records are copied from — any source ``SFTDataModule`` reads
   (``builtin``, a JSONL/JSON/Parquet file, a directory, a HF dataset id, a list of these; in Python
   also a ``datasets.Dataset`` or a list of record dicts). Default: ``builtin`` when every scored id is
-  a built-in id. Without a pool the output holds ``{"id", "score"}`` rows only (and says so).
+  a built-in id. Without a pool the output holds ``{"id", "score"}`` rows only (and says so). The pool must be
+  the one that was scored (records digest in the score table's ``settings.json``; ``allow_pool_mismatch=True``
+  overrides); ``builtin`` is read at the size that was scored.
+* Refused: an empty selection, an id twice, an ``output`` that is the score table, a pool file or inside a pool
+  directory.
 
 A ``<output>.meta.json`` next to the output records the settings, the selected ids with scores and
 the selection's explanation (:mod:`iprox_lightning.selection_summary`: share per category vs the pool,
@@ -61,6 +65,38 @@ def _default_pool(ids: Sequence[str]):
     return "builtin" if ids else None
 
 
+def _check_selection(chosen: list, src: Path, ranked: int, scored: int, flags: list, bad: list) -> None:
+    """Refuse an empty selection and one holding an id twice."""
+    if not chosen:
+        raise ValueError(f"{src}: nothing to select: {ranked} example(s) left to rank of {scored} scored "
+                         f"({int(sum(bool(z) for z in flags))} without gradient, {len(bad)} non-finite skipped)")
+    ids = [i for _, i in chosen]
+    if len(set(ids)) != len(ids):
+        dup = next(i for j, i in enumerate(ids) if i in ids[:j])
+        raise ValueError(f"{src}: the selection would hold id {dup!r} twice; select with dedup=True")
+
+
+def _check_output(out: Path, src: Path, pool) -> None:
+    """Refuse an output that is a directory, the score table being read, a pool file, or inside a pool directory
+    (where the next read of the pool would take the selection for pool data)."""
+    if out.is_dir():
+        raise IsADirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
+    target = out.resolve()
+    if target == Path(src).resolve():
+        raise ValueError(f"output {out} is the score table being read; choose another output file")
+    sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
+    for source in sources:
+        if not isinstance(source, (str, os.PathLike)):
+            continue
+        p = Path(source)
+        if p.is_file() and p.resolve() == target:
+            raise ValueError(f"output {out} is the pool file {source}: writing the selection would replace the pool; "
+                             "choose another output file")
+        if p.is_dir() and target.is_relative_to(p.resolve()):
+            raise ValueError(f"output {out} is inside the pool directory {source}: the next read of the pool would "
+                             "take the selection for pool data; choose another output file")
+
+
 def _norm_text(rec: dict) -> tuple:
     return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
 
@@ -77,6 +113,8 @@ def select(
     output: str,
     quiet: bool = False,
     skip_flagged: bool = False,
+    allow_pool_mismatch: bool = False,
+    builtin_size: int | None = None,
 ) -> str:
     """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
     return the output path.
@@ -98,6 +136,11 @@ def select(
         quiet: do not print the explanation.
         skip_flagged: leave out rows flagged ``nonfinite`` (NaN/inf gradient) or holding a NaN/inf score,
             and report how many; without it such rows stop the selection with an error naming them.
+        allow_pool_mismatch: select even when ``pool`` is not the pool that was scored (its records digest
+            differs from the one in the score table's ``settings.json``); by default that is an error, as the
+            ids would copy records that did not earn the scores.
+        builtin_size: size of the ``builtin`` pool (default: the size that was scored, from the score table's
+            settings; else 2000).
     """
     src, table = _read_scores(scores_path)
     if per_task:
@@ -136,7 +179,13 @@ def select(
     if pool is None:
         pool = _default_pool(ids)
     pools = [] if pool is None else [describe(pool)]
-    pool_records = read_pool(pool) if pool is not None else []
+    from .io.scores import check_scored_pool, scored_pool
+
+    scored = scored_pool(src)  # how the scored pool was read, and its records digest
+    size = builtin_size or scored.get("builtin_size") or 2000
+    pool_records = read_pool(pool, scored.get("field_map"), builtin_size=size) if pool is not None else []
+    pool_check = check_scored_pool(src, scored, pool_records, pools[0] if pools else None,
+                                   allow_mismatch=allow_pool_mismatch) if pools else "no pool"
     records = {r["id"]: r for r in pool_records}
     if pools:
         missing = [i for _, i in rows if i not in records]
@@ -156,11 +205,14 @@ def select(
     from .io.scores import topk_count
 
     chosen = rows[:topk_count(k, n)]
+    _check_selection(chosen, src, n, len(ids), flags, bad)
 
     out = Path(output)
+    _check_output(out, src, pool)
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
         "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,
+        "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }

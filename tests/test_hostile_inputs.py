@@ -463,6 +463,7 @@ def test_a_stage_output_replaced_by_hand_reruns_the_stages_that_read_it(tmp_path
     assert again_line in out
     assert "upstream_outputs.build_proxy.iprox_proxy.safetensors: '" in out.split(again_line)[1].splitlines()[0]
     assert read_scores(wd / "scores" / "proxy" / "scores.parquet") != before
+    assert again["selection"]["proxy"]["pool_size"] == 300  # explained against the built-in pool as scored
     third = pipeline(**kw)  # now everything matches again
     assert {v["status"] for v in third["stages"].values()} == {"reused"}
 
@@ -524,3 +525,88 @@ def test_pipeline_arguments_a_late_stage_would_refuse_stop_before_any_stage_runs
     with pytest.raises(ValueError, match=rf"^{message}"):
         main(["pipeline", "--workdir", str(wd)] + flag)
     assert not wd.exists()
+
+
+# ------------------------------------------------------------------------------------------------ select vs the scored pool
+def _predict(tmp_path, out, *extra):
+    main(["predict", "--config", str(ROOT / "configs/score.yaml"), "--config", str(ROOT / "configs/builtin/score.yaml"),
+          "--model.init_args.model", "builtin", "--data.init_args.tokenizer", "builtin",
+          "--data.init_args.val_per_task", "2", "--trainer.logger", "false", "--trainer.accelerator", "cpu",
+          "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks.output_dir", str(out), *extra])
+    return out
+
+
+@pytest.fixture(scope="module")
+def scored_file_pool(tmp_path_factory):
+    """A pool file whose ids are row numbers (no id field), scored through the CLI."""
+    tmp = tmp_path_factory.mktemp("scored_pool")
+    recs = [{k: v for k, v in r.items() if k != "id"} for r in _records(24)]
+    pool = _write_jsonl(tmp / "pool.jsonl", recs)
+    return pool, _predict(tmp, tmp / "scores", "--data.init_args.pool", str(pool))
+
+
+def _select(scores, pool, output, *extra):
+    return main(["select", "--scores_path", str(scores), "--k", "4", "--pool", str(pool), "--output", str(output),
+                 "--quiet", "true", *extra])
+
+
+def test_select_refuses_a_pool_other_than_the_scored_one(scored_file_pool, tmp_path):
+    """The pool re-sorted (ids are row numbers, so every id now names another example) or one record edited: the
+    selection would hold records that did not earn the scores. Refused, with the way to override."""
+    pool, scores = scored_file_pool
+    lines = pool.read_text().splitlines(keepends=True)
+    resorted = tmp_path / "pool.jsonl"
+    resorted.write_text("".join(reversed(lines)))
+    edited = tmp_path / "edited" / "pool.jsonl"
+    edited.parent.mkdir()
+    edited.write_text("".join(lines).replace('"response": "ok 5"', '"response": "changed"'))
+    for other in (resorted, edited):
+        with pytest.raises(ValueError, match=rf"^{scores}/scores.parquet was scored on pool '{pool}' \(24 records, "
+                                             rf"digest [0-9a-f]+\), but the pool {other} holds other records \(24 "
+                                             r"records, .*--allow_pool_mismatch true"):
+            _select(scores, other, tmp_path / "sel.jsonl")
+    assert not (tmp_path / "sel.jsonl").exists()
+    _select(scores, resorted, tmp_path / "sel.jsonl", "--allow_pool_mismatch", "true")
+    assert json.loads((tmp_path / "sel.jsonl.meta.json").read_text())["pool_check"] == "mismatch allowed"
+    _select(scores, pool, tmp_path / "ok.jsonl")  # the scored pool itself
+    assert json.loads((tmp_path / "ok.jsonl.meta.json").read_text())["pool_check"] == "match"
+
+
+def test_select_refuses_to_overwrite_its_inputs(scored_file_pool, tmp_path):
+    pool, scores = scored_file_pool
+    before = pool.read_bytes(), (scores / "scores.parquet").read_bytes()
+    with pytest.raises(ValueError, match=rf"^output {pool} is the pool file {pool}: writing the selection would "
+                                         r"replace the pool"):
+        _select(scores, pool, pool)
+    with pytest.raises(ValueError, match=rf"^output {scores}/scores.parquet is the score table being read"):
+        _select(scores, pool, scores / "scores.parquet")
+    with pytest.raises(ValueError, match=r"is inside the pool directory .*the next read of the pool would take the "
+                                         r"selection for pool data"):
+        pool_dir = tmp_path / "pool_dir"
+        _write_jsonl(pool_dir / "pool.jsonl", [json.loads(line) for line in pool.read_text().splitlines()])
+        _select(scores, pool_dir, pool_dir / "selected.jsonl")
+    with pytest.raises(IsADirectoryError, match=rf"^output {tmp_path} is a directory; name a file"):
+        _select(scores, pool, tmp_path)
+    assert (pool.read_bytes(), (scores / "scores.parquet").read_bytes()) == before
+
+
+def test_select_refuses_an_empty_selection(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "scores.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "score": [0.1, 0.2], "zero_grad": [True, True]}), table)
+    with pytest.raises(ValueError, match=rf"^{table}: nothing to select: 0 example\(s\) left to rank of 2 scored "
+                                         r"\(2 without gradient, 0 non-finite skipped\)"):
+        main(["select", "--scores_path", str(table), "--output", str(tmp_path / "sel.jsonl")])
+    assert not (tmp_path / "sel.jsonl").exists()
+
+
+def test_select_reads_the_builtin_pool_at_the_size_that_was_scored(tmp_path):
+    """A built-in pool of 2010 examples: select used to read 2000 and stop on 'scored ids not found'."""
+    scores = _predict(tmp_path, tmp_path / "scores", "--data.init_args.builtin_size", "2010",
+                      "--data.init_args.validation", "builtin")
+    _select(scores, "builtin", tmp_path / "sel.jsonl")
+    meta = json.loads((tmp_path / "sel.jsonl.meta.json").read_text())
+    assert meta["pool_check"] == "match" and meta["builtin_size"] == 2010
+    assert meta["explanation"]["pool_size"] == 2010

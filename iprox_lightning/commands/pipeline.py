@@ -235,7 +235,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     for who in ("target", "proxy", "random"):
         src = rand_path if who == "random" else score_dirs[who] / "scores.parquet"
         selected[who] = Path(select(str(src), k=select_fraction, rule="pooled" if who == "random" else select_rule,
-                                    pool=pool, quiet=True,
+                                    pool=pool, quiet=True, builtin_size=data_args.get("builtin_size"),
                                     output=str(wd / "selected" / f"{who}.jsonl")))
     times["select"] = time.perf_counter() - t0
 

@@ -335,6 +335,18 @@ class SFTDataModule(L.LightningDataModule):
 
         return read_selection(self.selected, lambda: self.pool_records, self.pool_sources)
 
+    def pool_provenance(self) -> dict[str, Any]:
+        """What the pool is, for the score table's settings (``"pool"``): its sources, the digest of its records
+        (:func:`~iprox_lightning.io.records.records_digest`), and how to read it again (``builtin_size``,
+        ``field_map``); ``select`` checks the pool it copies records from against it."""
+        from ..io.records import records_digest
+        from .pool import describe
+
+        return {"source": describe(self._pool_in_memory if self._pool_in_memory is not None else
+                                   (self.pool_sources[0] if len(self.pool_sources) == 1 else self.pool_sources)),
+                "records": records_digest(self.pool_records), "builtin_size": self.builtin_size,
+                "field_map": self.field_map}
+
     def dropped_report(self, splits: Sequence[str] = SPLITS) -> dict[str, Any]:
         """``{split: {"read", "dropped", "kept", "dropped_ids", "rule"}}`` for the tokenized splits among
         ``splits``: the examples left without a response token after truncation, by id."""

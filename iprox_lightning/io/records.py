@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 CANONICAL_FIELDS: tuple[str, ...] = ("id", "instruction", "context", "response", "category", "messages")
 DEFAULT_FIELD_MAP: dict[str, str] = {f: f for f in CANONICAL_FIELDS}
@@ -142,3 +142,16 @@ def normalize_row(row: Any, *, field_map: Mapping[str, str], where: str, default
     context = _get_str(row, fm, "context", where, required=False, non_empty=False) or ""
     response = _get_str(row, fm, "response", where, required=True, non_empty=True)
     return {"id": rid, "category": task, "instruction": instruction, "context": context, "response": response}
+
+
+def records_digest(records: Iterable[Mapping]) -> dict:
+    """``{"n": count, "content": digest}`` of canonical records, taken in id order: the same records under the same
+    ids give the same digest whatever their order; a record edited, added or removed, or ids that moved to other
+    records (a re-sorted pool whose ids are row numbers) change it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    rows = sorted((str(r["id"]), json.dumps(dict(r), sort_keys=True, ensure_ascii=False)) for r in records)
+    for _, line in rows:
+        h.update(line.encode() + b"\n")
+    return {"n": len(rows), "content": h.hexdigest()[:16]}

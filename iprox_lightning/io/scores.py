@@ -334,6 +334,41 @@ def check_fingerprint(output_dir: str | os.PathLike, fingerprint: Mapping, *, hi
             f"(previous -> now):\n  " + "\n  ".join(lines) + f"\n{hint}")
 
 
+# ----------------------------------------------------------------------------------- the scored pool
+def scored_pool(table_path: str | os.PathLike) -> dict:
+    """The ``"pool"`` entry of the settings next to a merged score table (sources, records digest, ``builtin_size``,
+    ``field_map``); ``{}`` for other tables and for tables scored before it was recorded."""
+    p = Path(table_path)
+    if p.name != SCORES_FILE:
+        return {}
+    info = read_settings(p.parent).get("pool")
+    return dict(info) if isinstance(info, Mapping) else {}
+
+
+def check_scored_pool(table_path: str | os.PathLike, scored: Mapping, records: Sequence[Mapping], pool_name: Any,
+                      *, allow_mismatch: bool = False) -> str:
+    """Compare the pool ``select`` copies records from with the one that was scored (:func:`scored_pool`); returns
+    ``"match"``, ``"not recorded"`` or ``"mismatch allowed"``. A mismatch raises ``ValueError`` saying what differs
+    and how to override: the ids would pick records that did not earn the scores."""
+    from .records import records_digest
+
+    want = scored.get("records") if isinstance(scored, Mapping) else None
+    if not isinstance(want, Mapping):
+        return "not recorded"
+    have = records_digest(records)
+    if have == {"n": want.get("n"), "content": want.get("content")}:
+        return "match"
+    msg = (f"{table_path} was scored on pool {scored.get('source')!r} ({want.get('n')} records, digest "
+           f"{want.get('content')}), but the pool {pool_name} holds other records ({have['n']} records, digest "
+           f"{have['content']}): an edited, re-sorted or other pool makes the ids pick records that did not earn the "
+           "scores")
+    if not allow_mismatch:
+        raise ValueError(msg + "; score this pool, or pass allow_pool_mismatch=True (CLI: --allow_pool_mismatch "
+                               "true) to select from it anyway")
+    log.warning("%s; selecting anyway (allow_pool_mismatch)", msg)
+    return "mismatch allowed"
+
+
 # ----------------------------------------------------------------------------------- merged table
 def read_table(path: str | os.PathLike):
     """``(path, pyarrow.Table)`` of a merged score table (a directory means its ``scores.parquet``)."""

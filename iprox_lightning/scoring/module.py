@@ -168,6 +168,8 @@ class InfluenceScoringModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None and hasattr(dm, "dropped_report"):
             out["data"] = dm.dropped_report(("pool", "validation"))
+        if dm is not None and hasattr(dm, "pool_provenance"):
+            out["pool"] = dm.pool_provenance()  # select checks the pool it copies records from against this
         return out
 
     # ------------------------------------------------------------------ prediction
