@@ -1,5 +1,6 @@
 """The whole method end to end on the built-in data, through the same configs users run."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,42 @@ from iprox_lightning.cli import main
 from iprox_lightning.commands.pipeline import pipeline
 
 
-RTOL = 1e-6  # two re-runs of the demo agreed exactly; this only absorbs float summation-order noise
+# The demo's numbers come out of training and floating-point scoring, so they move with the CPU's kernels (issue 24:
+# another x86 machine gave Spearman 0.9655619 instead of 0.9655405). Every tolerance below is derived from
+# tests/data/isa_spread.json, which `python tests/isa_spread.py` re-measures: the demo under ATen's default / AVX2 /
+# AVX-512 kernels, oneDNN and MKL capped at AVX2 / SSE4.2, 1 and 2 threads (its "spread"), plus the values reported
+# from the other machine. Each is ~5-10x the measured spread; test_tolerances_cover_the_measured_spread checks that.
+ISA = json.loads((Path(__file__).parent / "data" / "isa_spread.json").read_text())
+# correlations (absolute): largest spread 5.6e-5 (Spearman, 0.9655222 .. 0.9655778 with the reported values;
+# Kendall 4.9e-5, Pearson 2.7e-5, random-vs-target ones <= 2.2e-5): spread.scalars.retention_*
+CORR_ATOL = 3e-4
+# held-out losses after fine-tuning (relative), when the selection file lists the same ids in the same order as the
+# reference run: largest 2.1e-5 (target, addition): spread.effect_loss_max_rel_diff_same_order
+LOSS_RTOL = 2e-4
+# ... and when two neighbours inside a selection swap places (fine-tuning reads the selection in ranked order, so it
+# trains on another order): largest 1.04e-2 (target, addition; 2 threads): spread.effect_loss_max_rel_diff_reordered
+LOSS_RTOL_REORDERED = 6e-2
+# influence scores, relative to the largest |score|: largest change 6.8e-4 (ATen default kernels):
+# spread.score_max_abs_diff_rel_to_max. A top-k set can only change where scores within 2 * SCORE_TOL of its
+# boundary could trade places (_at_risk); the counts below are asserted exactly where nothing is at risk
+SCORE_TOL = 3.5e-3
+# teacher-forced exact match flips only where an example's logit margin (gold - best other, its worst token) crosses
+# 0; margins moved by at most 5.7e-3 (same order) / 0.25 (reordered): spread.exact_match_margin_max_abs_diff_*
+MARGIN_TOL, MARGIN_TOL_REORDERED = 0.03, 1.25
+
+# the demo's numbers on the reference setting (ISA["runs"][ISA["reference"]]["scalars"])
+EXPECTED = {
+    "retention_proxy": {"spearman": 0.9655405369283775, "kendall": 0.8659982466174102, "pearson": 0.9955641406735434,
+                        "top1%": 0.8, "top5%": 0.97, "top10%": 0.975},
+    "retention_random": {"spearman": 0.016485160189291335, "top1%": 0.0, "top5%": 0.04, "top10%": 0.13},
+    # held-out loss, its two tasks, exact match after fine-tuning on each selection (README: random beats proxy and
+    # target on this demo)
+    "effect": {"base": (2.1537393271923064, 1.582233455181122, 2.725245199203491, 0.0),
+               "proxy": (2.162724216580391, 1.5642440474033357, 2.761204385757446, 0.0),
+               "target": (2.1588717436790468, 1.560367088317871, 2.757376399040222, 0.0),
+               "random": (2.1334729373455046, 1.4890580010414123, 2.7778878736495973, 0.01)},
+}
+TOPK = {"top1%": 20, "top5%": 100, "top10%": 200}  # k on the 2000-example pool
 
 
 @pytest.fixture(scope="module")
@@ -20,50 +56,106 @@ def run(tmp_path_factory):
     return wd, summary
 
 
+def _at_risk(scores: dict[str, float], k: int, tol: float) -> tuple[list[str], list[str]]:
+    """(members, outsiders) of the top ``k`` (ranked like the package: score desc, then id) that could trade places
+    if every score moved by up to ``tol`` x max |score|: a pair swaps only if their scores are within 2 tol."""
+    ids = sorted(scores, key=lambda i: (-scores[i], i))
+    t = 2 * tol * max(abs(v) for v in scores.values())
+    return [i for i in ids[:k] if scores[i] - scores[ids[k]] <= t], [i for i in ids[k:] if scores[ids[k - 1]] - scores[i] <= t]
+
+
+def _max_swaps(scores: dict[str, float], k: int, tol: float, member=None) -> int:
+    """Most places the top ``k`` can trade (see _at_risk); with ``member``, only trades that change how many of the
+    top k satisfy it."""
+    inside, outside = _at_risk(scores, k, tol)
+    if member is None:
+        return min(len(inside), len(outside))
+    n = lambda xs, want: sum(bool(member(i)) == want for i in xs)
+    return max(min(n(inside, True), n(outside, False)), min(n(inside, False), n(outside, True)))
+
+
 def test_pipeline_selects_like_the_target(run):
+    from isa_spread import exact_match_margins
+
+    from iprox_lightning.data.synthetic import BUILTIN_VALIDATION_FAMILIES, builtin_family
+
     wd, s = run
     for path in ("warmup/model/config.json", "proxy/model/iprox_proxy.json", "scores/target/scores.parquet",
                  "scores/proxy/scores.parquet", "selected/proxy.jsonl", "finetune/proxy/model/config.json",
                  "finetune/target/model/config.json", "finetune/random/model/config.json", "summary.json"):
         assert (wd / path).exists(), path
     assert (s["target_params"], s["proxy_params"]) == (86_208, 49_344)
+    scores = {who: read_scores(wd / "scores" / who / "scores.parquet") for who in ("target", "proxy")}
+    selected = {who: [json.loads(l)["id"] for l in open(wd / "selected" / f"{who}.jsonl")] for who in ("target", "proxy", "random")}
     o = s["oracle"]
-    # The demo's numbers (README quick start). Two re-runs (python train.py pipeline, fresh workdirs, one on a loaded
-    # machine) agreed to every digit, so the tolerances below only allow float summation-order noise (RTOL on
-    # correlations and losses); shares and overlaps are counts over 100 selected examples and must match exactly —
-    # one example more or less in a selection moves them by 0.01.
+    # counts over the data and over the seeded random scores: exact. Shares and overlaps are counts over the
+    # selections (100 of 2000: one example more or less moves a share by 0.01); they are exact unless scores
+    # within SCORE_TOL of a boundary could trade places, then bounded by how many could
     assert o["base_rate"] == 0.3335  # 667 of the 2000 pool examples are from the two validation families
-    assert (o["target_selection"], o["proxy_selection"], o["random_selection"]) == (1.0, 1.0, 0.4)
-    assert o["per_family"] == {"target": {"addition": 1.0, "uppercase": 0.0}, "proxy": {"addition": 1.0, "uppercase": 0.0},
-                               "random": {"addition": 0.16, "uppercase": 0.24}}
+    assert o["random_selection"] == 0.4 and o["per_family"]["random"] == {"addition": 0.16, "uppercase": 0.24}
+    for who in ("target", "proxy"):  # both select only addition examples
+        fam = {f: lambda i, f=f: builtin_family(i) == f for f in BUILTIN_VALIDATION_FAMILIES}
+        moves = _max_swaps(scores[who], 100, SCORE_TOL, lambda i: builtin_family(i) in BUILTIN_VALIDATION_FAMILIES)
+        assert abs(o[f"{who}_selection"] - 1.0) <= moves / 100, who
+        for f, want in (("addition", 1.0), ("uppercase", 0.0)):
+            assert abs(o["per_family"][who][f] - want) <= _max_swaps(scores[who], 100, SCORE_TOL, fam[f]) / 100, (who, f)
     r = s["retention_proxy_vs_target"]
-    assert r["n"] == 2000 and (r["top1%"], r["top5%"], r["top10%"]) == (0.8, 0.97, 0.975)
-    assert r["spearman"] == pytest.approx(0.9655405369283775, rel=RTOL)
-    assert r["kendall"] == pytest.approx(0.8659982466174102, rel=RTOL)
-    assert r["pearson"] == pytest.approx(0.9955641406735434, rel=RTOL)
+    assert r["n"] == 2000
+    for key, k in TOPK.items():  # each top-k set that trades places can move the overlap by one per trade
+        moves = _max_swaps(scores["proxy"], k, SCORE_TOL) + _max_swaps(scores["target"], k, SCORE_TOL)
+        assert abs(r[key] - EXPECTED["retention_proxy"][key]) * k <= moves + 1e-9, (key, r[key], moves)
+    for key in ("spearman", "kendall", "pearson"):
+        assert r[key] == pytest.approx(EXPECTED["retention_proxy"][key], abs=CORR_ATOL), key
     r = s["retention_random_vs_target"]
-    assert (r["top1%"], r["top5%"], r["top10%"]) == (0.0, 0.04, 0.13)
-    assert r["spearman"] == pytest.approx(0.016485160189291335, rel=RTOL)
+    for key, k in TOPK.items():  # the random scores are seeded (identical in every setting): only the target's move
+        assert abs(r[key] - EXPECTED["retention_random"][key]) * k <= _max_swaps(scores["target"], k, SCORE_TOL) + 1e-9, key
+    assert r["spearman"] == pytest.approx(EXPECTED["retention_random"]["spearman"], abs=CORR_ATOL)
     # per-family oracle split sums to the oracle share; the selections are explained; the fine-tuned effect is there
     for who in ("target", "proxy", "random"):
         assert sum(o["per_family"][who].values()) == pytest.approx(o[f"{who}_selection"])
         assert s["selection"][who]["count"] == 100 and s["selection"][who]["pool_size"] == 2000
     eff = s["selection_effect"]["metrics"]
     assert set(eff) == {"base", "proxy", "target", "random"} and all(m["n"] == 100 for m in eff.values())
-    # held-out loss after fine-tuning on each selection (README: random beats proxy and target on this demo)
-    for who, loss, add, upper, em in (("base", 2.1537393271923064, 1.582233455181122, 2.725245199203491, 0.0),
-                                      ("proxy", 2.162724216580391, 1.5642440474033357, 2.761204385757446, 0.0),
-                                      ("target", 2.1588717436790468, 1.560367088317871, 2.757376399040222, 0.0),
-                                      ("random", 2.1334729373455046, 1.4890580010414123, 2.7778878736495973, 0.01)):
+    # held-out loss after fine-tuning on each selection: tight while the selection lists the reference run's ids in
+    # its order; exact match exact unless some example's logit margin is within the tolerance of 0
+    margins = exact_match_margins(wd)
+    for who, (loss, add, upper, em) in EXPECTED["effect"].items():
+        same = who == "base" or selected[who] == ISA["reference_selection_order"][who]
+        # (no setting measured changed a selection's ids, only their order; a changed set gets the widest tolerance)
+        rtol, mtol = (LOSS_RTOL, MARGIN_TOL) if same else (LOSS_RTOL_REORDERED, MARGIN_TOL_REORDERED)
         m = eff[who]
-        assert m["loss"] == pytest.approx(loss, rel=RTOL) and m["exact_match"] == em, who
-        assert m["per_task"]["addition"]["loss"] == pytest.approx(add, rel=RTOL), who
-        assert m["per_task"]["uppercase"]["loss"] == pytest.approx(upper, rel=RTOL), who
-    # selection size: 5% of the 2000-example pool, ids kept
-    ids = [json.loads(l)["id"] for l in open(wd / "selected" / "proxy.jsonl")]
+        assert m["loss"] == pytest.approx(loss, rel=rtol), (who, same)
+        assert m["per_task"]["addition"]["loss"] == pytest.approx(add, rel=rtol), (who, same)
+        assert m["per_task"]["uppercase"]["loss"] == pytest.approx(upper, rel=rtol), (who, same)
+        near = sum(abs(x) <= mtol for x in margins[who])
+        assert len(margins[who]) == 100 and sum(x > 0 for x in margins[who]) == round(100 * m["exact_match"])
+        assert abs(round(100 * m["exact_match"]) - round(100 * em)) <= near, (who, m["exact_match"], near)
+    # selection size: 5% of the 2000-example pool, ids kept, exactly the top of the run's own proxy scores
+    ids = selected["proxy"]
     assert len(ids) == 100 and len(set(ids)) == 100
-    top = sorted(read_scores(wd / "scores" / "proxy" / "scores.parquet").items(), key=lambda kv: (-kv[1], kv[0]))[:100]
+    top = sorted(scores["proxy"].items(), key=lambda kv: (-kv[1], kv[0]))[:100]
     assert set(ids) == {i for i, _ in top}
+
+
+def test_tolerances_cover_the_measured_spread():
+    """The tolerances above are >= 5x what tests/data/isa_spread.json measured, and EXPECTED is its reference run."""
+    sp, ref = ISA["spread"], ISA["runs"][ISA["reference"]]["scalars"]
+    corr = [v["abs_spread"] for k, v in sp["scalars"].items() if k.split("/")[-1] in ("spearman", "kendall", "pearson")]
+    reported = list(ISA["reported_elsewhere"]["retention_proxy/spearman"].values())
+    lo, hi = sp["scalars"]["retention_proxy/spearman"]["min"], sp["scalars"]["retention_proxy/spearman"]["max"]
+    corr.append(max(hi, *reported) - min(lo, *reported))
+    assert CORR_ATOL >= 5 * max(corr)
+    drop_none = lambda d: [v for v in d.values() if v is not None]
+    assert LOSS_RTOL >= 5 * max(drop_none(sp["effect_loss_max_rel_diff_same_order"]))
+    assert LOSS_RTOL_REORDERED >= 5 * max(drop_none(sp["effect_loss_max_rel_diff_reordered"]))
+    assert SCORE_TOL >= 5 * max(sp["score_max_abs_diff_rel_to_max"].values())
+    assert MARGIN_TOL >= 5 * max(drop_none(sp["exact_match_margin_max_abs_diff_same_order"]))
+    assert MARGIN_TOL_REORDERED >= 5 * max(drop_none(sp["exact_match_margin_max_abs_diff_reordered"]))
+    for group in ("retention_proxy", "retention_random"):
+        for key, want in EXPECTED[group].items():
+            assert ref[f"{group}/{key}"] == want, (group, key)
+    for who, values in EXPECTED["effect"].items():
+        assert tuple(ref[f"effect/{who}/{k}"] for k in ("loss", "addition/loss", "uppercase/loss", "exact_match")) == values
 
 
 def test_pipeline_resumes_without_rerunning(run, capsys):

@@ -1,4 +1,7 @@
 """Probe collection: H/Δ columns equal brute-force autograd values at uniformly spread token positions."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,6 +92,9 @@ def test_probes_equal_bruteforce_all_tokens():
     assert not model.training
 
 
+BATCH_ATOL = 3e-6  # x each tensor's largest |value|: see test_probes_are_batch_size_invariant
+
+
 def test_probes_are_batch_size_invariant():
     """δ is the gradient of each example's own loss (sum of per-example losses)."""
     model = tiny_causal_lm("qwen2", seed=2)
@@ -97,9 +103,17 @@ def test_probes_are_batch_size_invariant():
     full = make_batches(n_examples=6, batch_size=6, seed=3)
     p1 = collect_probes(model, ex, modules, num_tokens=10_000, progress=False)
     p6 = collect_probes(model, full, modules, num_tokens=10_000, progress=False)
+    # float32 sums in another order: the largest difference was 3.4e-7 (Delta) / 3.5e-7 (H) of the tensor's largest
+    # |value| across ATen default/AVX2/AVX-512 kernels and 1/2 threads (tests/data/isa_spread.json, self_consistency;
+    # a fixed atol=1e-8 failed under ATEN_CPU_CAPABILITY=default): atol is ~9x that, relative to each tensor
     for n in modules:
-        torch.testing.assert_close(p1.Delta[n], p6.Delta[n], rtol=1e-4, atol=1e-8)
-        torch.testing.assert_close(p1.H[n], p6.H[n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p1.Delta[n], p6.Delta[n], rtol=1e-4, atol=BATCH_ATOL * p6.Delta[n].abs().max().item())
+        torch.testing.assert_close(p1.H[n], p6.H[n], rtol=1e-5, atol=BATCH_ATOL * p6.H[n].abs().max().item())
+
+
+def test_batch_size_tolerance_covers_the_measured_spread():
+    spread = json.loads((Path(__file__).parent / "data" / "isa_spread.json").read_text())["self_consistency"]["spread"]
+    assert BATCH_ATOL >= 5 * max(spread["test_probes_are_batch_size_invariant"].values())
 
 
 def test_sampled_columns_are_valid_tokens_shared_by_H_and_delta():

@@ -2,7 +2,9 @@
 gradient with autograd (batch size 1, no padding, flattened over the tracked parameters)."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -282,14 +284,33 @@ def test_kfac_absolute_damping_ghost_and_plain():
         assert_close_scores(t, ref, per_task, tasks)
 
 
-def test_scores_do_not_depend_on_batching_or_padding_and_touch_no_param_grad():
+def batching_scores():
+    """``(model, a, b)``: one float64 model's TracIn scores under two batchings and paddings (the test below;
+    tests/isa_spread.py measures their difference under each CPU kernel set)."""
     model = tiny_causal_lm("qwen3", seed=6, dtype=torch.float64, **TINY)
     for p in model.parameters():
         p.requires_grad_(False)
     a = tracin_scores(model, batches(TRAIN, 1, extra_pad=0), batches(VAL, 6), progress=False)
     b = tracin_scores(model, batches(TRAIN, 5, extra_pad=7), batches(VAL, 2, extra_pad=3), progress=False)
-    np.testing.assert_allclose([a[i] for i in a], [b[i] for i in a], rtol=1e-10, atol=1e-12)
+    return model, a, b
+
+
+# the two batchings' float64 scores agree to 3.1e-16 of the largest |score| with ATen's AVX-512 and generic kernels but
+# differ by up to 7.8e-8 of it with its AVX2 ones (tests/data/isa_spread.json, self_consistency; the former rtol=1e-10
+# failed under ATEN_CPU_CAPABILITY=avx2)
+BATCHING_ATOL = 5e-7  # x the largest |score|: 6.4x that
+
+
+def test_scores_do_not_depend_on_batching_or_padding_and_touch_no_param_grad():
+    model, a, b = batching_scores()
+    want = np.array([a[i] for i in a])
+    np.testing.assert_allclose([b[i] for i in a], want, rtol=0, atol=BATCHING_ATOL * np.abs(want).max())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_batching_tolerance_covers_the_measured_spread():
+    spread = json.loads((Path(__file__).parent / "data" / "isa_spread.json").read_text())["self_consistency"]["spread"]
+    assert BATCHING_ATOL >= 5 * spread["test_scores_do_not_depend_on_batching_or_padding_and_touch_no_param_grad"]
 
 
 def test_per_task_off_and_no_task_key():

@@ -1,5 +1,8 @@
 """The scoring trackers of the backward-pairs engine and the influence-metric interface, against brute-force
 autograd per-example gradients (float64, a padded batch, a proxy with LowRankLinear layers)."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -153,18 +156,48 @@ def test_kfac_factors_and_metric_against_brute_force():
             torch.testing.assert_close(fac.sum_dd[key], d.t() @ d, rtol=1e-10, atol=1e-13)
             assert fac.tokens[key] == int(valid.sum())
     # the whitening M = H^{-1/2}: ‖M G‖² = vec(G)ᵀ H⁻¹ vec(G) with H = C_δ,λ ⊗ C_h,λ, same on tokens and matrices
+    errors, pairs = kfac_whitening(3)
+    assert max(errors) <= WHITENING_RTOL, errors
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ‖M G‖² vs the direct solve (float64): relative error up to 2.2e-14 with ATen's AVX-512 and generic kernels but 4.2e-9
+# with its AVX2 ones (tests/data/isa_spread.json, self_consistency; the former rel=1e-9 failed under
+# ATEN_CPU_CAPABILITY=avx2): 9.5x that
+WHITENING_RTOL = 4e-8
+
+
+def test_whitening_tolerance_covers_the_measured_spread():
+    spread = json.loads((Path(__file__).parent / "data" / "isa_spread.json").read_text())["self_consistency"]["spread"]
+    assert WHITENING_RTOL >= 5 * spread["test_kfac_factors_and_metric_against_brute_force"]
+
+
+def kfac_whitening(seed: int):
+    """For the K-FAC metric fitted on ``batch(seed)`` of ``proxy(seed)``, per layer key: the relative error of
+    ‖M G‖² against vec(G)ᵀ H⁻¹ vec(G) (H from the brute-force factors), and the pair (M applied to tokens, M applied
+    to their matrix) that must agree (tests/isa_spread.py measures the errors under each CPU kernel set)."""
+    model, b = proxy(seed), batch(seed)
+    modules = tracked_modules(model)
+    keys = [v.key for v in virtual_linears(modules)]
+    fac = KFACFactors(modules)
+    backward_pairs(model, b, [fac])
     metric = KFAC(damping=1e-2, damping_mode="absolute", examples=4)
     metric.fit(model, modules, keys, [b], dtype=torch.float64)
-    n = int(valid.sum())
+    n = int(b["attention_mask"].sum())
+    g = torch.Generator().manual_seed(seed)
+    errors, pairs = [], []
     for key in keys:
         Ch, Cd = fac.sum_hh[key] / n, fac.sum_dd[key] / n
         H = torch.kron(Cd + 1e-2 * torch.eye(len(Cd), dtype=Cd.dtype), Ch + 1e-2 * torch.eye(len(Ch), dtype=Ch.dtype))
-        G = torch.randn(len(Cd), len(Ch), dtype=torch.float64)
-        MG = metric.matrix(key, G)
-        assert float(MG.pow(2).sum()) == pytest.approx(float(G.reshape(-1) @ torch.linalg.solve(H, G.reshape(-1))), rel=1e-9)
-        h, d = torch.randn(5, len(Ch), dtype=torch.float64), torch.randn(5, len(Cd), dtype=torch.float64)
+        G = torch.randn(len(Cd), len(Ch), generator=g, dtype=torch.float64)
+        want = float(G.reshape(-1) @ torch.linalg.solve(H, G.reshape(-1)))
+        errors.append(abs(float(metric.matrix(key, G).pow(2).sum()) - want) / abs(want))
+        h = torch.randn(5, len(Ch), generator=g, dtype=torch.float64)
+        d = torch.randn(5, len(Cd), generator=g, dtype=torch.float64)
         ht, dt = metric.tokens(key, h, d)
-        torch.testing.assert_close(dt.t() @ ht, metric.matrix(key, d.t() @ h), rtol=1e-10, atol=1e-12)
+        pairs.append((dt.t() @ ht, metric.matrix(key, d.t() @ h)))
+    return errors, pairs
 
 
 def test_metric_interface_names_and_config_compatibility():
