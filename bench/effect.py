@@ -324,10 +324,22 @@ class Effect:
         return {"scoring_wall_s": score, "build_wall_s": build, "scoring_cost_ratio": ratio,
                 "total_cost_ratio": total}
 
+    def model_fingerprint(self, key: str) -> str | None:
+        """The fingerprint a model evaluated under ``key`` has with the current settings (k, rule, fine-tuning,
+        score tables); ``None`` when ``key`` names no selector of this run."""
+        if key == "base":
+            return self.target_fp
+        task, _, sel = key.rpartition("/")
+        known = sel.startswith("random:") or sel in self.args.selectors
+        if not known or (task and task not in self.args.tasks) or (not task and not task_free(sel)):
+            return None
+        return json.dumps(self.finetune_fingerprint(self.selection(task or None, sel)), sort_keys=True)
+
     def write_summary(self) -> dict:
         a = self.args
         evals = [json.loads(p.read_text()) for p in sorted(self.evals_dir.glob("*.json"))]
-        rows, noise = [], {}
+        rows, noise, stale = [], {}, set()
+        model_fp = {ev["key"]: self.model_fingerprint(ev["key"]) for ev in evals}
         for task in a.tasks:
             ids = [r["id"] for r in self.heldout[task]]
             per_model: dict[str, dict[str, np.ndarray]] = {}
@@ -335,6 +347,10 @@ class Effect:
                 rec = ev["tasks"].get(task)
                 if not rec or rec.get("heldout_digest") != self.heldout_digest[task]:
                     continue  # not evaluated on this task, or on other held-out examples (re-run to refresh)
+                fp = model_fp[ev["key"]]
+                if fp is None or rec.get("fingerprint") != digest([fp, self.heldout_digest[task], a.eval_max_length]):
+                    stale.add(ev["key"])  # made with other settings (k, rule, fine-tuning, scores): never reported
+                    continue
                 ex = {e["id"]: e for e in rec["examples"]}
                 per_model[ev["selector"]] = {m: np.asarray([float(ex[i][m]) for i in ids]) for m in METRICS}
             seeds = sorted(k for k in per_model if k.startswith("random:"))
@@ -381,9 +397,13 @@ class Effect:
                      "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "threads": a.threads,
                      "versions": versions(), "commands": self.st.state.get("run_commands", []),
                      "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
-                     "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals}},
+                     "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
+                     "not_reported": sorted(stale)},
             "rows": rows,
         }
+        if stale:
+            self.log(f"not reported (evaluated with other settings than this command's; re-run without --summary-only "
+                     f"to refresh them): {', '.join(sorted(stale))}")
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         md = markdown(summary)
         (self.out / "summary.md").write_text(md)

@@ -89,3 +89,11 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     again = effect.main(argv)
     assert json.loads((out / "state.json").read_text())["stages"] == before
     assert again["rows"] == s["rows"]
+    assert again["meta"]["not_reported"] == []
+
+    # a summary with other settings never reports the old evaluations under them: with k = 0.4 every fine-tuned
+    # row is stale (other selections), only the base row (the warmed target itself) is still this command's
+    argv_k = [*argv[: argv.index("--k")], "--k", "0.4", *argv[argv.index("--k") + 2:], "--summary-only"]
+    other = effect.main(argv_k)
+    assert other["meta"]["k"] == 12 and {r["selector"] for r in other["rows"]} == {"base"}
+    assert set(other["meta"]["not_reported"]) == set(evals) - {"base"}
