@@ -115,7 +115,7 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+    save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp),
               metadata=dict(metadata) if metadata else None)
     os.replace(tmp, path)
     return path
