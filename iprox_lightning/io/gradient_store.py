@@ -4,7 +4,7 @@ Layout::
 
     store.json                                # schema_version, fingerprint, settings, layout, pool provenance, state
     projection.safetensors                    # the seeded projections, "<key>|out" / "<key>|in" (identity: absent)
-    factors.safetensors                       # the influence metric's fitted factors (K-FAC / EK-FAC), if any
+    kfac-<digest>.safetensors                 # the metric's fitted factors (K-FAC / EK-FAC), if any (io/factors.py)
     shards/rank000-<run>-00000.safetensors    # per-rank shards, written atomically (temp file + os.replace)
     shards/corrupt/...                        # unreadable shards moved aside on resume (their ids built again)
     .store.lock                               # held (flock) by the build writing here: a second build is refused
@@ -36,7 +36,6 @@ from .scores import write_json_atomic
 SCHEMA_VERSION = 1
 STORE_FILE = "store.json"
 PROJECTION_FILE = "projection.safetensors"
-FACTORS_FILE = "factors.safetensors"
 SHARD_DIR = "shards"
 CORRUPT_DIR = "corrupt"
 LOCK_FILE = ".store.lock"
@@ -103,8 +102,10 @@ def clear_store(store_dir: str | os.PathLike) -> None:
     """Remove a store's shards, settings, projections and factors (a build then starts fresh)."""
     out = Path(store_dir)
     shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
-    for name in (STORE_FILE, PROJECTION_FILE, FACTORS_FILE):
+    for name in (STORE_FILE, PROJECTION_FILE):
         (out / name).unlink(missing_ok=True)
+    for f in out.glob("*kfac-*.safetensors"):  # saved factors (io/factors.py names them <method>-<digest>)
+        f.unlink()
 
 
 # ----------------------------------------------------------------------------------- tensors files

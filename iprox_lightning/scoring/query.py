@@ -67,8 +67,8 @@ def cosine_scores(X: torch.Tensor, S: torch.Tensor, zero_grad, nonfinite) -> tup
 
 
 def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor, settings: Mapping | None = None):
-    """The :class:`~.influence.ScoreTable` of every stored example against the task sums ``S`` (one matrix product
-    per shard; ``shards`` as :func:`iprox_lightning.io.gradient_store.iter_shards` yields them)."""
+    """The :class:`~.influence.ScoreTable` of every stored example (rows sorted by id) against the task sums ``S``
+    (one matrix product per shard; ``shards`` as :func:`iprox_lightning.io.gradient_store.iter_shards` yields them)."""
     from .influence import ScoreTable
 
     ids, tasks, scores, task_scores, n_tok, zero, bad = [], [], [], [], [], [], []
@@ -83,9 +83,11 @@ def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor
         bad.append(s["nonfinite"].numpy())
     if not ids:
         raise ValueError("the gradient store holds no example")
-    return ScoreTable(ids, np.concatenate(scores), list(names), np.concatenate(task_scores), np.concatenate(n_tok),
-                      np.concatenate(zero), tasks if any(t is not None for t in tasks) else None, dict(settings or {}),
-                      nonfinite=np.concatenate(bad))
+    o = sorted(range(len(ids)), key=lambda j: ids[j])  # rows by id, like a merged score table
+    cat = lambda parts: np.concatenate(parts)[o]  # noqa: E731
+    return ScoreTable([ids[j] for j in o], cat(scores), list(names), cat(task_scores), cat(n_tok), cat(zero),
+                      [tasks[j] for j in o] if any(t is not None for t in tasks) else None, dict(settings or {}),
+                      nonfinite=cat(bad))
 
 
 def nearest(shards: Iterable[Mapping], Q: torch.Tensor, k: int) -> tuple[list[list[str]], np.ndarray]:
