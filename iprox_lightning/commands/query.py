@@ -98,8 +98,9 @@ def query(
     projector = GradientProjector(net, metric=None if metric.name == "tracin" else metric,
                                   target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype)
     with ScoreDirLock(out, what="query", hint="write into another output_dir"):
-        parts = [projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients")]
-        names, S, counts = task_sums(parts)
+        batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
+        parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
+        names, S, counts = task_sums(parts if parts is not None else batches)
         t_val = time.perf_counter() - t0
         table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
         table.save(str(out / "scores.parquet"))
