@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_v2 import (  # noqa: E402  (bench/ helpers: the stage ledger, bootstrap, names)
-    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, dir_name, git_commit, logger_overlay, percentile_interval,
+    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, config_text, dir_name, git_commit, logger_overlay, percentile_interval,
     splice_docs, write_jsonl,
 )
 
@@ -201,7 +201,7 @@ class Effect:
         ids = [json.loads(line)["id"] for line in open(selection)]
         return {"warmup": self.target_fp, "selected": ids, "epochs": a.epochs, "lr": a.lr,
                 "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed,
-                "config": (ROOT / "configs" / "finetune.yaml").read_text()}
+                "config": config_text(ROOT / "configs" / "finetune.yaml")}
 
     def finetune(self, key: str, selection: Path) -> tuple[str, dict]:
         a = self.args

@@ -97,3 +97,16 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     other = effect.main(argv_k)
     assert other["meta"]["k"] == 12 and {r["selector"] for r in other["rows"]} == {"base"}
     assert set(other["meta"]["not_reported"]) == set(evals) - {"base"}
+
+
+def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
+    """Turning off Lightning's .ckpt (or progress bars) in a stage config leaves finished benchmark stages valid;
+    any other edit of the config changes the fingerprint."""
+    base = "trainer:\n  max_epochs: 4\n  log_every_n_steps: 10\n"
+    a, b, c = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
+    a.write_text(base)
+    b.write_text(base.replace("  log_every", "  enable_checkpointing: false  # the saved model is the artifact\n"
+                              "  enable_progress_bar: false\n  log_every"))
+    c.write_text(base.replace("max_epochs: 4", "max_epochs: 5"))
+    assert fv2.config_text(b) == fv2.config_text(a) == base
+    assert fv2.config_text(c) != fv2.config_text(a)
