@@ -32,7 +32,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     out = tmp_path / "effect"
     argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
             "--eval-dir", "builtin", "--tasks", "addition", "uppercase", "--priority-tasks", "addition",
-            "--selectors", "target", "iprox@0.5", "length", "--source", f"iprox@0.5={VARIANT}",
+            "--selectors", "target", "iprox@0.5", "length", "store+max", "--source", f"iprox@0.5={VARIANT}",
             "--random-seeds", "0", "1", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
             "--builtin-per-task", "8", "--bootstrap", "200", "--threads", "1"]
     s = effect.main(argv)
@@ -57,7 +57,16 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     # every row recomputed from the cached per-example evaluations
     evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
     assert set(evals) == {"base", "random:0", "random:1", "length", "addition/target", "uppercase/target",
-                          "addition/iprox@0.5", "uppercase/iprox@0.5"}
+                          "addition/iprox@0.5", "uppercase/iprox@0.5", "addition/store+max", "uppercase/store+max"}
+    # the store selector: the product's build_store + query, then select with the selector's own rule (max)
+    for task in ("addition", "uppercase"):
+        ref = select(str(out / "scores" / "store" / "scores.parquet"), k=6, rule="max", task=task,
+                     pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / f"ref_store_{task}.jsonl"),
+                     quiet=True)
+        got = out / "selections" / f"{fv2.dir_name(f'{task}/store+max')}.jsonl"
+        assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    assert {r["rule"] for r in s["rows"] if r["selector"] == "store+max"} == {"max"}
+    assert all(r["scoring_cost_ratio"] > 0 for r in s["rows"] if r["selector"] == "store+max")
     rows = {(r["task"], r["selector"], r["metric"]): r for r in s["rows"]}
     for task in ("addition", "uppercase"):
         def per_example(key, metric):
