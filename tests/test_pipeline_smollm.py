@@ -13,8 +13,14 @@ What is asserted:
 - the numbers of the models that see only a deterministic computation, at tolerances derived from runs under
   several CPU kernel sets and thread counts (``tests/data/slow_spread.json``, written by ``IPROX_SLOW_RECORD``):
   the warmed target's held-out loss (the base row of the effect table) and the un-warmed model's agreement with it;
-- invariants: every fine-tuned model's held-out loss is below the un-fine-tuned one's; every variant scored every
-  pool example with a finite score; ``no_kl`` that kept step 0 ranks exactly like ``no_alignment``.
+- invariants: the models fine-tuned on the target's and on the seeded random selection have a held-out loss below
+  the un-fine-tuned one's (by 0.65 and 0.2 nats); every variant scored every pool example with a finite score;
+  ``no_kl`` that kept step 0 ranks exactly like ``no_alignment``.
+
+Measured across CPU kernels (this AMD EPYC, 2 threads, native AVX-512 vs ``ATEN_CPU_CAPABILITY=avx2``, torch 2.13.0,
+transformers 5.23.0): the warmed target's held-out loss moves by 3e-6 relative and the un-warmed model's Spearman
+not at all, while the proxy's Spearman goes from 0.19 to −0.05, svd_init's from 0.35 to 0.13, and the proxy's
+2-example fine-tune from 2.45 to 3.15 (``tests/data/slow_spread.json``, "recorded").
 
 ``IPROX_SLOW_RECORD=FILE python -m pytest tests/test_pipeline_smollm.py --runslow`` writes the measured values
 (JSON) before asserting, to extend ``tests/data/slow_spread.json`` with another machine or setting.
@@ -92,9 +98,11 @@ def test_pipeline_and_variants_on_smollm(smollm_gguf, shared_dir, tmp_path, monk
     for t, v in measured["base_per_task_loss"].items():
         _within(f"base_loss_{t}", v)
     _within("off_the_shelf_spearman", res["off_the_shelf"][0])
-    # invariants: fine-tuning on any 2 selected examples lowers the held-out loss; every variant ranks all 40
-    for who in ("proxy", "target", "random"):
-        assert metrics[who]["loss"] < metrics["base"]["loss"], who
+    # invariants: fine-tuning on the target's or the seeded random 2 examples lowers the held-out loss (not asserted
+    # for the proxy's 2: under ATen's AVX2 kernels its toy ranking picks other examples, which raised the loss to 3.146
+    # from 3.067); every variant ranks all 40
+    for who in ("target", "random"):
+        assert metrics[who]["loss"] < metrics["base"]["loss"] - 0.1, who
     for name, (rho, ids) in res.items():
         assert math.isfinite(rho) and -1 <= rho <= 1 and len(ids) == len(set(ids)) > 0, name
     if no_kl["best"]["step"] == 0:  # keep_best restored the un-aligned factors: the no_alignment ranking exactly
