@@ -368,6 +368,30 @@ class Effect:
             memo[key] = json.dumps(self.finetune_fingerprint(self.selection(task or None, sel)), sort_keys=True)
         return memo[key]
 
+    def store_vs_exact(self) -> dict | None:
+        """How the gradient store's projected scores (selector ``store``) rank the sample against the target's exact
+        TracIn table (Spearman): pooled (cosine to the mean validation gradient: the same quantity, projected vs
+        exact) and per task (mean over the subtask columns vs the exact table's task columns: also a different
+        aggregation). ``None`` before the store was queried."""
+        from scipy.stats import spearmanr
+
+        from iprox_lightning.io.scores import read_table
+
+        q_path = self.out / "scores" / "store" / "scores.parquet"
+        if not q_path.exists():
+            return None
+        q, e = (read_table(p)[1].to_pandas().set_index("id") for p in (q_path, self.fid / "scores" / "target" / "scores.parquet"))
+        ids = sorted(set(q.index) & set(e.index))
+        out = {"n": len(ids), "k": self.args.store_k,
+               "pooled": float(spearmanr(q.loc[ids, "score"], e.loc[ids, "score"])[0])}
+        for t in self.args.tasks:
+            qc = [c for c in q.columns if c.startswith(f"score/{t}.")]
+            ec = [c for c in e.columns if c == f"score/{t}" or c.startswith(f"score/{t}.")]
+            if qc and ec:
+                out[t] = {"subtasks": len(qc), "spearman_mean": float(spearmanr(q.loc[ids, qc].mean(axis=1),
+                                                                                  e.loc[ids, ec].mean(axis=1))[0])}
+        return out
+
     def write_summary(self) -> dict:
         a = self.args
         evals = [json.loads(p.read_text()) for p in sorted(self.evals_dir.glob("*.json"))]
@@ -431,7 +455,7 @@ class Effect:
                      "versions": versions(), "commands": self.st.state.get("run_commands", []),
                      "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
                      "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
-                     "not_reported": sorted(stale)},
+                     "not_reported": sorted(stale), "store_vs_exact": self.store_vs_exact()},
             "rows": rows,
         }
         if stale:
@@ -491,6 +515,14 @@ def markdown(summary: dict) -> str:
     if nf:
         lines += ["Noise floor (spread of the random seeds' means): " + "; ".join(
             f"{k} {v['spread']:.4f}" for k, v in nf.items()), ""]
+    sv = m.get("store_vs_exact")
+    if sv:
+        per_task = "; ".join(f"{t} {v['spearman_mean']:.3f} ({v['subtasks']} subtasks)" for t, v in sv.items()
+                             if isinstance(v, dict))
+        lines += [f"Gradient store (selector `store`: k = {sv['k']} projection rows per side of each layer) vs the "
+                  f"target's exact TracIn on the {sv['n']} sample examples, Spearman: pooled {sv['pooled']:.3f} (the "
+                  f"same score, projected vs exact); per task, mean over the subtask columns vs the exact table's task "
+                  f"columns (also another aggregation): {per_task}.", ""]
     return "\n".join(lines)
 
 

@@ -67,6 +67,13 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
         assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
     assert {r["rule"] for r in s["rows"] if r["selector"] == "store+max"} == {"max"}
     assert all(r["scoring_cost_ratio"] > 0 for r in s["rows"] if r["selector"] == "store+max")
+    # the store's pooled score against the exact target table's, recomputed
+    from scipy.stats import spearmanr
+
+    q = fv2.read_table(out / "scores" / "store" / "scores.parquet")
+    e = dict(zip(t["id"], t["score"]))
+    assert m["store_vs_exact"]["n"] == 30 and m["store_vs_exact"]["pooled"] == pytest.approx(
+        spearmanr(q["score"], [e[i] for i in q["id"]])[0], abs=1e-12)
     rows = {(r["task"], r["selector"], r["metric"]): r for r in s["rows"]}
     for task in ("addition", "uppercase"):
         def per_example(key, metric):
