@@ -210,12 +210,12 @@ def test_proxy_check_and_report_commands(run, capsys, tmp_path):
     wd, s = run
     row = main(["check", "--target", str(wd / "warmup" / "model"), "--proxy", str(wd / "proxy" / "model"),
                 "--sample", "120", "--output", str(tmp_path / "check.json")])
-    assert row["n"] == 120 and row["spearman"] > 0.8
-    assert json.loads((tmp_path / "check.json").read_text())[0]["spearman"] == row["spearman"]
+    assert row["n"] == 120 and isinstance(row["n"], int) and row["spearman"] > 0.8
+    assert json.loads((tmp_path / "check.json").read_text())["rows"][0]["spearman"] == row["spearman"]
     assert -1 <= row["length_floor"] <= 1 and -1 <= row["spearman_length_partialled"] <= 1
     # the free baselines on the same sample: length sort (its Spearman is the length floor) and Layer
     # Extraction of the target at the proxy's achieved sparsity
-    table = json.loads((tmp_path / "check.json").read_text())
+    table = json.loads((tmp_path / "check.json").read_text())["rows"]
     names = [r["proxy"] for r in table]
     assert names[1] == "length sort (shortest first)" and names[2].startswith("layer extraction (ρ=0.")
     assert table[1]["spearman"] == pytest.approx(row["length_floor"])
