@@ -174,6 +174,8 @@ class InfluenceScoringModule(L.LightningModule):
 
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:
+        from ..console import show_progress
+
         if self.net is None:
             self.configure_model()
         self.scorer = InfluenceScorer(self.net, self.config, metric=self.metric)
@@ -184,7 +186,7 @@ class InfluenceScoringModule(L.LightningModule):
         t0 = time.perf_counter()
         with torch.inference_mode(False), torch.enable_grad():
             self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
-                            progress=rank == 0)
+                            progress=show_progress(self.trainer))
         st = self.scorer.settings()
         prepare_s = time.perf_counter() - t0
         log.info("influence scoring prepared in %.1fs: %s", prepare_s, st)
