@@ -280,19 +280,26 @@ def _load(path: str):
 
 def _score(who, model, cache, vfp, sfp, config, dm, chosen, batch_size, estimate):
     """Validation gradients (cached or computed and cached), then the pool sample's scores (cached when done)."""
+    from ..console import interactive
+    from ..scoring.features import progress_bar
     from ..scoring.influence import InfluenceScorer, _table_from_parts
+
+    show = interactive()  # progress bars on a terminal only
+
+    def timed(loader, what):
+        return progress_bar(estimate.timed(loader, who, what), show, f"{who}: {what}", total=len(loader))
 
     t0 = time.perf_counter()
     scorer = InfluenceScorer(model, config)
     pool = lambda: _sample_loader(dm, "pool", chosen, batch_size)  # noqa: E731
     scorer.stats.update(scorer.metric.fit(model, scorer.modules, [v.key for v in scorer.linears],
-                                          estimate.timed(pool(), who, "K-FAC factors") if config.method == "kfac"
-                                          else pool(), dtype=scorer.dtype, progress=False))
+                                          timed(pool(), "K-FAC factors") if config.method == "kfac" else pool(),
+                                          dtype=scorer.dtype, progress=False))
     if not cache.load_validation(scorer, vfp, who):
-        scorer.collect_validation(estimate.timed(dm.validation_dataloader(), who, "validation gradients"))
+        scorer.collect_validation(timed(dm.validation_dataloader(), "validation gradients"))
         cache.save_validation(scorer, vfp, who)
     scorer.finalize()
-    parts = [scorer.score_batch(b) for b in estimate.timed(pool(), who, "scoring")]
+    parts = [scorer.score_batch(b) for b in timed(pool(), "scoring")]
     table = _table_from_parts(parts, scorer.task_names, scorer.settings())
     cache.save_scores(table, sfp, who, time.perf_counter() - t0)
     return table
