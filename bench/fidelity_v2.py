@@ -88,6 +88,17 @@ SPARE0 = [r"layers\.0\.mlp\."]
 # ------------------------------------------------------------------------------------------------
 # variants
 # ------------------------------------------------------------------------------------------------
+
+# trainer options that change what a run writes or prints, never what it computes: a config line setting one of them
+# does not enter a stage's fingerprint, so adding it does not make finished stages stale (e.g. warm-up: 47 min)
+OUTCOME_NEUTRAL = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")
+
+
+def config_text(path) -> str:
+    """A stage config's text for a fingerprint: the file without lines that set an :data:`OUTCOME_NEUTRAL` option."""
+    lines = Path(path).read_text().splitlines(keepends=True)
+    return "".join(x for x in lines if x.split(":", 1)[0].strip() not in OUTCOME_NEUTRAL)
+
 def parse_variant(spec: str) -> dict[str, Any]:
     """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
     "align_lr", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None: ``--align-epochs`` / ``--align-lr``)."""
@@ -727,7 +738,7 @@ def main(argv=None) -> dict:
         target = args.model
     else:
         fp = {"model": args.model, "pool": args.pool, "max_length": args.warmup_max_length, "seed": args.seed,
-              "config": (cfg / "warmup.yaml").read_text(), "builtin_size": args.builtin_size}
+              "config": config_text(cfg / "warmup.yaml"), "builtin_size": args.builtin_size}
         if args.adopt_warmup and (warmed / "config.json").exists() and "warmup" not in st.state["stages"]:
             st.state["stages"]["warmup"] = {"fingerprint": json.dumps(fp, sort_keys=True), "adopted": args.adopt_warmup,
                                             "finished": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(
@@ -773,7 +784,7 @@ def main(argv=None) -> dict:
 
     def score(key: str, model: str, tokenizer: str, model_fp: Any) -> dict:
         d = out / "scores" / dir_name(key)
-        fp = {"model": model_fp, "data": data_fp, "config": (cfg / "score.yaml").read_text()}
+        fp = {"model": model_fp, "data": data_fp, "config": config_text(cfg / "score.yaml")}
         return st.run(f"score:{key}", "predict", [cfg / "score.yaml", *demo("score")], {
             "seed_everything": args.seed,
             "trainer": {"default_root_dir": str(out / "lightning"), "logger": logger_overlay(out, f"score_{dir_name(key)}"),
@@ -806,7 +817,7 @@ def main(argv=None) -> dict:
             try:
                 if v["kind"] == "le":
                     fp = {"target": stage_fp("warmup") or target, "rho": v["rho"], "max_length": args.max_length,
-                          "config": (cfg / "baselines" / "layer_extraction.yaml").read_text()}
+                          "config": config_text(cfg / "baselines" / "layer_extraction.yaml")}
                     st.run(f"build:{v['key']}", "layer_extraction", [cfg / "baselines" / "layer_extraction.yaml"], {
                         "model": target, "output_dir": str(pdir), "pool": args.pool, "sparsity": v["rho"],
                         "max_length": args.max_length, "seed": args.seed,
@@ -832,7 +843,7 @@ def main(argv=None) -> dict:
                         data.update(validation=None)
                     fp = {"target": stage_fp("warmup") or target, "callback": cb, "model": model, "data": data,
                           "trainer": {k: v2 for k, v2 in trainer.items() if k not in ("logger", "default_root_dir")},
-                          "config": (cfg / "build_proxy.yaml").read_text()}
+                          "config": config_text(cfg / "build_proxy.yaml")}
                     st.run(f"build:{v['key']}", "fit", [cfg / "build_proxy.yaml"], {
                         "seed_everything": args.seed, "trainer": trainer, "model": {"init_args": model},
                         "data": {"init_args": data},

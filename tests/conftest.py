@@ -55,5 +55,7 @@ def eval_dir():
 def smollm_gguf():
     p = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not p.exists():
+        if os.environ.get("IPROX_REQUIRE_SLOW") == "1":  # CI: a missing model must fail, not skip every slow test
+            pytest.fail(f"IPROX_REQUIRE_SLOW=1 but the SmolLM2 GGUF is not at {p} (set IPROX_SHARED to the shared folder)")
         pytest.skip("SmolLM2 GGUF not present")
     return p

@@ -32,7 +32,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     out = tmp_path / "effect"
     argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
             "--eval-dir", "builtin", "--tasks", "addition", "uppercase", "--priority-tasks", "addition",
-            "--selectors", "target", "iprox@0.5", "length", "--source", f"iprox@0.5={VARIANT}",
+            "--selectors", "target", "iprox@0.5", "length", "store+max", "--source", f"iprox@0.5={VARIANT}",
             "--random-seeds", "0", "1", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
             "--builtin-per-task", "8", "--bootstrap", "200", "--threads", "1"]
     s = effect.main(argv)
@@ -58,7 +58,16 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     # every row recomputed from the cached per-example evaluations
     evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
     assert set(evals) == {"base", "random:0", "random:1", "length", "addition/target", "uppercase/target",
-                          "addition/iprox@0.5", "uppercase/iprox@0.5"}
+                          "addition/iprox@0.5", "uppercase/iprox@0.5", "addition/store+max", "uppercase/store+max"}
+    # the store selector: the product's build_store + query, then select with the selector's own rule (max)
+    for task in ("addition", "uppercase"):
+        ref = select(str(out / "scores" / "store" / "scores.parquet"), k=6, rule="max", task=task,
+                     pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / f"ref_store_{task}.jsonl"),
+                     quiet=True)
+        got = out / "selections" / f"{fv2.dir_name(f'{task}/store+max')}.jsonl"
+        assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    assert {r["rule"] for r in s["rows"] if r["selector"] == "store+max"} == {"max"}
+    assert all(r["scoring_cost_ratio"] > 0 for r in s["rows"] if r["selector"] == "store+max")
     rows = {(r["task"], r["selector"], r["metric"]): r for r in s["rows"]}
     for task in ("addition", "uppercase"):
         def per_example(key, metric):
@@ -90,3 +99,24 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     again = effect.main(argv)
     assert json.loads((out / "state.json").read_text())["stages"] == before
     assert again["rows"] == s["rows"]
+    assert again["meta"]["not_reported"] == []
+
+    # a summary with other settings never reports the old evaluations under them: with k = 0.4 every fine-tuned
+    # row is stale (other selections), only the base row (the warmed target itself) is still this command's
+    argv_k = [*argv[: argv.index("--k")], "--k", "0.4", *argv[argv.index("--k") + 2:], "--summary-only"]
+    other = effect.main(argv_k)
+    assert other["meta"]["k"] == 12 and {r["selector"] for r in other["rows"]} == {"base"}
+    assert set(other["meta"]["not_reported"]) == set(evals) - {"base"}
+
+
+def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
+    """Turning off Lightning's .ckpt (or progress bars) in a stage config leaves finished benchmark stages valid;
+    any other edit of the config changes the fingerprint."""
+    base = "trainer:\n  max_epochs: 4\n  log_every_n_steps: 10\n"
+    a, b, c = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
+    a.write_text(base)
+    b.write_text(base.replace("  log_every", "  enable_checkpointing: false  # the saved model is the artifact\n"
+                              "  enable_progress_bar: false\n  log_every"))
+    c.write_text(base.replace("max_epochs: 4", "max_epochs: 5"))
+    assert fv2.config_text(b) == fv2.config_text(a) == base
+    assert fv2.config_text(c) != fv2.config_text(a)

@@ -1,16 +1,34 @@
 """The pipeline and every baseline / ablation config on the real SmolLM2-135M (slow; small sizes).
 
-The asserted values are regression anchors of this toy-sized run (40 pool examples of at most 64 tokens, a
-warm-up on 2 of them), not quality claims: at this size the un-warmed base model is almost the target, so
-the off-the-shelf row ranks best. The fidelity benchmark is ``bench/fidelity_v2.py`` (docs/BENCHMARKS.md).
+This test guards the real-model code paths (GGUF loading, the Llama layers, the chat template, the eval suites,
+every stage and baseline command) and the defaults, not quality: at this toy size (40 pool examples of at most 64
+tokens, a warm-up on 2 of them) a proxy's ranking of 40 examples is not stable across machines (another x86 CPU and
+a freshly resolved environment moved the proxy's Spearman from 0.19 to 0.03), so no such ranking is asserted here.
+Quality claims live in the benchmarks (``bench/fidelity_v2.py``, ``bench/effect.py``; docs/BENCHMARKS.md).
 
-Where the values come from: two runs of this test on the 2-core CPU machine (torch 2.13 CPU), one with 2
-threads and one with ``OMP_NUM_THREADS=1``, agreed bit for bit on every score, loss and parameter count.
-The tolerances only absorb another CPU's summation order: floats to ``RTOL``; rank correlations over 40
-examples to ``RANK_ATOL`` (about 25 adjacent swaps; the closest two proxy scores are 4e-5 apart relative
-to the largest); the selected sets exactly (the top-2 / top-4 boundaries have margins of at least 1%).
+What is asserted:
+- exactly, what follows from the settings: parameter counts (sparsity, allocation, rank rounding), the stages that
+  ran, nothing dropped by truncation, the number of examples scored and evaluated, the alignment's step count, the
+  methods the ablation configs resolve to, the set of variants;
+- the numbers of the models that see only a deterministic computation, at tolerances derived from runs under
+  several CPU kernel sets and thread counts (``tests/data/slow_spread.json``, written by ``IPROX_SLOW_RECORD``):
+  the warmed target's held-out loss (the base row of the effect table) and the un-warmed model's agreement with it;
+- invariants: the models fine-tuned on the target's and on the seeded random selection have a held-out loss below
+  the un-fine-tuned one's (by 0.65 and 0.2 nats); every variant scored every pool example with a finite score;
+  ``no_kl`` that kept step 0 ranks exactly like ``no_alignment``.
+
+Measured across CPU kernels (this AMD EPYC, 2 threads, native AVX-512 vs ``ATEN_CPU_CAPABILITY=avx2``, torch 2.13.0,
+transformers 5.23.0): the warmed target's held-out loss moves by 3e-6 relative and the un-warmed model's Spearman
+not at all, while the proxy's Spearman goes from 0.19 to −0.05, svd_init's from 0.35 to 0.13, and the proxy's
+2-example fine-tune from 2.45 to 3.15 (``tests/data/slow_spread.json``, "recorded").
+
+``IPROX_SLOW_RECORD=FILE python -m pytest tests/test_pipeline_smollm.py --runslow`` writes the measured values
+(JSON) before asserting, to extend ``tests/data/slow_spread.json`` with another machine or setting.
 """
 import json
+import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -22,29 +40,18 @@ pytestmark = pytest.mark.slow
 
 DATA = {"max_length": 64, "batch_size": 4, "val_per_task": 2, "construction_fraction": 0.25, "probe_fraction": 0.5,
         "warmup_fraction": 0.05}
-RTOL = 1e-4
-RANK_ATOL = 5e-3
+SPREAD_FILE = Path(__file__).parent / "data" / "slow_spread.json"
+STAGES = ("warmup", "build_proxy", "score:target", "score:proxy", "finetune:proxy", "finetune:target", "finetune:random")
+VARIANTS = {"svd_init", "random_init", "no_alignment", "no_kl", "kfac", "off_the_shelf", "layer_extraction",
+            "regression_scorer", "random"}
 
-# Spearman of each variant's scores against the target's TracIn (run_all_variants)
-VARIANT_SPEARMAN = {
-    "svd_init": 0.35046904315197,
-    "random_init": 0.6275797373358349,
-    "no_alignment": -0.29831144465290804,
-    "no_kl": -0.29831144465290804,  # keep_best restored the un-aligned factors (step 0): same ranking as no_alignment
-    "kfac": -0.23151969981238274,
-    "off_the_shelf": 0.8397748592870544,
-    "layer_extraction": 0.07823639774859287,
-    "regression_scorer": 0.41125703564727956,
-    "random": -0.00075046904315197,
-}
-# held-out effect of fine-tuning the target on each 2-example selection: (loss, exact matches of 375,
-# per-task loss {mmlu (285), bbh (81), tydiqa (9)})
-EFFECT = {
-    "base": (3.0673571020762127, 0, (3.086315535662467, 2.838621030619115, 4.525631348292033)),
-    "proxy": (2.4511011690298714, 5, (2.2809867119579983, 2.8372532865147533, 4.362689918941921)),
-    "target": (2.415538722594579, 4, (2.236303814147648, 2.8376864709971863, 4.291981087790595)),
-    "random": (2.8609345830281576, 2, (2.8166531520977354, 2.83729718643942, 4.475916465123494)),
-}
+
+def _within(name, value):
+    """``value`` lies in the range measured for ``name`` across settings, widened by the recorded tolerance."""
+    spread = json.loads(SPREAD_FILE.read_text())
+    lo, hi = spread["ranges"][name]
+    tol = spread["tolerance"][name]
+    assert lo - tol <= value <= hi + tol, f"{name}: {value} outside [{lo}, {hi}] ± {tol} (tests/data/slow_spread.json)"
 
 
 def test_pipeline_and_variants_on_smollm(smollm_gguf, shared_dir, tmp_path, monkeypatch):
@@ -60,43 +67,43 @@ def test_pipeline_and_variants_on_smollm(smollm_gguf, shared_dir, tmp_path, monk
     wd = tmp_path / "run"
     s = pipeline(workdir=str(wd), target=str(smollm_gguf), pool=str(pool),
                  validation=f"eval:{shared_dir / 'data' / 'eval'}", data_args=DATA)
-
-    assert (s["target_params"], s["proxy_params"]) == (134_515_008, 81_430_848)
-    assert {k: v["status"] for k, v in s["stages"].items()} == {
-        k: "ran" for k in ("warmup", "build_proxy", "score:target", "score:proxy", "finetune:proxy",
-                           "finetune:target", "finetune:random")}
-    assert all(part["dropped"] == 0 for who in s["truncation_dropped"].values() for part in who.values())
-    r = s["retention_proxy_vs_target"]
-    assert r["n"] == 40 and (r["top1%"], r["top5%"], r["top10%"]) == (0.0, 0.0, 0.25)
-    assert r["spearman"] == pytest.approx(0.18874296435272045, abs=RANK_ATOL)
-    assert r["kendall"] == pytest.approx(0.10512820512820513, abs=RANK_ATOL)
-    assert r["pearson"] == pytest.approx(0.2505938556950844, rel=RTOL)
-    r = s["retention_random_vs_target"]
-    assert r["spearman"] == pytest.approx(-0.00075046904315197, abs=RANK_ATOL)
-    top = {who: [x["id"] for x in s["selection"][who]["top"]] for who in ("target", "proxy")}
-    assert top == {"target": ["t0-ropes_given_background_situation-00096", "t0-quoref_Answer_Friend_Question-00053"],
-                   "proxy": ["t0-amazon_polarity_convey_negative_or_positive_sentiment-00001",
-                             "t0-glue_qqp_duplicate_or_not-00107"]}
-    # the alignment ran its 4 steps and kept the last (the held-out loss fell at every check)
-    aligned = read_manifest(wd / "proxy" / "model")["alignment"]
-    assert aligned["steps"] == 4 and aligned["best"]["step"] == 4
-    assert aligned["best"]["value"] == pytest.approx(2.866636276245117, rel=RTOL)
-
-    metrics = s["selection_effect"]["metrics"]
-    assert set(metrics) == set(EFFECT)
-    for who, (loss, em, per_task) in EFFECT.items():
-        m = metrics[who]
-        assert m["n"] == 375 and m["loss"] == pytest.approx(loss, rel=RTOL), who
-        assert abs(round(m["exact_match"] * 375) - em) <= 1, who  # a greedy answer may flip on a near tie
-        got = tuple(m["per_task"][t]["loss"] for t in ("mmlu", "bbh", "tydiqa"))
-        assert got == pytest.approx(per_task, rel=RTOL), who
-    # fine-tuning on the target's and the proxy's picks lowers the validation loss more than the random pick
-    assert metrics["target"]["loss"] < metrics["proxy"]["loss"] < metrics["random"]["loss"] < metrics["base"]["loss"]
-
     res = run_all_variants(wd, tmp_path, demo=False, data=data, base_model=str(smollm_gguf), le_fraction="0.1")
-    print("SmolLM2 retention (Spearman vs target TracIn):", {k: round(v[0], 3) for k, v in res.items()})
-    assert set(res) == set(VARIANT_SPEARMAN)
-    for name, rho in VARIANT_SPEARMAN.items():
-        assert res[name][0] == pytest.approx(rho, abs=RANK_ATOL), name
+    aligned = read_manifest(wd / "proxy" / "model")["alignment"]
     no_kl = read_manifest(tmp_path / "no_kl" / "model")["alignment"]
-    assert no_kl["best"]["step"] == 0 and res["no_kl"] == res["no_alignment"]
+    metrics = s["selection_effect"]["metrics"]
+    measured = {
+        "params": [s["target_params"], s["proxy_params"]],
+        "base_loss": metrics["base"]["loss"],
+        "base_per_task_loss": {t: metrics["base"]["per_task"][t]["loss"] for t in ("mmlu", "bbh", "tydiqa")},
+        "loss": {who: m["loss"] for who, m in metrics.items()},
+        "spearman": {name: v[0] for name, v in res.items()},
+        "proxy_spearman": s["retention_proxy_vs_target"]["spearman"],
+        "alignment_best_step": aligned["best"]["step"],
+        "no_kl_best_step": no_kl["best"]["step"],
+    }
+    if os.environ.get("IPROX_SLOW_RECORD"):
+        Path(os.environ["IPROX_SLOW_RECORD"]).write_text(json.dumps(measured, indent=1))
+
+    # exact: what follows from the settings
+    assert (s["target_params"], s["proxy_params"]) == (134_515_008, 81_430_848)
+    assert {k: v["status"] for k, v in s["stages"].items()} == {k: "ran" for k in STAGES}
+    assert all(part["dropped"] == 0 for who in s["truncation_dropped"].values() for part in who.values())
+    assert s["retention_proxy_vs_target"]["n"] == 40 and s["retention_random_vs_target"]["n"] == 40
+    assert aligned["steps"] == 4 and 0 <= aligned["best"]["step"] <= 4
+    assert set(metrics) == {"base", "proxy", "target", "random"}
+    assert all(m["n"] == 375 for m in metrics.values())
+    assert set(res) == VARIANTS
+    # deterministic computations: the warmed target's held-out loss, and how the un-warmed model ranks against it
+    _within("base_loss", metrics["base"]["loss"])
+    for t, v in measured["base_per_task_loss"].items():
+        _within(f"base_loss_{t}", v)
+    _within("off_the_shelf_spearman", res["off_the_shelf"][0])
+    # invariants: fine-tuning on the target's or the seeded random 2 examples lowers the held-out loss (not asserted
+    # for the proxy's 2: under ATen's AVX2 kernels its toy ranking picks other examples, which raised the loss to 3.146
+    # from 3.067); every variant ranks all 40
+    for who in ("target", "random"):
+        assert metrics[who]["loss"] < metrics["base"]["loss"] - 0.1, who
+    for name, (rho, ids) in res.items():
+        assert math.isfinite(rho) and -1 <= rho <= 1 and len(ids) == len(set(ids)) > 0, name
+    if no_kl["best"]["step"] == 0:  # keep_best restored the un-aligned factors: the no_alignment ranking exactly
+        assert res["no_kl"] == res["no_alignment"]

@@ -98,3 +98,23 @@ def test_architecture_names_only_files_that_exist():
 def test_architecture_paths_reader():
     assert architecture_paths("see `io/proxy.py` and `configs/warmup.yaml`, not `x`") == {"io/proxy.py",
                                                                                           "configs/warmup.yaml"}
+
+
+def test_readme_build_once_query_many_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """The README's "Build once, query many" commands, verbatim: build, query, select."""
+    import re
+    import shlex
+
+    from iprox_lightning.cli import main
+
+    text = README.read_text()
+    block = re.search(r"## Build once, query many\n.*?```bash\n(.*?)```", text, re.S).group(1)
+    cmds = [c for c in block.splitlines() if c.startswith("python train.py")]
+    assert [shlex.split(c)[2] for c in cmds] == ["build_store", "query", "select"]
+    monkeypatch.chdir(tmp_path)
+    for c in cmds:
+        main(shlex.split(c)[2:])
+    out = capsys.readouterr().out
+    assert "build_store: 200 pool examples" in out and "query: 200 stored pool examples" in out
+    assert (tmp_path / "outputs" / "selected" / "query.jsonl").exists()
+    assert (tmp_path / "outputs" / "scores" / "query" / "neighbours.jsonl").exists()

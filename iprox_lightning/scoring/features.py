@@ -237,7 +237,13 @@ class ScoreFeatureTracker(WeightPairTracker):
         self.dots = torch.zeros(B, self.K, dtype=torch.float64, device=device)
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
-        h, delta = self.metric.tokens(key, h.to(self.dtype), delta.to(self.dtype))
+        h, delta = h.to(self.dtype), delta.to(self.dtype)
+        if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M of the materialised [B, out, in]
+            MG = self.metric.matrix(key, materialize_grads(h, delta))
+            self.sq.add_(MG.double().pow(2).sum(dim=(1, 2)))
+            self.dots.add_(torch.einsum("boi,koi->bk", MG.double(), self.V[key].double()))
+            return
+        h, delta = self.metric.tokens(key, h, delta)
         s, dt = layer_features(h, delta, self.V[key], self.feature_mode)
         self.sq.add_(s.double())
         self.dots.add_(dt.double())

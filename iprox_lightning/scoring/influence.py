@@ -172,8 +172,8 @@ class ScoringConfig:
     keyword arguments.
 
     Args:
-        method: the influence metric by name: ``"tracin"`` (cosine of gradients) or ``"kfac"`` (cosine in the
-            K-FAC metric); :func:`~.metrics.influence_metric`.
+        method: the influence metric by name: ``"tracin"`` (cosine of gradients), ``"kfac"`` (cosine in the
+            K-FAC metric) or ``"ekfac"`` (eigenvalue-corrected K-FAC); :func:`~.metrics.influence_metric`.
         normalize: cosine scores (paper); ``False`` gives plain inner products.
         per_task: also score against each validation task (LESS max aggregation in ``score_max``).
         damping: K-FAC damping of the factors (the project's damping rule, :mod:`iprox_lightning.damping`).
@@ -341,10 +341,17 @@ class InfluenceScorer:
         self.stats["val_grad_norm"] = self.vnorm_all
         self.fitted = True
 
-    def fit(self, val_batches, factor_batches=None, *, shard=(0, 1), reduce=None, gather=None, progress=False):
-        """Prepare the scorer: fit the metric (K-FAC factors on ``factor_batches``) then the validation gradients."""
-        self.stats.update(self.metric.fit(self.model, self.modules, [v.key for v in self.linears], factor_batches,
-                                          dtype=self.dtype, shard=shard, reduce=reduce, progress=progress))
+    def fit(self, val_batches, factor_batches=None, *, shard=(0, 1), reduce=None, gather=None, progress=False,
+            factors_dir: str | None = None, factors_fingerprint: dict | None = None):
+        """Prepare the scorer: fit the metric (K-FAC factors on ``factor_batches``; with ``factors_dir`` loaded from
+        there when fitted before on the same inputs, ``factors_fingerprint``, else fitted and saved there:
+        :func:`~.metrics.fit_or_load`) then the validation gradients."""
+        from .metrics import fit_or_load
+
+        self.stats.update(fit_or_load(self.metric, self.model, self.modules, [v.key for v in self.linears],
+                                      factor_batches, factors_dir=factors_dir, fingerprint=factors_fingerprint,
+                                      dtype=self.dtype, shard=shard, reduce=reduce, progress=progress,
+                                      save=shard[0] == 0))
         self.collect_validation(val_batches, shard=shard, reduce=reduce, gather=gather, progress=progress)
         self.finalize()
         return self

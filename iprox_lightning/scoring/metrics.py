@@ -10,7 +10,13 @@ tokens ``(h, δ)`` of a per-example gradient (:meth:`InfluenceMetric.tokens`, th
   ``⟨M g, M ḡ⟩ = ⟨g, H⁻¹ ḡ⟩``; its factors are estimated by :meth:`InfluenceMetric.fit` on training batches
   with the :class:`KFACFactors` tracker of the backward-pairs engine.
 
-A new metric subclasses :class:`InfluenceMetric` and gets a name in :func:`influence_metric`.
+* :class:`EKFAC` — eigenvalue-corrected K-FAC (George et al. 2018): K-FAC's eigenbases with eigenvalues fitted to
+  the per-example gradients; it rescales the whole per-example gradient in the Kronecker eigenbasis, so it does not
+  factor over tokens (``token_factored = False``) and the trackers apply :meth:`InfluenceMetric.matrix` to the
+  materialised per-layer gradient (or before projecting it, :mod:`.projection`).
+
+A fitted metric's state (eigenbases, eigenvalues) is saved and reused by fingerprint (:mod:`iprox_lightning.io.factors`,
+:func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` and gets a name in :func:`influence_metric`.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from ..damping import check_damping, check_damping_mode, damping_value
 from ..tracking import backward_pairs
 from .features import WeightPairTracker, eval_mode, progress_bar, slice_rows, to_device, trim_batch
 
-METRICS = ("tracin", "kfac")
+METRICS = ("tracin", "kfac", "ekfac")
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,9 +99,9 @@ class KFACFactors(WeightPairTracker):
         self.sum_dd[key].addmm_(dv.t(), dv)
         self.tokens[key] += float(hv.shape[0])
 
-    def metrics(self, keys: Sequence[str], damping: float, mode: str, reduce: Callable | None = None,
-                dtype: torch.dtype = torch.float32) -> dict[str, LayerMetric]:
-        """All-reduce (``reduce``), normalise to means, damp, eigendecompose -> ``LayerMetric``s."""
+    def eigens(self, keys: Sequence[str], reduce: Callable | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """All-reduce (``reduce``), normalise to means and eigendecompose, undamped (float64): per key ``Q_h``,
+        ``e_h``, ``tr_h`` (the trace of ``C_h``), ``Q_d``, ``e_d``, ``tr_d`` — what a saved factor file holds."""
         out = {}
         for key in keys:
             if key not in self.sum_hh:
@@ -107,20 +113,70 @@ class KFACFactors(WeightPairTracker):
             n = float(n.item())
             if n <= 0:
                 raise RuntimeError(f"K-FAC factors of {key!r} saw no token")
-            Qh, eh, _ = damped_eigh(hh / n, damping, mode)
-            Qd, ed, _ = damped_eigh(dd / n, damping, mode)
-            out[key] = LayerMetric(Qh, eh.rsqrt(), Qd, ed.rsqrt()).to(dtype)
+            out[key] = {}
+            for side, C in (("h", hh / n), ("d", dd / n)):
+                C = 0.5 * (C + C.t())
+                e, Q = torch.linalg.eigh(C)
+                out[key].update({f"Q_{side}": Q, f"e_{side}": e, f"tr_{side}": torch.trace(C).reshape(())})
         return out
+
+    def metrics(self, keys: Sequence[str], damping: float, mode: str, reduce: Callable | None = None,
+                dtype: torch.dtype = torch.float32) -> dict[str, LayerMetric]:
+        """All-reduce (``reduce``), normalise to means, damp, eigendecompose -> ``LayerMetric``s."""
+        eig = self.eigens(keys, reduce)
+        return {key: layer_metric(eig[key], damping, mode, dtype) for key in keys}
+
+
+def _damped(e: torch.Tensor, trace: float, damping: float, mode: str, what: str) -> torch.Tensor:
+    lam = damping_value(trace, e.numel(), damping, mode)
+    e = e.double().clamp(min=0.0) + lam
+    if not bool((e > 0).all()):
+        raise ValueError(f"damped {what} is singular (damping={damping}, mode={mode}, trace={trace}); increase damping")
+    return e
+
+
+def layer_metric(eig: Mapping[str, torch.Tensor], damping: float, mode: str,
+                 dtype: torch.dtype = torch.float32) -> LayerMetric:
+    """The K-FAC whitening of one weight from its undamped eigendecomposition (:meth:`KFACFactors.eigens`),
+    damped by the project's rule per factor."""
+    eh = _damped(eig["e_h"], float(eig["tr_h"]), damping, mode, "K-FAC factor")
+    ed = _damped(eig["e_d"], float(eig["tr_d"]), damping, mode, "K-FAC factor")
+    return LayerMetric(eig["Q_h"].double(), eh.rsqrt(), eig["Q_d"].double(), ed.rsqrt()).to(dtype)
+
+
+class EigenCorrection(WeightPairTracker):
+    """Tracker: per tracked weight, ``Σ_z (Q_δᵀ G(z) Q_h)²`` (float64, elementwise) of the per-example gradients
+    ``G(z) = Σ_t δ_t h_tᵀ`` in the K-FAC eigenbases (George et al. 2018, EK-FAC's corrected eigenvalues)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], bases: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__(modules)
+        self.bases = bases
+        self.sums: dict[str, torch.Tensor] = {}
+        self.examples = 0
+
+    def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        Q_h, Q_d = (t.to(h.device) for t in self.bases[key])
+        G = torch.bmm(delta.double().transpose(1, 2), h.double())  # [B, out, in]
+        R = Q_d.t() @ G @ Q_h
+        s = R.pow(2).sum(0)
+        self.sums[key] = s if key not in self.sums else self.sums[key] + s
 
 
 # --------------------------------------------------------------------------------------------
 # the interface
 # --------------------------------------------------------------------------------------------
 class InfluenceMetric:
-    """The metric of the scores (see the module docstring). ``name`` is what ``method:`` selects in configs."""
+    """The metric of the scores (see the module docstring). ``name`` is what ``method:`` selects in configs.
+
+    A metric maps a weight's per-example gradient ``G`` to ``M G``. It either factors over the tokens
+    (``token_factored = True``: :meth:`tokens` maps ``(h, δ)`` so that ``Σ_t δ̃_t h̃_tᵀ = M G``; TracIn, K-FAC) and
+    scoring never forms ``G``, or it does not (``False``: EK-FAC) and the trackers materialise ``G`` per example and
+    apply :meth:`matrix` to it. A metric fitted on data saves and loads its fitted state (:meth:`state_dict`,
+    :meth:`load_state_dict`: tensors only, written as safetensors by :mod:`iprox_lightning.io.factors`)."""
 
     name: str
     needs_factor_data = False  # fit() reads training batches
+    token_factored = True  # tokens() exists; False: matrix() on materialised per-example gradients
 
     def fit(self, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
             batches: Iterable[Mapping] | None, *, dtype: torch.dtype, shard=(0, 1), reduce=None,
@@ -130,17 +186,34 @@ class InfluenceMetric:
         ``reduce`` all-reduces a tensor by sum."""
         raise NotImplementedError
 
+    @property
+    def fitted(self) -> bool:
+        """Whether :meth:`fit` (or :meth:`load_state_dict`) has run."""
+        return not self.needs_factor_data
+
     def matrix(self, key: str, G: torch.Tensor) -> torch.Tensor:
         """``M G`` for gradient-shaped ``G: [..., out, in]`` of weight ``key``."""
         raise NotImplementedError
 
     def tokens(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens ``(h̃, δ̃)`` with ``Σ_t δ̃_t h̃_tᵀ = M Σ_t δ_t h_tᵀ``."""
-        raise NotImplementedError
+        """Tokens ``(h̃, δ̃)`` with ``Σ_t δ̃_t h̃_tᵀ = M Σ_t δ_t h_tᵀ`` (only when ``token_factored``)."""
+        raise NotImplementedError(f"metric {self.name!r} does not factor over tokens: use matrix() on gradients")
 
     def settings(self) -> dict:
         """The metric's options, for the score settings."""
         raise NotImplementedError
+
+    def fit_settings(self) -> dict:
+        """The options the fitted state depends on (its file's fingerprint; damping is applied after loading)."""
+        return {"method": self.name}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fitted state as named tensors (``{}`` for a metric without one)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], keys: Sequence[str], *,
+                        dtype: torch.dtype = torch.float32) -> None:
+        """Set the fitted state of weights ``keys`` from :meth:`state_dict`'s output."""
 
 
 class TracIn(InfluenceMetric):
@@ -161,6 +234,27 @@ class TracIn(InfluenceMetric):
         return {}
 
 
+_EIG_FIELDS = ("Q_h", "e_h", "tr_h", "Q_d", "e_d", "tr_d")
+
+
+def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: str, trackers) -> int:
+    """Run ``trackers`` over the first ``examples`` examples of ``batches`` (this rank's share); returns the count."""
+    rank, world = shard
+    device = next(model.parameters()).device
+    seen = done = 0
+    with eval_mode(model):
+        for j, batch in enumerate(progress_bar(batches, progress, desc)):
+            if seen >= examples:
+                break
+            take = min(batch["input_ids"].shape[0], examples - seen)
+            seen += take
+            if j % world != rank:
+                continue
+            backward_pairs(model, trim_batch(to_device(slice_rows(batch, take), device)), trackers)
+            done += take
+    return done
+
+
 class KFAC(InfluenceMetric):
     """``M = H^{-1/2}``, ``H = C_δ,λ ⊗ C_h,λ`` per tracked weight: ``C_h = E[h hᵀ]``, ``C_δ = E[δ δᵀ]`` over the
     non-padding tokens of the first ``examples`` training examples, damped by the project's rule
@@ -175,34 +269,39 @@ class KFAC(InfluenceMetric):
             raise ValueError(f"kfac_examples must be >= 1, got {examples}")
         self.damping, self.damping_mode, self.examples = float(damping), damping_mode, int(examples)
         self.layers: dict[str, LayerMetric] | None = None
+        self.eigens: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def fitted(self) -> bool:
+        return self.layers is not None
+
+    def _reduced_count(self, n: int, device, reduce) -> int:
+        t = torch.tensor([float(n)], dtype=torch.float64, device=device)
+        return int((reduce(t) if reduce is not None else t).item())
 
     def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False):
         if batches is None:
-            raise ValueError("method='kfac' needs training batches to estimate the K-FAC factors")
-        rank, world = shard
+            raise ValueError(f"method={self.name!r} needs training batches to estimate the K-FAC factors")
         device = next(model.parameters()).device
         factors = KFACFactors(modules)
-        seen = 0
         t0 = time.perf_counter()
-        with eval_mode(model):
-            for j, batch in enumerate(progress_bar(batches, progress, "K-FAC factors")):
-                if seen >= self.examples:
-                    break
-                take = min(batch["input_ids"].shape[0], self.examples - seen)
-                seen += take
-                if j % world != rank:
-                    continue
-                backward_pairs(model, trim_batch(to_device(slice_rows(batch, take), device)), [factors])
-                factors.examples += take
-        n_ex = torch.tensor([float(factors.examples)], dtype=torch.float64, device=device)
-        if reduce is not None:
-            n_ex = reduce(n_ex)
-        self.layers = factors.metrics(keys, self.damping, self.damping_mode, reduce, dtype)
-        return {"kfac_examples_used": int(n_ex.item()), "kfac_seconds": time.perf_counter() - t0}
+        factors.examples = _factor_batches(model, batches, self.examples, shard, progress, "K-FAC factors", [factors])
+        n = self._reduced_count(factors.examples, device, reduce)
+        self.eigens = factors.eigens(keys, reduce)
+        stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0}
+        stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress))
+        self._build(keys, dtype)
+        return stats
+
+    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
+        return {}
+
+    def _build(self, keys, dtype) -> None:
+        self.layers = {k: layer_metric(self.eigens[k], self.damping, self.damping_mode, dtype) for k in keys}
 
     def _layer(self, key: str) -> LayerMetric:
         if self.layers is None:
-            raise RuntimeError("the K-FAC metric has no factors yet: call fit first")
+            raise RuntimeError(f"the {self.name} metric has no factors yet: call fit first")
         return self.layers[key]
 
     def matrix(self, key, G):
@@ -214,16 +313,112 @@ class KFAC(InfluenceMetric):
     def settings(self) -> dict:
         return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples}
 
+    def fit_settings(self) -> dict:
+        return {"method": self.name, "kfac_examples": self.examples}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{key}|{f}": t for key, e in self.eigens.items() for f, t in e.items()}
+
+    def load_state_dict(self, state, keys, *, dtype=torch.float32) -> None:
+        fields = _EIG_FIELDS + getattr(self, "extra_fields", ())
+        missing = [f"{k}|{f}" for k in keys for f in fields if f"{k}|{f}" not in state]
+        if missing:
+            raise ValueError(f"the saved {self.name} factors lack {len(missing)} tensor(s), e.g. {missing[0]!r}: "
+                             "they were fitted for other layers")
+        self.eigens = {k: {f: state[f"{k}|{f}"].double() for f in fields} for k in keys}
+        self._build(keys, dtype)
+
+
+class EKFAC(KFAC):
+    """Eigenvalue-corrected K-FAC (George et al. 2018; kronfluence's default): the K-FAC eigenbases ``Q_h``, ``Q_δ``
+    with the eigenvalues replaced by ``Λ = E_z[(Q_δᵀ G(z) Q_h)²]`` (elementwise, over the per-example gradients of the
+    first ``examples`` training examples), damped by the project's rule on ``Λ`` (``λ = damping·mean(Λ)``, relative);
+    ``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)``, so ``⟨M g, M v⟩ = ⟨g, H⁻¹ v⟩`` with
+    ``H = (Q_δ ⊗ Q_h) diag(Λ + λ) (Q_δ ⊗ Q_h)ᵀ``. Not token-factored: per-example gradients are materialised per
+    layer (``[B, out, in]``, never one flat vector)."""
+
+    name = "ekfac"
+    token_factored = False
+    extra_fields = ("lambda", "n")
+
+    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
+        t0 = time.perf_counter()
+        corr = EigenCorrection(modules, {k: (self.eigens[k]["Q_h"], self.eigens[k]["Q_d"]) for k in keys})
+        corr.examples = _factor_batches(model, batches, self.examples, shard, progress, "EK-FAC eigenvalues", [corr])
+        n = torch.tensor(float(corr.examples), dtype=torch.float64)
+        for k in keys:
+            s = corr.sums.get(k)
+            if s is None:
+                s = torch.zeros(len(self.eigens[k]["e_d"]), len(self.eigens[k]["e_h"]), dtype=torch.float64)
+            if reduce is not None:
+                s = reduce(s)
+            self.eigens[k]["lambda"] = s.cpu()
+            self.eigens[k]["n"] = n
+        if reduce is not None:
+            device = next(model.parameters()).device
+            tot = reduce(n.reshape(1).to(device)).cpu().reshape(())
+            for k in keys:
+                self.eigens[k]["n"] = tot
+        return {"ekfac_seconds": time.perf_counter() - t0}
+
+    def _build(self, keys, dtype) -> None:
+        self.layers = {}
+        self.scales: dict[str, torch.Tensor] = {}
+        for k in keys:
+            e = self.eigens[k]
+            n = float(e["n"])
+            if n <= 0:
+                raise RuntimeError(f"EK-FAC eigenvalues of {k!r} saw no example")
+            lam = e["lambda"].double() / n
+            d = _damped(lam.reshape(-1), float(lam.sum()), self.damping, self.damping_mode, "EK-FAC eigenvalue matrix")
+            self.scales[k] = d.rsqrt().reshape(lam.shape).to(dtype)
+            self.layers[k] = LayerMetric(e["Q_h"].to(dtype), torch.ones(1, dtype=dtype), e["Q_d"].to(dtype),
+                                         torch.ones(1, dtype=dtype))
+
+    def matrix(self, key, G):
+        L = self._layer(key)
+        s = self.scales[key].to(G)
+        return (L.Q_d.t().to(G) @ G @ L.Q_h.to(G)) * s
+
+    def tokens(self, key, h, delta):
+        return InfluenceMetric.tokens(self, key, h, delta)
+
+
+METRIC_CLASSES = {"tracin": TracIn, "kfac": KFAC, "ekfac": EKFAC}
+
 
 def influence_metric(name: str, *, damping: float = 1e-3, damping_mode: str = "relative",
                      kfac_examples: int = 1024) -> InfluenceMetric:
-    """The metric called ``name`` (``"tracin"`` | ``"kfac"``, the ``method:`` of the scoring configs); the
-    K-FAC options are checked whatever the name, so a config is valid or not independently of ``method``."""
+    """The metric called ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"``, the ``method:`` of the scoring configs);
+    the K-FAC options are checked whatever the name, so a config is valid or not independently of ``method``."""
     if name not in METRICS:
         raise ValueError(f"method must be one of {METRICS}, got {name!r}")
     check_damping_mode(damping_mode)
     if kfac_examples < 1:
         raise ValueError(f"kfac_examples must be >= 1, got {kfac_examples}")
-    if name == "kfac":
-        return KFAC(damping, damping_mode, kfac_examples)
+    if name in ("kfac", "ekfac"):
+        return METRIC_CLASSES[name](damping, damping_mode, kfac_examples)
     return TracIn()
+
+
+def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
+                batches: Iterable[Mapping] | None, *, factors_dir: str | None, fingerprint: Mapping | None,
+                dtype: torch.dtype, shard=(0, 1), reduce=None, progress: bool = False, save: bool = True) -> dict:
+    """``metric.fit(...)``, or, with a ``factors_dir``, load the factors fitted before on the same inputs
+    (``fingerprint``: model identity and factor-data digest; the metric's fit settings, the tracked weights and
+    ``dtype`` are added here) and save newly fitted ones there (``save``: rank 0 only under several processes).
+    Returns the fit statistics (``factors``: the file, ``factors_reused``)."""
+    if factors_dir is None or not metric.needs_factor_data:
+        return metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
+    from ..io.factors import factors_path, load_factors, save_factors
+    from ..io.fingerprint import digest
+
+    fp = {**dict(fingerprint or {}), **metric.fit_settings(), "weights": digest(list(keys)), "dtype": str(dtype)}
+    path = factors_path(factors_dir, metric.name, fp)
+    if path.exists():
+        metric.load_state_dict(load_factors(path, method=metric.name, fingerprint=fp), keys, dtype=dtype)
+        return {"factors": str(path), "factors_reused": True}
+    stats = metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
+    if save:
+        save_factors(path, metric.state_dict(), method=metric.name, fingerprint=fp)
+    return {**stats, "factors": str(path), "factors_reused": False}

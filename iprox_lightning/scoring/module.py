@@ -58,6 +58,8 @@ class InfluenceScoringModule(L.LightningModule):
         kfac_split: data-module split the factors are estimated on (``datamodule.dataloader(split)``).
         feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation.
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        factors_dir: a directory for the fitted K-FAC / EK-FAC factors: factors fitted before on the same model, factor
+            data and settings are loaded from it instead of fitted again, new ones are saved there (``None``: fit).
         dtype: model dtype when loading (``"float32"``, ``"bfloat16"``, ...).
         attn_implementation: attention kernel when loading (one backward only, so ``"sdpa"`` is fine).
         gguf_file: GGUF file name inside ``model`` when ``model`` is a directory.
@@ -76,6 +78,7 @@ class InfluenceScoringModule(L.LightningModule):
         kfac_split: str = "pool",
         feature_mode: str = "auto",
         target_patterns: Optional[list[str]] = None,
+        factors_dir: Optional[str] = None,
         dtype: str = "float32",
         attn_implementation: Optional[str] = "sdpa",
         gguf_file: Optional[str] = None,
@@ -147,16 +150,9 @@ class InfluenceScoringModule(L.LightningModule):
         predict data) and of the validation set; ``data`` counts and lists the examples the data module
         dropped (no response token left after truncation). Used by ``InfluenceWriter`` to refuse resuming
         or reusing an output directory produced from different inputs."""
-        from ..io.fingerprint import loader_digest, module_identity, source_identity
+        from ..io.fingerprint import loader_digest
 
-        hp = self.hparams
-        if isinstance(hp.get("model"), str) and Path(hp.model).exists():
-            model_id: Any = source_identity(hp.model)
-        else:
-            if self.net is None:
-                self.configure_model()
-            model_id = {"name": self.model_name, "weights": module_identity(self.net)}
-        fp: dict[str, Any] = {"model": model_id, "settings": self.scoring_config()}
+        fp: dict[str, Any] = {"model": self.model_identity(), "settings": self.scoring_config()}
         loaders = self.trainer.predict_dataloaders if self._trainer is not None else None
         if loaders is not None:
             loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
@@ -172,6 +168,17 @@ class InfluenceScoringModule(L.LightningModule):
             out["pool"] = dm.pool_provenance()  # select checks the pool it copies records from against this
         return out
 
+    def model_identity(self) -> Any:
+        """The files of a local model dir / file, else a hash of the loaded weights."""
+        from ..io.fingerprint import module_identity, source_identity
+
+        hp = self.hparams
+        if isinstance(hp.get("model"), str) and Path(hp.model).exists():
+            return source_identity(hp.model)
+        if self.net is None:
+            self.configure_model()
+        return {"name": self.model_name, "weights": module_identity(self.net)}
+
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:
         from ..console import show_progress
@@ -184,9 +191,16 @@ class InfluenceScoringModule(L.LightningModule):
         world, rank = self.trainer.world_size, self.trainer.global_rank
         reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
         t0 = time.perf_counter()
+        fac_fp = None
+        if fac is not None and self.hparams.factors_dir:
+            from ..io.fingerprint import loader_digest
+
+            fac_fp = {"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": self.hparams.kfac_split,
+                      "load_dtype": self.hparams.dtype}
         with torch.inference_mode(False), torch.enable_grad():
             self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
-                            progress=show_progress(self.trainer))
+                            progress=show_progress(self.trainer), factors_dir=self.hparams.factors_dir,
+                            factors_fingerprint=fac_fp)
         st = self.scorer.settings()
         prepare_s = time.perf_counter() - t0
         log.info("influence scoring prepared in %.1fs: %s", prepare_s, st)

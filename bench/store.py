@@ -1,0 +1,210 @@
+"""Gradient store benchmark (issue 25.5): build once, query many, against exact scoring — every number from the
+product's own commands (``python train.py predict`` with ``configs/score.yaml``, ``build_store``, ``query``).
+
+Per model (``--model``, and ``--proxy`` when given) and method (``--methods``: tracin, kfac, ekfac):
+
+1. **exact**: ``train.py predict --config configs/score.yaml`` + an overlay (``OUT/configs/``) -> ``OUT/exact/<who>-<method>``;
+2. **build**: ``train.py build_store`` at each ``--k`` -> ``OUT/stores/<who>-<method>-k<k>``;
+3. **query**: ``train.py query`` of the validation set (twice: the second is the timing of a warm re-query) ->
+   ``OUT/queries/<who>-<method>-k<k>``.
+
+Rows of ``OUT/results.json`` (written after every stage, results first; ``summary.md`` is generated from it):
+``build_s`` / ``exact_s`` (wall seconds of the commands), ``build_vs_exact``, ``query_s``, ``query_share`` (query seconds
+/ exact seconds; goal <= 0.05), ``bytes_per_example`` (shard bytes / rows), ``spearman`` per task column and pooled
+(projected query vs exact scores of the same model and method; goal >= 0.95), and, with ``--proxy``,
+``proxy_vs_target`` per method (Spearman per task between the proxy's and the target's query tables: EK-FAC vs K-FAC
+vs TracIn fidelity). Every stage is skipped when its output exists and its settings match ``OUT/state.json``;
+re-run the same command to resume.
+
+    python bench/store.py --model OUT_FID/warmed --proxy OUT_FID/proxies/ipsvd@0.25+align \\
+        --pool OUT_FID/sample.jsonl --validation OUT_FID/validation.jsonl --out bench/results/store --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], in_process: bool, threads: int | None) -> float:
+    """Run ``python train.py ARGS``; returns its wall seconds."""
+    t0 = time.perf_counter()
+    if in_process:
+        from iprox_lightning.cli import main
+
+        main(args)
+    else:
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        subprocess.run([sys.executable, str(ROOT / "train.py"), *args], check=True, env=env, cwd=str(ROOT))
+    return time.perf_counter() - t0
+
+
+def _spearman(a, b) -> float:
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    return float(spearmanr(a, b).statistic) if len(a) > 2 and a.std() > 0 and b.std() > 0 else float("nan")
+
+
+def _columns(path: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path).to_pydict()
+    order = sorted(range(len(t["id"])), key=lambda j: t["id"][j])
+    return {c: [t[c][j] for j in order] for c in t if c == "id" or c == "score" or c.startswith("score/")}
+
+
+def _compare(a: Path, b: Path) -> dict:
+    ca, cb = _columns(a), _columns(b)
+    if ca["id"] != cb["id"]:
+        raise ValueError(f"{a} and {b} hold other ids")
+    return {c: _spearman(ca[c], cb[c]) for c in ca if c != "id" and c in cb}
+
+
+def _bytes_per_example(store: Path) -> float:
+    info = json.loads((store / "store.json").read_text())
+    size = sum(f.stat().st_size for f in (store / "shards").glob("rank*.safetensors"))
+    return size / max(info.get("rows", 1), 1)
+
+
+class State:
+    """``OUT/state.json``: per stage its settings and result; a stage re-runs when its settings changed."""
+
+    def __init__(self, out: Path):
+        self.path = out / "state.json"
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def done(self, name: str, settings: dict, output: Path) -> dict | None:
+        s = self.data.get(name)
+        return s["result"] if s and s["settings"] == settings and output.exists() else None
+
+    def record(self, name: str, settings: dict, result: dict) -> None:
+        self.data[name] = {"settings": settings, "result": result}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp.replace(self.path)
+
+
+def _score_overlay(out: Path, name: str, model: str, method: str, a) -> Path:
+    import yaml
+
+    cfg = {"trainer": {"logger": False, "enable_progress_bar": not a.in_process, "callbacks": [
+        {"class_path": "iprox_lightning.scoring.InfluenceWriter",
+         "init_args": {"output_dir": str(out / "exact" / name), "write_every_n_batches": 50}}]},
+        "model": {"init_args": {"model": model, "method": method, "kfac_examples": a.kfac_examples,
+                                "damping": a.damping, "factors_dir": str(out / "factors")}},
+        "data": {"init_args": {"pool": a.pool, "validation": a.validation, "tokenizer": model,
+                               "max_length": a.max_length, "batch_size": a.batch_size}}}
+    p = out / "configs" / f"score-{name}.yaml"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def run(a) -> dict:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = State(out)
+    results: dict = {"meta": {"model": a.model, "proxy": a.proxy, "pool": a.pool, "validation": a.validation,
+                              "k": a.k, "methods": a.methods, "store_dtype": a.store_dtype, "max_length": a.max_length,
+                              "threads": a.threads}, "rows": [], "proxy_vs_target": {}}
+
+    def save():
+        tmp = out / ".results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2))
+        tmp.replace(out / "results.json")
+
+    models = {"target": a.model, **({"proxy": a.proxy} if a.proxy else {})}
+    for who, model in models.items():
+        for method in a.methods:
+            name = f"{who}-{method}"
+            exact_dir = out / "exact" / name
+            st = {"model": model, "method": method, "pool": a.pool, "validation": a.validation,
+                  "max_length": a.max_length, "kfac_examples": a.kfac_examples, "damping": a.damping}
+            exact = state.done(f"exact/{name}", st, exact_dir / "scores.parquet")
+            if exact is None:
+                cfg = _score_overlay(out, name, model, method, a)
+                exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config",
+                                          str(cfg)], a.in_process, a.threads)}
+                state.record(f"exact/{name}", st, exact)
+            for k in a.k:
+                key = f"{name}-k{k}"
+                store, qdir = out / "stores" / key, out / "queries" / key
+                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size}
+                built = state.done(f"build/{key}", bst, store / "store.json")
+                if built is None:
+                    built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool",
+                                              a.pool, "--k", str(k), "--method", method, "--kfac_examples",
+                                              str(a.kfac_examples), "--damping", str(a.damping), "--store_dtype",
+                                              a.store_dtype, "--max_length", str(a.max_length), "--batch_size",
+                                              str(a.batch_size), "--progress", str(not a.in_process).lower()],
+                                             a.in_process, a.threads)}
+                    state.record(f"build/{key}", bst, built)
+                queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
+                if queried is None:
+                    q = ["query", "--store", str(store), "--validation", a.validation, "--output_dir", str(qdir)]
+                    first = _run(q, a.in_process, a.threads)
+                    queried = {"query_first_s": first, "query_s": _run(q, a.in_process, a.threads)}
+                    state.record(f"query/{key}", bst, queried)
+                rho = _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")
+                row = {"who": who, "method": method, "k": k, **exact, **built, **queried,
+                       "build_vs_exact": built["build_s"] / exact["exact_s"],
+                       "query_share": queried["query_s"] / exact["exact_s"],
+                       "bytes_per_example": _bytes_per_example(store), "spearman": rho,
+                       "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
+                results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"]) != (who, method, k)]
+                results["rows"].append(row)
+                save()
+    if a.proxy:
+        for method in a.methods:
+            for k in a.k:
+                results["proxy_vs_target"][f"{method}-k{k}"] = _compare(
+                    out / "queries" / f"proxy-{method}-k{k}" / "scores.parquet",
+                    out / "queries" / f"target-{method}-k{k}" / "scores.parquet")
+            results["proxy_vs_target"][f"{method}-exact"] = _compare(
+                out / "exact" / f"proxy-{method}" / "scores.parquet", out / "exact" / f"target-{method}" / "scores.parquet")
+    save()
+    lines = ["| model | method | k | exact s | build s | build/exact | query s | query share | bytes/example | "
+             "Spearman pooled | min task |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['who']} | {r['method']} | {r['k']} | {r['exact_s']:.1f} | {r['build_s']:.1f} | "
+                     f"{r['build_vs_exact']:.2f} | {r['query_s']:.2f} | {r['query_share']:.3f} | "
+                     f"{r['bytes_per_example']:.0f} | {r['spearman'].get('score', float('nan')):.3f} | "
+                     f"{r['spearman_min_task']:.3f} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return results
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="the target (dir, hub id, builtin)")
+    ap.add_argument("--proxy", default=None, help="a proxy dir: its store and scores are compared with the target's")
+    ap.add_argument("--pool", required=True)
+    ap.add_argument("--validation", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--k", type=int, nargs="+", default=[16], help="projection sizes per side")
+    ap.add_argument("--methods", nargs="+", default=["tracin", "kfac", "ekfac"])
+    ap.add_argument("--store-dtype", default="float16")
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--kfac-examples", type=int, default=256)
+    ap.add_argument("--damping", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--in-process", action="store_true", help="run the commands in this process (tests)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    return run(a)
+
+
+if __name__ == "__main__":
+    main()

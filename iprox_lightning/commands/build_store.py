@@ -1,0 +1,91 @@
+"""Build a gradient store: the pool's projected per-example gradients, once, for any later query."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def build_store(
+    model: str,
+    output_dir: str,
+    pool: str = "builtin",
+    tokenizer: Optional[str] = None,
+    k: int = 16,
+    seed: int = 0,
+    method: str = "tracin",
+    damping: float = 1e-3,
+    damping_mode: str = "relative",
+    kfac_examples: int = 1024,
+    store_dtype: str = "float16",
+    max_length: int = 512,
+    batch_size: int = 8,
+    builtin_size: int = 2000,
+    data_seed: int = 0,
+    target_patterns: Optional[list[str]] = None,
+    dtype: str = "float32",
+    devices: int = 1,
+    accelerator: str = "auto",
+    write_every_n_batches: int = 50,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> str:
+    """Project every pool example's gradient (LoGra-style, ``k`` rows per side of each tracked weight) and write them
+    to a gradient store in ``output_dir`` (safetensors shards, ``store.json``; resumable: a killed build continues; a
+    store of another model, pool or settings is refused). ``python train.py query`` then scores any validation set
+    from it in seconds.
+
+    Args:
+        model: the model whose gradients are stored (the target, a saved proxy directory, ``builtin``, a hub id).
+        output_dir: the store directory.
+        pool: the candidate pool (any source SFTDataModule reads).
+        tokenizer: tokenizer (default: the model's).
+        k: projection rows per side of each tracked weight (``k >= a dimension`` leaves that side exact).
+        seed: seed of the projections (saved in the store).
+        method: metric applied before projecting: ``tracin``, ``kfac`` or ``ekfac`` (factors fitted once, saved).
+        damping: K-FAC / EK-FAC damping.
+        damping_mode: ``relative`` or ``absolute``.
+        kfac_examples: pool examples the factors are fitted on.
+        store_dtype: storage of the vectors: ``float16``, ``bfloat16`` or ``float32``.
+        max_length: token cap per example.
+        batch_size: examples per backward pass.
+        builtin_size: size of the built-in pool (``pool: builtin``).
+        data_seed: seed of the data module.
+        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        dtype: model dtype when loading.
+        devices: processes (DDP when > 1).
+        accelerator: ``auto``, ``cpu``, ``gpu``.
+        write_every_n_batches: write a shard every this many batches.
+        overwrite: delete an earlier store in ``output_dir`` first.
+        progress: show a progress bar.
+    """
+    import time
+
+    import lightning as L
+
+    from ..console import quiet_lightning_tips
+    from ..data import SFTDataModule
+    from ..io.gradient_store import read_info
+    from ..scoring.store import GradientStoreModule, GradientStoreWriter
+
+    quiet_lightning_tips()
+    module = GradientStoreModule(model, k=k, seed=seed, method=method, damping=damping, damping_mode=damping_mode,
+                                 kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype)
+    dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
+                       batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
+    data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,
+            "truncation": dm.truncation, "builtin_size": builtin_size, "batch_size": batch_size}
+    writer = GradientStoreWriter(output_dir, store_dtype=store_dtype, write_every_n_batches=write_every_n_batches,
+                                 overwrite=overwrite, extra_info={"tokenization": data})
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
+                        enable_progress_bar=progress, inference_mode=False, callbacks=[writer],
+                        enable_checkpointing=False)
+    t0 = time.perf_counter()
+    trainer.predict(module, datamodule=dm, return_predictions=False)
+    info = read_info(output_dir)
+    if trainer.global_rank == 0:
+        from ..io.gradient_store import write_info
+
+        info["build_seconds"] = time.perf_counter() - t0  # of this run (a resumed build: its part)
+        write_info(output_dir, info)
+        print(f"build_store: {info['rows']} pool examples, {info['dim']} numbers each ({store_dtype}), "
+              f"in {time.perf_counter() - t0:.1f} s -> {output_dir}")
+    return output_dir

@@ -1,0 +1,126 @@
+"""Score a validation set from a gradient store (and find each validation example's nearest pool examples)."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def query(
+    store: str,
+    validation: str,
+    output_dir: str,
+    model: Optional[str] = None,
+    pool: Optional[str] = None,
+    subtasks: bool = True,
+    neighbours: int = 0,
+    val_per_task: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    progress: bool = False,
+) -> str:
+    """Score every stored pool example against the validation set with one matrix product (TracIn cosine in the
+    store's metric, per task, LESS max over subtasks) and write ``<output_dir>/scores.parquet`` + ``settings.json``,
+    the score table ``select`` reads. Only the validation examples' gradients are computed (with the store's saved
+    projections and factors); the pool is never read again. A store built with another model (or, when ``pool`` is
+    given, another pool) is refused.
+
+    Args:
+        store: the gradient store directory (``python train.py build_store``).
+        validation: the validation sets (a file with a ``category`` column, ``builtin``, ``eval:<dir>``).
+        output_dir: where ``scores.parquet`` and ``settings.json`` (and ``neighbours.jsonl``) go.
+        model: the model (default: the one the store was built with); its identity must match the store's.
+        pool: the pool, to check it is the one stored (optional: ``select`` checks the pool it copies from anyway).
+        subtasks: score each subtask of a validation record (``eval:`` sources: MMLU subject, BBH task, TyDiQA
+            language) as its own column ``<task>.<subtask>``, so ``select --rule max --task <task>`` is LESS's max.
+        neighbours: also write, per validation example, its ``neighbours`` most similar pool examples (cosine of the
+            stored vectors) to ``neighbours.jsonl`` (0: none).
+        val_per_task: keep at most this many validation examples per task.
+        batch_size: validation examples per backward pass (default: the store's).
+        progress: show a progress bar over the validation batches.
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from ..data import SFTDataModule
+    from ..io import gradient_store as gs
+    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest, module_identity, source_identity
+    from ..io.scores import ScoreDirLock, write_settings
+    from ..models.loading import load_model
+    from ..scoring.features import progress_bar
+    from ..scoring.metrics import influence_metric
+    from ..scoring.projection import GradientProjector, LayerProjection
+    from ..scoring.query import nearest, query_table, task_sums
+
+    t0 = time.perf_counter()
+    info = gs.read_info(store)
+    if not info.get("complete"):
+        raise gs.StoreFormatError(f"{store}: the store's build has not finished ({Path(store) / gs.STORE_FILE}: "
+                                  "'complete' is false); run the same build_store command again to finish it")
+    out = Path(output_dir)
+    if out.resolve() == Path(store).resolve():
+        raise ValueError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
+    fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
+    model = model or info.get("model_source")
+    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
+    net.eval()
+    have = source_identity(model) if Path(model).exists() else {"name": model, "weights": module_identity(net)}
+    lines = diff(fp["model"], have)
+    if lines:
+        raise FingerprintMismatch(f"the store {store} was built with another model than {model!r}; its gradients "
+                                  "would not match this model's validation gradients. What differs (store -> now):\n  "
+                                  + "\n  ".join(lines))
+    dm = SFTDataModule(pool=pool or [], validation=validation, tokenizer=tok.get("tokenizer", model),
+                       max_length=tok.get("max_length", 512), batch_size=batch_size or tok.get("batch_size", 8),
+                       val_per_task=val_per_task, builtin_size=tok.get("builtin_size", 2000))
+    if pool is not None:
+        lines = diff(fp.get("pool"), loader_digest(dm.dataloader("pool")))
+        if lines:
+            raise FingerprintMismatch(f"the store {store} holds another pool than {pool!r} (store -> now):\n  "
+                                      + "\n  ".join(lines) + "\nbuild a store of this pool")
+    records = dm.validation_records
+    if subtasks:
+        records = [{**r, "category": f"{r['category']}.{r['subtask']}"} if r.get("subtask") else r for r in records]
+    val = dm.records_dataloader(records)
+    # the store's projections and factors, exactly as built
+    loaded = gs.load_projections(store)
+    projections = {row["key"]: LayerProjection(row["key"], row["out"], row["in"], *loaded[row["key"]])
+                   for row in info["layout"]}
+    metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
+                              kfac_examples=st.get("kfac_examples", 1024))
+    p = next(net.parameters())
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    if metric.needs_factor_data:
+        from ..io.factors import load_factors
+
+        metric.load_state_dict(load_factors(Path(store) / info["factors"], method=metric.name), list(projections),
+                               dtype=dtype)
+    projector = GradientProjector(net, metric=None if metric.name == "tracin" else metric,
+                                  target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype)
+    with ScoreDirLock(out, what="query", hint="write into another output_dir"):
+        batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
+        parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
+        names, S, counts = task_sums(parts if parts is not None else batches)
+        t_val = time.perf_counter() - t0
+        table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
+        table.save(str(out / "scores.parquet"))
+        wall = time.perf_counter() - t0
+        write_settings(out, {
+            "method": f"{metric.name} (store query)", "store": str(store), "pool": info.get("pool"),
+            "fingerprint": {"store": fp, "validation": loader_digest(val), "subtasks": subtasks},
+            "scorer": {"method": metric.name, **metric.settings(), "k": st.get("k"), "seed": st.get("seed"),
+                       "dim": info["dim"], "store_dtype": info["dtype"], "task_names": names,
+                       "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall}})
+        if neighbours:
+            Q = torch.cat([pt["vectors"] for pt in parts])
+            vids = [i for pt in parts for i in pt["id"]]
+            vtasks = [t for pt in parts for t in pt["task"]]
+            nn_ids, nn_sims = nearest(gs.iter_shards(store), Q, neighbours)
+            rows = [{"id": i, "task": t, "neighbours": [{"id": n, "cosine": float(c)} for n, c in zip(ids, sims)]}
+                    for i, t, ids, sims in zip(vids, vtasks, nn_ids, nn_sims)]
+            tmp = out / ".neighbours.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(out / "neighbours.jsonl")
+    print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
+          f"({int(counts.sum())} examples) in {wall:.1f} s -> {out / 'scores.parquet'}")
+    return str(out / "scores.parquet")

@@ -1,0 +1,255 @@
+"""The gradient store: the only reader and writer of a store directory (projected per-example gradients of a pool).
+
+Layout::
+
+    store.json                                # schema_version, fingerprint, settings, layout, pool provenance, state
+    projection.safetensors                    # the seeded projections, "<key>|out" / "<key>|in" (identity: absent)
+    kfac-<digest>.safetensors                 # the metric's fitted factors (K-FAC / EK-FAC), if any (io/factors.py)
+    shards/rank000-<run>-00000.safetensors    # per-rank shards, written atomically (temp file + os.replace)
+    shards/corrupt/...                        # unreadable shards moved aside on resume (their ids built again)
+    .store.lock                               # held (flock) by the build writing here: a second build is refused
+
+A shard holds ``vectors [n, D]`` (``float32`` / ``float16`` / ``bfloat16``, the store's ``dtype``), ``n_tokens [n]``
+(int64), ``zero_grad [n]`` and ``nonfinite [n]`` (bool); its metadata holds ``ids`` and ``tasks`` (JSON lists).
+Safetensors only: nothing is ever unpickled.
+
+``store.json``'s **fingerprint** records what produced the vectors: the model's identity, the settings (projection
+size and seed, metric and its options, tracked layers, dtypes, tokenization) and the digest of the tokenized pool.
+A build into a directory whose fingerprint differs raises :class:`~.fingerprint.FingerprintMismatch` naming every
+field that differs; a query refuses a store whose model (or, when given, pool) is not the one it names. A killed
+build continues where it stopped: the ids of the readable shards are skipped (exactly once: the reader keeps the first
+occurrence of an id, in shard name order).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from .fingerprint import FingerprintMismatch, diff
+from .scores import write_json_atomic
+
+SCHEMA_VERSION = 1
+STORE_FILE = "store.json"
+PROJECTION_FILE = "projection.safetensors"
+SHARD_DIR = "shards"
+CORRUPT_DIR = "corrupt"
+LOCK_FILE = ".store.lock"
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class StoreFormatError(ValueError):
+    """A store directory or one of its files is missing, malformed or of another version."""
+
+
+def storage_dtype(name: str):
+    import torch
+
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"store dtype must be one of {STORAGE_DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+# ----------------------------------------------------------------------------------- store.json
+def read_info(store_dir: str | os.PathLike, *, required: bool = True) -> dict:
+    """The parsed ``store.json`` (``{}`` when absent and not ``required``)."""
+    p = Path(store_dir) / STORE_FILE
+    if not p.exists():
+        if required:
+            raise StoreFormatError(f"{store_dir} is not a gradient store: {p} not found (build one with "
+                                   "`python train.py build_store`)")
+        return {}
+    try:
+        info = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreFormatError(f"{p}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(info, dict) or info.get("schema_version") != SCHEMA_VERSION:
+        got = info.get("schema_version") if isinstance(info, dict) else type(info).__name__
+        raise StoreFormatError(f"{p}: field 'schema_version' is {got!r}, this version reads {SCHEMA_VERSION}")
+    for field in ("fingerprint", "layout", "dim", "dtype"):
+        if field not in info:
+            raise StoreFormatError(f"{p}: field {field!r} is missing")
+    return info
+
+
+def write_info(store_dir: str | os.PathLike, info: Mapping) -> Path:
+    return write_json_atomic(Path(store_dir) / STORE_FILE, {**info, "schema_version": SCHEMA_VERSION})
+
+
+def check_store_fingerprint(store_dir: str | os.PathLike, fingerprint: Mapping, *, hint: str) -> None:
+    """Refuse to continue a build in ``store_dir`` unless its recorded fingerprint equals ``fingerprint`` (nothing
+    to check in an empty directory)."""
+    out = Path(store_dir)
+    n = len(shard_files(out))
+    info = read_info(out, required=False)
+    if not n and not info:
+        return
+    old = info.get("fingerprint")
+    if old is None:
+        raise FingerprintMismatch(f"{out} holds {n} store shard(s) but no {STORE_FILE} fingerprint, so it cannot be "
+                                  f"told what produced them; {hint}")
+    lines = diff(old, dict(fingerprint))
+    if lines:
+        raise FingerprintMismatch(f"{out} holds a gradient store built from different inputs; refusing to continue or "
+                                  f"reuse it. What differs (store -> now):\n  " + "\n  ".join(lines) + f"\n{hint}")
+
+
+def clear_store(store_dir: str | os.PathLike) -> None:
+    """Remove a store's shards, settings, projections and factors (a build then starts fresh)."""
+    out = Path(store_dir)
+    shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+    for name in (STORE_FILE, PROJECTION_FILE):
+        (out / name).unlink(missing_ok=True)
+    for f in out.glob("*kfac-*.safetensors"):  # saved factors (io/factors.py names them <method>-<digest>)
+        f.unlink()
+
+
+# ----------------------------------------------------------------------------------- tensors files
+def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> Path:
+    """Write ``tensors`` as safetensors, atomically (temp file + ``os.replace``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata=dict(metadata) if metadata else None)
+    os.replace(tmp, path)
+    return path
+
+
+def load_tensors(path: str | os.PathLike) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` of a safetensors file; a missing or unreadable one raises naming it."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.exists():
+        raise StoreFormatError(f"{p} not found")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise StoreFormatError(f"{p}: cannot read safetensors file ({type(e).__name__}: {e})") from None
+
+
+def save_projections(store_dir: str | os.PathLike, projections: Mapping[str, tuple[Any, Any]]) -> Path:
+    """``{key: (P_out or None, P_in or None)}`` -> ``projection.safetensors`` (identities are not written)."""
+    t = {}
+    for key, (p_out, p_in) in projections.items():
+        if p_out is not None:
+            t[f"{key}|out"] = p_out
+        if p_in is not None:
+            t[f"{key}|in"] = p_in
+    return save_tensors(Path(store_dir) / PROJECTION_FILE, t, {"keys": json.dumps(list(projections))})
+
+
+def load_projections(store_dir: str | os.PathLike) -> dict[str, tuple[Any, Any]]:
+    """``{key: (P_out or None, P_in or None)}`` as saved by :func:`save_projections`."""
+    t, meta = load_tensors(Path(store_dir) / PROJECTION_FILE)
+    try:
+        keys = json.loads(meta["keys"])
+    except (KeyError, json.JSONDecodeError):
+        raise StoreFormatError(f"{Path(store_dir) / PROJECTION_FILE}: metadata field 'keys' is missing or malformed") \
+            from None
+    return {k: (t.get(f"{k}|out"), t.get(f"{k}|in")) for k in keys}
+
+
+# ----------------------------------------------------------------------------------- shards
+def shard_files(store_dir: str | os.PathLike) -> list[str]:
+    """Complete shard files in name order (temp files and moved-aside ones ignored)."""
+    return sorted(glob.glob(os.path.join(str(store_dir), SHARD_DIR, "rank*.safetensors")))
+
+
+def shard_name(rank: int, run: str, seq: int) -> str:
+    return f"rank{rank:03d}-{run}-{seq:05d}.safetensors"
+
+
+def write_shard(store_dir: str | os.PathLike, name: str, *, ids: Sequence[str], tasks: Sequence[Any], vectors,
+                n_tokens, zero_grad, nonfinite) -> Path:
+    """One shard of ``len(ids)`` rows (``vectors`` already in the store's dtype)."""
+    import torch
+
+    n = len(ids)
+    if vectors.shape[0] != n:
+        raise ValueError(f"shard {name}: {vectors.shape[0]} vectors for {n} ids")
+    return save_tensors(Path(store_dir) / SHARD_DIR / name, {
+        "vectors": vectors, "n_tokens": torch.as_tensor(n_tokens, dtype=torch.int64).reshape(n),
+        "zero_grad": torch.as_tensor(zero_grad, dtype=torch.bool).reshape(n),
+        "nonfinite": torch.as_tensor(nonfinite, dtype=torch.bool).reshape(n)},
+        {"ids": json.dumps([str(i) for i in ids]), "tasks": json.dumps([None if t is None else str(t) for t in tasks])})
+
+
+def _read_shard(path: str, vectors: bool = True) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        ids, tasks = json.loads(meta["ids"]), json.loads(meta["tasks"])
+        out = {"ids": ids, "tasks": tasks}
+        for k in (("vectors",) if vectors else ()) + ("n_tokens", "zero_grad", "nonfinite"):
+            out[k] = f.get_tensor(k)
+    if len(ids) != len(tasks) or len(out["n_tokens"]) != len(ids) or (vectors and out["vectors"].shape[0] != len(ids)):
+        raise ValueError("row counts of ids, tasks and tensors differ")
+    return out
+
+
+def _quarantine(path: str, error: Exception) -> dict:
+    import logging
+
+    src = Path(path)
+    dest = src.parent / CORRUPT_DIR / src.name
+    dest.parent.mkdir(exist_ok=True)
+    shutil.move(str(src), dest)
+    msg = str(error).splitlines()[0][:200] if str(error) else ""
+    logging.getLogger(__name__).warning("store shard %s is unreadable (%s: %s): moved to %s; its examples will be "
+                                        "built again", src, type(error).__name__, msg, dest)
+    return {"shard": str(src), "moved_to": str(dest), "error": f"{type(error).__name__}: {msg}",
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def repair_shards(store_dir: str | os.PathLike) -> list[dict]:
+    """Move unreadable shards (truncated by a crash) to ``shards/corrupt/``; returns what was moved."""
+    repairs = []
+    for f in shard_files(store_dir):
+        try:
+            _read_shard(f, vectors=False)
+        except Exception as e:
+            repairs.append(_quarantine(f, e))
+    return repairs
+
+
+def done_ids(store_dir: str | os.PathLike) -> set[str]:
+    """Ids already in the readable shards (what a resumed build skips)."""
+    out: set[str] = set()
+    for f in shard_files(store_dir):
+        try:
+            out.update(_read_shard(f, vectors=False)["ids"])
+        except Exception:  # repaired by repair_shards at the start of a build
+            continue
+    return out
+
+
+def iter_shards(store_dir: str | os.PathLike, *, vectors: bool = True) -> Iterator[dict]:
+    """The store's rows shard by shard, each id once (first occurrence in shard name order): dicts with ``ids``,
+    ``tasks``, ``vectors`` (as stored), ``n_tokens``, ``zero_grad``, ``nonfinite``. An unreadable shard raises
+    naming it."""
+    import torch
+
+    seen: set[str] = set()
+    for f in shard_files(store_dir):
+        try:
+            s = _read_shard(f, vectors)
+        except Exception as e:
+            raise StoreFormatError(f"store shard {f} is unreadable ({type(e).__name__}: {e}); resume the build "
+                                   "(it moves the shard aside and builds its examples again)") from None
+        keep = [j for j, i in enumerate(s["ids"]) if i not in seen]
+        seen.update(s["ids"])
+        if len(keep) < len(s["ids"]):
+            idx = torch.tensor(keep, dtype=torch.long)
+            s = {k: ([v[j] for j in keep] if isinstance(v, list) else v[idx]) for k, v in s.items()}
+        if s["ids"]:
+            yield s

@@ -1,0 +1,295 @@
+"""Building a gradient store as a Lightning predict loop: ``GradientStoreModule`` (projected gradients of each batch,
+:class:`~.projection.GradientProjector`) and ``GradientStoreWriter`` (per-rank safetensors shards,
+:mod:`iprox_lightning.io.gradient_store`). Under DDP each rank projects its share of the pool and writes its own
+shards; the metric's factors are fitted with all-reduced statistics and saved once. ``python train.py build_store``
+(:mod:`iprox_lightning.commands.build_store`) runs it.
+
+Resume: the writer compares the directory's fingerprint with this run's (a mismatch stops naming what differs), moves
+unreadable shards aside, reloads the saved projections and factors, and hands the ids already stored to the module,
+which skips them: a killed build continues and every example is stored once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch import nn
+
+from ..io import gradient_store as gs
+from .metrics import METRICS, fit_or_load, influence_metric
+from .projection import GradientProjector, LayerProjection, make_projections
+
+log = logging.getLogger(__name__)
+
+
+class GradientStoreModule(L.LightningModule):
+    """Projected per-example gradients of the pool (see :mod:`.projection`).
+
+    Args:
+        model: ``"builtin"``, a hub id, a local directory, a ``.gguf`` file, a saved proxy directory, or an ``nn.Module``.
+        k: projection rows per side of each tracked weight (``k_out·k_in`` numbers per weight; a side with ``k >= its
+            dimension`` is not projected, so a large ``k`` stores exact gradients).
+        seed: seed of the projections.
+        method: the influence metric applied before projecting: ``"tracin"``, ``"kfac"`` or ``"ekfac"``.
+        damping: K-FAC / EK-FAC damping (the project's rule).
+        damping_mode: ``"relative"`` or ``"absolute"``.
+        kfac_examples: examples the factors are fitted on.
+        kfac_split: data-module split the factors are fitted on.
+        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        dtype: model dtype when loading.
+        attn_implementation: attention kernel when loading.
+    """
+
+    def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, method: str = "tracin",
+                 damping: float = 1e-3, damping_mode: str = "relative", kfac_examples: int = 1024,
+                 kfac_split: str = "pool", target_patterns: Optional[list[str]] = None, dtype: str = "float32",
+                 attn_implementation: Optional[str] = "sdpa") -> None:
+        super().__init__()
+        if k < 1:
+            raise ValueError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
+        if method not in METRICS:
+            raise ValueError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
+        self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
+        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        self.model_name = model if isinstance(model, str) else type(model).__name__
+        self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
+        self.projector: GradientProjector | None = None
+        self.skip_ids: set[str] = set()
+        self.stats: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        from ..models.loading import load_model
+
+        hp = self.hparams
+        self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False)
+        self.net.eval()
+
+    def model_identity(self) -> Any:
+        from ..io.fingerprint import module_identity, source_identity
+
+        if isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists():
+            return source_identity(self.hparams.model)
+        if self.net is None:
+            self.configure_model()
+        return {"name": self.model_name, "weights": module_identity(self.net)}
+
+    def settings(self) -> dict:
+        """What the vectors depend on besides the model and the pool (the store's fingerprinted settings)."""
+        hp = self.hparams
+        return {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
+                "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
+                "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
+
+    def provenance(self) -> dict:
+        """``{"fingerprint": {model, settings, pool}, "pool": records provenance, "data": dropped report}``."""
+        from ..io.fingerprint import loader_digest
+
+        fp: dict[str, Any] = {"model": self.model_identity(), "settings": self.settings()}
+        loaders = self.trainer.predict_dataloaders if self._trainer is not None else None
+        if loaders is not None:
+            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+            fp["pool"] = loader_digest(loaders[0], iterate=False)
+        out: dict[str, Any] = {"fingerprint": fp}
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "pool_provenance"):
+            out["pool"] = dm.pool_provenance()
+        if dm is not None and hasattr(dm, "dropped_report"):
+            out["data"] = dm.dropped_report(("pool",))
+        return out
+
+    def prepare(self, store_dir: str | None = None, *, save: bool = True) -> None:
+        """Fit (or load from ``store_dir``) the metric and build (or load) the projections. Idempotent."""
+        if self.projector is not None:
+            return
+        if self.net is None:
+            self.configure_model()
+        from .features import tracked_modules, virtual_linears
+
+        hp = self.hparams
+        modules = tracked_modules(self.net, None if hp.target_patterns is None else list(hp.target_patterns))
+        linears = virtual_linears(modules)
+        projections = None
+        if store_dir is not None and (Path(store_dir) / gs.PROJECTION_FILE).exists():
+            loaded = gs.load_projections(store_dir)
+            projections = {v.key: LayerProjection(v.key, v.out_features, v.in_features, *loaded.get(v.key, (None, None)))
+                           for v in linears}
+        if projections is None:
+            projections = make_projections(linears, hp.k, hp.seed)
+        p = next(self.net.parameters())
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if self.metric.needs_factor_data:
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            if dm is None or not hasattr(dm, "dataloader"):
+                raise RuntimeError(f"method={self.metric.name!r} needs a data module with dataloader(split) for its "
+                                   "factors")
+            from ..io.fingerprint import loader_digest
+
+            fac = dm.dataloader(hp.kfac_split)
+            world = self.trainer.world_size
+            strategy = self.trainer.strategy
+            reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
+            with torch.inference_mode(False), torch.enable_grad():
+                self.stats.update(fit_or_load(
+                    self.metric, self.net, modules, [v.key for v in linears], fac, factors_dir=store_dir,
+                    fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
+                                 "load_dtype": hp.dtype},
+                    dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
+                    progress=self.trainer.global_rank == 0, save=save))
+        self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
+                                           target_patterns=hp.target_patterns, projections=projections, dtype=dtype)
+
+    def on_predict_start(self) -> None:
+        self.prepare()
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict | None:
+        ids = [str(i) for i in batch["id"]]
+        keep = torch.tensor([i not in self.skip_ids for i in ids], dtype=torch.bool)
+        if not bool(keep.any()):
+            return None
+        if not bool(keep.all()):
+            from .features import trim_batch
+
+            batch = trim_batch(batch, keep.to(batch["input_ids"].device))
+        return self.projector.project_batch(batch)
+
+    def forward(self, *args, **kwargs):
+        return self.net(*args, **kwargs)
+
+
+class GradientStoreWriter(BasePredictionWriter):
+    """Write ``GradientStoreModule`` predictions as per-rank safetensors shards of a gradient store.
+
+    Args:
+        output_dir: the store directory.
+        store_dtype: ``"float16"`` | ``"bfloat16"`` | ``"float32"`` storage of the vectors.
+        write_every_n_batches: write a shard every this many batches (per rank).
+        overwrite: delete an earlier store in ``output_dir`` first.
+        extra_info: more entries for ``store.json`` (e.g. how the pool was tokenized, for queries).
+    """
+
+    def __init__(self, output_dir: str, store_dtype: str = "float16", write_every_n_batches: int = 50,
+                 overwrite: bool = False, extra_info: Optional[dict] = None) -> None:
+        super().__init__(write_interval="batch")
+        gs.storage_dtype(store_dtype)
+        if write_every_n_batches < 1:
+            raise ValueError(f"write_every_n_batches must be >= 1, got {write_every_n_batches}")
+        self.output_dir = Path(output_dir)
+        self.store_dtype = store_dtype
+        self.write_every_n_batches = int(write_every_n_batches)
+        self.overwrite = overwrite
+        self.extra_info = dict(extra_info or {})
+        self._buffer: list[dict] = []
+        self._batches = self._seq = 0
+        self._run = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.rows_written = 0
+        self._lock = None
+
+    def _hint(self) -> str:
+        return f"to start fresh pass overwrite=True (CLI: --overwrite true) or choose another directory than {self.output_dir}"
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "predict":
+            return
+        from ..io.scores import OutputLocked, ScoreDirLock
+
+        self._rank = trainer.global_rank
+        refused = None
+        if trainer.global_rank == 0:
+            try:
+                self._lock = ScoreDirLock(self.output_dir, gs.LOCK_FILE, "store build",
+                                          "build into another directory").acquire()
+            except OutputLocked as e:
+                refused = str(e)
+        if trainer.world_size > 1:
+            refused = trainer.strategy.broadcast(refused, src=0)
+        if refused:
+            raise OutputLocked(refused)
+        if self.overwrite and trainer.global_rank == 0:
+            gs.clear_store(self.output_dir)
+        (self.output_dir / gs.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+        trainer.strategy.barrier()
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        prov = pl_module.provenance() if trainer.global_rank == 0 else None
+        if trainer.world_size > 1:
+            prov = trainer.strategy.broadcast(prov, src=0)
+        prov["fingerprint"]["store_dtype"] = self.store_dtype  # vectors of one store share one storage dtype
+        gs.check_store_fingerprint(self.output_dir, prov["fingerprint"], hint=self._hint())
+        trainer.strategy.barrier()
+        pl_module.prepare(str(self.output_dir), save=trainer.global_rank == 0)
+        if trainer.global_rank == 0:
+            repairs = gs.repair_shards(self.output_dir)
+            old = gs.read_info(self.output_dir, required=False)
+            proj = pl_module.projector
+            if not (self.output_dir / gs.PROJECTION_FILE).exists():
+                gs.save_projections(self.output_dir, {k: (p.P_out, p.P_in) for k, p in proj.projections.items()})
+            info = {**old, **self.extra_info, **prov, "dtype": self.store_dtype, "dim": proj.dim, "complete": False,
+                    "layout": [{"key": k, "out": p.out_features, "in": p.in_features, "k_out": p.k_out, "k_in": p.k_in,
+                                "offset": proj.layout[k][0]} for k, p in proj.projections.items()],
+                    "model_source": pl_module.model_name, "factors": pl_module.stats.get("factors"),
+                    "repairs": list(old.get("repairs", [])) + repairs}
+            info["factors"] = None if info["factors"] is None else Path(info["factors"]).name
+            gs.write_info(self.output_dir, info)
+        trainer.strategy.barrier()
+        pl_module.skip_ids = gs.done_ids(self.output_dir)
+        if pl_module.skip_ids and trainer.global_rank == 0:
+            log.info("GradientStoreWriter: resuming, %d ids already stored in %s", len(pl_module.skip_ids),
+                     self.output_dir)
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        if prediction is None:
+            return
+        self._buffer.append(prediction)
+        self._batches += 1
+        if self._batches % self.write_every_n_batches == 0:
+            self.flush()
+
+    def flush(self) -> str | None:
+        parts, self._buffer = self._buffer, []
+        if not parts:
+            return None
+        vectors = torch.cat([p["vectors"] for p in parts]).to(gs.storage_dtype(self.store_dtype))
+        nonfinite = np.concatenate([p["nonfinite"] for p in parts]) | ~torch.isfinite(vectors).all(1).numpy()
+        name = gs.shard_name(getattr(self, "_rank", 0), self._run, self._seq)
+        self._seq += 1
+        path = gs.write_shard(self.output_dir, name, ids=[i for p in parts for i in p["id"]],
+                              tasks=[t for p in parts for t in p["task"]], vectors=vectors,
+                              n_tokens=np.concatenate([p["n_tokens"] for p in parts]),
+                              zero_grad=np.concatenate([p["zero_grad"] for p in parts]) & ~nonfinite, nonfinite=nonfinite)
+        self.rows_written += len(vectors)
+        return str(path)
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self.flush()
+        trainer.strategy.barrier()
+        if trainer.global_rank == 0:
+            info = gs.read_info(self.output_dir)
+            rows = sum(len(s["ids"]) for s in gs.iter_shards(self.output_dir, vectors=False))
+            info.update(complete=True, rows=rows, shards=len(gs.shard_files(self.output_dir)),
+                        finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+            gs.write_info(self.output_dir, info)
+        trainer.strategy.barrier()
+        self._unlock()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        try:
+            self.flush()
+        finally:
+            self._unlock()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

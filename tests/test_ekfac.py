@@ -1,0 +1,139 @@
+"""EK-FAC against a dense brute-force reference (eigen-corrected diagonal from materialised per-example gradients), its
+use through the store's projections, and saved factors reused by fingerprint (K-FAC and EK-FAC)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from iprox_lightning.io.fingerprint import FingerprintMismatch
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.scoring import influence_scores
+from iprox_lightning.scoring.features import tracked_modules, virtual_linears
+from iprox_lightning.scoring.metrics import EKFAC, KFAC, fit_or_load, influence_metric
+from iprox_lightning.scoring.projection import GradientProjector
+from iprox_lightning.scoring.query import query_table, task_sums
+
+from test_scoring_influence import (  # noqa: E402
+    TINY, TRAIN, VAL, batches, make_examples, make_proxy, ref_example, tracked_params)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FACTOR = make_examples(12, seed=3)
+DAMPING = 1e-2
+
+
+def dense_ekfac_inverse(model, factor_examples, damping):
+    """Per weight ``H⁻¹ = Q diag(1/(Λ+λ)) Qᵀ`` (dense, ``[out·in]²``), ``Q = Q_δ ⊗ Q_h`` the eigenbases of the token
+    second moments, ``Λ = mean_z (Q_δᵀ G_z Q_h)²`` from the autograd per-example gradients, ``λ = damping·mean(Λ)``."""
+    refs = [ref_example(model, e) for e in factor_examples]
+    out = {}
+    for key, _, _ in tracked_params(model):
+        hs = torch.cat([r[1][key][0] for r in refs])
+        ds = torch.cat([r[1][key][1] for r in refs])
+        _, Qh = torch.linalg.eigh(hs.t() @ hs / len(hs))
+        _, Qd = torch.linalg.eigh(ds.t() @ ds / len(ds))
+        lam = torch.stack([(Qd.t() @ r[0][key] @ Qh) ** 2 for r in refs]).mean(0).reshape(-1)
+        Q = torch.kron(Qd, Qh)
+        out[key] = Q @ torch.diag(1.0 / (lam + damping * lam.mean())) @ Q.t()
+    return out
+
+
+def dense_scores(model, Hinv, train, val):
+    keys = [k for k, _, _ in tracked_params(model)]
+    flat = lambda e: {k: g.reshape(-1) for k, g in ref_example(model, e)[0].items()}  # noqa: E731
+    ip = lambda a, b: sum(float(a[k] @ Hinv[k] @ b[k]) for k in keys)  # noqa: E731
+    G, Gv = [flat(e) for e in train], [flat(e) for e in val]
+    tasks = sorted({e["task"] for e in val})
+    vt = {t: {k: sum(g[k] for g, e in zip(Gv, val) if e["task"] == t) for k in keys} for t in tasks}
+    vall = {k: sum(vt[t][k] for t in tasks) for k in keys}
+
+    def cos(a, b):
+        na, nb = math.sqrt(ip(a, a)), math.sqrt(ip(b, b))
+        return 0.0 if na == 0 or nb == 0 else ip(a, b) / (na * nb)
+    return ([cos(g, vall) for g in G], [[cos(g, vt[t]) for t in tasks] for g in G])
+
+
+@pytest.mark.parametrize("proxy", [False, True])
+def test_ekfac_scores_equal_the_dense_eigen_corrected_reference(proxy):
+    model = make_proxy() if proxy else tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    want, want_t = dense_scores(model, dense_ekfac_inverse(model, FACTOR, DAMPING), TRAIN, VAL)
+    table = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), metric="ekfac", damping=DAMPING,
+                             kfac_examples=len(FACTOR), factor_dataloader=batches(FACTOR, 5), progress=False)
+    np.testing.assert_allclose(table.scores, want, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(table.task_scores, want_t, rtol=1e-7, atol=1e-9)
+    # EK-FAC is not K-FAC: the corrected eigenvalues change the scores
+    kfac = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), metric="kfac", damping=DAMPING,
+                            kfac_examples=len(FACTOR), factor_dataloader=batches(FACTOR, 5), progress=False)
+    assert np.abs(kfac.scores - table.scores).max() > 1e-3
+
+
+def test_ekfac_through_identity_projections_equals_ekfac_scoring():
+    """A metric of the whole per-example gradient goes through the store's projection path unchanged."""
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    metric = EKFAC(DAMPING, "relative", len(FACTOR))
+    mods = tracked_modules(model)
+    metric.fit(model, mods, [v.key for v in virtual_linears(mods)], batches(FACTOR, 5), dtype=torch.float64)
+    proj = GradientProjector(model, k=10_000, metric=metric)
+    names, S, _ = task_sums(proj.project_batch(b) for b in batches(VAL, 3))
+    shards = []
+    for b in batches(TRAIN, 4):
+        p = proj.project_batch(b)
+        shards.append({"ids": p["id"], "tasks": p["task"], "vectors": p["vectors"], **{
+            k: torch.as_tensor(p[k]) for k in ("n_tokens", "zero_grad", "nonfinite")}})
+    got = query_table(shards, names, S)
+    exact = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), metric=metric,
+                             factor_dataloader=batches(FACTOR, 5), progress=False)  # refits the same factors
+    np.testing.assert_allclose(got.scores, exact.scores, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_factors_are_saved_once_and_reused_by_fingerprint(tmp_path, method):
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    mods = tracked_modules(model)
+    keys = [v.key for v in virtual_linears(mods)]
+    fp = {"model": "tiny", "data": "factor-digest"}
+    calls = []
+
+    def loader():
+        calls.append(1)
+        return batches(FACTOR, 5)
+
+    def fit(metric, fingerprint=fp):
+        return fit_or_load(metric, model, mods, keys, loader(), factors_dir=str(tmp_path), fingerprint=fingerprint,
+                           dtype=torch.float64)
+
+    first = influence_metric(method, damping=DAMPING, kfac_examples=len(FACTOR))
+    st = fit(first)
+    assert st["factors_reused"] is False and len(list(tmp_path.glob(f"{method}-*.safetensors"))) == 1
+    again = influence_metric(method, damping=0.1, kfac_examples=len(FACTOR))  # damping is applied after loading
+    st2 = fit(again)
+    assert st2["factors_reused"] is True and st2["factors"] == st["factors"]
+    G = torch.randn(3, *next(iter(first.eigens.values()))["e_d"].shape, len(first.eigens[keys[0]]["e_h"]),
+                    dtype=torch.float64)
+    same = influence_metric(method, damping=DAMPING, kfac_examples=len(FACTOR))
+    fit(same)
+    assert all(torch.equal(t, first.state_dict()[k]) for k, t in same.state_dict().items())  # bit for bit
+    torch.testing.assert_close(same.matrix(keys[0], G), first.matrix(keys[0], G), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(again.matrix(keys[0], G), first.matrix(keys[0], G))
+    # a changed input never reuses the old file
+    fit(influence_metric(method, damping=DAMPING, kfac_examples=len(FACTOR) - 2))
+    fit(influence_metric(method, damping=DAMPING, kfac_examples=len(FACTOR)), {**fp, "data": "other"})
+    assert len(list(tmp_path.glob(f"{method}-*.safetensors"))) == 3
+    # a file whose recorded fingerprint is not its name's is refused; safetensors only
+    files = sorted(tmp_path.glob(f"{method}-*.safetensors"))
+    files[0].write_bytes(files[1].read_bytes())
+    with pytest.raises(FingerprintMismatch, match="fitted on other inputs"):
+        for f in (fp, {**fp, "data": "other"}):
+            fit(influence_metric(method, damping=DAMPING, kfac_examples=len(FACTOR)), f)
+            fit(influence_metric(method, damping=DAMPING, kfac_examples=len(FACTOR) - 2))
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.pkl"))
+
+
+def test_ekfac_is_a_method_name():
+    assert isinstance(influence_metric("ekfac"), EKFAC) and isinstance(influence_metric("kfac"), KFAC)
+    assert EKFAC.token_factored is False and KFAC.token_factored is True
+    with pytest.raises(NotImplementedError, match="does not factor over tokens"):
+        EKFAC().tokens("w", torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))

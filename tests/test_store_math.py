@@ -1,0 +1,143 @@
+"""The gradient store's math against brute force: the LoGra factored projection equals the projection of the
+materialised per-example gradient; query scores equal TracIn cosines of brute-force projected gradients, and the
+exact TracIn scores with identity projections; LESS max over subtasks; top-k nearest neighbours."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.scoring import tracin_scores
+from iprox_lightning.scoring.projection import GradientProjector, gaussian_projection, make_projections
+from iprox_lightning.scoring.query import nearest, query_table, task_sums
+
+from test_scoring_influence import TINY, TRAIN, VAL, batches, make_proxy, ref_example, tracked_params  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model():
+    return tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+
+
+def _shards(projector, examples, bs=4):
+    out = []
+    for b in batches(examples, bs):
+        p = projector.project_batch(b)
+        out.append({"ids": p["id"], "tasks": p["task"], "vectors": p["vectors"],
+                    "n_tokens": torch.as_tensor(p["n_tokens"]), "zero_grad": torch.as_tensor(p["zero_grad"]),
+                    "nonfinite": torch.as_tensor(p["nonfinite"])})
+    return out
+
+
+def _brute_vector(model, projections, ex):
+    """Concatenated ``P_δ G P_hᵀ`` of the autograd per-example gradients ``G`` (batch size 1)."""
+    layer_g, _ = ref_example(model, ex)
+    parts = []
+    for key, _, _ in tracked_params(model):
+        p = projections[key]
+        G = layer_g[key]
+        G = G if p.P_out is None else p.P_out.double() @ G
+        G = G if p.P_in is None else G @ p.P_in.double().t()
+        parts.append(G.reshape(-1))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("proxy", [False, True])
+def test_factored_projection_equals_projected_materialised_gradient(proxy):
+    model = make_proxy() if proxy else _model()
+    proj = GradientProjector(model, k=5, seed=3)
+    assert any(p.P_in is not None and p.P_out is not None for p in proj.projections.values())
+    got = torch.cat([s["vectors"] for s in _shards(proj, TRAIN)])  # padded batches of 4
+    want = torch.stack([_brute_vector(model, proj.projections, e) for e in TRAIN])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
+    zero = torch.cat([torch.as_tensor(s["zero_grad"]) for s in _shards(proj, TRAIN)])
+    assert zero.tolist() == [bool((w == 0).all()) for w in want] and zero.any()
+
+
+def test_projections_are_seeded_and_identity_when_k_covers_the_dimension():
+    a, b = gaussian_projection(4, 16, 7, "w", "in"), gaussian_projection(4, 16, 7, "w", "in")
+    assert torch.equal(a, b) and not torch.equal(a, gaussian_projection(4, 16, 8, "w", "in"))
+    assert not torch.equal(a, gaussian_projection(4, 16, 7, "w", "out"))
+    assert gaussian_projection(16, 16, 7, "w", "in") is None
+    assert abs(float(gaussian_projection(64, 4096, 0, "w", "in").pow(2).sum(0).mean()) - 1.0) < 0.05  # E‖Pv‖²=‖v‖²
+    with pytest.raises(ValueError, match="projection size"):
+        gaussian_projection(0, 16, 7, "w", "in")
+
+
+def test_query_equals_brute_force_projected_tracin_and_exact_tracin_with_identity():
+    model = _model()
+    # projected: cosines of the brute-force projected gradients
+    proj = GradientProjector(model, k=5, seed=1)
+    names, S, counts = task_sums(proj.project_batch(b) for b in batches(VAL, 3))
+    table = query_table(_shards(proj, TRAIN), names, S)
+    vt = {e["id"]: _brute_vector(model, proj.projections, e) for e in VAL}
+    tasks = sorted({e["task"] for e in VAL})
+    assert names == tasks and counts.tolist() == [sum(e["task"] == t for e in VAL) for t in tasks]
+    s = {t: sum(vt[e["id"]] for e in VAL if e["task"] == t) for t in tasks}
+    sall = sum(s.values())
+    cos = lambda a, b: 0.0 if a.norm() == 0 or b.norm() == 0 else float(a @ b / (a.norm() * b.norm()))  # noqa: E731
+    for e in TRAIN:
+        x = _brute_vector(model, proj.projections, e)
+        j = table.ids.index(e["id"])
+        assert table.scores[j] == pytest.approx(cos(x, sall), rel=1e-9, abs=1e-12)
+        np.testing.assert_allclose(table.task_scores[j], [cos(x, s[t]) for t in tasks], rtol=1e-9, atol=1e-12)
+    # identity projections (k >= every dimension): the exact TracIn scores
+    full = GradientProjector(model, k=10_000, seed=1)
+    assert all(p.P_in is None and p.P_out is None for p in full.projections.values())
+    names, S, _ = task_sums(full.project_batch(b) for b in batches(VAL, 3))
+    got = query_table(_shards(full, TRAIN), names, S)
+    exact = tracin_scores(model, batches(TRAIN, 4), batches(VAL, 3), progress=False)
+    assert got.ids == exact.ids and got.task_names == exact.task_names
+    np.testing.assert_allclose(got.scores, exact.scores, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.score_max, exact.score_max, rtol=1e-9, atol=1e-12)
+    assert (got.zero_grad == exact.zero_grad).all() and got.zero_grad.any()
+
+
+def test_less_max_over_subtasks_from_the_store():
+    """Subtask columns ``suite.part``: ``select``'s rule max over a suite's parts is LESS's aggregate of the
+    per-subtask cosines (each subtask costs one vector)."""
+    from iprox_lightning.selection_rules import rule_order
+
+    model = _model()
+    proj = GradientProjector(model, k=6, seed=2)
+    val = [{**e, "task": f"mmlu.{'ab'[j % 2]}" if j < 4 else "bbh.c"} for j, e in enumerate(VAL)]
+    names, S, counts = task_sums(proj.project_batch(b) for b in batches(val, 4))
+    assert names == ["bbh.c", "mmlu.a", "mmlu.b"] and S.shape == (3, proj.dim)
+    table = query_table(_shards(proj, TRAIN), names, S)
+    cols = {f"score/{t}": table.task_scores[:, k] for k, t in enumerate(names)}
+    order, value = rule_order("max", table.ids, cols, "mmlu")
+    np.testing.assert_array_equal(value, np.maximum(cols["score/mmlu.a"], cols["score/mmlu.b"]))
+    want = sorted(range(len(table.ids)), key=lambda j: (-value[j], table.ids[j]))
+    assert order.tolist() == want
+
+
+def test_nearest_neighbours_equal_a_full_sort():
+    model = _model()
+    proj = GradientProjector(model, k=4, seed=0)
+    shards = _shards(proj, TRAIN, bs=3)
+    X = torch.cat([s["vectors"] for s in shards])
+    ids = [i for s in shards for i in s["ids"]]
+    ok = ~torch.cat([s["zero_grad"] for s in shards])
+    Q = torch.cat([s["vectors"] for s in _shards(proj, VAL)])[:3]
+    got_ids, got_sims = nearest(shards, Q, k=3)
+    cos = torch.nn.functional.normalize(Q, dim=1) @ torch.nn.functional.normalize(X, dim=1).t()
+    for q in range(len(Q)):
+        ranked = sorted((j for j in range(len(ids)) if ok[j]), key=lambda j: (-float(cos[q, j]), j))[:3]
+        assert got_ids[q] == [ids[j] for j in ranked]
+        np.testing.assert_allclose(got_sims[q], [float(cos[q, j]) for j in ranked], rtol=1e-12)
+    # an example is its own nearest neighbour
+    self_ids, self_sims = nearest(shards, X[ok][:2], k=1)
+    assert [r[0] for r in self_ids] == [i for i, o in zip(ids, ok) if o][:2]
+    np.testing.assert_allclose(self_sims[:, 0], 1.0, rtol=1e-12)
+    with pytest.raises(ValueError, match="k must be"):
+        nearest(shards, Q, 0)
+
+
+def test_projections_must_match_the_model():
+    model = _model()
+    other = make_projections(GradientProjector(make_proxy()).linears, 4, 0)
+    with pytest.raises(ValueError, match="other layers"):
+        GradientProjector(model, projections=other)
