@@ -28,14 +28,43 @@ def usage() -> str:
     lines += [f"  {name:<{width}}  {text}" for name, text in rows[:len(TRAINER_COMMANDS)]]
     lines += ["", "IProX commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, text in rows[len(TRAINER_COMMANDS):]]
-    lines += ["", "python train.py <command> --help shows a command's options; --print_config its full config."]
+    lines += ["", "python train.py <command> --help shows a command's options; --print_config its full config;",
+              "--debug (anywhere) shows the traceback of an error otherwise reported in one line."]
     return "\n".join(lines)
 
 
+DEBUG_FLAG = "--debug"
+"""Anywhere on the command line (or ``IPROX_DEBUG=1``): errors the command line answers in one line (:func:`one_line_errors`)
+keep their traceback."""
+
+
+def one_line_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are about the user's input, not the code, whose message says everything: printed as one
+    ``error: ...`` line on stderr (exit status 2) instead of a traceback. A hub id that cannot be reached
+    (:class:`~iprox_lightning.models.hub.SourceUnreachable`)."""
+    from .models.hub import SourceUnreachable
+
+    return (SourceUnreachable,)
+
+
 def main(args: list[str] | None = None):
-    from .commands import COMMANDS, command
+    import os
 
     argv = list(sys.argv[1:] if args is None else args)
+    debug = DEBUG_FLAG in argv or os.environ.get("IPROX_DEBUG", "").lower() in ("1", "true", "yes")
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    try:
+        return _run(argv, args)
+    except one_line_errors() as e:
+        if debug:
+            raise
+        print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(argv: list[str], args: list[str] | None):
+    from .commands import COMMANDS, command
+
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         if not argv:
@@ -50,7 +79,7 @@ def main(args: list[str] | None = None):
             return CLI(command(argv[0]), args=argv[1:], as_positional=False)
     from .commands.lightning import run_lightning
 
-    return run_lightning(None if args is None else argv)
+    return run_lightning(None if args is None and argv == sys.argv[1:] else argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

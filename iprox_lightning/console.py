@@ -15,12 +15,23 @@
   torch >= 2.10 marks deprecated (``FutureWarning``) on every fit/predict batch transfer; it is about
   Lightning's code, not this run, so :func:`quiet_lightning_tips` ignores exactly that warning from
   exactly that module.
+* **Inside ``pipeline``** (:func:`quiet_stage`): each stage is one line the pipeline prints (what ran, how long,
+  where it wrote), so Lightning's per-run info lines (``Seed set to``, ``GPU available``, ``TPU available``,
+  ``LOCAL_RANK``, "Loading `train_dataloader` ...", the stages' own "saved ... to" lines) are raised to WARNING
+  for the stage's duration through Lightning's own loggers, and transformers' progress bars are off
+  (``transformers.utils.logging.disable_progress_bar``). Warnings still show. The pipeline also turns the model
+  summary off and the progress bars off unless stderr is a terminal (:func:`interactive`); the project's own bars
+  (IPSVD, validation gradients) follow the Trainer's ``enable_progress_bar``.
+* **transformers' progress bars for local files** (:func:`transformers_bars_off`): "Loading weights" and "Writing
+  model shards" of a local model take a fraction of a second and print two bars each; hub downloads keep theirs.
 """
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar as _ProgressBarBase, TQDMProgressBar
 
@@ -89,3 +100,49 @@ def add_console_callbacks(config: dict[str, Any]) -> dict[str, Any]:
         config["enable_model_summary"] = False
     config["callbacks"] = cbs
     return config
+
+
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+"""The loggers Lightning's info lines go through (``rank_zero_info``, the seed line); :func:`quiet_stage` raises them."""
+
+
+def interactive() -> bool:
+    """Whether progress bars help: stderr is a terminal (not a log file, a pipe or a test's capture)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextmanager
+def transformers_bars_off() -> Iterator[None]:
+    """transformers' (and huggingface_hub's) tqdm bars off inside the block, restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def quiet_stage() -> Iterator[None]:
+    """Lightning's per-run info lines and transformers' progress bars off inside the block (see the module doc);
+    warnings and errors still show. Levels are restored after."""
+    saved = [(lg, lg.level) for lg in map(logging.getLogger, LIGHTNING_LOGGERS)]
+    for lg, _ in saved:
+        lg.setLevel(logging.WARNING)
+    try:
+        with transformers_bars_off():
+            yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
+def show_progress(trainer) -> bool:
+    """The project's own progress bars inside a Trainer run: on rank 0 when the Trainer shows its progress bar."""
+    return bool(trainer.is_global_zero and getattr(trainer, "progress_bar_callback", None) is not None)

@@ -97,6 +97,37 @@ def _check_output(out: Path, src: Path, pool) -> None:
                              "take the selection for pool data; choose another output file")
 
 
+def _suggested_output(out: Path, src: Path) -> Path:
+    """A selection file named after the score table: ``<out dir>/<scoring dir name>.jsonl`` for ``.../<name>/scores.parquet``,
+    else ``<out dir>/<table stem>.jsonl``."""
+    src = Path(src)
+    name = src.parent.name if src.name == "scores.parquet" else src.stem
+    return out.with_name(f"{name}.jsonl")
+
+
+def _check_not_another_selectors(out: Path, src: Path) -> None:
+    """Refuse to replace a selection file that another score table produced (its ``.meta.json`` names it) or whose
+    origin is unknown (no meta): each selector keeps its own file unless ``overwrite`` is set."""
+    if not out.exists():
+        return
+    meta = out.with_name(out.name + ".meta.json")
+    prev = None
+    if meta.is_file():
+        try:
+            prev = json.loads(meta.read_text()).get("scores")
+        except (ValueError, AttributeError):
+            prev = None
+    if prev is not None and Path(prev).resolve() == Path(src).resolve():
+        return  # the same selector again (e.g. another k): its own file
+    suggestion = _suggested_output(out, src)
+    if suggestion.resolve() == out.resolve():
+        suggestion = out.with_name(f"{out.stem}.{Path(src).parent.name or 'new'}.jsonl")
+    origin = f"the selection from {prev}" if prev is not None else "a file of unknown origin (no .meta.json)"
+    raise FileExistsError(
+        f"output {out} already holds {origin}, not from {src}: not overwritten. Pass --output {suggestion} "
+        "(a file of its own), or --overwrite true to replace it")
+
+
 def _norm_text(rec: dict) -> tuple:
     return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
 
@@ -115,6 +146,7 @@ def select(
     skip_flagged: bool = False,
     allow_pool_mismatch: bool = False,
     builtin_size: int | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
     return the output path.
@@ -141,6 +173,9 @@ def select(
             ids would copy records that did not earn the scores.
         builtin_size: size of the ``builtin`` pool (default: the size that was scored, from the score table's
             settings; else 2000).
+        overwrite: replace ``output`` even when another score table's selection is there (its ``.meta.json`` names
+            the table it came from) or a file of unknown origin; by default only the same table's selection is
+            replaced, so one selector never silently overwrites another's file.
     """
     src, table = _read_scores(scores_path)
     if per_task:
@@ -209,6 +244,8 @@ def select(
 
     out = Path(output)
     _check_output(out, src, pool)
+    if not overwrite:
+        _check_not_another_selectors(out, src)
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
         "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,

@@ -46,7 +46,8 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     for task in ("addition", "uppercase"):
         for sel, table in (("target", "target"), ("iprox@0.5", fv2.dir_name(VARIANT))):
             ref = select(str(fidelity_dir / "scores" / table / "scores.parquet"), k=6, rule="mean", task=task,
-                         pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / "ref.jsonl"), quiet=True)
+                         pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / "ref.jsonl"), quiet=True,
+                         overwrite=True)  # a scratch reference, one table after the other
             got = out / "selections" / f"{fv2.dir_name(f'{task}/{sel}')}.jsonl"
             assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
     # the length sort: the 6 shortest scored responses (ties by id), one subset for both tasks

@@ -85,6 +85,9 @@ def test_chat_messages(tmp_path):
 def test_hub_id(monkeypatch):
     import datasets
 
+    import iprox_lightning.models.hub as hub
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: (True, "huggingface.co"))  # as if online
     calls = []
 
     def fake_load(name, split=None, **kw):
@@ -113,6 +116,23 @@ def test_hub_id(monkeypatch):
     with pytest.raises(DataFormatError, match=r"'owner/missing' is not an existing file or directory and could not be "
                                               r"loaded as a Hugging Face dataset .*ConnectionError: no internet"):
         read_records("owner/missing")
+
+
+def test_unreachable_hub_data_set_fails_at_once(monkeypatch):
+    """No network (this machine has none; forced here): one line naming the id and the offline alternatives, before
+    datasets.load_dataset's half-minute of retries."""
+    import datasets
+
+    import iprox_lightning.models.hub as hub
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: (False, "huggingface.co"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset must not be tried"))
+    with pytest.raises(hub.SourceUnreachable) as e:
+        read_records("foo/bar")
+    assert str(e.value) == (
+        "data source 'foo/bar': data set 'foo/bar' is not a local file or directory, not in the Hugging Face cache, "
+        "and huggingface.co cannot be reached within 3 s: pass a local JSONL / JSON / Parquet file or a directory of "
+        "them, or download it first (with HF_HUB_OFFLINE=1 the cache is used)")
 
 
 def test_write_roundtrip(tmp_path):

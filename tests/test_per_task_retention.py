@@ -211,23 +211,19 @@ def test_pipeline_summary_reports_each_validation_task(demo, capsys):
         json.dumps(per_task))
 
 
-def test_check_reports_each_validation_task(demo, tmp_path, monkeypatch, capsys):
-    import iprox_lightning.scoring as scoring
+def test_check_reports_each_validation_task(demo, tmp_path, capsys):
     from iprox_lightning.cli import main
+    from iprox_lightning.scoring import ScoreTable
 
     wd, _ = demo
-    tables = []  # every score table check computes: target, proxy, layer extraction
-    real = scoring.influence_scores
-
-    def spy(*a, **kw):
-        tables.append(real(*a, **kw))
-        return tables[-1]
-
-    monkeypatch.setattr(scoring, "influence_scores", spy)
     row = main(["check", "--target", str(wd / "warmup" / "model"), "--proxy", str(wd / "proxy" / "model"),
                 "--sample", "60", "--output", str(tmp_path / "check.json")])
-    rows = json.loads((tmp_path / "check.json").read_text())
-    assert [r["proxy"] for r in rows][:2] == ["proxy (tracin)", "length sort (shortest first)"] and len(tables) == 3
+    result = json.loads((tmp_path / "check.json").read_text())
+    # every score table check computed, saved as it was done: target, proxy, layer extraction
+    paths = {e["model"]: e["path"] for e in result["cache"] if e["what"] == "scores"}
+    tables = [ScoreTable.load(paths[who]) for who in ("target", "proxy", "layer_extraction")]
+    rows = result["rows"]
+    assert [r["proxy"] for r in rows][:2] == ["proxy (tracin)", "length sort (shortest first)"] and len(rows) == 3
     target = per_task_scores(tables[0])
     lengths = {i: float(n) for i, n in zip(tables[0].ids, tables[0].n_tokens)}  # response tokens, like check's
     tasks = ["addition", "uppercase"]

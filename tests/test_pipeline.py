@@ -1,5 +1,7 @@
 """The whole method end to end on the built-in data, through the same configs users run."""
 import json
+import shlex
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +51,41 @@ EXPECTED = {
 TOPK = {"top1%": 20, "top5%": 100, "top10%": 200}  # k on the 2000-example pool
 
 
+OUTPUT: dict = {}  # what the module's pipeline run printed (test_pipeline_output_is_one_line_per_stage)
+
+
+@contextmanager
+def captured_output():
+    """Everything the process prints through Python while the block runs: ``print``, tqdm (stderr at creation),
+    every plain ``logging.StreamHandler`` (Lightning's holds the stderr of import time), the last-resort handler, and
+    the warnings shown (``record``): ``(buffer, warnings list)``."""
+    import io
+    import logging
+    import warnings
+    from contextlib import redirect_stderr, redirect_stdout
+
+    buf = io.StringIO()
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    handlers = {id(h): h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler}.values()
+    saved = [(h, h.setStream(buf)) for h in handlers]
+    try:
+        with redirect_stdout(buf), redirect_stderr(buf), warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("default")  # as a user's run: each distinct warning once
+            warnings.filterwarnings("ignore", category=DeprecationWarning)  # hidden outside __main__ too
+            warnings.filterwarnings("ignore", category=PendingDeprecationWarning)
+            yield buf, shown
+    finally:
+        for h, stream in saved:
+            h.setStream(stream)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     wd = tmp_path_factory.mktemp("pipeline")
-    summary = pipeline(workdir=str(wd))
+    with captured_output() as (buf, shown):
+        summary = pipeline(workdir=str(wd))
+    OUTPUT.update(text=buf.getvalue(), warnings=[f"{w.category.__name__}: {w.message}" for w in shown])
     return wd, summary
 
 
@@ -206,16 +239,44 @@ def test_pipeline_refuses_an_unrecorded_stage_output(tmp_path):
         pipeline(workdir=str(tmp_path))
 
 
+def test_pipeline_output_is_one_line_per_stage(run):
+    """Issue 23.4: one line per stage (what ran, how long, where it wrote), the summary, then the artifacts (paths
+    that exist) and the next command (run as printed by test_proxy_check_and_report_commands); no Lightning
+    boilerplate, progress bar, model summary, transformers bar or warning."""
+    wd, s = run
+    text, lines = OUTPUT["text"], OUTPUT["text"].splitlines()
+    assert OUTPUT["warnings"] == []
+    for noise in ("Seed set", "GPU available", "TPU available", "LOCAL_RANK", "Loading weights", "Writing model shards",
+                  "it/s]", "Sanity Checking", "| Name", "Trainable params", "Warning", "warn", "Traceback", "Loading `"):
+        assert noise not in text, noise
+    stages = [l for l in lines if l.startswith("[pipeline] ")]
+    assert [l.split(":")[0][len("[pipeline] "):] for l in stages] == [
+        "warmup", "build_proxy", "score", "score", "select", "finetune", "finetune", "finetune", "evaluate"]
+    assert stages[0].startswith("[pipeline] warmup: fit warmup.yaml, ") and stages[0].endswith(f" s -> {wd / 'warmup' / 'model'}")
+    assert stages[1].endswith(f" s -> {wd / 'proxy' / 'model'}")
+    assert len(lines) <= 70, len(lines)  # was ~280
+    # the summary ends with the artifacts (each path exists) and the next command
+    tail = lines[lines.index("artifacts:") + 1:]
+    paths = [l.split(" : ", 1)[1] for l in tail[:-2]]
+    assert len(paths) == 8 and all(Path(p).exists() for p in paths), paths
+    assert tail[-2].startswith("next: ") and tail[-1].strip() == s["next_command"]
+    assert s["artifacts"]["proxy's selection"] == str(wd / "selected" / "proxy.jsonl")
+    # no redundant Lightning checkpoints (optimizer state) next to the saved models
+    assert list(wd.rglob("*.ckpt")) == []
+
+
 def test_proxy_check_and_report_commands(run, capsys, tmp_path):
     wd, s = run
-    row = main(["check", "--target", str(wd / "warmup" / "model"), "--proxy", str(wd / "proxy" / "model"),
-                "--sample", "120", "--output", str(tmp_path / "check.json")])
-    assert row["n"] == 120 and row["spearman"] > 0.8
-    assert json.loads((tmp_path / "check.json").read_text())[0]["spearman"] == row["spearman"]
+    # the summary's next command, as printed (a smaller sample and the result in tmp_path added)
+    args = shlex.split(s["next_command"])
+    assert args[:3] == ["python", "train.py", "check"]
+    row = main(args[2:] + ["--sample", "120", "--output", str(tmp_path / "check.json")])
+    assert row["n"] == 120 and isinstance(row["n"], int) and row["spearman"] > 0.8
+    assert json.loads((tmp_path / "check.json").read_text())["rows"][0]["spearman"] == row["spearman"]
     assert -1 <= row["length_floor"] <= 1 and -1 <= row["spearman_length_partialled"] <= 1
     # the free baselines on the same sample: length sort (its Spearman is the length floor) and Layer
     # Extraction of the target at the proxy's achieved sparsity
-    table = json.loads((tmp_path / "check.json").read_text())
+    table = json.loads((tmp_path / "check.json").read_text())["rows"]
     names = [r["proxy"] for r in table]
     assert names[1] == "length sort (shortest first)" and names[2].startswith("layer extraction (ρ=0.")
     assert table[1]["spearman"] == pytest.approx(row["length_floor"])

@@ -154,7 +154,7 @@ def retention_metrics(
     """
     ids, p, t = align_scores(proxy, target)
     out: dict[str, float] = {
-        "n": float(len(ids)),
+        "n": len(ids),
         "pearson": pearson(p, t),
         "spearman": spearman(p, t),
         "kendall": kendall(p, t) if len(ids) > 1 else float("nan"),

@@ -150,7 +150,9 @@ class IPSVDCallback(Callback):
             if self.config.method == "ipsvd":
                 raise
             loader = None  # svd / random need no probes (the report then has no objective)
-        self.report = compress(model, loader, self.config, progress=trainer.is_global_zero)
+        from ..console import show_progress
+
+        self.report = compress(model, loader, self.config, progress=show_progress(trainer))
         pl_module.ipsvd_report = self.report
         self._broadcast_factors(trainer, model)
         rank_zero_info(f"IPSVDCallback: {self.report.summary()}")

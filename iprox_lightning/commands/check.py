@@ -1,17 +1,24 @@
-"""Check a proxy before trusting it: score a random pool sample with the target and the proxy, print retention.
+"""Check a proxy before trusting it: score a pool sample with the target and the proxy, print retention and a verdict.
 
-The sample is scored with TracIn or K-FAC (:func:`~iprox_lightning.scoring.influence_scores`); the table holds
-Spearman / Pearson / Kendall and top-1/5/10% overlap, with response length partialled out, next to the free
-baselines (length sort, Layer Extraction at the proxy's sparsity), then the same per validation task (Spearman,
-length-partialled Spearman, top-5/10% overlap of each task's top-k, and the worst task). A bad proxy is caught in
-minutes.
+The sample is scored with TracIn or K-FAC (:class:`~iprox_lightning.scoring.InfluenceScorer`) against a
+**stratified validation sample**: ``val_per_task`` examples per validation task, drawn with ``seed``
+(:func:`~iprox_lightning.data.splits.sample_per_task`; the ids are recorded). The table holds Spearman / Pearson /
+Kendall and top-1/5/10% overlap, with response length partialled out, next to the free baselines (length sort, Layer
+Extraction at the proxy's sparsity), then the same per validation task and a one-line verdict with the next step
+(:func:`~iprox_lightning.analysis.verdict.check_verdict`).
+
+Cost: validation gradients are computed once per model and kept under ``<output_dir>/cache/validation/`` by
+fingerprint (model files, validation sample, tokenization, tracked layers), each model's score table under
+``<output_dir>/cache/scores/`` as soon as it is done (:mod:`iprox_lightning.scoring.check_cache`): a re-run, a second
+proxy or another ``--method`` reuses what it can, an interrupted check resumes. After the first batch a time
+estimate for the rest is printed (that batch's seconds per padded token, times the tokens left).
 """
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
@@ -25,16 +32,60 @@ def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
                       collate_fn=SFTCollator(dm.pad_token_id), shuffle=False)
 
 
-def _proxy_sparsity(proxy: str) -> float | None:
-    """Achieved sparsity of the targeted layers of a saved IProX proxy (``None`` for any other model)."""
+def _proxy_manifest(proxy: str) -> dict | None:
     from ..io.proxy import PROXY_MANIFEST
 
     path = Path(proxy) / PROXY_MANIFEST
-    if not path.is_file():
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _proxy_sparsity(proxy: str) -> float | None:
+    """Achieved sparsity of the targeted layers of a saved IProX proxy (``None`` for any other model)."""
+    m = _proxy_manifest(proxy)
+    if m is None:
         return None
-    m = json.loads(path.read_text())
     before, after = m.get("target_params_before"), m.get("target_params_after")
     return 1.0 - after / before if before and after is not None else m.get("sparsity")
+
+
+class _Estimate:
+    """Prints, once: the seconds per padded token of one measured batch x the padded tokens still to process. The
+    measured batch is the second of a loop (the first one also pays one-time costs: allocation, hooks), or the first
+    when its loop has only one."""
+
+    def __init__(self, total_tokens: int, describe: str) -> None:
+        self.left = total_tokens
+        self.describe = describe
+        self.printed = False
+        self.estimate_s: float | None = None
+
+    def timed(self, batches, who: str, what: str):
+        from ..scoring.check_cache import batch_tokens
+
+        n_batches = len(batches) if hasattr(batches, "__len__") else None
+        it = iter(batches)
+        j = 0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                return
+            yield b  # the consumer processes the batch before asking for the next one
+            n = batch_tokens(b)
+            j += 1
+            if not self.printed and n and (j == 2 or n_batches == 1):
+                s = time.perf_counter() - t0
+                self.estimate_s = s / n * max(self.left - n, 0)
+                self.printed = True
+                print(f"check: one {who} batch ({what}, {len(b['id'])} examples, {n} padded tokens) took {s:.1f} s; "
+                      f"estimate for the rest: ~{_duration(self.estimate_s)} ({self.describe}; the proxies are "
+                      "smaller than the target, so this is rather an upper bound)", flush=True)
+            self.left -= n
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
 
 
 def check(
@@ -44,14 +95,17 @@ def check(
     validation: str = "builtin",
     tokenizer: str | None = None,
     sample: int = 200,
+    val_per_task: int | None = 16,
     method: str = "tracin",
     max_length: int = 256,
     batch_size: int = 8,
     seed: int = 0,
+    output_dir: str | None = None,
     output: str | None = None,
     layer_extraction: bool = True,
 ) -> dict[str, Any]:
-    """Score ``sample`` random pool examples with ``target`` and ``proxy``; print the retention table.
+    """Score ``sample`` random pool examples with ``target`` and ``proxy`` against ``val_per_task`` validation
+    examples per task; print the retention table, the per-task table and a verdict.
 
     Besides Spearman / Kendall / top-k overlap the row holds ``length_floor`` (how well ranking by
     response length alone, shortest first, matches the target) and ``spearman_length_partialled``
@@ -60,20 +114,29 @@ def check(
     gradient of every validation example, so the largest task dominates it: each row also holds ``per_task``
     (:func:`~iprox_lightning.analysis.retention.per_task_retention` of the per-task scores: Spearman,
     length-partialled Spearman, top-5% / top-10% overlap per validation task) and ``worst_task`` (the minimum over
-    tasks); the length sort ranks every task by length.
+    tasks); the length sort ranks every task by length. The verdict
+    (:func:`~iprox_lightning.analysis.verdict.check_verdict`) says "use this proxy" when it beats every free baseline
+    on every task, else which baseline does as well on which task, and the next step to try.
 
     Args:
         target: the target model (hub id, dir, ``.gguf``, ``builtin``).
         proxy: the proxy (saved IProX proxy dir, or any causal LM).
         pool: the candidate pool the sample is drawn from (any source ``SFTDataModule`` reads).
-        validation: the validation sets (any source ``SFTDataModule`` reads).
+        validation: the validation sets (any source ``SFTDataModule`` reads; ``eval:<dir>`` for the paper's suites).
         tokenizer: defaults to the target's.
         sample: number of random pool examples to score.
+        val_per_task: validation examples per task, drawn with ``seed`` (stratified; a task with fewer keeps all;
+            ``None``: every validation example). The validation gradients cost about as much per example as
+            scoring one pool example, once per model.
         method: ``tracin`` or ``kfac``.
         max_length: token cap per example.
         batch_size: examples per batch.
-        seed: seed of the random sample.
-        output: optional JSON path for the table.
+        seed: seed of the pool sample and of the validation sample.
+        output_dir: where the result (``check.json``) and the cache (``cache/``: validation gradients and score
+            tables by fingerprint, reused by a later check) are written (default: the folder of ``output``, else
+            ``outputs/check``).
+        output: the result JSON (default ``<output_dir>/check.json``): ``rows`` (the table), ``verdict``, the
+            validation sample (``seed``, ``val_per_task``, ids per task) and what was computed or reused.
         layer_extraction: also score the free baselines on the same sample — ``length sort`` (shortest
             response first, model-free) and, for an IProX proxy directory, Layer Extraction of the target at
             the proxy's achieved sparsity (same parameter budget) — as extra rows. A proxy worth using beats
@@ -81,25 +144,83 @@ def check(
     """
     from ..analysis.retention import format_per_task, length_confound, per_task_retention, per_task_scores, worst_task
     from ..analysis.tables import format_table, retention_rows
+    from ..analysis.verdict import check_verdict
     from ..baselines.random_selection import random_subset
     from ..batch import token_counts
     from ..data import SFTDataModule
-    from ..models.loading import load_model
-    from ..scoring import influence_scores
+    from ..io.fingerprint import loader_digest, source_identity
+    from ..scoring.check_cache import CheckCache, padded_tokens
+    from ..scoring.influence import ScoringConfig
+
+    if sample < 1:
+        raise ValueError(f"sample must be >= 1, got {sample}")
+    if val_per_task is not None and val_per_task < 1:
+        raise ValueError(f"val_per_task must be >= 1 or null (every validation example), got {val_per_task}")
+    config = ScoringConfig(method=method)  # checks the method before anything is loaded
+    out_dir = Path(output_dir) if output_dir else (Path(output).parent if output else Path("outputs/check"))
+    result_path = Path(output) if output else out_dir / "check.json"
+    cache = CheckCache(out_dir / "cache")
 
     dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or target, max_length=max_length,
-                       batch_size=batch_size, seed=seed)
+                       batch_size=batch_size, seed=seed, val_per_task=val_per_task)
     dm.setup("predict")
     ids = dm.ids("pool")
     chosen = random_subset(ids, min(1.0, sample / max(len(ids), 1)), seed=seed)[:sample]
+    val_ds = dm.dataset("validation")
+    val_sample: dict[str, list[str]] = {}
+    for it in (val_ds[i] for i in range(len(val_ds))):
+        val_sample.setdefault(str(it["task"]), []).append(str(it["id"]))
+    val_digest = loader_digest(dm.validation_dataloader())
+    pool_digest = loader_digest(_sample_loader(dm, "pool", chosen, batch_size))
+    print(f"check: {len(chosen)} random pool examples, validation sample of {len(val_ds)} examples "
+          f"({', '.join(f'{t} {len(v)}' for t, v in val_sample.items())}; val_per_task {val_per_task}, seed {seed}); "
+          f"cache {cache.root}", flush=True)
+
+    le_rho = _proxy_sparsity(proxy) if layer_extraction else None
+    target_id = source_identity(target)
+    scorer_settings = {"per_task": config.per_task, "target_patterns": config.target_patterns,
+                       "max_length": max_length}
+    models: dict[str, tuple[Any, Callable]] = {"target": (target_id, lambda: _load(target)),
+                                                "proxy": (source_identity(proxy), lambda: _load(proxy))}
+    if le_rho is not None:
+        def build_le():
+            from ..baselines.layer_extraction import layer_extraction_proxy
+
+            model = _load(target)
+            le, _ = layer_extraction_proxy(model, dm.dataloader("probe"), sparsity=le_rho, progress=False)
+            return le
+        models["layer_extraction"] = ({"layer_extraction_of": target_id, "sparsity": le_rho,
+                                       "probe": loader_digest(dm.dataloader("probe"))}, build_le)
+
+    # what is left to compute (for the estimate)
+    val_tokens = padded_tokens([len(val_ds[i]["input_ids"]) for i in range(len(val_ds))], dm.eval_batch_size)
+    pool_ds = dm.dataset("pool")
+    index = {i: k for k, i in enumerate(pool_ds.ids)}
+    pool_tokens = padded_tokens([len(pool_ds[index[i]]["input_ids"]) for i in chosen], batch_size)
+    fps, todo = {}, 0
+    for who, (identity, _) in models.items():
+        vfp = cache.validation_fingerprint(identity, val_digest, scorer_settings)
+        sfp = cache.scores_fingerprint(vfp, pool_digest, config.to_dict(), batch_size)
+        fps[who] = (vfp, sfp)
+        if not cache.scores_path(sfp).is_file():
+            todo += pool_tokens * (2 if method == "kfac" else 1)
+            if not cache.validation_path(vfp).is_file():
+                todo += val_tokens
+    estimate = _Estimate(todo, f"{len(models)} models, the cached parts skipped")
+
     tables, seconds = {}, {}
-    for name, path in (("target", target), ("proxy", proxy)):
-        model, _ = load_model(path, tokenizer=False)
+    for who, (_, load) in models.items():
+        vfp, sfp = fps[who]
         t0 = time.perf_counter()
-        tables[name] = influence_scores(model, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
-                                        metric=method)
-        seconds[name] = time.perf_counter() - t0
-        del model
+        table = cache.load_scores(sfp, who)
+        if table is None:
+            table = _score(who, load(), cache, vfp, sfp, config, dm, chosen, batch_size, estimate)
+        seconds[who] = time.perf_counter() - t0
+        tables[who] = table
+        ev = [e for e in cache.events if e["model"] == who]
+        print(f"check: {who}: " + ", ".join(f"{e['what']} {e['action']}" for e in ev)
+              + f" ({seconds[who]:.1f} s) -> {cache.scores_path(sfp)}", flush=True)
+
     lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
     others: dict[str, dict[str, float]] = {}
     task_maps = {"proxy": per_task_scores(tables["proxy"])}  # id -> {task: score} of every row
@@ -108,19 +229,9 @@ def check(
     if layer_extraction:
         others["length sort (shortest first)"] = {i: -float(v) for i, v in lengths.items()}
         task_maps["length sort (shortest first)"] = {i: dict.fromkeys(names, -float(v)) for i, v in lengths.items()}
-        le_rho = _proxy_sparsity(proxy)
-        if le_rho is not None:
-            from ..baselines.layer_extraction import layer_extraction_proxy
-
-            model, _ = load_model(target, tokenizer=False)
-            le, _ = layer_extraction_proxy(model, dm.dataloader("probe"), sparsity=le_rho, progress=False)
-            t0 = time.perf_counter()
-            le_table = influence_scores(le, _sample_loader(dm, "pool", chosen, batch_size), dm.validation_dataloader(),
-                                        metric=method)
-            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(le_table)
-            task_maps[f"layer extraction (ρ={le_rho:.2f})"] = per_task_scores(le_table)
-            seconds["layer_extraction"] = time.perf_counter() - t0
-            del model, le
+        if "layer_extraction" in tables:
+            others[f"layer extraction (ρ={le_rho:.2f})"] = dict(tables["layer_extraction"])
+            task_maps[f"layer extraction (ρ={le_rho:.2f})"] = per_task_scores(tables["layer_extraction"])
     rows = retention_rows(dict(tables["target"]), {f"proxy ({method})": dict(tables["proxy"]), **others})
     rows[0]["target_s"] = seconds["target"]
     rows[0]["proxy_s"] = seconds["proxy"]
@@ -129,6 +240,7 @@ def check(
         if names:
             r["per_task"] = per_task_retention(tm, t_tasks, lengths, tasks=names)
             r["worst_task"] = worst_task(r["per_task"])
+    verdict = check_verdict(rows, manifest=_proxy_manifest(proxy), target=target)
     print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
     columns = list(dict.fromkeys(c for r in rows for c in r if c not in ("per_task", "worst_task")))
     print(format_table(rows, columns))
@@ -137,7 +249,57 @@ def check(
         for r in rows:
             print(f"{r['proxy']}:")
             print("\n".join(format_per_task(r["per_task"])))
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(rows, indent=2))
-    return rows[0]
+    print(f"\nverdict: {verdict['verdict']}")
+    if verdict["next_step"]:
+        print(f"next step: {verdict['next_step']}")
+    result = {"rows": rows, "verdict": verdict, "target": target, "proxy": proxy, "method": method,
+              "sample": len(chosen), "seed": seed, "max_length": max_length,
+              "validation": {"source": validation, "val_per_task": val_per_task, "seed": seed,
+                             "counts": {t: len(v) for t, v in val_sample.items()}, "ids": val_sample},
+              "cache": cache.events, "seconds": seconds, "estimate_s": estimate.estimate_s}
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path.write_text(json.dumps(result, indent=2, default=_json_default))
+    print(f"check: wrote {result_path}")
+    return {**rows[0], "verdict": verdict["verdict"], "use": verdict["use"]}
+
+
+def _json_default(v):
+    import numpy as np
+
+    if isinstance(v, np.generic):
+        return v.item()
+    return str(v)
+
+
+def _load(path: str):
+    from ..models.loading import load_model
+
+    model, _ = load_model(path, tokenizer=False)
+    return model
+
+
+def _score(who, model, cache, vfp, sfp, config, dm, chosen, batch_size, estimate):
+    """Validation gradients (cached or computed and cached), then the pool sample's scores (cached when done)."""
+    from ..console import interactive
+    from ..scoring.features import progress_bar
+    from ..scoring.influence import InfluenceScorer, _table_from_parts
+
+    show = interactive()  # progress bars on a terminal only
+
+    def timed(loader, what):
+        return progress_bar(estimate.timed(loader, who, what), show, f"{who}: {what}", total=len(loader))
+
+    t0 = time.perf_counter()
+    scorer = InfluenceScorer(model, config)
+    pool = lambda: _sample_loader(dm, "pool", chosen, batch_size)  # noqa: E731
+    scorer.stats.update(scorer.metric.fit(model, scorer.modules, [v.key for v in scorer.linears],
+                                          timed(pool(), "K-FAC factors") if config.method == "kfac" else pool(),
+                                          dtype=scorer.dtype, progress=False))
+    if not cache.load_validation(scorer, vfp, who):
+        scorer.collect_validation(timed(dm.validation_dataloader(), "validation gradients"))
+        cache.save_validation(scorer, vfp, who)
+    scorer.finalize()
+    parts = [scorer.score_batch(b) for b in timed(pool(), "scoring")]
+    table = _table_from_parts(parts, scorer.task_names, scorer.settings())
+    cache.save_scores(table, sfp, who, time.perf_counter() - t0)
+    return table

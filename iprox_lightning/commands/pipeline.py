@@ -104,6 +104,7 @@ def pipeline(
 
     wd = Path(workdir)
     check_arguments(wd, sparsity, select_fraction, method)
+    check_sources(target, pool, validation)
     from ..io.scores import ScoreDirLock
 
     with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
@@ -130,6 +131,19 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
         raise ValueError(f"method: {e}") from None
 
 
+def check_sources(target: str, pool, validation) -> None:
+    """Refuse at once a hub id that is neither cached nor reachable (before: the warm-up started, then a traceback)."""
+    from ..data.sources import is_hub_id, parse_hub_id
+    from ..models.hub import check_dataset_source, check_model_source
+
+    if isinstance(target, str):
+        check_model_source(target, "target model")
+    for what, src in (("pool", pool), ("validation", validation)):
+        for s in ([src] if isinstance(src, str) else list(src or []) if isinstance(src, (list, tuple)) else []):
+            if isinstance(s, str) and s != "builtin" and not s.startswith("eval:") and is_hub_id(s):
+                check_dataset_source(parse_hub_id(s)[0], f"{what} {s!r}: data set")
+
+
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
               demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, run_lightning,
               select) -> dict[str, Any]:
@@ -142,7 +156,11 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     times_path = wd / "seconds_per_stage.json"
     times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() and not force else {}
     data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
-    trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning")}
+    from ..console import interactive, quiet_stage
+
+    # one line per stage (below): no model summary, and progress bars only on a terminal
+    trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning"),
+                      "enable_model_summary": False, "enable_progress_bar": interactive()}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
 
     from ..data.eval_validation import parse_eval_source
@@ -179,11 +197,13 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
                 clear_output(done.parent)
         configs.append(_write_overlay(run_cfg / f"{key.replace(':', '_')}.yaml", overlay))
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
-        print(f"[pipeline] {key}: python train.py " + " ".join(args))
+        log.info("stage %s: python train.py %s", key, " ".join(args))
         t0 = time.perf_counter()
-        run_lightning(args)
+        with quiet_stage():  # Lightning's per-run lines off: this stage is the one line below
+            run_lightning(args)
         ledger.record(key, output)
         times[key] = time.perf_counter() - t0
+        print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
         times_path.parent.mkdir(parents=True, exist_ok=True)
         times_path.write_text(json.dumps(times, indent=2))
 
@@ -238,6 +258,8 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
                                     pool=pool, quiet=True, builtin_size=data_args.get("builtin_size"),
                                     output=str(wd / "selected" / f"{who}.jsonl")))
     times["select"] = time.perf_counter() - t0
+    print(f"[pipeline] select: top {select_fraction:g} by the target's, the proxy's and random scores, "
+          f"{times['select']:.1f} s -> {wd / 'selected'}", flush=True)
 
     # 5. fine-tune the warmed-up target on each selection, evaluate each on held-out examples -----
     effect = None
@@ -255,8 +277,11 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
         from ..selection_effect import selection_effect
 
         t0 = time.perf_counter()
-        effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args)
+        with quiet_stage():
+            effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args)
         times["evaluate"] = time.perf_counter() - t0
+        print(f"[pipeline] evaluate: the warmed-up target and its three fine-tuned copies on held-out examples, "
+              f"{times['evaluate']:.1f} s -> {wd / 'summary.json'}", flush=True)
 
     # 6. summary --------------------------------------------------------------------------------
     summary = _summary(wd, warm, proxy, scores, selected, times, pool)
@@ -266,9 +291,37 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     summary.update(pipeline_provenance(ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
     if effect is not None:
         summary["selection_effect"] = effect
+    summary["artifacts"] = _artifacts(wd, finetune)
+    summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args)
     (wd / "summary.json").write_text(json.dumps(summary, indent=2))
     print(_format_summary(summary))
     return summary
+
+
+def _artifacts(wd: Path, finetune: bool) -> dict[str, str]:
+    """What the pipeline leaves for the user, by what it is (every path exists when the summary is printed)."""
+    out = {"warmed-up target": wd / "warmup" / "model", "proxy": wd / "proxy" / "model",
+           "proxy's scores": wd / "scores" / "proxy" / "scores.parquet",
+           "target's scores": wd / "scores" / "target" / "scores.parquet",
+           "proxy's selection": wd / "selected" / "proxy.jsonl"}
+    if finetune:
+        out["fine-tuned on it"] = wd / "finetune" / "proxy" / "model"
+    out.update({"summary": wd / "summary.json", "stage configs": wd / "configs"})
+    return {k: str(v) for k, v in out.items()}
+
+
+def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args: dict) -> str:
+    """``train.py check`` of this run's proxy against its warmed-up target, on the same pool and validation sets."""
+    import shlex
+
+    args = ["python", "train.py", "check", "--target", str(warm), "--proxy", str(proxy)]
+    for flag, value in (("--pool", pool), ("--validation", validation)):
+        if value != "builtin":
+            args += [flag, value if isinstance(value, str) else json.dumps(value)]
+    if data_args.get("max_length"):
+        args += ["--max_length", str(data_args["max_length"])]
+    args += ["--output_dir", str(wd / "check")]
+    return " ".join(shlex.quote(a) for a in args)
 
 
 def _per_task(wd) -> dict[str, Any]:
@@ -305,7 +358,7 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
     if pool == "builtin":
         from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
 
-        ids = {who: [json.loads(l)["id"] for l in open(p) if l.strip()] for who, p in selected.items()}
+        ids = {who: [json.loads(l)["id"] for l in Path(p).read_text().splitlines() if l.strip()] for who, p in selected.items()}
         out["oracle"] = {
             "validation_families": list(BUILTIN_VALIDATION_FAMILIES),
             "base_rate": oracle_share(sorted(scores["target"])),
@@ -361,4 +414,11 @@ def _format_summary(s: dict[str, Any]) -> str:
 
         lines.extend(format_effect(s["selection_effect"]))
     lines.append("=" * 72)
+    if s.get("artifacts"):
+        lines.append("artifacts:")
+        width = max(len(k) for k in s["artifacts"])
+        lines.extend(f"   {k:<{width}} : {v}" for k, v in s["artifacts"].items())
+    if s.get("next_command"):
+        lines.append("next: is the proxy worth using (per-task retention vs the free baselines, a verdict)?")
+        lines.append(f"   {s['next_command']}")
     return "\n".join(lines)

@@ -301,7 +301,7 @@ def tokenize_records(
         chunk = [bound_record(r, max_length * CHARS_PER_TOKEN_BOUND, truncation) for r in records[s : s + chunk_size]]
         texts = [render_chat(r, tokenizer, time_limit=_limit(s + j)) if mode == "chat" else render_plain(r)
                  for j, r in enumerate(chunk)]
-        enc = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+        enc = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False)
         enc_p = tokenizer([t[0] for t in texts], **enc)["input_ids"]
         enc_r = tokenizer([t[1] for t in texts], **enc)["input_ids"]
         for r, p_ids, r_ids in zip(chunk, enc_p, enc_r):

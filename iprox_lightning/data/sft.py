@@ -405,8 +405,11 @@ class SFTDataModule(L.LightningDataModule):
         if hub:
             import datasets
 
+            from ..models.hub import check_dataset_source
+
             for s in hub:
                 name, split = parse_hub_id(s)
+                check_dataset_source(name, f"data source {s!r}: data set")
                 datasets.load_dataset(name, split=split)
 
     def setup(self, stage: str | None = None) -> None:

@@ -88,7 +88,10 @@ def parse_hub_id(source: str) -> tuple[str, str]:
 def _iter_hub(source: str) -> Iterator[tuple[str, Any]]:
     import datasets
 
+    from ..models.hub import check_dataset_source
+
     name, split = parse_hub_id(source)
+    check_dataset_source(name, f"data source {source!r}: data set")
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:

@@ -197,7 +197,9 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str], chat: bool) -> list[lis
     chat-formatted prompts already contain them in the template text."""
     if not texts:
         return []
-    enc = tokenizer(list(texts), add_special_tokens=not chat)
+    # verbose=False: prompts longer than the model's window are cut from the left afterwards (max_prompt_tokens,
+    # reported per suite), so transformers' "sequence length is longer than the specified maximum" is noise
+    enc = tokenizer(list(texts), add_special_tokens=not chat, verbose=False)
     return [list(x) for x in enc["input_ids"]]
 
 
@@ -211,10 +213,10 @@ def continuation_tokens(tokenizer: Any, context: str, continuations: Sequence[st
     The prompt is then extended by the shared prefix and the choice is read from the next-token
     distribution at ``last_ids``. Raises ``ValueError`` otherwise.
     """
-    base = tokenizer(context, add_special_tokens=False)["input_ids"]
+    base = tokenizer(context, add_special_tokens=False, verbose=False)["input_ids"]
     adds = []
     for c in continuations:
-        full = tokenizer(context + c, add_special_tokens=False)["input_ids"]
+        full = tokenizer(context + c, add_special_tokens=False, verbose=False)["input_ids"]
         if full[: len(base)] != base:
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} merges {context[-12:]!r} with {c!r}: the context's "

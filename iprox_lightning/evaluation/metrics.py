@@ -179,3 +179,16 @@ def flatten_results(suite: str, metric: str, values: dict[str, torch.Tensor]) ->
         else:
             out[f"{suite}/{metric}/{k}"] = v
     return out
+
+
+def format_results(results: dict[str, float], title: str = "evaluation") -> str:
+    """One plain table of evaluation results (``flatten_results`` keys, full names): a suite's headline metric, its
+    micro average, then its tasks indented under it. Accuracy-like metrics are percentages as computed."""
+    if not results:
+        return f"{title}: no results"
+    width = max(len(k) for k in results) + 2
+    lines = [f"{title}:", f"  {'metric':<{width}}{'value':>8}"]
+    for k in sorted(results, key=lambda k: (k.split("/")[0], k.count("/"), k)):
+        name = ("  " + k) if k.count("/") > 1 else k
+        lines.append(f"  {name:<{width}}{results[k]:>8.2f}")
+    return "\n".join(lines)

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from .datamodule import SUITES
-from .metrics import flatten_results
+from .metrics import flatten_results, format_results
 
 log = logging.getLogger(__name__)
 _STAGE_PREFIX = {"test": "test", "validate": "val", "fit": "val", "sanity_check": "val"}
@@ -185,4 +185,8 @@ class EvaluationModule(LightningModule):
                 with open(pdir / f"{suite}.jsonl", "w", encoding="utf-8") as f:
                     for r in sorted(recs, key=lambda r: r["id"]):
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        log.info("evaluation results written to %s", out)
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(format_results(results, f"evaluation ({self.model_name})"))
+        rank_zero_info(f"EvaluationModule: saved the metrics to {out / f'{prefix}_metrics.json'}"
+                       + (f" and the predictions to {out / f'{prefix}_predictions'}" if self.save_predictions else ""))

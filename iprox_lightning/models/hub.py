@@ -4,7 +4,10 @@
 retries for about a minute before a long traceback. :func:`check_model_source` answers in a few
 seconds instead: a local path, ``builtin`` or a hub id already in the local cache passes; a path-like
 name that does not exist fails at once (``FileNotFoundError`` naming it); an uncached hub id fails
-with ``ConnectionError`` when the hub's host cannot be reached within ``timeout`` seconds.
+with :class:`SourceUnreachable` (a ``ConnectionError``) when the hub's host cannot be reached within ``timeout``
+seconds. :func:`check_dataset_source` does the same for a data set id (``datasets.load_dataset`` would otherwise
+retry for about half a minute). The command line prints a :class:`SourceUnreachable` as its one line, without a
+traceback (``--debug`` shows it).
 """
 from __future__ import annotations
 
@@ -13,6 +16,11 @@ import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
+
+class SourceUnreachable(ConnectionError):
+    """A model or data set named by a hub id that is neither local, nor cached, nor reachable; the message is one
+    line naming it and the offline alternatives."""
+
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -56,7 +64,36 @@ def check_model_source(name: str, what: str = "model", timeout: float = 3.0) -> 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     reachable, host = (False, "the hub") if offline else hub_reachable(timeout)
     if not reachable:
-        raise ConnectionError(
+        raise SourceUnreachable(
             f"{what} {name!r} is not a local path, not in the Hugging Face cache, and {host} cannot be reached"
             f"{' (HF_HUB_OFFLINE is set)' if offline else f' within {timeout:g} s'}: pass a local directory, a "
-            "`.gguf` file or `builtin`, or download it first")
+            "`.gguf` file or `builtin`, or download it first (with HF_HUB_OFFLINE=1 the cache is used)")
+
+
+def _dataset_in_cache(repo_id: str) -> bool:
+    """A data set id that ``datasets`` or the hub cache holds (a processed copy, or its card)."""
+    try:
+        import datasets
+
+        owner_name = repo_id.replace("/", "___")
+        if any(Path(datasets.config.HF_DATASETS_CACHE).glob(f"{owner_name}*")):
+            return True
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "README.md", repo_type="dataset"), str)
+    except Exception:
+        return False
+
+
+def check_dataset_source(name: str, what: str = "data set", timeout: float = 3.0) -> None:
+    """Raise :class:`SourceUnreachable` at once for a hub data set id that is not cached while the hub cannot be
+    reached (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` set: the cache is all there is); return otherwise."""
+    if _dataset_in_cache(name):
+        return
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    reachable, host = (False, "the hub") if offline else hub_reachable(timeout)
+    if not reachable:
+        raise SourceUnreachable(
+            f"{what} {name!r} is not a local file or directory, not in the Hugging Face cache, and {host} cannot be "
+            f"reached{' (offline mode is set)' if offline else f' within {timeout:g} s'}: pass a local JSONL / JSON / "
+            "Parquet file or a directory of them, or download it first (with HF_HUB_OFFLINE=1 the cache is used)")

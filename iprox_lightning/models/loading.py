@@ -134,7 +134,11 @@ def load_model(
     backward through attention (fused SDPA kernels have none); pass ``"sdpa"`` for fast scoring.
     ``use_cache=False`` skips the GGUF safetensors cache. The model is returned in eval mode.
     """
+    from contextlib import nullcontext
+
     from transformers import AutoModelForCausalLM
+
+    from ..console import transformers_bars_off
 
     if isinstance(name_or_path, nn.Module):
         return name_or_path, None
@@ -173,7 +177,8 @@ def load_model(
         cached = gguf_cache_dir(p)
         if use_cache and (cached / "config.json").exists():
             log.info("loading cached float copy of %s from %s", p, cached)
-            model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
+            with transformers_bars_off():
+                model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
             tok = load_tokenizer(str(p)) if tokenizer else None
             return model.eval(), tok
         check_gguf(p)
@@ -194,7 +199,9 @@ def load_model(
     from .hub import check_model_source
 
     check_model_source(name, "model")
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
+    # a local directory loads in a moment: no "Loading weights" bar (a download keeps its bars)
+    with transformers_bars_off() if p.is_dir() else nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
     tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
 

@@ -244,10 +244,15 @@ class CausalLMModule(L.LightningModule):
             kwargs: dict[str, Any] = {"safe_serialization": True}
             if sd is not None:
                 kwargs["state_dict"] = sd
-            self.model.save_pretrained(path, **kwargs)
+            from lightning.pytorch.utilities import rank_zero_info
+
+            from ..console import transformers_bars_off
+
+            with transformers_bars_off():
+                self.model.save_pretrained(path, **kwargs)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
-            log.info("saved %s to %s", type(self.model).__name__, path)
+            rank_zero_info(f"{type(self).__name__}: saved the model ({type(self.model).__name__}) to {path}")
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_model")
         return path

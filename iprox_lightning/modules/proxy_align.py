@@ -305,6 +305,10 @@ class ProxyAlignModule(L.LightningModule):
         if self.proxy is not None:
             self.proxy.train()
         self._fidelity = None  # the fidelity examples and the target's scores: taken anew by each fit
+        if not self.config.align and self._trainer is not None:
+            # IPSVD-only: nothing trains, so Lightning's sanity validation (a double backward per batch) has nothing
+            # to check; the proxy's health line (IPSVDCallback) is its look at held-out data
+            self.trainer.num_sanity_val_steps = 0
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._reshard()  # FSDP2: drop the stale unsharded factors after the optimiser step
@@ -547,8 +551,8 @@ class ProxyAlignModule(L.LightningModule):
         if self._teacher is not None and any(p.requires_grad for p in self._teacher.parameters()):
             raise RuntimeError("ProxyAlignModule: the teacher must be frozen")
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
-        if self.config.lr_schedule == "constant" and self.config.warmup_ratio == 0:
-            return opt
+        if not self.config.align or (self.config.lr_schedule == "constant" and self.config.warmup_ratio == 0):
+            return opt  # IPSVD-only: no step is taken, so a scheduler would only warn that it stepped first
         total = self.trainer.estimated_stepping_batches
         sched = linear_warmup_decay(opt, int(total), self.config.warmup_ratio, self.config.lr_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -588,7 +592,9 @@ class ProxyAlignModule(L.LightningModule):
             if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
                 extra["target_model"] = self.target_source
             save_proxy(proxy, self.tokenizer, path, manifest, **extra)
-            log.info("saved aligned proxy to %s", path)
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"ProxyAlignModule: saved the {'aligned ' if self.config.align else ''}proxy to {path}")
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_proxy")
         return path

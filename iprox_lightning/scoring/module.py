@@ -181,6 +181,8 @@ class InfluenceScoringModule(L.LightningModule):
 
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:
+        from ..console import show_progress
+
         if self.net is None:
             self.configure_model()
         self.scorer = InfluenceScorer(self.net, self.config, metric=self.metric)
@@ -197,7 +199,8 @@ class InfluenceScoringModule(L.LightningModule):
                       "load_dtype": self.hparams.dtype}
         with torch.inference_mode(False), torch.enable_grad():
             self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
-                            progress=rank == 0, factors_dir=self.hparams.factors_dir, factors_fingerprint=fac_fp)
+                            progress=show_progress(self.trainer), factors_dir=self.hparams.factors_dir,
+                            factors_fingerprint=fac_fp)
         st = self.scorer.settings()
         prepare_s = time.perf_counter() - t0
         log.info("influence scoring prepared in %.1fs: %s", prepare_s, st)

@@ -171,7 +171,9 @@ class InfluenceWriter(BasePredictionWriter):
             if scorer is not None:
                 extra["scorer"] = scorer.settings()
             self.merged_path = merge_shards(self.output_dir, extra)
-            log.info("InfluenceWriter: merged scores -> %s", self.merged_path)
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"InfluenceWriter: saved the scores to {self.merged_path}")
         trainer.strategy.barrier()
         self.merged_path = str(self.output_dir / SCORES_FILE) if self.merge else None
         self._unlock()

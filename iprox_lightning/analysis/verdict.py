@@ -1,0 +1,114 @@
+"""The verdict of a proxy check: use this proxy, or which free baseline does as well, on which task, and what to try.
+
+:func:`check_verdict` reads the rows ``train.py check`` computes (the proxy's first, then the free baselines: the
+length sort and, for an IProX proxy, Layer Extraction at its sparsity), each with a per-task table
+(:func:`~.retention.per_task_retention`). The rule, per validation task (the pooled row when there are no tasks):
+
+* a baseline **does as well** on a task when its Spearman with the target's scores is at least the proxy's minus
+  ``margin`` (default 0: a tie counts against the proxy, which costs a build and a scoring run; the baselines are
+  free);
+* **use this proxy** when no baseline does as well on any task, else **do not use it yet**, naming each task and
+  baseline with both numbers.
+
+The next step follows from what lost and what the proxy manifest (``iprox_proxy.json``) records, first match wins:
+not aligned -> align it; built from another model than the checked target -> rebuild it from the warmed-up target;
+Layer Extraction does as well -> keep more rank (lower sparsity) or align longer at the recorded learning rate; only
+the length sort does as well -> the target's own ranking follows response length: warm the target up first (or
+align longer).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+LENGTH_SORT = "length sort"
+LAYER_EXTRACTION = "layer extraction"
+
+
+def _baseline_label(name: str) -> str:
+    low = name.lower()
+    if low.startswith(LENGTH_SORT):
+        return "the length sort"
+    if low.startswith(LAYER_EXTRACTION):
+        return "Layer Extraction" + name[len(LAYER_EXTRACTION):]
+    return name
+
+
+def _spearman_by_task(row: Mapping[str, Any]) -> dict[str, float]:
+    per_task = row.get("per_task") or {}
+    if per_task:
+        return {t: float(m["spearman"]) if m.get("spearman") is not None else math.nan for t, m in per_task.items()}
+    return {"pooled": float(row["spearman"]) if row.get("spearman") is not None else math.nan}
+
+
+def check_verdict(rows: Sequence[Mapping[str, Any]], *, manifest: Mapping[str, Any] | None = None,
+                  target: str | None = None, margin: float = 0.0) -> dict[str, Any]:
+    """``{"use": bool, "verdict": one line, "next_step": one line or None, "as_good": [{"task", "baseline",
+    "baseline_spearman", "proxy_spearman"}, ...]}`` for check rows (``rows[0]`` the proxy, the rest baselines).
+
+    ``manifest``: the proxy's ``iprox_proxy.json`` (``None`` for a model that is not an IProX proxy); ``target``:
+    the checked target (to notice a proxy built from another model). A task where the proxy's Spearman is undefined
+    (NaN) counts as lost to every baseline with a defined one.
+    """
+    if not rows:
+        raise ValueError("check_verdict: no rows")
+    proxy, baselines = rows[0], list(rows[1:])
+    p_tasks = _spearman_by_task(proxy)
+    as_good = []
+    for b in baselines:
+        b_tasks = _spearman_by_task(b)
+        for task, p in p_tasks.items():
+            v = b_tasks.get(task, math.nan)
+            if math.isnan(v):
+                continue
+            if math.isnan(p) or v >= p - margin:
+                as_good.append({"task": task, "baseline": b["proxy"], "baseline_spearman": v, "proxy_spearman": p})
+    if not as_good:
+        worst = min(p_tasks, key=lambda t: (p_tasks[t] if not math.isnan(p_tasks[t]) else -2.0))
+        best_b = max((_spearman_by_task(b).get(worst, math.nan) for b in baselines), default=math.nan,
+                     key=lambda v: -2.0 if math.isnan(v) else v)
+        against = (" and ".join(_baseline_label(b["proxy"]) for b in baselines) if baselines else "no baseline")
+        vs = f" vs {best_b:.2f} for the best baseline" if not math.isnan(best_b) else ""
+        where = f"worst task {worst}" if worst != "pooled" else "pooled"
+        return {"use": True, "as_good": [], "next_step": None,
+                "verdict": f"use this proxy: it ranks closer to the target than {against} on every task "
+                           f"({where}: Spearman {p_tasks[worst]:.2f}{vs})"}
+    parts = [f"{_baseline_label(a['baseline'])} on {a['task']} ({a['baseline_spearman']:.2f} vs the proxy's "
+             f"{a['proxy_spearman']:.2f})" for a in as_good]
+    verdict = "do not use this proxy yet: as good or better, for free: " + "; ".join(parts)
+    return {"use": False, "as_good": as_good, "verdict": verdict,
+            "next_step": next_step(as_good, manifest=manifest, target=target)}
+
+
+def next_step(as_good: Sequence[Mapping[str, Any]], *, manifest: Mapping[str, Any] | None = None,
+              target: str | None = None) -> str:
+    """What to try when a baseline does as well (see the module docstring for the order)."""
+    m = dict(manifest or {})
+    align = m.get("alignment") or {}
+    sparsity = m.get("achieved_sparsity", m.get("sparsity"))
+    if manifest is None:
+        return ("this model is not an IProX proxy: build one from the warmed-up target (python train.py fit "
+                "--config configs/build_proxy.yaml --model.target <warmed-up target>) and check it")
+    if not align or align.get("aligned") is False or align.get("align") is False:
+        return ("the proxy is not aligned: build it with alignment on (configs/build_proxy.yaml: --model.align "
+                "true, lr 1e-4 to 1e-3, 1-2 epochs) and check again")
+    built_from = m.get("target_model")
+    if target and built_from and _differs(built_from, target):
+        return (f"the proxy was built from {built_from}, not from the checked target {target}: warm the target up "
+                "first (configs/warmup.yaml), then build the proxy from the warmed-up target")
+    lr, steps = align.get("lr"), align.get("steps")
+    tried = f" (this one: lr {lr:g}, {steps} steps)" if lr is not None and steps is not None else ""
+    if any(str(a["baseline"]).lower().startswith(LAYER_EXTRACTION) for a in as_good):
+        lower = f" than {sparsity:.2f}" if isinstance(sparsity, (int, float)) else ""
+        return (f"keep more of each layer: rebuild with a lower --sparsity{lower} (e.g. 0.3), or align longer or at "
+                f"another learning rate{tried}")
+    return ("the target's own ranking follows response length: warm the target up first (configs/warmup.yaml) so "
+            f"its gradients carry task signal, or align the proxy longer{tried}")
+
+
+def _differs(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() != Path(b).resolve()
+    except OSError:
+        return a != b

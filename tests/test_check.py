@@ -1,0 +1,184 @@
+"""Issue 23.2: ``train.py check`` in minutes — a stratified, seeded validation sample; validation gradients and score
+tables cached by fingerprint (a re-run, another pool sample or another method reuses them, a changed setting does
+not); resume after an interrupted run; the time estimate; ``n`` an integer; the verdict on constructed numbers."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from iprox_lightning.analysis.verdict import check_verdict
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+def _row(name, spearman, per_task=None):
+    r = {"proxy": name, "spearman": spearman}
+    if per_task is not None:
+        r["per_task"] = {t: {"spearman": v} for t, v in per_task.items()}
+    return r
+
+
+ALIGNED = {"target_model": "/m/warm", "achieved_sparsity": 0.5, "alignment": {"aligned": True, "lr": 1e-4, "steps": 90}}
+
+
+def test_verdict_use_this_proxy_when_it_beats_every_baseline_on_every_task():
+    rows = [_row("proxy (tracin)", 0.9, {"mmlu": 0.8, "bbh": 0.7}), _row("length sort (shortest first)", 0.5,
+            {"mmlu": 0.6, "bbh": 0.69}), _row("layer extraction (ρ=0.50)", 0.4, {"mmlu": 0.3, "bbh": 0.2})]
+    v = check_verdict(rows, manifest=ALIGNED, target="/m/warm")
+    assert v["use"] is True and v["as_good"] == [] and v["next_step"] is None
+    assert v["verdict"] == ("use this proxy: it ranks closer to the target than the length sort and Layer Extraction "
+                            "(ρ=0.50) on every task (worst task bbh: Spearman 0.70 vs 0.69 for the best baseline)")
+
+
+def test_verdict_names_each_task_a_free_baseline_does_as_well_on():
+    # the issue's numbers: length sort 0.75 and Layer Extraction 0.34 vs the proxy's 0.14 on mmlu; a tie counts
+    rows = [_row("proxy (tracin)", 0.3, {"mmlu": 0.14, "bbh": 0.6}), _row("length sort (shortest first)", 0.7,
+            {"mmlu": 0.75, "bbh": 0.6}), _row("layer extraction (ρ=0.50)", 0.3, {"mmlu": 0.34, "bbh": 0.1})]
+    v = check_verdict(rows, manifest=ALIGNED, target="/m/warm")
+    assert v["use"] is False
+    assert [(a["baseline"][:6], a["task"]) for a in v["as_good"]] == [("length", "mmlu"), ("length", "bbh"),
+                                                                      ("layer ", "mmlu")]
+    assert v["verdict"] == ("do not use this proxy yet: as good or better, for free: the length sort on mmlu (0.75 vs "
+                            "the proxy's 0.14); the length sort on bbh (0.60 vs the proxy's 0.60); Layer Extraction "
+                            "(ρ=0.50) on mmlu (0.34 vs the proxy's 0.14)")
+    # Layer Extraction does as well: keep more rank, or align longer at another lr (the recorded one named)
+    assert v["next_step"] == ("keep more of each layer: rebuild with a lower --sparsity than 0.50 (e.g. 0.3), or align "
+                              "longer or at another learning rate (this one: lr 0.0001, 90 steps)")
+    # a margin lets a baseline within 0.05 of the proxy count as "as well" too: no more here
+    assert len(check_verdict(rows, manifest=ALIGNED, margin=0.05)["as_good"]) == 3
+
+
+@pytest.mark.parametrize("manifest,target,baseline,starts", [
+    ({"alignment": {"aligned": False}}, None, "length sort (shortest first)", "the proxy is not aligned"),
+    (None, None, "length sort (shortest first)", "this model is not an IProX proxy"),
+    (ALIGNED, "/m/base.gguf", "length sort (shortest first)", "the proxy was built from /m/warm, not from the checked "
+                                                              "target /m/base.gguf: warm the target up first"),
+    (ALIGNED, "/m/warm", "length sort (shortest first)", "the target's own ranking follows response length: warm"),
+])
+def test_verdict_next_step_follows_the_manifest(manifest, target, baseline, starts):
+    rows = [_row("proxy (tracin)", 0.1, {"t": 0.1}), _row(baseline, 0.7, {"t": 0.7})]
+    assert check_verdict(rows, manifest=manifest, target=target)["next_step"].startswith(starts)
+
+
+def test_verdict_without_tasks_uses_the_pooled_row_and_nan_loses():
+    v = check_verdict([_row("proxy (tracin)", 0.8), _row("length sort (shortest first)", 0.2)])
+    assert v["use"] and v["verdict"].endswith("(pooled: Spearman 0.80 vs 0.20 for the best baseline)")
+    v = check_verdict([_row("proxy (tracin)", math.nan, {"t": math.nan}), _row("length sort", 0.2, {"t": 0.2})])
+    assert not v["use"] and v["as_good"][0]["task"] == "t"
+
+
+# ------------------------------------------------------------------------------------------------ the command
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``builtin`` as the target and a saved copy of it as the 'proxy' (another identity, the same tokenizer), and a
+    validation file with tasks of 30, 20 and 5 examples."""
+    from iprox_lightning.data.synthetic import builtin_validation
+    from iprox_lightning.models.builtin import builtin_model
+
+    root = tmp_path_factory.mktemp("check_models")
+    builtin_model(seed=1).save_pretrained(root / "proxy")
+    recs = builtin_validation(30, seed=3)
+    by = {}
+    for r in recs:
+        by.setdefault(r["category"], []).append(r)
+    (fa, a), (fb, b) = list(by.items())[:2]
+    rows = a[:30] + b[:20] + [{**r, "id": f"{r['id']}-c", "category": "third"} for r in a[:5]]
+    (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, {fa: 30, fb: 20, "third": 5}
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the validation-gradient passes and the scored batches of every InfluenceScorer."""
+    from iprox_lightning.scoring.influence import InfluenceScorer
+
+    calls = {"validation": 0, "score_batch": 0}
+    collect, score = InfluenceScorer.collect_validation, InfluenceScorer.score_batch
+
+    def counting_collect(self, *a, **kw):
+        calls["validation"] += 1
+        return collect(self, *a, **kw)
+
+    def counting_score(self, *a, **kw):
+        calls["score_batch"] += 1
+        return score(self, *a, **kw)
+
+    monkeypatch.setattr(InfluenceScorer, "collect_validation", counting_collect)
+    monkeypatch.setattr(InfluenceScorer, "score_batch", counting_score)
+    return calls
+
+
+def _check(models, out, *extra):
+    from iprox_lightning.cli import main
+
+    root, _ = models
+    row = main(["check", "--target", "builtin", "--proxy", str(root / "proxy"), "--validation", str(root / "val.jsonl"),
+                "--sample", "24", "--batch_size", "8", "--val_per_task", "10", "--output_dir", str(out), *extra])
+    return row, json.loads((out / "check.json").read_text())
+
+
+def _actions(result):
+    return {(e["model"], e["what"]): e["action"] for e in result["cache"]}
+
+
+def test_check_stratified_sample_cached_gradients_and_estimate(models, tmp_path, spy, capsys):
+    from iprox_lightning.data.splits import sample_per_task
+
+    root, sizes = models
+    row, res = _check(models, tmp_path)
+    out = capsys.readouterr().out
+    # stratified and seeded: exactly min(10, size) per task, the ids sample_per_task draws with seed 0, recorded
+    v = res["validation"]
+    assert v["counts"] == {t: min(10, n) for t, n in sizes.items()} and v["seed"] == 0 and v["val_per_task"] == 10
+    recs = [json.loads(line) for line in (root / "val.jsonl").read_text().splitlines()]
+    assert v["ids"] == sample_per_task([r["id"] for r in recs], [r["category"] for r in recs], 10, seed=0)
+    assert spy == {"validation": 2, "score_batch": 6}  # target and proxy: 3 batches of 8 each
+    assert _actions(res) == {(m, w): "computed" for m in ("target", "proxy") for w in ("validation gradients", "scores")}
+    # n is an integer, in the result and in the printed table; the estimate was printed before the rest ran
+    assert row["n"] == 24 and isinstance(row["n"], int) and "| proxy (tracin) | 24 | " in out
+    assert res["estimate_s"] is not None and "estimate for the rest: ~" in out
+    assert out.index("estimate for the rest") < out.index("check: target: validation gradients computed")
+    assert f"check: wrote {tmp_path / 'check.json'}" in out and "\nverdict: " in out
+
+    # the same check again: nothing computed
+    spy.update(validation=0, score_batch=0)
+    row2, res2 = _check(models, tmp_path)
+    assert spy == {"validation": 0, "score_batch": 0} and set(_actions(res2).values()) == {"reused"}
+    assert row2["spearman"] == row["spearman"] and row2["per_task"] == row["per_task"]
+    # another pool sample and another method: the validation gradients are reused, the scores are new
+    for extra in (["--seed", "0", "--sample", "16"], ["--method", "kfac"]):
+        spy.update(validation=0, score_batch=0)
+        _, res3 = _check(models, tmp_path, *extra)
+        assert spy["validation"] == 0 and spy["score_batch"] > 0, extra
+        assert _actions(res3) == {**{(m, "validation gradients"): "reused" for m in ("target", "proxy")},
+                                  **{(m, "scores"): "computed" for m in ("target", "proxy")}}
+    # a changed validation sample never reuses the old gradients
+    spy.update(validation=0, score_batch=0)
+    _, res4 = _check(models, tmp_path, "--val_per_task", "4")
+    assert spy["validation"] == 2 and res4["validation"]["counts"] == {t: 4 for t in sizes}
+
+
+def test_check_resumes_after_an_interrupted_run(models, tmp_path, spy, monkeypatch):
+    import iprox_lightning.commands.check as check_cmd
+
+    real = check_cmd._load
+
+    def crash_on_proxy(path):
+        if path != "builtin":
+            raise KeyboardInterrupt("stopped while loading the proxy")
+        return real(path)
+
+    monkeypatch.setattr(check_cmd, "_load", crash_on_proxy)
+    with pytest.raises(KeyboardInterrupt):
+        _check(models, tmp_path)
+    assert not (tmp_path / "check.json").exists()
+    saved = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    assert len(saved) == 4  # the target's validation gradients and scores (+ their .json), written as they were done
+    monkeypatch.setattr(check_cmd, "_load", real)
+    spy.update(validation=0, score_batch=0)
+    _, res = _check(models, tmp_path)
+    # the target's finished scores are read back (its validation gradients are not even needed)
+    assert _actions(res) == {("target", "scores"): "reused", ("proxy", "validation gradients"): "computed",
+                             ("proxy", "scores"): "computed"}
+    assert spy == {"validation": 1, "score_batch": 3}  # the proxy only

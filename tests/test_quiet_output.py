@@ -1,0 +1,122 @@
+"""Issue 23.4: output a user can act on — an unreachable hub id is one line, a proxy build without alignment runs no
+sanity validation and no scheduler, evaluation results are one table, a selection never silently replaces another
+selector's file. (The pipeline's own output: tests/test_pipeline.py::test_pipeline_output_is_one_line_per_stage.)"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import lightning as L
+import pytest
+
+from iprox_lightning.cli import main
+
+
+# ------------------------------------------------------------------------------------------------ hub ids
+@pytest.fixture
+def offline(monkeypatch):
+    import iprox_lightning.models.hub as hub
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: (False, "huggingface.co"))
+    return hub
+
+
+@pytest.mark.parametrize("flag,first", [
+    ("--pool", "error: pool 'foo/bar': data set 'foo/bar' is not a local file or directory, not in the Hugging Face "
+               "cache, and huggingface.co cannot be reached within 3 s: pass a local JSONL / JSON / Parquet file"),
+    ("--target", "error: target model 'foo/bar' is not a local path, not in the Hugging Face cache, and "
+                 "huggingface.co cannot be reached within 3 s: pass a local directory, a `.gguf` file or `builtin`"),
+])
+def test_unreachable_hub_id_is_one_line(offline, tmp_path, capsys, flag, first):
+    with pytest.raises(SystemExit) as e:
+        main(["pipeline", "--workdir", str(tmp_path / "w"), flag, "foo/bar"])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(first) and err.count("\n") == 1 and "Traceback" not in err
+    assert "HF_HUB_OFFLINE=1" in err and err.rstrip().endswith("(--debug shows the traceback)")
+    assert not (tmp_path / "w").exists()  # refused before anything ran
+    with pytest.raises(offline.SourceUnreachable):  # --debug: the exception itself, with its traceback
+        main(["pipeline", "--workdir", str(tmp_path / "w"), flag, "foo/bar", "--debug"])
+
+
+def test_unreachable_hub_id_in_a_stage_config_is_one_line(offline, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", "configs/warmup.yaml", "--model.model", "foo/bar", "--data.tokenizer", "builtin",
+              "--trainer.logger", "false"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model 'foo/bar' is not a local path") and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------ align=False
+def test_proxy_build_without_alignment_runs_no_validation_and_no_scheduler(tmp_path):
+    from test_alignment_module import SVDCompress, loader
+
+    from iprox_lightning.models.tiny import tiny_causal_lm
+    from iprox_lightning.modules import ProxyAlignModule
+
+    module = ProxyAlignModule(target=tiny_causal_lm("llama", seed=3), align=False, lr_schedule="linear",
+                              warmup_ratio=0.05, save_dir=str(tmp_path / "proxy"))
+    calls = []
+    module.validation_step = lambda *a, **k: calls.append(1)
+    tr = L.Trainer(accelerator="cpu", devices=1, callbacks=[SVDCompress()], logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, max_epochs=1)  # sanity steps: default 2
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        tr.fit(module, loader(3), val_dataloaders=loader(2, offset=100))
+    assert calls == [] and tr.num_sanity_val_steps == 0
+    assert not [w for w in shown if "lr_scheduler" in str(w.message)]
+    assert tr.lr_scheduler_configs == []
+    assert (tmp_path / "proxy" / "iprox_proxy.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ evaluation table
+def test_evaluation_results_are_one_table_with_full_names():
+    from iprox_lightning.evaluation.metrics import format_results
+
+    text = format_results({"mmlu/acc": 20.0, "mmlu/acc/abstract_algebra": 40.0, "mmlu/acc_micro": 20.0,
+                           "bbh/em": 0.0, "bbh/em/boolean_expressions": 12.5}, "evaluation (m)")
+    assert text.splitlines() == [
+        "evaluation (m):",
+        "  metric                         value",
+        "  bbh/em                          0.00",
+        "    bbh/em/boolean_expressions   12.50",
+        "  mmlu/acc                       20.00",
+        "  mmlu/acc_micro                 20.00",
+        "    mmlu/acc/abstract_algebra    40.00",
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ select
+def test_select_never_replaces_another_selectors_file(tmp_path, capsys):
+    import numpy as np
+
+    from iprox_lightning.select import select
+    from iprox_lightning.scoring import ScoreTable
+
+    ids = [f"ex-{i:03d}" for i in range(20)]
+    tables = {}
+    for who, seed in (("proxy", 0), ("target", 1)):
+        s = np.random.default_rng(seed).normal(size=20)
+        tables[who] = ScoreTable(ids, s, [], np.zeros((20, 0)), np.full(20, 5), np.zeros(20, bool)).save(
+            str(tmp_path / "scores" / who / "scores.parquet"))
+    out = tmp_path / "selected" / "proxy.jsonl"
+    select(tables["proxy"], k=5, output=str(out))
+    before = out.read_text()
+    select(tables["proxy"], k=3, output=str(out))  # the same selector again: its own file, replaced
+    assert len(out.read_text().splitlines()) == 3
+    before = out.read_text()
+    with pytest.raises(FileExistsError) as e:
+        select(tables["target"], k=5, output=str(out))
+    assert str(e.value) == (f"output {out} already holds the selection from {tables['proxy']}, not from "
+                            f"{tables['target']}: not overwritten. Pass --output {tmp_path / 'selected' / 'target.jsonl'} "
+                            "(a file of its own), or --overwrite true to replace it")
+    assert out.read_text() == before
+    select(tables["target"], k=5, output=str(out), overwrite=True)
+    assert json.loads((tmp_path / "selected" / "proxy.jsonl.meta.json").read_text())["scores"] == tables["target"]
+    # a file of unknown origin is not replaced either
+    other = tmp_path / "mine.jsonl"
+    other.write_text("keep me\n")
+    with pytest.raises(FileExistsError, match="a file of unknown origin"):
+        select(tables["proxy"], k=5, output=str(other))
+    assert other.read_text() == "keep me\n"
