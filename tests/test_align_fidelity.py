@@ -130,7 +130,7 @@ def test_fidelity_spearman_matches_brute_force_tracin_and_scipy(tmp_path):
     # keep_best on val/fidelity_loss keeps the best-ranking step (here a trained one, where val/loss would keep step 0)
     best = min(hist, key=lambda h: h["val/fidelity_loss"])["step"]
     assert best != 0 and min(hist, key=lambda h: h["val/loss"])["step"] == 0
-    assert module._best["step"] == best
+    assert module.best_factors.best["step"] == best
     kept, restored = factors(snaps.proxies[best]), factors(module.proxy)
     assert all(torch.equal(restored[k], kept[k]) for k in kept)
     # step 0's held-out alignment metrics are the full validation set's, as a Lightning validation run reports them
