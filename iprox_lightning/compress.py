@@ -9,7 +9,7 @@ rank, weighted objective, time, and the requested vs achieved parameter counts o
 (embeddings and LM head included), so users see the true proxy size.
 
 ``drop_blocks = d > 0`` (:attr:`CompressionConfig.drop_blocks`) first removes the ``d`` least important
-decoder blocks as the Layer Extraction baseline does (:mod:`iprox_lightning.baselines.layer_extraction`:
+decoder blocks as the Layer Extraction baseline does (:mod:`iprox_lightning.blocks`:
 ShortGPT importance on the probe batches, blocks cut and renumbered), then compresses the remaining blocks
 at the SAME whole-model parameter budget as ``d = 0`` would request: the weights freed by the dropped blocks
 go back to the remaining layers (see :func:`compress`).
@@ -20,12 +20,9 @@ manifest ``iprox_proxy.json``; it loads as a proxy or not at all. Nothing is unp
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -33,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .damping import check_damping_mode
-from .ipsvd import MODES, compute_factors, plain_spectrum, weighted_objective, weighted_spectrum
+from .ipsvd import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, MODES, compute_factors, weighted_objective
 from .lowrank import LowRankLinear
 from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
     count_parameters,
@@ -45,7 +42,15 @@ from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lo
     set_submodule,
 )
 from .probes import Probes, collect_probes
-from .rank import allocate_ranks, minimum_allocation, plan_ranks, requested_layer_params, uniform_plan_for_budget
+from .rank import requested_layer_params
+from .compression_plan import (  # noqa: F401  (BlockDropReport, CompressionPlan, plan_compression: part of this API)
+    BlockDropReport,
+    CompressionPlan,
+    cut_planned_blocks,
+    layers_to_probe,
+    plan_compression,
+    plan_global_ranks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +67,7 @@ ALLOCATIONS = ("uniform", "global")
 # worse than plain SVD on its own objective) and the paper's setting (core, absolute 1e-3) stay one
 # argument away. ``allocation=None`` means "global" for exact IPSVD and "uniform" otherwise (a spectrum
 # of the weighted objective is what prices one layer against another).
-DEFAULT_MODE = "exact"
-DEFAULT_DAMPING = 1e-3
-DEFAULT_DAMPING_MODE = "relative"
+# (DEFAULT_MODE, DEFAULT_DAMPING, DEFAULT_DAMPING_MODE are defined in ipsvd.py, so ipsvd_factors has the same ones.)
 DEFAULT_ALLOCATION = "global"
 
 
@@ -173,22 +176,6 @@ class LayerReport:
         if self.objective is None or not self.objective_dense:
             return None
         return self.objective / self.objective_dense
-
-
-@dataclass
-class BlockDropReport:
-    """What ``drop_blocks`` did (``CompressionReport.block_drop``; the manifest's ``"block_drop"``)."""
-
-    dropped: list[int]  # original indices of the removed blocks
-    kept: list[int]  # original indices of the kept blocks (now 0 .. len(kept) − 1)
-    importance: list[float]  # I_LE of every original block (layer_extraction.block_importance)
-    num_blocks_before: int
-    num_blocks_after: int
-    params_dropped: int  # parameters of the removed blocks
-    importance_tokens: int  # real tokens the importance was averaged over (the probe batches)
-    layer_budget: float  # weights the remaining targeted layers may hold (params_requested − everything else)
-    layer_sparsity: float | None = None  # uniform allocation: the one sparsity ρ' solved for the remaining layers
-    time_s: float = 0.0
 
 
 @dataclass
@@ -317,9 +304,9 @@ def compress(
     (frozen). Raises if the model is already compressed.
 
     ``drop_blocks = d > 0``: the probe batches (read once into a list) first give the Layer Extraction block
-    importance (:func:`~iprox_lightning.baselines.layer_extraction.block_importance`, every real token of every
+    importance (:func:`~iprox_lightning.blocks.block_importance`, every real token of every
     probe batch — the same data as the probes, no second sample); the ``d`` least important blocks are removed
-    in place (:func:`~iprox_lightning.baselines.layer_extraction.remove_blocks`: config lists cut, ``layer_idx``
+    in place (:func:`~iprox_lightning.blocks.remove_blocks`: config lists cut, ``layer_idx``
     renumbered), and the probes are collected on the cut model (its blocks see new inputs). The remaining
     targeted layers then get ``params_requested`` (the whole original model at ``(1 − ρ)`` of every targeted
     layer, as for ``d = 0``) minus every other parameter of the cut model: ``"global"`` spends that one budget;
@@ -331,16 +318,9 @@ def compress(
     smallest plan). Parameter counts of the report (``params_before``, ``target_params_before``,
     ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
     """
-    sparsity, method, mode, damping, damping_mode = (config.sparsity, config.method, config.mode, config.damping,
-                                                      config.damping_mode)
-    num_probe_tokens, rank_multiple, seed, core_fallback = (config.num_probe_tokens, config.rank_multiple, config.seed,
-                                                            config.core_fallback)
-    targets = list(config.targets) if config.targets is not None else None
-    keep_dense = list(config.keep_dense) if config.keep_dense is not None else None
-    allocation = config.resolved_allocation
-    drop = config.drop_blocks
-    if method == "ipsvd" and probe_dataloader is None and probes is None:
+    if config.method == "ipsvd" and probe_dataloader is None and probes is None:
         raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+    drop = config.drop_blocks
     if drop and probes is not None:
         raise ValueError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
                          "remaining blocks see new inputs); pass the probe_dataloader instead")
@@ -348,212 +328,111 @@ def compress(
         raise ValueError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
     if is_compressed(model):
         raise ValueError("model already holds LowRankLinear layers (already compressed)")
+    if drop:  # one read: block importance, then probes of the cut model
+        probe_dataloader = list(probe_dataloader)
+    targets = list(config.targets) if config.targets is not None else None
+    plan = plan_compression(model, config, probe_dataloader, progress=progress)  # refused settings: model untouched
+    cut_planned_blocks(model, plan, targets)
     modules = find_target_linears(model, targets)
-    params_before = count_parameters(model)
-    target_before = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in modules.values())
-    requested_total = params_before - target_before + sum(
-        requested_layer_params(linear_shape(m)[1], linear_shape(m)[0], sparsity) for m in modules.values()
-    )
-    block_drop = None
-    if drop:  # choose the blocks and check the budget BEFORE the model is cut: a refused setting leaves it as it was
-        probe_dataloader = list(probe_dataloader)  # one read: block importance, then probes of the cut model
-        block_drop, path = _choose_blocks(model, probe_dataloader, drop, progress)
-        modules = {new: m for n, m in modules.items() if (new := _renamed(n, path, block_drop)) is not None}
-    spared = _match_layers(modules, keep_dense)
-    plan = plan_ranks(modules, sparsity, rank_multiple)
-    for name in spared:
-        plan[name] = None
-    if drop:
-        block_drop.layer_budget = _remaining_budget(modules, params_before, requested_total, sparsity, block_drop)
-        shapes = {n: linear_shape(m) for n, m in modules.items()}
-        try:
-            if allocation == "uniform":
-                plan, block_drop.layer_sparsity = uniform_plan_for_budget(
-                    shapes, block_drop.layer_budget, rank_multiple=rank_multiple, dense={n: True for n in spared})
-            else:
-                minimum_allocation(shapes, block_drop.layer_budget, rank_multiple=rank_multiple,
-                                   dense={n: True for n in spared})
-        except ValueError as e:
-            raise ValueError(f"drop_blocks={drop}, sparsity {sparsity}, remaining layers: {e}") from None
-        from .baselines.layer_extraction import remove_blocks
-
-        remove_blocks(model, block_drop.kept, inplace=True)
-        cut = find_target_linears(model, targets)
-        if list(cut) != list(modules) or any(cut[n] is not modules[n] for n in cut):  # pragma: no cover (invariant)
-            raise RuntimeError(f"drop_blocks: the cut model's layers {list(cut)[:4]}... are not the renamed "
-                               f"remaining layers {list(modules)[:4]}...")
 
     t0 = time.perf_counter()
     own_probes = probes is None
     if probes is None and probe_dataloader is not None:
-        to_probe = {n: m for n, m in modules.items()
-                    if plan[n] is not None or (allocation == "global" and n not in spared)}
+        wanted = set(layers_to_probe(plan))
+        to_probe = {n: m for n, m in modules.items() if n in wanted}
         if to_probe:
-            probes = collect_probes(model, probe_dataloader, to_probe, num_tokens=num_probe_tokens, seed=seed,
-                                    progress=progress)
+            probes = collect_probes(model, probe_dataloader, to_probe, num_tokens=config.num_probe_tokens,
+                                    seed=config.seed, progress=progress)
     t_probes = time.perf_counter() - t0
-
     t_alloc = time.perf_counter()
-    if allocation == "global":
-        try:
-            plan = _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode,
-                                rank_multiple, compute_dtype, progress,
-                                budget=block_drop.layer_budget if block_drop is not None else None)
-        except ValueError as e:
-            if block_drop is None:
-                raise
-            raise ValueError(f"drop_blocks={drop}, sparsity {sparsity}, remaining layers: {e}") from None
+    plan = plan_global_ranks(plan, modules, config, probes, compute_dtype=compute_dtype, progress=progress)
     t_alloc = time.perf_counter() - t_alloc
 
-    layers: list[LayerReport] = []
     t1 = time.perf_counter()
-    for name, module in tqdm(list(modules.items()), desc=f"IPSVD factors ({method})", disable=not progress):
-        out_f, in_f = linear_shape(module)
-        bias = _layer_bias(module)
-        rank = plan[name]
-        lr = LayerReport(name=name, in_features=in_f, out_features=out_f, rank=rank, bias=bias is not None,
-                         params_before=in_f * out_f, params_after=in_f * out_f,
-                         params_requested=requested_layer_params(in_f, out_f, sparsity))
-        layers.append(lr)
-        if rank is None:
-            continue
-        ts = time.perf_counter()
-        W = linear_weight(module).detach()
-        H = Delta = None
-        if probes is not None:
-            if name not in probes.H:
-                raise ValueError(f"layer {name!r}: no probes collected for it")
-            H, Delta = probes.pop(name) if own_probes else (probes.H[name], probes.Delta[name])
-            H, Delta = H.to(W.device), Delta.to(W.device)
-        used_mode = mode if method == "ipsvd" else None
-        kwargs: dict[str, Any] = dict(seed=seed + len(layers), compute_dtype=compute_dtype)
-        fallbacks: list[str] = []
-        if method == "ipsvd":
-            kwargs.update(damping=damping, damping_mode=damping_mode, core_fallback=core_fallback,
-                          on_fallback=fallbacks.append)
-        try:
-            A, B = compute_factors(method, W, rank, H, Delta, mode=used_mode, **kwargs)
-        except ValueError as e:
-            raise ValueError(f"layer {name!r}: {e}") from None
-        if fallbacks:
-            log.warning("layer %s: %s -> falling back to mode='exact'", name, fallbacks[0])
-            used_mode = "exact"
-        if H is not None:
-            obj_kw = dict(damping=damping, damping_mode=damping_mode)
-            lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)
-            lr.objective_dense = weighted_objective(W, None, None, H, Delta, **obj_kw)
-        new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
-                                         None if bias is None else bias.detach())
-        new.train(module.training)
-        set_submodule(model, name, new)
-        lr.params_after = rank * (in_f + out_f)
-        lr.mode = used_mode
-        lr.time_s = time.perf_counter() - ts
-        del H, Delta
-    t_factors = time.perf_counter() - t1
-
-    report = CompressionReport(
-        sparsity=sparsity, method=method,
-        mode=mode if method == "ipsvd" else None,
-        damping=damping,
-        damping_mode=damping_mode,
-        rank_multiple=rank_multiple, seed=seed, num_probe_tokens=num_probe_tokens,
-        probe_tokens=probes.num_tokens if probes is not None else 0,
-        probe_examples=probes.num_examples if probes is not None else 0,
-        params_before=params_before, params_after=count_parameters(model),
-        params_requested=int(round(requested_total)),
-        target_params_before=target_before, target_params_after=sum(lr.params_after for lr in layers),
-        time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
-        allocation=allocation, keep_dense=list(keep_dense) if keep_dense else None, time_allocation_s=t_alloc,
-        compression=config, block_drop=block_drop,
-    )
+    layers = apply_plan(model, plan, config, probes, consume_probes=own_probes, compute_dtype=compute_dtype,
+                        progress=progress)
+    report = _report(model, plan, config, layers, probes, t_probes, time.perf_counter() - t1, t_alloc)
     log.info(report.summary())
     return report
 
 
-def _match_layers(modules: Mapping[str, nn.Module], patterns: list[str] | None) -> list[str]:
-    """Names of ``modules`` matched by any regex of ``patterns``; a pattern matching nothing is an error."""
-    if not patterns:
-        return []
-    out = []
-    for pat in patterns:
-        rx = re.compile(pat)
-        hits = [n for n in modules if rx.search(n)]
-        if not hits:
-            raise ValueError(f"keep_dense pattern {pat!r} matches no targeted layer (e.g. {next(iter(modules), '')!r})")
-        out.extend(h for h in hits if h not in out)
-    return out
+def apply_plan(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, probes: Probes | None, *,
+               consume_probes: bool = False, compute_dtype: torch.dtype | None = None,
+               progress: bool = True) -> list[LayerReport]:
+    """The apply step: replace, in place, every layer ``plan`` gives a rank by a ``LowRankLinear`` of that rank
+    (factors from ``config.method``; ``probes`` give IPSVD its ``(H, Δ)`` and every factorised layer its weighted
+    objective); one :class:`LayerReport` per targeted layer, dense ones included. ``consume_probes`` frees each
+    layer's probes once used."""
+    modules = find_target_linears(model, list(config.targets) if config.targets is not None else None)
+    if list(modules) != list(plan.shapes):
+        raise ValueError(f"the plan is for layers {list(plan.shapes)[:4]}..., the model has {list(modules)[:4]}...")
+    layers: list[LayerReport] = []
+    for name, module in tqdm(list(modules.items()), desc=f"IPSVD factors ({config.method})", disable=not progress):
+        out_f, in_f = linear_shape(module)
+        layers.append(LayerReport(name=name, in_features=in_f, out_features=out_f, rank=plan.ranks[name],
+                                  bias=_layer_bias(module) is not None, params_before=in_f * out_f,
+                                  params_after=in_f * out_f,
+                                  params_requested=requested_layer_params(in_f, out_f, config.sparsity)))
+        if plan.ranks[name] is not None:
+            _factorise_layer(model, name, module, layers[-1], config, probes, consume_probes, len(layers),
+                             compute_dtype)
+    return layers
 
 
-def _global_plan(modules, plan, spared, sparsity, method, probes, damping, damping_mode, rank_multiple,
-                 compute_dtype, progress, budget: float | None = None) -> dict[str, int | None]:
-    """Ranks of ``allocation="global"``: one budget (default ``(1 − ρ)·Σ in·out``) over all targeted layers."""
-    shapes = {n: linear_shape(m) for n, m in modules.items()}  # (out, in)
-    if budget is None:
-        budget = sum((1.0 - sparsity) * o * i for o, i in shapes.values())
-    spectra = {}
-    for name, module in tqdm(list(modules.items()), desc="rank allocation (spectra)", disable=not progress):
-        if name in spared:
-            continue
-        W = linear_weight(module).detach()
-        if method == "ipsvd":
-            if probes is None or name not in probes.H:
-                raise ValueError(f"layer {name!r}: global allocation needs its probes")
-            spectra[name] = weighted_spectrum(W, probes.H[name].to(W.device), probes.Delta[name].to(W.device),
-                                              damping=damping, damping_mode=damping_mode, compute_dtype=compute_dtype)
-        else:
-            spectra[name] = plain_spectrum(W)
-    return allocate_ranks(spectra, shapes, budget, rank_multiple=rank_multiple, dense={n: True for n in spared})
+def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerReport, config: CompressionConfig,
+                     probes: Probes | None, consume_probes: bool, index: int, compute_dtype) -> None:
+    """Swap the layer ``name`` for its ``LowRankLinear`` at rank ``lr.rank``; fills ``lr`` (objective, mode, time)."""
+    ts = time.perf_counter()
+    W, bias, rank = linear_weight(module).detach(), _layer_bias(module), lr.rank
+    H = Delta = None
+    if probes is not None:
+        if name not in probes.H:
+            raise ValueError(f"layer {name!r}: no probes collected for it")
+        H, Delta = probes.pop(name) if consume_probes else (probes.H[name], probes.Delta[name])
+        H, Delta = H.to(W.device), Delta.to(W.device)
+    used_mode = config.mode if config.method == "ipsvd" else None
+    kwargs: dict[str, Any] = dict(seed=config.seed + index, compute_dtype=compute_dtype)
+    fallbacks: list[str] = []
+    if config.method == "ipsvd":
+        kwargs.update(damping=config.damping, damping_mode=config.damping_mode, core_fallback=config.core_fallback,
+                      on_fallback=fallbacks.append)
+    try:
+        A, B = compute_factors(config.method, W, rank, H, Delta, mode=used_mode, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"layer {name!r}: {e}") from None
+    if fallbacks:
+        log.warning("layer %s: %s -> falling back to mode='exact'", name, fallbacks[0])
+        used_mode = "exact"
+    if H is not None:
+        obj_kw = dict(damping=config.damping, damping_mode=config.damping_mode)
+        lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)
+        lr.objective_dense = weighted_objective(W, None, None, H, Delta, **obj_kw)
+    new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
+                                     None if bias is None else bias.detach())
+    new.train(module.training)
+    set_submodule(model, name, new)
+    lr.params_after = rank * (lr.in_features + lr.out_features)
+    lr.mode = used_mode
+    lr.time_s = time.perf_counter() - ts
 
 
-def _choose_blocks(model: nn.Module, batches: list, drop: int, progress: bool) -> tuple[BlockDropReport, str]:
-    """The ``drop`` least important decoder blocks of ``model`` (Layer Extraction importance on ``batches``),
-    not yet removed: ``(report, path of the block list)``; ``layer_budget`` is filled in by the caller."""
-    from .baselines.layer_extraction import block_importance, decoder_blocks, most_important_blocks
-
-    path, blocks = decoder_blocks(model)
-    L = len(blocks)
-    if drop >= L:
-        raise ValueError(f"drop_blocks={drop} must be below the model's number of decoder blocks ({L}): at least one "
-                         "block is kept")
-    t0 = time.perf_counter()
-    imp = block_importance(model, batches, progress=progress)
-    keep = most_important_blocks(imp, L - drop)
-    dropped = [i for i in range(L) if i not in keep]
-    kept_ids = {id(p) for i in keep for p in blocks[i].parameters()}
-    params_dropped = sum(p.numel() for p in {id(p): p for i in dropped for p in blocks[i].parameters()}.values()
-                         if id(p) not in kept_ids)  # a tensor shared with a kept block (or counted twice) stays
-    tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
-    log.info("drop_blocks=%d: removing blocks %s of %d (Layer Extraction importance %s)", drop, dropped, L,
-             [round(float(x), 4) for x in imp])
-    return BlockDropReport(dropped=dropped, kept=keep, importance=[float(x) for x in imp], num_blocks_before=L,
-                           num_blocks_after=len(keep), params_dropped=params_dropped, importance_tokens=tokens,
-                           layer_budget=float("nan"), time_s=time.perf_counter() - t0), path
-
-
-def _renamed(name: str, path: str, bd: BlockDropReport) -> str | None:
-    """A layer's name once the blocks are cut and renumbered (``None``: inside a dropped block)."""
-    if not name.startswith(path + "."):
-        return name
-    idx, _, tail = name[len(path) + 1:].partition(".")
-    i = int(idx)
-    return None if i in bd.dropped else f"{path}.{bd.kept.index(i)}.{tail}"
-
-
-def _remaining_budget(modules: Mapping[str, nn.Module], params_before: int, requested_total: float, sparsity: float,
-                      bd: BlockDropReport) -> float:
-    """Weights the remaining targeted layers ``modules`` may hold so the cut model totals ``requested_total``
-    parameters; raises when that is at least their dense size (nothing left to compress at equal budget)."""
-    dense = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in modules.values())
-    rest = params_before - bd.params_dropped - dense  # every parameter of the cut model but these layers' weights
-    budget = requested_total - rest
-    if budget >= dense:
-        raise ValueError(
-            f"drop_blocks={len(bd.dropped)}, sparsity {sparsity}: the whole model may hold {requested_total:,.0f} "
-            f"parameters; after removing {len(bd.dropped)} of {bd.num_blocks_before} blocks everything but the "
-            f"remaining targeted layers holds {rest:,}, which leaves {budget:,.0f} weights for layers that hold only "
-            f"{dense:,} dense: the budget cannot be spent; drop fewer blocks or raise the sparsity")
-    return float(budget)
+def _report(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, layers: list[LayerReport],
+            probes: Probes | None, t_probes: float, t_factors: float, t_alloc: float) -> CompressionReport:
+    return CompressionReport(
+        sparsity=config.sparsity, method=config.method,
+        mode=config.mode if config.method == "ipsvd" else None,
+        damping=config.damping,
+        damping_mode=config.damping_mode,
+        rank_multiple=config.rank_multiple, seed=config.seed, num_probe_tokens=config.num_probe_tokens,
+        probe_tokens=probes.num_tokens if probes is not None else 0,
+        probe_examples=probes.num_examples if probes is not None else 0,
+        params_before=plan.params_before, params_after=count_parameters(model),
+        params_requested=int(round(plan.params_requested)),
+        target_params_before=plan.target_params_before, target_params_after=sum(lr.params_after for lr in layers),
+        time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
+        allocation=plan.allocation, keep_dense=list(config.keep_dense) if config.keep_dense else None,
+        time_allocation_s=t_alloc, compression=config, block_drop=plan.block_drop,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -59,6 +59,10 @@ import torch
 from .damping import DAMPING_MODES, damping_value  # noqa: F401  (DAMPING_MODES: re-exported)
 
 MODES = ("exact", "core")
+# The library's defaults, one place (why these: the comment above them in compress.py; CompressionConfig uses them)
+DEFAULT_MODE = "exact"
+DEFAULT_DAMPING = 1e-3
+DEFAULT_DAMPING_MODE = "relative"
 SPLITS = ("balanced", "paper")
 _F64 = torch.float64
 
@@ -165,9 +169,9 @@ def ipsvd_factors(
     Delta: torch.Tensor,
     rank: int,
     *,
-    damping: float = 1e-3,
-    damping_mode: str = "relative",
-    mode: str = "core",
+    damping: float = DEFAULT_DAMPING,
+    damping_mode: str = DEFAULT_DAMPING_MODE,
+    mode: str = DEFAULT_MODE,
     core_fallback: str = "error",
     on_fallback: Callable[[str], None] | None = None,
     split: str = "balanced",
@@ -322,7 +326,7 @@ def compute_factors(
     if method == "ipsvd":
         if H is None or Delta is None:
             raise ValueError("method='ipsvd' needs probes (H, Delta)")
-        return ipsvd_factors(weight, H, Delta, rank, mode=mode or "core", compute_dtype=compute_dtype, **ipsvd_kwargs)
+        return ipsvd_factors(weight, H, Delta, rank, mode=mode or DEFAULT_MODE, compute_dtype=compute_dtype, **ipsvd_kwargs)
     if method == "svd":
         return svd_factors(weight, rank, compute_dtype=compute_dtype)
     if method == "random":

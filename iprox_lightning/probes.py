@@ -31,6 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batch import check_batch
+from .model_modes import eval_mode
 from .target_layers import find_target_linears, linear_shape
 from .tracking import PairTracker, backward_pairs
 
@@ -151,18 +152,14 @@ def collect_probes(
     device = next(model.parameters()).device
     tracker = ProbeTracker(modules, N, torch.device(storage_device) if storage_device is not None else device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    was_training = model.training
-    model.eval()
     loss_sum, n_examples = 0.0, 0
-    try:
+    with eval_mode(model):
         for batch, share in tqdm(list(zip(batches, shares)), desc="IPSVD probes", disable=not progress):
             n_examples += batch["input_ids"].shape[0]
             if share == 0:
                 continue
             tracker.select(sample_positions(batch["attention_mask"], share, gen).to(device))
             loss_sum += float(backward_pairs(model, _move(batch, device), [tracker]).loss)
-    finally:
-        model.train(was_training)
     missing = [n for n, k in tracker.filled.items() if k != N]
     if missing:
         raise RuntimeError(

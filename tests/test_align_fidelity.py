@@ -130,7 +130,7 @@ def test_fidelity_spearman_matches_brute_force_tracin_and_scipy(tmp_path):
     # keep_best on val/fidelity_loss keeps the best-ranking step (here a trained one, where val/loss would keep step 0)
     best = min(hist, key=lambda h: h["val/fidelity_loss"])["step"]
     assert best != 0 and min(hist, key=lambda h: h["val/loss"])["step"] == 0
-    assert module._best["step"] == best
+    assert module.best_factors.best["step"] == best
     kept, restored = factors(snaps.proxies[best]), factors(module.proxy)
     assert all(torch.equal(restored[k], kept[k]) for k in kept)
     # step 0's held-out alignment metrics are the full validation set's, as a Lightning validation run reports them
@@ -169,3 +169,18 @@ def test_keep_best_on_fidelity_restores_the_unaligned_factors_bit_for_bit(tmp_pa
     manifest = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())
     assert manifest["alignment"]["best"] == {"value": pytest.approx(losses[0]), "step": 0}
     assert manifest["alignment"]["fidelity_examples"] == 16 and manifest["alignment"]["monitor"] == "val/fidelity_loss"
+
+
+def test_fidelity_scorer_is_passed_in(tmp_path):
+    """The check scores with the scorer it is given (here the product's TracIn, wrapped to count its calls): the target
+    once, the proxy at step 0 and after each validation run; the manifest names it."""
+    calls = []
+
+    def scorer(model, loader, val_batches, progress=False):
+        calls.append(model)
+        return tracin_scores(model, loader, val_batches, progress=progress)
+
+    module, dm, snaps, tr = fit(tmp_path, lr=1e-2, steps=1, fidelity_examples=8, fidelity_scorer=scorer)
+    assert calls[0] is module.teacher and len(calls) == 3 and all(c is module.proxy for c in calls[1:])
+    fidelity = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())["alignment"]["fidelity"]
+    assert "scorer" in fidelity["scores"] and [h["step"] for h in fidelity["history"]] == [0, 1]

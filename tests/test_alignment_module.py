@@ -284,7 +284,7 @@ def test_keep_best_off_saves_the_last_factors(tmp_path):
     tr.callbacks.append(Record())
     tr.fit(module, loader(3), val_dataloaders=loader(1, offset=100))
     assert all(torch.equal(p.detach(), q) for p, q in zip(module.factor_parameters(), last))
-    assert module._best is None and len(module.validation_history) == 3
+    assert module.best_factors.best is None and len(module.validation_history) == 3
 
 
 def test_ipsvd_callback_health_check_matches_brute_force(tmp_path):

@@ -138,6 +138,11 @@ def test_package_folders_have_no_import_cycle():
     ("iprox_lightning.models.loading", "iprox_lightning.data.synthetic"),  # the built-in model lives in models/
     ("iprox_lightning.models.loading", "iprox_lightning.compress"),
     ("iprox_lightning.io.proxy", "iprox_lightning.compress"),
+    # Stage 2 takes its fidelity scorer as an argument and reports through its callbacks (issue 26)
+    ("iprox_lightning.modules.proxy_align", "iprox_lightning.scoring.influence"),
+    ("iprox_lightning.modules.proxy_align", "iprox_lightning.analysis.retention"),
+    # Stage 1 cuts blocks with the neutral block surgery, not through a baseline
+    ("iprox_lightning.compress", "iprox_lightning.baselines.layer_extraction"),
 ])
 def test_low_layers_do_not_import_high_ones(importer, forbidden):
     graph = import_graph()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch import per_example_loss, shifted_token_mask
+from ..model_modes import eval_mode
 
 
 @torch.no_grad()
@@ -25,10 +26,7 @@ def proxy_health(target: nn.Module, proxy: nn.Module, batches: Iterable[Mapping]
     """Held-out ``target_loss``, ``proxy_loss``, ``kl`` and ``top1_agreement`` (see the module docstring)."""
     sums = {"target_loss": 0.0, "proxy_loss": 0.0}
     n_ex, kl_sum, agree, n_tok = 0, 0.0, 0, 0
-    modes = (target.training, proxy.training)
-    target.eval()
-    proxy.eval()
-    try:
+    with eval_mode(target, proxy):
         for batch in batches:
             dev_t = next(target.parameters()).device
             dev_p = next(proxy.parameters()).device
@@ -46,9 +44,6 @@ def proxy_health(target: nn.Module, proxy: nn.Module, batches: Iterable[Mapping]
                 kl_sum += float((log_t.exp() * (log_t - log_p)).sum())
                 agree += int((lt[m].argmax(-1) == lp[m].argmax(-1)).sum())
                 n_tok += int(m.sum())
-    finally:
-        target.train(modes[0])
-        proxy.train(modes[1])
     if n_ex == 0 or n_tok == 0:
         raise ValueError("proxy_health: the batches hold no response token")
     return {"target_loss": sums["target_loss"] / n_ex, "proxy_loss": sums["proxy_loss"] / n_ex,

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..batch import check_batch, per_example_loss
 from ..lowrank import LowRankLinear
+from ..model_modes import eval_mode
 from ..target_layers import Conv1D, find_target_linears
 
 
@@ -229,15 +230,13 @@ def per_example_gradients(
 
     ids: list[str] = []
     rows: list[torch.Tensor] = []
-    was_training = model.training
-    model.eval()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=max_examples, desc="per-example gradients", unit="ex", leave=False)
     try:
-        with _grad_enabled_for(params.values()):
+        with eval_mode(model), _grad_enabled_for(params.values()):
             for batch in batches:
                 check_batch(batch)
                 for i in range(batch["input_ids"].shape[0]):
@@ -269,7 +268,6 @@ def per_example_gradients(
     finally:
         if bar is not None:
             bar.close()
-        model.train(was_training)
     if not rows:
         raise ValueError("per_example_gradients got no example")
     return ids, torch.stack(rows)

@@ -20,12 +20,11 @@ import torch
 def embed(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], list, np.ndarray, np.ndarray]:
     """``(ids, tasks, embeddings [N, d] (unit rows, float64), response_tokens [N])`` of SFT ``batches``."""
     from ..batch import IGNORE_INDEX
+    from ..model_modes import eval_mode
 
     body = getattr(model, "base_model", model)  # the decoder without the LM head: no vocabulary-size logits
-    was_training = model.training
-    model.eval()
     ids, tasks, embs, n_resp = [], [], [], []
-    try:
+    with eval_mode(model):
         for b in batches:
             mask = b["attention_mask"]
             h = body(input_ids=b["input_ids"], attention_mask=mask).last_hidden_state.double()
@@ -36,8 +35,6 @@ def embed(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], l
             ids.extend(str(i) for i in b["id"])
             tasks.extend(b.get("task") or [None] * len(b["id"]))
             n_resp.append((b["labels"] != IGNORE_INDEX).sum(1).cpu().numpy())
-    finally:
-        model.train(was_training)
     d = embs[0].shape[1] if embs else 0
     return (ids, tasks, np.concatenate(embs) if embs else np.zeros((0, d)),
             np.concatenate(n_resp) if n_resp else np.zeros(0, np.int64))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch import check_batch
-from .layer_extraction import decoder_blocks
+from ..blocks import decoder_blocks
 
 log = logging.getLogger(__name__)
 

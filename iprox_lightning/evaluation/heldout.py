@@ -77,12 +77,11 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
     """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc); ``per_example`` adds
     ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over examples)."""
     from ..batch import IGNORE_INDEX, per_example_loss
+    from ..model_modes import eval_mode
 
-    was_training = model.training
-    model.eval()
     per_task: dict[str, list[tuple[float, bool]]] = {}
     examples: list[dict] = []
-    try:
+    with eval_mode(model):
         for b in batches:
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
             loss, n = per_example_loss(logits, b["labels"])
@@ -93,8 +92,6 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
             for i, t, l, e in zip(ids, b["task"], loss.tolist(), exact.tolist()):
                 per_task.setdefault(t, []).append((l, bool(e)))
                 examples.append({"id": None if i is None else str(i), "task": t, "loss": l, "exact_match": bool(e)})
-    finally:
-        model.train(was_training)
     allv = [v for vs in per_task.values() for v in vs]
     if not allv:
         raise ValueError("heldout_metrics: no examples")

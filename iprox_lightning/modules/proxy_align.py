@@ -29,28 +29,18 @@ losses** ``(L(b_0) + … + L(b_{N-1}))/N`` — the same as gradient accumulation
 not ``L`` of the concatenated batch (cosines of summed gradients do not decompose over examples).
 Ranks end with identical factors.
 
-Held-out checks and ``keep_best``: every validation run (not Lightning's sanity check) computes the held-out
-``val/*`` metrics (``val/loss`` = ``L_GA + λ_KL·L_KL`` on the validation loader, cosines, SFT losses); ``keep_best``
-keeps the factors with the lowest ``monitor`` and restores them at the end of ``fit``. The un-aligned factors
-(IPSVD only) are a candidate too: in ``on_train_start``, before the first optimiser step, the module runs the same
-held-out metrics itself over the **full** validation loader(s) (``limit_val_batches`` respected, batch-size
-weighted means reduced over ranks like Lightning's ``sync_dist`` epoch means), logs them at step 0 and records
-them in ``validation_history`` (step 0 of a fresh fit). It does so when ``keep_best`` (with ``align``) is on or
-``fidelity_examples > 0``, and a validation loader exists.
+Held-out checks, ``keep_best`` and the ranking-fidelity check are callbacks the module configures from its options
+(``configure_callbacks``): :class:`~iprox_lightning.callbacks.keep_best.KeepBestFactors` records every validation
+run (not Lightning's sanity check) and, with ``keep_best``, keeps the factors with the lowest ``monitor`` and
+restores them at the end of ``fit``; the un-aligned factors are a candidate too (step 0: :meth:`heldout_metrics`
+over the **full** validation loader(s), ``limit_val_batches`` respected, batch-size weighted means reduced over
+ranks like Lightning's ``sync_dist`` epoch means; when ``keep_best`` (with ``align``) is on or ``fidelity_examples >
+0``, and a validation loader exists). ``fidelity_examples = n > 0`` adds
+:class:`~iprox_lightning.callbacks.ranking_fidelity.RankingFidelity`: Spearman of the proxy's TracIn scores of
+``n`` held-out pool examples with the frozen target's (``val/fidelity_spearman``, ``val/fidelity_loss = 1 − ρ``),
+the scores made by ``fidelity_scorer``. The module reads their reports (``report()``) into the manifest.
 
-Ranking fidelity (``fidelity_examples = n > 0``): what the proxy is for is ranking the pool like the target, which
-the held-out alignment loss need not follow. At the start of ``fit`` the module takes the datamodule's ``fidelity``
-split (``datamodule.fidelity_dataloader(n)``: ``n`` seeded pool examples in no warm-up / probe / align split) and
-scores it once with the frozen target, :func:`~iprox_lightning.scoring.influence.tracin_scores` (default
-``ScoringConfig``: ``score = cos(g(z), ḡ)``) against the datamodule's ``val_dataloader()``. At step 0 and after
-every validation run the current proxy scores the same examples the same way, and the module logs
-``val/fidelity_spearman`` (Spearman of proxy vs target scores; NaN if a score is not finite) and
-``val/fidelity_loss = 1 − val/fidelity_spearman`` (lower is better: ``monitor="val/fidelity_loss"`` makes
-``keep_best`` keep the best-ranking factors). Cost of one check: one forward+backward of the proxy over every
-validation example and every fidelity example (``⌈n_val/b⌉ + ⌈n/b⌉`` batches); the target's scores cost the same
-once per fit. Under DDP/FSDP2 every rank runs the check identically on the full (unsharded) fidelity and
-validation data — under FSDP2 the forwards are collectives, so every rank must — and rank 0's Spearman is
-broadcast, so ``keep_best`` decides identically everywhere.
+FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.modules.proxy_fsdp`.
 
 Ablations: ``kl_weight=0`` (no KL anchor), ``align=False`` (IPSVD only: fit trains nothing and only
 saves the proxy), SVD instead of IPSVD init is ``IPSVDCallback(method="svd")``.
@@ -61,30 +51,34 @@ At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
 from __future__ import annotations
 
 import copy
-import itertools
+import importlib
 import logging
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
-import numpy as np
 import torch
 from torch import nn
 
 from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
+from ..callbacks.keep_best import KeepBestFactors
+from ..callbacks.ranking_fidelity import FIDELITY_LOSS, FIDELITY_SPEARMAN, RankingFidelity  # noqa: F401  (re-exported)
 from ..lowrank import LowRankLinear
-from .causal_lm import apply_fully_shard, full_state_dict, is_sharded, linear_warmup_decay, resolve_model
+from .causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
+from .proxy_fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
 
 log = logging.getLogger(__name__)
 
-FIDELITY_SPEARMAN = "val/fidelity_spearman"
-FIDELITY_LOSS = "val/fidelity_loss"
+# ``fidelity_scorer=None``: the product's TracIn, named rather than imported (Stage 2 does not depend on the scoring
+# stage; a YAML ``fidelity_scorer: <dotted name>`` or a callable passed from Python replaces it)
+DEFAULT_FIDELITY_SCORER = "iprox_lightning.scoring.influence.tracin_scores"
+DEFAULT_FIDELITY_SCORES = "tracin (default ScoringConfig), score = cos(g(z), mean validation gradient)"
 
 
-def _finite_or_none(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def _resolve_callable(name: str) -> Callable:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _is_proxy_dir(source: Any) -> bool:
@@ -195,6 +189,9 @@ class ProxyAlignModule(L.LightningModule):
             datamodule's validation examples; logged as ``val/fidelity_spearman`` and ``val/fidelity_loss`` and
             recorded in the manifest. One check costs a forward+backward of the proxy over the validation and
             the ``n`` fidelity examples. ``0`` (default): off.
+        fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
+            progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
+            TracIn (:data:`DEFAULT_FIDELITY_SCORER`, default ``ScoringConfig``).
     """
 
     def __init__(
@@ -216,6 +213,7 @@ class ProxyAlignModule(L.LightningModule):
         keep_best: bool = True,
         monitor: str = "val/loss",
         fidelity_examples: int = 0,
+        fidelity_scorer: Optional[Callable] = None,
     ) -> None:
         super().__init__()
         self.config = AlignConfig(lr=lr, weight_decay=weight_decay, kl_weight=kl_weight, temperature=temperature,
@@ -223,7 +221,7 @@ class ProxyAlignModule(L.LightningModule):
                                   warmup_ratio=warmup_ratio, lr_schedule=lr_schedule, keep_best=keep_best,
                                   monitor=monitor, fidelity_examples=fidelity_examples)
         ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
-        self.save_hyperparameters(ignore=ignore or None)
+        self.save_hyperparameters(ignore=ignore + ["fidelity_scorer"])
         # plain attributes (never registered submodules, even when given as nn.Module)
         object.__setattr__(self, "target_source", target)
         object.__setattr__(self, "proxy_source", proxy)
@@ -231,10 +229,24 @@ class ProxyAlignModule(L.LightningModule):
         self.proxy: Optional[nn.Module] = None
         self.tokenizer: Any = None
         self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
-        self._best: Optional[dict[str, Any]] = None  # keep_best: {"value", "step", "factors"}
-        self.validation_history: list[dict[str, float]] = []
-        # fidelity_examples > 0: {"loader", "val", "ids", "target", "validation_examples"}, once per fit
-        self._fidelity: Optional[dict[str, Any]] = None
+        # the held-out record / keep_best and the ranking-fidelity check: callbacks (configure_callbacks)
+        self.best_factors = KeepBestFactors(monitor=monitor if keep_best else None,
+                                         evaluate_step0=(keep_best and align) or bool(fidelity_examples))
+        self.ranking_fidelity: Optional[RankingFidelity] = None
+        if fidelity_examples:
+            scorer = fidelity_scorer if fidelity_scorer is not None else _resolve_callable(DEFAULT_FIDELITY_SCORER)
+            self.ranking_fidelity = RankingFidelity(fidelity_examples, scorer, description=(
+                DEFAULT_FIDELITY_SCORES if fidelity_scorer is None else getattr(scorer, "__qualname__", str(scorer))))
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The fidelity check (which logs its metrics at the end of each validation epoch) and the held-out
+        record / ``keep_best`` (which reads every ``val/*`` metric at the end of the validation run)."""
+        return [cb for cb in (self.ranking_fidelity, self.best_factors) if cb is not None]
+
+    @property
+    def validation_history(self) -> list[dict[str, float]]:
+        """Every held-out result of the fits so far (``{"step", "val/...": value}``, step 0 included)."""
+        return self.best_factors.history
 
     # ------------------------------------------------------------------------------------- models
     @property
@@ -262,41 +274,7 @@ class ProxyAlignModule(L.LightningModule):
         self._set_trainable()
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):
-            self._shard_proxy()
-
-    def _shard_proxy(self) -> None:
-        """FSDP2 (``ModelParallelStrategy``): shard the proxy per decoder block, keeping the unsharded
-        parameters alive through both backward passes (``reshard_after_forward=False`` and
-        ``set_reshard_after_backward(False)``); they are freed after each optimiser step
-        (:meth:`on_train_batch_end`) so the next forward all-gathers the updated shards.
-        The gradients are taken w.r.t. the unsharded factors the forward used (see
-        :func:`~iprox_lightning.alignment.alignment_losses`). The teacher stays replicated."""
-        mesh = self._device_mesh
-        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-            raise ValueError("tensor parallelism is not supported: use ModelParallelStrategy(data_parallel_size=N, "
-                             "tensor_parallel_size=1) for FSDP2")
-        apply_fully_shard(self.proxy, dp, reshard_after_forward=False)
-        for m in self._fsdp_modules():
-            m.set_reshard_after_backward(False)
-
-    def _fsdp_modules(self) -> list:
-        """The proxy's FSDP2-sharded modules (none when it is not sharded)."""
-        if self.proxy is None or not is_sharded(self.proxy):
-            return []
-        from torch.distributed.fsdp import FSDPModule
-
-        return [m for m in self.proxy.modules() if isinstance(m, FSDPModule)]
-
-    def _reshard(self) -> None:
-        for m in self._fsdp_modules():
-            m.reshard()
-
-    def _unshard(self) -> None:
-        """FSDP2: gather the factors before a step, so the teacher pass projects its gradients with the very
-        (unsharded) ``A``/``B`` the proxy forward then uses; a no-op for an unsharded proxy."""
-        for m in self._fsdp_modules():
-            m.unshard()
+            shard_proxy(self.proxy, self._device_mesh)
 
     def on_fit_start(self) -> None:
         # The proxy runs in eval mode (no dropout; alignment_step switches it before every forward). Hand it
@@ -304,17 +282,20 @@ class ProxyAlignModule(L.LightningModule):
         # meant for accidental eval mode, stays quiet for this intentional one.
         if self.proxy is not None:
             self.proxy.train()
-        self._fidelity = None  # the fidelity examples and the target's scores: taken anew by each fit
         if not self.config.align and self._trainer is not None:
             # IPSVD-only: nothing trains, so Lightning's sanity validation (a double backward per batch) has nothing
             # to check; the proxy's health line (IPSVDCallback) is its look at held-out data
             self.trainer.num_sanity_val_steps = 0
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._reshard()  # FSDP2: drop the stale unsharded factors after the optimiser step
+        self.reshard()  # FSDP2: drop the stale unsharded factors after the optimiser step
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._reshard()
+        self.reshard()
+
+    def reshard(self) -> None:
+        """FSDP2: free the proxy's gathered parameters (a no-op for an unsharded proxy)."""
+        reshard_proxy(self.proxy)
 
     def _set_trainable(self) -> None:
         self.proxy.eval()
@@ -328,6 +309,10 @@ class ProxyAlignModule(L.LightningModule):
     def factor_parameters(self) -> list[nn.Parameter]:
         """The trainable ``A``/``B`` of the aligned layers, in model order."""
         return [p for m in proxy_factor_layers(self.proxy, self.config.layers).values() for p in (m.A, m.B)]
+
+    def factors_finite(self) -> bool:
+        """Whether every trainable factor is finite (an FSDP2-sharded proxy's count as finite: not checked)."""
+        return is_sharded(self.proxy) or all(bool(torch.isfinite(p.detach()).all()) for p in self.factor_parameters())
 
     def _apply(self, fn, *args, **kwargs):
         # ``.to(device)``, ``.cuda()``, ``.double()`` … also reach the unregistered teacher
@@ -343,7 +328,7 @@ class ProxyAlignModule(L.LightningModule):
             self.proxy.eval()
         if self._teacher.training:
             self._teacher.eval()
-        self._unshard()
+        unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         return alignment_losses(
             self._teacher, self.proxy, batch,
             kl_weight=self.config.kl_weight, temperature=self.config.temperature,
@@ -388,56 +373,15 @@ class ProxyAlignModule(L.LightningModule):
             out = self.alignment_step(batch, create_graph=False)
         self._log_output(out, "val", batch["input_ids"].shape[0], self.hparams.log_layer_cosines)
 
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return  # a partial look (num_sanity_val_steps batches): never a keep_best candidate
-        if self.config.fidelity_examples:
-            rho = self.fidelity_check()
-            self.log(FIDELITY_SPEARMAN, rho, sync_dist=True)  # identical on every rank (broadcast)
-            self.log(FIDELITY_LOSS, 1.0 - rho, sync_dist=True)
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-        if metrics:
-            self._record(int(self.global_step), metrics)
-
-    def _record(self, step: int, metrics: dict[str, float]) -> None:
-        """One held-out result: into ``validation_history``; with ``keep_best`` a candidate (a non-finite
-        ``monitor`` value never is)."""
-        self.validation_history.append({"step": step, **metrics})
-        if not self.config.keep_best:
-            return
-        if self.config.monitor not in metrics:
-            raise KeyError(f"ProxyAlignModule(monitor={self.config.monitor!r}): not among the logged held-out "
-                           f"metrics {sorted(metrics)}")
-        value = metrics[self.config.monitor]
-        if math.isfinite(value) and (self._best is None or value < self._best["value"]):
-            factors = [p.detach().clone() for p in self.factor_parameters()]
-            self._best = {"value": value, "step": step, "factors": factors}
-
-    # ------------------------------------------------------------------------------------- step 0
-    def on_train_start(self) -> None:
-        """Before the first optimiser step: the target's fidelity scores (``fidelity_examples > 0``) and the
-        held-out metrics of the un-aligned factors, a ``keep_best`` candidate at this step (0 in a fresh fit)."""
-        if not ((self.config.keep_best and self.config.align) or self.config.fidelity_examples):
-            return
-        metrics = self._heldout_metrics()
-        if metrics is None:
-            return  # no validation loader: nothing to compare against
-        if self.config.fidelity_examples:
-            rho = self.fidelity_check()
-            metrics[FIDELITY_SPEARMAN], metrics[FIDELITY_LOSS] = rho, 1.0 - rho
-        # float32 like the values Lightning logs later, so the candidates compare on one footing
-        metrics = {k: float(np.float32(v)) for k, v in metrics.items()}
-        step = int(self.global_step)
-        if self.trainer.is_global_zero:
-            for logger in self.trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-        self._record(step, metrics)
-
     def _val_loaders(self) -> list:
         """The fit loop's validation loaders (set up as Lightning does, e.g. with the distributed sampler)."""
         trainer = self.trainer
         if not trainer.enable_validation:
             return []
+        # Internal on purpose: before the first validation run Lightning has not built its validation loaders, and no
+        # public call builds them inside fit (trainer.validate cannot run inside fit; the datamodule's own loader
+        # would miss the distributed sampler Lightning injects). setup_data() is what the fit loop's first
+        # validation run calls itself, so the loaders are the ones it will use.
         if trainer.val_dataloaders is None:
             trainer.validating = True
             trainer.fit_loop.epoch_loop.val_loop.setup_data()
@@ -449,7 +393,7 @@ class ProxyAlignModule(L.LightningModule):
             return list(loaders.values())
         return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
 
-    def _heldout_metrics(self) -> Optional[dict[str, float]]:
+    def heldout_metrics(self) -> Optional[dict[str, float]]:
         """The ``val/*`` metrics of :meth:`validation_step` over the full validation loader(s), computed here
         (outside Lightning's loop): batch-size weighted means, summed over ranks — Lightning's ``sync_dist``
         epoch mean; ``/dataloader_idx_k`` suffixes with several loaders. ``None`` without a validation loader."""
@@ -466,7 +410,7 @@ class ProxyAlignModule(L.LightningModule):
                 batch = self.trainer.strategy.batch_to_device(batch, dataloader_idx=i)
                 with torch.enable_grad():
                     out = self.alignment_step(batch, create_graph=False)
-                self._reshard()
+                self.reshard()
                 size = batch["input_ids"].shape[0]
                 for k, v in self._output_metrics(out, "val", self.hparams.log_layer_cosines).items():
                     acc = sums.setdefault(k + suffix, [0.0, 0.0])
@@ -478,68 +422,6 @@ class ProxyAlignModule(L.LightningModule):
         total = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.device)
         total = self.trainer.strategy.reduce(total, reduce_op="sum")
         return {k: float(s / w) for k, (s, w) in zip(names, total.tolist())}
-
-    # ------------------------------------------------------------------------------------- fidelity
-    def _fidelity_state(self) -> dict[str, Any]:
-        """The fidelity examples and the target's TracIn scores of them (computed once)."""
-        if self._fidelity is None:
-            n = self.config.fidelity_examples
-            dm = self.trainer.datamodule if self._trainer is not None else None
-            if dm is None or not hasattr(dm, "fidelity_dataloader") or not hasattr(dm, "val_dataloader"):
-                raise ValueError(f"ProxyAlignModule(fidelity_examples={n}) needs a datamodule with "
-                                 "fidelity_dataloader(n) and val_dataloader() (SFTDataModule)")
-            loader, val = dm.fidelity_dataloader(n), dm.val_dataloader()
-            if val is None or (isinstance(val, (list, tuple)) and not val):
-                raise ValueError(f"ProxyAlignModule(fidelity_examples={n}) needs validation examples: the datamodule "
-                                 "has no validation loader")
-            target = self._tracin(self._teacher, loader, val)
-            if not np.all(np.isfinite(target.scores)):
-                raise ValueError("the target's TracIn scores of the fidelity examples are not finite")
-            self._fidelity = {"loader": loader, "val": val, "ids": list(target.ids), "target": target.scores,
-                              "validation_examples": int(target.settings.get("val_examples", 0))}
-            log.info("fidelity check: %d held-out pool examples against %d validation examples",
-                     len(target.ids), self._fidelity["validation_examples"])
-        return self._fidelity
-
-    def _tracin(self, model: nn.Module, loader, val):
-        """The product's TracIn scores (:func:`~iprox_lightning.scoring.influence.tracin_scores`, default
-        ``ScoringConfig``) of ``loader``'s examples against the validation batches ``val``."""
-        from ..scoring.influence import tracin_scores
-
-        val_batches = itertools.chain.from_iterable(val) if isinstance(val, (list, tuple)) else val
-        try:
-            return tracin_scores(model, loader, val_batches, progress=False)
-        finally:
-            self._reshard()
-
-    def fidelity_check(self) -> float:
-        """Spearman of the current proxy's TracIn scores of the fidelity examples with the target's (the
-        score ``cos(g(z), ḡ)``); NaN when a proxy factor or score is not finite. Rank 0's value on every rank."""
-        state = self._fidelity_state()
-        finite = is_sharded(self.proxy) or all(bool(torch.isfinite(p.detach()).all())
-                                               for p in self.factor_parameters())
-        rho = float("nan")
-        if finite:
-            table = self._tracin(self.proxy, state["loader"], state["val"])
-            if list(table.ids) != state["ids"]:
-                raise RuntimeError("fidelity check: the proxy scored other examples than the target")
-            if np.all(np.isfinite(table.scores)):
-                from ..analysis.retention import spearman
-
-                rho = float(spearman(table.scores, state["target"]))
-        if self._trainer is not None:
-            rho = float(self.trainer.strategy.broadcast(rho, src=0))
-        return rho
-
-    def restore_best(self) -> Optional[dict[str, Any]]:
-        """Copy the kept best factors back into the proxy (``keep_best``); returns ``{"value", "step"}``
-        or ``None`` when nothing was kept."""
-        if self._best is None:
-            return None
-        with torch.no_grad():
-            for p, q in zip(self.factor_parameters(), self._best["factors"]):
-                p.copy_(q)
-        return {"value": self._best["value"], "step": self._best["step"]}
 
     # ------------------------------------------------------------------------------------- optim
     def configure_optimizers(self):
@@ -559,10 +441,7 @@ class ProxyAlignModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------- saving
     def on_fit_end(self) -> None:
-        best = self.restore_best() if self.config.keep_best else None
-        if best is not None:
-            log.info("restored the best held-out factors: %s = %.6g at step %d", self.config.monitor,
-                     best["value"], best["step"])
+        # KeepBestFactors (a callback: Lightning runs it first) has restored the best factors
         if self.hparams.save_dir:
             self.save_proxy(self.hparams.save_dir)
 
@@ -574,21 +453,12 @@ class ProxyAlignModule(L.LightningModule):
         zero = self.trainer.is_global_zero if self._trainer is not None else True
         full = full_state_dict(self.proxy)  # collective under FSDP2 (full tensors on rank 0)
         if zero:
-            proxy = self.proxy if full is None else self._unsharded_copy(full)
+            proxy = self.proxy if full is None else unsharded_copy(self._teacher, self.proxy, full)
             manifest = self.ipsvd_report
             if manifest is None and _is_proxy_dir(self.proxy_source):
                 manifest = {k: v for k, v in read_manifest(self.proxy_source).items()
                             if k not in ("format_version", "layers", "dtype", "params_after")}
-            extra: dict[str, Any] = {"alignment": {
-                **asdict(self.config),
-                "aligned": bool(self.config.align),
-                "steps": int(self.global_step) if self._trainer is not None else 0,
-                "best": ({"value": self._best["value"], "step": self._best["step"]}
-                         if self._best is not None else None),
-                "validation_history": [{k: _finite_or_none(v) for k, v in h.items()}
-                                       for h in self.validation_history],  # strict JSON: NaN -> null
-                "fidelity": self._fidelity_summary(),
-            }}
+            extra: dict[str, Any] = {"alignment": self._alignment_record()}
             if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
                 extra["target_model"] = self.target_source
             save_proxy(proxy, self.tokenizer, path, manifest, **extra)
@@ -599,27 +469,10 @@ class ProxyAlignModule(L.LightningModule):
             self.trainer.strategy.barrier("save_proxy")
         return path
 
-    def _fidelity_summary(self) -> Optional[dict[str, Any]]:
-        """The manifest's record of the ranking-fidelity check (``None`` when off)."""
-        if not self.config.fidelity_examples:
-            return None
-        state = self._fidelity or {}
-        history = [{"step": h["step"], "spearman": _finite_or_none(h[FIDELITY_SPEARMAN])}
-                   for h in self.validation_history if FIDELITY_SPEARMAN in h]
-        return {"examples": len(state.get("ids", [])), "validation_examples": state.get("validation_examples"),
-                "scores": "tracin (default ScoringConfig), score = cos(g(z), mean validation gradient)",
-                "ids": state.get("ids", []), "history": history}
-
-    def _unsharded_copy(self, state_dict: dict) -> nn.Module:
-        """A plain (unsharded) proxy holding ``state_dict``: the teacher's architecture with the same
-        ``LowRankLinear`` layers (ranks read from the factor shapes)."""
-        from ..target_layers import set_submodule
-
-        model = copy.deepcopy(self._teacher).to("cpu")
-        for name, m in self.proxy.named_modules():
-            if isinstance(m, LowRankLinear):
-                A = state_dict[f"{name}.A"]
-                set_submodule(model, name, LowRankLinear(m.in_features, m.out_features, A.shape[1],
-                                                          bias=m.bias is not None, dtype=A.dtype))
-        model.load_state_dict(state_dict, strict=True)
-        return model
+    def _alignment_record(self) -> dict[str, Any]:
+        """The manifest's ``"alignment"`` block: the settings, the steps, the callbacks' reports."""
+        held_out = self.best_factors.report()
+        return {**asdict(self.config), "aligned": bool(self.config.align),
+                "steps": int(self.global_step) if self._trainer is not None else 0,
+                "best": held_out["best"], "validation_history": held_out["validation_history"],
+                "fidelity": self.ranking_fidelity.report() if self.ranking_fidelity is not None else None}

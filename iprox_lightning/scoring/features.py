@@ -31,15 +31,15 @@ An influence metric (:mod:`.metrics`) optionally maps ``(h, δ)`` to a whitened 
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from ..batch import IGNORE_INDEX, check_batch
 from ..lowrank import LowRankLinear
+from ..model_modes import eval_mode  # noqa: F401  (re-exported: the scoring modules' import)
 from ..target_layers import Conv1D, find_target_linears, linear_shape
 from ..tracking import PairTracker
 
@@ -262,16 +262,6 @@ def slice_rows(batch: Mapping, n: int) -> dict:
     return {k: (v[:n] if (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B)
                 else (list(v)[:n] if isinstance(v, (list, tuple)) and len(v) == B else v))
             for k, v in batch.items()}
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
 
 
 def progress_bar(it, enabled: bool, desc: str, total=None):

@@ -1,0 +1,21 @@
+"""Train/eval mode of models, saved and restored: one context manager for every "run this in eval mode" block."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+
+@contextlib.contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Put ``models`` in eval mode (dropout off) for the block; each gets its own train/eval flag back after it,
+    also when the block raises. (Only the top module's flag is saved, as ``model.train(was_training)`` did.)"""
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, was in zip(models, was_training):
+            m.train(was)
