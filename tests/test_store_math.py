@@ -17,6 +17,11 @@ from test_scoring_influence import TINY, TRAIN, VAL, batches, make_proxy, ref_ex
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+
+# cosine scores (|value| <= 1) computed by two float64 routes through the model differ by up to 1.2e-9 under ATen's
+# AVX2 kernels (1e-16 natively; cf. tests/data/isa_spread.json, self_consistency): 5e-7 holds on any x86 kernel set
+KERNEL_ATOL = 5e-7
+
 def _model():
     return tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
 
@@ -51,7 +56,8 @@ def test_factored_projection_equals_projected_materialised_gradient(proxy):
     assert any(p.P_in is not None and p.P_out is not None for p in proj.projections.values())
     got = torch.cat([s["vectors"] for s in _shards(proj, TRAIN)])  # padded batches of 4
     want = torch.stack([_brute_vector(model, proj.projections, e) for e in TRAIN])
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
+    # float64 both ways; ATen's AVX2 kernels sum in another order: up to 7e-11 of the largest |value| (1e-15 natively)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * float(want.abs().max()))
     zero = torch.cat([torch.as_tensor(s["zero_grad"]) for s in _shards(proj, TRAIN)])
     assert zero.tolist() == [bool((w == 0).all()) for w in want] and zero.any()
 
@@ -81,8 +87,8 @@ def test_query_equals_brute_force_projected_tracin_and_exact_tracin_with_identit
     for e in TRAIN:
         x = _brute_vector(model, proj.projections, e)
         j = table.ids.index(e["id"])
-        assert table.scores[j] == pytest.approx(cos(x, sall), rel=1e-9, abs=1e-12)
-        np.testing.assert_allclose(table.task_scores[j], [cos(x, s[t]) for t in tasks], rtol=1e-9, atol=1e-12)
+        assert table.scores[j] == pytest.approx(cos(x, sall), rel=0, abs=KERNEL_ATOL)
+        np.testing.assert_allclose(table.task_scores[j], [cos(x, s[t]) for t in tasks], rtol=0, atol=KERNEL_ATOL)
     # identity projections (k >= every dimension): the exact TracIn scores
     full = GradientProjector(model, k=10_000, seed=1)
     assert all(p.P_in is None and p.P_out is None for p in full.projections.values())
@@ -90,9 +96,9 @@ def test_query_equals_brute_force_projected_tracin_and_exact_tracin_with_identit
     got = query_table(_shards(full, TRAIN), names, S)
     exact = tracin_scores(model, batches(TRAIN, 4), batches(VAL, 3), progress=False)
     assert got.ids == exact.ids and got.task_names == exact.task_names
-    np.testing.assert_allclose(got.scores, exact.scores, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(got.score_max, exact.score_max, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.scores, exact.scores, rtol=0, atol=KERNEL_ATOL)
+    np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=0, atol=KERNEL_ATOL)
+    np.testing.assert_allclose(got.score_max, exact.score_max, rtol=0, atol=KERNEL_ATOL)
     assert (got.zero_grad == exact.zero_grad).all() and got.zero_grad.any()
 
 
