@@ -79,6 +79,11 @@ def split_rule(selector: str, default_rule: str) -> tuple[str, str]:
     return (base, rule) if rule in RULES else (selector, default_rule)
 
 
+def store_source(selector: str) -> str:
+    """``"store"`` -> ``"target"``, ``"store:iprox@0.5"`` -> ``"iprox@0.5"``: whose gradient store a selector queries."""
+    return selector.partition(":")[2] or "target"
+
+
 def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -176,22 +181,8 @@ class Effect:
                                                             "settings": {k: ov[k] for k in ("max_length", "batch_size")}},
                         d / "scores.parquet", clean=d)
             return d / "scores.parquet"
-        if selector == "store":  # the warmed target's gradient store, queried per subtask (LESS max needs them)
-            a = self.args
-            store, d = self.out / "stores" / "target", self.out / "scores" / "store"
-            ov = {"model": self.warmed, "output_dir": str(store), "pool": str(self.sample), "tokenizer": self.warmed,
-                  "k": a.store_k, "max_length": a.max_length, "batch_size": a.batch_size, "data_seed": a.seed,
-                  "progress": False}
-            self.st.run("store:target", "build_store", [], ov, {"warmup": self.target_fp, "data": self.sample_ids,
-                                                                "settings": {k: ov[k] for k in ("k", "max_length",
-                                                                                                "batch_size")}},
-                        store / "store.json", clean=store)
-            # eval:<dir> keeps each example's subtask (MMLU subject, BBH task, TyDiQA language): one column each
-            val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
-            qv = {"store": str(store), "validation": val, "output_dir": str(d), "subtasks": True}
-            self.st.run("query:target", "query", [], qv, {"store": self.st.state["stages"]["store:target"]["fingerprint"],
-                                                          "validation": qv["validation"]}, d / "scores.parquet", clean=d)
-            return d / "scores.parquet"
+        if selector == "store" or selector.startswith("store:"):
+            return self.store_table(store_source(selector))
         if selector.startswith("random:"):
             seed = int(selector.split(":", 1)[1])
             p = self.out / "scores" / f"random_{seed}" / "scores.parquet"
@@ -207,6 +198,46 @@ class Effect:
             write_scores({i: -float(n) for i, n in zip(t.column("id").to_pylist(), t.column("n_tokens").to_pylist())}, p)
             return p
         raise ValueError(f"unknown selector {selector!r}")
+
+    def store_paths(self, source: str) -> tuple[Path, Path]:
+        """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``)."""
+        if source == "target":  # the first store's paths, kept so its recorded stages stay valid
+            return self.out / "stores" / "target", self.out / "scores" / "store"
+        return self.out / "stores" / dir_name(source), self.out / "scores" / dir_name(f"store:{source}")
+
+    def store_table(self, source: str) -> Path:
+        """A model's gradient store (``train.py build_store``) queried per subtask (``train.py query`` on
+        ``eval:<dir>``: one column per MMLU subject / BBH task / TyDiQA language, what LESS max needs). ``source``:
+        ``target`` (the warmed target) or a selector naming a fidelity_v2 proxy (``store:iprox@0.5``: the proxy's
+        factor layers), whose directory the fidelity run must have kept."""
+        a = self.args
+        store, d = self.store_paths(source)
+        if source == "target":
+            model, base_fp = self.warmed, self.target_fp
+        else:
+            if source not in self.sources or self.sources[source] in ("target", "target_unwarmed"):
+                raise ValueError(f"store:{source}: not a proxy selector ({sorted(self.sources)})")
+            v = self.sources[source]
+            pdir = self.fid / "proxies" / dir_name(v)
+            rec = self.fid_stages.get(f"build:{v}")
+            if rec is None or not (pdir / "config.json").exists():
+                raise SystemExit(f"selector store:{source}: the proxy {pdir} is gone; re-make it with "
+                                 f"python bench/fidelity_v2.py --out {self.fid} --variants '{v}' --no-unwarmed")
+            model, base_fp = str(pdir), rec["fingerprint"]
+        ov = {"model": model, "output_dir": str(store), "pool": str(self.sample), "tokenizer": self.warmed,
+              "k": a.store_k, "max_length": a.max_length, "batch_size": a.batch_size, "data_seed": a.seed,
+              "progress": False}
+        fp = {"warmup": self.target_fp, "data": self.sample_ids,
+              "settings": {k: ov[k] for k in ("k", "max_length", "batch_size")}}
+        if source != "target":
+            fp["proxy"] = base_fp
+        self.st.run(f"store:{source}", "build_store", [], ov, fp, store / "store.json", clean=store)
+        # eval:<dir> keeps each example's subtask (MMLU subject, BBH task, TyDiQA language): one column each
+        val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
+        qv = {"store": str(store), "validation": val, "output_dir": str(d), "subtasks": True}
+        self.st.run(f"query:{source}", "query", [], qv, {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"],
+                                                         "validation": qv["validation"]}, d / "scores.parquet", clean=d)
+        return d / "scores.parquet"
 
     # --- select, fine-tune, evaluate --------------------------------------------------------------
     def selection(self, task: str | None, selector: str) -> Path:
@@ -343,10 +374,12 @@ class Effect:
             build = st.get(f"build:{v}", {}).get("wall_s", 0.0) if v not in ("target", "target_unwarmed") else 0.0
         elif selector == "rds":
             score, build = self.st.state["stages"].get("score:rds", {}).get("wall_s"), 0.0
-        elif selector == "store":  # building the store is the pool pass; each new validation set is one query
-            own = self.st.state["stages"]
-            b, q = own.get("store:target", {}).get("wall_s"), own.get("query:target", {}).get("wall_s")
-            score, build = (b + q if b is not None and q is not None else None), 0.0
+        elif selector == "store" or selector.startswith("store:"):
+            # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
+            src, own = store_source(selector), self.st.state["stages"]
+            b, q = own.get(f"store:{src}", {}).get("wall_s"), own.get(f"query:{src}", {}).get("wall_s")
+            score = b + q if b is not None and q is not None else None
+            build = st.get(f"build:{self.sources[src]}", {}).get("wall_s", 0.0) if src != "target" else 0.0
         else:
             score, build = 0.0, 0.0
         ratio = (score / tgt) if (score is not None and tgt) else None
@@ -390,6 +423,37 @@ class Effect:
             if qc and ec:
                 out[t] = {"subtasks": len(qc), "spearman_mean": float(spearmanr(q.loc[ids, qc].mean(axis=1),
                                                                                   e.loc[ids, ec].mean(axis=1))[0])}
+        return out
+
+    def proxy_store_fidelity(self) -> dict:
+        """Per proxy store (selectors ``store:<proxy>``), how its per-subtask scores rank the sample against the
+        warmed target's store (the same projection size and validation columns), per task under the rules
+        ``max`` (LESS) and ``mean`` over the task's subtask columns (Spearman): the fidelity that the ``+max``
+        selection sees. Empty before a proxy store was queried."""
+        from scipy.stats import spearmanr
+
+        from iprox_lightning.io.scores import read_table
+        from iprox_lightning.selection_rules import task_columns
+
+        t_path = self.store_paths("target")[1] / "scores.parquet"
+        out: dict[str, dict] = {}
+        if not t_path.exists():
+            return out
+        ref = read_table(t_path)[1].to_pandas().set_index("id")
+        for sel in self.args.selectors:
+            base = split_rule(sel, self.args.rule)[0]
+            src = store_source(base) if base.startswith("store:") else None
+            path = self.store_paths(src)[1] / "scores.parquet" if src else None
+            if path is None or src in out or not path.exists():
+                continue
+            q = read_table(path)[1].to_pandas().set_index("id")
+            ids = sorted(set(q.index) & set(ref.index))
+            row: dict[str, Any] = {"n": len(ids), "pooled": float(spearmanr(q.loc[ids, "score"], ref.loc[ids, "score"])[0])}
+            for t in self.args.tasks:
+                cq, cr = (task_columns({c: df.loc[ids, c].to_numpy() for c in df.columns}, t) for df in (q, ref))
+                row[t] = {rule: float(spearmanr(agg(np.stack(list(cq.values()))), agg(np.stack(list(cr.values()))))[0])
+                          for rule, agg in (("max", lambda x: x.max(0)), ("mean", lambda x: x.mean(0)))}
+            out[src] = row
         return out
 
     def write_summary(self) -> dict:
@@ -455,7 +519,8 @@ class Effect:
                      "versions": versions(), "commands": self.st.state.get("run_commands", []),
                      "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
                      "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
-                     "not_reported": sorted(stale), "store_vs_exact": self.store_vs_exact()},
+                     "not_reported": sorted(stale), "store_vs_exact": self.store_vs_exact(),
+                     "proxy_store_fidelity": self.proxy_store_fidelity()},
             "rows": rows,
         }
         if stale:
@@ -523,6 +588,16 @@ def markdown(summary: dict) -> str:
                   f"target's exact TracIn on the {sv['n']} sample examples, Spearman: pooled {sv['pooled']:.3f} (the "
                   f"same score, projected vs exact); per task, mean over the subtask columns vs the exact table's task "
                   f"columns (also another aggregation): {per_task}.", ""]
+    pf = m.get("proxy_store_fidelity")
+    if pf:
+        lines += ["Proxy stores vs the target's store (same projection, same subtask columns), Spearman per task "
+                  "under the rule that selects (max over subtasks; mean beside it):", "",
+                  "| proxy store | pooled | " + " | ".join(f"{t} max / mean" for t in m["tasks"]) + " |",
+                  "|---|---|" + "---|" * len(m["tasks"])]
+        for src, r in pf.items():
+            lines.append(f"| store:{src} | {r['pooled']:.2f} | " + " | ".join(
+                f"{r[t]['max']:.2f} / {r[t]['mean']:.2f}" if t in r else "—" for t in m["tasks"]) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -243,7 +243,11 @@ class Stages:
             raise RuntimeError(f"stage {key} failed (exit {proc.returncode}); log {logf}:\n{tail}")
         if not done.exists():
             raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
-        rec = {"fingerprint": fp, "command": printable, "wall_s": wall,
+        # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
+        # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
+        # text would re-run them although nothing they depend on changed
+        same = rec is not None and canonical_fingerprint(rec["fingerprint"]) == canonical_fingerprint(fp)
+        rec = {"fingerprint": rec["fingerprint"] if same else fp, "command": printable, "wall_s": wall,
                "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
                "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                "commit": git_commit(dirty=True),

@@ -32,7 +32,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     out = tmp_path / "effect"
     argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
             "--eval-dir", "builtin", "--tasks", "addition", "uppercase", "--priority-tasks", "addition",
-            "--selectors", "target", "iprox@0.5", "length", "store+max", "--source", f"iprox@0.5={VARIANT}",
+            "--selectors", "target", "iprox@0.5", "length", "store+max", "store:iprox@0.5+max", "--source", f"iprox@0.5={VARIANT}",
             "--random-seeds", "0", "1", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
             "--builtin-per-task", "8", "--bootstrap", "200", "--threads", "1"]
     s = effect.main(argv)
@@ -58,7 +58,8 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     # every row recomputed from the cached per-example evaluations
     evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
     assert set(evals) == {"base", "random:0", "random:1", "length", "addition/target", "uppercase/target",
-                          "addition/iprox@0.5", "uppercase/iprox@0.5", "addition/store+max", "uppercase/store+max"}
+                          "addition/iprox@0.5", "uppercase/iprox@0.5", "addition/store+max", "uppercase/store+max",
+                          "addition/store:iprox@0.5+max", "uppercase/store:iprox@0.5+max"}
     # the store selector: the product's build_store + query, then select with the selector's own rule (max)
     for task in ("addition", "uppercase"):
         ref = select(str(out / "scores" / "store" / "scores.parquet"), k=6, rule="max", task=task,
@@ -66,6 +67,29 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
                      quiet=True)
         got = out / "selections" / f"{fv2.dir_name(f'{task}/store+max')}.jsonl"
         assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    from scipy.stats import spearmanr
+
+    # a proxy's store (store:<selector>): the proxy directory the fidelity run built, its own store and query
+    proxy_q = out / "scores" / fv2.dir_name("store:iprox@0.5") / "scores.parquet"
+    man = json.loads((out / "stores" / fv2.dir_name("iprox@0.5") / "store.json").read_text())
+    assert str(fidelity_dir / "proxies" / fv2.dir_name(VARIANT)) in json.dumps(man)
+    for task in ("addition", "uppercase"):
+        ref = select(str(proxy_q), k=6, rule="max", task=task, pool=str(fidelity_dir / "sample.jsonl"),
+                     output=str(tmp_path / f"ref_pstore_{task}.jsonl"), quiet=True)
+        got = out / "selections" / f"{fv2.dir_name(f'{task}/store:iprox@0.5+max')}.jsonl"
+        assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    # its per-task fidelity vs the target's store under max / mean over the task's subtask columns, recomputed
+    tq, pq = (fv2.read_table(x) for x in (out / "scores" / "store" / "scores.parquet", proxy_q))
+    assert list(tq["id"]) == list(pq["id"])
+    pf = m["proxy_store_fidelity"]["iprox@0.5"]
+    assert pf["n"] == 30 and pf["pooled"] == pytest.approx(spearmanr(pq["score"], tq["score"])[0], abs=1e-12)
+    for task in ("addition", "uppercase"):
+        cols = [c for c in tq["tasks"] if c == task or c.startswith(f"{task}.")]
+        assert cols and set(cols) <= set(pq["tasks"])
+        for rule, agg in (("max", np.max), ("mean", np.mean)):
+            a, b = (agg(np.stack([x["tasks"][c] for c in cols]), axis=0) for x in (pq, tq))
+            assert pf[task][rule] == pytest.approx(spearmanr(a, b)[0], abs=1e-12)
+    assert "store:iprox@0.5" in (out / "summary.md").read_text()
     assert {r["rule"] for r in s["rows"] if r["selector"] == "store+max"} == {"max"}
     assert all(r["scoring_cost_ratio"] > 0 for r in s["rows"] if r["selector"] == "store+max")
     # the store's pooled score against the exact target table's, recomputed
@@ -127,3 +151,26 @@ def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
     c.write_text(base.replace("max_epochs: 4", "max_epochs: 5"))
     assert fv2.config_text(b) == fv2.config_text(a) == base
     assert fv2.config_text(c) != fv2.config_text(a)
+
+
+def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
+    """A stage re-run only because its output is gone (a proxy whose weights were not kept), with settings equal up
+    to outcome-neutral lines, keeps the recorded fingerprint text that downstream stages embed (else re-making the
+    proxy re-ran its scoring); a real change records the new text."""
+    import shutil
+
+    st = fv2.Stages(tmp_path, 1, lambda msg: None)
+    out = tmp_path / "r" / "scores.parquet"
+    ov = {"output": str(out), "pool": "builtin", "seed": 0}
+    old = {"seed": 0, "config": "trainer:\n  max_epochs: 4\n"}
+    st.run("random", "random_scores", [], ov, old, out, clean=out.parent)
+    recorded = st.state["stages"]["random"]["fingerprint"]
+    assert recorded == json.dumps(old, sort_keys=True)
+    shutil.rmtree(out.parent)
+    neutral = {"seed": 0, "config": "trainer:\n  max_epochs: 4\n  log_every_n_steps: 5  # presentation only\n"}
+    st.run("random", "random_scores", [], ov, neutral, out, clean=out.parent)
+    assert out.exists() and st.state["stages"]["random"]["fingerprint"] == recorded
+    assert st.ran == ["random", "random"]
+    changed = {"seed": 0, "config": "trainer:\n  max_epochs: 5\n"}
+    st.run("random", "random_scores", [], ov, changed, out, clean=out.parent)
+    assert st.state["stages"]["random"]["fingerprint"] == json.dumps(changed, sort_keys=True)
