@@ -90,6 +90,26 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
             a, b = (agg(np.stack([x["tasks"][c] for c in cols]), axis=0) for x in (pq, tq))
             assert pf[task][rule] == pytest.approx(spearmanr(a, b)[0], abs=1e-12)
     assert "store:iprox@0.5" in (out / "summary.md").read_text()
+
+    # the per-layer diagnosis (bench/layer_diagnosis.py) of these stores: validation stores built with the same
+    # projections; its suite sums reproduce the store query's pooled score; shares sum to 1 per suite
+    import layer_diagnosis
+
+    d = layer_diagnosis.main(["--out", str(tmp_path / "diag"), "--fidelity", str(fidelity_dir), "--effect", str(out),
+                              "--proxy", "iprox@0.5", "--no-health", "--threads", "1"])
+    assert set(d["attribution"]) == {"addition", "uppercase"}
+    for suite, r in d["attribution"].items():
+        for table in (r["modules"], r["by_type"], r["by_block"]):
+            assert sum(v["share"] for v in table.values()) == pytest.approx(1.0, abs=1e-9)
+        assert -1 <= r["proxies"]["iprox@0.5"]["spearman"] <= 1
+        assert set(r["proxies"]["iprox@0.5"]["by_type"]) == set(r["by_type"])
+    ids, _, X, _ = layer_diagnosis.read_store(out / "stores" / "target")
+    _, vt, V, _ = layer_diagnosis.read_store(tmp_path / "diag" / "valstores" / "target")
+    s_all = V.sum(0)
+    mine = X @ s_all / (np.linalg.norm(X, axis=1) * np.linalg.norm(s_all))
+    e = dict(zip(tq["id"], tq["score"]))
+    np.testing.assert_allclose(mine, [e[i] for i in ids], atol=2e-3)  # float16 stored validation vectors
+    assert (tmp_path / "diag" / "diagnosis.md").read_text().startswith("# Where the per-task ranking lives")
     assert {r["rule"] for r in s["rows"] if r["selector"] == "store+max"} == {"max"}
     assert all(r["scoring_cost_ratio"] > 0 for r in s["rows"] if r["selector"] == "store+max")
     # the store's pooled score against the exact target table's, recomputed
