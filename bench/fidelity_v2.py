@@ -28,7 +28,12 @@ allocation), ``spare0`` (block 0's MLP kept dense), ``n<N>`` (probe tokens per l
 them for one variant (``+align2:1e-4``); ``drop<N>`` drops the N least important blocks (Layer Extraction's
 importance) and spends the freed budget on IPSVD of the rest (no ``+align``); a trailing ``+fid<N>`` keeps the aligned
 factors with the best ranking fidelity on N held-out pool examples (``monitor: val/fidelity_loss``) instead of the
-best held-out alignment loss.
+best held-out alignment loss, ``+fidtask<N>`` those whose worst validation task ranks best (``fidelity_per_task``,
+``monitor: val/fidelity_worst_loss``; the tasks are the validation file's, here the suite halves). Issue 22's levers:
+``infw`` (with ``global``: ranks weighted by each layer's share of the per-task score signal, ``rank_weighting:
+influence``; ``infw<λ>`` mixes λ of it with the unweighted allocation; the validation examples of the build stage,
+``--align-val-per-task`` per task, give the weights), ``allprobe`` (probes of the loss over every non-pad token,
+``probe_labels: all``), ``up<M>`` (ranks rounded up to a multiple of M, ``rank_rounding: up``).
 
 Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
 ``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
@@ -103,9 +108,10 @@ def parse_variant(spec: str) -> dict[str, Any]:
     """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
     "align_lr", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None: ``--align-epochs`` / ``--align-lr``)."""
     s = spec.strip()
-    m = re.search(r"\+align(\d*)(?::([0-9.eE+-]+))?(?:\+fid(\d+))?$", s)
+    m = re.search(r"\+align(\d*)(?::([0-9.eE+-]+))?(?:\+fid(task)?(\d+))?$", s)
     align = m is not None
-    fidelity = int(m.group(3)) if m and m.group(3) else None
+    fidelity = int(m.group(4)) if m and m.group(4) else None
+    fidelity_task = bool(m and m.group(3))
     if fidelity == 0:
         raise ValueError(f"variant {spec!r}: +fid0 checks nothing; leave out +fid")
     align_epochs = int(m.group(1)) if m and m.group(1) else None
@@ -147,16 +153,29 @@ def parse_variant(spec: str) -> dict[str, Any]:
             cb["num_probe_tokens"] = int(o[1:])
         elif o[:4] == "drop" and o[4:].isdigit() and int(o[4:]) > 0:
             cb["drop_blocks"] = int(o[4:])
+        elif o[:4] == "infw" and (o == "infw" or re.fullmatch(r"(0?\.\d+|1(\.0*)?|0)", o[4:])):
+            cb["rank_weighting"] = "influence"
+            if o != "infw":
+                cb["rank_weight_mix"] = float(o[4:])
+        elif o == "allprobe":
+            cb["probe_labels"] = "all"
+        elif o[:2] == "up" and o[2:].isdigit() and int(o[2:]) > 0:
+            cb.update(rank_multiple=int(o[2:]), rank_rounding="up")
         else:
             raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0, "
-                             "n<probe tokens>, drop<blocks>)")
+                             "n<probe tokens>, drop<blocks>, infw[<mix>], allprobe, up<multiple>)")
+    if "rank_weighting" in cb and cb.get("allocation") != "global":
+        raise ValueError(f"variant {spec!r}: infw weights the global rank allocation: add /global")
     if "drop_blocks" in cb and align:
         raise ValueError(f"variant {spec!r}: a proxy with dropped blocks cannot be aligned (Stage 2 pairs proxy and "
                          "target layers by path)")
     if method == "ipsvd" and cb.get("mode", "exact") == "exact" and "allocation" not in cb:
         cb["allocation"] = "uniform"  # the variant says what it is: without /global, the same ρ in every layer
-    return {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "align_lr": align_lr,
-            "fidelity": fidelity, "ipsvd": cb}
+    out = {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "align_lr": align_lr,
+           "fidelity": fidelity, "ipsvd": cb}
+    if fidelity_task:  # only when asked: the other rows' dicts (and fingerprints) stay as they were
+        out["fidelity_task"] = True
+    return out
 
 
 def dir_name(key: str) -> str:
@@ -839,12 +858,17 @@ def main(argv=None) -> dict:
                         trainer.update(max_epochs=v["align_epochs"] or args.align_epochs, num_sanity_val_steps=0,
                                        val_check_interval=args.align_val_every)
                         model.update(lr_schedule="linear", warmup_ratio=0.05)
-                        if v["fidelity"]:  # keep_best by ranking fidelity on held-out pool examples
+                        if v["fidelity"] and v.get("fidelity_task"):  # keep_best by the worst task's fidelity
+                            model.update(fidelity_examples=v["fidelity"], fidelity_per_task=True,
+                                         monitor="val/fidelity_worst_loss")
+                        elif v["fidelity"]:  # keep_best by ranking fidelity on held-out pool examples
                             model.update(fidelity_examples=v["fidelity"], monitor="val/fidelity_loss")
                         data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
                     else:
                         trainer.update(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
                         data.update(validation=None)
+                        if v["ipsvd"].get("rank_weighting") == "influence":  # the weights' per-task validation examples
+                            data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
                     fp = {"target": stage_fp("warmup") or target, "callback": cb, "model": model, "data": data,
                           "trainer": {k: v2 for k, v2 in trainer.items() if k not in ("logger", "default_root_dir")},
                           "config": config_text(cfg / "build_proxy.yaml")}

@@ -41,8 +41,9 @@ from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lo
     lowrank_layers,
     set_submodule,
 )
-from .probes import Probes, collect_probes
-from .rank import requested_layer_params
+from .influence_weights import RANK_WEIGHTINGS, RankWeights, influence_rank_weights
+from .probes import PROBE_LABELS, Probes, collect_probes
+from .rank import ROUNDINGS, requested_layer_params
 from .compression_plan import (  # noqa: F401  (BlockDropReport, CompressionPlan, plan_compression: part of this API)
     BlockDropReport,
     CompressionPlan,
@@ -95,7 +96,7 @@ class CompressionConfig:
         damping: IPSVD damping λ of the probe covariances.
         damping_mode: ``"relative"`` (λ times the mean eigenvalue) or ``"absolute"`` (λ as is).
         num_probe_tokens: N, the probe tokens collected per layer.
-        rank_multiple: round every rank down to a multiple of this (paper: 128 on GPUs).
+        rank_multiple: every rank is a multiple of this (paper: 128 on GPUs); how it is rounded: ``rank_rounding``.
         targets: regexes of the layer leaf names to compress (default: every attention/MLP projection).
         seed: seed of the probe sample and of random factors.
         core_fallback: what ``mode="core"`` does where the probe span cannot hold the rank: ``"exact"`` (use the
@@ -105,6 +106,20 @@ class CompressionConfig:
         keep_dense: regexes of full layer names kept dense (charged to the budget under ``"global"``).
         drop_blocks: d, the least important decoder blocks (Layer Extraction importance on the probe batches) removed
             before compressing; the remaining layers get the whole-model budget of ρ (0: no block removed).
+        probe_labels: the tokens whose loss the probes' output-gradients ``δ`` are taken of: ``"response"`` (default:
+            the response tokens, the loss the influence scores use) or ``"all"`` (every non-pad token, the reference
+            implementation's choice; :func:`~iprox_lightning.probes.collect_probes`).
+        rank_rounding: ``"nearest"`` (default: uniform ranks to the nearest multiple of ``rank_multiple``; the global
+            allocation spends its budget in blocks of ``rank_multiple`` and never exceeds it) or ``"up"`` (the
+            reference implementation's: every rank rounded up to a multiple of ``rank_multiple``, a layer whose rounded
+            factors hold at least as many weights as the dense layer kept dense; the plan then holds more weights than
+            requested; :mod:`iprox_lightning.rank`).
+        rank_weighting: ``"none"`` (default) or ``"influence"`` (``allocation="global"`` only): every layer's marginal
+            gain in the allocation weighted by its share of the target's per-task TracIn score signal, measured on the
+            validation examples (per task) and the probe examples (:mod:`iprox_lightning.influence_weights`;
+            :func:`compress` then needs a ``validation_dataloader``).
+        rank_weight_mix: λ ∈ [0, 1] of ``rank_weighting="influence"``: weight ``(1 − λ) + λ·ŵ`` (1: the influence
+            weights alone; 0: the unweighted allocation).
     """
 
     sparsity: float = 0.5
@@ -120,6 +135,10 @@ class CompressionConfig:
     allocation: Optional[str] = None
     keep_dense: Optional[tuple[str, ...]] = None
     drop_blocks: int = 0
+    probe_labels: str = "response"
+    rank_rounding: str = "nearest"
+    rank_weighting: str = "none"
+    rank_weight_mix: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("targets", "keep_dense"):  # lists from YAML / callers: frozen as tuples
@@ -141,6 +160,17 @@ class CompressionConfig:
             raise ValueError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
         if allocation == "global" and self.method == "ipsvd" and self.mode != "exact":
             raise ValueError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
+        if self.probe_labels not in PROBE_LABELS:
+            raise ValueError(f"probe_labels must be one of {PROBE_LABELS}, got {self.probe_labels!r}")
+        if self.rank_rounding not in ROUNDINGS:
+            raise ValueError(f"rank_rounding must be one of {ROUNDINGS}, got {self.rank_rounding!r}")
+        if self.rank_weighting not in RANK_WEIGHTINGS:
+            raise ValueError(f"rank_weighting must be one of {RANK_WEIGHTINGS}, got {self.rank_weighting!r}")
+        if self.rank_weighting != "none" and allocation != "global":
+            raise ValueError(f"rank_weighting={self.rank_weighting!r} weights the global rank allocation: use "
+                             f"allocation='global' (got {allocation!r})")
+        if not 0.0 <= float(self.rank_weight_mix) <= 1.0:
+            raise ValueError(f"rank_weight_mix must be in [0, 1], got {self.rank_weight_mix!r}")
 
     @property
     def resolved_allocation(self) -> str:
@@ -206,6 +236,7 @@ class CompressionReport:
     health: dict[str, float] | None = None  # proxy vs target on held-out batches (IPSVDCallback)
     compression: CompressionConfig | None = None  # the settings as given (written verbatim into the manifest)
     block_drop: BlockDropReport | None = None  # drop_blocks > 0: the removed blocks (counts above: original model)
+    rank_weighting: RankWeights | None = None  # rank_weighting="influence": the allocation's layer weights
 
     @property
     def ranks(self) -> dict[str, int | None]:
@@ -219,8 +250,9 @@ class CompressionReport:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["achieved_sparsity"] = self.achieved_sparsity
-        if d["block_drop"] is None:
-            del d["block_drop"]
+        for k in ("block_drop", "rank_weighting"):  # only when used
+            if d[k] is None:
+                del d[k]
         return d
 
     def summary(self) -> str:
@@ -231,13 +263,16 @@ class CompressionReport:
         dropped = (f", dropped blocks {bd.dropped} of {bd.num_blocks_before} (Layer Extraction importance)"
                    + (f", remaining layers at sparsity {bd.layer_sparsity:.4f}" if bd.layer_sparsity is not None else "")
                    if bd is not None else "")
+        rw = self.rank_weighting
+        weighted = (f", influence-weighted allocation ({len(rw.tasks)} tasks, weights {min(rw.weights.values()):.3g}"
+                    f"..{max(rw.weights.values()):.3g}, {rw.time_s:.1f}s)" if rw is not None else "")
         return (
             f"{self.method}{'/' + self.mode if self.mode else ''} at sparsity {self.sparsity}: "
             f"{n_low}/{len(self.layers)} layers factorised, parameters {self.params_before:,} -> "
             f"{self.params_after:,} (requested {self.params_requested:,}; targeted layers "
             f"{self.target_params_before:,} -> {self.target_params_after:,}, achieved sparsity "
             f"{self.achieved_sparsity:.4f}), probes {self.probe_tokens} tokens in {self.time_probes_s:.1f}s, "
-            f"factors in {self.time_factors_s:.1f}s{mean_rel}{dropped}"
+            f"factors in {self.time_factors_s:.1f}s{mean_rel}{dropped}{weighted}"
         )
 
 
@@ -264,13 +299,20 @@ def compress_model(
     allocation: str | None = None,
     keep_dense: list[str] | None = None,
     drop_blocks: int = 0,
+    probe_labels: str = "response",
+    rank_rounding: str = "nearest",
+    rank_weighting: str = "none",
+    rank_weight_mix: float = 1.0,
+    validation_dataloader: Iterable[Mapping] | None = None,
 ) -> CompressionReport:
     """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (same names, same defaults)."""
     config = CompressionConfig(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
                                num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
                                seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense,
-                               drop_blocks=drop_blocks)
-    return compress(model, probe_dataloader, config, compute_dtype=compute_dtype, progress=progress, probes=probes)
+                               drop_blocks=drop_blocks, probe_labels=probe_labels, rank_rounding=rank_rounding,
+                               rank_weighting=rank_weighting, rank_weight_mix=rank_weight_mix)
+    return compress(model, probe_dataloader, config, compute_dtype=compute_dtype, progress=progress, probes=probes,
+                    validation_dataloader=validation_dataloader)
 
 
 def compress(
@@ -281,6 +323,7 @@ def compress(
     compute_dtype: torch.dtype | None = None,
     progress: bool = True,
     probes: Probes | None = None,
+    validation_dataloader: Iterable[Mapping] | None = None,
 ) -> CompressionReport:
     """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
 
@@ -317,6 +360,12 @@ def compress(
     of blocks or the budget left is infeasible (at least the remaining layers' dense size, or below their
     smallest plan). Parameter counts of the report (``params_before``, ``target_params_before``,
     ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
+
+    ``rank_weighting="influence"`` (``"global"`` only) reads ``validation_dataloader`` (batches with a ``task``) and
+    the probe batches a second time (read once into a list; precollected ``probes`` alone are not enough) for the influence
+    weights of the (cut) target's layers (:func:`~iprox_lightning.influence_weights.influence_rank_weights`,
+    recorded in ``report.rank_weighting``; its time is part of ``time_allocation_s``); ``rank_rounding`` and
+    ``probe_labels``: :class:`CompressionConfig`.
     """
     if config.method == "ipsvd" and probe_dataloader is None and probes is None:
         raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
@@ -326,9 +375,13 @@ def compress(
                          "remaining blocks see new inputs); pass the probe_dataloader instead")
     if drop and probe_dataloader is None:
         raise ValueError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
+    influence = config.rank_weighting == "influence"
+    if influence and (probe_dataloader is None or validation_dataloader is None):
+        raise ValueError("rank_weighting='influence' needs the probe batches and a validation_dataloader (the per-task "
+                         "validation examples): give both (precollected probes alone are not enough)")
     if is_compressed(model):
         raise ValueError("model already holds LowRankLinear layers (already compressed)")
-    if drop:  # one read: block importance, then probes of the cut model
+    if drop or influence:  # read once: block importance / influence weights, then probes of the cut model
         probe_dataloader = list(probe_dataloader)
     targets = list(config.targets) if config.targets is not None else None
     plan = plan_compression(model, config, probe_dataloader, progress=progress)  # refused settings: model untouched
@@ -342,10 +395,13 @@ def compress(
         to_probe = {n: m for n, m in modules.items() if n in wanted}
         if to_probe:
             probes = collect_probes(model, probe_dataloader, to_probe, num_tokens=config.num_probe_tokens,
-                                    seed=config.seed, progress=progress)
+                                    seed=config.seed, progress=progress, labels=config.probe_labels)
     t_probes = time.perf_counter() - t0
     t_alloc = time.perf_counter()
-    plan = plan_global_ranks(plan, modules, config, probes, compute_dtype=compute_dtype, progress=progress)
+    weights = influence_rank_weights(model, modules, validation_dataloader, probe_dataloader,
+                                     mix=config.rank_weight_mix, progress=progress) if influence else None
+    plan = plan_global_ranks(plan, modules, config, probes, compute_dtype=compute_dtype, progress=progress,
+                             weights=weights)
     t_alloc = time.perf_counter() - t_alloc
 
     t1 = time.perf_counter()
@@ -432,6 +488,7 @@ def _report(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, 
         time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
         allocation=plan.allocation, keep_dense=list(config.keep_dense) if config.keep_dense else None,
         time_allocation_s=t_alloc, compression=config, block_drop=plan.block_drop,
+        rank_weighting=plan.rank_weighting,
     )
 
 

@@ -8,11 +8,14 @@
    and the ranks of the ``"uniform"`` allocation;
 2. :func:`cut_planned_blocks` — the block surgery the plan names (:func:`~iprox_lightning.blocks.remove_blocks`);
 3. :func:`plan_global_ranks` — ``allocation="global"`` only: the ranks, from the weighted spectra of the probes of
-   the (cut) model;
+   the (cut) model (with ``rank_weighting="influence"`` each layer's spectrum weighted by its share of the target's
+   per-task score signal, :mod:`iprox_lightning.influence_weights`; with ``rank_rounding="up"`` the allocation at
+   rank granularity 1, every rank then rounded up to a multiple of ``rank_multiple``);
 4. the apply step, :func:`iprox_lightning.compress.apply_plan`, factorises every planned layer at its rank.
 
-A :class:`CompressionPlan` is plain data (``to_dict``: the ranks, the spared layers, the allocation and the dropped
-blocks, with the values the proxy manifest records in ``layers``/``allocation``/``block_drop``).
+A :class:`CompressionPlan` is plain data (``to_dict``: the ranks, the spared layers, the allocation, the dropped
+blocks and the influence weights, with the values the proxy manifest records in
+``layers``/``allocation``/``block_drop``/``rank_weighting``).
 """
 from __future__ import annotations
 
@@ -26,9 +29,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .blocks import block_importance, decoder_blocks, most_important_blocks, remove_blocks
+from .influence_weights import RankWeights
 from .ipsvd import plain_spectrum, weighted_spectrum
 from .probes import Probes
-from .rank import allocate_ranks, minimum_allocation, plan_ranks, requested_layer_params, uniform_plan_for_budget
+from .rank import (
+    allocate_ranks,
+    minimum_allocation,
+    plan_ranks,
+    requested_layer_params,
+    round_plan_up,
+    uniform_plan_for_budget,
+)
 from .target_layers import count_parameters, find_target_linears, linear_shape, linear_weight
 
 if TYPE_CHECKING:  # the settings; compress.py imports this module
@@ -68,6 +79,7 @@ class CompressionPlan:
     params_requested: float = 0.0  # whole model at exactly (1 − ρ) of every targeted layer
     block_drop: Optional[BlockDropReport] = None  # drop_blocks > 0: the blocks removed before factorising
     path: str = ""  # drop_blocks > 0: the module path of the decoder block list
+    rank_weighting: Optional[RankWeights] = None  # rank_weighting="influence": the layer weights of the allocation
 
     @property
     def layer_budget(self) -> Optional[float]:
@@ -76,10 +88,14 @@ class CompressionPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, with the values the proxy manifest records (``allocation``, ``params_requested``,
-        ``block_drop``; ``ranks`` = ``{layer["name"]: layer["rank"]}`` of its ``layers``)."""
-        return {"allocation": self.allocation, "ranks": dict(self.ranks), "dense_layers": list(self.dense_layers),
-                "params_requested": int(round(self.params_requested)),
-                "block_drop": asdict(self.block_drop) if self.block_drop is not None else None}
+        ``block_drop``, ``rank_weighting`` — only when influence-weighted; ``ranks`` = ``{layer["name"]:
+        layer["rank"]}`` of its ``layers``)."""
+        d = {"allocation": self.allocation, "ranks": dict(self.ranks), "dense_layers": list(self.dense_layers),
+             "params_requested": int(round(self.params_requested)),
+             "block_drop": asdict(self.block_drop) if self.block_drop is not None else None}
+        if self.rank_weighting is not None:
+            d["rank_weighting"] = asdict(self.rank_weighting)
+        return d
 
 
 def plan_compression(model: nn.Module, config: "CompressionConfig", probe_batches: Optional[list] = None, *,
@@ -100,7 +116,7 @@ def plan_compression(model: nn.Module, config: "CompressionConfig", probe_batche
         block_drop, path = _choose_blocks(model, probe_batches, config.drop_blocks, progress)
         modules = {new: m for n, m in modules.items() if (new := _renamed(n, path, block_drop)) is not None}
     spared = _match_layers(modules, list(config.keep_dense) if config.keep_dense is not None else None)
-    ranks = plan_ranks(modules, config.sparsity, config.rank_multiple)
+    ranks = plan_ranks(modules, config.sparsity, config.rank_multiple, config.rank_rounding)
     for name in spared:
         ranks[name] = None
     plan = CompressionPlan(ranks=ranks, shapes={n: linear_shape(m) for n, m in modules.items()},
@@ -121,7 +137,8 @@ def _plan_remaining_layers(plan: CompressionPlan, modules: Mapping[str, nn.Modul
     try:
         if plan.allocation == "uniform":
             ranks, bd.layer_sparsity = uniform_plan_for_budget(plan.shapes, bd.layer_budget,
-                                                               rank_multiple=config.rank_multiple, dense=dense)
+                                                               rank_multiple=config.rank_multiple, dense=dense,
+                                                               rounding=config.rank_rounding)
             return replace(plan, ranks=ranks)
         minimum_allocation(plan.shapes, bd.layer_budget, rank_multiple=config.rank_multiple, dense=dense)
     except ValueError as e:
@@ -150,10 +167,18 @@ def layers_to_probe(plan: CompressionPlan) -> list[str]:
 
 
 def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], config: "CompressionConfig",
-                      probes: Optional[Probes], *, compute_dtype=None, progress: bool = True) -> CompressionPlan:
+                      probes: Optional[Probes], *, compute_dtype=None, progress: bool = True,
+                      weights: Optional[RankWeights] = None) -> CompressionPlan:
     """``allocation="global"``: ``plan`` with the ranks of one budget (default ``(1 − ρ)·Σ in·out``; with
     ``drop_blocks`` the remaining layers' budget) spent over all targeted layers where truncation costs most, by
-    their weighted spectra (IPSVD, from ``probes``) or plain singular values (SVD). Other allocations: ``plan``."""
+    their weighted spectra (IPSVD, from ``probes``) or plain singular values (SVD). Other allocations: ``plan``.
+
+    ``weights`` (``rank_weighting="influence"``, :func:`~iprox_lightning.influence_weights.influence_rank_weights`):
+    every marginal gain of layer ``ℓ`` multiplied by ``weights.weights[ℓ]``; recorded as ``plan.rank_weighting``.
+    ``config.rank_rounding == "up"``: the budget is spent at rank granularity 1 and every rank then rounded UP to a
+    multiple of ``rank_multiple`` (:func:`~iprox_lightning.rank.round_plan_up`: a layer whose rounded factors are no
+    cheaper than dense stays dense), so the plan holds up to ``(rank_multiple − 1)·(in + out)`` more weights per
+    layer than the budget."""
     if plan.allocation != "global":
         return plan
     budget = plan.layer_budget
@@ -172,14 +197,18 @@ def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], c
                                               compute_dtype=compute_dtype)
         else:
             spectra[name] = plain_spectrum(W)
+    up = config.rank_rounding == "up"
     try:
-        ranks = allocate_ranks(spectra, plan.shapes, budget, rank_multiple=config.rank_multiple,
-                               dense={n: True for n in plan.dense_layers})
+        ranks = allocate_ranks(spectra, plan.shapes, budget, rank_multiple=1 if up else config.rank_multiple,
+                               dense={n: True for n in plan.dense_layers},
+                               weights=None if weights is None else weights.weights)
     except ValueError as e:
         if plan.block_drop is None:
             raise
         raise ValueError(f"drop_blocks={config.drop_blocks}, sparsity {config.sparsity}, remaining layers: {e}") from None
-    return replace(plan, ranks=ranks)
+    if up:
+        ranks = round_plan_up(ranks, plan.shapes, config.rank_multiple)
+    return replace(plan, ranks=ranks, rank_weighting=weights)
 
 
 def _match_layers(modules: Mapping[str, nn.Module], patterns: list[str] | None) -> list[str]:

@@ -8,7 +8,9 @@ columns: ``H: [in, N]``, ``Delta: [out, N]``.
 * Loss: the **sum over examples of the per-example SFT loss** ``L(z)`` (mean cross-entropy over the
   example's response tokens, :func:`iprox_lightning.batch.per_example_loss`). Each token's ``δ`` is
   therefore the gradient of its own example's ``L(z)`` — the quantity influence scores use —
-  independent of the batch size and of the other examples' lengths.
+  independent of the batch size and of the other examples' lengths. ``labels="all"`` (the reference
+  implementation's choice, ``CompressionConfig.probe_labels``): ``L(z)`` is the mean over every non-pad token
+  of the example instead (:func:`all_token_labels`; the first token, which nothing predicts, excepted).
 * Token sampling (not sequence means): ``N = num_tokens`` columns are spread uniformly over the valid
   (``attention_mask == 1``) tokens of the whole probe set. Each batch's share is precomputed from
   the masks (proportional to its valid-token count, largest-remainder rounding), then that many
@@ -36,6 +38,9 @@ from .target_layers import find_target_linears, linear_shape
 from .tracking import PairTracker, backward_pairs
 
 log = logging.getLogger(__name__)
+
+# the tokens whose loss gives the probes' output-gradients: the response tokens, or every non-pad token
+PROBE_LABELS = ("response", "all")
 
 
 @dataclass
@@ -78,6 +83,13 @@ def sample_positions(attention_mask: torch.Tensor, share: int, generator: torch.
         raise ValueError(f"cannot sample {share} positions among {valid.shape[0]} valid tokens")
     pick = torch.randperm(valid.shape[0], generator=generator)[:share].sort().values
     return valid[pick]
+
+
+def all_token_labels(batch: Mapping) -> dict:
+    """``batch`` with ``labels`` on every non-pad token (``input_ids`` where ``attention_mask == 1``, ``-100`` on
+    padding): the loss of ``labels="all"``."""
+    labels = torch.where(batch["attention_mask"].bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))
+    return {**batch, "labels": labels}
 
 
 def _move(batch: Mapping, device: torch.device) -> dict:
@@ -124,14 +136,20 @@ def collect_probes(
     seed: int = 0,
     storage_device: str | torch.device | None = None,
     progress: bool = True,
+    labels: str = "response",
 ) -> Probes:
     """Collect ``H``/``Delta`` probe columns of ``modules`` (default: the targeted linears of
     ``model``) over ``dataloader`` (batches in the project's format). See the module docstring.
 
-    ``storage_device``: where the probe columns are kept (default: the model's device).
+    ``storage_device``: where the probe columns are kept (default: the model's device). ``labels``
+    (:data:`PROBE_LABELS`): ``"response"`` — ``δ`` of the response-token loss (the batch's ``labels``);
+    ``"all"`` — of the loss over every non-pad token (:func:`all_token_labels`). The token positions
+    sampled are the same either way (every valid token is a candidate).
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    if labels not in PROBE_LABELS:
+        raise ValueError(f"labels must be one of {PROBE_LABELS}, got {labels!r}")
     modules = dict(modules) if modules is not None else find_target_linears(model)
     batches = []
     for i, batch in enumerate(dataloader):
@@ -159,7 +177,8 @@ def collect_probes(
             if share == 0:
                 continue
             tracker.select(sample_positions(batch["attention_mask"], share, gen).to(device))
-            loss_sum += float(backward_pairs(model, _move(batch, device), [tracker]).loss)
+            step = all_token_labels(batch) if labels == "all" else batch
+            loss_sum += float(backward_pairs(model, _move(step, device), [tracker]).loss)
     missing = [n for n, k in tracker.filled.items() if k != N]
     if missing:
         raise RuntimeError(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import fidelity_v2 as fv2  # noqa: E402
@@ -44,6 +45,64 @@ def test_parse_variant():
                      ("ipsvd@0.5+align+fid0", "checks nothing")):
         with pytest.raises(ValueError, match=msg):
             fv2.parse_variant(bad)
+
+
+def test_parse_variant_issue22_levers():
+    v = fv2.parse_variant("ipsvd/exact/rel1e-3/global/infw/allprobe/up128@0.5")
+    assert v["ipsvd"] == {"sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
+                          "damping": 1e-3, "allocation": "global", "rank_weighting": "influence",
+                          "probe_labels": "all", "rank_multiple": 128, "rank_rounding": "up"}
+    assert "fidelity_task" not in v and v["fidelity"] is None
+    assert fv2.parse_variant("ipsvd/global/infw0.5@0.5")["ipsvd"]["rank_weight_mix"] == 0.5
+    assert "rank_weight_mix" not in fv2.parse_variant("ipsvd/global/infw@0.5")["ipsvd"]
+    assert fv2.parse_variant("ipsvd/exact/up64@0.3")["ipsvd"]["allocation"] == "uniform"  # up under uniform ranks
+    t = fv2.parse_variant("ipsvd/global@0.5+align2:1e-3+fidtask128")
+    assert (t["align_epochs"], t["align_lr"], t["fidelity"], t["fidelity_task"]) == (2, 1e-3, 128, True)
+    assert t["key"] == "ipsvd/global@0.5+align2:1e-3+fidtask128" and fv2.parse_variant(t["key"]) == t
+    assert fv2.parse_variant("ipsvd/global@0.5+align+fidtask64")["fidelity"] == 64
+    assert "fidelity_task" not in fv2.parse_variant("ipsvd/global@0.5+align+fid64")
+    for bad, msg in (("ipsvd/exact/infw@0.5", "add /global"), ("ipsvd/global/infw2@0.5", "unknown option"),
+                     ("ipsvd/global/up0@0.5", "unknown option"), ("ipsvd/global/upx@0.5", "unknown option"),
+                     ("ipsvd/global@0.5+align+fidtask0", "checks nothing"), ("ipsvd/global@0.5+fidtask8", "RHO")):
+        with pytest.raises(ValueError, match=msg):
+            fv2.parse_variant(bad)
+
+
+def test_issue22_rows_reach_the_build_stage_config(tmp_path, monkeypatch, capsys):
+    """The build stage's overlay of each new row (captured, nothing run) names the new options, and the shipped
+    build_proxy.yaml with that overlay validates against the code's signatures (``--print_config``)."""
+    from iprox_lightning.cli import main as cli
+
+    seen = {}
+
+    def capture(self, key, subcommand, configs, overlay, fingerprint, done, clean=None):
+        seen[key] = (configs, overlay)
+        self.ran.append(key)
+        return {}
+
+    monkeypatch.setattr(fv2.Stages, "run", capture)
+    infw, fidtask = "ipsvd/exact/global/infw0.5/allprobe/up4@0.5", "ipsvd/exact/global@0.5+align1+fidtask8"
+    fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "10", "--max-length", "48",
+              "--no-warmup", "--variants", infw, fidtask, "--align-val-per-task", "2", "--out", str(tmp_path / "v2"),
+              "--dry-run"])
+    cb = seen[f"build:{infw}"][1]["trainer"]["callbacks"][0]["init_args"]
+    assert (cb["rank_weighting"], cb["rank_weight_mix"], cb["probe_labels"], cb["rank_multiple"], cb["rank_rounding"]) \
+        == ("influence", 0.5, "all", 4, "up")
+    data = seen[f"build:{infw}"][1]["data"]["init_args"]
+    assert data["validation"].endswith("validation.jsonl") and data["val_per_task"] == 2  # the weights' tasks
+    model = seen[f"build:{fidtask}"][1]["model"]["init_args"]
+    assert (model["fidelity_examples"], model["fidelity_per_task"], model["monitor"]) == (8, True,
+                                                                                          "val/fidelity_worst_loss")
+    for key in (f"build:{infw}", f"build:{fidtask}"):
+        configs, overlay = seen[key]
+        ov = tmp_path / f"{fv2.dir_name(key)}.yaml"
+        ov.write_text(yaml.safe_dump(overlay))
+        with pytest.raises(SystemExit) as e:
+            cli(["fit", *[a for c in [*configs, ov] for a in ("--config", str(c))], "--print_config"])
+        printed = capsys.readouterr().out
+        assert e.value.code in (0, None), printed
+        cfg = yaml.safe_load(printed)
+        assert cfg["model"]["init_args"]["monitor"] == overlay["model"]["init_args"].get("monitor", "val/loss")
 
 
 def test_canonical_fingerprint_ignores_comments_and_logging_only():

@@ -9,7 +9,9 @@ strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFin
    ``pl_module.proxy`` — and for ``ProxyAlignModule`` a frozen ``pl_module.teacher``);
 2. the model ``getattr(pl_module, model_attr)`` (fallback ``pl_module.model``) is skipped if it
    already holds ``LowRankLinear`` layers (resumed / loaded proxy);
-3. probes from ``trainer.datamodule.probe_dataloader()`` (fallback ``pl_module.probe_dataloader()``);
+3. probes from ``trainer.datamodule.probe_dataloader()`` (fallback ``pl_module.probe_dataloader()``); with
+   ``rank_weighting="influence"`` also the validation examples, ``trainer.datamodule.val_dataloader()`` (fallback
+   ``pl_module.val_dataloader()``), for the influence weights of the rank allocation;
 4. :func:`~iprox_lightning.compress.compress` (with ``drop_blocks``: the least important blocks removed
    first) with :class:`~iprox_lightning.compress.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
 5. under multi-process strategies the factors are broadcast from rank 0 so every rank starts
@@ -64,10 +66,15 @@ class IPSVDCallback(Callback):
         keep_dense: Optional[list[str]] = None,
         health_batches: int = 4,
         drop_blocks: int = 0,
+        probe_labels: str = "response",
+        rank_rounding: str = "nearest",
+        rank_weighting: str = "none",
+        rank_weight_mix: float = 1.0,
     ) -> None:
         """Stage 1 inside ``fit``: compress ``pl_module.<model_attr>`` in ``setup`` (module docstring).
 
-        The compression options (``sparsity`` ... ``keep_dense``, ``drop_blocks``) are the fields of
+        The compression options (``sparsity`` ... ``keep_dense``, ``drop_blocks``, ``probe_labels`` ...
+        ``rank_weight_mix``) are the fields of
         :class:`~iprox_lightning.compress.CompressionConfig`, built once here and kept as ``self.config``.
 
         Args:
@@ -78,7 +85,7 @@ class IPSVDCallback(Callback):
             damping: IPSVD damping λ (paper: 1e-3 ``"absolute"`` with mode ``"core"``).
             damping_mode: ``"relative"`` (λ times the mean eigenvalue) or ``"absolute"``.
             num_probe_tokens: N, the probe tokens collected per layer.
-            rank_multiple: round every rank down to a multiple of this (paper: 128 on GPUs).
+            rank_multiple: every rank is a multiple of this (paper: 128 on GPUs), rounded by ``rank_rounding``.
             targets: regexes of the layer leaf names to compress (default: every attention/MLP projection).
             model_attr: the LightningModule attribute holding the model to compress (fallback ``model``).
             save_dir: where rank 0 saves the compressed proxy right away (before any alignment).
@@ -95,12 +102,25 @@ class IPSVDCallback(Callback):
             drop_blocks: remove this many least important decoder blocks (Layer Extraction importance on the probe
                 batches) before compressing; the remaining layers get the whole-model parameter budget of ``sparsity``
                 (0: keep every block). Not with Stage 2 alignment (``align: true``), which pairs layers by path.
+            probe_labels: ``"response"`` (the probes' ``δ`` of the response-token loss, the scores' loss) or
+                ``"all"`` (of the loss over every non-pad token: the reference implementation's choice).
+            rank_rounding: ``"nearest"`` (uniform ranks to the nearest multiple of ``rank_multiple``; the global
+                allocation stays within its budget) or ``"up"`` (the reference implementation's: every rank rounded up
+                to a multiple, a layer whose rounded factors are no cheaper than dense kept dense; more weights than
+                requested).
+            rank_weighting: ``"none"`` or ``"influence"`` (``allocation: global`` only): weight each layer's marginal
+                gain in the allocation by its share of the target's per-task TracIn score signal, from the
+                datamodule's validation examples (per task) and the probe examples
+                (:mod:`iprox_lightning.influence_weights`); the weights go to the report and the manifest.
+            rank_weight_mix: λ ∈ [0, 1] of ``rank_weighting: influence``: weight ``(1 − λ) + λ·ŵ``.
         """
         super().__init__()
         self.config = CompressionConfig(
             sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
             num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets, seed=seed,
-            core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense, drop_blocks=drop_blocks)
+            core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense, drop_blocks=drop_blocks,
+            probe_labels=probe_labels, rank_rounding=rank_rounding, rank_weighting=rank_weighting,
+            rank_weight_mix=rank_weight_mix)
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device
@@ -131,6 +151,25 @@ class IPSVDCallback(Callback):
             "probe_dataloader() method returning batches in the project's format"
         )
 
+    @staticmethod
+    def _validation_loader(trainer: pl.Trainer, pl_module: pl.LightningModule):
+        """The validation batches of the influence weights (per task): the datamodule's, else the module's."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        dm = trainer.datamodule
+        owners = [o for o in (dm, pl_module) if o is not None and is_overridden("val_dataloader", o)]
+        for owner in owners:
+            loader = owner.val_dataloader()
+            if isinstance(loader, (list, tuple)):  # Lightning allows several loaders: one stream of batches
+                from itertools import chain
+
+                loader = list(chain.from_iterable(loader)) if loader else None
+            if loader:
+                return loader
+        raise ValueError("IPSVDCallback(rank_weighting='influence') needs validation examples (the per-task validation "
+                         "gradients): give the datamodule validation sets (SFTDataModule(validation=...)) or the "
+                         "module a val_dataloader()")
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -152,7 +191,10 @@ class IPSVDCallback(Callback):
             loader = None  # svd / random need no probes (the report then has no objective)
         from ..console import show_progress
 
-        self.report = compress(model, loader, self.config, progress=show_progress(trainer))
+        validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
+                      else None)
+        self.report = compress(model, loader, self.config, progress=show_progress(trainer),
+                               validation_dataloader=validation)
         pl_module.ipsvd_report = self.report
         self._broadcast_factors(trainer, model)
         rank_zero_info(f"IPSVDCallback: {self.report.summary()}")
@@ -228,6 +270,9 @@ class IPSVDCallback(Callback):
             metrics["ipsvd/blocks_dropped"] = float(len(rep.block_drop.dropped))
         for k, v in (rep.health or {}).items():
             metrics[f"ipsvd/health/{k}"] = float(v)
+        if rep.rank_weighting is not None:
+            metrics["ipsvd/rank_weighting_time_s"] = rep.rank_weighting.time_s
+            metrics.update({f"ipsvd/rank_weight/{n}": w for n, w in rep.rank_weighting.weights.items()})
         for lr in rep.layers:
             metrics[f"ipsvd/rank/{lr.name}"] = float(lr.rank if lr.rank is not None else min(lr.in_features, lr.out_features))
             if lr.objective is not None:

@@ -10,6 +10,14 @@ finite) and ``val/fidelity_loss = 1 − val/fidelity_spearman`` (lower is better
 DDP/FSDP2 every rank runs the check identically on the full (unsharded) data — under FSDP2 the forwards are
 collectives, so every rank must — and rank 0's Spearman is broadcast.
 
+``per_task=True`` (``ProxyAlignModule(fidelity_per_task=True)``): a proxy is used one target task at a time, and a
+pooled Spearman can hold while one task's ranking is lost. The same scoring pass then also gives each validation
+task's scores (the table's ``task_names`` / ``task_scores``: the cosine with that task's mean validation gradient),
+and the callback logs, besides the pooled metrics, ``val/fidelity_<task>`` (Spearman of the proxy's vs the target's
+scores against that task), ``val/fidelity_worst`` (their minimum; NaN if any is NaN) and
+``val/fidelity_worst_loss = 1 − val/fidelity_worst`` (lower is better: the ``keep_best`` monitor that keeps the factors
+whose worst task ranks best). The math: :func:`per_task_spearman`, :func:`worst_task`.
+
 Contract — what it reads: ``trainer.datamodule.fidelity_dataloader(n)`` / ``.val_dataloader()``;
 ``pl_module.teacher``, ``pl_module.proxy``, ``pl_module.factors_finite()`` (``False`` → NaN, no scoring),
 ``pl_module.reshard()`` (FSDP2: free the gathered parameters after a scoring pass). What it takes: a
@@ -35,6 +43,28 @@ log = logging.getLogger(__name__)
 
 FIDELITY_SPEARMAN = "val/fidelity_spearman"
 FIDELITY_LOSS = "val/fidelity_loss"
+FIDELITY_WORST = "val/fidelity_worst"
+FIDELITY_WORST_LOSS = "val/fidelity_worst_loss"
+FIDELITY_TASK = "val/fidelity_{}"  # per task (per_task=True)
+_RESERVED = ("spearman", "loss", "worst", "worst_loss")  # task names that would collide with the metrics above
+
+
+def per_task_spearman(proxy_scores: np.ndarray, target_scores: np.ndarray, task_names: list[str]) -> dict[str, float]:
+    """``{task: Spearman(proxy_scores[:, k], target_scores[:, k])}`` (``[N, K]`` score columns, one per task, the
+    same examples in the same order); NaN for a task whose proxy scores are not all finite."""
+    proxy_scores, target_scores = np.asarray(proxy_scores, np.float64), np.asarray(target_scores, np.float64)
+    out = {}
+    for k, task in enumerate(task_names):
+        p = proxy_scores[:, k]
+        out[task] = float(spearmanr(p, target_scores[:, k]).statistic) if np.all(np.isfinite(p)) else float("nan")
+    return out
+
+
+def worst_task(rhos: dict[str, float]) -> float:
+    """The minimum over tasks of ``rhos`` (NaN when any task's value is NaN: a task that cannot be judged is never
+    counted as served)."""
+    values = np.asarray(list(rhos.values()), np.float64)
+    return float("nan") if values.size == 0 or not np.all(np.isfinite(values)) else float(values.min())
 
 
 class RankingFidelity(Callback):
@@ -45,14 +75,17 @@ class RankingFidelity(Callback):
         scorer: ``scorer(model, loader, validation_batches, progress=False) -> table`` (``ids``, ``scores``,
             ``settings``).
         description: how the scores are made, for the manifest.
+        per_task: also the Spearman per validation task and its minimum (module docstring); the scorer's table must
+            then hold ``task_names`` and ``task_scores``.
     """
 
-    def __init__(self, examples: int, scorer: Callable[..., Any], description: str = "") -> None:
+    def __init__(self, examples: int, scorer: Callable[..., Any], description: str = "", per_task: bool = False) -> None:
         if examples <= 0:
             raise ValueError(f"RankingFidelity needs examples > 0, got {examples}")
         self.examples = examples
         self.scorer = scorer
         self.description = description
+        self.per_task = per_task
         self.history: list[dict[str, Any]] = []  # {"step", "spearman"}
         self._state: Optional[dict[str, Any]] = None  # {"loader", "val", "ids", "target", "validation_examples"}
 
@@ -66,26 +99,46 @@ class RankingFidelity(Callback):
             pl_module.log(name, value, sync_dist=True)  # identical on every rank (broadcast)
 
     def step0_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
-        """The check now: ``{val/fidelity_spearman, val/fidelity_loss}`` (also recorded in :attr:`history`)."""
-        rho = self.spearman(trainer, pl_module)
+        """The check now: ``{val/fidelity_spearman, val/fidelity_loss}`` and, with ``per_task``,
+        ``val/fidelity_<task>``, ``val/fidelity_worst``, ``val/fidelity_worst_loss`` (also recorded in
+        :attr:`history`)."""
+        rho, tasks = self.spearmans(trainer, pl_module)
         # as logged (float32), so the history equals the held-out record's val/fidelity_spearman
-        self.history.append({"step": int(trainer.global_step), "spearman": float(np.float32(rho))})
-        return {FIDELITY_SPEARMAN: rho, FIDELITY_LOSS: 1.0 - rho}
+        entry: dict[str, Any] = {"step": int(trainer.global_step), "spearman": float(np.float32(rho))}
+        metrics = {FIDELITY_SPEARMAN: rho, FIDELITY_LOSS: 1.0 - rho}
+        if self.per_task:
+            worst = worst_task(tasks)
+            entry.update(tasks={t: float(np.float32(v)) for t, v in tasks.items()}, worst=float(np.float32(worst)))
+            metrics.update({FIDELITY_TASK.format(t): v for t, v in tasks.items()})
+            metrics.update({FIDELITY_WORST: worst, FIDELITY_WORST_LOSS: 1.0 - worst})
+        self.history.append(entry)
+        return metrics
 
     def spearman(self, trainer: Optional[pl.Trainer], pl_module: pl.LightningModule) -> float:
         """Spearman of the current proxy's scores of the fidelity examples with the target's; NaN when a proxy
         factor or score is not finite. Rank 0's value on every rank."""
+        return self.spearmans(trainer, pl_module)[0]
+
+    def spearmans(self, trainer: Optional[pl.Trainer], pl_module: pl.LightningModule) -> tuple[float, dict[str, float]]:
+        """``(pooled Spearman, {task: Spearman})`` of the current proxy (the per-task dict empty unless ``per_task``);
+        NaN where a proxy factor or score is not finite. Rank 0's values on every rank."""
         state = self._target_state(trainer, pl_module)
         rho = float("nan")
+        tasks = {t: float("nan") for t in state.get("task_names", [])}
         if pl_module.factors_finite():
             table = self._score(pl_module, pl_module.proxy, state)
             if list(table.ids) != state["ids"]:
                 raise RuntimeError("fidelity check: the proxy scored other examples than the target")
             if np.all(np.isfinite(table.scores)):
                 rho = float(spearmanr(table.scores, state["target"]).statistic)
+            if self.per_task:
+                if list(table.task_names) != state["task_names"]:
+                    raise RuntimeError(f"fidelity check: the proxy was scored against tasks {list(table.task_names)}, "
+                                       f"the target against {state['task_names']}")
+                tasks = per_task_spearman(table.task_scores, state["target_tasks"], state["task_names"])
         if trainer is not None:
-            rho = float(trainer.strategy.broadcast(rho, src=0))
-        return rho
+            rho, tasks = trainer.strategy.broadcast((rho, tasks), src=0)
+        return float(rho), dict(tasks)
 
     def _score(self, pl_module: pl.LightningModule, model, state: dict[str, Any]):
         val = state["val"]
@@ -113,13 +166,40 @@ class RankingFidelity(Callback):
                 raise ValueError("the target's TracIn scores of the fidelity examples are not finite")
             self._state = {**state, "ids": list(target.ids), "target": target.scores,
                            "validation_examples": int(target.settings.get("val_examples", 0))}
+            if self.per_task:
+                self._state.update(self._target_tasks(target))
             log.info("fidelity check: %d held-out pool examples against %d validation examples",
                      len(target.ids), self._state["validation_examples"])
         return self._state
 
+    def _target_tasks(self, target) -> dict[str, Any]:
+        """The target's per-task scores (``per_task``), checked: a task per column, finite, no reserved name."""
+        names = list(getattr(target, "task_names", None) or [])
+        scores = getattr(target, "task_scores", None)
+        if not names or scores is None:
+            raise ValueError("fidelity_per_task needs per-task scores: the fidelity scorer's table has no task_names / "
+                             "task_scores (the default TracIn scorer has them)")
+        clash = [t for t in names if t in _RESERVED]
+        if clash:
+            raise ValueError(f"fidelity_per_task: validation task name(s) {clash} would collide with the metrics "
+                             f"val/fidelity_{{{', '.join(_RESERVED)}}}; rename the task(s)")
+        scores = np.asarray(scores, np.float64)
+        if not np.all(np.isfinite(scores)):
+            raise ValueError("the target's per-task TracIn scores of the fidelity examples are not finite")
+        return {"task_names": names, "target_tasks": scores}
+
     def report(self) -> dict[str, Any]:
         """The manifest's record of the check."""
         state = self._state or {}
-        return {"examples": len(state.get("ids", [])), "validation_examples": state.get("validation_examples"),
-                "scores": self.description, "ids": state.get("ids", []),
-                "history": [{"step": h["step"], "spearman": finite_or_none(h["spearman"])} for h in self.history]}
+        history = []
+        for h in self.history:
+            entry = {"step": h["step"], "spearman": finite_or_none(h["spearman"])}
+            if "tasks" in h:
+                entry.update(tasks={t: finite_or_none(v) for t, v in h["tasks"].items()},
+                             worst=finite_or_none(h["worst"]))
+            history.append(entry)
+        out = {"examples": len(state.get("ids", [])), "validation_examples": state.get("validation_examples"),
+               "scores": self.description, "ids": state.get("ids", []), "history": history}
+        if self.per_task:
+            out["tasks"] = state.get("task_names", [])
+        return out

@@ -38,7 +38,9 @@ ranks like Lightning's ``sync_dist`` epoch means; when ``keep_best`` (with ``ali
 0``, and a validation loader exists). ``fidelity_examples = n > 0`` adds
 :class:`~iprox_lightning.callbacks.ranking_fidelity.RankingFidelity`: Spearman of the proxy's TracIn scores of
 ``n`` held-out pool examples with the frozen target's (``val/fidelity_spearman``, ``val/fidelity_loss = 1 − ρ``),
-the scores made by ``fidelity_scorer``. The module reads their reports (``report()``) into the manifest.
+the scores made by ``fidelity_scorer``; with ``fidelity_per_task`` also per validation task (``val/fidelity_<task>``)
+and the worst task (``val/fidelity_worst``, ``val/fidelity_worst_loss = 1 − worst``: the ``monitor`` that keeps the
+factors whose worst task ranks best). The module reads their reports (``report()``) into the manifest.
 
 FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.modules.proxy_fsdp`.
 
@@ -63,7 +65,13 @@ from torch import nn
 
 from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
 from ..callbacks.keep_best import KeepBestFactors
-from ..callbacks.ranking_fidelity import FIDELITY_LOSS, FIDELITY_SPEARMAN, RankingFidelity  # noqa: F401  (re-exported)
+from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
+    FIDELITY_LOSS,
+    FIDELITY_SPEARMAN,
+    FIDELITY_WORST,
+    FIDELITY_WORST_LOSS,
+    RankingFidelity,
+)
 from ..lowrank import LowRankLinear
 from .causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 from .proxy_fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
@@ -120,10 +128,14 @@ class AlignConfig:
         keep_best: keep the factors with the best held-out ``monitor`` and restore them before saving (the
             un-aligned factors, evaluated before the first step, are a candidate at step 0).
         monitor: the held-out metric of ``keep_best`` (a logged ``val/*`` metric, lower is better;
-            ``val/fidelity_loss`` needs ``fidelity_examples > 0``).
+            ``val/fidelity_loss`` needs ``fidelity_examples > 0``, ``val/fidelity_worst_loss`` also
+            ``fidelity_per_task``).
         fidelity_examples: ``n > 0`` → after every validation run measure the proxy's ranking fidelity on ``n``
             held-out pool examples (the ``fidelity`` split): Spearman of its TracIn scores vs the target's, logged
             as ``val/fidelity_spearman`` and ``val/fidelity_loss = 1 − Spearman``; ``0`` (default) → off.
+        fidelity_per_task: with ``fidelity_examples > 0``, also the Spearman per validation task
+            (``val/fidelity_<task>``), their minimum ``val/fidelity_worst`` and ``val/fidelity_worst_loss = 1 −`` it
+            (a ``keep_best`` monitor: the factors whose worst task ranks best); ``False`` (default) → pooled only.
     """
 
     lr: float = 5e-5
@@ -138,6 +150,7 @@ class AlignConfig:
     keep_best: bool = True
     monitor: str = "val/loss"
     fidelity_examples: int = 0
+    fidelity_per_task: bool = False
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -152,6 +165,16 @@ class AlignConfig:
         if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
             raise ValueError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
                              "ranking fidelity is measured on)")
+        if not isinstance(self.fidelity_per_task, bool):
+            raise ValueError(f"fidelity_per_task must be true or false, got {self.fidelity_per_task!r}")
+        if self.fidelity_per_task and self.fidelity_examples == 0:
+            raise ValueError("fidelity_per_task needs fidelity_examples > 0 (the held-out pool examples the per-task "
+                             "ranking fidelity is measured on)")
+        if self.keep_best and self.monitor in (FIDELITY_WORST, FIDELITY_WORST_LOSS) and not self.fidelity_per_task:
+            raise ValueError(f"monitor={self.monitor!r} needs fidelity_per_task: true")
+        if self.keep_best and self.monitor == FIDELITY_WORST:
+            raise ValueError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
+                             f"use {FIDELITY_WORST_LOSS!r} (= 1 − the worst task's Spearman)")
 
 
 class ProxyAlignModule(L.LightningModule):
@@ -182,13 +205,18 @@ class ProxyAlignModule(L.LightningModule):
             factors are a candidate too: evaluated on the full validation loader before the first step, they
             are recorded at step 0. Without a validation loader nothing is kept and the last factors are saved.
         monitor: the held-out metric of ``keep_best``: ``val/loss`` (default), another logged ``val/*`` metric, or
-            ``val/fidelity_loss`` (``1 −`` the ranking fidelity; needs ``fidelity_examples > 0``).
+            ``val/fidelity_loss`` (``1 −`` the ranking fidelity; needs ``fidelity_examples > 0``), or
+            ``val/fidelity_worst_loss`` (``1 −`` the worst task's; needs ``fidelity_per_task`` too).
         fidelity_examples: ``n > 0`` → measure the proxy's ranking fidelity at step 0 and after every validation
             run: the Spearman correlation of its TracIn scores with the frozen target's (scored once) on ``n``
             held-out pool examples in no other split (the datamodule's ``fidelity_dataloader(n)``), against the
             datamodule's validation examples; logged as ``val/fidelity_spearman`` and ``val/fidelity_loss`` and
             recorded in the manifest. One check costs a forward+backward of the proxy over the validation and
             the ``n`` fidelity examples. ``0`` (default): off.
+        fidelity_per_task: with ``fidelity_examples > 0``, also score against each validation task (the batch's
+            ``task``, e.g. ``mmlu``/``bbh``/``tydiqa``) in the same pass and log ``val/fidelity_<task>`` (Spearman per
+            task), ``val/fidelity_worst`` (the minimum) and ``val/fidelity_worst_loss = 1 −`` it; ``monitor:
+            val/fidelity_worst_loss`` keeps the factors whose worst task ranks best. ``False`` (default): pooled only.
         fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
             progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
             TracIn (:data:`DEFAULT_FIDELITY_SCORER`, default ``ScoringConfig``).
@@ -214,12 +242,14 @@ class ProxyAlignModule(L.LightningModule):
         monitor: str = "val/loss",
         fidelity_examples: int = 0,
         fidelity_scorer: Optional[Callable] = None,
+        fidelity_per_task: bool = False,
     ) -> None:
         super().__init__()
         self.config = AlignConfig(lr=lr, weight_decay=weight_decay, kl_weight=kl_weight, temperature=temperature,
                                   align=align, grad_through_projection=grad_through_projection, layers=layers,
                                   warmup_ratio=warmup_ratio, lr_schedule=lr_schedule, keep_best=keep_best,
-                                  monitor=monitor, fidelity_examples=fidelity_examples)
+                                  monitor=monitor, fidelity_examples=fidelity_examples,
+                                  fidelity_per_task=fidelity_per_task)
         ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
         self.save_hyperparameters(ignore=ignore + ["fidelity_scorer"])
         # plain attributes (never registered submodules, even when given as nn.Module)
@@ -236,7 +266,8 @@ class ProxyAlignModule(L.LightningModule):
         if fidelity_examples:
             scorer = fidelity_scorer if fidelity_scorer is not None else _resolve_callable(DEFAULT_FIDELITY_SCORER)
             self.ranking_fidelity = RankingFidelity(fidelity_examples, scorer, description=(
-                DEFAULT_FIDELITY_SCORES if fidelity_scorer is None else getattr(scorer, "__qualname__", str(scorer))))
+                DEFAULT_FIDELITY_SCORES if fidelity_scorer is None else getattr(scorer, "__qualname__", str(scorer))),
+                per_task=fidelity_per_task)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The fidelity check (which logs its metrics at the end of each validation epoch) and the held-out
