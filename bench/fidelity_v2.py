@@ -35,6 +35,15 @@ influence``; ``infw<λ>`` mixes λ of it with the unweighted allocation; the val
 ``--align-val-per-task`` per task, give the weights), ``allprobe`` (probes of the loss over every non-pad token,
 ``probe_labels: all``), ``up<M>`` (ranks rounded up to a multiple of M, ``rank_rounding: up``).
 
+Task-aware alignment suffixes (issue 22; after ``+align...``, any order, each at most once; every one of them sets
+``val_train_fraction`` of the build's data, so a part of each validation task trains and the rest monitors):
+``+val`` / ``+val<C>`` mixes C copies (default 1) of those validation examples into the alignment split
+(``mix_val_train``); ``+valg<W>`` adds the per-task validation-gradient term with weight W (``val_grad_weight``);
+``+score<W>`` the score-space term with weight W (``score_weight``, Pearson) and ``+scorelist<W>`` its listwise form
+(``score_loss: listwise``); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+vt<F>`` sets
+the validation share F that trains (``val_train_fraction``, default 0.5). E.g.
+``ipsvd/exact/rel1e-3/global@0.5+align:1e-3+val+valg1+score0.5``.
+
 Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
 ``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
 sets ``train.py select`` picks from each table), each with a percentile bootstrap CI over the scored examples;
@@ -104,16 +113,78 @@ def config_text(path) -> str:
     lines = Path(path).read_text().splitlines(keepends=True)
     return "".join(x for x in lines if x.split(":", 1)[0].strip() not in OUTCOME_NEUTRAL)
 
+TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt)([0-9.]*(?:[eE]-?\d+)?)")
+DEFAULT_VAL_TRAIN_FRACTION = 0.5
+
+
+def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[str, dict[str, Any]]]:
+    """The suffixes after ``+align...`` (``+fid<N>`` / ``+fidtask<N>`` and the task-aware ones, module docstring) ->
+    ``(fidelity, fidelity per task?, {"model": ProxyAlignModule init_args, "data": SFTDataModule init_args})``."""
+    pos, seen, fidelity, fidelity_task = 0, set(), None, False
+    model: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    while pos < len(text):
+        m = TASK_SUFFIX.match(text, pos)
+        if m is None or (m.end() < len(text) and text[m.end()] != "+"):
+            raise ValueError(f"variant {spec!r}: unknown alignment suffix {text[pos:]!r} (+fid<N>, +fidtask<N>, +val[<copies>], "
+                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>)")
+        name, val = m.group(1), m.group(2)
+        key = {"scorelist": "score", "fidtask": "fid"}.get(name, name)
+        if key in seen:
+            raise ValueError(f"variant {spec!r}: +{key} given twice")
+        seen.add(key)
+        try:
+            num = float(val) if val else None
+        except ValueError:
+            raise ValueError(f"variant {spec!r}: +{name}{val}: {val!r} is not a number") from None
+        if name in ("fid", "fidtask"):
+            if not val.isdigit():
+                raise ValueError(f"variant {spec!r}: +{name} takes a number of examples, e.g. +{name}128")
+            fidelity, fidelity_task = int(val), name == "fidtask"
+            if fidelity == 0:
+                raise ValueError(f"variant {spec!r}: +{name}0 checks nothing; leave out +{name}")
+        elif name == "val":
+            if val and not val.isdigit():
+                raise ValueError(f"variant {spec!r}: +val takes a number of copies, e.g. +val2")
+            data["mix_val_train"] = int(val) if val else 1
+            if not data["mix_val_train"]:
+                raise ValueError(f"variant {spec!r}: +val0 mixes nothing; leave out +val")
+        elif name == "worst":
+            if val:
+                raise ValueError(f"variant {spec!r}: +worst takes no value")
+            model["task_reduction"] = "max"
+        else:
+            if num is None or not num > 0 or (name == "vt" and not num < 1):
+                raise ValueError(f"variant {spec!r}: +{name} needs a value " + ("in (0, 1)" if name == "vt" else "> 0")
+                                 + f", e.g. +{name}" + ("0.5" if name == "vt" else "1"))
+            if name == "vt":
+                data["val_train_fraction"] = num
+            elif name == "valg":
+                model["val_grad_weight"] = num
+            else:
+                model["score_weight"] = num
+                if name == "scorelist":
+                    model["score_loss"] = "listwise"
+        pos = m.end()
+    if "task_reduction" in model and not {"val_grad_weight", "score_weight"} & set(model):
+        raise ValueError(f"variant {spec!r}: +worst reduces the task terms over tasks; add +valg<W> or +score<W>")
+    if "val_train_fraction" in data and not (model.keys() - {"task_reduction"} or "mix_val_train" in data):
+        raise ValueError(f"variant {spec!r}: +vt sets the validation share that trains; add +val, +valg<W> or +score<W>")
+    if model or data:
+        data.setdefault("val_train_fraction", DEFAULT_VAL_TRAIN_FRACTION)
+    return fidelity, fidelity_task, {"model": model, "data": data}
+
+
 def parse_variant(spec: str) -> dict[str, Any]:
-    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR]]`` -> ``{"key", "kind", "rho", "align", "align_epochs",
-    "align_lr", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None: ``--align-epochs`` / ``--align-lr``)."""
+    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR][+SUFFIX...]]`` -> ``{"key", "kind", "rho", "align",
+    "align_epochs", "align_lr", "fidelity", "task_align", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None:
+    ``--align-epochs`` / ``--align-lr``; ``task_align``: the ``model`` / ``data`` init_args of the task-aware
+    suffixes, empty without them)."""
     s = spec.strip()
-    m = re.search(r"\+align(\d*)(?::([0-9.eE+-]+))?(?:\+fid(task)?(\d+))?$", s)
+    m = re.search(r"\+align(\d*)(?::([0-9.]+(?:[eE][+-]?\d+)?))?((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)*)$", s)
     align = m is not None
-    fidelity = int(m.group(4)) if m and m.group(4) else None
-    fidelity_task = bool(m and m.group(3))
-    if fidelity == 0:
-        raise ValueError(f"variant {spec!r}: +fid0 checks nothing; leave out +fid")
+    fidelity, fidelity_task, task_align = (parse_task_suffixes(spec, m.group(3)) if m else
+                                           (None, False, {"model": {}, "data": {}}))
     align_epochs = int(m.group(1)) if m and m.group(1) else None
     try:
         align_lr = float(m.group(2)) if m and m.group(2) else None
@@ -135,7 +206,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
         if opts or align:
             raise ValueError(f"variant {spec!r}: Layer Extraction takes no options and has no factors to align")
         return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "align_lr": None,
-                "fidelity": None, "ipsvd": {}}
+                "fidelity": None, "task_align": task_align, "ipsvd": {}}
     if method not in ("ipsvd", "svd", "random"):
         raise ValueError(f"variant {spec!r}: method must be le, ipsvd, svd or random")
     cb: dict[str, Any] = {"sparsity": rho, "method": method}
@@ -172,7 +243,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
     if method == "ipsvd" and cb.get("mode", "exact") == "exact" and "allocation" not in cb:
         cb["allocation"] = "uniform"  # the variant says what it is: without /global, the same ρ in every layer
     out = {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "align_lr": align_lr,
-           "fidelity": fidelity, "ipsvd": cb}
+           "fidelity": fidelity, "task_align": task_align, "ipsvd": cb}
     if fidelity_task:  # only when asked: the other rows' dicts (and fingerprints) stay as they were
         out["fidelity_task"] = True
     return out
@@ -864,6 +935,10 @@ def main(argv=None) -> dict:
                         elif v["fidelity"]:  # keep_best by ranking fidelity on held-out pool examples
                             model.update(fidelity_examples=v["fidelity"], monitor="val/fidelity_loss")
                         data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
+                        # task-aware alignment (+val, +valg, +score, ...): only keys a suffix set, so the other rows'
+                        # fingerprints do not change
+                        model.update(v["task_align"]["model"])
+                        data.update(v["task_align"]["data"])
                     else:
                         trainer.update(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
                         data.update(validation=None)
@@ -1050,6 +1125,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
             "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
             "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
             "align_monitor": ("val/fidelity_loss" if v.get("fidelity") else "val/loss") if v["align"] else None,
+            "task_align": ({k: d for k, d in v["task_align"].items() if d} or None) if v["align"] else None,
             "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
             "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
             "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]

@@ -29,7 +29,9 @@ module path. ``L`` is the response-token SFT loss of a batch (:func:`iprox_light
 
   ``L_KL = τ² · mean_t KL(softmax(f_target,t / τ) ‖ softmax(f_proxy,t / τ))``
 
-* **Objective**: ``L = L_GA + λ_KL · L_KL`` (:func:`alignment_losses`).
+* **Objective**: ``L = L_GA + λ_KL · L_KL`` (:func:`alignment_losses`). Terms that look at the target tasks'
+  validation gradients and at the per-example TracIn scores ride on the same passes
+  (:mod:`iprox_lightning.task_alignment`, opt-in).
 
 Everything here is plain PyTorch, usable without a Trainer; :class:`~iprox_lightning.modules.ProxyAlignModule`
 is the thin Lightning layer around :func:`alignment_losses`.
@@ -37,7 +39,8 @@ is the thin Lightning layer around :func:`alignment_losses`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+import contextlib
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +49,7 @@ from torch import nn
 from .batch import check_batch, shifted_token_mask, sft_loss
 from .lowrank import LowRankLinear
 from .target_layers import is_linear_like, linear_shape
-from .tracking import PairTracker, backward_pairs
+from .tracking import LayerTracker, PairTracker, backward_pairs, pair_dispatch
 
 __all__ = [
     "factor_projections",
@@ -233,6 +236,7 @@ def teacher_pass(
     factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     *,
     keep_tokens: bool = False,
+    trackers: Sequence[PairTracker] = (),
 ) -> TeacherPass:
     """Forward + backward of the frozen teacher's SFT loss, projecting ``∇_W L`` of each layer.
 
@@ -240,6 +244,7 @@ def teacher_pass(
     tracked by a :class:`FactorProjectionTracker` over one step of the backward-pairs engine
     (:func:`iprox_lightning.tracking.backward_pairs`, loss :func:`~iprox_lightning.batch.sft_loss`): the
     backward is a ``torch.autograd.grad`` w.r.t. the embedding output, so no teacher parameter ever gets ``.grad``.
+    ``trackers``: more consumers of the same step's pairs (e.g. per-example features, :mod:`.task_alignment`).
     """
     check_batch(batch)
     modules = dict(teacher.named_modules())
@@ -255,7 +260,7 @@ def teacher_pass(
             )
         tracked[name] = m
     tracker = FactorProjectionTracker(tracked, factors, keep_tokens)
-    step = backward_pairs(teacher, batch, [tracker], loss_fn=sft_loss)
+    step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=sft_loss)
     missing = [n for n in tracked if n not in (tracker.tokens if keep_tokens else tracker.projections)]
     if missing:
         raise RuntimeError(f"teacher_pass: no gradient reached layers {missing} (not used in the forward?)")
@@ -289,6 +294,8 @@ def alignment_losses(
     create_graph: bool = True,
     layers: Iterable[str] | None = None,
     factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    teacher_trackers: Sequence[PairTracker] = (),
+    proxy_trackers: Sequence[PairTracker] = (),
 ) -> AlignmentOutput:
     """``L = L_GA + λ_KL · L_KL`` on one batch (see the module docstring for the definitions).
 
@@ -301,10 +308,14 @@ def alignment_losses(
     ``factor_tensors`` overrides which tensors the gradients are taken against (e.g. the unsharded
     parameters FSDP2 actually used in the forward); default: each layer's ``A``/``B`` parameters.
     ``create_graph=False`` gives the same numbers without a differentiable ``loss`` (evaluation).
+    ``teacher_trackers`` get the teacher pass's pairs; ``proxy_trackers`` the proxy's, captured during step 3's
+    backward as differentiable pairs (``h`` and ``δ`` carry the graph with ``create_graph``): the per-example terms of
+    :mod:`iprox_lightning.task_alignment` need no pass of their own.
     """
     lowrank = proxy_factor_layers(proxy, layers)
     names = list(lowrank)
-    t = teacher_pass(teacher, batch, {n: (m.A, m.B) for n, m in lowrank.items()}, keep_tokens=grad_through_projection and create_graph)
+    t = teacher_pass(teacher, batch, {n: (m.A, m.B) for n, m in lowrank.items()},
+                     keep_tokens=grad_through_projection and create_graph, trackers=teacher_trackers)
 
     with torch.enable_grad():
         captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -317,22 +328,30 @@ def alignment_losses(
                 return pre_hook
 
             handles = [m.register_forward_pre_hook(make_pre_hook(n)) for n, m in lowrank.items()]
-        try:
-            out = proxy(**_model_inputs(batch))
-        finally:
-            for h in handles:
-                h.remove()
-        factors = dict(factor_tensors) if factor_tensors is not None else captured
-        missing = [n for n in names if n not in factors]
-        if missing:
-            raise RuntimeError(f"alignment_losses: proxy layers {missing} did not run in the forward")
-        logits = out.logits
-        l_proxy = sft_loss(logits, batch["labels"])
-        flat = [x for n in names for x in factors[n]]
-        not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
-        if not_req:
-            raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
-        grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        pairs = contextlib.nullcontext()
+        if proxy_trackers:
+            for tracker in proxy_trackers:
+                tracker.start_step(batch)
+            pairs = LayerTracker(*pair_dispatch(proxy_trackers), differentiable=True)
+        with pairs:  # (the proxy trackers' hooks: through the forward and step 3's backward)
+            try:
+                out = proxy(**_model_inputs(batch))
+            finally:
+                for h in handles:
+                    h.remove()
+            factors = dict(factor_tensors) if factor_tensors is not None else captured
+            missing = [n for n in names if n not in factors]
+            if missing:
+                raise RuntimeError(f"alignment_losses: proxy layers {missing} did not run in the forward")
+            logits = out.logits
+            l_proxy = sft_loss(logits, batch["labels"])
+            flat = [x for n in names for x in factors[n]]
+            not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
+            if not_req:
+                raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
+            grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        for tracker in proxy_trackers:
+            tracker.end_step()
         proxy_grads = {}
         for i, n in enumerate(names):
             g_a, g_b = grads[2 * i], grads[2 * i + 1]

@@ -23,6 +23,13 @@ A :class:`~iprox_lightning.lowrank.LowRankLinear` ``y = A (B h)`` exposes its ra
 ``(z, ∂loss/∂z)``, from which the factor gradients follow (:mod:`iprox_lightning.scoring.features`).
 
 A tracked module that runs twice in one step raises, because its per-step statistics would mix both uses.
+
+**Differentiable pairs** (``backward_pairs(..., create_graph=True)``, ``LayerTracker(differentiable=True)``): ``h`` is
+handed over as the forward computed it (not detached) and the backward runs with ``create_graph=True``, so ``δ`` is a
+node of the graph too: any statistic of the pairs (e.g. a per-example gradient inner product ``Σ_t δ_tᵀ V h_t``) can be
+differentiated again w.r.t. the model's trainable parameters (Stage 2's score-space terms,
+:mod:`iprox_lightning.task_alignment`). The tensor hooks are removed with the tracker, so a later backward through
+the same graph (the one of the loss built from the pairs) does not hand the pairs over a second time.
 """
 from __future__ import annotations
 
@@ -40,12 +47,17 @@ PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
 class LayerTracker:
     """The hook layer: on each module of ``modules``, a forward hook keeps the input ``h`` and registers a
-    tensor hook on the output that hands ``on_pair(name, module, h, δ)`` the output-gradient during backward."""
+    tensor hook on the output that hands ``on_pair(name, module, h, δ)`` the output-gradient during backward.
 
-    def __init__(self, modules: Mapping[str, nn.Module], on_pair: PairFn) -> None:
+    ``differentiable=True``: ``h`` and ``δ`` are handed over undetached (``δ`` carries a graph when the backward runs
+    with ``create_graph=True``), and :meth:`remove` also removes the tensor hooks of the outputs seen so far."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], on_pair: PairFn, differentiable: bool = False) -> None:
         self.modules = dict(modules)
         self.on_pair = on_pair
+        self.differentiable = differentiable
         self._handles: list = []
+        self._tensor_handles: list = []
         self._uses: dict[str, int] = {}
 
     # life cycle -----------------------------------------------------------------------------
@@ -55,9 +67,10 @@ class LayerTracker:
         return self
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._tensor_handles:
             h.remove()
         self._handles.clear()
+        self._tensor_handles.clear()
 
     def reset_step(self) -> None:
         """Call between steps (batches): resets the reuse check."""
@@ -80,7 +93,7 @@ class LayerTracker:
                     f"tracked layer {name!r} ran twice in one step (shared module or re-entrant "
                     "checkpointing); its per-example statistics would mix both uses"
                 )
-            h = args[0].detach()
+            h = args[0] if self.differentiable else args[0].detach()
             if not output.requires_grad:
                 raise RuntimeError(
                     f"output of tracked layer {name!r} does not require grad: make a parameter before it "
@@ -88,10 +101,12 @@ class LayerTracker:
                 )
 
             def grad_hook(grad: torch.Tensor):
-                self.on_pair(name, module, h, grad.detach())
+                self.on_pair(name, module, h, grad if self.differentiable else grad.detach())
                 return None
 
-            output.register_hook(grad_hook)
+            handle = output.register_hook(grad_hook)
+            if self.differentiable:
+                self._tensor_handles.append(handle)
             return None
 
         return hook
@@ -141,6 +156,24 @@ def sum_of_example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return per_example_loss(logits, labels)[0].sum()
 
 
+def pair_dispatch(trackers: Sequence[PairTracker]) -> tuple[dict[str, nn.Module], PairFn]:
+    """``(modules, dispatch)`` for a :class:`LayerTracker` serving ``trackers``: every tracked module once (trackers
+    naming one path must name the same module) and the function handing each pair to the trackers of its path."""
+    modules: dict[str, nn.Module] = {}
+    by_name: dict[str, list[PairTracker]] = {}
+    for tracker in trackers:
+        for name, module in tracker.modules.items():
+            if modules.setdefault(name, module) is not module:
+                raise ValueError(f"trackers disagree on the module at {name!r}")
+            by_name.setdefault(name, []).append(tracker)
+
+    def dispatch(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor) -> None:
+        for tracker in by_name[name]:
+            tracker.on_pair(name, h, delta)
+
+    return modules, dispatch
+
+
 @dataclass
 class BackwardStep:
     """What :func:`backward_pairs` returns: the detached logits and the detached loss it differentiated."""
@@ -155,22 +188,14 @@ def backward_pairs(
     trackers: Sequence[PairTracker],
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sum_of_example_losses,
+    create_graph: bool = False,
 ) -> BackwardStep:
     """One step of the engine over ``batch`` (``input_ids``, ``attention_mask``, ``labels``) for ``trackers``
     (see the module docstring). ``loss_fn(logits, labels)`` gives the scalar whose gradient ``δ`` is (default
     :func:`sum_of_example_losses`). Works inside ``torch.inference_mode()`` (Lightning's predict loop):
-    the step runs with inference mode off, on copies of the input tensors."""
-    modules: dict[str, nn.Module] = {}
-    by_name: dict[str, list[PairTracker]] = {}
-    for tracker in trackers:
-        for name, module in tracker.modules.items():
-            if modules.setdefault(name, module) is not module:
-                raise ValueError(f"trackers disagree on the module at {name!r}")
-            by_name.setdefault(name, []).append(tracker)
-
-    def dispatch(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor) -> None:
-        for tracker in by_name[name]:
-            tracker.on_pair(name, h, delta)
+    the step runs with inference mode off, on copies of the input tensors. ``create_graph=True``: differentiable
+    pairs (module docstring; the returned logits and loss stay detached)."""
+    modules, dispatch = pair_dispatch(trackers)
 
     with torch.inference_mode(False), torch.enable_grad():
         # copies: tensors made under inference mode cannot enter autograd
@@ -178,12 +203,15 @@ def backward_pairs(
         for tracker in trackers:
             tracker.start_step({**batch, "input_ids": ids, "attention_mask": mask, "labels": labels})
         leaves: list[torch.Tensor] = []
-        with requires_grad_inputs(model, leaves), LayerTracker(modules, dispatch):
+        with requires_grad_inputs(model, leaves), LayerTracker(modules, dispatch, differentiable=create_graph):
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             loss = loss_fn(logits, labels)
             if not leaves:
                 raise RuntimeError("the input-embedding module did not run; cannot take gradients")
-            torch.autograd.grad(loss, leaves, allow_unused=True)
+            if create_graph:
+                torch.autograd.grad(loss, leaves, allow_unused=True, create_graph=True)
+            else:
+                torch.autograd.grad(loss, leaves, allow_unused=True)
         for tracker in trackers:
             tracker.end_step()
     return BackwardStep(logits=logits.detach(), loss=loss.detach())

@@ -29,7 +29,8 @@ def test_parse_variant():
     assert (v2["align"], v2["align_epochs"], v2["align_lr"], v2["rho"]) == (True, 2, 1e-4, 0.5)
     assert fv2.parse_variant("ipsvd/global@0.5+align:3e-4")[("align_epochs")] is None
     assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False,
-                                           "align_epochs": None, "align_lr": None, "fidelity": None, "ipsvd": {}}
+                                           "align_epochs": None, "align_lr": None, "fidelity": None,
+                                           "task_align": {"model": {}, "data": {}}, "ipsvd": {}}
     f = fv2.parse_variant("ipsvd/global@0.5+align2:1e-3+fid128")
     assert (f["align_epochs"], f["align_lr"], f["fidelity"], f["key"]) == (2, 1e-3, 128, "ipsvd/global@0.5+align2:1e-3+fid128")
     assert fv2.parse_variant("ipsvd/global@0.5+align+fid64")["fidelity"] == 64
@@ -64,6 +65,27 @@ def test_parse_variant_issue22_levers():
     for bad, msg in (("ipsvd/exact/infw@0.5", "add /global"), ("ipsvd/global/infw2@0.5", "unknown option"),
                      ("ipsvd/global/up0@0.5", "unknown option"), ("ipsvd/global/upx@0.5", "unknown option"),
                      ("ipsvd/global@0.5+align+fidtask0", "checks nothing"), ("ipsvd/global@0.5+fidtask8", "RHO")):
+def test_parse_variant_task_alignment_suffixes():
+    """Issue 22's suffixes after +align: what each sets in the build stage's ProxyAlignModule / SFTDataModule."""
+    v = fv2.parse_variant("ipsvd/exact/rel1e-3/global@0.5+align2:1e-3+val+valg1+score0.5")
+    assert (v["align"], v["align_epochs"], v["align_lr"], v["fidelity"], v["rho"]) == (True, 2, 1e-3, None, 0.5)
+    assert v["task_align"] == {"model": {"val_grad_weight": 1.0, "score_weight": 0.5},
+                               "data": {"mix_val_train": 1, "val_train_fraction": 0.5}}
+    assert v["ipsvd"]["allocation"] == "global"
+    v = fv2.parse_variant("ipsvd@0.3+align+scorelist2e-1+worst+vt0.25+val3+fid64")
+    assert v["fidelity"] == 64 and v["align_lr"] is None
+    assert v["task_align"] == {"model": {"score_weight": 0.2, "score_loss": "listwise", "task_reduction": "max"},
+                               "data": {"val_train_fraction": 0.25, "mix_val_train": 3}}
+    assert fv2.parse_variant("ipsvd@0.5+align+valg0.1")["task_align"] == {
+        "model": {"val_grad_weight": 0.1}, "data": {"val_train_fraction": 0.5}}
+    assert fv2.parse_variant("ipsvd@0.5+align+fid8")["task_align"] == {"model": {}, "data": {}}
+    for bad, msg in (("ipsvd@0.5+align+val+val", "given twice"), ("ipsvd@0.5+align+score1+scorelist1", "given twice"),
+                     ("ipsvd@0.5+align+worst", "add \\+valg"), ("ipsvd@0.5+align+vt0.3", "add \\+val"),
+                     ("ipsvd@0.5+align+score0", "> 0"), ("ipsvd@0.5+align+score", "> 0"),
+                     ("ipsvd@0.5+align+vt1+valg1", "in \\(0, 1\\)"), ("ipsvd@0.5+align+valgx", "unknown alignment suffix"),
+                     ("ipsvd@0.5+align+val0", "mixes nothing"), ("ipsvd@0.5+align+val1.5", "copies"),
+                     ("ipsvd@0.5+align+worst2+valg1", "no value"), ("ipsvd@0.5+align+fid1.5", "number of examples"),
+                     ("ipsvd@0.5+valg1", "RHO"), ("le@0.5+align+valg1", "no options")):
         with pytest.raises(ValueError, match=msg):
             fv2.parse_variant(bad)
 
@@ -103,6 +125,38 @@ def test_issue22_rows_reach_the_build_stage_config(tmp_path, monkeypatch, capsys
         assert e.value.code in (0, None), printed
         cfg = yaml.safe_load(printed)
         assert cfg["model"]["init_args"]["monitor"] == overlay["model"]["init_args"].get("monitor", "val/loss")
+def test_task_alignment_variant_reaches_the_build_stage(tmp_path, monkeypatch, capsys):
+    """The build stage of a +align+val+valg+score row gets the options in its overlay (and the stages' fingerprints of
+    a row without them do not change), and the shipped build_proxy.yaml takes that overlay. Nothing runs: the stage
+    runner is replaced by a recorder."""
+    ran = {}
+
+    def record(self, key, subcommand, configs, overlay, fingerprint, done, clean=None):
+        ran[key] = (configs, overlay, fingerprint)
+        return {}
+
+    monkeypatch.setattr(fv2.Stages, "run", record)
+    rows = ["ipsvd@0.5+align+val2+valg1+score0.5+worst", "ipsvd@0.5+align"]
+    fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--builtin-size", "300",
+              "--sample", "16", "--no-warmup", "--no-unwarmed", "--out", str(tmp_path), "--dry-run", "--variants", *rows])
+    _, overlay, fp = ran["build:" + rows[0]]
+    model, data = overlay["model"]["init_args"], overlay["data"]["init_args"]
+    assert (model["val_grad_weight"], model["score_weight"], model["task_reduction"]) == (1.0, 0.5, "max")
+    assert (data["mix_val_train"], data["val_train_fraction"]) == (2, 0.5) and data["validation"]
+    assert fp["model"] == model and fp["data"] == data
+    _, plain, _ = ran["build:" + rows[1]]
+    keys = {"val_grad_weight", "score_weight", "task_reduction", "val_train_fraction", "mix_val_train"}
+    assert not keys & (set(plain["model"]["init_args"]) | set(plain["data"]["init_args"]))
+    from iprox_lightning.cli import main as cli
+
+    path = tmp_path / "overlay.yaml"
+    path.write_text(yaml.safe_dump(overlay))
+    with pytest.raises(SystemExit) as e:
+        cli(["fit", "--config", str(fv2.ROOT / "configs" / "build_proxy.yaml"), "--config", str(path), "--print_config"])
+    assert e.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["val_grad_weight"] == 1.0
+    assert printed["data"]["init_args"]["mix_val_train"] == 2
 
 
 def test_canonical_fingerprint_ignores_comments_and_logging_only():

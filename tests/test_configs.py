@@ -101,3 +101,32 @@ def test_ablation_and_baseline_configs_validate(name, capsys):
         assert cfg["model"]["init_args"]["method"] == "kfac"
     if name == "baselines/layer_extraction":
         assert cfg["sparsity"] == 0.3
+
+
+def test_build_proxy_documents_the_task_alignment_keys_with_their_defaults(tmp_path, capsys):
+    """Issue 22's keys are in build_proxy.yaml as comments (off by default): each commented value is the code's
+    default, and set (uncommented, to other values) they reach ProxyAlignModule / SFTDataModule."""
+    import inspect
+    import re
+
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.modules import ProxyAlignModule
+
+    text = (CONFIGS / "build_proxy.yaml").read_text()
+    keys = {"model": ("val_grad_weight", "val_examples_per_task", "score_weight", "score_loss", "score_refresh_every",
+                      "task_reduction"), "data": ("val_train_fraction", "mix_val_train")}
+    other = {"val_grad_weight": 0.5, "val_examples_per_task": 3, "score_weight": 0.25, "score_loss": "listwise",
+             "score_refresh_every": 5, "task_reduction": "max", "val_train_fraction": 0.5, "mix_val_train": 2}
+    for part, cls in (("model", ProxyAlignModule), ("data", SFTDataModule)):
+        defaults = inspect.signature(cls.__init__).parameters
+        for k in keys[part]:
+            m = re.search(rf"^\s*# {k}: (\S+)\s", text, re.M)
+            assert m, f"{k} is not documented in build_proxy.yaml"
+            assert yaml.safe_load(m.group(1)) == defaults[k].default, k
+    overlay = tmp_path / "task.yaml"
+    overlay.write_text(yaml.safe_dump({part: {"init_args": {k: other[k] for k in ks}} for part, ks in keys.items()}))
+    cfg = _print_config(["fit", "--config", str(CONFIGS / "build_proxy.yaml"), "--config", str(overlay)], capsys)
+    for part, ks in keys.items():
+        assert {k: cfg[part]["init_args"][k] for k in ks} == {k: other[k] for k in ks}
+    plain = _print_config(["fit", "--config", str(CONFIGS / "build_proxy.yaml")], capsys)
+    assert plain["model"]["init_args"]["val_grad_weight"] == 0.0 and plain["data"]["init_args"]["val_train_fraction"] == 0.0

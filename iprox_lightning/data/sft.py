@@ -17,7 +17,15 @@ Splits served (``dataloader(split)``):
 * ``fidelity`` — ``n`` further pool examples in none of the splits above (the held-out examples of
   Stage 2's ranking-fidelity check), served by ``fidelity_dataloader(n)``; empty until asked for;
 * ``selected`` — the records of the file ``selected`` (the selection stage's Dolly JSONL);
-* ``validation`` — the validation sets, a few examples per task, each with its task name.
+* ``validation`` — the validation sets, a few examples per task, each with its task name; with
+  ``val_train_fraction > 0`` only the examples that monitor (the rest of each task after ``val_train``);
+* ``val_train`` — ``val_train_fraction`` of each task's validation examples, set apart for Stage 2 to train on
+  (:func:`~iprox_lightning.data.splits.split_validation`: deterministic by ``seed``, spread over subtasks, at least
+  one example per task left for monitoring; disjoint from ``validation``, recorded by
+  :meth:`SFTDataModule.validation_split_record`). ``mix_val_train = c > 0`` adds ``c`` copies of them to the
+  training loader (task-aware alignment on the examples themselves); :meth:`SFTDataModule.task_batches` serves them
+  a few per task at a time (the per-task terms of ``ProxyAlignModule``). Empty (an error to ask for) when the
+  fraction is 0 (default).
 
 ``"builtin"`` as ``pool`` / ``validation`` / ``tokenizer`` means the offline demo of
 :mod:`~iprox_lightning.data.synthetic` (``builtin_size`` pool examples; ``val_per_task``
@@ -30,10 +38,13 @@ logger when one is attached) and kept in ``SFTDataModule.stats``.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Any, Sequence
+import zlib
+from typing import Any, Iterator, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -44,7 +55,8 @@ from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("pool", "warmup", "probe", "align", "construction", "fidelity", "selected", "validation")
+SPLITS = ("pool", "warmup", "probe", "align", "construction", "fidelity", "selected", "validation", "val_train")
+NOT_TRAINABLE = ("validation", "fidelity", "val_train")  # splits train_split may not name
 BUILTIN = "builtin"
 BUILTIN_VAL_PER_TASK = 8
 
@@ -152,6 +164,11 @@ class SFTDataModule(L.LightningDataModule):
         builtin_size: number of examples of the built-in pool.
         pad_to_multiple_of: round padded lengths up to a multiple of this.
         trust_remote_code: let the tokenizer (and Hugging Face data sets) run code from their repository.
+        val_train_fraction: share of each task's validation examples set apart as the ``val_train`` split (Stage 2
+            may train on them); the ``validation`` split (monitoring, ``keep_best``, the fidelity check) keeps the
+            rest. ``0`` (default): every validation example monitors, nothing is set apart.
+        mix_val_train: ``c > 0`` → the training loader serves the ``train_split`` examples plus ``c`` copies of the
+            ``val_train`` examples, shuffled together (needs ``val_train_fraction > 0``); ``0`` (default): off.
     """
 
     def __init__(
@@ -176,6 +193,8 @@ class SFTDataModule(L.LightningDataModule):
         builtin_size: int = 2000,
         pad_to_multiple_of: int | None = None,
         trust_remote_code: bool = False,
+        val_train_fraction: float = 0.0,
+        mix_val_train: int = 0,
     ):
         super().__init__()
         if prompt_template not in PROMPT_TEMPLATES:
@@ -186,9 +205,16 @@ class SFTDataModule(L.LightningDataModule):
             raise ValueError(f"max_length must be >= 2, got {max_length}")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
             raise ValueError(f"batch sizes must be >= 1, got {batch_size}, {eval_batch_size}")
-        if train_split not in SPLITS or train_split in ("validation", "fidelity"):
-            raise ValueError(f"train_split must be one of {[s for s in SPLITS if s not in ('validation', 'fidelity')]}, "
+        if train_split not in SPLITS or train_split in NOT_TRAINABLE:
+            raise ValueError(f"train_split must be one of {[s for s in SPLITS if s not in NOT_TRAINABLE]}, "
                              f"got {train_split!r}")
+        if not 0 <= val_train_fraction < 1:
+            raise ValueError(f"val_train_fraction must be in [0, 1), got {val_train_fraction}")
+        if isinstance(mix_val_train, bool) or not isinstance(mix_val_train, int) or mix_val_train < 0:
+            raise ValueError(f"mix_val_train must be an int >= 0 (copies of the val_train examples), got {mix_val_train!r}")
+        if mix_val_train and not val_train_fraction:
+            raise ValueError("mix_val_train > 0 needs val_train_fraction > 0: the validation examples to train on are "
+                             "set apart from the ones that monitor")
         if train_split == "selected" and not selected:
             raise ValueError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
         from .pool import is_in_memory
@@ -215,6 +241,9 @@ class SFTDataModule(L.LightningDataModule):
         self.builtin_size = builtin_size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.trust_remote_code = trust_remote_code
+        self.val_train_fraction = float(val_train_fraction)
+        self.mix_val_train = mix_val_train
+        self._val_split: tuple[list[str], list[str]] | None = None
         self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
         self._pool_records: list[dict] | None = None
         self._splits: PoolSplits | None = None
@@ -310,10 +339,43 @@ class SFTDataModule(L.LightningDataModule):
     def validation_tasks(self) -> list[str]:
         return list(dict.fromkeys(r["category"] for r in self.validation_records))
 
+    @property
+    def validation_split(self) -> tuple[list[str], list[str]]:
+        """``(val_train ids, monitoring ids)`` of the validation records, before tokenization drops any
+        (:func:`~.splits.split_validation` with ``val_train_fraction`` and ``seed``; subtasks from the records'
+        ``subtask`` field, which ``eval:`` sources keep and file sources do not — their split is then random within each
+        task)."""
+        if self._val_split is None:
+            from .splits import split_validation
+
+            recs = self.validation_records
+            self._val_split = split_validation([r["id"] for r in recs], [r["category"] for r in recs],
+                                               self.val_train_fraction, self.seed, [r.get("subtask") for r in recs])
+            if self.val_train_fraction:
+                log.info("validation examples (seed %d): %d set apart for Stage 2 to train on (val_train), %d monitor",
+                         self.seed, len(self._val_split[0]), len(self._val_split[1]))
+        return self._val_split
+
+    def validation_split_record(self) -> dict[str, Any]:
+        """Which validation examples Stage 2 may train on and which monitor it (for the proxy manifest): the rule,
+        ``fraction``, ``seed``, ``val_train_ids`` and ``monitor_ids`` (empty / every id when the fraction is 0), and
+        ``mix_val_train``."""
+        train, monitor = self.validation_split
+        return {"fraction": self.val_train_fraction, "seed": self.seed, "mix_val_train": self.mix_val_train,
+                "rule": "per task: min(n-1, max(1, round(fraction*n))) train, spread over subtasks "
+                        "(iprox_lightning.data.splits.split_validation)",
+                "val_train_ids": list(train), "monitor_ids": list(monitor)}
+
     def records(self, split: str) -> list[dict]:
         """Canonical records of ``split`` (the order of its ids)."""
-        if split == "validation":
-            return list(self.validation_records)
+        if split in ("validation", "val_train"):
+            if split == "val_train" and not self.val_train_fraction:
+                raise ValueError("split 'val_train' is empty: set val_train_fraction > 0 (the share of each task's "
+                                 "validation examples Stage 2 may train on)")
+            if not self.val_train_fraction:
+                return list(self.validation_records)
+            keep = set(self.validation_split[0 if split == "val_train" else 1])
+            return [r for r in self.validation_records if r["id"] in keep]
         if split == "selected":
             if not self.selected:
                 raise ValueError("split 'selected' needs `selected`: the JSONL file written by the selection stage")
@@ -416,7 +478,8 @@ class SFTDataModule(L.LightningDataModule):
         """Build what ``stage`` needs: fit -> train split (+ validation), validate -> validation,
         predict -> pool; ``None`` -> all of them."""
         need = {
-            "fit": [self.train_split] + (["validation"] if self.validation_sources else []),
+            "fit": [self.train_split] + (["validation"] if self.validation_sources else [])
+                   + (["val_train"] if self.validation_sources and self.val_train_fraction else []),
             "validate": ["validation"] if self.validation_sources else [],
             "test": ["validation"] if self.validation_sources else [],
             "predict": ["pool"],
@@ -456,7 +519,41 @@ class SFTDataModule(L.LightningDataModule):
                           collate_fn=SFTCollator(self.pad_token_id, self.pad_to_multiple_of))
 
     def train_dataloader(self) -> DataLoader:
+        if self.mix_val_train:
+            return self.mixed_train_dataloader()
         return self.dataloader(self.train_split, shuffle=True, batch_size=self.batch_size)
+
+    def mixed_train_dataloader(self) -> DataLoader:
+        """The ``train_split`` examples plus ``mix_val_train`` copies of the ``val_train`` examples, shuffled together
+        (seeded), batches of ``batch_size``."""
+        examples = self.dataset(self.train_split).examples + self.dataset("val_train").examples * self.mix_val_train
+        return DataLoader(SFTDataset(examples), batch_size=self.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(self.seed), num_workers=self.num_workers,
+                          collate_fn=SFTCollator(self.pad_token_id, self.pad_to_multiple_of), persistent_workers=False)
+
+    def val_train_dataloader(self, batch_size: int | None = None) -> DataLoader:
+        """Every ``val_train`` example (not shuffled): the validation examples Stage 2 trains on."""
+        return self.dataloader("val_train", batch_size=batch_size)
+
+    def task_batches(self, per_task: int) -> Iterator[dict]:
+        """Endless batches of the ``val_train`` examples, each with ``per_task`` examples of every task (fewer when a
+        task has fewer), cycling through each task's examples in an order drawn from
+        ``numpy.random.default_rng([seed, crc32(task)])``: deterministic by ``seed``."""
+        if per_task < 1:
+            raise ValueError(f"task_batches: per_task must be >= 1, got {per_task}")
+        ds = self.dataset("val_train")
+        by_task: dict[str, list[int]] = {}
+        for k, ex in enumerate(ds.examples):
+            by_task.setdefault(ex.task, []).append(k)
+        orders = {t: [idx[j] for j in np.random.default_rng([self.seed, zlib.crc32(str(t).encode("utf-8"))])
+                      .permutation(len(idx))] for t, idx in by_task.items()}
+        collate = SFTCollator(self.pad_token_id, self.pad_to_multiple_of)
+        for step in itertools.count():
+            items = []
+            for t, order in orders.items():
+                take = min(per_task, len(order))
+                items.extend(ds[order[(step * take + j) % len(order)]] for j in range(take))
+            yield collate(items)
 
     def val_dataloader(self):
         return self.dataloader("validation") if self.validation_sources else []

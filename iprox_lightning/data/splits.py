@@ -29,7 +29,9 @@ Rounding (``round`` is round-half-up here, ``⌊x + 0.5⌋``)::
 so even a tiny pool gets non-empty probe and alignment sets; ``n_warmup + n_construction`` (and
 ``+ fidelity_examples``) must not exceed ``N``.
 
-Validation sets keep a few examples per task: :func:`sample_per_task`.
+Validation sets keep a few examples per task: :func:`sample_per_task`. Stage 2 may train on part of them
+(``SFTDataModule(val_train_fraction=...)``): :func:`split_validation` sets that part apart from the examples that
+keep monitoring the alignment.
 """
 from __future__ import annotations
 
@@ -162,3 +164,45 @@ def sample_per_task(ids: Sequence[str], tasks: Sequence[str], per_task: int | No
             members = [members[k] for k in keep]
         out[t] = members
     return out
+
+
+def split_validation(ids: Sequence[str], tasks: Sequence[str], fraction: float, seed: int = 0,
+                     subtasks: Sequence[str | None] | None = None) -> tuple[list[str], list[str]]:
+    """``(train_ids, monitor_ids)``: per task, ``n_train = min(n − 1, max(1, round(fraction · n)))`` of its ``n``
+    validation examples for training (0 when ``n == 1`` or ``fraction == 0``: a task always keeps at least one
+    example for monitoring), the rest for monitoring; the two lists are disjoint and cover ``ids``.
+
+    Deterministic by ``seed`` and independent of the read order and of the other tasks: within a task each subtask's
+    ids (sorted) are shuffled with ``numpy.random.default_rng([seed, crc32(task), crc32(subtask)])`` and the subtasks
+    (sorted) are interleaved round-robin in an order drawn from ``default_rng([seed, crc32(task)])``; the first
+    ``n_train`` of that sequence train. So the training examples spread over the subtasks (MMLU subjects, BBH tasks,
+    TyDiQA languages) rather than exhausting one. Both lists keep the order of ``ids``.
+    """
+    if len(ids) != len(tasks) or (subtasks is not None and len(subtasks) != len(ids)):
+        raise ValueError(f"split_validation: {len(ids)} ids, {len(tasks)} tasks"
+                         + ("" if subtasks is None else f", {len(subtasks)} subtasks"))
+    _check_fraction("fraction", fraction, allow_zero=True)
+    if fraction == 1:
+        raise ValueError("split_validation: fraction must be < 1 (every task keeps examples for monitoring)")
+    if len(set(ids)) != len(ids):
+        raise ValueError("split_validation: duplicate ids")
+    groups: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for k, (i, t) in enumerate(zip(ids, tasks)):
+        groups[t]["" if subtasks is None or subtasks[k] is None else str(subtasks[k])].append(i)
+    train: set[str] = set()
+    for t, subs in groups.items():
+        n = sum(len(v) for v in subs.values())
+        n_train = 0 if fraction == 0 or n < 2 else min(n - 1, max(1, _round(fraction * n)))
+        if not n_train:
+            continue
+        crc_t = zlib.crc32(t.encode("utf-8"))
+        queues = []
+        for sub in sorted(subs):
+            members = sorted(subs[sub])
+            perm = np.random.default_rng([seed, crc_t, zlib.crc32(sub.encode("utf-8"))]).permutation(len(members))
+            queues.append([members[k] for k in perm])
+        order = np.random.default_rng([seed, crc_t]).permutation(len(queues))
+        queues = [queues[k] for k in order]
+        sequence = [q[j] for j in range(max(len(q) for q in queues)) for q in queues if j < len(q)]
+        train.update(sequence[:n_train])
+    return [i for i in ids if i in train], [i for i in ids if i not in train]

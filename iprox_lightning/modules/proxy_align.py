@@ -44,6 +44,17 @@ factors whose worst task ranks best). The module reads their reports (``report()
 
 FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.modules.proxy_fsdp`.
 
+Task-aware terms (issue 22; opt-in, off by default; the math: :mod:`iprox_lightning.task_alignment`), trained on the
+validation examples the data module sets apart (``SFTDataModule(val_train_fraction=f)``: the ``val_train`` split,
+disjoint from the ``validation`` examples that monitor and ``keep_best``; the manifest records which):
+``val_grad_weight = w`` adds ``w · L_val`` (per task, ``1 − cos`` of the proxy's and the projected target's summed
+validation gradients in factor space, on ``val_examples_per_task`` examples of each task per step);
+``score_weight = w`` adds ``w · L_score`` (agreement of the proxy's and the target's TracIn scores of the alignment
+batch per task, ``score_loss`` ``pearson`` | ``listwise``, the proxy's validation directions refreshed every
+``score_refresh_every`` steps); ``task_reduction`` (``mean`` | ``max``) reduces both over tasks. Training ``L_GA``
+on the validation examples themselves is the data module's ``mix_val_train``. Logged: ``align/l_val_grad``,
+``align/val_grad_cos/<task>``, ``align/l_score``, ``align/score_loss/<task>`` (``align/loss`` is the total).
+
 Ablations: ``kl_weight=0`` (no KL anchor), ``align=False`` (IPSVD only: fit trains nothing and only
 saves the proxy), SVD instead of IPSVD init is ``IPSVDCallback(method="svd")``.
 
@@ -64,6 +75,8 @@ import torch
 from torch import nn
 
 from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
+from ..task_alignment import (SCORE_LOSSES, TASK_REDUCTIONS, TaskDirections, proxy_directions, task_alignment_losses,
+                              task_directions)
 from ..callbacks.keep_best import KeepBestFactors
 from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
     FIDELITY_LOSS,
@@ -136,6 +149,12 @@ class AlignConfig:
         fidelity_per_task: with ``fidelity_examples > 0``, also the Spearman per validation task
             (``val/fidelity_<task>``), their minimum ``val/fidelity_worst`` and ``val/fidelity_worst_loss = 1 −`` it
             (a ``keep_best`` monitor: the factors whose worst task ranks best); ``False`` (default) → pooled only.
+        val_grad_weight: weight of ``L_val``, the per-task validation-gradient alignment (``0``: off).
+        val_examples_per_task: validation examples of each task in each step's ``L_val`` batch.
+        score_weight: weight of ``L_score``, the score-space alignment (``0``: off).
+        score_loss: ``"pearson"`` (``1 −`` Pearson over the batch) or ``"listwise"`` (ListNet KL).
+        score_refresh_every: steps between refreshes of the proxy's validation directions of ``L_score``.
+        task_reduction: ``"mean"`` over tasks or ``"max"`` (the worst task) of ``L_val`` and ``L_score``.
     """
 
     lr: float = 5e-5
@@ -151,6 +170,17 @@ class AlignConfig:
     monitor: str = "val/loss"
     fidelity_examples: int = 0
     fidelity_per_task: bool = False
+    val_grad_weight: float = 0.0
+    val_examples_per_task: int = 2
+    score_weight: float = 0.0
+    score_loss: str = "pearson"
+    score_refresh_every: int = 10
+    task_reduction: str = "mean"
+
+    @property
+    def task_terms(self) -> bool:
+        """Whether a term trained on the ``val_train`` examples is on."""
+        return bool(self.val_grad_weight or self.score_weight)
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -162,6 +192,17 @@ class AlignConfig:
         if isinstance(self.fidelity_examples, bool) or not isinstance(self.fidelity_examples, int) \
                 or self.fidelity_examples < 0:
             raise ValueError(f"fidelity_examples must be an int >= 0, got {self.fidelity_examples!r}")
+        for name in ("val_grad_weight", "score_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("val_examples_per_task", "score_refresh_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.score_loss not in SCORE_LOSSES:
+            raise ValueError(f"score_loss must be one of {SCORE_LOSSES}, got {self.score_loss!r}")
+        if self.task_reduction not in TASK_REDUCTIONS:
+            raise ValueError(f"task_reduction must be one of {TASK_REDUCTIONS}, got {self.task_reduction!r}")
         if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
             raise ValueError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
                              "ranking fidelity is measured on)")
@@ -220,6 +261,20 @@ class ProxyAlignModule(L.LightningModule):
         fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
             progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
             TracIn (:data:`DEFAULT_FIDELITY_SCORER`, default ``ScoringConfig``).
+        val_grad_weight: ``w > 0`` adds ``w · L_val``: per task ``t``, ``1 − cos(ḡ_proxy,t, P(ḡ_target,t))`` of the
+            summed per-example gradients of a batch of the task's validation examples, over the whole factor space
+            (:func:`~iprox_lightning.task_alignment.task_gradient_alignment`); the examples are the datamodule's
+            ``val_train`` split (``SFTDataModule(val_train_fraction > 0)``), never the monitoring ones. ``0``: off.
+        val_examples_per_task: examples of each task in the ``L_val`` batch of a step (``datamodule.task_batches``).
+        score_weight: ``w > 0`` adds ``w · L_score``: agreement of the proxy's TracIn scores of the alignment batch with
+            the target's, per task (:func:`~iprox_lightning.task_alignment.score_alignment_loss`), against validation
+            directions from the ``val_train`` examples. Its per-example features ride on the passes of ``L_GA``.
+            ``0``: off.
+        score_loss: ``"pearson"`` (``1 −`` Pearson correlation over the batch, default) or ``"listwise"`` (ListNet:
+            KL of the softmax of the standardised scores; the top of the batch weighs most).
+        score_refresh_every: the proxy's validation directions of ``L_score`` are recomputed (one forward+backward of
+            the proxy over the ``val_train`` examples) every this many steps (the target's: once per fit).
+        task_reduction: ``"mean"`` (default) or ``"max"`` (the worst task) over tasks, for both terms.
     """
 
     def __init__(
@@ -243,13 +298,22 @@ class ProxyAlignModule(L.LightningModule):
         fidelity_examples: int = 0,
         fidelity_scorer: Optional[Callable] = None,
         fidelity_per_task: bool = False,
+        val_grad_weight: float = 0.0,
+        val_examples_per_task: int = 2,
+        score_weight: float = 0.0,
+        score_loss: str = "pearson",
+        score_refresh_every: int = 10,
+        task_reduction: str = "mean",
     ) -> None:
         super().__init__()
         self.config = AlignConfig(lr=lr, weight_decay=weight_decay, kl_weight=kl_weight, temperature=temperature,
                                   align=align, grad_through_projection=grad_through_projection, layers=layers,
                                   warmup_ratio=warmup_ratio, lr_schedule=lr_schedule, keep_best=keep_best,
                                   monitor=monitor, fidelity_examples=fidelity_examples,
-                                  fidelity_per_task=fidelity_per_task)
+                                  fidelity_per_task=fidelity_per_task,
+                                  val_grad_weight=val_grad_weight, val_examples_per_task=val_examples_per_task,
+                                  score_weight=score_weight, score_loss=score_loss,
+                                  score_refresh_every=score_refresh_every, task_reduction=task_reduction)
         ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
         self.save_hyperparameters(ignore=ignore + ["fidelity_scorer"])
         # plain attributes (never registered submodules, even when given as nn.Module)
@@ -263,6 +327,8 @@ class ProxyAlignModule(L.LightningModule):
         self.best_factors = KeepBestFactors(monitor=monitor if keep_best else None,
                                          evaluate_step0=(keep_best and align) or bool(fidelity_examples))
         self.ranking_fidelity: Optional[RankingFidelity] = None
+        self._task_batches: Any = None  # the task terms' inputs (each fit anew): val_train batches, directions
+        self.directions: Optional[TaskDirections] = None
         if fidelity_examples:
             scorer = fidelity_scorer if fidelity_scorer is not None else _resolve_callable(DEFAULT_FIDELITY_SCORER)
             self.ranking_fidelity = RankingFidelity(fidelity_examples, scorer, description=(
@@ -313,6 +379,7 @@ class ProxyAlignModule(L.LightningModule):
         # meant for accidental eval mode, stays quiet for this intentional one.
         if self.proxy is not None:
             self.proxy.train()
+        self._task_batches, self.directions = None, None
         if not self.config.align and self._trainer is not None:
             # IPSVD-only: nothing trains, so Lightning's sanity validation (a double backward per batch) has nothing
             # to check; the proxy's health line (IPSVDCallback) is its look at held-out data
@@ -393,8 +460,70 @@ class ProxyAlignModule(L.LightningModule):
         return None
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.config.task_terms:
+            return self._task_training_step(batch)
         out = self.alignment_step(batch, create_graph=True)
         self._log_output(out, "align", batch["input_ids"].shape[0], self.hparams.log_layer_cosines)
+        return out.loss
+
+    # ------------------------------------------------------------------------------------- task terms
+    def _val_train(self):
+        """The datamodule serving the ``val_train`` examples (checked)."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "task_batches") or not getattr(dm, "val_train_fraction", 0):
+            raise ValueError("ProxyAlignModule: val_grad_weight / score_weight > 0 train on validation examples set "
+                             "apart from the monitoring ones: use SFTDataModule(val_train_fraction > 0)")
+        return dm
+
+    def _to_device(self, batch: dict) -> dict:
+        return self.trainer.strategy.batch_to_device(batch)
+
+    def _refresh_directions(self) -> TaskDirections:
+        """The score term's validation directions: the target's once per fit, the proxy's every
+        ``score_refresh_every`` steps (over every ``val_train`` example)."""
+        d = self.directions
+        step = int(self.global_step)
+        if d is not None and d.proxy_step is not None and step - d.proxy_step < self.config.score_refresh_every:
+            return d
+        dm = self._val_train()
+        batches = [self._to_device(b) for b in dm.val_train_dataloader()]
+        layers = list(proxy_factor_layers(self.proxy, self.config.layers))
+        if d is None:
+            d = task_directions(self._teacher, batches, layers)
+            log.info("score-space alignment: target directions of %d tasks from %d validation examples",
+                     len(d.tasks), d.examples)
+        d.proxy, d.proxy_sq = proxy_directions(self.proxy, batches, d.tasks, layers)
+        d.proxy_step = step
+        self.directions = d
+        return d
+
+    def _task_training_step(self, batch: dict) -> torch.Tensor:
+        cfg = self.config
+        for model in (self.proxy, self._teacher):
+            if model.training:
+                model.eval()
+        unshard_proxy(self.proxy)
+        val_batch = None
+        if cfg.val_grad_weight:
+            if self._task_batches is None:
+                self._task_batches = self._val_train().task_batches(cfg.val_examples_per_task)
+            val_batch = self._to_device(next(self._task_batches))
+        directions = self._refresh_directions() if cfg.score_weight else None
+        out = task_alignment_losses(
+            self._teacher, self.proxy, batch, val_batch=val_batch, val_grad_weight=cfg.val_grad_weight,
+            directions=directions, score_weight=cfg.score_weight, score_loss=cfg.score_loss,
+            task_reduction=cfg.task_reduction, kl_weight=cfg.kl_weight, temperature=cfg.temperature,
+            grad_through_projection=cfg.grad_through_projection, create_graph=True, layers=cfg.layers)
+        size = batch["input_ids"].shape[0]
+        self._log_output(out, "align", size, self.hparams.log_layer_cosines)
+        extra: dict[str, torch.Tensor] = {}
+        if out.l_val_grad is not None:
+            extra["align/l_val_grad"] = out.l_val_grad
+            extra.update({f"align/val_grad_cos/{t}": c for t, c in out.val_grad_cos.items()})
+        if out.l_score is not None:
+            extra["align/l_score"] = out.l_score
+            extra.update({f"align/score_loss/{t}": v for t, v in out.score_per_task.items() if torch.isfinite(v)})
+        self.log_dict(extra, on_step=True, on_epoch=False, batch_size=size)
         return out.loss
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -503,7 +632,13 @@ class ProxyAlignModule(L.LightningModule):
     def _alignment_record(self) -> dict[str, Any]:
         """The manifest's ``"alignment"`` block: the settings, the steps, the callbacks' reports."""
         held_out = self.best_factors.report()
-        return {**asdict(self.config), "aligned": bool(self.config.align),
+        extra: dict[str, Any] = {}
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if getattr(dm, "val_train_fraction", 0) and hasattr(dm, "validation_split_record"):
+            extra["validation_split"] = dm.validation_split_record()  # which validation examples trained / monitored
+        if self.directions is not None:
+            extra["task_directions"] = {"tasks": list(self.directions.tasks), "examples": self.directions.examples}
+        return {**asdict(self.config), **extra, "aligned": bool(self.config.align),
                 "steps": int(self.global_step) if self._trainer is not None else 0,
                 "best": held_out["best"], "validation_history": held_out["validation_history"],
                 "fidelity": self.ranking_fidelity.report() if self.ranking_fidelity is not None else None}
