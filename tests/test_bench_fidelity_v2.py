@@ -65,6 +65,10 @@ def test_parse_variant_issue22_levers():
     for bad, msg in (("ipsvd/exact/infw@0.5", "add /global"), ("ipsvd/global/infw2@0.5", "unknown option"),
                      ("ipsvd/global/up0@0.5", "unknown option"), ("ipsvd/global/upx@0.5", "unknown option"),
                      ("ipsvd/global@0.5+align+fidtask0", "checks nothing"), ("ipsvd/global@0.5+fidtask8", "RHO")):
+        with pytest.raises(ValueError, match=msg):
+            fv2.parse_variant(bad)
+
+
 def test_parse_variant_task_alignment_suffixes():
     """Issue 22's suffixes after +align: what each sets in the build stage's ProxyAlignModule / SFTDataModule."""
     v = fv2.parse_variant("ipsvd/exact/rel1e-3/global@0.5+align2:1e-3+val+valg1+score0.5")
@@ -125,6 +129,8 @@ def test_issue22_rows_reach_the_build_stage_config(tmp_path, monkeypatch, capsys
         assert e.value.code in (0, None), printed
         cfg = yaml.safe_load(printed)
         assert cfg["model"]["init_args"]["monitor"] == overlay["model"]["init_args"].get("monitor", "val/loss")
+
+
 def test_task_alignment_variant_reaches_the_build_stage(tmp_path, monkeypatch, capsys):
     """The build stage of a +align+val+valg+score row gets the options in its overlay (and the stages' fingerprints of
     a row without them do not change), and the shipped build_proxy.yaml takes that overlay. Nothing runs: the stage
