@@ -120,3 +120,37 @@ def test_select_never_replaces_another_selectors_file(tmp_path, capsys):
     with pytest.raises(FileExistsError, match="a file of unknown origin"):
         select(tables["proxy"], k=5, output=str(other))
     assert other.read_text() == "keep me\n"
+
+
+# ------------------------------------------------------------------------------------------------ build_store
+def test_build_store_prints_its_summary_line_only(tmp_path):
+    """``python train.py build_store`` on the happy path: one line on stdout saying what was stored and its size,
+    nothing on stderr (no Lightning "GPU available" / "TPU available" lines, no tips, no bars with --progress false),
+    and ``store.json`` records the size: the shard files' bytes, per example."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{j}", "instruction": f"Reverse {'ab' * (j + 1)}", "context": "",
+                                        "response": "ba" * (j + 1)}) + "\n" for j in range(5)))
+    store = tmp_path / "store"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    r = subprocess.run([sys.executable, "train.py", "build_store", "--model", "builtin", "--output_dir", str(store),
+                        "--pool", str(pool), "--max_length", "32", "--batch_size", "2", "--method", "kfac",
+                        "--kfac_examples", "3", "--progress", "false"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("build_store: 5 pool examples, "), r.stdout
+    for noise in ("GPU available", "TPU available", "LOCAL_RANK", "Tip:", "K-FAC factors"):
+        assert noise not in r.stdout
+    info = json.loads((store / "store.json").read_text())
+    shards = sorted((store / "shards").glob("rank*.safetensors"))
+    assert info["bytes"] == sum(f.stat().st_size for f in shards) > 0
+    assert info["bytes_per_example"] == info["bytes"] / 5 == info["bytes"] / info["rows"]
+    assert f"({info['dtype']}; {info['bytes_per_example'] / 1024:.1f} KiB per example, " in lines[0]

@@ -199,6 +199,13 @@ class InfluenceMetric:
         """Tokens ``(h̃, δ̃)`` with ``Σ_t δ̃_t h̃_tᵀ = M Σ_t δ_t h_tᵀ`` (only when ``token_factored``)."""
         raise NotImplementedError(f"metric {self.name!r} does not factor over tokens: use matrix() on gradients")
 
+    def basis(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(Q_out, Q_in)``, orthonormal, when :meth:`matrix` / :meth:`tokens` return weight ``key``'s mapped gradient
+        in other coordinates than the weight's own (``Q_outᵀ (·) Q_in``: K-FAC, EK-FAC, the factors' eigenbases);
+        ``None`` for the weight's own coordinates. Inner products do not depend on it; a projection does
+        (:mod:`.projection` rotates back first)."""
+        return None
+
     def settings(self) -> dict:
         """The metric's options, for the score settings."""
         raise NotImplementedError
@@ -309,6 +316,10 @@ class KFAC(InfluenceMetric):
 
     def tokens(self, key, h, delta):
         return self._layer(key).tokens(h, delta)
+
+    def basis(self, key):
+        L = self._layer(key)
+        return L.Q_d, L.Q_h
 
     def settings(self) -> dict:
         return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples}

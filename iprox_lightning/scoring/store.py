@@ -27,6 +27,11 @@ from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)
 
+BASIS = "weight"
+"""``store.json`` ``fingerprint.settings.basis`` of a K-FAC / EK-FAC store: its vectors project the whitened gradient
+in the weights' own coordinates (:mod:`.projection`; stores without it projected in the factors' eigenbases, which a
+query no longer reproduces)."""
+
 
 class GradientStoreModule(L.LightningModule):
     """Projected per-example gradients of the pool (see :mod:`.projection`).
@@ -84,9 +89,12 @@ class GradientStoreModule(L.LightningModule):
     def settings(self) -> dict:
         """What the vectors depend on besides the model and the pool (the store's fingerprinted settings)."""
         hp = self.hparams
-        return {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
-                "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
-                "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
+        out = {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
+               "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
+               "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
+        if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
+            out["basis"] = BASIS
+        return out
 
     def provenance(self) -> dict:
         """``{"fingerprint": {model, settings, pool}, "pool": records provenance, "data": dropped report}``."""
@@ -130,6 +138,7 @@ class GradientStoreModule(L.LightningModule):
             if dm is None or not hasattr(dm, "dataloader"):
                 raise RuntimeError(f"method={self.metric.name!r} needs a data module with dataloader(split) for its "
                                    "factors")
+            from ..console import show_progress
             from ..io.fingerprint import loader_digest
 
             fac = dm.dataloader(hp.kfac_split)
@@ -142,7 +151,7 @@ class GradientStoreModule(L.LightningModule):
                     fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
                                  "load_dtype": hp.dtype},
                     dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
-                    progress=self.trainer.global_rank == 0, save=save))
+                    progress=show_progress(self.trainer), save=save))
         self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
                                            target_patterns=hp.target_patterns, projections=projections, dtype=dtype)
 
@@ -240,7 +249,7 @@ class GradientStoreWriter(BufferedShardWriter):
             info = gs.read_info(self.output_dir)
             rows = sum(len(s["ids"]) for s in gs.iter_shards(self.output_dir, vectors=False))
             info.update(complete=True, rows=rows, shards=len(gs.shard_files(self.output_dir)),
-                        finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+                        finished=time.strftime("%Y-%m-%d %H:%M:%S"), **gs.store_size(self.output_dir, rows))
             gs.write_info(self.output_dir, info)
         trainer.strategy.barrier()
         self._unlock()
