@@ -30,6 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .damping import check_damping_mode
+from .errors import UserInputError
 from .ipsvd import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, MODES, compute_factors, weighted_objective
 from .lowrank import LowRankLinear
 from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
@@ -127,20 +128,20 @@ class CompressionConfig:
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise UserInputError(f"method must be one of {METHODS}, got {self.method!r}")
         if isinstance(self.drop_blocks, bool) or not isinstance(self.drop_blocks, int) or self.drop_blocks < 0:
-            raise ValueError(f"drop_blocks must be an integer >= 0, got {self.drop_blocks!r}")
+            raise UserInputError(f"drop_blocks must be an integer >= 0, got {self.drop_blocks!r}")
         if self.method == "ipsvd":
             if self.mode not in MODES:
-                raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+                raise UserInputError(f"mode must be one of {MODES}, got {self.mode!r}")
             check_damping_mode(self.damping_mode)
         allocation = self.resolved_allocation
         if allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+            raise UserInputError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if allocation == "global" and self.method == "random":
-            raise ValueError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
+            raise UserInputError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
         if allocation == "global" and self.method == "ipsvd" and self.mode != "exact":
-            raise ValueError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
+            raise UserInputError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
 
     @property
     def resolved_allocation(self) -> str:
@@ -319,15 +320,15 @@ def compress(
     ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
     """
     if config.method == "ipsvd" and probe_dataloader is None and probes is None:
-        raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+        raise UserInputError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
     drop = config.drop_blocks
     if drop and probes is not None:
-        raise ValueError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
-                         "remaining blocks see new inputs); pass the probe_dataloader instead")
+        raise UserInputError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
+                             "remaining blocks see new inputs); pass the probe_dataloader instead")
     if drop and probe_dataloader is None:
-        raise ValueError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
+        raise UserInputError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
     if is_compressed(model):
-        raise ValueError("model already holds LowRankLinear layers (already compressed)")
+        raise UserInputError("model already holds LowRankLinear layers (already compressed)")
     if drop:  # one read: block importance, then probes of the cut model
         probe_dataloader = list(probe_dataloader)
     targets = list(config.targets) if config.targets is not None else None

@@ -15,15 +15,16 @@ from typing import Mapping
 
 from torch import nn
 
+from .errors import UserInputError
 from .target_layers import linear_shape
 
 
 def rank_for_sparsity(in_features: int, out_features: int, sparsity: float, rank_multiple: int = 1) -> int | None:
     """The rank of one ``out×in`` layer at sparsity ``ρ``; ``None`` when it is kept dense."""
     if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        raise UserInputError(f"sparsity must be in [0, 1), got {sparsity}")
     if rank_multiple < 1:
-        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+        raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     exact = (1.0 - sparsity) * in_features * out_features / (in_features + out_features)
     r = max(rank_multiple, int(round(exact / rank_multiple)) * rank_multiple)
     if r >= min(in_features, out_features):
@@ -75,8 +76,8 @@ def minimum_allocation(
             plan[name] = r
             spent += r * (in_f + out_f)
     if spent > budget:
-        raise ValueError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
-                         f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
+        raise UserInputError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
+                             f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
     return plan, spent
 
 
@@ -109,7 +110,7 @@ def allocate_ranks(
 
     mult = int(rank_multiple)
     if mult < 1:
-        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+        raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     r0 = mult if min_rank is None else int(min_rank)
     dense = dict(dense or {})
     unknown = set(dense) - set(shapes)
@@ -181,7 +182,7 @@ def uniform_plan_for_budget(
     """
     mult = int(rank_multiple)
     if mult < 1:
-        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+        raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     dense = dict(dense or {})
     unknown = set(dense) - set(shapes)
     if unknown:
@@ -195,10 +196,10 @@ def uniform_plan_for_budget(
             groups[(out_f, in_f)] = groups.get((out_f, in_f), 0) + 1
     full = charged + sum(n * o * i for (o, i), n in groups.items())
     if budget >= full:
-        raise ValueError(f"budget {budget:,.0f} weights is at least what the layers hold dense ({full:,.0f}): "
-                         "nothing to compress")
+        raise UserInputError(f"budget {budget:,.0f} weights is at least what the layers hold dense ({full:,.0f}): "
+                             "nothing to compress")
     if not groups:
-        raise ValueError("every layer is kept dense: no sparsity to solve for")
+        raise UserInputError("every layer is kept dense: no sparsity to solve for")
 
     def total(rho: float) -> float:
         t = charged
@@ -219,8 +220,8 @@ def uniform_plan_for_budget(
     pts = sorted(breaks)
     smallest = total(0.5 * (pts[-2] + pts[-1]))  # the last piece below ρ' = 1: the smallest ranks
     if budget < smallest:
-        raise ValueError(f"budget {budget:,.0f} weights is below the smallest plan ({smallest:,.0f}: dense layers + "
-                         f"rank {mult} everywhere); raise the budget (lower sparsity)")
+        raise UserInputError(f"budget {budget:,.0f} weights is below the smallest plan ({smallest:,.0f}: dense layers + "
+                             f"rank {mult} everywhere); raise the budget (lower sparsity)")
     rho_c = 1.0 - (budget - charged) / (full - charged)
     cands = {r: total(r) for r in [min(max(rho_c, 0.0), pts[-2])] + [0.5 * (a + b) for a, b in zip(pts, pts[1:])]}
     best = min(cands, key=lambda r: (abs(cands[r] - budget), cands[r] > budget, abs(r - rho_c)))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import UserInputError
+
 
 def query(
     store: str,
@@ -65,7 +67,7 @@ def query(
                                   "'complete' is false); run the same build_store command again to finish it")
     out = Path(output_dir)
     if out.resolve() == Path(store).resolve():
-        raise ValueError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
+        raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
     if st.get("method", "tracin") != "tracin" and st.get("basis") != BASIS:
         raise gs.StoreFormatError(f"{store}: this {st['method']} store was built by an earlier version, which projected "

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..errors import UserInputError
 from .fingerprint import FingerprintMismatch, diff, digest, file_identity
 from .scores import write_json_atomic
 from .tensor_cache import TensorCache
@@ -56,7 +57,7 @@ CACHE_FORMAT = 1
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-class StoreFormatError(ValueError):
+class StoreFormatError(UserInputError):
     """A store directory or one of its files is missing, malformed or of another version."""
 
 
@@ -64,7 +65,7 @@ def storage_dtype(name: str):
     import torch
 
     if name not in STORAGE_DTYPES:
-        raise ValueError(f"store dtype must be one of {STORAGE_DTYPES}, got {name!r}")
+        raise UserInputError(f"store dtype must be one of {STORAGE_DTYPES}, got {name!r}")
     return getattr(torch, name)
 
 

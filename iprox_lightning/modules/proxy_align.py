@@ -64,6 +64,7 @@ from torch import nn
 from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
 from ..callbacks.keep_best import KeepBestFactors
 from ..callbacks.ranking_fidelity import FIDELITY_LOSS, FIDELITY_SPEARMAN, RankingFidelity  # noqa: F401  (re-exported)
+from ..errors import UserInputError
 from ..lowrank import LowRankLinear
 from .causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 from .proxy_fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
@@ -94,9 +95,9 @@ def _check_same_blocks(teacher: nn.Module, proxy: nn.Module, source: Any, align:
     n_t = getattr(getattr(teacher, "config", None), "num_hidden_layers", None)
     n_p = getattr(getattr(proxy, "config", None), "num_hidden_layers", None)
     if align and n_t is not None and n_p is not None and n_t != n_p:
-        raise ValueError(f"ProxyAlignModule: the proxy {source!r} has {n_p} decoder blocks and the target {n_t}; "
-                         "alignment pairs layers by path, so a proxy with dropped blocks cannot be aligned "
-                         "(use align: false, or build the proxy without drop_blocks)")
+        raise UserInputError(f"ProxyAlignModule: the proxy {source!r} has {n_p} decoder blocks and the target {n_t}; "
+                             "alignment pairs layers by path, so a proxy with dropped blocks cannot be aligned "
+                             "(use align: false, or build the proxy without drop_blocks)")
 
 
 @dataclass(frozen=True)
@@ -143,15 +144,15 @@ class AlignConfig:
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(self.layers))
         if self.kl_weight < 0:
-            raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
+            raise UserInputError(f"kl_weight must be >= 0, got {self.kl_weight}")
         if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise UserInputError(f"temperature must be > 0, got {self.temperature}")
         if isinstance(self.fidelity_examples, bool) or not isinstance(self.fidelity_examples, int) \
                 or self.fidelity_examples < 0:
-            raise ValueError(f"fidelity_examples must be an int >= 0, got {self.fidelity_examples!r}")
+            raise UserInputError(f"fidelity_examples must be an int >= 0, got {self.fidelity_examples!r}")
         if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
-            raise ValueError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
-                             "ranking fidelity is measured on)")
+            raise UserInputError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
+                                 "ranking fidelity is measured on)")
 
 
 class ProxyAlignModule(L.LightningModule):

@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from ..errors import UserInputError
 from ..io.scores import OutputLocked
 
 
@@ -37,7 +38,7 @@ class BufferedShardWriter(BasePredictionWriter):
                  flush_on_exception: bool = True) -> None:
         super().__init__(write_interval="batch")
         if write_every_n_batches < 1:
-            raise ValueError(f"write_every_n_batches must be >= 1, got {write_every_n_batches}")
+            raise UserInputError(f"write_every_n_batches must be >= 1, got {write_every_n_batches}")
         self.output_dir = Path(output_dir)
         self.write_every_n_batches = int(write_every_n_batches)
         self.overwrite = overwrite

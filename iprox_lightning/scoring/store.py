@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import UserInputError
 from ..io import gradient_store as gs
 from .metrics import METRICS, fit_or_load, influence_metric
 from .projection import GradientProjector, LayerProjection, make_projections
@@ -57,9 +58,9 @@ class GradientStoreModule(L.LightningModule):
                  attn_implementation: Optional[str] = "sdpa") -> None:
         super().__init__()
         if k < 1:
-            raise ValueError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
+            raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
         if method not in METRICS:
-            raise ValueError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
+            raise UserInputError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
         self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__
