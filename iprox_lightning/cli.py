@@ -38,16 +38,22 @@ DEBUG_FLAG = "--debug"
 keep their traceback."""
 
 
-def one_line_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are about the user's input, not the code, whose message says everything: printed as one
-    ``error: ...`` line on stderr (exit status 2) instead of a traceback. A hub id that cannot be reached
-    (:class:`~iprox_lightning.models.hub.SourceUnreachable`)."""
+def one_line_errors(command_line: bool = True) -> tuple[type[BaseException], ...]:
+    """Errors that are about the user's input, not the code, whose message says everything: printed as
+    ``error: <message>`` on stderr (exit status 2) instead of a traceback. On the process's command line
+    (``python train.py ...``, ``iprox ...``): every :class:`~iprox_lightning.errors.UserError` — what the project's own
+    input checks raise (a bad pool or validation row, a missing file, a store or score table of other inputs, a bad
+    option), the formats' errors and a hub id that cannot be reached. From Python (``main([...])``, ``command_line``
+    false) only the unreachable hub id (:class:`~iprox_lightning.models.hub.SourceUnreachable`); the others are raised
+    to the caller. Any other error (a bug, a library's own error) keeps its traceback."""
+    from .errors import UserError
     from .models.hub import SourceUnreachable
 
-    return (SourceUnreachable,)
+    return (UserError,) if command_line else (SourceUnreachable,)
 
 
 def main(args: list[str] | None = None):
+    """Run ``python train.py <command> ...``: the process's command line (``args`` None), or ``args`` from Python."""
     import os
 
     argv = list(sys.argv[1:] if args is None else args)
@@ -55,7 +61,7 @@ def main(args: list[str] | None = None):
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:
         return _run(argv, args)
-    except one_line_errors() as e:
+    except one_line_errors(command_line=args is None) as e:
         if debug:
             raise
         print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)

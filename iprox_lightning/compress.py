@@ -30,6 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .damping import check_damping_mode
+from .errors import UserInputError
 from .ipsvd import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, MODES, compute_factors, weighted_objective
 from .lowrank import LowRankLinear
 from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
@@ -146,31 +147,31 @@ class CompressionConfig:
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise UserInputError(f"method must be one of {METHODS}, got {self.method!r}")
         if isinstance(self.drop_blocks, bool) or not isinstance(self.drop_blocks, int) or self.drop_blocks < 0:
-            raise ValueError(f"drop_blocks must be an integer >= 0, got {self.drop_blocks!r}")
+            raise UserInputError(f"drop_blocks must be an integer >= 0, got {self.drop_blocks!r}")
         if self.method == "ipsvd":
             if self.mode not in MODES:
-                raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+                raise UserInputError(f"mode must be one of {MODES}, got {self.mode!r}")
             check_damping_mode(self.damping_mode)
         allocation = self.resolved_allocation
         if allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+            raise UserInputError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if allocation == "global" and self.method == "random":
-            raise ValueError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
+            raise UserInputError("allocation='global' prices truncation with a spectrum: use method 'ipsvd' or 'svd'")
         if allocation == "global" and self.method == "ipsvd" and self.mode != "exact":
-            raise ValueError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
+            raise UserInputError("allocation='global' prices each layer with the exact weighted spectrum: use mode='exact'")
         if self.probe_labels not in PROBE_LABELS:
-            raise ValueError(f"probe_labels must be one of {PROBE_LABELS}, got {self.probe_labels!r}")
+            raise UserInputError(f"probe_labels must be one of {PROBE_LABELS}, got {self.probe_labels!r}")
         if self.rank_rounding not in ROUNDINGS:
-            raise ValueError(f"rank_rounding must be one of {ROUNDINGS}, got {self.rank_rounding!r}")
+            raise UserInputError(f"rank_rounding must be one of {ROUNDINGS}, got {self.rank_rounding!r}")
         if self.rank_weighting not in RANK_WEIGHTINGS:
-            raise ValueError(f"rank_weighting must be one of {RANK_WEIGHTINGS}, got {self.rank_weighting!r}")
+            raise UserInputError(f"rank_weighting must be one of {RANK_WEIGHTINGS}, got {self.rank_weighting!r}")
         if self.rank_weighting != "none" and allocation != "global":
-            raise ValueError(f"rank_weighting={self.rank_weighting!r} weights the global rank allocation: use "
+            raise UserInputError(f"rank_weighting={self.rank_weighting!r} weights the global rank allocation: use "
                              f"allocation='global' (got {allocation!r})")
         if not 0.0 <= float(self.rank_weight_mix) <= 1.0:
-            raise ValueError(f"rank_weight_mix must be in [0, 1], got {self.rank_weight_mix!r}")
+            raise UserInputError(f"rank_weight_mix must be in [0, 1], got {self.rank_weight_mix!r}")
 
     @property
     def resolved_allocation(self) -> str:
@@ -368,19 +369,19 @@ def compress(
     ``probe_labels``: :class:`CompressionConfig`.
     """
     if config.method == "ipsvd" and probe_dataloader is None and probes is None:
-        raise ValueError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+        raise UserInputError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
     drop = config.drop_blocks
     if drop and probes is not None:
-        raise ValueError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
-                         "remaining blocks see new inputs); pass the probe_dataloader instead")
+        raise UserInputError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
+                             "remaining blocks see new inputs); pass the probe_dataloader instead")
     if drop and probe_dataloader is None:
-        raise ValueError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
+        raise UserInputError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
     influence = config.rank_weighting == "influence"
     if influence and (probe_dataloader is None or validation_dataloader is None):
-        raise ValueError("rank_weighting='influence' needs the probe batches and a validation_dataloader (the per-task "
+        raise UserInputError("rank_weighting='influence' needs the probe batches and a validation_dataloader (the per-task "
                          "validation examples): give both (precollected probes alone are not enough)")
     if is_compressed(model):
-        raise ValueError("model already holds LowRankLinear layers (already compressed)")
+        raise UserInputError("model already holds LowRankLinear layers (already compressed)")
     if drop or influence:  # read once: block importance / influence weights, then probes of the cut model
         probe_dataloader = list(probe_dataloader)
     targets = list(config.targets) if config.targets is not None else None

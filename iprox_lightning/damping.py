@@ -11,6 +11,8 @@ A second moment ``C: [dim, dim]`` is damped to ``C_λ = C + λ I`` with
 """
 from __future__ import annotations
 
+from .errors import UserInputError
+
 DAMPING_MODES = ("relative", "absolute")
 
 
@@ -18,14 +20,14 @@ def check_damping_mode(mode: str) -> None:
     """Raise a ``ValueError`` unless ``mode`` is a damping mode (for options that are checked before it is known
     whether they will be used, e.g. the K-FAC options of a TracIn scoring config)."""
     if mode not in DAMPING_MODES:
-        raise ValueError(f"damping_mode must be one of {DAMPING_MODES}, got {mode!r}")
+        raise UserInputError(f"damping_mode must be one of {DAMPING_MODES}, got {mode!r}")
 
 
 def check_damping(damping: float, mode: str) -> None:
     """Raise a ``ValueError`` unless ``mode`` is a damping mode and ``damping > 0``."""
     check_damping_mode(mode)
     if not damping > 0:
-        raise ValueError(f"damping must be > 0 (the damped second moments must be invertible), got {damping}")
+        raise UserInputError(f"damping must be > 0 (the damped second moments must be invertible), got {damping}")
 
 
 def damping_value(trace: float, dim: int, damping: float, mode: str) -> float:

@@ -21,6 +21,7 @@ from typing import Mapping
 
 from torch import nn
 
+from .errors import UserInputError
 from .target_layers import linear_shape
 
 # how a rank becomes a multiple of ``rank_multiple``: "nearest" (uniform ranks to the nearest multiple; the global
@@ -52,9 +53,9 @@ def rank_for_sparsity(in_features: int, out_features: int, sparsity: float, rank
     """The rank of one ``out×in`` layer at sparsity ``ρ``; ``None`` when it is kept dense (module docstring;
     ``rounding``: :data:`ROUNDINGS`)."""
     if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        raise UserInputError(f"sparsity must be in [0, 1), got {sparsity}")
     if rank_multiple < 1:
-        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+        raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     check_rounding(rounding)
     exact = (1.0 - sparsity) * in_features * out_features / (in_features + out_features)
     if rounding == "up":  # 1e-9: an exact multiple computed as 128.00000000000003 stays 128
@@ -124,8 +125,8 @@ def minimum_allocation(
             plan[name] = r
             spent += r * (in_f + out_f)
     if spent > budget:
-        raise ValueError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
-                         f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
+        raise UserInputError(f"budget {budget:,.0f} weights is below the minimum allocation ({spent:,.0f}: "
+                             f"dense layers + rank {r0} everywhere); raise the budget (lower sparsity)")
     return plan, spent
 
 
@@ -161,7 +162,7 @@ def allocate_ranks(
 
     mult = int(rank_multiple)
     if mult < 1:
-        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+        raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     r0 = mult if min_rank is None else int(min_rank)
     dense = dict(dense or {})
     unknown = set(dense) - set(shapes)
@@ -241,7 +242,7 @@ def uniform_plan_for_budget(
     check_rounding(rounding)
     mult = int(rank_multiple)
     if mult < 1:
-        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+        raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     dense = dict(dense or {})
     unknown = set(dense) - set(shapes)
     if unknown:
@@ -255,10 +256,10 @@ def uniform_plan_for_budget(
             groups[(out_f, in_f)] = groups.get((out_f, in_f), 0) + 1
     full = charged + sum(n * o * i for (o, i), n in groups.items())
     if budget >= full:
-        raise ValueError(f"budget {budget:,.0f} weights is at least what the layers hold dense ({full:,.0f}): "
-                         "nothing to compress")
+        raise UserInputError(f"budget {budget:,.0f} weights is at least what the layers hold dense ({full:,.0f}): "
+                             "nothing to compress")
     if not groups:
-        raise ValueError("every layer is kept dense: no sparsity to solve for")
+        raise UserInputError("every layer is kept dense: no sparsity to solve for")
 
     def total(rho: float) -> float:
         t = charged
@@ -280,8 +281,8 @@ def uniform_plan_for_budget(
     pts = sorted(breaks)
     smallest = total(0.5 * (pts[-2] + pts[-1]))  # the last piece below ρ' = 1: the smallest ranks
     if budget < smallest:
-        raise ValueError(f"budget {budget:,.0f} weights is below the smallest plan ({smallest:,.0f}: dense layers + "
-                         f"rank {mult} everywhere); raise the budget (lower sparsity)")
+        raise UserInputError(f"budget {budget:,.0f} weights is below the smallest plan ({smallest:,.0f}: dense layers + "
+                             f"rank {mult} everywhere); raise the budget (lower sparsity)")
     rho_c = 1.0 - (budget - charged) / (full - charged)
     cands = {r: total(r) for r in [min(max(rho_c, 0.0), pts[-2])] + [0.5 * (a + b) for a, b in zip(pts, pts[1:])]}
     best = min(cands, key=lambda r: (abs(cands[r] - budget), cands[r] > budget, abs(r - rho_c)))

@@ -36,6 +36,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import OutputExistsError, OutputIsDirectoryError, UserInputError
+
 TEXT_FIELDS = ("instruction", "context", "response")
 
 
@@ -68,33 +70,33 @@ def _default_pool(ids: Sequence[str]):
 def _check_selection(chosen: list, src: Path, ranked: int, scored: int, flags: list, bad: list) -> None:
     """Refuse an empty selection and one holding an id twice."""
     if not chosen:
-        raise ValueError(f"{src}: nothing to select: {ranked} example(s) left to rank of {scored} scored "
-                         f"({int(sum(bool(z) for z in flags))} without gradient, {len(bad)} non-finite skipped)")
+        raise UserInputError(f"{src}: nothing to select: {ranked} example(s) left to rank of {scored} scored "
+                             f"({int(sum(bool(z) for z in flags))} without gradient, {len(bad)} non-finite skipped)")
     ids = [i for _, i in chosen]
     if len(set(ids)) != len(ids):
         dup = next(i for j, i in enumerate(ids) if i in ids[:j])
-        raise ValueError(f"{src}: the selection would hold id {dup!r} twice; select with dedup=True")
+        raise UserInputError(f"{src}: the selection would hold id {dup!r} twice; select with dedup=True")
 
 
 def _check_output(out: Path, src: Path, pool) -> None:
     """Refuse an output that is a directory, the score table being read, a pool file, or inside a pool directory
     (where the next read of the pool would take the selection for pool data)."""
     if out.is_dir():
-        raise IsADirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
+        raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
     target = out.resolve()
     if target == Path(src).resolve():
-        raise ValueError(f"output {out} is the score table being read; choose another output file")
+        raise UserInputError(f"output {out} is the score table being read; choose another output file")
     sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
     for source in sources:
         if not isinstance(source, (str, os.PathLike)):
             continue
         p = Path(source)
         if p.is_file() and p.resolve() == target:
-            raise ValueError(f"output {out} is the pool file {source}: writing the selection would replace the pool; "
-                             "choose another output file")
+            raise UserInputError(f"output {out} is the pool file {source}: writing the selection would replace the pool; "
+                                 "choose another output file")
         if p.is_dir() and target.is_relative_to(p.resolve()):
-            raise ValueError(f"output {out} is inside the pool directory {source}: the next read of the pool would "
-                             "take the selection for pool data; choose another output file")
+            raise UserInputError(f"output {out} is inside the pool directory {source}: the next read of the pool would "
+                                 "take the selection for pool data; choose another output file")
 
 
 def _suggested_output(out: Path, src: Path) -> Path:
@@ -123,7 +125,7 @@ def _check_not_another_selectors(out: Path, src: Path) -> None:
     if suggestion.resolve() == out.resolve():
         suggestion = out.with_name(f"{out.stem}.{Path(src).parent.name or 'new'}.jsonl")
     origin = f"the selection from {prev}" if prev is not None else "a file of unknown origin (no .meta.json)"
-    raise FileExistsError(
+    raise OutputExistsError(
         f"output {out} already holds {origin}, not from {src}: not overwritten. Pass --output {suggestion} "
         "(a file of its own), or --overwrite true to replace it")
 
@@ -180,7 +182,7 @@ def select(
     src, table = _read_scores(scores_path)
     if per_task:
         if rule not in ("pooled", "max") or task is not None:
-            raise ValueError("per_task=True means rule='max' over every task; pass rule/task instead")
+            raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
         rule = "max"
     from .selection_rules import rule_columns, rule_order
 
@@ -194,7 +196,7 @@ def select(
     finite = np.all([np.isfinite(v) for v in values.values()], axis=0) if ids else np.ones(0, bool)
     bad = [(i, float(values[used[0]][j])) for j, (i, nf) in enumerate(zip(ids, nonfin)) if nf or not finite[j]]
     if bad and not skip_flagged:
-        raise ValueError(
+        raise UserInputError(
             f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
             f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
             "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
@@ -207,7 +209,7 @@ def select(
         seen: set[str] = set()
         rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
     elif len(set(ids)) != len(ids):
-        raise ValueError(f"{src}: duplicate ids in the score table and dedup=False")
+        raise UserInputError(f"{src}: duplicate ids in the score table and dedup=False")
 
     from .data.pool import describe, read_pool
 
@@ -225,7 +227,7 @@ def select(
     if pools:
         missing = [i for _, i in rows if i not in records]
         if missing:
-            raise ValueError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
+            raise UserInputError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
         if dedup:
             seen_text: set[tuple] = set()
             kept = []

@@ -25,6 +25,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from .errors import UserInputError
+
 RuleFn = Callable[[Sequence[str], Mapping[str, np.ndarray], "str | None"], "tuple[np.ndarray, np.ndarray]"]
 
 
@@ -36,8 +38,8 @@ def task_columns(columns: Mapping[str, np.ndarray], task: str | None) -> dict[st
         cols = {c: v for c, v in cols.items() if c == f"score/{task}" or c.startswith(f"score/{task}.")}
     if not cols:
         have = sorted({c[len("score/"):].split(".")[0] for c in columns if c.startswith("score/")})
-        raise ValueError(f"no score column for task {task!r}; the table's tasks: {have or 'none (pooled score only)'}"
-                         if task is not None else "the score table has no per-task columns (score/<task>)")
+        raise UserInputError(f"no score column for task {task!r}; the table's tasks: {have or 'none (pooled score only)'}"
+                             if task is not None else "the score table has no per-task columns (score/<task>)")
     return cols
 
 
@@ -49,8 +51,8 @@ def _order(values: np.ndarray, ids: Sequence[str]) -> tuple[np.ndarray, np.ndarr
 
 def pooled(ids, columns, task=None):
     if task is not None:
-        raise ValueError("rule 'pooled' ranks by the pooled score and takes no task; use rule 'mean' or 'max' "
-                         f"to select for task {task!r}")
+        raise UserInputError("rule 'pooled' ranks by the pooled score and takes no task; use rule 'mean' or 'max' "
+                             f"to select for task {task!r}")
     return _order(np.asarray(columns["score"], np.float64), ids)
 
 
@@ -95,7 +97,7 @@ def rule_order(rule: str, ids: Sequence[str], columns: Mapping[str, np.ndarray],
                task: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(order, value)``: row indices in the order rule ``rule`` takes them (best first) and each row's value."""
     if rule not in RULES:
-        raise ValueError(f"unknown selection rule {rule!r}; rules: {', '.join(RULES)}")
+        raise UserInputError(f"unknown selection rule {rule!r}; rules: {', '.join(RULES)}")
     return RULES[rule](list(ids), columns, task)
 
 

@@ -143,3 +143,98 @@ def test_ekfac_is_a_method_name():
     assert EKFAC.token_factored is False and KFAC.token_factored is True
     with pytest.raises(NotImplementedError, match="does not factor over tokens"):
         EKFAC().tokens("w", torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
+
+
+# ------------------------------------------------------------------------------------------------ store projections
+def _fitted(method, model, examples):
+    mods = tracked_modules(model)
+    metric = influence_metric(method, damping=DAMPING, kfac_examples=len(examples))
+    metric.fit(model, mods, [v.key for v in virtual_linears(mods)], batches(examples, 5), dtype=torch.float64)
+    return metric
+
+
+def _vectors(model, metric, k, seed=4):
+    proj = GradientProjector(model, k=k, seed=seed, metric=metric)
+    return proj, torch.cat([proj.project_batch(b)["vectors"] for b in batches(TRAIN, 4)])
+
+
+def _sym_pow(C, p):
+    """``C^p`` of a symmetric positive definite ``C`` (a function of ``C`` alone, whatever basis ``eigh`` picks)."""
+    e, Q = torch.linalg.eigh(C)
+    return Q @ torch.diag(e ** p) @ Q.t()
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_store_vectors_are_the_projected_whitened_gradient_in_weight_coordinates(method):
+    """Brute force, from autograd per-example gradients ``G`` and the dense token second moments ``C_h``, ``C_δ`` of
+    the factor examples: K-FAC's vector is ``P_δ C_δ,λ^{-1/2} G C_h,λ^{-1/2} P_hᵀ`` (``λ = damping·tr C/dim``; the
+    matrix powers do not depend on an eigenbasis); EK-FAC's is ``P_δ Q_δ ((Q_δᵀ G Q_h) / sqrt(Λ + λ)) Q_hᵀ P_hᵀ``
+    (``Q`` from ``eigh`` here; the factor examples' second moments have distinct eigenvalues, so ``Q`` is unique up
+    to signs, which cancel)."""
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    metric = _fitted(method, model, FACTOR)
+    proj, got = _vectors(model, metric, k=5)
+    assert any(p.P_in is not None and p.P_out is not None for p in proj.projections.values())
+    refs = [ref_example(model, e) for e in FACTOR]
+    white = {}
+    for key, _, _ in tracked_params(model):
+        hs = torch.cat([r[1][key][0] for r in refs])
+        ds = torch.cat([r[1][key][1] for r in refs])
+        Ch, Cd = hs.t() @ hs / len(hs), ds.t() @ ds / len(ds)
+        if method == "kfac":
+            Wh = _sym_pow(Ch + DAMPING * torch.trace(Ch) / len(Ch) * torch.eye(len(Ch), dtype=Ch.dtype), -0.5)
+            Wd = _sym_pow(Cd + DAMPING * torch.trace(Cd) / len(Cd) * torch.eye(len(Cd), dtype=Cd.dtype), -0.5)
+            white[key] = lambda G, Wh=Wh, Wd=Wd: Wd @ G @ Wh
+        else:
+            eh, Qh = torch.linalg.eigh(Ch)
+            ed, Qd = torch.linalg.eigh(Cd)
+            assert (eh.diff() > 1e-9 * eh.abs().max()).all() and (ed.diff() > 1e-9 * ed.abs().max()).all()
+            lam = torch.stack([(Qd.t() @ r[0][key] @ Qh) ** 2 for r in refs]).mean(0)
+            s = (lam + DAMPING * lam.mean()).rsqrt()
+            white[key] = lambda G, Qh=Qh, Qd=Qd, s=s: Qd @ ((Qd.t() @ G @ Qh) * s) @ Qh.t()
+    want = []
+    for e in TRAIN:
+        layer_g, _ = ref_example(model, e)
+        parts = []
+        for key, _, _ in tracked_params(model):
+            p = proj.projections[key]
+            G = white[key](layer_g[key])
+            G = G if p.P_out is None else p.P_out.double() @ G
+            G = G if p.P_in is None else G @ p.P_in.double().t()
+            parts.append(G.reshape(-1))
+        want.append(torch.cat(parts))
+    want = torch.stack(want)
+    # float64 both ways: 1e-14 of the largest |value| natively and under ATen's generic kernels; under its AVX2 kernels
+    # the model's float64 forward rounds otherwise (cf. KERNEL_ATOL) and the whitening amplifies it: 3.7e-8 measured
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_store_vectors_do_not_depend_on_the_eigensolvers_choice_of_eigenvectors(method):
+    """Two builds of one store (one process or two, another machine) round the factors differently, and ``eigh`` may
+    then return other eigenvector signs or, for a repeated eigenvalue (K-FAC factors fitted on fewer tokens than a
+    layer's width: the null space), any basis of its space. The stored vectors must not follow: eigenvectors with
+    flipped signs (and, for K-FAC, rotated within the null space) give the same vectors and query scores."""
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    few = FACTOR[:2]  # fewer tokens than the MLP's width: rank-deficient second moments
+    metric = _fitted(method, model, few)
+    _, before = _vectors(model, metric, k=5)
+    g = torch.Generator().manual_seed(0)
+    state = metric.state_dict()
+    rotated = 0
+    for key in metric.eigens:
+        for side in ("h", "d"):
+            Q, e = state[f"{key}|Q_{side}"].clone(), state[f"{key}|e_{side}"]
+            Q = Q * torch.where(torch.rand(Q.shape[1], generator=g) < 0.5, -1.0, 1.0).to(Q)  # column signs
+            null = torch.nonzero(e.abs() <= 1e-12 * e.abs().max()).flatten()
+            if method == "kfac" and len(null) > 1:  # another orthonormal basis of the null space
+                R, _ = torch.linalg.qr(torch.randn(len(null), len(null), generator=g, dtype=Q.dtype))
+                Q[:, null] = Q[:, null] @ R
+                rotated += 1
+            state[f"{key}|Q_{side}"] = Q
+    assert method == "ekfac" or rotated > 0
+    other = influence_metric(method, damping=DAMPING, kfac_examples=len(few))
+    other.load_state_dict(state, list(metric.eigens), dtype=torch.float64)
+    _, after = _vectors(model, other, k=5)
+    assert not torch.equal(state[f"{key}|Q_h"], metric.state_dict()[f"{key}|Q_h"])
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-9 * float(before.abs().max()))

@@ -120,3 +120,120 @@ def test_select_never_replaces_another_selectors_file(tmp_path, capsys):
     with pytest.raises(FileExistsError, match="a file of unknown origin"):
         select(tables["proxy"], k=5, output=str(other))
     assert other.read_text() == "keep me\n"
+
+
+# ------------------------------------------------------------------------------------------------ build_store
+def test_build_store_prints_its_summary_line_only(tmp_path):
+    """``python train.py build_store`` on the happy path: one line on stdout saying what was stored and its size,
+    nothing on stderr (no Lightning "GPU available" / "TPU available" lines, no tips, no bars with --progress false),
+    and ``store.json`` records the size: the shard files' bytes, per example."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{j}", "instruction": f"Reverse {'ab' * (j + 1)}", "context": "",
+                                        "response": "ba" * (j + 1)}) + "\n" for j in range(5)))
+    store = tmp_path / "store"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    r = subprocess.run([sys.executable, "train.py", "build_store", "--model", "builtin", "--output_dir", str(store),
+                        "--pool", str(pool), "--max_length", "32", "--batch_size", "2", "--method", "kfac",
+                        "--kfac_examples", "3", "--progress", "false"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("build_store: 5 pool examples, "), r.stdout
+    for noise in ("GPU available", "TPU available", "LOCAL_RANK", "Tip:", "K-FAC factors"):
+        assert noise not in r.stdout
+    info = json.loads((store / "store.json").read_text())
+    shards = sorted((store / "shards").glob("rank*.safetensors"))
+    assert info["bytes"] == sum(f.stat().st_size for f in shards) > 0
+    assert info["bytes_per_example"] == info["bytes"] / 5 == info["bytes"] / info["rows"]
+    assert f"({info['dtype']}; {info['bytes_per_example'] / 1024:.1f} KiB per example, " in lines[0]
+
+
+# ------------------------------------------------------------------------------------------------ user errors
+def _bad_pool_selection(tmp_path):
+    """A score table and a pool whose second line lacks its response: what ``select --pool`` reads."""
+    import numpy as np
+
+    from iprox_lightning.scoring import ScoreTable
+
+    ScoreTable(["a", "b", "c"], np.array([0.3, 0.2, 0.1]), [], np.zeros((3, 0)), np.full(3, 5),
+               np.zeros(3, bool)).save(str(tmp_path / "scores" / "scores.parquet"))
+    rows = [{"id": i, "instruction": "x", "context": "", "response": "y"} for i in "abc"]
+    del rows[1]["response"]
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["select", "--scores_path", str(tmp_path / "scores"), "--k", "2", "--pool", str(pool), "--output",
+            str(tmp_path / "out.jsonl")], pool
+
+
+def test_a_bad_input_file_is_one_error_line_naming_file_line_and_field(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args, pool = _bad_pool_selection(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "IPROX_DEBUG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"error: {pool}, line 2: missing field 'response'; the record has fields "
+                                     "['context', 'id', 'instruction'] (--debug shows the traceback)"]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_user_errors_keep_their_traceback_with_debug_and_bugs_always(tmp_path, monkeypatch, capsys):
+    """On the command line (``main()`` reading ``sys.argv``): a user error is one line; ``--debug`` or
+    ``IPROX_DEBUG=1`` raise it (the traceback); a plain ``ValueError`` — a bug, not an input check — is never
+    turned into a line. From Python (``main([...])``) a user error is raised to the caller."""
+    import sys
+
+    import iprox_lightning.commands.select as select_command
+    from iprox_lightning.errors import UserError, UserInputError
+    from iprox_lightning.io.records import DataFormatError
+
+    args, pool = _bad_pool_selection(tmp_path)
+    monkeypatch.delenv("IPROX_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {pool}, line 2: missing field 'response'") and err.count("\n") == 1
+    monkeypatch.setattr(sys, "argv", ["train.py", *args, "--debug"])
+    with pytest.raises(DataFormatError, match="line 2: missing field 'response'"):
+        main()
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    monkeypatch.setenv("IPROX_DEBUG", "1")
+    with pytest.raises(DataFormatError):
+        main()
+    monkeypatch.delenv("IPROX_DEBUG")
+    with pytest.raises(DataFormatError):  # from Python: raised to the caller
+        main(args)
+    assert issubclass(DataFormatError, UserInputError) and issubclass(UserInputError, ValueError)
+
+    def buggy(scores_path: str, k: int = 1, pool: str = "", output: str = ""):
+        """A selection with a bug.
+
+        Args:
+            scores_path: the score table.
+            k: how many.
+            pool: the pool.
+            output: the output.
+        """
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(select_command, "select", buggy)
+    with pytest.raises(ValueError, match="an internal invariant broke") as e:
+        main()
+    assert not isinstance(e.value, UserError)
+    assert capsys.readouterr().err == ""

@@ -1,6 +1,8 @@
 """``build_store`` and ``query`` as a user runs them: the query of an identity-projection store equals exact TracIn
 scoring, ``select`` reads the table (LESS max over subtasks), a killed build resumes exactly once, float16/bfloat16
-storage, top-k neighbours, and stores of another model / pool / settings are refused."""
+storage, top-k neighbours, stores of another model / pool / settings are refused, a re-query reads the validation
+gradients from the store's cache, the store's size is recorded, and a two-process (DDP) build equals a one-process
+one."""
 from __future__ import annotations
 
 import json
@@ -141,3 +143,129 @@ def test_kfac_store_saves_factors_once_and_queries_with_them(files):
     main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(d / "q_ekfac")])
     t = ScoreTable.load(str(d / "q_ekfac" / "scores.parquet"))
     assert t.settings["scorer"]["method"] == "ekfac" and np.isfinite(t.task_scores).all()
+    # a K-FAC store of an earlier version (vectors in the factors' eigenbases, no "basis" setting) is refused
+    assert info["fingerprint"]["settings"]["basis"] == "weight"
+    del info["fingerprint"]["settings"]["basis"]
+    gs.write_info(store, info)
+    with pytest.raises(gs.StoreFormatError, match="built by an earlier version"):
+        main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(d / "q_old")])
+
+
+# ------------------------------------------------------------------------------------------------ the query cache
+def _query(store, val, out, *extra):
+    main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(out), *extra])
+    return ScoreTable.load(str(out / "scores.parquet")), read_settings(out)["scorer"]
+
+
+def _assert_same_table(a, b):
+    assert a.ids == b.ids and a.task_names == b.task_names
+    np.testing.assert_array_equal(a.scores, b.scores)  # bit for bit (NaN where NaN)
+    np.testing.assert_array_equal(a.task_scores, b.task_scores)
+    np.testing.assert_array_equal(a.zero_grad, b.zero_grad)
+
+
+def test_requery_reads_the_validation_gradients_from_the_store_cache(files, monkeypatch, capsys):
+    """A re-query of the same validation set runs no validation batch (counted at ``project_batch``, where the model
+    runs) and gives bit-identical scores and neighbours; a changed validation set, batch size or store never reuses
+    them; ``store.json`` records the store's size."""
+    from iprox_lightning.scoring.projection import GradientProjector
+
+    d, pool, val, _ = files
+    store = d / "cached"
+    _build(store, pool, "--k", "4", "--store_dtype", "float32")
+    info = gs.read_info(store)
+    shard_bytes = sum(f.stat().st_size for f in (store / gs.SHARD_DIR).glob("rank*.safetensors"))
+    assert info["bytes"] == shard_bytes and info["bytes_per_example"] == shard_bytes / 10
+    assert info["bytes_per_example"] > 4 * info["dim"]  # float32 vectors plus the flags and the shard header
+    assert "KiB per example" in capsys.readouterr().out
+    calls = []
+    real = GradientProjector.project_batch
+    monkeypatch.setattr(GradientProjector, "project_batch", lambda self, b: calls.append(len(b["id"])) or real(self, b))
+
+    def run(out, *extra):
+        calls.clear()
+        table, scorer = _query(store, val, d / out, *extra)
+        return table, scorer, sum(calls)
+
+    t1, s1, n1 = run("c1")
+    assert n1 == 6 and s1["validation_cache"]["action"] == "computed"
+    t2, s2, n2 = run("c2")  # another output dir: reused, the model never runs
+    assert n2 == 0 and s2["validation_cache"]["action"] == "reused"
+    assert s2["validation_cache"]["fingerprint"] == s1["validation_cache"]["fingerprint"]
+    assert s2["val_counts"] == s1["val_counts"] == [2, 2, 2] and s2["task_names"] == s1["task_names"]
+    _assert_same_table(t1, t2)
+    assert "validation gradients reused from the store's cache" in capsys.readouterr().out
+    # neighbours need the per-example vectors, which a sums-only entry does not hold: computed once, then reused
+    t3, s3, n3 = run("c3", "--neighbours", "3")
+    assert n3 == 6 and s3["validation_cache"]["action"] == "computed"
+    t4, s4, n4 = run("c4", "--neighbours", "3")
+    assert n4 == 0 and s4["validation_cache"]["action"] == "reused"
+    _assert_same_table(t1, t3)
+    _assert_same_table(t1, t4)
+    assert (d / "c3" / "neighbours.jsonl").read_text() == (d / "c4" / "neighbours.jsonl").read_text()
+    assert run("c5")[2] == 0  # the entry with vectors serves a query without neighbours too
+    # anything that changes the validation gradients misses the cache
+    changed = d / "val_changed.jsonl"
+    rows = [json.loads(line) for line in open(val)]
+    rows[0]["response"] = "changed"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls.clear()
+    _, s6 = _query(store, changed, d / "c6")
+    assert sum(calls) == 6 and s6["validation_cache"]["action"] == "computed"
+    for out, extra in (("c7", ["--batch_size", "2"]), ("c8", ["--val_per_task", "1"])):
+        t, s, n = run(out, *extra)
+        assert n > 0 and s["validation_cache"]["action"] == "computed"
+    # a store rebuilt with another seed: its cache is gone, and its queries compute afresh
+    _build(store, pool, "--k", "4", "--store_dtype", "float32", "--seed", "1", "--overwrite", "true")
+    assert not (store / gs.CACHE_DIR).exists()
+    t9, s9, n9 = run("c9")
+    assert n9 == 6 and s9["validation_cache"]["action"] == "computed"
+    assert not np.array_equal(t9.task_scores, t1.task_scores)
+    assert not list(store.rglob("*.pt")) and not list(store.rglob("*.pkl"))
+
+
+# ------------------------------------------------------------------------------------------------ DDP build
+@pytest.mark.distributed
+def test_two_process_build_equals_the_one_process_build_and_queries_alike(files, tmp_path):
+    """``build_store --devices 2 --accelerator cpu`` (Lightning DDP, two gloo processes, each writing its own shards;
+    K-FAC factors fitted on all-reduced statistics, saved once): the merged store holds every pool id once, with the
+    one-process build's vectors up to float32 rounding, and a query of it gives the one-process store's scores."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d, _, val, _ = files
+    pool = tmp_path / "pool11.jsonl"  # 11 examples: the two processes get 6 and 5
+    pool.write_text("".join(json.dumps(r) + "\n" for r in _records(11, "p", ["x", "y"])))
+    args = ["--pool", str(pool), "--max_length", "48", "--batch_size", "3", "--write_every_n_batches", "1",
+            "--progress", "false", "--k", "4", "--method", "kfac", "--kfac_examples", "7", "--store_dtype", "float32"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    main(["build_store", "--model", "builtin", "--output_dir", str(one), *args])
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1",
+           "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    r = subprocess.run([sys.executable, "train.py", "build_store", "--model", "builtin", "--output_dir", str(two),
+                        "--devices", "2", "--accelerator", "cpu", *args],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("build_store: 11 pool examples") == 1  # rank 0 prints the summary
+    a, b = gs.read_info(one), gs.read_info(two)
+    assert b["complete"] and b["rows"] == a["rows"] == 11 and b["factors"] == a["factors"]
+    assert a["fingerprint"] == b["fingerprint"] and a["layout"] == b["layout"]
+    assert {Path(f).name[:7] for f in gs.shard_files(two)} == {"rank000", "rank001"}  # both processes wrote shards
+    assert b["bytes"] == sum(os.path.getsize(f) for f in gs.shard_files(two))
+    va = {i: v.clone() for s in gs.iter_shards(one) for i, v in zip(s["ids"], s["vectors"])}
+    vb = {}
+    for s in gs.iter_shards(two):
+        for i, v in zip(s["ids"], s["vectors"]):
+            assert i not in vb
+            vb[i] = v.clone()
+    assert sorted(va) == sorted(vb) == sorted(f"p-{j}" for j in range(11))
+    for i in va:  # the factors' statistics summed in another order; float32 vectors (measured: 1.4e-5 of the largest)
+        torch.testing.assert_close(vb[i], va[i], rtol=0, atol=1e-4 * float(va[i].abs().max()))
+    qa, _ = _query(one, val, tmp_path / "qa")
+    qb, _ = _query(two, val, tmp_path / "qb")
+    assert qa.ids == qb.ids and qa.task_names == qb.task_names
+    np.testing.assert_allclose(qb.scores, qa.scores, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(qb.task_scores, qa.task_scores, rtol=0, atol=1e-4)

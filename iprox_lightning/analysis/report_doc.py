@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..errors import InputNotFoundError
+
 LEGEND = {
     "spearman / pearson / kendall": "rank / linear / pair-order correlation of the proxy's scores with the target's (higher is better; 1 = same ranking)",
     "top1% / top5% / top10%": "share of the target's top-k examples the proxy also ranks in its top-k (higher is better)",
@@ -43,12 +45,12 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
     wd = Path(wd)
     target = _scores(wd / "scores" / "target")
     if target is None:
-        raise FileNotFoundError(f"report --workdir {wd}: no target score table at {wd / 'scores' / 'target' / 'scores.parquet'} "
-                                "(run the target scoring stage first)")
+        raise InputNotFoundError(f"report --workdir {wd}: no target score table at {wd / 'scores' / 'target' / 'scores.parquet'} "
+                                 "(run the target scoring stage first)")
     proxies = {d.name: _scores(d) for d in sorted((wd / "scores").iterdir()) if d.is_dir() and d.name != "target" and _scores(d)}
     proxies.update({p.stem: p for p in sorted((wd / "scores").glob("*.parquet"))})  # e.g. regression_scorer.parquet
     if not proxies:
-        raise FileNotFoundError(f"report --workdir {wd}: no score table besides the target's under {wd / 'scores'}")
+        raise InputNotFoundError(f"report --workdir {wd}: no score table besides the target's under {wd / 'scores'}")
     out: dict[str, Any] = {"target_scores": str(target), "proxy_scores": {k: str(v) for k, v in proxies.items()}}
     if (wd / "warmup" / "model" / "config.json").exists():
         out["target_model"] = str(wd / "warmup" / "model")

@@ -34,13 +34,14 @@ from ..blocks import (  # noqa: F401  (block surgery lives in iprox_lightning.bl
     most_important_blocks,
     remove_blocks,
 )
+from ..errors import UserInputError
 
 log = logging.getLogger(__name__)
 
 def blocks_to_keep(importance: torch.Tensor | Sequence[float], sparsity: float) -> list[int]:
     """Indices (ascending) of the ``max(1, round((1 − ρ) · L))`` most important blocks."""
     if not 0 <= sparsity < 1:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        raise UserInputError(f"sparsity must be in [0, 1), got {sparsity}")
     L = torch.as_tensor(importance).numel()
     return most_important_blocks(importance, max(1, int(round((1 - sparsity) * L))))
 

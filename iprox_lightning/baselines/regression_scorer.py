@@ -29,6 +29,7 @@ from torch import nn
 
 from ..batch import check_batch
 from ..blocks import decoder_blocks
+from ..errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class RegressionLM(nn.Module):
     def __init__(self, lm: nn.Module, *, pooling: str = "mean", trainable_blocks: int = 0) -> None:
         super().__init__()
         if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+            raise UserInputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         self.pooling = pooling
         self.backbone = getattr(lm, "base_model", lm)  # the decoder without the LM head
         hidden = int(lm.config.hidden_size)
@@ -53,7 +54,7 @@ class RegressionLM(nn.Module):
         if self.trainable_blocks > 0:
             _, blocks = decoder_blocks(lm)
             if self.trainable_blocks > len(blocks):
-                raise ValueError(f"trainable_blocks={trainable_blocks} but the backbone has {len(blocks)} blocks")
+                raise UserInputError(f"trainable_blocks={trainable_blocks} but the backbone has {len(blocks)} blocks")
             for blk in list(blocks)[-self.trainable_blocks :]:
                 blk.requires_grad_(True)
 

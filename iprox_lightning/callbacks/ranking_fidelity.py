@@ -37,6 +37,7 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 from scipy.stats import spearmanr
 
+from ..errors import UserInputError
 from .keep_best import finite_or_none
 
 log = logging.getLogger(__name__)
@@ -154,12 +155,12 @@ class RankingFidelity(Callback):
             n = self.examples
             dm = trainer.datamodule if trainer is not None else None
             if dm is None or not hasattr(dm, "fidelity_dataloader") or not hasattr(dm, "val_dataloader"):
-                raise ValueError(f"ProxyAlignModule(fidelity_examples={n}) needs a datamodule with "
-                                 "fidelity_dataloader(n) and val_dataloader() (SFTDataModule)")
+                raise UserInputError(f"ProxyAlignModule(fidelity_examples={n}) needs a datamodule with "
+                                     "fidelity_dataloader(n) and val_dataloader() (SFTDataModule)")
             loader, val = dm.fidelity_dataloader(n), dm.val_dataloader()
             if val is None or (isinstance(val, (list, tuple)) and not val):
-                raise ValueError(f"ProxyAlignModule(fidelity_examples={n}) needs validation examples: the datamodule "
-                                 "has no validation loader")
+                raise UserInputError(f"ProxyAlignModule(fidelity_examples={n}) needs validation examples: the datamodule "
+                                     "has no validation loader")
             state = {"loader": loader, "val": val}
             target = self._score(pl_module, pl_module.teacher, state)
             if not np.all(np.isfinite(target.scores)):

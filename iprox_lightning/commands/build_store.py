@@ -61,7 +61,7 @@ def build_store(
 
     import lightning as L
 
-    from ..console import quiet_lightning_tips
+    from ..console import quiet_lightning_tips, quiet_stage
     from ..data import SFTDataModule
     from ..io.gradient_store import read_info
     from ..scoring.store import GradientStoreModule, GradientStoreWriter
@@ -75,17 +75,30 @@ def build_store(
             "truncation": dm.truncation, "builtin_size": builtin_size, "batch_size": batch_size}
     writer = GradientStoreWriter(output_dir, store_dtype=store_dtype, write_every_n_batches=write_every_n_batches,
                                  overwrite=overwrite, extra_info={"tokenization": data})
-    trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
-                        enable_progress_bar=progress, inference_mode=False, callbacks=[writer],
-                        enable_checkpointing=False)
     t0 = time.perf_counter()
-    trainer.predict(module, datamodule=dm, return_predictions=False)
+    with quiet_stage():  # one summary line, not Lightning's "GPU available" / "TPU available" lines (warnings show)
+        trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
+                            enable_progress_bar=progress, inference_mode=False, callbacks=[writer],
+                            enable_checkpointing=False)
+        trainer.predict(module, datamodule=dm, return_predictions=False)
     info = read_info(output_dir)
     if trainer.global_rank == 0:
         from ..io.gradient_store import write_info
 
         info["build_seconds"] = time.perf_counter() - t0  # of this run (a resumed build: its part)
         write_info(output_dir, info)
-        print(f"build_store: {info['rows']} pool examples, {info['dim']} numbers each ({store_dtype}), "
+        print(f"build_store: {info['rows']} pool examples, {info['dim']} numbers each ({store_dtype}; "
+              f"{_size(info['bytes_per_example'])} per example, {_size(info['bytes'])} in all), "
               f"in {time.perf_counter() - t0:.1f} s -> {output_dir}")
     return output_dir
+
+
+def _size(n: float | None) -> str:
+    """``n`` bytes for a reader: ``"120 B"``, ``"1.5 KiB"``, ``"3.2 MiB"``."""
+    if n is None:
+        return "?"
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import UserInputError
+
 
 def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
     from torch.utils.data import DataLoader, Subset
@@ -153,9 +155,9 @@ def check(
     from ..scoring.influence import ScoringConfig
 
     if sample < 1:
-        raise ValueError(f"sample must be >= 1, got {sample}")
+        raise UserInputError(f"sample must be >= 1, got {sample}")
     if val_per_task is not None and val_per_task < 1:
-        raise ValueError(f"val_per_task must be >= 1 or null (every validation example), got {val_per_task}")
+        raise UserInputError(f"val_per_task must be >= 1 or null (every validation example), got {val_per_task}")
     config = ScoringConfig(method=method)  # checks the method before anything is loaded
     out_dir = Path(output_dir) if output_dir else (Path(output).parent if output else Path("outputs/check"))
     result_path = Path(output) if output else out_dir / "check.json"

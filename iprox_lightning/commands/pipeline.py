@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import InputNotFoundError, OutputNotDirectoryError, UserInputError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -118,17 +120,17 @@ def pipeline(
 def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str) -> None:
     """Refuse at once the arguments a late stage would refuse (after warm-up and proxy building ran)."""
     if wd.exists() and not wd.is_dir():
-        raise NotADirectoryError(f"workdir {wd} is a file, not a directory")
+        raise OutputNotDirectoryError(f"workdir {wd} is a file, not a directory")
     if isinstance(sparsity, bool) or not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        raise UserInputError(f"sparsity must be in [0, 1), got {sparsity}")
     if isinstance(select_fraction, bool) or not 0.0 < select_fraction <= 1.0:
-        raise ValueError(f"select_fraction must be a fraction in (0, 1], got {select_fraction}")
+        raise UserInputError(f"select_fraction must be a fraction in (0, 1], got {select_fraction}")
     from ..scoring.influence import ScoringConfig
 
     try:
         ScoringConfig(method=method)
     except ValueError as e:
-        raise ValueError(f"method: {e}") from None
+        raise UserInputError(f"method: {e}") from None
 
 
 def check_sources(target: str, pool, validation) -> None:
@@ -150,7 +152,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     """The stages of :func:`pipeline`, run while its workdir lock is held."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
     if not (cfg_dir / "warmup.yaml").exists():
-        raise FileNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
+        raise InputNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
     demo = (pool == "builtin") if demo_overlays is None else demo_overlays
     run_cfg = wd / "configs"
     times_path = wd / "seconds_per_stage.json"

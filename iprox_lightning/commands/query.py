@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import UserInputError
+
 
 def query(
     store: str,
@@ -20,7 +22,10 @@ def query(
     store's metric, per task, LESS max over subtasks) and write ``<output_dir>/scores.parquet`` + ``settings.json``,
     the score table ``select`` reads. Only the validation examples' gradients are computed (with the store's saved
     projections and factors); the pool is never read again. A store built with another model (or, when ``pool`` is
-    given, another pool) is refused.
+    given, another pool) is refused. The validation gradients are kept in the store (``<store>/cache/``, under the
+    fingerprint of the store, the tokenized validation set and the batch size): a re-query of the same validation set
+    (another output directory, ``neighbours``) reads them instead of running the model (``settings.json``:
+    ``scorer.validation_cache.action`` is ``reused``).
 
     Args:
         store: the gradient store directory (``python train.py build_store``).
@@ -37,6 +42,7 @@ def query(
         progress: show a progress bar over the validation batches.
     """
     import json
+    import logging
     import time
     from pathlib import Path
 
@@ -49,8 +55,10 @@ def query(
     from ..models.loading import load_model
     from ..scoring.features import progress_bar
     from ..scoring.metrics import influence_metric
-    from ..scoring.projection import GradientProjector, LayerProjection
     from ..scoring.query import nearest, query_table, task_sums
+    from ..scoring.store import BASIS
+
+    log = logging.getLogger(__name__)
 
     t0 = time.perf_counter()
     info = gs.read_info(store)
@@ -59,19 +67,33 @@ def query(
                                   "'complete' is false); run the same build_store command again to finish it")
     out = Path(output_dir)
     if out.resolve() == Path(store).resolve():
-        raise ValueError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
+        raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
+    if st.get("method", "tracin") != "tracin" and st.get("basis") != BASIS:
+        raise gs.StoreFormatError(f"{store}: this {st['method']} store was built by an earlier version, which projected "
+                                  "the gradients in the K-FAC factors' eigenbases; queries now project in the weights' "
+                                  "coordinates and would not match it. Rebuild it (the same build_store command with "
+                                  "--overwrite true)")
     model = model or info.get("model_source")
-    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
-    net.eval()
-    have = source_identity(model) if Path(model).exists() else {"name": model, "weights": module_identity(net)}
+    net = None
+
+    def load_net():
+        net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
+        return net.eval()
+
+    if Path(model).exists():  # a file or directory: identified by its files, loaded only if gradients are computed
+        have = source_identity(model)
+    else:
+        net = load_net()
+        have = {"name": model, "weights": module_identity(net)}
     lines = diff(fp["model"], have)
     if lines:
         raise FingerprintMismatch(f"the store {store} was built with another model than {model!r}; its gradients "
                                   "would not match this model's validation gradients. What differs (store -> now):\n  "
                                   + "\n  ".join(lines))
+    batch_size = batch_size or tok.get("batch_size", 8)
     dm = SFTDataModule(pool=pool or [], validation=validation, tokenizer=tok.get("tokenizer", model),
-                       max_length=tok.get("max_length", 512), batch_size=batch_size or tok.get("batch_size", 8),
+                       max_length=tok.get("max_length", 512), batch_size=batch_size,
                        val_per_task=val_per_task, builtin_size=tok.get("builtin_size", 2000))
     if pool is not None:
         lines = diff(fp.get("pool"), loader_digest(dm.dataloader("pool")))
@@ -82,12 +104,74 @@ def query(
     if subtasks:
         records = [{**r, "category": f"{r['category']}.{r['subtask']}"} if r.get("subtask") else r for r in records]
     val = dm.records_dataloader(records)
-    # the store's projections and factors, exactly as built
+    val_digest = loader_digest(val)
+    # the validation gradients: from the store's query cache when this validation set was queried before
+    cache_fp = gs.validation_cache_fingerprint(store, info, val_digest, batch_size=batch_size, subtasks=subtasks)
+    cached = gs.load_validation_gradients(store, cache_fp, vectors=bool(neighbours))
+    metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
+                              kfac_examples=st.get("kfac_examples", 1024))
+    if cached is not None:
+        names, S, counts = cached["task_names"], cached["sums"], cached["counts"]
+        if neighbours:
+            Q, vids, vtasks = cached["vectors"], cached["ids"], cached["tasks"]
+        cache_event = {"action": "reused", "fingerprint": cache_fp, "path": cached["path"],
+                       "seconds_saved": cached["seconds"]}
+    else:
+        net = net if net is not None else load_net()
+        projector = _projector(store, info, st, metric, net)
+        batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
+        parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
+        names, S, counts = task_sums(parts if parts is not None else batches)
+        if neighbours:
+            Q = torch.cat([pt["vectors"] for pt in parts])
+            vids = [i for pt in parts for i in pt["id"]]
+            vtasks = [t for pt in parts for t in pt["task"]]
+        seconds = time.perf_counter() - t0
+        cache_event = {"action": "computed", "fingerprint": cache_fp, "seconds": seconds}
+        try:
+            cache_event["path"] = str(gs.save_validation_gradients(
+                store, cache_fp, task_names=names, sums=S, counts=counts, seconds=seconds,
+                **({"vectors": Q, "ids": vids, "tasks": vtasks} if neighbours else {})))
+        except OSError as e:  # e.g. a read-only store: the query goes on, a re-query computes them again
+            log.warning("query: cannot keep the validation gradients in %s (%s); a re-query will compute them again",
+                        Path(store) / gs.CACHE_DIR, e)
+    t_val = time.perf_counter() - t0
+    with ScoreDirLock(out, what="query", hint="write into another output_dir"):
+        table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
+        table.save(str(out / "scores.parquet"))
+        wall = time.perf_counter() - t0
+        write_settings(out, {
+            "method": f"{metric.name} (store query)", "store": str(store), "pool": info.get("pool"),
+            "fingerprint": {"store": fp, "validation": val_digest, "subtasks": subtasks},
+            "scorer": {"method": metric.name, **metric.settings(), "k": st.get("k"), "seed": st.get("seed"),
+                       "dim": info["dim"], "store_dtype": info["dtype"], "task_names": names,
+                       "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall,
+                       "validation_cache": cache_event}})
+        if neighbours:
+            nn_ids, nn_sims = nearest(gs.iter_shards(store), Q, neighbours)
+            rows = [{"id": i, "task": t, "neighbours": [{"id": n, "cosine": float(c)} for n, c in zip(ids, sims)]}
+                    for i, t, ids, sims in zip(vids, vtasks, nn_ids, nn_sims)]
+            tmp = out / ".neighbours.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(out / "neighbours.jsonl")
+    reused = "; validation gradients reused from the store's cache" if cache_event["action"] == "reused" else ""
+    print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
+          f"({int(counts.sum())} examples{reused}) in {wall:.1f} s -> {out / 'scores.parquet'}")
+    return str(out / "scores.parquet")
+
+
+def _projector(store: str, info: dict, st: dict, metric, net):
+    """The store's projections and factors, exactly as built, on ``net``."""
+    from pathlib import Path
+
+    import torch
+
+    from ..io import gradient_store as gs
+    from ..scoring.projection import GradientProjector, LayerProjection
+
     loaded = gs.load_projections(store)
     projections = {row["key"]: LayerProjection(row["key"], row["out"], row["in"], *loaded[row["key"]])
                    for row in info["layout"]}
-    metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
-                              kfac_examples=st.get("kfac_examples", 1024))
     p = next(net.parameters())
     dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
     if metric.needs_factor_data:
@@ -95,32 +179,5 @@ def query(
 
         metric.load_state_dict(load_factors(Path(store) / info["factors"], method=metric.name), list(projections),
                                dtype=dtype)
-    projector = GradientProjector(net, metric=None if metric.name == "tracin" else metric,
-                                  target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype)
-    with ScoreDirLock(out, what="query", hint="write into another output_dir"):
-        batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
-        parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
-        names, S, counts = task_sums(parts if parts is not None else batches)
-        t_val = time.perf_counter() - t0
-        table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
-        table.save(str(out / "scores.parquet"))
-        wall = time.perf_counter() - t0
-        write_settings(out, {
-            "method": f"{metric.name} (store query)", "store": str(store), "pool": info.get("pool"),
-            "fingerprint": {"store": fp, "validation": loader_digest(val), "subtasks": subtasks},
-            "scorer": {"method": metric.name, **metric.settings(), "k": st.get("k"), "seed": st.get("seed"),
-                       "dim": info["dim"], "store_dtype": info["dtype"], "task_names": names,
-                       "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall}})
-        if neighbours:
-            Q = torch.cat([pt["vectors"] for pt in parts])
-            vids = [i for pt in parts for i in pt["id"]]
-            vtasks = [t for pt in parts for t in pt["task"]]
-            nn_ids, nn_sims = nearest(gs.iter_shards(store), Q, neighbours)
-            rows = [{"id": i, "task": t, "neighbours": [{"id": n, "cosine": float(c)} for n, c in zip(ids, sims)]}
-                    for i, t, ids, sims in zip(vids, vtasks, nn_ids, nn_sims)]
-            tmp = out / ".neighbours.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(out / "neighbours.jsonl")
-    print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
-          f"({int(counts.sum())} examples) in {wall:.1f} s -> {out / 'scores.parquet'}")
-    return str(out / "scores.parquet")
+    return GradientProjector(net, metric=None if metric.name == "tracin" else metric,
+                             target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserInputError
+
 
 def report(
     workdir: str | None = None,
@@ -76,7 +78,7 @@ def report(
         proxy_models = proxy_models or found.get("proxy_models")
         gradient_model = gradient_model or found.get("target_model")
     if not target_scores or not proxy_scores:
-        raise ValueError("report: pass --workdir (a pipeline run) or both --target_scores and --proxy_scores")
+        raise UserInputError("report: pass --workdir (a pipeline run) or both --target_scores and --proxy_scores")
     out = Path(output_dir or (Path(workdir) / "report" if workdir else "outputs/report"))
     out.mkdir(parents=True, exist_ok=True)
     if n_probe_examples is None or n_align_examples is None:

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..errors import InputNotFoundError, UserInputError
+
 MMLU_CHOICES = ("A", "B", "C", "D")
 
 
-class EvalDataError(ValueError):
+class EvalDataError(UserInputError):
     """Malformed evaluation data; the message names the file, the row / JSON path and the field."""
 
 
@@ -58,7 +60,7 @@ def read_mmlu_csv(path: str | os.PathLike, subject: str | None = None, split: st
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"MMLU file not found: {path}")
+        raise InputNotFoundError(f"MMLU file not found: {path}")
     stem = path.stem
     if subject is None or split is None:
         name_subject, _, name_split = stem.rpartition("_")
@@ -102,7 +104,7 @@ def list_mmlu_subjects(root: str | os.PathLike, split: str = "test") -> list[str
     """Sorted subject names that have a ``<root>/<split>/<subject>_<split>.csv`` file."""
     d = Path(root) / split
     if not d.is_dir():
-        raise FileNotFoundError(f"MMLU {split} directory not found: {d}")
+        raise InputNotFoundError(f"MMLU {split} directory not found: {d}")
     suffix = f"_{split}.csv"
     subjects = sorted(p.name[: -len(suffix)] for p in d.iterdir() if p.name.endswith(suffix))
     if not subjects:
@@ -167,7 +169,7 @@ def read_bbh_cot_prompt(path: str | os.PathLike) -> str:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"BBH CoT prompt not found: {path}")
+        raise InputNotFoundError(f"BBH CoT prompt not found: {path}")
     from ..io.records import read_utf8
 
     lines = read_utf8(path, error=EvalDataError).splitlines(keepends=True)
@@ -188,7 +190,7 @@ def list_bbh_tasks(root: str | os.PathLike, *, allow_partial: bool = False) -> l
     (``bbh_dropped_tasks(root)`` lists them)."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"BBH directory not found: {root}")
+        raise InputNotFoundError(f"BBH directory not found: {root}")
     tasks, missing = _bbh_inventory(root)
     if missing:
         if not allow_partial:
@@ -373,7 +375,7 @@ def sample_per_group(items: Sequence[Any], n: int | None, seed: int, group: str)
     if n is None or n >= len(items):
         return list(items)
     if n < 0:
-        raise ValueError(f"cap must be >= 0, got {n}")
+        raise UserInputError(f"cap must be >= 0, got {n}")
     rng = random.Random(f"{seed}:{group}")
     keep = sorted(rng.sample(range(len(items)), n))
     return [items[i] for i in keep]
@@ -381,7 +383,7 @@ def sample_per_group(items: Sequence[Any], n: int | None, seed: int, group: str)
 
 def _load_json(path: Path) -> Any:
     if not path.is_file():
-        raise FileNotFoundError(f"file not found: {path}")
+        raise InputNotFoundError(f"file not found: {path}")
     from ..io.records import read_utf8
 
     try:

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from ..errors import InputNotFoundError, UserInputError
 from .eval_readers import (
     list_bbh_tasks,
     read_bbh_cot_prompt,
@@ -54,11 +55,11 @@ def split_cot_prompt(text: str, where: str) -> list[tuple[str, str]]:
     pairs = []
     for i, part in enumerate(parts):
         if "\nA: " not in part:
-            raise ValueError(f"{where}: exemplar {i + 1} has no 'A: ' answer")
+            raise UserInputError(f"{where}: exemplar {i + 1} has no 'A: ' answer")
         q, a = part.split("\nA: ", 1)
         pairs.append((q.strip(), a.strip()))
     if not pairs:
-        raise ValueError(f"{where}: no 'Q: ' exemplar found")
+        raise UserInputError(f"{where}: no 'Q: ' exemplar found")
     return pairs
 
 
@@ -100,12 +101,12 @@ def eval_validation_records(eval_dir: str | Path, suites: Sequence[str] = SUITES
     """Validation records for the given suites from ``eval_dir`` (holding ``mmlu/``, ``bbh/``, ``tydiqa/``)."""
     eval_dir = Path(eval_dir)
     if not eval_dir.is_dir():
-        raise FileNotFoundError(f"evaluation data directory not found: {eval_dir}")
+        raise InputNotFoundError(f"evaluation data directory not found: {eval_dir}")
     readers = {"mmlu": mmlu_validation_records, "bbh": bbh_validation_records, "tydiqa": tydiqa_validation_records}
     out = []
     for s in suites:
         if s not in readers:
-            raise ValueError(f"unknown suite {s!r}; choose from {SUITES}")
+            raise UserInputError(f"unknown suite {s!r}; choose from {SUITES}")
         out.extend(readers[s](eval_dir / s, per_subtask))
     return out
 
@@ -120,6 +121,6 @@ def parse_eval_source(src: str) -> tuple[str, tuple[str, ...]] | None:
         return head, tuple(tail.split(","))
     if sep and tail and head and "/" not in tail and "\\" not in tail and not Path(rest).exists():
         unknown = [t for t in tail.split(",") if t not in SUITES]
-        raise ValueError(f"{src!r}: unknown suite name(s) {unknown} after the directory {head!r}; choose from "
-                         f"{list(SUITES)} (comma-separated, e.g. 'eval:{head}:mmlu,bbh')")
+        raise UserInputError(f"{src!r}: unknown suite name(s) {unknown} after the directory {head!r}; choose from "
+                             f"{list(SUITES)} (comma-separated, e.g. 'eval:{head}:mmlu,bbh')")
     return rest, SUITES

@@ -59,6 +59,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import UserInputError
+
 PROMPT_TEMPLATES = ("auto", "chat", "plain")
 TRUNCATIONS = ("prompt_left", "right")
 _PLAIN_HEADERS = {"system": "### System:", "user": "### Instruction:", "assistant": "### Response:"}
@@ -99,7 +101,7 @@ CHAT_TEMPLATE_SECONDS = 30.0
 """Time limit of one chat-template rendering (a template is a program: one that loops forever would hang the run)."""
 
 
-class ChatTemplateTimeout(ValueError):
+class ChatTemplateTimeout(UserInputError):
     """A tokenizer's chat template did not finish rendering within :data:`CHAT_TEMPLATE_SECONDS`."""
 
 
@@ -171,10 +173,10 @@ def render_chat(record: dict, tokenizer: Any, time_limit: float | None = None) -
     except ChatTemplateTimeout:
         raise
     except Exception as e:
-        raise ValueError(f"example {rid!r}: the tokenizer's chat template failed ({type(e).__name__}: {e}); "
-                         f"use prompt_template='plain'") from e
+        raise UserInputError(f"example {rid!r}: the tokenizer's chat template failed ({type(e).__name__}: {e}); "
+                             f"use prompt_template='plain'") from e
     if not full_text.startswith(prompt_text):
-        raise ValueError(
+        raise UserInputError(
             f"example {rid!r}: the chat template does not render the prompt (with add_generation_prompt=True) "
             f"as a prefix of the full conversation, so the response boundary is ambiguous; use prompt_template='plain'"
         )
@@ -184,10 +186,10 @@ def render_chat(record: dict, tokenizer: Any, time_limit: float | None = None) -
 def resolve_template(tokenizer: Any, prompt_template: str = "auto") -> str:
     """``"chat"`` or ``"plain"`` for ``prompt_template`` in :data:`PROMPT_TEMPLATES`."""
     if prompt_template not in PROMPT_TEMPLATES:
-        raise ValueError(f"prompt_template must be one of {PROMPT_TEMPLATES}, got {prompt_template!r}")
+        raise UserInputError(f"prompt_template must be one of {PROMPT_TEMPLATES}, got {prompt_template!r}")
     has_chat = bool(getattr(tokenizer, "chat_template", None))
     if prompt_template == "chat" and not has_chat:
-        raise ValueError("prompt_template='chat' but the tokenizer has no chat template; use 'plain' or 'auto'")
+        raise UserInputError("prompt_template='chat' but the tokenizer has no chat template; use 'plain' or 'auto'")
     if prompt_template == "auto":
         return "chat" if has_chat else "plain"
     return prompt_template
@@ -227,7 +229,7 @@ def truncate(
 ) -> tuple[list[int], list[int]]:
     """Apply the truncation rule of the module doc; returns the kept ``(prompt_ids, response_ids)``."""
     if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
+        raise UserInputError(f"max_length must be >= 2, got {max_length}")
     n_p, n_r = len(prompt_ids), len(response_ids)
     if n_p + n_r <= max_length:
         return prompt_ids, response_ids
@@ -235,7 +237,7 @@ def truncate(
         keep_p = min(n_p, max_length)
         return prompt_ids[:keep_p], response_ids[: max_length - keep_p]
     if truncation != "prompt_left":
-        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        raise UserInputError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
     keep_p = min(n_p, max(max_length - n_r, 1))
     if keep_p < n_p:
         if bos_id is not None and keep_p >= 2 and prompt_ids[0] == bos_id:
@@ -280,9 +282,9 @@ def tokenize_records(
     """Tokenize canonical records; returns ``(examples, dropped_ids)`` (module doc for the rules)."""
     mode = resolve_template(tokenizer, prompt_template)
     if truncation not in TRUNCATIONS:
-        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        raise UserInputError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
     if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
+        raise UserInputError(f"max_length must be >= 2, got {max_length}")
     bos = getattr(tokenizer, "bos_token_id", None)
     eos = getattr(tokenizer, "eos_token_id", None)
     examples: list[TokenizedExample] = []

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import UserInputError
+
 BUILTIN = "builtin"
 
 
@@ -43,7 +45,7 @@ def read_pool(pool: Any, field_map: dict[str, str] | None = None, builtin_size: 
     else:
         sources = [pool] if isinstance(pool, str) else list(pool)
         if not sources:
-            raise ValueError("pool: no source given")
+            raise UserInputError("pool: no source given")
         parts = [generate_builtin_dataset(builtin_size, seed=0) if s == BUILTIN else read_records(s, field_map)
                  for s in sources]
     records = [r for part in parts for r in part]

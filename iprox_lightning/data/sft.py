@@ -49,6 +49,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..batch import IGNORE_INDEX
+from ..errors import UserInputError
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
 from .sources import DataFormatError, is_hub_id, iter_jsonl, parse_hub_id, read_records
 from .splits import PoolSplits, make_splits, sample_per_task
@@ -198,25 +199,25 @@ class SFTDataModule(L.LightningDataModule):
     ):
         super().__init__()
         if prompt_template not in PROMPT_TEMPLATES:
-            raise ValueError(f"prompt_template must be one of {PROMPT_TEMPLATES}, got {prompt_template!r}")
+            raise UserInputError(f"prompt_template must be one of {PROMPT_TEMPLATES}, got {prompt_template!r}")
         if truncation not in TRUNCATIONS:
-            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+            raise UserInputError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
         if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}")
+            raise UserInputError(f"max_length must be >= 2, got {max_length}")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
-            raise ValueError(f"batch sizes must be >= 1, got {batch_size}, {eval_batch_size}")
+            raise UserInputError(f"batch sizes must be >= 1, got {batch_size}, {eval_batch_size}")
         if train_split not in SPLITS or train_split in NOT_TRAINABLE:
-            raise ValueError(f"train_split must be one of {[s for s in SPLITS if s not in NOT_TRAINABLE]}, "
+            raise UserInputError(f"train_split must be one of {[s for s in SPLITS if s not in NOT_TRAINABLE]}, "
                              f"got {train_split!r}")
         if not 0 <= val_train_fraction < 1:
-            raise ValueError(f"val_train_fraction must be in [0, 1), got {val_train_fraction}")
+            raise UserInputError(f"val_train_fraction must be in [0, 1), got {val_train_fraction}")
         if isinstance(mix_val_train, bool) or not isinstance(mix_val_train, int) or mix_val_train < 0:
-            raise ValueError(f"mix_val_train must be an int >= 0 (copies of the val_train examples), got {mix_val_train!r}")
+            raise UserInputError(f"mix_val_train must be an int >= 0 (copies of the val_train examples), got {mix_val_train!r}")
         if mix_val_train and not val_train_fraction:
-            raise ValueError("mix_val_train > 0 needs val_train_fraction > 0: the validation examples to train on are "
+            raise UserInputError("mix_val_train > 0 needs val_train_fraction > 0: the validation examples to train on are "
                              "set apart from the ones that monitor")
         if train_split == "selected" and not selected:
-            raise ValueError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
+            raise UserInputError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
         from .pool import is_in_memory
 
         self._pool_in_memory = pool if is_in_memory(pool) else None
@@ -275,7 +276,7 @@ class SFTDataModule(L.LightningDataModule):
         if len(set(ids)) != len(ids):
             seen: set[str] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
-            raise ValueError(f"duplicate id {dup!r} across the sources {sources}")
+            raise UserInputError(f"duplicate id {dup!r} across the sources {sources}")
         return records
 
     @property
@@ -331,7 +332,7 @@ class SFTDataModule(L.LightningDataModule):
                         records.extend(recs)
             ids = [r["id"] for r in records]
             if len(set(ids)) != len(ids):
-                raise ValueError(f"duplicate ids across the validation sources {self.validation_sources}")
+                raise UserInputError(f"duplicate ids across the validation sources {self.validation_sources}")
             self._validation_records = records
         return self._validation_records
 
@@ -378,15 +379,15 @@ class SFTDataModule(L.LightningDataModule):
             return [r for r in self.validation_records if r["id"] in keep]
         if split == "selected":
             if not self.selected:
-                raise ValueError("split 'selected' needs `selected`: the JSONL file written by the selection stage")
+                raise UserInputError("split 'selected' needs `selected`: the JSONL file written by the selection stage")
             return self._selected_records()
         if split not in SPLITS:
             raise KeyError(f"unknown split {split!r}; one of {SPLITS}")
         if split == "pool":
             return list(self.pool_records)
         if split == "fidelity" and not self.fidelity_examples:
-            raise ValueError("split 'fidelity' is empty: ask for it with fidelity_dataloader(n) "
-                             "(ProxyAlignModule(fidelity_examples=n) does)")
+            raise UserInputError("split 'fidelity' is empty: ask for it with fidelity_dataloader(n) "
+                                 "(ProxyAlignModule(fidelity_examples=n) does)")
         by_id = {r["id"]: r for r in self.pool_records}
         return [by_id[i] for i in self.splits.get(split)]
 
@@ -428,14 +429,14 @@ class SFTDataModule(L.LightningDataModule):
             recs = self.records(split)
             if not recs:
                 where = f"the selection file {self.selected}" if split == "selected" else f"split {split!r}"
-                raise ValueError(f"{where} holds no examples: nothing to " + (
+                raise UserInputError(f"{where} holds no examples: nothing to " + (
                     "train on (select kept none? check its .meta.json)" if split == "selected" else "serve"))
             examples, dropped = tokenize_records(
                 recs, self.tokenizer, max_length=self.max_length, prompt_template=self.prompt_template,
                 truncation=self.truncation, progress=len(recs) > 5000, desc=f"tokenizing {split}",
             )
             if not examples:
-                raise ValueError(
+                raise UserInputError(
                     f"split {split!r}: all {len(recs)} examples were dropped (no response token left after "
                     f"truncation to max_length={self.max_length}, truncation={self.truncation!r})")
             self.dropped_ids[split] = list(dropped)
@@ -514,7 +515,7 @@ class SFTDataModule(L.LightningDataModule):
         if dropped:
             log.warning("dropped %d example(s) without response tokens: %s", len(dropped), dropped[:5])
         if not examples:
-            raise ValueError(f"no example left after tokenization to {max_length} tokens")
+            raise UserInputError(f"no example left after tokenization to {max_length} tokens")
         return DataLoader(SFTDataset(examples), batch_size=batch_size or self.eval_batch_size, shuffle=False,
                           collate_fn=SFTCollator(self.pad_token_id, self.pad_to_multiple_of))
 
@@ -576,7 +577,7 @@ class SFTDataModule(L.LightningDataModule):
         splits' ids do not change; not shuffled. Examples left without a response token are dropped as in every
         split. Stage 2's ranking-fidelity check (``ProxyAlignModule(fidelity_examples=n)``) reads it."""
         if n < 1:
-            raise ValueError(f"fidelity_dataloader: n must be >= 1, got {n}")
+            raise UserInputError(f"fidelity_dataloader: n must be >= 1, got {n}")
         if n != self.fidelity_examples:
             self.fidelity_examples = n
             self._splits = None  # recomputed with the fidelity slice; the other splits' ids stay the same
@@ -585,7 +586,7 @@ class SFTDataModule(L.LightningDataModule):
 
     def validation_dataloader(self) -> DataLoader:
         if not self.validation_sources:
-            raise ValueError("SFTDataModule: no validation sets configured (validation=None)")
+            raise UserInputError("SFTDataModule: no validation sets configured (validation=None)")
         return self.dataloader("validation")
 
 

@@ -42,6 +42,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from ..errors import InputNotFoundError, UserInputError
 from ..io.records import DataFormatError, iter_jsonl, normalize_row, read_utf8, resolve_field_map
 
 log = logging.getLogger(__name__)
@@ -142,14 +143,14 @@ def iter_rows(source: str | os.PathLike) -> Iterator[tuple[str, str, Any]]:
             log.warning("%s: skipped %d hidden file(s) (a name or folder starting with '.', e.g. %s)", p, len(hidden),
                         ", ".join(str(f.relative_to(p)) for f in hidden[:3]))
         if not files:
-            raise FileNotFoundError(f"SFT data directory {p} holds no {'/'.join(FILE_SUFFIXES)} files"
-                                    + (f" (besides {len(hidden)} hidden one(s), skipped)" if hidden else ""))
+            raise InputNotFoundError(f"SFT data directory {p} holds no {'/'.join(FILE_SUFFIXES)} files"
+                                     + (f" (besides {len(hidden)} hidden one(s), skipped)" if hidden else ""))
         for f in files:
             yield from iter_rows(f)
         return
     if p.suffix in FILE_SUFFIXES:
         if not p.is_file():
-            raise FileNotFoundError(f"SFT data file not found: {p}")
+            raise InputNotFoundError(f"SFT data file not found: {p}")
         reader = {".jsonl": iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet}[p.suffix]
         for where, row in reader(p):
             yield p.stem, where, row
@@ -173,7 +174,7 @@ def read_records(
     fm = resolve_field_map(field_map)
     srcs = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     if not srcs:
-        raise ValueError("read_records: no sources given")
+        raise UserInputError("read_records: no sources given")
     records: list[dict] = []
     seen: dict[str, str] = {}
     for src in srcs:

@@ -43,6 +43,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..errors import UserInputError
+
 
 def _round(x: float) -> int:
     return int(math.floor(x + 0.5))
@@ -51,7 +53,7 @@ def _round(x: float) -> int:
 def _check_fraction(name: str, value: float, *, allow_zero: bool) -> None:
     lo_ok = value >= 0 if allow_zero else value > 0
     if not (lo_ok and value <= 1):
-        raise ValueError(f"{name} must be in {'[0' if allow_zero else '(0'}, 1], got {value}")
+        raise UserInputError(f"{name} must be in {'[0' if allow_zero else '(0'}, 1], got {value}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def split_sizes(
     n_c = max(2, _round(construction_fraction * n))
     n_p = min(n_c - 1, max(1, _round(probe_fraction * n_c)))
     if n_w + n_c > n:
-        raise ValueError(
+        raise UserInputError(
             f"pool of {n} examples is too small for a warm-up subset of {n_w} and a construction subset of "
             f"{n_c} (probe {n_p} + align {n_c - n_p}); lower warmup_fraction/construction_fraction or add data"
         )
@@ -120,13 +122,13 @@ def make_splits(
     pool = sorted(ids)
     if len(set(pool)) != len(pool):
         dup = next(a for a, b in zip(pool, pool[1:]) if a == b)
-        raise ValueError(f"make_splits: duplicate id {dup!r}")
+        raise UserInputError(f"make_splits: duplicate id {dup!r}")
     sizes = split_sizes(len(pool), warmup_fraction, construction_fraction, probe_fraction)
     if fidelity_examples < 0:
-        raise ValueError(f"fidelity_examples must be >= 0, got {fidelity_examples}")
+        raise UserInputError(f"fidelity_examples must be >= 0, got {fidelity_examples}")
     end = sizes.warmup + sizes.construction
     if end + fidelity_examples > len(pool):
-        raise ValueError(
+        raise UserInputError(
             f"pool of {len(pool)} examples is too small for {fidelity_examples} fidelity examples besides the "
             f"warm-up ({sizes.warmup}) and construction ({sizes.construction}) subsets; at most {len(pool) - end}")
     perm = np.random.default_rng(seed).permutation(len(pool))
@@ -151,7 +153,7 @@ def sample_per_task(ids: Sequence[str], tasks: Sequence[str], per_task: int | No
     if len(ids) != len(tasks):
         raise ValueError(f"sample_per_task: {len(ids)} ids but {len(tasks)} tasks")
     if per_task is not None and per_task < 1:
-        raise ValueError(f"per_task must be >= 1 or None, got {per_task}")
+        raise UserInputError(f"per_task must be >= 1 or None, got {per_task}")
     groups: Mapping[str, list[str]] = defaultdict(list)
     for i, t in zip(ids, tasks):
         groups[t].append(i)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
+from ..errors import InputNotFoundError, UserInputError
 from . import bbh, mmlu, tydiqa
 from .bbh import BBHConfig
 from .common import pad_token_id
@@ -42,7 +43,7 @@ def _as_config(name: str, cfg: Any):
     if isinstance(cfg, dict):
         unknown = set(cfg) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"EvalDataModule: unknown {name} option(s) {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
+            raise UserInputError(f"EvalDataModule: unknown {name} option(s) {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
         return cls(**cfg)
     raise TypeError(f"EvalDataModule: {name} must be a {cls.__name__} or a dict, got {type(cfg).__name__}")
 
@@ -80,9 +81,9 @@ class EvalDataModule(LightningDataModule):
         self.suites = list(suites) if suites is not None else list(DEFAULT_SUITES)
         unknown = [s for s in self.suites if s not in SUITES]
         if unknown or not self.suites:
-            raise ValueError(f"EvalDataModule: unknown suite(s) {unknown}; choose from {list(SUITES)}")
+            raise UserInputError(f"EvalDataModule: unknown suite(s) {unknown}; choose from {list(SUITES)}")
         if batch_size < 1:
-            raise ValueError(f"EvalDataModule: batch_size must be >= 1, got {batch_size}")
+            raise UserInputError(f"EvalDataModule: batch_size must be >= 1, got {batch_size}")
         self.tokenizer_name = tokenizer
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -103,7 +104,7 @@ class EvalDataModule(LightningDataModule):
         for name, why in self.skipped.items():
             print(f"[evaluate] {name} skipped: {why}")
         if not self.suites:
-            raise FileNotFoundError(f"EvalDataModule: every requested suite was skipped: {self.skipped}")
+            raise InputNotFoundError(f"EvalDataModule: every requested suite was skipped: {self.skipped}")
 
     # ------------------------------------------------------------------ tokenizer
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -137,14 +138,14 @@ class EvalDataModule(LightningDataModule):
         for name in self.suites:
             cfg = self.configs[name]
             if getattr(cfg, "path", None) is None and self.data_dir is None:
-                raise ValueError(f"EvalDataModule: no data_dir (or {name}.path) given and $IPROX_EVAL_DIR is unset")
+                raise UserInputError(f"EvalDataModule: no data_dir (or {name}.path) given and $IPROX_EVAL_DIR is unset")
         if "_requested_suites" not in self.__dict__:
             self._check_inputs()
         for name in self.suites:
             cfg = self.configs[name]
             data = SUITES[name].build(cfg, tok, self.data_dir)
             if not data.records:
-                raise ValueError(f"EvalDataModule: suite {name!r} has no questions after sampling")
+                raise UserInputError(f"EvalDataModule: suite {name!r} has no questions after sampling")
             if self.sort_by_length:
                 data.records.sort(key=lambda r: -len(r["input_ids"]))
             data.info["config"] = asdict(cfg)

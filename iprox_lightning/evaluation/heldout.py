@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import UserInputError
+
 HELDOUT_SEED_OFFSET = 1000
 
 
@@ -67,8 +69,8 @@ def suite_heldout_records(eval_dir: str, suites: Sequence[str] = ("mmlu", "bbh")
                     out.append({"id": f"heldout-{ex.id.replace('/', '-')}", "instruction": ex.input.strip(),
                                 "context": "", "response": ex.target.strip(), "category": "bbh", "subtask": task})
         else:
-            raise ValueError(f"no held-out split for suite {suite!r} here (mmlu, bbh); TyDiQA's GoldP dev file "
-                             "is not shipped: hold out pool QA examples instead")
+            raise UserInputError(f"no held-out split for suite {suite!r} here (mmlu, bbh); TyDiQA's GoldP dev file "
+                                 "is not shipped: hold out pool QA examples instead")
     return out
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import InputNotFoundError
+
 GOLDP_DEV = "tydiqa-goldp-v1.1-dev.json"
 ONE_SHOT = "tydiqa-one-shot.json"
 
@@ -43,7 +45,7 @@ def resolve_in(root: Path, name: str | None, default: str) -> Path:
 def _need(path: Path, option: str, kind: str = "file") -> None:
     ok = path.is_dir() if kind == "directory" else path.is_file()
     if not ok:
-        raise FileNotFoundError(f"evaluation input not found: {path} ({kind}; set by {option})")
+        raise InputNotFoundError(f"evaluation input not found: {path} ({kind}; set by {option})")
 
 
 def check_inputs(suites: list[str], configs: dict[str, Any], data_dir: Optional[str]) -> tuple[list[str], dict[str, str]]:
@@ -80,8 +82,8 @@ def check_inputs(suites: list[str], configs: dict[str, Any], data_dir: Optional[
             eval_path = resolve_in(root, cfg.eval_file, GOLDP_DEV)
             if not eval_path.is_file():
                 if cfg.eval_file:
-                    raise FileNotFoundError(f"evaluation input not found: {eval_path} (set by tydiqa.eval_file; "
-                                            f"relative names are looked up in {root} first)")
+                    raise InputNotFoundError(f"evaluation input not found: {eval_path} (set by tydiqa.eval_file; "
+                                             f"relative names are looked up in {root} first)")
                 skipped[name] = (f"{eval_path} not found (the GoldP dev set is not shipped); set "
                                  f"tydiqa.eval_file: {ONE_SHOT} for the 9-question smoke set")
                 continue

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..data.eval_readers import MMLU_CHOICES, MMLUQuestion, read_mmlu, read_mmlu_csv, sample_per_group
+from ..errors import UserInputError
 from .common import chat_prompt, continuation_tokens, encode_prompts, next_token_logprobs, resolve_chat_template
 from .metrics import PerTaskAccuracy
 from .suite import SuiteData, left_truncate
@@ -96,7 +97,7 @@ def build(cfg: MMLUConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData
         qs = sample_per_group(qs, cfg.max_per_subject, cfg.seed, subject)
         dev = read_mmlu_csv(root / "dev" / f"{subject}_dev.csv", subject, "dev")[: cfg.shots] if cfg.shots > 0 else []
         if len(dev) < cfg.shots:
-            raise ValueError(f"{root / 'dev' / f'{subject}_dev.csv'}: {len(dev)} rows, fewer than shots={cfg.shots}")
+            raise UserInputError(f"{root / 'dev' / f'{subject}_dev.csv'}: {len(dev)} rows, fewer than shots={cfg.shots}")
         texts = [_prompt_text(tokenizer, subject, dev, q, chat) for q in qs]
         ids_all = encode_prompts(tokenizer, texts, chat)
         for q, ids in zip(qs, ids_all):

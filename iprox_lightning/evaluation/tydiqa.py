@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from ..data.eval_readers import EvalDataError, TyDiQAExample, read_tydiqa_goldp, read_tydiqa_one_shot, sample_per_group
+from ..errors import InputNotFoundError
 from .common import chat_prompt, encode_prompts, greedy_generate, resolve_chat_template, truncate_text_tokens
 from .metrics import ExactMatch, SquadF1, squad_exact_match, squad_f1
 from .suite import SuiteData
@@ -81,7 +82,7 @@ def read_eval_file(path: str | Path) -> list[TyDiQAExample]:
             f" ({GOLDP_DEV} is not shipped; download it from the TyDiQA release, or set "
             f"tydiqa.eval_file to {ONE_SHOT} for a 9-question smoke test)" if path.name == GOLDP_DEV else ""
         )
-        raise FileNotFoundError(f"TyDiQA evaluation file not found: {path}{hint}")
+        raise InputNotFoundError(f"TyDiQA evaluation file not found: {path}{hint}")
     with open(path, encoding="utf-8") as f:
         try:
             head = json.load(f)

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ..errors import UserInputError
+
 HASH_LIMIT = 256 * 2**20  # files above this size are identified by size + mtime, not content
 
 
@@ -179,5 +181,5 @@ def _short(v: Any, n: int = 60) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-class FingerprintMismatch(ValueError):
+class FingerprintMismatch(UserInputError):
     """An existing artifact was produced from different inputs than the current run's."""

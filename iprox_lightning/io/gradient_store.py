@@ -8,6 +8,7 @@ Layout::
     shards/rank000-<run>-00000.safetensors    # per-rank shards, written atomically (temp file + os.replace)
     shards/corrupt/...                        # unreadable shards moved aside on resume (their ids built again)
     .store.lock                               # held (flock) by the build writing here: a second build is refused
+    cache/validation/<fingerprint>.safetensors  # a query's projected validation gradients (+ .json), for re-queries
 
 A shard holds ``vectors [n, D]`` (``float32`` / ``float16`` / ``bfloat16``, the store's ``dtype``), ``n_tokens [n]``
 (int64), ``zero_grad [n]`` and ``nonfinite [n]`` (bool); its metadata holds ``ids`` and ``tasks`` (JSON lists).
@@ -19,6 +20,16 @@ A build into a directory whose fingerprint differs raises :class:`~.fingerprint.
 field that differs; a query refuses a store whose model (or, when given, pool) is not the one it names. A killed
 build continues where it stopped: the ids of the readable shards are skipped (exactly once: the reader keeps the first
 occurrence of an id, in shard name order).
+
+``store.json`` also records the store's size once the build is complete: ``bytes`` (the shard files together) and
+``bytes_per_example`` (``bytes / rows``).
+
+**The query cache** (``cache/``, :func:`save_validation_gradients` / :func:`load_validation_gradients`): a query
+computes the projected gradients of its validation set — the only model work it does — and keeps them under the
+fingerprint of everything they depend on (:func:`validation_cache_fingerprint`: the store's fingerprint, layout and
+storage, its projection and factor files, the tokenized validation set, the batch size); a re-query of the same
+validation set (another rule, ``--neighbours``, another output directory) reads them instead. Entries are written
+atomically (:class:`~.tensor_cache.TensorCache`); a rebuild with ``overwrite`` removes them.
 """
 from __future__ import annotations
 
@@ -30,8 +41,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from .fingerprint import FingerprintMismatch, diff
+from ..errors import UserInputError
+from .fingerprint import FingerprintMismatch, diff, digest, file_identity
 from .scores import write_json_atomic
+from .tensor_cache import TensorCache
 
 SCHEMA_VERSION = 1
 STORE_FILE = "store.json"
@@ -39,10 +52,12 @@ PROJECTION_FILE = "projection.safetensors"
 SHARD_DIR = "shards"
 CORRUPT_DIR = "corrupt"
 LOCK_FILE = ".store.lock"
+CACHE_DIR = "cache"
+CACHE_FORMAT = 1
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-class StoreFormatError(ValueError):
+class StoreFormatError(UserInputError):
     """A store directory or one of its files is missing, malformed or of another version."""
 
 
@@ -50,7 +65,7 @@ def storage_dtype(name: str):
     import torch
 
     if name not in STORAGE_DTYPES:
-        raise ValueError(f"store dtype must be one of {STORAGE_DTYPES}, got {name!r}")
+        raise UserInputError(f"store dtype must be one of {STORAGE_DTYPES}, got {name!r}")
     return getattr(torch, name)
 
 
@@ -102,6 +117,7 @@ def clear_store(store_dir: str | os.PathLike) -> None:
     """Remove a store's shards, settings, projections and factors (a build then starts fresh)."""
     out = Path(store_dir)
     shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+    shutil.rmtree(out / CACHE_DIR, ignore_errors=True)
     for name in (STORE_FILE, PROJECTION_FILE):
         (out / name).unlink(missing_ok=True)
     for f in out.glob("*kfac-*.safetensors"):  # saved factors (io/factors.py names them <method>-<digest>)
@@ -253,3 +269,63 @@ def iter_shards(store_dir: str | os.PathLike, *, vectors: bool = True) -> Iterat
             s = {k: ([v[j] for j in keep] if isinstance(v, list) else v[idx]) for k, v in s.items()}
         if s["ids"]:
             yield s
+
+
+def store_size(store_dir: str | os.PathLike, rows: int) -> dict:
+    """``{"bytes": the shard files' sizes summed, "bytes_per_example": bytes / rows}`` (what ``store.json`` records)."""
+    total = sum(os.path.getsize(f) for f in shard_files(store_dir))
+    return {"bytes": total, "bytes_per_example": total / rows if rows else None}
+
+
+# ----------------------------------------------------------------------------------- the query cache
+def validation_cache(store_dir: str | os.PathLike) -> TensorCache:
+    return TensorCache(Path(store_dir) / CACHE_DIR)
+
+
+def validation_cache_fingerprint(store_dir: str | os.PathLike, info: Mapping, validation: Any, **settings: Any) -> str:
+    """What a query's projected validation gradients depend on: the store (its fingerprint: model, projection size
+    and seed, metric and options, layers, dtypes, pool; its layout and storage; the identity of its projection and
+    factor files), the tokenized validation set (``validation``: its
+    :func:`~.fingerprint.loader_digest`, so the examples, tasks, tokenizer, template and ``max_length``) and the
+    query's own ``settings`` (batch size, subtasks)."""
+    out = Path(store_dir)
+    files = {name: file_identity(out / name) for name in (PROJECTION_FILE, info.get("factors")) if name
+             and (out / name).is_file()}
+    return digest({"format": CACHE_FORMAT, "store": info["fingerprint"], "dtype": info["dtype"], "dim": info["dim"],
+                   "layout": info["layout"], "files": files, "validation": validation, **settings})
+
+
+def save_validation_gradients(store_dir: str | os.PathLike, fp: str, *, task_names: Sequence[str], sums, counts,
+                              seconds: float, vectors=None, ids: Sequence[str] | None = None,
+                              tasks: Sequence[Any] | None = None) -> Path:
+    """Keep a query's validation gradients under ``fp``: ``sums [K, D]`` (per task, float64, as the scores use them)
+    and, when given, the per-example ``vectors [n, D]`` with their ``ids`` and ``tasks`` (what ``neighbours`` needs)."""
+    tensors = {"sums": sums}
+    meta = {"format": CACHE_FORMAT, "task_names": list(task_names), "val_counts": [int(c) for c in counts],
+            "seconds": seconds, "vectors": vectors is not None}
+    if vectors is not None:
+        if ids is None or tasks is None or len(ids) != vectors.shape[0] or len(tasks) != len(ids):
+            raise ValueError("save_validation_gradients: vectors need one id and one task each")
+        tensors["vectors"] = vectors
+        meta.update(ids=[str(i) for i in ids], tasks=[None if t is None else str(t) for t in tasks])
+    return validation_cache(store_dir).save("validation", fp, tensors, meta)
+
+
+def load_validation_gradients(store_dir: str | os.PathLike, fp: str, *, vectors: bool = False) -> dict | None:
+    """The entry :func:`save_validation_gradients` wrote under ``fp`` (``None``: none, or — ``vectors`` — one
+    without the per-example vectors): ``{"task_names", "sums", "counts", "seconds", "path"}`` (+ ``"vectors"``,
+    ``"ids"``, ``"tasks"``)."""
+    import numpy as np
+
+    cache = validation_cache(store_dir)
+    entry = cache.load("validation", fp)
+    if entry is None:
+        return None
+    t, meta = entry
+    if meta.get("format") != CACHE_FORMAT or "sums" not in t or (vectors and "vectors" not in t):
+        return None
+    out = {"task_names": list(meta["task_names"]), "sums": t["sums"], "counts": np.asarray(meta["val_counts"], np.int64),
+           "seconds": meta.get("seconds"), "path": str(cache.path("validation", fp))}
+    if "vectors" in t:
+        out.update(vectors=t["vectors"], ids=list(meta["ids"]), tasks=list(meta["tasks"]))
+    return out

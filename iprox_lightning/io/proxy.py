@@ -47,6 +47,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..errors import InputNotFoundError, OutputExistsError, UserInputError
+
 log = logging.getLogger(__name__)
 
 PROXY_MANIFEST = "iprox_proxy.json"
@@ -71,7 +73,7 @@ For other tools, export a dense Hugging Face model (same logits): `python -m ipr
 """
 
 
-class ProxyFormatError(ValueError):
+class ProxyFormatError(UserInputError):
     """A proxy directory that cannot be loaded as the proxy it claims to be."""
 
 
@@ -222,7 +224,7 @@ def read_manifest(path: str | Path) -> dict:
     """The ``iprox_proxy.json`` of a proxy directory (validated: a JSON object with ``layers``)."""
     man_file = Path(path) / PROXY_MANIFEST
     if not man_file.is_file():
-        raise FileNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
+        raise InputNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
     try:
         manifest = json.loads(man_file.read_text())
     except json.JSONDecodeError as e:
@@ -350,7 +352,7 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     layers = manifest["layers"]
     weights = weights_file(path)
     if weights is None:
-        raise FileNotFoundError(f"{path / PROXY_WEIGHTS} not found (proxy weights)")
+        raise InputNotFoundError(f"{path / PROXY_WEIGHTS} not found (proxy weights)")
     for name, spec in layers.items():
         miss = [k for k in ("rank", "in_features", "out_features") if k not in spec]
         if miss:
@@ -504,8 +506,8 @@ def export_proxy(path: str | Path, output: str | Path, *, dtype: str | torch.dty
     path, output = Path(path), Path(output)
     check_export_target(path, output, overwrite=overwrite)
     if is_proxy_dir(output):
-        raise FileExistsError(f"export: the output {output} is an IProX proxy directory; refusing to replace a proxy "
-                              "with an export (choose another directory)")
+        raise OutputExistsError(f"export: the output {output} is an IProX proxy directory; refusing to replace a proxy "
+                                "with an export (choose another directory)")
     manifest = read_manifest(path)
     model, tok = load_proxy(path)
     return write_export(model, tok, path, output, manifest, dtype=dtype, overwrite=overwrite)

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..errors import OutputExistsError, UserInputError
+
 log = logging.getLogger(__name__)
 
 EXPORT_RECORD = "iprox_export.json"
@@ -59,12 +61,12 @@ def resolve_export_dtype(dtype: str | torch.dtype | None, default: torch.dtype) 
         return default
     if isinstance(dtype, torch.dtype):
         if dtype not in EXPORT_DTYPES.values():
-            raise ValueError(f"export dtype {dtype} is not a floating dtype; use one of {sorted(EXPORT_DTYPES)}")
+            raise UserInputError(f"export dtype {dtype} is not a floating dtype; use one of {sorted(EXPORT_DTYPES)}")
         return dtype
     try:
         return EXPORT_DTYPES[str(dtype).lower().replace("torch.", "")]
     except KeyError:
-        raise ValueError(f"unknown export dtype {dtype!r}; use one of {sorted(EXPORT_DTYPES)}") from None
+        raise UserInputError(f"unknown export dtype {dtype!r}; use one of {sorted(EXPORT_DTYPES)}") from None
 
 
 def check_export_target(proxy_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> None:
@@ -73,18 +75,18 @@ def check_export_target(proxy_dir: str | Path, output: str | Path, *, overwrite:
     src = Path(proxy_dir).expanduser().resolve()
     out = Path(output).expanduser().resolve()
     if out == src:
-        raise ValueError(f"export: the output {output} is the proxy directory itself; write the dense model to "
-                         "another directory (the proxy stays as it is)")
+        raise UserInputError(f"export: the output {output} is the proxy directory itself; write the dense model to "
+                             "another directory (the proxy stays as it is)")
     if src in out.parents:
-        raise ValueError(f"export: the output {output} lies inside the proxy directory {proxy_dir}; choose a "
-                         "directory outside it")
+        raise UserInputError(f"export: the output {output} lies inside the proxy directory {proxy_dir}; choose a "
+                             "directory outside it")
     if out in src.parents:
-        raise ValueError(f"export: the output {output} contains the proxy directory {proxy_dir}; choose another one")
+        raise UserInputError(f"export: the output {output} contains the proxy directory {proxy_dir}; choose another one")
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"export: the output {output} is a file, not a directory")
+        raise OutputExistsError(f"export: the output {output} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"export: the output {output} exists and is not empty; pass --overwrite true "
-                              "(overwrite=True) to replace its contents, or choose another directory")
+        raise OutputExistsError(f"export: the output {output} exists and is not empty; pass --overwrite true "
+                                "(overwrite=True) to replace its contents, or choose another directory")
 
 
 def _reference_modules(config: Any) -> dict[str, type]:

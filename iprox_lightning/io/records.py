@@ -8,12 +8,14 @@ import json
 import os
 from typing import Any, Iterable, Iterator, Mapping
 
+from ..errors import UserInputError
+
 CANONICAL_FIELDS: tuple[str, ...] = ("id", "instruction", "context", "response", "category", "messages")
 DEFAULT_FIELD_MAP: dict[str, str] = {f: f for f in CANONICAL_FIELDS}
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserInputError):
     """Bad SFT input; the message names the file (or dataset), the line/row and the field."""
 
 
@@ -22,9 +24,9 @@ def resolve_field_map(field_map: Mapping[str, str] | None) -> dict[str, str]:
     fm = dict(DEFAULT_FIELD_MAP)
     for key, col in (field_map or {}).items():
         if key not in DEFAULT_FIELD_MAP:
-            raise ValueError(f"field_map: unknown field {key!r}; the canonical fields are {list(CANONICAL_FIELDS)}")
+            raise UserInputError(f"field_map: unknown field {key!r}; the canonical fields are {list(CANONICAL_FIELDS)}")
         if not isinstance(col, str) or not col:
-            raise ValueError(f"field_map[{key!r}] must be a non-empty column name, got {col!r}")
+            raise UserInputError(f"field_map[{key!r}] must be a non-empty column name, got {col!r}")
         fm[key] = col
     return fm
 

@@ -42,6 +42,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..errors import InputNotFoundError, UserError, UserInputError
 from .fingerprint import FingerprintMismatch, diff
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ def read_settings(output_dir: str | os.PathLike) -> dict:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: malformed JSON ({e.msg} at line {e.lineno}); remove the directory or pass "
-                         "overwrite=True to start fresh") from None
+        raise UserInputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno}); remove the directory or pass "
+                             "overwrite=True to start fresh") from None
 
 
 def write_settings(output_dir: str | os.PathLike, settings: Mapping) -> Path:
@@ -94,7 +95,7 @@ def write_settings(output_dir: str | os.PathLike, settings: Mapping) -> Path:
 
 
 # ----------------------------------------------------------------------------------- one writer at a time
-class OutputLocked(RuntimeError):
+class OutputLocked(UserError, RuntimeError):
     """Another scoring run is writing into the same output directory."""
 
 
@@ -257,7 +258,7 @@ def read_shards(output_dir: str | os.PathLike, columns: Sequence[str] | None = N
             t = pq.read_table(f, columns=list(columns) if columns else None)
         except Exception as e:  # pyarrow raises several types for truncated files
             if not repair:
-                raise ValueError(f"score shard {f} is unreadable ({type(e).__name__}: {e})") from None
+                raise UserInputError(f"score shard {f} is unreadable ({type(e).__name__}: {e})") from None
             repairs.append(_quarantine(f, e))
             continue
         files.append(f)
@@ -279,11 +280,11 @@ def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None)
     out_dir = Path(output_dir)
     files, tables, repairs = read_shards(out_dir)
     if not files:
-        raise FileNotFoundError(f"no score shards in {out_dir / SHARD_DIR}: nothing was scored")
+        raise InputNotFoundError(f"no score shards in {out_dir / SHARD_DIR}: nothing was scored")
     cols = tables[0].column_names
     for f, t in zip(files, tables):
         if t.column_names != cols:
-            raise ValueError(f"shard {f} has columns {t.column_names}, expected {cols} (mixed runs in one output_dir?)")
+            raise UserInputError(f"shard {f} has columns {t.column_names}, expected {cols} (mixed runs in one output_dir?)")
     table = pa.concat_tables(tables)
     ids = table.column("id").to_pylist()
     first: dict[str, int] = {}
@@ -363,7 +364,7 @@ def check_scored_pool(table_path: str | os.PathLike, scored: Mapping, records: S
            f"{have['content']}): an edited, re-sorted or other pool makes the ids pick records that did not earn the "
            "scores")
     if not allow_mismatch:
-        raise ValueError(msg + "; score this pool, or pass allow_pool_mismatch=True (CLI: --allow_pool_mismatch "
+        raise UserInputError(msg + "; score this pool, or pass allow_pool_mismatch=True (CLI: --allow_pool_mismatch "
                                "true) to select from it anyway")
     log.warning("%s; selecting anyway (allow_pool_mismatch)", msg)
     return "mismatch allowed"
@@ -378,14 +379,14 @@ def read_table(path: str | os.PathLike):
     if p.is_dir():
         p = p / SCORES_FILE
     if not p.exists():
-        raise FileNotFoundError(f"score table not found: {p}")
+        raise InputNotFoundError(f"score table not found: {p}")
     try:
         t = pq.read_table(p)
     except Exception as e:
-        raise ValueError(f"{p}: cannot read Parquet score table ({type(e).__name__}: {e})") from None
+        raise UserInputError(f"{p}: cannot read Parquet score table ({type(e).__name__}: {e})") from None
     for c in ("id", "score"):
         if c not in t.column_names:
-            raise ValueError(f"{p}: score table has no {c!r} column (columns: {t.column_names})")
+            raise UserInputError(f"{p}: score table has no {c!r} column (columns: {t.column_names})")
     check_columns(t, p)
     return p, t
 
@@ -401,20 +402,20 @@ def check_columns(table, where: Any) -> None:
             continue
         col = table.column(c)
         if c != "id" and not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
-            raise ValueError(f"{where}: column {c!r} holds {col.type} values, not numbers (e.g. row 0: "
-                             f"{col[0].as_py()!r}); a score table's scores are floats")
+            raise UserInputError(f"{where}: column {c!r} holds {col.type} values, not numbers (e.g. row 0: "
+                                 f"{col[0].as_py()!r}); a score table's scores are floats")
         if col.null_count:
             row = pc.index(pc.is_null(col), True).as_py()
             rid = table.column("id")[row].as_py() if c != "id" else None
-            raise ValueError(f"{where}: row {row}" + (f" (id {rid!r})" if rid is not None else "")
-                             + f" has a null {c!r}; {col.null_count} null(s) in that column")
+            raise UserInputError(f"{where}: row {row}" + (f" (id {rid!r})" if rid is not None else "")
+                                 + f" has a null {c!r}; {col.null_count} null(s) in that column")
 
 
 def _check_finite(scores: Mapping[str, float], where: str) -> None:
     bad = [k for k, v in scores.items() if not math.isfinite(v)]
     if bad:
-        raise ValueError(f"{where}: {len(bad)} non-finite score(s), e.g. id {bad[0]!r} -> {scores[bad[0]]}; "
-                         "these rows are flagged 'nonfinite' by the scorer")
+        raise UserInputError(f"{where}: {len(bad)} non-finite score(s), e.g. id {bad[0]!r} -> {scores[bad[0]]}; "
+                             "these rows are flagged 'nonfinite' by the scorer")
 
 
 def read_scores(path: str | os.PathLike, *, id_column: str = "id", score_column: str = "score") -> dict[str, float]:
@@ -434,13 +435,13 @@ def read_scores(path: str | os.PathLike, *, id_column: str = "id", score_column:
         files = sorted(p for p in path.iterdir()
                        if p.suffix in PARQUET_SUFFIXES + JSONL_SUFFIXES and not p.name.startswith("."))
         if not files:
-            raise FileNotFoundError(f"{path}: directory holds no .parquet/.jsonl score table")
+            raise InputNotFoundError(f"{path}: directory holds no .parquet/.jsonl score table")
         out: dict[str, float] = {}
         for f in files:
             _merge(out, read_scores(f, id_column=id_column, score_column=score_column), str(f))
         return out
     if not path.exists():
-        raise FileNotFoundError(f"score table {path} does not exist")
+        raise InputNotFoundError(f"score table {path} does not exist")
     if path.suffix in PARQUET_SUFFIXES or (path.suffix not in JSONL_SUFFIXES and _is_parquet(path)):
         scores = _read_parquet(path, id_column, score_column)
     else:
@@ -457,7 +458,7 @@ def _is_parquet(path: Path) -> bool:
 def _merge(out: dict[str, float], new: Mapping[str, float], where: str) -> None:
     for k, v in new.items():
         if k in out and out[k] != v:
-            raise ValueError(f"{where}: id {k!r} appears with two different scores ({out[k]} and {v})")
+            raise UserInputError(f"{where}: id {k!r} appears with two different scores ({out[k]} and {v})")
         out[k] = v
 
 
@@ -467,17 +468,17 @@ def _read_parquet(path: Path, id_column: str, score_column: str) -> dict[str, fl
     try:
         table = pq.read_table(path)
     except Exception as e:
-        raise ValueError(f"{path}: cannot read Parquet score table ({type(e).__name__}: {e})") from None
+        raise UserInputError(f"{path}: cannot read Parquet score table ({type(e).__name__}: {e})") from None
     missing = [c for c in (id_column, score_column) if c not in table.column_names]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; columns are {table.column_names}")
+        raise UserInputError(f"{path}: missing column(s) {missing}; columns are {table.column_names}")
     ids = table.column(id_column).to_pylist()
     vals = table.column(score_column).to_pylist()
     out: dict[str, float] = {}
     for row, (k, v) in enumerate(zip(ids, vals)):
         where = f"{path}, row {row}"
         if k is None:
-            raise ValueError(f"{where}: null {id_column!r}")
+            raise UserInputError(f"{where}: null {id_column!r}")
         _merge(out, {str(k): _score_value(v, where, str(k), score_column)}, where)
     return out
 
@@ -485,9 +486,9 @@ def _read_parquet(path: Path, id_column: str, score_column: str) -> dict[str, fl
 def _score_value(v: Any, where: str, rid: str, column: str) -> float:
     """``float(v)`` for a number; anything else (null, text, a list, a bool) raises naming the place and the id."""
     if v is None:
-        raise ValueError(f"{where}: id {rid!r} has a null {column!r}")
+        raise UserInputError(f"{where}: id {rid!r} has a null {column!r}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where}: id {rid!r} has a {type(v).__name__} {column!r} ({str(v)[:40]!r}), not a number")
+        raise UserInputError(f"{where}: id {rid!r} has a {type(v).__name__} {column!r} ({str(v)[:40]!r}), not a number")
     return float(v)
 
 
@@ -498,7 +499,7 @@ def _read_jsonl(path: Path, id_column: str, score_column: str) -> dict[str, floa
     for where, rec in iter_jsonl(path):
         if not isinstance(rec, dict) or id_column not in rec or score_column not in rec:
             keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-            raise ValueError(f"{where}: record lacks {id_column!r} or {score_column!r}: keys {keys}")
+            raise UserInputError(f"{where}: record lacks {id_column!r} or {score_column!r}: keys {keys}")
         _merge(out, {str(rec[id_column]): _score_value(rec[score_column], where, str(rec[id_column]), score_column)},
                where)
     return out
@@ -535,10 +536,10 @@ def topk_count(k: int | float, n: int) -> int:
         raise TypeError(f"k must be an int count or a float fraction, got {k!r}")
     if isinstance(k, (float, np.floating)):
         if not 0.0 < k <= 1.0:
-            raise ValueError(f"fraction k must be in (0, 1], got {k}")
+            raise UserInputError(f"fraction k must be in (0, 1], got {k}")
         return min(n, max(1, int(round(k * n)))) if n else 0
     if k < 1:
-        raise ValueError(f"count k must be >= 1, got {k}")
+        raise UserInputError(f"count k must be >= 1, got {k}")
     return min(int(k), n)
 
 
@@ -548,7 +549,7 @@ def topk_order(scores: Sequence[float], keys: Sequence[str] | None = None) -> np
     s = np.asarray(scores, dtype=np.float64)
     if not np.isfinite(s).all():
         bad = int((~np.isfinite(s)).sum())
-        raise ValueError(f"cannot rank {bad} non-finite score(s) (NaN/inf); drop the rows flagged 'nonfinite' first")
+        raise UserInputError(f"cannot rank {bad} non-finite score(s) (NaN/inf); drop the rows flagged 'nonfinite' first")
     tie = np.arange(len(s)) if keys is None else np.unique(np.asarray(list(keys), dtype=object).astype(str),
                                                             return_inverse=True)[1]
     return np.lexsort((tie, -s))

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..errors import UserInputError
+
 SCHEMA_VERSION = 1
 RECORD_KEYS = ("instruction", "response", "messages")
 
@@ -53,7 +55,7 @@ def read_meta(path: str | os.PathLike) -> dict | None:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: malformed JSON ({e.msg} at line {e.lineno})") from None
+        raise UserInputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno})") from None
 
 
 def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Callable | None = None,
@@ -64,8 +66,8 @@ def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Calla
 
     meta = read_meta(path)
     if meta is not None and meta.get("schema_version", SCHEMA_VERSION) > SCHEMA_VERSION:
-        raise ValueError(f"{meta_path(path)}: selection schema version {meta['schema_version']} is newer than this "
-                         f"version of iprox_lightning reads ({SCHEMA_VERSION})")
+        raise UserInputError(f"{meta_path(path)}: selection schema version {meta['schema_version']} is newer than this "
+                             f"version of iprox_lightning reads ({SCHEMA_VERSION})")
     with_records = None if meta is None else bool(meta.get("records", True))
     by_id = None
     out: list = []

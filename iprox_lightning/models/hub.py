@@ -17,7 +17,10 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-class SourceUnreachable(ConnectionError):
+from ..errors import InputNotFoundError, UserError
+
+
+class SourceUnreachable(UserError, ConnectionError):
     """A model or data set named by a hub id that is neither local, nor cached, nor reachable; the message is one
     line naming it and the offline alternatives."""
 
@@ -57,8 +60,8 @@ def check_model_source(name: str, what: str = "model", timeout: float = 3.0) -> 
     if name == "builtin" or Path(name).exists():
         return
     if not is_hub_id(name):
-        raise FileNotFoundError(f"{what} {name!r}: no such file or directory (and not a hub id 'owner/name'); "
-                                "if it is a stage's output, run that stage first")
+        raise InputNotFoundError(f"{what} {name!r}: no such file or directory (and not a hub id 'owner/name'); "
+                                 "if it is a stage's output, run that stage first")
     if _in_cache(name):
         return
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")

@@ -26,6 +26,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+from ..errors import InputNotFoundError, UserInputError  # noqa: E402
 from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS  # noqa: E402  (the proxy directory's one home)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
@@ -40,7 +41,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+        raise UserInputError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
 def cache_root() -> Path:
@@ -72,7 +73,7 @@ def check_gguf(path: str | os.PathLike) -> None:
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{p}: not a GGUF file (starts with {magic!r}, not b'GGUF'; {size} bytes)")
+        raise UserInputError(f"{p}: not a GGUF file (starts with {magic!r}, not b'GGUF'; {size} bytes)")
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -81,10 +82,10 @@ def check_gguf(path: str | os.PathLike) -> None:
         reader = GGUFReader(str(p))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except Exception as e:  # the reader raises struct / numpy errors for a cut header or tensor table
-        raise ValueError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; "
-                         f"{type(e).__name__}: {e})") from None
+        raise UserInputError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; "
+                             f"{type(e).__name__}: {e})") from None
     if end > size:
-        raise ValueError(f"{p}: truncated GGUF file: its tensors end at byte {end}, the file has {size} bytes")
+        raise UserInputError(f"{p}: truncated GGUF file: its tensors end at byte {end}, the file has {size} bytes")
 
 
 def _finish_tokenizer(tok):
@@ -106,7 +107,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
     p = Path(name_or_path)
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {p}")
+            raise InputNotFoundError(f"GGUF file not found: {p}")
         cached = gguf_cache_dir(p)
         if (cached / "tokenizer_config.json").exists():
             return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
@@ -173,7 +174,7 @@ def load_model(
 
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {p}")
+            raise InputNotFoundError(f"GGUF file not found: {p}")
         cached = gguf_cache_dir(p)
         if use_cache and (cached / "config.json").exists():
             log.info("loading cached float copy of %s from %s", p, cached)
@@ -191,11 +192,11 @@ def load_model(
         return model.eval(), (tok if tokenizer else None)
 
     if p.is_file() and p.parent.is_dir() and is_proxy_file(p):
-        raise ValueError(f"{p} is a file of the IProX proxy directory {p.parent}: pass the directory itself "
-                         f"(load_model / iprox_lightning.load_proxy load it as a proxy), or export a dense Hugging Face "
-                         f"model with `python -m iprox_lightning.io.proxy export {p.parent} <output directory>`")
+        raise UserInputError(f"{p} is a file of the IProX proxy directory {p.parent}: pass the directory itself "
+                             f"(load_model / iprox_lightning.load_proxy load it as a proxy), or export a dense Hugging Face "
+                             f"model with `python -m iprox_lightning.io.proxy export {p.parent} <output directory>`")
     if p.exists() and not p.is_dir():
-        raise ValueError(f"{p} is a file but not a .gguf model; pass a model directory, a hub id or a .gguf file")
+        raise UserInputError(f"{p} is a file but not a .gguf model; pass a model directory, a hub id or a .gguf file")
     from .hub import check_model_source
 
     check_model_source(name, "model")

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..batch import check_batch, per_example_token_ce
+from ..errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def linear_warmup_decay(optimizer, total_steps: int, warmup_ratio: float, schedu
     """``LambdaLR``: linear warm-up over ``ceil(warmup_ratio·total)`` steps, then linear decay to 0
     (``"linear"``) or constant (``"constant"``)."""
     if schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+        raise UserInputError(f"lr_schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
     total = max(int(total_steps), 1)
     warm = int(math.ceil(warmup_ratio * total))
 
@@ -153,9 +154,9 @@ class CausalLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+            raise UserInputError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if not 0.0 <= warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+            raise UserInputError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         object.__setattr__(self, "model_source", model)  # never a registered submodule
         self.model: Optional[nn.Module] = None
@@ -226,7 +227,7 @@ class CausalLMModule(L.LightningModule):
             return opt
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
-            raise ValueError("the linear schedule needs a finite number of steps (set max_epochs or max_steps)")
+            raise UserInputError("the linear schedule needs a finite number of steps (set max_epochs or max_steps)")
         sched = linear_warmup_decay(opt, int(total), self.hparams.warmup_ratio, self.hparams.lr_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -85,6 +85,7 @@ from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
     FIDELITY_WORST_LOSS,
     RankingFidelity,
 )
+from ..errors import UserInputError
 from ..lowrank import LowRankLinear
 from .causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 from .proxy_fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
@@ -115,9 +116,9 @@ def _check_same_blocks(teacher: nn.Module, proxy: nn.Module, source: Any, align:
     n_t = getattr(getattr(teacher, "config", None), "num_hidden_layers", None)
     n_p = getattr(getattr(proxy, "config", None), "num_hidden_layers", None)
     if align and n_t is not None and n_p is not None and n_t != n_p:
-        raise ValueError(f"ProxyAlignModule: the proxy {source!r} has {n_p} decoder blocks and the target {n_t}; "
-                         "alignment pairs layers by path, so a proxy with dropped blocks cannot be aligned "
-                         "(use align: false, or build the proxy without drop_blocks)")
+        raise UserInputError(f"ProxyAlignModule: the proxy {source!r} has {n_p} decoder blocks and the target {n_t}; "
+                             "alignment pairs layers by path, so a proxy with dropped blocks cannot be aligned "
+                             "(use align: false, or build the proxy without drop_blocks)")
 
 
 @dataclass(frozen=True)
@@ -186,35 +187,35 @@ class AlignConfig:
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(self.layers))
         if self.kl_weight < 0:
-            raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
+            raise UserInputError(f"kl_weight must be >= 0, got {self.kl_weight}")
         if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise UserInputError(f"temperature must be > 0, got {self.temperature}")
         if isinstance(self.fidelity_examples, bool) or not isinstance(self.fidelity_examples, int) \
                 or self.fidelity_examples < 0:
-            raise ValueError(f"fidelity_examples must be an int >= 0, got {self.fidelity_examples!r}")
+            raise UserInputError(f"fidelity_examples must be an int >= 0, got {self.fidelity_examples!r}")
         for name in ("val_grad_weight", "score_weight"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise UserInputError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("val_examples_per_task", "score_refresh_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise UserInputError(f"{name} must be an int >= 1, got {v!r}")
         if self.score_loss not in SCORE_LOSSES:
-            raise ValueError(f"score_loss must be one of {SCORE_LOSSES}, got {self.score_loss!r}")
+            raise UserInputError(f"score_loss must be one of {SCORE_LOSSES}, got {self.score_loss!r}")
         if self.task_reduction not in TASK_REDUCTIONS:
-            raise ValueError(f"task_reduction must be one of {TASK_REDUCTIONS}, got {self.task_reduction!r}")
+            raise UserInputError(f"task_reduction must be one of {TASK_REDUCTIONS}, got {self.task_reduction!r}")
         if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
-            raise ValueError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
+            raise UserInputError(f"monitor={self.monitor!r} needs fidelity_examples > 0 (the held-out pool examples the "
                              "ranking fidelity is measured on)")
         if not isinstance(self.fidelity_per_task, bool):
-            raise ValueError(f"fidelity_per_task must be true or false, got {self.fidelity_per_task!r}")
+            raise UserInputError(f"fidelity_per_task must be true or false, got {self.fidelity_per_task!r}")
         if self.fidelity_per_task and self.fidelity_examples == 0:
-            raise ValueError("fidelity_per_task needs fidelity_examples > 0 (the held-out pool examples the per-task "
+            raise UserInputError("fidelity_per_task needs fidelity_examples > 0 (the held-out pool examples the per-task "
                              "ranking fidelity is measured on)")
         if self.keep_best and self.monitor in (FIDELITY_WORST, FIDELITY_WORST_LOSS) and not self.fidelity_per_task:
-            raise ValueError(f"monitor={self.monitor!r} needs fidelity_per_task: true")
+            raise UserInputError(f"monitor={self.monitor!r} needs fidelity_per_task: true")
         if self.keep_best and self.monitor == FIDELITY_WORST:
-            raise ValueError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
+            raise UserInputError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
                              f"use {FIDELITY_WORST_LOSS!r} (= 1 − the worst task's Spearman)")
 
 

@@ -28,15 +28,10 @@ import numpy as np
 import torch
 
 from ..io.fingerprint import digest
+from ..io.tensor_cache import TensorCache, atomic_write_text as _atomic_write_text
 from .influence import InfluenceScorer, ScoreTable
 
 FORMAT = 1
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class CheckCache:
@@ -44,6 +39,7 @@ class CheckCache:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
+        self.files = TensorCache(self.root)  # validation/<fp>.safetensors + .json
         self.events: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ fingerprints
@@ -60,18 +56,15 @@ class CheckCache:
 
     # ------------------------------------------------------------------ validation gradients
     def validation_path(self, fp: str) -> Path:
-        return self.root / "validation" / f"{fp}.safetensors"
+        return self.files.path("validation", fp)
 
     def load_validation(self, scorer: InfluenceScorer, fp: str, who: str) -> bool:
         """Put the cached validation gradient sums ``fp`` into ``scorer`` (as ``collect_validation`` would);
         ``False`` when there are none (or they do not fit the scorer's tracked layers)."""
-        from safetensors.torch import load_file
-
-        path, meta_path = self.validation_path(fp), self.validation_path(fp).with_suffix(".json")
-        if not (path.is_file() and meta_path.is_file()):
+        entry = self.files.load("validation", fp, device=str(scorer.device))
+        if entry is None:
             return False
-        meta = json.loads(meta_path.read_text())
-        tensors = load_file(str(path), device=str(scorer.device))
+        tensors, meta = entry
         keys = [v.key for v in scorer.linears]
         if sorted(keys) != sorted(meta["keys"]) or any(f"V{j}" not in tensors for j in range(len(keys))):
             return False
@@ -83,23 +76,16 @@ class CheckCache:
         scorer.stats["val_examples"] = int(scorer.val_counts.sum())
         scorer.stats["val_cached"] = fp
         self.events.append({"model": who, "what": "validation gradients", "action": "reused", "fingerprint": fp,
-                            "path": str(path), "seconds_saved": meta.get("seconds")})
+                            "path": str(self.validation_path(fp)), "seconds_saved": meta.get("seconds")})
         return True
 
     def save_validation(self, scorer: InfluenceScorer, fp: str, who: str) -> Path:
         """Write ``scorer``'s raw validation gradient sums (call before ``finalize``, which maps them)."""
-        from safetensors.torch import save_file
-
-        path = self.validation_path(fp)
-        path.parent.mkdir(parents=True, exist_ok=True)
         keys = list(scorer.V)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file({f"V{j}": scorer.V[k].detach().cpu().contiguous() for j, k in enumerate(keys)}, str(tmp))
-        os.replace(tmp, path)
-        _atomic_write_text(path.with_suffix(".json"), json.dumps({
+        path = self.files.save("validation", fp, {f"V{j}": scorer.V[k] for j, k in enumerate(keys)}, {
             "format": FORMAT, "keys": keys, "task_names": scorer.task_names,
             "val_counts": [int(c) for c in scorer.val_counts], "seconds": scorer.stats.get("val_seconds"),
-            "model": who}, indent=1))
+            "model": who})
         self.events.append({"model": who, "what": "validation gradients", "action": "computed", "fingerprint": fp,
                             "path": str(path), "seconds": scorer.stats.get("val_seconds")})
         return path

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import UserInputError
 from ..tracking import backward_pairs
 from .features import (
     FEATURE_MODES,
@@ -94,7 +95,7 @@ class ScoreTable(Mapping):
         self._index: dict[str, int] = {}
         for j, i in enumerate(self.ids):
             if i in self._index:
-                raise ValueError(f"duplicate example id {i!r} in the scored data (rows {self._index[i]} and {j})")
+                raise UserInputError(f"duplicate example id {i!r} in the scored data (rows {self._index[i]} and {j})")
             self._index[i] = j
 
     # Mapping protocol
@@ -196,7 +197,7 @@ class ScoringConfig:
         if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
             object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
         if self.feature_mode not in FEATURE_MODES:
-            raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}")
+            raise UserInputError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}")
         self.build_metric()  # checks method and the K-FAC options, whatever the method
 
     def build_metric(self) -> InfluenceMetric:
@@ -301,7 +302,7 @@ class InfluenceScorer:
         local = sorted(counts)
         names = sorted(set().union(*gather(local))) if gather is not None else local
         if not names:
-            raise ValueError("the validation data is empty: cannot compute validation gradients")
+            raise UserInputError("the validation data is empty: cannot compute validation gradients")
         self.task_names = names
         cnt = torch.tensor([float(counts.get(t, 0)) for t in names], dtype=torch.float64, device=self.device)
         if reduce is not None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..damping import check_damping, check_damping_mode, damping_value
+from ..errors import UserInputError
 from ..tracking import backward_pairs
 from .features import WeightPairTracker, eval_mode, progress_bar, slice_rows, to_device, trim_batch
 
@@ -72,8 +73,8 @@ def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tenso
     e, Q = torch.linalg.eigh(C)
     e = e.clamp(min=0.0) + lam
     if not bool((e > 0).all()):
-        raise ValueError(f"damped K-FAC factor is singular (damping={damping}, mode={mode}, trace={float(torch.trace(C))}); "
-                         "increase damping")
+        raise UserInputError(f"damped K-FAC factor is singular (damping={damping}, mode={mode}, trace={float(torch.trace(C))}); "
+                             "increase damping")
     return Q, e, lam
 
 
@@ -131,7 +132,7 @@ def _damped(e: torch.Tensor, trace: float, damping: float, mode: str, what: str)
     lam = damping_value(trace, e.numel(), damping, mode)
     e = e.double().clamp(min=0.0) + lam
     if not bool((e > 0).all()):
-        raise ValueError(f"damped {what} is singular (damping={damping}, mode={mode}, trace={trace}); increase damping")
+        raise UserInputError(f"damped {what} is singular (damping={damping}, mode={mode}, trace={trace}); increase damping")
     return e
 
 
@@ -198,6 +199,13 @@ class InfluenceMetric:
     def tokens(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``(h̃, δ̃)`` with ``Σ_t δ̃_t h̃_tᵀ = M Σ_t δ_t h_tᵀ`` (only when ``token_factored``)."""
         raise NotImplementedError(f"metric {self.name!r} does not factor over tokens: use matrix() on gradients")
+
+    def basis(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(Q_out, Q_in)``, orthonormal, when :meth:`matrix` / :meth:`tokens` return weight ``key``'s mapped gradient
+        in other coordinates than the weight's own (``Q_outᵀ (·) Q_in``: K-FAC, EK-FAC, the factors' eigenbases);
+        ``None`` for the weight's own coordinates. Inner products do not depend on it; a projection does
+        (:mod:`.projection` rotates back first)."""
+        return None
 
     def settings(self) -> dict:
         """The metric's options, for the score settings."""
@@ -266,7 +274,7 @@ class KFAC(InfluenceMetric):
     def __init__(self, damping: float = 1e-3, damping_mode: str = "relative", examples: int = 1024) -> None:
         check_damping(damping, damping_mode)
         if examples < 1:
-            raise ValueError(f"kfac_examples must be >= 1, got {examples}")
+            raise UserInputError(f"kfac_examples must be >= 1, got {examples}")
         self.damping, self.damping_mode, self.examples = float(damping), damping_mode, int(examples)
         self.layers: dict[str, LayerMetric] | None = None
         self.eigens: dict[str, dict[str, torch.Tensor]] = {}
@@ -310,6 +318,10 @@ class KFAC(InfluenceMetric):
     def tokens(self, key, h, delta):
         return self._layer(key).tokens(h, delta)
 
+    def basis(self, key):
+        L = self._layer(key)
+        return L.Q_d, L.Q_h
+
     def settings(self) -> dict:
         return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples}
 
@@ -323,8 +335,8 @@ class KFAC(InfluenceMetric):
         fields = _EIG_FIELDS + getattr(self, "extra_fields", ())
         missing = [f"{k}|{f}" for k in keys for f in fields if f"{k}|{f}" not in state]
         if missing:
-            raise ValueError(f"the saved {self.name} factors lack {len(missing)} tensor(s), e.g. {missing[0]!r}: "
-                             "they were fitted for other layers")
+            raise UserInputError(f"the saved {self.name} factors lack {len(missing)} tensor(s), e.g. {missing[0]!r}: "
+                                 "they were fitted for other layers")
         self.eigens = {k: {f: state[f"{k}|{f}"].double() for f in fields} for k in keys}
         self._build(keys, dtype)
 
@@ -392,10 +404,10 @@ def influence_metric(name: str, *, damping: float = 1e-3, damping_mode: str = "r
     """The metric called ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"``, the ``method:`` of the scoring configs);
     the K-FAC options are checked whatever the name, so a config is valid or not independently of ``method``."""
     if name not in METRICS:
-        raise ValueError(f"method must be one of {METRICS}, got {name!r}")
+        raise UserInputError(f"method must be one of {METRICS}, got {name!r}")
     check_damping_mode(damping_mode)
     if kfac_examples < 1:
-        raise ValueError(f"kfac_examples must be >= 1, got {kfac_examples}")
+        raise UserInputError(f"kfac_examples must be >= 1, got {kfac_examples}")
     if name in ("kfac", "ekfac"):
         return METRIC_CLASSES[name](damping, damping_mode, kfac_examples)
     return TracIn()

@@ -89,8 +89,8 @@ class InfluenceScoringModule(L.LightningModule):
             self.config = ScoringConfig(method=method, normalize=normalize, per_task=per_task, damping=damping,
                                         damping_mode=damping_mode, kfac_examples=kfac_examples,
                                         feature_mode=feature_mode, target_patterns=target_patterns)
-        except ValueError as e:
-            raise ValueError(f"InfluenceScoringModule: {e}") from None
+        except ValueError as e:  # the same class (a user error stays one), named by the module
+            raise type(e)(f"InfluenceScoringModule: {e}") from None
         self.metric = self.config.build_metric()
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__

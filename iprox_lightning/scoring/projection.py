@@ -15,7 +15,12 @@ in model order, are one example's vector (dimension ``D = Σ k_out·k_in``).
 * A side whose ``k`` is ``>=`` its dimension is not projected (the identity): ``k >= max(in, out)`` everywhere gives
   the exact gradients, and then the store's scores equal exact scoring.
 * An influence metric (:mod:`.metrics`) is applied first: to the tokens when it factors over them (TracIn,
-  K-FAC), else to the materialised ``G`` (EK-FAC): the vector is ``P_δ (M G) P_hᵀ``.
+  K-FAC), else to the materialised ``G`` (EK-FAC): the vector is ``P_δ (M G) P_hᵀ`` with ``M G`` in the weight's own
+  coordinates. K-FAC and EK-FAC map ``G`` into their factors' eigenbases (``Q_δᵀ (·) Q_h``,
+  :meth:`~.metrics.InfluenceMetric.basis`); the projections rotate back first (``P Q``, folded into the projection
+  matrices: no extra cost per token), so the vector is ``P_δ Q_δ (M G) Q_hᵀ P_hᵀ``: a function of the fitted factors
+  alone, not of the eigensolver's choice of eigenvectors (their signs; any basis of a repeated or null eigenvalue's
+  space), which differs between builds of one store (one process or several, another machine) with the rounding.
 
 The vectors come from the backward-pairs engine through :class:`ProjectedGradientTracker` (a
 :class:`~.features.WeightPairTracker`), never from ``param.grad``.
@@ -106,13 +111,13 @@ class ProjectedGradientTracker(WeightPairTracker):
     ``P_δ (M G) P_hᵀ`` over the tracked weights (see the module docstring); ``metric`` ``None`` = TracIn."""
 
     def __init__(self, modules: Mapping[str, nn.Module], projections: Mapping[str, LayerProjection], metric=None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, moved: dict[str, LayerProjection] | None = None) -> None:
         super().__init__(modules)
         self.projections = dict(projections)
         self.layout = layout(self.projections)
         self.dim = sum(d for _, d in self.layout.values())
         self.metric, self.dtype = metric, dtype
-        self._moved: dict[str, LayerProjection] = {}
+        self._moved: dict[str, LayerProjection] = {} if moved is None else moved  # shared by a projector's batches
 
     def start_step(self, batch: Mapping) -> None:
         super().start_step(batch)
@@ -120,11 +125,21 @@ class ProjectedGradientTracker(WeightPairTracker):
         self.vectors = torch.zeros(B, self.dim, dtype=self.dtype, device=device)
 
     def _projection(self, key: str, like: torch.Tensor) -> LayerProjection:
+        """The projections of weight ``key`` on ``like``'s device, rotated back from the metric's basis if it has
+        one (``P Q``, or ``Q`` for an identity side: see the module doc)."""
         p = self._moved.get(key)
         if p is None or (p.P_in is not None and p.P_in.device != like.device):
             q = self.projections[key]
-            mv = lambda t: None if t is None else t.to(device=like.device, dtype=self.dtype)  # noqa: E731
-            p = self._moved[key] = LayerProjection(q.key, q.out_features, q.in_features, mv(q.P_out), mv(q.P_in))
+            basis = None if self.metric is None else self.metric.basis(key)
+
+            def mv(P, Q):
+                if Q is not None:  # P Q in float64, then the tracker's dtype
+                    P = Q.double() if P is None else P.double() @ Q.to(device=P.device, dtype=torch.float64)
+                return None if P is None else P.to(device=like.device, dtype=self.dtype)
+
+            Q_out, Q_in = basis if basis is not None else (None, None)
+            p = self._moved[key] = LayerProjection(q.key, q.out_features, q.in_features, mv(q.P_out, Q_out),
+                                                   mv(q.P_in, Q_in))
         return p
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
@@ -169,6 +184,7 @@ class GradientProjector:
         self.metric = metric
         p = next(model.parameters())
         self.dtype = dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)
+        self._moved: dict[str, LayerProjection] = {}  # the projections on the model's device (rotated: P Q), once
 
     def project_batch(self, batch: Mapping) -> dict:
         from ..tracking import backward_pairs
@@ -181,7 +197,7 @@ class GradientProjector:
         keep = has_response_tokens(b).cpu()
         vectors = torch.zeros(B, self.dim, dtype=self.dtype)
         if bool(keep.any()):
-            tracker = ProjectedGradientTracker(self.modules, self.projections, self.metric, self.dtype)
+            tracker = ProjectedGradientTracker(self.modules, self.projections, self.metric, self.dtype, self._moved)
             with eval_mode(self.model), torch.inference_mode(False), torch.enable_grad():
                 backward_pairs(self.model, trim_batch(b, keep), [tracker])
             vectors[torch.nonzero(keep).flatten()] = tracker.vectors.cpu()

@@ -21,6 +21,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..errors import UserInputError
+
 
 def task_sums(parts: Iterable[Mapping]) -> tuple[list[str], torch.Tensor, np.ndarray]:
     """``(task names sorted, S [K, D] float64 (row k: Σ of the vectors of task k), counts [K])`` of the outputs of
@@ -38,7 +40,7 @@ def task_sums(parts: Iterable[Mapping]) -> tuple[list[str], torch.Tensor, np.nda
             sums[t] = X[j] if t not in sums else sums[t] + X[j]
             counts[t] = counts.get(t, 0) + 1
     if not sums:
-        raise ValueError("the validation data is empty: cannot compute validation gradients")
+        raise UserInputError("the validation data is empty: cannot compute validation gradients")
     names = sorted(sums)
     return names, torch.stack([sums[t] for t in names]), np.asarray([counts[t] for t in names], np.int64)
 
@@ -82,7 +84,7 @@ def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor
         zero.append(s["zero_grad"].numpy())
         bad.append(s["nonfinite"].numpy())
     if not ids:
-        raise ValueError("the gradient store holds no example")
+        raise UserInputError("the gradient store holds no example")
     o = sorted(range(len(ids)), key=lambda j: ids[j])  # rows by id, like a merged score table
     cat = lambda parts: np.concatenate(parts)[o]  # noqa: E731
     return ScoreTable([ids[j] for j in o], cat(scores), list(names), cat(task_scores), cat(n_tok), cat(zero),
@@ -95,7 +97,7 @@ def nearest(shards: Iterable[Mapping], Q: torch.Tensor, k: int) -> tuple[list[li
     highest cosine, best first (ties by position in the store), streamed shard by shard (memory ``m·k`` plus a shard).
     Stored rows flagged ``zero_grad`` or ``nonfinite`` are never returned."""
     if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+        raise UserInputError(f"k must be >= 1, got {k}")
     Qn = torch.nn.functional.normalize(Q.double(), dim=1)
     best_v = torch.full((Q.shape[0], 0), float("-inf"), dtype=torch.float64)
     best_i = torch.zeros((Q.shape[0], 0), dtype=torch.long)

@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 
+from ..errors import UserInputError
 from ..io import gradient_store as gs
 from .metrics import METRICS, fit_or_load, influence_metric
 from .projection import GradientProjector, LayerProjection, make_projections
+from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)
+
+BASIS = "weight"
+"""``store.json`` ``fingerprint.settings.basis`` of a K-FAC / EK-FAC store: its vectors project the whitened gradient
+in the weights' own coordinates (:mod:`.projection`; stores without it projected in the factors' eigenbases, which a
+query no longer reproduces)."""
 
 
 class GradientStoreModule(L.LightningModule):
@@ -53,9 +58,9 @@ class GradientStoreModule(L.LightningModule):
                  attn_implementation: Optional[str] = "sdpa") -> None:
         super().__init__()
         if k < 1:
-            raise ValueError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
+            raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
         if method not in METRICS:
-            raise ValueError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
+            raise UserInputError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
         self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__
@@ -85,9 +90,12 @@ class GradientStoreModule(L.LightningModule):
     def settings(self) -> dict:
         """What the vectors depend on besides the model and the pool (the store's fingerprinted settings)."""
         hp = self.hparams
-        return {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
-                "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
-                "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
+        out = {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
+               "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
+               "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
+        if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
+            out["basis"] = BASIS
+        return out
 
     def provenance(self) -> dict:
         """``{"fingerprint": {model, settings, pool}, "pool": records provenance, "data": dropped report}``."""
@@ -131,6 +139,7 @@ class GradientStoreModule(L.LightningModule):
             if dm is None or not hasattr(dm, "dataloader"):
                 raise RuntimeError(f"method={self.metric.name!r} needs a data module with dataloader(split) for its "
                                    "factors")
+            from ..console import show_progress
             from ..io.fingerprint import loader_digest
 
             fac = dm.dataloader(hp.kfac_split)
@@ -143,7 +152,7 @@ class GradientStoreModule(L.LightningModule):
                     fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
                                  "load_dtype": hp.dtype},
                     dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
-                    progress=self.trainer.global_rank == 0, save=save))
+                    progress=show_progress(self.trainer), save=save))
         self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
                                            target_patterns=hp.target_patterns, projections=projections, dtype=dtype)
 
@@ -165,7 +174,7 @@ class GradientStoreModule(L.LightningModule):
         return self.net(*args, **kwargs)
 
 
-class GradientStoreWriter(BasePredictionWriter):
+class GradientStoreWriter(BufferedShardWriter):
     """Write ``GradientStoreModule`` predictions as per-rank safetensors shards of a gradient store.
 
     Args:
@@ -176,48 +185,37 @@ class GradientStoreWriter(BasePredictionWriter):
         extra_info: more entries for ``store.json`` (e.g. how the pool was tokenized, for queries).
     """
 
+    shard_dir = gs.SHARD_DIR
+
     def __init__(self, output_dir: str, store_dtype: str = "float16", write_every_n_batches: int = 50,
                  overwrite: bool = False, extra_info: Optional[dict] = None) -> None:
-        super().__init__(write_interval="batch")
         gs.storage_dtype(store_dtype)
-        if write_every_n_batches < 1:
-            raise ValueError(f"write_every_n_batches must be >= 1, got {write_every_n_batches}")
-        self.output_dir = Path(output_dir)
+        super().__init__(output_dir, write_every_n_batches, overwrite=overwrite)
         self.store_dtype = store_dtype
-        self.write_every_n_batches = int(write_every_n_batches)
-        self.overwrite = overwrite
         self.extra_info = dict(extra_info or {})
-        self._buffer: list[dict] = []
-        self._batches = self._seq = 0
-        self._run = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        self.rows_written = 0
-        self._lock = None
 
     def _hint(self) -> str:
         return f"to start fresh pass overwrite=True (CLI: --overwrite true) or choose another directory than {self.output_dir}"
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage != "predict":
-            return
-        from ..io.scores import OutputLocked, ScoreDirLock
+    # ------------------------------------------------------------------ shards (BufferedShardWriter)
+    def make_lock(self):
+        from ..io.scores import ScoreDirLock
 
-        self._rank = trainer.global_rank
-        refused = None
-        if trainer.global_rank == 0:
-            try:
-                self._lock = ScoreDirLock(self.output_dir, gs.LOCK_FILE, "store build",
-                                          "build into another directory").acquire()
-            except OutputLocked as e:
-                refused = str(e)
-        if trainer.world_size > 1:
-            refused = trainer.strategy.broadcast(refused, src=0)
-        if refused:
-            raise OutputLocked(refused)
-        if self.overwrite and trainer.global_rank == 0:
-            gs.clear_store(self.output_dir)
-        (self.output_dir / gs.SHARD_DIR).mkdir(parents=True, exist_ok=True)
-        trainer.strategy.barrier()
+        return ScoreDirLock(self.output_dir, gs.LOCK_FILE, "store build", "build into another directory")
 
+    def clear_output(self) -> None:
+        gs.clear_store(self.output_dir)
+
+    def write_shard(self, parts, rank, run, seq):
+        vectors = torch.cat([p["vectors"] for p in parts]).to(gs.storage_dtype(self.store_dtype))
+        nonfinite = np.concatenate([p["nonfinite"] for p in parts]) | ~torch.isfinite(vectors).all(1).numpy()
+        path = gs.write_shard(self.output_dir, gs.shard_name(rank, run, seq), ids=[i for p in parts for i in p["id"]],
+                              tasks=[t for p in parts for t in p["task"]], vectors=vectors,
+                              n_tokens=np.concatenate([p["n_tokens"] for p in parts]),
+                              zero_grad=np.concatenate([p["zero_grad"] for p in parts]) & ~nonfinite, nonfinite=nonfinite)
+        return path, len(vectors)
+
+    # ------------------------------------------------------------------ life cycle
     def on_predict_start(self, trainer, pl_module) -> None:
         prov = pl_module.provenance() if trainer.global_rank == 0 else None
         if trainer.world_size > 1:
@@ -245,29 +243,6 @@ class GradientStoreWriter(BasePredictionWriter):
             log.info("GradientStoreWriter: resuming, %d ids already stored in %s", len(pl_module.skip_ids),
                      self.output_dir)
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        if prediction is None:
-            return
-        self._buffer.append(prediction)
-        self._batches += 1
-        if self._batches % self.write_every_n_batches == 0:
-            self.flush()
-
-    def flush(self) -> str | None:
-        parts, self._buffer = self._buffer, []
-        if not parts:
-            return None
-        vectors = torch.cat([p["vectors"] for p in parts]).to(gs.storage_dtype(self.store_dtype))
-        nonfinite = np.concatenate([p["nonfinite"] for p in parts]) | ~torch.isfinite(vectors).all(1).numpy()
-        name = gs.shard_name(getattr(self, "_rank", 0), self._run, self._seq)
-        self._seq += 1
-        path = gs.write_shard(self.output_dir, name, ids=[i for p in parts for i in p["id"]],
-                              tasks=[t for p in parts for t in p["task"]], vectors=vectors,
-                              n_tokens=np.concatenate([p["n_tokens"] for p in parts]),
-                              zero_grad=np.concatenate([p["zero_grad"] for p in parts]) & ~nonfinite, nonfinite=nonfinite)
-        self.rows_written += len(vectors)
-        return str(path)
-
     def on_predict_end(self, trainer, pl_module) -> None:
         self.flush()
         trainer.strategy.barrier()
@@ -275,21 +250,7 @@ class GradientStoreWriter(BasePredictionWriter):
             info = gs.read_info(self.output_dir)
             rows = sum(len(s["ids"]) for s in gs.iter_shards(self.output_dir, vectors=False))
             info.update(complete=True, rows=rows, shards=len(gs.shard_files(self.output_dir)),
-                        finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+                        finished=time.strftime("%Y-%m-%d %H:%M:%S"), **gs.store_size(self.output_dir, rows))
             gs.write_info(self.output_dir, info)
         trainer.strategy.barrier()
         self._unlock()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        try:
-            self.flush()
-        finally:
-            self._unlock()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._unlock()
-
-    def _unlock(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None

@@ -20,11 +20,6 @@ in name order.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from pathlib import Path
-
-from lightning.pytorch.callbacks import BasePredictionWriter
 
 from ..io.scores import (  # noqa: F401  (re-exported: the historical import path)
     SCORES_FILE,
@@ -43,11 +38,12 @@ from ..io.scores import (  # noqa: F401  (re-exported: the historical import pat
     write_parquet_atomic,
     write_settings,
 )
+from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)
 
 
-class InfluenceWriter(BasePredictionWriter):
+class InfluenceWriter(BufferedShardWriter):
     """Write ``InfluenceScoringModule`` predictions as per-rank Parquet shards and merge them.
 
     Args:
@@ -62,6 +58,8 @@ class InfluenceWriter(BasePredictionWriter):
     Use with ``trainer.predict(module, datamodule=dm, return_predictions=False)``.
     """
 
+    shard_dir = SHARD_DIR
+
     def __init__(
         self,
         output_dir: str,
@@ -71,44 +69,28 @@ class InfluenceWriter(BasePredictionWriter):
         resume: bool = True,
         overwrite: bool = False,
     ) -> None:
-        super().__init__(write_interval="batch")
-        if write_every_n_batches < 1:
-            raise ValueError(f"write_every_n_batches must be >= 1, got {write_every_n_batches}")
-        self.output_dir = Path(output_dir)
-        self.write_every_n_batches = int(write_every_n_batches)
+        super().__init__(output_dir, write_every_n_batches, overwrite=overwrite, flush_on_exception=flush_on_exception)
         self.merge = merge
-        self.flush_on_exception = flush_on_exception
         self.resume = resume
-        self.overwrite = overwrite
-        self._buffer: list[dict] = []
-        self._batches = 0
-        self._seq = 0
-        self._run = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self._provenance: dict = {}
-        self.rows_written = 0
         self.merged_path: str | None = None
 
-    # ------------------------------------------------------------------ life cycle
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage != "predict":
-            return
-        self._rank = trainer.global_rank
-        refused = None
-        if trainer.global_rank == 0:  # one run at a time per directory (a second one would mix shards / settings)
-            try:
-                self._lock = ScoreDirLock(self.output_dir).acquire()
-            except OutputLocked as e:
-                refused = str(e)
-        if trainer.world_size > 1:
-            refused = trainer.strategy.broadcast(refused, src=0)
-        if refused:
-            raise OutputLocked(refused)
-        if self.overwrite and trainer.global_rank == 0:
-            clear_output(self.output_dir)
-            log.info("InfluenceWriter: overwrite=True, cleared %s", self.output_dir)
-        (self.output_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-        trainer.strategy.barrier()
+    # ------------------------------------------------------------------ shards (BufferedShardWriter)
+    def make_lock(self) -> ScoreDirLock:
+        return ScoreDirLock(self.output_dir)
 
+    def clear_output(self) -> None:
+        clear_output(self.output_dir)
+        log.info("InfluenceWriter: overwrite=True, cleared %s", self.output_dir)
+
+    def write_shard(self, parts, rank, run, seq):
+        table = predictions_to_arrow(parts)
+        if table is None:
+            return None
+        name = f"rank{rank:03d}-{run}-{seq:05d}.parquet"
+        return write_parquet_atomic(table, self.output_dir / SHARD_DIR / name), table.num_rows
+
+    # ------------------------------------------------------------------ life cycle
     def _hint(self) -> str:
         return (f"to start fresh pass overwrite=True (CLI: --trainer.callbacks.overwrite true; pipeline: --force true) "
                 f"or choose a new output_dir than {self.output_dir}")
@@ -142,26 +124,6 @@ class InfluenceWriter(BasePredictionWriter):
         if done and trainer.global_rank == 0:
             log.info("InfluenceWriter: resuming, %d ids already scored in %s", len(done), self.output_dir)
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        if prediction is None:
-            return
-        self._buffer.append(prediction)
-        self._batches += 1
-        if self._batches % self.write_every_n_batches == 0:
-            self.flush()
-
-    def flush(self) -> str | None:
-        """Write the buffered rows as one shard (atomic rename). Returns the shard path, if any."""
-        table = predictions_to_arrow(self._buffer)
-        self._buffer = []
-        if table is None:
-            return None
-        name = f"rank{getattr(self, '_rank', 0):03d}-{self._run}-{self._seq:05d}.parquet"
-        self._seq += 1
-        final = write_parquet_atomic(table, self.output_dir / SHARD_DIR / name)
-        self.rows_written += table.num_rows
-        return str(final)
-
     def on_predict_end(self, trainer, pl_module) -> None:
         self.flush()
         trainer.strategy.barrier()
@@ -177,21 +139,3 @@ class InfluenceWriter(BasePredictionWriter):
         trainer.strategy.barrier()
         self.merged_path = str(self.output_dir / SCORES_FILE) if self.merge else None
         self._unlock()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        try:
-            if self.flush_on_exception:
-                self.flush()
-            else:
-                self._buffer = []
-        finally:
-            self._unlock()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._unlock()
-
-    def _unlock(self) -> None:
-        lock = getattr(self, "_lock", None)
-        if lock is not None:
-            lock.release()
-            self._lock = None

@@ -1,0 +1,40 @@
+"""Errors about the user's input, raised by the project's own checks with a message that names the file, field or
+option and says what to do.
+
+``python train.py`` prints such an error as ``error: <message>`` on stderr (exit status 2) instead of a traceback
+(:func:`iprox_lightning.cli.main`; ``--debug`` or ``IPROX_DEBUG=1`` keeps the traceback). Anything else — a bug, a
+library's own error — keeps its traceback. Each class also derives from the built-in error it replaces
+(``ValueError``, ``FileNotFoundError``, ``FileExistsError``, ...), so ``except ValueError`` and
+``pytest.raises(ValueError)`` keep catching it.
+
+Raise :class:`UserInputError` for a bad value (a file's content, an option, an artifact made from other inputs),
+:class:`InputNotFoundError` for a missing input file or directory, :class:`OutputExistsError` for an output that is
+not replaced, :class:`OutputIsDirectoryError` / :class:`OutputNotDirectoryError` for an output of the wrong kind. The
+formats' own errors (``DataFormatError``, ``EvalDataError``, ``ProxyFormatError``, ``StoreFormatError``,
+``FingerprintMismatch``, ``OutputLocked``) are :class:`UserError` s too.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error about the user's input whose message says everything (see the module doc)."""
+
+
+class UserInputError(UserError, ValueError):
+    """A bad value: a file's content, an option, an artifact made from other inputs than this run's."""
+
+
+class InputNotFoundError(UserError, FileNotFoundError):
+    """An input file or directory that does not exist (or holds nothing to read)."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """An output that exists and is not replaced."""
+
+
+class OutputIsDirectoryError(UserError, IsADirectoryError):
+    """An output file named by a directory."""
+
+
+class OutputNotDirectoryError(UserError, NotADirectoryError):
+    """An output directory named by a file."""

@@ -1,0 +1,70 @@
+"""Tensors kept under the fingerprint of what made them: ``<root>/<kind>/<fingerprint>.safetensors`` plus a JSON
+sidecar ``<fingerprint>.json`` (names, counts, timings: whatever the user of the cache records).
+
+Both files are written atomically (temp file + ``os.replace``), the JSON last, so an entry exists exactly when both
+files do and an interrupted run leaves whole entries or none. Safetensors only: nothing is ever unpickled. An entry
+that cannot be read counts as absent (it is computed again and replaced). The fingerprint says everything the
+tensors depend on, so a changed input never finds an old entry. Used by ``train.py check``
+(:class:`~iprox_lightning.scoring.check_cache.CheckCache`: validation gradient sums) and ``train.py query``
+(:func:`iprox_lightning.io.gradient_store.validation_cache`: projected validation gradients).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+class TensorCache:
+    """Entries ``(tensors, meta)`` under ``root``, by kind and fingerprint (see the module doc)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def path(self, kind: str, fp: str) -> Path:
+        """The entry's tensors file (its JSON: the same path with suffix ``.json``)."""
+        return self.root / kind / f"{fp}.safetensors"
+
+    def exists(self, kind: str, fp: str) -> bool:
+        p = self.path(kind, fp)
+        return p.is_file() and p.with_suffix(".json").is_file()
+
+    def load(self, kind: str, fp: str, device: str = "cpu") -> tuple[dict[str, Any], dict] | None:
+        """``(tensors, meta)`` of an entry, or ``None`` when it is absent or unreadable."""
+        from safetensors.torch import load_file
+
+        if not self.exists(kind, fp):
+            return None
+        path = self.path(kind, fp)
+        try:
+            meta = json.loads(path.with_suffix(".json").read_text())
+            tensors = load_file(str(path), device=device)
+        except Exception as e:  # a damaged entry: computed again and replaced
+            log.warning("cache entry %s is unreadable (%s: %s); computing it again", path, type(e).__name__, e)
+            return None
+        return tensors, meta
+
+    def save(self, kind: str, fp: str, tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+        """Write an entry (the tensors, then the JSON); returns the tensors file."""
+        from safetensors.torch import save_file
+
+        path = self.path(kind, fp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+        atomic_write_text(path.with_suffix(".json"), json.dumps(dict(meta), indent=1))
+        return path
