@@ -29,7 +29,9 @@ Rounding (``round`` is round-half-up here, ``⌊x + 0.5⌋``)::
 so even a tiny pool gets non-empty probe and alignment sets; ``n_warmup + n_construction`` (and
 ``+ fidelity_examples``) must not exceed ``N``.
 
-Validation sets keep a few examples per task: :func:`sample_per_task`.
+Validation sets keep a few examples per task: :func:`sample_per_task`. A pool too large to score whole is
+cut down first with :func:`stratified_sample` (``python train.py sample_pool``): ``n`` records, each stratum (e.g.
+each ``source``) in proportion to its size.
 """
 from __future__ import annotations
 
@@ -161,4 +163,33 @@ def sample_per_task(ids: Sequence[str], tasks: Sequence[str], per_task: int | No
             keep = np.sort(rng.choice(len(members), size=per_task, replace=False))
             members = [members[k] for k in keep]
         out[t] = members
+    return out
+
+
+def stratified_sample(records: Sequence[Mapping], n: int, seed: int, by: str = "source") -> list:
+    """``n`` records drawn without replacement, each stratum (value of ``by``) getting its share
+    ``n·|stratum|/|records|`` (largest remainder, ties by stratum name), shuffled within the stratum with
+    ``seed``. Returned in stratum order, then draw order.
+
+    The stratum of a record is ``str(record.get(by))`` (a record without the field is in stratum ``"None"``;
+    ``train.py sample_pool`` refuses such rows before calling this). The draw is
+    ``numpy.random.default_rng(seed).permutation`` per stratum, strata in sorted order, so the same records in the
+    same order give the same sample on every platform (``bench/fidelity_v2.py``'s recorded samples were drawn
+    with this function).
+    """
+    if n > len(records):
+        raise ValueError(f"sample of {n} asked from {len(records)} records")
+    groups: dict[str, list] = {}
+    for r in records:
+        groups.setdefault(str(r.get(by)), []).append(r)
+    names = sorted(groups)
+    exact = {g: n * len(groups[g]) / len(records) for g in names}
+    take = {g: int(math.floor(exact[g])) for g in names}
+    for g in sorted(names, key=lambda g: (-(exact[g] - take[g]), g))[: n - sum(take.values())]:
+        take[g] += 1
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in names:
+        idx = rng.permutation(len(groups[g]))[: take[g]]
+        out.extend(groups[g][int(i)] for i in idx)
     return out
