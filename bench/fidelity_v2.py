@@ -356,26 +356,10 @@ def logger_overlay(out: Path, name: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # data (sample and validation files)
 # ------------------------------------------------------------------------------------------------
-def stratified_sample(records: list[dict], n: int, seed: int, by: str = "source") -> list[dict]:
-    """``n`` records drawn without replacement, each stratum (value of ``by``) getting its share
-    ``n·|stratum|/|records|`` (largest remainder, ties by stratum name), shuffled within the stratum with
-    ``seed``. Returned in stratum order, then draw order."""
-    if n > len(records):
-        raise ValueError(f"sample of {n} asked from {len(records)} records")
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(str(r.get(by)), []).append(r)
-    names = sorted(groups)
-    exact = {g: n * len(groups[g]) / len(records) for g in names}
-    take = {g: int(math.floor(exact[g])) for g in names}
-    for g in sorted(names, key=lambda g: (-(exact[g] - take[g]), g))[: n - sum(take.values())]:
-        take[g] += 1
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in names:
-        idx = rng.permutation(len(groups[g]))[: take[g]]
-        out.extend(groups[g][int(i)] for i in idx)
-    return out
+# the sample: the library's stratified_sample (train.py sample_pool), the algorithm the recorded runs used. Here it
+# stratifies canonical records, which carry no `source` field: every record is in stratum "None", so the recorded
+# 512-example samples are uniform draws from the candidates (not per-source shares)
+from iprox_lightning.data.splits import stratified_sample  # noqa: E402
 
 
 def split_halves(records: list[dict]) -> list[dict]:

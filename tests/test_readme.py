@@ -118,3 +118,135 @@ def test_readme_build_once_query_many_commands_run_as_written(tmp_path, monkeypa
     assert "build_store: 200 pool examples" in out and "query: 200 stored pool examples" in out
     assert (tmp_path / "outputs" / "selected" / "query.jsonl").exists()
     assert (tmp_path / "outputs" / "scores" / "query" / "neighbours.jsonl").exists()
+
+
+RECIPE_HEADING = "## Your own model (SmolLM2 from a GGUF file, on a CPU)"
+RECIPE_MODEL = "../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bash_commands(block: str) -> list[str]:
+    """The commands of a bash block: comment lines dropped, ``\\``-continued lines joined."""
+    lines = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [c.strip() for c in " ".join(l[:-1] if l.endswith("\\") else l + "\n" for l in lines).splitlines()
+            if c.strip()]
+
+
+def readme_recipe() -> tuple[list[str], list[str]]:
+    """The commands of the "Your own model" section's two bash blocks, exactly as written: (CPU recipe, GPU version)."""
+    text = README.read_text()
+    section = text[text.index(RECIPE_HEADING):]
+    section = section[: section.index("\n## ", 1)]
+    cpu, gpu = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return bash_commands(cpu), bash_commands(gpu)
+
+
+def test_bash_commands_joins_continuations():
+    assert bash_commands("# c\npython a \\\n  --b '{\"x\": 1}'\n\npython c\n") == ["python a    --b '{\"x\": 1}'", "python c"]
+
+
+def test_readme_recipe_blocks_are_the_same_commands_scaled_up():
+    """The GPU block is the CPU recipe's pipeline and check at the paper's sizes: the same stages, no sample step."""
+    import shlex
+
+    cpu, gpu = readme_recipe()
+    assert [shlex.split(c)[2] for c in cpu] == ["sample_pool", "pipeline", "check"]
+    assert [shlex.split(c)[2] for c in gpu] == ["pipeline", "check"]
+    assert all(c.startswith("python train.py ") for c in cpu + gpu)
+    pipe_cpu, pipe_gpu = shlex.split(cpu[1]), shlex.split(gpu[0])
+    for args in (pipe_cpu, pipe_gpu):
+        assert args[args.index("--target") + 1] == RECIPE_MODEL
+        assert args[args.index("--select_rule") + 1] == "max"
+        assert args[args.index("--validation") + 1] == "eval:../shared/data/eval"
+    assert pipe_gpu[pipe_gpu.index("--accelerator") + 1] == "gpu"
+    assert pipe_gpu[pipe_gpu.index("--pool") + 1] == "../shared/data/pool/instructions.jsonl"
+    import json
+
+    assert json.loads(pipe_gpu[pipe_gpu.index("--data_args") + 1]) == {"max_length": 512, "validation_subtasks": True}
+
+
+def run_readme_recipe(repo: Path, model: str | None = None) -> dict:
+    """Run the README's CPU recipe from ``repo`` (its ``../shared`` must resolve), command by command, in process;
+    ``model`` replaces the model path (nothing else is changed). Returns the wall seconds per command and in all."""
+    import shlex
+    import time
+
+    from iprox_lightning.cli import main
+
+    cmds, _ = readme_recipe()
+    seconds = {}
+    t_all = time.perf_counter()
+    for cmd in cmds:
+        if model is not None:
+            cmd = cmd.replace(RECIPE_MODEL, model)
+        args = shlex.split(cmd)
+        assert args[:2] == ["python", "train.py"]
+        t0 = time.perf_counter()
+        main(args[2:])
+        seconds[args[2]] = round(time.perf_counter() - t0, 1)
+    seconds["total"] = round(time.perf_counter() - t_all, 1)
+    return seconds
+
+
+def check_recipe_outputs(repo: Path) -> dict:
+    """What the recipe promises, from its files: the stages ran, one selection per task of the stated size (5% of the
+    160-example sample: 8) for the proxy and the target, a check verdict with per-task rows. Returns the summary."""
+    import json
+
+    tasks = {"mmlu", "bbh", "tydiqa"}
+    sample = [json.loads(line) for line in (repo / "outputs" / "pool_sample.jsonl").read_text().splitlines()]
+    assert len(sample) == 160 and all("source" in r for r in sample)
+    wd = repo / "outputs" / "smollm2"
+    summary = json.loads((wd / "summary.json").read_text())
+    assert summary["selection_rule"] == {"rule": "max", "k": 0.05, "tasks": ["bbh", "mmlu", "tydiqa"]}
+    ran = {k for k, v in summary["stages"].items() if v["status"] == "ran"}
+    assert ran == {"warmup", "build_proxy", "score:target", "score:proxy", "finetune:random",
+                   *(f"finetune:{who}.{t}" for who in ("proxy", "target") for t in tasks)}
+    for who in ("proxy", "target"):
+        for t in tasks:
+            rows = [json.loads(line) for line in (wd / "selected" / f"{who}.{t}.jsonl").read_text().splitlines()]
+            assert len(rows) == 8 and all(r["instruction"] and r["response"] for r in rows), (who, t)
+            assert json.loads((wd / "selected" / f"{who}.{t}.jsonl.meta.json").read_text())["task"] == t
+    assert set(summary["retention_proxy_vs_target_per_task"]) == tasks
+    effect = summary["selection_effect"]
+    assert set(effect["metrics"]["proxy"]["per_task"]) == tasks and set(effect["metrics"]["target"]["models"]) == tasks
+    assert effect["heldout"].startswith("24 validation examples, at most 8 per task")
+    check = json.loads((wd / "check" / "check.json").read_text())
+    assert check["verdict"]["verdict"].startswith(("use this proxy", "do not use this proxy yet"))
+    assert set(check["rows"][0]["per_task"]) == tasks and check["sample"] == 64
+    assert check["validation"]["counts"] == {"mmlu": 2, "bbh": 2, "tydiqa": 2}
+    return summary
+
+
+def test_readme_own_model_recipe_runs_as_written(tmp_path, eval_dir, capsys, monkeypatch):
+    """The CPU recipe, verbatim but for the model (the built-in tiny model instead of the GGUF), from a directory laid
+    out like a clone: ``../shared/data/pool/instructions.jsonl`` is the built-in data with a ``source`` field (600
+    examples, six sources), ``../shared/data/eval`` the real suites' files."""
+    import json
+
+    from iprox_lightning.data.synthetic import generate_builtin_dataset
+
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    (tmp_path / "shared" / "data" / "pool").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "eval").symlink_to(eval_dir)
+    pool = [{**r, "source": f"src_{r['category']}"} for r in generate_builtin_dataset(600, seed=0)]
+    (tmp_path / "shared" / "data" / "pool" / "instructions.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in pool))
+    monkeypatch.chdir(repo)
+    run_readme_recipe(repo, model="builtin")
+    out = capsys.readouterr().out
+    summary = check_recipe_outputs(repo)
+    assert "proxy's selections : one per task" in out and "\nverdict: " in out
+    # a per-task selection is the top 8 by the max over the task's subtask columns (brute force on the score table)
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    wd = repo / "outputs" / "smollm2"
+    table = pq.read_table(wd / "scores" / "proxy" / "scores.parquet").to_pydict()
+    for task in ("mmlu", "bbh", "tydiqa"):
+        cols = [c for c in table if c.startswith(f"score/{task}.")]
+        assert 1 <= len(cols) <= 2  # val_per_task 2: at most two subtasks of the task
+        value = dict(zip(table["id"], np.max([table[c] for c in cols], axis=0)))
+        chosen = {json.loads(line)["id"] for line in (wd / "selected" / f"proxy.{task}.jsonl").read_text().splitlines()}
+        assert min(value[i] for i in chosen) >= max(v for i, v in value.items() if i not in chosen)
+    assert summary["seconds_per_stage"]["evaluate"] > 0

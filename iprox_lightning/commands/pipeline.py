@@ -6,6 +6,11 @@ Each stage goes through the same LightningCLI configs a user runs:
     random) -> fine-tune on each of the three selections -> evaluate each on held-out examples of the
     validation tasks -> summary (retention, the selections explained, the fine-tuned effect)
 
+With a per-task selection rule (``mean``, ``max``: :data:`PER_TASK_RULES`) the target and the proxy select one subset
+per validation task (``selected/<who>.<task>.jsonl``, ranked by the rule over the task's score columns: with
+``validation_subtasks`` in ``data_args``, LESS's max over its subtasks) and the target is fine-tuned on each
+(``finetune/<who>.<task>/``), each evaluated on its own task; the random selection stays one subset for all tasks.
+
 Each stage reads the previous stage's output directory under ``workdir``. The exact config of
 every stage (the shipped ``configs/<stage>.yaml``, the ``configs/builtin/<stage>.yaml`` demo overlay
 when running on the built-in data, and a generated overlay with this run's paths) is kept in
@@ -30,6 +35,8 @@ from ..errors import InputNotFoundError, OutputNotDirectoryError, UserInputError
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+PER_TASK_RULES = ("mean", "max")
+"""Selection rules that rank for one task: with them the pipeline selects (and fine-tunes) once per validation task."""
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
@@ -65,6 +72,7 @@ def pipeline(
     data_args: dict[str, Any] | None = None,
     align_epochs: int | None = None,
     num_threads: int | None = None,
+    eval_per_task: int | None = None,
 ) -> dict[str, Any]:
     """Run every stage and print a summary (proxy size vs target, time per stage, selection quality).
 
@@ -76,8 +84,10 @@ def pipeline(
         sparsity: ρ, the share of each compressed layer's parameters removed.
         select_fraction: k as a fraction of the pool (paper: 5%).
         select_rule: how the score columns become one ranking (``pooled``, ``mean``, ``max``, ``balanced``:
-            :mod:`iprox_lightning.selection_rules`); the same rule for the target's, the proxy's and the random
-            selection.
+            :mod:`iprox_lightning.selection_rules`) for the target's and the proxy's selection (the random one ranks
+            by its random score). ``mean`` and ``max`` select once per validation task (``selected/<who>.<task>.jsonl``:
+            the mean / max over the task's columns, e.g. LESS's max over its subtasks with
+            ``data_args={"validation_subtasks": true}``), and the target is fine-tuned on each.
         method: ``tracin`` or ``kfac``.
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
@@ -88,11 +98,15 @@ def pipeline(
             (:mod:`iprox_lightning.evaluation.heldout`).
         force: re-run stages whose outputs exist.
         seed: seed of every stage.
-        data_args: extra ``SFTDataModule`` arguments for every stage (e.g. ``{"max_length": 128}``).
+        data_args: extra ``SFTDataModule`` arguments for every stage (e.g. ``{"max_length": 128, "val_per_task": 2,
+            "validation_subtasks": true}``).
         align_epochs: epochs of the alignment stage (default: the config's).
         num_threads: torch intra-op threads (default: 1 for the tiny built-in model, where threading
             overhead dominates — measured 28 s vs 6.4 min for the whole demo on a loaded 2-core machine —
             else torch's default).
+        eval_per_task: evaluate the fine-tuned models on at most this many validation examples per task, drawn
+            with ``seed``, first from those the scoring's validation sample (``val_per_task``) left out (default:
+            every validation example; on the built-in data 50 fresh examples per validation family).
     """
     import torch
 
@@ -105,7 +119,7 @@ def pipeline(
         torch.set_num_threads(num_threads)
 
     wd = Path(workdir)
-    check_arguments(wd, sparsity, select_fraction, method)
+    check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task)
     check_sources(target, pool, validation)
     from ..io.scores import ScoreDirLock
 
@@ -114,10 +128,11 @@ def pipeline(
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
                          config_dir=config_dir, demo_overlays=demo_overlays, accelerator=accelerator, devices=devices,
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
-                         run_lightning=run_lightning, select=select)
+                         eval_per_task=eval_per_task, run_lightning=run_lightning, select=select)
 
 
-def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str) -> None:
+def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "pooled",
+                    eval_per_task: int | None = None) -> None:
     """Refuse at once the arguments a late stage would refuse (after warm-up and proxy building ran)."""
     if wd.exists() and not wd.is_dir():
         raise OutputNotDirectoryError(f"workdir {wd} is a file, not a directory")
@@ -125,6 +140,12 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
         raise UserInputError(f"sparsity must be in [0, 1), got {sparsity}")
     if isinstance(select_fraction, bool) or not 0.0 < select_fraction <= 1.0:
         raise UserInputError(f"select_fraction must be a fraction in (0, 1], got {select_fraction}")
+    from ..selection_rules import RULES
+
+    if select_rule not in RULES:
+        raise UserInputError(f"select_rule: unknown selection rule {select_rule!r}; rules: {', '.join(RULES)}")
+    if eval_per_task is not None and (isinstance(eval_per_task, bool) or eval_per_task < 1):
+        raise UserInputError(f"eval_per_task must be >= 1 or null (every validation example), got {eval_per_task}")
     from ..scoring.influence import ScoringConfig
 
     try:
@@ -147,8 +168,8 @@ def check_sources(target: str, pool, validation) -> None:
 
 
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
-              demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, run_lightning,
-              select) -> dict[str, Any]:
+              demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, eval_per_task,
+              run_lightning, select) -> dict[str, Any]:
     """The stages of :func:`pipeline`, run while its workdir lock is held."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
     if not (cfg_dir / "warmup.yaml").exists():
@@ -163,6 +184,9 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     # one line per stage (below): no model summary, and progress bars only on a terminal
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning"),
                       "enable_model_summary": False, "enable_progress_bar": interactive()}
+    # training stages log every step: a small run (a few batches: a sample, a 5% selection) then logs at all, without
+    # Lightning's warning that its batches are fewer than the logging interval
+    fit_common = {**trainer_common, "log_every_n_steps": 1}
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
 
     from ..data.eval_validation import parse_eval_source
@@ -213,7 +237,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     warm = wd / "warmup" / "model"
     stage("warmup", "fit", {
         "seed_everything": seed,
-        "trainer": {**trainer_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "warmup"}}},
+        "trainer": {**fit_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "warmup"}}},
         "model": {"init_args": {"model": target, "save_dir": str(warm)}},
         "data": {"init_args": {**data_args, "tokenizer": target, "train_split": "warmup"}},
     }, warm / "config.json")
@@ -222,7 +246,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     proxy = wd / "proxy" / "model"
     stage("build_proxy", "fit", {
         "seed_everything": seed,
-        "trainer": {**trainer_common, **({"max_epochs": align_epochs} if align_epochs is not None else {}),
+        "trainer": {**fit_common, **({"max_epochs": align_epochs} if align_epochs is not None else {}),
                     "logger": {**logger, "init_args": {**logger["init_args"], "name": "build_proxy"}},
                     "callbacks": [{"class_path": "iprox_lightning.callbacks.IPSVDCallback",
                                    "init_args": {"sparsity": sparsity, "method": "ipsvd"}}]},
@@ -244,7 +268,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
             "data": {"init_args": {**data_args, "tokenizer": str(warm)}},
         }, out / "scores.parquet", tag=who, upstream=("warmup", "build_proxy") if who == "proxy" else ("warmup",))
 
-    # 4. select: target, proxy, random ---------------------------------------------------------
+    # 4. select: target, proxy, random (a per-task rule: target and proxy once per validation task) -----------
     from ..analysis.score_table import read_scores
     from ..baselines.random_selection import write_random_scores
 
@@ -252,62 +276,84 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     rand_path = wd / "scores" / "random" / "scores.parquet"
     write_random_scores(sorted(scores["target"]), rand_path, seed=seed)  # cheap: always from this run's pool
     scores["random"] = read_scores(rand_path)
+    tasks = selection_tasks(score_dirs["target"] / "scores.parquet", select_rule)
     selected = {}
     t0 = time.perf_counter()
     for who in ("target", "proxy", "random"):
         src = rand_path if who == "random" else score_dirs[who] / "scores.parquet"
-        selected[who] = Path(select(str(src), k=select_fraction, rule="pooled" if who == "random" else select_rule,
-                                    pool=pool, quiet=True, builtin_size=data_args.get("builtin_size"),
-                                    output=str(wd / "selected" / f"{who}.jsonl")))
+        for task in tasks if tasks and who != "random" else [None]:
+            name = who if task is None else f"{who}.{task}"
+            selected[name] = Path(select(str(src), k=select_fraction, rule="pooled" if who == "random" else select_rule,
+                                         task=task, pool=pool, quiet=True, builtin_size=data_args.get("builtin_size"),
+                                         output=str(wd / "selected" / f"{name}.jsonl")))
     times["select"] = time.perf_counter() - t0
-    print(f"[pipeline] select: top {select_fraction:g} by the target's, the proxy's and random scores, "
+    per = f", one subset per task ({', '.join(tasks)}; random: one for all)" if tasks else ""
+    print(f"[pipeline] select: top {select_fraction:g} by the target's, the proxy's and random scores{per}, "
           f"{times['select']:.1f} s -> {wd / 'selected'}", flush=True)
 
     # 5. fine-tune the warmed-up target on each selection, evaluate each on held-out examples -----
     effect = None
     if finetune:
-        for who in ("proxy", "target", "random"):
-            ft = wd / "finetune" / who / "model"
+        for name in sorted(selected, key=lambda n: (("proxy", "target", "random").index(n.split(".")[0]), n)):
+            ft = wd / "finetune" / name / "model"
             stage("finetune", "fit", {
                 "seed_everything": seed,
-                "trainer": {**trainer_common,
-                            "logger": {**logger, "init_args": {**logger["init_args"], "name": f"finetune_{who}"}}},
+                "trainer": {**fit_common,
+                            "logger": {**logger, "init_args": {**logger["init_args"], "name": f"finetune_{name}"}}},
                 "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
                 "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
-                                       "selected": str(selected[who])}},
-            }, ft / "config.json", tag=who, upstream=("warmup",), files=(selected[who],))
+                                       "selected": str(selected[name])}},
+            }, ft / "config.json", tag=name, upstream=("warmup",), files=(selected[name],))
         from ..selection_effect import selection_effect
 
         t0 = time.perf_counter()
         with quiet_stage():
-            effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args)
+            effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args,
+                                      tasks=tasks, eval_per_task=eval_per_task)
         times["evaluate"] = time.perf_counter() - t0
-        print(f"[pipeline] evaluate: the warmed-up target and its three fine-tuned copies on held-out examples, "
+        print(f"[pipeline] evaluate: the warmed-up target and its fine-tuned copies on held-out examples, "
               f"{times['evaluate']:.1f} s -> {wd / 'summary.json'}", flush=True)
 
     # 6. summary --------------------------------------------------------------------------------
-    summary = _summary(wd, warm, proxy, scores, selected, times, pool)
-    summary["selection_rule"] = {"rule": select_rule, "k": select_fraction}
+    summary = _summary(wd, warm, proxy, scores, selected, times, pool, select_rule if tasks else None, tasks)
+    summary["selection_rule"] = {"rule": select_rule, "k": select_fraction, **({"tasks": tasks} if tasks else {})}
     from ..io.stages import pipeline_provenance
 
     summary.update(pipeline_provenance(ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
     if effect is not None:
         summary["selection_effect"] = effect
-    summary["artifacts"] = _artifacts(wd, finetune)
+    summary["artifacts"] = _artifacts(wd, finetune, tasks)
     summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args)
     (wd / "summary.json").write_text(json.dumps(summary, indent=2))
     print(_format_summary(summary))
     return summary
 
 
-def _artifacts(wd: Path, finetune: bool) -> dict[str, str]:
+def selection_tasks(scores_path: str | Path, rule: str) -> list[str]:
+    """The validation tasks a per-task rule selects for (:data:`PER_TASK_RULES`): the tasks of the score table's
+    columns ``score/<task>`` and ``score/<task>.<part>``, in order; ``[]`` for any other rule."""
+    if rule not in PER_TASK_RULES:
+        return []
+    from ..io.scores import read_table, task_names_of
+
+    _, table = read_table(scores_path)
+    tasks = list(dict.fromkeys(name.split(".")[0] for name in task_names_of(table)))
+    if not tasks:
+        raise ValueError(f"select_rule {rule!r} selects once per validation task, but {scores_path} has no per-task "
+                         "score columns (score/<task>)")
+    return tasks
+
+
+def _artifacts(wd: Path, finetune: bool, tasks: list[str] | None = None) -> dict[str, str]:
     """What the pipeline leaves for the user, by what it is (every path exists when the summary is printed)."""
     out = {"warmed-up target": wd / "warmup" / "model", "proxy": wd / "proxy" / "model",
            "proxy's scores": wd / "scores" / "proxy" / "scores.parquet",
-           "target's scores": wd / "scores" / "target" / "scores.parquet",
-           "proxy's selection": wd / "selected" / "proxy.jsonl"}
-    if finetune:
-        out["fine-tuned on it"] = wd / "finetune" / "proxy" / "model"
+           "target's scores": wd / "scores" / "target" / "scores.parquet"}
+    for task in tasks or [None]:
+        name, label = ("proxy", "") if task is None else (f"proxy.{task}", f" ({task})")
+        out[f"proxy's selection{label}"] = wd / "selected" / f"{name}.jsonl"
+        if finetune:
+            out[f"fine-tuned on it{label}"] = wd / "finetune" / name / "model"
     out.update({"summary": wd / "summary.json", "stage configs": wd / "configs"})
     return {k: str(v) for k, v in out.items()}
 
@@ -320,27 +366,46 @@ def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args
     for flag, value in (("--pool", pool), ("--validation", validation)):
         if value != "builtin":
             args += [flag, value if isinstance(value, str) else json.dumps(value)]
-    if data_args.get("max_length"):
-        args += ["--max_length", str(data_args["max_length"])]
+    for key in ("max_length", "val_per_task"):
+        if data_args.get(key):
+            args += [f"--{key}", str(data_args[key])]
     args += ["--output_dir", str(wd / "check")]
     return " ".join(shlex.quote(a) for a in args)
 
 
-def _per_task(wd) -> dict[str, Any]:
-    """Proxy vs target per validation task (the score tables' ``score/<task>`` columns; lengths = the target table's
-    response tokens): :func:`~iprox_lightning.analysis.retention.per_task_retention` and its worst task."""
+def rule_task_scores(path: str | Path, rule: str, tasks: list[str]) -> dict[str, dict[str, float]]:
+    """``id -> {task: score}`` of a score table under a per-task rule: each task's value is what ranks that task's
+    selection (e.g. ``max``: the max over the task's subtask columns)."""
+    import numpy as np
+
+    from ..io.scores import read_table
+    from ..selection_rules import rule_order
+
+    _, table = read_table(path)
+    ids = [str(i) for i in table.column("id").to_pylist()]
+    columns = {c: np.asarray([np.nan if v is None else float(v) for v in table.column(c).to_pylist()], np.float64)
+               for c in table.column_names if c.startswith("score/")}
+    values = {task: rule_order(rule, ids, columns, task)[1] for task in tasks}
+    return {i: {task: float(values[task][j]) for task in tasks} for j, i in enumerate(ids)}
+
+
+def _per_task(wd, rule: str | None = None, tasks: list[str] | None = None) -> dict[str, Any]:
+    """Proxy vs target per validation task (the score tables' ``score/<task>`` columns, or with a per-task rule each
+    task's ranking under it, :func:`rule_task_scores`; lengths = the target table's response tokens):
+    :func:`~iprox_lightning.analysis.retention.per_task_retention` and its worst task."""
     from ..analysis.retention import per_task_retention, per_task_scores, worst_task
     from ..io.scores import read_table
 
     target = wd / "scores" / "target" / "scores.parquet"
+    proxy = wd / "scores" / "proxy" / "scores.parquet"
     _, table = read_table(target)
     lengths = dict(zip(map(str, table.column("id").to_pylist()), map(float, table.column("n_tokens").to_pylist())))
-    per_task = per_task_retention(per_task_scores(wd / "scores" / "proxy" / "scores.parquet"), per_task_scores(target),
-                                  lengths)
+    scores = (lambda p: rule_task_scores(p, rule, tasks)) if tasks else per_task_scores
+    per_task = per_task_retention(scores(proxy), scores(target), lengths)
     return {"retention_proxy_vs_target_per_task": per_task, "retention_proxy_vs_target_worst_task": worst_task(per_task)}
 
 
-def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
+def _summary(wd, warm, proxy, scores, selected, times, pool, rule=None, tasks=None) -> dict[str, Any]:
     from ..analysis.retention import retention_metrics
 
     from ..io.proxy import read_manifest
@@ -355,7 +420,7 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
         "seconds_per_stage": {k: round(v, 2) for k, v in times.items()},
         "retention_proxy_vs_target": retention_metrics(scores["proxy"], scores["target"]),
         "retention_random_vs_target": retention_metrics(scores["random"], scores["target"]),
-        **_per_task(Path(wd)),
+        **_per_task(Path(wd), rule, tasks),
     }
     if pool == "builtin":
         from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, oracle_share
@@ -376,6 +441,26 @@ def _summary(wd, warm, proxy, scores, selected, times, pool) -> dict[str, Any]:
     return out
 
 
+def _format_task_selections(selection: dict[str, Any], tasks: list[str], who: str = "proxy") -> list[str]:
+    """A few lines per task on ``who``'s per-task selections: size, the pool categories it over-weights, lengths, the
+    top examples (the full explanation is in ``selected/<who>.<task>.jsonl.meta.json``)."""
+    lines = [f"{who}'s selections : one per task, best first (explained in full in selected/{who}.<task>.jsonl.meta.json)"]
+    for task in tasks:
+        e = selection.get(f"{who}.{task}")
+        if not e:
+            continue
+        cats = ", ".join(f"{c['category']} {c['selected']}" for c in e["share_by_category"][:3] if c["selected"])
+        ln = e["length"]
+        length = (f"; {ln['unit']} median {ln['selected']['median']:.0f} (pool {ln['pool']['median']:.0f})"
+                  if ln["selected"] and ln["pool"] else "")
+        lines.append(f"   {task:<10}: {e['count']} of {e['pool_size']} ({cats}{', ...' if len(e['share_by_category']) > 3 else ''})"
+                     f"{length}")
+        for ex in e.get("top", [])[:2]:
+            text = ex["instruction"] + (f" [{ex['context']}]" if ex["context"] else "") + f" -> {ex['response']}"
+            lines.append(f"      top {ex['id']} ({ex['category']}): {text[:90]!r}")
+    return lines
+
+
 def _format_summary(s: dict[str, Any]) -> str:
     lines = ["", "=" * 72, "IProX pipeline summary", "=" * 72]
     tp, pp = s["target_params"], s["proxy_params"]
@@ -388,7 +473,12 @@ def _format_summary(s: dict[str, Any]) -> str:
         lines.extend(format_provenance(s))
     if "selection_rule" in s:
         sr = s["selection_rule"]
-        lines.append(f"selection rule    : {sr['rule']} (target and proxy; random: uniform), k = {sr['k']:g} of the pool")
+        if sr.get("tasks"):
+            lines.append(f"selection rule    : {sr['rule']} over each task's score columns, one subset per task "
+                         f"({', '.join(sr['tasks'])}) for target and proxy (random: one uniform subset), "
+                         f"k = {sr['k']:g} of the pool each")
+        else:
+            lines.append(f"selection rule    : {sr['rule']} (target and proxy; random: uniform), k = {sr['k']:g} of the pool")
     r = s["retention_proxy_vs_target"]
     lines.append(f"proxy vs target   : Spearman {r['spearman']:.3f}, Kendall {r['kendall']:.3f}, top-5% overlap {r['top5%']:.2f}")
     if s.get("retention_proxy_vs_target_per_task"):  # the pooled score mixes the tasks; each task on its own
@@ -400,17 +490,20 @@ def _format_summary(s: dict[str, Any]) -> str:
     if "oracle" in s:
         o = s["oracle"]
         lines.append(f"selection oracle  : share of selected examples from the validation families {o['validation_families']}")
-        lines.append(f"   target {o['target_selection']:.3f} | proxy {o['proxy_selection']:.3f} | random {o['random_selection']:.3f}"
-                     f" | base rate {o['base_rate']:.3f}")
+        names = [k[: -len("_selection")] for k in o if k.endswith("_selection")]
+        lines.append("   " + " | ".join(f"{who} {o[who + '_selection']:.3f}" for who in names)
+                     + f" | base rate {o['base_rate']:.3f}")
         if "per_family" in o:
             for fam in o["validation_families"]:
                 lines.append(f"   {fam + ' share':<17}: " + " | ".join(
-                    f"{who} {o['per_family'][who][fam]:.3f}" for who in ("target", "proxy", "random") if who in o["per_family"]))
+                    f"{who} {o['per_family'][who][fam]:.3f}" for who in names if who in o["per_family"]))
     if s.get("selection", {}).get("proxy"):
         from ..selection_summary import format_selection
 
         lines.append("proxy's selection :")
         lines.extend("   " + l for l in format_selection(s["selection"]["proxy"]).splitlines())
+    elif s.get("selection_rule", {}).get("tasks"):
+        lines.extend(_format_task_selections(s["selection"], s["selection_rule"]["tasks"]))
     if s.get("selection_effect"):
         from ..selection_effect import format_effect
 

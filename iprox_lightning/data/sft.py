@@ -26,6 +26,9 @@ Splits served (``dataloader(split)``):
   training loader (task-aware alignment on the examples themselves); :meth:`SFTDataModule.task_batches` serves them
   a few per task at a time (the per-task terms of ``ProxyAlignModule``). Empty (an error to ask for) when the
   fraction is 0 (default).
+* ``validation`` — the validation sets, a few examples per task, each with its task name (with
+  ``validation_subtasks``, ``<task>.<subtask>`` for records that name a subtask: the ``eval:`` suites' MMLU subject,
+  BBH task, TyDiQA language — one score column each, so ``select --rule max --task <task>`` is LESS's max over them).
 
 ``"builtin"`` as ``pool`` / ``validation`` / ``tokenizer`` means the offline demo of
 :mod:`~iprox_lightning.data.synthetic` (``builtin_size`` pool examples; ``val_per_task``
@@ -159,6 +162,10 @@ class SFTDataModule(L.LightningDataModule):
         construction_fraction: share of the pool in the proxy-construction split (probe + alignment; paper: 1%).
         probe_fraction: share of the construction split used as IPSVD probes (paper: 10%; the rest aligns).
         val_per_task: keep at most this many validation examples per task (builtin default 8).
+        validation_subtasks: name each validation record that has a ``subtask`` (the ``eval:`` suites: MMLU subject,
+            BBH task, TyDiQA language) ``<task>.<subtask>``, so scoring gives one column per subtask and
+            ``select --rule max --task <task>`` is LESS's max over the task's subtasks. ``val_per_task`` still counts
+            per task. The exact scorer keeps one gradient-sized vector per column.
         train_split: what ``train_dataloader`` serves: ``warmup``, ``align``, ``probe``, ``pool``,
             ``construction`` or ``selected``.
         selected: JSONL of selected records (Dolly schema, ids kept), for ``train_split="selected"``.
@@ -189,6 +196,7 @@ class SFTDataModule(L.LightningDataModule):
         construction_fraction: float = 0.01,
         probe_fraction: float = 0.1,
         val_per_task: int | None = None,
+        validation_subtasks: bool = False,
         train_split: str = "pool",
         selected: str | None = None,
         builtin_size: int = 2000,
@@ -237,6 +245,7 @@ class SFTDataModule(L.LightningDataModule):
         self.fractions = (warmup_fraction, construction_fraction, probe_fraction)
         self.fidelity_examples = 0  # size of the "fidelity" split, set by fidelity_dataloader(n)
         self.val_per_task = val_per_task
+        self.validation_subtasks = validation_subtasks
         self.train_split = train_split
         self.selected = selected
         self.builtin_size = builtin_size
@@ -333,6 +342,12 @@ class SFTDataModule(L.LightningDataModule):
             ids = [r["id"] for r in records]
             if len(set(ids)) != len(ids):
                 raise UserInputError(f"duplicate ids across the validation sources {self.validation_sources}")
+            if self.validation_subtasks:  # after the sampling: val_per_task counts per task
+                if not any(r.get("subtask") for r in records):
+                    raise UserInputError(f"validation_subtasks: no validation record of {self.validation_sources} names a "
+                                     "subtask (the eval:<dir> suites do: MMLU subject, BBH task, TyDiQA language)")
+                records = [{**r, "category": f"{r['category']}.{r['subtask']}"} if r.get("subtask") else r
+                           for r in records]
             self._validation_records = records
         return self._validation_records
 

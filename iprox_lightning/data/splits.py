@@ -32,6 +32,9 @@ so even a tiny pool gets non-empty probe and alignment sets; ``n_warmup + n_cons
 Validation sets keep a few examples per task: :func:`sample_per_task`. Stage 2 may train on part of them
 (``SFTDataModule(val_train_fraction=...)``): :func:`split_validation` sets that part apart from the examples that
 keep monitoring the alignment.
+A pool too large to score whole is
+cut down first with :func:`stratified_sample` (``python train.py sample_pool``): ``n`` records, each stratum (e.g.
+each ``source``) in proportion to its size.
 """
 from __future__ import annotations
 
@@ -208,3 +211,32 @@ def split_validation(ids: Sequence[str], tasks: Sequence[str], fraction: float, 
         sequence = [q[j] for j in range(max(len(q) for q in queues)) for q in queues if j < len(q)]
         train.update(sequence[:n_train])
     return [i for i in ids if i in train], [i for i in ids if i not in train]
+
+
+def stratified_sample(records: Sequence[Mapping], n: int, seed: int, by: str = "source") -> list:
+    """``n`` records drawn without replacement, each stratum (value of ``by``) getting its share
+    ``n·|stratum|/|records|`` (largest remainder, ties by stratum name), shuffled within the stratum with
+    ``seed``. Returned in stratum order, then draw order.
+
+    The stratum of a record is ``str(record.get(by))`` (a record without the field is in stratum ``"None"``;
+    ``train.py sample_pool`` refuses such rows before calling this). The draw is
+    ``numpy.random.default_rng(seed).permutation`` per stratum, strata in sorted order, so the same records in the
+    same order give the same sample on every platform (``bench/fidelity_v2.py``'s recorded samples were drawn
+    with this function).
+    """
+    if n > len(records):
+        raise ValueError(f"sample of {n} asked from {len(records)} records")
+    groups: dict[str, list] = {}
+    for r in records:
+        groups.setdefault(str(r.get(by)), []).append(r)
+    names = sorted(groups)
+    exact = {g: n * len(groups[g]) / len(records) for g in names}
+    take = {g: int(math.floor(exact[g])) for g in names}
+    for g in sorted(names, key=lambda g: (-(exact[g] - take[g]), g))[: n - sum(take.values())]:
+        take[g] += 1
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in names:
+        idx = rng.permutation(len(groups[g]))[: take[g]]
+        out.extend(groups[g][int(i)] for i in idx)
+    return out

@@ -3,7 +3,9 @@
 :func:`heldout_records` draws the evaluation examples: on the built-in data, fresh examples of the
 validation families from a random stream independent of the pool's and of the validation set used
 for scoring (so the number is not fitted to the scoring gradients); on other data, the validation
-records themselves (labelled as such: they steered the selection, so this is an in-sample check).
+records themselves (labelled as such: they steered the selection, so this is an in-sample check), or with
+``per_task`` at most that many per task, taken first from those that did not steer it (the scoring used a
+``val_per_task`` sample), the description counting how many did.
 
 :func:`heldout_metrics` scores a model on them in one teacher-forced forward pass per batch:
 
@@ -16,7 +18,7 @@ overall and per task (``category``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -26,8 +28,11 @@ HELDOUT_SEED_OFFSET = 1000
 
 
 def heldout_records(pool: Any, validation: Any, n_per_task: int = 50, seed: int = 0,
-                    validation_records: Sequence[dict] | None = None) -> tuple[list[dict], str]:
-    """``(records, description)``: see the module doc."""
+                    validation_records: Sequence[dict] | None = None, per_task: int | None = None,
+                    steered: Collection[str] | None = None) -> tuple[list[dict], str]:
+    """``(records, description)``: see the module doc. ``per_task`` (data other than the built-in): keep at most this
+    many validation records per task (``category``), drawn with ``seed`` from those whose id is not in ``steered``
+    (the validation examples the scoring used; default: all of them), topped up from the steered ones."""
     if pool == "builtin" and validation == "builtin":
         from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, builtin_validation
 
@@ -38,8 +43,27 @@ def heldout_records(pool: Any, validation: Any, n_per_task: int = 50, seed: int 
                       f"{list(BUILTIN_VALIDATION_FAMILIES)} (not in the pool or the scoring validation set)")
     if validation_records is None:
         raise ValueError("heldout_records: pass validation_records for non-built-in data")
-    return list(validation_records), (f"the {len(validation_records)} validation examples (they also steered the "
-                                      "selection: an in-sample check, not a held-out one)")
+    if per_task is None:
+        return list(validation_records), (f"the {len(validation_records)} validation examples (they also steered the "
+                                          "selection: an in-sample check, not a held-out one)")
+    from ..data.splits import sample_per_task
+
+    used = {r["id"] for r in validation_records} if steered is None else set(steered)
+    by_task: dict[str, list[dict]] = {}
+    for r in validation_records:
+        by_task.setdefault(r["category"], []).append(r)
+    keep: set[str] = set()
+    for task, recs in by_task.items():
+        for part in ([r["id"] for r in recs if r["id"] not in used], [r["id"] for r in recs if r["id"] in used]):
+            room = per_task - sum(r["id"] in keep for r in recs)
+            if part and room > 0:
+                keep.update(sample_per_task(part, [task] * len(part), room, HELDOUT_SEED_OFFSET + seed)[task])
+    out = [r for r in validation_records if r["id"] in keep]
+    n_in = sum(r["id"] in used for r in out)
+    how = ("none of them among those that steered the selection" if not n_in else
+           "they also steered the selection: an in-sample check" if n_in == len(out) else
+           f"{n_in} of them also steered the selection: partly in-sample")
+    return out, f"{len(out)} validation examples, at most {per_task} per task ({how})"
 
 
 def suite_heldout_records(eval_dir: str, suites: Sequence[str] = ("mmlu", "bbh"), per_subtask: int = 3,

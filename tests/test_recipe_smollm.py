@@ -1,0 +1,30 @@
+"""The README's "Your own model" recipe, exactly as written, on the real SmolLM2-135M GGUF, the real pool and the eval
+suites (slow: expected about 18 minutes on 2 CPU cores).
+
+It runs from a temporary directory laid out like a clone, where ``../shared`` is the shared folder, so every path of the
+block resolves as it does for a user and the outputs land in the temporary directory. Asserted: what the recipe
+promises (the stages ran; one selection of 8 per task for the proxy and the target; the fine-tuned effect per task; a
+``check`` verdict with per-task rows), not quality. The wall time per command and in all is written to
+``<tmp>/recipe_seconds.json`` and printed (``-s`` shows it): the number the README's estimate is to be replaced with.
+"""
+import json
+
+import pytest
+
+from test_readme import check_recipe_outputs, run_readme_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_readme_recipe_on_smollm(smollm_gguf, shared_dir, tmp_path, monkeypatch):
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    (tmp_path / "shared").symlink_to(shared_dir)
+    assert (repo / ".." / "shared" / "models" / smollm_gguf.name).exists()
+    monkeypatch.chdir(repo)
+    seconds = run_readme_recipe(repo)
+    (tmp_path / "recipe_seconds.json").write_text(json.dumps(seconds, indent=2))
+    print(f"README recipe on SmolLM2, wall seconds: {json.dumps(seconds)} -> {tmp_path / 'recipe_seconds.json'}")
+    summary = check_recipe_outputs(repo)
+    assert summary["target_params"] == 134_515_008
+    assert all(v["dropped"] == 0 for who in summary["truncation_dropped"].values() for v in who.values())
