@@ -113,6 +113,7 @@ def config_text(path) -> str:
     lines = Path(path).read_text().splitlines(keepends=True)
     return "".join(x for x in lines if x.split(":", 1)[0].strip() not in OUTCOME_NEUTRAL)
 
+
 TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt)([0-9.]*(?:[eE]-?\d+)?)")
 DEFAULT_VAL_TRAIN_FRACTION = 0.5
 
