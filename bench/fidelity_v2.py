@@ -5,7 +5,8 @@ Each stage is the command a user runs (``python train.py fit|predict|layer_extra
 
 1. **warm-up** (``configs/warmup.yaml``, ``WarmupModule``): the target fine-tuned on the pool's warm-up split
    (a random 5%, 1 epoch, lr 1e-5, wd 0.01, embeddings/LM head frozen) -> ``OUT/warmed`` (git-ignored);
-2. **sample** (in this script): a stratified sample (by ``source``, largest remainder) of ``--sample`` pool
+2. **sample** (in this script): a sample (stratified by ``source``, largest remainder -- but the canonical records carry no
+   ``source``, so the recorded 512 are one stratum: a uniform draw) of ``--sample`` pool
    examples outside the warm-up and construction splits -> ``OUT/sample.jsonl``; and the validation set:
    **every** few-shot example of the suites under ``--eval-dir`` (LESS-style, MMLU dev 5 × 57, BBH CoT 3 × 27,
    TyDiQA 1 × 9) with each suite split in two alternating halves, tasks ``<suite>.half0|half1`` ->
@@ -642,7 +643,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
     meta = summary["meta"]
     lines = [f"# Proxy fidelity v2 — {meta.get('target_name')}", "", *[x for h in headline(summary) for x in (h, "")],
              f"Warmed-up target: {meta['target_warmed_up']}; {meta['n_scored']} scored pool examples (stratified by "
-             f"source, ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
+             f"source where the records name one -- the real pool's canonical records do not: a uniform draw; ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
              f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); "
              f"summary written at commit `{meta['commit']}`; {meta.get('machine', '')}.", "",
              *(["Commands (every invocation that ran stages into this directory, in order; each stage's own command in "
