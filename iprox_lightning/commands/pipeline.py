@@ -182,12 +182,14 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     from ..console import interactive, quiet_stage
 
     # one line per stage (below): no model summary, and progress bars only on a terminal
-    trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd / "lightning"),
+    # absolute log/root paths: TensorBoard's writer thread opens its events file by the path it was given, later, from
+    # whatever the working directory is then (a relative one failed mid-run on SmolLM2: FileNotFoundError)
+    trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd.resolve() / "lightning"),
                       "enable_model_summary": False, "enable_progress_bar": interactive()}
     # training stages log every step: a small run (a few batches: a sample, a 5% selection) then logs at all, without
     # Lightning's warning that its batches are fewer than the logging interval
     fit_common = {**trainer_common, "log_every_n_steps": 1}
-    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd / "logs")}}
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(wd.resolve() / "logs")}}
 
     from ..data.eval_validation import parse_eval_source
     from ..io.stages import StageLedger
