@@ -72,20 +72,23 @@ def attribution(pool: dict, val: dict, proxies: dict[str, tuple[dict, dict]]) ->
 
     from iprox_lightning.analysis.layer_attribution import group_table, layer_blocks, layer_contributions, task_layer_table
 
-    ids, _, X, info = pool["ids"], None, pool["X"], pool["info"]
+    ids, X, info = pool["ids"], pool["X"], pool["info"]
     blocks = layer_blocks(info["layout"], info["dim"])
     S = suite_sums(val["tasks"], val["X"])
+    prepared = {}  # per proxy, once: its layer blocks and suite sums
+    for name, (ppool, pval) in proxies.items():
+        if ppool["ids"] != ids:
+            raise ValueError(f"proxy {name}: its pool store holds other examples than the target's")
+        prepared[name] = (ppool["X"], layer_blocks(ppool["info"]["layout"], ppool["info"]["dim"]),
+                          suite_sums(pval["tasks"], pval["X"]))
     out = {}
     for suite in suite_order(S):
         score, contrib = layer_contributions(X, S[suite], blocks)
         row: dict = {"modules": task_layer_table(score, contrib),
                      "by_type": group_table(contrib, score, "type"), "by_block": group_table(contrib, score, "block"),
                      "proxies": {}}
-        for name, (ppool, pval) in proxies.items():
-            if ppool["ids"] != ids:
-                raise ValueError(f"proxy {name}: its pool store holds other examples than the target's")
-            pb = layer_blocks(ppool["info"]["layout"], ppool["info"]["dim"])
-            pscore, pcontrib = layer_contributions(ppool["X"], suite_sums(pval["tasks"], pval["X"])[suite], pb)
+        for name, (pX, pb, pS) in prepared.items():
+            pscore, pcontrib = layer_contributions(pX, pS[suite], pb)
             row["proxies"][name] = {
                 "spearman": float(spearmanr(pscore, score)[0]),
                 "modules": task_layer_table(score, contrib, pcontrib),
