@@ -41,12 +41,36 @@ def test_verdict_names_each_task_a_free_baseline_does_as_well_on():
                                                                       ("layer ", "mmlu")]
     assert v["verdict"] == ("do not use this proxy yet: as good or better, for free: the length sort on mmlu (0.75 vs "
                             "the proxy's 0.14); the length sort on bbh (0.60 vs the proxy's 0.60); Layer Extraction "
-                            "(ρ=0.50) on mmlu (0.34 vs the proxy's 0.14)")
+                            "(ρ=0.50) on mmlu (0.34 vs the proxy's 0.14); it keeps little of the target's ranking on "
+                            "mmlu (Spearman 0.14 < 0.40)")
+    assert v["weak"] == [{"task": "mmlu", "proxy_spearman": 0.14}] and v["passes"] == []
     # Layer Extraction does as well: keep more rank, or align longer at another lr (the recorded one named)
     assert v["next_step"] == ("keep more of each layer: rebuild with a lower --sparsity than 0.50 (e.g. 0.3), or align "
-                              "longer or at another learning rate (this one: lr 0.0001, 90 steps)")
+                              "longer or at another learning rate (this one: lr 0.0001, 90 steps); or select for "
+                              "mmlu with the target's own gradients (python train.py build_store --model <target>, "
+                              "then query)")
     # a margin lets a baseline within 0.05 of the proxy count as "as well" too: no more here
     assert len(check_verdict(rows, manifest=ALIGNED, margin=0.05)["as_good"]) == 3
+
+
+def test_verdict_floor_a_task_the_proxy_keeps_little_of_fails_even_against_poor_baselines():
+    # the SmolLM2 check of the rho = 0.5 proxy (README): it beat both free baselines on every task, but on BBH it kept
+    # Spearman 0.28 of the target's ranking -- and its BBH selection fell below every random seed downstream
+    rows = [_row("proxy (tracin)", 0.52, {"bbh": 0.279, "mmlu": 0.513, "tydiqa": 0.505}),
+            _row("length sort (shortest first)", 0.46, {"bbh": -0.156, "mmlu": 0.462, "tydiqa": 0.404}),
+            _row("layer extraction (ρ=0.50)", -0.08, {"bbh": 0.082, "mmlu": 0.122, "tydiqa": -0.110})]
+    v = check_verdict(rows, manifest=ALIGNED, target="/m/warm")
+    assert v["use"] is False and v["as_good"] == [] and v["passes"] == ["mmlu", "tydiqa"]
+    assert v["weak"] == [{"task": "bbh", "proxy_spearman": 0.279}]
+    assert v["verdict"] == ("do not use this proxy yet: it keeps little of the target's ranking on bbh (Spearman 0.28 "
+                            "< 0.40) (it passes on mmlu, tydiqa)")
+    assert v["next_step"] == ("keep more of each layer: rebuild with a lower --sparsity than 0.50 (e.g. 0.3), or align "
+                              "longer or at another learning rate (this one: lr 0.0001, 90 steps); or select for bbh "
+                              "with the target's own gradients (python train.py build_store --model <target>, then "
+                              "query)")
+    # the floor is a setting: at 0.25 (or off, -1) the same rows say "use this proxy"
+    assert check_verdict(rows, manifest=ALIGNED, floor=0.25)["use"] is True
+    assert check_verdict(rows, manifest=ALIGNED, floor=-1)["verdict"].startswith("use this proxy: ")
 
 
 @pytest.mark.parametrize("manifest,target,baseline,starts", [

@@ -311,7 +311,7 @@ def format_per_task(per_task: Mapping[str, Mapping[str, Any]], indent: str = "  
     for task, m in per_task.items():
         part = m.get("spearman_length_partialled")
         lines.append(f"{indent}{'on ' + task:<{width}}: Spearman {m['spearman']:.3f}"
-                     + (f", length-partialled {part:.3f}" if part is not None else "")
+                     + (f", length-partialled {part:.3f}" if part is not None and not math.isnan(part) else "")
                      + "".join(f", {k.replace('top', 'top-')} overlap {m[k]:.2f}" for k in m
                                if k.startswith("top") and not k.endswith("_ci")))
     w = worst_task(per_task)

@@ -7,14 +7,19 @@ length sort and, for an IProX proxy, Layer Extraction at its sparsity), each wit
 * a baseline **does as well** on a task when its Spearman with the target's scores is at least the proxy's minus
   ``margin`` (default 0: a tie counts against the proxy, which costs a build and a scoring run; the baselines are
   free);
-* **use this proxy** when no baseline does as well on any task, else **do not use it yet**, naming each task and
-  baseline with both numbers.
+* a task is **weak** when the proxy's Spearman there is below ``floor`` (default 0.4), whatever the baselines do:
+  beating a free baseline that is itself poor (the length sort ranks BBH at -0.16 on SmolLM2) is no evidence that the
+  proxy's selection helps. The 0.4 comes from the downstream benchmark (``bench/effect.py``, SmolLM2-135M, k = 26 of
+  512): the ρ = 0.5 proxy's own selection matched the target's gain on the tasks where it kept Spearman 0.47 / 0.55 of
+  the target's ranking (TyDiQA, MMLU) and fell below every random seed where it kept 0.13 (BBH);
+* **use this proxy** when no baseline does as well on any task and no task is weak, else **do not use it yet**,
+  naming each task and baseline with both numbers, each weak task, and the tasks where the proxy passes.
 
 The next step follows from what lost and what the proxy manifest (``iprox_proxy.json``) records, first match wins:
 not aligned -> align it; built from another model than the checked target -> rebuild it from the warmed-up target;
-Layer Extraction does as well -> keep more rank (lower sparsity) or align longer at the recorded learning rate; only
-the length sort does as well -> the target's own ranking follows response length: warm the target up first (or
-align longer).
+Layer Extraction does as well, or a task is weak -> keep more rank (lower sparsity), align longer at another learning
+rate, or select for the weak tasks with the target itself; only the length sort does as well -> the target's own
+ranking follows response length: warm the target up first (or align longer).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 LENGTH_SORT = "length sort"
 LAYER_EXTRACTION = "layer extraction"
+FLOOR = 0.4  # the module docstring says where it comes from
 
 
 def _baseline_label(name: str) -> str:
@@ -43,9 +49,11 @@ def _spearman_by_task(row: Mapping[str, Any]) -> dict[str, float]:
 
 
 def check_verdict(rows: Sequence[Mapping[str, Any]], *, manifest: Mapping[str, Any] | None = None,
-                  target: str | None = None, margin: float = 0.0) -> dict[str, Any]:
+                  target: str | None = None, margin: float = 0.0, floor: float = FLOOR) -> dict[str, Any]:
     """``{"use": bool, "verdict": one line, "next_step": one line or None, "as_good": [{"task", "baseline",
-    "baseline_spearman", "proxy_spearman"}, ...]}`` for check rows (``rows[0]`` the proxy, the rest baselines).
+    "baseline_spearman", "proxy_spearman"}, ...], "weak": [{"task", "proxy_spearman"}, ...], "passes": [task, ...]}``
+    for check rows (``rows[0]`` the proxy, the rest baselines). ``floor``: the Spearman below which a task is weak
+    (``-1`` turns the floor off).
 
     ``manifest``: the proxy's ``iprox_proxy.json`` (``None`` for a model that is not an IProX proxy); ``target``:
     the checked target (to notice a proxy built from another model). A task where the proxy's Spearman is undefined
@@ -64,25 +72,36 @@ def check_verdict(rows: Sequence[Mapping[str, Any]], *, manifest: Mapping[str, A
                 continue
             if math.isnan(p) or v >= p - margin:
                 as_good.append({"task": task, "baseline": b["proxy"], "baseline_spearman": v, "proxy_spearman": p})
-    if not as_good:
+    weak = [{"task": t, "proxy_spearman": p} for t, p in p_tasks.items() if not math.isnan(p) and p < floor]
+    failed = {a["task"] for a in as_good} | {w["task"] for w in weak}
+    passes = [t for t in p_tasks if t not in failed]
+    if not as_good and not weak:
         worst = min(p_tasks, key=lambda t: (p_tasks[t] if not math.isnan(p_tasks[t]) else -2.0))
         best_b = max((_spearman_by_task(b).get(worst, math.nan) for b in baselines), default=math.nan,
                      key=lambda v: -2.0 if math.isnan(v) else v)
         against = (" and ".join(_baseline_label(b["proxy"]) for b in baselines) if baselines else "no baseline")
         vs = f" vs {best_b:.2f} for the best baseline" if not math.isnan(best_b) else ""
         where = f"worst task {worst}" if worst != "pooled" else "pooled"
-        return {"use": True, "as_good": [], "next_step": None,
+        return {"use": True, "as_good": [], "weak": [], "passes": passes, "next_step": None,
                 "verdict": f"use this proxy: it ranks closer to the target than {against} on every task "
                            f"({where}: Spearman {p_tasks[worst]:.2f}{vs})"}
-    parts = [f"{_baseline_label(a['baseline'])} on {a['task']} ({a['baseline_spearman']:.2f} vs the proxy's "
-             f"{a['proxy_spearman']:.2f})" for a in as_good]
-    verdict = "do not use this proxy yet: as good or better, for free: " + "; ".join(parts)
-    return {"use": False, "as_good": as_good, "verdict": verdict,
-            "next_step": next_step(as_good, manifest=manifest, target=target)}
+    reasons = []
+    if as_good:
+        reasons.append("as good or better, for free: " + "; ".join(
+            f"{_baseline_label(a['baseline'])} on {a['task']} ({a['baseline_spearman']:.2f} vs the proxy's "
+            f"{a['proxy_spearman']:.2f})" for a in as_good))
+    if weak:
+        reasons.append("it keeps little of the target's ranking on " + ", ".join(
+            f"{w['task']} (Spearman {w['proxy_spearman']:.2f} < {floor:.2f})" for w in weak))
+    verdict = "do not use this proxy yet: " + "; ".join(reasons)
+    if passes and passes != ["pooled"]:
+        verdict += f" (it passes on {', '.join(passes)})"
+    return {"use": False, "as_good": as_good, "weak": weak, "passes": passes, "verdict": verdict,
+            "next_step": next_step(as_good, weak=weak, manifest=manifest, target=target)}
 
 
-def next_step(as_good: Sequence[Mapping[str, Any]], *, manifest: Mapping[str, Any] | None = None,
-              target: str | None = None) -> str:
+def next_step(as_good: Sequence[Mapping[str, Any]], *, weak: Sequence[Mapping[str, Any]] = (),
+              manifest: Mapping[str, Any] | None = None, target: str | None = None) -> str:
     """What to try when a baseline does as well (see the module docstring for the order)."""
     m = dict(manifest or {})
     align = m.get("alignment") or {}
@@ -99,10 +118,14 @@ def next_step(as_good: Sequence[Mapping[str, Any]], *, manifest: Mapping[str, An
                 "first (configs/warmup.yaml), then build the proxy from the warmed-up target")
     lr, steps = align.get("lr"), align.get("steps")
     tried = f" (this one: lr {lr:g}, {steps} steps)" if lr is not None and steps is not None else ""
-    if any(str(a["baseline"]).lower().startswith(LAYER_EXTRACTION) for a in as_good):
+    length_only = as_good and all(str(a["baseline"]).lower().startswith(LENGTH_SORT) for a in as_good)
+    if not length_only:
         lower = f" than {sparsity:.2f}" if isinstance(sparsity, (int, float)) else ""
+        weak_tasks = sorted({w["task"] for w in weak} - {"pooled"})
+        with_target = (f"; or select for {', '.join(weak_tasks)} with the target's own gradients (python train.py "
+                       "build_store --model <target>, then query)") if weak_tasks else ""
         return (f"keep more of each layer: rebuild with a lower --sparsity{lower} (e.g. 0.3), or align longer or at "
-                f"another learning rate{tried}")
+                f"another learning rate{tried}{with_target}")
     return ("the target's own ranking follows response length: warm the target up first (configs/warmup.yaml) so "
             f"its gradients carry task signal, or align the proxy longer{tried}")
 

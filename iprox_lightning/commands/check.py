@@ -105,6 +105,7 @@ def check(
     output_dir: str | None = None,
     output: str | None = None,
     layer_extraction: bool = True,
+    min_spearman: float = 0.4,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy`` against ``val_per_task`` validation
     examples per task; print the retention table, the per-task table and a verdict.
@@ -143,6 +144,9 @@ def check(
             response first, model-free) and, for an IProX proxy directory, Layer Extraction of the target at
             the proxy's achieved sparsity (same parameter budget) — as extra rows. A proxy worth using beats
             both, also with length partialled out.
+        min_spearman: the verdict's floor: a task where the proxy's Spearman with the target is below it fails even
+            when the proxy beats every baseline there (:func:`~iprox_lightning.analysis.verdict.check_verdict`
+            says where 0.4 comes from; ``-1``: off).
     """
     from ..analysis.retention import format_per_task, length_confound, per_task_retention, per_task_scores, worst_task
     from ..analysis.tables import format_table, retention_rows
@@ -242,7 +246,7 @@ def check(
         if names:
             r["per_task"] = per_task_retention(tm, t_tasks, lengths, tasks=names)
             r["worst_task"] = worst_task(r["per_task"])
-    verdict = check_verdict(rows, manifest=_proxy_manifest(proxy), target=target)
+    verdict = check_verdict(rows, manifest=_proxy_manifest(proxy), target=target, floor=min_spearman)
     print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
     columns = list(dict.fromkeys(c for r in rows for c in r if c not in ("per_task", "worst_task")))
     print(format_table(rows, columns))
