@@ -10,7 +10,8 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
 * ``rule`` / ``task``: how the score columns become one ranking (:mod:`iprox_lightning.selection_rules`):
   ``pooled`` (default: the score against the pooled validation gradient), ``mean`` / ``max`` over the parts of
   one target task (``max`` is LESS's max over subtasks), ``balanced`` (task-balanced round-robin).
-  ``per_task=True`` is ``rule="max"`` over every task (column ``score_max``).
+  (``per_task=True``, the old spelling of ``rule="max"`` over every task, still works with a warning: in scoring
+  ``per_task`` means "also score against each validation task", so ``select`` now says ``rule``.)
 * Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
 * ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
   identical text (instruction, context, response after whitespace normalisation).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -134,6 +136,15 @@ def _norm_text(rec: dict) -> tuple:
     return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
 
 
+def _per_task_rule(rule: str, task: str | None) -> str:
+    """The rule the deprecated ``per_task=True`` stands for (``"max"`` over every task), with a warning."""
+    if rule not in ("pooled", "max") or task is not None:
+        raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
+    warnings.warn("select(per_task=True) is deprecated: pass rule='max' (CLI: --rule max); in scoring, per_task "
+                  "means 'also score against each validation task'", FutureWarning, stacklevel=3)
+    return "max"
+
+
 def select(
     scores_path: str,
     *,
@@ -162,7 +173,8 @@ def select(
             scores).
         task: the target task to select for (its columns ``score/<task>`` and ``score/<task>.<part>``; rules
             ``mean``, ``max``, ``balanced``).
-        per_task: shorthand for ``rule="max"`` without a task (LESS's max over validation tasks, ``score_max``).
+        per_task: deprecated spelling of ``rule="max"`` without a task (LESS's max over validation tasks,
+            ``score_max``; CLI ``--rule max``); it warns and is read as that.
         dedup: one row per id and, with a pool, one example per identical text.
         pool: the candidate pool to copy records from (any source SFTDataModule reads; default
             ``builtin`` when all ids are built-in ids, else ids and scores only).
@@ -181,9 +193,7 @@ def select(
     """
     src, table = _read_scores(scores_path)
     if per_task:
-        if rule not in ("pooled", "max") or task is not None:
-            raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
-        rule = "max"
+        rule = _per_task_rule(rule, task)
     from .selection_rules import rule_columns, rule_order
 
     used = rule_columns(rule, table.column_names, task)
