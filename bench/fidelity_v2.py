@@ -85,7 +85,6 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (fidelity.interleaved_timing)
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
@@ -510,6 +509,44 @@ def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
     return out
 
 
+def interleaved_timing(target, proxies: Mapping[str, Any], batch: Mapping, val_batch: Mapping,
+                       repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Scoring cost per training batch, proxy vs target, robust to a shared machine's changing load.
+
+    Each model's :class:`~iprox_lightning.scoring.InfluenceScorer` is fitted on ``val_batch``; then
+    ``score_batch(batch)`` is timed ``repeats`` times per model, the models taking turns within each
+    repeat (target, proxy 1, proxy 2, …), after one untimed warm-up call each. Returns, per proxy,
+    the median wall-clock and process CPU seconds of the target and the proxy and their ratios.
+    """
+    from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
+
+    models = {"target": target, **proxies}
+    scorers = {}
+    for name, m in models.items():
+        sc = InfluenceScorer(m, ScoringConfig(per_task=False))
+        sc.fit([val_batch])
+        sc.score_batch(batch)  # warm-up
+        scorers[name] = sc
+    wall: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(repeats):
+        for name, sc in scorers.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            sc.score_batch(batch)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    out = {}
+    for name in proxies:
+        out[name] = dict(target_wall_s=med(wall["target"]), proxy_wall_s=med(wall[name]),
+                         wall_ratio=med(wall[name]) / med(wall["target"]),
+                         target_cpu_s=med(cpu["target"]), proxy_cpu_s=med(cpu[name]),
+                         cpu_ratio=med(cpu[name]) / med(cpu["target"]), repeats=repeats,
+                         batch_examples=int(batch["input_ids"].shape[0]),
+                         batch_tokens=int(batch["attention_mask"].sum()))
+    return out
+
+
 def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_path: Path) -> dict:
     """Interleaved scoring-time ratios of the built proxies vs the target on one batch of the sample."""
     import torch
@@ -530,7 +567,6 @@ def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_pa
             models[v["key"]] = load_model(str(pdir), tokenizer=False)[0]
     for m in models.values():
         m.eval().requires_grad_(False)
-    from fidelity import interleaved_timing  # the v1 bench's interleaved loop (models take turns per repeat)
 
     target_model = models.pop("target")
     t = interleaved_timing(target_model, models, batch, val_batch, repeats=args.timing_repeats)
