@@ -46,11 +46,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity_v2 import (  # noqa: E402  (bench/ helpers: the stage ledger, bootstrap, names)
-    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, config_text, dir_name, git_commit, logger_overlay, percentile_interval,
+from fidelity_v2 import (  # bench/: the stage ledger, bootstrap, paths
+    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, config_text, git_commit, logger_overlay, percentile_interval,
     splice_docs, write_jsonl,
 )
+from variants import dir_name  # bench/: the variant grammar
 
 TASKS = ("mmlu", "bbh", "tydiqa")
 # the best proxy per ρ by the worst task of the per-task fidelity table (docs/BENCHMARKS.md), and LE at ρ = 0.5
