@@ -46,10 +46,10 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-from fidelity_v2 import (  # bench/: the stage ledger, bootstrap, paths
-    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, config_text, git_commit, logger_overlay, percentile_interval,
-    splice_docs, write_jsonl,
+from fidelity_v2 import (  # bench/: the stage ledger, paths
+    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, config_text, git_commit, logger_overlay, splice_docs, write_jsonl,
 )
+from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import dir_name  # bench/: the variant grammar
 
 TASKS = ("mmlu", "bbh", "tydiqa")

@@ -63,6 +63,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import yaml
+from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import dir_name, parse_variant  # bench/: the variant grammar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,15 +281,6 @@ def suite_scores(table: Mapping[str, Any], half: str | None = None) -> dict[str,
             groups.setdefault(suite_of(name), []).append(col)
     means = {s: np.mean(np.stack(cols), axis=0) for s, cols in groups.items()}
     return {i: {s: float(v[j]) for s, v in means.items()} for j, i in enumerate(table["id"])}
-
-
-def percentile_interval(stat: Callable[[np.ndarray], float], n_items: int, n: int, seed: int) -> list[float]:
-    rng = np.random.default_rng(seed)
-    vals = [v for v in (stat(rng.integers(0, n_items, n_items)) for _ in range(n)) if math.isfinite(v)]
-    if not vals:
-        return [float("nan"), float("nan")]
-    lo, hi = np.percentile(vals, [2.5, 97.5])
-    return [float(lo), float(hi)]
 
 
 def topk_set_overlap(p: np.ndarray, t: np.ndarray, frac: float) -> float:

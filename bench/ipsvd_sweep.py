@@ -70,6 +70,8 @@ from iprox_lightning.target_layers import find_target_linears, linear_weight
 from iprox_lightning.probes import Probes, collect_probes
 from iprox_lightning.scoring import influence_scores, tracin_scores
 
+from bootstrap import percentile_interval  # bench/: the one bootstrap
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("IPROX_SHARED", ROOT.parent / "shared"))
 if not SHARED.exists():
@@ -207,15 +209,12 @@ def retention(proxy: Mapping[str, float], target: Mapping[str, float]) -> dict[s
 
 
 def spearman_interval(proxy: Mapping[str, float], target: Mapping[str, float], *, level: float = 0.9,
-                      n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval (resampling the scored examples with replacement, fixed seed)
-    of the Spearman correlation — how much of a difference between rows is sampling noise."""
+                      n_boot: int = 2000, seed: int = 0) -> list[float]:
+    """Percentile bootstrap interval (:func:`bootstrap.percentile_interval` over the scored examples) of the
+    Spearman correlation — how much of a difference between rows is sampling noise."""
     _, p, t = align_scores(proxy, target)
-    rng = np.random.default_rng(seed)
-    vals = [spearman(p[i], t[i]) for i in (rng.integers(0, len(p), len(p)) for _ in range(n_boot))]
-    vals = np.array([v for v in vals if math.isfinite(v)])
     a = (1 - level) / 2
-    return float(np.quantile(vals, a)), float(np.quantile(vals, 1 - a))
+    return percentile_interval(lambda i: spearman(p[i], t[i]), len(p), n_boot, seed, (100 * a, 100 * (1 - a)))
 
 
 # ------------------------------------------------------------------------------------------------
