@@ -201,6 +201,7 @@ def logger_overlay(out: Path, name: str) -> dict:
 # the sample: the library's stratified_sample (train.py sample_pool), the algorithm the recorded runs used. Here it
 # stratifies canonical records, which carry no `source` field: every record is in stratum "None", so the recorded
 # 512-example samples are uniform draws from the candidates (not per-source shares)
+from iprox_lightning.data.sources import write_records_jsonl  # noqa: E402
 from iprox_lightning.data.splits import stratified_sample  # noqa: E402
 
 
@@ -215,30 +216,18 @@ def split_halves(records: list[dict]) -> list[dict]:
     return out
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
 def read_table(path: Path) -> dict[str, Any]:
-    """``{"id": [...], "score": array, "score_max": array, "tasks": {name: array}, "n_tokens": array}``."""
-    import pyarrow.parquet as pq
+    """A score table (:func:`iprox_lightning.io.scores.read_table`) as ``{"id": [...], "score": array, "score_max":
+    array, "tasks": {name: array}, "n_tokens": array}``."""
+    from iprox_lightning.io.scores import read_table as read_score_table, task_names_of
 
-    t = pq.read_table(path)
-    cols = t.column_names
-    out = {"id": [str(i) for i in t.column("id").to_pylist()],
-           "score": np.asarray(t.column("score").to_pylist(), dtype=float),
-           "score_max": np.asarray(t.column("score_max").to_pylist(), dtype=float),
-           "n_tokens": np.asarray(t.column("n_tokens").to_pylist(), dtype=float),
-           "tasks": {c.split("/", 1)[1]: np.asarray(t.column(c).to_pylist(), dtype=float)
-                     for c in cols if c.startswith("score/")}}
-    return out
+    _, t = read_score_table(path)
+    col = lambda c: np.asarray(t.column(c).to_pylist(), dtype=float)  # noqa: E731
+    return {"id": [str(i) for i in t.column("id").to_pylist()], "score": col("score"), "score_max": col("score_max"),
+            "n_tokens": col("n_tokens"), "tasks": {name: col(f"score/{name}") for name in task_names_of(t)}}
 
 
 def safetensors_param_count(model_dir: Path) -> int | None:
@@ -283,17 +272,11 @@ def suite_scores(table: Mapping[str, Any], half: str | None = None) -> dict[str,
     return {i: {s: float(v[j]) for s, v in means.items()} for j, i in enumerate(table["id"])}
 
 
-def topk_set_overlap(p: np.ndarray, t: np.ndarray, frac: float) -> float:
-    from iprox_lightning.analysis.retention import topk_overlap
-
-    return float(topk_overlap(p, t, frac))
-
-
 def row_metrics(proxy: Mapping[str, float], target: Mapping[str, float], length: Mapping[str, float],
                 picked: Mapping[float, set[str]] | None, target_picked: Mapping[float, set[str]],
                 n_boot: int, seed: int) -> dict[str, Any]:
     """Retention of ``proxy`` against ``target`` on their shared ids (see the module docstring)."""
-    from iprox_lightning.analysis.retention import partial_spearman, spearman
+    from iprox_lightning.analysis.retention import partial_spearman, spearman, topk_overlap
 
     ids = sorted(set(proxy) & set(target) & set(length))
     p, t, c = (np.array([d[i] for i in ids]) for d in (proxy, target, length))
@@ -307,8 +290,8 @@ def row_metrics(proxy: Mapping[str, float], target: Mapping[str, float], length:
             a, b = picked[frac], target_picked[frac]
             m[name] = len(a & b) / max(len(b), 1)
         else:
-            m[name] = topk_set_overlap(p, t, frac)
-        m[name.replace("overlap", "ci")] = percentile_interval(lambda ix: topk_set_overlap(p[ix], t[ix], frac),
+            m[name] = float(topk_overlap(p, t, frac))
+        m[name.replace("overlap", "ci")] = percentile_interval(lambda ix: float(topk_overlap(p[ix], t[ix], frac)),
                                                                len(ids), n_boot, seed)
     return m
 
@@ -713,7 +696,7 @@ def main(argv=None) -> dict:
     candidates = [r for r in dm.pool_records if r["id"] not in used]
     sample = stratified_sample(candidates, args.sample, args.seed, by="source" if not builtin else "category")
     sample_path = out / "sample.jsonl"
-    write_jsonl(sample_path, sample)
+    write_records_jsonl(sample, sample_path)
     if args.eval_dir == "builtin":
         from iprox_lightning.data.synthetic import builtin_validation
 
@@ -723,7 +706,7 @@ def main(argv=None) -> dict:
 
         val = eval_validation_records(args.eval_dir, ("mmlu", "bbh", "tydiqa"))
     val_path = out / "validation.jsonl"
-    write_jsonl(val_path, split_halves(val))
+    write_records_jsonl(split_halves(val), val_path)
     val_counts: dict[str, int] = {}
     for r in val:
         val_counts[r["category"]] = val_counts.get(r["category"], 0) + 1
