@@ -95,11 +95,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)  # noqa: E731
 
-    target, tok = load_target(args.model)
-    if args.tokenizer is not None:
-        from iprox_lightning.models.loading import load_tokenizer
-
-        tok = load_tokenizer(args.tokenizer)
+    target, tok = load_target(args.model, args.tokenizer)
     n_params = count_parameters(target)
     log(f"target {args.model}: {n_params:,} parameters; torch threads {torch.get_num_threads()}")
     dm = SFTDataModule(pool=args.pool, validation=None, tokenizer=tok, max_length=args.probe_length,

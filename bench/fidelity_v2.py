@@ -63,6 +63,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import yaml
+
 from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import dir_name, parse_variant  # bench/: the variant grammar
 
@@ -81,9 +82,8 @@ DEFAULT_VARIANTS = [
 
 
 # ------------------------------------------------------------------------------------------------
-# variants
+# stages (the product's commands, skipped on a matching fingerprint)
 # ------------------------------------------------------------------------------------------------
-
 # trainer options that change what a run writes or prints, never what it computes: a config line setting one of them
 # does not enter a stage's fingerprint, so adding it does not make finished stages stale (e.g. warm-up: 47 min)
 OUTCOME_NEUTRAL = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")
@@ -95,9 +95,6 @@ def config_text(path) -> str:
     return "".join(x for x in lines if x.split(":", 1)[0].strip() not in OUTCOME_NEUTRAL)
 
 
-# ------------------------------------------------------------------------------------------------
-# stages (the product's commands, skipped on a matching fingerprint)
-# ------------------------------------------------------------------------------------------------
 # trainer settings that change where a stage logs or how it looks, never what it computes
 PRESENTATION_KEYS = ("logger", "default_root_dir", "log_every_n_steps", "enable_progress_bar", "enable_model_summary")
 
@@ -232,17 +229,10 @@ def read_table(path: Path) -> dict[str, Any]:
 
 def safetensors_param_count(model_dir: Path) -> int | None:
     """Parameters stored in a model directory's ``*.safetensors`` files (read from the headers only)."""
-    from safetensors import safe_open
+    from iprox_lightning.io.proxy import tensor_shapes
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    n = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                n += int(np.prod(h.get_slice(k).get_shape()))
-    return n
+    return sum(int(np.prod(shape)) for f in files for shape in tensor_shapes(f).values()) if files else None
 
 
 def as_map(table: Mapping[str, Any], col: str = "score") -> dict[str, float]:
@@ -404,19 +394,26 @@ def fmt_ci(ci) -> str:
 SUITE_NAMES = {"mmlu": "MMLU", "bbh": "BBH", "tydiqa": "TyDiQA"}
 
 
+def suite_name(suite: str) -> str:
+    return SUITE_NAMES.get(suite, suite)
+
+
 def _num(v, f: str = "{:+.3f}") -> str:
     return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
+
+
+def worst_task_key(row) -> tuple[float, float]:
+    """A row's worst-task Spearman, then its worst-task partialled one (undefined: −inf): larger is better."""
+    w = row.get("worst_task") or {}
+    return tuple(x if x is not None and math.isfinite(x) else -math.inf
+                 for x in (w.get("spearman"), w.get("spearman_length_partialled")))
 
 
 def headline_row(rows) -> dict | None:
     """The row the headline names: the best worst task (Spearman, then partialled) among the rows with a ρ
     (proxies and the Layer Extraction / SVD baselines); reference rows are its comparison, never the headline."""
-    def key(r):
-        w = r.get("worst_task") or {}
-        v = [w.get("spearman"), w.get("spearman_length_partialled")]
-        return tuple(x if x is not None and math.isfinite(x) else -math.inf for x in v)
     cand = [r for r in rows if r.get("rho") is not None and r.get("worst_task")]
-    return max(cand, key=key) if cand else None
+    return max(cand, key=worst_task_key) if cand else None
 
 
 def headline(summary: Mapping[str, Any]) -> list[str]:
@@ -426,7 +423,7 @@ def headline(summary: Mapping[str, Any]) -> list[str]:
     best = headline_row(rows)
     if best is None or not suites:
         return []
-    name = lambda s: SUITE_NAMES.get(s, s)  # noqa: E731
+    name = suite_name
 
     def per(r, key="spearman"):
         return " / ".join(f"{name(s)} {_num(r['per_task'][s][key], '{:+.2f}')}" for s in suites)
@@ -465,12 +462,10 @@ def per_task_table(summary: Mapping[str, Any]) -> list[str]:
     rows = [r for r in summary["rows"] if r.get("per_task")]
     if not suites or not rows:
         return []
-    name = lambda s: SUITE_NAMES.get(s, s)  # noqa: E731
+    name = suite_name
     best = headline_row(summary["rows"])
     refs = [r for r in rows if r.get("rho") is None]
-    rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: tuple(
-        -(x if x is not None and math.isfinite(x) else -math.inf)
-        for x in (r["worst_task"].get("spearman"), r["worst_task"].get("spearman_length_partialled"))))
+    rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: [-x for x in worst_task_key(r)])
     head = (["variant", "ρ"] + [f"{name(s)} Spearman" for s in suites] + ["worst task"]
             + [f"{name(s)} partialled" for s in suites] + ["worst partialled"]
             + [f"top-5% {' / '.join(map(name, suites))}", f"top-10% {' / '.join(map(name, suites))}"])
@@ -506,7 +501,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
                  "with the warmed target's suite score [95% bootstrap CI], top-k overlap of the per-suite top-k sets; "
                  "the worst task is the minimum over suites). Ceiling per suite (the warmed target's half0 vs half1 "
                  "scores): " + ", ".join(
-                     f"{SUITE_NAMES.get(s, s)} {_num(m['spearman'], '{:+.3f}')} (partialled "
+                     f"{suite_name(s)} {_num(m['spearman'], '{:+.3f}')} (partialled "
                      f"{_num(m.get('spearman_length_partialled'), '{:+.3f}')})"
                      for s, m in meta.get("target_split_half_per_task", {}).items()) + ".", "",
                  *per_task_table(summary), ""] if per_task_table(summary) else []),
@@ -517,9 +512,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
              "| variant | ρ | params | Spearman | partialled (length) | top-5% | top-10% | Spearman (LESS max) | vs unwarmed | scoring time ratio ¹ |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
-        def g(k, f="{:+.3f}"):
-            v = r.get(k)
-            return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
+        g = lambda k, f="{:+.3f}": _num(r.get(k), f)  # noqa: E731
         lines.append(
             f"| {r['variant']} | {g('rho', '{:g}')} | {g('params', '{:,}')} | {g('spearman')}{fmt_ci(r.get('spearman_ci'))} | "
             f"{g('spearman_length_partialled')}{fmt_ci(r.get('partialled_ci'))} | {g('top5_overlap', '{:.2f}')} | "

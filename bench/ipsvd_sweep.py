@@ -143,14 +143,15 @@ def build_data(args, tokenizer) -> dict[str, Any]:
     )
 
 
-def load_target(name: str):
-    from iprox_lightning.models.loading import load_model
+def load_target(name: str, tokenizer: str | None = None):
+    """``(model, tokenizer)``: the target in float32, eval mode, frozen; ``tokenizer`` overrides the model's."""
+    from iprox_lightning.models.loading import load_model, load_tokenizer
 
     model, tok = load_model(name, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return model, tok
+    return model, (tok if tokenizer is None else load_tokenizer(tokenizer))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,11 +305,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)  # noqa: E731
 
-    target, tok = load_target(args.model)
-    if args.tokenizer is not None:
-        from iprox_lightning.models.loading import load_tokenizer
-
-        tok = load_tokenizer(args.tokenizer)
+    target, tok = load_target(args.model, args.tokenizer)
     log(f"target {args.model}: {count_parameters(target):,} parameters; torch threads {torch.get_num_threads()}")
     data = build_data(args, tok)
     modules = find_target_linears(target)
