@@ -46,9 +46,8 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-from fidelity_v2 import (  # bench/: the stage ledger, paths
-    DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL, Stages, config_text, git_commit, logger_overlay, splice_docs,
-)
+from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
+from ledger import Stages, config_text, git_commit, logger_overlay, splice_docs  # bench/: the stage ledger
 from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import dir_name  # bench/: the variant grammar
 

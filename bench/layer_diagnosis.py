@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-from fidelity_v2 import Stages, git_commit  # bench/: the stage ledger
+from ledger import Stages, git_commit  # bench/: the stage ledger
 from variants import dir_name  # bench/: the variant grammar
 
 ORDER = ("mmlu", "bbh", "tydiqa")  # table order; other suites (the demo's families) after them

@@ -13,6 +13,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import fidelity_v2 as fv2  # noqa: E402
+import ledger  # noqa: E402
 import variants  # noqa: E402
 
 from iprox_lightning.analysis.retention import spearman  # noqa: E402
@@ -169,7 +170,7 @@ def test_task_alignment_variant_reaches_the_build_stage(tmp_path, monkeypatch, c
 def test_canonical_fingerprint_ignores_comments_and_logging_only():
     cfg = "# stage\ntrainer:\n  max_epochs: 1\n  logger: false\nmodel:\n  lr: 0.001\n"
     fp = lambda text, **kw: json.dumps({"config": text, "data": {"n": 3}, **kw}, sort_keys=True)  # noqa: E731
-    same = fv2.canonical_fingerprint
+    same = ledger.canonical_fingerprint
     edited = "# stage, now logging\ntrainer:\n  max_epochs: 1\n  logger:\n    class_path: TensorBoardLogger\n" \
              "  default_root_dir: elsewhere\nmodel:\n  lr: 0.001  # same value\n"
     assert same(fp(cfg)) == same(fp(edited))
@@ -342,11 +343,11 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
 def test_splice_docs_replaces_only_the_generated_section(tmp_path):
     doc = tmp_path / "B.md"
     doc.write_text(f"# Page\nintro\n{fv2.DOCS_BEGIN}\nold table\n{fv2.DOCS_END}\nreading\n")
-    fv2.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n")
+    ledger.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n", fv2.DOCS_BEGIN, fv2.DOCS_END)
     assert doc.read_text() == f"# Page\nintro\n{fv2.DOCS_BEGIN}\n| a | b |\n{fv2.DOCS_END}\nreading\n"
     (tmp_path / "C.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
-        fv2.splice_docs(tmp_path / "C.md", "x")
+        ledger.splice_docs(tmp_path / "C.md", "x", fv2.DOCS_BEGIN, fv2.DOCS_END)
 
 
 def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):
