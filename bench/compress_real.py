@@ -38,8 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ipsvd_sweep import (  # noqa: E402
+from ipsvd_sweep import (  # bench/
     DEFAULT_MODEL,
     DEFAULT_POOL,
     ObjectiveMeter,
@@ -47,15 +46,15 @@ from ipsvd_sweep import (  # noqa: E402
     mean_loss,
 )
 
-from iprox_lightning.compress import (  # noqa: E402
+from iprox_lightning.compress import (
     DEFAULT_DAMPING,
     DEFAULT_DAMPING_MODE,
     compress_model,
     count_parameters,
 )
-from iprox_lightning.data import SFTDataModule  # noqa: E402
-from iprox_lightning.target_layers import find_target_linears, linear_weight  # noqa: E402
-from iprox_lightning.probes import collect_probes  # noqa: E402
+from iprox_lightning.data import SFTDataModule
+from iprox_lightning.target_layers import find_target_linears, linear_weight
+from iprox_lightning.probes import collect_probes
 
 COLUMNS = [("params_after", "proxy params", "{:,}"), ("params_ratio", "of target", "{:.3f}"),
            ("size_mib_fp32", "fp32 MiB", "{:.1f}"), ("factor_time_s", "factor s", "{:.1f}"),
@@ -96,11 +95,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)  # noqa: E731
 
-    target, tok = load_target(args.model)
-    if args.tokenizer is not None:
-        from iprox_lightning.models.loading import load_tokenizer
-
-        tok = load_tokenizer(args.tokenizer)
+    target, tok = load_target(args.model, args.tokenizer)
     n_params = count_parameters(target)
     log(f"target {args.model}: {n_params:,} parameters; torch threads {torch.get_num_threads()}")
     dm = SFTDataModule(pool=args.pool, validation=None, tokenizer=tok, max_length=args.probe_length,

@@ -23,27 +23,8 @@ Every stage is skipped when its output exists **and** its fingerprint (the stage
 recorded one in ``OUT/state.json``; a changed setting re-runs it. An interrupted run resumes (re-run the
 same command).
 
-Variants: ``le@ρ`` (Layer Extraction) or ``METHOD[/OPTION...]@ρ[+align]`` with METHOD ``ipsvd`` | ``svd`` |
-``random`` and options ``core`` | ``exact``, ``abs<d>`` | ``rel<d>`` (damping), ``global`` (global rank
-allocation), ``spare0`` (block 0's MLP kept dense), ``n<N>`` (probe tokens per layer); ``+align`` runs Stage 2 (``--align-epochs``, ``--align-lr``); ``+align<EPOCHS>`` and ``+align[<EPOCHS>]:<LR>`` set
-them for one variant (``+align2:1e-4``); ``drop<N>`` drops the N least important blocks (Layer Extraction's
-importance) and spends the freed budget on IPSVD of the rest (no ``+align``); a trailing ``+fid<N>`` keeps the aligned
-factors with the best ranking fidelity on N held-out pool examples (``monitor: val/fidelity_loss``) instead of the
-best held-out alignment loss, ``+fidtask<N>`` those whose worst validation task ranks best (``fidelity_per_task``,
-``monitor: val/fidelity_worst_loss``; the tasks are the validation file's, here the suite halves). Issue 22's levers:
-``infw`` (with ``global``: ranks weighted by each layer's share of the per-task score signal, ``rank_weighting:
-influence``; ``infw<λ>`` mixes λ of it with the unweighted allocation; the validation examples of the build stage,
-``--align-val-per-task`` per task, give the weights), ``allprobe`` (probes of the loss over every non-pad token,
-``probe_labels: all``), ``up<M>`` (ranks rounded up to a multiple of M, ``rank_rounding: up``).
-
-Task-aware alignment suffixes (issue 22; after ``+align...``, any order, each at most once; every one of them sets
-``val_train_fraction`` of the build's data, so a part of each validation task trains and the rest monitors):
-``+val`` / ``+val<C>`` mixes C copies (default 1) of those validation examples into the alignment split
-(``mix_val_train``); ``+valg<W>`` adds the per-task validation-gradient term with weight W (``val_grad_weight``);
-``+score<W>`` the score-space term with weight W (``score_weight``, Pearson) and ``+scorelist<W>`` its listwise form
-(``score_loss: listwise``); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+vt<F>`` sets
-the validation share F that trains (``val_train_fraction``, default 0.5). E.g.
-``ipsvd/exact/rel1e-3/global@0.5+align:1e-3+val+valg1+score0.5``.
+Variants: ``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align...][+SUFFIX...]``, the grammar of ``bench/variants.py``
+(e.g. ``ipsvd/exact/rel1e-3/global@0.5+align:1e-3+val+valg1+score0.5``).
 
 Per row: ``spearman`` (vs the warmed target's ``score``, the mean-aggregated TracIn ``select`` ranks by),
 ``spearman_length_partialled`` (response length partialled out), ``top5_overlap`` / ``top10_overlap`` (the
@@ -71,21 +52,18 @@ import json
 import math
 import os
 import platform
-import re
-import resource
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (fidelity.interleaved_timing)
+from bootstrap import percentile_interval  # bench/: the one bootstrap
+from ledger import ROOT, Stages, config_text, git_commit, logger_overlay, splice_docs  # bench/: the stage ledger
+from variants import dir_name, parse_variant  # bench/: the variant grammar
+
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_POOL = SHARED / "data" / "pool" / "instructions.jsonl"
@@ -97,262 +75,6 @@ DEFAULT_VARIANTS = [
     "ipsvd/exact/rel1e-3/global@0.5+align", "ipsvd/exact/rel1e-3@0.5",
     "ipsvd/exact/rel1e-3/global@0.3", "le@0.3",
 ]
-SPARE0 = [r"layers\.0\.mlp\."]
-
-
-# ------------------------------------------------------------------------------------------------
-# variants
-# ------------------------------------------------------------------------------------------------
-
-# trainer options that change what a run writes or prints, never what it computes: a config line setting one of them
-# does not enter a stage's fingerprint, so adding it does not make finished stages stale (e.g. warm-up: 47 min)
-OUTCOME_NEUTRAL = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")
-
-
-def config_text(path) -> str:
-    """A stage config's text for a fingerprint: the file without lines that set an :data:`OUTCOME_NEUTRAL` option."""
-    lines = Path(path).read_text().splitlines(keepends=True)
-    return "".join(x for x in lines if x.split(":", 1)[0].strip() not in OUTCOME_NEUTRAL)
-
-
-TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt)([0-9.]*(?:[eE]-?\d+)?)")
-DEFAULT_VAL_TRAIN_FRACTION = 0.5
-
-
-def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[str, dict[str, Any]]]:
-    """The suffixes after ``+align...`` (``+fid<N>`` / ``+fidtask<N>`` and the task-aware ones, module docstring) ->
-    ``(fidelity, fidelity per task?, {"model": ProxyAlignModule init_args, "data": SFTDataModule init_args})``."""
-    pos, seen, fidelity, fidelity_task = 0, set(), None, False
-    model: dict[str, Any] = {}
-    data: dict[str, Any] = {}
-    while pos < len(text):
-        m = TASK_SUFFIX.match(text, pos)
-        if m is None or (m.end() < len(text) and text[m.end()] != "+"):
-            raise ValueError(f"variant {spec!r}: unknown alignment suffix {text[pos:]!r} (+fid<N>, +fidtask<N>, +val[<copies>], "
-                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>)")
-        name, val = m.group(1), m.group(2)
-        key = {"scorelist": "score", "fidtask": "fid"}.get(name, name)
-        if key in seen:
-            raise ValueError(f"variant {spec!r}: +{key} given twice")
-        seen.add(key)
-        try:
-            num = float(val) if val else None
-        except ValueError:
-            raise ValueError(f"variant {spec!r}: +{name}{val}: {val!r} is not a number") from None
-        if name in ("fid", "fidtask"):
-            if not val.isdigit():
-                raise ValueError(f"variant {spec!r}: +{name} takes a number of examples, e.g. +{name}128")
-            fidelity, fidelity_task = int(val), name == "fidtask"
-            if fidelity == 0:
-                raise ValueError(f"variant {spec!r}: +{name}0 checks nothing; leave out +{name}")
-        elif name == "val":
-            if val and not val.isdigit():
-                raise ValueError(f"variant {spec!r}: +val takes a number of copies, e.g. +val2")
-            data["mix_val_train"] = int(val) if val else 1
-            if not data["mix_val_train"]:
-                raise ValueError(f"variant {spec!r}: +val0 mixes nothing; leave out +val")
-        elif name == "worst":
-            if val:
-                raise ValueError(f"variant {spec!r}: +worst takes no value")
-            model["task_reduction"] = "max"
-        else:
-            if num is None or not num > 0 or (name == "vt" and not num < 1):
-                raise ValueError(f"variant {spec!r}: +{name} needs a value " + ("in (0, 1)" if name == "vt" else "> 0")
-                                 + f", e.g. +{name}" + ("0.5" if name == "vt" else "1"))
-            if name == "vt":
-                data["val_train_fraction"] = num
-            elif name == "valg":
-                model["val_grad_weight"] = num
-            else:
-                model["score_weight"] = num
-                if name == "scorelist":
-                    model["score_loss"] = "listwise"
-        pos = m.end()
-    if "task_reduction" in model and not {"val_grad_weight", "score_weight"} & set(model):
-        raise ValueError(f"variant {spec!r}: +worst reduces the task terms over tasks; add +valg<W> or +score<W>")
-    if "val_train_fraction" in data and not (model.keys() - {"task_reduction"} or "mix_val_train" in data):
-        raise ValueError(f"variant {spec!r}: +vt sets the validation share that trains; add +val, +valg<W> or +score<W>")
-    if model or data:
-        data.setdefault("val_train_fraction", DEFAULT_VAL_TRAIN_FRACTION)
-    return fidelity, fidelity_task, {"model": model, "data": data}
-
-
-def parse_variant(spec: str) -> dict[str, Any]:
-    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR][+SUFFIX...]]`` -> ``{"key", "kind", "rho", "align",
-    "align_epochs", "align_lr", "fidelity", "task_align", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None:
-    ``--align-epochs`` / ``--align-lr``; ``task_align``: the ``model`` / ``data`` init_args of the task-aware
-    suffixes, empty without them)."""
-    s = spec.strip()
-    m = re.search(r"\+align(\d*)(?::([0-9.]+(?:[eE][+-]?\d+)?))?((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)*)$", s)
-    align = m is not None
-    fidelity, fidelity_task, task_align = (parse_task_suffixes(spec, m.group(3)) if m else
-                                           (None, False, {"model": {}, "data": {}}))
-    align_epochs = int(m.group(1)) if m and m.group(1) else None
-    try:
-        align_lr = float(m.group(2)) if m and m.group(2) else None
-    except ValueError:
-        raise ValueError(f"variant {spec!r}: alignment learning rate {m.group(2)!r} is not a number") from None
-    if align_lr is not None and not align_lr > 0:
-        raise ValueError(f"variant {spec!r}: alignment learning rate must be > 0")
-    if align_epochs == 0:
-        raise ValueError(f"variant {spec!r}: +align0 aligns nothing; leave out +align")
-    body, _, rho_s = (s[: m.start()] if m else s).partition("@")
-    try:
-        rho = float(rho_s)
-    except ValueError:
-        raise ValueError(f"variant {spec!r}: expected ...@RHO, e.g. 'ipsvd/exact/global@0.5+align'") from None
-    if not 0 < rho < 1:
-        raise ValueError(f"variant {spec!r}: sparsity must be in (0, 1)")
-    method, *opts = body.split("/")
-    if method == "le":
-        if opts or align:
-            raise ValueError(f"variant {spec!r}: Layer Extraction takes no options and has no factors to align")
-        return {"key": s, "kind": "le", "rho": rho, "align": False, "align_epochs": None, "align_lr": None,
-                "fidelity": None, "task_align": task_align, "ipsvd": {}}
-    if method not in ("ipsvd", "svd", "random"):
-        raise ValueError(f"variant {spec!r}: method must be le, ipsvd, svd or random")
-    cb: dict[str, Any] = {"sparsity": rho, "method": method}
-    for o in opts:
-        if o in ("core", "exact"):
-            cb["mode"] = o
-        elif o[:3] in ("abs", "rel") and len(o) > 3:
-            cb["damping_mode"] = "absolute" if o.startswith("abs") else "relative"
-            cb["damping"] = float(o[3:])
-        elif o == "global":
-            cb["allocation"] = "global"
-        elif o == "spare0":
-            cb["keep_dense"] = SPARE0
-        elif o[:1] == "n" and o[1:].isdigit():
-            cb["num_probe_tokens"] = int(o[1:])
-        elif o[:4] == "drop" and o[4:].isdigit() and int(o[4:]) > 0:
-            cb["drop_blocks"] = int(o[4:])
-        elif o[:4] == "infw" and (o == "infw" or re.fullmatch(r"(0?\.\d+|1(\.0*)?|0)", o[4:])):
-            cb["rank_weighting"] = "influence"
-            if o != "infw":
-                cb["rank_weight_mix"] = float(o[4:])
-        elif o == "allprobe":
-            cb["probe_labels"] = "all"
-        elif o[:2] == "up" and o[2:].isdigit() and int(o[2:]) > 0:
-            cb.update(rank_multiple=int(o[2:]), rank_rounding="up")
-        else:
-            raise ValueError(f"variant {spec!r}: unknown option {o!r} (core, exact, abs<d>, rel<d>, global, spare0, "
-                             "n<probe tokens>, drop<blocks>, infw[<mix>], allprobe, up<multiple>)")
-    if "rank_weighting" in cb and cb.get("allocation") != "global":
-        raise ValueError(f"variant {spec!r}: infw weights the global rank allocation: add /global")
-    if "drop_blocks" in cb and align:
-        raise ValueError(f"variant {spec!r}: a proxy with dropped blocks cannot be aligned (Stage 2 pairs proxy and "
-                         "target layers by path)")
-    if method == "ipsvd" and cb.get("mode", "exact") == "exact" and "allocation" not in cb:
-        cb["allocation"] = "uniform"  # the variant says what it is: without /global, the same ρ in every layer
-    out = {"key": s, "kind": "proxy", "rho": rho, "align": align, "align_epochs": align_epochs, "align_lr": align_lr,
-           "fidelity": fidelity, "task_align": task_align, "ipsvd": cb}
-    if fidelity_task:  # only when asked: the other rows' dicts (and fingerprints) stay as they were
-        out["fidelity_task"] = True
-    return out
-
-
-def dir_name(key: str) -> str:
-    return key.replace("/", "_").replace("@", "-at-").replace("+", "-").replace(":", "_")
-
-
-# ------------------------------------------------------------------------------------------------
-# stages (the product's commands, skipped on a matching fingerprint)
-# ------------------------------------------------------------------------------------------------
-# trainer settings that change where a stage logs or how it looks, never what it computes
-PRESENTATION_KEYS = ("logger", "default_root_dir", "log_every_n_steps", "enable_progress_bar", "enable_model_summary")
-
-
-def canonical_fingerprint(fp: str) -> str:
-    """``fp`` (a stage fingerprint, JSON) with every ``config`` text parsed as YAML and its trainer's presentation
-    settings (``PRESENTATION_KEYS``) dropped: editing a comment or the logger of a shipped config does not re-run a
-    stage; any other change of the config does."""
-    def norm(x: Any) -> Any:
-        if isinstance(x, dict):
-            out = {}
-            for k, v in x.items():
-                if k == "config" and isinstance(v, str):
-                    v = yaml.safe_load(v) or {}
-                    if isinstance(v.get("trainer"), dict):
-                        v["trainer"] = {tk: tv for tk, tv in v["trainer"].items() if tk not in PRESENTATION_KEYS}
-                out[k] = norm(v)
-            return out
-        if isinstance(x, list):
-            return [norm(v) for v in x]
-        return x
-    return json.dumps(norm(json.loads(fp)), sort_keys=True)
-
-
-class Stages:
-    """Runs ``python train.py ...`` stages one at a time and records them in ``OUT/state.json``."""
-
-    def __init__(self, out: Path, threads: int | None, log: Callable[[str], None], dry_run: bool = False):
-        self.out, self.threads, self.log, self.dry_run = out, threads, log, dry_run
-        self.path = out / "state.json"
-        self.state = json.loads(self.path.read_text()) if self.path.exists() else {"stages": {}}
-        self.ran: list[str] = []  # stages run (or, in a dry run, that would run) by this process
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        os.replace(tmp, self.path)
-
-    def run(self, key: str, subcommand: str, configs: list[Path], overlay: dict, fingerprint: dict,
-            done: Path, clean: Path | None = None) -> dict:
-        rec = self.state["stages"].get(key)
-        fp = json.dumps(fingerprint, sort_keys=True)
-        if done.exists() and rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
-                rec["fingerprint"]) == canonical_fingerprint(fp)):
-            return rec  # (the stored record: stages downstream were fingerprinted with it)
-        self.ran.append(key)
-        if self.dry_run:
-            self.log(f"stage {key}: would run")
-            return {}
-        if done.exists() or (clean is not None and clean.exists()):
-            why = "no record" if rec is None else "settings changed"
-            self.log(f"stage {key}: existing output from another setting ({why}): removing {clean or done}")
-            target = clean or done
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        ov = self.out / "configs" / f"{dir_name(key)}.yaml"
-        ov.parent.mkdir(parents=True, exist_ok=True)
-        ov.write_text(yaml.safe_dump(overlay, sort_keys=False))
-        args = [subcommand] + [a for c in [*configs, ov] for a in ("--config", str(c))]
-        cmd = [sys.executable, "train.py", *args]
-        printable = "python train.py " + " ".join(shlex.quote(str(a)) for a in args)
-        self.log(f"stage {key}: {printable}")
-        env = dict(os.environ)
-        if self.threads:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        logf = self.out / "logs" / f"{dir_name(key)}.log"
-        logf.parent.mkdir(parents=True, exist_ok=True)
-        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        with open(logf, "w") as f:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
-        wall = time.perf_counter() - t0
-        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if proc.returncode != 0:
-            tail = logf.read_text()[-3000:]
-            raise RuntimeError(f"stage {key} failed (exit {proc.returncode}); log {logf}:\n{tail}")
-        if not done.exists():
-            raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
-        # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
-        # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
-        # text would re-run them although nothing they depend on changed
-        same = rec is not None and canonical_fingerprint(rec["fingerprint"]) == canonical_fingerprint(fp)
-        rec = {"fingerprint": rec["fingerprint"] if same else fp, "command": printable, "wall_s": wall,
-               "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
-               "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "commit": git_commit(dirty=True),
-               "load_average": os.getloadavg()[0]}
-        self.state["stages"][key] = rec
-        self.save()
-        self.log(f"stage {key}: done in {wall:.0f}s (CPU {rec['cpu_s']:.0f}s)")
-        return rec
-
-
-def logger_overlay(out: Path, name: str) -> dict:
-    return {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-            "init_args": {"save_dir": str(out / "logs" / "tensorboard"), "name": name}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,6 +83,7 @@ def logger_overlay(out: Path, name: str) -> dict:
 # the sample: the library's stratified_sample (train.py sample_pool), the algorithm the recorded runs used. Here it
 # stratifies canonical records, which carry no `source` field: every record is in stratum "None", so the recorded
 # 512-example samples are uniform draws from the candidates (not per-source shares)
+from iprox_lightning.data.sources import write_records_jsonl  # noqa: E402
 from iprox_lightning.data.splits import stratified_sample  # noqa: E402
 
 
@@ -375,45 +98,26 @@ def split_halves(records: list[dict]) -> list[dict]:
     return out
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
 def read_table(path: Path) -> dict[str, Any]:
-    """``{"id": [...], "score": array, "score_max": array, "tasks": {name: array}, "n_tokens": array}``."""
-    import pyarrow.parquet as pq
+    """A score table (:func:`iprox_lightning.io.scores.read_table`) as ``{"id": [...], "score": array, "score_max":
+    array, "tasks": {name: array}, "n_tokens": array}``."""
+    from iprox_lightning.io.scores import read_table as read_score_table, task_names_of
 
-    t = pq.read_table(path)
-    cols = t.column_names
-    out = {"id": [str(i) for i in t.column("id").to_pylist()],
-           "score": np.asarray(t.column("score").to_pylist(), dtype=float),
-           "score_max": np.asarray(t.column("score_max").to_pylist(), dtype=float),
-           "n_tokens": np.asarray(t.column("n_tokens").to_pylist(), dtype=float),
-           "tasks": {c.split("/", 1)[1]: np.asarray(t.column(c).to_pylist(), dtype=float)
-                     for c in cols if c.startswith("score/")}}
-    return out
+    _, t = read_score_table(path)
+    col = lambda c: np.asarray(t.column(c).to_pylist(), dtype=float)  # noqa: E731
+    return {"id": [str(i) for i in t.column("id").to_pylist()], "score": col("score"), "score_max": col("score_max"),
+            "n_tokens": col("n_tokens"), "tasks": {name: col(f"score/{name}") for name in task_names_of(t)}}
 
 
 def safetensors_param_count(model_dir: Path) -> int | None:
     """Parameters stored in a model directory's ``*.safetensors`` files (read from the headers only)."""
-    from safetensors import safe_open
+    from iprox_lightning.io.proxy import tensor_shapes
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    n = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                n += int(np.prod(h.get_slice(k).get_shape()))
-    return n
+    return sum(int(np.prod(shape)) for f in files for shape in tensor_shapes(f).values()) if files else None
 
 
 def as_map(table: Mapping[str, Any], col: str = "score") -> dict[str, float]:
@@ -443,26 +147,11 @@ def suite_scores(table: Mapping[str, Any], half: str | None = None) -> dict[str,
     return {i: {s: float(v[j]) for s, v in means.items()} for j, i in enumerate(table["id"])}
 
 
-def percentile_interval(stat: Callable[[np.ndarray], float], n_items: int, n: int, seed: int) -> list[float]:
-    rng = np.random.default_rng(seed)
-    vals = [v for v in (stat(rng.integers(0, n_items, n_items)) for _ in range(n)) if math.isfinite(v)]
-    if not vals:
-        return [float("nan"), float("nan")]
-    lo, hi = np.percentile(vals, [2.5, 97.5])
-    return [float(lo), float(hi)]
-
-
-def topk_set_overlap(p: np.ndarray, t: np.ndarray, frac: float) -> float:
-    from iprox_lightning.analysis.retention import topk_overlap
-
-    return float(topk_overlap(p, t, frac))
-
-
 def row_metrics(proxy: Mapping[str, float], target: Mapping[str, float], length: Mapping[str, float],
                 picked: Mapping[float, set[str]] | None, target_picked: Mapping[float, set[str]],
                 n_boot: int, seed: int) -> dict[str, Any]:
     """Retention of ``proxy`` against ``target`` on their shared ids (see the module docstring)."""
-    from iprox_lightning.analysis.retention import partial_spearman, spearman
+    from iprox_lightning.analysis.retention import partial_spearman, spearman, topk_overlap
 
     ids = sorted(set(proxy) & set(target) & set(length))
     p, t, c = (np.array([d[i] for i in ids]) for d in (proxy, target, length))
@@ -476,8 +165,8 @@ def row_metrics(proxy: Mapping[str, float], target: Mapping[str, float], length:
             a, b = picked[frac], target_picked[frac]
             m[name] = len(a & b) / max(len(b), 1)
         else:
-            m[name] = topk_set_overlap(p, t, frac)
-        m[name.replace("overlap", "ci")] = percentile_interval(lambda ix: topk_set_overlap(p[ix], t[ix], frac),
+            m[name] = float(topk_overlap(p, t, frac))
+        m[name.replace("overlap", "ci")] = percentile_interval(lambda ix: float(topk_overlap(p[ix], t[ix], frac)),
                                                                len(ids), n_boot, seed)
     return m
 
@@ -510,6 +199,44 @@ def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
     return out
 
 
+def interleaved_timing(target, proxies: Mapping[str, Any], batch: Mapping, val_batch: Mapping,
+                       repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Scoring cost per training batch, proxy vs target, robust to a shared machine's changing load.
+
+    Each model's :class:`~iprox_lightning.scoring.InfluenceScorer` is fitted on ``val_batch``; then
+    ``score_batch(batch)`` is timed ``repeats`` times per model, the models taking turns within each
+    repeat (target, proxy 1, proxy 2, …), after one untimed warm-up call each. Returns, per proxy,
+    the median wall-clock and process CPU seconds of the target and the proxy and their ratios.
+    """
+    from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
+
+    models = {"target": target, **proxies}
+    scorers = {}
+    for name, m in models.items():
+        sc = InfluenceScorer(m, ScoringConfig(per_task=False))
+        sc.fit([val_batch])
+        sc.score_batch(batch)  # warm-up
+        scorers[name] = sc
+    wall: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(repeats):
+        for name, sc in scorers.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            sc.score_batch(batch)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    out = {}
+    for name in proxies:
+        out[name] = dict(target_wall_s=med(wall["target"]), proxy_wall_s=med(wall[name]),
+                         wall_ratio=med(wall[name]) / med(wall["target"]),
+                         target_cpu_s=med(cpu["target"]), proxy_cpu_s=med(cpu[name]),
+                         cpu_ratio=med(cpu[name]) / med(cpu["target"]), repeats=repeats,
+                         batch_examples=int(batch["input_ids"].shape[0]),
+                         batch_tokens=int(batch["attention_mask"].sum()))
+    return out
+
+
 def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_path: Path) -> dict:
     """Interleaved scoring-time ratios of the built proxies vs the target on one batch of the sample."""
     import torch
@@ -530,7 +257,6 @@ def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_pa
             models[v["key"]] = load_model(str(pdir), tokenizer=False)[0]
     for m in models.values():
         m.eval().requires_grad_(False)
-    from fidelity import interleaved_timing  # the v1 bench's interleaved loop (models take turns per repeat)
 
     target_model = models.pop("target")
     t = interleaved_timing(target_model, models, batch, val_batch, repeats=args.timing_repeats)
@@ -553,19 +279,26 @@ def fmt_ci(ci) -> str:
 SUITE_NAMES = {"mmlu": "MMLU", "bbh": "BBH", "tydiqa": "TyDiQA"}
 
 
+def suite_name(suite: str) -> str:
+    return SUITE_NAMES.get(suite, suite)
+
+
 def _num(v, f: str = "{:+.3f}") -> str:
     return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
+
+
+def worst_task_key(row) -> tuple[float, float]:
+    """A row's worst-task Spearman, then its worst-task partialled one (undefined: −inf): larger is better."""
+    w = row.get("worst_task") or {}
+    return tuple(x if x is not None and math.isfinite(x) else -math.inf
+                 for x in (w.get("spearman"), w.get("spearman_length_partialled")))
 
 
 def headline_row(rows) -> dict | None:
     """The row the headline names: the best worst task (Spearman, then partialled) among the rows with a ρ
     (proxies and the Layer Extraction / SVD baselines); reference rows are its comparison, never the headline."""
-    def key(r):
-        w = r.get("worst_task") or {}
-        v = [w.get("spearman"), w.get("spearman_length_partialled")]
-        return tuple(x if x is not None and math.isfinite(x) else -math.inf for x in v)
     cand = [r for r in rows if r.get("rho") is not None and r.get("worst_task")]
-    return max(cand, key=key) if cand else None
+    return max(cand, key=worst_task_key) if cand else None
 
 
 def headline(summary: Mapping[str, Any]) -> list[str]:
@@ -575,7 +308,7 @@ def headline(summary: Mapping[str, Any]) -> list[str]:
     best = headline_row(rows)
     if best is None or not suites:
         return []
-    name = lambda s: SUITE_NAMES.get(s, s)  # noqa: E731
+    name = suite_name
 
     def per(r, key="spearman"):
         return " / ".join(f"{name(s)} {_num(r['per_task'][s][key], '{:+.2f}')}" for s in suites)
@@ -614,12 +347,10 @@ def per_task_table(summary: Mapping[str, Any]) -> list[str]:
     rows = [r for r in summary["rows"] if r.get("per_task")]
     if not suites or not rows:
         return []
-    name = lambda s: SUITE_NAMES.get(s, s)  # noqa: E731
+    name = suite_name
     best = headline_row(summary["rows"])
     refs = [r for r in rows if r.get("rho") is None]
-    rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: tuple(
-        -(x if x is not None and math.isfinite(x) else -math.inf)
-        for x in (r["worst_task"].get("spearman"), r["worst_task"].get("spearman_length_partialled"))))
+    rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: [-x for x in worst_task_key(r)])
     head = (["variant", "ρ"] + [f"{name(s)} Spearman" for s in suites] + ["worst task"]
             + [f"{name(s)} partialled" for s in suites] + ["worst partialled"]
             + [f"top-5% {' / '.join(map(name, suites))}", f"top-10% {' / '.join(map(name, suites))}"])
@@ -655,7 +386,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
                  "with the warmed target's suite score [95% bootstrap CI], top-k overlap of the per-suite top-k sets; "
                  "the worst task is the minimum over suites). Ceiling per suite (the warmed target's half0 vs half1 "
                  "scores): " + ", ".join(
-                     f"{SUITE_NAMES.get(s, s)} {_num(m['spearman'], '{:+.3f}')} (partialled "
+                     f"{suite_name(s)} {_num(m['spearman'], '{:+.3f}')} (partialled "
                      f"{_num(m.get('spearman_length_partialled'), '{:+.3f}')})"
                      for s, m in meta.get("target_split_half_per_task", {}).items()) + ".", "",
                  *per_task_table(summary), ""] if per_task_table(summary) else []),
@@ -666,9 +397,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
              "| variant | ρ | params | Spearman | partialled (length) | top-5% | top-10% | Spearman (LESS max) | vs unwarmed | scoring time ratio ¹ |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
-        def g(k, f="{:+.3f}"):
-            v = r.get(k)
-            return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
+        g = lambda k, f="{:+.3f}": _num(r.get(k), f)  # noqa: E731
         lines.append(
             f"| {r['variant']} | {g('rho', '{:g}')} | {g('params', '{:,}')} | {g('spearman')}{fmt_ci(r.get('spearman_ci'))} | "
             f"{g('spearman_length_partialled')}{fmt_ci(r.get('partialled_ci'))} | {g('top5_overlap', '{:.2f}')} | "
@@ -724,18 +453,6 @@ def write_plot(out: Path, summary: Mapping[str, Any]) -> str | None:
 DOCS_BEGIN, DOCS_END = "<!-- fidelity_v2:begin (generated by bench/fidelity_v2.py --docs) -->", "<!-- fidelity_v2:end -->"
 
 
-def splice_docs(doc: Path, md: str, begin: str = DOCS_BEGIN, end: str = DOCS_END) -> None:
-    """Replace the text between the generated-section markers ``begin`` … ``end`` of ``doc`` with ``md`` (the
-    markers must exist)."""
-    text = doc.read_text()
-    if begin not in text or end not in text:
-        raise ValueError(f"{doc}: markers {begin!r} … {end!r} not found")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    body = md.split("\n", 1)[1] if md.startswith("# ") else md  # the page has its own heading
-    doc.write_text(f"{head}{begin}\n{body.strip()}\n{end}{tail}")
-
-
 def write_outputs(out: Path, summary: dict) -> None:
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
@@ -786,18 +503,6 @@ def parse_args(argv=None):
     return args
 
 
-def git_commit(dirty: bool = False) -> str:
-    """Short HEAD commit of the checkout (``+dirty`` appended when ``dirty`` and tracked files differ)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        if dirty and subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0:
-            head += "+dirty"
-        return head
-    except Exception:
-        return "unknown"
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]
@@ -845,7 +550,7 @@ def main(argv=None) -> dict:
     candidates = [r for r in dm.pool_records if r["id"] not in used]
     sample = stratified_sample(candidates, args.sample, args.seed, by="source" if not builtin else "category")
     sample_path = out / "sample.jsonl"
-    write_jsonl(sample_path, sample)
+    write_records_jsonl(sample, sample_path)
     if args.eval_dir == "builtin":
         from iprox_lightning.data.synthetic import builtin_validation
 
@@ -855,7 +560,7 @@ def main(argv=None) -> dict:
 
         val = eval_validation_records(args.eval_dir, ("mmlu", "bbh", "tydiqa"))
     val_path = out / "validation.jsonl"
-    write_jsonl(val_path, split_halves(val))
+    write_records_jsonl(split_halves(val), val_path)
     val_counts: dict[str, int] = {}
     for r in val:
         val_counts[r["category"]] = val_counts.get(r["category"], 0) + 1
@@ -968,7 +673,7 @@ def main(argv=None) -> dict:
     summary["plot"] = write_plot(out, summary)
     write_outputs(out, summary)
     if args.docs:
-        splice_docs(Path(args.docs), markdown(summary))
+        splice_docs(Path(args.docs), markdown(summary), DOCS_BEGIN, DOCS_END)
     print(markdown(summary))
     return summary
 

@@ -70,6 +70,8 @@ from iprox_lightning.target_layers import find_target_linears, linear_weight
 from iprox_lightning.probes import Probes, collect_probes
 from iprox_lightning.scoring import influence_scores, tracin_scores
 
+from bootstrap import percentile_interval  # bench/: the one bootstrap
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("IPROX_SHARED", ROOT.parent / "shared"))
 if not SHARED.exists():
@@ -141,14 +143,15 @@ def build_data(args, tokenizer) -> dict[str, Any]:
     )
 
 
-def load_target(name: str):
-    from iprox_lightning.models.loading import load_model
+def load_target(name: str, tokenizer: str | None = None):
+    """``(model, tokenizer)``: the target in float32, eval mode, frozen; ``tokenizer`` overrides the model's."""
+    from iprox_lightning.models.loading import load_model, load_tokenizer
 
     model, tok = load_model(name, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return model, tok
+    return model, (tok if tokenizer is None else load_tokenizer(tokenizer))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,15 +210,12 @@ def retention(proxy: Mapping[str, float], target: Mapping[str, float]) -> dict[s
 
 
 def spearman_interval(proxy: Mapping[str, float], target: Mapping[str, float], *, level: float = 0.9,
-                      n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval (resampling the scored examples with replacement, fixed seed)
-    of the Spearman correlation — how much of a difference between rows is sampling noise."""
+                      n_boot: int = 2000, seed: int = 0) -> list[float]:
+    """Percentile bootstrap interval (:func:`bootstrap.percentile_interval` over the scored examples) of the
+    Spearman correlation — how much of a difference between rows is sampling noise."""
     _, p, t = align_scores(proxy, target)
-    rng = np.random.default_rng(seed)
-    vals = [spearman(p[i], t[i]) for i in (rng.integers(0, len(p), len(p)) for _ in range(n_boot))]
-    vals = np.array([v for v in vals if math.isfinite(v)])
     a = (1 - level) / 2
-    return float(np.quantile(vals, a)), float(np.quantile(vals, 1 - a))
+    return percentile_interval(lambda i: spearman(p[i], t[i]), len(p), n_boot, seed, (100 * a, 100 * (1 - a)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,11 +305,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)  # noqa: E731
 
-    target, tok = load_target(args.model)
-    if args.tokenizer is not None:
-        from iprox_lightning.models.loading import load_tokenizer
-
-        tok = load_tokenizer(args.tokenizer)
+    target, tok = load_target(args.model, args.tokenizer)
     log(f"target {args.model}: {count_parameters(target):,} parameters; torch threads {torch.get_num_threads()}")
     data = build_data(args, tok)
     modules = find_target_linears(target)

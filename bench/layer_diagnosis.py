@@ -26,15 +26,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity_v2 import Stages, dir_name, git_commit  # noqa: E402
+from ledger import Stages, git_commit  # bench/: the stage ledger
+from variants import dir_name  # bench/: the variant grammar
 
 ORDER = ("mmlu", "bbh", "tydiqa")  # table order; other suites (the demo's families) after them
 

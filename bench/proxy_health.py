@@ -7,9 +7,8 @@ a copy of the target with :func:`~iprox_lightning.compress.compress_model`, and
 ``--heldout`` pool examples outside the warm-up and construction splits. Results go to
 ``OUT/health.json`` after every variant (``--resume`` keeps finished ones).
 
-Variants: ``METHOD[/OPTION...]@RHO`` with METHOD ``ipsvd`` | ``svd`` and options ``core`` | ``exact``,
-``abs<d>`` | ``rel<d>`` (damping), ``global`` (global rank allocation), ``spare0`` (block 0's MLP kept dense),
-e.g. ``ipsvd/exact/rel1e-3/global@0.5``.
+Variants: Stage-1 settings in the grammar of ``bench/variants.py`` (``METHOD[/OPTION...]@RHO``, no ``le``, no
+``+align``), e.g. ``ipsvd/exact/rel1e-3/global@0.5``.
 
     python bench/proxy_health.py --model bench/results/fidelity_v2/warmed --out bench/results/health_v2 --threads 2
 """
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -31,39 +29,22 @@ from iprox_lightning.data import SFTDataModule
 from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.probes import collect_probes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ipsvd_sweep import DEFAULT_MODEL, DEFAULT_POOL, load_target  # noqa: E402
+from ipsvd_sweep import DEFAULT_MODEL, DEFAULT_POOL, load_target  # bench/
+from variants import parse_variant  # bench/: the variant grammar
 
 DEFAULT_VARIANTS = [
     "ipsvd/exact/rel1e-3/global@0.5", "ipsvd/exact/rel1e-3@0.5", "ipsvd/core/abs1e-1@0.5", "svd@0.5",
     "svd/global@0.5", "ipsvd/exact/rel1e-2/global@0.5", "ipsvd/exact/rel1e-3/global/spare0@0.5",
     "ipsvd/exact/rel1e-3/global@0.3",
 ]
-SPARE0 = [r"layers\.0\.mlp\."]
 
 
-def parse_variant(spec: str) -> dict:
-    """``METHOD[/OPTION...]@RHO`` -> ``compress_model`` keyword arguments (see the module docstring)."""
-    body, _, rho = spec.partition("@")
-    if not rho:
-        raise ValueError(f"variant {spec!r}: missing @RHO")
-    method, *opts = body.split("/")
-    if method not in ("ipsvd", "svd"):
-        raise ValueError(f"variant {spec!r}: method must be ipsvd or svd")
-    kw: dict = {"method": method, "sparsity": float(rho), "allocation": "uniform"}
-    for o in opts:
-        if o in ("core", "exact"):
-            kw["mode"] = o
-        elif o.startswith(("abs", "rel")):
-            kw["damping_mode"] = "absolute" if o.startswith("abs") else "relative"
-            kw["damping"] = float(o[3:])
-        elif o == "global":
-            kw["allocation"] = "global"
-        elif o == "spare0":
-            kw["keep_dense"] = SPARE0
-        else:
-            raise ValueError(f"variant {spec!r}: unknown option {o!r}")
-    return kw
+def compress_kwargs(spec: str) -> dict:
+    """A Stage-1 variant -> ``compress_model`` keyword arguments (every layer at the same ρ unless ``/global``)."""
+    v = parse_variant(spec)
+    if v["kind"] != "proxy" or v["align"]:
+        raise ValueError(f"variant {spec!r}: a Stage-1 setting METHOD[/OPTION...]@RHO (no le, no +align)")
+    return {"allocation": "uniform", **v["ipsvd"]}
 
 
 def main(argv=None) -> dict:
@@ -111,7 +92,7 @@ def main(argv=None) -> dict:
                                 "time_s": time.perf_counter() - tp}
     log(f"probes: N={probes.num_tokens} from {probes.num_examples} examples")
     for spec in todo:
-        kw = parse_variant(spec)
+        kw = compress_kwargs(spec)
         proxy = copy.deepcopy(target)
         ts = time.perf_counter()
         rep = compress_model(proxy, None, probes=probes, progress=False, seed=args.seed, **kw)

@@ -54,9 +54,9 @@ def _spearman(a, b) -> float:
 
 
 def _columns(path: Path) -> dict:
-    import pyarrow.parquet as pq
+    from iprox_lightning.io.scores import read_table
 
-    t = pq.read_table(path).to_pydict()
+    t = read_table(path)[1].to_pydict()
     order = sorted(range(len(t["id"])), key=lambda j: t["id"][j])
     return {c: [t[c][j] for j in order] for c in t if c == "id" or c == "score" or c.startswith("score/")}
 

@@ -62,7 +62,6 @@ __all__ = [
     "FactorProjectionTracker",
     "alignment_losses",
     "AlignmentOutput",
-    "time_alignment_step",
 ]
 
 
@@ -380,43 +379,3 @@ def alignment_losses(
         cos_b=cos_b,
     )
 
-
-def time_alignment_step(
-    teacher: nn.Module,
-    proxy: nn.Module,
-    batch: Mapping,
-    *,
-    repeats: int = 3,
-    warmup: int = 1,
-    kl_weight: float = 0.1,
-    grad_through_projection: bool = True,
-) -> dict[str, float]:
-    """Median wall time (s) of one full alignment step (teacher pass + proxy double backward + backward
-    of ``L``) and of one plain forward+backward of the proxy's SFT loss on the same batch, and their
-    ratio. Gradients land in ``.grad`` of the factors and are cleared afterwards."""
-    import statistics
-    import time
-
-    factors = [p for m in proxy_factor_layers(proxy).values() for p in (m.A, m.B)]
-
-    def plain():
-        logits = proxy(**_model_inputs(batch)).logits
-        sft_loss(logits, batch["labels"]).backward()
-
-    def align():
-        alignment_losses(teacher, proxy, batch, kl_weight=kl_weight,
-                         grad_through_projection=grad_through_projection).loss.backward()
-
-    out: dict[str, float] = {}
-    for name, fn in (("plain_s", plain), ("align_s", align)):
-        times = []
-        for i in range(warmup + repeats):
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            for p in factors:
-                p.grad = None
-        out[name] = statistics.median(times)
-    out["ratio"] = out["align_s"] / out["plain_s"]
-    return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
@@ -118,7 +119,7 @@ class CompressionConfig:
         rank_weighting: ``"none"`` (default) or ``"influence"`` (``allocation="global"`` only): every layer's marginal
             gain in the allocation weighted by its share of the target's per-task TracIn score signal, measured on the
             validation examples (per task) and the probe examples (:mod:`iprox_lightning.influence_weights`;
-            :func:`compress` then needs a ``validation_dataloader``).
+            :func:`compress` then needs a ``val_dataloader``).
         rank_weight_mix: λ ∈ [0, 1] of ``rank_weighting="influence"``: weight ``(1 − λ) + λ·ŵ`` (1: the influence
             weights alone; 0: the unweighted allocation).
     """
@@ -304,16 +305,30 @@ def compress_model(
     rank_rounding: str = "nearest",
     rank_weighting: str = "none",
     rank_weight_mix: float = 1.0,
+    val_dataloader: Iterable[Mapping] | None = None,
     validation_dataloader: Iterable[Mapping] | None = None,
 ) -> CompressionReport:
     """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (same names, same defaults)."""
+    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader)
     config = CompressionConfig(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
                                num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
                                seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense,
                                drop_blocks=drop_blocks, probe_labels=probe_labels, rank_rounding=rank_rounding,
                                rank_weighting=rank_weighting, rank_weight_mix=rank_weight_mix)
     return compress(model, probe_dataloader, config, compute_dtype=compute_dtype, progress=progress, probes=probes,
-                    validation_dataloader=validation_dataloader)
+                    val_dataloader=val_dataloader)
+
+
+def _renamed_val_dataloader(val_dataloader: Iterable[Mapping] | None,
+                            validation_dataloader: Iterable[Mapping] | None) -> Iterable[Mapping] | None:
+    """``val_dataloader``, or the same batches given by its old name ``validation_dataloader=`` (with a warning)."""
+    if validation_dataloader is None:
+        return val_dataloader
+    if val_dataloader is not None:
+        raise UserInputError("pass the validation batches once, as val_dataloader (validation_dataloader is its old name)")
+    warnings.warn("compress(validation_dataloader=...) is deprecated: pass val_dataloader=... (the name Lightning and "
+                  "influence_scores use)", FutureWarning, stacklevel=3)
+    return validation_dataloader
 
 
 def compress(
@@ -324,6 +339,7 @@ def compress(
     compute_dtype: torch.dtype | None = None,
     progress: bool = True,
     probes: Probes | None = None,
+    val_dataloader: Iterable[Mapping] | None = None,
     validation_dataloader: Iterable[Mapping] | None = None,
 ) -> CompressionReport:
     """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
@@ -362,12 +378,14 @@ def compress(
     smallest plan). Parameter counts of the report (``params_before``, ``target_params_before``,
     ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
 
-    ``rank_weighting="influence"`` (``"global"`` only) reads ``validation_dataloader`` (batches with a ``task``) and
+    ``rank_weighting="influence"`` (``"global"`` only) reads ``val_dataloader`` (batches with a ``task``; its old name
+    ``validation_dataloader=`` still works, with a warning) and
     the probe batches a second time (read once into a list; precollected ``probes`` alone are not enough) for the influence
     weights of the (cut) target's layers (:func:`~iprox_lightning.influence_weights.influence_rank_weights`,
     recorded in ``report.rank_weighting``; its time is part of ``time_allocation_s``); ``rank_rounding`` and
     ``probe_labels``: :class:`CompressionConfig`.
     """
+    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader)
     if config.method == "ipsvd" and probe_dataloader is None and probes is None:
         raise UserInputError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
     drop = config.drop_blocks
@@ -377,8 +395,8 @@ def compress(
     if drop and probe_dataloader is None:
         raise UserInputError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
     influence = config.rank_weighting == "influence"
-    if influence and (probe_dataloader is None or validation_dataloader is None):
-        raise UserInputError("rank_weighting='influence' needs the probe batches and a validation_dataloader (the per-task "
+    if influence and (probe_dataloader is None or val_dataloader is None):
+        raise UserInputError("rank_weighting='influence' needs the probe batches and a val_dataloader (the per-task "
                          "validation examples): give both (precollected probes alone are not enough)")
     if is_compressed(model):
         raise UserInputError("model already holds LowRankLinear layers (already compressed)")
@@ -399,7 +417,7 @@ def compress(
                                     seed=config.seed, progress=progress, labels=config.probe_labels)
     t_probes = time.perf_counter() - t0
     t_alloc = time.perf_counter()
-    weights = influence_rank_weights(model, modules, validation_dataloader, probe_dataloader,
+    weights = influence_rank_weights(model, modules, val_dataloader, probe_dataloader,
                                      mix=config.rank_weight_mix, progress=progress) if influence else None
     plan = plan_global_ranks(plan, modules, config, probes, compute_dtype=compute_dtype, progress=progress,
                              weights=weights)

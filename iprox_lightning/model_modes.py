@@ -1,4 +1,4 @@
-"""Train/eval mode of models, saved and restored: one context manager for every "run this in eval mode" block."""
+"""Train/eval mode of models: saved and restored around a block (:func:`eval_mode`), or kept off (:func:`keep_eval`)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,3 +19,11 @@ def eval_mode(*models: nn.Module) -> Iterator[None]:
     finally:
         for m, was in zip(models, was_training):
             m.train(was)
+
+
+def keep_eval(*models: nn.Module) -> None:
+    """Put each of ``models`` that is in train mode into eval mode, and leave it there (Stage 2 steps with dropout
+    off: it undoes the ``train()`` Lightning calls at each epoch start)."""
+    for m in models:
+        if m.training:
+            m.eval()

@@ -10,7 +10,8 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
 * ``rule`` / ``task``: how the score columns become one ranking (:mod:`iprox_lightning.selection_rules`):
   ``pooled`` (default: the score against the pooled validation gradient), ``mean`` / ``max`` over the parts of
   one target task (``max`` is LESS's max over subtasks), ``balanced`` (task-balanced round-robin).
-  ``per_task=True`` is ``rule="max"`` over every task (column ``score_max``).
+  (``per_task=True``, the old spelling of ``rule="max"`` over every task, still works with a warning: in scoring
+  ``per_task`` means "also score against each validation task", so ``select`` now says ``rule``.)
 * Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
 * ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
   identical text (instruction, context, response after whitespace normalisation).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -134,6 +136,75 @@ def _norm_text(rec: dict) -> tuple:
     return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
 
 
+def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, skip_flagged: bool):
+    """``(column label, ids, zero_grad flags, bad rows, ranked rows)`` of a score table under ``rule``: the ranked rows
+    are ``(value, id)`` best first (ties by id), without the rows flagged ``zero_grad`` or non-finite (``bad``:
+    ``(id, score)``, an error unless ``skip_flagged``) and, with ``dedup``, one per id."""
+    from .selection_rules import rule_columns, rule_order
+
+    used = rule_columns(rule, table.column_names, task)
+    col = used[0] if len(used) == 1 else f"{rule}({', '.join(used)})"
+    ids = [str(i) for i in table.column("id").to_pylist()]
+    values = {c: np.asarray([np.nan if v is None else float(v) for v in table.column(c).to_pylist()], np.float64)
+              for c in used}
+    flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
+    nonfin = table.column("nonfinite").to_pylist() if "nonfinite" in table.column_names else [False] * len(ids)
+    finite = np.all([np.isfinite(v) for v in values.values()], axis=0) if ids else np.ones(0, bool)
+    bad = [(i, float(values[used[0]][j])) for j, (i, nf) in enumerate(zip(ids, nonfin)) if nf or not finite[j]]
+    if bad and not skip_flagged:
+        raise UserInputError(
+            f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
+            f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
+            "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
+    bad_ids = {i for i, _ in bad}
+    keep = np.asarray([not z and i not in bad_ids for i, z in zip(ids, flags)], bool)
+    kept_ids = [i for i, m in zip(ids, keep) if m]
+    order, value = rule_order(rule, kept_ids, {c: v[keep] for c, v in values.items()}, task)
+    rows = [(float(value[j]), kept_ids[j]) for j in order]  # best first (ties by id)
+    if dedup:
+        seen: set[str] = set()
+        rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
+    elif len(set(ids)) != len(ids):
+        raise UserInputError(f"{src}: duplicate ids in the score table and dedup=False")
+    return col, ids, flags, bad, rows
+
+
+def _one_per_text(rows: list, records: dict) -> list:
+    """``rows`` with only the first (best) of the rows whose records have the same text (:func:`_norm_text`)."""
+    seen_text: set[tuple] = set()
+    kept = []
+    for r in rows:
+        key = _norm_text(records[r[1]])
+        if key not in seen_text:
+            seen_text.add(key)
+            kept.append(r)
+    return kept
+
+
+def _read_scored_pool(src: Path, pool, builtin_size: int | None, allow_mismatch: bool):
+    """``(pool descriptions, builtin size, pool records, pool check)`` of ``pool`` (``None``: no pool), checked to be
+    the pool the table ``src`` scored (its records digest) unless ``allow_mismatch``."""
+    from .data.pool import describe, read_pool
+    from .io.scores import check_scored_pool, scored_pool
+
+    pools = [] if pool is None else [describe(pool)]
+    scored = scored_pool(src)  # how the scored pool was read, and its records digest
+    size = builtin_size or scored.get("builtin_size") or 2000
+    pool_records = read_pool(pool, scored.get("field_map"), builtin_size=size) if pool is not None else []
+    pool_check = check_scored_pool(src, scored, pool_records, pools[0] if pools else None,
+                                   allow_mismatch=allow_mismatch) if pools else "no pool"
+    return pools, size, pool_records, pool_check
+
+
+def _per_task_rule(rule: str, task: str | None) -> str:
+    """The rule the deprecated ``per_task=True`` stands for (``"max"`` over every task), with a warning."""
+    if rule not in ("pooled", "max") or task is not None:
+        raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
+    warnings.warn("select(per_task=True) is deprecated: pass rule='max' (CLI: --rule max); in scoring, per_task "
+                  "means 'also score against each validation task'", FutureWarning, stacklevel=3)
+    return "max"
+
+
 def select(
     scores_path: str,
     *,
@@ -162,7 +233,8 @@ def select(
             scores).
         task: the target task to select for (its columns ``score/<task>`` and ``score/<task>.<part>``; rules
             ``mean``, ``max``, ``balanced``).
-        per_task: shorthand for ``rule="max"`` without a task (LESS's max over validation tasks, ``score_max``).
+        per_task: deprecated spelling of ``rule="max"`` without a task (LESS's max over validation tasks,
+            ``score_max``; CLI ``--rule max``); it warns and is read as that.
         dedup: one row per id and, with a pool, one example per identical text.
         pool: the candidate pool to copy records from (any source SFTDataModule reads; default
             ``builtin`` when all ids are built-in ids, else ids and scores only).
@@ -181,62 +253,19 @@ def select(
     """
     src, table = _read_scores(scores_path)
     if per_task:
-        if rule not in ("pooled", "max") or task is not None:
-            raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
-        rule = "max"
-    from .selection_rules import rule_columns, rule_order
-
-    used = rule_columns(rule, table.column_names, task)
-    col = used[0] if len(used) == 1 else f"{rule}({', '.join(used)})"
-    ids = [str(i) for i in table.column("id").to_pylist()]
-    values = {c: np.asarray([np.nan if v is None else float(v) for v in table.column(c).to_pylist()], np.float64)
-              for c in used}
-    flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
-    nonfin = table.column("nonfinite").to_pylist() if "nonfinite" in table.column_names else [False] * len(ids)
-    finite = np.all([np.isfinite(v) for v in values.values()], axis=0) if ids else np.ones(0, bool)
-    bad = [(i, float(values[used[0]][j])) for j, (i, nf) in enumerate(zip(ids, nonfin)) if nf or not finite[j]]
-    if bad and not skip_flagged:
-        raise UserInputError(
-            f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
-            f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
-            "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
+        rule = _per_task_rule(rule, task)
+    col, ids, flags, bad, rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
     bad_ids = {i for i, _ in bad}
-    keep = np.asarray([not z and i not in bad_ids for i, z in zip(ids, flags)], bool)
-    kept_ids = [i for i, m in zip(ids, keep) if m]
-    order, value = rule_order(rule, kept_ids, {c: v[keep] for c, v in values.items()}, task)
-    rows = [(float(value[j]), kept_ids[j]) for j in order]  # best first (ties by id)
-    if dedup:
-        seen: set[str] = set()
-        rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
-    elif len(set(ids)) != len(ids):
-        raise UserInputError(f"{src}: duplicate ids in the score table and dedup=False")
-
-    from .data.pool import describe, read_pool
-
     if pool is None:
         pool = _default_pool(ids)
-    pools = [] if pool is None else [describe(pool)]
-    from .io.scores import check_scored_pool, scored_pool
-
-    scored = scored_pool(src)  # how the scored pool was read, and its records digest
-    size = builtin_size or scored.get("builtin_size") or 2000
-    pool_records = read_pool(pool, scored.get("field_map"), builtin_size=size) if pool is not None else []
-    pool_check = check_scored_pool(src, scored, pool_records, pools[0] if pools else None,
-                                   allow_mismatch=allow_pool_mismatch) if pools else "no pool"
+    pools, size, pool_records, pool_check = _read_scored_pool(src, pool, builtin_size, allow_pool_mismatch)
     records = {r["id"]: r for r in pool_records}
     if pools:
         missing = [i for _, i in rows if i not in records]
         if missing:
             raise UserInputError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
         if dedup:
-            seen_text: set[tuple] = set()
-            kept = []
-            for r in rows:
-                key = _norm_text(records[r[1]])
-                if key not in seen_text:
-                    seen_text.add(key)
-                    kept.append(r)
-            rows = kept
+            rows = _one_per_text(rows, records)
 
     n = len(rows)
     from .io.scores import topk_count

@@ -81,10 +81,13 @@ def test_stage_flops_hand_count():
     pr = probe_flops(t, p, n_examples=n, seq_len=T, n_vectors=6)
     assert pr["forward"] == f["total"]
     assert pr["backward"] == f["linear"] + 2 * f["attention"] + f["lm_head"]
-    assert pr["ipsvd"] == sum(ipsvd_flops(l.out_features, l.in_features, 6, 4) for l in t.linears)
+    assert pr["ipsvd"] == sum(ipsvd_flops(in_features=l.in_features, out_features=l.out_features, n_vectors=6, rank=4)
+                              for l in t.linears)
     # one layer of IPSVD by hand: out 16, in 32, N 6, r 4
     hand = (6 * 32 * 36 + 20 * 216) + (6 * 16 * 36 + 20 * 216) + 2 * 6 * 16 * 32 + 2 * 6 * 32 * 6 + (26 * 216) + 2 * 4 * (16 * 6 + 32 * 6)
-    assert ipsvd_flops(16, 32, 6, 4) == hand
+    assert ipsvd_flops(in_features=32, out_features=16, n_vectors=6, rank=4) == hand
+    with pytest.raises(TypeError):  # the old positional (out, in) call cannot silently swap the sizes
+        ipsvd_flops(16, 32, 6, 4)
     assert svd_flops(3, 10) == svd_flops(10, 3) == 6 * 10 * 9 + 20 * 27
     # scoring: forward + backward with weight grads of tracked layers + one inner product per train example
     sc = scoring_flops(p, n_train=7, n_val=2, seq_len=T)

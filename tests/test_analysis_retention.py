@@ -13,6 +13,7 @@ from iprox_lightning.analysis.retention import (
     pearson,
     rankdata,
     spearman,
+    spearman_columns,
     topk_count,
     topk_overlap,
 )
@@ -37,6 +38,26 @@ def test_correlations_match_scipy(ties):
     assert m["spearman"] == pytest.approx(scipy.stats.spearmanr(p, t).statistic, abs=1e-12)
     assert m["kendall"] == pytest.approx(scipy.stats.kendalltau(p, t).statistic, abs=1e-12)
     np.testing.assert_allclose(rankdata(t), scipy.stats.rankdata(t))
+
+
+def test_rankdata_average_ranks_by_hand_and_nan():
+    x = np.array([3.0, 1.0, 3.0, 2.0, 3.0, -np.inf])
+    r = rankdata(x)
+    assert r.dtype == np.float64
+    assert r.tolist() == [5.0, 2.0, 5.0, 3.0, 5.0, 1.0]  # the three 3.0 share ranks 4, 5, 6
+    brute = [sum(v < xi for v in x) + (sum(v == xi for v in x) + 1) / 2 for xi in x]
+    assert r.tolist() == brute
+    assert np.isnan(rankdata([1.0, np.nan, 2.0])).all()  # scipy's rule: a NaN makes every rank NaN
+
+
+def test_spearman_columns_is_scipy_and_nan_when_undefined():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=40), rng.normal(size=40)
+    b = np.round(b + a, 1)  # ties
+    assert spearman_columns(a, b) == scipy.stats.spearmanr(a, b).statistic
+    assert spearman_columns(a, b) == pytest.approx(spearman(a, b), abs=1e-14)  # the pooled tables' Spearman
+    assert math.isnan(spearman_columns(np.ones(5), a[:5]))  # constant: NaN, no warning
+    assert math.isnan(spearman_columns(a[:1], b[:1]))
 
 
 def test_kendall_tau_b_brute_force():

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import effect  # noqa: E402
 import fidelity_v2 as fv2  # noqa: E402
+import ledger  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,8 +170,8 @@ def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
     b.write_text(base.replace("  log_every", "  enable_checkpointing: false  # the saved model is the artifact\n"
                               "  enable_progress_bar: false\n  log_every"))
     c.write_text(base.replace("max_epochs: 4", "max_epochs: 5"))
-    assert fv2.config_text(b) == fv2.config_text(a) == base
-    assert fv2.config_text(c) != fv2.config_text(a)
+    assert ledger.config_text(b) == ledger.config_text(a) == base
+    assert ledger.config_text(c) != ledger.config_text(a)
 
 
 def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
@@ -179,7 +180,7 @@ def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
     proxy re-ran its scoring); a real change records the new text."""
     import shutil
 
-    st = fv2.Stages(tmp_path, 1, lambda msg: None)
+    st = ledger.Stages(tmp_path, 1, lambda msg: None)
     out = tmp_path / "r" / "scores.parquet"
     ov = {"output": str(out), "pool": "builtin", "seed": 0}
     old = {"seed": 0, "config": "trainer:\n  max_epochs: 4\n"}

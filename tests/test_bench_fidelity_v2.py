@@ -13,76 +13,78 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import fidelity_v2 as fv2  # noqa: E402
+import ledger  # noqa: E402
+import variants  # noqa: E402
 
 from iprox_lightning.analysis.retention import spearman  # noqa: E402
 
 
 def test_parse_variant():
-    v = fv2.parse_variant("ipsvd/exact/rel1e-3/global/spare0@0.5+align")
+    v = variants.parse_variant("ipsvd/exact/rel1e-3/global/spare0@0.5+align")
     assert v["kind"] == "proxy" and v["align"] and v["rho"] == 0.5
     assert v["ipsvd"] == {"sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
-                          "damping": 1e-3, "allocation": "global", "keep_dense": fv2.SPARE0}
+                          "damping": 1e-3, "allocation": "global", "keep_dense": variants.SPARE0}
     assert v["align_epochs"] is None  # --align-epochs
-    assert fv2.parse_variant("ipsvd/global@0.5+align5")["align_epochs"] == 5
+    assert variants.parse_variant("ipsvd/global@0.5+align5")["align_epochs"] == 5
     assert v["align_lr"] is None  # --align-lr
-    v2 = fv2.parse_variant("ipsvd/global@0.5+align2:1e-4")
+    v2 = variants.parse_variant("ipsvd/global@0.5+align2:1e-4")
     assert (v2["align"], v2["align_epochs"], v2["align_lr"], v2["rho"]) == (True, 2, 1e-4, 0.5)
-    assert fv2.parse_variant("ipsvd/global@0.5+align:3e-4")[("align_epochs")] is None
-    assert fv2.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False,
+    assert variants.parse_variant("ipsvd/global@0.5+align:3e-4")[("align_epochs")] is None
+    assert variants.parse_variant("le@0.3") == {"key": "le@0.3", "kind": "le", "rho": 0.3, "align": False,
                                            "align_epochs": None, "align_lr": None, "fidelity": None,
                                            "task_align": {"model": {}, "data": {}}, "ipsvd": {}}
-    f = fv2.parse_variant("ipsvd/global@0.5+align2:1e-3+fid128")
+    f = variants.parse_variant("ipsvd/global@0.5+align2:1e-3+fid128")
     assert (f["align_epochs"], f["align_lr"], f["fidelity"], f["key"]) == (2, 1e-3, 128, "ipsvd/global@0.5+align2:1e-3+fid128")
-    assert fv2.parse_variant("ipsvd/global@0.5+align+fid64")["fidelity"] == 64
-    assert fv2.parse_variant("ipsvd/global@0.5+align")["fidelity"] is None
-    assert fv2.parse_variant("ipsvd/exact/global/drop2@0.3")["ipsvd"]["drop_blocks"] == 2
-    assert fv2.parse_variant("svd@0.7")["ipsvd"] == {"sparsity": 0.7, "method": "svd"}
+    assert variants.parse_variant("ipsvd/global@0.5+align+fid64")["fidelity"] == 64
+    assert variants.parse_variant("ipsvd/global@0.5+align")["fidelity"] is None
+    assert variants.parse_variant("ipsvd/exact/global/drop2@0.3")["ipsvd"]["drop_blocks"] == 2
+    assert variants.parse_variant("svd@0.7")["ipsvd"] == {"sparsity": 0.7, "method": "svd"}
     # an exact-IPSVD variant without /global pins uniform ranks, whatever the library's default allocation is
-    assert fv2.parse_variant("ipsvd/exact/rel1e-3@0.5")["ipsvd"]["allocation"] == "uniform"
-    assert "allocation" not in fv2.parse_variant("ipsvd/core@0.5")["ipsvd"]
+    assert variants.parse_variant("ipsvd/exact/rel1e-3@0.5")["ipsvd"]["allocation"] == "uniform"
+    assert "allocation" not in variants.parse_variant("ipsvd/core@0.5")["ipsvd"]
     for bad, msg in (("ipsvd@0.5+align0", "aligns nothing"), ("ipsvd@0.5+align2:0", "> 0"), ("ipsvd@1.5", "sparsity"), ("le/exact@0.5", "no options"), ("foo@0.5", "method"),
                      ("ipsvd/zzz@0.5", "unknown option"), ("ipsvd", "RHO"),
                      ("ipsvd/drop0@0.5", "unknown option"), ("ipsvd/drop1@0.5+align", "cannot be aligned"),
                      ("ipsvd@0.5+align+fid0", "checks nothing")):
         with pytest.raises(ValueError, match=msg):
-            fv2.parse_variant(bad)
+            variants.parse_variant(bad)
 
 
 def test_parse_variant_issue22_levers():
-    v = fv2.parse_variant("ipsvd/exact/rel1e-3/global/infw/allprobe/up128@0.5")
+    v = variants.parse_variant("ipsvd/exact/rel1e-3/global/infw/allprobe/up128@0.5")
     assert v["ipsvd"] == {"sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
                           "damping": 1e-3, "allocation": "global", "rank_weighting": "influence",
                           "probe_labels": "all", "rank_multiple": 128, "rank_rounding": "up"}
     assert "fidelity_task" not in v and v["fidelity"] is None
-    assert fv2.parse_variant("ipsvd/global/infw0.5@0.5")["ipsvd"]["rank_weight_mix"] == 0.5
-    assert "rank_weight_mix" not in fv2.parse_variant("ipsvd/global/infw@0.5")["ipsvd"]
-    assert fv2.parse_variant("ipsvd/exact/up64@0.3")["ipsvd"]["allocation"] == "uniform"  # up under uniform ranks
-    t = fv2.parse_variant("ipsvd/global@0.5+align2:1e-3+fidtask128")
+    assert variants.parse_variant("ipsvd/global/infw0.5@0.5")["ipsvd"]["rank_weight_mix"] == 0.5
+    assert "rank_weight_mix" not in variants.parse_variant("ipsvd/global/infw@0.5")["ipsvd"]
+    assert variants.parse_variant("ipsvd/exact/up64@0.3")["ipsvd"]["allocation"] == "uniform"  # up under uniform ranks
+    t = variants.parse_variant("ipsvd/global@0.5+align2:1e-3+fidtask128")
     assert (t["align_epochs"], t["align_lr"], t["fidelity"], t["fidelity_task"]) == (2, 1e-3, 128, True)
-    assert t["key"] == "ipsvd/global@0.5+align2:1e-3+fidtask128" and fv2.parse_variant(t["key"]) == t
-    assert fv2.parse_variant("ipsvd/global@0.5+align+fidtask64")["fidelity"] == 64
-    assert "fidelity_task" not in fv2.parse_variant("ipsvd/global@0.5+align+fid64")
+    assert t["key"] == "ipsvd/global@0.5+align2:1e-3+fidtask128" and variants.parse_variant(t["key"]) == t
+    assert variants.parse_variant("ipsvd/global@0.5+align+fidtask64")["fidelity"] == 64
+    assert "fidelity_task" not in variants.parse_variant("ipsvd/global@0.5+align+fid64")
     for bad, msg in (("ipsvd/exact/infw@0.5", "add /global"), ("ipsvd/global/infw2@0.5", "unknown option"),
                      ("ipsvd/global/up0@0.5", "unknown option"), ("ipsvd/global/upx@0.5", "unknown option"),
                      ("ipsvd/global@0.5+align+fidtask0", "checks nothing"), ("ipsvd/global@0.5+fidtask8", "RHO")):
         with pytest.raises(ValueError, match=msg):
-            fv2.parse_variant(bad)
+            variants.parse_variant(bad)
 
 
 def test_parse_variant_task_alignment_suffixes():
     """Issue 22's suffixes after +align: what each sets in the build stage's ProxyAlignModule / SFTDataModule."""
-    v = fv2.parse_variant("ipsvd/exact/rel1e-3/global@0.5+align2:1e-3+val+valg1+score0.5")
+    v = variants.parse_variant("ipsvd/exact/rel1e-3/global@0.5+align2:1e-3+val+valg1+score0.5")
     assert (v["align"], v["align_epochs"], v["align_lr"], v["fidelity"], v["rho"]) == (True, 2, 1e-3, None, 0.5)
     assert v["task_align"] == {"model": {"val_grad_weight": 1.0, "score_weight": 0.5},
                                "data": {"mix_val_train": 1, "val_train_fraction": 0.5}}
     assert v["ipsvd"]["allocation"] == "global"
-    v = fv2.parse_variant("ipsvd@0.3+align+scorelist2e-1+worst+vt0.25+val3+fid64")
+    v = variants.parse_variant("ipsvd@0.3+align+scorelist2e-1+worst+vt0.25+val3+fid64")
     assert v["fidelity"] == 64 and v["align_lr"] is None
     assert v["task_align"] == {"model": {"score_weight": 0.2, "score_loss": "listwise", "task_reduction": "max"},
                                "data": {"val_train_fraction": 0.25, "mix_val_train": 3}}
-    assert fv2.parse_variant("ipsvd@0.5+align+valg0.1")["task_align"] == {
+    assert variants.parse_variant("ipsvd@0.5+align+valg0.1")["task_align"] == {
         "model": {"val_grad_weight": 0.1}, "data": {"val_train_fraction": 0.5}}
-    assert fv2.parse_variant("ipsvd@0.5+align+fid8")["task_align"] == {"model": {}, "data": {}}
+    assert variants.parse_variant("ipsvd@0.5+align+fid8")["task_align"] == {"model": {}, "data": {}}
     for bad, msg in (("ipsvd@0.5+align+val+val", "given twice"), ("ipsvd@0.5+align+score1+scorelist1", "given twice"),
                      ("ipsvd@0.5+align+worst", "add \\+valg"), ("ipsvd@0.5+align+vt0.3", "add \\+val"),
                      ("ipsvd@0.5+align+score0", "> 0"), ("ipsvd@0.5+align+score", "> 0"),
@@ -91,7 +93,7 @@ def test_parse_variant_task_alignment_suffixes():
                      ("ipsvd@0.5+align+worst2+valg1", "no value"), ("ipsvd@0.5+align+fid1.5", "number of examples"),
                      ("ipsvd@0.5+valg1", "RHO"), ("le@0.5+align+valg1", "no options")):
         with pytest.raises(ValueError, match=msg):
-            fv2.parse_variant(bad)
+            variants.parse_variant(bad)
 
 
 def test_issue22_rows_reach_the_build_stage_config(tmp_path, monkeypatch, capsys):
@@ -168,7 +170,7 @@ def test_task_alignment_variant_reaches_the_build_stage(tmp_path, monkeypatch, c
 def test_canonical_fingerprint_ignores_comments_and_logging_only():
     cfg = "# stage\ntrainer:\n  max_epochs: 1\n  logger: false\nmodel:\n  lr: 0.001\n"
     fp = lambda text, **kw: json.dumps({"config": text, "data": {"n": 3}, **kw}, sort_keys=True)  # noqa: E731
-    same = fv2.canonical_fingerprint
+    same = ledger.canonical_fingerprint
     edited = "# stage, now logging\ntrainer:\n  max_epochs: 1\n  logger:\n    class_path: TensorBoardLogger\n" \
              "  default_root_dir: elsewhere\nmodel:\n  lr: 0.001  # same value\n"
     assert same(fp(cfg)) == same(fp(edited))
@@ -341,11 +343,11 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
 def test_splice_docs_replaces_only_the_generated_section(tmp_path):
     doc = tmp_path / "B.md"
     doc.write_text(f"# Page\nintro\n{fv2.DOCS_BEGIN}\nold table\n{fv2.DOCS_END}\nreading\n")
-    fv2.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n")
+    ledger.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n", fv2.DOCS_BEGIN, fv2.DOCS_END)
     assert doc.read_text() == f"# Page\nintro\n{fv2.DOCS_BEGIN}\n| a | b |\n{fv2.DOCS_END}\nreading\n"
     (tmp_path / "C.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
-        fv2.splice_docs(tmp_path / "C.md", "x")
+        ledger.splice_docs(tmp_path / "C.md", "x", fv2.DOCS_BEGIN, fv2.DOCS_END)
 
 
 def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):
@@ -373,3 +375,20 @@ def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):
     assert f["overlap_with_sample"] == len(sample & set(al["fidelity"]["ids"]))
     best = min(al["validation_history"], key=lambda h: h["val/fidelity_loss"])
     assert al["best"]["step"] == best["step"] and rows[fid]["align_monitor"] == "val/fidelity_loss"
+
+
+def test_proxy_health_reads_stage1_variants_in_the_one_grammar():
+    """bench/proxy_health.py parses its Stage-1 settings with bench/variants.py: every layer at the same ρ unless
+    ``/global``; Layer Extraction and alignment are refused."""
+    import proxy_health
+
+    assert proxy_health.compress_kwargs("svd@0.3") == {"allocation": "uniform", "sparsity": 0.3, "method": "svd"}
+    assert proxy_health.compress_kwargs("ipsvd/core/abs1e-1@0.5") == {
+        "allocation": "uniform", "sparsity": 0.5, "method": "ipsvd", "mode": "core", "damping_mode": "absolute",
+        "damping": 0.1}
+    assert proxy_health.compress_kwargs("ipsvd/exact/rel1e-3/global/spare0@0.5") == {
+        "allocation": "global", "sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
+        "damping": 1e-3, "keep_dense": variants.SPARE0}
+    for spec in ("le@0.5", "ipsvd/global@0.5+align"):
+        with pytest.raises(ValueError, match="Stage-1 setting"):
+            proxy_health.compress_kwargs(spec)

@@ -8,7 +8,7 @@ import torch
 from iprox_lightning.compress import CompressionConfig, apply_plan, compress, count_parameters
 from iprox_lightning.compression_plan import CompressionPlan, plan_compression
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.model_modes import eval_mode
+from iprox_lightning.model_modes import eval_mode, keep_eval
 
 from test_probes import make_batches
 
@@ -57,3 +57,12 @@ def test_eval_mode_restores_each_flag_also_on_error():
             assert not a.training and not b.training
             raise RuntimeError
     assert a.training and not b.training
+
+
+def test_keep_eval_turns_train_mode_off_and_leaves_it_off():
+    a, b = torch.nn.Sequential(torch.nn.Dropout(0.5)), torch.nn.Linear(2, 2).eval()
+    keep_eval(a, b)
+    assert not a.training and not a[0].training and not b.training
+    a.train()  # as Lightning does at an epoch start
+    keep_eval(a, b)
+    assert not a.training and not a[0].training

@@ -169,7 +169,7 @@ def test_compress_with_influence_weighting_records_the_weights(tmp_path):
     expected = influence_rank_weights(ref, find_target_linears(ref), validation, probes, progress=False)
     with pytest.raises(RuntimeError, match="no output-gradient reached"):  # another model's layers
         influence_rank_weights(ref, find_target_linears(model), validation, probes, progress=False)
-    rep = compress(model, iter(probes), config, validation_dataloader=validation, progress=False)  # a one-shot iterator
+    rep = compress(model, iter(probes), config, val_dataloader=validation, progress=False)  # a one-shot iterator
     assert rep.rank_weighting.weights == expected.weights and rep.rank_weighting.tasks == ["x", "y"]
     budget = rep.params_requested - (rep.params_before - rep.target_params_before)
     assert rep.target_params_after <= budget + 1e-6
@@ -185,8 +185,9 @@ def test_compress_with_influence_weighting_records_the_weights(tmp_path):
     assert set(man["rank_weighting"]["shares"]) == {"x", "y"}
     # mix 0: exactly the unweighted plan and factors
     m0, m1 = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
-    r0 = compress_model(m0, probes, 0.5, num_probe_tokens=24, allocation="global", rank_weighting="influence",
-                        rank_weight_mix=0.0, validation_dataloader=validation, progress=False)
+    with pytest.warns(FutureWarning, match="pass val_dataloader"):  # the keyword's old name still works
+        r0 = compress_model(m0, probes, 0.5, num_probe_tokens=24, allocation="global", rank_weighting="influence",
+                            rank_weight_mix=0.0, validation_dataloader=validation, progress=False)
     r1 = compress_model(m1, probes, 0.5, num_probe_tokens=24, allocation="global", progress=False)
     assert r0.ranks == r1.ranks and "rank_weighting" not in r1.to_dict()
     assert set(r0.rank_weighting.weights.values()) == {1.0}
@@ -201,8 +202,13 @@ def test_influence_weighting_refusals():
         CompressionConfig(rank_weighting="tracin")
     with pytest.raises(ValueError, match="rank_weight_mix"):
         IPSVDCallback(rank_weighting="influence", rank_weight_mix=2.0)
-    with pytest.raises(ValueError, match="validation_dataloader"):
-        compress_model(tiny_causal_lm("llama", seed=0), make_batches(), 0.5, rank_weighting="influence", progress=False)
+    with pytest.raises(ValueError, match="needs the probe batches and a val_dataloader"):
+        compress_model(tiny_causal_lm("llama", seed=0), make_batches(), 0.5, allocation="global",
+                       rank_weighting="influence", progress=False)
+    with pytest.raises(ValueError, match="once, as val_dataloader"):
+        compress_model(tiny_causal_lm("llama", seed=0), make_batches(), 0.5, allocation="global",
+                       rank_weighting="influence", val_dataloader=make_batches(), validation_dataloader=make_batches(),
+                       progress=False)
 
 
 def test_ipsvd_callback_takes_the_validation_set_of_the_datamodule(tmp_path):

@@ -62,9 +62,9 @@ def test_count_fraction_and_determinism(scored, tmp_path):
     assert meta["count"] == 10 and [m["id"] for m in meta["selected"]] == ids
 
 
-def test_per_task_uses_less_max_and_dedup_by_text(scored, tmp_path):
+def test_rule_max_uses_less_max_and_dedup_by_text(scored, tmp_path):
     table, path, pool = scored
-    out = select(path, k=5, per_task=True, dedup=False, pool=pool, output=str(tmp_path / "p.jsonl"))
+    out = select(path, k=5, rule="max", dedup=False, pool=pool, output=str(tmp_path / "p.jsonl"))
     assert read_ids(out) == ranked(table, table.task_scores.max(axis=1))[:5]
     # ex-005 (best) and ex-006 share one text: with dedup only the higher-scored one stays
     out = select(path, k=N, dedup=True, pool=pool, output=str(tmp_path / "d.jsonl"))

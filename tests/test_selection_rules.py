@@ -101,8 +101,9 @@ def test_select_with_rule_and_task(table, tmp_path):
     assert meta["rule"] == "max" and meta["task"] == "mmlu" and meta["count"] == 5
     assert [m["score"] for m in meta["selected"]] == pytest.approx(sorted((ts[j, 2:5].max() for j in ok),
                                                                           reverse=True)[:5])
-    # per_task=True is LESS max over every task column (score_max)
-    a = select(path, k=6, per_task=True, dedup=False, pool=pool, output=str(tmp_path / "a.jsonl"))
+    # per_task=True (deprecated, warns) is LESS max over every task column (score_max)
+    with pytest.warns(FutureWarning, match=r"rule='max' \(CLI: --rule max\)"):
+        a = select(path, k=6, per_task=True, dedup=False, pool=pool, output=str(tmp_path / "a.jsonl"))
     b = select(path, k=6, rule="max", dedup=False, pool=pool, output=str(tmp_path / "b.jsonl"))
     assert open(a).read() == open(b).read()
     with pytest.raises(ValueError, match="no score column for task 'gsm8k'"):
@@ -119,3 +120,17 @@ def test_select_cli_names_the_rule(table, tmp_path):
     ok = [j for j in range(N) if j != 4]
     assert [json.loads(line)["id"] for line in open(out)] == brute_order(
         [ids[j] for j in ok], [ts[j, :2].mean() for j in ok])[:4]
+
+
+def test_select_cli_per_task_still_reads_as_rule_max(table, tmp_path):
+    from iprox_lightning.cli import main
+
+    ids, scores, ts, path, pool = table
+    out = tmp_path / "old.jsonl"
+    with pytest.warns(FutureWarning, match="--rule max"):
+        main(["select", "--scores_path", path, "--k", "4", "--per_task", "true", "--dedup", "false",
+              "--pool", pool, "--output", str(out), "--quiet", "true"])
+    ok = [j for j in range(N) if j != 4]
+    assert [json.loads(line)["id"] for line in open(out)] == brute_order(
+        [ids[j] for j in ok], [ts[j].max() for j in ok])[:4]
+    assert json.loads(open(str(out) + ".meta.json").read())["rule"] == "max"

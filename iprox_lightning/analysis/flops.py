@@ -199,8 +199,9 @@ def svd_flops(m: int, n: int) -> float:
     return 6.0 * M * K * K + 20.0 * K**3
 
 
-def ipsvd_flops(out_features: int, in_features: int, n_vectors: int, rank: int) -> float:
-    """Linear algebra of IPSVD for one ``[out, in]`` layer with ``N`` probe vectors and rank ``r``."""
+def ipsvd_flops(*, in_features: int, out_features: int, n_vectors: int, rank: int) -> float:
+    """Linear algebra of IPSVD for one ``[out, in]`` layer with ``N`` probe vectors and rank ``r``. (Keywords only:
+    sizes are passed ``(in, out)`` like ``nn.Linear``; this function once took them the other way round.)"""
     N = n_vectors
     kh, kd = min(in_features, N), min(out_features, N)
     return (
@@ -225,7 +226,8 @@ def probe_flops(
     bwd = target.backward_flops(n_examples, seq_len, weight_grads="none", attention=attention)["total"]
     ranks = _ranks_of(proxy)
     svd = sum(
-        ipsvd_flops(l.out_features, l.in_features, n_vectors, ranks[l.name]) for l in target.linears if l.name in ranks
+        ipsvd_flops(in_features=l.in_features, out_features=l.out_features, n_vectors=n_vectors, rank=ranks[l.name])
+        for l in target.linears if l.name in ranks
     )
     return {"forward": fwd, "backward": bwd, "ipsvd": svd, "total": fwd + bwd + svd}
 

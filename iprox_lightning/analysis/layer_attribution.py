@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import numpy as np
-from scipy.stats import spearmanr
+
+from .retention import spearman_columns
 
 FACTOR_SUFFIXES = (".weight", ".A", ".B", ".factor_a", ".factor_b", ".down", ".up")
 
@@ -64,12 +65,6 @@ def layer_contributions(X: np.ndarray, s: np.ndarray, blocks: Mapping[str, Seque
     return X @ s * inv, contrib
 
 
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    if np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    return float(spearmanr(a, b)[0])
-
-
 def task_layer_table(score: np.ndarray, contrib: Mapping[str, np.ndarray],
                      proxy_contrib: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
     """Per module: ``share`` and ``alone`` (see the module doc); with ``proxy_contrib`` (the proxy's per-module
@@ -79,9 +74,9 @@ def task_layer_table(score: np.ndarray, contrib: Mapping[str, np.ndarray],
     out = {}
     for m, c in contrib.items():
         row = {"share": float(np.mean((c - c.mean()) * (score - score.mean())) / var) if var > 0 else float("nan"),
-               "alone": _spearman(c, score)}
+               "alone": spearman_columns(c, score)}
         if proxy_contrib is not None:
-            row["kept"] = _spearman(proxy_contrib[m], c) if m in proxy_contrib else float("nan")
+            row["kept"] = spearman_columns(proxy_contrib[m], c) if m in proxy_contrib else float("nan")
         out[m] = row
     return out
 

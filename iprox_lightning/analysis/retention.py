@@ -67,22 +67,17 @@ def align_scores(
 
 
 def rankdata(x: np.ndarray) -> np.ndarray:
-    """1-based ranks with ties replaced by their average rank (``scipy.stats.rankdata(method='average')``)."""
-    x = np.asarray(x)
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    # boundaries of runs of equal values
-    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
-    ends = np.r_[starts[1:], len(xs)]
-    avg = (starts + ends + 1) / 2.0  # mean of 1-based ranks starts+1 .. ends
-    ranks_sorted = np.repeat(avg, ends - starts)
-    ranks = np.empty(len(x), dtype=np.float64)
-    ranks[order] = ranks_sorted
-    return ranks
+    """1-based ranks with ties replaced by their average rank: ``scipy.stats.rankdata(x)`` (float64; a NaN in ``x``
+    makes every rank NaN)."""
+    from scipy.stats import rankdata as average_ranks
+
+    return np.asarray(average_ranks(x), dtype=np.float64)
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation; ``nan`` when either input is constant."""
+    """Pearson correlation; ``nan`` when either input is constant. (Written out rather than
+    ``scipy.stats.pearsonr``, which rounds differently in the last bit: the pooled retention figures of the demo
+    summary and of the recorded benchmarks are this function's; :func:`spearman_columns` is scipy's.)"""
     x = np.asarray(x, dtype=np.float64) - np.mean(x)
     y = np.asarray(y, dtype=np.float64) - np.mean(y)
     denom = np.sqrt(np.dot(x, x) * np.dot(y, y))
@@ -90,7 +85,8 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation (Pearson of average ranks)."""
+    """Spearman rank correlation (:func:`pearson` of :func:`rankdata`; equal to ``scipy.stats.spearmanr`` up to the
+    last bit, see :func:`pearson`)."""
     return pearson(rankdata(x), rankdata(y))
 
 
@@ -213,7 +209,9 @@ def _rank_corr(*cols: np.ndarray) -> np.ndarray:
     return r if r.ndim == 2 else np.array([[1.0, float(r)], [float(r), 1.0]])  # two columns: a scalar
 
 
-def _spearman(p: np.ndarray, t: np.ndarray) -> float:
+def spearman_columns(p: np.ndarray, t: np.ndarray) -> float:
+    """``scipy.stats.spearmanr(p, t)``; NaN for fewer than two values or a constant column, without a warning (the
+    per-task retention and the layer attribution)."""
     return float(_rank_corr(p, t)[0, 1]) if len(p) > 1 else float("nan")
 
 
@@ -277,7 +275,7 @@ def per_task_retention(
             cols.append(v)
         p, t = cols
         stats: dict[str, Callable[[np.ndarray], float]] = {
-            "spearman": lambda ix, p=p, t=t: _spearman(p[ix], t[ix])}
+            "spearman": lambda ix, p=p, t=t: spearman_columns(p[ix], t[ix])}
         if c is not None:
             stats["spearman_length_partialled"] = lambda ix, p=p, t=t: _partialled(p[ix], t[ix], c[ix])
         for frac in topk:

@@ -67,11 +67,6 @@ def subspace_basis(G: torch.Tensor, *, rank: int | None = None, energy: float = 
     return Vh[:k].T.contiguous()
 
 
-def principal_cosines(U1: torch.Tensor, U2: torch.Tensor) -> torch.Tensor:
-    """Cosines of the principal angles between the spans of orthonormal bases ``U1 [d,k1]``, ``U2 [d,k2]``."""
-    return torch.linalg.svdvals(U1.T.to(torch.float64) @ U2.to(torch.float64)).clamp(max=1.0)
-
-
 def affinity_from_bases(U1: torch.Tensor, U2: torch.Tensor) -> float:
     """``‖U1ᵀU2‖_F / sqrt(min(k1, k2))`` for orthonormal bases (see module docstring)."""
     k = min(U1.shape[1], U2.shape[1])

@@ -194,7 +194,7 @@ class IPSVDCallback(Callback):
         validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
                       else None)
         self.report = compress(model, loader, self.config, progress=show_progress(trainer),
-                               validation_dataloader=validation)
+                               val_dataloader=validation)
         pl_module.ipsvd_report = self.report
         self._broadcast_factors(trainer, model)
         rank_zero_info(f"IPSVDCallback: {self.report.summary()}")

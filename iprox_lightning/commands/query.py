@@ -41,56 +41,20 @@ def query(
         batch_size: validation examples per backward pass (default: the store's).
         progress: show a progress bar over the validation batches.
     """
-    import json
-    import logging
     import time
-    from pathlib import Path
-
-    import torch
 
     from ..data import SFTDataModule
     from ..io import gradient_store as gs
-    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest, module_identity, source_identity
+    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest
     from ..io.scores import ScoreDirLock, write_settings
-    from ..models.loading import load_model
-    from ..scoring.features import progress_bar
     from ..scoring.metrics import influence_metric
-    from ..scoring.query import nearest, query_table, task_sums
-    from ..scoring.store import BASIS
-
-    log = logging.getLogger(__name__)
+    from ..scoring.query import query_table
 
     t0 = time.perf_counter()
-    info = gs.read_info(store)
-    if not info.get("complete"):
-        raise gs.StoreFormatError(f"{store}: the store's build has not finished ({Path(store) / gs.STORE_FILE}: "
-                                  "'complete' is false); run the same build_store command again to finish it")
-    out = Path(output_dir)
-    if out.resolve() == Path(store).resolve():
-        raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
+    info, out = _read_store(store, output_dir)
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
-    if st.get("method", "tracin") != "tracin" and st.get("basis") != BASIS:
-        raise gs.StoreFormatError(f"{store}: this {st['method']} store was built by an earlier version, which projected "
-                                  "the gradients in the K-FAC factors' eigenbases; queries now project in the weights' "
-                                  "coordinates and would not match it. Rebuild it (the same build_store command with "
-                                  "--overwrite true)")
     model = model or info.get("model_source")
-    net = None
-
-    def load_net():
-        net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
-        return net.eval()
-
-    if Path(model).exists():  # a file or directory: identified by its files, loaded only if gradients are computed
-        have = source_identity(model)
-    else:
-        net = load_net()
-        have = {"name": model, "weights": module_identity(net)}
-    lines = diff(fp["model"], have)
-    if lines:
-        raise FingerprintMismatch(f"the store {store} was built with another model than {model!r}; its gradients "
-                                  "would not match this model's validation gradients. What differs (store -> now):\n  "
-                                  + "\n  ".join(lines))
+    net = _check_model(store, fp["model"], model, st)
     batch_size = batch_size or tok.get("batch_size", 8)
     dm = SFTDataModule(pool=pool or [], validation=validation, tokenizer=tok.get("tokenizer", model),
                        max_length=tok.get("max_length", 512), batch_size=batch_size,
@@ -105,36 +69,12 @@ def query(
         records = [{**r, "category": f"{r['category']}.{r['subtask']}"} if r.get("subtask") else r for r in records]
     val = dm.records_dataloader(records)
     val_digest = loader_digest(val)
-    # the validation gradients: from the store's query cache when this validation set was queried before
-    cache_fp = gs.validation_cache_fingerprint(store, info, val_digest, batch_size=batch_size, subtasks=subtasks)
-    cached = gs.load_validation_gradients(store, cache_fp, vectors=bool(neighbours))
     metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
                               kfac_examples=st.get("kfac_examples", 1024))
-    if cached is not None:
-        names, S, counts = cached["task_names"], cached["sums"], cached["counts"]
-        if neighbours:
-            Q, vids, vtasks = cached["vectors"], cached["ids"], cached["tasks"]
-        cache_event = {"action": "reused", "fingerprint": cache_fp, "path": cached["path"],
-                       "seconds_saved": cached["seconds"]}
-    else:
-        net = net if net is not None else load_net()
-        projector = _projector(store, info, st, metric, net)
-        batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
-        parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
-        names, S, counts = task_sums(parts if parts is not None else batches)
-        if neighbours:
-            Q = torch.cat([pt["vectors"] for pt in parts])
-            vids = [i for pt in parts for i in pt["id"]]
-            vtasks = [t for pt in parts for t in pt["task"]]
-        seconds = time.perf_counter() - t0
-        cache_event = {"action": "computed", "fingerprint": cache_fp, "seconds": seconds}
-        try:
-            cache_event["path"] = str(gs.save_validation_gradients(
-                store, cache_fp, task_names=names, sums=S, counts=counts, seconds=seconds,
-                **({"vectors": Q, "ids": vids, "tasks": vtasks} if neighbours else {})))
-        except OSError as e:  # e.g. a read-only store: the query goes on, a re-query computes them again
-            log.warning("query: cannot keep the validation gradients in %s (%s); a re-query will compute them again",
-                        Path(store) / gs.CACHE_DIR, e)
+    cache_fp = gs.validation_cache_fingerprint(store, info, val_digest, batch_size=batch_size, subtasks=subtasks)
+    names, S, counts, near, cache_event = _validation_gradients(
+        store, info, metric, val, cache_fp, neighbours=neighbours, progress=progress, t0=t0,
+        net=lambda: net if net is not None else _load_net(model, st))
     t_val = time.perf_counter() - t0
     with ScoreDirLock(out, what="query", hint="write into another output_dir"):
         table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
@@ -148,16 +88,121 @@ def query(
                        "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall,
                        "validation_cache": cache_event}})
         if neighbours:
-            nn_ids, nn_sims = nearest(gs.iter_shards(store), Q, neighbours)
-            rows = [{"id": i, "task": t, "neighbours": [{"id": n, "cosine": float(c)} for n, c in zip(ids, sims)]}
-                    for i, t, ids, sims in zip(vids, vtasks, nn_ids, nn_sims)]
-            tmp = out / ".neighbours.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(out / "neighbours.jsonl")
+            _write_neighbours(out, store, near, neighbours)
     reused = "; validation gradients reused from the store's cache" if cache_event["action"] == "reused" else ""
     print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
           f"({int(counts.sum())} examples{reused}) in {wall:.1f} s -> {out / 'scores.parquet'}")
     return str(out / "scores.parquet")
+
+
+def _read_store(store: str, output_dir: str):
+    """``(store.json's info, the output directory)``, refusing an unfinished store, an output inside the store and a
+    K-FAC store of the earlier eigenbasis layout."""
+    from pathlib import Path
+
+    from ..io import gradient_store as gs
+    from ..scoring.store import BASIS
+
+    info = gs.read_info(store)
+    if not info.get("complete"):
+        raise gs.StoreFormatError(f"{store}: the store's build has not finished ({Path(store) / gs.STORE_FILE}: "
+                                  "'complete' is false); run the same build_store command again to finish it")
+    out = Path(output_dir)
+    if out.resolve() == Path(store).resolve():
+        raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
+    st = info["fingerprint"]["settings"]
+    if st.get("method", "tracin") != "tracin" and st.get("basis") != BASIS:
+        raise gs.StoreFormatError(f"{store}: this {st['method']} store was built by an earlier version, which projected "
+                                  "the gradients in the K-FAC factors' eigenbases; queries now project in the weights' "
+                                  "coordinates and would not match it. Rebuild it (the same build_store command with "
+                                  "--overwrite true)")
+    return info, out
+
+
+def _load_net(model: str, st: dict):
+    from ..models.loading import load_model
+
+    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
+    return net.eval()
+
+
+def _check_model(store: str, stored: dict, model: str, st: dict):
+    """Refuse ``model`` unless it is the one the store was built with (``stored``: the store fingerprint's model);
+    the loaded model when telling needed loading it (a hub id), else ``None`` (a file or directory: identified by
+    its files, loaded only if gradients are computed)."""
+    from pathlib import Path
+
+    from ..io.fingerprint import FingerprintMismatch, diff, module_identity, source_identity
+
+    net = None
+    if Path(model).exists():
+        have = source_identity(model)
+    else:
+        net = _load_net(model, st)
+        have = {"name": model, "weights": module_identity(net)}
+    lines = diff(stored, have)
+    if lines:
+        raise FingerprintMismatch(f"the store {store} was built with another model than {model!r}; its gradients "
+                                  "would not match this model's validation gradients. What differs (store -> now):\n  "
+                                  + "\n  ".join(lines))
+    return net
+
+
+def _validation_gradients(store: str, info: dict, metric, val, cache_fp: str, *, neighbours: int, progress: bool,
+                          t0: float, net):
+    """``(task names, per-task sums S, counts, (vectors, ids, tasks) or None, cache event)`` of the validation
+    batches ``val``: from the store's query cache under ``cache_fp`` when this validation set was queried before,
+    else projected through the model ``net()`` and kept there (the per-example vectors only for ``neighbours``)."""
+    import logging
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from ..io import gradient_store as gs
+    from ..scoring.features import progress_bar
+    from ..scoring.query import task_sums
+
+    cached = gs.load_validation_gradients(store, cache_fp, vectors=bool(neighbours))
+    if cached is not None:
+        near = (cached["vectors"], cached["ids"], cached["tasks"]) if neighbours else None
+        return cached["task_names"], cached["sums"], cached["counts"], near, {
+            "action": "reused", "fingerprint": cache_fp, "path": cached["path"], "seconds_saved": cached["seconds"]}
+    projector = _projector(store, info, info["fingerprint"]["settings"], metric, net())
+    batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
+    parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
+    names, S, counts = task_sums(parts if parts is not None else batches)
+    near = None
+    if neighbours:
+        near = (torch.cat([pt["vectors"] for pt in parts]), [i for pt in parts for i in pt["id"]],
+                [t for pt in parts for t in pt["task"]])
+    seconds = time.perf_counter() - t0
+    cache_event = {"action": "computed", "fingerprint": cache_fp, "seconds": seconds}
+    try:
+        cache_event["path"] = str(gs.save_validation_gradients(
+            store, cache_fp, task_names=names, sums=S, counts=counts, seconds=seconds,
+            **({"vectors": near[0], "ids": near[1], "tasks": near[2]} if neighbours else {})))
+    except OSError as e:  # e.g. a read-only store: the query goes on, a re-query computes them again
+        logging.getLogger(__name__).warning(
+            "query: cannot keep the validation gradients in %s (%s); a re-query will compute them again",
+            Path(store) / gs.CACHE_DIR, e)
+    return names, S, counts, near, cache_event
+
+
+def _write_neighbours(out, store: str, near, neighbours: int) -> None:
+    """``<out>/neighbours.jsonl``: each validation example's ``neighbours`` most similar stored pool examples."""
+    import json
+
+    from ..io import gradient_store as gs
+    from ..scoring.query import nearest
+
+    Q, vids, vtasks = near
+    nn_ids, nn_sims = nearest(gs.iter_shards(store), Q, neighbours)
+    rows = [{"id": i, "task": t, "neighbours": [{"id": n, "cosine": float(c)} for n, c in zip(ids, sims)]}
+            for i, t, ids, sims in zip(vids, vtasks, nn_ids, nn_sims)]
+    tmp = out / ".neighbours.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out / "neighbours.jsonl")
 
 
 def _projector(store: str, info: dict, st: dict, metric, net):

@@ -600,6 +600,9 @@ class SFTDataModule(L.LightningDataModule):
         return self.dataloader("fidelity", batch_size=batch_size)
 
     def validation_dataloader(self) -> DataLoader:
+        """The validation sets' loader, for code that needs them (scoring, ``check``, ``report``): Lightning's
+        :meth:`val_dataloader` hook returns ``[]`` without validation sets (``fit`` then skips validation), this
+        one says so as an error."""
         if not self.validation_sources:
             raise UserInputError("SFTDataModule: no validation sets configured (validation=None)")
         return self.dataloader("validation")

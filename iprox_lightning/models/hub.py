@@ -55,6 +55,17 @@ def hub_reachable(timeout: float = 3.0) -> tuple[bool, str]:
         return False, host
 
 
+def _hub_unreachable(offline_vars: tuple[str, ...], offline_note: str, timeout: float) -> str | None:
+    """``None`` when the hub's host answers within ``timeout``; else why it cannot be used, for the error message
+    (``"<host> cannot be reached within <timeout> s"``; with one of ``offline_vars`` set the hub is not tried:
+    ``"the hub cannot be reached (<offline_note>)"``)."""
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in offline_vars)
+    reachable, host = (False, "the hub") if offline else hub_reachable(timeout)
+    if reachable:
+        return None
+    return f"{host} cannot be reached{f' ({offline_note})' if offline else f' within {timeout:g} s'}"
+
+
 def check_model_source(name: str, what: str = "model", timeout: float = 3.0) -> None:
     """Raise at once when ``name`` cannot be loaded (see the module doc); return otherwise."""
     if name == "builtin" or Path(name).exists():
@@ -64,12 +75,10 @@ def check_model_source(name: str, what: str = "model", timeout: float = 3.0) -> 
                                  "if it is a stage's output, run that stage first")
     if _in_cache(name):
         return
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    reachable, host = (False, "the hub") if offline else hub_reachable(timeout)
-    if not reachable:
+    why = _hub_unreachable(("HF_HUB_OFFLINE",), "HF_HUB_OFFLINE is set", timeout)
+    if why:
         raise SourceUnreachable(
-            f"{what} {name!r} is not a local path, not in the Hugging Face cache, and {host} cannot be reached"
-            f"{' (HF_HUB_OFFLINE is set)' if offline else f' within {timeout:g} s'}: pass a local directory, a "
+            f"{what} {name!r} is not a local path, not in the Hugging Face cache, and {why}: pass a local directory, a "
             "`.gguf` file or `builtin`, or download it first (with HF_HUB_OFFLINE=1 the cache is used)")
 
 
@@ -93,10 +102,9 @@ def check_dataset_source(name: str, what: str = "data set", timeout: float = 3.0
     reached (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` set: the cache is all there is); return otherwise."""
     if _dataset_in_cache(name):
         return
-    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    reachable, host = (False, "the hub") if offline else hub_reachable(timeout)
-    if not reachable:
+    why = _hub_unreachable(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"), "offline mode is set", timeout)
+    if why:
         raise SourceUnreachable(
-            f"{what} {name!r} is not a local file or directory, not in the Hugging Face cache, and {host} cannot be "
-            f"reached{' (offline mode is set)' if offline else f' within {timeout:g} s'}: pass a local JSONL / JSON / "
-            "Parquet file or a directory of them, or download it first (with HF_HUB_OFFLINE=1 the cache is used)")
+            f"{what} {name!r} is not a local file or directory, not in the Hugging Face cache, and {why}: pass a local "
+            "JSONL / JSON / Parquet file or a directory of them, or download it first (with HF_HUB_OFFLINE=1 the cache "
+            "is used)")

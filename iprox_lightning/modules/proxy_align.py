@@ -87,6 +87,7 @@ from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
 )
 from ..errors import UserInputError
 from ..lowrank import LowRankLinear
+from ..model_modes import keep_eval
 from .causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 from .proxy_fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
 
@@ -423,10 +424,7 @@ class ProxyAlignModule(L.LightningModule):
     # ------------------------------------------------------------------------------------- steps
     def alignment_step(self, batch: dict, *, create_graph: bool = True) -> AlignmentOutput:
         """``L_GA + λ_KL·L_KL`` on ``batch`` (see :func:`iprox_lightning.alignment.alignment_losses`)."""
-        if self.proxy.training:
-            self.proxy.eval()
-        if self._teacher.training:
-            self._teacher.eval()
+        keep_eval(self.proxy, self._teacher)
         unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         return alignment_losses(
             self._teacher, self.proxy, batch,
@@ -500,9 +498,7 @@ class ProxyAlignModule(L.LightningModule):
 
     def _task_training_step(self, batch: dict) -> torch.Tensor:
         cfg = self.config
-        for model in (self.proxy, self._teacher):
-            if model.training:
-                model.eval()
+        keep_eval(self.proxy, self._teacher)
         unshard_proxy(self.proxy)
         val_batch = None
         if cfg.val_grad_weight:
