@@ -308,18 +308,17 @@ def headline(summary: Mapping[str, Any]) -> list[str]:
     best = headline_row(rows)
     if best is None or not suites:
         return []
-    name = suite_name
 
     def per(r, key="spearman"):
-        return " / ".join(f"{name(s)} {_num(r['per_task'][s][key], '{:+.2f}')}" for s in suites)
+        return " / ".join(f"{suite_name(s)} {_num(r['per_task'][s][key], '{:+.2f}')}" for s in suites)
 
     def worst(r, ci: bool = False):
         w = r["worst_task"]
         if not w.get("spearman_task"):
             return "worst task —"
         interval = fmt_ci(r["per_task"][w["spearman_task"]].get("spearman_ci")) if ci else ""
-        return (f"worst task {name(w['spearman_task'])} {_num(w['spearman'], '{:+.2f}')}{interval}"
-                + (f" (length-partialled: {name(w['spearman_length_partialled_task'])} "
+        return (f"worst task {suite_name(w['spearman_task'])} {_num(w['spearman'], '{:+.2f}')}{interval}"
+                + (f" (length-partialled: {suite_name(w['spearman_length_partialled_task'])} "
                    f"{_num(w['spearman_length_partialled'], '{:+.2f}')})" if w.get("spearman_length_partialled_task")
                    else ""))
     out = [f"**Headline (the worst task, not the pooled score): `{best['variant']}`** — {worst(best, ci=True)}; "
@@ -334,7 +333,7 @@ def headline(summary: Mapping[str, Any]) -> list[str]:
     if meta.get("target_split_half_per_task"):
         sh = meta["target_split_half_per_task"]
         notes.append("ceiling (the warmed target's split-half reliability per suite): "
-                     + " / ".join(f"{name(s)} {_num(sh[s]['spearman'], '{:.3f}')}" for s in suites if s in sh))
+                     + " / ".join(f"{suite_name(s)} {_num(sh[s]['spearman'], '{:.3f}')}" for s in suites if s in sh))
     if notes:
         out[0] += " References: " + "; ".join(notes) + "."
     return out
@@ -347,18 +346,17 @@ def per_task_table(summary: Mapping[str, Any]) -> list[str]:
     rows = [r for r in summary["rows"] if r.get("per_task")]
     if not suites or not rows:
         return []
-    name = suite_name
     best = headline_row(summary["rows"])
     refs = [r for r in rows if r.get("rho") is None]
     rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: [-x for x in worst_task_key(r)])
-    head = (["variant", "ρ"] + [f"{name(s)} Spearman" for s in suites] + ["worst task"]
-            + [f"{name(s)} partialled" for s in suites] + ["worst partialled"]
-            + [f"top-5% {' / '.join(map(name, suites))}", f"top-10% {' / '.join(map(name, suites))}"])
+    head = (["variant", "ρ"] + [f"{suite_name(s)} Spearman" for s in suites] + ["worst task"]
+            + [f"{suite_name(s)} partialled" for s in suites] + ["worst partialled"]
+            + [f"top-5% {' / '.join(map(suite_name, suites))}", f"top-10% {' / '.join(map(suite_name, suites))}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in refs + rest:
         pt, w = r["per_task"], r["worst_task"]
         b = (lambda x: f"**{x}**") if r is best else (lambda x: x)
-        wt = lambda k: (f"{_num(w[k])} ({name(w[k + '_task'])})" if w.get(k + "_task") else "—")  # noqa: E731
+        wt = lambda k: (f"{_num(w[k])} ({suite_name(w[k + '_task'])})" if w.get(k + "_task") else "—")  # noqa: E731
         cells = ([b(r["variant"]), _num(r.get("rho"), "{:g}")]
                  + [f"{_num(pt[s]['spearman'])}{fmt_ci(pt[s].get('spearman_ci'))}" for s in suites]
                  + [b(wt("spearman"))]

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..analysis.verdict import FLOOR
 from ..errors import UserInputError
 
 
@@ -105,7 +106,7 @@ def check(
     output_dir: str | None = None,
     output: str | None = None,
     layer_extraction: bool = True,
-    min_spearman: float = 0.4,
+    min_spearman: float = FLOOR,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy`` against ``val_per_task`` validation
     examples per task; print the retention table, the per-task table and a verdict.
@@ -146,7 +147,7 @@ def check(
             both, also with length partialled out.
         min_spearman: the verdict's floor: a task where the proxy's Spearman with the target is below it fails even
             when the proxy beats every baseline there (:func:`~iprox_lightning.analysis.verdict.check_verdict`
-            says where 0.4 comes from; ``-1``: off).
+            says where its default, 0.4, comes from; ``-1``: off).
     """
     from ..analysis.retention import format_per_task, length_confound, per_task_retention, per_task_scores, worst_task
     from ..analysis.tables import format_table, retention_rows
