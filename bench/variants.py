@@ -20,8 +20,10 @@ Task-aware alignment suffixes (issue 22; after ``+align...``, any order, each at
 (``mix_val_train``); ``+valg<W>`` adds the per-task validation-gradient term with weight W (``val_grad_weight``);
 ``+score<W>`` the score-space term with weight W (``score_weight``, Pearson) and ``+scorelist<W>`` its listwise form
 (``score_loss: listwise``); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+vt<F>`` sets
-the validation share F that trains (``val_train_fraction``, default 0.5). E.g.
-``ipsvd/exact/rel1e-3/global@0.5+align:1e-3+val+valg1+score0.5``.
+the validation share F that trains (``val_train_fraction``, default 0.5). ``+valg`` / ``+score`` build only with
+``+fidtask<N>`` (or ``+fid<N>``): ``keep_best`` refuses to judge the task terms by the held-out ``L_GA + KL``, which
+does not contain them (the recorded ``+score1`` row, built before that check, kept its step-0 factors). E.g.
+``ipsvd/exact/rel1e-3/global@0.5+align:1e-3+val+valg1+score0.5+fidtask64``.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import effect  # noqa: E402
@@ -152,6 +153,66 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     assert json.loads((out / "state.json").read_text())["stages"] == before
     assert again["rows"] == s["rows"]
     assert again["meta"]["not_reported"] == []
+
+    # the length-matched control (lenmatch:<seed>): per task, the product's length_matched_subset of the target's
+    # selection over the target table's response tokens, fine-tuned like every row; the summary compares the target's
+    # row with it (paired) and correlates every row's selected length with its held-out value
+    from iprox_lightning.baselines.random_selection import length_matched_subset
+
+    argv_lm = [*argv[: argv.index("--selectors")], "--selectors", "target", "lenmatch:0", *argv[argv.index("--source"):]]
+    lm = effect.main(argv_lm)
+    ntok = dict(zip(t["id"], t["n_tokens"]))
+    evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
+    lrows = {(r["task"], r["selector"], r["metric"]): r for r in lm["rows"]}
+    for task in ("addition", "uppercase"):
+        ref = [json.loads(x)["id"] for x in open(out / "selections" / f"{fv2.dir_name(f'{task}/target')}.jsonl")]
+        got = [json.loads(x)["id"] for x in open(out / "selections" / f"{fv2.dir_name(f'{task}/lenmatch:0')}.jsonl")]
+        assert got == length_matched_subset(ref, ntok, 0)
+        assert sorted(ntok[i] for i in got) == sorted(ntok[i] for i in ref)
+        for metric, hib in (("loss", False), ("exact_match", True)):
+            v, c = per_example(f"{task}/target", metric), per_example(f"{task}/lenmatch:0", metric)
+            rec = lm["meta"]["length_matched"][f"{task}/{metric}"]
+            assert rec["seeds"] == 1 and rec["diff"] == pytest.approx(((v - c) if hib else (c - v)).mean(), abs=1e-12)
+            assert lrows[(task, "lenmatch:0", metric)]["scoring_cost_ratio"] is None
+            assert lrows[(task, "target", metric)]["selected_response_tokens"] == pytest.approx(
+                np.mean([ntok[i] for i in ref]), abs=1e-12)
+            xy = [(r["selected_response_tokens"], r["value"]) for r in lm["rows"]
+                  if r["task"] == task and r["metric"] == metric and r["selector"] != "base"]
+            x, y = np.asarray(xy).T
+            if x.std() > 0 and y.std() > 0:
+                assert lm["meta"]["length_vs_effect"][f"{task}/{metric}"]["pearson"] == pytest.approx(
+                    np.corrcoef(x, y)[0, 1], abs=1e-9)
+    assert "Length-matched control" in (out / "summary.md").read_text()
+
+    # a second training seed (--finetune-seeds 0 1): the seed-0 models are reused, each selection is fine-tuned again
+    # with seed 1 (the data seed orders the batches; seed_everything too), and a row's value is its per-example mean
+    # over the two runs, each run's value listed beside it
+    argv_ft = [*argv[: argv.index("--selectors")], "--selectors", "length", *argv[argv.index("--source"):]]
+    argv_ft[argv_ft.index("--random-seeds") + 1: argv_ft.index("--random-seeds") + 3] = ["0"]
+    ft = effect.main([*argv_ft, "--finetune-seeds", "0", "1"])
+    stages = json.loads((out / "state.json").read_text())["stages"]
+    assert {k: stages[k] for k in before if k in stages} == before  # nothing of seed 0 re-ran
+    assert {k for k in stages if k not in before} == {"finetune:random:0~ft1", "finetune:length~ft1",
+                                                      "finetune:addition/lenmatch:0", "finetune:uppercase/lenmatch:0"}
+    overlay = yaml.safe_load((out / "configs" / "finetune_length~ft1.yaml").read_text())
+    assert overlay["seed_everything"] == 1 and overlay["data"]["init_args"]["seed"] == 1
+    assert json.loads(stages["finetune:length~ft1"]["fingerprint"])["shuffle_seed"] == 1
+    assert "shuffle_seed" not in json.loads(stages["finetune:length"]["fingerprint"])
+    evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
+    frows = {(r["task"], r["selector"], r["metric"]): r for r in ft["rows"]}
+    assert ft["meta"]["finetune_seeds"] == [0, 1]
+    for task in ("addition", "uppercase"):
+        for metric in ("loss", "exact_match"):
+            for sel in ("length", "random:0"):
+                runs = [per_example(sel, metric), per_example(f"{sel}~ft1", metric)]
+                r = frows[(task, sel, metric)]
+                assert r["finetune_seeds"] == [0, 1]
+                assert r["finetune_seed_values"] == pytest.approx([x.mean() for x in runs], abs=1e-12)
+                assert r["value"] == pytest.approx(np.mean(runs, axis=0).mean(), abs=1e-12)
+            spread = max(abs(np.subtract(*r["finetune_seed_values"])) for r in ft["rows"]
+                         if r["task"] == task and r["metric"] == metric and len(r.get("finetune_seeds", [])) == 2)
+            assert ft["meta"]["finetune_noise"][f"{task}/{metric}"]["max_spread"] == pytest.approx(spread, abs=1e-12)
+    assert "Training-seed noise" in (out / "summary.md").read_text()
 
     # a summary with other settings never reports the old evaluations under them: with k = 0.4 every fine-tuned
     # row is stale (other selections), only the base row (the warmed target itself) is still this command's

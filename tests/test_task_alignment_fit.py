@@ -285,3 +285,20 @@ def test_task_terms_need_the_val_train_split(tmp_path, caplog):
                      ({"val_examples_per_task": 1.5}, "val_examples_per_task")):
         with pytest.raises(ValueError, match=msg):
             AlignConfig(**bad)
+
+
+def test_keep_best_refuses_to_judge_task_terms_by_the_held_out_alignment_loss():
+    """The held-out ``val/loss`` is L_GA + λ_KL·L_KL, which the task terms trade for the ranking: keep_best on it
+    kept the step-0 factors of the issue-22 ``+score1`` row. A task term with keep_best needs a fidelity monitor."""
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.modules.proxy_align import AlignConfig as AlignmentConfig
+
+    for terms in ({"score_weight": 1.0}, {"val_grad_weight": 0.5}):
+        with pytest.raises(UserInputError, match="cannot judge the task terms"):
+            AlignmentConfig(**terms)
+        with pytest.raises(UserInputError, match="cannot judge the task terms"):
+            AlignmentConfig(monitor="val/l_ga", **terms)
+        ok = AlignmentConfig(fidelity_examples=16, fidelity_per_task=True, monitor="val/fidelity_worst_loss", **terms)
+        assert ok.task_terms and ok.keep_best
+        assert AlignmentConfig(keep_best=False, **terms).task_terms
+    assert AlignmentConfig().monitor == "val/loss"  # without task terms the default stands

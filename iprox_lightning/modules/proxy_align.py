@@ -144,7 +144,8 @@ class AlignConfig:
             un-aligned factors, evaluated before the first step, are a candidate at step 0).
         monitor: the held-out metric of ``keep_best`` (a logged ``val/*`` metric, lower is better;
             ``val/fidelity_loss`` needs ``fidelity_examples > 0``, ``val/fidelity_worst_loss`` also
-            ``fidelity_per_task``).
+            ``fidelity_per_task``). With a task term on (``val_grad_weight`` / ``score_weight``), ``keep_best``
+            needs a ``val/fidelity*`` monitor: ``val/loss`` does not contain the task terms.
         fidelity_examples: ``n > 0`` → after every validation run measure the proxy's ranking fidelity on ``n``
             held-out pool examples (the ``fidelity`` split): Spearman of its TracIn scores vs the target's, logged
             as ``val/fidelity_spearman`` and ``val/fidelity_loss = 1 − Spearman``; ``0`` (default) → off.
@@ -215,6 +216,14 @@ class AlignConfig:
                              "ranking fidelity is measured on)")
         if self.keep_best and self.monitor in (FIDELITY_WORST, FIDELITY_WORST_LOSS) and not self.fidelity_per_task:
             raise UserInputError(f"monitor={self.monitor!r} needs fidelity_per_task: true")
+        if self.keep_best and self.task_terms and not self.monitor.startswith("val/fidelity"):
+            # the held-out val/* losses are L_GA + λ_KL·L_KL: the task terms trade them for the ranking, so keep_best
+            # would keep the factors from before the terms acted (measured: the +score1 row of issue 22 kept step 0)
+            raise UserInputError(
+                f"keep_best with monitor={self.monitor!r} cannot judge the task terms (val_grad_weight="
+                f"{self.val_grad_weight}, score_weight={self.score_weight}): that held-out metric is L_GA + λ_KL·L_KL, "
+                "which they trade for the per-task ranking. Use monitor: val/fidelity_worst_loss (with "
+                "fidelity_examples > 0 and fidelity_per_task: true) or val/fidelity_loss, or keep_best: false")
         if self.keep_best and self.monitor == FIDELITY_WORST:
             raise UserInputError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
                              f"use {FIDELITY_WORST_LOSS!r} (= 1 − the worst task's Spearman)")
