@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -149,26 +150,70 @@ def check(
             when the proxy beats every baseline there (:func:`~iprox_lightning.analysis.verdict.check_verdict`
             says where its default, 0.4, comes from; ``-1``: off).
     """
-    from ..analysis.retention import format_per_task, length_confound, per_task_retention, per_task_scores, worst_task
-    from ..analysis.tables import format_table, retention_rows
     from ..analysis.verdict import check_verdict
-    from ..baselines.random_selection import random_subset
-    from ..batch import token_counts
-    from ..data import SFTDataModule
-    from ..io.fingerprint import loader_digest, source_identity
-    from ..scoring.check_cache import CheckCache, padded_tokens
     from ..scoring.influence import ScoringConfig
 
+    _check_arguments(sample, val_per_task)
+    config = ScoringConfig(method=method)  # checks the method before anything is loaded
+    result_path, cache = _output_paths(output_dir, output)
+    s = _sample_pool(sample, cache, pool=pool, validation=validation, tokenizer=tokenizer or target,
+                     max_length=max_length, batch_size=batch_size, seed=seed, val_per_task=val_per_task)
+    models, le_rho = _models_to_score(target, proxy, s.dm, layer_extraction)
+    fps, estimate = _plan_cache(cache, models, s, config, max_length)
+    tables, seconds = _score_models(models, fps, cache, config, s, estimate)
+    rows = _retention_rows(tables, seconds, s, method, layer_extraction, le_rho)
+    verdict = check_verdict(rows, manifest=_proxy_manifest(proxy), target=target, floor=min_spearman)
+    _print_tables(rows, verdict, tables["target"].task_names, len(s.chosen), method, proxy, target)
+    result = {"rows": rows, "verdict": verdict, "target": target, "proxy": proxy, "method": method,
+              "sample": len(s.chosen), "seed": seed, "max_length": max_length,
+              "validation": {"source": validation, "val_per_task": val_per_task, "seed": seed,
+                             "counts": {t: len(v) for t, v in s.val_sample.items()}, "ids": s.val_sample},
+              "cache": cache.events, "seconds": seconds, "estimate_s": estimate.estimate_s}
+    _write_result(result_path, result)
+    return {**rows[0], "verdict": verdict["verdict"], "use": verdict["use"]}
+
+
+def _check_arguments(sample: int, val_per_task: int | None) -> None:
+    """Refuse a sample size or a validation sample size below 1."""
     if sample < 1:
         raise UserInputError(f"sample must be >= 1, got {sample}")
     if val_per_task is not None and val_per_task < 1:
         raise UserInputError(f"val_per_task must be >= 1 or null (every validation example), got {val_per_task}")
-    config = ScoringConfig(method=method)  # checks the method before anything is loaded
+
+
+def _output_paths(output_dir: str | None, output: str | None):
+    """Where a check writes: ``(the result file, the CheckCache under <output_dir>/cache)``."""
+    from ..scoring.check_cache import CheckCache
+
     out_dir = Path(output_dir) if output_dir else (Path(output).parent if output else Path("outputs/check"))
     result_path = Path(output) if output else out_dir / "check.json"
-    cache = CheckCache(out_dir / "cache")
+    return result_path, CheckCache(out_dir / "cache")
 
-    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or target, max_length=max_length,
+
+@dataclass(frozen=True)
+class _Sample:
+    """What a check scores: the data module, the chosen pool ids, the validation ids per task, and the digests of
+    the two loaders (what the cache's fingerprints take)."""
+
+    dm: Any
+    chosen: list[str]
+    batch_size: int
+    val_sample: dict[str, list[str]]
+    val_digest: Any
+    pool_digest: Any
+
+    def pool_loader(self):
+        return _sample_loader(self.dm, "pool", self.chosen, self.batch_size)
+
+
+def _sample_pool(sample: int, cache, *, pool, validation, tokenizer, max_length: int, batch_size: int, seed: int,
+                 val_per_task: int | None) -> _Sample:
+    """Draw ``sample`` random pool examples and the stratified validation sample; print what was drawn."""
+    from ..baselines.random_selection import random_subset
+    from ..data import SFTDataModule
+    from ..io.fingerprint import loader_digest
+
+    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer, max_length=max_length,
                        batch_size=batch_size, seed=seed, val_per_task=val_per_task)
     dm.setup("predict")
     ids = dm.ids("pool")
@@ -182,11 +227,16 @@ def check(
     print(f"check: {len(chosen)} random pool examples, validation sample of {len(val_ds)} examples "
           f"({', '.join(f'{t} {len(v)}' for t, v in val_sample.items())}; val_per_task {val_per_task}, seed {seed}); "
           f"cache {cache.root}", flush=True)
+    return _Sample(dm, chosen, batch_size, val_sample, val_digest, pool_digest)
+
+
+def _models_to_score(target: str, proxy: str, dm, layer_extraction: bool):
+    """``({who: (identity, load)}, le_rho)``: the target, the proxy and, for an IProX proxy with
+    ``layer_extraction``, Layer Extraction of the target at the proxy's sparsity ``le_rho`` (else ``None``)."""
+    from ..io.fingerprint import loader_digest, source_identity
 
     le_rho = _proxy_sparsity(proxy) if layer_extraction else None
     target_id = source_identity(target)
-    scorer_settings = {"per_task": config.per_task, "target_patterns": config.target_patterns,
-                       "max_length": max_length}
     models: dict[str, tuple[Any, Callable]] = {"target": (target_id, lambda: _load(target)),
                                                 "proxy": (source_identity(proxy), lambda: _load(proxy))}
     if le_rho is not None:
@@ -198,37 +248,60 @@ def check(
             return le
         models["layer_extraction"] = ({"layer_extraction_of": target_id, "sparsity": le_rho,
                                        "probe": loader_digest(dm.dataloader("probe"))}, build_le)
+    return models, le_rho
 
-    # what is left to compute (for the estimate)
-    val_tokens = padded_tokens([len(val_ds[i]["input_ids"]) for i in range(len(val_ds))], dm.eval_batch_size)
-    pool_ds = dm.dataset("pool")
+
+def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int):
+    """``(fingerprints, estimate)``: each model's ``(validation, scores)`` fingerprints, and the time estimate of what
+    the cache does not hold yet (padded tokens left to process)."""
+    from ..scoring.check_cache import padded_tokens
+
+    scorer_settings = {"per_task": config.per_task, "target_patterns": config.target_patterns,
+                       "max_length": max_length}
+    val_ds = s.dm.dataset("validation")
+    val_tokens = padded_tokens([len(val_ds[i]["input_ids"]) for i in range(len(val_ds))], s.dm.eval_batch_size)
+    pool_ds = s.dm.dataset("pool")
     index = {i: k for k, i in enumerate(pool_ds.ids)}
-    pool_tokens = padded_tokens([len(pool_ds[index[i]]["input_ids"]) for i in chosen], batch_size)
+    pool_tokens = padded_tokens([len(pool_ds[index[i]]["input_ids"]) for i in s.chosen], s.batch_size)
     fps, todo = {}, 0
     for who, (identity, _) in models.items():
-        vfp = cache.validation_fingerprint(identity, val_digest, scorer_settings)
-        sfp = cache.scores_fingerprint(vfp, pool_digest, config.to_dict(), batch_size)
+        vfp = cache.validation_fingerprint(identity, s.val_digest, scorer_settings)
+        sfp = cache.scores_fingerprint(vfp, s.pool_digest, config.to_dict(), s.batch_size)
         fps[who] = (vfp, sfp)
         if not cache.scores_path(sfp).is_file():
-            todo += pool_tokens * (2 if method == "kfac" else 1)
+            todo += pool_tokens * (2 if config.method == "kfac" else 1)
             if not cache.validation_path(vfp).is_file():
                 todo += val_tokens
-    estimate = _Estimate(todo, f"{len(models)} models, the cached parts skipped")
+    return fps, _Estimate(todo, f"{len(models)} models, the cached parts skipped")
 
+
+def _score_models(models: dict, fps: dict, cache, config, s: _Sample, estimate: _Estimate):
+    """``(tables, seconds)``: each model's score table of the pool sample, from the cache or scored now; one line
+    per model on what was computed or reused."""
     tables, seconds = {}, {}
     for who, (_, load) in models.items():
         vfp, sfp = fps[who]
         t0 = time.perf_counter()
         table = cache.load_scores(sfp, who)
         if table is None:
-            table = _score(who, load(), cache, vfp, sfp, config, dm, chosen, batch_size, estimate)
+            table = _score(who, load(), cache, vfp, sfp, config, s.dm, s.chosen, s.batch_size, estimate)
         seconds[who] = time.perf_counter() - t0
         tables[who] = table
         ev = [e for e in cache.events if e["model"] == who]
         print(f"check: {who}: " + ", ".join(f"{e['what']} {e['action']}" for e in ev)
               + f" ({seconds[who]:.1f} s) -> {cache.scores_path(sfp)}", flush=True)
+    return tables, seconds
 
-    lengths = token_counts(_sample_loader(dm, "pool", chosen, batch_size))["response_tokens"]
+
+def _retention_rows(tables: dict, seconds: dict, s: _Sample, method: str, layer_extraction: bool,
+                    le_rho: float | None) -> list[dict[str, Any]]:
+    """The table: the proxy's retention of the target's ranking, then the free baselines' (length sort, Layer
+    Extraction), each with length partialled out and, with per-task scores, per validation task."""
+    from ..analysis.retention import length_confound, per_task_retention, per_task_scores, worst_task
+    from ..analysis.tables import retention_rows
+    from ..batch import token_counts
+
+    lengths = token_counts(s.pool_loader())["response_tokens"]
     others: dict[str, dict[str, float]] = {}
     task_maps = {"proxy": per_task_scores(tables["proxy"])}  # id -> {task: score} of every row
     t_tasks = per_task_scores(tables["target"])
@@ -247,8 +320,16 @@ def check(
         if names:
             r["per_task"] = per_task_retention(tm, t_tasks, lengths, tasks=names)
             r["worst_task"] = worst_task(r["per_task"])
-    verdict = check_verdict(rows, manifest=_proxy_manifest(proxy), target=target, floor=min_spearman)
-    print(f"\nproxy check on {len(chosen)} random pool examples ({method}): {proxy} vs {target}\n")
+    return rows
+
+
+def _print_tables(rows: list[dict[str, Any]], verdict: dict[str, Any], names: list[str], n: int, method: str,
+                  proxy: str, target: str) -> None:
+    """Print the retention table, the per-task tables and the verdict with its next step."""
+    from ..analysis.retention import format_per_task
+    from ..analysis.tables import format_table
+
+    print(f"\nproxy check on {n} random pool examples ({method}): {proxy} vs {target}\n")
     columns = list(dict.fromkeys(c for r in rows for c in r if c not in ("per_task", "worst_task")))
     print(format_table(rows, columns))
     if names:
@@ -259,15 +340,13 @@ def check(
     print(f"\nverdict: {verdict['verdict']}")
     if verdict["next_step"]:
         print(f"next step: {verdict['next_step']}")
-    result = {"rows": rows, "verdict": verdict, "target": target, "proxy": proxy, "method": method,
-              "sample": len(chosen), "seed": seed, "max_length": max_length,
-              "validation": {"source": validation, "val_per_task": val_per_task, "seed": seed,
-                             "counts": {t: len(v) for t, v in val_sample.items()}, "ids": val_sample},
-              "cache": cache.events, "seconds": seconds, "estimate_s": estimate.estimate_s}
+
+
+def _write_result(result_path: Path, result: dict[str, Any]) -> None:
+    """Write the result JSON (``check.json``) and say where."""
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.write_text(json.dumps(result, indent=2, default=_json_default))
     print(f"check: wrote {result_path}")
-    return {**rows[0], "verdict": verdict["verdict"], "use": verdict["use"]}
 
 
 def _json_default(v):

@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -170,16 +171,105 @@ def check_sources(target: str, pool, validation) -> None:
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
               demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, eval_per_task,
               run_lightning, select) -> dict[str, Any]:
-    """The stages of :func:`pipeline`, run while its workdir lock is held."""
+    """The stages of :func:`pipeline`, run while its workdir lock is held: the stage table of ``ARCHITECTURE.md`` in
+    order, one step each."""
+    stages = _stage_runner(wd, config_dir, (pool == "builtin") if demo_overlays is None else demo_overlays, force,
+                           {"target": target, "pool": pool, "validation": validation}, accelerator, devices,
+                           run_lightning)
+    data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
+    warm = _warm_up(stages, target, data_args, seed)
+    proxy = _build_proxy(stages, warm, data_args, seed, sparsity, align_epochs)
+    score_dirs = _score_pool(stages, warm, proxy, data_args, seed, method)
+    scores, tasks, selected = _select_subsets(stages, score_dirs, pool, data_args, seed, select, select_fraction,
+                                              select_rule)
+    effect = None
+    if finetune:
+        effect = _finetune_and_evaluate(stages, warm, selected, tasks, pool, validation, data_args, seed, eval_per_task)
+
+    # 6. summary --------------------------------------------------------------------------------
+    summary = _summary(wd, warm, proxy, scores, selected, stages.times, pool, select_rule if tasks else None, tasks)
+    summary["selection_rule"] = {"rule": select_rule, "k": select_fraction, **({"tasks": tasks} if tasks else {})}
+    from ..io.stages import pipeline_provenance
+
+    summary.update(pipeline_provenance(stages.ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
+    if effect is not None:
+        summary["selection_effect"] = effect
+    summary["artifacts"] = _artifacts(wd, finetune, tasks)
+    summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args)
+    (wd / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(_format_summary(summary))
+    return summary
+
+
+@dataclass(frozen=True)
+class _StageRunner:
+    """Runs the stages of one pipeline run (:meth:`run`) and holds what they share: the stage configs, the ledger of
+    fingerprints, the seconds per stage (``<workdir>/seconds_per_stage.json``) and the trainer settings."""
+
+    wd: Path
+    cfg_dir: Path
+    demo: bool
+    force: bool
+    ledger: Any  # io.stages.StageLedger
+    times: dict[str, float]
+    run_lightning: Callable
+    trainer: dict[str, Any]  # every stage's trainer settings
+    fit_trainer: dict[str, Any]  # the training stages'
+    logger: dict[str, Any]
+
+    def named_logger(self, name: str) -> dict[str, Any]:
+        return {**self.logger, "init_args": {**self.logger["init_args"], "name": name}}
+
+    def run(self, name: str, subcommand: str, overlay: dict, done: Path, tag: str | None = None,
+            upstream: tuple = (), files: tuple = ()) -> None:
+        """Run stage ``name`` (``python train.py <subcommand>`` with its configs and ``overlay``), or reuse ``done``
+        when the stage's fingerprint matches."""
+        from ..console import quiet_stage
+
+        ledger, times = self.ledger, self.times
+        key = f"{name}:{tag}" if tag else name
+        configs = [self.cfg_dir / f"{name}.yaml"]
+        if self.demo and (self.cfg_dir / "builtin" / f"{name}.yaml").exists():
+            configs.append(self.cfg_dir / "builtin" / f"{name}.yaml")
+        fp = ledger.prepare(key, configs, overlay, upstream=upstream, files=files)
+        output = done if done.name == "scores.parquet" else done.parent  # what downstream stages read
+        if ledger.reuse(key, done, output):
+            log.info("stage %s: %s exists with fingerprint %s, reused", key, done, fp)
+            print(f"[pipeline] {key}: reused ({done}, fingerprint {fp[:12]} matches)")
+            if key in ledger.notes:
+                print(f"[pipeline] {key}: note: {ledger.notes[key]}")
+            return
+        if key in ledger.notes:
+            print(f"[pipeline] {key}: runs again: {ledger.notes[key]}")
+        if done.name == "scores.parquet":  # start the scoring output fresh (force, or an upstream output changed)
+            from ..io.scores import clear_output
+
+            if self.force or key in ledger.notes:
+                clear_output(done.parent)
+        configs.append(_write_overlay(self.wd / "configs" / f"{key.replace(':', '_')}.yaml", overlay))
+        args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
+        log.info("stage %s: python train.py %s", key, " ".join(args))
+        t0 = time.perf_counter()
+        with quiet_stage():  # Lightning's per-run lines off: this stage is the one line below
+            self.run_lightning(args)
+        ledger.record(key, output)
+        times[key] = time.perf_counter() - t0
+        print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
+        times_path = self.wd / "seconds_per_stage.json"
+        times_path.parent.mkdir(parents=True, exist_ok=True)
+        times_path.write_text(json.dumps(times, indent=2))
+
+
+def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, accelerator, devices,
+                  run_lightning) -> _StageRunner:
+    """The stage configs (checked), the seconds of earlier runs (none with ``force``), the trainer settings and the
+    stage ledger of a pipeline run in ``wd``."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
     if not (cfg_dir / "warmup.yaml").exists():
         raise InputNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
-    demo = (pool == "builtin") if demo_overlays is None else demo_overlays
-    run_cfg = wd / "configs"
     times_path = wd / "seconds_per_stage.json"
     times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() and not force else {}
-    data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
-    from ..console import interactive, quiet_stage
+    from ..console import interactive
 
     # one line per stage (below): no model summary, and progress bars only on a terminal
     # absolute log/root paths: TensorBoard's writer thread opens its events file by the path it was given, later, from
@@ -196,84 +286,67 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
 
     # a stage's output is reused only when its fingerprint (configs, overlay, sources, upstream stages) matches;
     # an eval:<dir>[:suites] validation source is identified by its directory and suites
-    sources = {"target": target, "pool": pool, "validation": validation}
     for k, v in sources.items():
         if isinstance(v, str) and (parsed := parse_eval_source(v)):
             sources[k] = {"eval": parsed[0], "suites": list(parsed[1])}
     ledger = StageLedger(wd, sources, force=force)
+    return _StageRunner(wd, cfg_dir, demo, force, ledger, times, run_lightning, trainer_common, fit_common, logger)
 
-    def stage(name: str, subcommand: str, overlay: dict, done: Path, tag: str | None = None,
-              upstream: tuple = (), files: tuple = ()) -> None:
-        key = f"{name}:{tag}" if tag else name
-        configs = [cfg_dir / f"{name}.yaml"]
-        if demo and (cfg_dir / "builtin" / f"{name}.yaml").exists():
-            configs.append(cfg_dir / "builtin" / f"{name}.yaml")
-        fp = ledger.prepare(key, configs, overlay, upstream=upstream, files=files)
-        output = done if done.name == "scores.parquet" else done.parent  # what downstream stages read
-        if ledger.reuse(key, done, output):
-            log.info("stage %s: %s exists with fingerprint %s, reused", key, done, fp)
-            print(f"[pipeline] {key}: reused ({done}, fingerprint {fp[:12]} matches)")
-            if key in ledger.notes:
-                print(f"[pipeline] {key}: note: {ledger.notes[key]}")
-            return
-        if key in ledger.notes:
-            print(f"[pipeline] {key}: runs again: {ledger.notes[key]}")
-        if done.name == "scores.parquet":  # start the scoring output fresh (force, or an upstream output changed)
-            from ..io.scores import clear_output
 
-            if force or key in ledger.notes:
-                clear_output(done.parent)
-        configs.append(_write_overlay(run_cfg / f"{key.replace(':', '_')}.yaml", overlay))
-        args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
-        log.info("stage %s: python train.py %s", key, " ".join(args))
-        t0 = time.perf_counter()
-        with quiet_stage():  # Lightning's per-run lines off: this stage is the one line below
-            run_lightning(args)
-        ledger.record(key, output)
-        times[key] = time.perf_counter() - t0
-        print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
-        times_path.parent.mkdir(parents=True, exist_ok=True)
-        times_path.write_text(json.dumps(times, indent=2))
-
-    # 1. warm-up --------------------------------------------------------------------------------
-    warm = wd / "warmup" / "model"
-    stage("warmup", "fit", {
+def _warm_up(stages: _StageRunner, target, data_args: dict, seed: int) -> Path:
+    """1. warm-up: the target fine-tuned on the warm-up split -> ``<workdir>/warmup/model``."""
+    warm = stages.wd / "warmup" / "model"
+    stages.run("warmup", "fit", {
         "seed_everything": seed,
-        "trainer": {**fit_common, "logger": {**logger, "init_args": {**logger["init_args"], "name": "warmup"}}},
+        "trainer": {**stages.fit_trainer, "logger": stages.named_logger("warmup")},
         "model": {"init_args": {"model": target, "save_dir": str(warm)}},
         "data": {"init_args": {**data_args, "tokenizer": target, "train_split": "warmup"}},
     }, warm / "config.json")
+    return warm
 
-    # 2. build the proxy (IPSVD callback + alignment) -------------------------------------------
-    proxy = wd / "proxy" / "model"
-    stage("build_proxy", "fit", {
+
+def _build_proxy(stages: _StageRunner, warm: Path, data_args: dict, seed: int, sparsity: float,
+                 align_epochs: int | None) -> Path:
+    """2. build the proxy (IPSVD callback + alignment) from the warmed-up target -> ``<workdir>/proxy/model``."""
+    proxy = stages.wd / "proxy" / "model"
+    stages.run("build_proxy", "fit", {
         "seed_everything": seed,
-        "trainer": {**fit_common, **({"max_epochs": align_epochs} if align_epochs is not None else {}),
-                    "logger": {**logger, "init_args": {**logger["init_args"], "name": "build_proxy"}},
+        "trainer": {**stages.fit_trainer, **({"max_epochs": align_epochs} if align_epochs is not None else {}),
+                    "logger": stages.named_logger("build_proxy"),
                     "callbacks": [{"class_path": "iprox_lightning.callbacks.IPSVDCallback",
                                    "init_args": {"sparsity": sparsity, "method": "ipsvd"}}]},
         "model": {"init_args": {"target": str(warm), "save_dir": str(proxy)}},
         "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "align"}},
     }, proxy / "iprox_proxy.json", upstream=("warmup",))
+    return proxy
 
-    # 3. score the pool with the target (reference) and the proxy --------------------------------
+
+def _score_pool(stages: _StageRunner, warm: Path, proxy: Path, data_args: dict, seed: int,
+                method: str) -> dict[str, Path]:
+    """3. score the pool with the target (reference) and the proxy -> ``{who: <workdir>/scores/<who>}``."""
     score_dirs = {}
     for who, model_dir in (("target", warm), ("proxy", proxy)):
-        out = wd / "scores" / who
+        out = stages.wd / "scores" / who
         score_dirs[who] = out
-        stage("score", "predict", {
+        stages.run("score", "predict", {
             "seed_everything": seed,
-            "trainer": {**trainer_common, "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
-                                                          "init_args": {"output_dir": str(out)}}],
-                        "logger": {**logger, "init_args": {**logger["init_args"], "name": f"score_{who}"}}},
+            "trainer": {**stages.trainer, "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
+                                                         "init_args": {"output_dir": str(out)}}],
+                        "logger": stages.named_logger(f"score_{who}")},
             "model": {"init_args": {"model": str(model_dir), "method": method}},
             "data": {"init_args": {**data_args, "tokenizer": str(warm)}},
         }, out / "scores.parquet", tag=who, upstream=("warmup", "build_proxy") if who == "proxy" else ("warmup",))
+    return score_dirs
 
-    # 4. select: target, proxy, random (a per-task rule: target and proxy once per validation task) -----------
+
+def _select_subsets(stages: _StageRunner, score_dirs: dict[str, Path], pool, data_args: dict, seed: int, select,
+                    select_fraction: float, select_rule: str):
+    """4. select: target, proxy, random (a per-task rule: target and proxy once per validation task) ->
+    ``(scores, tasks, {name: <workdir>/selected/<name>.jsonl})``."""
     from ..analysis.score_table import read_scores
     from ..baselines.random_selection import write_random_scores
 
+    wd, times = stages.wd, stages.times
     scores = {who: read_scores(d / "scores.parquet") for who, d in score_dirs.items()}
     rand_path = wd / "scores" / "random" / "scores.parquet"
     write_random_scores(sorted(scores["target"]), rand_path, seed=seed)  # cheap: always from this run's pool
@@ -292,43 +365,34 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     per = f", one subset per task ({', '.join(tasks)}; random: one for all)" if tasks else ""
     print(f"[pipeline] select: top {select_fraction:g} by the target's, the proxy's and random scores{per}, "
           f"{times['select']:.1f} s -> {wd / 'selected'}", flush=True)
+    return scores, tasks, selected
 
-    # 5. fine-tune the warmed-up target on each selection, evaluate each on held-out examples -----
-    effect = None
-    if finetune:
-        for name in sorted(selected, key=lambda n: (("proxy", "target", "random").index(n.split(".")[0]), n)):
-            ft = wd / "finetune" / name / "model"
-            stage("finetune", "fit", {
-                "seed_everything": seed,
-                "trainer": {**fit_common,
-                            "logger": {**logger, "init_args": {**logger["init_args"], "name": f"finetune_{name}"}}},
-                "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
-                "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
-                                       "selected": str(selected[name])}},
-            }, ft / "config.json", tag=name, upstream=("warmup",), files=(selected[name],))
-        from ..selection_effect import selection_effect
 
-        t0 = time.perf_counter()
-        with quiet_stage():
-            effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args,
-                                      tasks=tasks, eval_per_task=eval_per_task)
-        times["evaluate"] = time.perf_counter() - t0
-        print(f"[pipeline] evaluate: the warmed-up target and its fine-tuned copies on held-out examples, "
-              f"{times['evaluate']:.1f} s -> {wd / 'summary.json'}", flush=True)
+def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str, Path], tasks: list[str], pool,
+                           validation, data_args: dict, seed: int, eval_per_task: int | None) -> dict[str, Any]:
+    """5. fine-tune the warmed-up target on each selection, evaluate each on held-out examples -> the effect."""
+    from ..console import quiet_stage
 
-    # 6. summary --------------------------------------------------------------------------------
-    summary = _summary(wd, warm, proxy, scores, selected, times, pool, select_rule if tasks else None, tasks)
-    summary["selection_rule"] = {"rule": select_rule, "k": select_fraction, **({"tasks": tasks} if tasks else {})}
-    from ..io.stages import pipeline_provenance
+    wd, times = stages.wd, stages.times
+    for name in sorted(selected, key=lambda n: (("proxy", "target", "random").index(n.split(".")[0]), n)):
+        ft = wd / "finetune" / name / "model"
+        stages.run("finetune", "fit", {
+            "seed_everything": seed,
+            "trainer": {**stages.fit_trainer, "logger": stages.named_logger(f"finetune_{name}")},
+            "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
+            "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
+                                   "selected": str(selected[name])}},
+        }, ft / "config.json", tag=name, upstream=("warmup",), files=(selected[name],))
+    from ..selection_effect import selection_effect
 
-    summary.update(pipeline_provenance(ledger, method=method, sparsity=sparsity, score_dirs=score_dirs))
-    if effect is not None:
-        summary["selection_effect"] = effect
-    summary["artifacts"] = _artifacts(wd, finetune, tasks)
-    summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args)
-    (wd / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(_format_summary(summary))
-    return summary
+    t0 = time.perf_counter()
+    with quiet_stage():
+        effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args,
+                                  tasks=tasks, eval_per_task=eval_per_task)
+    times["evaluate"] = time.perf_counter() - t0
+    print(f"[pipeline] evaluate: the warmed-up target and its fine-tuned copies on held-out examples, "
+          f"{times['evaluate']:.1f} s -> {wd / 'summary.json'}", flush=True)
+    return effect
 
 
 def selection_tasks(scores_path: str | Path, rule: str) -> list[str]:

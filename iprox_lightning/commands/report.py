@@ -7,6 +7,7 @@ report + JSON.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,50 @@ def report(
         max_examples: at most this many pool examples get gradients for SA / 1-NND.
         plots: also write the scatter and histogram PNGs.
     """
-    from ..analysis.tables import flops_rows, merge_rows, retention_rows, select_top, selection_rows, write_rows
     from ..analysis.score_table import read_scores
+    from ..analysis.tables import merge_rows, retention_rows, write_rows
 
+    src = _report_inputs(workdir, target_scores, proxy_scores, target_model, proxy_models, gradient_model)
+    out = Path(output_dir or (Path(workdir) / "report" if workdir else "outputs/report"))
+    out.mkdir(parents=True, exist_ok=True)
+    n_probe_examples, n_align_examples, n_val = _flops_sizes(src.proxy_models, n_probe_examples, n_align_examples,
+                                                             n_val, pool, validation)
+    target = read_scores(src.target_scores)
+    proxies = {name: read_scores(p) for name, p in src.proxy_scores.items()}
+    tables = [retention_rows(target, proxies)]
+    if src.target_model and src.proxy_models:
+        tables.append(_flops_table(src.target_model, src.proxy_models, seq_len=seq_len, n_train=len(target),
+                                   n_val=n_val, n_probe_examples=n_probe_examples, n_align_examples=n_align_examples))
+    if src.gradient_model:
+        tables.append(_selection_table(src.gradient_model, target, proxies, topk_fraction, max_examples, projection_dim,
+                                       pool=pool, validation=validation, tokenizer=tokenizer, max_length=max_length))
+    rows = _whole_counts(merge_rows(*tables))
+    write_rows(rows, out / "report.json")
+    pngs = _write_plots(out, target, proxies, topk_fraction) if plots else []
+    settings = {"workdir": workdir, "target_scores": src.target_scores, "proxy_scores": src.proxy_scores,
+                "target_model": src.target_model, "proxy_models": src.proxy_models,
+                "gradient_model (SA, 1-NND)": src.gradient_model, "top-k for SA / 1-NND": topk_fraction,
+                "FLOPs model": f"seq_len {seq_len}, pool {len(target)}, validation {n_val}, "
+                f"probe examples {n_probe_examples}, alignment examples {n_align_examples}"}
+    _write_markdown(out, rows, settings, pngs, src.found, plots)
+    return rows
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """The report's score tables and models: as passed, else as found in ``--workdir`` (``found``:
+    :func:`~iprox_lightning.analysis.report_doc.discover_workdir`'s result, ``{}`` without a workdir)."""
+
+    target_scores: str
+    proxy_scores: dict[str, str]
+    target_model: str | None
+    proxy_models: dict[str, str] | None
+    gradient_model: str | None
+    found: dict[str, Any]
+
+
+def _report_inputs(workdir, target_scores, proxy_scores, target_model, proxy_models, gradient_model) -> _Inputs:
+    """Fill in what was not passed from ``workdir``; refuse a report without the target's and the proxies' scores."""
     found: dict[str, Any] = {}
     if workdir:
         from ..analysis.report_doc import discover_workdir
@@ -79,8 +121,12 @@ def report(
         gradient_model = gradient_model or found.get("target_model")
     if not target_scores or not proxy_scores:
         raise UserInputError("report: pass --workdir (a pipeline run) or both --target_scores and --proxy_scores")
-    out = Path(output_dir or (Path(workdir) / "report" if workdir else "outputs/report"))
-    out.mkdir(parents=True, exist_ok=True)
+    return _Inputs(target_scores, proxy_scores, target_model, proxy_models, gradient_model, found)
+
+
+def _flops_sizes(proxy_models, n_probe_examples, n_align_examples, n_val, pool, validation) -> tuple[int, int, int]:
+    """The FLOPs model's example counts not passed: probe and alignment examples from the first proxy manifest that
+    has them (else 0), validation examples from the validation sets."""
     if n_probe_examples is None or n_align_examples is None:
         from ..analysis.report_doc import manifest_sizes
 
@@ -91,69 +137,81 @@ def report(
         from ..data import SFTDataModule
 
         n_val = len(SFTDataModule(pool=pool, validation=validation, tokenizer="builtin").validation_records)
-    target = read_scores(target_scores)
-    proxies = {name: read_scores(p) for name, p in proxy_scores.items()}
-    tables = [retention_rows(target, proxies)]
+    return n_probe_examples, n_align_examples, n_val
 
-    if target_model and proxy_models:
-        from ..analysis.flops import ModelShape
 
-        def shape(path: str) -> "ModelShape":
-            from ..models.loading import load_model
+def _flops_table(target_model: str, proxy_models: dict[str, str], **sizes) -> list[dict[str, Any]]:
+    """The FLOPs columns from the models' shapes, and the cost row of scoring with the target itself."""
+    from ..analysis.flops import ModelShape
+    from ..analysis.tables import flops_rows
 
-            model, _ = load_model(path, tokenizer=False)
-            return ModelShape.from_model(model)
-
-        tshape = shape(target_model)
-        pshapes = {name: shape(p) for name, p in proxy_models.items()}
-        pshapes["target"] = None  # the cost row of scoring with the target itself
-        tables.append(flops_rows(tshape, pshapes, seq_len=seq_len, n_train=len(target), n_val=n_val,
-                                 n_probe_examples=n_probe_examples, n_align_examples=n_align_examples))
-
-    if gradient_model:
-        from ..analysis.subspace import per_example_gradients
-        from ..data import SFTDataModule
+    def shape(path: str) -> "ModelShape":
         from ..models.loading import load_model
 
-        dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or gradient_model, max_length=max_length)
-        dm.setup("predict")
-        model, _ = load_model(gradient_model, tokenizer=False)
-        # gradients of the selected examples only (their union), not of the whole pool
-        wanted = {"target": select_top(target, topk_fraction), **{n: select_top(s, topk_fraction) for n, s in proxies.items()}}
-        union = sorted({i for ids in wanted.values() for i in ids})[: max_examples or None]
-        by_id = {r["id"]: r for r in dm.pool_records}
-        pool_ids, G = per_example_gradients(model, dm.records_dataloader([by_id[i] for i in union if i in by_id]),
-                                            projection_dim=projection_dim)
-        _, V = per_example_gradients(model, dm.validation_dataloader(), projection_dim=projection_dim)
-        present = set(pool_ids)
-        selections = {n: [i for i in ids if i in present] for n, ids in wanted.items()}
-        tables.append(selection_rows(selections, pool_ids, G, V))
+        model, _ = load_model(path, tokenizer=False)
+        return ModelShape.from_model(model)
 
-    rows = merge_rows(*tables)
-    for r in rows:  # counts are integers, not 2000.000
+    tshape = shape(target_model)
+    pshapes = {name: shape(p) for name, p in proxy_models.items()}
+    pshapes["target"] = None  # the cost row of scoring with the target itself
+    return flops_rows(tshape, pshapes, **sizes)
+
+
+def _selection_table(gradient_model: str, target, proxies: dict, topk_fraction: float, max_examples: int | None,
+                     projection_dim: int, *, pool, validation, tokenizer, max_length: int) -> list[dict[str, Any]]:
+    """SA / 1-NND of each selection (the top ``topk_fraction`` of each score table) from ``gradient_model``'s
+    randomly projected per-example gradients."""
+    from ..analysis.subspace import per_example_gradients
+    from ..analysis.tables import select_top, selection_rows
+    from ..data import SFTDataModule
+    from ..models.loading import load_model
+
+    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or gradient_model, max_length=max_length)
+    dm.setup("predict")
+    model, _ = load_model(gradient_model, tokenizer=False)
+    # gradients of the selected examples only (their union), not of the whole pool
+    wanted = {"target": select_top(target, topk_fraction), **{n: select_top(s, topk_fraction) for n, s in proxies.items()}}
+    union = sorted({i for ids in wanted.values() for i in ids})[: max_examples or None]
+    by_id = {r["id"]: r for r in dm.pool_records}
+    pool_ids, G = per_example_gradients(model, dm.records_dataloader([by_id[i] for i in union if i in by_id]),
+                                        projection_dim=projection_dim)
+    _, V = per_example_gradients(model, dm.validation_dataloader(), projection_dim=projection_dim)
+    present = set(pool_ids)
+    selections = {n: [i for i in ids if i in present] for n, ids in wanted.items()}
+    return selection_rows(selections, pool_ids, G, V)
+
+
+def _whole_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows, with counts as integers, not 2000.000."""
+    for r in rows:
         for c in ("n", "n_selected", "params_tracked"):
             if isinstance(r.get(c), float) and r[c] == int(r[c]):
                 r[c] = int(r[c])
-    write_rows(rows, out / "report.json")
-    pngs = []
-    if plots:
-        from ..analysis.plots import plot_score_histograms, plot_score_scatter
+    return rows
 
-        for name, s in proxies.items():
-            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-            plot_score_scatter(s, target, frac=topk_fraction, path=out / f"scatter_{safe}.png")
-            pngs.append(out / f"scatter_{safe}.png")
-        plot_score_histograms({"target": target, **proxies}, standardize=True, path=out / "histograms.png")
-        pngs.append(out / "histograms.png")
+
+def _write_plots(out: Path, target, proxies: dict, topk_fraction: float) -> list[Path]:
+    """A scatter of each proxy's scores against the target's, and one histogram of every table: the PNGs written."""
+    from ..analysis.plots import plot_score_histograms, plot_score_scatter
+
+    pngs = []
+    for name, s in proxies.items():
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        plot_score_scatter(s, target, frac=topk_fraction, path=out / f"scatter_{safe}.png")
+        pngs.append(out / f"scatter_{safe}.png")
+    plot_score_histograms({"target": target, **proxies}, standardize=True, path=out / "histograms.png")
+    pngs.append(out / "histograms.png")
+    return pngs
+
+
+def _write_markdown(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], pngs: list[Path],
+                    found: dict[str, Any], plots: bool) -> None:
+    """Write ``report.md`` (the settings that are set, the table, the plots, the selections and the summary found),
+    print it and say what was written."""
     from ..analysis.report_doc import render_markdown
 
-    settings = {"workdir": workdir, "target_scores": target_scores, "proxy_scores": proxy_scores,
-                "target_model": target_model, "proxy_models": proxy_models, "gradient_model (SA, 1-NND)": gradient_model,
-                "top-k for SA / 1-NND": topk_fraction, "FLOPs model": f"seq_len {seq_len}, pool {len(target)}, validation {n_val}, "
-                f"probe examples {n_probe_examples}, alignment examples {n_align_examples}"}
     md = render_markdown(rows, {k: v for k, v in settings.items() if v is not None}, [str(p) for p in pngs],
                          found.get("selections"), found.get("summary"))
     (out / "report.md").write_text(md)
     print(md)
     print(f"written: {out / 'report.md'}, {out / 'report.json'}" + (" and plots" if plots else ""))
-    return rows
