@@ -81,6 +81,18 @@ def split_rule(selector: str, default_rule: str) -> tuple[str, str]:
     return (base, rule) if rule in RULES else (selector, default_rule)
 
 
+def lenmatch_reference(selector: str) -> tuple[str, int] | None:
+    """``"lenmatch:<seed>"`` -> ``("target", seed)``; ``"lenmatch-<selector>:<seed>"`` -> ``(selector, seed)``: the
+    length-matched control of that selector's per-task selection; ``None`` for any other selector."""
+    if not selector.startswith("lenmatch"):
+        return None
+    head, _, seed = selector.rpartition(":")
+    ref = "target" if head == "lenmatch" else head[len("lenmatch-"):] if head.startswith("lenmatch-") else ""
+    if not ref or not seed.isdigit():
+        raise ValueError(f"selector {selector!r}: expected lenmatch:<seed> or lenmatch-<selector>:<seed>")
+    return ref, int(seed)
+
+
 def split_finetune_seed(key: str) -> tuple[str, int | None]:
     """``"mmlu/target~ft1"`` -> ``("mmlu/target", 1)``; a key without the suffix was fine-tuned with ``--seed``."""
     base, sep, s = key.rpartition(FT_SUFFIX)
@@ -254,7 +266,7 @@ class Effect:
         key = selector if task is None else f"{task}/{selector}"
         out = self.out / "selections" / f"{dir_name(key)}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
-        if selector.startswith("lenmatch:"):
+        if lenmatch_reference(selector):
             return self.length_matched(task, selector, out)
         base, rule = split_rule(selector, self.args.rule)
         rule, rtask = ("pooled", None) if task is None else (rule, task)
@@ -276,16 +288,16 @@ class Effect:
         return self._response_tokens
 
     def length_matched(self, task: str | None, selector: str, out: Path) -> Path:
-        """``lenmatch:<seed>``: a seeded random subset with the response lengths of the target's selection for
-        ``task`` (``baselines.random_selection.length_matched_subset``) — the control that tells what the target's
-        choice gains beyond the lengths it picked."""
+        """``lenmatch:<seed>`` (``lenmatch-<selector>:<seed>``): a seeded random subset with the response lengths of
+        the target's (that selector's) selection for ``task`` (``baselines.random_selection.length_matched_subset``)
+        — the control that tells what the selector's choice gains beyond the lengths it picked."""
         from iprox_lightning.baselines.random_selection import length_matched_subset
         from iprox_lightning.io.selection import write_selection
 
-        if task is None:
-            raise ValueError(f"{selector}: matched to the target's per-task selection; it needs a task")
-        seed = int(selector.split(":", 1)[1])
-        ref_path = self.selection(task, "target")
+        ref_sel, seed = lenmatch_reference(selector)
+        if task is None or task_free(ref_sel):
+            raise ValueError(f"{selector}: matched to a per-task selection; it needs a task and a per-task selector")
+        ref_path = self.selection(task, ref_sel)
         ref = [json.loads(line)["id"] for line in open(ref_path)]
         ids = length_matched_subset(ref, self.response_tokens(), seed)
         records = {r["id"]: r for r in map(json.loads, open(self.sample))}
@@ -430,7 +442,7 @@ class Effect:
             b, q = own.get(f"store:{src}", {}).get("wall_s"), own.get(f"query:{src}", {}).get("wall_s")
             score = b + q if b is not None and q is not None else None
             build = st.get(f"build:{self.sources[src]}", {}).get("wall_s", 0.0) if src != "target" else 0.0
-        elif selector.startswith("lenmatch:"):  # a control (needs the target's selection), not a selector
+        elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None
         else:
             score, build = 0.0, 0.0
@@ -573,16 +585,21 @@ class Effect:
                     row.update(self.cost(sel) if sel != "base" else {})
                     row["selected_response_tokens"] = self.selected_tokens(task, sel)
                     rows.append(row)
-                controls = sorted(k for k in per_model if k.startswith("lenmatch:"))
-                if controls and "target" in per_model:  # the target's choice vs random subsets of its lengths
-                    v, ctl = per_model["target"][m], np.mean([per_model[c][m] for c in controls], axis=0)
+                by_ref: dict[str, list[str]] = {}
+                for k in sorted(per_model):
+                    if lenmatch_reference(k):
+                        by_ref.setdefault(lenmatch_reference(k)[0], []).append(k)
+                for ref, controls in by_ref.items():  # a selector's choice vs random subsets of its lengths
+                    if ref not in per_model:
+                        continue
+                    v, ctl = per_model[ref][m], np.mean([per_model[c][m] for c in controls], axis=0)
                     d = (v - ctl) if hib else (ctl - v)
                     gains = [(float(v.mean()) - float(per_model[c][m].mean())) * (1 if hib else -1) for c in controls]
-                    matched[f"{task}/{m}"] = {
+                    matched.setdefault(f"{task}/{m}", {})[ref] = {
                         "seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
-                        "target": float(v.mean()), "diff": float(d.mean()),
+                        "selector": float(v.mean()), "diff": float(d.mean()),
                         "diff_ci": percentile_interval(lambda ix: float(d[ix].mean()), len(d), a.bootstrap, a.seed),
-                        "target_beats_every_seed": bool(min(gains) > 0)}
+                        "beats_every_seed": bool(min(gains) > 0)}
         summary = {
             "meta": {"target": Path(a.model).name, "target_warmed_up": self.warmed_up, "pool_sample": len(self.sample_ids), "k": self.k,
                      "k_fraction": self.k / len(self.sample_ids), "rule": a.rule, "commit": git_commit(True),
@@ -681,7 +698,7 @@ def markdown(summary: dict) -> str:
              f"{m['commit']}; {m['machine']}; {m['versions']}.", ""]
     for metric, title in (("loss", "gold-answer NLL (lower is better)"), ("exact_match", "exact match (higher is better)")):
         lines += [f"### {title}", "", "| task | selector | value [95% CI] | diff vs random [95% CI] | vs best random seed "
-                  "| cost / target's scoring: scoring, with build |", "|---|---|---|---|---|---|"]
+                  "| cost / target's scoring: scoring, with build | selected response tokens (mean) |", "|---|---|---|---|---|---|---|"]
         for r in summary["rows"]:
             if r["metric"] != metric:
                 continue
@@ -689,7 +706,8 @@ def markdown(summary: dict) -> str:
                          f"{fmt(r.get('diff_vs_random'), r.get('diff_ci'), '{:+.4f}')} | "
                          f"{fmt(r.get('diff_vs_best_random_seed'), None, '{:+.4f}')} | "
                          f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
-                         f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')} |")
+                         f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')} | "
+                         f"{fmt(r.get('selected_response_tokens'), None, '{:.1f}')} |")
         lines.append("")
     nf = m["noise_floor"]
     if nf:
@@ -697,11 +715,13 @@ def markdown(summary: dict) -> str:
             f"{k} {v['spread']:.4f}" for k, v in nf.items()), ""]
     lm = m.get("length_matched")
     if lm:
-        lines += ["Length-matched control (`lenmatch:<seed>`: seeded random subsets with the response lengths of the "
-                  "target's selection for the task): the target's selection minus their mean (positive = the target's "
-                  "choice is better than its lengths alone) [paired 95% CI]: " + "; ".join(
-                      f"{k} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} seeds"
-                      + (", beats every seed" if v["target_beats_every_seed"] else "") + ")" for k, v in lm.items()), ""]
+        lines += ["Length-matched control (`lenmatch:<seed>` / `lenmatch-<selector>:<seed>`: seeded random subsets "
+                  "with the response lengths of the target's / that selector's selection for the task): the "
+                  "selection minus their mean (positive = its choice is better than its lengths alone) [paired 95% "
+                  "CI]: " + "; ".join(
+                      f"{k} {ref} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} "
+                      "seeds" + (", beats every seed" if v["beats_every_seed"] else "") + ")"
+                      for k, refs in lm.items() for ref, v in refs.items()), ""]
     le = m.get("length_vs_effect")
     if le:
         lines += ["Response length of the selected subset vs the held-out value, across the fine-tuned rows "

@@ -171,7 +171,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
         assert sorted(ntok[i] for i in got) == sorted(ntok[i] for i in ref)
         for metric, hib in (("loss", False), ("exact_match", True)):
             v, c = per_example(f"{task}/target", metric), per_example(f"{task}/lenmatch:0", metric)
-            rec = lm["meta"]["length_matched"][f"{task}/{metric}"]
+            rec = lm["meta"]["length_matched"][f"{task}/{metric}"]["target"]
             assert rec["seeds"] == 1 and rec["diff"] == pytest.approx(((v - c) if hib else (c - v)).mean(), abs=1e-12)
             assert lrows[(task, "lenmatch:0", metric)]["scoring_cost_ratio"] is None
             assert lrows[(task, "target", metric)]["selected_response_tokens"] == pytest.approx(
@@ -256,3 +256,15 @@ def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
     changed = {"seed": 0, "config": "trainer:\n  max_epochs: 5\n"}
     st.run("random", "random_scores", [], ov, changed, out, clean=out.parent)
     assert st.state["stages"]["random"]["fingerprint"] == json.dumps(changed, sort_keys=True)
+
+
+def test_lenmatch_selector_names_their_reference_selection():
+    assert effect.lenmatch_reference("lenmatch:2") == ("target", 2)
+    assert effect.lenmatch_reference("lenmatch-store+max:1") == ("store+max", 1)
+    assert effect.lenmatch_reference("lenmatch-store:iprox@0.5+max:0") == ("store:iprox@0.5+max", 0)
+    assert effect.lenmatch_reference("target") is None and effect.lenmatch_reference("random:0") is None
+    for bad in ("lenmatchx:1", "lenmatch-:1", "lenmatch:x"):
+        with pytest.raises(ValueError, match="lenmatch:<seed> or lenmatch-<selector>:<seed>"):
+            effect.lenmatch_reference(bad)
+    # a control is not a selector of its own: no scoring cost, and it never names a rule
+    assert effect.split_rule("lenmatch-store+max:1", "mean") == ("lenmatch-store+max:1", "mean")
