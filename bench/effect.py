@@ -210,12 +210,11 @@ class Effect:
                         {"sample": self.sample_ids, "seed": seed}, p, clean=p.parent)
             return p
         if selector == "length":  # model-free: shortest response (in the scored tokens) first
-            from iprox_lightning.io.scores import read_table, write_scores
+            from iprox_lightning.io.scores import write_scores
 
-            _, t = read_table(self.fid / "scores" / "target" / "scores.parquet")
             p = self.out / "scores" / "length" / "scores.parquet"
             p.parent.mkdir(parents=True, exist_ok=True)
-            write_scores({i: -float(n) for i, n in zip(t.column("id").to_pylist(), t.column("n_tokens").to_pylist())}, p)
+            write_scores({i: -n for i, n in self.response_tokens().items()}, p)
             return p
         raise ValueError(f"unknown selector {selector!r}")
 
@@ -263,8 +262,7 @@ class Effect:
     def selection(self, task: str | None, selector: str) -> Path:
         from iprox_lightning.select import select
 
-        key = selector if task is None else f"{task}/{selector}"
-        out = self.out / "selections" / f"{dir_name(key)}.jsonl"
+        out = self.selection_path(task, selector)
         out.parent.mkdir(parents=True, exist_ok=True)
         if lenmatch_reference(selector):
             return self.length_matched(task, selector, out)
@@ -451,11 +449,15 @@ class Effect:
         return {"scoring_wall_s": score, "build_wall_s": build, "scoring_cost_ratio": ratio,
                 "total_cost_ratio": total}
 
+    def selection_path(self, task: str | None, selector: str) -> Path:
+        """Where :meth:`selection` writes ``selector``'s subset for ``task`` (``None``: the task-free subset)."""
+        return self.out / "selections" / f"{dir_name(selector if task is None else f'{task}/{selector}')}.jsonl"
+
     def selected_tokens(self, task: str, selector: str) -> float | None:
         """Mean response tokens of the subset a row fine-tuned on (``None`` for the base row)."""
         if selector == "base":
             return None
-        path = self.out / "selections" / f"{dir_name(selector if task_free(selector) else f'{task}/{selector}')}.jsonl"
+        path = self.selection_path(None if task_free(selector) else task, selector)
         if not path.exists():
             return None
         n = self.response_tokens()
@@ -574,12 +576,10 @@ class Effect:
                         row["finetune_seeds"] = sorted(by_ft)
                         row["finetune_seed_values"] = [float(by_ft[f][m].mean()) for f in sorted(by_ft)]
                     if rand is not None:
-                        d = (v - rand) if hib else (rand - v)
-                        row["diff_vs_random"] = float(d.mean())
-                        row["diff_ci"] = percentile_interval(lambda ix: float(d[ix].mean()), len(d), a.bootstrap, a.seed)
-                        # the CI above is over held-out examples only; which random subset was drawn matters as much:
+                        # the CI is over held-out examples only; which random subset was drawn matters as much:
                         # compare with every seed's mean too (the noise floor)
-                        gains = [(float(v.mean()) - float(per_model[x][m].mean())) * (1 if hib else -1) for x in seeds]
+                        diff, ci, gains = paired_gain(v, [per_model[x][m] for x in seeds], hib, a.bootstrap, a.seed)
+                        row["diff_vs_random"], row["diff_ci"] = diff, ci
                         row["diff_vs_best_random_seed"] = min(gains)
                         row["beats_every_random_seed"] = bool(min(gains) > 0)
                     row.update(self.cost(sel) if sel != "base" else {})
@@ -587,18 +587,16 @@ class Effect:
                     rows.append(row)
                 by_ref: dict[str, list[str]] = {}
                 for k in sorted(per_model):
-                    if lenmatch_reference(k):
-                        by_ref.setdefault(lenmatch_reference(k)[0], []).append(k)
+                    if (ref := lenmatch_reference(k)) is not None:
+                        by_ref.setdefault(ref[0], []).append(k)
                 for ref, controls in by_ref.items():  # a selector's choice vs random subsets of its lengths
                     if ref not in per_model:
                         continue
-                    v, ctl = per_model[ref][m], np.mean([per_model[c][m] for c in controls], axis=0)
-                    d = (v - ctl) if hib else (ctl - v)
-                    gains = [(float(v.mean()) - float(per_model[c][m].mean())) * (1 if hib else -1) for c in controls]
+                    v = per_model[ref][m]
+                    diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls], hib, a.bootstrap, a.seed)
                     matched.setdefault(f"{task}/{m}", {})[ref] = {
                         "seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
-                        "selector": float(v.mean()), "diff": float(d.mean()),
-                        "diff_ci": percentile_interval(lambda ix: float(d[ix].mean()), len(d), a.bootstrap, a.seed),
+                        "selector": float(v.mean()), "diff": diff, "diff_ci": ci,
                         "beats_every_seed": bool(min(gains) > 0)}
         summary = {
             "meta": {"target": Path(a.model).name, "target_warmed_up": self.warmed_up, "pool_sample": len(self.sample_ids), "k": self.k,
@@ -635,6 +633,16 @@ class Effect:
         for doc in a.docs or []:
             splice_effect_docs(Path(doc), md)
         return summary
+
+
+def paired_gain(v: np.ndarray, others: list[np.ndarray], hib: bool, bootstrap: int, seed: int
+                ) -> tuple[float, list, list[float]]:
+    """``v``'s per-example improvement over the mean of ``others`` (positive = better, whatever the metric's direction):
+    ``(mean, paired bootstrap CI over the examples, the gain over each of others' means)``."""
+    ref = np.mean(others, axis=0)
+    d = (v - ref) if hib else (ref - v)
+    gains = [(float(v.mean()) - float(o.mean())) * (1 if hib else -1) for o in others]
+    return float(d.mean()), percentile_interval(lambda ix: float(d[ix].mean()), len(d), bootstrap, seed), gains
 
 
 def length_vs_effect(rows: list[dict]) -> dict:
