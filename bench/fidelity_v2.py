@@ -5,8 +5,8 @@ Each stage is the command a user runs (``python train.py fit|predict|layer_extra
 
 1. **warm-up** (``configs/warmup.yaml``, ``WarmupModule``): the target fine-tuned on the pool's warm-up split
    (a random 5%, 1 epoch, lr 1e-5, wd 0.01, embeddings/LM head frozen) -> ``OUT/warmed`` (git-ignored);
-2. **sample** (in this script): a sample (stratified by ``source``, largest remainder -- but the canonical records carry no
-   ``source``, so the recorded 512 are one stratum: a uniform draw) of ``--sample`` pool
+2. **sample** (in this script): a sample (stratified by ``--stratify-by``, default ``source``, largest remainder;
+   the recorded 512 are a uniform draw, ``--stratify-by none``: the canonical records had lost ``source``) of ``--sample`` pool
    examples outside the warm-up and construction splits -> ``OUT/sample.jsonl``; and the validation set:
    **every** few-shot example of the suites under ``--eval-dir`` (LESS-style, MMLU dev 5 × 57, BBH CoT 3 × 27,
    TyDiQA 1 × 9) with each suite split in two alternating halves, tasks ``<suite>.half0|half1`` ->
@@ -80,9 +80,8 @@ DEFAULT_VARIANTS = [
 # ------------------------------------------------------------------------------------------------
 # data (sample and validation files)
 # ------------------------------------------------------------------------------------------------
-# the sample: the library's stratified_sample (train.py sample_pool), the algorithm the recorded runs used. Here it
-# stratifies canonical records, which carry no `source` field: every record is in stratum "None", so the recorded
-# 512-example samples are uniform draws from the candidates (not per-source shares)
+# the sample: the library's stratified_sample (train.py sample_pool), the algorithm the recorded runs used (with every
+# record in one stratum: the recorded 512-example samples are uniform draws, --stratify-by none)
 from iprox_lightning.data.sources import write_records_jsonl  # noqa: E402
 from iprox_lightning.data.splits import stratified_sample  # noqa: E402
 
@@ -371,8 +370,8 @@ def per_task_table(summary: Mapping[str, Any]) -> list[str]:
 def markdown(summary: Mapping[str, Any]) -> str:
     meta = summary["meta"]
     lines = [f"# Proxy fidelity v2 — {meta.get('target_name')}", "", *[x for h in headline(summary) for x in (h, "")],
-             f"Warmed-up target: {meta['target_warmed_up']}; {meta['n_scored']} scored pool examples (stratified by "
-             f"source where the records name one -- the real pool's canonical records do not: a uniform draw; ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
+             f"Warmed-up target: {meta['target_warmed_up']}; {meta['n_scored']} scored pool examples ("
+             f"{strata_text(meta.get('sample_strata', 'none'))}; ≤ {meta['max_length']} tokens); {meta['n_validation']} validation examples "
              f"({', '.join(f'{k} {v}' for k, v in meta.get('validation_counts', {}).items())}); "
              f"summary written at commit `{meta['commit']}`; {meta.get('machine', '')}.", "",
              *(["Commands (every invocation that ran stages into this directory, in order; each stage's own command in "
@@ -468,6 +467,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-dir", default=str(DEFAULT_EVAL), help="suites for the validation set ('builtin': demo)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     ap.add_argument("--sample", type=int, default=512)
+    ap.add_argument("--stratify-by", default="source",
+                    help="the pool field whose values share the sample in proportion (largest remainder; 'category' "
+                         "on the built-in pool), or 'none' for a uniform draw (what the recorded 512 runs used)")
     ap.add_argument("--max-length", type=int, default=128, help="tokens of scored / validation / probe / align examples")
     ap.add_argument("--warmup-max-length", type=int, default=256)
     ap.add_argument("--no-warmup", action="store_true", help="build proxies from the target as shipped")
@@ -499,6 +501,34 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def strata_text(strata: str) -> str:
+    return "a uniform draw" if strata == "none" else f"stratified by {strata}"
+
+
+def draw_sample(candidates: list[dict], args, builtin: bool, st: Stages) -> list[dict]:
+    """The scored sample: ``--sample`` of the candidates, stratified by ``--stratify-by`` (a field of the pool's rows,
+    read beside the canonical records, which drop it; ``category`` on the built-in demo pool) or uniform (``none``).
+    An OUT whose stages were made from another draw refuses the run (its results would be re-made one by one over
+    the old ones); OUTs from before the option hold the uniform draw (the canonical records had no ``source``)."""
+    by = None if args.stratify_by == "none" else "category" if builtin else args.stratify_by
+    legacy = any(key != "warmup" for key in st.state["stages"])  # the sample does not steer the warm-up
+    recorded = st.state.get("sample_strata", "none" if legacy else None)
+    if recorded is not None and recorded != args.stratify_by:
+        raise SystemExit(f"{st.out}: its stages were made from a sample drawn with --stratify-by {recorded}"
+                         f"{' (a uniform draw)' if recorded == 'none' else ''}, not {args.stratify_by}; pass "
+                         f"--stratify-by {recorded} to continue it, or another --out")
+    if by is not None and not builtin:
+        from iprox_lightning.data.sources import read_records
+
+        strata = {r["id"]: r[by] for r in read_records(args.pool, keep_fields=(by,))}
+        candidates = [{**r, by: strata[r["id"]]} for r in candidates]
+    sample = stratified_sample(candidates, args.sample, args.seed, by=by)
+    if st.state.get("sample_strata") != args.stratify_by and not args.dry_run:
+        st.state["sample_strata"] = args.stratify_by
+        st.save()
+    return sample
 
 
 def main(argv=None) -> dict:
@@ -546,7 +576,7 @@ def main(argv=None) -> dict:
                        builtin_size=args.builtin_size)
     used = set(dm.splits.warmup) | set(dm.splits.probe) | set(dm.splits.align)
     candidates = [r for r in dm.pool_records if r["id"] not in used]
-    sample = stratified_sample(candidates, args.sample, args.seed, by="source" if not builtin else "category")
+    sample = draw_sample(candidates, args, builtin, st)
     sample_path = out / "sample.jsonl"
     write_records_jsonl(sample, sample_path)
     if args.eval_dir == "builtin":
@@ -836,6 +866,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         "target_warmed_up": not args.no_warmup, "target": args.model, "target_name": Path(args.model).name,
         "n_scored": len(ref["id"]), "n_validation": int(sum(val_counts.values())), "validation_counts": val_counts,
         "commit": git_commit(), "max_length": args.max_length, "sample_requested": args.sample,
+        "sample_strata": args.stratify_by,
         "seed": args.seed, "align_epochs": args.align_epochs, "align_lr": args.align_lr,
         "kl_weight": args.kl_weight, "num_probe_tokens": args.num_probe_tokens,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.threads or 'default'}",

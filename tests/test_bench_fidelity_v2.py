@@ -196,6 +196,45 @@ def test_stratified_sample_shares_and_determinism():
         fv2.stratified_sample(recs, 101, seed=0)
 
 
+def test_sample_is_stratified_by_the_pools_source_and_an_out_refuses_another_draw(tmp_path):
+    """Issue 21: the canonical records drop ``source``; the sample reads it beside them and shares the draw by it
+    (largest remainder, brute-force counts); an OUT made from another draw (or from before the option: the uniform
+    draw) refuses the run instead of re-making its stages over the old ones."""
+    import argparse
+
+    from iprox_lightning.data.sources import read_records
+    from iprox_lightning.io.records import DataFormatError
+
+    pool = tmp_path / "pool.jsonl"
+    rows = [{"id": f"{s}{i}", "source": s, "instruction": "q", "response": "r"} for s, n in (("a", 30), ("b", 10))
+            for i in range(n)]
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recs = read_records(pool)
+    assert "source" not in recs[0]
+    args = argparse.Namespace(stratify_by="source", pool=str(pool), sample=8, seed=0, dry_run=False)
+    (tmp_path / "new").mkdir()
+    st = ledger.Stages(tmp_path / "new", None, print)
+    st.state["stages"]["warmup"] = {"fingerprint": "{}"}  # the warm-up does not depend on the sample
+    sample = fv2.draw_sample(recs, args, False, st)
+    assert [r["source"] for r in sample].count("a") == 6 and [r["source"] for r in sample].count("b") == 2
+    assert json.loads((tmp_path / "new" / "state.json").read_text())["sample_strata"] == "source"
+    with pytest.raises(SystemExit, match="--stratify-by source to continue"):
+        fv2.draw_sample(recs, argparse.Namespace(**{**vars(args), "stratify_by": "none"}), False, st)
+    # an OUT from before the option holds the uniform draw: the one-stratum draw of the canonical records
+    (tmp_path / "old").mkdir()
+    old = ledger.Stages(tmp_path / "old", None, print)
+    old.state["stages"]["score:target"] = {"fingerprint": "{}"}
+    with pytest.raises(SystemExit, match=r"--stratify-by none \(a uniform draw\)"):
+        fv2.draw_sample(recs, args, False, old)
+    uniform = fv2.draw_sample(recs, argparse.Namespace(**{**vars(args), "stratify_by": "none"}), False, old)
+    assert [r["id"] for r in uniform] == [r["id"] for r in fv2.stratified_sample(recs, 8, 0, by="source")]
+    # a pool row without the field: named
+    pool.write_text(pool.read_text() + json.dumps({"id": "c0", "instruction": "q", "response": "r"}) + "\n")
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(DataFormatError, match=r"pool.jsonl, line 41: no field 'source'"):
+        fv2.draw_sample(read_records(pool), args, False, ledger.Stages(tmp_path / "bad", None, print))
+
+
 def test_split_halves_alternate_within_each_task():
     recs = [{"id": str(i), "category": t} for i, t in enumerate("aabab")]
     cats = [r["category"] for r in fv2.split_halves(recs)]

@@ -211,3 +211,15 @@ def test_bad_messages(tmp_path):
 def test_duplicate_ids(tmp_path):
     msg = _err(tmp_path, [dict(DOLLY[0], id="x"), dict(DOLLY[1], id="y"), dict(DOLLY[1], id="x")])
     assert msg == "FILE, line 3: duplicate id 'x' (first seen at FILE, line 1)"
+
+
+def test_keep_fields_copies_raw_fields_and_names_a_row_without_one(tmp_path):
+    """``keep_fields`` (the stratified sample's ``source``): the raw value on the canonical record, as it is; a row
+    without the field is named by file and line."""
+    p = _jsonl(tmp_path / "pool.jsonl", [dict(DOLLY[0], source="dolly"), dict(DOLLY[1], source=3)])
+    recs = read_records(p, keep_fields=("source",))
+    assert [r["source"] for r in recs] == ["dolly", 3]
+    assert read_records(p)[0] == {k: v for k, v in recs[0].items() if k != "source"}
+    _jsonl(p, [dict(DOLLY[0], source="dolly"), DOLLY[1]])
+    with pytest.raises(DataFormatError, match=re.escape("pool.jsonl, line 2: no field 'source'")):
+        read_records(p, keep_fields=("source",))

@@ -165,8 +165,12 @@ def iter_rows(source: str | os.PathLike) -> Iterator[tuple[str, str, Any]]:
 def read_records(
     sources: str | os.PathLike | Sequence[str | os.PathLike],
     field_map: Mapping[str, str] | None = None,
+    keep_fields: Sequence[str] = (),
 ) -> list[dict]:
     """Read, validate and normalise every record of one or several sources (see module doc).
+
+    ``keep_fields``: raw fields copied onto each canonical record as they are (e.g. ``("source",)`` to stratify a
+    sample by it); a row without one of them raises :class:`DataFormatError` naming the row.
 
     Raises :class:`DataFormatError` / ``FileNotFoundError`` naming file, line/row and field, and on
     duplicate ids (naming both places).
@@ -183,6 +187,11 @@ def read_records(
             idx = counters.get(name, 0)
             counters[name] = idx + 1
             rec = normalize_row(row, field_map=fm, where=where, default_id=f"{name}-{idx:06d}", default_task=name)
+            for field in keep_fields:
+                if not isinstance(row, Mapping) or field not in row:
+                    raise DataFormatError(f"{where}: no field {field!r} (asked to keep it); the row's fields: "
+                                          f"{sorted(row) if isinstance(row, Mapping) else type(row).__name__}")
+                rec[field] = row[field]
             if rec["id"] in seen:
                 raise DataFormatError(f"{where}: duplicate id {rec['id']!r} (first seen at {seen[rec['id']]})")
             seen[rec["id"]] = where

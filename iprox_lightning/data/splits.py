@@ -213,13 +213,14 @@ def split_validation(ids: Sequence[str], tasks: Sequence[str], fraction: float, 
     return [i for i in ids if i in train], [i for i in ids if i not in train]
 
 
-def stratified_sample(records: Sequence[Mapping], n: int, seed: int, by: str = "source") -> list:
+def stratified_sample(records: Sequence[Mapping], n: int, seed: int, by: str | None = "source") -> list:
     """``n`` records drawn without replacement, each stratum (value of ``by``) getting its share
     ``n·|stratum|/|records|`` (largest remainder, ties by stratum name), shuffled within the stratum with
     ``seed``. Returned in stratum order, then draw order.
 
     The stratum of a record is ``str(record.get(by))`` (a record without the field is in stratum ``"None"``;
-    ``train.py sample_pool`` refuses such rows before calling this). The draw is
+    ``train.py sample_pool`` refuses such rows before calling this); ``by=None`` puts every record in one stratum:
+    a uniform draw. The draw is
     ``numpy.random.default_rng(seed).permutation`` per stratum, strata in sorted order, so the same records in the
     same order give the same sample on every platform (``bench/fidelity_v2.py``'s recorded samples were drawn
     with this function).
@@ -228,7 +229,7 @@ def stratified_sample(records: Sequence[Mapping], n: int, seed: int, by: str = "
         raise ValueError(f"sample of {n} asked from {len(records)} records")
     groups: dict[str, list] = {}
     for r in records:
-        groups.setdefault(str(r.get(by)), []).append(r)
+        groups.setdefault("None" if by is None else str(r.get(by)), []).append(r)
     names = sorted(groups)
     exact = {g: n * len(groups[g]) / len(records) for g in names}
     take = {g: int(math.floor(exact[g])) for g in names}
