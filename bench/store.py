@@ -5,19 +5,25 @@ Per model (``--model``, and ``--proxy`` when given) and method (``--methods``: t
 
 1. **exact**: ``train.py predict --config configs/score.yaml`` + an overlay (``OUT/configs/``) -> ``OUT/exact/<who>-<method>``;
 2. **build**: ``train.py build_store`` at each ``--k`` -> ``OUT/stores/<who>-<method>-k<k>``;
-3. **query**: ``train.py query`` of the validation set (twice: the second is the timing of a warm re-query) ->
-   ``OUT/queries/<who>-<method>-k<k>``.
+3. **query**: ``train.py query`` of the validation set (twice: the first computes the validation gradients, the
+   second re-reads them from the store's cache: a re-query) -> ``OUT/queries/<who>-<method>-k<k>``;
+4. **a new task** (``--new-task SUITE``, with the first of ``--methods``): that suite's validation examples alone as a
+   validation set the store has never seen, scored both ways — a fresh exact scoring (pool pass + its validation
+   pass) and a cold query of the store -> ``OUT/exact/<who>-<method>-<suite>``, ``OUT/queries/<who>-<method>-k<k>-<suite>``.
 
 Rows of ``OUT/results.json`` (written after every stage, results first; ``summary.md`` is generated from it):
-``build_s`` / ``exact_s`` (wall seconds of the commands), ``build_vs_exact``, ``query_s``, ``query_share`` (query seconds
-/ exact seconds; goal <= 0.05), ``bytes_per_example`` (shard bytes / rows), ``spearman`` per task column and pooled
+``build_s`` / ``exact_s`` (wall seconds of the commands), ``build_vs_exact``, ``query_s`` (cold) and ``requery_s``
+(cached), ``query_share`` / ``requery_share`` (their seconds / exact seconds), ``new_task`` (the new suite's
+``query_share``: cold query / fresh exact scoring of that suite; goal <= 0.05; and its Spearman per column),
+``bytes_per_example`` (shard bytes / rows), ``spearman`` per task column and pooled
 (projected query vs exact scores of the same model and method; goal >= 0.95), and, with ``--proxy``,
 ``proxy_vs_target`` per method (Spearman per task between the proxy's and the target's query tables: EK-FAC vs K-FAC
 vs TracIn fidelity). Every stage is skipped when its output exists and its settings match ``OUT/state.json``;
 re-run the same command to resume.
 
     python bench/store.py --model OUT_FID/warmed --proxy OUT_FID/proxies/ipsvd@0.25+align \\
-        --pool OUT_FID/sample.jsonl --validation OUT_FID/validation.jsonl --out bench/results/store --threads 2
+        --pool OUT_FID/sample.jsonl --validation OUT_FID/validation.jsonl --new-task tydiqa --out bench/results/store \\
+        --threads 2
 """
 from __future__ import annotations
 
@@ -108,13 +114,50 @@ def _score_overlay(out: Path, name: str, model: str, method: str, a) -> Path:
     return p
 
 
+def _new_task_validation(out: Path, validation: str, suite: str) -> Path:
+    """``OUT/validation-<suite>.jsonl``: the validation records of ``suite`` (category ``suite`` or ``suite.*``)."""
+    lines = [line for line in Path(validation).read_text(encoding="utf-8").splitlines() if line.strip()
+             and json.loads(line).get("category", "").split(".")[0] == suite]
+    if not lines:
+        raise SystemExit(f"--new-task {suite}: no validation record of {validation} has category {suite} or {suite}.*")
+    p = out / f"validation-{suite}.jsonl"
+    if not p.exists() or p.read_text(encoding="utf-8") != "\n".join(lines) + "\n":
+        p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return p
+
+
+def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st: dict, store: Path, key: str,
+              bst: dict) -> dict:
+    """A validation set the store has never seen (``--new-task``): a fresh exact scoring of it against a cold query."""
+    val = _new_task_validation(out, a.validation, a.new_task)
+    sub = f"{name}-{a.new_task}"
+    exact_dir, qdir = out / "exact" / sub, out / "queries" / f"{key}-{a.new_task}"
+    est = {**st, "validation": str(val), "new_task": a.new_task}
+    exact = state.done(f"exact/{sub}", est, exact_dir / "scores.parquet")
+    if exact is None:
+        cfg = _score_overlay(out, sub, model, method, argparse.Namespace(**{**vars(a), "validation": str(val)}))
+        exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config", str(cfg)],
+                                 a.in_process, a.threads)}
+        state.record(f"exact/{sub}", est, exact)
+    qst = {**bst, "validation": str(val), "new_task": a.new_task}
+    queried = state.done(f"query/{key}-{a.new_task}", qst, qdir / "scores.parquet")
+    if queried is None:
+        queried = {"query_s": _run(["query", "--store", str(store), "--validation", str(val), "--output_dir",
+                                    str(qdir)], a.in_process, a.threads)}
+        state.record(f"query/{key}-{a.new_task}", qst, queried)
+    return {"task": a.new_task, "n_validation": sum(1 for _ in open(val, encoding="utf-8")),
+            "exact_s": exact["exact_s"], "query_s": queried["query_s"],
+            "query_share": queried["query_s"] / exact["exact_s"],
+            "spearman": _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")}
+
+
 def run(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     state = State(out)
     results: dict = {"meta": {"model": a.model, "proxy": a.proxy, "pool": a.pool, "validation": a.validation,
                               "k": a.k, "methods": a.methods, "store_dtype": a.store_dtype, "max_length": a.max_length,
-                              "threads": a.threads}, "rows": [], "proxy_vs_target": {}}
+                              "threads": a.threads, "new_task": a.new_task}, "rows": [], "proxy_vs_target": {}}
 
     def save():
         tmp = out / ".results.json.tmp"
@@ -148,15 +191,18 @@ def run(a) -> dict:
                                              a.in_process, a.threads)}
                     state.record(f"build/{key}", bst, built)
                 queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
-                if queried is None:
+                if queried is None or "requery_s" not in queried:
                     q = ["query", "--store", str(store), "--validation", a.validation, "--output_dir", str(qdir)]
                     first = _run(q, a.in_process, a.threads)
-                    queried = {"query_first_s": first, "query_s": _run(q, a.in_process, a.threads)}
+                    queried = {"query_s": first, "requery_s": _run(q, a.in_process, a.threads)}
                     state.record(f"query/{key}", bst, queried)
                 rho = _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")
+                new_task = (_new_task(out, state, a, name, model, method, st, store, key, bst)
+                            if a.new_task and method == a.methods[0] else None)
                 row = {"who": who, "method": method, "k": k, **exact, **built, **queried,
                        "build_vs_exact": built["build_s"] / exact["exact_s"],
                        "query_share": queried["query_s"] / exact["exact_s"],
+                       "requery_share": queried["requery_s"] / exact["exact_s"], "new_task": new_task,
                        "bytes_per_example": _bytes_per_example(store), "spearman": rho,
                        "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
                 results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"]) != (who, method, k)]
@@ -171,12 +217,16 @@ def run(a) -> dict:
             results["proxy_vs_target"][f"{method}-exact"] = _compare(
                 out / "exact" / f"proxy-{method}" / "scores.parquet", out / "exact" / f"target-{method}" / "scores.parquet")
     save()
-    lines = ["| model | method | k | exact s | build s | build/exact | query s | query share | bytes/example | "
-             "Spearman pooled | min task |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | k | exact s | build s | build/exact | query s (share) | re-query s (share) | "
+             f"new task {a.new_task or '—'}: exact s, query s (share) | bytes/example | Spearman pooled | min task |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
+        nt = r.get("new_task")
         lines.append(f"| {r['who']} | {r['method']} | {r['k']} | {r['exact_s']:.1f} | {r['build_s']:.1f} | "
-                     f"{r['build_vs_exact']:.2f} | {r['query_s']:.2f} | {r['query_share']:.3f} | "
-                     f"{r['bytes_per_example']:.0f} | {r['spearman'].get('score', float('nan')):.3f} | "
+                     f"{r['build_vs_exact']:.2f} | {r['query_s']:.1f} ({r['query_share']:.3f}) | "
+                     f"{r['requery_s']:.1f} ({r['requery_share']:.3f}) | "
+                     + (f"{nt['exact_s']:.1f}, {nt['query_s']:.1f} ({nt['query_share']:.3f})" if nt else "—")
+                     + f" | {r['bytes_per_example']:.0f} | {r['spearman'].get('score', float('nan')):.3f} | "
                      f"{r['spearman_min_task']:.3f} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return results
@@ -196,6 +246,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--kfac-examples", type=int, default=256)
     ap.add_argument("--damping", type=float, default=1e-3)
+    ap.add_argument("--new-task", default=None, metavar="SUITE",
+                    help="also score the validation records of SUITE alone (a set the store has not seen): fresh "
+                         "exact scoring vs a cold query, with the first of --methods")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--in-process", action="store_true", help="run the commands in this process (tests)")
     a = ap.parse_args(argv)

@@ -22,12 +22,21 @@ def test_store_bench_runs_and_resumes(tmp_path, monkeypatch):
     pool.write_text("".join(json.dumps(r) + "\n" for r in recs(12, "p", ["x"])))
     val.write_text("".join(json.dumps(r) + "\n" for r in recs(4, "v", ["mmlu.a", "bbh.b"])))
     args = ["--model", "builtin", "--pool", str(pool), "--validation", str(val), "--out", str(tmp_path / "out"),
-            "--k", "100000", "--methods", "tracin", "--store-dtype", "float32", "--max-length", "48", "--in-process"]
+            "--k", "100000", "--methods", "tracin", "--store-dtype", "float32", "--max-length", "48", "--in-process",
+            "--new-task", "bbh"]
     res = bench_store.main(args)
     (row,) = res["rows"]
     assert row["spearman"]["score"] == pytest.approx(1.0) and row["spearman_min_task"] == pytest.approx(1.0)
     assert set(row["spearman"]) == {"score", "score/bbh.b", "score/mmlu.a"}
     assert row["bytes_per_example"] > 0 and row["exact_s"] > 0 and row["query_share"] > 0
+    assert row["requery_share"] == pytest.approx(row["requery_s"] / row["exact_s"])
+    # the new task: its validation records alone, exact scoring vs a cold query of the store (exact store: equal)
+    nt = row["new_task"]
+    assert nt["task"] == "bbh" and nt["n_validation"] == 2 and nt["query_share"] == nt["query_s"] / nt["exact_s"]
+    assert set(nt["spearman"]) == {"score", "score/bbh.b"} and nt["spearman"]["score"] == pytest.approx(1.0)
+    assert [json.loads(line)["category"] for line in open(tmp_path / "out" / "validation-bbh.jsonl")] == ["bbh.b"] * 2
+    with pytest.raises(SystemExit, match="--new-task tydiqa: no validation record"):
+        bench_store.main([*args[:-1], "tydiqa"])
     assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"][0]["k"] == 100000
     calls = []
     monkeypatch.setattr(bench_store, "_run", lambda *a, **k: calls.append(a) or 1.0)
