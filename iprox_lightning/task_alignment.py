@@ -429,6 +429,48 @@ class _DensePairTracker(PairTracker):
         self.pairs[name] = (h, delta * self.keep.to(delta.device, delta.dtype))
 
 
+def _batch_rows(batch: Mapping, idx: Sequence[int]) -> dict:
+    """The rows ``idx`` of ``batch`` (tensors with the batch's leading size and per-row lists; anything else kept)."""
+    n = batch["input_ids"].shape[0]
+    t = torch.as_tensor(list(idx), device=batch["input_ids"].device)
+    return {k: (v[t] if torch.is_tensor(v) and v.dim() and v.shape[0] == n
+                else [v[i] for i in idx] if isinstance(v, (list, tuple)) and len(v) == n else v)
+            for k, v in batch.items()}
+
+
+def _proxy_task_sums(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, LowRankLinear], order: Sequence[str],
+                     create_graph: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per aligned layer the proxy's per-task gradient sums ``(ḡ_A [K, out, r], ḡ_B [K, r, in])`` over ``batch``'s
+    rows, tasks in ``order`` (a task without a row of ``batch``: zeros); differentiable with ``create_graph``."""
+    pairs = FactorPairTracker(lowrank)
+    backward_pairs(proxy, batch, [pairs], create_graph=create_graph)
+    present = task_rows(batch["task"])
+    out = {}
+    for name in lowrank:
+        (z, d), (h, dz) = pairs.pairs[name]
+        g_a, g_b = task_sums(z, d, present), task_sums(h, dz, present)
+        if list(present) != list(order):  # scatter the present tasks into the full task order
+            at = torch.as_tensor([list(order).index(t) for t in present], device=g_a.device)
+            g_a = torch.zeros((len(order), *g_a.shape[1:]), dtype=g_a.dtype, device=g_a.device).index_add(0, at, g_a)
+            g_b = torch.zeros((len(order), *g_b.shape[1:]), dtype=g_b.dtype, device=g_b.device).index_add(0, at, g_b)
+        out[name] = (g_a, g_b)
+    return out
+
+
+def _task_cosines(g: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                  p: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``[K]``: per task the cosine of the concatenated factor-space vectors ``g`` and ``p`` (all layers at once)."""
+    dot = gg = pp = 0.0
+    for name, (g_a, g_b) in g.items():
+        p_a, p_b = p[name]
+        dt = _dtype(g_a, p_a)
+        g_a, g_b, p_a, p_b = g_a.to(dt), g_b.to(dt), p_a.to(dt), p_b.to(dt)
+        dot = dot + (g_a * p_a).sum(dim=(1, 2)) + (g_b * p_b).sum(dim=(1, 2))
+        gg = gg + g_a.pow(2).sum(dim=(1, 2)) + g_b.pow(2).sum(dim=(1, 2))
+        pp = pp + p_a.pow(2).sum(dim=(1, 2)) + p_b.pow(2).sum(dim=(1, 2))
+    return dot / (gg * pp).clamp_min(EPS * EPS).sqrt()
+
+
 def task_gradient_alignment(
     teacher: nn.Module,
     proxy: nn.Module,
@@ -438,38 +480,69 @@ def task_gradient_alignment(
     reduction: str = "mean",
     grad_through_projection: bool = True,
     create_graph: bool = True,
+    chunk_size: Optional[int] = None,
 ) -> TaskGradientOutput:
     """``L_val = reduce_t [1 − cos(ḡ^P_t, P(sg ḡ^T_t))]`` on ``batch`` (validation examples with their ``task``; see
     the module docstring): one target forward+backward and one proxy forward+backward (differentiable pairs with
-    ``create_graph``), both of the sum of per-example losses, each row's pairs summed into its task."""
+    ``create_graph``), both of the sum of per-example losses, each row's pairs summed into its task.
+
+    ``chunk_size = c`` bounds the memory of the proxy's double backward to ``c`` rows at a time, for the same loss and
+    gradient: ``ḡ^P`` is a sum over rows, so with ``u = ∂L_val/∂ḡ^P`` (from the summed gradients of a first, plain
+    pass in chunks) the part of ``∇_θ L_val`` through the proxy's gradients is ``Σ_chunks ∇_θ ⟨ḡ^P_chunk(θ), u⟩``, one
+    create-graph backward per chunk whose graph is freed before the next (``torch.autograd.grad``, so ``param.grad``
+    is untouched). The returned ``loss`` carries that part as ``Σ_θ ⟨G_θ, θ⟩ − sg(·)`` (its gradient is ``G``, its
+    value 0) beside the part through the projection ``P`` (``grad_through_projection``): one backward of ``loss``
+    by the caller, as without chunks. Costs one more plain proxy pass over the batch."""
     check_batch(batch)
     if "task" not in batch:
         raise ValueError("task_gradient_alignment: the batch needs a 'task' field")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"task_gradient_alignment: chunk_size must be a positive int or None, got {chunk_size!r}")
     reduce_tasks(torch.zeros(1), reduction)  # checks the name
     lowrank = proxy_factor_layers(proxy, layers)
     rows = task_rows(batch["task"])
     dense = _DensePairTracker(_dense_modules(teacher, lowrank))
     backward_pairs(teacher, batch, [dense])
-    pairs = FactorPairTracker(lowrank)
-    backward_pairs(proxy, batch, [pairs], create_graph=create_graph)
+    n = batch["input_ids"].shape[0]
+    chunked = create_graph and chunk_size is not None and chunk_size < n
     with torch.set_grad_enabled(create_graph):
-        dot = gg = pp = 0.0
+        proj = {}
         for name, m in lowrank.items():
-            (z, d), (h, dz) = pairs.pairs[name]
-            g_a, g_b = task_sums(z, d, rows), task_sums(h, dz, rows)  # [K, out, r], [K, r, in]
             A, B = (m.A, m.B) if grad_through_projection and create_graph else (m.A.detach(), m.B.detach())
             th, td = dense.pairs[name]
-            proj = [factor_projections(th[r].detach(), td[r].detach(), A, B) for r in
-                    (torch.as_tensor(list(v), device=th.device) for v in rows.values())]
-            p_a = torch.stack([p[0] for p in proj])
-            p_b = torch.stack([p[1] for p in proj])
-            dt = _dtype(g_a, p_a)
-            g_a, g_b, p_a, p_b = g_a.to(dt), g_b.to(dt), p_a.to(dt), p_b.to(dt)
-            dot = dot + (g_a * p_a).sum(dim=(1, 2)) + (g_b * p_b).sum(dim=(1, 2))
-            gg = gg + g_a.pow(2).sum(dim=(1, 2)) + g_b.pow(2).sum(dim=(1, 2))
-            pp = pp + p_a.pow(2).sum(dim=(1, 2)) + p_b.pow(2).sum(dim=(1, 2))
-        cos = dot / (gg * pp).clamp_min(EPS * EPS).sqrt()
-        loss = reduce_tasks(1.0 - cos, reduction)
+            ps = [factor_projections(th[r].detach(), td[r].detach(), A, B) for r in
+                  (torch.as_tensor(list(v), device=th.device) for v in rows.values())]
+            proj[name] = (torch.stack([q[0] for q in ps]), torch.stack([q[1] for q in ps]))
+        if not chunked:
+            cos = _task_cosines(_proxy_task_sums(proxy, batch, lowrank, list(rows), create_graph), proj)
+            loss = reduce_tasks(1.0 - cos, reduction)
+            return TaskGradientOutput(loss=loss, cos={t: c for t, c in zip(rows, cos.detach())})
+    chunks = [list(range(i, min(i + chunk_size, n))) for i in range(0, n, chunk_size)]
+    g_hat: dict[str, list[torch.Tensor]] = {}
+    for idx in chunks:  # first pass, no graph: the proxy's summed per-task gradients
+        for name, (g_a, g_b) in _proxy_task_sums(proxy, _batch_rows(batch, idx), lowrank, list(rows), False).items():
+            acc = g_hat.setdefault(name, [torch.zeros_like(g_a), torch.zeros_like(g_b)])
+            acc[0] += g_a
+            acc[1] += g_b
+    with torch.enable_grad():
+        leaves = {name: (a.requires_grad_(), b.requires_grad_()) for name, (a, b) in g_hat.items()}
+        cos = _task_cosines(leaves, proj)
+        flat = [x for ab in leaves.values() for x in ab]
+        u = dict(zip(leaves, zip(*[iter(torch.autograd.grad(reduce_tasks(1.0 - cos, reduction), flat))] * 2)))
+        direct = reduce_tasks(1.0 - _task_cosines({k: (a.detach(), b.detach()) for k, (a, b) in leaves.items()}, proj),
+                              reduction)  # the part through the projection (no graph without it)
+    params = [p for m in lowrank.values() for p in (m.A, m.B) if p.requires_grad]
+    G: list[Optional[torch.Tensor]] = [None] * len(params)
+    for idx in chunks:  # second pass: one create-graph backward per chunk, its graph freed before the next
+        with torch.enable_grad():
+            sums = _proxy_task_sums(proxy, _batch_rows(batch, idx), lowrank, list(rows), True)
+            inner = sum((g_a * u[name][0].to(g_a.dtype)).sum() + (g_b * u[name][1].to(g_b.dtype)).sum()
+                        for name, (g_a, g_b) in sums.items())
+            grads = torch.autograd.grad(inner, params, allow_unused=True)
+        G = [a if b is None else b if a is None else a + b for a, b in zip(G, grads)]
+    with torch.enable_grad():
+        carried = sum((g.detach().to(p.dtype) * p).sum() for g, p in zip(G, params) if g is not None)
+        loss = direct + (carried - carried.detach() if torch.is_tensor(carried) else 0.0)
     return TaskGradientOutput(loss=loss, cos={t: c for t, c in zip(rows, cos.detach())})
 
 
@@ -532,6 +605,7 @@ def task_alignment_losses(
     *,
     val_batch: Optional[Mapping] = None,
     val_grad_weight: float = 0.0,
+    val_grad_chunk: Optional[int] = None,
     directions: Optional[TaskDirections] = None,
     score_weight: float = 0.0,
     score_loss: str = "pearson",
@@ -543,7 +617,8 @@ def task_alignment_losses(
     layers: Optional[Iterable[str]] = None,
 ) -> TaskAlignmentOutput:
     """``L_GA + λ_KL·L_KL`` on ``batch`` (:func:`~iprox_lightning.alignment.alignment_losses`) plus
-    ``val_grad_weight · L_val`` on ``val_batch`` (:func:`task_gradient_alignment`) and ``score_weight · L_score`` on
+    ``val_grad_weight · L_val`` on ``val_batch`` (:func:`task_gradient_alignment`, ``val_grad_chunk`` rows per
+    create-graph backward) and ``score_weight · L_score`` on
     ``batch`` against ``directions`` (:func:`score_alignment_loss`; its features ride on the passes of ``L_GA``).
     A term whose weight is 0 is not computed. The caller runs one backward of ``loss``."""
     proxy_tr: list[PairTracker] = []
@@ -570,7 +645,8 @@ def task_alignment_losses(
         if val_batch is None:
             raise ValueError("task_alignment_losses: val_grad_weight > 0 needs a batch of validation examples")
         v = task_gradient_alignment(teacher, proxy, val_batch, layers=layers, reduction=task_reduction,
-                                    grad_through_projection=grad_through_projection, create_graph=create_graph)
+                                    grad_through_projection=grad_through_projection, create_graph=create_graph,
+                                    chunk_size=val_grad_chunk)
         loss = loss + val_grad_weight * v.loss
         out.l_val_grad, out.val_grad_cos = v.loss.detach(), v.cos
     out.loss = loss

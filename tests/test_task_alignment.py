@@ -373,6 +373,34 @@ def test_task_gradient_term_and_its_gradient_match_brute_force(float64_ce, throu
         assert (vals[0] - vals[1]) / (2 * eps) == pytest.approx(float(got[j][idx]), rel=1e-4, abs=1e-7 * scale)
 
 
+@pytest.mark.parametrize("through, reduction, chunk", [(True, "mean", 1), (True, "max", 2), (False, "mean", 2)])
+def test_chunked_task_gradient_term_equals_one_graph(float64_ce, through, reduction, chunk):
+    """``chunk_size``: the same loss and factor gradient as one graph (which matches brute force above), chunks that
+    miss a task included (rows x, y, x, z, y in chunks of 1 or 2), and ``param.grad`` untouched until the caller's
+    backward."""
+    teacher, proxy = make_pair()
+    batch = make_batch(30, ["x", "y", "x", "z", "y"])
+    params = factor_params(proxy)
+    one = task_gradient_alignment(teacher, proxy, batch, reduction=reduction, grad_through_projection=through)
+    want = torch.autograd.grad(one.loss, params)
+    out = task_gradient_alignment(teacher, proxy, batch, reduction=reduction, grad_through_projection=through,
+                                  chunk_size=chunk)
+    assert all(p.grad is None for p in params)
+    assert float(out.loss) == pytest.approx(float(one.loss), rel=1e-12)
+    assert list(out.cos) == list(one.cos) == ["x", "y", "z"]
+    np.testing.assert_allclose([float(c) for c in out.cos.values()], [float(c) for c in one.cos.values()], rtol=1e-12)
+    got = torch.autograd.grad(out.loss, params)
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12 * scale)
+    # a chunk as large as the batch is the one-graph path; a bad size is refused by name
+    assert float(task_gradient_alignment(teacher, proxy, batch, chunk_size=5).loss) == pytest.approx(
+        float(task_gradient_alignment(teacher, proxy, batch).loss), rel=1e-12)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        task_gradient_alignment(teacher, proxy, batch, chunk_size=0)
+
+
 def test_task_alignment_losses_adds_the_weighted_terms(float64_ce):
     teacher, proxy = make_pair()
     val = make_batch(40, ["x", "y", "x", "y"])

@@ -212,6 +212,21 @@ def test_val_grad_term_is_used_and_aligns_held_out_task_gradients(tmp_path, base
     assert "align/l_val_grad" not in base["rows"][0] and "align/l_score" not in base["rows"][0]
 
 
+def test_val_grad_chunks_train_the_factors_one_graph_trains(tmp_path):
+    """``val_grad_chunk=1`` (one row per double backward) trains the factors ``None`` (the whole L_val batch in one
+    graph) trains, and logs the same terms (float32: summation order only)."""
+    runs = {c: fit(tmp_path / str(c), f"chunk{c}", val_grad_weight=1.0, val_examples_per_task=2, val_grad_chunk=c)
+            for c in (1, None)}
+    a, b = factors(runs[1]["module"].proxy), factors(runs[None]["module"].proxy)
+    moved = factors(fit(tmp_path / "base", "base")["module"].proxy)
+    assert any(not torch.equal(a[k], moved[k]) for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4 * float(b[k].abs().max()))  # measured: 8e-6
+    np.testing.assert_allclose(logged(runs[1]["rows"], "align/l_val_grad"), logged(runs[None]["rows"], "align/l_val_grad"),
+                               rtol=1e-4)
+    assert runs[1]["manifest"]["alignment"]["val_grad_chunk"] == 1
+
+
 def test_score_term_is_used_refreshed_and_improves_held_out_ranking(tmp_path, base, monkeypatch):
     calls = []
     real = proxy_align_module.proxy_directions
@@ -282,7 +297,7 @@ def test_task_terms_need_the_val_train_split(tmp_path, caplog):
         fit(tmp_path, "nosplit", data={"val_train_fraction": 0.0}, val_grad_weight=1.0)
     for bad, msg in (({"score_loss": "spearman"}, "score_loss"), ({"task_reduction": "min"}, "task_reduction"),
                      ({"val_grad_weight": -1.0}, "val_grad_weight"), ({"score_refresh_every": 0}, "score_refresh_every"),
-                     ({"val_examples_per_task": 1.5}, "val_examples_per_task")):
+                     ({"val_examples_per_task": 1.5}, "val_examples_per_task"), ({"val_grad_chunk": 0}, "val_grad_chunk")):
         with pytest.raises(ValueError, match=msg):
             AlignConfig(**bad)
 

@@ -154,6 +154,8 @@ class AlignConfig:
             (a ``keep_best`` monitor: the factors whose worst task ranks best); ``False`` (default) → pooled only.
         val_grad_weight: weight of ``L_val``, the per-task validation-gradient alignment (``0``: off).
         val_examples_per_task: validation examples of each task in each step's ``L_val`` batch.
+        val_grad_chunk: rows of the ``L_val`` batch per create-graph backward (the same loss and gradient, memory
+            bounded by the chunk; ``None``: the whole batch in one graph).
         score_weight: weight of ``L_score``, the score-space alignment (``0``: off).
         score_loss: ``"pearson"`` (``1 −`` Pearson over the batch) or ``"listwise"`` (ListNet KL).
         score_refresh_every: steps between refreshes of the proxy's validation directions of ``L_score``.
@@ -175,6 +177,7 @@ class AlignConfig:
     fidelity_per_task: bool = False
     val_grad_weight: float = 0.0
     val_examples_per_task: int = 2
+    val_grad_chunk: Optional[int] = 4
     score_weight: float = 0.0
     score_loss: str = "pearson"
     score_refresh_every: int = 10
@@ -198,8 +201,10 @@ class AlignConfig:
         for name in ("val_grad_weight", "score_weight"):
             if not getattr(self, name) >= 0:
                 raise UserInputError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("val_examples_per_task", "score_refresh_every"):
+        for name in ("val_examples_per_task", "score_refresh_every", "val_grad_chunk"):
             v = getattr(self, name)
+            if name == "val_grad_chunk" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserInputError(f"{name} must be an int >= 1, got {v!r}")
         if self.score_loss not in SCORE_LOSSES:
@@ -277,6 +282,10 @@ class ProxyAlignModule(L.LightningModule):
             (:func:`~iprox_lightning.task_alignment.task_gradient_alignment`); the examples are the datamodule's
             ``val_train`` split (``SFTDataModule(val_train_fraction > 0)``), never the monitoring ones. ``0``: off.
         val_examples_per_task: examples of each task in the ``L_val`` batch of a step (``datamodule.task_batches``).
+        val_grad_chunk: rows of that batch per create-graph backward of the proxy (default 4): the same loss and
+            gradient as one graph, with the memory of the double backward bounded by the chunk (one more plain proxy
+            pass; :func:`~iprox_lightning.task_alignment.task_gradient_alignment`). ``None``: one graph (12 rows on
+            SmolLM2-135M took 22 GB).
         score_weight: ``w > 0`` adds ``w · L_score``: agreement of the proxy's TracIn scores of the alignment batch with
             the target's, per task (:func:`~iprox_lightning.task_alignment.score_alignment_loss`), against validation
             directions from the ``val_train`` examples. Its per-example features ride on the passes of ``L_GA``.
@@ -311,6 +320,7 @@ class ProxyAlignModule(L.LightningModule):
         fidelity_per_task: bool = False,
         val_grad_weight: float = 0.0,
         val_examples_per_task: int = 2,
+        val_grad_chunk: Optional[int] = 4,
         score_weight: float = 0.0,
         score_loss: str = "pearson",
         score_refresh_every: int = 10,
@@ -323,7 +333,7 @@ class ProxyAlignModule(L.LightningModule):
                                   monitor=monitor, fidelity_examples=fidelity_examples,
                                   fidelity_per_task=fidelity_per_task,
                                   val_grad_weight=val_grad_weight, val_examples_per_task=val_examples_per_task,
-                                  score_weight=score_weight, score_loss=score_loss,
+                                  val_grad_chunk=val_grad_chunk, score_weight=score_weight, score_loss=score_loss,
                                   score_refresh_every=score_refresh_every, task_reduction=task_reduction)
         ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
         self.save_hyperparameters(ignore=ignore + ["fidelity_scorer"])
@@ -517,7 +527,7 @@ class ProxyAlignModule(L.LightningModule):
         directions = self._refresh_directions() if cfg.score_weight else None
         out = task_alignment_losses(
             self._teacher, self.proxy, batch, val_batch=val_batch, val_grad_weight=cfg.val_grad_weight,
-            directions=directions, score_weight=cfg.score_weight, score_loss=cfg.score_loss,
+            val_grad_chunk=cfg.val_grad_chunk, directions=directions, score_weight=cfg.score_weight, score_loss=cfg.score_loss,
             task_reduction=cfg.task_reduction, kl_weight=cfg.kl_weight, temperature=cfg.temperature,
             grad_through_projection=cfg.grad_through_projection, create_graph=True, layers=cfg.layers)
         size = batch["input_ids"].shape[0]
