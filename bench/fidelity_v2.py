@@ -514,7 +514,8 @@ def draw_sample(candidates: list[dict], args, builtin: bool, st: Stages) -> list
     the old ones); OUTs from before the option hold the uniform draw (the canonical records had no ``source``)."""
     by = None if args.stratify_by == "none" else "category" if builtin else args.stratify_by
     legacy = any(key != "warmup" for key in st.state["stages"])  # the sample does not steer the warm-up
-    recorded = st.state.get("sample_strata", "none" if legacy else None)
+    # before the option: the real pool's draw was uniform, the built-in pool's by category (what "source" gives it)
+    recorded = st.state.get("sample_strata", ("source" if builtin else "none") if legacy else None)
     if recorded is not None and recorded != args.stratify_by:
         raise SystemExit(f"{st.out}: its stages were made from a sample drawn with --stratify-by {recorded}"
                          f"{' (a uniform draw)' if recorded == 'none' else ''}, not {args.stratify_by}; pass "
