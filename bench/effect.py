@@ -163,7 +163,7 @@ class Effect:
         self.out.mkdir(parents=True, exist_ok=True)
         self.fid = Path(args.fidelity).resolve()
         self.t0 = time.perf_counter()
-        self.st = Stages(self.out, args.threads, self.log)
+        self.st = Stages(self.out, args.threads, self.log, in_process=args.in_process)
         fid_state = json.loads((self.fid / "state.json").read_text())
         self.fid_stages = fid_state["stages"]
         self.warmed_up = "warmup" in self.fid_stages
@@ -810,6 +810,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--keep-models", action="store_true", help="keep the fine-tuned weights (0.5 GB each)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each stage's train.py command in this process, not as a subprocess (tests)")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite summary/tables from the cached evaluations")
     ap.add_argument("--docs", nargs="*", default=None,
                     help="also write the tables into these Markdown pages between their effect markers")

@@ -493,6 +493,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--summary-only", action="store_true", help="only recompute summary/tables/plot from finished stages")
     ap.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each stage's train.py command in this process, not as a subprocess (tests)")
     ap.add_argument("--timing", action="store_true",
                     help="measure proxy/target scoring time interleaved in one process (OUT/timing.json); the "
                          "scoring_time_ratio column then comes from it instead of the stages' CPU seconds")
@@ -539,7 +541,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     log = lambda m: print(f"[{time.perf_counter() - t_start:7.1f}s] {m}", flush=True)  # noqa: E731
-    st = Stages(out, args.threads, log, dry_run=args.dry_run)
+    st = Stages(out, args.threads, log, dry_run=args.dry_run, in_process=args.in_process)
     cfg = ROOT / "configs"
     builtin = args.pool == "builtin"
     demo = (lambda name: [cfg / "builtin" / f"{name}.yaml"] if builtin and (cfg / "builtin" / f"{name}.yaml").exists()

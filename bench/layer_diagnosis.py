@@ -214,6 +214,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each stage's train.py command in this process, not as a subprocess (tests)")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
@@ -222,7 +224,8 @@ def main(argv=None) -> dict:
     out, fid, eff = Path(args.out).resolve(), Path(args.fidelity).resolve(), Path(args.effect).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    st = Stages(out, args.threads, lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True))
+    st = Stages(out, args.threads, lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True),
+                in_process=args.in_process)
     stores = {"target": eff / "stores" / "target", **{n: eff / "stores" / dir_name(n) for n in args.proxy}}
     loaded, models = {}, {}
     for name, pool_store in stores.items():

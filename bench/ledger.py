@@ -63,8 +63,12 @@ def canonical_fingerprint(fp: str) -> str:
 class Stages:
     """Runs ``python train.py ...`` stages one at a time and records them in ``OUT/state.json``."""
 
-    def __init__(self, out: Path, threads: int | None, log: Callable[[str], None], dry_run: bool = False):
+    def __init__(self, out: Path, threads: int | None, log: Callable[[str], None], dry_run: bool = False,
+                 in_process: bool = False):
         self.out, self.threads, self.log, self.dry_run = out, threads, log, dry_run
+        # in_process (the tests): each stage is the same command run by ``iprox_lightning.cli.main`` in this process
+        # (no interpreter and Lightning import per stage); see :meth:`call_in_process`
+        self.in_process = in_process
         self.path = out / "state.json"
         self.state = json.loads(self.path.read_text()) if self.path.exists() else {"stages": {}}
         self.ran: list[str] = []  # stages run (or, in a dry run, that would run) by this process
@@ -102,15 +106,19 @@ class Stages:
             env["OMP_NUM_THREADS"] = str(self.threads)
         logf = self.out / "logs" / f"{dir_name(key)}.log"
         logf.parent.mkdir(parents=True, exist_ok=True)
-        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        who = resource.RUSAGE_SELF if self.in_process else resource.RUSAGE_CHILDREN
+        ru0 = resource.getrusage(who)
         t0 = time.perf_counter()
         with open(logf, "w") as f:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+            if self.in_process:
+                returncode = self.call_in_process(args, f)
+            else:
+                returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
         wall = time.perf_counter() - t0
-        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if proc.returncode != 0:
+        ru1 = resource.getrusage(who)
+        if returncode != 0:
             tail = logf.read_text()[-3000:]
-            raise RuntimeError(f"stage {key} failed (exit {proc.returncode}); log {logf}:\n{tail}")
+            raise RuntimeError(f"stage {key} failed (exit {returncode}); log {logf}:\n{tail}")
         if not done.exists():
             raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
         # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
@@ -122,10 +130,56 @@ class Stages:
                "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                "commit": git_commit(dirty=True),
                "load_average": os.getloadavg()[0]}
+        if self.in_process:  # cpu_s and peak_rss_mib are this process's, not a stage process's
+            rec["in_process"] = True
         self.state["stages"][key] = rec
         self.save()
         self.log(f"stage {key}: done in {wall:.0f}s (CPU {rec['cpu_s']:.0f}s)")
         return rec
+
+    def call_in_process(self, args: list[str], log) -> int:
+        """``python train.py ARGS`` as :meth:`run`'s subprocess runs it, in this process: from the checkout's root,
+        ``--threads`` intra-op threads, its output in the stage's log; its exit status (an exception's traceback goes
+        to the log, status 1). What a stage changes process-wide is put back afterwards: the working directory, the
+        environment (Lightning's ``PL_GLOBAL_SEED``), the thread count, the random states and the warning filters."""
+        import contextlib
+        import random
+        import traceback
+        import warnings
+
+        import numpy as np
+        import torch
+
+        from iprox_lightning.cli import main
+
+        cwd, env, threads, argv = os.getcwd(), dict(os.environ), torch.get_num_threads(), sys.argv
+        states = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), \
+                    contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                os.chdir(ROOT)
+                if self.threads:
+                    torch.set_num_threads(self.threads)
+                sys.argv = ["train.py", *args]  # main() reads the command line as train.py does (its one-line errors)
+                try:
+                    main()
+                except SystemExit as e:  # jsonargparse's and the command line's errors (status 0: --help)
+                    if e.code is None or isinstance(e.code, int):
+                        return e.code or 0
+                    print(e.code, file=log)  # what the interpreter prints for SystemExit("message")
+                    return 1
+                except Exception:
+                    traceback.print_exc(file=log)
+                    return 1
+                return 0
+        finally:
+            sys.argv = argv
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
+            random.setstate(states[0])
+            np.random.set_state(states[1])
 
 
 def logger_overlay(out: Path, name: str) -> dict:

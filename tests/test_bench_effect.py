@@ -26,7 +26,7 @@ def fidelity_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("effect") / "v2"
     fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30", "--max-length", "48",
               "--no-warmup", "--no-unwarmed", "--variants", VARIANT, "--bootstrap", "20", "--threads", "1",
-              "--out", str(out)])
+              "--out", str(out), "--in-process"])
     return out
 
 
@@ -36,7 +36,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
             "--eval-dir", "builtin", "--tasks", "addition", "uppercase", "--priority-tasks", "addition",
             "--selectors", "target", "iprox@0.5", "length", "store+max", "store:iprox@0.5+max", "--source", f"iprox@0.5={VARIANT}",
             "--random-seeds", "0", "1", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
-            "--builtin-per-task", "8", "--bootstrap", "200", "--threads", "1"]
+            "--builtin-per-task", "8", "--bootstrap", "200", "--threads", "1", "--in-process"]
     s = effect.main(argv)
     m = s["meta"]
     assert m["k"] == 6 and m["pool_sample"] == 30 and m["rule"] == "mean" and m["target_warmed_up"] is False
@@ -98,7 +98,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     import layer_diagnosis
 
     d = layer_diagnosis.main(["--out", str(tmp_path / "diag"), "--fidelity", str(fidelity_dir), "--effect", str(out),
-                              "--proxy", "iprox@0.5", "--no-health", "--threads", "1"])
+                              "--proxy", "iprox@0.5", "--no-health", "--threads", "1", "--in-process"])
     assert set(d["attribution"]) == {"addition", "uppercase"}
     for suite, r in d["attribution"].items():
         for table in (r["modules"], r["by_type"], r["by_block"]):
@@ -238,8 +238,11 @@ def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
 def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
     """A stage re-run only because its output is gone (a proxy whose weights were not kept), with settings equal up
     to outcome-neutral lines, keeps the recorded fingerprint text that downstream stages embed (else re-making the
-    proxy re-ran its scoring); a real change records the new text."""
+    proxy re-ran its scoring); a real change records the new text. The first run is the default subprocess, the
+    re-runs the same command in this process (``in_process``, what the end-to-end tests use): the same table."""
     import shutil
+
+    import pyarrow.parquet as pq
 
     st = ledger.Stages(tmp_path, 1, lambda msg: None)
     out = tmp_path / "r" / "scores.parquet"
@@ -248,14 +251,33 @@ def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
     st.run("random", "random_scores", [], ov, old, out, clean=out.parent)
     recorded = st.state["stages"]["random"]["fingerprint"]
     assert recorded == json.dumps(old, sort_keys=True)
+    assert "in_process" not in st.state["stages"]["random"]
+    first = pq.read_table(out).to_pydict()
     shutil.rmtree(out.parent)
+    st.in_process = True
     neutral = {"seed": 0, "config": "trainer:\n  max_epochs: 4\n  log_every_n_steps: 5  # presentation only\n"}
     st.run("random", "random_scores", [], ov, neutral, out, clean=out.parent)
     assert out.exists() and st.state["stages"]["random"]["fingerprint"] == recorded
+    assert st.state["stages"]["random"]["in_process"] is True and pq.read_table(out).to_pydict() == first
     assert st.ran == ["random", "random"]
     changed = {"seed": 0, "config": "trainer:\n  max_epochs: 5\n"}
     st.run("random", "random_scores", [], ov, changed, out, clean=out.parent)
     assert st.state["stages"]["random"]["fingerprint"] == json.dumps(changed, sort_keys=True)
+
+
+def test_a_failing_stage_in_process_fails_as_its_command_does(tmp_path):
+    """``in_process``: a stage whose command fails raises the ledger's error with the exit status and the one-line
+    message ``python train.py`` gives (here 2, a missing pool); the process's working directory, command line and
+    environment are as before."""
+    import os
+
+    st = ledger.Stages(tmp_path, 1, lambda msg: None, in_process=True)
+    out = tmp_path / "r" / "scores.parquet"
+    cwd, argv, env = os.getcwd(), list(sys.argv), dict(os.environ)
+    with pytest.raises(RuntimeError, match=r"stage random failed \(exit 2\).*\n.*error: SFT data file not found"):
+        st.run("random", "random_scores", [], {"output": str(out), "pool": str(tmp_path / "missing.jsonl"), "seed": 0},
+               {"seed": 0}, out, clean=out.parent)
+    assert (os.getcwd(), sys.argv, dict(os.environ)) == (cwd, argv, env) and "random" not in st.state["stages"]
 
 
 def test_lenmatch_selector_names_their_reference_selection():

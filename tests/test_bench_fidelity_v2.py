@@ -302,7 +302,7 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
     out = tmp_path / "v2"
     argv = ["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30", "--max-length", "48",
             "--no-warmup", "--variants", "ipsvd/exact/rel1e-3/global@0.5", "le@0.5", "--bootstrap", "50",
-            "--threads", "1", "--out", str(out)]
+            "--threads", "1", "--out", str(out), "--in-process"]
     s = fv2.main(argv + ["--timing", "--timing-repeats", "1"])
     rows = {r["variant"]: r for r in s["rows"]}
     assert set(rows) == {"length_sort", "random", "ipsvd/exact/rel1e-3/global@0.5", "le@0.5"}
@@ -399,7 +399,7 @@ def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):
     drop, fid = "ipsvd/exact/rel1e-3/global/drop1@0.8", "ipsvd/exact/rel1e-3/global@0.5+align1+fid8"
     s = fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30",
                   "--max-length", "48", "--no-warmup", "--variants", drop, fid, "--bootstrap", "20",
-                  "--align-val-per-task", "2", "--threads", "1", "--out", str(out)])
+                  "--align-val-per-task", "2", "--threads", "1", "--out", str(out), "--in-process"])
     rows = {r["variant"]: r for r in s["rows"]}
     man = json.loads((out / "proxies" / fv2.dir_name(drop) / "iprox_proxy.json").read_text())
     assert rows[drop]["block_drop"]["dropped"] == man["block_drop"]["dropped"] and len(man["block_drop"]["dropped"]) == 1
