@@ -225,8 +225,9 @@ def _fmt(v, f: str) -> str:
     return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
 
 
-def markdown(result: Mapping) -> str:
-    """The sweep's Markdown tables (TracIn retention for every row, then K-FAC if run)."""
+def markdown(result: Mapping, n_boot: int = 2000) -> str:
+    """The sweep's Markdown tables (TracIn retention for every row, then K-FAC if run); ``n_boot``: bootstrap
+    resamples of each row's Spearman interval."""
     rows, best = result["rows"], result.get("best")
     ci = "target_scores" in result and all("proxy_scores" in r for r in rows)
     head = ["method", "mode", "damping mode", "damping"] + [c[1] for c in TABLE_COLUMNS[:1]]
@@ -238,7 +239,7 @@ def markdown(result: Mapping) -> str:
                  "–" if r["damping"] is None else f"{r['damping']:g}"]
         cells += [_fmt(r.get(k), f) for k, _, f in TABLE_COLUMNS[:1]]
         if ci:
-            lo, hi = spearman_interval(r["proxy_scores"], result["target_scores"])
+            lo, hi = spearman_interval(r["proxy_scores"], result["target_scores"], n_boot=n_boot)
             cells.append(f"[{lo:+.2f}, {hi:+.2f}]")
         cells += [_fmt(r.get(k), f) for k, _, f in TABLE_COLUMNS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -252,14 +253,14 @@ def markdown(result: Mapping) -> str:
     return out
 
 
-def write_outputs(prefix: Path | None, result: dict) -> None:
+def write_outputs(prefix: Path | None, result: dict, n_boot: int = 2000) -> None:
     if prefix is None:
         return
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(prefix.with_suffix(".json"))
-    prefix.with_suffix(".md").write_text(markdown(result))
+    prefix.with_suffix(".md").write_text(markdown(result, n_boot))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,6 +290,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-svd", action="store_true", help="skip the plain-SVD row")
     ap.add_argument("--kfac", action="store_true", help="K-FAC retention of plain SVD and the best IPSVD row")
     ap.add_argument("--kfac-damping", type=float, default=1e-3, help="K-FAC scoring damping (relative)")
+    ap.add_argument("--ci-resamples", type=int, default=2000,
+                    help="bootstrap resamples of the Markdown table's Spearman 90%% CI (recomputed at every write)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="output prefix: PREFIX.json and PREFIX.md")
@@ -383,7 +386,7 @@ def main(argv=None) -> dict:
         )
         result["rows"].append(row)
         result["best"] = {k: v for k, v in (best_row(result["rows"]) or {}).items() if k != "proxy_scores"} or None
-        write_outputs(prefix, result)
+        write_outputs(prefix, result, args.ci_resamples)
         log(f"{key:28s} spearman {row['spearman']:+.4f} kendall {row['kendall']:+.4f} top10% {row['top10%']:.3f} "
             f"| J/J0 probe {row['rel_objective_probe']:.4f} held-out {row['rel_objective_heldout']:.4f} "
             f"| loss {row['heldout_loss']:.4f} | factors {rep.time_factors_s:.1f}s, scoring {t_score:.1f}s, "
@@ -402,7 +405,7 @@ def main(argv=None) -> dict:
             result["kfac_target"] = dict(
                 time_s=time.perf_counter() - t, damping=args.kfac_damping,
                 tracin_vs_kfac=retention(result["target_scores"], result["kfac_target_scores"]))
-            write_outputs(prefix, result)
+            write_outputs(prefix, result, args.ci_resamples)
             log(f"target K-FAC scores in {time.perf_counter() - t:.1f}s")
         chosen = [c for c in configs if c["method"] == "svd"] + ([best] if best is not None else [])
         for c in chosen:
@@ -412,13 +415,13 @@ def main(argv=None) -> dict:
             proxy, _ = make_proxy(c)
             table = scores_dict(influence_scores(proxy, data["sample"], data["validation"], **kf))
             result["kfac"][key] = retention(table, result["kfac_target_scores"])
-            write_outputs(prefix, result)
+            write_outputs(prefix, result, args.ci_resamples)
             m = result["kfac"][key]
             log(f"K-FAC {key:28s} spearman {m['spearman']:+.4f} kendall {m['kendall']:+.4f} top10% {m['top10%']:.3f}")
             del proxy
     result["total_time_s"] = result.get("total_time_s", 0.0) + (time.perf_counter() - t_start)
-    write_outputs(prefix, result)
-    print(markdown(result))
+    write_outputs(prefix, result, args.ci_resamples)
+    print(markdown(result, args.ci_resamples))
     return result
 
 

@@ -17,7 +17,8 @@ from iprox_lightning.probes import Probes  # noqa: E402
 
 TINY = ["--model", "builtin", "--pool", "builtin", "--validation", "builtin", "--tokenizer", "builtin",
         "--builtin-size", "120", "--probe-examples", "8", "--sample", "24", "--heldout", "8", "--tokens", "96",
-        "--max-length", "64", "--probe-length", "64", "--val-per-task", "2", "--batch-size", "8"]
+        "--max-length", "64", "--probe-length", "64", "--val-per-task", "2", "--batch-size", "8",
+        "--ci-resamples", "50"]  # the Markdown's Spearman CIs (2000 resamples: 95% of the sweep's time here)
 
 
 @pytest.fixture(scope="module")
