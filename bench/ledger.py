@@ -1,5 +1,6 @@
 """The benchmarks' stage ledger: each stage is a ``python train.py ...`` command, run as a subprocess one at a time
-and recorded in ``OUT/state.json``; it is skipped when its output exists and its fingerprint (the JSON of its settings)
+(``in_process``, the benchmarks' ``--in-process``: the same command line in this process, for the tests) and recorded
+in ``OUT/state.json``; it is skipped when its output exists and its fingerprint (the JSON of its settings)
 matches the recorded one (up to :func:`canonical_fingerprint`), so an interrupted run resumes.
 
 Not :mod:`iprox_lightning.io.stages`: that ledger fingerprints other inputs (config file digests, source identities,
