@@ -536,7 +536,7 @@ class Effect:
     def write_summary(self) -> dict:
         a = self.args
         evals = [json.loads(p.read_text()) for p in sorted(self.evals_dir.glob("*.json"))]
-        rows, noise, stale, matched = [], {}, set(), {}
+        rows, noise, stale, unlisted, matched = [], {}, set(), set(), {}
         model_fp = {ev["key"]: self.model_fingerprint(ev["key"]) for ev in evals}
         for task in a.tasks:
             ids = [r["id"] for r in self.heldout[task]]
@@ -546,7 +546,10 @@ class Effect:
                 if not rec or rec.get("heldout_digest") != self.heldout_digest[task]:
                     continue  # not evaluated on this task, or on other held-out examples (re-run to refresh)
                 fp = model_fp[ev["key"]]
-                if fp is None or rec.get("fingerprint") != digest([fp, self.heldout_digest[task], a.eval_max_length]):
+                if fp is None:
+                    unlisted.add(ev["key"])  # a selector or task this command does not name
+                    continue
+                if rec.get("fingerprint") != digest([fp, self.heldout_digest[task], a.eval_max_length]):
                     stale.add(ev["key"])  # made with other settings (k, rule, fine-tuning, scores): never reported
                     continue
                 ex = {e["id"]: e for e in rec["examples"]}
@@ -620,13 +623,17 @@ class Effect:
                      "versions": versions(), "commands": self.st.state.get("run_commands", []),
                      "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
                      "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
-                     "not_reported": sorted(stale), "store_vs_exact": self.store_vs_exact(),
+                     "not_reported": sorted(stale), "not_listed": sorted(unlisted), "store_vs_exact": self.store_vs_exact(),
                      "proxy_store_fidelity": self.proxy_store_fidelity()},
             "rows": rows,
         }
         if stale:
             self.log(f"not reported (evaluated with other settings than this command's; re-run without --summary-only "
                      f"to refresh them): {', '.join(sorted(stale))}")
+        if unlisted and not self.__dict__.get("_said_unlisted"):  # once per process: the summary is rewritten often
+            self._said_unlisted = True
+            self.log(f"{len(unlisted)} cached evaluation(s) of selectors or tasks this command does not name are left "
+                     "out of the summary (meta.not_listed; name them in --selectors / --tasks to report them)")
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         md = markdown(summary)
         (self.out / "summary.md").write_text(md)

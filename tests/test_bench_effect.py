@@ -152,7 +152,15 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     again = effect.main(argv)
     assert json.loads((out / "state.json").read_text())["stages"] == before
     assert again["rows"] == s["rows"]
-    assert again["meta"]["not_reported"] == []
+    assert again["meta"]["not_reported"] == [] and again["meta"]["not_listed"] == []
+    # a command naming fewer selectors reports only those; the others' evaluations are left out as not named by it
+    # (meta.not_listed), not as made with other settings (meta.not_reported)
+    sel_at = argv.index("--selectors")
+    few = effect.main([*argv[:sel_at], "--selectors", "length", *argv[sel_at + 6:], "--summary-only"])
+    assert {r["selector"] for r in few["rows"]} == {"base", "length", "random:0", "random:1"}
+    assert few["meta"]["not_reported"] == []
+    assert set(few["meta"]["not_listed"]) == {f"{t}/{sel}" for t in ("addition", "uppercase")
+                                              for sel in ("target", "iprox@0.5", "store+max", "store:iprox@0.5+max")}
 
     # the length-matched control (lenmatch:<seed>): per task, the product's length_matched_subset of the target's
     # selection over the target table's response tokens, fine-tuned like every row; the summary compares the target's
@@ -219,7 +227,9 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     argv_k = [*argv[: argv.index("--k")], "--k", "0.4", *argv[argv.index("--k") + 2:], "--summary-only"]
     other = effect.main(argv_k)
     assert other["meta"]["k"] == 12 and {r["selector"] for r in other["rows"]} == {"base"}
-    assert set(other["meta"]["not_reported"]) == set(evals) - {"base"}
+    unnamed = {f"{t}/lenmatch:0" for t in ("addition", "uppercase")}  # evaluated above, not named by argv
+    assert set(other["meta"]["not_reported"]) == set(evals) - {"base"} - unnamed
+    assert set(other["meta"]["not_listed"]) == unnamed
 
 
 def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
