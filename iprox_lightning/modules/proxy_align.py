@@ -154,8 +154,8 @@ class AlignConfig:
             (a ``keep_best`` monitor: the factors whose worst task ranks best); ``False`` (default) → pooled only.
         val_grad_weight: weight of ``L_val``, the per-task validation-gradient alignment (``0``: off).
         val_examples_per_task: validation examples of each task in each step's ``L_val`` batch.
-        val_grad_chunk: rows of the ``L_val`` batch per create-graph backward (the same loss and gradient, memory
-            bounded by the chunk; ``None``: the whole batch in one graph).
+        val_grad_chunk: rows of the ``L_val`` batch per pass (the same loss and gradient, memory bounded by the
+            chunk; ``None``: the whole batch in one graph).
         score_weight: weight of ``L_score``, the score-space alignment (``0``: off).
         score_loss: ``"pearson"`` (``1 −`` Pearson over the batch) or ``"listwise"`` (ListNet KL).
         score_refresh_every: steps between refreshes of the proxy's validation directions of ``L_score``.
@@ -282,8 +282,8 @@ class ProxyAlignModule(L.LightningModule):
             (:func:`~iprox_lightning.task_alignment.task_gradient_alignment`); the examples are the datamodule's
             ``val_train`` split (``SFTDataModule(val_train_fraction > 0)``), never the monitoring ones. ``0``: off.
         val_examples_per_task: examples of each task in the ``L_val`` batch of a step (``datamodule.task_batches``).
-        val_grad_chunk: rows of that batch per create-graph backward of the proxy (default 4): the same loss and
-            gradient as one graph, with the memory of the double backward bounded by the chunk (one more plain proxy
+        val_grad_chunk: rows of that batch per pass (default 4): the same loss and gradient as one graph, with the
+            double backward and the target's pairs bounded by the chunk (one more plain proxy pass and one more target
             pass; :func:`~iprox_lightning.task_alignment.task_gradient_alignment`). ``None``: one graph (12 rows on
             SmolLM2-135M took 22 GB).
         score_weight: ``w > 0`` adds ``w · L_score``: agreement of the proxy's TracIn scores of the alignment batch with
