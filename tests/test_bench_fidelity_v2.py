@@ -85,13 +85,21 @@ def test_parse_variant_task_alignment_suffixes():
     assert variants.parse_variant("ipsvd@0.5+align+valg0.1")["task_align"] == {
         "model": {"val_grad_weight": 0.1}, "data": {"val_train_fraction": 0.5}}
     assert variants.parse_variant("ipsvd@0.5+align+fid8")["task_align"] == {"model": {}, "data": {}}
+    # +data<N>: the alignment split's size alone (no validation share set apart)
+    assert variants.parse_variant("ipsvd@0.5+align1:3e-4+data600")["task_align"] == {
+        "model": {}, "data": {"align_examples": 600}}
+    assert variants.parse_variant("ipsvd@0.5+align+data600+valg1")["task_align"] == {
+        "model": {"val_grad_weight": 1.0}, "data": {"align_examples": 600, "val_train_fraction": 0.5}}
     for bad, msg in (("ipsvd@0.5+align+val+val", "given twice"), ("ipsvd@0.5+align+score1+scorelist1", "given twice"),
                      ("ipsvd@0.5+align+worst", "add \\+valg"), ("ipsvd@0.5+align+vt0.3", "add \\+val"),
                      ("ipsvd@0.5+align+score0", "> 0"), ("ipsvd@0.5+align+score", "> 0"),
                      ("ipsvd@0.5+align+vt1+valg1", "in \\(0, 1\\)"), ("ipsvd@0.5+align+valgx", "unknown alignment suffix"),
                      ("ipsvd@0.5+align+val0", "mixes nothing"), ("ipsvd@0.5+align+val1.5", "copies"),
                      ("ipsvd@0.5+align+worst2+valg1", "no value"), ("ipsvd@0.5+align+fid1.5", "number of examples"),
-                     ("ipsvd@0.5+valg1", "RHO"), ("le@0.5+align+valg1", "no options")):
+                     ("ipsvd@0.5+valg1", "RHO"), ("le@0.5+align+valg1", "no options"),
+                     ("ipsvd@0.5+align+data0", "number of alignment examples"),
+                     ("ipsvd@0.5+align+data1.5", "number of alignment examples"),
+                     ("ipsvd@0.5+align+data", "number of alignment examples")):
         with pytest.raises(ValueError, match=msg):
             variants.parse_variant(bad)
 
@@ -144,7 +152,7 @@ def test_task_alignment_variant_reaches_the_build_stage(tmp_path, monkeypatch, c
         return {}
 
     monkeypatch.setattr(fv2.Stages, "run", record)
-    rows = ["ipsvd@0.5+align+val2+valg1+score0.5+worst", "ipsvd@0.5+align"]
+    rows = ["ipsvd@0.5+align+val2+valg1+score0.5+worst", "ipsvd@0.5+align", "ipsvd@0.5+align1+data30"]
     fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--builtin-size", "300",
               "--sample", "16", "--no-warmup", "--no-unwarmed", "--out", str(tmp_path), "--dry-run", "--variants", *rows])
     _, overlay, fp = ran["build:" + rows[0]]
@@ -155,6 +163,10 @@ def test_task_alignment_variant_reaches_the_build_stage(tmp_path, monkeypatch, c
     _, plain, _ = ran["build:" + rows[1]]
     keys = {"val_grad_weight", "score_weight", "task_reduction", "val_train_fraction", "mix_val_train"}
     assert not keys & (set(plain["model"]["init_args"]) | set(plain["data"]["init_args"]))
+    assert "align_examples" not in plain["data"]["init_args"]
+    _, more, more_fp = ran["build:" + rows[2]]
+    assert more["data"]["init_args"]["align_examples"] == 30 and more_fp["data"]["align_examples"] == 30
+    assert not keys & (set(more["model"]["init_args"]) | set(more["data"]["init_args"]))
     from iprox_lightning.cli import main as cli
 
     path = tmp_path / "overlay.yaml"

@@ -114,10 +114,11 @@ def test_build_proxy_documents_the_task_alignment_keys_with_their_defaults(tmp_p
 
     text = (CONFIGS / "build_proxy.yaml").read_text()
     keys = {"model": ("val_grad_weight", "val_examples_per_task", "val_grad_chunk", "score_weight", "score_loss",
-                      "score_refresh_every", "task_reduction"), "data": ("val_train_fraction", "mix_val_train")}
+                      "score_refresh_every", "task_reduction"), "data": ("val_train_fraction", "mix_val_train", "align_examples")}
     other = {"val_grad_weight": 0.5, "val_examples_per_task": 3, "val_grad_chunk": None, "score_weight": 0.25,
              "score_loss": "listwise",
-             "score_refresh_every": 5, "task_reduction": "max", "val_train_fraction": 0.5, "mix_val_train": 2}
+             "score_refresh_every": 5, "task_reduction": "max", "val_train_fraction": 0.5, "mix_val_train": 2,
+             "align_examples": 40}
     for part, cls in (("model", ProxyAlignModule), ("data", SFTDataModule)):
         defaults = inspect.signature(cls.__init__).parameters
         for k in keys[part]:

@@ -3,6 +3,7 @@ import json
 import logging
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,6 +193,31 @@ def test_splits_reproducible_and_disjoint():
     assert set(a.warmup + a.construction) <= set(ids) and a.pool == ids
     with pytest.raises(ValueError, match="duplicate id 'x-0001'"):
         make_splits(ids[:3] + ["x-0001"])
+
+
+def test_align_examples_sizes_the_alignment_split_and_keeps_the_probes():
+    """``align_examples``: the alignment split has that many ids, the probe ids (so Stage 1) are unchanged, a smaller
+    request's alignment ids come first in a larger one's, and the warm-up ids never move."""
+    ids = [f"x-{i:05d}" for i in range(16574)]
+    s = split_sizes(16574, align_examples=600)
+    assert (s.warmup, s.probe, s.align, s.construction) == (829, 17, 600, 617)
+    base, big = make_splits(ids, seed=0), make_splits(ids, seed=0, align_examples=600)
+    assert big.warmup == base.warmup and big.probe == base.probe
+    assert len(big.align) == 600 and big.align[:149] == base.align  # the default's 149 first
+    assert len(set(big.warmup) | set(big.probe) | set(big.align)) == 829 + 17 + 600
+    perm = np.random.default_rng(0).permutation(len(ids))  # brute force: the slice after warm-up and probes
+    assert big.align == [sorted(ids)[i] for i in perm[829 + 17: 829 + 17 + 600]]
+    fid = make_splits(ids, seed=0, align_examples=600, fidelity_examples=5)
+    assert fid.align == big.align and fid.fidelity == [sorted(ids)[i] for i in perm[1446:1451]]
+    assert split_sizes(16574, align_examples=149) == split_sizes(16574)
+    with pytest.raises(ValueError, match="align_examples must be an int >= 1"):
+        split_sizes(100, align_examples=0)
+    with pytest.raises(ValueError, match=r"construction subset of 100 \(probe 1 \+ align 99\).*align_examples"):
+        split_sizes(100, align_examples=99)
+    dm = SFTDataModule(builtin_size=600, seed=5, construction_fraction=0.05, align_examples=40)
+    plain = SFTDataModule(builtin_size=600, seed=5, construction_fraction=0.05)
+    assert dm.splits.probe == plain.splits.probe and dm.splits.align[:27] == plain.splits.align
+    assert len(dm.align_dataloader().dataset) == 40
 
 
 def test_sample_per_task():

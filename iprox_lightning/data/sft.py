@@ -161,6 +161,9 @@ class SFTDataModule(L.LightningDataModule):
         warmup_fraction: share of the pool in the warm-up split (paper: 5%).
         construction_fraction: share of the pool in the proxy-construction split (probe + alignment; paper: 1%).
         probe_fraction: share of the construction split used as IPSVD probes (paper: 10%; the rest aligns).
+        align_examples: the alignment split's size, instead of the rest of the construction split (``None``); the
+            probe split keeps its ids, so a larger alignment set leaves Stage 1 unchanged and holds the smaller one's
+            examples first (the paper's 1% of a 270k pool is ~2,700 examples; 1% of a 16k pool, 150).
         val_per_task: keep at most this many validation examples per task (builtin default 8).
         validation_subtasks: name each validation record that has a ``subtask`` (the ``eval:`` suites: MMLU subject,
             BBH task, TyDiQA language) ``<task>.<subtask>``, so scoring gives one column per subtask and
@@ -204,6 +207,7 @@ class SFTDataModule(L.LightningDataModule):
         trust_remote_code: bool = False,
         val_train_fraction: float = 0.0,
         mix_val_train: int = 0,
+        align_examples: int | None = None,
     ):
         super().__init__()
         if prompt_template not in PROMPT_TEMPLATES:
@@ -243,6 +247,7 @@ class SFTDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.fractions = (warmup_fraction, construction_fraction, probe_fraction)
+        self.align_examples = align_examples
         self.fidelity_examples = 0  # size of the "fidelity" split, set by fidelity_dataloader(n)
         self.val_per_task = val_per_task
         self.validation_subtasks = validation_subtasks
@@ -306,7 +311,7 @@ class SFTDataModule(L.LightningDataModule):
         """Ids of the warm-up / probe / align (/ fidelity) subsets and of the pool (same seed -> same ids)."""
         if self._splits is None:
             self._splits = make_splits([r["id"] for r in self.pool_records], self.seed, *self.fractions,
-                                       fidelity_examples=self.fidelity_examples)
+                                       fidelity_examples=self.fidelity_examples, align_examples=self.align_examples)
             s = self._splits
             log.info("splits (seed %d) of %d pool examples: warmup %d, probe %d, align %d, fidelity %d",
                      self.seed, len(s.pool), len(s.warmup), len(s.probe), len(s.align), len(s.fidelity))

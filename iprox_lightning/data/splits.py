@@ -71,21 +71,31 @@ class SplitSizes:
 
 
 def split_sizes(
-    n: int, warmup_fraction: float = 0.05, construction_fraction: float = 0.01, probe_fraction: float = 0.1
+    n: int, warmup_fraction: float = 0.05, construction_fraction: float = 0.01, probe_fraction: float = 0.1,
+    align_examples: int | None = None,
 ) -> SplitSizes:
-    """The split sizes for a pool of ``n`` examples (rounding rules in the module doc)."""
+    """The split sizes for a pool of ``n`` examples (rounding rules in the module doc). ``align_examples``: the
+    alignment split has exactly this many examples instead of ``n_construction - n_probe``; the probe split keeps the
+    size the fractions give it, so the probe ids do not change and the alignment ids of a smaller request are the
+    first ones of a larger one."""
     _check_fraction("warmup_fraction", warmup_fraction, allow_zero=True)
     _check_fraction("construction_fraction", construction_fraction, allow_zero=False)
     _check_fraction("probe_fraction", probe_fraction, allow_zero=False)
+    if align_examples is not None and (isinstance(align_examples, bool) or not isinstance(align_examples, int)
+                                       or align_examples < 1):
+        raise UserInputError(f"align_examples must be an int >= 1 (or None: the construction fraction's), "
+                             f"got {align_examples!r}")
     n_w = 0 if warmup_fraction == 0 else max(1, _round(warmup_fraction * n))
     n_c = max(2, _round(construction_fraction * n))
     n_p = min(n_c - 1, max(1, _round(probe_fraction * n_c)))
-    if n_w + n_c > n:
+    n_a = n_c - n_p if align_examples is None else align_examples
+    if n_w + n_p + n_a > n:
         raise UserInputError(
             f"pool of {n} examples is too small for a warm-up subset of {n_w} and a construction subset of "
-            f"{n_c} (probe {n_p} + align {n_c - n_p}); lower warmup_fraction/construction_fraction or add data"
+            f"{n_p + n_a} (probe {n_p} + align {n_a}); lower warmup_fraction/construction_fraction"
+            + ("/align_examples" if align_examples is not None else "") + " or add data"
         )
-    return SplitSizes(warmup=n_w, probe=n_p, align=n_c - n_p)
+    return SplitSizes(warmup=n_w, probe=n_p, align=n_a)
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,7 @@ def make_splits(
     construction_fraction: float = 0.01,
     probe_fraction: float = 0.1,
     fidelity_examples: int = 0,
+    align_examples: int | None = None,
 ) -> PoolSplits:
     """Warm-up / probe / alignment (/ fidelity) subsets and the candidate pool from one seed (module doc).
     ``fidelity_examples`` ids after the construction subset form the ``fidelity`` split; the other splits'
@@ -126,7 +137,7 @@ def make_splits(
     if len(set(pool)) != len(pool):
         dup = next(a for a, b in zip(pool, pool[1:]) if a == b)
         raise UserInputError(f"make_splits: duplicate id {dup!r}")
-    sizes = split_sizes(len(pool), warmup_fraction, construction_fraction, probe_fraction)
+    sizes = split_sizes(len(pool), warmup_fraction, construction_fraction, probe_fraction, align_examples)
     if fidelity_examples < 0:
         raise UserInputError(f"fidelity_examples must be >= 0, got {fidelity_examples}")
     end = sizes.warmup + sizes.construction
