@@ -36,6 +36,21 @@ def check_batch(batch: Mapping[str, Any]) -> None:
         raise ValueError(f"batch has {ids.shape[0]} rows but {len(batch['id'])} ids")
 
 
+def batch_rows(batch: Mapping[str, Any], rows: slice | list[int]) -> dict[str, Any]:
+    """The rows ``rows`` (a slice, or a list of row indices) of ``batch``: tensors whose leading size is the batch's
+    and per-row lists (as lists); anything else kept as it is."""
+    n = batch["input_ids"].shape[0]
+    if isinstance(rows, slice):
+        pick_t, pick_l = (lambda v: v[rows]), (lambda v: list(v)[rows])
+    else:
+        idx = list(rows)
+        at = torch.as_tensor(idx, dtype=torch.long, device=batch["input_ids"].device)
+        pick_t, pick_l = (lambda v: v[at]), (lambda v: [v[i] for i in idx])
+    return {k: (pick_t(v) if torch.is_tensor(v) and v.dim() and v.shape[0] == n
+                else pick_l(v) if isinstance(v, (list, tuple)) and len(v) == n else v)
+            for k, v in batch.items()}
+
+
 def token_counts(batches: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
     """Per example id: ``response_tokens`` (labels other than ``IGNORE_INDEX``) and ``total_tokens``
     (attention mask), over every batch of ``batches``."""

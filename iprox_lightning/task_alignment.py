@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .alignment import AlignmentOutput, alignment_losses, factor_projections, proxy_factor_layers
-from .batch import IGNORE_INDEX, check_batch
+from .batch import IGNORE_INDEX, batch_rows, check_batch
 from .lowrank import LowRankLinear
 from .target_layers import is_linear_like
 from .tracking import PairTracker, backward_pairs
@@ -429,15 +429,6 @@ class _DensePairTracker(PairTracker):
         self.pairs[name] = (h, delta * self.keep.to(delta.device, delta.dtype))
 
 
-def _batch_rows(batch: Mapping, idx: Sequence[int]) -> dict:
-    """The rows ``idx`` of ``batch`` (tensors with the batch's leading size and per-row lists; anything else kept)."""
-    n = batch["input_ids"].shape[0]
-    t = torch.as_tensor(list(idx), device=batch["input_ids"].device)
-    return {k: (v[t] if torch.is_tensor(v) and v.dim() and v.shape[0] == n
-                else [v[i] for i in idx] if isinstance(v, (list, tuple)) and len(v) == n else v)
-            for k, v in batch.items()}
-
-
 def _in_order(x: torch.Tensor, present: Sequence[str], order: Sequence[str]) -> torch.Tensor:
     """``x [len(present), ...]`` (one slice per task of ``present``) as ``[len(order), ...]``: zeros for a task of
     ``order`` that ``present`` lacks."""
@@ -474,6 +465,15 @@ def _task_inner(x: torch.Tensor, d: torch.Tensor, present: Mapping[str, Sequence
     return total
 
 
+def _target_pairs(teacher: nn.Module, batch: Mapping, lowrank: Mapping[str, LowRankLinear]
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One backward pass of the target over ``batch``: per aligned layer (the dense layer at the proxy factor's path)
+    its token inputs and output-gradients ``(h, δ)``."""
+    dense = _DensePairTracker(_dense_modules(teacher, lowrank))
+    backward_pairs(teacher, batch, [dense])
+    return dense.pairs
+
+
 def _chunk_inner(teacher: nn.Module, proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, LowRankLinear],
                  order: Sequence[str], u: Mapping, u_p: Optional[Mapping]) -> torch.Tensor:
     """``⟨ḡ^P_batch(θ), u⟩ + ⟨P_θ(ḡ^T_batch), u_P⟩`` (the second when ``u_p`` is given) over ``batch``'s rows, from the
@@ -487,10 +487,9 @@ def _chunk_inner(teacher: nn.Module, proxy: nn.Module, batch: Mapping, lowrank: 
         (z, d), (h, dz) = pairs.pairs[name]
         inner = inner + _task_inner(z, d, present, order, u[name][0]) + _task_inner(h, dz, present, order, u[name][1])
     if u_p is not None:
-        dense = _DensePairTracker(_dense_modules(teacher, lowrank))
-        backward_pairs(teacher, batch, [dense])
+        target = _target_pairs(teacher, batch, lowrank)
         for name, m in lowrank.items():
-            th, td = (x.detach() for x in dense.pairs[name])
+            th, td = (x.detach() for x in target[name])
             dt = _dtype(th, m.B)
             inner = inner + _task_inner(th.to(dt) @ m.B.to(dt).t(), td, present, order, u_p[name][0]) \
                 + _task_inner(th, td.to(dt) @ m.A.to(dt), present, order, u_p[name][1])
@@ -502,13 +501,12 @@ def _target_projections(teacher: nn.Module, batch: Mapping, lowrank: Mapping[str
     """Per aligned layer the target's per-task gradient sums over ``batch``'s rows projected into the proxy's factor
     space, ``P(ḡ^T) = (ḡ^T Bᵀ [K, out, r], Aᵀ ḡ^T [K, r, in])``, tasks in ``order`` (zeros for an absent one); the
     target's gradient is a constant, ``A``/``B`` are differentiated when ``live``."""
-    dense = _DensePairTracker(_dense_modules(teacher, lowrank))
-    backward_pairs(teacher, batch, [dense])
+    target = _target_pairs(teacher, batch, lowrank)
     present = task_rows(batch["task"])
     out = {}
     for name, m in lowrank.items():
         A, B = (m.A, m.B) if live else (m.A.detach(), m.B.detach())
-        th, td = dense.pairs[name]
+        th, td = target[name]
         ps = [factor_projections(th[r].detach(), td[r].detach(), A, B) for r in
               (torch.as_tensor(list(v), device=th.device) for v in present.values())]
         out[name] = (_in_order(torch.stack([q[0] for q in ps]), present, order),
@@ -577,7 +575,7 @@ def task_gradient_alignment(
             else:
                 acc[name] = (a, b)
 
-    chunks = [_batch_rows(batch, list(range(i, min(i + chunk_size, n)))) for i in range(0, n, chunk_size)]
+    chunks = [batch_rows(batch, list(range(i, min(i + chunk_size, n)))) for i in range(0, n, chunk_size)]
     g_hat: dict = {}
     proj: dict = {}
     for c in chunks:  # first pass, no graph: the summed per-task gradients of both sides (target: projected)

@@ -419,3 +419,22 @@ def test_eval_validation_sets_from_paper_suites(eval_dir):
     tasks = Counter(r["category"] for r in dm.validation_records)
     assert tasks == {"mmlu": 4, "bbh": 4, "tydiqa": 4}
     assert dm.validation_tasks == ["mmlu", "bbh", "tydiqa"]
+
+
+def test_batch_rows_picks_rows_of_tensors_and_lists_and_keeps_the_rest():
+    from iprox_lightning.batch import batch_rows
+
+    ids = torch.arange(12).reshape(4, 3)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids + 100, "id": ("a", "b", "c", "d"),
+             "task": ["t0", "t1", "t0", "t1"], "scalar": torch.tensor(7.0), "meta": {"k": 1}, "pair": [1, 2]}
+    picked = batch_rows(batch, [3, 1])
+    assert picked["input_ids"].tolist() == [[9, 10, 11], [3, 4, 5]] and picked["labels"].tolist() == [[109, 110, 111],
+                                                                                                      [103, 104, 105]]
+    assert picked["id"] == ["d", "b"] and picked["task"] == ["t1", "t1"]
+    assert picked["scalar"] is batch["scalar"] and picked["meta"] is batch["meta"] and picked["pair"] == [1, 2]
+    head = batch_rows(batch, slice(0, 2))
+    assert head["input_ids"].tolist() == ids[:2].tolist() and head["id"] == ["a", "b"] and head["task"] == ["t0", "t1"]
+    from iprox_lightning.scoring.features import slice_rows
+
+    assert {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in slice_rows(batch, 3).items()} == \
+        {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in batch_rows(batch, [0, 1, 2]).items()}

@@ -37,7 +37,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..batch import IGNORE_INDEX, check_batch
+from ..batch import IGNORE_INDEX, batch_rows, check_batch
 from ..lowrank import LowRankLinear
 from ..model_modes import eval_mode  # noqa: F401  (re-exported: the scoring modules' import)
 from ..target_layers import Conv1D, find_target_linears, linear_shape
@@ -257,11 +257,8 @@ def to_device(batch: Mapping, device) -> dict:
 
 
 def slice_rows(batch: Mapping, n: int) -> dict:
-    """The first ``n`` examples of ``batch``."""
-    B = batch["input_ids"].shape[0]
-    return {k: (v[:n] if (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B)
-                else (list(v)[:n] if isinstance(v, (list, tuple)) and len(v) == B else v))
-            for k, v in batch.items()}
+    """The first ``n`` examples of ``batch`` (:func:`iprox_lightning.batch.batch_rows`)."""
+    return batch_rows(batch, slice(0, n))
 
 
 def progress_bar(it, enabled: bool, desc: str, total=None):
