@@ -4,7 +4,8 @@ product's own commands (``python train.py predict`` with ``configs/score.yaml``,
 Per model (``--model``, and ``--proxy`` when given) and method (``--methods``: tracin, kfac, ekfac):
 
 1. **exact**: ``train.py predict --config configs/score.yaml`` + an overlay (``OUT/configs/``) -> ``OUT/exact/<who>-<method>``;
-2. **build**: ``train.py build_store`` at each ``--k`` -> ``OUT/stores/<who>-<method>-k<k>``;
+2. **build**: ``train.py build_store`` at each ``--k`` and ``--projections`` (``gaussian``; ``pca`` with TracIn:
+   ``OUT/stores/<who>-<method>-pca-k<k>``) -> ``OUT/stores/<who>-<method>-k<k>``;
 3. **query**: ``train.py query`` of the validation set (twice: the first computes the validation gradients, the
    second re-reads them from the store's cache: a re-query) -> ``OUT/queries/<who>-<method>-k<k>``;
 4. **a new task** (``--new-task SUITE``, with the first of ``--methods``): that suite's validation examples alone as a
@@ -156,7 +157,8 @@ def run(a) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     state = State(out)
     results: dict = {"meta": {"model": a.model, "proxy": a.proxy, "pool": a.pool, "validation": a.validation,
-                              "k": a.k, "methods": a.methods, "store_dtype": a.store_dtype, "max_length": a.max_length,
+                              "k": a.k, "methods": a.methods, "projections": a.projections,
+                              "store_dtype": a.store_dtype, "max_length": a.max_length,
                               "threads": a.threads, "new_task": a.new_task}, "rows": [], "proxy_vs_target": {}}
 
     def save():
@@ -177,17 +179,19 @@ def run(a) -> dict:
                 exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config",
                                           str(cfg)], a.in_process, a.threads)}
                 state.record(f"exact/{name}", st, exact)
-            for k in a.k:
-                key = f"{name}-k{k}"
+            for k, projection in [(k, p) for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]:
+                key = f"{name}-k{k}" if projection == "gaussian" else f"{name}-{projection}-k{k}"
                 store, qdir = out / "stores" / key, out / "queries" / key
-                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size}
+                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
+                       **({"projection": projection} if projection != "gaussian" else {})}
                 built = state.done(f"build/{key}", bst, store / "store.json")
                 if built is None:
                     built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool",
                                               a.pool, "--k", str(k), "--method", method, "--kfac_examples",
                                               str(a.kfac_examples), "--damping", str(a.damping), "--store_dtype",
                                               a.store_dtype, "--max_length", str(a.max_length), "--batch_size",
-                                              str(a.batch_size), "--progress", str(not a.in_process).lower()],
+                                              str(a.batch_size), "--projection", projection,
+                                              "--progress", str(not a.in_process).lower()],
                                              a.in_process, a.threads)}
                     state.record(f"build/{key}", bst, built)
                 queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
@@ -199,30 +203,33 @@ def run(a) -> dict:
                 rho = _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")
                 new_task = (_new_task(out, state, a, name, model, method, st, store, key, bst)
                             if a.new_task and method == a.methods[0] else None)
-                row = {"who": who, "method": method, "k": k, **exact, **built, **queried,
+                row = {"who": who, "method": method, "k": k, "projection": projection, **exact, **built, **queried,
                        "build_vs_exact": built["build_s"] / exact["exact_s"],
                        "query_share": queried["query_s"] / exact["exact_s"],
                        "requery_share": queried["requery_s"] / exact["exact_s"], "new_task": new_task,
                        "bytes_per_example": _bytes_per_example(store), "spearman": rho,
                        "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
-                results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"]) != (who, method, k)]
+                results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"],
+                                                                  r.get("projection", "gaussian")) !=
+                                   (who, method, k, projection)]
                 results["rows"].append(row)
                 save()
     if a.proxy:
         for method in a.methods:
-            for k in a.k:
-                results["proxy_vs_target"][f"{method}-k{k}"] = _compare(
-                    out / "queries" / f"proxy-{method}-k{k}" / "scores.parquet",
-                    out / "queries" / f"target-{method}-k{k}" / "scores.parquet")
+            for k, projection in [(k, p) for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]:
+                tag = f"k{k}" if projection == "gaussian" else f"{projection}-k{k}"
+                results["proxy_vs_target"][f"{method}-{tag}"] = _compare(
+                    out / "queries" / f"proxy-{method}-{tag}" / "scores.parquet",
+                    out / "queries" / f"target-{method}-{tag}" / "scores.parquet")
             results["proxy_vs_target"][f"{method}-exact"] = _compare(
                 out / "exact" / f"proxy-{method}" / "scores.parquet", out / "exact" / f"target-{method}" / "scores.parquet")
     save()
-    lines = ["| model | method | k | exact s | build s | build/exact | query s (share) | re-query s (share) | "
+    lines = ["| model | method | k | projection | exact s | build s | build/exact | query s (share) | re-query s (share) | "
              f"new task {a.new_task or '—'}: exact s, query s (share) | bytes/example | Spearman pooled | min task |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         nt = r.get("new_task")
-        lines.append(f"| {r['who']} | {r['method']} | {r['k']} | {r['exact_s']:.1f} | {r['build_s']:.1f} | "
+        lines.append(f"| {r['who']} | {r['method']} | {r['k']} | {r.get('projection', 'gaussian')} | {r['exact_s']:.1f} | {r['build_s']:.1f} | "
                      f"{r['build_vs_exact']:.2f} | {r['query_s']:.1f} ({r['query_share']:.3f}) | "
                      f"{r['requery_s']:.1f} ({r['requery_share']:.3f}) | "
                      + (f"{nt['exact_s']:.1f}, {nt['query_s']:.1f} ({nt['query_share']:.3f})" if nt else "—")
@@ -241,6 +248,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     ap.add_argument("--k", type=int, nargs="+", default=[16], help="projection sizes per side")
     ap.add_argument("--methods", nargs="+", default=["tracin", "kfac", "ekfac"])
+    ap.add_argument("--projections", nargs="+", default=["gaussian"], choices=["gaussian", "pca"],
+                    help="store projections to measure at each k (pca: TracIn only)")
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)

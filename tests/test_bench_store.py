@@ -24,8 +24,12 @@ def test_store_bench_runs_and_resumes(tmp_path, monkeypatch):
     args = ["--model", "builtin", "--pool", str(pool), "--validation", str(val), "--out", str(tmp_path / "out"),
             "--k", "100000", "--methods", "tracin", "--store-dtype", "float32", "--max-length", "48", "--in-process",
             "--new-task", "bbh"]
-    res = bench_store.main(args)
-    (row,) = res["rows"]
+    res = bench_store.main([*args, "--projections", "gaussian", "pca"])
+    row, pca = res["rows"]
+    # pca at a k covering every dimension: identity projections, the exact scores again
+    assert (row["projection"], pca["projection"]) == ("gaussian", "pca")
+    assert pca["spearman"]["score"] == pytest.approx(1.0) and pca["spearman_min_task"] == pytest.approx(1.0)
+    assert (tmp_path / "out" / "stores" / "target-tracin-pca-k100000" / "store.json").exists()
     assert row["spearman"]["score"] == pytest.approx(1.0) and row["spearman_min_task"] == pytest.approx(1.0)
     assert set(row["spearman"]) == {"score", "score/bbh.b", "score/mmlu.a"}
     assert row["bytes_per_example"] > 0 and row["exact_s"] > 0 and row["query_share"] > 0
@@ -40,5 +44,6 @@ def test_store_bench_runs_and_resumes(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"][0]["k"] == 100000
     calls = []
     monkeypatch.setattr(bench_store, "_run", lambda *a, **k: calls.append(a) or 1.0)
-    again = bench_store.main(args)
+    again = bench_store.main([*args, "--projections", "gaussian", "pca"])
     assert calls == [] and again["rows"][0]["build_s"] == row["build_s"]  # every stage reused
+    assert [r["projection"] for r in again["rows"]] == ["gaussian", "pca"]

@@ -151,6 +151,67 @@ def test_kfac_store_saves_factors_once_and_queries_with_them(files):
         main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(d / "q_old")])
 
 
+def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(files):
+    """``--projection pca``: the store's projections are the leading eigenvectors of the second moments fitted on
+    ``kfac_examples`` pool examples (saved with the store, never re-fitted on resume); the query equals TracIn
+    cosines of the vectors those projections give; the option is fingerprinted; K-FAC with it is refused."""
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.scoring.features import tracked_modules, virtual_linears
+    from iprox_lightning.scoring.metrics import KFACFactors
+    from iprox_lightning.scoring.projection import GradientProjector, pca_projections
+    from iprox_lightning.scoring.query import query_table, task_sums
+    from iprox_lightning.tracking import backward_pairs
+
+    d, pool, val, _ = files
+    store, out = d / "pca", d / "q_pca"
+    _build(store, pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32")
+    info = gs.read_info(store)
+    st = info["fingerprint"]["settings"]
+    assert (st["projection"], st["kfac_examples"], st["method"]) == ("pca", 6, "tracin")
+    assert info["factors"].startswith("kfac-") and (store / info["factors"]).exists()
+    mtime = (store / info["factors"]).stat().st_mtime_ns
+    _build(store, pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32")
+    assert (store / info["factors"]).stat().st_mtime_ns == mtime  # resumed: nothing re-fitted
+    # the reference: moments of the first 6 pool examples (the factor loader's order), their top-4 eigenvectors
+    net, _ = load_model("builtin", tokenizer=False)
+    net.eval()
+    dm = SFTDataModule(pool=str(pool), validation=str(val), tokenizer="builtin", max_length=48, batch_size=3)
+    modules = tracked_modules(net)
+    linears = virtual_linears(modules)
+    fac = KFACFactors(modules)
+    seen = 0
+    for b in dm.dataloader("pool"):
+        if seen >= 6:
+            break
+        backward_pairs(net, b, [fac])
+        seen += len(b["id"])
+    ref = pca_projections(linears, 4, fac.eigens([v.key for v in linears]))
+    saved = gs.load_projections(store)
+    for key, p in ref.items():
+        for got, want in zip(saved[key], (p.P_out, p.P_in)):
+            g, w = got.double(), want.double()
+            torch.testing.assert_close(g.t() @ g, w.t() @ w, rtol=0, atol=1e-4)  # the same subspace
+    main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(out)])
+    got = ScoreTable.load(str(out / "scores.parquet"))
+    proj = GradientProjector(net, projections={k: type(p)(p.key, p.out_features, p.in_features, *saved[k])
+                                               for k, p in ref.items()})
+    names, S, _ = task_sums(proj.project_batch(b) for b in dm.validation_dataloader())
+    shards = [{"ids": r["id"], "tasks": r["task"], "vectors": r["vectors"], "n_tokens": torch.as_tensor(r["n_tokens"]),
+               "zero_grad": torch.as_tensor(r["zero_grad"]), "nonfinite": torch.as_tensor(r["nonfinite"])}
+              for r in (proj.project_batch(b) for b in dm.dataloader("pool"))]
+    want = query_table(shards, names, S)
+    assert got.task_names == want.task_names
+    i = [want.ids.index(x) for x in got.ids]
+    np.testing.assert_allclose(got.task_scores, want.task_scores[i], rtol=1e-4, atol=1e-5)
+    with pytest.raises(FingerprintMismatch, match="different inputs"):  # a gaussian build never reuses it
+        _build(store, pool, "--k", "4", "--kfac_examples", "6", "--store_dtype", "float32")
+    with pytest.raises(Exception, match="use it with method='tracin'"):
+        _build(d / "pca_kfac", pool, "--k", "4", "--projection", "pca", "--method", "kfac")
+    with pytest.raises(Exception, match="projection must be one of"):
+        _build(d / "pca_bad", pool, "--k", "4", "--projection", "sketch")
+
+
 # ------------------------------------------------------------------------------------------------ the query cache
 def _query(store, val, out, *extra):
     main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(out), *extra])

@@ -147,3 +147,39 @@ def test_projections_must_match_the_model():
     other = make_projections(GradientProjector(make_proxy()).linears, 4, 0)
     with pytest.raises(ValueError, match="other layers"):
         GradientProjector(model, projections=other)
+
+
+def test_pca_projections_are_the_leading_eigenvectors_of_the_second_moments():
+    """``projection="pca"``: each side's rows are orthonormal eigenvectors of the layer's token second moment (brute
+    force: numpy's eigh of ``Σ h hᵀ / n``) with its k largest eigenvalues, largest first — checked through
+    ``P C Pᵀ = diag(top-k eigenvalues)``, which holds for any basis of a repeated eigenvalue; the store's vectors are
+    then ``P_δ G P_hᵀ`` of the autograd gradients; k >= a dimension leaves that side whole."""
+    from iprox_lightning.scoring.features import tracked_modules, virtual_linears
+    from iprox_lightning.scoring.metrics import KFACFactors
+    from iprox_lightning.scoring.projection import pca_projections
+    from iprox_lightning.tracking import backward_pairs
+
+    model = _model()
+    modules = tracked_modules(model)
+    linears = virtual_linears(modules)
+    fac = KFACFactors(modules)
+    for b in batches(TRAIN, 4):
+        backward_pairs(model, b, [fac])
+    eig = fac.eigens([v.key for v in linears])
+    k = 3
+    proj = pca_projections(linears, k, eig)
+    for v in linears:
+        p = proj[v.key]
+        for P, S in ((p.P_in, fac.sum_hh[v.key]), (p.P_out, fac.sum_dd[v.key])):
+            C = (S / fac.tokens[v.key]).numpy()
+            w = np.sort(np.linalg.eigvalsh(0.5 * (C + C.T)))[::-1][:k]
+            P = P.double().numpy()
+            assert P.shape == (k, C.shape[0])
+            np.testing.assert_allclose(P @ P.T, np.eye(k), atol=1e-6)  # float32 rows
+            np.testing.assert_allclose(P @ C @ P.T, np.diag(w), rtol=0, atol=1e-5 * w[0])
+    got = torch.cat([s["vectors"] for s in _shards(GradientProjector(model, projections=proj), TRAIN)])
+    want = torch.stack([_brute_vector(model, proj, e) for e in TRAIN])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * float(want.abs().max()))
+    assert all(p.P_in is None and p.P_out is None for p in pca_projections(linears, 10_000, eig).values())
+    with pytest.raises(ValueError, match="no second moments"):
+        pca_projections(linears, k, {})

@@ -11,6 +11,7 @@ def build_store(
     tokenizer: Optional[str] = None,
     k: int = 16,
     seed: int = 0,
+    projection: str = "gaussian",
     method: str = "tracin",
     damping: float = 1e-3,
     damping_mode: str = "relative",
@@ -40,6 +41,8 @@ def build_store(
         tokenizer: tokenizer (default: the model's).
         k: projection rows per side of each tracked weight (``k >= a dimension`` leaves that side exact).
         seed: seed of the projections (saved in the store).
+        projection: ``gaussian`` (seeded random rows) or ``pca`` (each layer's ``k`` leading eigenvectors of its input
+            and output-gradient second moments, fitted on ``kfac_examples`` pool examples; TracIn only).
         method: metric applied before projecting: ``tracin``, ``kfac`` or ``ekfac`` (factors fitted once, saved).
         damping: K-FAC / EK-FAC damping.
         damping_mode: ``relative`` or ``absolute``.
@@ -67,7 +70,8 @@ def build_store(
     from ..scoring.store import GradientStoreModule, GradientStoreWriter
 
     quiet_lightning_tips()
-    module = GradientStoreModule(model, k=k, seed=seed, method=method, damping=damping, damping_mode=damping_mode,
+    module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
+                                 damping_mode=damping_mode,
                                  kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)

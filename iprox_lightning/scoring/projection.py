@@ -12,6 +12,11 @@ in model order, are one example's vector (dimension ``D = Σ k_out·k_in``).
 * ``P`` has i.i.d. ``N(0, 1/k)`` entries (Johnson–Lindenstrauss: inner products are preserved in expectation),
   drawn from a generator seeded by ``seed`` and the weight's key, so the same ``(seed, key, shape)`` gives the
   same matrix on every machine; the store also saves them (:mod:`iprox_lightning.io.gradient_store`).
+* ``projection="pca"`` (:func:`pca_projections`): instead, the rows of ``P_h`` / ``P_δ`` are the ``k`` leading
+  eigenvectors of the layer's second moments ``C_h = E[h hᵀ]`` / ``C_δ = E[δ δᵀ]`` (the K-FAC factors, fitted on
+  some pool examples): the vector holds ``G``'s coordinates in the ``k × k`` block of its largest token energy —
+  no sampling noise, but the part of ``G`` outside that block is dropped rather than spread over the ``k`` rows.
+  The matrices are saved in the store, so a query reproduces them without the factors.
 * A side whose ``k`` is ``>=`` its dimension is not projected (the identity): ``k >= max(in, out)`` everywhere gives
   the exact gradients, and then the store's scores equal exact scoring.
 * An influence metric (:mod:`.metrics`) is applied first: to the tokens when it factors over them (TracIn,
@@ -87,6 +92,35 @@ def gaussian_projection(k: int, dim: int, seed: int, key: str, side: str) -> tor
         return None
     g = torch.Generator().manual_seed(_seed_of(seed, key, side))
     return torch.randn(k, dim, generator=g, dtype=torch.float32) / float(k) ** 0.5
+
+
+def leading_eigenvectors(Q: torch.Tensor, e: torch.Tensor, k: int) -> torch.Tensor | None:
+    """``[k, dim]``: the eigenvectors (columns of ``Q``) of the ``k`` largest eigenvalues ``e``, as rows, largest
+    first (float32); ``None`` (identity) when ``k >= dim``."""
+    if k < 1:
+        raise ValueError(f"projection size must be >= 1, got {k}")
+    if k >= Q.shape[0]:
+        return None
+    top = torch.argsort(e.double(), descending=True, stable=True)[:k]
+    return Q[:, top].t().contiguous().to(torch.float32)
+
+
+def pca_projections(linears: Sequence[VirtualLinear], k: int,
+                    eigens: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, LayerProjection]:
+    """One :class:`LayerProjection` per tracked weight whose rows are the ``k`` leading eigenvectors of its input
+    (``P_in``) and output-gradient (``P_out``) second moments: ``eigens[key]`` holds ``Q_h, e_h, Q_d, e_d`` (the
+    undamped eigendecompositions of :meth:`~.metrics.KFACFactors.eigens`)."""
+    out = {}
+    for v in linears:
+        if v.key not in eigens:
+            raise ValueError(f"pca_projections: no second moments for {v.key!r}")
+        eg = eigens[v.key]
+        if (eg["Q_d"].shape[0], eg["Q_h"].shape[0]) != (v.out_features, v.in_features):
+            raise ValueError(f"pca_projections: the second moments of {v.key!r} are {eg['Q_d'].shape[0]} x "
+                             f"{eg['Q_h'].shape[0]}, the weight {v.out_features} x {v.in_features}")
+        out[v.key] = LayerProjection(v.key, v.out_features, v.in_features, leading_eigenvectors(eg["Q_d"], eg["e_d"], k),
+                                     leading_eigenvectors(eg["Q_h"], eg["e_h"], k))
+    return out
 
 
 def make_projections(linears: Sequence[VirtualLinear], k: int, seed: int) -> dict[str, LayerProjection]:

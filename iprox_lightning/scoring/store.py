@@ -23,11 +23,12 @@ from torch import nn
 from ..errors import UserInputError
 from ..io import gradient_store as gs
 from .metrics import METRICS, fit_or_load, influence_metric
-from .projection import GradientProjector, LayerProjection, make_projections
+from .projection import GradientProjector, LayerProjection, make_projections, pca_projections
 from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)
 
+PROJECTIONS = ("gaussian", "pca")
 BASIS = "weight"
 """``store.json`` ``fingerprint.settings.basis`` of a K-FAC / EK-FAC store: its vectors project the whitened gradient
 in the weights' own coordinates (:mod:`.projection`; stores without it projected in the factors' eigenbases, which a
@@ -45,8 +46,12 @@ class GradientStoreModule(L.LightningModule):
         method: the influence metric applied before projecting: ``"tracin"``, ``"kfac"`` or ``"ekfac"``.
         damping: K-FAC / EK-FAC damping (the project's rule).
         damping_mode: ``"relative"`` or ``"absolute"``.
-        kfac_examples: examples the factors are fitted on.
+        kfac_examples: examples the factors are fitted on (and, with ``projection="pca"``, the second moments).
         kfac_split: data-module split the factors are fitted on.
+        projection: ``"gaussian"`` (seeded ``N(0, 1/k)`` rows: unbiased inner products, sampling noise) or ``"pca"``
+            (the ``k`` leading eigenvectors of each layer's input and output-gradient second moments, fitted on
+            ``kfac_examples`` of ``kfac_split``: the ``k × k`` block of largest energy, no noise; TracIn only —
+            K-FAC / EK-FAC up-weight exactly the directions it drops). Saved in the store either way.
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
         attn_implementation: attention kernel when loading.
@@ -55,12 +60,18 @@ class GradientStoreModule(L.LightningModule):
     def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, method: str = "tracin",
                  damping: float = 1e-3, damping_mode: str = "relative", kfac_examples: int = 1024,
                  kfac_split: str = "pool", target_patterns: Optional[list[str]] = None, dtype: str = "float32",
-                 attn_implementation: Optional[str] = "sdpa") -> None:
+                 attn_implementation: Optional[str] = "sdpa", projection: str = "gaussian") -> None:
         super().__init__()
         if k < 1:
             raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
         if method not in METRICS:
             raise UserInputError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
+        if projection not in PROJECTIONS:
+            raise UserInputError(f"GradientStoreModule: projection must be one of {PROJECTIONS}, got {projection!r}")
+        if projection == "pca" and method != "tracin":
+            raise UserInputError(f"GradientStoreModule: projection='pca' keeps each layer's largest-variance "
+                                 f"directions, which {method} down-weights; use it with method='tracin' (or "
+                                 "projection='gaussian')")
         self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__
@@ -95,6 +106,8 @@ class GradientStoreModule(L.LightningModule):
                "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
+        if hp.get("projection", "gaussian") == "pca":  # (a gaussian store's fingerprint is as before the option)
+            out.update(projection="pca", kfac_examples=hp.kfac_examples, kfac_split=hp.kfac_split)
         return out
 
     def provenance(self) -> dict:
@@ -130,31 +143,50 @@ class GradientStoreModule(L.LightningModule):
             loaded = gs.load_projections(store_dir)
             projections = {v.key: LayerProjection(v.key, v.out_features, v.in_features, *loaded.get(v.key, (None, None)))
                            for v in linears}
-        if projections is None:
-            projections = make_projections(linears, hp.k, hp.seed)
         p = next(self.net.parameters())
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         if self.metric.needs_factor_data:
-            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-            if dm is None or not hasattr(dm, "dataloader"):
-                raise RuntimeError(f"method={self.metric.name!r} needs a data module with dataloader(split) for its "
-                                   "factors")
-            from ..console import show_progress
-            from ..io.fingerprint import loader_digest
-
-            fac = dm.dataloader(hp.kfac_split)
-            world = self.trainer.world_size
-            strategy = self.trainer.strategy
-            reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
-            with torch.inference_mode(False), torch.enable_grad():
-                self.stats.update(fit_or_load(
-                    self.metric, self.net, modules, [v.key for v in linears], fac, factors_dir=store_dir,
-                    fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
-                                 "load_dtype": hp.dtype},
-                    dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
-                    progress=show_progress(self.trainer), save=save))
+            self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
+        if projections is None and hp.get("projection", "gaussian") == "pca":
+            moments = influence_metric("kfac", damping=hp.damping, damping_mode=hp.damping_mode,
+                                       kfac_examples=hp.kfac_examples)
+            self.stats.update(self._fit_factors(moments, modules, linears, store_dir, dtype, save))
+            projections = self._same_on_every_rank(pca_projections(linears, hp.k, moments.eigens))
+        elif projections is None:
+            projections = make_projections(linears, hp.k, hp.seed)
         self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
                                            target_patterns=hp.target_patterns, projections=projections, dtype=dtype)
+
+    def _fit_factors(self, metric, modules, linears, store_dir: str | None, dtype: torch.dtype, save: bool) -> dict:
+        """Fit ``metric``'s factors on ``kfac_split`` (all-reduced under DDP), or load the ones saved in
+        ``store_dir`` for the same model and data; returns the fit statistics."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "dataloader"):
+            raise RuntimeError(f"method={self.metric.name!r} / projection={self.hparams.get('projection', 'gaussian')!r} "
+                               "needs a data module with dataloader(split) for its factors")
+        from ..console import show_progress
+        from ..io.fingerprint import loader_digest
+
+        hp = self.hparams
+        fac = dm.dataloader(hp.kfac_split)
+        world = self.trainer.world_size
+        strategy = self.trainer.strategy
+        reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
+        with torch.inference_mode(False), torch.enable_grad():
+            return fit_or_load(
+                metric, self.net, modules, [v.key for v in linears], fac, factors_dir=store_dir,
+                fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
+                             "load_dtype": hp.dtype},
+                dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
+                progress=show_progress(self.trainer), save=save)
+
+    def _same_on_every_rank(self, projections: dict[str, LayerProjection]) -> dict[str, LayerProjection]:
+        """Rank 0's projections on every rank (eigenvectors of one all-reduced matrix may still differ in the last
+        bits, or in sign, between devices; every rank's vectors must share one basis)."""
+        if self._trainer is None or self.trainer.world_size <= 1:
+            return projections
+        mats = self.trainer.strategy.broadcast({k: (p.P_out, p.P_in) for k, p in projections.items()}, src=0)
+        return {k: LayerProjection(p.key, p.out_features, p.in_features, *mats[k]) for k, p in projections.items()}
 
     def on_predict_start(self) -> None:
         self.prepare()
