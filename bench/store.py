@@ -12,7 +12,8 @@ Per model (``--model``, and ``--proxy`` when given) and method (``--methods``: t
    validation set the store has never seen, scored both ways — a fresh exact scoring (pool pass + its validation
    pass) and a cold query of the store -> ``OUT/exact/<who>-<method>-<suite>``, ``OUT/queries/<who>-<method>-k<k>-<suite>``.
 
-Rows of ``OUT/results.json`` (written after every stage, results first; ``summary.md`` is generated from it):
+Rows of ``OUT/results.json`` (written after every stage, results first; ``summary.md`` is generated from it; rows of
+earlier invocations with other settings are kept, a row measured again is replaced):
 ``build_s`` / ``exact_s`` (wall seconds of the commands), ``build_vs_exact``, ``query_s`` (cold) and ``requery_s``
 (cached), ``query_share`` / ``requery_share`` (their seconds / exact seconds), ``new_task`` (the new suite's
 ``query_share``: cold query / fresh exact scoring of that suite; goal <= 0.05; and its Spearman per column),
@@ -156,10 +157,13 @@ def run(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     state = State(out)
+    # rows of earlier invocations with other settings (k, projection, method, model) are kept: each row says its own
+    # settings, and a row this invocation measures again replaces its old one
+    earlier = json.loads((out / "results.json").read_text()).get("rows", []) if (out / "results.json").exists() else []
     results: dict = {"meta": {"model": a.model, "proxy": a.proxy, "pool": a.pool, "validation": a.validation,
                               "k": a.k, "methods": a.methods, "projections": a.projections,
                               "store_dtype": a.store_dtype, "max_length": a.max_length,
-                              "threads": a.threads, "new_task": a.new_task}, "rows": [], "proxy_vs_target": {}}
+                              "threads": a.threads, "new_task": a.new_task}, "rows": earlier, "proxy_vs_target": {}}
 
     def save():
         tmp = out / ".results.json.tmp"
@@ -213,6 +217,7 @@ def run(a) -> dict:
                                                                   r.get("projection", "gaussian")) !=
                                    (who, method, k, projection)]
                 results["rows"].append(row)
+                results["rows"].sort(key=lambda r: (r["who"], r["method"], r["k"], r.get("projection", "gaussian")))
                 save()
     if a.proxy:
         for method in a.methods:

@@ -47,3 +47,7 @@ def test_store_bench_runs_and_resumes(tmp_path, monkeypatch):
     again = bench_store.main([*args, "--projections", "gaussian", "pca"])
     assert calls == [] and again["rows"][0]["build_s"] == row["build_s"]  # every stage reused
     assert [r["projection"] for r in again["rows"]] == ["gaussian", "pca"]
+    # an invocation measuring one of the rows keeps the other in results.json and summary.md
+    one = bench_store.main([*args, "--projections", "pca"])
+    assert calls == [] and [r["projection"] for r in one["rows"]] == ["gaussian", "pca"]
+    assert "| pca |" in (tmp_path / "out" / "summary.md").read_text()
