@@ -153,6 +153,13 @@ def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st
             "spearman": _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")}
 
 
+def _stores(a, method: str) -> list[tuple[int, str, str]]:
+    """``(k, projection, tag)`` of each store measured for ``method`` (``pca``: TracIn only); ``tag`` names its
+    directories: ``k<k>`` (gaussian, the names of stores built before the option) or ``<projection>-k<k>``."""
+    return [(k, p, f"k{k}" if p == "gaussian" else f"{p}-k{k}")
+            for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]
+
+
 def run(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,8 +190,8 @@ def run(a) -> dict:
                 exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config",
                                           str(cfg)], a.in_process, a.threads)}
                 state.record(f"exact/{name}", st, exact)
-            for k, projection in [(k, p) for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]:
-                key = f"{name}-k{k}" if projection == "gaussian" else f"{name}-{projection}-k{k}"
+            for k, projection, tag in _stores(a, method):
+                key = f"{name}-{tag}"
                 store, qdir = out / "stores" / key, out / "queries" / key
                 bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
                        **({"projection": projection} if projection != "gaussian" else {})}
@@ -221,8 +228,7 @@ def run(a) -> dict:
                 save()
     if a.proxy:
         for method in a.methods:
-            for k, projection in [(k, p) for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]:
-                tag = f"k{k}" if projection == "gaussian" else f"{projection}-k{k}"
+            for _, _, tag in _stores(a, method):
                 results["proxy_vs_target"][f"{method}-{tag}"] = _compare(
                     out / "queries" / f"proxy-{method}-{tag}" / "scores.parquet",
                     out / "queries" / f"target-{method}-{tag}" / "scores.parquet")

@@ -106,7 +106,7 @@ class GradientStoreModule(L.LightningModule):
                "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
-        if hp.get("projection", "gaussian") == "pca":  # (a gaussian store's fingerprint is as before the option)
+        if hp.projection == "pca":  # (a gaussian store's fingerprint is as before the option)
             out.update(projection="pca", kfac_examples=hp.kfac_examples, kfac_split=hp.kfac_split)
         return out
 
@@ -147,7 +147,7 @@ class GradientStoreModule(L.LightningModule):
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         if self.metric.needs_factor_data:
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
-        if projections is None and hp.get("projection", "gaussian") == "pca":
+        if projections is None and hp.projection == "pca":
             moments = influence_metric("kfac", damping=hp.damping, damping_mode=hp.damping_mode,
                                        kfac_examples=hp.kfac_examples)
             self.stats.update(self._fit_factors(moments, modules, linears, store_dir, dtype, save))
@@ -162,7 +162,7 @@ class GradientStoreModule(L.LightningModule):
         ``store_dir`` for the same model and data; returns the fit statistics."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is None or not hasattr(dm, "dataloader"):
-            raise RuntimeError(f"method={self.metric.name!r} / projection={self.hparams.get('projection', 'gaussian')!r} "
+            raise RuntimeError(f"method={self.metric.name!r} / projection={self.hparams.projection!r} "
                                "needs a data module with dataloader(split) for its factors")
         from ..console import show_progress
         from ..io.fingerprint import loader_digest
