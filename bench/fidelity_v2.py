@@ -465,7 +465,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="the target (hub id, dir, .gguf, builtin)")
     ap.add_argument("--pool", default=str(DEFAULT_POOL))
     ap.add_argument("--eval-dir", default=str(DEFAULT_EVAL), help="suites for the validation set ('builtin': demo)")
-    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
+                    help="proxies to build and score beside the target (none: the target alone)")
     ap.add_argument("--sample", type=int, default=512)
     ap.add_argument("--stratify-by", default="source",
                     help="the pool field whose values share the sample in proportion (largest remainder; 'category' "

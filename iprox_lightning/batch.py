@@ -18,6 +18,24 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+def to_device(batch: Mapping, device) -> dict:
+    """``batch`` with its tensors on ``device`` (the id / task lists as they are)."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` / ``None``: the first CUDA device where one is visible, else the CPU; anything else as given."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 REQUIRED_KEYS = ("input_ids", "attention_mask", "labels", "id")
 
 

@@ -18,14 +18,17 @@ import torch
 
 @torch.no_grad()
 def embed(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], list, np.ndarray, np.ndarray]:
-    """``(ids, tasks, embeddings [N, d] (unit rows, float64), response_tokens [N])`` of SFT ``batches``."""
-    from ..batch import IGNORE_INDEX
+    """``(ids, tasks, embeddings [N, d] (unit rows, float64), response_tokens [N])`` of SFT ``batches`` (on the
+    model's device)."""
+    from ..batch import IGNORE_INDEX, model_device, to_device
     from ..model_modes import eval_mode
 
     body = getattr(model, "base_model", model)  # the decoder without the LM head: no vocabulary-size logits
     ids, tasks, embs, n_resp = [], [], [], []
+    device = model_device(model)
     with eval_mode(model):
         for b in batches:
+            b = to_device(b, device)
             mask = b["attention_mask"]
             h = body(input_ids=b["input_ids"], attention_mask=mask).last_hidden_state.double()
             pos = mask.double().cumsum(1) * mask.double()

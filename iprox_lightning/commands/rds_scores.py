@@ -12,6 +12,7 @@ def rds_scores(
     batch_size: int = 8,
     seed: int = 0,
     builtin_size: int = 2000,
+    device: str = "auto",
 ) -> str:
     """Score every pool example with RDS+ (forward passes only) and write ``<output_dir>/scores.parquet`` (the
     influence-score format: ``select`` takes it with any rule) and ``settings.json`` (model, pool and validation
@@ -27,11 +28,13 @@ def rds_scores(
         batch_size: examples per forward pass.
         seed: seed of the data module's splits.
         builtin_size: size of the built-in pool (``pool: builtin``).
+        device: where the forward passes run (``auto``: a GPU where one is visible, else the CPU).
     """
     import time
     from pathlib import Path
 
     from ..baselines.rds import rds_table
+    from ..batch import resolve_device
     from ..data import SFTDataModule
     from ..io.fingerprint import loader_digest, source_identity
     from ..io.scores import write_settings
@@ -42,6 +45,7 @@ def rds_scores(
     dm.setup("predict")
     dm.setup("validate")
     net, _ = load_model(model, tokenizer=False)
+    net.to(resolve_device(device))
     t0 = time.perf_counter()
     table = rds_table(dm.predict_dataloader(), dm.validation_dataloader(), net)
     wall = time.perf_counter() - t0

@@ -100,15 +100,18 @@ def suite_heldout_records(eval_dir: str, suites: Sequence[str] = ("mmlu", "bbh")
 
 @torch.no_grad()
 def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) -> dict[str, Any]:
-    """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc); ``per_example`` adds
-    ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over examples)."""
-    from ..batch import IGNORE_INDEX, per_example_loss
+    """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc), on the model's device;
+    ``per_example`` adds ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over
+    examples)."""
+    from ..batch import IGNORE_INDEX, model_device, per_example_loss, to_device
     from ..model_modes import eval_mode
 
     per_task: dict[str, list[tuple[float, bool]]] = {}
     examples: list[dict] = []
+    device = model_device(model)
     with eval_mode(model):
         for b in batches:
+            b = to_device(b, device)
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
             loss, n = per_example_loss(logits, b["labels"])
             pred, gold = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
@@ -130,11 +133,14 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
 
 
 def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, max_length: int = 128,
-                     batch_size: int = 32, per_example: bool = False) -> dict[str, Any]:
-    """Load ``model_dir`` and run :func:`heldout_metrics` on ``records`` (tokenized like training)."""
+                     batch_size: int = 32, per_example: bool = False, device: str = "auto") -> dict[str, Any]:
+    """Load ``model_dir`` onto ``device`` (``auto``: a GPU where one is visible) and run :func:`heldout_metrics` on
+    ``records`` (tokenized like training)."""
+    from ..batch import resolve_device
     from ..data import SFTDataModule
     from ..models.loading import load_model
 
     dm = SFTDataModule(pool=list(records), validation=None, tokenizer=tokenizer, max_length=max_length)
     model, _ = load_model(model_dir, tokenizer=False)
+    model.to(resolve_device(device))
     return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size), per_example=per_example)

@@ -37,7 +37,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..batch import IGNORE_INDEX, batch_rows, check_batch
+from ..batch import IGNORE_INDEX, batch_rows, check_batch, to_device  # noqa: F401  (to_device re-exported)
 from ..lowrank import LowRankLinear
 from ..model_modes import eval_mode  # noqa: F401  (re-exported: the scoring modules' import)
 from ..target_layers import Conv1D, find_target_linears, linear_shape
@@ -252,10 +252,6 @@ class ScoreFeatureTracker(WeightPairTracker):
 # --------------------------------------------------------------------------------------------
 # batch plumbing
 # --------------------------------------------------------------------------------------------
-def to_device(batch: Mapping, device) -> dict:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
 def slice_rows(batch: Mapping, n: int) -> dict:
     """The first ``n`` examples of ``batch`` (:func:`iprox_lightning.batch.batch_rows`)."""
     return batch_rows(batch, slice(0, n))
