@@ -51,7 +51,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import sys
 import time
@@ -61,7 +60,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from bootstrap import percentile_interval  # bench/: the one bootstrap
-from ledger import ROOT, Stages, config_text, git_commit, logger_overlay, splice_docs  # bench/: the stage ledger
+from ledger import (ROOT, Stages, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
+                    logger_overlay, recorded_hosts, splice_docs)
 from variants import dir_name, parse_variant  # bench/: the variant grammar
 
 SHARED = ROOT.parent / "shared"
@@ -873,7 +873,8 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         "sample_strata": args.stratify_by,
         "seed": args.seed, "align_epochs": args.align_epochs, "align_lr": args.align_lr,
         "kl_weight": args.kl_weight, "num_probe_tokens": args.num_probe_tokens,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.threads or 'default'}",
+        "machine": f"stages ran on: {hosts_text(recorded_hosts(st.state))}; torch threads {args.threads or 'default'}",
+        "hosts": recorded_hosts(st.state), "summary_written_on": host_info(),
         "target_split_half": {"spearman": float(spearman(a, b)) if len(ids) > 3 else float("nan"),
                               "partialled": float(partial_spearman(a, b, c)) if len(ids) > 3 else float("nan"),
                               "note": "LESS max over each validation half's suites; halves alternate within each suite"},

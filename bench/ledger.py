@@ -131,6 +131,7 @@ class Stages:
                "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                "commit": git_commit(dirty=True),
                "load_average": os.getloadavg()[0]}
+        rec["host"] = host_info()  # where it ran: a summary rewritten elsewhere reports this, not its own machine
         if self.in_process:  # cpu_s and peak_rss_mib are this process's, not a stage process's
             rec["in_process"] = True
         self.state["stages"][key] = rec
@@ -181,6 +182,44 @@ class Stages:
             torch.set_num_threads(threads)
             random.setstate(states[0])
             np.random.set_state(states[1])
+
+
+def host_info() -> dict:
+    """The machine a stage runs on: architecture, CPU count, accelerator (the first CUDA device's name, or ``cpu``)
+    and the versions of torch / transformers / lightning."""
+    import importlib.metadata as im
+    import platform
+
+    import torch
+
+    versions = {}
+    for pkg in ("torch", "transformers", "lightning"):
+        try:
+            versions[pkg] = im.version(pkg)
+        except im.PackageNotFoundError:
+            versions[pkg] = None
+    return {"machine": platform.machine(), "cpus": os.cpu_count(),
+            "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "versions": versions}
+
+
+def recorded_hosts(state: dict) -> list[dict]:
+    """The distinct hosts the recorded stages ran on (``host_info`` of each stage record that has one), in the order
+    first seen; ``[]`` for stages recorded before hosts were."""
+    out: list[dict] = []
+    for rec in state.get("stages", {}).values():
+        h = rec.get("host")
+        if h and h not in out:
+            out.append(h)
+    return out
+
+
+def hosts_text(hosts: list[dict]) -> str:
+    """One line for a summary's header: each host as ``accelerator (machine, N CPUs; torch V, transformers V)``."""
+    if not hosts:
+        return "hosts not recorded (stages from before the ledger recorded them)"
+    return "; ".join(f"{h['accelerator']} ({h['machine']}, {h['cpus']} CPUs; "
+                     + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + ")" for h in hosts)
 
 
 def logger_overlay(out: Path, name: str) -> dict:
