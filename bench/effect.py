@@ -434,29 +434,43 @@ class Effect:
 
     # --- summary -----------------------------------------------------------------------------------
     def cost(self, selector: str) -> dict:
+        """Wall-clock of a selector's scoring (and of building its proxy) and its ratios to the target's scoring.
+        A ratio needs every stage in it to have run on the target's scoring host: a GPU's seconds over a CPU's
+        are no cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same."""
         selector = split_rule(selector, self.args.rule)[0]
-        st = self.fid_stages
-        tgt = st.get("score:target", {}).get("wall_s")
+        st, own = self.fid_stages, self.st.state["stages"]
+        tgt_rec = st.get("score:target", {})
+        tgt = tgt_rec.get("wall_s")
+        recs: list[dict] = []  # the stage records the cost is made of
         if selector in self.sources:
             v = self.sources[selector]
-            score = st.get(f"score:{v}", {}).get("wall_s")
-            build = st.get(f"build:{v}", {}).get("wall_s", 0.0) if v not in ("target", "target_unwarmed") else 0.0
+            recs = [st.get(f"score:{v}", {})]
+            score = recs[0].get("wall_s")
+            if v not in ("target", "target_unwarmed"):
+                recs.append(st.get(f"build:{v}", {}))
+            build = recs[1].get("wall_s", 0.0) if len(recs) > 1 else 0.0
         elif selector == "rds":
-            score, build = self.st.state["stages"].get("score:rds", {}).get("wall_s"), 0.0
+            recs = [own.get("score:rds", {})]
+            score, build = recs[0].get("wall_s"), 0.0
         elif selector == "store" or selector.startswith("store:"):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
-            src, own = store_source(selector), self.st.state["stages"]
-            b, q = own.get(f"store:{src}", {}).get("wall_s"), own.get(f"query:{src}", {}).get("wall_s")
+            src = store_source(selector)
+            recs = [own.get(f"store:{src}", {}), own.get(f"query:{src}", {})]
+            b, q = (r.get("wall_s") for r in recs)
             score = b + q if b is not None and q is not None else None
-            build = st.get(f"build:{self.sources[src]}", {}).get("wall_s", 0.0) if src != "target" else 0.0
+            if src != "target":
+                recs.append(st.get(f"build:{self.sources[src]}", {}))
+            build = recs[2].get("wall_s", 0.0) if len(recs) > 2 else 0.0
         elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None
         else:
             score, build = 0.0, 0.0
-        ratio = (score / tgt) if (score is not None and tgt) else None
-        total = ((score + build) / tgt) if (score is not None and tgt) else None
+        hosts = {(r["host"]["accelerator"], r["host"]["cpus"]) for r in [tgt_rec, *recs] if r.get("host")}
+        differ = len(hosts) > 1
+        ratio = (score / tgt) if (score is not None and tgt and not differ) else None
+        total = ((score + build) / tgt) if (score is not None and tgt and not differ) else None
         return {"scoring_wall_s": score, "build_wall_s": build, "scoring_cost_ratio": ratio,
-                "total_cost_ratio": total}
+                "total_cost_ratio": total, **({"hosts_differ": True} if differ else {})}
 
     def selection_path(self, task: str | None, selector: str) -> Path:
         """Where :meth:`selection` writes ``selector``'s subset for ``task`` (``None``: the task-free subset)."""
@@ -717,10 +731,14 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {r['task']} | {r['selector']} | {fmt(r['value'], r['ci'])} | "
                          f"{fmt(r.get('diff_vs_random'), r.get('diff_ci'), '{:+.4f}')} | "
                          f"{fmt(r.get('diff_vs_best_random_seed'), None, '{:+.4f}')} | "
-                         f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
-                         f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')} | "
+                         + ("other host¹ | " if r.get("hosts_differ") else
+                            f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
+                            f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')} | ") +
                          f"{fmt(r.get('selected_response_tokens'), None, '{:.1f}')} |")
         lines.append("")
+        if any(r.get("hosts_differ") for r in summary["rows"]):
+            lines += ["¹ its scoring stages ran on another host than the target's scoring (see `stage_wall_s` and each "
+                      "stage's `host` in state.json): no cost ratio.", ""]
     nf = m["noise_floor"]
     if nf:
         lines += ["Noise floor (spread of the random seeds' means): " + "; ".join(

@@ -335,3 +335,30 @@ def test_stages_record_their_host_and_summaries_report_it(fidelity_dir):
     assert "not recorded" in ledger.hosts_text(ledger.recorded_hosts({"stages": {"a": {}}}))
     summary = json.loads((fidelity_dir / "summary.json").read_text())
     assert summary["meta"]["hosts"] == [here]
+
+
+def test_cost_ratio_only_between_stages_of_one_host():
+    """A selector's cost ratio divides its scoring seconds by the target's only when both ran on one host: the
+    target scored on a GPU and the store built on a CPU give no ratio (flagged), records without hosts count as one."""
+    from types import SimpleNamespace
+
+    gpu = {"machine": "x86_64", "cpus": 16, "accelerator": "NVIDIA H100 80GB HBM3", "versions": {}}
+    cpu = {"machine": "x86_64", "cpus": 2, "accelerator": "cpu", "versions": {}}
+
+    def fake(store_host, target_host):
+        own = {"store:target": {"wall_s": 300.0, "host": store_host}, "query:target": {"wall_s": 100.0, "host": store_host},
+               "score:rds": {"wall_s": 50.0}}
+        fid = {"score:target": {"wall_s": 200.0, **({"host": target_host} if target_host else {})},
+               "score:v": {"wall_s": 80.0, "host": gpu}, "build:v": {"wall_s": 120.0, "host": gpu}}
+        return SimpleNamespace(args=SimpleNamespace(rule="mean"), fid_stages=fid, st=SimpleNamespace(state={"stages": own}),
+                               sources={"target": "target", "iprox@0.5": "v"})
+
+    same = effect.Effect.cost(fake(gpu, gpu), "store+max")
+    assert same["scoring_cost_ratio"] == 2.0 and same["total_cost_ratio"] == 2.0 and "hosts_differ" not in same
+    other = effect.Effect.cost(fake(cpu, gpu), "store+balanced")
+    assert other["scoring_cost_ratio"] is None and other["total_cost_ratio"] is None and other["hosts_differ"]
+    assert other["scoring_wall_s"] == 400.0  # the seconds are still reported
+    proxy = effect.Effect.cost(fake(cpu, gpu), "iprox@0.5")
+    assert proxy["scoring_cost_ratio"] == 0.4 and proxy["total_cost_ratio"] == 1.0
+    legacy = effect.Effect.cost(fake(cpu, None), "rds")  # no host recorded on either side
+    assert legacy["scoring_cost_ratio"] == 0.25
