@@ -109,8 +109,24 @@ def split_finetune_seed(key: str) -> tuple[str, int | None]:
 
 
 def store_source(selector: str) -> str:
-    """``"store"`` -> ``"target"``, ``"store:iprox@0.5"`` -> ``"iprox@0.5"``: whose gradient store a selector queries."""
+    """``"store"`` -> ``"target"``, ``"store:iprox@0.5"`` -> ``"iprox@0.5"``: whose gradient store a selector queries
+    (with its validation form, if any: ``"store:target@bbh-direct"`` -> ``"target@bbh-direct"``)."""
     return selector.partition(":")[2] or "target"
+
+
+VALIDATION_FORMS = ("bbh-direct",)  # a store query's validation suites with one replaced (data.eval_validation)
+
+
+def split_store_source(source: str) -> tuple[str, str | None]:
+    """``"target@bbh-direct"`` -> ``("target", "bbh-direct")``: the model whose store is queried and the validation
+    form the query uses instead of its suite's default (``None``: the suites as the fidelity run scored them). The
+    store is built once per model; each form is one more query of it."""
+    head, sep, form = source.rpartition("@")
+    if sep and form in VALIDATION_FORMS:
+        return head, form
+    if sep and not form.replace(".", "", 1).isdigit():  # "iprox@0.5" is a proxy's name, not a form
+        raise ValueError(f"store:{source}: unknown validation form {form!r}; forms: {list(VALIDATION_FORMS)}")
+    return source, None
 
 
 def digest(obj: Any) -> str:
@@ -228,10 +244,13 @@ class Effect:
         raise ValueError(f"unknown selector {selector!r}")
 
     def store_paths(self, source: str) -> tuple[Path, Path]:
-        """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``)."""
-        if source == "target":  # the first store's paths, kept so its recorded stages stay valid
-            return self.out / "stores" / "target", self.out / "scores" / "store"
-        return self.out / "stores" / dir_name(source), self.out / "scores" / dir_name(f"store:{source}")
+        """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``; a validation
+        form queries its model's store into a directory of its own)."""
+        model, _ = split_store_source(source)
+        store = self.out / "stores" / dir_name(model)  # "target" -> stores/target, the first store's path
+        if source == "target":  # the first store's query path, kept so its recorded stages stay valid
+            return store, self.out / "scores" / "store"
+        return store, self.out / "scores" / dir_name(f"store:{source}")
 
     def store_table(self, source: str) -> Path:
         """A model's gradient store (``train.py build_store``) queried per subtask (``train.py query`` on
@@ -240,6 +259,7 @@ class Effect:
         factor layers), whose directory the fidelity run must have kept."""
         a = self.args
         store, d = self.store_paths(source)
+        source, form = split_store_source(source)
         if source == "target":
             model, base_fp = self.warmed, self.target_fp
         else:
@@ -262,9 +282,14 @@ class Effect:
         self.st.run(f"store:{source}", "build_store", [], ov, fp, store / "store.json", clean=store)
         # eval:<dir> keeps each example's subtask (MMLU subject, BBH task, TyDiQA language): one column each
         val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
+        if form is not None:  # the same suites, one of them in another form (its task's columns keep their names)
+            if a.eval_dir == "builtin":
+                raise ValueError(f"store:{source}@{form}: validation forms need the real evaluation suites")
+            val += ":" + ",".join(form if t == form.split("-")[0] else t for t in TASKS)
         qv = {"store": str(store), "validation": val, "output_dir": str(d), "subtasks": True}
-        self.st.run(f"query:{source}", "query", [], qv, {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"],
-                                                         "validation": qv["validation"]}, d / "scores.parquet", clean=d)
+        key = source if form is None else f"{source}@{form}"
+        self.st.run(f"query:{key}", "query", [], qv, {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"],
+                                                      "validation": qv["validation"]}, d / "scores.parquet", clean=d)
         return d / "scores.parquet"
 
     # --- select, fine-tune, evaluate --------------------------------------------------------------
@@ -455,11 +480,12 @@ class Effect:
         elif selector == "store" or selector.startswith("store:"):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
             src = store_source(selector)
-            recs = [own.get(f"store:{src}", {}), own.get(f"query:{src}", {})]
+            model = split_store_source(src)[0]
+            recs = [own.get(f"store:{model}", {}), own.get(f"query:{src}", {})]
             b, q = (r.get("wall_s") for r in recs)
             score = b + q if b is not None and q is not None else None
-            if src != "target":
-                recs.append(st.get(f"build:{self.sources[src]}", {}))
+            if model != "target":
+                recs.append(st.get(f"build:{self.sources[model]}", {}))
             build = recs[2].get("wall_s", 0.0) if len(recs) > 2 else 0.0
         elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None
@@ -543,6 +569,8 @@ class Effect:
         for sel in self.args.selectors:
             base = split_rule(sel, self.args.rule)[0]
             src = store_source(base) if base.startswith("store:") else None
+            if src is not None and split_store_source(src)[0] == "target":  # the target's own store: no proxy
+                continue
             path = self.store_paths(src)[1] / "scores.parquet" if src else None
             if path is None or src in out or not path.exists():
                 continue

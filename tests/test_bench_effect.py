@@ -362,3 +362,20 @@ def test_cost_ratio_only_between_stages_of_one_host():
     assert proxy["scoring_cost_ratio"] == 0.4 and proxy["total_cost_ratio"] == 1.0
     legacy = effect.Effect.cost(fake(cpu, None), "rds")  # no host recorded on either side
     assert legacy["scoring_cost_ratio"] == 0.25
+
+
+def test_store_selectors_with_a_validation_form_query_the_same_store():
+    """``store:target@bbh-direct`` queries the target's store (built once) with BBH's direct-answer exemplars: same
+    store directory, its own query directory; a proxy's ``@0.5`` is a name, not a form; an unknown form is refused."""
+    from types import SimpleNamespace
+
+    assert effect.split_store_source("target@bbh-direct") == ("target", "bbh-direct")
+    assert effect.split_store_source("iprox@0.5") == ("iprox@0.5", None)
+    assert effect.split_store_source("iprox@0.5@bbh-direct") == ("iprox@0.5", "bbh-direct")
+    with pytest.raises(ValueError, match="unknown validation form 'cot2'"):
+        effect.split_store_source("target@cot2")
+    fake = SimpleNamespace(out=Path("/o"))
+    assert effect.Effect.store_paths(fake, "target") == (Path("/o/stores/target"), Path("/o/scores/store"))
+    store, query = effect.Effect.store_paths(fake, "target@bbh-direct")
+    assert store == Path("/o/stores/target") and query.parent == Path("/o/scores") and query.name != "store"
+    assert effect.Effect.store_paths(fake, "iprox@0.5@bbh-direct")[0] == effect.Effect.store_paths(fake, "iprox@0.5")[0]

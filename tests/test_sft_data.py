@@ -438,3 +438,40 @@ def test_batch_rows_picks_rows_of_tensors_and_lists_and_keeps_the_rest():
 
     assert {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in slice_rows(batch, 3).items()} == \
         {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in batch_rows(batch, [0, 1, 2]).items()}
+
+
+def _tiny_bbh(root):
+    """A BBH folder of two tasks, each with its task file and a two-exemplar CoT prompt."""
+    (root / "bbh" / "cot-prompts").mkdir(parents=True)
+    answers = {"logic": ["(A)", "valid"], "sums": ["24", "1.5"]}
+    for task, ans in answers.items():
+        (root / "bbh" / f"{task}.json").write_text(json.dumps({"examples": [{"input": "q?", "target": ans[0]}]}))
+        blocks = [f"Q: {task} question {j}\nA: Let's think step by step. It is {a}, so. So the answer is {a}."
+                  for j, a in enumerate(ans)]
+        (root / "bbh" / "cot-prompts" / f"{task}.txt").write_text(f"{task}: task description.\n\n" + "\n\n".join(blocks) + "\n")
+    return answers
+
+
+def test_bbh_direct_validation_form(tmp_path):
+    """``bbh-direct``: BBH's exemplars with the final answer alone as the response (ids of their own, category
+    ``bbh`` and the subtask kept), selectable by name in an ``eval:<dir>:<suites>`` source; a CoT without the
+    answer cue is an error naming the file and the exemplar."""
+    from iprox_lightning.data.eval_validation import (bbh_validation_records, direct_answer, eval_validation_records,
+                                                      parse_eval_source)
+
+    answers = _tiny_bbh(tmp_path)
+    cot = eval_validation_records(tmp_path, ("bbh",))
+    direct = eval_validation_records(tmp_path, ("bbh-direct",))
+    assert [r["response"] for r in direct] == [a for task in sorted(answers) for a in answers[task]]
+    assert [r["instruction"] for r in direct] == [r["instruction"] for r in cot]
+    assert [(r["category"], r["subtask"]) for r in direct] == [(r["category"], r["subtask"]) for r in cot]
+    assert [r["id"] for r in direct] == [r["id"].replace("val-bbh-", "val-bbh-direct-") for r in cot]
+    assert all(r["response"].endswith("So the answer is " + d["response"] + ".") for r, d in zip(cot, direct))
+    assert parse_eval_source(f"eval:{tmp_path}:mmlu,bbh-direct") == (str(tmp_path), ("mmlu", "bbh-direct"))
+    with pytest.raises(ValueError, match="bbh-direct"):
+        parse_eval_source(f"eval:{tmp_path}:bbh-cot")
+    with pytest.raises(ValueError, match="form 'short'"):
+        bbh_validation_records(tmp_path / "bbh", form="short")
+    with pytest.raises(ValueError, match=r"x\.txt exemplar 2: exemplar answer has no 'So the answer is'"):
+        direct_answer("Let's think. It is (B).", "x.txt exemplar 2")
+    assert direct_answer("So the answer is 1.5.", "x") == "1.5" and direct_answer("So the answer is No", "x") == "No"

@@ -6,6 +6,8 @@ LESS / IProX score the pool against a few examples per target task:
   ``"Answer:"``, response = the answer letter;
 * ``bbh``    — the chain-of-thought exemplars of ``cot-prompts/<task>.txt`` (3 per task): prompt =
   the ``Q:`` text, response = the ``A:`` chain of thought ending in "So the answer is …";
+  ``bbh-direct`` — the same exemplars with the final answer alone as the response (the form of a direct-answer
+  evaluation; category ``bbh`` all the same, so the task's columns do not change);
 * ``tydiqa`` — the one-shot exemplars (one per language) of ``tydiqa-one-shot.json``: prompt = the
   passage + question, response = the gold answer.
 
@@ -28,6 +30,7 @@ from .eval_readers import (
 )
 
 SUITES = ("mmlu", "bbh", "tydiqa")
+SUITE_NAMES = (*SUITES, "bbh-direct")  # what an eval:<dir>:<suites> source may name (bbh-direct: see the module doc)
 LETTERS = "ABCD"
 _Q_SPLIT = re.compile(r"(?:^|\n\n)Q: ")
 
@@ -63,7 +66,23 @@ def split_cot_prompt(text: str, where: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def bbh_validation_records(root: str | Path, per_task: int | None = None) -> list[dict]:
+def direct_answer(chain_of_thought: str, where: str) -> str:
+    """The final answer of a BBH exemplar's chain of thought: the text after its last ``"So the answer is"``,
+    without the closing period (``"... So the answer is (A)."`` -> ``"(A)"``)."""
+    if "So the answer is" not in chain_of_thought:
+        raise UserInputError(f"{where}: exemplar answer has no 'So the answer is' cue: {chain_of_thought[:80]!r}")
+    answer = chain_of_thought.rsplit("So the answer is", 1)[1].strip()
+    answer = answer[:-1].rstrip() if answer.endswith(".") else answer
+    if not answer:
+        raise UserInputError(f"{where}: empty answer after 'So the answer is' in {chain_of_thought[-80:]!r}")
+    return answer
+
+
+def bbh_validation_records(root: str | Path, per_task: int | None = None, form: str = "cot") -> list[dict]:
+    """BBH's exemplars as validation records; ``form``: ``cot`` (the chain of thought is the response) or
+    ``direct`` (the final answer alone, ids ``val-bbh-direct-…``)."""
+    if form not in ("cot", "direct"):
+        raise UserInputError(f"BBH validation form {form!r}: choose 'cot' or 'direct'")
     root = Path(root)
     out = []
     for task in list_bbh_tasks(root):
@@ -71,10 +90,10 @@ def bbh_validation_records(root: str | Path, per_task: int | None = None) -> lis
         pairs = split_cot_prompt(read_bbh_cot_prompt(path), str(path))
         for j, (q, a) in enumerate(pairs[: per_task or len(pairs)]):
             out.append({
-                "id": f"val-bbh-{task}-{j}",
+                "id": f"val-bbh-{task}-{j}" if form == "cot" else f"val-bbh-direct-{task}-{j}",
                 "instruction": q,
                 "context": "",
-                "response": a,
+                "response": a if form == "cot" else direct_answer(a, f"{path} exemplar {j + 1}"),
                 "category": "bbh",
                 "subtask": task,
             })
@@ -102,12 +121,13 @@ def eval_validation_records(eval_dir: str | Path, suites: Sequence[str] = SUITES
     eval_dir = Path(eval_dir)
     if not eval_dir.is_dir():
         raise InputNotFoundError(f"evaluation data directory not found: {eval_dir}")
-    readers = {"mmlu": mmlu_validation_records, "bbh": bbh_validation_records, "tydiqa": tydiqa_validation_records}
+    readers = {"mmlu": mmlu_validation_records, "bbh": bbh_validation_records, "tydiqa": tydiqa_validation_records,
+               "bbh-direct": lambda root, n: bbh_validation_records(root, n, form="direct")}
     out = []
     for s in suites:
         if s not in readers:
-            raise UserInputError(f"unknown suite {s!r}; choose from {SUITES}")
-        out.extend(readers[s](eval_dir / s, per_subtask))
+            raise UserInputError(f"unknown suite {s!r}; choose from {SUITE_NAMES}")
+        out.extend(readers[s](eval_dir / s.split("-")[0], per_subtask))
     return out
 
 
@@ -117,10 +137,10 @@ def parse_eval_source(src: str) -> tuple[str, tuple[str, ...]] | None:
         return None
     rest = src[len("eval:"):]
     head, sep, tail = rest.rpartition(":")
-    if sep and tail and all(t in SUITES for t in tail.split(",")):
+    if sep and tail and all(t in SUITE_NAMES for t in tail.split(",")):
         return head, tuple(tail.split(","))
     if sep and tail and head and "/" not in tail and "\\" not in tail and not Path(rest).exists():
-        unknown = [t for t in tail.split(",") if t not in SUITES]
+        unknown = [t for t in tail.split(",") if t not in SUITE_NAMES]
         raise UserInputError(f"{src!r}: unknown suite name(s) {unknown} after the directory {head!r}; choose from "
-                             f"{list(SUITES)} (comma-separated, e.g. 'eval:{head}:mmlu,bbh')")
+                             f"{list(SUITE_NAMES)} (comma-separated, e.g. 'eval:{head}:mmlu,bbh')")
     return rest, SUITES
