@@ -344,7 +344,7 @@ def test_unknown_suite_name_in_eval_source(tmp_path):
     with pytest.raises(ValueError) as e:
         dm.validation_records
     assert str(e.value) == (f"'eval:{tmp_path}:bbh,mmmlu': unknown suite name(s) ['mmmlu'] after the directory "
-                            f"'{tmp_path}'; choose from ['mmlu', 'bbh', 'tydiqa'] (comma-separated, e.g. "
+                            f"'{tmp_path}'; choose from ['mmlu', 'bbh', 'tydiqa', 'bbh-direct'] (comma-separated, e.g. "
                             f"'eval:{tmp_path}:mmlu,bbh')")
 
 
