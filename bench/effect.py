@@ -51,6 +51,7 @@ from ledger import (Stages, config_text, git_commit, host_info, hosts_text, logg
 from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import dir_name  # bench/: the variant grammar
 
+from iprox_lightning.data.eval_validation import FORMS as VALIDATION_FORMS  # a validation form -> its suite
 from iprox_lightning.data.sources import write_records_jsonl
 from iprox_lightning.selection_rules import RULES, task_columns
 
@@ -112,9 +113,6 @@ def store_source(selector: str) -> str:
     """``"store"`` -> ``"target"``, ``"store:iprox@0.5"`` -> ``"iprox@0.5"``: whose gradient store a selector queries
     (with its validation form, if any: ``"store:target@bbh-direct"`` -> ``"target@bbh-direct"``)."""
     return selector.partition(":")[2] or "target"
-
-
-VALIDATION_FORMS = ("bbh-direct",)  # a store query's validation suites with one replaced (data.eval_validation)
 
 
 def split_store_source(source: str) -> tuple[str, str | None]:
@@ -285,7 +283,7 @@ class Effect:
         if form is not None:  # the same suites, one of them in another form (its task's columns keep their names)
             if a.eval_dir == "builtin":
                 raise ValueError(f"store:{source}@{form}: validation forms need the real evaluation suites")
-            val += ":" + ",".join(form if t == form.split("-")[0] else t for t in TASKS)
+            val += ":" + ",".join(form if t == VALIDATION_FORMS[form] else t for t in TASKS)
         qv = {"store": str(store), "validation": val, "output_dir": str(d), "subtasks": True}
         key = source if form is None else f"{source}@{form}"
         self.st.run(f"query:{key}", "query", [], qv, {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"],

@@ -866,6 +866,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
                 paired.append({"a": r["variant"], "b": b_row["variant"],
                                **paired_difference(maps[r["variant"]], maps[b_row["variant"]], tmap, length,
                                                    args.bootstrap, args.seed)})
+    hosts = recorded_hosts(st.state)
     meta = {
         "target_warmed_up": not args.no_warmup, "target": args.model, "target_name": Path(args.model).name,
         "n_scored": len(ref["id"]), "n_validation": int(sum(val_counts.values())), "validation_counts": val_counts,
@@ -873,8 +874,8 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         "sample_strata": args.stratify_by,
         "seed": args.seed, "align_epochs": args.align_epochs, "align_lr": args.align_lr,
         "kl_weight": args.kl_weight, "num_probe_tokens": args.num_probe_tokens,
-        "machine": f"stages ran on: {hosts_text(recorded_hosts(st.state))}; torch threads {args.threads or 'default'}",
-        "hosts": recorded_hosts(st.state), "summary_written_on": host_info(),
+        "machine": f"stages ran on: {hosts_text(hosts)}; torch threads {args.threads or 'default'}",
+        "hosts": hosts, "summary_written_on": host_info(),
         "target_split_half": {"spearman": float(spearman(a, b)) if len(ids) > 3 else float("nan"),
                               "partialled": float(partial_spearman(a, b, c)) if len(ids) > 3 else float("nan"),
                               "note": "LESS max over each validation half's suites; halves alternate within each suite"},

@@ -30,7 +30,8 @@ from .eval_readers import (
 )
 
 SUITES = ("mmlu", "bbh", "tydiqa")
-SUITE_NAMES = (*SUITES, "bbh-direct")  # what an eval:<dir>:<suites> source may name (bbh-direct: see the module doc)
+FORMS = {"bbh-direct": "bbh"}  # another form of a suite's validation examples -> that suite (see the module doc)
+SUITE_NAMES = (*SUITES, *FORMS)  # what an eval:<dir>:<suites> source may name
 LETTERS = "ABCD"
 _Q_SPLIT = re.compile(r"(?:^|\n\n)Q: ")
 
@@ -127,7 +128,7 @@ def eval_validation_records(eval_dir: str | Path, suites: Sequence[str] = SUITES
     for s in suites:
         if s not in readers:
             raise UserInputError(f"unknown suite {s!r}; choose from {SUITE_NAMES}")
-        out.extend(readers[s](eval_dir / s.split("-")[0], per_subtask))
+        out.extend(readers[s](eval_dir / FORMS.get(s, s), per_subtask))
     return out
 
 
