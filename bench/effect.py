@@ -127,6 +127,17 @@ def split_store_source(source: str) -> tuple[str, str | None]:
     return source, None
 
 
+def run_on_host(rec: dict, like: dict) -> dict:
+    """The run of a stage on ``like``'s host: ``rec`` itself, or one of its ``rebuilt`` runs (a stage re-made on
+    another host from the same fingerprint, because its output stayed where it first ran, keeps each run's record);
+    ``rec`` when none matches (the cost then says the hosts differ)."""
+    host = (like.get("host") or {}).get("accelerator"), (like.get("host") or {}).get("cpus")
+    for r in [rec, *rec.get("rebuilt", [])]:
+        if r.get("host") and (r["host"]["accelerator"], r["host"]["cpus"]) == host:
+            return r
+    return rec
+
+
 def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -215,14 +226,17 @@ class Effect:
                 raise SystemExit(f"selector {selector}: {p} missing (run bench/fidelity_v2.py with variant "
                                  f"{self.sources[selector]!r})")
             return p
-        if selector == "rds":
-            d = self.out / "scores" / "rds"
-            ov = {"model": self.warmed, "output_dir": str(d), "pool": str(self.sample), "validation": str(self.validation),
+        if selector == "rds" or selector.startswith("rds@"):
+            # RDS+ against the fidelity run's validation file, or (rds@<form>) the suites with one in another form
+            form = selector.partition("@")[2] or None
+            d = self.out / "scores" / dir_name(selector)
+            val = str(self.validation) if form is None else self.form_validation(form, selector)
+            ov = {"model": self.warmed, "output_dir": str(d), "pool": str(self.sample), "validation": val,
                   "tokenizer": self.warmed, "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed}
-            self.st.run("score:rds", "rds_scores", [], ov, {"warmup": self.target_fp,
-                                                            "data": [self.sample_ids, digest(self.validation.read_text())],
-                                                            "settings": {k: ov[k] for k in ("max_length", "batch_size")}},
-                        d / "scores.parquet", clean=d)
+            self.st.run(f"score:{selector}", "rds_scores", [], ov, {
+                "warmup": self.target_fp,
+                "data": [self.sample_ids, digest(self.validation.read_text()) if form is None else val],
+                "settings": {k: ov[k] for k in ("max_length", "batch_size")}}, d / "scores.parquet", clean=d)
             return d / "scores.parquet"
         if selector == "store" or selector.startswith("store:"):
             return self.store_table(store_source(selector))
@@ -279,16 +293,24 @@ class Effect:
             fp["proxy"] = base_fp
         self.st.run(f"store:{source}", "build_store", [], ov, fp, store / "store.json", clean=store)
         # eval:<dir> keeps each example's subtask (MMLU subject, BBH task, TyDiQA language): one column each
-        val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
         if form is not None:  # the same suites, one of them in another form (its task's columns keep their names)
-            if a.eval_dir == "builtin":
-                raise ValueError(f"store:{source}@{form}: validation forms need the real evaluation suites")
-            val += ":" + ",".join(form if t == VALIDATION_FORMS[form] else t for t in TASKS)
+            val = self.form_validation(form, f"store:{source}@{form}")
+        else:
+            val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
         qv = {"store": str(store), "validation": val, "output_dir": str(d), "subtasks": True}
         key = source if form is None else f"{source}@{form}"
         self.st.run(f"query:{key}", "query", [], qv, {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"],
                                                       "validation": qv["validation"]}, d / "scores.parquet", clean=d)
         return d / "scores.parquet"
+
+    def form_validation(self, form: str, selector: str) -> str:
+        """The validation spec of the evaluation suites with ``form`` in place of its suite's default form
+        (``eval:<dir>:mmlu,bbh-direct,tydiqa``); refused for an unknown form or the built-in demo suites."""
+        if form not in VALIDATION_FORMS:
+            raise ValueError(f"{selector}: unknown validation form {form!r}; forms: {list(VALIDATION_FORMS)}")
+        if self.args.eval_dir == "builtin":
+            raise ValueError(f"{selector}: validation forms need the real evaluation suites")
+        return f"eval:{self.args.eval_dir}:" + ",".join(form if t == VALIDATION_FORMS[form] else t for t in TASKS)
 
     # --- select, fine-tune, evaluate --------------------------------------------------------------
     def selection(self, task: str | None, selector: str) -> Path:
@@ -459,7 +481,9 @@ class Effect:
     def cost(self, selector: str) -> dict:
         """Wall-clock of a selector's scoring (and of building its proxy) and its ratios to the target's scoring.
         A ratio needs every stage in it to have run on the target's scoring host: a GPU's seconds over a CPU's
-        are no cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same."""
+        are no cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same. A
+        store selector whose target scoring ran elsewhere is compared with the target's store on its own host instead
+        (``cost_reference``: ``"target store"``)."""
         selector = split_rule(selector, self.args.rule)[0]
         st, own = self.fid_stages, self.st.state["stages"]
         tgt_rec = st.get("score:target", {})
@@ -470,10 +494,10 @@ class Effect:
             recs = [st.get(f"score:{v}", {})]
             score = recs[0].get("wall_s")
             if v not in ("target", "target_unwarmed"):
-                recs.append(st.get(f"build:{v}", {}))
+                recs.append(run_on_host(st.get(f"build:{v}", {}), recs[0]))
             build = recs[1].get("wall_s", 0.0) if len(recs) > 1 else 0.0
-        elif selector == "rds":
-            recs = [own.get("score:rds", {})]
+        elif selector == "rds" or selector.startswith("rds@"):
+            recs = [own.get(f"score:{selector}", {})]
             score, build = recs[0].get("wall_s"), 0.0
         elif selector == "store" or selector.startswith("store:"):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
@@ -483,18 +507,25 @@ class Effect:
             b, q = (r.get("wall_s") for r in recs)
             score = b + q if b is not None and q is not None else None
             if model != "target":
-                recs.append(st.get(f"build:{self.sources[model]}", {}))
+                recs.append(run_on_host(st.get(f"build:{self.sources[model]}", {}), recs[0]))
             build = recs[2].get("wall_s", 0.0) if len(recs) > 2 else 0.0
         elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None
         else:
             score, build = 0.0, 0.0
-        hosts = {(r["host"]["accelerator"], r["host"]["cpus"]) for r in [tgt_rec, *recs] if r.get("host")}
-        differ = len(hosts) > 1
+        host_set = lambda rs: {(r["host"]["accelerator"], r["host"]["cpus"]) for r in rs if r.get("host")}  # noqa: E731
+        differ, reference = len(host_set([tgt_rec, *recs])) > 1, "target scoring"
+        if differ and (selector == "store" or selector.startswith("store:")):
+            # the target's exact scoring ran elsewhere: a store is compared with the target's own store on its host
+            # (build + its first query: the same pool pass and one validation set)
+            ref = [own.get("store:target", {}), own.get("query:target", {})]
+            if all(r.get("wall_s") is not None for r in ref) and len(host_set([*ref, *recs])) == 1:
+                tgt, differ, reference = sum(r["wall_s"] for r in ref), False, "target store"
         ratio = (score / tgt) if (score is not None and tgt and not differ) else None
         total = ((score + build) / tgt) if (score is not None and tgt and not differ) else None
         return {"scoring_wall_s": score, "build_wall_s": build, "scoring_cost_ratio": ratio,
-                "total_cost_ratio": total, **({"hosts_differ": True} if differ else {})}
+                "total_cost_ratio": total, **({"hosts_differ": True} if differ else {}),
+                **({"cost_reference": reference} if ratio is not None else {})}
 
     def selection_path(self, task: str | None, selector: str) -> Path:
         """Where :meth:`selection` writes ``selector``'s subset for ``task`` (``None``: the task-free subset)."""
@@ -526,19 +557,21 @@ class Effect:
                                             sort_keys=True)
         return memo[key, ft_seed]
 
-    def store_vs_exact(self) -> dict | None:
-        """How the gradient store's projected scores (selector ``store``) rank the sample against the target's exact
-        TracIn table (Spearman): pooled (cosine to the mean validation gradient: the same quantity, projected vs
-        exact) and per task (mean over the subtask columns vs the exact table's task columns: also a different
-        aggregation). ``None`` before the store was queried."""
+    def store_vs_exact(self, source: str = "target") -> dict | None:
+        """How a model's gradient store (selector ``store`` / ``store:<proxy>``, the suites' default form) ranks the
+        sample against the same model's exact TracIn table from the fidelity run (Spearman): pooled (cosine to the
+        mean validation gradient: the same quantity, projected vs exact) and per task (mean over the subtask columns
+        vs the exact table's task columns: also a different aggregation). ``None`` before the store was queried or
+        without an exact table."""
         from scipy.stats import spearmanr
 
         from iprox_lightning.io.scores import read_table
 
-        q_path = self.out / "scores" / "store" / "scores.parquet"
-        if not q_path.exists():
+        q_path = self.store_paths(source)[1] / "scores.parquet"
+        e_path = self.fid / "scores" / dir_name(self.sources.get(source, source)) / "scores.parquet"
+        if not q_path.exists() or not e_path.exists():
             return None
-        q, e = (read_table(p)[1].to_pandas().set_index("id") for p in (q_path, self.fid / "scores" / "target" / "scores.parquet"))
+        q, e = (read_table(p)[1].to_pandas().set_index("id") for p in (q_path, e_path))
         ids = sorted(set(q.index) & set(e.index))
         out = {"n": len(ids), "k": self.args.store_k,
                "pooled": float(spearmanr(q.loc[ids, "score"], e.loc[ids, "score"])[0])}
@@ -550,35 +583,55 @@ class Effect:
                                                                                   e.loc[ids, ec].mean(axis=1))[0])}
         return out
 
+    def proxy_stores_vs_exact(self) -> dict:
+        """:meth:`store_vs_exact` of every proxy store this command names (its default-form query)."""
+        out = {}
+        for sel in self.args.selectors:
+            base = split_rule(sel, self.args.rule)[0]
+            if base.startswith("store:"):
+                model = split_store_source(store_source(base))[0]
+                if model != "target" and model not in out:
+                    r = self.store_vs_exact(model)
+                    if r is not None:
+                        out[model] = r
+        return out
+
+        return out
+
     def proxy_store_fidelity(self) -> dict:
-        """Per proxy store (selectors ``store:<proxy>``), how its per-subtask scores rank the sample against the
-        warmed target's store (the same projection size and validation columns), per task under the rules
-        ``max`` (LESS) and ``mean`` over the task's subtask columns (Spearman): the fidelity that the ``+max``
-        selection sees. Empty before a proxy store was queried."""
+        """Per proxy store query (selectors ``store:<proxy>``, with its validation form if any), how its per-subtask
+        scores rank the sample against the warmed target's store queried with the same form (the same projection
+        size and validation columns), per task: Spearman under the rules ``max`` (LESS) and ``mean`` over the task's
+        subtask columns, and the overlap of the two ``balanced`` selections of size k (the share of the target's
+        subset the proxy picks). Empty before a proxy store was queried."""
         from scipy.stats import spearmanr
 
         from iprox_lightning.io.scores import read_table
+        from iprox_lightning.selection_rules import rule_order
 
-        t_path = self.store_paths("target")[1] / "scores.parquet"
         out: dict[str, dict] = {}
-        if not t_path.exists():
-            return out
-        ref = read_table(t_path)[1].to_pandas().set_index("id")
         for sel in self.args.selectors:
             base = split_rule(sel, self.args.rule)[0]
             src = store_source(base) if base.startswith("store:") else None
-            if src is not None and split_store_source(src)[0] == "target":  # the target's own store: no proxy
+            if src is None or src in out:
                 continue
-            path = self.store_paths(src)[1] / "scores.parquet" if src else None
-            if path is None or src in out or not path.exists():
+            model, form = split_store_source(src)
+            if model == "target":  # the target's own store: no proxy
                 continue
-            q = read_table(path)[1].to_pandas().set_index("id")
+            path = self.store_paths(src)[1] / "scores.parquet"
+            t_path = self.store_paths("target" if form is None else f"target@{form}")[1] / "scores.parquet"
+            if not path.exists() or not t_path.exists():
+                continue
+            q, ref = (read_table(x)[1].to_pandas().set_index("id") for x in (path, t_path))
             ids = sorted(set(q.index) & set(ref.index))
-            row: dict[str, Any] = {"n": len(ids), "pooled": float(spearmanr(q.loc[ids, "score"], ref.loc[ids, "score"])[0])}
+            row: dict[str, Any] = {"n": len(ids), "k": self.k,
+                                   "pooled": float(spearmanr(q.loc[ids, "score"], ref.loc[ids, "score"])[0])}
             for t in self.args.tasks:
                 cq, cr = (task_columns({c: df.loc[ids, c].to_numpy() for c in df.columns}, t) for df in (q, ref))
                 row[t] = {rule: float(spearmanr(agg(np.stack(list(cq.values()))), agg(np.stack(list(cr.values()))))[0])
                           for rule, agg in (("max", lambda x: x.max(0)), ("mean", lambda x: x.mean(0)))}
+                picks = [set(rule_order("balanced", ids, c, t)[0][:self.k].tolist()) for c in (cq, cr)]
+                row[t]["balanced_overlap"] = len(picks[0] & picks[1]) / self.k
             out[src] = row
         return out
 
@@ -673,6 +726,7 @@ class Effect:
                      "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
                      "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
                      "not_reported": sorted(stale), "not_listed": sorted(unlisted), "store_vs_exact": self.store_vs_exact(),
+                     "proxy_stores_vs_exact": self.proxy_stores_vs_exact(),
                      "proxy_store_fidelity": self.proxy_store_fidelity()},
             "rows": rows,
         }
@@ -759,12 +813,16 @@ def markdown(summary: dict) -> str:
                          f"{fmt(r.get('diff_vs_best_random_seed'), None, '{:+.4f}')} | "
                          + ("other host¹ | " if r.get("hosts_differ") else
                             f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
-                            f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')} | ") +
+                            f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')}"
+                            + ("²" if r.get("cost_reference") == "target store" else "") + " | ") +
                          f"{fmt(r.get('selected_response_tokens'), None, '{:.1f}')} |")
         lines.append("")
         if any(r.get("hosts_differ") for r in summary["rows"]):
             lines += ["¹ its scoring stages ran on another host than the target's scoring (see `stage_wall_s` and each "
                       "stage's `host` in state.json): no cost ratio.", ""]
+        if any(r.get("cost_reference") == "target store" for r in summary["rows"]):
+            lines += ["² the target's exact scoring ran on another host: ratio to the target's gradient store on this "
+                      "row's host (store build + one query, the same pool pass).", ""]
     nf = m["noise_floor"]
     if nf:
         lines += ["Noise floor (spread of the random seeds' means): " + "; ".join(
@@ -802,15 +860,22 @@ def markdown(summary: dict) -> str:
                   f"target's exact TracIn on the {sv['n']} sample examples, Spearman: pooled {sv['pooled']:.3f} (the "
                   f"same score, projected vs exact); per task, mean over the subtask columns vs the exact table's task "
                   f"columns (also another aggregation): {per_task}.", ""]
+    for src, v in (m.get("proxy_stores_vs_exact") or {}).items():
+        per_task = "; ".join(f"{t} {x['spearman_mean']:.3f}" for t, x in v.items() if isinstance(x, dict))
+        lines += [f"The same for the proxy's store (`store:{src}`) vs the proxy's exact table: pooled {v['pooled']:.3f}; "
+                  f"per task {per_task}.", ""]
     pf = m.get("proxy_store_fidelity")
     if pf:
-        lines += ["Proxy stores vs the target's store (same projection, same subtask columns), Spearman per task "
-                  "under the rule that selects (max over subtasks; mean beside it):", "",
-                  "| proxy store | pooled | " + " | ".join(f"{t} max / mean" for t in m["tasks"]) + " |",
-                  "|---|---|" + "---|" * len(m["tasks"])]
+        lines += ["Proxy stores vs the target's store queried with the same validation form (same projection, same "
+                  "subtask columns), per task: Spearman of the max over subtasks / of their mean, and the share of "
+                  "the target's `balanced` subset (k examples) that the proxy's `balanced` subset holds:", "",
+                  "| proxy store | pooled | " + " | ".join(f"{t} max / mean / balanced overlap" for t in m["tasks"])
+                  + " |", "|---|---|" + "---|" * len(m["tasks"])]
         for src, r in pf.items():
             lines.append(f"| store:{src} | {r['pooled']:.2f} | " + " | ".join(
-                f"{r[t]['max']:.2f} / {r[t]['mean']:.2f}" if t in r else "—" for t in m["tasks"]) + " |")
+                f"{r[t]['max']:.2f} / {r[t]['mean']:.2f} / "
+                + (f"{r[t]['balanced_overlap']:.2f}" if "balanced_overlap" in r[t] else "—") if t in r else "—"
+                for t in m["tasks"]) + " |")
         lines.append("")
     return "\n".join(lines)
 

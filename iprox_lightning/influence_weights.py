@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .batch import IGNORE_INDEX, check_batch
+from .batch import IGNORE_INDEX, check_batch, to_device
 from .model_modes import eval_mode
 from .target_layers import linear_shape
 from .tracking import PairTracker, backward_pairs
@@ -178,10 +178,6 @@ def _tasks(batch: Mapping) -> list[str]:
     return [ALL_TASKS] * B if tasks is None else [str(t) for t in tasks]
 
 
-def _move(batch: Mapping, device: torch.device) -> dict:
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-
-
 def _has_response(batch: Mapping) -> bool:
     return bool((batch["labels"][:, 1:] != IGNORE_INDEX).any())
 
@@ -218,7 +214,7 @@ def influence_rank_weights(
             for task in _tasks(batch):
                 counts[task] = counts.get(task, 0) + 1
             if _has_response(batch):
-                backward_pairs(model, _move(batch, device), [sums])
+                backward_pairs(model, to_device(batch, device), [sums])
                 ran = True
         if not counts:
             raise ValueError("rank_weighting='influence' needs validation examples: the validation data is empty")
@@ -239,7 +235,7 @@ def influence_rank_weights(
                 raise ValueError(f"probe batch {i}: {e}") from None
             if not _has_response(batch):
                 continue
-            backward_pairs(model, _move(batch, device), [parts])
+            backward_pairs(model, to_device(batch, device), [parts])
             _check_reached(parts.sq, names, "probe")
             dots.append(torch.stack([parts.dots[n] for n in names], dim=1).cpu().numpy())  # [B, L, K]
             sq.append(torch.stack([parts.sq[n] for n in names], dim=1).cpu().numpy())  # [B, L]

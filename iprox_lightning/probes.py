@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .batch import check_batch
+from .batch import check_batch, to_device
 from .model_modes import eval_mode
 from .target_layers import find_target_linears, linear_shape
 from .tracking import PairTracker, backward_pairs
@@ -90,10 +90,6 @@ def all_token_labels(batch: Mapping) -> dict:
     padding): the loss of ``labels="all"``."""
     labels = torch.where(batch["attention_mask"].bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))
     return {**batch, "labels": labels}
-
-
-def _move(batch: Mapping, device: torch.device) -> dict:
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 class ProbeTracker(PairTracker):
@@ -178,7 +174,7 @@ def collect_probes(
                 continue
             tracker.select(sample_positions(batch["attention_mask"], share, gen).to(device))
             step = all_token_labels(batch) if labels == "all" else batch
-            loss_sum += float(backward_pairs(model, _move(step, device), [tracker]).loss)
+            loss_sum += float(backward_pairs(model, to_device(step, device), [tracker]).loss)
     missing = [n for n, k in tracker.filled.items() if k != N]
     if missing:
         raise RuntimeError(

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .alignment import AlignmentOutput, alignment_losses, factor_projections, proxy_factor_layers
-from .batch import IGNORE_INDEX, batch_rows, check_batch
+from .batch import IGNORE_INDEX, batch_rows, check_batch, model_device, to_device
 from .lowrank import LowRankLinear
 from .target_layers import is_linear_like
 from .tracking import PairTracker, backward_pairs
@@ -318,14 +318,6 @@ def _dense_modules(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Modul
     return out
 
 
-def _to(batch: Mapping, device) -> dict:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-def _device(model: nn.Module):
-    return next(model.parameters()).device
-
-
 @dataclass
 class TaskDirections:
     """The validation directions of the score-space term: ``tasks`` (order of every ``[K, ...]``), the target's
@@ -361,10 +353,10 @@ def task_directions(teacher: nn.Module, batches: Iterable[Mapping], layers: Iter
     summed per task): one forward+backward of the frozen target per batch, :class:`TaskGradientTracker`."""
     batches, tasks = _batch_tasks(batches)
     tracker = TaskGradientTracker(_dense_modules(teacher, layers), tasks)
-    device = _device(teacher)
+    device = model_device(teacher)
     for b in batches:
         check_batch(b)
-        backward_pairs(teacher, _to(b, device), [tracker])
+        backward_pairs(teacher, to_device(b, device), [tracker])
     sq = sum(v.double().pow(2).sum(dim=(1, 2)) for v in tracker.sums.values())
     return TaskDirections(tasks=tasks, target=tracker.sums, target_sq=sq.to(next(iter(tracker.sums.values())).dtype),
                           examples=sum(len(b["id"]) for b in batches))
@@ -378,7 +370,7 @@ def proxy_directions(proxy: nn.Module, batches: Iterable[Mapping], tasks: Sequen
     batches = list(batches)
     lowrank = proxy_factor_layers(proxy, layers)
     tracker = FactorPairTracker(lowrank)
-    device = _device(proxy)
+    device = model_device(proxy)
     sums: dict[str, list[Optional[torch.Tensor]]] = {n: [None, None] for n in lowrank}
     tasks = list(tasks)
     seen: set[str] = set()
@@ -390,7 +382,7 @@ def proxy_directions(proxy: nn.Module, batches: Iterable[Mapping], tasks: Sequen
             raise ValueError(f"proxy_directions: tasks {unknown} are not among {tasks}")
         seen.update(rows)
         index = [tasks.index(t) for t in rows]
-        backward_pairs(proxy, _to(b, device), [tracker])
+        backward_pairs(proxy, to_device(b, device), [tracker])
         with torch.no_grad():
             for n, ((z, d), (h, dz)) in tracker.pairs.items():
                 for j, (x, g) in enumerate(((z, d), (h, dz))):

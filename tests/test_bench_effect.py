@@ -91,7 +91,28 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
         for rule, agg in (("max", np.max), ("mean", np.mean)):
             a, b = (agg(np.stack([x["tasks"][c] for c in cols]), axis=0) for x in (pq, tq))
             assert pf[task][rule] == pytest.approx(spearmanr(a, b)[0], abs=1e-12)
+
+        def balanced_top(x, k):  # round-robin over the task's columns by z-score, ties by id: the first k
+            queues = []
+            for c in cols:
+                v = np.asarray(x["tasks"][c], np.float64)
+                z = (v - v.mean()) / v.std() if v.std() > 0 else v - v.mean()
+                queues.append(sorted(range(len(v)), key=lambda j, z=z: (-z[j], x["id"][j])))
+            picked: list = []
+            while len(picked) < k:
+                for q in queues:
+                    if len(picked) < k:
+                        picked.append(next(j for j in q if j not in picked))
+            return {x["id"][j] for j in picked}
+
+        assert pf["k"] == 6 and pf[task]["balanced_overlap"] == len(balanced_top(pq, 6) & balanced_top(tq, 6)) / 6
     assert "store:iprox@0.5" in (out / "summary.md").read_text()
+    # the proxy's store against the proxy's own exact table (the fidelity run's), recomputed
+    pe = fv2.read_table(fidelity_dir / "scores" / fv2.dir_name(VARIANT) / "scores.parquet")
+    pe_score = dict(zip(pe["id"], pe["score"]))
+    pv = m["proxy_stores_vs_exact"]["iprox@0.5"]
+    assert pv["n"] == 30 and pv["pooled"] == pytest.approx(
+        spearmanr(pq["score"], [pe_score[i] for i in pq["id"]])[0], abs=1e-12)
 
     # the per-layer diagnosis (bench/layer_diagnosis.py) of these stores: validation stores built with the same
     # projections; its suite sums reproduce the store query's pooled score; shares sum to 1 per suite
@@ -339,7 +360,8 @@ def test_stages_record_their_host_and_summaries_report_it(fidelity_dir):
 
 def test_cost_ratio_only_between_stages_of_one_host():
     """A selector's cost ratio divides its scoring seconds by the target's only when both ran on one host: the
-    target scored on a GPU and the store built on a CPU give no ratio (flagged), records without hosts count as one."""
+    target scored on a GPU and the store built on a CPU give no ratio against the exact scoring (flagged), records
+    without hosts count as one; a store is then compared with the target's store on its own host, if there is one."""
     from types import SimpleNamespace
 
     gpu = {"machine": "x86_64", "cpus": 16, "accelerator": "NVIDIA H100 80GB HBM3", "versions": {}}
@@ -355,13 +377,28 @@ def test_cost_ratio_only_between_stages_of_one_host():
 
     same = effect.Effect.cost(fake(gpu, gpu), "store+max")
     assert same["scoring_cost_ratio"] == 2.0 and same["total_cost_ratio"] == 2.0 and "hosts_differ" not in same
-    other = effect.Effect.cost(fake(cpu, gpu), "store+balanced")
-    assert other["scoring_cost_ratio"] is None and other["total_cost_ratio"] is None and other["hosts_differ"]
-    assert other["scoring_wall_s"] == 400.0  # the seconds are still reported
+    other = effect.Effect.cost(fake(cpu, gpu), "rds")  # RDS+ on the CPU (no host: counts as any), target on the GPU
+    assert other["scoring_cost_ratio"] == 0.25
+    own_store = effect.Effect.cost(fake(cpu, gpu), "store+balanced")  # no exact scoring here: the target's store is 1
+    assert own_store["scoring_cost_ratio"] == 1.0 and own_store["cost_reference"] == "target store"
+    assert own_store["scoring_wall_s"] == 400.0  # the seconds are reported
     proxy = effect.Effect.cost(fake(cpu, gpu), "iprox@0.5")
     assert proxy["scoring_cost_ratio"] == 0.4 and proxy["total_cost_ratio"] == 1.0
     legacy = effect.Effect.cost(fake(cpu, None), "rds")  # no host recorded on either side
     assert legacy["scoring_cost_ratio"] == 0.25
+    # a proxy's store on the CPU, its target scored on a GPU: compared with the target's store on the same CPU
+    e = fake(cpu, gpu)
+    e.st.state["stages"].update({"store:iprox@0.5": {"wall_s": 150.0, "host": cpu},
+                                 "query:iprox@0.5@bbh-direct": {"wall_s": 50.0, "host": cpu}})
+    e.fid_stages["build:v"] = {"wall_s": 200.0, "host": cpu}
+    ps = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
+    assert ps["scoring_cost_ratio"] == 0.5 and ps["total_cost_ratio"] == 1.0  # (150 + 50) / (300 + 100), + 200 built
+    assert ps["cost_reference"] == "target store" and "hosts_differ" not in ps
+    assert same["cost_reference"] == "target scoring"
+    e.fid_stages["build:v"]["host"] = gpu  # the proxy built on the GPU, stored on the CPU: no ratio at all
+    no = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
+    assert no["hosts_differ"] and no["scoring_cost_ratio"] is None and no["total_cost_ratio"] is None
+    assert no["scoring_wall_s"] == 200.0  # the seconds are still reported
 
 
 def test_store_selectors_with_a_validation_form_query_the_same_store():
@@ -379,3 +416,37 @@ def test_store_selectors_with_a_validation_form_query_the_same_store():
     store, query = effect.Effect.store_paths(fake, "target@bbh-direct")
     assert store == Path("/o/stores/target") and query.parent == Path("/o/scores") and query.name != "store"
     assert effect.Effect.store_paths(fake, "iprox@0.5@bbh-direct")[0] == effect.Effect.store_paths(fake, "iprox@0.5")[0]
+
+
+def test_validation_forms_spell_one_eval_spec_for_store_queries_and_rds():
+    """A form replaces its suite in the ``eval:<dir>`` spec (the store query and ``rds@<form>`` read the same one);
+    an unknown form and the built-in demo suites are refused, naming the selector."""
+    from types import SimpleNamespace
+
+    real = SimpleNamespace(args=SimpleNamespace(eval_dir="/e"))
+    assert effect.Effect.form_validation(real, "bbh-direct", "rds@bbh-direct") == "eval:/e:mmlu,bbh-direct,tydiqa"
+    with pytest.raises(ValueError, match="rds@cot2: unknown validation form 'cot2'"):
+        effect.Effect.form_validation(real, "cot2", "rds@cot2")
+    with pytest.raises(ValueError, match="store:target@bbh-direct: validation forms need the real evaluation suites"):
+        effect.Effect.form_validation(SimpleNamespace(args=SimpleNamespace(eval_dir="builtin")), "bbh-direct",
+                                      "store:target@bbh-direct")
+
+
+def test_cost_takes_the_build_that_ran_on_the_rows_host():
+    """A proxy built on a GPU and re-made on a CPU (same fingerprint: the GPU's copy stayed there) keeps both runs:
+    the exact GPU scoring row costs the GPU build, the CPU store row the CPU re-build."""
+    from types import SimpleNamespace
+
+    gpu = {"machine": "x86_64", "cpus": 16, "accelerator": "NVIDIA H100 80GB HBM3", "versions": {}}
+    cpu = {"machine": "x86_64", "cpus": 2, "accelerator": "cpu", "versions": {}}
+    fid = {"score:target": {"wall_s": 20.0, "host": gpu}, "score:v": {"wall_s": 30.0, "host": gpu},
+           "build:v": {"wall_s": 100.0, "host": gpu, "rebuilt": [{"wall_s": 1500.0, "host": cpu}]}}
+    own = {"store:target": {"wall_s": 1200.0, "host": cpu}, "query:target": {"wall_s": 200.0, "host": cpu},
+           "store:iprox@0.5": {"wall_s": 600.0, "host": cpu}, "query:iprox@0.5@bbh-direct": {"wall_s": 100.0, "host": cpu}}
+    e = SimpleNamespace(args=SimpleNamespace(rule="mean"), fid_stages=fid, st=SimpleNamespace(state={"stages": own}),
+                        sources={"target": "target", "iprox@0.5": "v"})
+    exact = effect.Effect.cost(e, "iprox@0.5")
+    assert exact["scoring_cost_ratio"] == 1.5 and exact["total_cost_ratio"] == 6.5 and exact["build_wall_s"] == 100.0
+    store = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
+    assert store["scoring_cost_ratio"] == 0.5 and store["build_wall_s"] == 1500.0  # (600 + 100) / (1200 + 200)
+    assert store["total_cost_ratio"] == pytest.approx(2200 / 1400) and store["cost_reference"] == "target store"

@@ -440,7 +440,7 @@ def test_a_stage_output_replaced_by_hand_reruns_the_stages_that_read_it(tmp_path
     from iprox_lightning.io.proxy import read_manifest
 
     wd = tmp_path / "wd"
-    kw = dict(workdir=str(wd), finetune=False, data_args={"builtin_size": 300})
+    kw = dict(workdir=str(wd), finetune=False, data_args={"builtin_size": 300}, select_rule="pooled")  # one subset
     pipeline(**kw)
     before = read_scores(wd / "scores" / "proxy" / "scores.parquet")
     proxy_dir = wd / "proxy" / "model"

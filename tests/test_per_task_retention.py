@@ -185,7 +185,7 @@ def demo(tmp_path_factory):
     from iprox_lightning.commands.pipeline import pipeline
 
     wd = tmp_path_factory.mktemp("pipeline_per_task")
-    summary = pipeline(workdir=str(wd), finetune=False)
+    summary = pipeline(workdir=str(wd))  # the defaults: README's quick start
     return wd, summary
 
 
@@ -241,3 +241,24 @@ def test_check_reports_each_validation_task(demo, tmp_path, capsys):
     assert row["per_task"].keys() == {"addition", "uppercase"}
     out = capsys.readouterr().out
     assert "per validation task" in out and "   on uppercase   : Spearman" in out
+
+
+def test_pipeline_default_rule_selects_once_per_task(demo):
+    """The default rule (``balanced``, measured best on every task of the downstream benchmark) selects one subset per
+    validation task for the target and the proxy: on the demo each task has one score column, so a task's subset is
+    the top 5% by that column (ties by id), computed here from the score table by brute force."""
+    wd, s = demo
+    assert s["selection_rule"] == {"rule": "balanced", "k": 0.05, "tasks": ["addition", "uppercase"]}
+    for who in ("target", "proxy"):
+        per_task, _ = _read(wd / "scores" / who / "scores.parquet")
+        for task in ("addition", "uppercase"):
+            ids = [json.loads(line)["id"] for line in open(wd / "selected" / f"{who}.{task}.jsonl")]
+            want = sorted(per_task, key=lambda i: (-per_task[i][task], i))[:100]
+            assert ids == want, (who, task)
+    assert not (wd / "selected" / "proxy.jsonl").exists()  # no pooled subset beside the per-task ones
+    # each task's subset fine-tuned once and evaluated on that task's held-out examples
+    effect = s["selection_effect"]["metrics"]
+    for who in ("target", "proxy"):
+        assert set(effect[who]["models"]) == {"addition", "uppercase"}
+        assert all((wd / "finetune" / f"{who}.{t}" / "model" / "config.json").exists() for t in ("addition", "uppercase"))
+    assert set(effect) == {"base", "proxy", "target", "random"} and all(m["n"] == 100 for m in effect.values())

@@ -49,6 +49,9 @@ EXPECTED = {
                "random": (2.1334729373455046, 1.4890580010414123, 2.7778878736495973, 0.01)},
 }
 TOPK = {"top1%": 20, "top5%": 100, "top10%": 200}  # k on the 2000-example pool
+# the selection rule the spread above was measured under (the pipeline's default was "pooled" then; the default
+# "balanced", one subset per task, is tested in test_per_task_retention.py)
+DEMO_RULE = "pooled"
 
 
 OUTPUT: dict = {}  # what the module's pipeline run printed (test_pipeline_output_is_one_line_per_stage)
@@ -84,7 +87,7 @@ def captured_output():
 def run(tmp_path_factory):
     wd = tmp_path_factory.mktemp("pipeline")
     with captured_output() as (buf, shown):
-        summary = pipeline(workdir=str(wd))
+        summary = pipeline(workdir=str(wd), select_rule=DEMO_RULE)
     OUTPUT.update(text=buf.getvalue(), warnings=[f"{w.category.__name__}: {w.message}" for w in shown])
     return wd, summary
 
@@ -193,7 +196,7 @@ def test_tolerances_cover_the_measured_spread():
 
 def test_pipeline_resumes_without_rerunning(run, capsys):
     wd, s = run
-    again = pipeline(workdir=str(wd))
+    again = pipeline(workdir=str(wd), select_rule=DEMO_RULE)
     out = capsys.readouterr().out
     assert out.count("reused (") == 7  # warmup, build_proxy, 2 x score, 3 x finetune: nothing re-ran
     assert {k: v["status"] for k, v in again["stages"].items()} == {

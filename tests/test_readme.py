@@ -155,7 +155,7 @@ def test_readme_recipe_blocks_are_the_same_commands_scaled_up():
     pipe_cpu, pipe_gpu = shlex.split(cpu[1]), shlex.split(gpu[0])
     for args in (pipe_cpu, pipe_gpu):
         assert args[args.index("--target") + 1] == RECIPE_MODEL
-        assert args[args.index("--select_rule") + 1] == "max"
+        assert "--select_rule" not in args  # the default rule (balanced, one subset per task)
         assert args[args.index("--validation") + 1] == "eval:../shared/data/eval"
     assert pipe_gpu[pipe_gpu.index("--accelerator") + 1] == "gpu"
     assert pipe_gpu[pipe_gpu.index("--pool") + 1] == "../shared/data/pool/instructions.jsonl"
@@ -197,7 +197,7 @@ def check_recipe_outputs(repo: Path) -> dict:
     assert len(sample) == 160 and all("source" in r for r in sample)
     wd = repo / "outputs" / "smollm2"
     summary = json.loads((wd / "summary.json").read_text())
-    assert summary["selection_rule"] == {"rule": "max", "k": 0.05, "tasks": ["bbh", "mmlu", "tydiqa"]}
+    assert summary["selection_rule"] == {"rule": "balanced", "k": 0.05, "tasks": ["bbh", "mmlu", "tydiqa"]}
     ran = {k for k, v in summary["stages"].items() if v["status"] == "ran"}
     assert ran == {"warmup", "build_proxy", "score:target", "score:proxy", "finetune:random",
                    *(f"finetune:{who}.{t}" for who in ("proxy", "target") for t in tasks)}
@@ -237,7 +237,8 @@ def test_readme_own_model_recipe_runs_as_written(tmp_path, eval_dir, capsys, mon
     out = capsys.readouterr().out
     summary = check_recipe_outputs(repo)
     assert "proxy's selections : one per task" in out and "\nverdict: " in out
-    # a per-task selection is the top 8 by the max over the task's subtask columns (brute force on the score table)
+    # a per-task selection (rule balanced) takes 8 examples in turn from the task's subtask columns, each column's
+    # best remaining by standardised score, ties by id (brute force on the score table)
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -246,7 +247,17 @@ def test_readme_own_model_recipe_runs_as_written(tmp_path, eval_dir, capsys, mon
     for task in ("mmlu", "bbh", "tydiqa"):
         cols = [c for c in table if c.startswith(f"score/{task}.")]
         assert 1 <= len(cols) <= 2  # val_per_task 2: at most two subtasks of the task
-        value = dict(zip(table["id"], np.max([table[c] for c in cols], axis=0)))
-        chosen = {json.loads(line)["id"] for line in (wd / "selected" / f"proxy.{task}.jsonl").read_text().splitlines()}
-        assert min(value[i] for i in chosen) >= max(v for i, v in value.items() if i not in chosen)
+        queues = []
+        for c in cols:
+            v = np.asarray(table[c], np.float64)
+            z = (v - v.mean()) / v.std()
+            queues.append(sorted(table["id"], key=lambda i, z=dict(zip(table["id"], z)): (-z[i], i)))
+        want: list = []
+        while len(want) < 8:
+            for q in queues:
+                pick = next(i for i in q if i not in want)
+                if len(want) < 8:
+                    want.append(pick)
+        chosen = [json.loads(line)["id"] for line in (wd / "selected" / f"proxy.{task}.jsonl").read_text().splitlines()]
+        assert sorted(chosen) == sorted(want), task
     assert summary["seconds_per_stage"]["evaluate"] > 0

@@ -6,9 +6,10 @@ Each stage goes through the same LightningCLI configs a user runs:
     random) -> fine-tune on each of the three selections -> evaluate each on held-out examples of the
     validation tasks -> summary (retention, the selections explained, the fine-tuned effect)
 
-With a per-task selection rule (``mean``, ``max``: :data:`PER_TASK_RULES`) the target and the proxy select one subset
-per validation task (``selected/<who>.<task>.jsonl``, ranked by the rule over the task's score columns: with
-``validation_subtasks`` in ``data_args``, LESS's max over its subtasks) and the target is fine-tuned on each
+With a per-task selection rule (``balanced``, the default, ``mean``, ``max``: :data:`PER_TASK_RULES`) the target and
+the proxy select one subset per validation task (``selected/<who>.<task>.jsonl``, ranked by the rule over the task's
+score columns: with ``validation_subtasks`` in ``data_args``, round-robin over its subtasks by standardised score, or
+LESS's max over them) and the target is fine-tuned on each
 (``finetune/<who>.<task>/``), each evaluated on its own task; the random selection stays one subset for all tasks.
 
 Each stage reads the previous stage's output directory under ``workdir``. The exact config of
@@ -36,8 +37,10 @@ from ..errors import InputNotFoundError, OutputNotDirectoryError, UserInputError
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-PER_TASK_RULES = ("mean", "max")
-"""Selection rules that rank for one task: with them the pipeline selects (and fine-tunes) once per validation task."""
+PER_TASK_RULES = ("balanced", "mean", "max")
+"""Selection rules that rank for one task: with them the pipeline selects (and fine-tunes) once per validation task
+(``balanced``: over the task's own score columns, its subtasks; ``select --rule balanced`` without ``--task`` balances
+one subset over every task instead)."""
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
@@ -61,7 +64,7 @@ def pipeline(
     validation: str = "builtin",
     sparsity: float = 0.5,
     select_fraction: float = 0.05,
-    select_rule: str = "pooled",
+    select_rule: str = "balanced",
     method: str = "tracin",
     config_dir: str | None = None,
     demo_overlays: bool | None = None,
@@ -84,11 +87,14 @@ def pipeline(
         validation: validation sets (``builtin``, a file with a ``category`` column, ``eval:<dir>``).
         sparsity: ρ, the share of each compressed layer's parameters removed.
         select_fraction: k as a fraction of the pool (paper: 5%).
-        select_rule: how the score columns become one ranking (``pooled``, ``mean``, ``max``, ``balanced``:
+        select_rule: how the score columns become one ranking (``balanced``, ``mean``, ``max``, ``pooled``:
             :mod:`iprox_lightning.selection_rules`) for the target's and the proxy's selection (the random one ranks
-            by its random score). ``mean`` and ``max`` select once per validation task (``selected/<who>.<task>.jsonl``:
-            the mean / max over the task's columns, e.g. LESS's max over its subtasks with
-            ``data_args={"validation_subtasks": true}``), and the target is fine-tuned on each.
+            by its random score). ``balanced`` (default), ``mean`` and ``max`` select once per validation task
+            (``selected/<who>.<task>.jsonl``): round-robin over the task's columns by standardised score / their
+            mean / their max (LESS's max over its subtasks with ``data_args={"validation_subtasks": true}``), and
+            the target is fine-tuned on each. ``balanced`` is the default: on the downstream benchmark it was the best rule,
+            or within 0.02 nats of it, on every task (``docs/BENCHMARKS.md``). ``pooled``: one subset by
+            the cosine to the mean gradient of all validation examples (dominated by the largest task).
         method: ``tracin`` or ``kfac``.
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
@@ -132,7 +138,7 @@ def pipeline(
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select)
 
 
-def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "pooled",
+def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "balanced",
                     eval_per_task: int | None = None) -> None:
     """Refuse at once the arguments a late stage would refuse (after warm-up and proxy building ran)."""
     if wd.exists() and not wd.is_dir():
