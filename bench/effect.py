@@ -127,15 +127,19 @@ def split_store_source(source: str) -> tuple[str, str | None]:
     return source, None
 
 
+def host_key(rec: dict) -> tuple | None:
+    """``(accelerator, cpus)`` of the host a stage record ran on (what makes two runs' seconds comparable); ``None``
+    for a record made before hosts were recorded."""
+    h = rec.get("host")
+    return (h["accelerator"], h["cpus"]) if h else None
+
+
 def run_on_host(rec: dict, like: dict) -> dict:
     """The run of a stage on ``like``'s host: ``rec`` itself, or one of its ``rebuilt`` runs (a stage re-made on
     another host from the same fingerprint, because its output stayed where it first ran, keeps each run's record);
     ``rec`` when none matches (the cost then says the hosts differ)."""
-    host = (like.get("host") or {}).get("accelerator"), (like.get("host") or {}).get("cpus")
-    for r in [rec, *rec.get("rebuilt", [])]:
-        if r.get("host") and (r["host"]["accelerator"], r["host"]["cpus"]) == host:
-            return r
-    return rec
+    want = host_key(like)
+    return next((r for r in [rec, *rec.get("rebuilt", [])] if want is not None and host_key(r) == want), rec)
 
 
 def digest(obj: Any) -> str:
@@ -513,7 +517,7 @@ class Effect:
             score, build = None, None
         else:
             score, build = 0.0, 0.0
-        host_set = lambda rs: {(r["host"]["accelerator"], r["host"]["cpus"]) for r in rs if r.get("host")}  # noqa: E731
+        host_set = lambda rs: {host_key(r) for r in rs} - {None}  # noqa: E731
         differ, reference = len(host_set([tgt_rec, *recs])) > 1, "target scoring"
         if differ and (selector == "store" or selector.startswith("store:")):
             # the target's exact scoring ran elsewhere: a store is compared with the target's own store on its host
@@ -594,8 +598,6 @@ class Effect:
                     r = self.store_vs_exact(model)
                     if r is not None:
                         out[model] = r
-        return out
-
         return out
 
     def proxy_store_fidelity(self) -> dict:
