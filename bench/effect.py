@@ -56,11 +56,13 @@ from iprox_lightning.data.sources import write_records_jsonl
 from iprox_lightning.selection_rules import RULES, task_columns
 
 TASKS = ("mmlu", "bbh", "tydiqa")
-# the best proxy per ρ by the worst task of the per-task fidelity table (docs/BENCHMARKS.md), and LE at ρ = 0.5
+# the best proxy per ρ by the worst task of the per-task fidelity table (docs/BENCHMARKS.md), LE at ρ = 0.5, and ρ = 0.7
+# with ρ = 0.5's settings (the cost row: scoring at ρ = 0.7 measured 0.59 of the target's on the CPU, bench/speed.py)
 DEFAULT_SOURCES = {
     "target": "target",
     "iprox@0.3": "ipsvd/exact/rel1e-3/global@0.3+align2:1e-4",
     "iprox@0.5": "ipsvd/exact/rel1e-3/global@0.5+align2:3e-4",
+    "iprox@0.7": "ipsvd/exact/rel1e-3/global@0.7+align2:3e-4",
     "layer_extraction@0.5": "le@0.5",
     "target_unwarmed": "target_unwarmed",
 }
@@ -107,6 +109,16 @@ def split_finetune_seed(key: str) -> tuple[str, int | None]:
     """``"mmlu/target~ft1"`` -> ``("mmlu/target", 1)``; a key without the suffix was fine-tuned with ``--seed``."""
     base, sep, s = key.rpartition(FT_SUFFIX)
     return (base, int(s)) if sep and s.isdigit() else (key, None)
+
+
+def is_store(selector: str) -> bool:
+    """A gradient-store selector: ``store`` (the target's) or ``store:<model>[@<form>]``."""
+    return selector == "store" or selector.startswith("store:")
+
+
+def is_rds(selector: str) -> bool:
+    """The RDS+ baseline: ``rds`` or ``rds@<form>``."""
+    return selector == "rds" or selector.startswith("rds@")
 
 
 def store_source(selector: str) -> str:
@@ -230,7 +242,7 @@ class Effect:
                 raise SystemExit(f"selector {selector}: {p} missing (run bench/fidelity_v2.py with variant "
                                  f"{self.sources[selector]!r})")
             return p
-        if selector == "rds" or selector.startswith("rds@"):
+        if is_rds(selector):
             # RDS+ against the fidelity run's validation file, or (rds@<form>) the suites with one in another form
             form = selector.partition("@")[2] or None
             d = self.out / "scores" / dir_name(selector)
@@ -242,7 +254,7 @@ class Effect:
                 "data": [self.sample_ids, digest(self.validation.read_text()) if form is None else val],
                 "settings": {k: ov[k] for k in ("max_length", "batch_size")}}, d / "scores.parquet", clean=d)
             return d / "scores.parquet"
-        if selector == "store" or selector.startswith("store:"):
+        if is_store(selector):
             return self.store_table(store_source(selector))
         if selector.startswith("random:"):
             seed = int(selector.split(":", 1)[1])
@@ -500,10 +512,10 @@ class Effect:
             if v not in ("target", "target_unwarmed"):
                 recs.append(run_on_host(st.get(f"build:{v}", {}), recs[0]))
             build = recs[1].get("wall_s", 0.0) if len(recs) > 1 else 0.0
-        elif selector == "rds" or selector.startswith("rds@"):
+        elif is_rds(selector):
             recs = [own.get(f"score:{selector}", {})]
             score, build = recs[0].get("wall_s"), 0.0
-        elif selector == "store" or selector.startswith("store:"):
+        elif is_store(selector):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
             src = store_source(selector)
             model = split_store_source(src)[0]
@@ -519,7 +531,7 @@ class Effect:
             score, build = 0.0, 0.0
         host_set = lambda rs: {host_key(r) for r in rs} - {None}  # noqa: E731
         differ, reference = len(host_set([tgt_rec, *recs])) > 1, "target scoring"
-        if differ and (selector == "store" or selector.startswith("store:")):
+        if differ and is_store(selector):
             # the target's exact scoring ran elsewhere: a store is compared with the target's own store on its host
             # (build + its first query: the same pool pass and one validation set)
             ref = [own.get("store:target", {}), own.get("query:target", {})]
@@ -590,14 +602,22 @@ class Effect:
     def proxy_stores_vs_exact(self) -> dict:
         """:meth:`store_vs_exact` of every proxy store this command names (its default-form query)."""
         out = {}
+        for src in self.proxy_store_queries():
+            model = split_store_source(src)[0]
+            if model not in out and (r := self.store_vs_exact(model)) is not None:
+                out[model] = r
+        return out
+
+    def proxy_store_queries(self) -> list[str]:
+        """The distinct proxy store queries this command's selectors name (``iprox@0.5``, ``iprox@0.5@bbh-direct``;
+        the target's own store is no proxy), in the selectors' order."""
+        out: list[str] = []
         for sel in self.args.selectors:
             base = split_rule(sel, self.args.rule)[0]
             if base.startswith("store:"):
-                model = split_store_source(store_source(base))[0]
-                if model != "target" and model not in out:
-                    r = self.store_vs_exact(model)
-                    if r is not None:
-                        out[model] = r
+                src = store_source(base)
+                if split_store_source(src)[0] != "target" and src not in out:
+                    out.append(src)
         return out
 
     def proxy_store_fidelity(self) -> dict:
@@ -612,14 +632,8 @@ class Effect:
         from iprox_lightning.selection_rules import rule_order
 
         out: dict[str, dict] = {}
-        for sel in self.args.selectors:
-            base = split_rule(sel, self.args.rule)[0]
-            src = store_source(base) if base.startswith("store:") else None
-            if src is None or src in out:
-                continue
-            model, form = split_store_source(src)
-            if model == "target":  # the target's own store: no proxy
-                continue
+        for src in self.proxy_store_queries():
+            form = split_store_source(src)[1]
             path = self.store_paths(src)[1] / "scores.parquet"
             t_path = self.store_paths("target" if form is None else f"target@{form}")[1] / "scores.parquet"
             if not path.exists() or not t_path.exists():

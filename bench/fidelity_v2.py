@@ -493,6 +493,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--summary-only", action="store_true", help="only recompute summary/tables/plot from finished stages")
+    ap.add_argument("--build-only", action="store_true",
+                    help="build the variants' proxies and score none of them (for proxies used through a gradient store, "
+                         "bench/effect.py store:<proxy>); no summary is written")
     ap.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
     ap.add_argument("--in-process", action="store_true",
                     help="run each stage's train.py command in this process, not as a subprocess (tests)")
@@ -674,17 +677,18 @@ def main(argv=None) -> dict:
                         "seed_everything": args.seed, "trainer": trainer, "model": {"init_args": model},
                         "data": {"init_args": data},
                     }, fp, pdir / "iprox_proxy.json", clean=pdir)
-                score(v["key"], str(pdir), target, stage_fp(f"build:{v['key']}"))
+                if not args.build_only:
+                    score(v["key"], str(pdir), target, stage_fp(f"build:{v['key']}"))
                 st.state.get("errors", {}).pop(v["key"], None)
             except RuntimeError as e:
                 log(f"variant {v['key']} FAILED: {e}")
                 st.state.setdefault("errors", {})[v["key"]] = str(e)[-2000:]
                 st.save()
         # the target as shipped, last: the second reference column (the effect of the warm-up)
-        if not args.no_warmup and not args.no_unwarmed:
+        if not args.no_warmup and not args.no_unwarmed and not args.build_only:
             score("target_unwarmed", args.model, target, args.model)
-    if args.dry_run:
-        return {"would_run": st.ran}
+    if args.dry_run or args.build_only:
+        return {"would_run": st.ran} if args.dry_run else {"built": [v["key"] for v in variants]}
 
     # 5. interleaved scoring time (one process, models taking turns) -----------------------------
     timing_path = out / "timing.json"

@@ -49,6 +49,11 @@ SHAPES = {
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # Llama-2-7B and Llama-3.1-8B (the paper's and LESS's scale): for --flops-only, too big to time on a CPU
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
 }
 
 
@@ -209,7 +214,14 @@ def main(argv=None):
     ap.add_argument("--proxy-rhos", type=float, nargs="*", default=[],
                     help="also time (a) for random-factor low-rank proxies at these sparsities")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--flops-only", action="store_true",
+                    help="time nothing: the analytic scoring-FLOP ratio proxy/target of every --shape at each "
+                         "--proxy-rhos (uniform ranks at the sparsity; iprox_lightning.analysis.flops)")
     args = ap.parse_args(argv)
+    if args.flops_only:
+        return write_result(args, {"seq_len": args.seq_len, "flop_ratios": {
+            name: {f"{rho:g}": shape_flop_ratio(name, rho, args.seq_len) for rho in args.proxy_rhos}
+            for name in SHAPES}})
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -325,12 +337,38 @@ def main(argv=None):
         proxies={k: info for k, (_, info) in proxies.items()},
         peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     )
+    return write_result(args, result)
+
+
+def write_result(args, result: dict) -> dict:
     if args.out:
         from pathlib import Path
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def scoring_flop_ratio(target, proxy, seq_len: int) -> float:
+    """Analytic FLOPs of scoring one example with ``proxy`` over the same with ``target`` (forward, backward with the
+    tracked layers' weight gradients, inner products; :func:`iprox_lightning.analysis.flops.scoring_flops`)."""
+    from iprox_lightning.analysis.flops import ModelShape, scoring_flops
+
+    flops = [scoring_flops(s if isinstance(s, ModelShape) else ModelShape.from_model(s), n_train=1, n_val=0,
+                           seq_len=seq_len)["total"] for s in (target, proxy)]
+    return flops[1] / flops[0]
+
+
+def shape_flop_ratio(name: str, rho: float, seq_len: int) -> float:
+    """:func:`scoring_flop_ratio` of the ``SHAPES[name]`` Llama (on the meta device) and its proxy at sparsity ``rho``
+    with every block linear at the rank :func:`~iprox_lightning.rank.rank_for_sparsity` gives (left dense where that
+    rank would not save parameters)."""
+    from iprox_lightning.analysis.flops import ModelShape
+    from iprox_lightning.rank import rank_for_sparsity
+
+    target = ModelShape.from_config({"model_type": "llama", **SHAPES[name]}, name=name)
+    ranks = {l.name: r for l in target.linears if (r := rank_for_sparsity(l.in_features, l.out_features, rho))}
+    return scoring_flop_ratio(target, target.with_ranks(ranks), seq_len)
 
 
 def build_proxy_scorer(model, rho, target_scorer, val, args):
@@ -347,7 +385,8 @@ def build_proxy_scorer(model, rho, target_scorer, val, args):
                                                 per_task=args.per_task, feature_mode=args.feature_mode))
     scorer.fit(val, val if args.method == "kfac" else None)
     return scorer, dict(rho=rho, params=rep.params_after, achieved_sparsity=rep.achieved_sparsity,
-                        tracked_params=scorer.settings()["tracked_parameters"])
+                        tracked_params=scorer.settings()["tracked_parameters"],
+                        flop_ratio=scoring_flop_ratio(model, proxy, args.seq_len))
 
 
 if __name__ == "__main__":

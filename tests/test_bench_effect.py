@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from reference_rules import balanced_brute
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import effect  # noqa: E402
@@ -92,18 +93,8 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
             a, b = (agg(np.stack([x["tasks"][c] for c in cols]), axis=0) for x in (pq, tq))
             assert pf[task][rule] == pytest.approx(spearmanr(a, b)[0], abs=1e-12)
 
-        def balanced_top(x, k):  # round-robin over the task's columns by z-score, ties by id: the first k
-            queues = []
-            for c in cols:
-                v = np.asarray(x["tasks"][c], np.float64)
-                z = (v - v.mean()) / v.std() if v.std() > 0 else v - v.mean()
-                queues.append(sorted(range(len(v)), key=lambda j, z=z: (-z[j], x["id"][j])))
-            picked: list = []
-            while len(picked) < k:
-                for q in queues:
-                    if len(picked) < k:
-                        picked.append(next(j for j in q if j not in picked))
-            return {x["id"][j] for j in picked}
+        def balanced_top(x, k):  # the task-balanced rule's first k, brute force
+            return {x["id"][j] for j in balanced_brute(x["id"], [x["tasks"][c] for c in cols], k)[0]}
 
         assert pf["k"] == 6 and pf[task]["balanced_overlap"] == len(balanced_top(pq, 6) & balanced_top(tq, 6)) / 6
     assert "store:iprox@0.5" in (out / "summary.md").read_text()

@@ -389,6 +389,14 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
     (out / "summary.json").write_text(json.dumps(prev))
     s3 = fv2.main(later + ["--summary-only"])
     assert {r["variant"]: r for r in s3["rows"]}["ipsvd/exact/rel1e-3/global@0.5"]["params"] is None
+    # --build-only: the proxy alone (what a gradient store needs), no score table, so no row; the references are kept
+    only = later[:later.index("--variants")] + ["--variants", "le@0.3"] + later[later.index("--bootstrap"):]
+    assert fv2.main(only + ["--build-only"]) == {"built": ["le@0.3"]}
+    stages = json.loads((out / "state.json").read_text())["stages"]
+    assert "build:le@0.3" in stages and "score:le@0.3" not in stages
+    assert stages["score:target"] == state["stages"]["score:target"]  # not re-run
+    assert (out / "proxies" / fv2.dir_name("le@0.3") / "config.json").exists()
+    assert fv2.main(only + ["--build-only", "--dry-run"])["would_run"] == []
 
 
 def test_splice_docs_replaces_only_the_generated_section(tmp_path):

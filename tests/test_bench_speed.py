@@ -52,3 +52,23 @@ def test_bfloat16_model_scores_close_to_the_loop():
 def test_shapes_are_llama_3_2():
     assert speed.SHAPES["llama-1b"]["hidden_size"] == 2048 and speed.SHAPES["llama-1b"]["num_hidden_layers"] == 16
     assert speed.SHAPES["llama-3b"]["hidden_size"] == 3072 and speed.SHAPES["llama-3b"]["num_hidden_layers"] == 28
+
+
+def test_proxy_flop_ratio_is_the_analytic_scoring_cost(result):
+    """Each timed proxy records the analytic scoring-FLOP ratio of its real shape, which equals the meta-device
+    prediction ``--flops-only`` makes for the same shape and sparsity (both take ranks from ``rank_for_sparsity``)."""
+    res, _ = result
+    got = {rho: res["proxies"][f"p{rho}"]["flop_ratio"] for rho in ("0.3", "0.7")}
+    assert 0 < got["0.7"] < got["0.3"] < 1
+    for rho, r in got.items():
+        assert r == pytest.approx(speed.shape_flop_ratio("tiny", float(rho), 32), rel=1e-12)
+
+
+def test_flops_only_predicts_every_shape(tmp_path):
+    out = tmp_path / "flops.json"
+    res = speed.main(["--flops-only", "--proxy-rhos", "0.5", "0.7", "--seq-len", "256", "--out", str(out)])
+    r = res["flop_ratios"]
+    assert set(r) == set(speed.SHAPES) and json.loads(out.read_text()) == res
+    assert all(0 < r[s]["0.7"] < r[s]["0.5"] < 1 for s in r)
+    # at 7B the untouched parts (LM head, attention) weigh less than at 135M: the same sparsity saves more
+    assert r["llama2-7b"]["0.5"] < r["smollm-135m"]["0.5"]

@@ -239,25 +239,15 @@ def test_readme_own_model_recipe_runs_as_written(tmp_path, eval_dir, capsys, mon
     assert "proxy's selections : one per task" in out and "\nverdict: " in out
     # a per-task selection (rule balanced) takes 8 examples in turn from the task's subtask columns, each column's
     # best remaining by standardised score, ties by id (brute force on the score table)
-    import numpy as np
     import pyarrow.parquet as pq
+    from reference_rules import balanced_brute
 
     wd = repo / "outputs" / "smollm2"
     table = pq.read_table(wd / "scores" / "proxy" / "scores.parquet").to_pydict()
     for task in ("mmlu", "bbh", "tydiqa"):
         cols = [c for c in table if c.startswith(f"score/{task}.")]
         assert 1 <= len(cols) <= 2  # val_per_task 2: at most two subtasks of the task
-        queues = []
-        for c in cols:
-            v = np.asarray(table[c], np.float64)
-            z = (v - v.mean()) / v.std()
-            queues.append(sorted(table["id"], key=lambda i, z=dict(zip(table["id"], z)): (-z[i], i)))
-        want: list = []
-        while len(want) < 8:
-            for q in queues:
-                pick = next(i for i in q if i not in want)
-                if len(want) < 8:
-                    want.append(pick)
+        want = [table["id"][j] for j in balanced_brute(table["id"], [table[c] for c in cols], 8)[0]]
         chosen = [json.loads(line)["id"] for line in (wd / "selected" / f"proxy.{task}.jsonl").read_text().splitlines()]
         assert sorted(chosen) == sorted(want), task
     assert summary["seconds_per_stage"]["evaluate"] > 0

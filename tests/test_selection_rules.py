@@ -10,6 +10,7 @@ import pytest
 from iprox_lightning.scoring import ScoreTable
 from iprox_lightning.select import select
 from iprox_lightning.selection_rules import RULES, rule_order, task_columns
+from reference_rules import balanced_brute
 
 N = 30
 TASKS = ["bbh.date", "bbh.navigate", "mmlu.anatomy", "mmlu.astronomy", "mmlu.virology", "tydiqa"]
@@ -77,14 +78,7 @@ def test_balanced_round_robin_over_standardised_tasks(table):
     assert sorted(order.tolist()) == list(range(N))  # a permutation: every example exactly once
     z = (ts - ts.mean(0)) / ts.std(0)
     # brute force: task t (round-robin) takes its best remaining example by z-score
-    taken, want, picker = set(), [], []
-    while len(want) < N:
-        for t in range(len(TASKS)):
-            rest = [j for j in brute_order(list(range(N)), z[:, t]) if j not in taken]
-            if rest:
-                taken.add(rest[0])
-                want.append(rest[0])
-                picker.append(t)
+    want, picker = balanced_brute(ids, list(ts.T))
     assert order.tolist() == want
     np.testing.assert_allclose(value[want], [z[j, t] for j, t in zip(want, picker)], atol=1e-12)
     # the first len(TASKS) picks are each task's own best: the 10x-scaled task does not dominate
