@@ -538,25 +538,36 @@ def draw_sample(candidates: list[dict], args, builtin: bool, st: Stages) -> list
     return sample
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    variants = [parse_variant(v) for v in args.variants]
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    log = lambda m: print(f"[{time.perf_counter() - t_start:7.1f}s] {m}", flush=True)  # noqa: E731
-    st = Stages(out, args.threads, log, dry_run=args.dry_run, in_process=args.in_process)
-    cfg = ROOT / "configs"
-    builtin = args.pool == "builtin"
-    demo = (lambda name: [cfg / "builtin" / f"{name}.yaml"] if builtin and (cfg / "builtin" / f"{name}.yaml").exists()
-            else [])
-    data_common = {"seed": args.seed, "builtin_size": args.builtin_size}
+class FidelityRun:
+    """One invocation's stages, in order: :meth:`warm_up`, :meth:`write_inputs`, :meth:`score` (the references),
+    :meth:`build` (one per variant), then :func:`build_summary`. Each stage runs through the :class:`ledger.Stages`
+    of ``OUT/state.json`` (reused by fingerprint)."""
+
+    def __init__(self, args, log):
+        self.args, self.log = args, log
+        self.out = Path(args.out).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.st = Stages(self.out, args.threads, log, dry_run=args.dry_run, in_process=args.in_process)
+        self.cfg = ROOT / "configs"
+        self.builtin = args.pool == "builtin"
+        self.data_common = {"seed": args.seed, "builtin_size": args.builtin_size}
+
+    def demo(self, name: str) -> list[Path]:
+        """The built-in demo's overlay of a stage config, when the run uses the built-in pool."""
+        p = self.cfg / "builtin" / f"{name}.yaml"
+        return [p] if self.builtin and p.exists() else []
+
+    def stage_fp(self, key: str) -> str | None:
+        rec = self.st.state["stages"].get(key)
+        return rec["fingerprint"] if rec else None
 
     # 1. warm-up ---------------------------------------------------------------------------------
-    warmed = out / "warmed"
-    if args.no_warmup:
-        target = args.model
-    else:
+    def warm_up(self) -> str:
+        """The target the proxies are built from: ``OUT/warmed`` (warmed up, or adopted), or ``--model`` itself."""
+        args, st, out, cfg = self.args, self.st, self.out, self.cfg
+        if args.no_warmup:
+            return args.model
+        warmed = out / "warmed"
         fp = {"model": args.model, "pool": args.pool, "max_length": args.warmup_max_length, "seed": args.seed,
               "config": config_text(cfg / "warmup.yaml"), "builtin_size": args.builtin_size}
         if args.adopt_warmup and (warmed / "config.json").exists() and "warmup" not in st.state["stages"]:
@@ -564,140 +575,176 @@ def main(argv=None) -> dict:
                                             "finished": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(
                                                 (warmed / "config.json").stat().st_mtime))}
             st.save()
-            log(f"warm-up: adopted the existing {warmed} ({args.adopt_warmup})")
+            self.log(f"warm-up: adopted the existing {warmed} ({args.adopt_warmup})")
         if not args.summary_only:
-            st.run("warmup", "fit", [cfg / "warmup.yaml", *demo("warmup")], {
+            st.run("warmup", "fit", [cfg / "warmup.yaml", *self.demo("warmup")], {
                 "seed_everything": args.seed,
                 "trainer": {"default_root_dir": str(out / "lightning"), "limit_val_batches": 0,
                             "num_sanity_val_steps": 0, "logger": logger_overlay(out, "warmup")},
                 "model": {"init_args": {"model": args.model, "save_dir": str(warmed)}},
-                "data": {"init_args": {**data_common, "pool": args.pool, "validation": None, "tokenizer": args.model,
-                                       "max_length": args.warmup_max_length, "train_split": "warmup"}},
+                "data": {"init_args": {**self.data_common, "pool": args.pool, "validation": None,
+                                       "tokenizer": args.model, "max_length": args.warmup_max_length,
+                                       "train_split": "warmup"}},
             }, fp, warmed / "config.json", clean=warmed)
-        target = str(warmed)
+        return str(warmed)
 
     # 2. sample and validation files -------------------------------------------------------------
-    from iprox_lightning.data import SFTDataModule
+    def write_inputs(self) -> None:
+        """``OUT/sample.jsonl`` (outside the warm-up and construction splits) and ``OUT/validation.jsonl`` (every
+        few-shot example of the suites, each suite in two halves); sets ``sample_path``, ``val_path``,
+        ``val_counts`` and ``data_fp``."""
+        from iprox_lightning.data import SFTDataModule
 
-    dm = SFTDataModule(pool=args.pool, validation=None, tokenizer="builtin", seed=args.seed,
-                       builtin_size=args.builtin_size)
-    used = set(dm.splits.warmup) | set(dm.splits.probe) | set(dm.splits.align)
-    candidates = [r for r in dm.pool_records if r["id"] not in used]
-    sample = draw_sample(candidates, args, builtin, st)
-    sample_path = out / "sample.jsonl"
-    write_records_jsonl(sample, sample_path)
-    if args.eval_dir == "builtin":
-        from iprox_lightning.data.synthetic import builtin_validation
+        args = self.args
+        dm = SFTDataModule(pool=args.pool, validation=None, tokenizer="builtin", seed=args.seed,
+                           builtin_size=args.builtin_size)
+        used = set(dm.splits.warmup) | set(dm.splits.probe) | set(dm.splits.align)
+        candidates = [r for r in dm.pool_records if r["id"] not in used]
+        sample = draw_sample(candidates, args, self.builtin, self.st)
+        self.sample_path = self.out / "sample.jsonl"
+        write_records_jsonl(sample, self.sample_path)
+        if args.eval_dir == "builtin":
+            from iprox_lightning.data.synthetic import builtin_validation
 
-        val = builtin_validation(6, seed=0)
-    else:
-        from iprox_lightning.data.eval_validation import eval_validation_records
+            val = builtin_validation(6, seed=0)
+        else:
+            from iprox_lightning.data.eval_validation import eval_validation_records
 
-        val = eval_validation_records(args.eval_dir, ("mmlu", "bbh", "tydiqa"))
-    val_path = out / "validation.jsonl"
-    write_records_jsonl(split_halves(val), val_path)
-    val_counts: dict[str, int] = {}
-    for r in val:
-        val_counts[r["category"]] = val_counts.get(r["category"], 0) + 1
-    data_fp = {"sample": [r["id"] for r in sample], "validation": [r["id"] for r in val],
-               "max_length": args.max_length, "batch_size": args.batch_size, "seed": args.seed}
+            val = eval_validation_records(args.eval_dir, ("mmlu", "bbh", "tydiqa"))
+        self.val_path = self.out / "validation.jsonl"
+        write_records_jsonl(split_halves(val), self.val_path)
+        self.val_counts: dict[str, int] = {}
+        for r in val:
+            self.val_counts[r["category"]] = self.val_counts.get(r["category"], 0) + 1
+        self.data_fp = {"sample": [r["id"] for r in sample], "validation": [r["id"] for r in val],
+                        "max_length": args.max_length, "batch_size": args.batch_size, "seed": args.seed}
 
-    def score(key: str, model: str, tokenizer: str, model_fp: Any) -> dict:
+    def record_command(self) -> None:
+        """The invocation in ``state.json``: ``run_command`` (the latest) and ``run_commands`` (every one that ran)."""
+        st = self.st
+        cmd = "python bench/fidelity_v2.py " + " ".join(shlex.quote(a) for a in self.args.argv)
+        st.state["run_command"] = cmd
+        runs = st.state.setdefault("run_commands", [])
+        if not runs or runs[-1]["command"] != cmd:
+            runs.append({"command": cmd, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(dirty=True)})
+        st.save()
+
+    # 3. scores ----------------------------------------------------------------------------------
+    def score(self, key: str, model: str, tokenizer: str, model_fp: Any) -> dict:
+        """``model`` scores the sample against the validation file (``configs/score.yaml``, TracIn, per task)."""
+        args, out, cfg = self.args, self.out, self.cfg
         d = out / "scores" / dir_name(key)
-        fp = {"model": model_fp, "data": data_fp, "config": config_text(cfg / "score.yaml")}
-        return st.run(f"score:{key}", "predict", [cfg / "score.yaml", *demo("score")], {
+        fp = {"model": model_fp, "data": self.data_fp, "config": config_text(cfg / "score.yaml")}
+        return self.st.run(f"score:{key}", "predict", [cfg / "score.yaml", *self.demo("score")], {
             "seed_everything": args.seed,
             "trainer": {"default_root_dir": str(out / "lightning"), "logger": logger_overlay(out, f"score_{dir_name(key)}"),
                         "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
                                        "init_args": {"output_dir": str(d)}}]},
             "model": {"init_args": {"model": model, "method": "tracin", "per_task": True}},
-            "data": {"init_args": {**data_common, "pool": str(sample_path), "validation": str(val_path),
+            "data": {"init_args": {**self.data_common, "pool": str(self.sample_path), "validation": str(self.val_path),
                                    "tokenizer": tokenizer, "max_length": args.max_length,
                                    "batch_size": args.batch_size}},
         }, fp, d / "scores.parquet", clean=d)
 
-    def stage_fp(key: str) -> str | None:
-        rec = st.state["stages"].get(key)
-        return rec["fingerprint"] if rec else None
+    # 4. proxies ---------------------------------------------------------------------------------
+    def build(self, v: dict, target: str) -> Path:
+        """Variant ``v``'s proxy from ``target`` -> ``OUT/proxies/<key>`` (Layer Extraction, or IPSVD + alignment)."""
+        pdir = self.out / "proxies" / dir_name(v["key"])
+        if v["kind"] == "le":
+            self.build_layer_extraction(v, target, pdir)
+        else:
+            self.build_ipsvd(v, target, pdir)
+        return pdir
 
-    if not args.summary_only and not args.dry_run:
-        cmd = "python bench/fidelity_v2.py " + " ".join(shlex.quote(a) for a in args.argv)
-        st.state["run_command"] = cmd  # the latest; every invocation that ran stages, in order:
-        runs = st.state.setdefault("run_commands", [])
-        if not runs or runs[-1]["command"] != cmd:
-            runs.append({"command": cmd, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(dirty=True)})
-        st.save()
-    if not args.summary_only:
-        # 3. references ----------------------------------------------------------------------------
-        score("target", target, target, stage_fp("warmup") if not args.no_warmup else args.model)
+    def build_layer_extraction(self, v: dict, target: str, pdir: Path) -> None:
+        args, cfg = self.args, self.cfg
+        fp = {"target": self.stage_fp("warmup") or target, "rho": v["rho"], "max_length": args.max_length,
+              "config": config_text(cfg / "baselines" / "layer_extraction.yaml")}
+        self.st.run(f"build:{v['key']}", "layer_extraction", [cfg / "baselines" / "layer_extraction.yaml"], {
+            "model": target, "output_dir": str(pdir), "pool": args.pool, "sparsity": v["rho"],
+            "max_length": args.max_length, "seed": args.seed,
+        }, fp, pdir / "config.json", clean=pdir)
 
-        # 4. proxies -------------------------------------------------------------------------------
+    def build_ipsvd(self, v: dict, target: str, pdir: Path) -> None:
+        args, out, cfg = self.args, self.out, self.cfg
+        cb = {"class_path": "iprox_lightning.callbacks.IPSVDCallback",
+              "init_args": {"num_probe_tokens": args.num_probe_tokens, "seed": args.seed, **v["ipsvd"]}}
+        trainer: dict[str, Any] = {"default_root_dir": str(out / "lightning"), "callbacks": [cb],
+                                   "logger": logger_overlay(out, f"build_{dir_name(v['key'])}")}
+        model = {"target": target, "save_dir": str(pdir), "align": v["align"], "lr": v["align_lr"] or args.align_lr,
+                 "kl_weight": args.kl_weight, "keep_best": True}
+        data = {**self.data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
+                "batch_size": args.align_batch_size}
+        if v["align"]:
+            trainer.update(max_epochs=v["align_epochs"] or args.align_epochs, num_sanity_val_steps=0,
+                           val_check_interval=args.align_val_every)
+            model.update(lr_schedule="linear", warmup_ratio=0.05)
+            if v["fidelity"] and v.get("fidelity_task"):  # keep_best by the worst task's fidelity
+                model.update(fidelity_examples=v["fidelity"], fidelity_per_task=True, monitor="val/fidelity_worst_loss")
+            elif v["fidelity"]:  # keep_best by ranking fidelity on held-out pool examples
+                model.update(fidelity_examples=v["fidelity"], monitor="val/fidelity_loss")
+            data.update(validation=str(self.val_path), val_per_task=args.align_val_per_task)
+            # task-aware alignment (+val, +valg, +score, ...): only keys a suffix set, so the other rows'
+            # fingerprints do not change
+            model.update(v["task_align"]["model"])
+            data.update(v["task_align"]["data"])
+        else:
+            trainer.update(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
+            data.update(validation=None)
+            if v["ipsvd"].get("rank_weighting") == "influence":  # the weights' per-task validation examples
+                data.update(validation=str(self.val_path), val_per_task=args.align_val_per_task)
+        fp = {"target": self.stage_fp("warmup") or target, "callback": cb, "model": model, "data": data,
+              "trainer": {k: v2 for k, v2 in trainer.items() if k not in ("logger", "default_root_dir")},
+              "config": config_text(cfg / "build_proxy.yaml")}
+        self.st.run(f"build:{v['key']}", "fit", [cfg / "build_proxy.yaml"], {
+            "seed_everything": args.seed, "trainer": trainer, "model": {"init_args": model}, "data": {"init_args": data},
+        }, fp, pdir / "iprox_proxy.json", clean=pdir)
+
+    def run_stages(self, variants: list[dict], target: str) -> None:
+        """The references, then each variant's build and (unless ``--build-only``) its scoring; a variant that fails
+        is recorded in ``state.json`` ``errors`` and the others go on."""
+        args, st = self.args, self.st
+        self.score("target", target, target, self.stage_fp("warmup") if not args.no_warmup else args.model)
         for v in variants:
-            pdir = out / "proxies" / dir_name(v["key"])
             try:
-                if v["kind"] == "le":
-                    fp = {"target": stage_fp("warmup") or target, "rho": v["rho"], "max_length": args.max_length,
-                          "config": config_text(cfg / "baselines" / "layer_extraction.yaml")}
-                    st.run(f"build:{v['key']}", "layer_extraction", [cfg / "baselines" / "layer_extraction.yaml"], {
-                        "model": target, "output_dir": str(pdir), "pool": args.pool, "sparsity": v["rho"],
-                        "max_length": args.max_length, "seed": args.seed,
-                    }, fp, pdir / "config.json", clean=pdir)
-                else:
-                    cb = {"class_path": "iprox_lightning.callbacks.IPSVDCallback",
-                          "init_args": {"num_probe_tokens": args.num_probe_tokens, "seed": args.seed, **v["ipsvd"]}}
-                    trainer: dict[str, Any] = {"default_root_dir": str(out / "lightning"), "callbacks": [cb],
-                                               "logger": logger_overlay(out, f"build_{dir_name(v['key'])}")}
-                    model = {"target": target, "save_dir": str(pdir), "align": v["align"], "lr": v["align_lr"] or args.align_lr,
-                             "kl_weight": args.kl_weight, "keep_best": True}
-                    data = {**data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
-                            "batch_size": args.align_batch_size}
-                    if v["align"]:
-                        trainer.update(max_epochs=v["align_epochs"] or args.align_epochs, num_sanity_val_steps=0,
-                                       val_check_interval=args.align_val_every)
-                        model.update(lr_schedule="linear", warmup_ratio=0.05)
-                        if v["fidelity"] and v.get("fidelity_task"):  # keep_best by the worst task's fidelity
-                            model.update(fidelity_examples=v["fidelity"], fidelity_per_task=True,
-                                         monitor="val/fidelity_worst_loss")
-                        elif v["fidelity"]:  # keep_best by ranking fidelity on held-out pool examples
-                            model.update(fidelity_examples=v["fidelity"], monitor="val/fidelity_loss")
-                        data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
-                        # task-aware alignment (+val, +valg, +score, ...): only keys a suffix set, so the other rows'
-                        # fingerprints do not change
-                        model.update(v["task_align"]["model"])
-                        data.update(v["task_align"]["data"])
-                    else:
-                        trainer.update(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
-                        data.update(validation=None)
-                        if v["ipsvd"].get("rank_weighting") == "influence":  # the weights' per-task validation examples
-                            data.update(validation=str(val_path), val_per_task=args.align_val_per_task)
-                    fp = {"target": stage_fp("warmup") or target, "callback": cb, "model": model, "data": data,
-                          "trainer": {k: v2 for k, v2 in trainer.items() if k not in ("logger", "default_root_dir")},
-                          "config": config_text(cfg / "build_proxy.yaml")}
-                    st.run(f"build:{v['key']}", "fit", [cfg / "build_proxy.yaml"], {
-                        "seed_everything": args.seed, "trainer": trainer, "model": {"init_args": model},
-                        "data": {"init_args": data},
-                    }, fp, pdir / "iprox_proxy.json", clean=pdir)
+                pdir = self.build(v, target)
                 if not args.build_only:
-                    score(v["key"], str(pdir), target, stage_fp(f"build:{v['key']}"))
+                    self.score(v["key"], str(pdir), target, self.stage_fp(f"build:{v['key']}"))
                 st.state.get("errors", {}).pop(v["key"], None)
             except RuntimeError as e:
-                log(f"variant {v['key']} FAILED: {e}")
+                self.log(f"variant {v['key']} FAILED: {e}")
                 st.state.setdefault("errors", {})[v["key"]] = str(e)[-2000:]
                 st.save()
         # the target as shipped, last: the second reference column (the effect of the warm-up)
         if not args.no_warmup and not args.no_unwarmed and not args.build_only:
-            score("target_unwarmed", args.model, target, args.model)
+            self.score("target_unwarmed", args.model, target, args.model)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants]
+    t_start = time.perf_counter()
+    log = lambda m: print(f"[{time.perf_counter() - t_start:7.1f}s] {m}", flush=True)  # noqa: E731
+    run = FidelityRun(args, log)
+    out = run.out
+    target = run.warm_up()
+    run.write_inputs()
+    if not args.summary_only and not args.dry_run:
+        run.record_command()
+    if not args.summary_only:
+        run.run_stages(variants, target)
     if args.dry_run or args.build_only:
-        return {"would_run": st.ran} if args.dry_run else {"built": [v["key"] for v in variants]}
+        return {"would_run": run.st.ran} if args.dry_run else {"built": [v["key"] for v in variants]}
 
     # 5. interleaved scoring time (one process, models taking turns) -----------------------------
     timing_path = out / "timing.json"
-    if args.timing and not args.dry_run:
+    if args.timing:
         log("interleaved scoring-time measurement")
-        timing_path.write_text(json.dumps(run_timing(args, out, target, variants, sample_path, val_path), indent=1))
+        timing_path.write_text(json.dumps(run_timing(args, out, target, variants, run.sample_path, run.val_path),
+                                          indent=1))
 
     # 6. summary ---------------------------------------------------------------------------------
-    summary = build_summary(args, out, st, variants, sample_path, val_counts, target)
+    summary = build_summary(args, out, run.st, variants, run.sample_path, run.val_counts, target)
     if timing_path.exists():
         timing = json.loads(timing_path.read_text())
         summary["timing"] = timing

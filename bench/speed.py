@@ -192,7 +192,7 @@ def floor(model, batch, device, trainable):
             p.requires_grad_(req[p])
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--pool", default="/work/shared/data/pool/instructions.jsonl")
@@ -217,7 +217,11 @@ def main(argv=None):
     ap.add_argument("--flops-only", action="store_true",
                     help="time nothing: the analytic scoring-FLOP ratio proxy/target of every --shape at each "
                          "--proxy-rhos (uniform ranks at the sparsity; iprox_lightning.analysis.flops)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.flops_only:
         return write_result(args, {"seq_len": args.seq_len, "flop_ratios": {
             name: {f"{rho:g}": shape_flop_ratio(name, rho, args.seq_len) for rho in args.proxy_rhos}
@@ -225,7 +229,29 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    model, scorer, batches, val = setup(args, device)
+    proxies = {}
+    for rho in args.proxy_rhos:
+        proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, scorer, val, args)
+        print(f"proxy rho={rho:g}: {proxies[f'p{rho:g}'][1]['params'] / 1e6:.1f}M params")
+    times, diffs = time_ways(args, device, model, scorer, proxies, batches)
+    n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
+    tot, ratios = report(args, times, diffs, proxies, n_tok)
+    result = dict(
+        args=vars(args), device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        torch=torch.__version__, threads=torch.get_num_threads(), tokens=n_tok,
+        params=sum(p.numel() for p in model.parameters()), tracked_params=scorer.settings()["tracked_parameters"],
+        times_s=times, totals_s=tot, tokens_per_s={k: n_tok / v for k, v in tot.items()}, ratios=ratios,
+        max_abs_diff_engine_vs_loop=max(diffs) if diffs else None,
+        proxies={k: info for k, (_, info) in proxies.items()},
+        peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
+    return write_result(args, result)
 
+
+def setup(args, device):
+    """The target on ``device``, its fitted scorer, the timed batches and the validation batches."""
     t0 = time.perf_counter()
     model, tok = build_model(args)
     model.to(device)
@@ -250,20 +276,19 @@ def main(argv=None):
     print(f"validation gradients{' + K-FAC factors' if args.method == 'kfac' else ''}: "
           f"{time.perf_counter() - t0:.1f}s, {scorer.settings()['tracked_parameters'] / 1e6:.1f}M tracked params, "
           f"K={len(scorer.task_names)} validation direction(s)")
-    T = args.seq_len
-    modes = {}
+    from iprox_lightning.scoring.features import choose_mode
+
+    modes: dict[str, int] = {}
     for v in scorer.linears:
-        from iprox_lightning.scoring.features import choose_mode
-
-        m = choose_mode(T, v.in_features, v.out_features, len(scorer.task_names), args.feature_mode)
+        m = choose_mode(args.seq_len, v.in_features, v.out_features, len(scorer.task_names), args.feature_mode)
         modes[m] = modes.get(m, 0) + 1
-    print(f"per-layer feature paths at T={T}: {modes}")
+    print(f"per-layer feature paths at T={args.seq_len}: {modes}")
+    return model, scorer, batches, val
 
-    proxies = {}
-    for rho in args.proxy_rhos:
-        proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, scorer, val, args)
-        print(f"proxy rho={rho:g}: {proxies[f'p{rho:g}'][1]['params'] / 1e6:.1f}M params")
 
+def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, list[float]], list[float]]:
+    """Every way timed on every batch, the order rotating batch by batch (after one untimed warm-up batch); and
+    per batch the largest |score (a) - score (b)|."""
     tracked = {p for p, _ in tracked_tensors(scorer)}
     everything = set(model.parameters())
     flat_val = None
@@ -286,7 +311,7 @@ def main(argv=None):
         pscorer.score_batch(small)
 
     keys = ["c1", "a", "b", "c2", *proxies]
-    times = {k: [] for k in keys}
+    times: dict[str, list[float]] = {k: [] for k in keys}
     diffs = []
     for j, batch in enumerate(batches):
         order = keys[j % len(keys):] + keys[: j % len(keys)]  # rotate the order
@@ -310,7 +335,11 @@ def main(argv=None):
             if args.verbose:
                 print("  (a)", [round(float(x), 6) for x in a_scores], "\n  (b)", [round(x, 6) for x in b_scores])
         print(f"batch {j}: " + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in times.items() if v), flush=True)
+    return times, diffs
 
+
+def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[str, float]]:
+    """Totals per way and the ratios (engine / floors, loop / engine, proxy / target), printed."""
     tot = {k: sum(v) for k, v in times.items() if v}
     print("\n=== totals over", args.batches, "batches ===")
     labels = [("a", "(a) engine"), ("b", "(b) LESS per-example loop"), ("c1", "(c1) fwd+bwd, tracked weights"),
@@ -326,18 +355,10 @@ def main(argv=None):
         print(f"(b)/(a)  = {ratios['loop/engine']:.3f}   max |score_a - score_b| = {max(diffs):.2e}")
     for k in proxies:
         ratios[f"proxy{k[1:]}/target"] = tot[k] / tot["a"]
-        print(f"proxy rho={k[1:]} / target (engine) = {ratios[f'proxy{k[1:]}/target']:.3f}")
-    result = dict(
-        args=vars(args), device=str(device),
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        torch=torch.__version__, threads=torch.get_num_threads(), tokens=n_tok,
-        params=sum(p.numel() for p in model.parameters()), tracked_params=scorer.settings()["tracked_parameters"],
-        times_s=times, totals_s=tot, tokens_per_s={k: n_tok / v for k, v in tot.items()}, ratios=ratios,
-        max_abs_diff_engine_vs_loop=max(diffs) if diffs else None,
-        proxies={k: info for k, (_, info) in proxies.items()},
-        peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-    )
-    return write_result(args, result)
+        ratios[f"proxy{k[1:]}/target_flops"] = proxies[k][1]["flop_ratio"]
+        print(f"proxy rho={k[1:]} / target (engine) = {ratios[f'proxy{k[1:]}/target']:.3f} "
+              f"(analytic FLOPs {proxies[k][1]['flop_ratio']:.3f})")
+    return tot, ratios
 
 
 def write_result(args, result: dict) -> dict:
