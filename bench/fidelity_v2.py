@@ -815,7 +815,7 @@ def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
 
 
 def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_counts: dict, target: str) -> dict:
-    from iprox_lightning.analysis.retention import partial_spearman, per_task_retention, spearman, worst_task
+    from iprox_lightning.analysis.retention import per_task_retention, spearman, worst_task
 
     variants = all_variants(variants, st.state)
     prev_path = out / "summary.json"
@@ -833,9 +833,6 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
     t_sets = select_sets(ref_path, sample_path, work / "target")
     ref_max = as_map(ref, "score_max")
     cpu_target = st.state["stages"].get("score:target", {}).get("cpu_s")
-    h0, h1 = half_max(ref, HALVES[0]), half_max(ref, HALVES[1])
-    ids = sorted(set(h0) & set(h1))
-    a, b, c = (np.array([d[i] for i in ids]) for d in (h0, h1, length))
     rows: list[dict] = []
     unwarmed_path = out / "scores" / "target_unwarmed" / "scores.parquet"
     unwarmed = as_map(read_table(unwarmed_path)) if unwarmed_path.exists() else None
@@ -889,22 +886,35 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         maps[v["key"]] = as_map(tab)
         (work / dir_name(v["key"])).mkdir(exist_ok=True)
         sets = select_sets(p, sample_path, work / dir_name(v["key"]))
-        rec = st.state["stages"].get(f"score:{v['key']}", {})
-        build = st.state["stages"].get(f"build:{v['key']}", {})
-        info = proxy_info(out, v, build, previous)
-        base = "layer_extraction" if v["kind"] == "le" else ("svd" if v["ipsvd"].get("method") == "svd" and not v["align"]
-                                                             and "allocation" not in v["ipsvd"] else v["key"])
-        add_row(v["key"], v["rho"], maps[v["key"]], tab, sets, extra={
-            "kind": base if base in BASELINES else "proxy",
-            "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
-            "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
-            "align_monitor": ("val/fidelity_loss" if v.get("fidelity") else "val/loss") if v["align"] else None,
-            "task_align": ({k: d for k, d in v["task_align"].items() if d} or None) if v["align"] else None,
-            "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
-            "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
-            "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / st.state["stages"]["score:target"]["wall_s"]
-                                   if "score:target" in st.state["stages"] else None), **info})
-    # paired differences of every proxy row against the baselines at the same ρ
+        add_row(v["key"], v["rho"], maps[v["key"]], tab, sets, extra=variant_facts(args, out, st, v, previous))
+    paired = paired_rows(rows, maps, tmap, length, args)
+    meta = summary_meta(args, st, ref, val_counts, suites, length, boot)
+    return {"meta": meta, "rows": rows, "paired": paired, "stages": st.state["stages"]}
+
+
+def variant_facts(args, out: Path, st: Stages, v: dict, previous: dict | None) -> dict:
+    """A variant row's facts beside its metrics: its kind (a proxy or a baseline), alignment settings, build and
+    scoring cost (CPU-seconds and wall-clock ratios to the target's scoring), and :func:`proxy_info`."""
+    stages = st.state["stages"]
+    rec, build = stages.get(f"score:{v['key']}", {}), stages.get(f"build:{v['key']}", {})
+    cpu_target = stages.get("score:target", {}).get("cpu_s")
+    base = "layer_extraction" if v["kind"] == "le" else ("svd" if v["ipsvd"].get("method") == "svd" and not v["align"]
+                                                         and "allocation" not in v["ipsvd"] else v["key"])
+    return {
+        "kind": base if base in BASELINES else "proxy",
+        "align_epochs": (v["align_epochs"] or args.align_epochs) if v["align"] else 0,
+        "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
+        "align_monitor": ("val/fidelity_loss" if v.get("fidelity") else "val/loss") if v["align"] else None,
+        "task_align": ({k: d for k, d in v["task_align"].items() if d} or None) if v["align"] else None,
+        "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
+        "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
+        "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / stages["score:target"]["wall_s"]
+                               if "score:target" in stages else None), **proxy_info(out, v, build, previous)}
+
+
+def paired_rows(rows: list[dict], maps: Mapping[str, Mapping[str, float]], tmap: Mapping[str, float],
+                length: Mapping[str, float], args) -> list[dict]:
+    """Paired differences of every proxy row against the baseline rows at the same ρ (and the length sort)."""
     paired = []
     for r in rows:
         if r.get("kind") != "proxy":
@@ -917,6 +927,18 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
                 paired.append({"a": r["variant"], "b": b_row["variant"],
                                **paired_difference(maps[r["variant"]], maps[b_row["variant"]], tmap, length,
                                                    args.bootstrap, args.seed)})
+    return paired
+
+
+def summary_meta(args, st: Stages, ref: Mapping[str, Any], val_counts: dict, suites: list[str],
+                 length: Mapping[str, float], boot) -> dict:
+    """The summary's ``meta``: the run's settings, hosts and commands, and the target's split-half ceiling (pooled,
+    LESS max over each half's suites; per suite)."""
+    from iprox_lightning.analysis.retention import partial_spearman, per_task_retention, spearman
+
+    h0, h1 = half_max(ref, HALVES[0]), half_max(ref, HALVES[1])
+    ids = sorted(set(h0) & set(h1))
+    a, b, c = (np.array([d[i] for i in ids]) for d in (h0, h1, length))
     hosts = recorded_hosts(st.state)
     meta = {
         "target_warmed_up": not args.no_warmup, "target": args.model, "target_name": Path(args.model).name,
@@ -940,7 +962,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         "command": st.state.get("run_command") or "python bench/fidelity_v2.py " + " ".join(
             shlex.quote(a) for a in (args.argv or [])),
     }
-    return {"meta": meta, "rows": rows, "paired": paired, "stages": st.state["stages"]}
+    return meta
 
 
 if __name__ == "__main__":
