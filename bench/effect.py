@@ -40,7 +40,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -213,7 +213,7 @@ class Effect:
         self.out.mkdir(parents=True, exist_ok=True)
         self.fid = Path(args.fidelity).resolve()
         self.t0 = time.perf_counter()
-        self.st = Stages(self.out, args.threads, self.log, in_process=args.in_process)
+        self.st = Stages(self.out, args.threads, self.log, in_process=args.in_process, read_only=args.summary_only)
         fid_state = json.loads((self.fid / "state.json").read_text())
         self.fid_stages = fid_state["stages"]
         self.warmed_up = "warmup" in self.fid_stages
@@ -652,100 +652,24 @@ class Effect:
         return out
 
     def write_summary(self) -> dict:
+        """``OUT/summary.json`` (``meta`` + one row per task, selector and metric), ``summary.md`` generated from it,
+        and the Markdown spliced into ``--docs``."""
         a = self.args
         evals = [json.loads(p.read_text()) for p in sorted(self.evals_dir.glob("*.json"))]
-        rows, noise, stale, unlisted, matched = [], {}, set(), set(), {}
+        rows, noise, matched = [], {}, {}
+        skipped: dict[str, set] = {"stale": set(), "unlisted": set()}
         model_fp = {ev["key"]: self.model_fingerprint(ev["key"]) for ev in evals}
         for task in a.tasks:
-            ids = [r["id"] for r in self.heldout[task]]
-            per_seed: dict[str, dict[int, dict[str, np.ndarray]]] = {}  # selector -> training seed -> metric -> values
-            for ev in evals:
-                rec = ev["tasks"].get(task)
-                if not rec or rec.get("heldout_digest") != self.heldout_digest[task]:
-                    continue  # not evaluated on this task, or on other held-out examples (re-run to refresh)
-                fp = model_fp[ev["key"]]
-                if fp is None:
-                    unlisted.add(ev["key"])  # a selector or task this command does not name
-                    continue
-                if rec.get("fingerprint") != digest([fp, self.heldout_digest[task], a.eval_max_length]):
-                    stale.add(ev["key"])  # made with other settings (k, rule, fine-tuning, scores): never reported
-                    continue
-                ex = {e["id"]: e for e in rec["examples"]}
-                sel, ft = split_finetune_seed(ev["selector"])
-                per_seed.setdefault(sel, {})[a.seed if ft is None else ft] = {
-                    m: np.asarray([float(ex[i][m]) for i in ids]) for m in METRICS}
+            per_seed = self.task_evaluations(task, evals, model_fp, skipped)
             # a selection fine-tuned with several training seeds counts once, with its per-example mean over them
             per_model = {sel: {m: np.mean([v[m] for v in by.values()], axis=0) for m in METRICS}
                          for sel, by in per_seed.items()}
-            seeds = sorted(k for k in per_model if k.startswith("random:"))
             for m, hib in METRICS.items():
-                rand = np.mean([per_model[s][m] for s in seeds], axis=0) if seeds else None
-                if seeds:
-                    means = [float(per_model[s][m].mean()) for s in seeds]
-                    noise[f"{task}/{m}"] = {"seeds": len(seeds), "seed_means": means,
-                                            "spread": float(max(means) - min(means)),
-                                            "sd": float(np.std(means, ddof=1)) if len(means) > 1 else None}
-                order = ["base", *seeds, *[x for x in a.selectors if x in per_model]]
-                for sel in order + sorted(set(per_model) - set(order)):
-                    v = per_model[sel][m]
-                    row = {"task": task, "selector": sel, "rule": "-" if sel == "base" else (
-                        "pooled" if task_free(sel) else split_rule(sel, a.rule)[1]), "heldout_n": len(ids), "metric": m,
-                        "higher_is_better": hib, "value": float(v.mean()),
-                        "ci": percentile_interval(lambda ix: float(v[ix].mean()), len(v), a.bootstrap, a.seed)}
-                    by_ft = per_seed.get(sel, {})
-                    if sel != "base":  # the training-seed noise of this row: its value under each seed
-                        row["finetune_seeds"] = sorted(by_ft)
-                        row["finetune_seed_values"] = [float(by_ft[f][m].mean()) for f in sorted(by_ft)]
-                    if rand is not None:
-                        # the CI is over held-out examples only; which random subset was drawn matters as much:
-                        # compare with every seed's mean too (the noise floor)
-                        diff, ci, gains = paired_gain(v, [per_model[x][m] for x in seeds], hib, a.bootstrap, a.seed)
-                        row["diff_vs_random"], row["diff_ci"] = diff, ci
-                        row["diff_vs_best_random_seed"] = min(gains)
-                        row["beats_every_random_seed"] = bool(min(gains) > 0)
-                    row.update(self.cost(sel) if sel != "base" else {})
-                    row["selected_response_tokens"] = self.selected_tokens(task, sel)
-                    rows.append(row)
-                by_ref: dict[str, list[str]] = {}
-                for k in sorted(per_model):
-                    if (ref := lenmatch_reference(k)) is not None:
-                        by_ref.setdefault(ref[0], []).append(k)
-                for ref, controls in by_ref.items():  # a selector's choice vs random subsets of its lengths
-                    if ref not in per_model:
-                        continue
-                    v = per_model[ref][m]
-                    diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls], hib, a.bootstrap, a.seed)
-                    matched.setdefault(f"{task}/{m}", {})[ref] = {
-                        "seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
-                        "selector": float(v.mean()), "diff": diff, "diff_ci": ci,
-                        "beats_every_seed": bool(min(gains) > 0)}
-        summary = {
-            "meta": {"target": Path(a.model).name, "target_warmed_up": self.warmed_up, "pool_sample": len(self.sample_ids), "k": self.k,
-                     "k_fraction": self.k / len(self.sample_ids), "rule": a.rule, "commit": git_commit(True),
-                     "tasks": list(a.tasks), "random_seeds": list(a.random_seeds),
-                     "finetune_seeds": sorted({f for r in rows for f in r.get("finetune_seeds", [])}),
-                     "finetune_noise": finetune_noise(rows),
-                     "heldout": {t: {"n": len(r), "digest": self.heldout_digest[t],
-                                     "source": {"mmlu": "MMLU test questions, zero-shot",
-                                                "bbh": "BBH task examples, zero-shot direct answer",
-                                                "tydiqa": "pool XQuAD examples outside the sample and splits (TyDiQA "
-                                                          "GoldP dev not available)"}.get(t, "fresh built-in examples")}
-                                 for t, r in self.heldout.items()},
-                     "finetune": {"epochs": a.epochs, "lr": a.lr, "max_length": a.max_length, "batch_size": a.batch_size,
-                                  "config": "configs/finetune.yaml"},
-                     "sources": {s: v for s, v in self.sources.items()},
-                     "noise_floor": noise, "length_matched": matched, "length_vs_effect": length_vs_effect(rows),
-                     "fidelity_dir": str(self.fid.relative_to(ROOT)) if self.fid.is_relative_to(ROOT)
-                     else str(self.fid),
-                     "hosts": recorded_hosts(self.st.state), "threads": a.threads,
-                     "summary_written_on": host_info(), "commands": self.st.state.get("run_commands", []),
-                     "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
-                     "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
-                     "not_reported": sorted(stale), "not_listed": sorted(unlisted), "store_vs_exact": self.store_vs_exact(),
-                     "proxy_stores_vs_exact": self.proxy_stores_vs_exact(),
-                     "proxy_store_fidelity": self.proxy_store_fidelity()},
-            "rows": rows,
-        }
+                rows += self.task_rows(task, m, hib, per_seed, per_model, noise)
+                for ref, res in length_matched_controls(per_model, m, hib, a.bootstrap, a.seed).items():
+                    matched.setdefault(f"{task}/{m}", {})[ref] = res
+        stale, unlisted = skipped["stale"], skipped["unlisted"]
+        summary = {"meta": self.summary_meta(rows, evals, noise, matched, stale, unlisted), "rows": rows}
         if stale:
             self.log(f"not reported (evaluated with other settings than this command's; re-run without --summary-only "
                      f"to refresh them): {', '.join(sorted(stale))}")
@@ -760,6 +684,114 @@ class Effect:
             splice_effect_docs(Path(doc), md, *docs_markers(self.out))
         return summary
 
+    def task_evaluations(self, task: str, evals: list[dict], model_fp: Mapping[str, str | None],
+                         skipped: dict[str, set]) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+        """The cached evaluations on ``task``'s held-out examples that this command reports: selector -> training
+        seed -> metric -> per-example values. Evaluations of selectors / tasks it does not name (``unlisted``) or
+        made with other settings (``stale``: k, rule, fine-tuning, scores) go into ``skipped``, never into a row."""
+        a = self.args
+        ids = [r["id"] for r in self.heldout[task]]
+        per_seed: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+        for ev in evals:
+            rec = ev["tasks"].get(task)
+            if not rec or rec.get("heldout_digest") != self.heldout_digest[task]:
+                continue  # not evaluated on this task, or on other held-out examples (re-run to refresh)
+            fp = model_fp[ev["key"]]
+            if fp is None:
+                skipped["unlisted"].add(ev["key"])
+                continue
+            if rec.get("fingerprint") != digest([fp, self.heldout_digest[task], a.eval_max_length]):
+                skipped["stale"].add(ev["key"])
+                continue
+            ex = {e["id"]: e for e in rec["examples"]}
+            sel, ft = split_finetune_seed(ev["selector"])
+            per_seed.setdefault(sel, {})[a.seed if ft is None else ft] = {
+                m: np.asarray([float(ex[i][m]) for i in ids]) for m in METRICS}
+        return per_seed
+
+    def task_rows(self, task: str, m: str, hib: bool, per_seed: Mapping[str, Mapping[int, Mapping[str, np.ndarray]]],
+                  per_model: Mapping[str, Mapping[str, np.ndarray]], noise: dict) -> list[dict]:
+        """One row per model evaluated on ``task`` under metric ``m`` (base, random seeds, then the selectors in the
+        command's order): value with its CI, the paired gain over the random seeds' mean, cost, selected lengths; the
+        random seeds' spread goes into ``noise``."""
+        a = self.args
+        n = len(self.heldout[task])
+        seeds = sorted(k for k in per_model if k.startswith("random:"))
+        rand = np.mean([per_model[s][m] for s in seeds], axis=0) if seeds else None
+        if seeds:
+            means = [float(per_model[s][m].mean()) for s in seeds]
+            noise[f"{task}/{m}"] = {"seeds": len(seeds), "seed_means": means, "spread": float(max(means) - min(means)),
+                                    "sd": float(np.std(means, ddof=1)) if len(means) > 1 else None}
+        rows = []
+        order = ["base", *seeds, *[x for x in a.selectors if x in per_model]]
+        for sel in order + sorted(set(per_model) - set(order)):
+            v = per_model[sel][m]
+            row = {"task": task, "selector": sel, "rule": "-" if sel == "base" else (
+                "pooled" if task_free(sel) else split_rule(sel, a.rule)[1]), "heldout_n": n, "metric": m,
+                "higher_is_better": hib, "value": float(v.mean()),
+                "ci": percentile_interval(lambda ix: float(v[ix].mean()), len(v), a.bootstrap, a.seed)}
+            by_ft = per_seed.get(sel, {})
+            if sel != "base":  # the training-seed noise of this row: its value under each seed
+                row["finetune_seeds"] = sorted(by_ft)
+                row["finetune_seed_values"] = [float(by_ft[f][m].mean()) for f in sorted(by_ft)]
+            if rand is not None:
+                # the CI is over held-out examples only; which random subset was drawn matters as much:
+                # compare with every seed's mean too (the noise floor)
+                diff, ci, gains = paired_gain(v, [per_model[x][m] for x in seeds], hib, a.bootstrap, a.seed)
+                row["diff_vs_random"], row["diff_ci"] = diff, ci
+                row["diff_vs_best_random_seed"] = min(gains)
+                row["beats_every_random_seed"] = bool(min(gains) > 0)
+            row.update(self.cost(sel) if sel != "base" else {})
+            row["selected_response_tokens"] = self.selected_tokens(task, sel)
+            rows.append(row)
+        return rows
+
+    def summary_meta(self, rows: list[dict], evals: list[dict], noise: dict, matched: dict, stale: set,
+                     unlisted: set) -> dict:
+        a = self.args
+        return {
+            "target": Path(a.model).name, "target_warmed_up": self.warmed_up, "pool_sample": len(self.sample_ids),
+            "k": self.k, "k_fraction": self.k / len(self.sample_ids), "rule": a.rule, "commit": git_commit(True),
+            "tasks": list(a.tasks), "random_seeds": list(a.random_seeds),
+            "finetune_seeds": sorted({f for r in rows for f in r.get("finetune_seeds", [])}),
+            "finetune_noise": finetune_noise(rows),
+            "heldout": {t: {"n": len(r), "digest": self.heldout_digest[t],
+                            "source": {"mmlu": "MMLU test questions, zero-shot",
+                                       "bbh": "BBH task examples, zero-shot direct answer",
+                                       "tydiqa": "pool XQuAD examples outside the sample and splits (TyDiQA "
+                                                 "GoldP dev not available)"}.get(t, "fresh built-in examples")}
+                        for t, r in self.heldout.items()},
+            "finetune": {"epochs": a.epochs, "lr": a.lr, "max_length": a.max_length, "batch_size": a.batch_size,
+                         "config": "configs/finetune.yaml"},
+            "sources": {s: v for s, v in self.sources.items()},
+            "noise_floor": noise, "length_matched": matched, "length_vs_effect": length_vs_effect(rows),
+            "fidelity_dir": str(self.fid.relative_to(ROOT)) if self.fid.is_relative_to(ROOT) else str(self.fid),
+            "hosts": recorded_hosts(self.st.state), "threads": a.threads,
+            "summary_written_on": host_info(), "commands": self.st.state.get("run_commands", []),
+            "stage_wall_s": {k: v.get("wall_s") for k, v in self.st.state["stages"].items()},
+            "eval_wall_s": {ev["key"]: {t: r.get("wall_s") for t, r in ev["tasks"].items()} for ev in evals},
+            "not_reported": sorted(stale), "not_listed": sorted(unlisted), "store_vs_exact": self.store_vs_exact(),
+            "proxy_stores_vs_exact": self.proxy_stores_vs_exact(),
+            "proxy_store_fidelity": self.proxy_store_fidelity()}
+
+
+def length_matched_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m: str, hib: bool, bootstrap: int,
+                            seed: int) -> dict[str, dict]:
+    """Each selector with length-matched controls (``lenmatch[-<selector>]:<seed>``) against them under metric ``m``:
+    its choice vs random subsets with its response lengths."""
+    by_ref: dict[str, list[str]] = {}
+    for k in sorted(per_model):
+        if (ref := lenmatch_reference(k)) is not None:
+            by_ref.setdefault(ref[0], []).append(k)
+    out = {}
+    for ref, controls in by_ref.items():
+        if ref not in per_model:
+            continue
+        v = per_model[ref][m]
+        diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls], hib, bootstrap, seed)
+        out[ref] = {"seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
+                    "selector": float(v.mean()), "diff": diff, "diff_ci": ci, "beats_every_seed": bool(min(gains) > 0)}
+    return out
 
 def paired_gain(v: np.ndarray, others: list[np.ndarray], hib: bool, bootstrap: int, seed: int
                 ) -> tuple[float, list, list[float]]:

@@ -61,12 +61,19 @@ def canonical_fingerprint(fp: str) -> str:
     return json.dumps(norm(json.loads(fp)), sort_keys=True)
 
 
+class StageNotRun(RuntimeError):
+    """A read-only :class:`Stages` (``--summary-only``) was asked for a stage that has not run with these settings."""
+
+
 class Stages:
     """Runs ``python train.py ...`` stages one at a time and records them in ``OUT/state.json``."""
 
     def __init__(self, out: Path, threads: int | None, log: Callable[[str], None], dry_run: bool = False,
-                 in_process: bool = False):
+                 in_process: bool = False, read_only: bool = False):
         self.out, self.threads, self.log, self.dry_run = out, threads, log, dry_run
+        # read_only (a summary rewrite): never run a stage; a recorded stage with the same settings stands for its
+        # output even where that output was deleted since (a gradient store, a fine-tuned model)
+        self.read_only = read_only
         # in_process (the tests): each stage is the same command run by ``iprox_lightning.cli.main`` in this process
         # (no interpreter and Lightning import per stage); see :meth:`call_in_process`
         self.in_process = in_process
@@ -86,6 +93,12 @@ class Stages:
         if done.exists() and rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
                 rec["fingerprint"]) == canonical_fingerprint(fp)):
             return rec  # (the stored record: stages downstream were fingerprinted with it)
+        if self.read_only:
+            if rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
+                    rec["fingerprint"]) == canonical_fingerprint(fp)):
+                return rec
+            raise StageNotRun(f"stage {key} has not run with these settings ({'no record' if rec is None else 'settings changed'}); "
+                              "a summary rewrite runs no stage: run the command without --summary-only")
         self.ran.append(key)
         if self.dry_run:
             self.log(f"stage {key}: would run")

@@ -165,6 +165,13 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     assert json.loads((out / "state.json").read_text())["stages"] == before
     assert again["rows"] == s["rows"]
     assert again["meta"]["not_reported"] == [] and again["meta"]["not_listed"] == []
+    # a summary rewrite runs no stage, even with the gradient stores deleted since (their records stand for them)
+    import shutil
+
+    shutil.rmtree(out / "stores")
+    rewrite = effect.main([*argv, "--summary-only"])
+    assert json.loads((out / "state.json").read_text())["stages"] == before and not (out / "stores").exists()
+    assert rewrite["rows"] == s["rows"]
     # a command naming fewer selectors reports only those; the others' evaluations are left out as not named by it
     # (meta.not_listed), not as made with other settings (meta.not_reported)
     sel_at = argv.index("--selectors")
