@@ -840,6 +840,7 @@ def fmt(v, ci=None, f="{:.4f}") -> str:
 
 
 def markdown(summary: dict) -> str:
+    """``summary.md``: the header, one table per metric, the noise and length notes, the store notes."""
     m = summary["meta"]
     lines = ["# Downstream effect: fine-tuned on each selection vs random, per target task", "",
              f"{'Warmed-up' if m['target_warmed_up'] else 'Un-warmed'} target `{m['target']}` fine-tuned "
@@ -850,6 +851,15 @@ def markdown(summary: dict) -> str:
              + f". Random: {len(m['random_seeds'])} seeds; `diff` = improvement over the mean of the random seeds "
              "(positive = better), paired bootstrap 95% CI over held-out examples. Commit "
              f"{m['commit']}; stages ran on: {hosts_text(m['hosts'])}.", ""]
+    lines += metric_tables(summary)
+    lines += noise_notes(m, summary["rows"])
+    lines += store_notes(m)
+    return "\n".join(lines)
+
+
+def metric_tables(summary: dict) -> list[str]:
+    """One table per metric: every row's value, gain over random, cost and selected lengths."""
+    lines: list[str] = []
     for metric, title in (("loss", "gold-answer NLL (lower is better)"), ("exact_match", "exact match (higher is better)")):
         lines += [f"### {title}", "", "| task | selector | value [95% CI] | diff vs random [95% CI] | vs best random seed "
                   "| cost / target's scoring: scoring, with build | selected response tokens (mean) |", "|---|---|---|---|---|---|---|"]
@@ -871,6 +881,12 @@ def markdown(summary: dict) -> str:
         if any(r.get("cost_reference") == "target store" for r in summary["rows"]):
             lines += ["² the target's exact scoring ran on another host: ratio to the target's gradient store on this "
                       "row's host (store build + one query, the same pool pass).", ""]
+    return lines
+
+
+def noise_notes(m: dict, rows: list[dict]) -> list[str]:
+    """The random seeds' spread, the length-matched controls, length vs effect, the training-seed noise."""
+    lines: list[str] = []
     nf = m["noise_floor"]
     if nf:
         lines += ["Noise floor (spread of the random seeds' means): " + "; ".join(
@@ -898,8 +914,14 @@ def markdown(summary: dict) -> str:
                   "", "Rows run with several training seeds (value under each seed):", ""]
         lines += [f"- {r['task']} / {r['selector']} / {r['metric']}: " + ", ".join(
             f"seed {s} {v:.4f}" for s, v in zip(r["finetune_seeds"], r["finetune_seed_values"]))
-                  for r in summary["rows"] if len(r.get("finetune_seed_values") or []) > 1]
+                  for r in rows if len(r.get("finetune_seed_values") or []) > 1]
         lines.append("")
+    return lines
+
+
+def store_notes(m: dict) -> list[str]:
+    """The gradient stores against exact scoring, and the proxy stores against the target's."""
+    lines: list[str] = []
     sv = m.get("store_vs_exact")
     if sv:
         per_task = "; ".join(f"{t} {v['spearman_mean']:.3f} ({v['subtasks']} subtasks)" for t, v in sv.items()
@@ -925,8 +947,7 @@ def markdown(summary: dict) -> str:
                 + (f"{r[t]['balanced_overlap']:.2f}" if "balanced_overlap" in r[t] else "—") if t in r else "—"
                 for t in m["tasks"]) + " |")
         lines.append("")
-    return "\n".join(lines)
-
+    return lines
 
 def splice_effect_docs(doc: Path, md: str, begin: str = DOCS_BEGIN, end: str = DOCS_END) -> None:
     text = doc.read_text()
