@@ -614,7 +614,7 @@ class Effect:
         out: list[str] = []
         for sel in self.args.selectors:
             base = split_rule(sel, self.args.rule)[0]
-            if base.startswith("store:"):
+            if is_store(base):
                 src = store_source(base)
                 if split_store_source(src)[0] != "target" and src not in out:
                     out.append(src)

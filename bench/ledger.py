@@ -90,15 +90,17 @@ class Stages:
             done: Path, clean: Path | None = None) -> dict:
         rec = self.state["stages"].get(key)
         fp = json.dumps(fingerprint, sort_keys=True)
-        if done.exists() and rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
-                rec["fingerprint"]) == canonical_fingerprint(fp)):
-            return rec  # (the stored record: stages downstream were fingerprinted with it)
+        # the record's settings equal these, up to outcome-neutral lines
+        same = rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
+            rec["fingerprint"]) == canonical_fingerprint(fp))
+        if same and (done.exists() or self.read_only):
+            # the stored record (stages downstream were fingerprinted with it); a read-only summary rewrite takes it
+            # for an output deleted since
+            return rec
         if self.read_only:
-            if rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
-                    rec["fingerprint"]) == canonical_fingerprint(fp)):
-                return rec
-            raise StageNotRun(f"stage {key} has not run with these settings ({'no record' if rec is None else 'settings changed'}); "
-                              "a summary rewrite runs no stage: run the command without --summary-only")
+            why = "no record" if rec is None else "settings changed"
+            raise StageNotRun(f"stage {key} has not run with these settings ({why}); a summary rewrite runs no stage: "
+                              "run the command without --summary-only")
         self.ran.append(key)
         if self.dry_run:
             self.log(f"stage {key}: would run")
@@ -138,7 +140,6 @@ class Stages:
         # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
         # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
         # text would re-run them although nothing they depend on changed
-        same = rec is not None and canonical_fingerprint(rec["fingerprint"]) == canonical_fingerprint(fp)
         rec = {"fingerprint": rec["fingerprint"] if same else fp, "command": printable, "wall_s": wall,
                "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
                "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
