@@ -283,13 +283,16 @@ class Effect:
     def store_table(self, source: str) -> Path:
         """A model's gradient store (``train.py build_store``) queried per subtask (``train.py query`` on
         ``eval:<dir>``: one column per MMLU subject / BBH task / TyDiQA language, what LESS max needs). ``source``:
-        ``target`` (the warmed target) or a selector naming a fidelity_v2 proxy (``store:iprox@0.5``: the proxy's
-        factor layers), whose directory the fidelity run must have kept."""
+        ``target`` (the warmed target), ``target_unwarmed`` (the model as shipped: full size, not warmed up — the
+        off-the-shelf reference of the per-task fidelity table) or a selector naming a fidelity_v2 proxy
+        (``store:iprox@0.5``: the proxy's factor layers), whose directory the fidelity run must have kept."""
         a = self.args
         store, d = self.store_paths(source)
         source, form = split_store_source(source)
         if source == "target":
             model, base_fp = self.warmed, self.target_fp
+        elif source == "target_unwarmed":
+            model, base_fp = a.model, a.model
         else:
             if source not in self.sources or self.sources[source] in ("target", "target_unwarmed"):
                 raise ValueError(f"store:{source}: not a proxy selector ({sorted(self.sources)})")

@@ -448,3 +448,24 @@ def test_cost_takes_the_build_that_ran_on_the_rows_host():
     store = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
     assert store["scoring_cost_ratio"] == 0.5 and store["build_wall_s"] == 1500.0  # (600 + 100) / (1200 + 200)
     assert store["total_cost_ratio"] == pytest.approx(2200 / 1400) and store["cost_reference"] == "target store"
+
+
+def test_unwarmed_store_is_the_shipped_model_and_a_fidelity_reference(fidelity_dir, tmp_path):
+    """``store:target_unwarmed`` builds a store from the model as shipped (``--model``), not the warmed target, and is
+    compared with the target's store like a proxy's (the off-the-shelf reference of the per-task fidelity table).
+    Without a warm-up (``--no-warmup``) the shipped model is the target: same scores, fidelity 1."""
+    argv = ["--out", str(tmp_path / "effect"), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool",
+            "builtin", "--eval-dir", "builtin", "--tasks", "addition", "--selectors", "store", "store:target_unwarmed",
+            "--k", "0.2", "--max-length", "48", "--threads", "1", "--in-process"]
+    e = effect.Effect(effect.parse_args(argv))
+    e.sources = dict(effect.DEFAULT_SOURCES)
+    tgt, unw = e.store_table("target"), e.store_table("target_unwarmed")
+    assert unw.parent != tgt.parent
+    man = json.loads((tmp_path / "effect" / "stores" / "target_unwarmed" / "store.json").read_text())
+    assert "builtin" in json.dumps(man)
+    a, b = fv2.read_table(tgt), fv2.read_table(unw)
+    assert list(a["id"]) == list(b["id"]) and np.array_equal(a["score"], b["score"])
+    fid = e.proxy_store_fidelity()
+    assert list(fid) == ["target_unwarmed"] and fid["target_unwarmed"]["pooled"] == pytest.approx(1.0)
+    assert fid["target_unwarmed"]["addition"]["mean"] == pytest.approx(1.0)
+    assert e.cost("store:target_unwarmed")["build_wall_s"] == 0.0
