@@ -29,7 +29,7 @@ from iprox_lightning.data import SFTDataModule
 from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.probes import collect_probes
 
-from ipsvd_sweep import DEFAULT_MODEL, DEFAULT_POOL, load_target  # bench/
+from fidelity_v2 import DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
 from variants import parse_variant  # bench/: the variant grammar
 
 DEFAULT_VARIANTS = [
@@ -37,6 +37,17 @@ DEFAULT_VARIANTS = [
     "svd/global@0.5", "ipsvd/exact/rel1e-2/global@0.5", "ipsvd/exact/rel1e-3/global/spare0@0.5",
     "ipsvd/exact/rel1e-3/global@0.3",
 ]
+
+
+def load_target(name: str, tokenizer: str | None = None):
+    """``(model, tokenizer)``: the target in float32, eval mode, frozen; ``tokenizer`` overrides the model's."""
+    from iprox_lightning.models.loading import load_model, load_tokenizer
+
+    model, tok = load_model(name, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, (tok if tokenizer is None else load_tokenizer(tokenizer))
 
 
 def compress_kwargs(spec: str) -> dict:

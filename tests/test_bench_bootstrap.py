@@ -1,4 +1,4 @@
-"""bench/bootstrap.py: the benchmarks' one percentile bootstrap (fidelity_v2, effect, ipsvd_sweep)."""
+"""bench/bootstrap.py: the benchmarks' one percentile bootstrap (fidelity_v2, effect)."""
 from __future__ import annotations
 
 import math
