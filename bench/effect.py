@@ -40,7 +40,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -685,6 +685,10 @@ class Effect:
         (self.out / "summary.md").write_text(md)
         for doc in a.docs or []:
             splice_effect_docs(Path(doc), md, *docs_markers(self.out))
+        head = headline_markdown(summary, a.headline_forms)
+        (self.out / "headline.md").write_text(head + "\n")
+        for doc in a.headline or []:
+            splice_docs(Path(doc), head, *(x.replace("effect:", "effect-headline:") for x in docs_markers(self.out)))
         return summary
 
     def task_evaluations(self, task: str, evals: list[dict], model_fp: Mapping[str, str | None],
@@ -952,6 +956,81 @@ def store_notes(m: dict) -> list[str]:
         lines.append("")
     return lines
 
+
+# --- the headline: one line per selector, every task ------------------------------------------
+HEADLINE_SKIP = ("random:", "lenmatch", "base")
+
+
+def selector_family(selector: str) -> tuple[str, str | None]:
+    """``store:iprox@0.5@bbh-direct+balanced`` -> ``("store:iprox@0.5+balanced", "bbh-direct")``: a selector without its
+    validation form, and the form (``store:target`` is spelled ``store``; ``rds@bbh-direct`` -> ``("rds", ...)``)."""
+    base, plus, rule = selector.partition("+")
+    head, sep, form = base.rpartition("@")
+    if not (sep and form in VALIDATION_FORMS):
+        head, form = base, None
+    head = "store" if head == "store:target" else head
+    return head + plus + rule, form
+
+
+def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss") -> list[dict]:
+    """One row per selector family (a selector with and without a validation form is one family): per task the gain
+    over random [CI] of the family's row queried in the task's form when ``forms`` names one (BBH's direct-answer
+    exemplars for a direct-answer held-out metric), else its default-form row; the worst task; the scoring cost of
+    its first row; and, for a proxy's store, its per-task fidelity to the target's store (Spearman of the mean over
+    the task's subtasks, the same form). Families missing a task are left out."""
+    m = summary["meta"]
+    tasks, forms = list(m["tasks"]), set(forms)
+    by_key = {(r["task"], r["selector"]): r for r in summary["rows"] if r["metric"] == metric}
+    families: dict[str, dict[str | None, str]] = {}
+    for _, sel in by_key:
+        if not sel.startswith(HEADLINE_SKIP):
+            fam, form = selector_family(sel)
+            families.setdefault(fam, {})[form] = sel
+    fidelity = m.get("proxy_store_fidelity") or {}
+    out = []
+    for fam, members in families.items():
+        row: dict[str, Any] = {"selector": fam, "tasks": {}}
+        for t in tasks:
+            use = [f for f in members if f is not None and f in forms and VALIDATION_FORMS[f] == t]
+            sel = members[use[0]] if use else members.get(None)
+            r = by_key.get((t, sel)) if sel else None
+            if r is None or r.get("diff_vs_random") is None:
+                break
+            src = store_source(split_rule(sel, m["rule"])[0]) if is_store(split_rule(sel, m["rule"])[0]) else None
+            fid = fidelity.get(src, {}).get(t, {}).get("mean") if src else None
+            row["tasks"][t] = {"selector": sel, "diff": r["diff_vs_random"], "ci": r["diff_ci"], "form": use[0] if use
+                               else None, "fidelity": fid}
+            row.setdefault("cost", (r.get("scoring_cost_ratio"), r.get("total_cost_ratio"), r.get("hosts_differ")))
+        else:
+            worst = min(tasks, key=lambda t: row["tasks"][t]["diff"])
+            row["worst"] = (worst, row["tasks"][worst]["diff"])
+            out.append(row)
+    return sorted(out, key=lambda r: -r["worst"][1])
+
+
+def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
+    """The README's compact table: :func:`headline_rows` of the gold-answer NLL, best worst task first."""
+    m, rows = summary["meta"], headline_rows(summary, forms)
+    tasks = list(m["tasks"])
+    lines = ["| selector | " + " | ".join(tasks) + " | worst task | cost / target's | fidelity to the target's store "
+             "(" + " / ".join(tasks) + ") |", "|---|" + "---|" * (len(tasks) + 3)]
+    for r in rows:
+        cells = [f"{fmt(x['diff'], x['ci'], '{:+.3f}')}" + ("†" if x["form"] else "") for x in r["tasks"].values()]
+        ratio, total, differ = r["cost"]
+        cost = "other host" if differ else (f"{ratio:.2f}" + (f" ({total:.2f} with build)" if total and total != ratio
+                                                               else "") if ratio is not None else "—")
+        fid = [x["fidelity"] for x in r["tasks"].values()]
+        lines.append(f"| {r['selector']} | " + " | ".join(cells) + f" | {r['worst'][1]:+.3f} ({r['worst'][0]}) | {cost} | "
+                     + (" / ".join(f"{f:.2f}" for f in fid) if all(f is not None for f in fid) else "—") + " |")
+    used = sorted({x["form"] for r in rows for x in r["tasks"].values() if x["form"]})
+    lines += ["", f"Gold-answer NLL gain over the mean of {len(m['random_seeds'])} random seeds [paired 95% CI], k = "
+              f"{m['k']} of {m['pool_sample']} pool examples, held-out examples per task; rule `{m['rule']}` unless "
+              "the selector names one after `+`." + (f" † queried in the {', '.join(used)} validation form." if used
+                                                     else "") + " Cost: the selector's scoring wall-clock over the "
+              "target's (its store build + one query for a `store` selector), and with building the proxy."]
+    return "\n".join(lines)
+
+
 def splice_effect_docs(doc: Path, md: str, begin: str = DOCS_BEGIN, end: str = DOCS_END) -> None:
     text = doc.read_text()
     if begin not in text:  # first run: the page gets its section
@@ -1000,6 +1079,12 @@ def parse_args(argv=None):
     ap.add_argument("--summary-only", action="store_true", help="only rewrite summary/tables from the cached evaluations")
     ap.add_argument("--docs", nargs="*", default=None,
                     help="also write the tables into these Markdown pages between their effect markers")
+    ap.add_argument("--headline", nargs="*", default=None,
+                    help="also write the one-line-per-selector table (OUT/headline.md) into these Markdown pages "
+                         "between their effect-headline markers")
+    ap.add_argument("--headline-forms", nargs="*", default=[], choices=sorted(VALIDATION_FORMS),
+                    help="validation forms the headline prefers for their task when a selector was queried in them "
+                         "(bbh-direct: BBH's direct-answer exemplars, the form of its held-out metric)")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args

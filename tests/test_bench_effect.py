@@ -469,3 +469,38 @@ def test_unwarmed_store_is_the_shipped_model_and_a_fidelity_reference(fidelity_d
     assert list(fid) == ["target_unwarmed"] and fid["target_unwarmed"]["pooled"] == pytest.approx(1.0)
     assert fid["target_unwarmed"]["addition"]["mean"] == pytest.approx(1.0)
     assert e.cost("store:target_unwarmed")["build_wall_s"] == 0.0
+
+
+def test_headline_takes_each_task_in_its_form_and_ranks_by_the_worst_task():
+    """The README's headline: one line per selector family (with and without a validation form), each task from the
+    row queried in the task's form when ``--headline-forms`` names it, the worst task, a proxy store's fidelity."""
+    def row(task, sel, diff, cost=None):
+        return {"task": task, "selector": sel, "metric": "loss", "diff_vs_random": diff, "diff_ci": [diff - .1, diff + .1],
+                "scoring_cost_ratio": cost, "total_cost_ratio": cost and 2 * cost}
+
+    rows = [row("mmlu", "store:iprox@0.5+balanced", 0.5, 0.7), row("bbh", "store:iprox@0.5+balanced", -0.3, 0.7),
+            row("bbh", "store:iprox@0.5@bbh-direct+balanced", 0.6, 0.7), row("mmlu", "store+balanced", 0.4, 1.0),
+            row("bbh", "store:target@bbh-direct+balanced", 0.7, 1.0), row("bbh", "store+balanced", 0.1, 1.0),
+            row("mmlu", "length", 0.45, 0.0), row("bbh", "length", 0.8, 0.0), row("mmlu", "random:0", 0.1),
+            row("bbh", "random:0", -0.1), row("mmlu", "lenmatch:0", 0.2), row("bbh", "lenmatch:0", 0.2),
+            row("mmlu", "rds", 0.3), {**row("bbh", "rds", 0.0), "metric": "exact_match"}]
+    fid = {"iprox@0.5": {"mmlu": {"mean": 0.53}, "bbh": {"mean": 0.09}}, "iprox@0.5@bbh-direct": {"bbh": {"mean": 0.55}}}
+    summary = {"meta": {"tasks": ["mmlu", "bbh"], "rule": "mean", "random_seeds": [0, 1, 2], "k": 10, "pool_sample": 200,
+                        "proxy_store_fidelity": fid}, "rows": rows}
+    got = {r["selector"]: r for r in effect.headline_rows(summary, ["bbh-direct"])}
+    assert list(got) == ["store:iprox@0.5+balanced", "length", "store+balanced"]  # best worst task first; rds: no bbh loss
+    p = got["store:iprox@0.5+balanced"]
+    assert p["tasks"]["bbh"]["selector"] == "store:iprox@0.5@bbh-direct+balanced" and p["tasks"]["bbh"]["diff"] == 0.6
+    assert p["worst"] == ("mmlu", 0.5) and p["cost"][:2] == (0.7, 1.4)
+    assert [x["fidelity"] for x in p["tasks"].values()] == [0.53, 0.55]
+    assert got["store+balanced"]["tasks"]["bbh"]["selector"] == "store:target@bbh-direct+balanced"
+    assert got["store+balanced"]["tasks"]["mmlu"]["fidelity"] is None
+    plain = {r["selector"]: r for r in effect.headline_rows(summary)}  # no form named: the default-form rows
+    assert plain["store:iprox@0.5+balanced"]["tasks"]["bbh"]["diff"] == -0.3
+    assert plain["store:iprox@0.5+balanced"]["tasks"]["bbh"]["fidelity"] == 0.09
+    md = effect.headline_markdown(summary, ["bbh-direct"])
+    assert "| store:iprox@0.5+balanced | +0.500 [+0.400, +0.600] | +0.600 [+0.500, +0.700]† | +0.500 (mmlu) | 0.70 (1.40 " \
+           "with build) | 0.53 / 0.55 |" in md
+    assert effect.selector_family("store:target@bbh-direct+max") == ("store+max", "bbh-direct")
+    assert effect.selector_family("rds@bbh-direct") == ("rds", "bbh-direct")
+    assert effect.selector_family("store:iprox@0.5") == ("store:iprox@0.5", None)
