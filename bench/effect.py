@@ -976,7 +976,7 @@ def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss"
     """One row per selector family (a selector with and without a validation form is one family): per task the gain
     over random [CI] of the family's row queried in the task's form when ``forms`` names one (BBH's direct-answer
     exemplars for a direct-answer held-out metric), else its default-form row; the worst task; the scoring cost of
-    its first row; and, for a proxy's store, its per-task fidelity to the target's store (Spearman of the mean over
+    its default-form row; and, for a proxy's store, its per-task fidelity to the target's store (Spearman of the mean over
     the task's subtasks, the same form). Families missing a task are left out."""
     m = summary["meta"]
     tasks, forms = list(m["tasks"]), set(forms)
@@ -1000,8 +1000,10 @@ def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss"
             fid = fidelity.get(src, {}).get(t, {}).get("mean") if src else None
             row["tasks"][t] = {"selector": sel, "diff": r["diff_vs_random"], "ci": r["diff_ci"], "form": use[0] if use
                                else None, "fidelity": fid}
-            row.setdefault("cost", (r.get("scoring_cost_ratio"), r.get("total_cost_ratio"), r.get("hosts_differ")))
         else:
+            cost_sel = members.get(None, next(iter(members.values())))  # the default-form query's cost
+            c = next(by_key[(t, cost_sel)] for t in tasks if (t, cost_sel) in by_key)
+            row["cost"] = (c.get("scoring_cost_ratio"), c.get("total_cost_ratio"), c.get("hosts_differ"))
             worst = min(tasks, key=lambda t: row["tasks"][t]["diff"])
             row["worst"] = (worst, row["tasks"][worst]["diff"])
             out.append(row)

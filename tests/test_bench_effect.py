@@ -504,3 +504,15 @@ def test_headline_takes_each_task_in_its_form_and_ranks_by_the_worst_task():
     assert effect.selector_family("store:target@bbh-direct+max") == ("store+max", "bbh-direct")
     assert effect.selector_family("rds@bbh-direct") == ("rds", "bbh-direct")
     assert effect.selector_family("store:iprox@0.5") == ("store:iprox@0.5", None)
+
+
+def test_readme_headline_is_generated_from_the_recorded_summary():
+    """The README's headline table is ``headline_markdown`` of the recorded 2,048-example summary, byte for byte
+    (re-made by ``bench/effect.py --summary-only --headline README.md --headline-forms bbh-direct``)."""
+    root = Path(__file__).resolve().parents[1]
+    out = root / "bench" / "results" / "effect_gpu2048"
+    begin, end = (x.replace("effect:", "effect-headline:") for x in effect.docs_markers(out))
+    text = (root / "README.md").read_text()
+    block = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    summary = json.loads((out / "summary.json").read_text())
+    assert block == effect.headline_markdown(summary, ["bbh-direct"]).strip()
