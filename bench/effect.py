@@ -474,6 +474,11 @@ class Effect:
         if not runs or runs[-1]["command"] != cmd:
             runs.append({"command": cmd, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(True)})
         self.st.save()
+        if a.tables_only:  # score now, fine-tune later: each selector's score table, no selection or fine-tune
+            for sel in a.selectors:
+                if not (task_free(sel) or lenmatch_reference(sel)):
+                    self.table(split_rule(sel, a.rule)[0])
+            return self.write_summary()
         self.run_model("base", None, tasks)
         for ft in a.finetune_seeds or [a.seed]:  # every row with the first training seed, then the next
             for s in a.random_seeds:
@@ -730,7 +735,7 @@ class Effect:
             noise[f"{task}/{m}"] = {"seeds": len(seeds), "seed_means": means, "spread": float(max(means) - min(means)),
                                     "sd": float(np.std(means, ddof=1)) if len(means) > 1 else None}
         rows = []
-        order = ["base", *seeds, *[x for x in a.selectors if x in per_model]]
+        order = [x for x in ("base", *seeds, *a.selectors) if x in per_model]  # no base yet: --tables-only
         for sel in order + sorted(set(per_model) - set(order)):
             v = per_model[sel][m]
             row = {"task": task, "selector": sel, "rule": "-" if sel == "base" else (
@@ -1079,6 +1084,9 @@ def parse_args(argv=None):
     ap.add_argument("--in-process", action="store_true",
                     help="run each stage's train.py command in this process, not as a subprocess (tests)")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite summary/tables from the cached evaluations")
+    ap.add_argument("--tables-only", action="store_true",
+                    help="only make the selectors' score tables (scores, stores and their queries; no fine-tuning), "
+                         "then the summary: a proxy store's fidelity to the target's store without its effect rows")
     ap.add_argument("--docs", nargs="*", default=None,
                     help="also write the tables into these Markdown pages between their effect markers")
     ap.add_argument("--headline", nargs="*", default=None,

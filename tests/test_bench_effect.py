@@ -453,21 +453,24 @@ def test_cost_takes_the_build_that_ran_on_the_rows_host():
 def test_unwarmed_store_is_the_shipped_model_and_a_fidelity_reference(fidelity_dir, tmp_path):
     """``store:target_unwarmed`` builds a store from the model as shipped (``--model``), not the warmed target, and is
     compared with the target's store like a proxy's (the off-the-shelf reference of the per-task fidelity table).
-    Without a warm-up (``--no-warmup``) the shipped model is the target: same scores, fidelity 1."""
-    argv = ["--out", str(tmp_path / "effect"), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool",
-            "builtin", "--eval-dir", "builtin", "--tasks", "addition", "--selectors", "store", "store:target_unwarmed",
-            "--k", "0.2", "--max-length", "48", "--threads", "1", "--in-process"]
-    e = effect.Effect(effect.parse_args(argv))
-    e.sources = dict(effect.DEFAULT_SOURCES)
-    tgt, unw = e.store_table("target"), e.store_table("target_unwarmed")
-    assert unw.parent != tgt.parent
-    man = json.loads((tmp_path / "effect" / "stores" / "target_unwarmed" / "store.json").read_text())
+    Without a warm-up (``--no-warmup``) the shipped model is the target: same scores, fidelity 1. ``--tables-only``
+    makes the tables and the summary and fine-tunes nothing."""
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
+            "--eval-dir", "builtin", "--tasks", "addition", "--selectors", "store", "store:target_unwarmed+balanced",
+            "length", "--k", "0.2", "--max-length", "48", "--threads", "1", "--in-process", "--tables-only"]
+    s = effect.main(argv)
+    assert s["rows"] == [] and not list((out / "evals").glob("*.json")) and not (out / "selections").exists()
+    man = json.loads((out / "stores" / "target_unwarmed" / "store.json").read_text())
     assert "builtin" in json.dumps(man)
-    a, b = fv2.read_table(tgt), fv2.read_table(unw)
+    a, b = (fv2.read_table(out / "scores" / d / "scores.parquet")
+            for d in ("store", fv2.dir_name("store:target_unwarmed")))
     assert list(a["id"]) == list(b["id"]) and np.array_equal(a["score"], b["score"])
-    fid = e.proxy_store_fidelity()
+    fid = s["meta"]["proxy_store_fidelity"]
     assert list(fid) == ["target_unwarmed"] and fid["target_unwarmed"]["pooled"] == pytest.approx(1.0)
     assert fid["target_unwarmed"]["addition"]["mean"] == pytest.approx(1.0)
+    e = effect.Effect(effect.parse_args(argv))
+    e.sources = dict(effect.DEFAULT_SOURCES)
     assert e.cost("store:target_unwarmed")["build_wall_s"] == 0.0
 
 
