@@ -514,7 +514,7 @@ def test_readme_headline_is_generated_from_the_recorded_summary():
     (re-made by ``bench/effect.py --summary-only --headline README.md --headline-forms bbh-direct``)."""
     root = Path(__file__).resolve().parents[1]
     out = root / "bench" / "results" / "effect_gpu2048"
-    begin, end = (x.replace("effect:", "effect-headline:") for x in effect.docs_markers(out))
+    begin, end = effect.headline_markers(out)
     text = (root / "README.md").read_text()
     block = text.split(begin, 1)[1].split(end, 1)[0].strip()
     summary = json.loads((out / "summary.json").read_text())
