@@ -46,7 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
-from ledger import (Stages, config_text, git_commit, host_info, hosts_text, logger_overlay,  # bench/: the stage ledger
+from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text, logger_overlay,  # bench/: the stage ledger
                     recorded_hosts, splice_docs)
 from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import dir_name  # bench/: the variant grammar
@@ -1104,6 +1104,8 @@ def parse_args(argv=None):
                     help="validation forms the headline prefers for their task when a selector was queried in them "
                          "(bbh-direct: BBH's direct-answer exemplars, the form of its held-out metric)")
     args = ap.parse_args(argv)
+    if not args.summary_only:
+        check_local_inputs(ap, args)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args
 

@@ -60,7 +60,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from bootstrap import percentile_interval  # bench/: the one bootstrap
-from ledger import (ROOT, Stages, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
+from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
                     logger_overlay, recorded_hosts, splice_docs)
 from variants import dir_name, parse_variant  # bench/: the variant grammar
 
@@ -505,6 +505,8 @@ def parse_args(argv=None):
     ap.add_argument("--timing-repeats", type=int, default=3)
     ap.add_argument("--docs", default=None, help="also write the tables into this Markdown page between its markers")
     args = ap.parse_args(argv)
+    if not args.summary_only:
+        check_local_inputs(ap, args)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
 

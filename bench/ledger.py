@@ -43,8 +43,9 @@ PRESENTATION_KEYS = ("logger", "default_root_dir", "log_every_n_steps", "enable_
 
 def canonical_fingerprint(fp: str) -> str:
     """``fp`` (a stage fingerprint, JSON) with every ``config`` text parsed as YAML and its trainer's presentation
-    settings (``PRESENTATION_KEYS``) dropped: editing a comment or the logger of a shipped config does not re-run a
-    stage; any other change of the config does."""
+    settings (``PRESENTATION_KEYS``) dropped, and every absolute path that exists resolved (a model reached through a
+    symlink is the same model): editing a comment or the logger of a shipped config does not re-run a stage; any
+    other change of the config does."""
     def norm(x: Any) -> Any:
         if isinstance(x, dict):
             out = {}
@@ -57,8 +58,27 @@ def canonical_fingerprint(fp: str) -> str:
             return out
         if isinstance(x, list):
             return [norm(v) for v in x]
+        if isinstance(x, str) and x.startswith("/") and os.path.exists(x):
+            return os.path.realpath(x)  # the same file through a link or another spelling is the same input
         return x
     return json.dumps(norm(json.loads(fp)), sort_keys=True)
+
+
+LOCAL_SUFFIXES = (".gguf", ".jsonl", ".json", ".parquet", ".arrow", ".csv", ".safetensors")
+
+
+def check_local_inputs(ap, args, names=("model", "pool", "eval_dir")) -> None:
+    """Refuse (``ap.error``, naming the option) a ``--model`` / ``--pool`` / ``--eval-dir`` that is meant as a local
+    path -- absolute, relative with ``./``, or a file name with a data/model suffix -- and does not exist, before any
+    stage runs (a default under ``../shared`` seen from another checkout, a typo). Hub ids and ``builtin`` pass."""
+    for name in names:
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or value == "builtin":
+            continue
+        local = value.startswith(("/", "./", "../", "~")) or value.endswith(LOCAL_SUFFIXES)
+        if local and not Path(value).expanduser().exists():
+            ap.error(f"--{name.replace('_', '-')} {value}: no such file or directory (the defaults are under "
+                     f"{ROOT.parent / 'shared'}; pass the path)")
 
 
 class StageNotRun(RuntimeError):
@@ -105,11 +125,18 @@ class Stages:
         if self.dry_run:
             self.log(f"stage {key}: would run")
             return {}
+        set_aside = None
         if done.exists() or (clean is not None and clean.exists()):
+            # the old output is moved aside, not deleted, until the new one exists: a stage that fails (a wrong
+            # path, an interrupted run) puts it back, so a mistyped argument never costs a finished warm-up
             why = "no record" if rec is None else "settings changed"
-            self.log(f"stage {key}: existing output from another setting ({why}): removing {clean or done}")
             target = clean or done
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            set_aside = target.with_name(target.name + ".replaced")
+            if set_aside.exists():
+                shutil.rmtree(set_aside) if set_aside.is_dir() else set_aside.unlink()
+            self.log(f"stage {key}: existing output from another setting ({why}): moved to {set_aside}, "
+                     "deleted once this stage has finished")
+            os.replace(target, set_aside)
         ov = self.out / "configs" / f"{dir_name(key)}.yaml"
         ov.parent.mkdir(parents=True, exist_ok=True)
         ov.write_text(yaml.safe_dump(overlay, sort_keys=False))
@@ -125,18 +152,30 @@ class Stages:
         who = resource.RUSAGE_SELF if self.in_process else resource.RUSAGE_CHILDREN
         ru0 = resource.getrusage(who)
         t0 = time.perf_counter()
-        with open(logf, "w") as f:
-            if self.in_process:
-                returncode = self.call_in_process(args, f)
-            else:
-                returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-        wall = time.perf_counter() - t0
-        ru1 = resource.getrusage(who)
-        if returncode != 0:
-            tail = logf.read_text()[-3000:]
-            raise RuntimeError(f"stage {key} failed (exit {returncode}); log {logf}:\n{tail}")
-        if not done.exists():
-            raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
+        try:
+            with open(logf, "w") as f:
+                if self.in_process:
+                    returncode = self.call_in_process(args, f)
+                else:
+                    returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                                env=env).returncode
+            wall = time.perf_counter() - t0
+            ru1 = resource.getrusage(who)
+            if returncode != 0:
+                tail = logf.read_text()[-3000:]
+                raise RuntimeError(f"stage {key} failed (exit {returncode}); log {logf}:\n{tail}")
+            if not done.exists():
+                raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
+        except BaseException:  # a failure or Ctrl-C: the previous output comes back, whatever was half-written goes
+            if set_aside is not None:
+                target = clean or done
+                if target.exists():
+                    shutil.rmtree(target) if target.is_dir() else target.unlink()
+                os.replace(set_aside, target)
+                self.log(f"stage {key}: failed; the previous output is back at {target}")
+            raise
+        if set_aside is not None:
+            shutil.rmtree(set_aside) if set_aside.is_dir() else set_aside.unlink()
         # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
         # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
         # text would re-run them although nothing they depend on changed

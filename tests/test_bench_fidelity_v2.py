@@ -451,3 +451,46 @@ def test_proxy_health_reads_stage1_variants_in_the_one_grammar():
     for spec in ("le@0.5", "ipsvd/global@0.5+align"):
         with pytest.raises(ValueError, match="Stage-1 setting"):
             proxy_health.compress_kwargs(spec)
+
+
+def test_stage_with_changed_settings_keeps_old_output_until_it_succeeds(tmp_path):
+    """A stage re-run for changed settings moves the old output aside; when the new run fails (here: a config file
+    that does not exist, as a wrong default path would) the old output comes back whole and nothing is left over."""
+    out = tmp_path / "out"
+    out.mkdir()
+    warmed = out / "warmed"
+    warmed.mkdir()
+    (warmed / "config.json").write_text('{"old": 1}')
+    st = ledger.Stages(out, None, lambda m: None, in_process=True)
+    st.state["stages"]["warmup"] = {"fingerprint": json.dumps({"model": "a"})}
+    with pytest.raises(RuntimeError, match="stage warmup failed"):
+        st.run("warmup", "fit", [tmp_path / "missing.yaml"], {}, {"model": "b"}, warmed / "config.json", clean=warmed)
+    assert json.loads((warmed / "config.json").read_text()) == {"old": 1}
+    assert not (out / "warmed.replaced").exists()
+    assert json.loads(st.state["stages"]["warmup"]["fingerprint"]) == {"model": "a"}  # the record is unchanged
+
+
+def test_fingerprint_paths_compare_by_the_file_they_reach(tmp_path):
+    real = tmp_path / "model.gguf"
+    real.write_text("x")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(real)
+    a = json.dumps({"model": str(real), "seed": 0})
+    assert ledger.canonical_fingerprint(a) == ledger.canonical_fingerprint(json.dumps({"model": str(link), "seed": 0}))
+    assert ledger.canonical_fingerprint(a) != ledger.canonical_fingerprint(json.dumps({"model": str(real), "seed": 1}))
+    other = tmp_path / "other.gguf"
+    other.write_text("x")
+    assert ledger.canonical_fingerprint(a) != ledger.canonical_fingerprint(json.dumps({"model": str(other), "seed": 0}))
+
+
+@pytest.mark.parametrize("option", ["--model", "--pool", "--eval-dir"])
+def test_a_missing_local_input_is_refused_before_any_stage(tmp_path, option, capsys):
+    import effect
+
+    for parse in (fv2.parse_args, effect.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--out", str(tmp_path), option, str(tmp_path / "nowhere" / "x.gguf")])
+        assert f"{option} {tmp_path / 'nowhere' / 'x.gguf'}: no such file or directory" in capsys.readouterr().err
+    # a hub id and the built-in demo are not paths
+    assert fv2.parse_args(["--out", str(tmp_path), "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--pool",
+                           "builtin", "--eval-dir", "builtin"]).model == "HuggingFaceTB/SmolLM2-135M-Instruct"
