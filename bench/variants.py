@@ -20,7 +20,8 @@ Task-aware alignment suffixes (issue 22; after ``+align...``, any order, each at
 (``mix_val_train``); ``+valg<W>`` adds the per-task validation-gradient term with weight W (``val_grad_weight``);
 ``+score<W>`` the score-space term with weight W (``score_weight``, Pearson) and ``+scorelist<W>`` its listwise form
 (``score_loss: listwise``); ``+data<N>`` aligns on N pool examples (``align_examples``: the probe split, and so
-Stage 1, unchanged; the default alignment split is 90% of 1% of the pool, ~150 examples here); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+vt<F>`` sets
+Stage 1, unchanged; the default alignment split is 90% of 1% of the pool, ~150 examples here); ``+kl<W>`` sets the
+KL anchor's weight (``kl_weight``; ``+kl0``: none, the reference implementation's default, lever d); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+vt<F>`` sets
 the validation share F that trains (``val_train_fraction``, default 0.5). ``+valg`` / ``+score`` build only with
 ``+fidtask<N>`` (or ``+fid<N>``): ``keep_best`` refuses to judge the task terms by the held-out ``L_GA + KL``, which
 does not contain them (the recorded ``+score1`` row, built before that check, kept its step-0 factors). E.g.
@@ -32,7 +33,7 @@ import re
 from typing import Any
 
 SPARE0 = [r"layers\.0\.mlp\."]  # option spare0: block 0's MLP kept dense
-TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|data)([0-9.]*(?:[eE]-?\d+)?)")
+TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|data|kl)([0-9.]*(?:[eE]-?\d+)?)")
 DEFAULT_VAL_TRAIN_FRACTION = 0.5
 
 
@@ -46,7 +47,7 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
         m = TASK_SUFFIX.match(text, pos)
         if m is None or (m.end() < len(text) and text[m.end()] != "+"):
             raise ValueError(f"variant {spec!r}: unknown alignment suffix {text[pos:]!r} (+fid<N>, +fidtask<N>, +val[<copies>], "
-                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>, +data<N>)")
+                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>, +data<N>, +kl<W>)")
         name, val = m.group(1), m.group(2)
         key = {"scorelist": "score", "fidtask": "fid"}.get(name, name)
         if key in seen:
@@ -72,6 +73,10 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
             data["mix_val_train"] = int(val) if val else 1
             if not data["mix_val_train"]:
                 raise ValueError(f"variant {spec!r}: +val0 mixes nothing; leave out +val")
+        elif name == "kl":  # the KL anchor's weight (0: the reference implementation's default); not a task term
+            if num is None or not num >= 0:
+                raise ValueError(f"variant {spec!r}: +kl needs a weight >= 0, e.g. +kl0")
+            model["kl_weight"] = num
         elif name == "worst":
             if val:
                 raise ValueError(f"variant {spec!r}: +worst takes no value")
@@ -89,11 +94,12 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
                 if name == "scorelist":
                     model["score_loss"] = "listwise"
         pos = m.end()
+    terms = model.keys() - {"kl_weight"}  # what trains on the validation examples
     if "task_reduction" in model and not {"val_grad_weight", "score_weight"} & set(model):
         raise ValueError(f"variant {spec!r}: +worst reduces the task terms over tasks; add +valg<W> or +score<W>")
-    if "val_train_fraction" in data and not (model.keys() - {"task_reduction"} or "mix_val_train" in data):
+    if "val_train_fraction" in data and not (terms - {"task_reduction"} or "mix_val_train" in data):
         raise ValueError(f"variant {spec!r}: +vt sets the validation share that trains; add +val, +valg<W> or +score<W>")
-    if model or data.keys() - {"align_examples"}:
+    if terms or data.keys() - {"align_examples"}:
         data.setdefault("val_train_fraction", DEFAULT_VAL_TRAIN_FRACTION)
     return fidelity, fidelity_task, {"model": model, "data": data}
 

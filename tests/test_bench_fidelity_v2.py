@@ -494,3 +494,13 @@ def test_a_missing_local_input_is_refused_before_any_stage(tmp_path, option, cap
     # a hub id and the built-in demo are not paths
     assert fv2.parse_args(["--out", str(tmp_path), "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--pool",
                            "builtin", "--eval-dir", "builtin"]).model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_kl_suffix_sets_only_the_kl_weight():
+    v = variants.parse_variant("ipsvd/exact/rel1e-3/global@0.5+align2:3e-4+kl0")
+    assert v["task_align"] == {"model": {"kl_weight": 0.0}, "data": {}}  # no validation split: not a task term
+    assert variants.parse_variant("ipsvd/global@0.5+align+kl0.01+fidtask64")["task_align"]["model"] == {"kl_weight": 0.01}
+    with pytest.raises(ValueError, match=r"\+kl needs a weight >= 0"):
+        variants.parse_variant("ipsvd/global@0.5+align+kl")
+    with pytest.raises(ValueError, match=r"\+vt sets the validation share"):
+        variants.parse_variant("ipsvd/global@0.5+align+kl0+vt0.3")
