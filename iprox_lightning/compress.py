@@ -34,6 +34,7 @@ from .damping import check_damping_mode
 from .errors import UserInputError
 from .ipsvd import DEFAULT_DAMPING, DEFAULT_DAMPING_MODE, DEFAULT_MODE, MODES, compute_factors, weighted_objective
 from .lowrank import LowRankLinear
+from .settings import takes_settings
 from .target_layers import (  # noqa: F401  (count_parameters, is_compressed, lowrank_layers: part of this API)
     count_parameters,
     find_target_linears,
@@ -281,53 +282,35 @@ class CompressionReport:
 # ------------------------------------------------------------------------------------------------
 # compression
 # ------------------------------------------------------------------------------------------------
+@takes_settings(CompressionConfig, "compression", positional=("sparsity",))
 def compress_model(
     model: nn.Module,
     probe_dataloader: Iterable[Mapping] | None,
-    sparsity: float = 0.5,
     *,
-    method: str = "ipsvd",
-    mode: str = DEFAULT_MODE,
-    damping: float = DEFAULT_DAMPING,
-    damping_mode: str = DEFAULT_DAMPING_MODE,
-    num_probe_tokens: int = 1024,
-    rank_multiple: int = 1,
-    targets: list[str] | None = None,
-    seed: int = 0,
-    core_fallback: str = "exact",
     compute_dtype: torch.dtype | None = None,
     progress: bool = True,
     probes: Probes | None = None,
-    allocation: str | None = None,
-    keep_dense: list[str] | None = None,
-    drop_blocks: int = 0,
-    probe_labels: str = "response",
-    rank_rounding: str = "nearest",
-    rank_weighting: str = "none",
-    rank_weight_mix: float = 1.0,
     val_dataloader: Iterable[Mapping] | None = None,
     validation_dataloader: Iterable[Mapping] | None = None,
+    compression: CompressionConfig | None = None,
 ) -> CompressionReport:
-    """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (same names, same defaults)."""
-    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader)
-    config = CompressionConfig(sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
-                               num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets,
-                               seed=seed, core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense,
-                               drop_blocks=drop_blocks, probe_labels=probe_labels, rank_rounding=rank_rounding,
-                               rank_weighting=rank_weighting, rank_weight_mix=rank_weight_mix)
-    return compress(model, probe_dataloader, config, compute_dtype=compute_dtype, progress=progress, probes=probes,
-                    val_dataloader=val_dataloader)
+    """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (its fields: same names, same
+    defaults; ``sparsity`` also third by position) or whole as ``compression=``."""
+    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader, stacklevel=4)  # + the wrapper
+    return compress(model, probe_dataloader, compression, compute_dtype=compute_dtype, progress=progress,
+                    probes=probes, val_dataloader=val_dataloader)
 
 
 def _renamed_val_dataloader(val_dataloader: Iterable[Mapping] | None,
-                            validation_dataloader: Iterable[Mapping] | None) -> Iterable[Mapping] | None:
+                            validation_dataloader: Iterable[Mapping] | None, stacklevel: int = 3
+                            ) -> Iterable[Mapping] | None:
     """``val_dataloader``, or the same batches given by its old name ``validation_dataloader=`` (with a warning)."""
     if validation_dataloader is None:
         return val_dataloader
     if val_dataloader is not None:
         raise UserInputError("pass the validation batches once, as val_dataloader (validation_dataloader is its old name)")
     warnings.warn("compress(validation_dataloader=...) is deprecated: pass val_dataloader=... (the name Lightning and "
-                  "influence_scores use)", FutureWarning, stacklevel=3)
+                  "influence_scores use)", FutureWarning, stacklevel=stacklevel)
     return validation_dataloader
 
 

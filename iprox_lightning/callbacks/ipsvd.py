@@ -32,9 +32,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..compress import (
-    DEFAULT_DAMPING,
-    DEFAULT_DAMPING_MODE,
-    DEFAULT_MODE,
     CompressionConfig,
     CompressionReport,
     compress,
@@ -42,85 +39,39 @@ from ..compress import (
     lowrank_layers,
     save_proxy,
 )
+from ..settings import takes_settings
 
 log = logging.getLogger(__name__)
 
 
 class IPSVDCallback(Callback):
+    @takes_settings(CompressionConfig, "compression", positional=("sparsity",))
     def __init__(
         self,
-        sparsity: float = 0.5,
-        method: str = "ipsvd",
-        mode: str = DEFAULT_MODE,
-        damping: float = DEFAULT_DAMPING,
-        damping_mode: str = DEFAULT_DAMPING_MODE,
-        num_probe_tokens: int = 1024,
-        rank_multiple: int = 1,
-        targets: Optional[list[str]] = None,
+        *,
         model_attr: str = "proxy",
         save_dir: Optional[str] = None,
-        seed: int = 0,
-        core_fallback: str = "exact",
         compress_on_device: bool = True,
-        allocation: Optional[str] = None,
-        keep_dense: Optional[list[str]] = None,
         health_batches: int = 4,
-        drop_blocks: int = 0,
-        probe_labels: str = "response",
-        rank_rounding: str = "nearest",
-        rank_weighting: str = "none",
-        rank_weight_mix: float = 1.0,
+        compression: Optional[CompressionConfig] = None,
     ) -> None:
         """Stage 1 inside ``fit``: compress ``pl_module.<model_attr>`` in ``setup`` (module docstring).
 
-        The compression options (``sparsity`` ... ``keep_dense``, ``drop_blocks``, ``probe_labels`` ...
-        ``rank_weight_mix``) are the fields of
-        :class:`~iprox_lightning.compress.CompressionConfig`, built once here and kept as ``self.config``.
+        The compression settings (``sparsity``, ``method``, ... ``rank_weight_mix``) are the fields of
+        :class:`~iprox_lightning.compress.CompressionConfig`, given as keywords (YAML ``init_args``, the command line)
+        or whole as ``compression=CompressionConfig(...)`` (:func:`~iprox_lightning.settings.takes_settings`); the
+        built config is ``self.config``.
 
         Args:
-            sparsity: ρ, the share of the targeted layers' weights removed (0.5 keeps half).
-            method: factor initialisation: ``"ipsvd"`` (needs the datamodule's probe batches), ``"svd"`` or
-                ``"random"``.
-            mode: IPSVD solution: ``"exact"`` (damped weighted optimum) or ``"core"`` (the paper's, probe span).
-            damping: IPSVD damping λ (paper: 1e-3 ``"absolute"`` with mode ``"core"``).
-            damping_mode: ``"relative"`` (λ times the mean eigenvalue) or ``"absolute"``.
-            num_probe_tokens: N, the probe tokens collected per layer.
-            rank_multiple: every rank is a multiple of this (paper: 128 on GPUs), rounded by ``rank_rounding``.
-            targets: regexes of the layer leaf names to compress (default: every attention/MLP projection).
             model_attr: the LightningModule attribute holding the model to compress (fallback ``model``).
             save_dir: where rank 0 saves the compressed proxy right away (before any alignment).
-            seed: seed of the probe sample and of random factors.
-            core_fallback: ``"exact"`` (a layer whose probe span cannot hold its rank uses the exact mode) or
-                ``"error"``.
             compress_on_device: move the model to the strategy's root device before compressing.
-            allocation: ``"uniform"`` (every layer at ρ), ``"global"`` (one budget over all layers, spent where
-                truncation costs most) or ``None`` (global for exact IPSVD, else uniform).
-            keep_dense: regexes of full layer names kept dense.
             health_batches: batches of the alignment split (data Stage 1 never saw) on which the proxy is compared
                 with the uncompressed teacher right after compression (loss, KL, top-1 agreement; logged, kept in
                 the report and the manifest, loud when KL > 1 nat/token); 0 disables the check.
-            drop_blocks: remove this many least important decoder blocks (Layer Extraction importance on the probe
-                batches) before compressing; the remaining layers get the whole-model parameter budget of ``sparsity``
-                (0: keep every block). Not with Stage 2 alignment (``align: true``), which pairs layers by path.
-            probe_labels: ``"response"`` (the probes' ``δ`` of the response-token loss, the scores' loss) or
-                ``"all"`` (of the loss over every non-pad token: the reference implementation's choice).
-            rank_rounding: ``"nearest"`` (uniform ranks to the nearest multiple of ``rank_multiple``; the global
-                allocation stays within its budget) or ``"up"`` (the reference implementation's: every rank rounded up
-                to a multiple, a layer whose rounded factors are no cheaper than dense kept dense; more weights than
-                requested).
-            rank_weighting: ``"none"`` or ``"influence"`` (``allocation: global`` only): weight each layer's marginal
-                gain in the allocation by its share of the target's per-task TracIn score signal, from the
-                datamodule's validation examples (per task) and the probe examples
-                (:mod:`iprox_lightning.influence_weights`); the weights go to the report and the manifest.
-            rank_weight_mix: λ ∈ [0, 1] of ``rank_weighting: influence``: weight ``(1 − λ) + λ·ŵ``.
         """
         super().__init__()
-        self.config = CompressionConfig(
-            sparsity=sparsity, method=method, mode=mode, damping=damping, damping_mode=damping_mode,
-            num_probe_tokens=num_probe_tokens, rank_multiple=rank_multiple, targets=targets, seed=seed,
-            core_fallback=core_fallback, allocation=allocation, keep_dense=keep_dense, drop_blocks=drop_blocks,
-            probe_labels=probe_labels, rank_rounding=rank_rounding, rank_weighting=rank_weighting,
-            rank_weight_mix=rank_weight_mix)
+        self.config = compression
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device

@@ -88,6 +88,7 @@ from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
 from ..errors import UserInputError
 from ..lowrank import LowRankLinear
 from ..model_modes import keep_eval
+from ..settings import takes_settings
 from .causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 from .proxy_fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
 
@@ -135,31 +136,52 @@ class AlignConfig:
         kl_weight: λ_KL, the weight of the logits anchor (paper grid {0, 0.1, 0.01, 0.001}); 0 disables it.
         temperature: τ of the KL term.
         align: ``False`` → the IPSVD-only ablation: no alignment step, ``fit`` just saves the proxy.
-        grad_through_projection: keep the projections of ``∇_W L`` onto the factors differentiable (the paper's
-            formula) rather than constants.
+        grad_through_projection: keep the projections ``sg(∇_W L)·Bᵀ``, ``Aᵀ·sg(∇_W L)`` differentiable in the
+            factors (the paper's formula; keeps each layer's per-token ``h``/``δ`` for the step) — ``False`` treats
+            them as constants (memory of the projections only).
         layers: restrict alignment to these proxy layer paths (default: every ``LowRankLinear``).
         warmup_ratio: share of the steps with a linear learning-rate warm-up.
-        lr_schedule: ``"constant"`` or ``"linear"`` (decay to 0 after the warm-up).
-        keep_best: keep the factors with the best held-out ``monitor`` and restore them before saving (the
-            un-aligned factors, evaluated before the first step, are a candidate at step 0).
-        monitor: the held-out metric of ``keep_best`` (a logged ``val/*`` metric, lower is better;
-            ``val/fidelity_loss`` needs ``fidelity_examples > 0``, ``val/fidelity_worst_loss`` also
-            ``fidelity_per_task``). With a task term on (``val_grad_weight`` / ``score_weight``), ``keep_best``
-            needs a ``val/fidelity*`` monitor: ``val/loss`` does not contain the task terms.
-        fidelity_examples: ``n > 0`` → after every validation run measure the proxy's ranking fidelity on ``n``
-            held-out pool examples (the ``fidelity`` split): Spearman of its TracIn scores vs the target's, logged
-            as ``val/fidelity_spearman`` and ``val/fidelity_loss = 1 − Spearman``; ``0`` (default) → off.
-        fidelity_per_task: with ``fidelity_examples > 0``, also the Spearman per validation task
-            (``val/fidelity_<task>``), their minimum ``val/fidelity_worst`` and ``val/fidelity_worst_loss = 1 −`` it
-            (a ``keep_best`` monitor: the factors whose worst task ranks best); ``False`` (default) → pooled only.
-        val_grad_weight: weight of ``L_val``, the per-task validation-gradient alignment (``0``: off).
-        val_examples_per_task: validation examples of each task in each step's ``L_val`` batch.
-        val_grad_chunk: rows of the ``L_val`` batch per pass (the same loss and gradient, memory bounded by the
-            chunk; ``None``: the whole batch in one graph).
-        score_weight: weight of ``L_score``, the score-space alignment (``0``: off).
-        score_loss: ``"pearson"`` (``1 −`` Pearson over the batch) or ``"listwise"`` (ListNet KL).
-        score_refresh_every: steps between refreshes of the proxy's validation directions of ``L_score``.
-        task_reduction: ``"mean"`` over tasks or ``"max"`` (the worst task) of ``L_val`` and ``L_score``.
+        lr_schedule: ``"constant"`` (default: the paper states no schedule) or ``"linear"`` (decay to 0).
+        keep_best: after every validation run, compare the held-out ``monitor`` (a logged ``val/*`` metric, lower is
+            better; default ``val/loss`` = held-out ``L_GA + λ_KL·L_KL``) with the best so far and keep a copy of
+            the factors that reached it; at the end of ``fit`` the best factors are restored before saving (the
+            manifest records the step, the value and every validation result). The un-aligned factors are a
+            candidate too: evaluated on the full validation loader before the first step, they are recorded at step
+            0. Without a validation loader nothing is kept and the last factors are saved.
+        monitor: the held-out metric of ``keep_best``: ``val/loss`` (default), another logged ``val/*`` metric, or
+            ``val/fidelity_loss`` (``1 −`` the ranking fidelity; needs ``fidelity_examples > 0``), or
+            ``val/fidelity_worst_loss`` (``1 −`` the worst task's; needs ``fidelity_per_task`` too). With a task
+            term on (``val_grad_weight`` / ``score_weight``), ``keep_best`` needs a ``val/fidelity*`` monitor:
+            ``val/loss`` does not contain the task terms.
+        fidelity_examples: ``n > 0`` → measure the proxy's ranking fidelity at step 0 and after every validation
+            run: the Spearman correlation of its TracIn scores with the frozen target's (scored once) on ``n``
+            held-out pool examples in no other split (the datamodule's ``fidelity_dataloader(n)``), against the
+            datamodule's validation examples; logged as ``val/fidelity_spearman`` and ``val/fidelity_loss`` and
+            recorded in the manifest. One check costs a forward+backward of the proxy over the validation and the
+            ``n`` fidelity examples. ``0`` (default): off.
+        fidelity_per_task: with ``fidelity_examples > 0``, also score against each validation task (the batch's
+            ``task``, e.g. ``mmlu``/``bbh``/``tydiqa``) in the same pass and log ``val/fidelity_<task>`` (Spearman
+            per task), ``val/fidelity_worst`` (the minimum) and ``val/fidelity_worst_loss = 1 −`` it; ``monitor:
+            val/fidelity_worst_loss`` keeps the factors whose worst task ranks best. ``False`` (default): pooled
+            only.
+        val_grad_weight: ``w > 0`` adds ``w · L_val``: per task ``t``, ``1 − cos(ḡ_proxy,t, P(ḡ_target,t))`` of the
+            summed per-example gradients of a batch of the task's validation examples, over the whole factor space
+            (:func:`~iprox_lightning.task_alignment.task_gradient_alignment`); the examples are the datamodule's
+            ``val_train`` split (``SFTDataModule(val_train_fraction > 0)``), never the monitoring ones. ``0``: off.
+        val_examples_per_task: examples of each task in the ``L_val`` batch of a step (``datamodule.task_batches``).
+        val_grad_chunk: rows of that batch per pass (default 4): the same loss and gradient as one graph, with the
+            double backward and the target's pairs bounded by the chunk (one more plain proxy pass and one more
+            target pass; :func:`~iprox_lightning.task_alignment.task_gradient_alignment`). ``None``: one graph (12
+            rows on SmolLM2-135M took 22 GB).
+        score_weight: ``w > 0`` adds ``w · L_score``: agreement of the proxy's TracIn scores of the alignment batch
+            with the target's, per task (:func:`~iprox_lightning.task_alignment.score_alignment_loss`), against
+            validation directions from the ``val_train`` examples. Its per-example features ride on the passes of
+            ``L_GA``. ``0``: off.
+        score_loss: ``"pearson"`` (``1 −`` Pearson correlation over the batch, default) or ``"listwise"`` (ListNet:
+            KL of the softmax of the standardised scores; the top of the batch weighs most).
+        score_refresh_every: the proxy's validation directions of ``L_score`` are recomputed (one forward+backward
+            of the proxy over the ``val_train`` examples) every this many steps (the target's: once per fit).
+        task_reduction: ``"mean"`` (default) or ``"max"`` (the worst task) over tasks, for both terms.
     """
 
     lr: float = 5e-5
@@ -237,106 +259,45 @@ class AlignConfig:
 class ProxyAlignModule(L.LightningModule):
     """Stage 2 alignment of a low-rank proxy to its target (see the module docstring).
 
+    The alignment settings (``lr``, ``kl_weight``, ... ``task_reduction``) are the fields of :class:`AlignConfig`,
+    given as keywords (YAML ``init_args``, the command line) or whole as ``alignment=AlignConfig(...)``
+    (:func:`~iprox_lightning.settings.takes_settings`); the built config is ``module.config``.
+
     Args:
         target: the (warmed-up) target model — hub id, directory, ``.gguf`` or ``"builtin"``; or an ``nn.Module``.
         proxy: a saved proxy directory (or module) to start from; ``None``: a deep copy of the target that
             ``IPSVDCallback`` compresses before training.
-        lr: AdamW learning rate over the factors (paper grid {1e-5, 5e-5, 1e-4}).
-        weight_decay: AdamW weight decay (paper: 0.01).
-        kl_weight: λ_KL (paper grid {0, 0.1, 0.01, 0.001}, default 0.1); ``0`` disables the KL anchor.
-        temperature: τ of the KL term.
-        align: ``False`` → IPSVD-only ablation: no alignment step, fit just saves the proxy.
         save_dir: where the aligned proxy is saved at the end of ``fit``.
-        grad_through_projection: keep the projections ``sg(∇_W L)·Bᵀ``, ``Aᵀ·sg(∇_W L)`` differentiable in
-            the factors (the paper's formula; keeps each layer's per-token ``h``/``δ`` for the step) —
-            ``False`` treats them as constants (memory of the projections only).
-        layers: restrict alignment to these proxy layer paths (default: every ``LowRankLinear``).
-        warmup_ratio: share of the steps with a linear learning-rate warm-up.
-        lr_schedule: ``"constant"`` (default: the paper states no schedule) or ``"linear"`` (decay to 0).
         dtype: dtype of both models when loaded by name.
         log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
-        keep_best: after every validation run, compare the held-out ``monitor`` (a logged ``val/*`` metric,
-            lower is better; default ``val/loss`` = held-out ``L_GA + λ_KL·L_KL``) with the best so far and keep
-            a copy of the factors that reached it; at the end of ``fit`` the best factors are restored before
-            saving (the manifest records the step, the value and every validation result). The un-aligned
-            factors are a candidate too: evaluated on the full validation loader before the first step, they
-            are recorded at step 0. Without a validation loader nothing is kept and the last factors are saved.
-        monitor: the held-out metric of ``keep_best``: ``val/loss`` (default), another logged ``val/*`` metric, or
-            ``val/fidelity_loss`` (``1 −`` the ranking fidelity; needs ``fidelity_examples > 0``), or
-            ``val/fidelity_worst_loss`` (``1 −`` the worst task's; needs ``fidelity_per_task`` too).
-        fidelity_examples: ``n > 0`` → measure the proxy's ranking fidelity at step 0 and after every validation
-            run: the Spearman correlation of its TracIn scores with the frozen target's (scored once) on ``n``
-            held-out pool examples in no other split (the datamodule's ``fidelity_dataloader(n)``), against the
-            datamodule's validation examples; logged as ``val/fidelity_spearman`` and ``val/fidelity_loss`` and
-            recorded in the manifest. One check costs a forward+backward of the proxy over the validation and
-            the ``n`` fidelity examples. ``0`` (default): off.
-        fidelity_per_task: with ``fidelity_examples > 0``, also score against each validation task (the batch's
-            ``task``, e.g. ``mmlu``/``bbh``/``tydiqa``) in the same pass and log ``val/fidelity_<task>`` (Spearman per
-            task), ``val/fidelity_worst`` (the minimum) and ``val/fidelity_worst_loss = 1 −`` it; ``monitor:
-            val/fidelity_worst_loss`` keeps the factors whose worst task ranks best. ``False`` (default): pooled only.
         fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
             progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
             TracIn (:data:`DEFAULT_FIDELITY_SCORER`, default ``ScoringConfig``).
-        val_grad_weight: ``w > 0`` adds ``w · L_val``: per task ``t``, ``1 − cos(ḡ_proxy,t, P(ḡ_target,t))`` of the
-            summed per-example gradients of a batch of the task's validation examples, over the whole factor space
-            (:func:`~iprox_lightning.task_alignment.task_gradient_alignment`); the examples are the datamodule's
-            ``val_train`` split (``SFTDataModule(val_train_fraction > 0)``), never the monitoring ones. ``0``: off.
-        val_examples_per_task: examples of each task in the ``L_val`` batch of a step (``datamodule.task_batches``).
-        val_grad_chunk: rows of that batch per pass (default 4): the same loss and gradient as one graph, with the
-            double backward and the target's pairs bounded by the chunk (one more plain proxy pass and one more target
-            pass; :func:`~iprox_lightning.task_alignment.task_gradient_alignment`). ``None``: one graph (12 rows on
-            SmolLM2-135M took 22 GB).
-        score_weight: ``w > 0`` adds ``w · L_score``: agreement of the proxy's TracIn scores of the alignment batch with
-            the target's, per task (:func:`~iprox_lightning.task_alignment.score_alignment_loss`), against validation
-            directions from the ``val_train`` examples. Its per-example features ride on the passes of ``L_GA``.
-            ``0``: off.
-        score_loss: ``"pearson"`` (``1 −`` Pearson correlation over the batch, default) or ``"listwise"`` (ListNet:
-            KL of the softmax of the standardised scores; the top of the batch weighs most).
-        score_refresh_every: the proxy's validation directions of ``L_score`` are recomputed (one forward+backward of
-            the proxy over the ``val_train`` examples) every this many steps (the target's: once per fit).
-        task_reduction: ``"mean"`` (default) or ``"max"`` (the worst task) over tasks, for both terms.
     """
 
+    @takes_settings(AlignConfig, "alignment")
     def __init__(
         self,
         target: Union[str, nn.Module] = "builtin",
         proxy: Optional[Union[str, nn.Module]] = None,
-        lr: float = 5e-5,
-        weight_decay: float = 0.01,
-        kl_weight: float = 0.1,
-        temperature: float = 2.0,
-        align: bool = True,
+        *,
         save_dir: Optional[str] = None,
-        grad_through_projection: bool = True,
-        layers: Optional[list[str]] = None,
-        warmup_ratio: float = 0.0,
-        lr_schedule: str = "constant",
         dtype: str = "float32",
         log_layer_cosines: bool = True,
-        keep_best: bool = True,
-        monitor: str = "val/loss",
-        fidelity_examples: int = 0,
         fidelity_scorer: Optional[Callable] = None,
-        fidelity_per_task: bool = False,
-        val_grad_weight: float = 0.0,
-        val_examples_per_task: int = 2,
-        val_grad_chunk: Optional[int] = 4,
-        score_weight: float = 0.0,
-        score_loss: str = "pearson",
-        score_refresh_every: int = 10,
-        task_reduction: str = "mean",
+        alignment: Optional[AlignConfig] = None,
     ) -> None:
-        super().__init__()
-        self.config = AlignConfig(lr=lr, weight_decay=weight_decay, kl_weight=kl_weight, temperature=temperature,
-                                  align=align, grad_through_projection=grad_through_projection, layers=layers,
-                                  warmup_ratio=warmup_ratio, lr_schedule=lr_schedule, keep_best=keep_best,
-                                  monitor=monitor, fidelity_examples=fidelity_examples,
-                                  fidelity_per_task=fidelity_per_task,
-                                  val_grad_weight=val_grad_weight, val_examples_per_task=val_examples_per_task,
-                                  val_grad_chunk=val_grad_chunk, score_weight=score_weight, score_loss=score_loss,
-                                  score_refresh_every=score_refresh_every, task_reduction=task_reduction)
-        ignore = [k for k, v in (("target", target), ("proxy", proxy)) if isinstance(v, nn.Module)]
-        self.save_hyperparameters(ignore=ignore + ["fidelity_scorer"])
+        # not super(): Lightning's save_hyperparameters reads the init arguments from the frame of an __init__ that
+        # has a __class__ cell, by the names of the public signature, which here are the AlignConfig fields the
+        # frame does not hold (takes_settings); the hyper-parameters are given whole below instead
+        L.LightningModule.__init__(self)
+        self.config = config = alignment
+        # the hyper-parameters (checkpoints, hparams.yaml): the module's own arguments and the settings, flat as the
+        # CLI and YAML give them (a nn.Module target / proxy and the scorer are not hyper-parameters)
+        hparams = {k: v for k, v in (("target", target), ("proxy", proxy)) if not isinstance(v, nn.Module)}
+        hparams.update(save_dir=save_dir, dtype=dtype, log_layer_cosines=log_layer_cosines)
+        hparams.update({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()})
+        self.save_hyperparameters(hparams)
         # plain attributes (never registered submodules, even when given as nn.Module)
         object.__setattr__(self, "target_source", target)
         object.__setattr__(self, "proxy_source", proxy)
@@ -345,16 +306,17 @@ class ProxyAlignModule(L.LightningModule):
         self.tokenizer: Any = None
         self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
         # the held-out record / keep_best and the ranking-fidelity check: callbacks (configure_callbacks)
-        self.best_factors = KeepBestFactors(monitor=monitor if keep_best else None,
-                                         evaluate_step0=(keep_best and align) or bool(fidelity_examples))
+        self.best_factors = KeepBestFactors(monitor=config.monitor if config.keep_best else None,
+                                         evaluate_step0=(config.keep_best and config.align)
+                                         or bool(config.fidelity_examples))
         self.ranking_fidelity: Optional[RankingFidelity] = None
         self._task_batches: Any = None  # the task terms' inputs (each fit anew): val_train batches, directions
         self.directions: Optional[TaskDirections] = None
-        if fidelity_examples:
+        if config.fidelity_examples:
             scorer = fidelity_scorer if fidelity_scorer is not None else _resolve_callable(DEFAULT_FIDELITY_SCORER)
-            self.ranking_fidelity = RankingFidelity(fidelity_examples, scorer, description=(
+            self.ranking_fidelity = RankingFidelity(config.fidelity_examples, scorer, description=(
                 DEFAULT_FIDELITY_SCORES if fidelity_scorer is None else getattr(scorer, "__qualname__", str(scorer))),
-                per_task=fidelity_per_task)
+                per_task=config.fidelity_per_task)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The fidelity check (which logs its metrics at the end of each validation epoch) and the held-out

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..settings import takes_settings
 from .influence import InfluenceScorer, ScoringConfig
 
 log = logging.getLogger(__name__)
@@ -42,22 +43,17 @@ log = logging.getLogger(__name__)
 class InfluenceScoringModule(L.LightningModule):
     """Score a candidate pool against validation sets with TracIn or K-FAC influence.
 
-    The scoring options (``method`` ... ``target_patterns``) are the fields of
-    :class:`~iprox_lightning.scoring.influence.ScoringConfig`, built once here and kept as ``self.config``; the
-    scorer gets it unchanged and ``InfluenceWriter`` writes it verbatim into the score table's settings.
+    The scoring settings (``method``, ``normalize``, ``per_task``, ``damping``, ``damping_mode``,
+    ``kfac_examples``, ``feature_mode``, ``target_patterns``) are the fields of
+    :class:`~iprox_lightning.scoring.influence.ScoringConfig`, given as keywords (YAML ``init_args``, the command line)
+    or whole as ``scoring=ScoringConfig(...)`` (:func:`~iprox_lightning.settings.takes_settings`); the built config is
+    ``self.config``: the scorer gets it unchanged and ``InfluenceWriter`` writes it verbatim into the score table's
+    settings.
 
     Args:
         model: ``"builtin"``, a hub id, a local directory, a ``.gguf`` file, a saved proxy directory,
             or (from Python) an already built ``nn.Module``.
-        method: ``"tracin"`` (cosine of gradients) or ``"kfac"`` (cosine in the K-FAC metric).
-        normalize: cosine scores (paper); ``False`` gives plain inner products.
-        per_task: also score against each validation task (LESS max aggregation in ``score_max``).
-        damping: K-FAC damping of the factors (the project's damping rule; used by ``method="kfac"``).
-        damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
-        kfac_examples: training examples used to estimate the K-FAC factors (paper: 1024).
         kfac_split: data-module split the factors are estimated on (``datamodule.dataloader(split)``).
-        feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation.
-        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         factors_dir: a directory for the fitted K-FAC / EK-FAC factors: factors fitted before on the same model, factor
             data and settings are loaded from it instead of fitted again, new ones are saved there (``None``: fit).
         dtype: model dtype when loading (``"float32"``, ``"bfloat16"``, ...).
@@ -66,33 +62,29 @@ class InfluenceScoringModule(L.LightningModule):
         trust_remote_code: passed to the loader.
     """
 
+    @takes_settings(ScoringConfig, "scoring")
     def __init__(
         self,
         model: Union[str, nn.Module] = "builtin",
-        method: str = "tracin",
-        normalize: bool = True,
-        per_task: bool = True,
-        damping: float = 1e-3,
-        damping_mode: str = "relative",
-        kfac_examples: int = 1024,
+        *,
         kfac_split: str = "pool",
-        feature_mode: str = "auto",
-        target_patterns: Optional[list[str]] = None,
         factors_dir: Optional[str] = None,
         dtype: str = "float32",
         attn_implementation: Optional[str] = "sdpa",
         gguf_file: Optional[str] = None,
         trust_remote_code: bool = False,
+        scoring: Optional[ScoringConfig] = None,
     ) -> None:
-        super().__init__()
-        try:
-            self.config = ScoringConfig(method=method, normalize=normalize, per_task=per_task, damping=damping,
-                                        damping_mode=damping_mode, kfac_examples=kfac_examples,
-                                        feature_mode=feature_mode, target_patterns=target_patterns)
-        except ValueError as e:  # the same class (a user error stays one), named by the module
-            raise type(e)(f"InfluenceScoringModule: {e}") from None
+        # not super(): the hyper-parameters are given whole (ProxyAlignModule.__init__ says why)
+        L.LightningModule.__init__(self)
+        self.config = scoring
         self.metric = self.config.build_metric()
-        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        hparams = {} if isinstance(model, nn.Module) else {"model": model}
+        hparams.update(self.config.to_dict())
+        hparams.update(kfac_split=kfac_split, factors_dir=factors_dir, dtype=dtype,
+                       attn_implementation=attn_implementation, gguf_file=gguf_file,
+                       trust_remote_code=trust_remote_code)
+        self.save_hyperparameters(hparams)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.scorer: InfluenceScorer | None = None
