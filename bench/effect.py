@@ -138,12 +138,19 @@ def split_store_source(source: str) -> tuple[str, str | None]:
     """``"target@bbh-direct"`` -> ``("target", "bbh-direct")``: the model whose store is queried and the validation
     form the query uses instead of its suite's default (``None``: the suites as the fidelity run scored them). The
     store is built once per model; each form is one more query of it."""
-    head, sep, form = source.rpartition("@")
-    if sep and form in VALIDATION_FORMS:
+    head, form = split_form(source)
+    if form is not None:
         return head, form
-    if sep and not form.replace(".", "", 1).isdigit():  # "iprox@0.5" is a proxy's name, not a form
-        raise ValueError(f"store:{source}: unknown validation form {form!r}; forms: {list(VALIDATION_FORMS)}")
+    _, sep, last = source.rpartition("@")
+    if sep and not last.replace(".", "", 1).isdigit():  # "iprox@0.5" is a proxy's name, not a form
+        raise ValueError(f"store:{source}: unknown validation form {last!r}; forms: {list(VALIDATION_FORMS)}")
     return source, None
+
+
+def split_form(text: str) -> tuple[str, str | None]:
+    """``"x@bbh-direct"`` -> ``("x", "bbh-direct")``; ``(text, None)`` when it ends in no validation form."""
+    head, sep, form = text.rpartition("@")
+    return (head, form) if sep and form in VALIDATION_FORMS else (text, None)
 
 
 def host_key(rec: dict) -> tuple | None:
@@ -977,9 +984,7 @@ def selector_family(selector: str) -> tuple[str, str | None]:
     """``store:iprox@0.5@bbh-direct+balanced`` -> ``("store:iprox@0.5+balanced", "bbh-direct")``: a selector without its
     validation form, and the form (``store:target`` is spelled ``store``; ``rds@bbh-direct`` -> ``("rds", ...)``)."""
     base, plus, rule = selector.partition("+")
-    head, sep, form = base.rpartition("@")
-    if not (sep and form in VALIDATION_FORMS):
-        head, form = base, None
+    head, form = split_form(base)
     head = "store" if head == "store:target" else head
     return head + plus + rule, form
 
