@@ -224,6 +224,29 @@ def test_saved_proxy_loads_exactly_and_plain_transformers_refuses_it(proxy_dir):
     assert "ipx.load_proxy" in (path / "README.md").read_text()
 
 
+def test_the_same_proxy_saved_twice_is_the_same_bytes(proxy_dir, tmp_path):
+    """The safetensors writer orders metadata by a hash map (a different header each save); sorted, the weights
+    digest a downstream stage is fingerprinted with is the same for an identical re-built proxy."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from iprox_lightning import save_proxy
+    from iprox_lightning.io.gradient_store import save_tensors
+
+    path, model = proxy_dir
+    again = save_proxy(model, None, tmp_path / "again", target_model="tiny")
+    first, second = (json.loads((d / "iprox_proxy.json").read_text())["weights"] for d in (path, again))
+    assert first["sha256"] == second["sha256"]
+    meta = {f"k{i}": str(i) for i in range(8)}
+    files = [save_tensors(tmp_path / f"t{i}.safetensors", {"a": torch.arange(6.0)}, meta) for i in range(6)]
+    assert len({hashlib.sha256(f.read_bytes()).hexdigest() for f in files}) == 1
+    assert b'"__metadata__":{"k0":"0","k1":"1","k2":"2"' in files[0].read_bytes()[:200]
+    with safe_open(str(files[0]), "pt") as f:
+        assert f.metadata() == meta  # (read back into a hash map: its order says nothing)
+        assert torch.equal(f.get_tensor("a"), torch.arange(6.0))
+
+
 def test_proxy_without_manifest_is_refused(proxy_dir):
     from safetensors.torch import load_file, save_file
 

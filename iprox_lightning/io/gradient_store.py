@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import UserInputError
-from .fingerprint import FingerprintMismatch, diff, digest, file_identity
+from .fingerprint import FingerprintMismatch, diff, digest, file_identity, sort_safetensors_metadata
 from .scores import write_json_atomic
 from .tensor_cache import TensorCache
 
@@ -134,6 +134,7 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp),
               metadata=dict(metadata) if metadata else None)
+    sort_safetensors_metadata(tmp)  # the same tensors and metadata: the same bytes
     os.replace(tmp, path)
     return path
 

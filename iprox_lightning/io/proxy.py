@@ -191,7 +191,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     from safetensors.torch import save_model
 
     from ..target_layers import is_compressed
-    from .fingerprint import file_identity
+    from .fingerprint import file_identity, sort_safetensors_metadata
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -212,6 +212,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
         tokenizer.save_pretrained(path)
     (path / LEGACY_WEIGHTS).unlink(missing_ok=True)  # never leave a file transformers would load
     save_model(model, str(path / PROXY_WEIGHTS), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
+    sort_safetensors_metadata(path / PROXY_WEIGHTS)  # a re-built identical proxy has the same weights digest
     man = build_manifest(model, manifest, **extra)
     man["weights"] = {"file": PROXY_WEIGHTS, **file_identity(path / PROXY_WEIGHTS, hash_limit=None)}
     (path / PROXY_MANIFEST).write_text(json.dumps(man, indent=2, default=float) + "\n")
