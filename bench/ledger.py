@@ -81,6 +81,11 @@ def check_local_inputs(ap, args, names=("model", "pool", "eval_dir")) -> None:
                      f"{ROOT.parent / 'shared'}; pass the path)")
 
 
+def _remove(path: Path) -> None:
+    """Delete a stage output, a directory or a file."""
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 class StageNotRun(RuntimeError):
     """A read-only :class:`Stages` (``--summary-only``) was asked for a stage that has not run with these settings."""
 
@@ -133,7 +138,7 @@ class Stages:
             target = clean or done
             set_aside = target.with_name(target.name + ".replaced")
             if set_aside.exists():
-                shutil.rmtree(set_aside) if set_aside.is_dir() else set_aside.unlink()
+                _remove(set_aside)
             self.log(f"stage {key}: existing output from another setting ({why}): moved to {set_aside}, "
                      "deleted once this stage has finished")
             os.replace(target, set_aside)
@@ -170,12 +175,12 @@ class Stages:
             if set_aside is not None:
                 target = clean or done
                 if target.exists():
-                    shutil.rmtree(target) if target.is_dir() else target.unlink()
+                    _remove(target)
                 os.replace(set_aside, target)
                 self.log(f"stage {key}: failed; the previous output is back at {target}")
             raise
         if set_aside is not None:
-            shutil.rmtree(set_aside) if set_aside.is_dir() else set_aside.unlink()
+            _remove(set_aside)
         # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
         # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
         # text would re-run them although nothing they depend on changed

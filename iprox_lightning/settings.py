@@ -114,11 +114,9 @@ def takes_settings(config_cls: type, param: str, *, positional: tuple[str, ...] 
             raise TypeError(f"{fn.__qualname__}: takes_settings needs named parameters only")
         fields = _field_parameters(config_cls, positional)
         head = [p for p in own if p.kind == _P.POSITIONAL_OR_KEYWORD and p.name != param]
-        tail = [p for p in own if p.kind == _P.KEYWORD_ONLY or p.name == param]
-        tail = [p.replace(kind=_P.KEYWORD_ONLY) for p in tail]
+        tail = [p for p in own if p.kind == _P.KEYWORD_ONLY and p.name != param]
         pos_fields = [p for p in fields if p.kind == _P.POSITIONAL_OR_KEYWORD]
-        public = sig.replace(parameters=[*head, *pos_fields, *(p for p in fields if p.kind == _P.KEYWORD_ONLY),
-                                         *(p for p in tail if p.name != param)],
+        public = sig.replace(parameters=[*head, *pos_fields, *(p for p in fields if p.kind == _P.KEYWORD_ONLY), *tail],
                              return_annotation=hints.get("return", sig.return_annotation))
         # ``param`` itself is a Python-only way in (the whole config object): not in the public signature, so the
         # CLI offers one spelling of each setting
@@ -155,7 +153,6 @@ def takes_settings(config_cls: type, param: str, *, positional: tuple[str, ...] 
         wrapper.__signature__ = public  # type: ignore[attr-defined]
         del wrapper.__wrapped__  # inspect.signature must read __signature__, not follow fn
         wrapper.__doc__ = with_field_docs(fn.__doc__, config_cls, names)
-        wrapper.settings_class = config_cls  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate
