@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import check_batch, shifted_token_mask, sft_loss
+from .batch import check_batch, scored_logits, token_mean
 from .lowrank import LowRankLinear
 from .target_layers import is_linear_like, linear_shape
 from .tracking import LayerTracker, PairTracker, backward_pairs, pair_dispatch
@@ -140,24 +140,24 @@ def gradient_alignment_loss(
 def distillation_kl(
     teacher_logits: torch.Tensor,
     proxy_logits: torch.Tensor,
-    labels: torch.Tensor,
     temperature: float = 2.0,
 ) -> torch.Tensor:
     """``L_KL = τ² · mean over response tokens of KL(softmax(f_t/τ) ‖ softmax(f_p/τ))``.
 
-    ``teacher_logits``/``proxy_logits``: ``[B, T, V]``; response tokens are the positions whose
-    next-token prediction is scored (``shifted_token_mask(labels)``). Computed in float32; the
-    teacher side is detached. Returns ``0`` (with a graph) when the batch has no response token.
+    ``teacher_logits``/``proxy_logits``: ``[N, V]``, the logits of the batch's response tokens (the positions whose
+    next-token prediction is scored, :func:`~iprox_lightning.batch.scored_logits`; from full ``[B, T, V]`` logits:
+    ``logits[shifted_token_mask(labels)]``). Computed in float32; the teacher side is detached. Returns ``0`` (with
+    a graph) when the batch has no response token.
     """
-    if teacher_logits.shape != proxy_logits.shape:
-        raise ValueError(f"distillation_kl: logits shapes differ: {tuple(teacher_logits.shape)} vs {tuple(proxy_logits.shape)}")
+    if teacher_logits.shape != proxy_logits.shape or teacher_logits.dim() != 2:
+        raise ValueError(f"distillation_kl: expects [N, V] logits of one shape, got {tuple(teacher_logits.shape)} "
+                         f"and {tuple(proxy_logits.shape)}")
     if temperature <= 0:
         raise ValueError(f"distillation_kl: temperature must be > 0, got {temperature}")
-    mask = shifted_token_mask(labels)
-    if not bool(mask.any()):
+    if teacher_logits.shape[0] == 0:
         return proxy_logits.sum() * 0.0
-    t = teacher_logits.detach()[mask].float() / temperature
-    s = proxy_logits[mask].float() / temperature
+    t = teacher_logits.detach().float() / temperature
+    s = proxy_logits.float() / temperature
     log_p_t = F.log_softmax(t, dim=-1)
     log_p_s = F.log_softmax(s, dim=-1)
     kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(dim=-1)
@@ -187,10 +187,6 @@ def proxy_factor_layers(proxy: nn.Module, layers: Iterable[str] | None = None) -
     return found
 
 
-def _model_inputs(batch: Mapping) -> dict:
-    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-
-
 class FactorProjectionTracker(PairTracker):
     """Per aligned layer, the teacher's ``(h, δ)`` projected into the proxy's factor space with
     :func:`factor_projections` (``projections[name] = (P_A, P_B)``, ``O(proxy)`` memory), or, with
@@ -214,7 +210,7 @@ class FactorProjectionTracker(PairTracker):
 
 @dataclass
 class TeacherPass:
-    """Result of :func:`teacher_pass`: detached logits, the SFT loss value and, per aligned layer, either
+    """Result of :func:`teacher_pass`: the detached logits of the response tokens (``[N, V]``), the SFT loss value and, per aligned layer, either
     the projections ``(P_A, P_B)`` (``keep_tokens=False``) or the flattened ``(H [N, in], Δ [N, out])``."""
 
     logits: torch.Tensor
@@ -241,7 +237,7 @@ def teacher_pass(
 
     ``factors[name] = (A, B)`` for each aligned layer path; the teacher's linear at the same path is
     tracked by a :class:`FactorProjectionTracker` over one step of the backward-pairs engine
-    (:func:`iprox_lightning.tracking.backward_pairs`, loss :func:`~iprox_lightning.batch.sft_loss`): the
+    (:func:`iprox_lightning.tracking.backward_pairs`, loss :func:`~iprox_lightning.batch.token_mean`, the SFT loss): the
     backward is a ``torch.autograd.grad`` w.r.t. the embedding output, so no teacher parameter ever gets ``.grad``.
     ``trackers``: more consumers of the same step's pairs (e.g. per-example features, :mod:`.task_alignment`).
     """
@@ -259,7 +255,7 @@ def teacher_pass(
             )
         tracked[name] = m
     tracker = FactorProjectionTracker(tracked, factors, keep_tokens)
-    step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=sft_loss)
+    step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=token_mean)
     missing = [n for n in tracked if n not in (tracker.tokens if keep_tokens else tracker.projections)]
     if missing:
         raise RuntimeError(f"teacher_pass: no gradient reached layers {missing} (not used in the forward?)")
@@ -334,7 +330,7 @@ def alignment_losses(
             pairs = LayerTracker(*pair_dispatch(proxy_trackers), differentiable=True)
         with pairs:  # (the proxy trackers' hooks: through the forward and step 3's backward)
             try:
-                out = proxy(**_model_inputs(batch))
+                logits, scored = scored_logits(proxy, batch, use_cache=False)
             finally:
                 for h in handles:
                     h.remove()
@@ -342,8 +338,7 @@ def alignment_losses(
             missing = [n for n in names if n not in factors]
             if missing:
                 raise RuntimeError(f"alignment_losses: proxy layers {missing} did not run in the forward")
-            logits = out.logits
-            l_proxy = sft_loss(logits, batch["labels"])
+            l_proxy = token_mean(*scored.ce_sums(logits))
             flat = [x for n in names for x in factors[n]]
             not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
             if not_req:
@@ -363,11 +358,11 @@ def alignment_losses(
             projections = t.projections
         l_ga, cos_a, cos_b = gradient_alignment_loss(proxy_grads, projections)
         if kl_weight != 0:
-            l_kl = distillation_kl(t.logits, logits, batch["labels"], temperature)
+            l_kl = distillation_kl(t.logits, logits, temperature)
             loss = l_ga + kl_weight * l_kl
         else:
             with torch.no_grad():
-                l_kl = distillation_kl(t.logits, logits.detach(), batch["labels"], temperature)
+                l_kl = distillation_kl(t.logits, logits.detach(), temperature)
             loss = l_ga
     return AlignmentOutput(
         loss=loss,

@@ -12,7 +12,9 @@ A batch is a ``dict`` with
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -93,20 +95,92 @@ def shifted_token_mask(labels: torch.Tensor) -> torch.Tensor:
 
 
 def per_example_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed response-token cross-entropy and response-token count per example.
+    """Summed response-token cross-entropy and response-token count per example, from full ``[B, T, V]`` logits.
 
-    Returns ``(ce_sum[B], n_tokens[B])`` computed in float32.
+    Returns ``(ce_sum[B], n_tokens[B])`` computed in float32 (float64 for float64 logits).
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
-    ce = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view(shift_labels.shape)
-    n = (shift_labels != IGNORE_INDEX).sum(dim=1)
-    return ce.sum(dim=1), n
+    scored = ScoredTokens.of(labels)
+    return scored.ce_sums(logits[scored.mask])
+
+
+@dataclass
+class ScoredTokens:
+    """The positions of a ``[B, T]`` batch whose next-token prediction is scored (:func:`shifted_token_mask`), in
+    row-major order: ``rows[N]`` the example of each, ``targets[N]`` its next token."""
+
+    mask: torch.Tensor
+    rows: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def of(cls, labels: torch.Tensor) -> "ScoredTokens":
+        mask = shifted_token_mask(labels)
+        rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)[mask]
+        targets = labels[:, 1:][mask[:, :-1]]
+        return cls(mask=mask, rows=rows, targets=targets)
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.shape[0]
+
+    def ce_sums(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ce_sum[B], n_tokens[B])`` from the logits of the scored positions (``[N, V]``), in float32 (float64 for
+        float64 logits)."""
+        if logits.shape[0] != self.rows.numel():
+            raise ValueError(f"{logits.shape[0]} rows of logits for {self.rows.numel()} scored positions")
+        ce = F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), self.targets,
+                             reduction="none")
+        ce_sum = ce.new_zeros(self.batch_size).index_add(0, self.rows, ce)
+        return ce_sum, torch.bincount(self.rows, minlength=self.batch_size)
+
+
+@contextlib.contextmanager
+def head_on_scored_positions(model: torch.nn.Module, labels: torch.Tensor) -> Iterator[ScoredTokens]:
+    """Inside the block, ``model``'s output embedding (the LM head, ``get_output_embeddings()``) sees only the hidden
+    states of the scored positions, so ``model(...).logits`` is ``[1, N, V]``: the head's matmul and the vocabulary
+    softmax are paid on response tokens only, not on the prompt (a pool prompt is about three quarters of its tokens,
+    a few-shot validation prompt nearly all). Values equal the full logits at those positions. A model without
+    ``get_output_embeddings`` keeps full logits (:func:`scored_logits` handles both)."""
+    scored = ScoredTokens.of(labels)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        yield scored
+        return
+
+    def compact(module, args):
+        hidden, *rest = args
+        if hidden.shape[:2] != scored.mask.shape:
+            raise RuntimeError(f"the LM head got hidden states of shape {tuple(hidden.shape)} for labels of shape "
+                               f"{tuple(scored.mask.shape)}; cannot pick the scored positions")
+        return (hidden[scored.mask.to(hidden.device)].unsqueeze(0), *rest)
+
+    handle = head.register_forward_pre_hook(compact)
+    try:
+        yield scored
+    finally:
+        handle.remove()
+
+
+def scored_logits(model: torch.nn.Module, batch: Mapping[str, Any], **kwargs) -> tuple[torch.Tensor, ScoredTokens]:
+    """``model``'s logits at the scored positions of ``batch`` (``[N, V]``, see :class:`ScoredTokens`), computed
+    with the LM head on those positions only (:func:`head_on_scored_positions`). ``kwargs`` go to the forward."""
+    with head_on_scored_positions(model, batch["labels"]) as scored:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs).logits
+    if logits.dim() == 3 and logits.shape[:2] == scored.mask.shape:  # no LM head hook: full logits
+        return logits[scored.mask], scored
+    return logits.reshape(-1, logits.shape[-1]), scored
+
+
+def example_mean_sum(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``Σ_z L(z)``, ``L`` the per-example response-token mean (:func:`per_example_loss`): each row of an
+    output-gradient is then exactly its own example's, whatever the batch."""
+    return (ce_sum / n.clamp(min=1).to(ce_sum.dtype)).sum()
+
+
+def token_mean(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy over all response tokens of the batch (the usual SFT loss, :func:`sft_loss`)."""
+    return ce_sum.sum() / n.sum().clamp(min=1).to(ce_sum.dtype)
 
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,5 +195,4 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
 
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token-mean cross-entropy over all response tokens of the batch (the usual SFT loss)."""
-    ce_sum, n = per_example_token_ce(logits, labels)
-    return ce_sum.sum() / n.sum().clamp(min=1).to(ce_sum.dtype)
+    return token_mean(*per_example_token_ce(logits, labels))

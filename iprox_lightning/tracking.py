@@ -12,8 +12,9 @@ factors (:mod:`iprox_lightning.scoring`) and the teacher projections of the alig
 1. ``tracker.start_step(batch)`` for every tracker;
 2. the forward ``model(input_ids, attention_mask, use_cache=False)`` with the input-embedding output made a
    grad-requiring leaf (:func:`requires_grad_inputs`), so a frozen model builds a graph through every layer;
-3. ``loss_fn(logits, labels)`` and ``torch.autograd.grad`` of it w.r.t. the embedding output only: nothing
-   is accumulated in ``param.grad`` (frozen, trainable and sharded parameters alike);
+3. ``loss_fn(ce_sum, n)`` from the response tokens' cross-entropy (the LM head runs on the scored positions only,
+   :func:`~iprox_lightning.batch.scored_logits`) and ``torch.autograd.grad`` of it w.r.t. the embedding output only:
+   nothing is accumulated in ``param.grad`` (frozen, trainable and sharded parameters alike);
 4. during that backward, ``tracker.on_pair(name, h, δ)`` for every tracked layer of the tracker (in
    backward order: last layer first);
 5. ``tracker.end_step()`` for every tracker.
@@ -40,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .batch import per_example_loss
+from .batch import example_mean_sum, scored_logits
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -150,12 +151,6 @@ class PairTracker:
         pass
 
 
-def sum_of_example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``Σ_z L(z)`` (``L`` the per-example response-token mean, :func:`~iprox_lightning.batch.per_example_loss`):
-    each row of ``δ`` is then exactly its own example's output-gradient, whatever the batch."""
-    return per_example_loss(logits, labels)[0].sum()
-
-
 def pair_dispatch(trackers: Sequence[PairTracker]) -> tuple[dict[str, nn.Module], PairFn]:
     """``(modules, dispatch)`` for a :class:`LayerTracker` serving ``trackers``: every tracked module once (trackers
     naming one path must name the same module) and the function handing each pair to the trackers of its path."""
@@ -176,7 +171,8 @@ def pair_dispatch(trackers: Sequence[PairTracker]) -> tuple[dict[str, nn.Module]
 
 @dataclass
 class BackwardStep:
-    """What :func:`backward_pairs` returns: the detached logits and the detached loss it differentiated."""
+    """What :func:`backward_pairs` returns: the detached logits of the scored positions (``[N, V]``, in the order of
+    :class:`~iprox_lightning.batch.ScoredTokens`) and the detached loss it differentiated."""
 
     logits: torch.Tensor
     loss: torch.Tensor
@@ -187,12 +183,13 @@ def backward_pairs(
     batch: Mapping,
     trackers: Sequence[PairTracker],
     *,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sum_of_example_losses,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = example_mean_sum,
     create_graph: bool = False,
 ) -> BackwardStep:
     """One step of the engine over ``batch`` (``input_ids``, ``attention_mask``, ``labels``) for ``trackers``
-    (see the module docstring). ``loss_fn(logits, labels)`` gives the scalar whose gradient ``δ`` is (default
-    :func:`sum_of_example_losses`). Works inside ``torch.inference_mode()`` (Lightning's predict loop):
+    (see the module docstring). ``loss_fn(ce_sum, n)`` (per example: summed response-token cross-entropy, response
+    tokens) gives the scalar whose gradient ``δ`` is (default :func:`~iprox_lightning.batch.example_mean_sum`;
+    :func:`~iprox_lightning.batch.token_mean` is the batch's SFT loss). Works inside ``torch.inference_mode()`` (Lightning's predict loop):
     the step runs with inference mode off, on copies of the input tensors. ``create_graph=True``: differentiable
     pairs (module docstring; the returned logits and loss stay detached)."""
     modules, dispatch = pair_dispatch(trackers)
@@ -204,8 +201,9 @@ def backward_pairs(
             tracker.start_step({**batch, "input_ids": ids, "attention_mask": mask, "labels": labels})
         leaves: list[torch.Tensor] = []
         with requires_grad_inputs(model, leaves), LayerTracker(modules, dispatch, differentiable=create_graph):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            loss = loss_fn(logits, labels)
+            logits, scored = scored_logits(model, {"input_ids": ids, "attention_mask": mask, "labels": labels},
+                                           use_cache=False)
+            loss = loss_fn(*scored.ce_sums(logits))
             if not leaves:
                 raise RuntimeError("the input-embedding module did not run; cannot take gradients")
             if create_graph:

@@ -16,7 +16,7 @@ from iprox_lightning.alignment import (
     proxy_factor_layers,
     teacher_pass,
 )
-from iprox_lightning.batch import sft_loss
+from iprox_lightning.batch import sft_loss, shifted_token_mask
 from iprox_lightning.compress import compress_model
 from iprox_lightning.target_layers import linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
@@ -117,11 +117,15 @@ def test_distillation_kl_equals_hand_computation():
             kls.append((p * (p / q).log()).sum())
     assert len(kls) == 5
     ref = tau**2 * torch.stack(kls).mean()
-    got = distillation_kl(t_logits, s_logits, labels, tau)
+    m = shifted_token_mask(labels)
+    got = distillation_kl(t_logits[m], s_logits[m], tau)
     assert abs(got.item() - ref.item()) < 1e-6
     # no response token → 0, and identical logits → 0
-    assert distillation_kl(t_logits, s_logits, torch.full((2, 6), -100), tau).item() == 0.0
-    assert abs(distillation_kl(t_logits, t_logits, labels, tau).item()) < 1e-7
+    none = shifted_token_mask(torch.full((2, 6), -100))
+    assert distillation_kl(t_logits[none], s_logits[none], tau).item() == 0.0
+    assert abs(distillation_kl(t_logits[m], t_logits[m], tau).item()) < 1e-7
+    with pytest.raises(ValueError, match=r"\[N, V\] logits of one shape"):
+        distillation_kl(t_logits, s_logits, tau)
 
 
 def test_cosine_distance_and_ga_loss_definition():

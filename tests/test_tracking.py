@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from iprox_lightning.batch import per_example_loss, sft_loss, shifted_token_mask
+from iprox_lightning.batch import example_mean_sum, per_example_loss, sft_loss, shifted_token_mask, token_mean
 from iprox_lightning.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.tracking import LayerTracker, requires_grad_inputs
@@ -74,7 +74,7 @@ def test_per_example_loss_masks_and_zero_examples():
     loss, n = per_example_loss(logits, labels)
     lp = torch.log_softmax(logits, -1)
     expected0 = -(lp[0, 0, 1] + lp[0, 1, 2]) / 2
-    torch.testing.assert_close(loss[0], expected0.float())
+    torch.testing.assert_close(loss[0], expected0)
     assert loss[1].item() == 0.0 and n.tolist() == [2, 0]
     assert shifted_token_mask(labels).tolist() == [[True, True, False, False], [False] * 4]
 
@@ -83,7 +83,7 @@ def test_per_example_loss_masks_and_zero_examples():
 # the backward-pairs engine
 # ------------------------------------------------------------------------------------------
 from iprox_lightning.lowrank import LowRankLinear  # noqa: E402
-from iprox_lightning.tracking import PairTracker, backward_pairs, sum_of_example_losses  # noqa: E402
+from iprox_lightning.tracking import PairTracker, backward_pairs  # noqa: E402
 
 
 def _proxy(seed=3):
@@ -128,8 +128,13 @@ def _brute_force_pairs(model, modules, ids, mask, labels, loss_fn):
     return loss.detach(), {n: (seen[n][0].detach(), g) for n, g in zip(modules, grads)}
 
 
-@pytest.mark.parametrize("loss_fn", [sum_of_example_losses, sft_loss])
-def test_backward_pairs_match_brute_force_and_run_the_life_cycle(loss_fn):
+def _sum_of_example_losses(logits, labels):
+    return per_example_loss(logits, labels)[0].sum()
+
+
+@pytest.mark.parametrize("loss_fn,full_logits_loss", [(example_mean_sum, _sum_of_example_losses),
+                                                      (token_mean, sft_loss)])
+def test_backward_pairs_match_brute_force_and_run_the_life_cycle(loss_fn, full_logits_loss):
     model = _proxy()
     ids, mask, labels = _batch()
     targets = find_target_linears(model)  # dense linears + the LowRankLinear q_proj layers
@@ -140,7 +145,8 @@ def test_backward_pairs_match_brute_force_and_run_the_life_cycle(loss_fn):
     step = backward_pairs(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, [first, second],
                           loss_fn=loss_fn)
     assert all(p.grad is None for p in model.parameters())
-    ref_loss, ref = _brute_force_pairs(model, {**targets, **seams}, ids, mask, labels, loss_fn)
+    # the reference: full logits (the LM head on every position), the loss written on them
+    ref_loss, ref = _brute_force_pairs(model, {**targets, **seams}, ids, mask, labels, full_logits_loss)
     assert float(step.loss) == pytest.approx(float(ref_loss), rel=1e-12)
     for tracker in (first, second):
         assert tracker.events[0] == "start" and tracker.events[-1] == "end"
@@ -165,7 +171,7 @@ def test_backward_pairs_inside_inference_mode_and_with_a_frozen_model():
     with torch.inference_mode():  # Lightning's predict loop
         backward_pairs(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, [rec])
     ref_model = tiny_causal_lm("llama", seed=4).double()
-    _, ref = _brute_force_pairs(ref_model, find_target_linears(ref_model), ids, mask, labels, sum_of_example_losses)
+    _, ref = _brute_force_pairs(ref_model, find_target_linears(ref_model), ids, mask, labels, _sum_of_example_losses)
     for name in targets:
         torch.testing.assert_close(rec.pairs[name][1], ref[name][1], rtol=1e-10, atol=1e-14)
 

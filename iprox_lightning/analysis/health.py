@@ -5,7 +5,8 @@ has to start from a sound model (measured on SmolLM2: Stage 1 at ρ = 0.5 with t
 a held-out loss of 15 against 2.4). :func:`proxy_health` measures, on held-out batches:
 
 * ``target_loss`` / ``proxy_loss`` — mean per-example SFT loss (response tokens; the reduction the
-  probes and the scores use, :func:`~iprox_lightning.batch.per_example_loss`);
+  probes and the scores use, :func:`~iprox_lightning.batch.per_example_loss`), the LM head run on the
+  response tokens only (:func:`~iprox_lightning.batch.scored_logits`);
 * ``kl`` — ``τ²``-free mean over response tokens of ``KL(p_target ‖ p_proxy)`` at temperature 1;
 * ``top1_agreement`` — share of response positions where both models predict the same next token.
 """
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batch import per_example_loss, shifted_token_mask
+from ..batch import ScoredTokens, model_device, scored_logits, to_device
 from ..model_modes import eval_mode
 
 
@@ -28,22 +29,20 @@ def proxy_health(target: nn.Module, proxy: nn.Module, batches: Iterable[Mapping]
     n_ex, kl_sum, agree, n_tok = 0, 0.0, 0, 0
     with eval_mode(target, proxy):
         for batch in batches:
-            dev_t = next(target.parameters()).device
-            dev_p = next(proxy.parameters()).device
-            ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-            lt = target(input_ids=ids.to(dev_t), attention_mask=mask.to(dev_t)).logits.float().cpu()
-            lp = proxy(input_ids=ids.to(dev_p), attention_mask=mask.to(dev_p)).logits.float().cpu()
+            # the LM head on the response tokens only: [N, V] per model, rows in ScoredTokens order
+            lt = scored_logits(target, to_device(batch, model_device(target)))[0].float().cpu()
+            lp = scored_logits(proxy, to_device(batch, model_device(proxy)))[0].float().cpu()
+            scored = ScoredTokens.of(batch["labels"].cpu())
             for key, logits in (("target_loss", lt), ("proxy_loss", lp)):
-                losses, n = per_example_loss(logits, labels)
-                sums[key] += float(losses[n > 0].sum())
-            n_ex += int((per_example_loss(lt, labels)[1] > 0).sum())
-            m = shifted_token_mask(labels)
-            if bool(m.any()):
-                log_t = F.log_softmax(lt[m], dim=-1)
-                log_p = F.log_softmax(lp[m], dim=-1)
+                ce_sum, n = scored.ce_sums(logits)
+                sums[key] += float((ce_sum / n.clamp(min=1))[n > 0].sum())
+            n_ex += int((n > 0).sum())
+            if lt.shape[0]:
+                log_t = F.log_softmax(lt, dim=-1)
+                log_p = F.log_softmax(lp, dim=-1)
                 kl_sum += float((log_t.exp() * (log_t - log_p)).sum())
-                agree += int((lt[m].argmax(-1) == lp[m].argmax(-1)).sum())
-                n_tok += int(m.sum())
+                agree += int((lt.argmax(-1) == lp.argmax(-1)).sum())
+                n_tok += lt.shape[0]
     if n_ex == 0 or n_tok == 0:
         raise ValueError("proxy_health: the batches hold no response token")
     return {"target_loss": sums["target_loss"] / n_ex, "proxy_loss": sums["proxy_loss"] / n_ex,

@@ -103,7 +103,7 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
     """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc), on the model's device;
     ``per_example`` adds ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over
     examples)."""
-    from ..batch import IGNORE_INDEX, model_device, per_example_loss, to_device
+    from ..batch import model_device, scored_logits, to_device
     from ..model_modes import eval_mode
 
     per_task: dict[str, list[tuple[float, bool]]] = {}
@@ -112,11 +112,11 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
     with eval_mode(model):
         for b in batches:
             b = to_device(b, device)
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            loss, n = per_example_loss(logits, b["labels"])
-            pred, gold = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
-            scored = gold != IGNORE_INDEX
-            exact = ((pred == gold) | ~scored).all(dim=1) & (n > 0)
+            logits, scored = scored_logits(model, b)  # the LM head on the answer tokens only
+            ce_sum, n = scored.ce_sums(logits)
+            loss = ce_sum / n.clamp(min=1)
+            wrong = torch.zeros_like(n).index_add(0, scored.rows, (logits.argmax(-1) != scored.targets).long())
+            exact = (wrong == 0) & (n > 0)
             ids = b.get("id") or [None] * len(b["task"])
             for i, t, l, e in zip(ids, b["task"], loss.tolist(), exact.tolist()):
                 per_task.setdefault(t, []).append((l, bool(e)))

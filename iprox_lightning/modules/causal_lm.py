@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from ..batch import check_batch, per_example_token_ce
+from ..batch import check_batch, scored_logits
 from ..errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,8 @@ class CausalLMModule(L.LightningModule):
     def sft_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss for backward, local token-mean loss for logging)`` — see the module docstring."""
         check_batch(batch)
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        ce_sum, n = per_example_token_ce(out.logits, batch["labels"])
+        logits, scored = scored_logits(self.model, batch, use_cache=False)  # the LM head on response tokens only
+        ce_sum, n = scored.ce_sums(logits)
         local_sum, local_n = ce_sum.sum(), n.sum()
         world = self.trainer.world_size if self._trainer is not None else 1
         global_n = self._global_token_count(local_n) if world > 1 else local_n.float()
@@ -212,8 +212,8 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         check_batch(batch)
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        ce_sum, n = per_example_token_ce(out.logits, batch["labels"])
+        logits, scored = scored_logits(self.model, batch, use_cache=False)
+        ce_sum, n = scored.ce_sums(logits)
         self.log("val/loss", ce_sum.sum() / n.sum().clamp_min(1), prog_bar=True, sync_dist=True,
                  batch_size=batch["input_ids"].shape[0])
 

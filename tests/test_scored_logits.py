@@ -1,0 +1,133 @@
+"""The LM head on the scored positions only (``iprox_lightning.batch.scored_logits``) against full logits."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iprox_lightning.batch import (IGNORE_INDEX, ScoredTokens, head_on_scored_positions, per_example_token_ce,
+                                   scored_logits, shifted_token_mask)
+from iprox_lightning.models.tiny import ARCHITECTURES, tiny_causal_lm
+
+
+def _batch(seed=0, B=3, T=9, vocab=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab or 50, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding
+    labels = ids.clone()
+    labels[0, :4] = IGNORE_INDEX  # prompt
+    labels[1, :2] = IGNORE_INDEX
+    labels[1, 6:] = IGNORE_INDEX  # padding
+    labels[2, :] = IGNORE_INDEX  # no response token at all
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_scored_tokens_follow_the_shifted_mask_in_row_major_order():
+    labels = _batch()["labels"]
+    s = ScoredTokens.of(labels)
+    want_rows, want_targets = [], []
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - 1):
+            if labels[b, t + 1] != IGNORE_INDEX:
+                want_rows.append(b)
+                want_targets.append(int(labels[b, t + 1]))
+    assert s.rows.tolist() == want_rows and s.targets.tolist() == want_targets
+    assert torch.equal(s.mask, shifted_token_mask(labels))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_scored_logits_equal_full_logits_and_the_head_sees_only_scored_rows(arch):
+    model = tiny_causal_lm(arch, seed=1).double().eval()
+    batch = _batch(vocab=model.config.vocab_size)
+    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    seen = []
+    h = model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(a[0].shape))
+    try:
+        logits, scored = scored_logits(model, batch)
+    finally:
+        h.remove()
+    n = int(shifted_token_mask(batch["labels"]).sum())
+    assert seen == [torch.Size([1, n, model.config.hidden_size])]  # the head ran on the N scored rows only
+    torch.testing.assert_close(logits, full[scored.mask], rtol=1e-12, atol=1e-12)
+    # per-example sums and counts against a loop over examples and tokens
+    ce_sum, cnt = scored.ce_sums(logits)
+    for b in range(3):
+        toks = [t for t in range(8) if batch["labels"][b, t + 1] != IGNORE_INDEX]
+        ref = sum(float(F.cross_entropy(full[b, t:t + 1], batch["labels"][b, t + 1:t + 2])) for t in toks)
+        assert int(cnt[b]) == len(toks) and float(ce_sum[b]) == pytest.approx(ref, rel=1e-12, abs=1e-12)
+    ref_sum, ref_n = per_example_token_ce(full, batch["labels"])
+    torch.testing.assert_close(ce_sum, ref_sum.double(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(cnt, ref_n)
+    # outside the block the model is unchanged
+    assert model(input_ids=batch["input_ids"]).logits.shape[:2] == batch["input_ids"].shape
+
+
+def test_gradients_through_scored_logits_equal_full_logits():
+    model = tiny_causal_lm("llama", seed=2).double()
+    batch = _batch(seed=3, vocab=model.config.vocab_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    logits, scored = scored_logits(model, batch)
+    got = torch.autograd.grad(scored.ce_sums(logits)[0].sum(), params)
+    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want = torch.autograd.grad(per_example_token_ce(full, batch["labels"])[0].sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+class _NoHead(nn.Module):
+    """A causal LM without ``get_output_embeddings``: full logits are kept and picked after."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kw):
+        return self.inner(**kw)
+
+
+def test_a_model_without_an_output_embedding_gets_full_logits_picked():
+    inner = tiny_causal_lm("llama", seed=1).double().eval()
+    batch = _batch(vocab=inner.config.vocab_size)
+    logits, scored = scored_logits(_NoHead(inner), batch)
+    full = inner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(logits, full[scored.mask])
+
+
+def test_a_head_called_on_other_positions_is_a_clear_error():
+    model = tiny_causal_lm("llama", seed=1).double().eval()
+    batch = _batch(vocab=model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="LM head got hidden states of shape"):
+        with head_on_scored_positions(model, batch["labels"][:, :5]):
+            model(input_ids=batch["input_ids"])
+    # the hook is gone after the error
+    assert model(input_ids=batch["input_ids"]).logits.shape[1] == batch["input_ids"].shape[1]
+
+
+def test_proxy_health_equals_a_brute_force_over_full_logits():
+    from iprox_lightning.analysis.health import proxy_health
+
+    target = tiny_causal_lm("llama", seed=1).double()
+    proxy = tiny_causal_lm("llama", seed=5).double()
+    batches = [_batch(seed=s, vocab=target.config.vocab_size) for s in (0, 1)]
+    got = proxy_health(target, proxy, batches)
+    losses = {"t": [], "p": []}
+    kls, agree = [], []
+    for b in batches:
+        lt = target(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        lp = proxy(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        for row in range(b["labels"].shape[0]):
+            toks = [t for t in range(b["labels"].shape[1] - 1) if b["labels"][row, t + 1] != IGNORE_INDEX]
+            if not toks:
+                continue
+            for key, lg in (("t", lt), ("p", lp)):
+                losses[key].append(sum(float(F.cross_entropy(lg[row, t:t + 1], b["labels"][row, t + 1:t + 2]))
+                                       for t in toks) / len(toks))
+            for t in toks:
+                p, q = lt[row, t].log_softmax(-1), lp[row, t].log_softmax(-1)
+                kls.append(float((p.exp() * (p - q)).sum()))
+                agree.append(int(lt[row, t].argmax() == lp[row, t].argmax()))
+    assert got["examples"] == len(losses["t"]) == 4 and got["tokens"] == len(kls)
+    assert got["target_loss"] == pytest.approx(sum(losses["t"]) / 4, rel=1e-6)
+    assert got["proxy_loss"] == pytest.approx(sum(losses["p"]) / 4, rel=1e-6)
+    assert got["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-5)
+    assert got["top1_agreement"] == pytest.approx(sum(agree) / len(agree))
