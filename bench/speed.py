@@ -214,6 +214,12 @@ def parse_args(argv=None):
     ap.add_argument("--proxy-rhos", type=float, nargs="*", default=[],
                     help="also time (a) for random-factor low-rank proxies at these sparsities")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--store-k", type=int, default=0,
+                    help="also time the gradient store's per-batch work (GradientProjector.project_batch, k rows per "
+                         "side) of the target (way s) and of each proxy (s<rho>), in the same rotation")
+    ap.add_argument("--head-share", type=float, default=None,
+                    help="share of the tokens the LM head runs on (the response tokens, batch.scored_logits) in the "
+                         "analytic FLOP ratios; default: the timed batches' share, 1 with --flops-only")
     ap.add_argument("--flops-only", action="store_true",
                     help="time nothing: the analytic scoring-FLOP ratio proxy/target of every --shape at each "
                          "--proxy-rhos (uniform ranks at the sparsity; iprox_lightning.analysis.flops)")
@@ -223,16 +229,18 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.flops_only:
-        return write_result(args, {"seq_len": args.seq_len, "flop_ratios": {
-            name: {f"{rho:g}": shape_flop_ratio(name, rho, args.seq_len) for rho in args.proxy_rhos}
+        share = 1.0 if args.head_share is None else args.head_share
+        return write_result(args, {"seq_len": args.seq_len, "head_share": share, "flop_ratios": {
+            name: {f"{rho:g}": shape_flop_ratio(name, rho, args.seq_len, share) for rho in args.proxy_rhos}
             for name in SHAPES}})
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, scorer, batches, val = setup(args, device)
+    share = scored_share(batches) if args.head_share is None else args.head_share
     proxies = {}
     for rho in args.proxy_rhos:
-        proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, scorer, val, args)
+        proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, val, args, share)
         print(f"proxy rho={rho:g}: {proxies[f'p{rho:g}'][1]['params'] / 1e6:.1f}M params")
     times, diffs = time_ways(args, device, model, scorer, proxies, batches)
     n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
@@ -240,7 +248,7 @@ def main(argv=None):
     result = dict(
         args=vars(args), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        torch=torch.__version__, threads=torch.get_num_threads(), tokens=n_tok,
+        torch=torch.__version__, threads=torch.get_num_threads(), tokens=n_tok, head_share=share,
         params=sum(p.numel() for p in model.parameters()), tracked_params=scorer.settings()["tracked_parameters"],
         times_s=times, totals_s=tot, tokens_per_s={k: n_tok / v for k, v in tot.items()}, ratios=ratios,
         max_abs_diff_engine_vs_loop=max(diffs) if diffs else None,
@@ -309,8 +317,17 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
     floor(model, small, device, tracked)
     for pscorer, _ in proxies.values():
         pscorer.score_batch(small)
+    stores = {}
+    if args.store_k:
+        from iprox_lightning.scoring.projection import GradientProjector
 
-    keys = ["c1", "a", "b", "c2", *proxies]
+        stores = {"s": GradientProjector(model, k=args.store_k)}
+        stores.update({f"s{k[1:]}": GradientProjector(pscorer.model, k=args.store_k)
+                       for k, (pscorer, _) in proxies.items()})
+        for projector in stores.values():
+            projector.project_batch(small)
+
+    keys = ["c1", "a", "b", "c2", *proxies, *stores]
     times: dict[str, list[float]] = {k: [] for k in keys}
     diffs = []
     for j, batch in enumerate(batches):
@@ -318,6 +335,8 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
         for key in order:
             if key in proxies:
                 dt, _ = timed(lambda: proxies[key][0].score_batch(batch))
+            elif key in stores:
+                dt, _ = timed(lambda: stores[key].project_batch(batch))
             elif key == "a":
                 dt, res = timed(lambda: scorer.score_batch(batch))
                 a_scores = res["score"]
@@ -353,6 +372,11 @@ def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[s
     if "b" in tot:
         ratios["loop/engine"] = tot["b"] / tot["a"]
         print(f"(b)/(a)  = {ratios['loop/engine']:.3f}   max |score_a - score_b| = {max(diffs):.2e}")
+    if "s" in tot:
+        print(f"(s) store, target {tot['s']:8.2f}s" + "".join(
+            f"; proxy rho={k[1:]} {tot[k]:.2f}s (/ target {tot[k] / tot['s']:.3f})" for k in tot if k.startswith("s0")))
+        ratios.update({f"store_proxy{k[1:]}/store_target": tot[k] / tot["s"] for k in tot if k.startswith("s0")})
+        ratios["store/engine"] = tot["s"] / tot["a"]
     for k in proxies:
         ratios[f"proxy{k[1:]}/target"] = tot[k] / tot["a"]
         ratios[f"proxy{k[1:]}/target_flops"] = proxies[k][1]["flop_ratio"]
@@ -370,17 +394,26 @@ def write_result(args, result: dict) -> dict:
     return result
 
 
-def scoring_flop_ratio(target, proxy, seq_len: int) -> float:
+def scored_share(batches) -> float:
+    """The share of the real tokens of ``batches`` whose next token is scored: where the LM head runs."""
+    from iprox_lightning.batch import shifted_token_mask
+
+    scored = sum(int(shifted_token_mask(b["labels"]).sum()) for b in batches)
+    return scored / sum(int(b["attention_mask"].sum()) for b in batches)
+
+
+def scoring_flop_ratio(target, proxy, seq_len: int, head_share: float = 1.0) -> float:
     """Analytic FLOPs of scoring one example with ``proxy`` over the same with ``target`` (forward, backward with the
-    tracked layers' weight gradients, inner products; :func:`iprox_lightning.analysis.flops.scoring_flops`)."""
+    tracked layers' weight gradients, inner products, the LM head on ``head_share`` of the tokens;
+    :func:`iprox_lightning.analysis.flops.scoring_flops`)."""
     from iprox_lightning.analysis.flops import ModelShape, scoring_flops
 
     flops = [scoring_flops(s if isinstance(s, ModelShape) else ModelShape.from_model(s), n_train=1, n_val=0,
-                           seq_len=seq_len)["total"] for s in (target, proxy)]
+                           seq_len=seq_len, head_share=head_share)["total"] for s in (target, proxy)]
     return flops[1] / flops[0]
 
 
-def shape_flop_ratio(name: str, rho: float, seq_len: int) -> float:
+def shape_flop_ratio(name: str, rho: float, seq_len: int, head_share: float = 1.0) -> float:
     """:func:`scoring_flop_ratio` of the ``SHAPES[name]`` Llama (on the meta device) and its proxy at sparsity ``rho``
     with every block linear at the rank :func:`~iprox_lightning.rank.rank_for_sparsity` gives (left dense where that
     rank would not save parameters)."""
@@ -389,10 +422,10 @@ def shape_flop_ratio(name: str, rho: float, seq_len: int) -> float:
 
     target = ModelShape.from_config({"model_type": "llama", **SHAPES[name]}, name=name)
     ranks = {l.name: r for l in target.linears if (r := rank_for_sparsity(l.in_features, l.out_features, rho))}
-    return scoring_flop_ratio(target, target.with_ranks(ranks), seq_len)
+    return scoring_flop_ratio(target, target.with_ranks(ranks), seq_len, head_share)
 
 
-def build_proxy_scorer(model, rho, target_scorer, val, args):
+def build_proxy_scorer(model, rho, val, args, head_share: float):
     """A low-rank copy of ``model`` at sparsity ``rho`` (random factors) and its fitted scorer."""
     import copy
 
@@ -407,7 +440,7 @@ def build_proxy_scorer(model, rho, target_scorer, val, args):
     scorer.fit(val, val if args.method == "kfac" else None)
     return scorer, dict(rho=rho, params=rep.params_after, achieved_sparsity=rep.achieved_sparsity,
                         tracked_params=scorer.settings()["tracked_parameters"],
-                        flop_ratio=scoring_flop_ratio(model, proxy, args.seq_len))
+                        flop_ratio=scoring_flop_ratio(model, proxy, args.seq_len, head_share))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,25 @@ def test_forward_and_backward_match_flop_counter(arch):
     assert s.backward_flops(2, 12, weight_grads="all")["total"] == fc.get_total_flops()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_head_on_scored_positions_matches_flop_counter(arch):
+    """The product's forward (the LM head on the response tokens only, batch.scored_logits): head_share = N / (B·T)."""
+    from iprox_lightning.batch import scored_logits
+
+    model = tiny_causal_lm(arch)
+    s = ModelShape.from_model(model)
+    x = torch.randint(3, 128, (2, 12))
+    labels = x.clone()
+    labels[0, :9] = -100  # 3 scored positions in row 0 (8, 9, 10), 6 in row 1 (5..10)
+    labels[1, :6] = -100
+    with FlopCounterMode(display=False) as fc:
+        logits, scored = scored_logits(model, {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": labels})
+    assert logits.shape[0] == 9
+    assert s.forward_flops(2, 12, head_share=9 / 24)["total"] == fc.get_total_flops()
+    with pytest.raises(ValueError, match="head_share"):
+        s.forward_flops(2, 12, head_share=1.5)
+
+
 def test_lowrank_proxy_shape_matches_flop_counter_and_from_config():
     model = tiny_causal_lm("qwen2")
     target = ModelShape.from_model(model)

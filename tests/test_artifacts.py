@@ -222,6 +222,12 @@ def test_saved_proxy_loads_exactly_and_plain_transformers_refuses_it(proxy_dir):
     with pytest.raises(ValueError, match=r"IProX proxy.*load_proxy.*export"):
         AutoModelForCausalLM.from_pretrained(path)  # never a model with random projections; says what to do
     assert "ipx.load_proxy" in (path / "README.md").read_text()
+    # the attention kernel asked for reaches a proxy as it reaches any model (scoring asks for sdpa: a proxy scored
+    # beside its target runs the same kernel); the same function either way
+    assert loaded.config._attn_implementation == "eager"  # load_model's default
+    sdpa, _ = load_model(str(path), tokenizer=False, attn_implementation="sdpa")
+    assert sdpa.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(sdpa(x).logits, loaded(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_the_same_proxy_saved_twice_is_the_same_bytes(proxy_dir, tmp_path):

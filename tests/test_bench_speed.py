@@ -16,14 +16,14 @@ TINY = ["--random-init", "--shape", "tiny", "--batches", "3", "--batch-size", "4
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("speed") / "speed.json"
-    res = speed.main(TINY + ["--proxy-rhos", "0.3", "0.7", "--out", str(out)])
+    res = speed.main(TINY + ["--proxy-rhos", "0.3", "0.7", "--store-k", "4", "--out", str(out)])
     return res, out
 
 
 def test_engine_matches_per_example_loop_and_everything_is_timed(result):
     res, out = result
     assert res["max_abs_diff_engine_vs_loop"] < 1e-5
-    assert set(res["totals_s"]) == {"a", "b", "c1", "c2", "p0.3", "p0.7"}
+    assert set(res["totals_s"]) == {"a", "b", "c1", "c2", "p0.3", "p0.7", "s", "s0.3", "s0.7"}
     assert all(len(v) == 3 and all(t > 0 for t in v) for v in res["times_s"].values())
     assert res["tokens"] == 3 * 4 * 32  # random batches have no padding
     for k, v in res["totals_s"].items():
@@ -31,6 +31,8 @@ def test_engine_matches_per_example_loop_and_everything_is_timed(result):
     r = res["ratios"]
     assert r["loop/engine"] == pytest.approx(res["totals_s"]["b"] / res["totals_s"]["a"])
     assert r["proxy0.7/target"] == pytest.approx(res["totals_s"]["p0.7"] / res["totals_s"]["a"])
+    assert r["store_proxy0.3/store_target"] == pytest.approx(res["totals_s"]["s0.3"] / res["totals_s"]["s"])
+    assert r["store/engine"] == pytest.approx(res["totals_s"]["s"] / res["totals_s"]["a"])
     assert all(math.isfinite(x) and x > 0 for x in r.values())
     assert json.loads(out.read_text())["ratios"] == pytest.approx(r)
 
@@ -61,7 +63,9 @@ def test_proxy_flop_ratio_is_the_analytic_scoring_cost(result):
     got = {rho: res["proxies"][f"p{rho}"]["flop_ratio"] for rho in ("0.3", "0.7")}
     assert 0 < got["0.7"] < got["0.3"] < 1
     for rho, r in got.items():
-        assert r == pytest.approx(speed.shape_flop_ratio("tiny", float(rho), 32), rel=1e-12)
+        assert r == pytest.approx(speed.shape_flop_ratio("tiny", float(rho), 32, res["head_share"]), rel=1e-12)
+    # the random batches score the last 3/4 of each row (prompt = the first quarter): the LM head runs there only
+    assert res["head_share"] == pytest.approx(24 / 32)
 
 
 def test_flops_only_predicts_every_shape(tmp_path):

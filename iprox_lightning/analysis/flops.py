@@ -11,6 +11,8 @@ Conventions (one multiply-add = 2 FLOPs, as ``torch.utils.flop_counter`` counts)
   gradients (1× the forward of each layer whose weight gradient is formed — by autograd or from
   the hooked ``(h, δ)`` pairs); attention matmuls always cost 2× (both operands carry gradient);
   the LM head and embeddings are frozen (the paper excludes them), so the head costs 1×;
+* the LM head runs on the response tokens only (:func:`iprox_lightning.batch.scored_logits`): ``head_share`` is
+  their share of the tokens (1 = every token, a model run without that);
 * elementwise work (norms, activations, softmax, rotary) is ignored.
 
 Stages (paper Fig. 5 / Table 5):
@@ -156,16 +158,19 @@ class ModelShape:
         return sum(l.params for l in self.linears)
 
     # FLOPs ---------------------------------------------------------------------------------
-    def forward_flops(self, batch_size: int, seq_len: int, *, attention: str = "full") -> dict[str, float]:
-        """Forward FLOPs of ``batch_size`` sequences of ``seq_len`` tokens: ``{linear, attention, lm_head, total}``."""
+    def forward_flops(self, batch_size: int, seq_len: int, *, attention: str = "full",
+                      head_share: float = 1.0) -> dict[str, float]:
+        """Forward FLOPs of ``batch_size`` sequences of ``seq_len`` tokens: ``{linear, attention, lm_head, total}``;
+        the LM head on ``head_share`` of the tokens."""
         T = float(batch_size) * seq_len
         lin = sum(l.forward_flops(T) for l in self.linears)
         att = self._attention_flops(batch_size, seq_len, attention)
-        head = 2.0 * T * self.lm_head[0] * self.lm_head[1] if self.lm_head else 0.0
+        head = self._head_flops(T, head_share)
         return {"linear": lin, "attention": att, "lm_head": head, "total": lin + att + head}
 
     def backward_flops(
-        self, batch_size: int, seq_len: int, *, weight_grads: str = "tracked", attention: str = "full"
+        self, batch_size: int, seq_len: int, *, weight_grads: str = "tracked", attention: str = "full",
+        head_share: float = 1.0,
     ) -> dict[str, float]:
         """Backward FLOPs (see module docstring); ``weight_grads``: ``"all"`` block linears, ``"tracked"``, or ``"none"``."""
         if weight_grads not in ("all", "tracked", "none"):
@@ -177,8 +182,13 @@ class ModelShape:
             wg = weight_grads == "all" or (weight_grads == "tracked" and l.tracked)
             lin += f * (2.0 if wg else 1.0)
         att = 2.0 * self._attention_flops(batch_size, seq_len, attention)
-        head = 2.0 * T * self.lm_head[0] * self.lm_head[1] if self.lm_head else 0.0
+        head = self._head_flops(T, head_share)
         return {"linear": lin, "attention": att, "lm_head": head, "total": lin + att + head}
+
+    def _head_flops(self, n_tokens: float, head_share: float) -> float:
+        if not 0.0 <= head_share <= 1.0:
+            raise ValueError(f"head_share must be in [0, 1], got {head_share!r}")
+        return 2.0 * n_tokens * head_share * self.lm_head[0] * self.lm_head[1] if self.lm_head else 0.0
 
     def _attention_flops(self, batch_size: int, seq_len: int, attention: str) -> float:
         if attention == "full":
@@ -265,12 +275,13 @@ def alignment_flops(
 
 
 def scoring_flops(
-    model: ModelShape, *, n_train: int, n_val: int, seq_len: int, attention: str = "full"
+    model: ModelShape, *, n_train: int, n_val: int, seq_len: int, attention: str = "full", head_share: float = 1.0
 ) -> dict[str, float]:
-    """Influence scoring with ``model``: per-example gradients of train + val examples and inner products."""
+    """Influence scoring with ``model``: per-example gradients of train + val examples and inner products; the LM
+    head on ``head_share`` of the tokens."""
     n = n_train + n_val
-    fwd = model.forward_flops(n, seq_len, attention=attention)["total"]
-    bwd = model.backward_flops(n, seq_len, weight_grads="tracked", attention=attention)["total"]
+    fwd = model.forward_flops(n, seq_len, attention=attention, head_share=head_share)["total"]
+    bwd = model.backward_flops(n, seq_len, weight_grads="tracked", attention=attention, head_share=head_share)["total"]
     dots = 2.0 * n_train * model.tracked_params
     return {"forward": fwd, "backward": bwd, "inner_products": dots, "total": fwd + bwd + dots}
 

@@ -23,6 +23,7 @@ def build_store(
     data_seed: int = 0,
     target_patterns: Optional[list[str]] = None,
     dtype: str = "float32",
+    attn_implementation: str = "sdpa",
     devices: int = 1,
     accelerator: str = "auto",
     write_every_n_batches: int = 50,
@@ -54,6 +55,8 @@ def build_store(
         data_seed: seed of the data module.
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
+        attn_implementation: attention kernel when loading (``sdpa``, ``eager``): the same function, not part of the
+            store's fingerprint.
         devices: processes (DDP when > 1).
         accelerator: ``auto``, ``cpu``, ``gpu``.
         write_every_n_batches: write a shard every this many batches.
@@ -72,7 +75,8 @@ def build_store(
     quiet_lightning_tips()
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
                                  damping_mode=damping_mode,
-                                 kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype)
+                                 kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype,
+                                 attn_implementation=attn_implementation)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
     data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,

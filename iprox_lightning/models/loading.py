@@ -167,7 +167,8 @@ def load_model(
     if p.is_dir() and is_proxy_dir(p):
         from ..io.proxy import load_proxy
 
-        model, tok = load_proxy(p)
+        # the attention kernel asked for, as for any other model (a proxy is scored beside its target)
+        model, tok = load_proxy(p, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
         if torch_dtype is not None:
             model = model.to(torch_dtype)
         return model.eval(), _finish_tokenizer(tok)
