@@ -198,76 +198,6 @@ def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
     return out
 
 
-def interleaved_timing(target, proxies: Mapping[str, Any], batch: Mapping, val_batch: Mapping,
-                       repeats: int = 3) -> dict[str, dict[str, float]]:
-    """Scoring cost per training batch, proxy vs target, robust to a shared machine's changing load.
-
-    Each model's :class:`~iprox_lightning.scoring.InfluenceScorer` is fitted on ``val_batch``; then
-    ``score_batch(batch)`` is timed ``repeats`` times per model, the models taking turns within each
-    repeat (target, proxy 1, proxy 2, …), after one untimed warm-up call each. Returns, per proxy,
-    the median wall-clock and process CPU seconds of the target and the proxy and their ratios.
-    """
-    from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
-
-    models = {"target": target, **proxies}
-    scorers = {}
-    for name, m in models.items():
-        sc = InfluenceScorer(m, ScoringConfig(per_task=False))
-        sc.fit([val_batch])
-        sc.score_batch(batch)  # warm-up
-        scorers[name] = sc
-    wall: dict[str, list[float]] = {k: [] for k in models}
-    cpu: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(repeats):
-        for name, sc in scorers.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            sc.score_batch(batch)
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    med = lambda xs: float(np.median(xs))  # noqa: E731
-    out = {}
-    for name in proxies:
-        out[name] = dict(target_wall_s=med(wall["target"]), proxy_wall_s=med(wall[name]),
-                         wall_ratio=med(wall[name]) / med(wall["target"]),
-                         target_cpu_s=med(cpu["target"]), proxy_cpu_s=med(cpu[name]),
-                         cpu_ratio=med(cpu[name]) / med(cpu["target"]), repeats=repeats,
-                         batch_examples=int(batch["input_ids"].shape[0]),
-                         batch_tokens=int(batch["attention_mask"].sum()))
-    return out
-
-
-def run_timing(args, out: Path, target: str, variants, sample_path: Path, val_path: Path) -> dict:
-    """Interleaved scoring-time ratios of the built proxies vs the target on one batch of the sample."""
-    import torch
-
-    from iprox_lightning.data import SFTDataModule
-    from iprox_lightning.models.loading import load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dm = SFTDataModule(pool=str(sample_path), validation=str(val_path), tokenizer=target, max_length=args.max_length,
-                       batch_size=args.batch_size, seed=args.seed)
-    batch = next(iter(dm.dataloader("pool", batch_size=args.batch_size)))
-    val_batch = next(iter(dm.dataloader("validation", batch_size=args.batch_size)))
-    models = {"target": load_model(target, tokenizer=False)[0]}
-    for v in variants:
-        pdir = out / "proxies" / dir_name(v["key"])
-        if (pdir / "config.json").exists():
-            models[v["key"]] = load_model(str(pdir), tokenizer=False)[0]
-    for m in models.values():
-        m.eval().requires_grad_(False)
-
-    target_model = models.pop("target")
-    t = interleaved_timing(target_model, models, batch, val_batch, repeats=args.timing_repeats)
-    first = next(iter(t.values()))
-    ref = {"wall_s": first["target_wall_s"], "cpu_s": first["target_cpu_s"]}
-    return {"target": ref, "rows": {k: {"wall_s": v["proxy_wall_s"], "cpu_s": v["proxy_cpu_s"],
-                                        "wall_ratio": v["wall_ratio"], "cpu_ratio": v["cpu_ratio"]}
-                                    for k, v in t.items()},
-            "batch_examples": int(batch["input_ids"].shape[0]), "batch_tokens": int(batch["attention_mask"].sum()),
-            "repeats": args.timing_repeats, "load_average": os.getloadavg()[0]}
-
-
 # ------------------------------------------------------------------------------------------------
 # outputs
 # ------------------------------------------------------------------------------------------------
@@ -400,10 +330,9 @@ def markdown(summary: Mapping[str, Any]) -> str:
             f"{g('spearman_length_partialled')}{fmt_ci(r.get('partialled_ci'))} | {g('top5_overlap', '{:.2f}')} | "
             f"{g('top10_overlap', '{:.2f}')} | {g('spearman_max')} | {g('spearman_vs_unwarmed')} | "
             f"{g('scoring_time_ratio', '{:.2f}')} |")
-    src = "interleaved wall-clock per batch, `timing.json`" if summary.get("timing") else \
-        "CPU seconds of the row's scoring stage / the target's (sensitive to the machine's load)"
-    lines += ["", f"¹ proxy / target scoring time: {src}. Partialled retention of `length_sort` is undefined (it is "
-              "the control itself)."]
+    lines += ["", "¹ proxy / target scoring time: CPU seconds of the row's scoring stage / the target's (sensitive to the "
+              "machine's load; `bench/speed.py --proxy-dirs` times built proxies interleaved). Partialled retention of "
+              "`length_sort` is undefined (it is the control itself)."]
     if summary.get("paired"):
         lines += ["", "Paired bootstrap differences (same examples resampled for both rows):", "",
                   "| row | − baseline | Δ Spearman | Δ partialled |", "|---|---|---|---|"]
@@ -499,10 +428,6 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
     ap.add_argument("--in-process", action="store_true",
                     help="run each stage's train.py command in this process, not as a subprocess (tests)")
-    ap.add_argument("--timing", action="store_true",
-                    help="measure proxy/target scoring time interleaved in one process (OUT/timing.json); the "
-                         "scoring_time_ratio column then comes from it instead of the stages' CPU seconds")
-    ap.add_argument("--timing-repeats", type=int, default=3)
     ap.add_argument("--docs", default=None, help="also write the tables into this Markdown page between its markers")
     args = ap.parse_args(argv)
     if not args.summary_only:
@@ -738,22 +663,8 @@ def main(argv=None) -> dict:
     if args.dry_run or args.build_only:
         return {"would_run": run.st.ran} if args.dry_run else {"built": [v["key"] for v in variants]}
 
-    # 5. interleaved scoring time (one process, models taking turns) -----------------------------
-    timing_path = out / "timing.json"
-    if args.timing:
-        log("interleaved scoring-time measurement")
-        timing_path.write_text(json.dumps(run_timing(args, out, target, variants, run.sample_path, run.val_path),
-                                          indent=1))
-
-    # 6. summary ---------------------------------------------------------------------------------
+    # 5. summary ---------------------------------------------------------------------------------
     summary = build_summary(args, out, run.st, variants, run.sample_path, run.val_counts, target)
-    if timing_path.exists():
-        timing = json.loads(timing_path.read_text())
-        summary["timing"] = timing
-        for r in summary["rows"]:
-            if r["variant"] in timing["rows"]:
-                r["scoring_time_ratio"] = timing["rows"][r["variant"]]["wall_ratio"]
-                r["scoring_time_ratio_source"] = "interleaved"
     write_outputs(out, summary)
     summary["plot"] = write_plot(out, summary)
     write_outputs(out, summary)

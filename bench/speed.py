@@ -29,6 +29,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -214,6 +215,8 @@ def parse_args(argv=None):
     ap.add_argument("--proxy-rhos", type=float, nargs="*", default=[],
                     help="also time (a) for low-rank proxies (SVD factors) at these sparsities")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--proxy-dirs", nargs="*", default=[],
+                    help="also time saved proxies (directories `save_proxy` / a build wrote), as the --proxy-rhos ones")
     ap.add_argument("--store-k", type=int, default=0,
                     help="also time the gradient store's per-batch work (GradientProjector.project_batch, k rows per "
                          "side) of the target (way s) and of each proxy (s<rho>), in the same rotation")
@@ -242,6 +245,8 @@ def main(argv=None):
     for rho in args.proxy_rhos:
         proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, val, args, share)
         print(f"proxy rho={rho:g}: {proxies[f'p{rho:g}'][1]['params'] / 1e6:.1f}M params")
+    for d in args.proxy_dirs:
+        proxies[f"p:{Path(d).name}"] = saved_proxy_scorer(model, d, val, args, share, device)
     times, diffs = time_ways(args, device, model, scorer, proxies, batches)
     n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
     tot, ratios = report(args, times, diffs, proxies, n_tok)
@@ -276,10 +281,8 @@ def setup(args, device):
     n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
     print(f"{args.batches} batches x {args.batch_size} x <= {args.seq_len} tokens ({n_tok} real tokens)")
 
-    scorer = InfluenceScorer(model, ScoringConfig(method=args.method, kfac_examples=args.batch_size * args.val_batches,
-                                                per_task=args.per_task, feature_mode=args.feature_mode))
     t0 = time.perf_counter()
-    scorer.fit(val, val if args.method == "kfac" else None)
+    scorer = fitted_scorer(model, val, args)
     sync(device)
     print(f"validation gradients{' + K-FAC factors' if args.method == 'kfac' else ''}: "
           f"{time.perf_counter() - t0:.1f}s, {scorer.settings()['tracked_parameters'] / 1e6:.1f}M tracked params, "
@@ -373,9 +376,10 @@ def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[s
         ratios["loop/engine"] = tot["b"] / tot["a"]
         print(f"(b)/(a)  = {ratios['loop/engine']:.3f}   max |score_a - score_b| = {max(diffs):.2e}")
     if "s" in tot:
+        timed_stores = [f"s{k[1:]}" for k in proxies if f"s{k[1:]}" in tot]
         print(f"(s) store, target {tot['s']:8.2f}s" + "".join(
-            f"; proxy rho={k[1:]} {tot[k]:.2f}s (/ target {tot[k] / tot['s']:.3f})" for k in tot if k.startswith("s0")))
-        ratios.update({f"store_proxy{k[1:]}/store_target": tot[k] / tot["s"] for k in tot if k.startswith("s0")})
+            f"; proxy {k[1:]} {tot[k]:.2f}s (/ target {tot[k] / tot['s']:.3f})" for k in timed_stores))
+        ratios.update({f"store_proxy{k[1:]}/store_target": tot[k] / tot["s"] for k in timed_stores})
         ratios["store/engine"] = tot["s"] / tot["a"]
     for k in proxies:
         ratios[f"proxy{k[1:]}/target"] = tot[k] / tot["a"]
@@ -387,8 +391,6 @@ def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[s
 
 def write_result(args, result: dict) -> dict:
     if args.out:
-        from pathlib import Path
-
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
@@ -425,6 +427,27 @@ def shape_flop_ratio(name: str, rho: float, seq_len: int, head_share: float = 1.
     return scoring_flop_ratio(target, target.with_ranks(ranks), seq_len, head_share)
 
 
+def fitted_scorer(model, val, args):
+    """``model``'s :class:`InfluenceScorer` (``--method``), fitted on the validation batches."""
+    scorer = InfluenceScorer(model, ScoringConfig(method=args.method, kfac_examples=args.batch_size * args.val_batches,
+                                                per_task=args.per_task, feature_mode=args.feature_mode))
+    scorer.fit(val, val if args.method == "kfac" else None)
+    return scorer
+
+
+def saved_proxy_scorer(model, path, val, args, head_share: float, device):
+    """A saved proxy (loaded as any model, with ``--attn`` and ``--dtype``) and its fitted scorer."""
+    from iprox_lightning.models.loading import load_model
+
+    proxy, _ = load_model(str(path), dtype=args.dtype, attn_implementation=args.attn, tokenizer=False)
+    proxy = proxy.to(device).eval().requires_grad_(False)
+    scorer = fitted_scorer(proxy, val, args)
+    params = sum(p.numel() for p in proxy.parameters())
+    return scorer, dict(path=str(path), params=params, achieved_sparsity=None,
+                        tracked_params=scorer.settings()["tracked_parameters"],
+                        flop_ratio=scoring_flop_ratio(model, proxy, args.seq_len, head_share))
+
+
 def build_proxy_scorer(model, rho, val, args, head_share: float):
     """A low-rank copy of ``model`` at sparsity ``rho`` (SVD factors) and its fitted scorer."""
     import copy
@@ -437,9 +460,7 @@ def build_proxy_scorer(model, rho, val, args, head_share: float):
     rep = compress_model(proxy, None, rho, method="svd", progress=False, seed=0)
     for p in proxy.parameters():
         p.requires_grad_(False)
-    scorer = InfluenceScorer(proxy, ScoringConfig(method=args.method, kfac_examples=args.batch_size * args.val_batches,
-                                                per_task=args.per_task, feature_mode=args.feature_mode))
-    scorer.fit(val, val if args.method == "kfac" else None)
+    scorer = fitted_scorer(proxy, val, args)
     return scorer, dict(rho=rho, params=rep.params_after, achieved_sparsity=rep.achieved_sparsity,
                         tracked_params=scorer.settings()["tracked_parameters"],
                         flop_ratio=scoring_flop_ratio(model, proxy, args.seq_len, head_share))

@@ -76,3 +76,22 @@ def test_flops_only_predicts_every_shape(tmp_path):
     assert all(0 < r[s]["0.7"] < r[s]["0.5"] < 1 for s in r)
     # at 7B the untouched parts (LM head, attention) weigh less than at 135M: the same sparsity saves more
     assert r["llama2-7b"]["0.5"] < r["smollm-135m"]["0.5"]
+
+
+def test_saved_proxies_are_timed_like_the_built_ones(tmp_path):
+    """``--proxy-dirs``: a proxy saved by the product is loaded as any model and timed in the same rotation (engine and
+    store ways); its analytic FLOP ratio is that of its shape."""
+    from iprox_lightning import compress_model, save_proxy
+
+    args = speed.parse_args(TINY)
+    model, _ = speed.build_model(args)
+    compress_model(model, None, 0.5, method="svd", progress=False)
+    path = save_proxy(model, None, tmp_path / "proxy", target_model="tiny")
+    res = speed.main(TINY + ["--batches", "2", "--skip-less", "--store-k", "4", "--proxy-dirs", str(path)])
+    assert {"p:proxy", "s:proxy"} <= set(res["totals_s"])
+    r = res["ratios"]
+    assert r["proxy:proxy/target"] == pytest.approx(res["totals_s"]["p:proxy"] / res["totals_s"]["a"])
+    assert r["store_proxy:proxy/store_target"] == pytest.approx(res["totals_s"]["s:proxy"] / res["totals_s"]["s"])
+    assert r["proxy:proxy/target_flops"] == pytest.approx(speed.shape_flop_ratio("tiny", 0.5, 32, res["head_share"]),
+                                                          rel=1e-12)
+    assert res["proxies"]["p:proxy"]["path"] == str(path)
