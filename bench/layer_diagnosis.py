@@ -243,8 +243,8 @@ def main(argv=None) -> dict:
                vdir / "store.json", clean=vdir)
         if (vdir / "projection.safetensors").read_bytes() != (pool_store / "projection.safetensors").read_bytes():
             raise SystemExit(f"{name}: the validation store's projections differ from the pool store's")
-        p_ids, p_tasks, pX, pinfo = read_store(pool_store)
-        v_ids, v_tasks, vX, vinfo = read_store(vdir)
+        p_ids, _, pX, pinfo = read_store(pool_store)
+        v_ids, v_tasks, vX, _ = read_store(vdir)
         loaded[name] = ({"ids": p_ids, "X": pX, "info": pinfo}, {"ids": v_ids, "tasks": v_tasks, "X": vX})
         print(f"{name}: pool {pX.shape}, validation {vX.shape}", flush=True)
     target_pool, target_val = loaded.pop("target")
