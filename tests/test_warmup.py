@@ -10,18 +10,10 @@ from iprox_lightning.batch import sft_loss
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import WarmupModule
 from iprox_lightning.modules.causal_lm import decay_param_groups, linear_warmup_decay
+from test_alignment_module import make_batch  # the tests' shared SFT batch
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
-
-
-def make_batch(seed: int, B: int = 4, T: int = 12, V: int = 128) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (B, T), generator=g)
-    labels = ids.clone()
-    labels[:, : T // 2] = -100
-    return dict(input_ids=ids, attention_mask=torch.ones(B, T, dtype=torch.long), labels=labels,
-                id=[f"{seed}-{i}" for i in range(B)])
 
 
 def fit(module, n=4, **kw):
