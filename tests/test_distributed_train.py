@@ -201,8 +201,6 @@ def _single_process_alignment(lr: float = LR_ALIGN, heldout: bool = False) -> tu
 
 @pytest.mark.distributed
 def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(dist_out):
-    from iprox_lightning.compress import load_proxy
-
     torch.set_num_threads(1)
     r0, r1 = _results(dist_out, "align_ddp")
     for k in r0:
@@ -212,32 +210,31 @@ def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(d
     moved = [k for k in ref if not torch.equal(ref[k], init[k])]
     assert moved and all(k.endswith((".A", ".B")) for k in moved)
     _assert_close(r0, ref)
-    # non-factor tensors bit-identical to the initial proxy on every rank
+    _assert_only_factors_moved_and_saved(r0, init, dist_out / "align_ddp-proxy")
+
+
+def _assert_only_factors_moved_and_saved(state, init, proxy_dir):
+    """Non-factor tensors bit-identical to the initial proxy; the saved proxy holds exactly ``state``."""
+    from iprox_lightning.compress import load_proxy
+
     for k in init:
         if not k.endswith((".A", ".B")):
-            assert torch.equal(r0[k], init[k]), k
-    saved, _ = load_proxy(dist_out / "align_ddp-proxy")
+            assert torch.equal(state[k], init[k]), k
+    saved, _ = load_proxy(proxy_dir)
     for k, v in saved.state_dict().items():
-        assert torch.equal(v, r0[k]), k
+        assert torch.equal(v, state[k]), k
 
 
 @pytest.mark.distributed
 def test_fsdp2_alignment_double_backward_on_cpu_gloo(dist_out):
     """FSDP2 with unsharded params kept through both backward passes equals the DDP semantics."""
-    from iprox_lightning.compress import load_proxy
-
     torch.set_num_threads(1)
     (r0,) = _results(dist_out, "align_fsdp2", ranks=(0,))
     states, _ = _single_process_alignment()
     init, ref = states[0], states[-1]
     assert set(r0) == set(ref)
     _assert_close(r0, ref)
-    for k in init:
-        if not k.endswith((".A", ".B")):
-            assert torch.equal(r0[k], init[k]), k
-    saved, _ = load_proxy(dist_out / "align_fsdp2-proxy")
-    for k, v in saved.state_dict().items():
-        assert torch.equal(v, r0[k]), k
+    _assert_only_factors_moved_and_saved(r0, init, dist_out / "align_fsdp2-proxy")
 
 
 @pytest.mark.distributed
