@@ -120,6 +120,17 @@ def test_stage_flops_hand_count():
     assert tot["total"] == pytest.approx(pr["total"] + al["total"] + sc["total"])
     # scoring with the target itself costs more than with the proxy
     assert pipeline_flops(t, None, seq_len=T, n_train=7, n_val=2)["scoring"] > sc["total"]
+    # the LM head on a share of the tokens (the product's scored positions): every stage saves exactly that share of
+    # its head passes — probe 2 (fwd + input-grad bwd); alignment 2 teacher + 2 proxy passes, the proxy's counted
+    # 1 + 2 times (its double backward); scoring 2 per example
+    share = 0.25
+    head = t.forward_flops(1, T)["lm_head"]  # one sequence's head forward
+    kw = dict(seq_len=T, n_train=7, n_val=2, n_probe_examples=n, n_probe_vectors=6, n_align_examples=n, align_epochs=2)
+    part = pipeline_flops(t, p, head_share=share, **kw)
+    saved = (1 - share) * head
+    assert tot["probe"] - part["probe"] == pytest.approx(2 * n * saved)
+    assert tot["alignment"] - part["alignment"] == pytest.approx((2 + 2 * 3) * 2 * n * saved)
+    assert tot["scoring"] - part["scoring"] == pytest.approx(2 * 9 * saved)
 
 
 def test_flops_rows_report():

@@ -229,11 +229,13 @@ def _ranks_of(proxy: ModelShape) -> dict[str, int]:
 
 
 def probe_flops(
-    target: ModelShape, proxy: ModelShape, *, n_examples: int, seq_len: int, n_vectors: int, attention: str = "full"
+    target: ModelShape, proxy: ModelShape, *, n_examples: int, seq_len: int, n_vectors: int, attention: str = "full",
+    head_share: float = 1.0,
 ) -> dict[str, float]:
     """Stage 1: target forward/backward over the probe set + IPSVD of every factorised layer."""
-    fwd = target.forward_flops(n_examples, seq_len, attention=attention)["total"]
-    bwd = target.backward_flops(n_examples, seq_len, weight_grads="none", attention=attention)["total"]
+    fwd = target.forward_flops(n_examples, seq_len, attention=attention, head_share=head_share)["total"]
+    bwd = target.backward_flops(n_examples, seq_len, weight_grads="none", attention=attention,
+                                head_share=head_share)["total"]
     ranks = _ranks_of(proxy)
     svd = sum(
         ipsvd_flops(in_features=l.in_features, out_features=l.out_features, n_vectors=n_vectors, rank=ranks[l.name])
@@ -251,16 +253,17 @@ def alignment_flops(
     epochs: int = 1,
     double_backward_factor: float = 2.0,
     attention: str = "full",
+    head_share: float = 1.0,
 ) -> dict[str, float]:
     """Stage 2: teacher pass, gradient projection, proxy first-order graph and its double backward."""
     n = n_examples * epochs
-    t_fwd = target.forward_flops(n, seq_len, attention=attention)["total"]
-    t_bwd = target.backward_flops(n, seq_len, weight_grads="none", attention=attention)["total"]
+    t_fwd = target.forward_flops(n, seq_len, attention=attention, head_share=head_share)["total"]
+    t_bwd = target.backward_flops(n, seq_len, weight_grads="none", attention=attention, head_share=head_share)["total"]
     ranks = _ranks_of(proxy)
     T = float(n) * seq_len
     proj = sum(4.0 * T * ranks[l.name] * (l.in_features + l.out_features) for l in target.linears if l.name in ranks)
-    p_fwd = proxy.forward_flops(n, seq_len, attention=attention)["total"]
-    p_bwd = proxy.backward_flops(n, seq_len, weight_grads="tracked", attention=attention)["total"]
+    p_fwd = proxy.forward_flops(n, seq_len, attention=attention, head_share=head_share)["total"]
+    p_bwd = proxy.backward_flops(n, seq_len, weight_grads="tracked", attention=attention, head_share=head_share)["total"]
     dbl = double_backward_factor * (p_fwd + p_bwd)
     parts = {
         "teacher_forward": t_fwd,
@@ -299,8 +302,10 @@ def pipeline_flops(
     align_epochs: int = 1,
     double_backward_factor: float = 2.0,
     attention: str = "full",
+    head_share: float = 1.0,
 ) -> dict[str, float]:
-    """FLOPs per stage ``{"probe", "alignment", "scoring", "total"}``.
+    """FLOPs per stage ``{"probe", "alignment", "scoring", "total"}``; the LM head on ``head_share`` of the tokens
+    in every stage.
 
     ``proxy=None`` means scoring with the target itself (no proxy construction); an off-the-shelf
     proxy is a ``ModelShape`` with no low-rank layer and ``n_probe_examples = n_align_examples = 0``.
@@ -308,12 +313,13 @@ def pipeline_flops(
     out = {"probe": 0.0, "alignment": 0.0}
     if proxy is not None and n_probe_examples:
         out["probe"] = probe_flops(target, proxy, n_examples=n_probe_examples, seq_len=seq_len,
-                                   n_vectors=n_probe_vectors, attention=attention)["total"]
+                                   n_vectors=n_probe_vectors, attention=attention, head_share=head_share)["total"]
     if proxy is not None and n_align_examples:
         out["alignment"] = alignment_flops(target, proxy, n_examples=n_align_examples, seq_len=seq_len,
                                            epochs=align_epochs, double_backward_factor=double_backward_factor,
-                                           attention=attention)["total"]
+                                           attention=attention, head_share=head_share)["total"]
     scorer = proxy if proxy is not None else target
-    out["scoring"] = scoring_flops(scorer, n_train=n_train, n_val=n_val, seq_len=seq_len, attention=attention)["total"]
+    out["scoring"] = scoring_flops(scorer, n_train=n_train, n_val=n_val, seq_len=seq_len, attention=attention,
+                                   head_share=head_share)["total"]
     out["total"] = out["probe"] + out["alignment"] + out["scoring"]
     return out
