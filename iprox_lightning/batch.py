@@ -172,10 +172,16 @@ def scored_logits(model: torch.nn.Module, batch: Mapping[str, Any], **kwargs) ->
     return logits.reshape(-1, logits.shape[-1]), scored
 
 
+def example_means(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``L(z)`` per example: its summed response-token cross-entropy over its response-token count (``0`` for an
+    example without a response token)."""
+    return ce_sum / n.clamp(min=1).to(ce_sum.dtype)
+
+
 def example_mean_sum(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """``Σ_z L(z)``, ``L`` the per-example response-token mean (:func:`per_example_loss`): each row of an
     output-gradient is then exactly its own example's, whatever the batch."""
-    return (ce_sum / n.clamp(min=1).to(ce_sum.dtype)).sum()
+    return example_means(ce_sum, n).sum()
 
 
 def token_mean(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -190,7 +196,7 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     NaN) and ``n_tokens == 0``; its gradient is exactly zero.
     """
     ce_sum, n = per_example_token_ce(logits, labels)
-    return ce_sum / n.clamp(min=1).to(ce_sum.dtype), n
+    return example_means(ce_sum, n), n
 
 
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batch import ScoredTokens, model_device, scored_logits, to_device
+from ..batch import ScoredTokens, example_means, model_device, scored_logits, to_device
 from ..model_modes import eval_mode
 
 
@@ -35,7 +35,7 @@ def proxy_health(target: nn.Module, proxy: nn.Module, batches: Iterable[Mapping]
             scored = ScoredTokens.of(batch["labels"].cpu())
             for key, logits in (("target_loss", lt), ("proxy_loss", lp)):
                 ce_sum, n = scored.ce_sums(logits)
-                sums[key] += float((ce_sum / n.clamp(min=1))[n > 0].sum())
+                sums[key] += float(example_means(ce_sum, n)[n > 0].sum())
             n_ex += int((n > 0).sum())
             if lt.shape[0]:
                 log_t = F.log_softmax(lt, dim=-1)

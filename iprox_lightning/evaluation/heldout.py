@@ -103,7 +103,7 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
     """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc), on the model's device;
     ``per_example`` adds ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over
     examples)."""
-    from ..batch import model_device, scored_logits, to_device
+    from ..batch import example_means, model_device, scored_logits, to_device
     from ..model_modes import eval_mode
 
     per_task: dict[str, list[tuple[float, bool]]] = {}
@@ -114,7 +114,7 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
             b = to_device(b, device)
             logits, scored = scored_logits(model, b)  # the LM head on the answer tokens only
             ce_sum, n = scored.ce_sums(logits)
-            loss = ce_sum / n.clamp(min=1)
+            loss = example_means(ce_sum, n)
             wrong = torch.zeros_like(n).index_add(0, scored.rows, (logits.argmax(-1) != scored.targets).long())
             exact = (wrong == 0) & (n > 0)
             ids = b.get("id") or [None] * len(b["task"])
