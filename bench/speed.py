@@ -25,6 +25,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -220,6 +221,12 @@ def parse_args(argv=None):
     ap.add_argument("--store-k", type=int, default=0,
                     help="also time the gradient store's per-batch work (GradientProjector.project_batch, k rows per "
                          "side) of the target (way s) and of each proxy (s<rho>), in the same rotation")
+    ap.add_argument("--compare-unfused", action="store_true",
+                    help="also time the engine (a), each proxy and each store way with the LM head NOT fused with the "
+                         "cross-entropy (batch.scored_logits: [N, V] logits, as before the fusion), ways '<key>~'")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timing, profile one engine step of the target and of each proxy: the split of its "
+                         "time between block linears, LM head + cross-entropy, attention and the rest ('profile')")
     ap.add_argument("--head-share", type=float, default=None,
                     help="share of the tokens the LM head runs on (the response tokens, batch.scored_logits) in the "
                          "analytic FLOP ratios; default: the timed batches' share, 1 with --flops-only")
@@ -260,7 +267,35 @@ def main(argv=None):
         proxies={k: info for k, (_, info) in proxies.items()},
         peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     )
+    if args.profile:
+        result["profile"] = {k: time_split(fn, batches[-1], model.config.vocab_size) for k, fn in
+                             {"a": scorer.score_batch, **{k: p.score_batch for k, (p, _) in proxies.items()}}.items()}
     return write_result(args, result)
+
+
+def time_split(score_batch, batch, vocab: int) -> dict[str, float]:
+    """Where one engine step's time goes (``torch.profiler``, self time in seconds, one batch): the 2-D matmuls
+    (``mm`` / ``addmm``: the block linears — what a proxy compresses — and the trackers' own products), the LM head and
+    its cross-entropy (any op on a tensor with a vocabulary dimension), attention kernels, and everything else (norms,
+    activations, rotary, batched feature products, copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        score_batch(batch)
+    split = {"block_linears": 0.0, "lm_head_and_ce": 0.0, "attention": 0.0, "other": 0.0}
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key.startswith("autograd::") or e.key == "ProfilerStep":
+            continue
+        if any(vocab in shape for shape in e.input_shapes if isinstance(shape, list)):
+            part = "lm_head_and_ce"
+        elif "attention" in e.key:
+            part = "attention"
+        elif e.key in ("aten::mm", "aten::addmm"):
+            part = "block_linears"
+        else:
+            part = "other"
+        split[part] += e.self_cpu_time_total / 1e6
+    return split
 
 
 def setup(args, device):
@@ -331,12 +366,20 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
             projector.project_batch(small)
 
     keys = ["c1", "a", "b", "c2", *proxies, *stores]
+    if args.compare_unfused:
+        keys += [f"{k}~" for k in ("a", *proxies, *stores)]
+    models = {"a": model, **{k: p.model for k, (p, _) in proxies.items()}, **{k: s.model for k, s in stores.items()}}
     times: dict[str, list[float]] = {k: [] for k in keys}
     diffs = []
     for j, batch in enumerate(batches):
         order = keys[j % len(keys):] + keys[: j % len(keys)]  # rotate the order
         for key in order:
-            if key in proxies:
+            if key.endswith("~"):  # the same way with the LM head unfused (full [N, V] logits)
+                with unfused_head(models[key[:-1]]):
+                    dt, _ = timed(lambda: (proxies[key[:-1]][0].score_batch(batch) if key[:-1] in proxies
+                                           else stores[key[:-1]].project_batch(batch) if key[:-1] in stores
+                                           else scorer.score_batch(batch)))
+            elif key in proxies:
                 dt, _ = timed(lambda: proxies[key][0].score_batch(batch))
             elif key in stores:
                 dt, _ = timed(lambda: stores[key].project_batch(batch))
@@ -360,6 +403,19 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
     return times, diffs
 
 
+@contextlib.contextmanager
+def unfused_head(model):
+    """Inside the block the engine computes ``model``'s loss with the LM head unfused (``batch.scored_logits``), as
+    when ``batch.fusable_head`` refuses a head."""
+    from iprox_lightning import batch as batch_module
+
+    batch_module._HEAD_IS_PLAIN[model] = False
+    try:
+        yield
+    finally:
+        del batch_module._HEAD_IS_PLAIN[model]  # checked again (and fused) at the next call
+
+
 def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[str, float]]:
     """Totals per way and the ratios (engine / floors, loop / engine, proxy / target), printed."""
     tot = {k: sum(v) for k, v in times.items() if v}
@@ -381,6 +437,9 @@ def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[s
             f"; proxy {k[1:]} {tot[k]:.2f}s (/ target {tot[k] / tot['s']:.3f})" for k in timed_stores))
         ratios.update({f"store_proxy{k[1:]}/store_target": tot[k] / tot["s"] for k in timed_stores})
         ratios["store/engine"] = tot["s"] / tot["a"]
+    for k in [k for k in tot if k.endswith("~")]:  # --compare-unfused: fused over unfused, per way
+        ratios[f"{k[:-1]}:fused/unfused"] = tot[k[:-1]] / tot[k]
+        print(f"{k[:-1]}: fused head / unfused = {ratios[f'{k[:-1]}:fused/unfused']:.3f}")
     for k in proxies:
         ratios[f"proxy{k[1:]}/target"] = tot[k] / tot["a"]
         ratios[f"proxy{k[1:]}/target_flops"] = proxies[k][1]["flop_ratio"]

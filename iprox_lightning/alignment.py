@@ -255,7 +255,7 @@ def teacher_pass(
             )
         tracked[name] = m
     tracker = FactorProjectionTracker(tracked, factors, keep_tokens)
-    step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=token_mean)
+    step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=token_mean, keep_logits=True)
     missing = [n for n in tracked if n not in (tracker.tokens if keep_tokens else tracker.projections)]
     if missing:
         raise RuntimeError(f"teacher_pass: no gradient reached layers {missing} (not used in the forward?)")

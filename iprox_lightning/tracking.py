@@ -13,7 +13,7 @@ factors (:mod:`iprox_lightning.scoring`) and the teacher projections of the alig
 2. the forward ``model(input_ids, attention_mask, use_cache=False)`` with the input-embedding output made a
    grad-requiring leaf (:func:`requires_grad_inputs`), so a frozen model builds a graph through every layer;
 3. ``loss_fn(ce_sum, n)`` from the response tokens' cross-entropy (the LM head runs on the scored positions only,
-   :func:`~iprox_lightning.batch.scored_logits`) and ``torch.autograd.grad`` of it w.r.t. the embedding output only:
+   fused with the cross-entropy: :func:`~iprox_lightning.batch.scored_ce_sums`) and ``torch.autograd.grad`` of it w.r.t. the embedding output only:
    nothing is accumulated in ``param.grad`` (frozen, trainable and sharded parameters alike);
 4. during that backward, ``tracker.on_pair(name, h, δ)`` for every tracked layer of the tracker (in
    backward order: last layer first);
@@ -41,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .batch import example_mean_sum, scored_logits
+from .batch import example_mean_sum, fusable_head, scored_ce_sums, scored_logits
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -169,12 +169,20 @@ def pair_dispatch(trackers: Sequence[PairTracker]) -> tuple[dict[str, nn.Module]
     return modules, dispatch
 
 
+def head_is_tracked(model: nn.Module, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``model``'s LM head (``get_output_embeddings()``) is among the tracked ``modules``."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return head is not None and any(m is head for m in modules.values())
+
+
 @dataclass
 class BackwardStep:
     """What :func:`backward_pairs` returns: the detached logits of the scored positions (``[N, V]``, in the order of
-    :class:`~iprox_lightning.batch.ScoredTokens`) and the detached loss it differentiated."""
+    :class:`~iprox_lightning.batch.ScoredTokens`; ``None`` unless asked for with ``keep_logits=True``) and the
+    detached loss it differentiated."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor
 
 
@@ -185,25 +193,35 @@ def backward_pairs(
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = example_mean_sum,
     create_graph: bool = False,
+    keep_logits: bool = False,
 ) -> BackwardStep:
     """One step of the engine over ``batch`` (``input_ids``, ``attention_mask``, ``labels``) for ``trackers``
     (see the module docstring). ``loss_fn(ce_sum, n)`` (per example: summed response-token cross-entropy, response
     tokens) gives the scalar whose gradient ``δ`` is (default :func:`~iprox_lightning.batch.example_mean_sum`;
     :func:`~iprox_lightning.batch.token_mean` is the batch's SFT loss). Works inside ``torch.inference_mode()`` (Lightning's predict loop):
     the step runs with inference mode off, on copies of the input tensors. ``create_graph=True``: differentiable
-    pairs (module docstring; the returned logits and loss stay detached)."""
+    pairs (module docstring; the returned logits and loss stay detached). The LM head runs fused with the
+    cross-entropy (:func:`~iprox_lightning.batch.scored_ce_sums`: no ``[N, V]`` logits) unless ``keep_logits=True``
+    (the step's logits are returned), ``create_graph=True`` (a second derivative through the softmax) or a tracker
+    tracks the head itself."""
     modules, dispatch = pair_dispatch(trackers)
 
     with torch.inference_mode(False), torch.enable_grad():
         # copies: tensors made under inference mode cannot enter autograd
         ids, mask, labels = (batch[k].clone() for k in ("input_ids", "attention_mask", "labels"))
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        fused = not (keep_logits or create_graph or head_is_tracked(model, modules)) and (
+            fusable_head(model, inputs, use_cache=False) is not None)  # (checked before any hook is in place)
         for tracker in trackers:
-            tracker.start_step({**batch, "input_ids": ids, "attention_mask": mask, "labels": labels})
+            tracker.start_step({**batch, **inputs})
         leaves: list[torch.Tensor] = []
         with requires_grad_inputs(model, leaves), LayerTracker(modules, dispatch, differentiable=create_graph):
-            logits, scored = scored_logits(model, {"input_ids": ids, "attention_mask": mask, "labels": labels},
-                                           use_cache=False)
-            loss = loss_fn(*scored.ce_sums(logits))
+            if fused:  # the LM head fused with the cross-entropy: no [N, V] logits
+                logits = None
+                loss = loss_fn(*scored_ce_sums(model, inputs, use_cache=False)[:2])
+            else:
+                logits, scored = scored_logits(model, inputs, use_cache=False)
+                loss = loss_fn(*scored.ce_sums(logits))
             if not leaves:
                 raise RuntimeError("the input-embedding module did not run; cannot take gradients")
             if create_graph:
@@ -212,4 +230,4 @@ def backward_pairs(
                 torch.autograd.grad(loss, leaves, allow_unused=True)
         for tracker in trackers:
             tracker.end_step()
-    return BackwardStep(logits=logits.detach(), loss=loss.detach())
+    return BackwardStep(logits=None if logits is None else logits.detach(), loss=loss.detach())

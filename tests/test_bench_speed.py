@@ -95,3 +95,20 @@ def test_saved_proxies_are_timed_like_the_built_ones(tmp_path):
     assert r["proxy:proxy/target_flops"] == pytest.approx(speed.shape_flop_ratio("tiny", 0.5, 32, res["head_share"]),
                                                           rel=1e-12)
     assert res["proxies"]["p:proxy"]["path"] == str(path)
+
+
+def test_compare_unfused_times_every_engine_way_both_ways_and_restores_the_head():
+    res = speed.main(TINY[:-2] + ["--batches", "2", "--threads", "1", "--skip-less", "--proxy-rhos", "0.5",
+                                  "--store-k", "4", "--compare-unfused", "--profile"])
+    ways = {"a", "p0.5", "s", "s0.5"}
+    assert {k[:-1] for k in res["totals_s"] if k.endswith("~")} == ways
+    for k in ways:
+        assert res["ratios"][f"{k}:fused/unfused"] == pytest.approx(res["totals_s"][k] / res["totals_s"][k + "~"])
+    from iprox_lightning import batch as batch_module
+
+    assert not any(v is False for v in batch_module._HEAD_IS_PLAIN.values())  # no model left unfused
+    # --profile: one engine step of the target and of the proxy split by where its time goes
+    assert set(res["profile"]) == {"a", "p0.5"}
+    for split in res["profile"].values():
+        assert set(split) == {"block_linears", "lm_head_and_ce", "attention", "other"}
+        assert all(v >= 0 for v in split.values()) and split["block_linears"] > 0 and split["lm_head_and_ce"] > 0

@@ -131,3 +131,143 @@ def test_proxy_health_equals_a_brute_force_over_full_logits():
     assert got["proxy_loss"] == pytest.approx(sum(losses["p"]) / 4, rel=1e-6)
     assert got["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-5)
     assert got["top1_agreement"] == pytest.approx(sum(agree) / len(agree))
+
+
+# --- the LM head fused with the cross-entropy (``linear_cross_entropy``, ``scored_ce_sums``) ---------------------
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_equals_cross_entropy_of_the_logits_with_its_gradient(chunk, bias):
+    from iprox_lightning.batch import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    N, d, V = 7, 5, 11
+    h = torch.randn(N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V, d, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    w = torch.randn(N, generator=g, dtype=torch.float64)  # a per-row weight on the way back (as 1/n_tokens is)
+    got = linear_cross_entropy(h, W, b, t, chunk=chunk)
+    want = F.cross_entropy(F.linear(h, W, b), t, reduction="none")
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    (g_got,) = torch.autograd.grad((got * w).sum(), h)
+    (g_want,) = torch.autograd.grad((want * w).sum(), h)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-13)
+    with torch.no_grad():  # values only, no gradient kept
+        torch.testing.assert_close(linear_cross_entropy(h, W, b, t, chunk=chunk), want.detach(), rtol=1e-13, atol=1e-13)
+
+
+def test_linear_cross_entropy_in_float32_and_bfloat16_is_the_unfused_computation():
+    from iprox_lightning.batch import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    h64, W64 = torch.randn(9, 16, generator=g, dtype=torch.float64), torch.randn(50, 16, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 50, (9,), generator=g)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        h = h64.to(dtype).requires_grad_(True)
+        W = W64.to(dtype)
+        got = linear_cross_entropy(h, W, None, t, chunk=4)
+        assert got.dtype == torch.float32  # the cross-entropy in float32, as ScoredTokens.ce_sums
+        want = F.cross_entropy(F.linear(h, W).float(), t, reduction="none")
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        (g_got,) = torch.autograd.grad(got.sum(), h)
+        (g_want,) = torch.autograd.grad(want.sum(), h)
+        assert g_got.dtype == dtype
+        torch.testing.assert_close(g_got.float(), g_want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_scored_ce_sums_equal_the_logits_way_with_gradients_and_the_head_sees_one_row(arch):
+    from iprox_lightning.batch import scored_ce_sums
+
+    model = tiny_causal_lm(arch, seed=1).double().eval()
+    batch = _batch(vocab=model.config.vocab_size)
+    logits, scored = scored_logits(model, batch)
+    want_sum, want_n = scored.ce_sums(logits)
+    params = [p for p in model.parameters() if p.requires_grad and p is not model.get_output_embeddings().weight]
+    want_g = torch.autograd.grad((want_sum * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum(), params)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(a[0].shape[:2]))
+    try:
+        ce_sum, n, scored2 = scored_ce_sums(model, batch)
+        scored_ce_sums(model, batch)
+    finally:
+        hook.remove()
+    # the first call checks the head once (a forward of two tokens); then the model's own head runs on no row
+    assert seen == [torch.Size([1, 2]), torch.Size([1, 0]), torch.Size([1, 0])]
+    torch.testing.assert_close(ce_sum, want_sum, rtol=1e-12, atol=1e-12)
+    assert torch.equal(n, want_n) and torch.equal(scored2.rows, scored.rows)
+    got_g = torch.autograd.grad((ce_sum * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum(), params,
+                                allow_unused=True)
+    for p, g, w in zip(params, got_g, want_g):
+        torch.testing.assert_close(torch.zeros_like(w) if g is None else g, w, rtol=1e-10, atol=1e-12)
+
+
+class _ScaledLogits(nn.Module):
+    """A causal LM whose forward changes the head's output (as logit soft-capping or a logit scale do)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kw):
+        out = self.inner(**kw)
+        out.logits = 2.0 * torch.tanh(out.logits / 2.0)
+        return out
+
+
+def test_a_forward_that_changes_the_head_output_is_computed_unfused_and_remembered():
+    from iprox_lightning.batch import scored_ce_sums
+
+    model = _ScaledLogits(tiny_causal_lm("llama", seed=1).double().eval())
+    batch = _batch(vocab=model.inner.config.vocab_size)
+    logits, scored = scored_logits(model, batch)
+    want_sum, want_n = scored.ce_sums(logits)
+    for _ in range(2):  # detected on the first call (without a second forward of the batch), remembered
+        ce_sum, n, _ = scored_ce_sums(model, batch)
+        torch.testing.assert_close(ce_sum, want_sum, rtol=1e-12, atol=1e-12)
+        assert torch.equal(n, want_n)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(a[0].shape[:2]))
+    try:
+        scored_ce_sums(model, batch)
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([1, int(want_n.sum())])]  # checked once: the unfused head on all scored rows
+
+
+def test_backward_pairs_keeps_logits_only_when_asked_and_its_loss_is_the_same():
+    from iprox_lightning.tracking import backward_pairs
+
+    model = tiny_causal_lm("qwen2", seed=3).double().eval()
+    batch = _batch(seed=4, vocab=model.config.vocab_size)
+    fused = backward_pairs(model, batch, [])
+    kept = backward_pairs(model, batch, [], keep_logits=True)
+    assert fused.logits is None
+    logits, scored = scored_logits(model, batch)
+    torch.testing.assert_close(kept.logits, logits.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(fused.loss, kept.loss, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tracked_head_runs_unfused_and_gets_its_pairs_on_every_scored_row():
+    from iprox_lightning.tracking import PairTracker, backward_pairs
+
+    model = tiny_causal_lm("llama", seed=3).double().eval()
+    batch = _batch(seed=4, vocab=model.config.vocab_size)
+
+    class HeadPairs(PairTracker):
+        def __init__(self):
+            self.modules = {"lm_head": model.get_output_embeddings()}
+            self.shapes = []
+
+        def on_pair(self, name, h, delta):
+            self.shapes.append((tuple(h.shape), tuple(delta.shape)))
+
+    tracker = HeadPairs()
+    step = backward_pairs(model, batch, [tracker])
+    n = int(shifted_token_mask(batch["labels"]).sum())
+    assert tracker.shapes == [((1, n, model.config.hidden_size), (1, n, model.config.vocab_size))]
+    torch.testing.assert_close(step.loss, backward_pairs(model, batch, []).loss, rtol=1e-12, atol=1e-12)

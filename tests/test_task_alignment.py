@@ -203,7 +203,10 @@ def test_differentiable_pairs_equal_detached_and_hooks_are_removed():
     assert Count.calls == 2 * len(layers)
     for n in layers:
         for (x0, g0), (x1, g1) in zip(plain.pairs[n], live.pairs[n]):
-            assert torch.equal(x0, x1.detach()) and torch.equal(g0, g1.detach())
+            # (the detached engine fuses the LM head with the cross-entropy, the differentiable one cannot: float64
+            # rounding apart)
+            assert torch.equal(x0, x1.detach())
+            torch.testing.assert_close(g0, g1.detach(), rtol=1e-12, atol=1e-15)
             assert not g0.requires_grad and g1.requires_grad
     total = sum((g.pow(2).sum() for n in layers for _, g in live.pairs[n]))
     grads = torch.autograd.grad(total, factor_params(proxy))
