@@ -37,7 +37,7 @@ from iprox_lightning.task_alignment import (
     task_gradient_alignment,
     task_rows,
 )
-from iprox_lightning.tracking import PairTracker, backward_pairs
+from iprox_lightning.tracking import backward_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
