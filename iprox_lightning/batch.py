@@ -181,11 +181,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     for float64 hidden states), the head's matmuls in its own dtype — as the unfused path."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk):
+    def forward(ctx, hidden, weight, bias, targets, chunk, want_grad):
         ce_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         N = hidden.shape[0]
         ce = torch.empty(N, dtype=ce_dtype, device=hidden.device)
-        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad = torch.empty_like(hidden) if want_grad else None
         for s in range(0, N, chunk):
             z = F.linear(hidden[s:s + chunk], weight, bias).to(ce_dtype)
             t = targets[s:s + chunk]
@@ -204,7 +204,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce):
         (grad,) = ctx.saved_tensors
-        return grad * grad_ce.unsqueeze(1).to(grad.dtype), None, None, None, None
+        return grad * grad_ce.unsqueeze(1).to(grad.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -215,7 +215,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     gradient w.r.t. ``hidden`` only (see :class:`_LinearCrossEntropy`)."""
     if chunk is None:
         chunk = max(1, (1 << 25) // weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, int(chunk))
+    want_grad = torch.is_grad_enabled() and hidden.requires_grad  # (inside forward, grad mode is always off)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, int(chunk), want_grad)
 
 
 _HEAD_IS_PLAIN: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
