@@ -271,3 +271,28 @@ def test_a_tracked_head_runs_unfused_and_gets_its_pairs_on_every_scored_row():
     n = int(shifted_token_mask(batch["labels"]).sum())
     assert tracker.shapes == [((1, n, model.config.hidden_size), (1, n, model.config.vocab_size))]
     torch.testing.assert_close(step.loss, backward_pairs(model, batch, []).loss, rtol=1e-12, atol=1e-12)
+
+
+def test_gemma3_with_final_logit_softcapping_is_computed_unfused():
+    """A real architecture whose forward changes the head's output: Gemma-3 with ``final_logit_softcapping``
+    (``tanh(logits / c) · c``) — the check refuses to fuse it, and the sums equal the logits way."""
+    from transformers import AutoModelForCausalLM
+
+    from iprox_lightning.batch import fusable_head, scored_ce_sums
+
+    import copy
+
+    base = tiny_causal_lm("gemma3", seed=2)
+    cfg = copy.deepcopy(base.config)
+    cfg.final_logit_softcapping = 1.5  # small: every logit is bent
+    model = AutoModelForCausalLM.from_config(cfg).double().eval()
+    model.load_state_dict(base.double().state_dict())
+    batch = _batch(vocab=cfg.vocab_size)
+    assert fusable_head(model, batch) is None and fusable_head(base.eval(), batch) is not None
+    logits, scored = scored_logits(model, batch)
+    want_sum, want_n = scored.ce_sums(logits)
+    ce_sum, n, _ = scored_ce_sums(model, batch)
+    torch.testing.assert_close(ce_sum, want_sum, rtol=1e-12, atol=1e-12)
+    assert torch.equal(n, want_n)
+    plain_sum, _, _ = scored_ce_sums(base, batch)  # the same weights without capping: another loss
+    assert (plain_sum - want_sum).abs().max() > 1e-3
