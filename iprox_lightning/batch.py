@@ -135,6 +135,12 @@ class ScoredTokens:
         return ce_sum, torch.bincount(self.rows, minlength=self.batch_size)
 
 
+def lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model``'s LM head (``get_output_embeddings()``), ``None`` for a model without one."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
+
+
 @contextlib.contextmanager
 def head_on_scored_positions(model: torch.nn.Module, labels: torch.Tensor) -> Iterator[ScoredTokens]:
     """Inside the block, ``model``'s output embedding (the LM head, ``get_output_embeddings()``) sees only the hidden
@@ -143,8 +149,7 @@ def head_on_scored_positions(model: torch.nn.Module, labels: torch.Tensor) -> It
     a few-shot validation prompt nearly all). Values equal the full logits at those positions. A model without
     ``get_output_embeddings`` keeps full logits (:func:`scored_logits` handles both)."""
     scored = ScoredTokens.of(labels)
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = lm_head(model)
     if head is None:
         yield scored
         return
@@ -210,9 +215,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Per-row cross-entropy of the logits ``hidden @ weightᵀ + bias`` (``hidden [N, d]``, ``weight [V, d]``) against
-    ``targets [N]``, never holding more than ``chunk`` rows of logits (default: about 32M logits, 128 MB in float32 —
-    smaller chunks re-read the head's weight once per chunk, which costs more than it saves): equal to ``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")``, with the
-    gradient w.r.t. ``hidden`` only (see :class:`_LinearCrossEntropy`)."""
+    ``targets [N]``, never holding more than ``chunk`` rows of logits (default: about 32M logits, 128 MB in float32;
+    smaller chunks re-read the head's weight once per chunk, which costs more than it saves): equal to
+    ``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")``, with the gradient w.r.t.
+    ``hidden`` only (see :class:`_LinearCrossEntropy`)."""
     if chunk is None:
         chunk = max(1, (1 << 25) // weight.shape[0])
     want_grad = torch.is_grad_enabled() and hidden.requires_grad  # (inside forward, grad mode is always off)
@@ -227,8 +233,7 @@ def fusable_head(model: torch.nn.Module, batch: Mapping[str, Any], **kwargs) -> 
     plain, unsharded ``nn.Linear`` whose output the model's forward returns unchanged as the logits (not so under
     logit soft-capping or a logit scale). The second part is checked once per model, with a forward (no gradient) of
     two tokens of ``batch``'s first example."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = lm_head(model)
     if type(head) is not torch.nn.Linear or type(head.weight.data) is not torch.Tensor:
         return None
     plain = _HEAD_IS_PLAIN.get(model)

@@ -13,8 +13,9 @@ factors (:mod:`iprox_lightning.scoring`) and the teacher projections of the alig
 2. the forward ``model(input_ids, attention_mask, use_cache=False)`` with the input-embedding output made a
    grad-requiring leaf (:func:`requires_grad_inputs`), so a frozen model builds a graph through every layer;
 3. ``loss_fn(ce_sum, n)`` from the response tokens' cross-entropy (the LM head runs on the scored positions only,
-   fused with the cross-entropy: :func:`~iprox_lightning.batch.scored_ce_sums`) and ``torch.autograd.grad`` of it w.r.t. the embedding output only:
-   nothing is accumulated in ``param.grad`` (frozen, trainable and sharded parameters alike);
+   fused with the cross-entropy: :func:`~iprox_lightning.batch.scored_ce_sums`) and ``torch.autograd.grad`` of it
+   w.r.t. the embedding output only: nothing is accumulated in ``param.grad`` (frozen, trainable and sharded
+   parameters alike);
 4. during that backward, ``tracker.on_pair(name, h, δ)`` for every tracked layer of the tracker (in
    backward order: last layer first);
 5. ``tracker.end_step()`` for every tracker.
@@ -41,7 +42,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .batch import example_mean_sum, fusable_head, scored_ce_sums, scored_logits
+from .batch import example_mean_sum, fusable_head, lm_head, scored_ce_sums, scored_logits
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -171,8 +172,7 @@ def pair_dispatch(trackers: Sequence[PairTracker]) -> tuple[dict[str, nn.Module]
 
 def head_is_tracked(model: nn.Module, modules: Mapping[str, nn.Module]) -> bool:
     """Whether ``model``'s LM head (``get_output_embeddings()``) is among the tracked ``modules``."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = lm_head(model)
     return head is not None and any(m is head for m in modules.values())
 
 
