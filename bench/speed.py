@@ -368,6 +368,9 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
     keys = ["c1", "a", "b", "c2", *proxies, *stores]
     if args.compare_unfused:
         keys += [f"{k}~" for k in ("a", *proxies, *stores)]
+    # the engine ways by key (the target's scoring, each proxy's, each store's) and the model each one runs
+    engine = {"a": scorer.score_batch, **{k: p.score_batch for k, (p, _) in proxies.items()},
+              **{k: s.project_batch for k, s in stores.items()}}
     models = {"a": model, **{k: p.model for k, (p, _) in proxies.items()}, **{k: s.model for k, s in stores.items()}}
     times: dict[str, list[float]] = {k: [] for k in keys}
     diffs = []
@@ -376,13 +379,9 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
         for key in order:
             if key.endswith("~"):  # the same way with the LM head unfused (full [N, V] logits)
                 with unfused_head(models[key[:-1]]):
-                    dt, _ = timed(lambda: (proxies[key[:-1]][0].score_batch(batch) if key[:-1] in proxies
-                                           else stores[key[:-1]].project_batch(batch) if key[:-1] in stores
-                                           else scorer.score_batch(batch)))
-            elif key in proxies:
-                dt, _ = timed(lambda: proxies[key][0].score_batch(batch))
-            elif key in stores:
-                dt, _ = timed(lambda: stores[key].project_batch(batch))
+                    dt, _ = timed(lambda: engine[key[:-1]](batch))
+            elif key in proxies or key in stores:
+                dt, _ = timed(lambda: engine[key](batch))
             elif key == "a":
                 dt, res = timed(lambda: scorer.score_batch(batch))
                 a_scores = res["score"]
