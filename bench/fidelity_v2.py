@@ -62,7 +62,7 @@ import numpy as np
 from bootstrap import percentile_interval  # bench/: the one bootstrap
 from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
                     logger_overlay, recorded_hosts, splice_docs)
-from variants import dir_name, parse_variant  # bench/: the variant grammar
+from variants import build_key, dir_name, parse_variant  # bench/: the variant grammar
 
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -557,17 +557,22 @@ class FidelityRun:
         st.save()
 
     # 3. scores ----------------------------------------------------------------------------------
-    def score(self, key: str, model: str, tokenizer: str, model_fp: Any) -> dict:
-        """``model`` scores the sample against the validation file (``configs/score.yaml``, TracIn, per task)."""
+    def score(self, key: str, model: str, tokenizer: str, model_fp: Any, validation_model: str | None = None) -> dict:
+        """``model`` scores the sample against the validation file (``configs/score.yaml``, TracIn, per task);
+        ``validation_model``: against that model's validation gradients (``+tval``)."""
         args, out, cfg = self.args, self.out, self.cfg
         d = out / "scores" / dir_name(key)
         fp = {"model": model_fp, "data": self.data_fp, "config": config_text(cfg / "score.yaml")}
+        init = {"model": model, "method": "tracin", "per_task": True}
+        if validation_model is not None:  # only then: the other rows' fingerprints stay as they were
+            fp["validation_model"] = self.stage_fp("warmup") or validation_model
+            init["validation_model"] = validation_model
         return self.st.run(f"score:{key}", "predict", [cfg / "score.yaml", *self.demo("score")], {
             "seed_everything": args.seed,
             "trainer": {"default_root_dir": str(out / "lightning"), "logger": logger_overlay(out, f"score_{dir_name(key)}"),
                         "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
                                        "init_args": {"output_dir": str(d)}}]},
-            "model": {"init_args": {"model": model, "method": "tracin", "per_task": True}},
+            "model": {"init_args": init},
             "data": {"init_args": {**self.data_common, "pool": str(self.sample_path), "validation": str(self.val_path),
                                    "tokenizer": tokenizer, "max_length": args.max_length,
                                    "batch_size": args.batch_size}},
@@ -576,7 +581,7 @@ class FidelityRun:
     # 4. proxies ---------------------------------------------------------------------------------
     def build(self, v: dict, target: str) -> Path:
         """Variant ``v``'s proxy from ``target`` -> ``OUT/proxies/<key>`` (Layer Extraction, or IPSVD + alignment)."""
-        pdir = self.out / "proxies" / dir_name(v["key"])
+        pdir = self.out / "proxies" / dir_name(build_key(v))
         if v["kind"] == "le":
             self.build_layer_extraction(v, target, pdir)
         else:
@@ -587,7 +592,7 @@ class FidelityRun:
         args, cfg = self.args, self.cfg
         fp = {"target": self.stage_fp("warmup") or target, "rho": v["rho"], "max_length": args.max_length,
               "config": config_text(cfg / "baselines" / "layer_extraction.yaml")}
-        self.st.run(f"build:{v['key']}", "layer_extraction", [cfg / "baselines" / "layer_extraction.yaml"], {
+        self.st.run(f"build:{build_key(v)}", "layer_extraction", [cfg / "baselines" / "layer_extraction.yaml"], {
             "model": target, "output_dir": str(pdir), "pool": args.pool, "sparsity": v["rho"],
             "max_length": args.max_length, "seed": args.seed,
         }, fp, pdir / "config.json", clean=pdir)
@@ -597,7 +602,7 @@ class FidelityRun:
         cb = {"class_path": "iprox_lightning.callbacks.IPSVDCallback",
               "init_args": {"num_probe_tokens": args.num_probe_tokens, "seed": args.seed, **v["ipsvd"]}}
         trainer: dict[str, Any] = {"default_root_dir": str(out / "lightning"), "callbacks": [cb],
-                                   "logger": logger_overlay(out, f"build_{dir_name(v['key'])}")}
+                                   "logger": logger_overlay(out, f"build_{dir_name(build_key(v))}")}
         model = {"target": target, "save_dir": str(pdir), "align": v["align"], "lr": v["align_lr"] or args.align_lr,
                  "kl_weight": args.kl_weight, "keep_best": True}
         data = {**self.data_common, "pool": args.pool, "tokenizer": target, "max_length": args.max_length,
@@ -623,7 +628,7 @@ class FidelityRun:
         fp = {"target": self.stage_fp("warmup") or target, "callback": cb, "model": model, "data": data,
               "trainer": {k: v2 for k, v2 in trainer.items() if k not in ("logger", "default_root_dir")},
               "config": config_text(cfg / "build_proxy.yaml")}
-        self.st.run(f"build:{v['key']}", "fit", [cfg / "build_proxy.yaml"], {
+        self.st.run(f"build:{build_key(v)}", "fit", [cfg / "build_proxy.yaml"], {
             "seed_everything": args.seed, "trainer": trainer, "model": {"init_args": model}, "data": {"init_args": data},
         }, fp, pdir / "iprox_proxy.json", clean=pdir)
 
@@ -636,7 +641,8 @@ class FidelityRun:
             try:
                 pdir = self.build(v, target)
                 if not args.build_only:
-                    self.score(v["key"], str(pdir), target, self.stage_fp(f"build:{v['key']}"))
+                    self.score(v["key"], str(pdir), target, self.stage_fp(f"build:{build_key(v)}"),
+                               validation_model=target if v.get("target_validation") else None)
                 st.state.get("errors", {}).pop(v["key"], None)
             except RuntimeError as e:
                 self.log(f"variant {v['key']} FAILED: {e}")
@@ -706,7 +712,7 @@ def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
     """Parameters and build facts of a row's proxy: from its manifest (or, for Layer Extraction, its tensors);
     when the proxy directory is gone (weights are never kept), from the previous ``summary.json`` row whose
     build stage had the same fingerprint -- never from a different setting."""
-    pdir = out / "proxies" / dir_name(v["key"])
+    pdir = out / "proxies" / dir_name(build_key(v))
     man = pdir / "iprox_proxy.json"
     if man.exists():
         mj = json.loads(man.read_text())
@@ -719,10 +725,10 @@ def proxy_info(out: Path, v: dict, build: dict, previous: dict | None) -> dict:
     if v["kind"] == "le" and (pdir / "config.json").exists():
         return {"params": safetensors_param_count(pdir), "method": "layer_extraction"}
     if previous:
-        old_build = previous.get("stages", {}).get(f"build:{v['key']}", {})
+        old_build = previous.get("stages", {}).get(f"build:{build_key(v)}", {})
         if build.get("fingerprint") and old_build.get("fingerprint") == build["fingerprint"]:
             for r in previous.get("rows", []):
-                if r["variant"] == v["key"]:
+                if r["variant"] in (v["key"], build_key(v)):
                     return {k: r[k] for k in PROXY_INFO if k in r}
     return {"params": None, "method": "layer_extraction" if v["kind"] == "le" else v["ipsvd"].get("method")}
 
@@ -809,7 +815,7 @@ def variant_facts(args, out: Path, st: Stages, v: dict, previous: dict | None) -
     """A variant row's facts beside its metrics: its kind (a proxy or a baseline), alignment settings, build and
     scoring cost (CPU-seconds and wall-clock ratios to the target's scoring), and :func:`proxy_info`."""
     stages = st.state["stages"]
-    rec, build = stages.get(f"score:{v['key']}", {}), stages.get(f"build:{v['key']}", {})
+    rec, build = stages.get(f"score:{v['key']}", {}), stages.get(f"build:{build_key(v)}", {})
     cpu_target = stages.get("score:target", {}).get("cpu_s")
     base = "layer_extraction" if v["kind"] == "le" else ("svd" if v["ipsvd"].get("method") == "svd" and not v["align"]
                                                          and "allocation" not in v["ipsvd"] else v["key"])
@@ -819,6 +825,7 @@ def variant_facts(args, out: Path, st: Stages, v: dict, previous: dict | None) -
         "align_lr": (v["align_lr"] or args.align_lr) if v["align"] else None,
         "align_monitor": ("val/fidelity_loss" if v.get("fidelity") else "val/loss") if v["align"] else None,
         "task_align": ({k: d for k, d in v["task_align"].items() if d} or None) if v["align"] else None,
+        "validation_gradients": "target" if v.get("target_validation") else "proxy",
         "built_commit": build.get("commit"), "build_wall_s": build.get("wall_s"),
         "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
         "scoring_wall_ratio": (rec.get("wall_s", float("nan")) / stages["score:target"]["wall_s"]

@@ -35,6 +35,7 @@ from typing import Any
 SPARE0 = [r"layers\.0\.mlp\."]  # option spare0: block 0's MLP kept dense
 TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|data|kl)([0-9.]*(?:[eE]-?\d+)?)")
 DEFAULT_VAL_TRAIN_FRACTION = 0.5
+TARGET_VALIDATION = "+tval"  # score against the target's validation gradients (parse_variant)
 
 
 def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[str, dict[str, Any]]]:
@@ -105,11 +106,19 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
 
 
 def parse_variant(spec: str) -> dict[str, Any]:
-    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR][+SUFFIX...]]`` -> ``{"key", "kind", "rho", "align",
-    "align_epochs", "align_lr", "fidelity", "task_align", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr`` None:
-    ``--align-epochs`` / ``--align-lr``; ``task_align``: the ``model`` / ``data`` init_args of the task-aware
-    suffixes, empty without them)."""
+    """``le@ρ`` or ``METHOD[/OPTION...]@ρ[+align[EPOCHS][:LR][+SUFFIX...]][+tval]`` -> ``{"key", "kind", "rho",
+    "align", "align_epochs", "align_lr", "fidelity", "task_align", "ipsvd": {...}}`` (``align_epochs`` / ``align_lr``
+    None: ``--align-epochs`` / ``--align-lr``; ``task_align``: the ``model`` / ``data`` init_args of the task-aware
+    suffixes, empty without them). A trailing ``+tval`` scores the proxy built without it (``"build_key"``) against
+    the warmed target's validation gradients (``InfluenceScoringModule(validation_model=<target>)``;
+    ``"target_validation": True``)."""
     s = spec.strip()
+    if s.endswith(TARGET_VALIDATION):
+        out = parse_variant(s[: -len(TARGET_VALIDATION)])
+        if out["kind"] != "proxy" or out["ipsvd"].get("drop_blocks"):
+            raise ValueError(f"variant {spec!r}: +tval needs the target's layers at the proxy's paths (not Layer "
+                             "Extraction or dropped blocks)")
+        return {**out, "key": s, "build_key": out["key"], "target_validation": True}
     m = re.search(r"\+align(\d*)(?::([0-9.]+(?:[eE][+-]?\d+)?))?((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)*)$", s)
     align = m is not None
     fidelity, fidelity_task, task_align = (parse_task_suffixes(spec, m.group(3)) if m else
@@ -176,6 +185,11 @@ def parse_variant(spec: str) -> dict[str, Any]:
     if fidelity_task:  # only when asked: the other rows' dicts (and fingerprints) stay as they were
         out["fidelity_task"] = True
     return out
+
+
+def build_key(v: dict[str, Any]) -> str:
+    """The key of the proxy a variant scores (its own, or the one it shares: ``+tval``)."""
+    return v.get("build_key", v["key"])
 
 
 def dir_name(key: str) -> str:

@@ -504,3 +504,31 @@ def test_kl_suffix_sets_only_the_kl_weight():
         variants.parse_variant("ipsvd/global@0.5+align+kl")
     with pytest.raises(ValueError, match=r"\+vt sets the validation share"):
         variants.parse_variant("ipsvd/global@0.5+align+kl0+vt0.3")
+
+
+def test_tval_row_scores_the_shared_proxy_against_the_targets_validation_gradients(tmp_path):
+    """``+tval``: the proxy is built once (the row without the suffix) and scored a second time with the target's
+    validation gradients (``InfluenceScoringModule(validation_model=...)``); the suffix is refused where the proxy's
+    layers are not the target's."""
+    base = "ipsvd/exact/rel1e-3/global@0.5"
+    v = variants.parse_variant(base + "+tval")
+    assert v["build_key"] == base and v["target_validation"] and v["key"] == base + "+tval"
+    assert {k: x for k, x in v.items() if k not in ("key", "build_key", "target_validation")} == \
+        {k: x for k, x in variants.parse_variant(base).items() if k != "key"}
+    for bad in ("le@0.5+tval", "ipsvd/exact/global/drop1@0.5+tval"):
+        with pytest.raises(ValueError, match=r"\+tval needs the target's layers"):
+            variants.parse_variant(bad)
+    out = tmp_path / "v2"
+    s = fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30",
+                  "--max-length", "48", "--no-warmup", "--variants", base, base + "+tval", "--bootstrap", "20",
+                  "--threads", "1", "--out", str(out), "--in-process"])
+    stages = json.loads((out / "state.json").read_text())["stages"]
+    assert set(stages) == {"score:target", f"build:{base}", f"score:{base}", f"score:{base}+tval"}
+    settings = json.loads((out / "scores" / fv2.dir_name(base + "+tval") / "settings.json").read_text())
+    assert settings["scorer"]["validation_model"] == "other" and settings["config"]["validation_model"] == "builtin"
+    own = json.loads((out / "scores" / fv2.dir_name(base) / "settings.json").read_text())
+    assert own["scorer"]["validation_model"] == "scored" and "validation_model" not in own["config"]
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert rows[base + "+tval"]["validation_gradients"] == "target" and rows[base]["validation_gradients"] == "proxy"
+    assert rows[base + "+tval"]["params"] == rows[base]["params"]
+    assert rows[base + "+tval"]["spearman"] != rows[base]["spearman"]

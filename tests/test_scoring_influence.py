@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
+from iprox_lightning.errors import UserInputError
 from iprox_lightning.lowrank import LowRankLinear
 from iprox_lightning.target_layers import Conv1D, find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
@@ -121,11 +122,24 @@ def ref_example(model, ex):
     return layer_g, layer_hd
 
 
+def in_factor_space(model, dense_g):
+    """Per-layer gradients of a dense model (``{name}.weight: [out, in]``) in ``model``'s tracked coordinates, written
+    out: ``.A: G Bᵀ``, ``.B: Aᵀ G`` for a factorised layer, ``G`` for a dense one."""
+    out = {}
+    for key, m, kind in tracked_params(model):
+        G = dense_g[key.rsplit(".", 1)[0] + ".weight"]
+        out[key] = G @ m.B.detach().t() if kind == "A" else m.A.detach().t() @ G if kind == "B" else G
+    return out
+
+
 def ref_scores(model, train, val, *, method="tracin", factor_examples=None, damping=1e-3, damping_mode="relative",
-               normalize=True):
+               normalize=True, val_model=None):
     keys = [k for k, _, _ in tracked_params(model)]
     tr = [ref_example(model, e) for e in train]
-    va = [ref_example(model, e) for e in val]
+    if val_model is None:
+        va = [ref_example(model, e) for e in val]
+    else:  # validation gradients of another (dense) model, in model's coordinates
+        va = [(in_factor_space(model, ref_example(val_model, e)[0]), None) for e in val]
     if method == "kfac":
         fac = [ref_example(model, e)[1] for e in factor_examples]
         Hinv = {}
@@ -272,6 +286,41 @@ def test_kfac_matches_bruteforce(arch, proxy):
     # the K-FAC metric matters: the scores differ from TracIn's
     tr = tracin_scores(model, batches(TRAIN, 3), batches(VAL, 4), progress=False)
     assert np.abs(tr.scores - table.scores).max() > 1e-3
+
+
+@pytest.mark.parametrize("method", ["tracin", "kfac"])
+def test_proxy_scored_against_its_targets_validation_gradients_matches_bruteforce(method):
+    """``validation_model``: the pool's gradients are the proxy's, the validation side the dense target's, projected
+    into the proxy's factor space (``∇W·Bᵀ``, ``Aᵀ·∇W``) -- against autograd gradients of both models, written out."""
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    proxy = make_proxy("llama", seed=0)  # the same weights, three linears per block factorised
+    kw = dict(method=method, factor_examples=TRAIN[:7]) if method == "kfac" else {}
+    ref, per_task, tasks = ref_scores(proxy, TRAIN, VAL, val_model=target, **kw)
+    opts = dict(metric="kfac", kfac_examples=7) if method == "kfac" else {}
+    table = influence_scores(proxy, batches(TRAIN, 3), batches(VAL, 4), progress=False, validation_model=target, **opts)
+    assert_close_scores(table, ref, per_task, tasks)
+    assert table.settings["validation_model"] == "other"
+    # a different direction from the proxy's own validation gradients
+    own = influence_scores(proxy, batches(TRAIN, 3), batches(VAL, 4), progress=False, **opts)
+    assert own.settings["validation_model"] == "scored"
+    assert np.abs(own.task_scores - table.task_scores).max() > 1e-2
+    # a dense model given itself as the validation model scores exactly as without it
+    same = tracin_scores(target, batches(TRAIN, 3), batches(VAL, 4), progress=False, validation_model=target)
+    plain = tracin_scores(target, batches(TRAIN, 3), batches(VAL, 4), progress=False)
+    np.testing.assert_array_equal(same.task_scores, plain.task_scores)
+
+
+def test_validation_model_that_does_not_fit_the_scored_model_is_refused():
+    proxy = make_proxy("llama", seed=0)
+    with pytest.raises(UserInputError, match="must be a dense model"):
+        tracin_scores(proxy, batches(TRAIN, 3), batches(VAL, 4), progress=False, validation_model=make_proxy("llama"))
+    other = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **{**TINY, "intermediate_size": 24})
+    with pytest.raises(UserInputError, match=r"mlp.gate_proj' is \[out, in\] = \[24, 16\]"):
+        tracin_scores(proxy, batches(TRAIN, 3), batches(VAL, 4), progress=False, validation_model=other)
+    deeper = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **{**TINY, "num_layers": 2})
+    with pytest.raises(UserInputError, match="tracks 'model.layers.1"):
+        tracin_scores(deeper, batches(TRAIN, 3), batches(VAL, 4), progress=False,
+                      validation_model=tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY))
 
 
 def test_kfac_absolute_damping_ghost_and_plain():

@@ -123,6 +123,35 @@ def test_resume_with_other_settings_is_refused(tmp_path):
             InfluenceScoringModule(build_model(), method="kfac"), datamodule=TinyDM(), return_predictions=False)
 
 
+def test_proxy_scored_against_a_saved_target_through_the_trainer(tmp_path):
+    """``validation_model`` as a directory (the CLI's form): the written table equals the function API's, the
+    fingerprint holds the validation model, and resuming with another one is refused."""
+    from test_scoring_influence import make_proxy
+
+    from iprox_lightning.models.loading import load_model
+
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    target.save_pretrained(tmp_path / "target")
+    dm = TinyDM()
+    loaded, _ = load_model(str(tmp_path / "target"), dtype="float32", tokenizer=False)  # as the module loads it
+    ref = influence_scores(make_proxy("llama", seed=0), dm.predict_dataloader(), dm.validation_dataloader(),
+                           progress=False, validation_model=loaded)
+    out = tmp_path / "scores"
+    module = InfluenceScoringModule(make_proxy("llama", seed=0), validation_model=str(tmp_path / "target"))
+    make_trainer([InfluenceWriter(str(out))]).predict(module, datamodule=TinyDM(), return_predictions=False)
+    # float32 validation model: the loader's attention kernel may differ from the reference's (rounding only)
+    assert_table_equal(ScoreTable.load(str(out / SCORES_FILE)), ref, rtol=1e-6)
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["scorer"]["validation_model"] == "other"
+    assert settings["config"]["validation_model"] == str(tmp_path / "target")
+    other = tmp_path / "other"
+    tiny_causal_lm("llama", seed=1, dtype=torch.float64, **TINY).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"produced from different inputs(.|\n)*validation_model"):
+        make_trainer([InfluenceWriter(str(out))]).predict(
+            InfluenceScoringModule(make_proxy("llama", seed=0), validation_model=str(other)),
+            datamodule=TinyDM(), return_predictions=False)
+
+
 DDP_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})

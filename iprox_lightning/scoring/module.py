@@ -60,6 +60,11 @@ class InfluenceScoringModule(L.LightningModule):
         attn_implementation: attention kernel when loading (one backward only, so ``"sdpa"`` is fine).
         gguf_file: GGUF file name inside ``model`` when ``model`` is a directory.
         trust_remote_code: passed to the loader.
+        validation_model: a dense model (the target a proxy ``model`` was built from; a hub id, directory, ``.gguf``
+            file or ``nn.Module``) whose validation gradients the pool is scored against, in ``model``'s coordinates
+            (factor-space projections for factorised layers:
+            :func:`~iprox_lightning.scoring.influence.validation_in_factor_space`); loaded for the preparation only.
+            ``None``: ``model``'s own.
     """
 
     @takes_settings(ScoringConfig, "scoring")
@@ -73,6 +78,7 @@ class InfluenceScoringModule(L.LightningModule):
         attn_implementation: Optional[str] = "sdpa",
         gguf_file: Optional[str] = None,
         trust_remote_code: bool = False,
+        validation_model: Union[str, nn.Module, None] = None,
         scoring: Optional[ScoringConfig] = None,
     ) -> None:
         # not super(): the hyper-parameters are given whole (ProxyAlignModule.__init__ says why)
@@ -84,7 +90,11 @@ class InfluenceScoringModule(L.LightningModule):
         hparams.update(kfac_split=kfac_split, factors_dir=factors_dir, dtype=dtype,
                        attn_implementation=attn_implementation, gguf_file=gguf_file,
                        trust_remote_code=trust_remote_code)
+        if isinstance(validation_model, str):
+            hparams["validation_model"] = validation_model
         self.save_hyperparameters(hparams)
+        self.validation_model = validation_model
+        self._vnet: nn.Module | None = None  # validation_model once loaded
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.scorer: InfluenceScorer | None = None
@@ -132,8 +142,12 @@ class InfluenceScoringModule(L.LightningModule):
     def scoring_config(self) -> dict[str, Any]:
         """The settings that must not change between a run and its resumption: the model's name, the
         :class:`ScoringConfig`, the factor split and the loading dtype."""
-        return {"model": self.model_name, **self.config.to_dict(), "kfac_split": self.hparams.kfac_split,
-                "dtype": self.hparams.dtype}
+        out = {"model": self.model_name, **self.config.to_dict(), "kfac_split": self.hparams.kfac_split,
+               "dtype": self.hparams.dtype}
+        if self.validation_model is not None:  # only when set: earlier runs' fingerprints stay as they were
+            vm = self.validation_model
+            out["validation_model"] = vm if isinstance(vm, str) else type(vm).__name__
+        return out
 
     def scoring_provenance(self) -> dict[str, Any]:
         """What produced this run's scores: ``{"fingerprint": {model, settings, pool, validation}, "scoring":
@@ -145,6 +159,8 @@ class InfluenceScoringModule(L.LightningModule):
         from ..io.fingerprint import loader_digest
 
         fp: dict[str, Any] = {"model": self.model_identity(), "settings": self.scoring_config()}
+        if self.validation_model is not None:
+            fp["validation_model"] = self.validation_model_identity()
         loaders = self.trainer.predict_dataloaders if self._trainer is not None else None
         if loaders is not None:
             loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
@@ -162,14 +178,17 @@ class InfluenceScoringModule(L.LightningModule):
 
     def model_identity(self) -> Any:
         """The files of a local model dir / file, else a hash of the loaded weights."""
-        from ..io.fingerprint import module_identity, source_identity
-
-        hp = self.hparams
-        if isinstance(hp.get("model"), str) and Path(hp.model).exists():
-            return source_identity(hp.model)
-        if self.net is None:
+        if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
-        return {"name": self.model_name, "weights": module_identity(self.net)}
+        return _identity(self.hparams.get("model", self.net), self.net)
+
+    def validation_model_identity(self) -> Any:
+        """:meth:`model_identity` of ``validation_model`` (loaded here, and kept for the preparation, when it is
+        neither a local path nor a module)."""
+        vm = self.validation_model
+        if isinstance(vm, str) and not Path(vm).exists() and self._vnet is None:
+            self._vnet = self._load_validation_model()
+        return _identity(vm, self._vnet)
 
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:
@@ -189,10 +208,14 @@ class InfluenceScoringModule(L.LightningModule):
 
             fac_fp = {"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": self.hparams.kfac_split,
                       "load_dtype": self.hparams.dtype}
+        vmodel, self._vnet = self._vnet or self._load_validation_model(), None
+        if vmodel is not None:
+            vmodel.to(next(self.net.parameters()).device)
         with torch.inference_mode(False), torch.enable_grad():
             self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
                             progress=show_progress(self.trainer), factors_dir=self.hparams.factors_dir,
-                            factors_fingerprint=fac_fp)
+                            factors_fingerprint=fac_fp, validation_model=vmodel)
+        del vmodel  # only the preparation needs it
         st = self.scorer.settings()
         prepare_s = time.perf_counter() - t0
         log.info("influence scoring prepared in %.1fs: %s", prepare_s, st)
@@ -204,6 +227,18 @@ class InfluenceScoringModule(L.LightningModule):
                 metrics[f"scoring/val_examples/{t}"] = float(c)
             metrics["scoring/prepare_seconds"] = prepare_s
             self.logger.log_metrics(metrics, step=0)
+
+    def _load_validation_model(self) -> Optional[nn.Module]:
+        """``validation_model`` loaded like ``model`` (same dtype and kernel)."""
+        vm = self.validation_model
+        if vm is None or isinstance(vm, nn.Module):
+            return vm
+        from ..models.loading import load_model
+
+        hp = self.hparams
+        net, _ = load_model(vm, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                            trust_remote_code=hp.trust_remote_code, tokenizer=False)
+        return net.eval()
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
         if self._t_first is None:
@@ -254,6 +289,18 @@ class InfluenceScoringModule(L.LightningModule):
 
     def forward(self, *args, **kwargs):
         return self.net(*args, **kwargs)
+
+
+def _identity(model: Union[str, nn.Module], net: Optional[nn.Module] = None) -> Any:
+    """A model's identity for a fingerprint: the files of a local dir / file, else its name and a hash of its weights
+    (``net``: the loaded model)."""
+    from ..io.fingerprint import module_identity, source_identity
+
+    if isinstance(model, str) and Path(model).exists():
+        return source_identity(model)
+    if isinstance(model, nn.Module):
+        return {"name": type(model).__name__, "weights": module_identity(model)}
+    return {"name": model, "weights": module_identity(net) if net is not None else None}
 
 
 def check_examples_per_process(n: int | None, world_size: int) -> None:
