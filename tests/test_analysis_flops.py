@@ -1,5 +1,4 @@
 """Analytic FLOPs vs a hand count and vs torch.utils.flop_counter."""
-import time
 
 import pytest
 import torch

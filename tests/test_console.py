@@ -7,7 +7,6 @@ import logging
 import numpy as np
 
 import lightning as L
-import pytest
 from lightning.pytorch.callbacks import ModelSummary, RichProgressBar, TQDMProgressBar
 
 from iprox_lightning.console import ProgressBar, Summary, add_console_callbacks

@@ -19,7 +19,7 @@ from iprox_lightning.rank import (
     round_plan_up,
     uniform_plan_for_budget,
 )
-from iprox_lightning.target_layers import find_target_linears, linear_shape
+from iprox_lightning.target_layers import find_target_linears
 
 from test_alignment_module import loader, make_batch, trainer
 from test_probes import brute_force_columns, make_batches

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 
 import lightning as L
 import numpy as np

@@ -15,7 +15,6 @@ an ordinary HF model (``save_pretrained`` / ``from_pretrained``).
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os

@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..batch import IGNORE_INDEX
 from ..errors import UserInputError
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
-from .sources import DataFormatError, is_hub_id, iter_jsonl, parse_hub_id, read_records
+from .sources import is_hub_id, parse_hub_id, read_records
 from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
