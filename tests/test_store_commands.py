@@ -330,3 +330,38 @@ def test_two_process_build_equals_the_one_process_build_and_queries_alike(files,
     assert qa.ids == qb.ids and qa.task_names == qb.task_names
     np.testing.assert_allclose(qb.scores, qa.scores, rtol=0, atol=1e-4)
     np.testing.assert_allclose(qb.task_scores, qa.task_scores, rtol=0, atol=1e-4)
+
+
+def test_proxy_store_queried_with_the_targets_validation_gradients_equals_exact_scoring(files, tmp_path):
+    """``query --validation_model``: an identity-projection store of a proxy, queried with its target's validation
+    gradients (projected into the proxy's factor space), equals exact scoring with ``validation_model``; the cache
+    key and the settings hold the validation model, so the plain query of the same store is not served from it."""
+    from iprox_lightning.compress import compress_model
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.io.proxy import save_proxy
+    from iprox_lightning.lowrank import LowRankLinear
+    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.scoring import tracin_scores
+
+    d, pool, val, _ = files
+    proxy, tok = load_model("builtin")
+    dm = SFTDataModule(pool=str(pool), validation=str(val), tokenizer="builtin", max_length=48, batch_size=3)
+    compress_model(proxy, None, 0.5, method="svd", progress=False)  # in place: the builtin target, factorised
+    assert any(isinstance(m, LowRankLinear) for m in proxy.modules())
+    pdir = tmp_path / "proxy"
+    save_proxy(proxy, tok, pdir, target_model="builtin")
+    store = tmp_path / "store"
+    main(["build_store", "--model", str(pdir), "--output_dir", str(store), "--pool", str(pool), "--max_length", "48",
+          "--batch_size", "3", "--progress", "false", "--k", "100000", "--store_dtype", "float32"])
+    got, scorer = _query(store, val, tmp_path / "q_target", "--validation_model", "builtin")
+    assert scorer["validation_model"] == "builtin" and scorer["validation_cache"]["action"] == "computed"
+    net, _ = load_model(str(pdir), tokenizer=False)
+    exact = tracin_scores(net, dm.dataloader("pool"), dm.validation_dataloader(), progress=False,
+                          validation_model=load_model("builtin", tokenizer=False)[0])
+    i = [exact.ids.index(x) for x in got.ids]
+    np.testing.assert_allclose(got.task_scores, exact.task_scores[i], rtol=1e-4, atol=1e-5)
+    own, own_scorer = _query(store, val, tmp_path / "q_own")
+    assert own_scorer["validation_model"] == "store" and own_scorer["validation_cache"]["action"] == "computed"
+    assert np.abs(own.task_scores - got.task_scores).max() > 1e-3
+    _, again = _query(store, val, tmp_path / "q_target2", "--validation_model", "builtin")
+    assert again["validation_cache"]["action"] == "reused"

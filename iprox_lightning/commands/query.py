@@ -17,6 +17,7 @@ def query(
     val_per_task: Optional[int] = None,
     batch_size: Optional[int] = None,
     progress: bool = False,
+    validation_model: Optional[str] = None,
 ) -> str:
     """Score every stored pool example against the validation set with one matrix product (TracIn cosine in the
     store's metric, per task, LESS max over subtasks) and write ``<output_dir>/scores.parquet`` + ``settings.json``,
@@ -40,6 +41,10 @@ def query(
         val_per_task: keep at most this many validation examples per task.
         batch_size: validation examples per backward pass (default: the store's).
         progress: show a progress bar over the validation batches.
+        validation_model: a proxy's store queried with the validation gradients of this dense model (the target the
+            proxy was built from: hub id, directory, ``.gguf``), projected into the proxy's factor space and then by
+            the store's projections (:class:`~iprox_lightning.scoring.features.FactorSpaceView`): the validation
+            examples pay the target's backward, the pool stays the proxy's. Default: the store's own model.
     """
     import time
 
@@ -71,10 +76,16 @@ def query(
     val_digest = loader_digest(val)
     metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
                               kfac_examples=st.get("kfac_examples", 1024))
-    cache_fp = gs.validation_cache_fingerprint(store, info, val_digest, batch_size=batch_size, subtasks=subtasks)
+    vnet, extra = None, {}
+    if validation_model is not None:  # only then in the cache key: earlier caches keep matching
+        vnet = _load_net(validation_model, st)
+        extra["validation_model"] = _identity(validation_model, vnet)
+    cache_fp = gs.validation_cache_fingerprint(store, info, val_digest, batch_size=batch_size, subtasks=subtasks,
+                                               **extra)
     names, S, counts, near, cache_event = _validation_gradients(
         store, info, metric, val, cache_fp, neighbours=neighbours, progress=progress, t0=t0,
-        net=lambda: net if net is not None else _load_net(model, st))
+        net=lambda: net if net is not None else _load_net(model, st), pairs_from=vnet)
+    del vnet
     t_val = time.perf_counter() - t0
     with ScoreDirLock(out, what="query", hint="write into another output_dir"):
         table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
@@ -82,10 +93,11 @@ def query(
         wall = time.perf_counter() - t0
         write_settings(out, {
             "method": f"{metric.name} (store query)", "store": str(store), "pool": info.get("pool"),
-            "fingerprint": {"store": fp, "validation": val_digest, "subtasks": subtasks},
+            "fingerprint": {"store": fp, "validation": val_digest, "subtasks": subtasks, **extra},
             "scorer": {"method": metric.name, **metric.settings(), "k": st.get("k"), "seed": st.get("seed"),
                        "dim": info["dim"], "store_dtype": info["dtype"], "task_names": names,
                        "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall,
+                       "validation_model": validation_model or "store",
                        "validation_cache": cache_event}})
         if neighbours:
             _write_neighbours(out, store, near, neighbours)
@@ -126,21 +138,25 @@ def _load_net(model: str, st: dict):
     return net.eval()
 
 
+def _identity(model: str, net) -> dict:
+    """A model's identity: its files when local, else its name and a hash of its weights (``net``: it loaded)."""
+    from pathlib import Path
+
+    from ..io.fingerprint import module_identity, source_identity
+
+    return source_identity(model) if Path(model).exists() else {"name": model, "weights": module_identity(net)}
+
+
 def _check_model(store: str, stored: dict, model: str, st: dict):
     """Refuse ``model`` unless it is the one the store was built with (``stored``: the store fingerprint's model);
     the loaded model when telling needed loading it (a hub id), else ``None`` (a file or directory: identified by
     its files, loaded only if gradients are computed)."""
     from pathlib import Path
 
-    from ..io.fingerprint import FingerprintMismatch, diff, module_identity, source_identity
+    from ..io.fingerprint import FingerprintMismatch, diff
 
-    net = None
-    if Path(model).exists():
-        have = source_identity(model)
-    else:
-        net = _load_net(model, st)
-        have = {"name": model, "weights": module_identity(net)}
-    lines = diff(stored, have)
+    net = None if Path(model).exists() else _load_net(model, st)
+    lines = diff(stored, _identity(model, net))
     if lines:
         raise FingerprintMismatch(f"the store {store} was built with another model than {model!r}; its gradients "
                                   "would not match this model's validation gradients. What differs (store -> now):\n  "
@@ -149,10 +165,11 @@ def _check_model(store: str, stored: dict, model: str, st: dict):
 
 
 def _validation_gradients(store: str, info: dict, metric, val, cache_fp: str, *, neighbours: int, progress: bool,
-                          t0: float, net):
+                          t0: float, net, pairs_from=None):
     """``(task names, per-task sums S, counts, (vectors, ids, tasks) or None, cache event)`` of the validation
     batches ``val``: from the store's query cache under ``cache_fp`` when this validation set was queried before,
-    else projected through the model ``net()`` and kept there (the per-example vectors only for ``neighbours``)."""
+    else projected through the model ``net()`` (``pairs_from``: the gradients of that dense model, in ``net``'s
+    coordinates) and kept there (the per-example vectors only for ``neighbours``)."""
     import logging
     import time
     from pathlib import Path
@@ -168,7 +185,7 @@ def _validation_gradients(store: str, info: dict, metric, val, cache_fp: str, *,
         near = (cached["vectors"], cached["ids"], cached["tasks"]) if neighbours else None
         return cached["task_names"], cached["sums"], cached["counts"], near, {
             "action": "reused", "fingerprint": cache_fp, "path": cached["path"], "seconds_saved": cached["seconds"]}
-    projector = _projector(store, info, info["fingerprint"]["settings"], metric, net())
+    projector = _projector(store, info, info["fingerprint"]["settings"], metric, net(), pairs_from)
     batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
     parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
     names, S, counts = task_sums(parts if parts is not None else batches)
@@ -205,7 +222,7 @@ def _write_neighbours(out, store: str, near, neighbours: int) -> None:
     tmp.replace(out / "neighbours.jsonl")
 
 
-def _projector(store: str, info: dict, st: dict, metric, net):
+def _projector(store: str, info: dict, st: dict, metric, net, pairs_from=None):
     """The store's projections and factors, exactly as built, on ``net``."""
     from pathlib import Path
 
@@ -225,4 +242,5 @@ def _projector(store: str, info: dict, st: dict, metric, net):
         metric.load_state_dict(load_factors(Path(store) / info["factors"], method=metric.name), list(projections),
                                dtype=dtype)
     return GradientProjector(net, metric=None if metric.name == "tracin" else metric,
-                             target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype)
+                             target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype,
+                             pairs_from=pairs_from)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..batch import IGNORE_INDEX, batch_rows, check_batch, to_device  # noqa: F401  (to_device re-exported)
+from ..errors import UserInputError
 from ..lowrank import LowRankLinear
 from ..model_modes import eval_mode  # noqa: F401  (re-exported: the scoring modules' import)
 from ..target_layers import Conv1D, find_target_linears, linear_shape
@@ -193,6 +194,64 @@ class WeightPairTracker(PairTracker):
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         raise NotImplementedError
+
+
+class FactorSpaceView(WeightPairTracker):
+    """Runs on a dense model (``dense_modules``: its tracked modules) and hands each weight's pair to ``inner``, a
+    :class:`WeightPairTracker` of another model (``modules``: the scored proxy's tracked modules, same paths), in that
+    model's coordinates: a ``LowRankLinear`` ``W ≈ A B`` there gets ``A: (B h, δ)`` and ``B: (h, Aᵀ δ)`` -- summed over
+    tokens, ``∇W·Bᵀ`` and ``Aᵀ·∇W``, the gradients its factors would get from the dense model's ``h`` and ``δ``
+    (:func:`iprox_lightning.alignment.factor_projections`, what Stage 2 aligns the proxy's own factor gradients to);
+    a layer dense in both gets its pair as is. So a proxy's pool can be scored against its target's validation
+    gradients without forming an ``[out, in]`` matrix (:meth:`.influence.InfluenceScorer.collect_validation`,
+    :class:`.projection.GradientProjector`)."""
+
+    def __init__(self, dense_modules: Mapping[str, nn.Module], inner: WeightPairTracker,
+                 modules: Mapping[str, nn.Module]) -> None:
+        check_same_layers(dense_modules, modules)
+        super().__init__({n: dense_modules[n] for n in modules})
+        self.inner = inner
+        self.factors = {n: m for n, m in modules.items() if isinstance(m, LowRankLinear)}
+        self._moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def start_step(self, batch: Mapping) -> None:
+        super().start_step(batch)
+        self.inner.start_step(batch)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+
+    def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        name = key.removesuffix(".weight")
+        m = self.factors.get(name)
+        if m is None:
+            self.inner.on_weight(key, h, delta)
+            return
+        ab = self._moved.get(name)
+        if ab is None or ab[0].device != h.device or ab[0].dtype != h.dtype:
+            ab = self._moved[name] = (m.A.detach().to(h), m.B.detach().to(h))
+        A, B = ab
+        self.inner.on_weight(f"{name}.A", h @ B.t(), delta)
+        self.inner.on_weight(f"{name}.B", h, delta @ A)
+
+
+def check_same_layers(dense_modules: Mapping[str, nn.Module], modules: Mapping[str, nn.Module]) -> None:
+    """``dense_modules`` (a dense model's tracked modules) hold, under the same path and with the same ``[out, in]``
+    shape, every module of ``modules`` (as compression keeps them: a proxy of that model); a clear error otherwise."""
+    low = [n for n, m in dense_modules.items() if isinstance(m, LowRankLinear)]
+    if low:
+        raise UserInputError(f"validation_model: must be a dense model (the target), but its {low[0]!r} (and "
+                             f"{len(low) - 1} more) is low-rank")
+    missing = [n for n in modules if n not in dense_modules]
+    if missing:
+        raise UserInputError(f"validation_model: the scored model tracks {missing[0]!r} (and {len(missing) - 1} more), "
+                             "which the validation model has not under that path: give the target the scored proxy "
+                             "was built from (a proxy with dropped blocks cannot take its target's gradients)")
+    for n, m in modules.items():
+        shape = (m.out_features, m.in_features) if isinstance(m, LowRankLinear) else linear_shape(m)
+        if tuple(shape) != tuple(linear_shape(dense_modules[n])):
+            raise UserInputError(f"validation_model: {n!r} is [out, in] = {list(linear_shape(dense_modules[n]))} there "
+                                 f"but {list(shape)} in the scored model")
 
 
 class ValidationGradientTracker(WeightPairTracker):

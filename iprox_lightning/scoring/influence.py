@@ -49,11 +49,10 @@ import torch
 from torch import nn
 
 from ..errors import UserInputError
-from ..lowrank import LowRankLinear
-from ..target_layers import linear_shape
 from ..tracking import backward_pairs
 from .features import (
     FEATURE_MODES,
+    FactorSpaceView,
     ScoreFeatureTracker,
     ValidationGradientTracker,
     eval_mode,
@@ -286,17 +285,14 @@ class InfluenceScorer:
         """Σ over the validation examples of each task of ``g(z')`` (per tracked weight).
 
         ``model``: take the validation gradients from this dense model instead (e.g. the target a proxy was built
-        from) and express them in the scored model's coordinates (:func:`validation_in_factor_space`)."""
+        from), in the scored model's coordinates (:class:`~.features.FactorSpaceView`)."""
         rank, world = shard
         vmodel = self.model if model is None else model
-        if model is None:
-            vmodules, vlinears = self.modules, self.linears
-        else:
+        tracker = ValidationGradientTracker(self.modules, [v.key for v in self.linears], self._group, self.dtype)
+        pairs = tracker
+        if model is not None:
             target_patterns = None if self.config.target_patterns is None else list(self.config.target_patterns)
-            vmodules = tracked_modules(model, target_patterns)
-            check_validation_model(vmodules, self.modules)
-            vlinears = virtual_linears(vmodules)
-        tracker = ValidationGradientTracker(vmodules, [v.key for v in vlinears], self._group, self.dtype)
+            pairs = FactorSpaceView(tracked_modules(model, target_patterns), tracker, self.modules)
         sums = tracker.sums
         counts: dict[str, int] = {}
         t0 = time.perf_counter()
@@ -311,7 +307,7 @@ class InfluenceScorer:
                 keep = has_response_tokens(b)
                 if not bool(keep.any()):
                     continue
-                backward_pairs(vmodel, trim_batch(b, keep), [tracker])
+                backward_pairs(vmodel, trim_batch(b, keep), [pairs])
         # identical task list on every rank
         local = sorted(counts)
         names = sorted(set().union(*gather(local))) if gather is not None else local
@@ -322,17 +318,14 @@ class InfluenceScorer:
         if reduce is not None:
             cnt = reduce(cnt)
         self.val_counts = cnt.cpu().numpy().astype(np.int64)
-        for v in vlinears:
+        for v in self.linears:
             acc = sums[v.key]
             st = torch.stack([acc[t] if t in acc else torch.zeros(v.out_features, v.in_features, dtype=self.dtype,
                                                                   device=vdevice) for t in names])
             if reduce is not None:
                 st = reduce(st)
+            self.V[v.key] = st.to(self.device)
             sums[v.key] = {}
-            if model is None:
-                self.V[v.key] = st
-            else:
-                self.V.update(validation_in_factor_space(v.module_name, st.to(self.device), self.modules[v.module_name]))
         self.stats["validation_model"] = "scored" if model is None else "other"
         self.stats["val_seconds"] = time.perf_counter() - t0
         self.stats["val_examples"] = int(self.val_counts.sum())
@@ -427,41 +420,6 @@ class InfluenceScorer:
 
 
 # --------------------------------------------------------------------------------------------
-# validation gradients of another model (a proxy scored against its target's validation gradients)
-# --------------------------------------------------------------------------------------------
-def check_validation_model(validation_modules: Mapping[str, nn.Module], scored_modules: Mapping[str, nn.Module]) -> None:
-    """The validation model must be dense and hold, under the same path and with the same ``[out, in]`` shape, every
-    module the scored model tracks (as compression keeps them: a proxy of this target); a clear error otherwise."""
-    low = [n for n, m in validation_modules.items() if isinstance(m, LowRankLinear)]
-    if low:
-        raise UserInputError(f"validation_model: must be a dense model (the target), but its {low[0]!r} (and "
-                             f"{len(low) - 1} more) is low-rank")
-    missing = [n for n in scored_modules if n not in validation_modules]
-    if missing:
-        raise UserInputError(f"validation_model: the scored model tracks {missing[0]!r} (and {len(missing) - 1} more), "
-                             "which the validation model has not under that path: give the target the scored proxy "
-                             "was built from (a proxy with dropped blocks cannot take its target's gradients)")
-    for n, m in scored_modules.items():
-        shape, vshape = (m.out_features, m.in_features) if isinstance(m, LowRankLinear) else linear_shape(m), \
-            linear_shape(validation_modules[n])
-        if tuple(shape) != tuple(vshape):
-            raise UserInputError(f"validation_model: {n!r} is [out, in] = {list(vshape)} there but {list(shape)} in the "
-                                 "scored model")
-
-
-def validation_in_factor_space(name: str, G: torch.Tensor, module: nn.Module) -> dict[str, torch.Tensor]:
-    """Validation-gradient sums ``G: [K, out, in]`` of a dense weight, in the coordinates of the scored model's
-    ``module`` at that path: a dense module takes ``G`` as is (``{name}.weight``); a ``LowRankLinear`` ``W ≈ A B`` its
-    factor-space projection ``{name}.A: G Bᵀ`` and ``{name}.B: Aᵀ G`` -- the gradients its factors would get from the
-    dense model's ``δ`` and ``h`` (:func:`iprox_lightning.alignment.factor_projections`, what Stage 2 aligns the
-    proxy's own factor gradients to)."""
-    if not isinstance(module, LowRankLinear):
-        return {f"{name}.weight": G}
-    A, B = module.A.detach().to(G.dtype), module.B.detach().to(G.dtype)
-    return {f"{name}.A": G @ B.t(), f"{name}.B": A.t() @ G}
-
-
-# --------------------------------------------------------------------------------------------
 # function API
 # --------------------------------------------------------------------------------------------
 def _table_from_parts(parts: list[dict], task_names: list[str], settings: dict) -> ScoreTable:
@@ -507,7 +465,7 @@ def influence_scores(
     ``feature_mode``: ``"auto"`` | ``"ghost"`` | ``"materialize"`` (identical numbers).
     ``validation_model``: a dense model (the target a proxy ``model`` was built from) whose validation gradients
     replace ``model``'s own, in ``model``'s coordinates (factor-space projections ``∇W·Bᵀ``, ``Aᵀ·∇W`` for a
-    factorised layer; :func:`validation_in_factor_space`): the few validation examples pay the target's backward,
+    factorised layer; :class:`~.features.FactorSpaceView`): the few validation examples pay the target's backward,
     the pool only the proxy's.
 
     Returns a ``ScoreTable`` — a ``Mapping`` ``id -> score`` with per-task scores, response-token

@@ -63,7 +63,7 @@ class InfluenceScoringModule(L.LightningModule):
         validation_model: a dense model (the target a proxy ``model`` was built from; a hub id, directory, ``.gguf``
             file or ``nn.Module``) whose validation gradients the pool is scored against, in ``model``'s coordinates
             (factor-space projections for factorised layers:
-            :func:`~iprox_lightning.scoring.influence.validation_in_factor_space`); loaded for the preparation only.
+            :class:`~iprox_lightning.scoring.features.FactorSpaceView`); loaded for the preparation only.
             ``None``: ``model``'s own.
     """
 

@@ -195,15 +195,20 @@ class GradientProjector:
 
     ``projections``: from :func:`make_projections` (``k`` per side, ``seed``) or loaded from a store;
     ``metric``: a fitted :class:`~.metrics.InfluenceMetric` (``None``: TracIn); ``target_patterns`` as in scoring.
+    ``pairs_from``: a dense model (the target ``model`` was built from) whose backward gives the pairs instead, in
+    ``model``'s coordinates (:class:`~.features.FactorSpaceView`): its gradients projected into ``model``'s store.
     """
 
     def __init__(self, model: nn.Module, *, k: int = 16, seed: int = 0, metric=None,
                  target_patterns: Sequence[str] | None = None, projections: Mapping[str, LayerProjection] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, pairs_from: nn.Module | None = None) -> None:
         from .features import tracked_modules, virtual_linears
 
         self.model = model
+        self.pairs_from = pairs_from
         self.modules = tracked_modules(model, None if target_patterns is None else list(target_patterns))
+        self.dense_modules = (None if pairs_from is None else
+                              tracked_modules(pairs_from, None if target_patterns is None else list(target_patterns)))
         self.linears = virtual_linears(self.modules)
         if projections is None:
             projections = make_projections(self.linears, k, seed)
@@ -222,9 +227,10 @@ class GradientProjector:
 
     def project_batch(self, batch: Mapping) -> dict:
         from ..tracking import backward_pairs
-        from .features import eval_mode, has_response_tokens, to_device, trim_batch
+        from .features import FactorSpaceView, eval_mode, has_response_tokens, to_device, trim_batch
 
-        device = next(self.model.parameters()).device
+        net = self.model if self.pairs_from is None else self.pairs_from
+        device = next(net.parameters()).device
         b = to_device(batch, device)
         B = b["input_ids"].shape[0]
         n_tok = (b["labels"][:, 1:] != -100).sum(dim=1).cpu()
@@ -232,8 +238,9 @@ class GradientProjector:
         vectors = torch.zeros(B, self.dim, dtype=self.dtype)
         if bool(keep.any()):
             tracker = ProjectedGradientTracker(self.modules, self.projections, self.metric, self.dtype, self._moved)
-            with eval_mode(self.model), torch.inference_mode(False), torch.enable_grad():
-                backward_pairs(self.model, trim_batch(b, keep), [tracker])
+            pairs = tracker if self.pairs_from is None else FactorSpaceView(self.dense_modules, tracker, self.modules)
+            with eval_mode(net), torch.inference_mode(False), torch.enable_grad():
+                backward_pairs(net, trim_batch(b, keep), [pairs])
             vectors[torch.nonzero(keep).flatten()] = tracker.vectors.cpu()
         nonfinite = ~torch.isfinite(vectors).all(dim=1)
         zero = ((vectors == 0).all(dim=1) | (n_tok == 0)) & ~nonfinite
