@@ -49,7 +49,7 @@ from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the
 from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text, logger_overlay,  # bench/: the stage ledger
                     recorded_hosts, splice_docs)
 from bootstrap import percentile_interval  # bench/: the one bootstrap
-from variants import dir_name  # bench/: the variant grammar
+from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 
 from iprox_lightning.data.eval_validation import FORMS as VALIDATION_FORMS  # a validation form -> its suite
 from iprox_lightning.data.sources import write_records_jsonl
@@ -531,8 +531,8 @@ class Effect:
             v = self.sources[selector]
             recs = [st.get(f"score:{v}", {})]
             score = recs[0].get("wall_s")
-            if v not in ("target", "target_unwarmed"):
-                recs.append(run_on_host(st.get(f"build:{v}", {}), recs[0]))
+            if v not in ("target", "target_unwarmed"):  # the proxy's build (shared by a +tval row)
+                recs.append(run_on_host(st.get(f"build:{v.removesuffix(TARGET_VALIDATION)}", {}), recs[0]))
             build = recs[1].get("wall_s", 0.0) if len(recs) > 1 else 0.0
         elif is_rds(selector):
             recs = [own.get(f"score:{selector}", {})]

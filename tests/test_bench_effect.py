@@ -445,6 +445,11 @@ def test_cost_takes_the_build_that_ran_on_the_rows_host():
                         sources={"target": "target", "iprox@0.5": "v"})
     exact = effect.Effect.cost(e, "iprox@0.5")
     assert exact["scoring_cost_ratio"] == 1.5 and exact["total_cost_ratio"] == 6.5 and exact["build_wall_s"] == 100.0
+    # a +tval row scores the proxy built for its base variant: that build is its build
+    e.sources["tval@0.5"] = "v+tval"
+    fid["score:v+tval"] = {"wall_s": 40.0, "host": gpu}
+    tval = effect.Effect.cost(e, "tval@0.5")
+    assert tval["scoring_cost_ratio"] == 2.0 and tval["build_wall_s"] == 100.0 and tval["total_cost_ratio"] == 7.0
     store = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
     assert store["scoring_cost_ratio"] == 0.5 and store["build_wall_s"] == 1500.0  # (600 + 100) / (1200 + 200)
     assert store["total_cost_ratio"] == pytest.approx(2200 / 1400) and store["cost_reference"] == "target store"
