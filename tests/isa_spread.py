@@ -133,7 +133,7 @@ def one(out: Path, num_threads: int | None) -> None:
         wd = Path(tmp) / "pipeline"
         t0 = time.perf_counter()
         # the rule test_pipeline.py pins (DEMO_RULE): the spread was measured under it
-        s = pipeline(workdir=str(wd), select_rule="pooled", **({"num_threads": num_threads} if num_threads else {}))
+        s = pipeline(workdir=str(wd), select_rule="pooled", proxy_validation="proxy", **({"num_threads": num_threads} if num_threads else {}))
         wall = time.perf_counter() - t0
         scores = {who: read_scores(wd / "scores" / who / "scores.parquet") for who in ("target", "proxy", "random")}
         ids = sorted(scores["target"])

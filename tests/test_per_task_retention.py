@@ -209,6 +209,13 @@ def test_pipeline_summary_reports_each_validation_task(demo, capsys):
     assert f"   worst task     : Spearman {w['spearman']:.3f} ({w['spearman_task']})" in text
     assert json.loads((wd / "summary.json").read_text())["retention_proxy_vs_target_per_task"] == json.loads(
         json.dumps(per_task))
+    # the default: the proxy scored against the warmed target's validation gradients (its factor-space projection)
+    from iprox_lightning.io.scores import read_settings
+
+    st = read_settings(wd / "scores" / "proxy")
+    assert st["config"]["validation_model"] == str(wd / "warmup" / "model") and st["scorer"]["validation_model"] == "other"
+    assert "validation_model" not in read_settings(wd / "scores" / "target")["config"]
+    assert s["proxy_validation"] == "target" and "proxy validation  : the target's validation gradients" in text
 
 
 def test_check_reports_each_validation_task(demo, tmp_path, capsys):

@@ -52,6 +52,9 @@ TOPK = {"top1%": 20, "top5%": 100, "top10%": 200}  # k on the 2000-example pool
 # the selection rule the spread above was measured under (the pipeline's default was "pooled" then; the default
 # "balanced", one subset per task, is tested in test_per_task_retention.py)
 DEMO_RULE = "pooled"
+# ... and whose validation gradients the proxy was scored against then (its own; the default since is the target's,
+# tested in test_per_task_retention.py's run of the defaults)
+DEMO_PROXY_VALIDATION = "proxy"
 
 
 OUTPUT: dict = {}  # what the module's pipeline run printed (test_pipeline_output_is_one_line_per_stage)
@@ -87,7 +90,7 @@ def captured_output():
 def run(tmp_path_factory):
     wd = tmp_path_factory.mktemp("pipeline")
     with captured_output() as (buf, shown):
-        summary = pipeline(workdir=str(wd), select_rule=DEMO_RULE)
+        summary = pipeline(workdir=str(wd), select_rule=DEMO_RULE, proxy_validation=DEMO_PROXY_VALIDATION)
     OUTPUT.update(text=buf.getvalue(), warnings=[f"{w.category.__name__}: {w.message}" for w in shown])
     return wd, summary
 
@@ -196,7 +199,7 @@ def test_tolerances_cover_the_measured_spread():
 
 def test_pipeline_resumes_without_rerunning(run, capsys):
     wd, s = run
-    again = pipeline(workdir=str(wd), select_rule=DEMO_RULE)
+    again = pipeline(workdir=str(wd), select_rule=DEMO_RULE, proxy_validation=DEMO_PROXY_VALIDATION)
     out = capsys.readouterr().out
     assert out.count("reused (") == 7  # warmup, build_proxy, 2 x score, 3 x finetune: nothing re-ran
     assert {k: v["status"] for k, v in again["stages"].items()} == {

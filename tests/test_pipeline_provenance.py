@@ -47,9 +47,9 @@ def test_summary_lines_state_method_rho_reused_fingerprints_and_truncation(tmp_p
                  "truncation": "right"},
         "validation": {"read": 5, "dropped": 1, "kept": 4, "dropped_ids": ["v9"], "max_length": 64,
                        "truncation": "right"}}})
-    prov = pipeline_provenance(ledger2, method="kfac", sparsity=0.3, score_dirs=scores)
+    prov = pipeline_provenance(ledger2, method="kfac", sparsity=0.3, score_dirs=scores, proxy_validation="proxy")
 
-    assert prov["method"] == "kfac" and prov["sparsity"] == 0.3
+    assert prov["method"] == "kfac" and prov["sparsity"] == 0.3 and prov["proxy_validation"] == "proxy"
     assert prov["stages"] == {"warmup": {"status": "reused", "fingerprint": fps["warmup"]},
                               "build_proxy": {"status": "reused", "fingerprint": fps["build_proxy"]},
                               "score:proxy": {"status": "ran", "fingerprint": fps["score:proxy"]}}
@@ -57,6 +57,7 @@ def test_summary_lines_state_method_rho_reused_fingerprints_and_truncation(tmp_p
                                                            "max_length": 64, "truncation": "right"}
     assert format_provenance(prov) == [
         "method / sparsity : kfac / rho = 0.3",
+        "proxy validation  : the proxy's validation gradients",
         f"stages reused     : warmup ({fps['warmup'][:12]}), build_proxy ({fps['build_proxy'][:12]}) (fingerprints match)",
         "stages run        : score:proxy",
         "dropped by truncation (no response token left): proxy pool 4 (e.g. p1, p2, p3); proxy validation 1 (e.g. v9)",
@@ -73,4 +74,5 @@ def test_summary_lines_without_reuse_or_drops(tmp_path):
     assert ledger.reuse("warmup", tmp_path / "missing") is False
     write_settings(tmp_path / "s", {"data": {"pool": {"read": 3, "dropped": 0, "kept": 3, "dropped_ids": []}}})
     prov = pipeline_provenance(ledger, method="tracin", sparsity=0.5, score_dirs={"proxy": tmp_path / "s"})
-    assert format_provenance(prov) == ["method / sparsity : tracin / rho = 0.5", "stages run        : warmup"]
+    assert format_provenance(prov) == ["method / sparsity : tracin / rho = 0.5",
+                                       "proxy validation  : the target's validation gradients", "stages run        : warmup"]

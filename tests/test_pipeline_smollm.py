@@ -68,7 +68,8 @@ def test_pipeline_and_variants_on_smollm(smollm_gguf, shared_dir, tmp_path, monk
     # select_rule pooled: one subset each for the proxy, the target and random, as tests/data/slow_spread.json measured
     # (the default, balanced, fine-tunes once per task: the README recipe's test runs it on this model)
     s = pipeline(workdir=str(wd), target=str(smollm_gguf), pool=str(pool),
-                 validation=f"eval:{shared_dir / 'data' / 'eval'}", data_args=DATA, select_rule="pooled")
+                 validation=f"eval:{shared_dir / 'data' / 'eval'}", data_args=DATA, select_rule="pooled",
+                 proxy_validation="proxy")  # the proxy's own validation gradients, as slow_spread.json measured
     res = run_all_variants(wd, tmp_path, demo=False, data=data, base_model=str(smollm_gguf), le_fraction="0.1")
     aligned = read_manifest(wd / "proxy" / "model")["alignment"]
     no_kl = read_manifest(tmp_path / "no_kl" / "model")["alignment"]

@@ -199,9 +199,10 @@ def format_stages(stages: Mapping[str, Mapping[str, str]]) -> list[str]:
 
 
 def pipeline_provenance(ledger: StageLedger, *, method: str, sparsity: float,
-                        score_dirs: Mapping[str, str | os.PathLike]) -> dict[str, Any]:
-    """The pipeline summary's provenance fields: method, ρ, each stage's status and fingerprint, and the
-    examples the scoring stages dropped (no response token left after truncation), from their settings."""
+                        score_dirs: Mapping[str, str | os.PathLike], proxy_validation: str = "target") -> dict[str, Any]:
+    """The pipeline summary's provenance fields: method, ρ, whose validation gradients the proxy scored against,
+    each stage's status and fingerprint, and the examples the scoring stages dropped (no response token left after
+    truncation), from their settings."""
     from .scores import read_settings
 
     dropped = {}
@@ -210,12 +211,15 @@ def pipeline_provenance(ledger: StageLedger, *, method: str, sparsity: float,
         dropped[who] = {split: {"dropped": v.get("dropped", 0), "dropped_ids": v.get("dropped_ids", [])[:20],
                                 "max_length": v.get("max_length"), "truncation": v.get("truncation")}
                         for split, v in data.items()}
-    return {"method": method, "sparsity": sparsity, "stages": ledger.summary(), "truncation_dropped": dropped}
+    return {"method": method, "sparsity": sparsity, "proxy_validation": proxy_validation, "stages": ledger.summary(),
+            "truncation_dropped": dropped}
 
 
 def format_provenance(s: Mapping[str, Any]) -> list[str]:
     """Summary lines for :func:`pipeline_provenance`'s fields."""
     lines = [f"method / sparsity : {s.get('method')} / rho = {s.get('sparsity')}"]
+    if s.get("proxy_validation"):
+        lines.append(f"proxy validation  : the {s['proxy_validation']}'s validation gradients")
     lines += format_stages(s.get("stages", {}))
     drops = s.get("truncation_dropped") or {}
     parts = []
