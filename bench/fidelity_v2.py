@@ -339,6 +339,15 @@ def markdown(summary: Mapping[str, Any]) -> str:
         for d in summary["paired"]:
             lines.append(f"| {d['a']} | {d['b']} | {d['spearman']:+.3f}{fmt_ci(d['spearman_ci'])} | "
                          f"{d['partialled']:+.3f}{fmt_ci(d['partialled_ci'])} |")
+    if summary.get("paired_per_task"):
+        suites = list(summary["meta"].get("suites") or [])
+        lines += ["", "Per task, a `+tval` row (the proxy scored against the target's validation gradients) minus the row "
+                  "that scored the same proxy against its own (Δ Spearman with the target's suite score, paired "
+                  "bootstrap CI):", "", "| row | − row | " + " | ".join(f"Δ {suite_name(x)}" for x in suites) + " |",
+                  "|---|---|" + "---|" * len(suites)]
+        for d in summary["paired_per_task"]:
+            lines.append(f"| {d['a']} | {d['b']} | " + " | ".join(
+                f"{d[x]['spearman']:+.3f}{fmt_ci(d[x]['spearman_ci'])}" for x in suites if x in d) + " |")
     if summary.get("stages"):
         lines += ["", "Stages (wall-clock / CPU seconds; the command of each is in `state.json`):", "",
                   "| stage | wall s | CPU s | commit |", "|---|---|---|---|"]
@@ -797,18 +806,38 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
                        "scoring_time_ratio": rec.get("cpu_s", float("nan")) / cpu_target if cpu_target else None,
                        "note": "off-the-shelf, full size: the target as shipped (no warm-up)"})
     maps = {"length_sort": {i: -v for i, v in length.items()}}  # score maps of the rows, for the paired differences
+    suite_maps = {}  # per-suite score maps of the rows, for the per-task paired differences (+tval against its proxy)
     for v in variants:
         p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
         if not p.exists():
             continue
         tab = read_table(p)
         maps[v["key"]] = as_map(tab)
+        suite_maps[v["key"]] = suite_scores(tab)
         (work / dir_name(v["key"])).mkdir(exist_ok=True)
         sets = select_sets(p, sample_path, work / dir_name(v["key"]))
         add_row(v["key"], v["rho"], maps[v["key"]], tab, sets, extra=variant_facts(args, out, st, v, previous))
     paired = paired_rows(rows, maps, tmap, length, args)
+    paired_tasks = [{"a": v["key"], "b": build_key(v), **{
+        suite: task_paired_difference(suite_maps[v["key"]], suite_maps[build_key(v)], t_suites, suite, args)
+        for suite in suites}} for v in variants if v.get("target_validation")
+        and {v["key"], build_key(v)} <= set(suite_maps)]
     meta = summary_meta(args, st, ref, val_counts, suites, length, boot)
-    return {"meta": meta, "rows": rows, "paired": paired, "stages": st.state["stages"]}
+    return {"meta": meta, "rows": rows, "paired": paired, "paired_per_task": paired_tasks,
+            "stages": st.state["stages"]}
+
+
+def task_paired_difference(a: Mapping[str, Mapping[str, float]], b: Mapping[str, Mapping[str, float]],
+                           target: Mapping[str, Mapping[str, float]], suite: str, args) -> dict[str, Any]:
+    """Spearman with the target's ``suite`` score of row ``a`` minus row ``b`` (per-suite score maps), with a paired
+    bootstrap CI (the same examples resampled for both rows)."""
+    from iprox_lightning.analysis.retention import spearman_columns
+
+    ids = sorted(set(a) & set(b) & set(target))
+    pa, pb, t = (np.array([d[i][suite] for i in ids]) for d in (a, b, target))
+    f = lambda ix: spearman_columns(pa[ix], t[ix]) - spearman_columns(pb[ix], t[ix])  # noqa: E731
+    return {"spearman": float(f(np.arange(len(ids)))),
+            "spearman_ci": percentile_interval(f, len(ids), args.bootstrap, args.seed)}
 
 
 def variant_facts(args, out: Path, st: Stages, v: dict, previous: dict | None) -> dict:

@@ -532,3 +532,12 @@ def test_tval_row_scores_the_shared_proxy_against_the_targets_validation_gradien
     assert rows[base + "+tval"]["validation_gradients"] == "target" and rows[base]["validation_gradients"] == "proxy"
     assert rows[base + "+tval"]["params"] == rows[base]["params"]
     assert rows[base + "+tval"]["spearman"] != rows[base]["spearman"]
+    # per task, the +tval row minus the row of the same proxy, with a paired bootstrap CI
+    (d,) = s["paired_per_task"]
+    assert (d["a"], d["b"]) == (base + "+tval", base)
+    for suite in s["meta"]["suites"]:
+        want = rows[base + "+tval"]["per_task"][suite]["spearman"] - rows[base]["per_task"][suite]["spearman"]
+        assert d[suite]["spearman"] == pytest.approx(want, abs=1e-12)
+        lo, hi = d[suite]["spearman_ci"]
+        assert lo <= hi
+    assert "| row | − row | " in (out / "summary.md").read_text()
