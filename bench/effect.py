@@ -302,6 +302,8 @@ class Effect:
         (``store:iprox@0.5``: the proxy's factor layers), whose directory the fidelity run must have kept."""
         a = self.args
         store, d = self.store_paths(source)
+        if a.summary_only and (d / "scores.parquet").exists():
+            return d / "scores.parquet"  # the summary reads what the recorded query wrote; no model is needed
         source, form = split_store_source(source)
         if source == "target":
             model, base_fp = self.warmed, self.target_fp

@@ -524,3 +524,20 @@ def test_readme_headline_is_generated_from_the_recorded_summary():
     block = text.split(begin, 1)[1].split(end, 1)[0].strip()
     summary = json.loads((out / "summary.json").read_text())
     assert block == effect.headline_markdown(summary, ["bbh-direct"]).strip()
+
+
+def test_summary_only_reads_a_recorded_proxy_store_query_without_its_proxy(tmp_path):
+    """``--summary-only`` reads the table a recorded query wrote; the proxy (whose weights are not kept) is not needed
+    then, while a run that would build or query refuses a missing proxy, naming the command that re-makes it."""
+    from types import SimpleNamespace
+
+    paths = SimpleNamespace(out=tmp_path)
+    store, d = effect.Effect.store_paths(paths, "iprox@0.5")
+    d.mkdir(parents=True)
+    (d / "scores.parquet").write_bytes(b"recorded")
+    fake = SimpleNamespace(args=SimpleNamespace(summary_only=True), out=tmp_path, fid=tmp_path / "fid", fid_stages={},
+                           sources={"iprox@0.5": "v"}, store_paths=lambda src: effect.Effect.store_paths(paths, src))
+    assert effect.Effect.store_table(fake, "iprox@0.5") == d / "scores.parquet"
+    fake.args.summary_only = False
+    with pytest.raises(SystemExit, match="the proxy .* is gone; re-make it with"):
+        effect.Effect.store_table(fake, "iprox@0.5")
