@@ -317,6 +317,11 @@ def test_validation_model_that_does_not_fit_the_scored_model_is_refused():
     other = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **{**TINY, "intermediate_size": 24})
     with pytest.raises(UserInputError, match=r"mlp.gate_proj' is \[out, in\] = \[24, 16\]"):
         tracin_scores(proxy, batches(TRAIN, 3), batches(VAL, 4), progress=False, validation_model=other)
+    sharded = make_proxy("llama", seed=0)
+    next(m for m in sharded.modules() if isinstance(m, LowRankLinear)).A.full_tensor = lambda: None  # as a DTensor
+    with pytest.raises(UserInputError, match="factors are sharded"):
+        tracin_scores(sharded, batches(TRAIN, 3), batches(VAL, 4), progress=False,
+                      validation_model=tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY))
     deeper = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **{**TINY, "num_layers": 2})
     with pytest.raises(UserInputError, match="tracks 'model.layers.1"):
         tracin_scores(deeper, batches(TRAIN, 3), batches(VAL, 4), progress=False,

@@ -212,6 +212,11 @@ class FactorSpaceView(WeightPairTracker):
         super().__init__({n: dense_modules[n] for n in modules})
         self.inner = inner
         self.factors = {n: m for n, m in modules.items() if isinstance(m, LowRankLinear)}
+        sharded = [n for n, m in self.factors.items() if hasattr(m.A, "full_tensor") or hasattr(m.B, "full_tensor")]
+        if sharded:  # the factors are read here, outside the proxy's forward: a sharded DTensor would need a gather
+            raise UserInputError(f"validation_model: the scored proxy's factors are sharded (FSDP; {sharded[0]!r}); "
+                                 "scoring against another model's validation gradients needs them whole: score with "
+                                 "DDP or one process")
         self._moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def start_step(self, batch: Mapping) -> None:
