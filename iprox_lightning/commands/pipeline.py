@@ -101,7 +101,7 @@ def pipeline(
             warmed target's, projected into the proxy's factor space: the validation examples pay the target's
             backward, the pool only the proxy's; ``InfluenceScoringModule(validation_model=...)``) or ``proxy`` (its
             own, the paper's). Default ``target``: on SmolLM2 it lifted the worst task's Spearman with the target at
-            ρ = 0.3 (BBH 0.39 → 0.43) and ρ = 0.5 (0.18 → 0.27) (`docs/BENCHMARKS.md`, issue-22 levers).
+            ρ = 0.3 (BBH 0.39 → 0.43) and ρ = 0.5 (0.26 → 0.36) (`docs/BENCHMARKS.md`, issue-22 levers).
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
         accelerator: the Trainer accelerator of every stage (``cpu``, ``gpu``, ``auto``).
