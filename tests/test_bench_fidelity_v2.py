@@ -487,9 +487,15 @@ def test_fingerprint_paths_compare_by_the_file_they_reach(tmp_path):
 def test_a_missing_local_input_is_refused_before_any_stage(tmp_path, option, capsys):
     import effect
 
+    # the other two inputs exist, so the error names this one wherever the checkout is (the defaults are ../shared)
+    present = {"--model": tmp_path / "m.gguf", "--pool": tmp_path / "p.jsonl", "--eval-dir": tmp_path / "eval"}
+    present["--model"].write_text("x")
+    present["--pool"].write_text("{}\n")
+    present["--eval-dir"].mkdir()
+    others = [a for o, p in present.items() if o != option for a in (o, str(p))]
     for parse in (fv2.parse_args, effect.parse_args):
         with pytest.raises(SystemExit):
-            parse(["--out", str(tmp_path), option, str(tmp_path / "nowhere" / "x.gguf")])
+            parse(["--out", str(tmp_path / "out"), *others, option, str(tmp_path / "nowhere" / "x.gguf")])
         assert f"{option} {tmp_path / 'nowhere' / 'x.gguf'}: no such file or directory" in capsys.readouterr().err
     # a hub id and the built-in demo are not paths
     assert fv2.parse_args(["--out", str(tmp_path), "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--pool",
