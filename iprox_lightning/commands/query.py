@@ -50,7 +50,7 @@ def query(
 
     from ..data import SFTDataModule
     from ..io import gradient_store as gs
-    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest
+    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest, model_identity
     from ..io.scores import ScoreDirLock, write_settings
     from ..scoring.metrics import influence_metric
     from ..scoring.query import query_table
@@ -79,7 +79,7 @@ def query(
     vnet, extra = None, {}
     if validation_model is not None:  # only then in the cache key: earlier caches keep matching
         vnet = _load_net(validation_model, st)
-        extra["validation_model"] = _identity(validation_model, vnet)
+        extra["validation_model"] = model_identity(validation_model, vnet)
     cache_fp = gs.validation_cache_fingerprint(store, info, val_digest, batch_size=batch_size, subtasks=subtasks,
                                                **extra)
     names, S, counts, near, cache_event = _validation_gradients(
@@ -138,25 +138,16 @@ def _load_net(model: str, st: dict):
     return net.eval()
 
 
-def _identity(model: str, net) -> dict:
-    """A model's identity: its files when local, else its name and a hash of its weights (``net``: it loaded)."""
-    from pathlib import Path
-
-    from ..io.fingerprint import module_identity, source_identity
-
-    return source_identity(model) if Path(model).exists() else {"name": model, "weights": module_identity(net)}
-
-
 def _check_model(store: str, stored: dict, model: str, st: dict):
     """Refuse ``model`` unless it is the one the store was built with (``stored``: the store fingerprint's model);
     the loaded model when telling needed loading it (a hub id), else ``None`` (a file or directory: identified by
     its files, loaded only if gradients are computed)."""
     from pathlib import Path
 
-    from ..io.fingerprint import FingerprintMismatch, diff
+    from ..io.fingerprint import FingerprintMismatch, diff, model_identity
 
     net = None if Path(model).exists() else _load_net(model, st)
-    lines = diff(stored, _identity(model, net))
+    lines = diff(stored, model_identity(model, net))
     if lines:
         raise FingerprintMismatch(f"the store {store} was built with another model than {model!r}; its gradients "
                                   "would not match this model's validation gradients. What differs (store -> now):\n  "

@@ -61,6 +61,16 @@ def source_identity(source: Any) -> Any:
     return str(source)
 
 
+def model_identity(model: Any, net: Any = None) -> Any:
+    """A model's identity for a fingerprint: the files of a local directory / file (:func:`source_identity`); else its
+    name and a hash of its weights (``net``: the model as loaded; a module given as ``model`` is hashed itself)."""
+    if isinstance(model, (str, os.PathLike)):
+        if Path(model).exists():
+            return source_identity(model)
+        return {"name": str(model), "weights": module_identity(net) if net is not None else None}
+    return {"name": type(model).__name__, "weights": module_identity(model)}
+
+
 def module_identity(module) -> str:
     """Hash of a module's parameter and buffer bytes (names, shapes, dtypes, values)."""
     import torch

@@ -180,7 +180,9 @@ class InfluenceScoringModule(L.LightningModule):
         """The files of a local model dir / file, else a hash of the loaded weights."""
         if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
-        return _identity(self.hparams.get("model", self.net), self.net)
+        from ..io.fingerprint import model_identity
+
+        return model_identity(self.hparams.get("model", self.net), self.net)
 
     def validation_model_identity(self) -> Any:
         """:meth:`model_identity` of ``validation_model`` (loaded here, and kept for the preparation, when it is
@@ -188,7 +190,9 @@ class InfluenceScoringModule(L.LightningModule):
         vm = self.validation_model
         if isinstance(vm, str) and not Path(vm).exists() and self._vnet is None:
             self._vnet = self._load_validation_model()
-        return _identity(vm, self._vnet)
+        from ..io.fingerprint import model_identity
+
+        return model_identity(vm, self._vnet)
 
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:
@@ -289,18 +293,6 @@ class InfluenceScoringModule(L.LightningModule):
 
     def forward(self, *args, **kwargs):
         return self.net(*args, **kwargs)
-
-
-def _identity(model: Union[str, nn.Module], net: Optional[nn.Module] = None) -> Any:
-    """A model's identity for a fingerprint: the files of a local dir / file, else its name and a hash of its weights
-    (``net``: the loaded model)."""
-    from ..io.fingerprint import module_identity, source_identity
-
-    if isinstance(model, str) and Path(model).exists():
-        return source_identity(model)
-    if isinstance(model, nn.Module):
-        return {"name": type(model).__name__, "weights": module_identity(model)}
-    return {"name": model, "weights": module_identity(net) if net is not None else None}
 
 
 def check_examples_per_process(n: int | None, world_size: int) -> None:

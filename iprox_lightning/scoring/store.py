@@ -90,13 +90,11 @@ class GradientStoreModule(L.LightningModule):
         self.net.eval()
 
     def model_identity(self) -> Any:
-        from ..io.fingerprint import module_identity, source_identity
+        from ..io.fingerprint import model_identity
 
-        if isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists():
-            return source_identity(self.hparams.model)
-        if self.net is None:
+        if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
-        return {"name": self.model_name, "weights": module_identity(self.net)}
+        return model_identity(self.hparams.get("model", self.net), self.net)
 
     def settings(self) -> dict:
         """What the vectors depend on besides the model and the pool (the store's fingerprinted settings)."""
