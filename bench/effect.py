@@ -65,6 +65,10 @@ DEFAULT_SOURCES = {
     "iprox@0.7": "ipsvd/exact/rel1e-3/global@0.7+align2:3e-4",
     "layer_extraction@0.5": "le@0.5",
     "target_unwarmed": "target_unwarmed",
+    # the same proxies scored against the warmed target's validation gradients (variant suffix +tval: no build of
+    # their own; through a store, the proxy's store queried with ``query --validation_model <warmed target>``)
+    "tval@0.3": "ipsvd/exact/rel1e-3/global@0.3+align2:1e-4" + TARGET_VALIDATION,
+    "tval@0.5": "ipsvd/exact/rel1e-3/global@0.5+align2:3e-4" + TARGET_VALIDATION,
 }
 DEFAULT_SELECTORS = ["target", "iprox@0.3", "iprox@0.5", "rds", "length", "layer_extraction@0.5"]
 FT_SUFFIX = "~ft"  # "<key>~ft<seed>": the same selection fine-tuned with another seed (--finetune-seeds)
@@ -285,10 +289,19 @@ class Effect:
             return p
         raise ValueError(f"unknown selector {selector!r}")
 
+    def store_model(self, model: str) -> str:
+        """The selector whose gradient store ``model``'s queries read: itself, or for a ``+tval`` source the selector
+        of the proxy it scores (``tval@0.5`` -> ``iprox@0.5``: one store, queried with either validation side)."""
+        v = self.sources.get(model, model)
+        if not v.endswith(TARGET_VALIDATION):
+            return model
+        base = v.removesuffix(TARGET_VALIDATION)
+        return next((s for s, sv in self.sources.items() if sv == base), model)
+
     def store_paths(self, source: str) -> tuple[Path, Path]:
         """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``; a validation
         form queries its model's store into a directory of its own)."""
-        model, _ = split_store_source(source)
+        model = self.store_model(split_store_source(source)[0])
         store = self.out / "stores" / dir_name(model)  # "target" -> stores/target, the first store's path
         if source == "target":  # the first store's query path, kept so its recorded stages stay valid
             return store, self.out / "scores" / "store"
@@ -299,12 +312,15 @@ class Effect:
         ``eval:<dir>``: one column per MMLU subject / BBH task / TyDiQA language, what LESS max needs). ``source``:
         ``target`` (the warmed target), ``target_unwarmed`` (the model as shipped: full size, not warmed up — the
         off-the-shelf reference of the per-task fidelity table) or a selector naming a fidelity_v2 proxy
-        (``store:iprox@0.5``: the proxy's factor layers), whose directory the fidelity run must have kept."""
+        (``store:iprox@0.5``: the proxy's factor layers), whose directory the fidelity run must have kept. A ``+tval``
+        source (``store:tval@0.5``) queries its proxy's store with the warmed target's validation gradients."""
         a = self.args
         store, d = self.store_paths(source)
         if a.summary_only and (d / "scores.parquet").exists():
             return d / "scores.parquet"  # the summary reads what the recorded query wrote; no model is needed
-        source, form = split_store_source(source)
+        query_source, form = split_store_source(source)
+        source = self.store_model(query_source)
+        validation_model = None if source == query_source else self.warmed
         if source == "target":
             model, base_fp = self.warmed, self.target_fp
         elif source == "target_unwarmed":
@@ -312,7 +328,8 @@ class Effect:
         else:
             if source not in self.sources or self.sources[source] in ("target", "target_unwarmed"):
                 raise ValueError(f"store:{source}: not a proxy selector ({sorted(self.sources)})")
-            v = self.sources[source]
+            v = self.sources[source].removesuffix(TARGET_VALIDATION)
+            validation_model = self.warmed if v != self.sources[source] else validation_model
             pdir = self.fid / "proxies" / dir_name(v)
             rec = self.fid_stages.get(f"build:{v}")
             if rec is None or not (pdir / "config.json").exists():
@@ -333,9 +350,11 @@ class Effect:
         else:
             val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
         qv = {"store": str(store), "validation": val, "output_dir": str(d), "subtasks": True}
-        key = source if form is None else f"{source}@{form}"
-        self.st.run(f"query:{key}", "query", [], qv, {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"],
-                                                      "validation": qv["validation"]}, d / "scores.parquet", clean=d)
+        qfp = {"store": self.st.state["stages"][f"store:{source}"]["fingerprint"], "validation": qv["validation"]}
+        if validation_model is not None:  # the target's validation gradients in the proxy's coordinates
+            qv["validation_model"], qfp["validation_model"] = validation_model, self.target_fp
+        key = query_source if form is None else f"{query_source}@{form}"
+        self.st.run(f"query:{key}", "query", [], qv, qfp, d / "scores.parquet", clean=d)
         return d / "scores.parquet"
 
     def form_validation(self, form: str, selector: str) -> str:
@@ -542,12 +561,12 @@ class Effect:
         elif is_store(selector):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
             src = store_source(selector)
-            model = split_store_source(src)[0]
+            model = self.store_model(split_store_source(src)[0])
             recs = [own.get(f"store:{model}", {}), own.get(f"query:{src}", {})]
             b, q = (r.get("wall_s") for r in recs)
             score = b + q if b is not None and q is not None else None
             if model != "target":
-                recs.append(run_on_host(st.get(f"build:{self.sources[model]}", {}), recs[0]))
+                recs.append(run_on_host(st.get(f"build:{self.sources[model].removesuffix(TARGET_VALIDATION)}", {}), recs[0]))
             build = recs[2].get("wall_s", 0.0) if len(recs) > 2 else 0.0
         elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None

@@ -541,3 +541,35 @@ def test_summary_only_reads_a_recorded_proxy_store_query_without_its_proxy(tmp_p
     fake.args.summary_only = False
     with pytest.raises(SystemExit, match="the proxy .* is gone; re-make it with"):
         effect.Effect.store_table(fake, "iprox@0.5")
+
+
+def test_tval_store_selector_queries_its_proxys_store_with_the_targets_validation(fidelity_dir, tmp_path):
+    """``store:tval@0.5`` (a ``+tval`` source) reads the store of the proxy it names (``iprox@0.5``'s: built once) and
+    queries it with the target's validation gradients (``query --validation_model``): its table is the product's
+    query with that model, unlike the proxy's own query, and its cost is that one store + its own query + the proxy's
+    build."""
+    from iprox_lightning.commands.query import query
+
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
+            "--eval-dir", "builtin", "--tasks", "addition", "--selectors", "store:iprox@0.5+max", "store:tval@0.5+max",
+            "--source", f"iprox@0.5={VARIANT}", "--source", f"tval@0.5={VARIANT}+tval", "--k", "0.2",
+            "--max-length", "48", "--threads", "1", "--in-process", "--tables-only"]
+    effect.main(argv)
+    assert sorted(p.name for p in (out / "stores").iterdir()) == [fv2.dir_name("iprox@0.5")]  # one store
+    store = out / "stores" / fv2.dir_name("iprox@0.5")
+    ref = query(str(store), str(fidelity_dir / "validation.jsonl"), str(tmp_path / "ref"), validation_model="builtin")
+    got, own, want = (fv2.read_table(p) for p in (out / "scores" / fv2.dir_name("store:tval@0.5") / "scores.parquet",
+                                                    out / "scores" / fv2.dir_name("store:iprox@0.5") / "scores.parquet",
+                                                    Path(ref)))
+    assert list(got["id"]) == list(want["id"]) and np.array_equal(got["score"], want["score"])
+    assert not np.allclose(got["score"], own["score"])  # another validation side, another ranking input
+    stages = json.loads((out / "state.json").read_text())["stages"]
+    assert "validation_model" in stages["query:tval@0.5"]["fingerprint"]
+    assert "validation_model" not in stages["query:iprox@0.5"]["fingerprint"] and "store:tval@0.5" not in stages
+    e = effect.Effect(effect.parse_args(argv))
+    e.sources = {**effect.DEFAULT_SOURCES, "iprox@0.5": VARIANT, "tval@0.5": VARIANT + "+tval"}
+    c = e.cost("store:tval@0.5+max")
+    assert c["scoring_wall_s"] == pytest.approx(stages["store:iprox@0.5"]["wall_s"] + stages["query:tval@0.5"]["wall_s"])
+    assert c["build_wall_s"] == pytest.approx(json.loads((fidelity_dir / "state.json").read_text())["stages"][
+        f"build:{VARIANT}"]["wall_s"])
