@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from iprox_lightning.analysis.verdict import check_verdict
@@ -206,3 +207,52 @@ def test_check_resumes_after_an_interrupted_run(models, tmp_path, spy, monkeypat
     assert _actions(res) == {("target", "scores"): "reused", ("proxy", "validation gradients"): "computed",
                              ("proxy", "scores"): "computed"}
     assert spy == {"validation": 1, "score_batch": 3}  # the proxy only
+
+
+def test_check_scores_an_iprox_proxy_against_the_targets_validation_gradients(models, tmp_path, capsys):
+    """A saved IProX proxy is checked as ``pipeline`` scores it by default: against the target's validation gradients
+    in its factor coordinates (``--proxy_validation target``, the default for a proxy that kept every block); its
+    table equals the product's ``tracin_scores(proxy, ..., validation_model=target)`` on the check's own sample;
+    ``--proxy_validation proxy`` gives its own, another cache entry and another ranking; a plain model's default is
+    its own."""
+    import iprox_lightning.commands.check as check_cmd
+    from iprox_lightning import compress_model, save_proxy
+    from iprox_lightning.models.builtin import builtin_model
+    from iprox_lightning.scoring.influence import ScoreTable, tracin_scores
+
+    root, _ = models
+    target = builtin_model()
+    proxy = builtin_model()
+    compress_model(proxy, None, 0.5, method="svd", progress=False)
+    save_proxy(proxy, None, tmp_path / "iprox", {"method": "svd", "sparsity": 0.5})
+    args = ["check", "--target", "builtin", "--proxy", str(tmp_path / "iprox"), "--validation", str(root / "val.jsonl"),
+            "--sample", "16", "--batch_size", "8", "--val_per_task", "6", "--layer_extraction", "false"]
+    from iprox_lightning.cli import main
+
+    main([*args, "--output_dir", str(tmp_path / "a")])
+    assert "the proxy scored against the target's validation gradients" in capsys.readouterr().out
+    res = json.loads((tmp_path / "a" / "check.json").read_text())
+    assert res["proxy_validation"] == "target"
+    path = next(e["path"] for e in res["cache"] if e["model"] == "proxy" and e["what"] == "scores")
+    got = ScoreTable.load(path)
+    from iprox_lightning.scoring.check_cache import CheckCache
+
+    s = check_cmd._sample_pool(16, CheckCache(tmp_path / "ref"), pool="builtin",
+                               validation=str(root / "val.jsonl"), tokenizer="builtin", max_length=256, batch_size=8,
+                               seed=0, val_per_task=6)
+    ref = tracin_scores(check_cmd._load(str(tmp_path / "iprox")), s.pool_loader(), s.dm.validation_dataloader(),
+                        progress=False, validation_model=target)
+    assert list(got.ids) == list(ref.ids)
+    np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.task_scores, ref.task_scores, rtol=1e-5, atol=1e-6)
+
+    main([*args, "--output_dir", str(tmp_path / "a"), "--proxy_validation", "proxy"])
+    own = json.loads((tmp_path / "a" / "check.json").read_text())
+    assert own["proxy_validation"] == "proxy"
+    assert {(e["model"], e["what"]): e["action"] for e in own["cache"]} == {
+        ("target", "scores"): "reused", ("proxy", "validation gradients"): "computed", ("proxy", "scores"): "computed"}
+    own_path = next(e["path"] for e in own["cache"] if e["model"] == "proxy" and e["what"] == "scores")
+    assert own_path != path and np.abs(ScoreTable.load(own_path).scores - got.scores).max() > 1e-3
+    assert check_cmd._proxy_validation(str(root / "proxy"), None) == "proxy"  # a plain model: its own
+    with pytest.raises(Exception, match="proxy_validation must be 'target' or 'proxy'"):
+        check_cmd._proxy_validation(str(root / "proxy"), "both")

@@ -326,6 +326,11 @@ def test_validation_model_that_does_not_fit_the_scored_model_is_refused():
     with pytest.raises(UserInputError, match="tracks 'model.layers.1"):
         tracin_scores(deeper, batches(TRAIN, 3), batches(VAL, 4), progress=False,
                       validation_model=tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY))
+    # the other way round: a model with a block less (as Layer Extraction leaves it: renumbered, same paths and
+    # shapes for what it keeps) cannot take the deeper model's gradients either
+    with pytest.raises(UserInputError, match="it tracks 'model.layers.1.*renumbers"):
+        tracin_scores(tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY), batches(TRAIN, 3),
+                      batches(VAL, 4), progress=False, validation_model=deeper)
 
 
 def test_kfac_absolute_damping_ghost_and_plain():

@@ -108,6 +108,7 @@ def check(
     output: str | None = None,
     layer_extraction: bool = True,
     min_spearman: float = FLOOR,
+    proxy_validation: str | None = None,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy`` against ``val_per_task`` validation
     examples per task; print the retention table, the per-task table and a verdict.
@@ -149,28 +150,47 @@ def check(
         min_spearman: the verdict's floor: a task where the proxy's Spearman with the target is below it fails even
             when the proxy beats every baseline there (:func:`~iprox_lightning.analysis.verdict.check_verdict`
             says where its default, 0.4, comes from; ``-1``: off).
+        proxy_validation: whose validation gradients the proxy's scores use: ``target`` (the target's, in the proxy's
+            factor coordinates: :class:`~iprox_lightning.scoring.features.FactorSpaceView`, as ``pipeline`` scores a
+            proxy by default), ``proxy`` (its own) or ``None`` (default): ``target`` for a saved IProX proxy that kept
+            every block of the target, ``proxy`` for any other model. Layer Extraction always uses its own (its
+            blocks are renumbered).
     """
     from ..analysis.verdict import check_verdict
     from ..scoring.influence import ScoringConfig
 
     _check_arguments(sample, val_per_task)
+    proxy_validation = _proxy_validation(proxy, proxy_validation)
     config = ScoringConfig(method=method)  # checks the method before anything is loaded
     result_path, cache = _output_paths(output_dir, output)
     s = _sample_pool(sample, cache, pool=pool, validation=validation, tokenizer=tokenizer or target,
                      max_length=max_length, batch_size=batch_size, seed=seed, val_per_task=val_per_task)
     models, le_rho = _models_to_score(target, proxy, s.dm, layer_extraction)
-    fps, estimate = _plan_cache(cache, models, s, config, max_length)
-    tables, seconds = _score_models(models, fps, cache, config, s, estimate)
+    validation_from = {"proxy": models["target"]} if proxy_validation == "target" else {}
+    fps, estimate = _plan_cache(cache, models, s, config, max_length, validation_from)
+    tables, seconds = _score_models(models, fps, cache, config, s, estimate, validation_from)
     rows = _retention_rows(tables, seconds, s, method, layer_extraction, le_rho)
     verdict = check_verdict(rows, manifest=_proxy_manifest(proxy), target=target, floor=min_spearman)
-    _print_tables(rows, verdict, tables["target"].task_names, len(s.chosen), method, proxy, target)
+    _print_tables(rows, verdict, tables["target"].task_names, len(s.chosen), method, proxy, target, proxy_validation)
     result = {"rows": rows, "verdict": verdict, "target": target, "proxy": proxy, "method": method,
+              "proxy_validation": proxy_validation,
               "sample": len(s.chosen), "seed": seed, "max_length": max_length,
               "validation": {"source": validation, "val_per_task": val_per_task, "seed": seed,
                              "counts": {t: len(v) for t, v in s.val_sample.items()}, "ids": s.val_sample},
               "cache": cache.events, "seconds": seconds, "estimate_s": estimate.estimate_s}
     _write_result(result_path, result)
     return {**rows[0], "verdict": verdict["verdict"], "use": verdict["use"]}
+
+
+def _proxy_validation(proxy: str, choice: str | None) -> str:
+    """``target`` or ``proxy`` (:func:`check`'s ``proxy_validation``; ``None``: ``target`` for a saved IProX proxy that
+    kept every block, else ``proxy``)."""
+    if choice is None:
+        m = _proxy_manifest(proxy)
+        return "target" if m is not None and not m.get("block_drop") else "proxy"
+    if choice not in ("target", "proxy"):
+        raise UserInputError(f"proxy_validation must be 'target' or 'proxy', got {choice!r}")
+    return choice
 
 
 def _check_arguments(sample: int, val_per_task: int | None) -> None:
@@ -251,9 +271,10 @@ def _models_to_score(target: str, proxy: str, dm, layer_extraction: bool):
     return models, le_rho
 
 
-def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int):
-    """``(fingerprints, estimate)``: each model's ``(validation, scores)`` fingerprints, and the time estimate of what
-    the cache does not hold yet (padded tokens left to process)."""
+def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int, validation_from: dict):
+    """``(fingerprints, estimate)``: each model's ``(validation, scores)`` fingerprints (a model whose validation
+    gradients come from another, ``validation_from[who] = (identity, load)``, has that identity in its validation
+    fingerprint), and the time estimate of what the cache does not hold yet (padded tokens left to process)."""
     from ..scoring.check_cache import padded_tokens
 
     scorer_settings = {"per_task": config.per_task, "target_patterns": config.target_patterns,
@@ -265,7 +286,9 @@ def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int):
     pool_tokens = padded_tokens([len(pool_ds[index[i]]["input_ids"]) for i in s.chosen], s.batch_size)
     fps, todo = {}, 0
     for who, (identity, _) in models.items():
-        vfp = cache.validation_fingerprint(identity, s.val_digest, scorer_settings)
+        settings = scorer_settings if who not in validation_from else {
+            **scorer_settings, "validation_model": validation_from[who][0]}
+        vfp = cache.validation_fingerprint(identity, s.val_digest, settings)
         sfp = cache.scores_fingerprint(vfp, s.pool_digest, config.to_dict(), s.batch_size)
         fps[who] = (vfp, sfp)
         if not cache.scores_path(sfp).is_file():
@@ -275,16 +298,18 @@ def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int):
     return fps, _Estimate(todo, f"{len(models)} models, the cached parts skipped")
 
 
-def _score_models(models: dict, fps: dict, cache, config, s: _Sample, estimate: _Estimate):
-    """``(tables, seconds)``: each model's score table of the pool sample, from the cache or scored now; one line
-    per model on what was computed or reused."""
+def _score_models(models: dict, fps: dict, cache, config, s: _Sample, estimate: _Estimate, validation_from: dict):
+    """``(tables, seconds)``: each model's score table of the pool sample, from the cache or scored now (its
+    validation gradients from ``validation_from[who]``'s model, when named); one line per model on what was computed
+    or reused."""
     tables, seconds = {}, {}
     for who, (_, load) in models.items():
         vfp, sfp = fps[who]
         t0 = time.perf_counter()
         table = cache.load_scores(sfp, who)
         if table is None:
-            table = _score(who, load(), cache, vfp, sfp, config, s.dm, s.chosen, s.batch_size, estimate)
+            vload = validation_from[who][1] if who in validation_from else None
+            table = _score(who, load(), cache, vfp, sfp, config, s.dm, s.chosen, s.batch_size, estimate, vload)
         seconds[who] = time.perf_counter() - t0
         tables[who] = table
         ev = [e for e in cache.events if e["model"] == who]
@@ -324,12 +349,13 @@ def _retention_rows(tables: dict, seconds: dict, s: _Sample, method: str, layer_
 
 
 def _print_tables(rows: list[dict[str, Any]], verdict: dict[str, Any], names: list[str], n: int, method: str,
-                  proxy: str, target: str) -> None:
+                  proxy: str, target: str, proxy_validation: str = "proxy") -> None:
     """Print the retention table, the per-task tables and the verdict with its next step."""
     from ..analysis.retention import format_per_task
     from ..analysis.tables import format_table
 
-    print(f"\nproxy check on {n} random pool examples ({method}): {proxy} vs {target}\n")
+    side = "the target's validation gradients" if proxy_validation == "target" else "its own validation gradients"
+    print(f"\nproxy check on {n} random pool examples ({method}): {proxy} vs {target}; the proxy scored against {side}\n")
     columns = list(dict.fromkeys(c for r in rows for c in r if c not in ("per_task", "worst_task")))
     print(format_table(rows, columns))
     if names:
@@ -364,8 +390,9 @@ def _load(path: str):
     return model
 
 
-def _score(who, model, cache, vfp, sfp, config, dm, chosen, batch_size, estimate):
-    """Validation gradients (cached or computed and cached), then the pool sample's scores (cached when done)."""
+def _score(who, model, cache, vfp, sfp, config, dm, chosen, batch_size, estimate, validation_model=None):
+    """Validation gradients (cached or computed and cached; ``validation_model``: a loader of the dense model they
+    are taken from, else ``model``'s own), then the pool sample's scores (cached when done)."""
     from ..console import interactive
     from ..scoring.features import progress_bar
     from ..scoring.influence import InfluenceScorer, _table_from_parts
@@ -382,7 +409,9 @@ def _score(who, model, cache, vfp, sfp, config, dm, chosen, batch_size, estimate
                                           timed(pool(), "K-FAC factors") if config.method == "kfac" else pool(),
                                           dtype=scorer.dtype, progress=False))
     if not cache.load_validation(scorer, vfp, who):
-        scorer.collect_validation(timed(dm.validation_dataloader(), "validation gradients"))
+        vmodel = None if validation_model is None else validation_model()
+        scorer.collect_validation(timed(dm.validation_dataloader(), "validation gradients"), model=vmodel)
+        del vmodel
         cache.save_validation(scorer, vfp, who)
     scorer.finalize()
     parts = [scorer.score_batch(b) for b in timed(pool(), "scoring")]

@@ -211,7 +211,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
     if effect is not None:
         summary["selection_effect"] = effect
     summary["artifacts"] = _artifacts(wd, finetune, tasks)
-    summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args)
+    summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args, proxy_validation)
     (wd / "summary.json").write_text(json.dumps(summary, indent=2))
     print(_format_summary(summary))
     return summary
@@ -444,8 +444,10 @@ def _artifacts(wd: Path, finetune: bool, tasks: list[str] | None = None) -> dict
     return {k: str(v) for k, v in out.items()}
 
 
-def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args: dict) -> str:
-    """``train.py check`` of this run's proxy against its warmed-up target, on the same pool and validation sets."""
+def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args: dict,
+                  proxy_validation: str = "target") -> str:
+    """``train.py check`` of this run's proxy against its warmed-up target, on the same pool and validation sets, the
+    proxy scored against the validation gradients this run's proxy selection used."""
     import shlex
 
     args = ["python", "train.py", "check", "--target", str(warm), "--proxy", str(proxy)]
@@ -455,6 +457,8 @@ def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args
     for key in ("max_length", "val_per_task"):
         if data_args.get(key):
             args += [f"--{key}", str(data_args[key])]
+    if proxy_validation != "target":  # check's default for an IProX proxy is the target's
+        args += ["--proxy_validation", proxy_validation]
     args += ["--output_dir", str(wd / "check")]
     return " ".join(shlex.quote(a) for a in args)
 

@@ -241,8 +241,8 @@ class FactorSpaceView(WeightPairTracker):
 
 
 def check_same_layers(dense_modules: Mapping[str, nn.Module], modules: Mapping[str, nn.Module]) -> None:
-    """``dense_modules`` (a dense model's tracked modules) hold, under the same path and with the same ``[out, in]``
-    shape, every module of ``modules`` (as compression keeps them: a proxy of that model); a clear error otherwise."""
+    """``dense_modules`` (a dense model's tracked modules) and ``modules`` track the same paths, each with the same
+    ``[out, in]`` shape (as compression keeps them: a proxy of that model); a clear error otherwise."""
     low = [n for n, m in dense_modules.items() if isinstance(m, LowRankLinear)]
     if low:
         raise UserInputError(f"validation_model: must be a dense model (the target), but its {low[0]!r} (and "
@@ -252,6 +252,11 @@ def check_same_layers(dense_modules: Mapping[str, nn.Module], modules: Mapping[s
         raise UserInputError(f"validation_model: the scored model tracks {missing[0]!r} (and {len(missing) - 1} more), "
                              "which the validation model has not under that path: give the target the scored proxy "
                              "was built from (a proxy with dropped blocks cannot take its target's gradients)")
+    extra = [n for n in dense_modules if n not in modules]
+    if extra:  # a proxy that dropped blocks renumbers the rest: same paths, same shapes, other layers
+        raise UserInputError(f"validation_model: it tracks {extra[0]!r} (and {len(extra) - 1} more), which the scored "
+                             "model has not: a proxy that dropped blocks (Layer Extraction, drop_blocks) renumbers the "
+                             "blocks it keeps, so its layers are not the target's under the same path")
     for n, m in modules.items():
         shape = (m.out_features, m.in_features) if isinstance(m, LowRankLinear) else linear_shape(m)
         if tuple(shape) != tuple(linear_shape(dense_modules[n])):
