@@ -207,7 +207,7 @@ class FactorSpaceView(WeightPairTracker):
     :class:`.projection.GradientProjector`)."""
 
     def __init__(self, dense_modules: Mapping[str, nn.Module], inner: WeightPairTracker,
-                 modules: Mapping[str, nn.Module]) -> None:
+                 modules: Mapping[str, nn.Module], moved: dict | None = None) -> None:
         check_same_layers(dense_modules, modules)
         super().__init__({n: dense_modules[n] for n in modules})
         self.inner = inner
@@ -217,7 +217,8 @@ class FactorSpaceView(WeightPairTracker):
             raise UserInputError(f"validation_model: the scored proxy's factors are sharded (FSDP; {sharded[0]!r}); "
                                  "scoring against another model's validation gradients needs them whole: score with "
                                  "DDP or one process")
-        self._moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the factors on the dense model's device and dtype, once (``moved``: shared by the views of one caller's batches)
+        self._moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {} if moved is None else moved
 
     def start_step(self, batch: Mapping) -> None:
         super().start_step(batch)

@@ -224,6 +224,7 @@ class GradientProjector:
         p = next(model.parameters())
         self.dtype = dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)
         self._moved: dict[str, LayerProjection] = {}  # the projections on the model's device (rotated: P Q), once
+        self._factors_moved: dict = {}  # with pairs_from: the proxy's factors on the dense model's device, once
 
     def project_batch(self, batch: Mapping) -> dict:
         from ..tracking import backward_pairs
@@ -238,7 +239,8 @@ class GradientProjector:
         vectors = torch.zeros(B, self.dim, dtype=self.dtype)
         if bool(keep.any()):
             tracker = ProjectedGradientTracker(self.modules, self.projections, self.metric, self.dtype, self._moved)
-            pairs = tracker if self.pairs_from is None else FactorSpaceView(self.dense_modules, tracker, self.modules)
+            pairs = tracker if self.pairs_from is None else FactorSpaceView(self.dense_modules, tracker, self.modules,
+                                                                            self._factors_moved)
             with eval_mode(net), torch.inference_mode(False), torch.enable_grad():
                 backward_pairs(net, trim_batch(b, keep), [pairs])
             vectors[torch.nonzero(keep).flatten()] = tracker.vectors.cpu()
