@@ -21,7 +21,9 @@ Task-aware alignment suffixes (issue 22; after ``+align...``, any order, each at
 ``+score<W>`` the score-space term with weight W (``score_weight``, Pearson) and ``+scorelist<W>`` its listwise form
 (``score_loss: listwise``); ``+data<N>`` aligns on N pool examples (``align_examples``: the probe split, and so
 Stage 1, unchanged; the default alignment split is 90% of 1% of the pool, ~150 examples here); ``+kl<W>`` sets the
-KL anchor's weight (``kl_weight``; ``+kl0``: none, the reference implementation's default, lever d); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+vt<F>`` sets
+KL anchor's weight (``kl_weight``; ``+kl0``: none, the reference implementation's default, lever d); ``+worst`` reduces both terms by the worst task (``task_reduction: max``); ``+tv``
+scores the proxy against the target's validation gradients inside Stage 2 (``proxy_validation: target``: the score
+term's reference directions and the fidelity check; with ``+score<W>`` or ``+fid<N>``), as ``+tval`` scores it after; ``+vt<F>`` sets
 the validation share F that trains (``val_train_fraction``, default 0.5). ``+valg`` / ``+score`` build only with
 ``+fidtask<N>`` (or ``+fid<N>``): ``keep_best`` refuses to judge the task terms by the held-out ``L_GA + KL``, which
 does not contain them (the recorded ``+score1`` row, built before that check, kept its step-0 factors). E.g.
@@ -33,7 +35,7 @@ import re
 from typing import Any
 
 SPARE0 = [r"layers\.0\.mlp\."]  # option spare0: block 0's MLP kept dense
-TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|data|kl)([0-9.]*(?:[eE]-?\d+)?)")
+TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|tv|data|kl)([0-9.]*(?:[eE]-?\d+)?)")
 DEFAULT_VAL_TRAIN_FRACTION = 0.5
 TARGET_VALIDATION = "+tval"  # score against the target's validation gradients (parse_variant)
 
@@ -48,7 +50,7 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
         m = TASK_SUFFIX.match(text, pos)
         if m is None or (m.end() < len(text) and text[m.end()] != "+"):
             raise ValueError(f"variant {spec!r}: unknown alignment suffix {text[pos:]!r} (+fid<N>, +fidtask<N>, +val[<copies>], "
-                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>, +data<N>, +kl<W>)")
+                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>, +tv, +data<N>, +kl<W>)")
         name, val = m.group(1), m.group(2)
         key = {"scorelist": "score", "fidtask": "fid"}.get(name, name)
         if key in seen:
@@ -82,6 +84,10 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
             if val:
                 raise ValueError(f"variant {spec!r}: +worst takes no value")
             model["task_reduction"] = "max"
+        elif name == "tv":  # Stage 2's proxy scores against the target's validation gradients
+            if val:
+                raise ValueError(f"variant {spec!r}: +tv takes no value")
+            model["proxy_validation"] = "target"
         else:
             if num is None or not num > 0 or (name == "vt" and not num < 1):
                 raise ValueError(f"variant {spec!r}: +{name} needs a value " + ("in (0, 1)" if name == "vt" else "> 0")
@@ -95,7 +101,10 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
                 if name == "scorelist":
                     model["score_loss"] = "listwise"
         pos = m.end()
-    terms = model.keys() - {"kl_weight"}  # what trains on the validation examples
+    if "proxy_validation" in model and fidelity is None and "score_weight" not in model:
+        raise ValueError(f"variant {spec!r}: +tv scores the proxy against the target's validation gradients in the "
+                         "score term and the fidelity check; add +score<W> or +fid<N> / +fidtask<N>")
+    terms = model.keys() - {"kl_weight", "proxy_validation"}  # what trains on the validation examples
     if "task_reduction" in model and not {"val_grad_weight", "score_weight"} & set(model):
         raise ValueError(f"variant {spec!r}: +worst reduces the task terms over tasks; add +valg<W> or +score<W>")
     if "val_train_fraction" in data and not (terms - {"task_reduction"} or "mix_val_train" in data):

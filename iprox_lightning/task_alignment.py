@@ -42,7 +42,9 @@ the projection into factor space of :func:`~iprox_lightning.alignment.factor_pro
     so ``v^T`` is computed once per fit over every ``val_train`` example (memory: one ``[out, in]`` per task and
     aligned layer).
   - ``v^P_t = ḡ^P_t`` over the same examples, a constant between refreshes (every ``score_refresh_every`` steps): the
-    loss moves the per-example proxy gradients, not the reference directions (``L_val`` moves those).
+    loss moves the per-example proxy gradients, not the reference directions (``L_val`` moves those). With
+    ``proxy_validation="target"`` instead ``v^P_t = P(v^T_t)`` (:func:`projected_directions`, detached, re-made every
+    step at no pass): the direction a proxy scored against its target's validation gradients ranks the pool by.
   - Per-example gradients come from the backward-pairs engine's token-level ``(h, δ)``, never from ``param.grad``:
     ``⟨g_i, V⟩ = Σ_t δ_tᵀ V h_t`` and ``‖g_i‖²`` (:func:`example_features`; ghost or materialised, whichever costs
     less, identical numbers). On the proxy the pairs are captured **in the same forward and create-graph backward
@@ -89,6 +91,7 @@ __all__ = [
     "TaskDirections",
     "task_directions",
     "proxy_directions",
+    "projected_directions",
     "task_gradient_alignment",
     "score_alignment_loss",
     "ScoreOutput",
@@ -394,6 +397,28 @@ def proxy_directions(proxy: nn.Module, batches: Iterable[Mapping], tasks: Sequen
         raise ValueError(f"proxy_directions: no validation example of tasks {sorted(set(tasks) - seen)}")
     V = {n: (a, b) for n, (a, b) in sums.items()}
     sq = sum(a.double().pow(2).sum(dim=(1, 2)) + b.double().pow(2).sum(dim=(1, 2)) for a, b in V.values())
+    return V, sq.to(next(iter(V.values()))[0].dtype)
+
+
+def projected_directions(proxy: nn.Module, directions: TaskDirections, layers: Optional[Iterable[str]] = None
+                         ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The target's per-task validation directions in the proxy's factor space, ``P(v^T_t) = (v^T_t Bᵀ, Aᵀ v^T_t)``
+    per aligned layer, as ``({name: (V_A [K, out, r], V_B [K, r, in])}, ‖v_k‖² [K])``, detached: what a proxy scored
+    against its target's validation gradients (``validation_model``, :class:`~iprox_lightning.scoring.features.
+    FactorSpaceView`) ranks the pool by. The score term's proxy directions under ``proxy_validation="target"``; no
+    pass of either model (``directions.target`` holds ``Σ_z ∇_W`` per task)."""
+    lowrank = proxy_factor_layers(proxy, layers)
+    missing = [n for n in lowrank if n not in directions.target]
+    if missing:
+        raise ValueError(f"projected_directions: no target direction for the aligned layer {missing[0]!r}")
+    V: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        for n, m in lowrank.items():
+            vt = directions.target[n]
+            A, B = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in (m.A, m.B))  # FSDP2: whole factors
+            A, B = A.detach().to(vt), B.detach().to(vt)
+            V[n] = (vt @ B.t(), A.t() @ vt)
+        sq = sum(a.double().pow(2).sum(dim=(1, 2)) + b.double().pow(2).sum(dim=(1, 2)) for a, b in V.values())
     return V, sq.to(next(iter(V.values()))[0].dtype)
 
 

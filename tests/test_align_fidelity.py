@@ -184,3 +184,26 @@ def test_fidelity_scorer_is_passed_in(tmp_path):
     assert calls[0] is module.teacher and len(calls) == 3 and all(c is module.proxy for c in calls[1:])
     fidelity = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())["alignment"]["fidelity"]
     assert "scorer" in fidelity["scores"] and [h["step"] for h in fidelity["history"]] == [0, 1]
+
+
+def test_fidelity_against_the_targets_validation_gradients(tmp_path):
+    """``proxy_validation="target"``: the check scores each proxy against the target's validation gradients (the
+    product's TracIn with ``validation_model=<the target>``, as ``pipeline`` scores a proxy by default), per task
+    too; the manifest says so. Brute force: the snapshots scored that way, Spearman with the target's scores."""
+    module, dm, snaps, tr = fit(tmp_path, lr=1e-2, steps=2, fidelity_examples=24, fidelity_per_task=True,
+                                monitor="val/fidelity_worst_loss", proxy_validation="target")
+    fid = dm.fidelity_dataloader(24)
+    target = tracin_scores(builtin_model(0), fid, dm.val_dataloader(), progress=False)
+    hist = module.validation_history
+    assert [h["step"] for h in hist] == [0, 1, 2]
+    for h in hist:
+        proxy = snaps.proxies["init" if h["step"] == 0 else h["step"]]
+        mine = tracin_scores(proxy, fid, dm.val_dataloader(), progress=False, validation_model=module.teacher)
+        own = tracin_scores(proxy, fid, dm.val_dataloader(), progress=False)
+        assert h["val/fidelity_spearman"] == pytest.approx(spearmanr(mine.scores, target.scores).statistic, abs=1e-6)
+        assert h["val/fidelity_spearman"] != pytest.approx(spearmanr(own.scores, target.scores).statistic, abs=1e-3)
+        for k, t in enumerate(target.task_names):
+            assert h[f"val/fidelity_{t}"] == pytest.approx(
+                spearmanr(mine.task_scores[:, k], target.task_scores[:, k]).statistic, abs=1e-6)
+    fidelity = json.loads((tmp_path / "proxy" / "iprox_proxy.json").read_text())["alignment"]["fidelity"]
+    assert fidelity["proxy_validation"] == "target"

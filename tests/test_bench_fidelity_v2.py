@@ -512,6 +512,21 @@ def test_kl_suffix_sets_only_the_kl_weight():
         variants.parse_variant("ipsvd/global@0.5+align+kl0+vt0.3")
 
 
+def test_tv_suffix_scores_stage_2_against_the_targets_validation_gradients():
+    """``+tv``: ``proxy_validation: target`` for Stage 2's score term and fidelity check (no validation split of its
+    own); it needs one of them; with ``+tval`` the proxy built with it is also scored that way."""
+    v = variants.parse_variant("ipsvd/global@0.5+align+score1+tv+fidtask64+tval")
+    assert v["task_align"] == {"model": {"score_weight": 1.0, "proxy_validation": "target"},
+                               "data": {"val_train_fraction": 0.5}}
+    assert v["build_key"] == "ipsvd/global@0.5+align+score1+tv+fidtask64" and v["fidelity"] == 64
+    assert variants.parse_variant("ipsvd/global@0.5+align+tv+fid32")["task_align"] == {
+        "model": {"proxy_validation": "target"}, "data": {}}
+    for bad, msg in (("ipsvd/global@0.5+align+tv", r"add \+score<W> or \+fid"), ("ipsvd/global@0.5+align+tv2+fid8",
+                                                                                   "takes no value")):
+        with pytest.raises(ValueError, match=msg):
+            variants.parse_variant(bad)
+
+
 def test_tval_row_scores_the_shared_proxy_against_the_targets_validation_gradients(tmp_path):
     """``+tval``: the proxy is built once (the row without the suffix) and scored a second time with the target's
     validation gradients (``InfluenceScoringModule(validation_model=...)``); the suffix is refused where the proxy's

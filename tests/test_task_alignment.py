@@ -29,6 +29,7 @@ from iprox_lightning.task_alignment import (
     example_features,
     listwise_loss,
     pearson_loss,
+    projected_directions,
     proxy_directions,
     score_agreement_loss,
     score_alignment_loss,
@@ -253,6 +254,47 @@ def test_task_directions_equal_summed_per_example_gradients(float64_ce):
     torch.testing.assert_close(sq, want_p.pow(2).sum(1), rtol=1e-9, atol=0)
     with pytest.raises(ValueError, match="not among"):
         proxy_directions(proxy, [make_batch(12, ["w", "x"])], d.tasks, layers)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_projected_directions_are_the_targets_summed_gradients_through_the_factors(float64_ce, arch):
+    """``proxy_validation="target"``: the score term's proxy directions are the target's per-task summed validation
+    gradients (brute force: autograd per example) mapped into factor space by hand, ``(G Bᵀ, Aᵀ G)`` per layer, and
+    what the scoring engine takes as the proxy's validation gradients from the target (``validation_model``)."""
+    from iprox_lightning.scoring.features import FactorSpaceView, ValidationGradientTracker, tracked_modules
+
+    teacher, proxy = make_pair(arch)
+    val = [make_batch(10, ["x", "y", "x"]), make_batch(11, ["z", "y"])]
+    lowrank = proxy_factor_layers(proxy)
+    layers = list(lowrank)
+    d = task_directions(teacher, val, layers)
+    V, sq = projected_directions(proxy, d, layers)
+    t, ws = target_params(teacher, proxy)
+    G = task_sum(torch.cat([example_grads(t, b, ws, False) for b in val]), [k for b in val for k in b["task"]], d.tasks)
+    off, want = 0, []
+    for n, w in zip(layers, ws):
+        Gn = out_in(teacher.get_submodule(n), G[:, off:off + w.numel()].reshape(3, *w.shape))  # [K, out, in]
+        off += w.numel()
+        A, B = lowrank[n].A.detach(), lowrank[n].B.detach()
+        want.append((Gn @ B.t(), A.t() @ Gn))
+    scale = max(float(x.abs().max()) for pair in want for x in pair)
+    for n, (wa, wb) in zip(layers, want):
+        torch.testing.assert_close(V[n][0], wa, rtol=1e-9, atol=1e-12 * scale)
+        torch.testing.assert_close(V[n][1], wb, rtol=1e-9, atol=1e-12 * scale)
+    flat = torch.cat([x.reshape(3, -1) for pair in want for x in pair], dim=1)
+    torch.testing.assert_close(sq, flat.pow(2).sum(1), rtol=1e-9, atol=0)
+    # the scoring engine's sums of the same validation examples through the target, in the proxy's coordinates
+    mods = {n: m for n, m in tracked_modules(proxy).items()}
+    tracker = ValidationGradientTracker(mods, [f"{n}.{k}" for n in layers for k in ("A", "B")],
+                                        lambda b: [str(k) for k in b["task"]], torch.float64)
+    for b in val:
+        backward_pairs(teacher, b, [FactorSpaceView(tracked_modules(teacher), tracker, mods)])
+    for n in layers:
+        for j, k in enumerate(("A", "B")):
+            eng = torch.stack([tracker.sums[f"{n}.{k}"][task] for task in d.tasks])
+            torch.testing.assert_close(eng, V[n][j], rtol=1e-9, atol=1e-12 * scale)
+    with pytest.raises(ValueError, match="no target direction"):
+        projected_directions(proxy, type(d)(tasks=d.tasks, target={}, target_sq=d.target_sq), layers)
 
 
 # ------------------------------------------------------------------------------------------------ score term

@@ -21,8 +21,8 @@ whose worst task ranks best). The math: :func:`per_task_spearman`, :func:`worst_
 Contract — what it reads: ``trainer.datamodule.fidelity_dataloader(n)`` / ``.val_dataloader()``;
 ``pl_module.teacher``, ``pl_module.proxy``, ``pl_module.factors_finite()`` (``False`` → NaN, no scoring),
 ``pl_module.reshard()`` (FSDP2: free the gathered parameters after a scoring pass). What it takes: a
-``scorer(model, loader, validation_batches, progress=False)`` returning a table with ``ids``, ``scores`` and
-``settings`` (the product's :func:`~iprox_lightning.scoring.influence.tracin_scores`; passed in, not imported: Stage 2
+``scorer(model, loader, validation_batches, progress=False)`` (with ``target_validation`` the proxy's call adds
+``validation_model=pl_module.teacher``) returning a table with ``ids``, ``scores`` and ``settings`` (the product's :func:`~iprox_lightning.scoring.influence.tracin_scores`; passed in, not imported: Stage 2
 does not depend on the scoring stage). What it returns: :meth:`step0_metrics` (the two metrics, for step 0) and
 :meth:`report` (the manifest's ``"fidelity"`` record).
 """
@@ -78,15 +78,20 @@ class RankingFidelity(Callback):
         description: how the scores are made, for the manifest.
         per_task: also the Spearman per validation task and its minimum (module docstring); the scorer's table must
             then hold ``task_names`` and ``task_scores``.
+        target_validation: score the proxy against the target's validation gradients (the scorer is called with
+            ``validation_model=pl_module.teacher``, as the product's TracIn takes it), how ``pipeline`` scores a proxy
+            by default; ``False``: against its own.
     """
 
-    def __init__(self, examples: int, scorer: Callable[..., Any], description: str = "", per_task: bool = False) -> None:
+    def __init__(self, examples: int, scorer: Callable[..., Any], description: str = "", per_task: bool = False,
+                 target_validation: bool = False) -> None:
         if examples <= 0:
             raise ValueError(f"RankingFidelity needs examples > 0, got {examples}")
         self.examples = examples
         self.scorer = scorer
         self.description = description
         self.per_task = per_task
+        self.target_validation = target_validation
         self.history: list[dict[str, Any]] = []  # {"step", "spearman"}
         self._state: Optional[dict[str, Any]] = None  # {"loader", "val", "ids", "target", "validation_examples"}
 
@@ -127,7 +132,7 @@ class RankingFidelity(Callback):
         rho = float("nan")
         tasks = {t: float("nan") for t in state.get("task_names", [])}
         if pl_module.factors_finite():
-            table = self._score(pl_module, pl_module.proxy, state)
+            table = self._score(pl_module, pl_module.proxy, state, pl_module.teacher if self.target_validation else None)
             if list(table.ids) != state["ids"]:
                 raise RuntimeError("fidelity check: the proxy scored other examples than the target")
             if np.all(np.isfinite(table.scores)):
@@ -141,11 +146,12 @@ class RankingFidelity(Callback):
             rho, tasks = trainer.strategy.broadcast((rho, tasks), src=0)
         return float(rho), dict(tasks)
 
-    def _score(self, pl_module: pl.LightningModule, model, state: dict[str, Any]):
+    def _score(self, pl_module: pl.LightningModule, model, state: dict[str, Any], validation_model=None):
         val = state["val"]
         val_batches = itertools.chain.from_iterable(val) if isinstance(val, (list, tuple)) else val
+        extra = {} if validation_model is None else {"validation_model": validation_model}
         try:
-            return self.scorer(model, state["loader"], val_batches, progress=False)
+            return self.scorer(model, state["loader"], val_batches, progress=False, **extra)
         finally:
             pl_module.reshard()
 
@@ -203,4 +209,6 @@ class RankingFidelity(Callback):
                "scores": self.description, "ids": state.get("ids", []), "history": history}
         if self.per_task:
             out["tasks"] = state.get("task_names", [])
+        if self.target_validation:  # only when on: earlier manifests keep their form
+            out["proxy_validation"] = "target"
         return out

@@ -75,8 +75,8 @@ import torch
 from torch import nn
 
 from ..alignment import AlignmentOutput, alignment_losses, proxy_factor_layers
-from ..task_alignment import (SCORE_LOSSES, TASK_REDUCTIONS, TaskDirections, proxy_directions, task_alignment_losses,
-                              task_directions)
+from ..task_alignment import (SCORE_LOSSES, TASK_REDUCTIONS, TaskDirections, projected_directions, proxy_directions,
+                              task_alignment_losses, task_directions)
 from ..callbacks.keep_best import KeepBestFactors
 from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
     FIDELITY_LOSS,
@@ -182,6 +182,12 @@ class AlignConfig:
         score_refresh_every: the proxy's validation directions of ``L_score`` are recomputed (one forward+backward
             of the proxy over the ``val_train`` examples) every this many steps (the target's: once per fit).
         task_reduction: ``"mean"`` (default) or ``"max"`` (the worst task) over tasks, for both terms.
+        proxy_validation: whose validation gradients the proxy's scores use inside Stage 2 — in the score term's
+            reference directions and the fidelity check: ``"proxy"`` (default: its own, as the paper scores a proxy)
+            or ``"target"`` (the target's, projected into the proxy's factor space: ``v^P_t = P(v^T_t)``,
+            :func:`~iprox_lightning.task_alignment.projected_directions`, re-made every step at no extra pass; the
+            fidelity scorer is then called with ``validation_model=<the target>``), which is how ``pipeline``
+            scores a proxy by default (``--proxy_validation target``).
     """
 
     lr: float = 5e-5
@@ -204,6 +210,7 @@ class AlignConfig:
     score_loss: str = "pearson"
     score_refresh_every: int = 10
     task_reduction: str = "mean"
+    proxy_validation: str = "proxy"
 
     @property
     def task_terms(self) -> bool:
@@ -231,6 +238,8 @@ class AlignConfig:
                 raise UserInputError(f"{name} must be an int >= 1, got {v!r}")
         if self.score_loss not in SCORE_LOSSES:
             raise UserInputError(f"score_loss must be one of {SCORE_LOSSES}, got {self.score_loss!r}")
+        if self.proxy_validation not in ("proxy", "target"):
+            raise UserInputError(f"proxy_validation must be 'proxy' or 'target', got {self.proxy_validation!r}")
         if self.task_reduction not in TASK_REDUCTIONS:
             raise UserInputError(f"task_reduction must be one of {TASK_REDUCTIONS}, got {self.task_reduction!r}")
         if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
@@ -316,7 +325,7 @@ class ProxyAlignModule(L.LightningModule):
             scorer = fidelity_scorer if fidelity_scorer is not None else _resolve_callable(DEFAULT_FIDELITY_SCORER)
             self.ranking_fidelity = RankingFidelity(config.fidelity_examples, scorer, description=(
                 DEFAULT_FIDELITY_SCORES if fidelity_scorer is None else getattr(scorer, "__qualname__", str(scorer))),
-                per_task=config.fidelity_per_task)
+                per_task=config.fidelity_per_task, target_validation=config.proxy_validation == "target")
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The fidelity check (which logs its metrics at the end of each validation epoch) and the held-out
@@ -460,19 +469,26 @@ class ProxyAlignModule(L.LightningModule):
 
     def _refresh_directions(self) -> TaskDirections:
         """The score term's validation directions: the target's once per fit, the proxy's every
-        ``score_refresh_every`` steps (over every ``val_train`` example)."""
+        ``score_refresh_every`` steps (over every ``val_train`` example), or with ``proxy_validation="target"`` the
+        target's projected by the current factors at every step (no pass)."""
         d = self.directions
         step = int(self.global_step)
-        if d is not None and d.proxy_step is not None and step - d.proxy_step < self.config.score_refresh_every:
+        by_target = self.config.proxy_validation == "target"
+        if d is not None and d.proxy_step is not None and (by_target and d.proxy_step == step or not by_target and
+                                                            step - d.proxy_step < self.config.score_refresh_every):
             return d
-        dm = self._val_train()
-        batches = [self._to_device(b) for b in dm.val_train_dataloader()]
         layers = list(proxy_factor_layers(self.proxy, self.config.layers))
+        batches = None
+        if d is None or not by_target:
+            batches = [self._to_device(b) for b in self._val_train().val_train_dataloader()]
         if d is None:
             d = task_directions(self._teacher, batches, layers)
             log.info("score-space alignment: target directions of %d tasks from %d validation examples",
                      len(d.tasks), d.examples)
-        d.proxy, d.proxy_sq = proxy_directions(self.proxy, batches, d.tasks, layers)
+        if by_target:
+            d.proxy, d.proxy_sq = projected_directions(self.proxy, d, layers)
+        else:
+            d.proxy, d.proxy_sq = proxy_directions(self.proxy, batches, d.tasks, layers)
         d.proxy_step = step
         self.directions = d
         return d
