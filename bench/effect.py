@@ -157,6 +157,15 @@ def split_form(text: str) -> tuple[str, str | None]:
     return (head, form) if sep and form in VALIDATION_FORMS else (text, None)
 
 
+def proxy_weights_digest(proxy_dir: Path) -> str | None:
+    """The weights digest a saved proxy's manifest records (``iprox_proxy.json``: ``weights.sha256``; Layer
+    Extraction's saved model: ``None``)."""
+    from iprox_lightning.io.proxy import PROXY_MANIFEST
+
+    m = proxy_dir / PROXY_MANIFEST
+    return json.loads(m.read_text()).get("weights", {}).get("sha256") if m.is_file() else None
+
+
 def host_key(rec: dict) -> tuple | None:
     """``(accelerator, cpus)`` of the host a stage record ran on (what makes two runs' seconds comparable); ``None``
     for a record made before hosts were recorded."""
@@ -343,6 +352,10 @@ class Effect:
               "settings": {k: ov[k] for k in ("k", "max_length", "batch_size")}}
         if source != "target":
             fp["proxy"] = base_fp
+            if source != "target_unwarmed":  # the weights themselves: a proxy re-made from the same settings (its
+                # directory is never kept) need not be bit-identical (float rounding of other code, e.g. the fused
+                # head, moves Stage 2's steps), and a store or query of the earlier one must not stand for it
+                fp["proxy_weights"] = proxy_weights_digest(Path(model))
         self.st.run(f"store:{source}", "build_store", [], ov, fp, store / "store.json", clean=store)
         # eval:<dir> keeps each example's subtask (MMLU subject, BBH task, TyDiQA language): one column each
         if form is not None:  # the same suites, one of them in another form (its task's columns keep their names)

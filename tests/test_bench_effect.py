@@ -573,3 +573,44 @@ def test_tval_store_selector_queries_its_proxys_store_with_the_targets_validatio
     assert c["scoring_wall_s"] == pytest.approx(stages["store:iprox@0.5"]["wall_s"] + stages["query:tval@0.5"]["wall_s"])
     assert c["build_wall_s"] == pytest.approx(json.loads((fidelity_dir / "state.json").read_text())["stages"][
         f"build:{VARIANT}"]["wall_s"])
+
+
+def test_a_remade_proxy_is_not_served_by_the_earlier_ones_store(fidelity_dir, tmp_path):
+    """A proxy re-made from the same settings need not be bit-identical (its directory is never kept): the store stage
+    fingerprints the proxy's recorded weights digest, so a re-made proxy gets its own store and query instead of the
+    earlier proxy's."""
+    import shutil
+
+    fid = tmp_path / "v2"
+    shutil.copytree(fidelity_dir, fid)
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fid), "--model", "builtin", "--pool", "builtin", "--eval-dir",
+            "builtin", "--tasks", "addition", "--selectors", "store:iprox@0.5+max", "--source", f"iprox@0.5={VARIANT}",
+            "--k", "0.2", "--max-length", "48", "--threads", "1", "--in-process", "--tables-only"]
+    effect.main(argv)
+    man = fid / "proxies" / fv2.dir_name(VARIANT) / "iprox_proxy.json"
+    digest = json.loads(man.read_text())["weights"]["sha256"]
+    stages = lambda: json.loads((out / "state.json").read_text())["stages"]  # noqa: E731
+    assert json.loads(stages()["store:iprox@0.5"]["fingerprint"])["proxy_weights"] == digest
+    runs = lambda: {k: (stages()[k]["finished"], stages()[k]["wall_s"]) for k in ("store:iprox@0.5", "query:iprox@0.5")}  # noqa: E731
+    first = runs()
+    effect.main(argv)  # unchanged: nothing re-made
+    assert runs() == first
+    # re-made with other weights (one factor entry moved), saved by the product with the same manifest otherwise
+    import torch
+
+    from iprox_lightning.io.proxy import load_proxy, save_proxy
+    from iprox_lightning.lowrank import LowRankLinear
+
+    model, tok = load_proxy(man.parent)
+    with torch.no_grad():
+        next(m for m in model.modules() if isinstance(m, LowRankLinear)).A[0, 0] += 0.5
+    old = json.loads(man.read_text())
+    save_proxy(model, tok, man.parent, {k: v for k, v in old.items() if k not in ("weights", "layers")})
+    new = json.loads(man.read_text())["weights"]["sha256"]
+    assert new != digest
+    effect.main(argv)
+    assert json.loads(stages()["store:iprox@0.5"]["fingerprint"])["proxy_weights"] == new
+    again = runs()
+    assert all(again[k] != first[k] for k in first)  # the store and its query were made anew
+    assert json.loads(stages()["query:iprox@0.5"]["fingerprint"])["store"] == stages()["store:iprox@0.5"]["fingerprint"]
