@@ -151,6 +151,16 @@ def split_store_source(source: str) -> tuple[str, str | None]:
     return source, None
 
 
+def store_model(sources: Mapping[str, str], model: str) -> str:
+    """The selector whose gradient store ``model``'s queries read: itself, or for a ``+tval`` source the selector of
+    the proxy it scores (``tval@0.5`` -> ``iprox@0.5``: one store, queried with either validation side)."""
+    v = sources.get(model, model)
+    if not v.endswith(TARGET_VALIDATION):
+        return model
+    base = v.removesuffix(TARGET_VALIDATION)
+    return next((s for s, sv in sources.items() if sv == base), model)
+
+
 def split_form(text: str) -> tuple[str, str | None]:
     """``"x@bbh-direct"`` -> ``("x", "bbh-direct")``; ``(text, None)`` when it ends in no validation form."""
     head, sep, form = text.rpartition("@")
@@ -299,18 +309,12 @@ class Effect:
         raise ValueError(f"unknown selector {selector!r}")
 
     def store_model(self, model: str) -> str:
-        """The selector whose gradient store ``model``'s queries read: itself, or for a ``+tval`` source the selector
-        of the proxy it scores (``tval@0.5`` -> ``iprox@0.5``: one store, queried with either validation side)."""
-        v = self.sources.get(model, model)
-        if not v.endswith(TARGET_VALIDATION):
-            return model
-        base = v.removesuffix(TARGET_VALIDATION)
-        return next((s for s, sv in self.sources.items() if sv == base), model)
+        return store_model(self.sources, model)
 
     def store_paths(self, source: str) -> tuple[Path, Path]:
         """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``; a validation
         form queries its model's store into a directory of its own)."""
-        model = self.store_model(split_store_source(source)[0])
+        model = store_model(self.sources, split_store_source(source)[0])
         store = self.out / "stores" / dir_name(model)  # "target" -> stores/target, the first store's path
         if source == "target":  # the first store's query path, kept so its recorded stages stay valid
             return store, self.out / "scores" / "store"
@@ -574,7 +578,7 @@ class Effect:
         elif is_store(selector):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
             src = store_source(selector)
-            model = self.store_model(split_store_source(src)[0])
+            model = store_model(self.sources, split_store_source(src)[0])
             recs = [own.get(f"store:{model}", {}), own.get(f"query:{src}", {})]
             b, q = (r.get("wall_s") for r in recs)
             score = b + q if b is not None and q is not None else None

@@ -409,7 +409,7 @@ def test_store_selectors_with_a_validation_form_query_the_same_store():
     assert effect.split_store_source("iprox@0.5@bbh-direct") == ("iprox@0.5", "bbh-direct")
     with pytest.raises(ValueError, match="unknown validation form 'cot2'"):
         effect.split_store_source("target@cot2")
-    fake = SimpleNamespace(out=Path("/o"))
+    fake = SimpleNamespace(out=Path("/o"), sources=dict(effect.DEFAULT_SOURCES))
     assert effect.Effect.store_paths(fake, "target") == (Path("/o/stores/target"), Path("/o/scores/store"))
     store, query = effect.Effect.store_paths(fake, "target@bbh-direct")
     assert store == Path("/o/stores/target") and query.parent == Path("/o/scores") and query.name != "store"
@@ -531,12 +531,13 @@ def test_summary_only_reads_a_recorded_proxy_store_query_without_its_proxy(tmp_p
     then, while a run that would build or query refuses a missing proxy, naming the command that re-makes it."""
     from types import SimpleNamespace
 
-    paths = SimpleNamespace(out=tmp_path)
+    paths = SimpleNamespace(out=tmp_path, sources={"iprox@0.5": "v"})
     store, d = effect.Effect.store_paths(paths, "iprox@0.5")
     d.mkdir(parents=True)
     (d / "scores.parquet").write_bytes(b"recorded")
     fake = SimpleNamespace(args=SimpleNamespace(summary_only=True), out=tmp_path, fid=tmp_path / "fid", fid_stages={},
-                           sources={"iprox@0.5": "v"}, store_paths=lambda src: effect.Effect.store_paths(paths, src))
+                           sources={"iprox@0.5": "v"}, store_paths=lambda src: effect.Effect.store_paths(paths, src),
+                           store_model=lambda m: effect.store_model({"iprox@0.5": "v"}, m))
     assert effect.Effect.store_table(fake, "iprox@0.5") == d / "scores.parquet"
     fake.args.summary_only = False
     with pytest.raises(SystemExit, match="the proxy .* is gone; re-make it with"):
