@@ -170,10 +170,9 @@ def split_form(text: str) -> tuple[str, str | None]:
 def proxy_weights_digest(proxy_dir: Path) -> str | None:
     """The weights digest a saved proxy's manifest records (``iprox_proxy.json``: ``weights.sha256``; Layer
     Extraction's saved model: ``None``)."""
-    from iprox_lightning.io.proxy import PROXY_MANIFEST
+    from iprox_lightning.io.proxy import PROXY_MANIFEST, read_manifest
 
-    m = proxy_dir / PROXY_MANIFEST
-    return json.loads(m.read_text()).get("weights", {}).get("sha256") if m.is_file() else None
+    return read_manifest(proxy_dir).get("weights", {}).get("sha256") if (proxy_dir / PROXY_MANIFEST).is_file() else None
 
 
 def host_key(rec: dict) -> tuple | None:
@@ -308,9 +307,6 @@ class Effect:
             return p
         raise ValueError(f"unknown selector {selector!r}")
 
-    def store_model(self, model: str) -> str:
-        return store_model(self.sources, model)
-
     def store_paths(self, source: str) -> tuple[Path, Path]:
         """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``; a validation
         form queries its model's store into a directory of its own)."""
@@ -332,8 +328,9 @@ class Effect:
         if a.summary_only and (d / "scores.parquet").exists():
             return d / "scores.parquet"  # the summary reads what the recorded query wrote; no model is needed
         query_source, form = split_store_source(source)
-        source = self.store_model(query_source)
-        validation_model = None if source == query_source else self.warmed
+        source = store_model(self.sources, query_source)  # a +tval source queries its proxy's store ...
+        # ... with the warmed target's validation gradients
+        validation_model = self.warmed if self.sources.get(query_source, "").endswith(TARGET_VALIDATION) else None
         if source == "target":
             model, base_fp = self.warmed, self.target_fp
         elif source == "target_unwarmed":
@@ -342,7 +339,6 @@ class Effect:
             if source not in self.sources or self.sources[source] in ("target", "target_unwarmed"):
                 raise ValueError(f"store:{source}: not a proxy selector ({sorted(self.sources)})")
             v = self.sources[source].removesuffix(TARGET_VALIDATION)
-            validation_model = self.warmed if v != self.sources[source] else validation_model
             pdir = self.fid / "proxies" / dir_name(v)
             rec = self.fid_stages.get(f"build:{v}")
             if rec is None or not (pdir / "config.json").exists():

@@ -396,8 +396,14 @@ def proxy_directions(proxy: nn.Module, batches: Iterable[Mapping], tasks: Sequen
     if set(tasks) - seen:
         raise ValueError(f"proxy_directions: no validation example of tasks {sorted(set(tasks) - seen)}")
     V = {n: (a, b) for n, (a, b) in sums.items()}
+    return V, _squared_norms(V)
+
+
+def _squared_norms(V: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``‖v_k‖² [K]`` of per-task factor-space directions ``{name: (V_A [K, ...], V_B [K, ...])}`` (summed in float64,
+    returned in their dtype)."""
     sq = sum(a.double().pow(2).sum(dim=(1, 2)) + b.double().pow(2).sum(dim=(1, 2)) for a, b in V.values())
-    return V, sq.to(next(iter(V.values()))[0].dtype)
+    return sq.to(next(iter(V.values()))[0].dtype)
 
 
 def projected_directions(proxy: nn.Module, directions: TaskDirections, layers: Optional[Iterable[str]] = None
@@ -418,8 +424,7 @@ def projected_directions(proxy: nn.Module, directions: TaskDirections, layers: O
             A, B = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in (m.A, m.B))  # FSDP2: whole factors
             A, B = A.detach().to(vt), B.detach().to(vt)
             V[n] = (vt @ B.t(), A.t() @ vt)
-        sq = sum(a.double().pow(2).sum(dim=(1, 2)) + b.double().pow(2).sum(dim=(1, 2)) for a, b in V.values())
-    return V, sq.to(next(iter(V.values()))[0].dtype)
+    return V, _squared_norms(V)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -536,8 +536,7 @@ def test_summary_only_reads_a_recorded_proxy_store_query_without_its_proxy(tmp_p
     d.mkdir(parents=True)
     (d / "scores.parquet").write_bytes(b"recorded")
     fake = SimpleNamespace(args=SimpleNamespace(summary_only=True), out=tmp_path, fid=tmp_path / "fid", fid_stages={},
-                           sources={"iprox@0.5": "v"}, store_paths=lambda src: effect.Effect.store_paths(paths, src),
-                           store_model=lambda m: effect.store_model({"iprox@0.5": "v"}, m))
+                           sources={"iprox@0.5": "v"}, store_paths=lambda src: effect.Effect.store_paths(paths, src))
     assert effect.Effect.store_table(fake, "iprox@0.5") == d / "scores.parquet"
     fake.args.summary_only = False
     with pytest.raises(SystemExit, match="the proxy .* is gone; re-make it with"):

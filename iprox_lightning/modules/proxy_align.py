@@ -474,8 +474,8 @@ class ProxyAlignModule(L.LightningModule):
         d = self.directions
         step = int(self.global_step)
         by_target = self.config.proxy_validation == "target"
-        if d is not None and d.proxy_step is not None and (by_target and d.proxy_step == step or not by_target and
-                                                            step - d.proxy_step < self.config.score_refresh_every):
+        every = 1 if by_target else self.config.score_refresh_every  # the target's projection costs no pass
+        if d is not None and d.proxy_step is not None and step - d.proxy_step < every:
             return d
         layers = list(proxy_factor_layers(self.proxy, self.config.layers))
         batches = None
