@@ -26,7 +26,9 @@ scores the proxy against the target's validation gradients inside Stage 2 (``pro
 term's reference directions and the fidelity check; with ``+score<W>`` or ``+fid<N>``), as ``+tval`` scores it after; ``+vt<F>`` sets
 the validation share F that trains (``val_train_fraction``, default 0.5). ``+valg`` / ``+score`` build only with
 ``+fidtask<N>`` (or ``+fid<N>``): ``keep_best`` refuses to judge the task terms by the held-out ``L_GA + KL``, which
-does not contain them (the recorded ``+score1`` row, built before that check, kept its step-0 factors). E.g.
+does not contain them (the recorded ``+score1`` row, built before that check, kept its step-0 factors); or with
+``+last``: no ``keep_best`` (``keep_best: false``), the factors of the last step, for a fixed number of steps — the
+row to use when a fidelity monitor on a few held-out examples is inside its own noise. E.g.
 ``ipsvd/exact/rel1e-3/global@0.5+align:1e-3+val+valg1+score0.5+fidtask64``.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ import re
 from typing import Any
 
 SPARE0 = [r"layers\.0\.mlp\."]  # option spare0: block 0's MLP kept dense
-TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|tv|data|kl)([0-9.]*(?:[eE]-?\d+)?)")
+TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|tv|data|kl|last)([0-9.]*(?:[eE]-?\d+)?)")
 DEFAULT_VAL_TRAIN_FRACTION = 0.5
 TARGET_VALIDATION = "+tval"  # score against the target's validation gradients (parse_variant)
 
@@ -50,7 +52,7 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
         m = TASK_SUFFIX.match(text, pos)
         if m is None or (m.end() < len(text) and text[m.end()] != "+"):
             raise ValueError(f"variant {spec!r}: unknown alignment suffix {text[pos:]!r} (+fid<N>, +fidtask<N>, +val[<copies>], "
-                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>, +tv, +data<N>, +kl<W>)")
+                             "+valg<W>, +score<W>, +scorelist<W>, +worst, +vt<F>, +tv, +data<N>, +kl<W>, +last)")
         name, val = m.group(1), m.group(2)
         key = {"scorelist": "score", "fidtask": "fid"}.get(name, name)
         if key in seen:
@@ -80,6 +82,10 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
             if num is None or not num >= 0:
                 raise ValueError(f"variant {spec!r}: +kl needs a weight >= 0, e.g. +kl0")
             model["kl_weight"] = num
+        elif name == "last":  # no keep_best: the factors after the last step, whatever the held-out checks say
+            if val:
+                raise ValueError(f"variant {spec!r}: +last takes no value")
+            model["keep_best"] = False
         elif name == "worst":
             if val:
                 raise ValueError(f"variant {spec!r}: +worst takes no value")
@@ -104,7 +110,9 @@ def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[st
     if "proxy_validation" in model and fidelity is None and "score_weight" not in model:
         raise ValueError(f"variant {spec!r}: +tv scores the proxy against the target's validation gradients in the "
                          "score term and the fidelity check; add +score<W> or +fid<N> / +fidtask<N>")
-    terms = model.keys() - {"kl_weight", "proxy_validation"}  # what trains on the validation examples
+    if "keep_best" in model and fidelity is not None:
+        raise ValueError(f"variant {spec!r}: +last keeps the last factors; +fid<N> / +fidtask<N> would choose others")
+    terms = model.keys() - {"kl_weight", "proxy_validation", "keep_best"}  # what trains on the validation examples
     if "task_reduction" in model and not {"val_grad_weight", "score_weight"} & set(model):
         raise ValueError(f"variant {spec!r}: +worst reduces the task terms over tasks; add +valg<W> or +score<W>")
     if "val_train_fraction" in data and not (terms - {"task_reduction"} or "mix_val_train" in data):

@@ -562,3 +562,29 @@ def test_tval_row_scores_the_shared_proxy_against_the_targets_validation_gradien
         lo, hi = d[suite]["spearman_ci"]
         assert lo <= hi
     assert "| row | − row | " in (out / "summary.md").read_text()
+
+
+def test_last_suffix_builds_without_keep_best(tmp_path, monkeypatch):
+    """``+last``: the factors of the last step (``keep_best: false``), so a task term trains for a fixed number of steps
+    without a fidelity monitor; refused with ``+fid<N>`` (which would choose other factors) and with a value."""
+    v = variants.parse_variant("ipsvd/global@0.5+align2:3e-4+valg1+last")
+    assert v["task_align"] == {"model": {"val_grad_weight": 1.0, "keep_best": False},
+                               "data": {"val_train_fraction": 0.5}} and v["fidelity"] is None
+    assert variants.parse_variant("ipsvd/global@0.5+align+last")["task_align"] == {"model": {"keep_best": False},
+                                                                                   "data": {}}
+    for bad, msg in (("ipsvd/global@0.5+align+valg1+last+fidtask64", "would choose others"),
+                     ("ipsvd/global@0.5+align+last2", "takes no value")):
+        with pytest.raises(ValueError, match=msg):
+            variants.parse_variant(bad)
+    ran = {}
+    monkeypatch.setattr(fv2.Stages, "run", lambda self, key, sub, configs, overlay, fp, done, clean=None:
+                        ran.setdefault(key, (overlay, fp)) and {})
+    row = "ipsvd@0.5+align+valg1+last"
+    fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--builtin-size", "300",
+              "--sample", "16", "--no-warmup", "--no-unwarmed", "--out", str(tmp_path), "--dry-run", "--variants", row])
+    overlay, fp = ran["build:" + row]
+    assert overlay["model"]["init_args"]["keep_best"] is False and fp["model"]["keep_best"] is False
+    assert overlay["model"]["init_args"]["val_grad_weight"] == 1.0
+    from iprox_lightning.modules.proxy_align import AlignConfig
+
+    assert AlignConfig(**{k: overlay["model"]["init_args"][k] for k in ("keep_best", "val_grad_weight")}).task_terms
