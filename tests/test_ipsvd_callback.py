@@ -105,3 +105,35 @@ def test_callback_skips_compressed_and_needs_probes(tmp_path):
 
     with pytest.raises(AttributeError, match="probe_dataloader"):
         _trainer(tmp_path, IPSVDCallback()).fit(TinyProxyModule(), datamodule=NoProbes())
+
+
+def test_health_line_warns_only_without_alignment_and_names_unused_settings(monkeypatch, caplog):
+    """Stage 1 leaves ~2 nat/token at ρ = 0.5 with the shipped settings: with Stage 2 next that is information, not a
+    warning on the happy path; without alignment it warns, and its advice names only settings not already in use."""
+    import logging
+    from types import SimpleNamespace
+
+    import iprox_lightning.analysis.health as health
+    from iprox_lightning.callbacks.ipsvd import HEALTH_KL, health_message
+
+    h = {"examples": 16, "proxy_loss": 4.5, "target_loss": 1.85, "kl": 2.15, "top1_agreement": 0.41}
+    warn, text = health_message(h, allocation="global", mode="exact", aligning=True)
+    assert not warn and text.endswith("(Stage 2 aligns the proxy next)") and "KL 2.150 nat/token" in text
+    warn, text = health_message(h, allocation="global", mode="exact", aligning=False)
+    assert warn and "allocation=" not in text and "mode=" not in text and "align: true" in text
+    warn, text = health_message(h, allocation="uniform", mode="core", aligning=False)
+    assert warn and "allocation='global'" in text and "mode='exact'" in text
+    assert health_message({**h, "kl": HEALTH_KL}, allocation="uniform", mode="core", aligning=False)[0] is False
+
+    # through the callback: the module's config says whether Stage 2 follows
+    monkeypatch.setattr(health, "proxy_health", lambda teacher, model, batches: dict(h))
+    cb = IPSVDCallback(sparsity=0.5, allocation="global")
+    cb.report = SimpleNamespace(allocation="global", mode="exact", health=None)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(dataloader=lambda split: iter([{"x": 1}])))
+    for align, warned in ((True, False), (False, True)):
+        caplog.clear()
+        module = SimpleNamespace(teacher=object(), config=SimpleNamespace(align=align))
+        with caplog.at_level(logging.INFO, logger="iprox_lightning.callbacks.ipsvd"):
+            cb._health(trainer, module, model=None)
+        assert any(r.levelno == logging.WARNING for r in caplog.records) is warned
+        assert cb.report.health["kl"] == 2.15
