@@ -5,7 +5,9 @@ Per model (``--model``, and ``--proxy`` when given) and method (``--methods``: t
 
 1. **exact**: ``train.py predict --config configs/score.yaml`` + an overlay (``OUT/configs/``) -> ``OUT/exact/<who>-<method>``;
 2. **build**: ``train.py build_store`` at each ``--k`` and ``--projections`` (``gaussian``; ``pca`` with TracIn:
-   ``OUT/stores/<who>-<method>-pca-k<k>``) -> ``OUT/stores/<who>-<method>-k<k>``;
+   ``OUT/stores/<who>-<method>-pca-k<k>``) -> ``OUT/stores/<who>-<method>-k<k>``, with the exact run's
+   ``--factors_dir OUT/factors``: K-FAC / EK-FAC factors and PCA moments fitted once per model and factor data, the
+   time they take counted in whichever stage fits them first;
 3. **query**: ``train.py query`` of the validation set (twice: the first computes the validation gradients, the
    second re-reads them from the store's cache: a re-query) -> ``OUT/queries/<who>-<method>-k<k>``;
 4. **a new task** (``--new-task SUITE``, with the first of ``--methods``): that suite's validation examples alone as a
@@ -202,6 +204,7 @@ def run(a) -> dict:
                                               str(a.kfac_examples), "--damping", str(a.damping), "--store_dtype",
                                               a.store_dtype, "--max_length", str(a.max_length), "--batch_size",
                                               str(a.batch_size), "--projection", projection,
+                                              "--factors_dir", str(out / "factors"),  # the exact run's, shared
                                               "--progress", str(not a.in_process).lower()],
                                              a.in_process, a.threads)}
                     state.record(f"build/{key}", bst, built)

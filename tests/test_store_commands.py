@@ -365,3 +365,41 @@ def test_proxy_store_queried_with_the_targets_validation_gradients_equals_exact_
     assert np.abs(own.task_scores - got.task_scores).max() > 1e-3
     _, again = _query(store, val, tmp_path / "q_target2", "--validation_model", "builtin")
     assert again["validation_cache"]["action"] == "reused"
+
+
+def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files, tmp_path):
+    """``build_store --factors_dir D``: EK-FAC factors a ``predict`` scoring run fitted in ``D`` on the same model and
+    pool are loaded, not fitted again (the file in ``D`` is untouched and the only one); the store keeps a
+    byte-identical copy and is queried from it alone (``D`` deleted); a store of other factor settings fits its own."""
+    import yaml
+
+    d, pool, val, _ = files
+    fdir = tmp_path / "factors"
+    cfg = {"trainer": {"logger": False, "enable_progress_bar": False, "callbacks": [
+        {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(tmp_path / "exact")}}]},
+        "model": {"init_args": {"model": "builtin", "method": "ekfac", "kfac_examples": 6, "factors_dir": str(fdir)}},
+        "data": {"init_args": {"pool": str(pool), "validation": str(val), "tokenizer": "builtin", "max_length": 48,
+                               "batch_size": 3}}}
+    (tmp_path / "score.yaml").write_text(yaml.safe_dump(cfg))
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    main(["predict", "--config", str(root / "configs" / "score.yaml"), "--config", str(tmp_path / "score.yaml")])
+    (fitted,) = fdir.iterdir()
+    mtime, data = fitted.stat().st_mtime_ns, fitted.read_bytes()
+    store = tmp_path / "store"
+    _build(store, pool, "--k", "4", "--method", "ekfac", "--kfac_examples", "6", "--store_dtype", "float32",
+           "--factors_dir", str(fdir))
+    assert [p.name for p in fdir.iterdir()] == [fitted.name] and fitted.stat().st_mtime_ns == mtime
+    info = gs.read_info(store)
+    assert info["factors"] == fitted.name and (store / fitted.name).read_bytes() == data
+    import shutil
+
+    shutil.rmtree(fdir)
+    main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(tmp_path / "q")])
+    assert np.isfinite(ScoreTable.load(str(tmp_path / "q" / "scores.parquet")).task_scores).all()
+    # other factor data (5 examples): fitted anew into the shared directory, not the earlier file
+    _build(tmp_path / "store5", pool, "--k", "4", "--method", "ekfac", "--kfac_examples", "5", "--store_dtype",
+           "float32", "--factors_dir", str(fdir))
+    (other,) = fdir.iterdir()
+    assert other.name != fitted.name and gs.read_info(tmp_path / "store5")["factors"] == other.name

@@ -29,6 +29,7 @@ def build_store(
     write_every_n_batches: int = 50,
     overwrite: bool = False,
     progress: bool = True,
+    factors_dir: Optional[str] = None,
 ) -> str:
     """Project every pool example's gradient (LoGra-style, ``k`` rows per side of each tracked weight) and write them
     to a gradient store in ``output_dir`` (safetensors shards, ``store.json``; resumable: a killed build continues; a
@@ -62,6 +63,9 @@ def build_store(
         write_every_n_batches: write a shard every this many batches.
         overwrite: delete an earlier store in ``output_dir`` first.
         progress: show a progress bar.
+        factors_dir: a directory of saved factors shared with scoring runs and other stores (``predict``'s
+            ``model.init_args.factors_dir``): K-FAC / EK-FAC factors and PCA moments fitted there before on the same
+            model, factor data and settings are loaded, not fitted again (the store keeps its own copy).
     """
     import time
 
@@ -76,7 +80,7 @@ def build_store(
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
                                  damping_mode=damping_mode,
                                  kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype,
-                                 attn_implementation=attn_implementation)
+                                 attn_implementation=attn_implementation, factors_dir=factors_dir)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
     data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,

@@ -11,6 +11,7 @@ which skips them: a killed build continues and every example is stored once.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -55,12 +56,17 @@ class GradientStoreModule(L.LightningModule):
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
         attn_implementation: attention kernel when loading.
+        factors_dir: a directory of saved factors shared with other runs (a scoring run's ``factors_dir``, other
+            stores'): factors (or PCA moments) fitted there before on the same model, factor data and fit settings
+            are loaded instead of fitted, new ones are saved there; the store keeps a copy of the file it used, so a
+            query needs nothing but the store. ``None``: the store's own directory.
     """
 
     def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, method: str = "tracin",
                  damping: float = 1e-3, damping_mode: str = "relative", kfac_examples: int = 1024,
                  kfac_split: str = "pool", target_patterns: Optional[list[str]] = None, dtype: str = "float32",
-                 attn_implementation: Optional[str] = "sdpa", projection: str = "gaussian") -> None:
+                 attn_implementation: Optional[str] = "sdpa", projection: str = "gaussian",
+                 factors_dir: Optional[str] = None) -> None:
         super().__init__()
         if k < 1:
             raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
@@ -170,13 +176,22 @@ class GradientStoreModule(L.LightningModule):
         world = self.trainer.world_size
         strategy = self.trainer.strategy
         reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
+        shared = hp.get("factors_dir")
         with torch.inference_mode(False), torch.enable_grad():
-            return fit_or_load(
-                metric, self.net, modules, [v.key for v in linears], fac, factors_dir=store_dir,
+            stats = fit_or_load(
+                metric, self.net, modules, [v.key for v in linears], fac, factors_dir=shared or store_dir,
                 fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
                              "load_dtype": hp.dtype},
                 dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
                 progress=show_progress(self.trainer), save=save)
+        if shared and store_dir is not None:  # the store's own copy: a query reads only the store
+            kept = Path(store_dir) / Path(stats["factors"]).name
+            if save and not kept.exists():
+                tmp = kept.with_name(kept.name + ".tmp")
+                shutil.copyfile(stats["factors"], tmp)
+                tmp.replace(kept)
+            stats["factors"] = str(kept)
+        return stats
 
     def _same_on_every_rank(self, projections: dict[str, LayerProjection]) -> dict[str, LayerProjection]:
         """Rank 0's projections on every rank (eigenvectors of one all-reduced matrix may still differ in the last
