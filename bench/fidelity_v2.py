@@ -62,7 +62,7 @@ import numpy as np
 from bootstrap import percentile_interval  # bench/: the one bootstrap
 from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
                     logger_overlay, recorded_hosts, splice_docs)
-from variants import build_key, dir_name, parse_variant  # bench/: the variant grammar
+from variants import build_key, dir_name, lever_base, parse_variant  # bench/: the variant grammar
 
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -346,6 +346,16 @@ def markdown(summary: Mapping[str, Any]) -> str:
                   "bootstrap CI):", "", "| row | − row | " + " | ".join(f"Δ {suite_name(x)}" for x in suites) + " |",
                   "|---|---|" + "---|" * len(suites)]
         for d in summary["paired_per_task"]:
+            lines.append(f"| {d['a']} | {d['b']} | " + " | ".join(
+                f"{d[x]['spearman']:+.3f}{fmt_ci(d[x]['spearman_ci'])}" for x in suites if x in d) + " |")
+    if summary.get("paired_levers"):
+        suites = list(summary["meta"].get("suites") or [])
+        lines += ["", "Per task, a Stage-2 lever row minus the row it changes (the same key without the suffixes after "
+                  "`+align...`; Δ Spearman with the target's suite score, paired bootstrap CI over the pool examples — "
+                  "two builds, so the CI leaves out build-to-build variation: a re-build of one setting moved MMLU by "
+                  "0.07):", "", "| row | − row | " + " | ".join(f"Δ {suite_name(x)}" for x in suites) + " |",
+                  "|---|---|" + "---|" * len(suites)]
+        for d in summary["paired_levers"]:
             lines.append(f"| {d['a']} | {d['b']} | " + " | ".join(
                 f"{d[x]['spearman']:+.3f}{fmt_ci(d[x]['spearman_ci'])}" for x in suites if x in d) + " |")
     if summary.get("stages"):
@@ -822,9 +832,13 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         suite: task_paired_difference(suite_maps[v["key"]], suite_maps[build_key(v)], t_suites, suite, args)
         for suite in suites}} for v in variants if v.get("target_validation")
         and {v["key"], build_key(v)} <= set(suite_maps)]
+    # each Stage-2 lever row against the row it changes (the same key without its suffixes after +align...)
+    paired_levers = [{"a": v["key"], "b": lever_base(v["key"]), **{
+        suite: task_paired_difference(suite_maps[v["key"]], suite_maps[lever_base(v["key"])], t_suites, suite, args)
+        for suite in suites}} for v in variants if lever_base(v["key"]) in suite_maps and v["key"] in suite_maps]
     meta = summary_meta(args, st, ref, val_counts, suites, length, boot)
     return {"meta": meta, "rows": rows, "paired": paired, "paired_per_task": paired_tasks,
-            "stages": st.state["stages"]}
+            "paired_levers": paired_levers, "stages": st.state["stages"]}
 
 
 def task_paired_difference(a: Mapping[str, Mapping[str, float]], b: Mapping[str, Mapping[str, float]],

@@ -209,5 +209,14 @@ def build_key(v: dict[str, Any]) -> str:
     return v.get("build_key", v["key"])
 
 
+def lever_base(key: str) -> str | None:
+    """The row a Stage-2 lever row changes: ``key`` without its suffixes after ``+align[EPOCHS][:LR]`` (a trailing
+    ``+tval`` kept), or None when it has none (``…+align2:3e-4+valg1+last+tval`` -> ``…+align2:3e-4+tval``)."""
+    tval = key.endswith(TARGET_VALIDATION)
+    k = key[: -len(TARGET_VALIDATION)] if tval else key
+    m = re.search(r"(\+align\d*(?::[0-9.]+(?:[eE][+-]?\d+)?)?)((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)+)$", k)
+    return None if m is None else k[: m.end(1)] + (TARGET_VALIDATION if tval else "")
+
+
 def dir_name(key: str) -> str:
     return key.replace("/", "_").replace("@", "-at-").replace("+", "-").replace(":", "_")

@@ -588,3 +588,27 @@ def test_last_suffix_builds_without_keep_best(tmp_path, monkeypatch):
     from iprox_lightning.modules.proxy_align import AlignConfig
 
     assert AlignConfig(**{k: overlay["model"]["init_args"][k] for k in ("keep_best", "val_grad_weight")}).task_terms
+
+
+def test_lever_rows_are_paired_per_task_with_the_row_they_change(tmp_path):
+    """``lever_base``: a key without its suffixes after ``+align...`` (``+tval`` kept); the summary's
+    ``paired_levers`` holds each lever row minus that row, per task, with a paired bootstrap CI."""
+    assert variants.lever_base("ipsvd/exact/rel1e-3/global@0.5+align2:3e-4+valg1+last+tval") == \
+        "ipsvd/exact/rel1e-3/global@0.5+align2:3e-4+tval"
+    assert variants.lever_base("ipsvd@0.5+align+fid64") == "ipsvd@0.5+align"
+    for plain in ("ipsvd@0.5+align2:3e-4", "ipsvd@0.5+align+tval", "ipsvd/exact/global@0.5", "le@0.5"):
+        assert variants.lever_base(plain) is None
+    base, lever = "ipsvd/exact/rel1e-3/global@0.5+align1", "ipsvd/exact/rel1e-3/global@0.5+align1+kl0"
+    out = tmp_path / "v2"
+    s = fv2.main(["--model", "builtin", "--pool", "builtin", "--eval-dir", "builtin", "--sample", "30",
+                  "--max-length", "48", "--no-warmup", "--no-unwarmed", "--variants", base, lever, "--bootstrap", "20",
+                  "--threads", "1", "--out", str(out), "--in-process"])
+    rows = {r["variant"]: r for r in s["rows"]}
+    (d,) = s["paired_levers"]
+    assert (d["a"], d["b"]) == (lever, base)
+    for suite in s["meta"]["suites"]:
+        want = rows[lever]["per_task"][suite]["spearman"] - rows[base]["per_task"][suite]["spearman"]
+        assert d[suite]["spearman"] == pytest.approx(want, abs=1e-12)
+        lo, hi = d[suite]["spearman_ci"]
+        assert lo <= hi
+    assert "a Stage-2 lever row minus the row it changes" in (out / "summary.md").read_text()
