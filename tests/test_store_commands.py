@@ -367,7 +367,7 @@ def test_proxy_store_queried_with_the_targets_validation_gradients_equals_exact_
     assert again["validation_cache"]["action"] == "reused"
 
 
-def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files, tmp_path):
+def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files, tmp_path, monkeypatch):
     """``build_store --factors_dir D``: EK-FAC factors a ``predict`` scoring run fitted in ``D`` on the same model and
     pool are loaded, not fitted again (the file in ``D`` is untouched and the only one); the store keeps a
     byte-identical copy and is queried from it alone (``D`` deleted); a store of other factor settings fits its own."""
@@ -398,6 +398,20 @@ def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files,
     shutil.rmtree(fdir)
     main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(tmp_path / "q")])
     assert np.isfinite(ScoreTable.load(str(tmp_path / "q" / "scores.parquet")).task_scores).all()
+    # the store resumed with the shared directory gone: its own copy serves (loaded under the same fingerprint),
+    # nothing re-fitted
+    own_mtime = (store / fitted.name).stat().st_mtime_ns
+    from iprox_lightning.scoring import metrics
+
+    def no_fit(*a, **k):
+        raise AssertionError("factors fitted again")
+
+    monkeypatch.setattr(metrics.EKFAC, "fit", no_fit)
+    _build(store, pool, "--k", "4", "--method", "ekfac", "--kfac_examples", "6", "--store_dtype", "float32",
+           "--factors_dir", str(fdir))
+    assert (fdir / fitted.name).read_bytes() == data and (store / fitted.name).stat().st_mtime_ns == own_mtime
+    shutil.rmtree(fdir)
+    monkeypatch.undo()
     # other factor data (5 examples): fitted anew into the shared directory, not the earlier file
     _build(tmp_path / "store5", pool, "--k", "4", "--method", "ekfac", "--kfac_examples", "5", "--store_dtype",
            "float32", "--factors_dir", str(fdir))

@@ -177,6 +177,13 @@ class GradientStoreModule(L.LightningModule):
         strategy = self.trainer.strategy
         reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
         shared = hp.get("factors_dir")
+        if shared and store_dir is not None and save:  # a resumed store's own copy serves a shared dir that lost it
+            own = gs.read_info(store_dir, required=False).get("factors")
+            if own and (Path(store_dir) / own).exists() and not (Path(shared) / own).exists():
+                Path(shared).mkdir(parents=True, exist_ok=True)
+                tmp = Path(shared) / (own + ".tmp")
+                shutil.copyfile(Path(store_dir) / own, tmp)
+                tmp.replace(Path(shared) / own)
         with torch.inference_mode(False), torch.enable_grad():
             stats = fit_or_load(
                 metric, self.net, modules, [v.key for v in linears], fac, factors_dir=shared or store_dir,
