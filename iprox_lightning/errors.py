@@ -38,3 +38,15 @@ class OutputIsDirectoryError(UserError, IsADirectoryError):
 
 class OutputNotDirectoryError(UserError, NotADirectoryError):
     """An output directory named by a file."""
+
+
+PROXY_VALIDATIONS = ("target", "proxy")
+"""Whose validation gradients score a proxy: its target's (mapped into the proxy's factor space) or its own."""
+
+
+def check_choice(name: str, value, choices) -> None:
+    """Raise :class:`UserInputError` naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        opts = [repr(c) for c in choices]
+        told = opts[0] if len(opts) == 1 else ", ".join(opts[:-1]) + " or " + opts[-1]
+        raise UserInputError(f"{name} must be {told}, got {value!r}")

@@ -4,6 +4,7 @@ Python API, as a user hits it."""
 from __future__ import annotations
 
 import json
+import re
 import logging
 import sys
 from pathlib import Path
@@ -610,3 +611,21 @@ def test_select_reads_the_builtin_pool_at_the_size_that_was_scored(tmp_path):
     meta = json.loads((tmp_path / "sel.jsonl.meta.json").read_text())
     assert meta["pool_check"] == "match" and meta["builtin_size"] == 2010
     assert meta["explanation"]["pool_size"] == 2010
+
+
+def test_proxy_validation_is_checked_once_with_the_same_message_everywhere():
+    """``check_choice`` / ``PROXY_VALIDATIONS``: one check of the choice of validation model, named in the error."""
+    from iprox_lightning.errors import PROXY_VALIDATIONS, UserInputError, check_choice
+    from iprox_lightning.modules.proxy_align import AlignConfig
+
+    assert PROXY_VALIDATIONS == ("target", "proxy")
+    for v in PROXY_VALIDATIONS:
+        check_choice("proxy_validation", v, PROXY_VALIDATIONS)
+        assert AlignConfig(proxy_validation=v).proxy_validation == v
+    msg = "proxy_validation must be 'target' or 'proxy', got 'teacher'"
+    with pytest.raises(UserInputError, match=re.escape(msg)):
+        check_choice("proxy_validation", "teacher", PROXY_VALIDATIONS)
+    with pytest.raises(UserInputError, match=re.escape(msg)):
+        AlignConfig(proxy_validation="teacher")
+    with pytest.raises(UserInputError, match=re.escape("x must be 1, 2 or 3, got 4")):
+        check_choice("x", 4, (1, 2, 3))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..analysis.verdict import FLOOR
-from ..errors import UserInputError
+from ..errors import PROXY_VALIDATIONS, UserInputError, check_choice
 
 
 def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
@@ -188,8 +188,7 @@ def _proxy_validation(proxy: str, choice: str | None) -> str:
     if choice is None:
         m = _proxy_manifest(proxy)
         return "target" if m is not None and not m.get("block_drop") else "proxy"
-    if choice not in ("target", "proxy"):
-        raise UserInputError(f"proxy_validation must be 'target' or 'proxy', got {choice!r}")
+    check_choice("proxy_validation", choice, PROXY_VALIDATIONS)
     return choice
 
 

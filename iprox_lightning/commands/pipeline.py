@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import yaml
 
-from ..errors import InputNotFoundError, OutputNotDirectoryError, UserInputError
+from ..errors import PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserInputError, check_choice
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,7 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
 
     if select_rule not in RULES:
         raise UserInputError(f"select_rule: unknown selection rule {select_rule!r}; rules: {', '.join(RULES)}")
-    if proxy_validation not in ("target", "proxy"):
-        raise UserInputError(f"proxy_validation must be 'target' or 'proxy', got {proxy_validation!r}")
+    check_choice("proxy_validation", proxy_validation, PROXY_VALIDATIONS)
     if eval_per_task is not None and (isinstance(eval_per_task, bool) or eval_per_task < 1):
         raise UserInputError(f"eval_per_task must be >= 1 or null (every validation example), got {eval_per_task}")
     from ..scoring.influence import ScoringConfig

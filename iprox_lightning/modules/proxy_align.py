@@ -85,7 +85,7 @@ from ..callbacks.ranking_fidelity import (  # noqa: F401  (re-exported)
     FIDELITY_WORST_LOSS,
     RankingFidelity,
 )
-from ..errors import UserInputError
+from ..errors import PROXY_VALIDATIONS, UserInputError, check_choice
 from ..lowrank import LowRankLinear
 from ..model_modes import keep_eval
 from ..settings import takes_settings
@@ -238,8 +238,7 @@ class AlignConfig:
                 raise UserInputError(f"{name} must be an int >= 1, got {v!r}")
         if self.score_loss not in SCORE_LOSSES:
             raise UserInputError(f"score_loss must be one of {SCORE_LOSSES}, got {self.score_loss!r}")
-        if self.proxy_validation not in ("proxy", "target"):
-            raise UserInputError(f"proxy_validation must be 'proxy' or 'target', got {self.proxy_validation!r}")
+        check_choice("proxy_validation", self.proxy_validation, PROXY_VALIDATIONS)
         if self.task_reduction not in TASK_REDUCTIONS:
             raise UserInputError(f"task_reduction must be one of {TASK_REDUCTIONS}, got {self.task_reduction!r}")
         if self.keep_best and self.monitor.startswith("val/fidelity") and self.fidelity_examples == 0:
