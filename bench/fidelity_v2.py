@@ -339,25 +339,20 @@ def markdown(summary: Mapping[str, Any]) -> str:
         for d in summary["paired"]:
             lines.append(f"| {d['a']} | {d['b']} | {d['spearman']:+.3f}{fmt_ci(d['spearman_ci'])} | "
                          f"{d['partialled']:+.3f}{fmt_ci(d['partialled_ci'])} |")
-    if summary.get("paired_per_task"):
-        suites = list(summary["meta"].get("suites") or [])
-        lines += ["", "Per task, a `+tval` row (the proxy scored against the target's validation gradients) minus the row "
-                  "that scored the same proxy against its own (Δ Spearman with the target's suite score, paired "
-                  "bootstrap CI):", "", "| row | − row | " + " | ".join(f"Δ {suite_name(x)}" for x in suites) + " |",
-                  "|---|---|" + "---|" * len(suites)]
-        for d in summary["paired_per_task"]:
-            lines.append(f"| {d['a']} | {d['b']} | " + " | ".join(
-                f"{d[x]['spearman']:+.3f}{fmt_ci(d[x]['spearman_ci'])}" for x in suites if x in d) + " |")
-    if summary.get("paired_levers"):
-        suites = list(summary["meta"].get("suites") or [])
-        lines += ["", "Per task, a Stage-2 lever row minus the row it changes (the same key without the suffixes after "
-                  "`+align...`; Δ Spearman with the target's suite score, paired bootstrap CI over the pool examples — "
-                  "two builds, so the CI leaves out build-to-build variation: a re-build of one setting moved MMLU by "
-                  "0.07):", "", "| row | − row | " + " | ".join(f"Δ {suite_name(x)}" for x in suites) + " |",
-                  "|---|---|" + "---|" * len(suites)]
-        for d in summary["paired_levers"]:
-            lines.append(f"| {d['a']} | {d['b']} | " + " | ".join(
-                f"{d[x]['spearman']:+.3f}{fmt_ci(d[x]['spearman_ci'])}" for x in suites if x in d) + " |")
+    suites = list(summary["meta"].get("suites") or [])
+    for key, caption in (
+            ("paired_per_task", "Per task, a `+tval` row (the proxy scored against the target's validation gradients) "
+             "minus the row that scored the same proxy against its own (Δ Spearman with the target's suite score, "
+             "paired bootstrap CI):"),
+            ("paired_levers", "Per task, a Stage-2 lever row minus the row it changes (the same key without the "
+             "suffixes after `+align...`; Δ Spearman with the target's suite score, paired bootstrap CI over the pool "
+             "examples — two builds, so the CI leaves out build-to-build variation: a re-build of one setting moved "
+             "MMLU by 0.07):")):
+        if summary.get(key):
+            lines += ["", caption, "", "| row | − row | " + " | ".join(f"Δ {suite_name(x)}" for x in suites) + " |",
+                      "|---|---|" + "---|" * len(suites)]
+            lines += [f"| {d['a']} | {d['b']} | " + " | ".join(f"{d[x]['spearman']:+.3f}{fmt_ci(d[x]['spearman_ci'])}"
+                                                               for x in suites if x in d) + " |" for d in summary[key]]
     if summary.get("stages"):
         lines += ["", "Stages (wall-clock / CPU seconds; the command of each is in `state.json`):", "",
                   "| stage | wall s | CPU s | commit |", "|---|---|---|---|"]
