@@ -50,3 +50,18 @@ def load_factors(path: str | os.PathLike, *, method: str, fingerprint: Mapping |
             raise FingerprintMismatch(f"{path} holds factors fitted on other inputs (file -> now):\n  "
                                       + "\n  ".join(lines) + "\nremove the file to fit them again")
     return tensors
+
+
+def copy_factors(path: str | os.PathLike, into: str | os.PathLike) -> Path:
+    """A factor file copied into directory ``into`` under its own name (atomically, the directory made if needed), for
+    a store that keeps its own copy or a shared ``factors_dir`` that lost one; an existing copy is left as it is (the
+    name is the fingerprint's digest, so it holds the same factors)."""
+    import shutil
+
+    dst = Path(into) / Path(path).name
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, dst)
+    return dst

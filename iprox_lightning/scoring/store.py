@@ -11,7 +11,6 @@ which skips them: a killed build continues and every example is stored once.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -169,6 +168,7 @@ class GradientStoreModule(L.LightningModule):
             raise RuntimeError(f"method={self.metric.name!r} / projection={self.hparams.projection!r} "
                                "needs a data module with dataloader(split) for its factors")
         from ..console import show_progress
+        from ..io.factors import copy_factors
         from ..io.fingerprint import loader_digest
 
         hp = self.hparams
@@ -179,11 +179,8 @@ class GradientStoreModule(L.LightningModule):
         shared = hp.get("factors_dir")
         if shared and store_dir is not None and save:  # a resumed store's own copy serves a shared dir that lost it
             own = gs.read_info(store_dir, required=False).get("factors")
-            if own and (Path(store_dir) / own).exists() and not (Path(shared) / own).exists():
-                Path(shared).mkdir(parents=True, exist_ok=True)
-                tmp = Path(shared) / (own + ".tmp")
-                shutil.copyfile(Path(store_dir) / own, tmp)
-                tmp.replace(Path(shared) / own)
+            if own and (Path(store_dir) / own).exists():
+                copy_factors(Path(store_dir) / own, shared)
         with torch.inference_mode(False), torch.enable_grad():
             stats = fit_or_load(
                 metric, self.net, modules, [v.key for v in linears], fac, factors_dir=shared or store_dir,
@@ -192,12 +189,8 @@ class GradientStoreModule(L.LightningModule):
                 dtype=dtype, shard=(self.trainer.global_rank, world), reduce=reduce,
                 progress=show_progress(self.trainer), save=save)
         if shared and store_dir is not None:  # the store's own copy: a query reads only the store
-            kept = Path(store_dir) / Path(stats["factors"]).name
-            if save and not kept.exists():
-                tmp = kept.with_name(kept.name + ".tmp")
-                shutil.copyfile(stats["factors"], tmp)
-                tmp.replace(kept)
-            stats["factors"] = str(kept)
+            stats["factors"] = str(copy_factors(stats["factors"], store_dir) if save else
+                                   Path(store_dir) / Path(stats["factors"]).name)
         return stats
 
     def _same_on_every_rank(self, projections: dict[str, LayerProjection]) -> dict[str, LayerProjection]:
