@@ -40,6 +40,8 @@ SPARE0 = [r"layers\.0\.mlp\."]  # option spare0: block 0's MLP kept dense
 TASK_SUFFIX = re.compile(r"\+(fidtask|fid|valg|val|scorelist|score|worst|vt|tv|data|kl|last)([0-9.]*(?:[eE]-?\d+)?)")
 DEFAULT_VAL_TRAIN_FRACTION = 0.5
 TARGET_VALIDATION = "+tval"  # score against the target's validation gradients (parse_variant)
+# ``+align[EPOCHS][:LR]`` and the suffixes after it, at the end of a key: (epochs, lr, suffixes)
+ALIGN_TAIL = re.compile(r"\+align(\d*)(?::([0-9.]+(?:[eE][+-]?\d+)?))?((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)*)$")
 
 
 def parse_task_suffixes(spec: str, text: str) -> tuple[int | None, bool, dict[str, dict[str, Any]]]:
@@ -136,7 +138,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
             raise ValueError(f"variant {spec!r}: +tval needs the target's layers at the proxy's paths (not Layer "
                              "Extraction or dropped blocks)")
         return {**out, "key": s, "build_key": out["key"], "target_validation": True}
-    m = re.search(r"\+align(\d*)(?::([0-9.]+(?:[eE][+-]?\d+)?))?((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)*)$", s)
+    m = ALIGN_TAIL.search(s)
     align = m is not None
     fidelity, fidelity_task, task_align = (parse_task_suffixes(spec, m.group(3)) if m else
                                            (None, False, {"model": {}, "data": {}}))
@@ -214,8 +216,8 @@ def lever_base(key: str) -> str | None:
     ``+tval`` kept), or None when it has none (``…+align2:3e-4+valg1+last+tval`` -> ``…+align2:3e-4+tval``)."""
     tval = key.endswith(TARGET_VALIDATION)
     k = key[: -len(TARGET_VALIDATION)] if tval else key
-    m = re.search(r"(\+align\d*(?::[0-9.]+(?:[eE][+-]?\d+)?)?)((?:\+[a-z]+[0-9.]*(?:[eE]-?\d+)?)+)$", k)
-    return None if m is None else k[: m.end(1)] + (TARGET_VALIDATION if tval else "")
+    m = ALIGN_TAIL.search(k)
+    return None if m is None or not m.group(3) else k[: m.start(3)] + (TARGET_VALIDATION if tval else "")
 
 
 def dir_name(key: str) -> str:
