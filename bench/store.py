@@ -22,7 +22,8 @@ earlier invocations with other settings are kept, a row measured again is replac
 ``bytes_per_example`` (shard bytes / rows), ``spearman`` per task column and pooled
 (projected query vs exact scores of the same model and method; goal >= 0.95), and, with ``--proxy``,
 ``proxy_vs_target`` per method (Spearman per task between the proxy's and the target's query tables: EK-FAC vs K-FAC
-vs TracIn fidelity). Every stage is skipped when its output exists and its settings match ``OUT/state.json``;
+vs TracIn fidelity; ``exact`` holds each exact scoring's seconds). ``--exact-only`` runs the exact scorings
+alone (no store). Every stage is skipped when its output exists and its settings match ``OUT/state.json``;
 re-run the same command to resume.
 
     python bench/store.py --model OUT_FID/warmed --proxy OUT_FID/proxies/ipsvd@0.25+align \\
@@ -84,12 +85,20 @@ def _bytes_per_example(store: Path) -> float:
     return size / max(info.get("rows", 1), 1)
 
 
+def _settings(st: dict) -> dict:
+    """A stage's settings without the K-FAC options when its method (TracIn) does not read them."""
+    return {k: v for k, v in st.items() if st.get("method") != "tracin" or k not in ("kfac_examples", "damping")}
+
+
 class State:
     """``OUT/state.json``: per stage its settings and result; a stage re-runs when its settings changed."""
 
     def __init__(self, out: Path):
         self.path = out / "state.json"
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        for s in self.data.values():  # records from before TracIn's settings left out the K-FAC options it ignores
+            if s["settings"].get("method") == "tracin":
+                s["settings"] = _settings(s["settings"])
 
     def done(self, name: str, settings: dict, output: Path) -> dict | None:
         s = self.data.get(name)
@@ -168,11 +177,13 @@ def run(a) -> dict:
     state = State(out)
     # rows of earlier invocations with other settings (k, projection, method, model) are kept: each row says its own
     # settings, and a row this invocation measures again replaces its old one
-    earlier = json.loads((out / "results.json").read_text()).get("rows", []) if (out / "results.json").exists() else []
+    before = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    earlier = before.get("rows", [])
     results: dict = {"meta": {"model": a.model, "proxy": a.proxy, "pool": a.pool, "validation": a.validation,
                               "k": a.k, "methods": a.methods, "projections": a.projections,
                               "store_dtype": a.store_dtype, "max_length": a.max_length,
-                              "threads": a.threads, "new_task": a.new_task}, "rows": earlier, "proxy_vs_target": {}}
+                              "threads": a.threads, "new_task": a.new_task}, "rows": earlier, "exact": before.get("exact", {}),
+               "proxy_vs_target": before.get("proxy_vs_target", {})}
 
     def save():
         tmp = out / ".results.json.tmp"
@@ -184,14 +195,18 @@ def run(a) -> dict:
         for method in a.methods:
             name = f"{who}-{method}"
             exact_dir = out / "exact" / name
-            st = {"model": model, "method": method, "pool": a.pool, "validation": a.validation,
-                  "max_length": a.max_length, "kfac_examples": a.kfac_examples, "damping": a.damping}
+            st = _settings({"model": model, "method": method, "pool": a.pool, "validation": a.validation,
+                            "max_length": a.max_length, "kfac_examples": a.kfac_examples, "damping": a.damping})
             exact = state.done(f"exact/{name}", st, exact_dir / "scores.parquet")
             if exact is None:
                 cfg = _score_overlay(out, name, model, method, a)
                 exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config",
                                           str(cfg)], a.in_process, a.threads)}
                 state.record(f"exact/{name}", st, exact)
+            results["exact"][name] = {"model": model, **exact}
+            save()
+            if a.exact_only:
+                continue
             for k, projection, tag in _stores(a, method):
                 key = f"{name}-{tag}"
                 store, qdir = out / "stores" / key, out / "queries" / key
@@ -231,7 +246,7 @@ def run(a) -> dict:
                 save()
     if a.proxy:
         for method in a.methods:
-            for _, _, tag in _stores(a, method):
+            for _, _, tag in [] if a.exact_only else _stores(a, method):
                 results["proxy_vs_target"][f"{method}-{tag}"] = _compare(
                     out / "queries" / f"proxy-{method}-{tag}" / "scores.parquet",
                     out / "queries" / f"target-{method}-{tag}" / "scores.parquet")
@@ -249,6 +264,14 @@ def run(a) -> dict:
                      + (f"{nt['exact_s']:.1f}, {nt['query_s']:.1f} ({nt['query_share']:.3f})" if nt else "—")
                      + f" | {r['bytes_per_example']:.0f} | {r['spearman'].get('score', float('nan')):.3f} | "
                      f"{r['spearman_min_task']:.3f} |")
+    cols = sorted({c for v in results["proxy_vs_target"].values() for c in v}, key=lambda c: (c != "score", c))
+    if cols:
+        lines += ["", f"Proxy vs target, Spearman per score column (proxy `{a.proxy}`; exact scorings, or k = projected "
+                      "stores):", "", "| method | scores | " + " | ".join(c.replace("score/", "") or c for c in cols)
+                  + " |", "|---|---|" + "---|" * len(cols)]
+        for key, v in sorted(results["proxy_vs_target"].items()):
+            method, src = key.split("-", 1)
+            lines.append(f"| {method} | {src} | " + " | ".join(f"{v.get(c, float('nan')):.3f}" for c in cols) + " |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return results
 
@@ -272,6 +295,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-task", default=None, metavar="SUITE",
                     help="also score the validation records of SUITE alone (a set the store has not seen): fresh "
                          "exact scoring vs a cold query, with the first of --methods")
+    ap.add_argument("--exact-only", action="store_true",
+                    help="only the exact scorings (and, with --proxy, their proxy-vs-target Spearman): no store")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--in-process", action="store_true", help="run the commands in this process (tests)")
     a = ap.parse_args(argv)

@@ -51,3 +51,27 @@ def test_store_bench_runs_and_resumes(tmp_path, monkeypatch):
     one = bench_store.main([*args, "--projections", "pca"])
     assert calls == [] and [r["projection"] for r in one["rows"]] == ["gaussian", "pca"]
     assert "| pca |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_store_bench_exact_only_compares_proxy_and_target_per_method(tmp_path, monkeypatch):
+    """``--exact-only --proxy``: the exact scorings of both per method and their Spearman per column (the same model
+    twice here: 1.0 for every method); TracIn's stage ignores a changed ``--kfac-examples``, K-FAC's re-runs."""
+    pool, val = tmp_path / "pool.jsonl", tmp_path / "val.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{j}", "instruction": f"Say {'ab' * (j % 4 + 1)}", "context": "",
+                                        "response": "b" * (j % 3 + 1)}) + "\n" for j in range(8)))
+    val.write_text("".join(json.dumps({"id": f"v{j}", "category": ["mmlu.a", "bbh.b"][j % 2], "instruction": "Say a",
+                                       "context": "", "response": "a" * (j + 1)}) + "\n" for j in range(4)))
+    args = ["--model", "builtin", "--proxy", "builtin", "--pool", str(pool), "--validation", str(val), "--out",
+            str(tmp_path / "out"), "--methods", "tracin", "kfac", "--max-length", "32", "--in-process", "--exact-only"]
+    res = bench_store.main([*args, "--kfac-examples", "4"])
+    assert res["rows"] == [] and not (tmp_path / "out" / "stores").exists()
+    assert set(res["exact"]) == {"target-tracin", "target-kfac", "proxy-tracin", "proxy-kfac"}
+    assert set(res["proxy_vs_target"]) == {"tracin-exact", "kfac-exact"}
+    for v in res["proxy_vs_target"].values():
+        assert set(v) == {"score", "score/bbh.b", "score/mmlu.a"} and all(x == pytest.approx(1.0) for x in v.values())
+    assert "| kfac | exact | 1.000 |" in (tmp_path / "out" / "summary.md").read_text()
+    calls = []
+    monkeypatch.setattr(bench_store, "_run", lambda *a, **k: calls.append(a[0]) or 1.0)
+    bench_store.main([*args, "--kfac-examples", "3"])
+    assert [c[-1] for c in calls] == [str(tmp_path / "out" / "configs" / f"score-{w}-kfac.yaml")
+                                      for w in ("target", "proxy")]

@@ -238,3 +238,15 @@ def test_store_vectors_do_not_depend_on_the_eigensolvers_choice_of_eigenvectors(
     _, after = _vectors(model, other, k=5)
     assert not torch.equal(state[f"{key}|Q_h"], metric.state_dict()[f"{key}|Q_h"])
     torch.testing.assert_close(after, before, rtol=0, atol=1e-9 * float(before.abs().max()))
+
+
+@pytest.mark.parametrize("T", [3, 200])  # 3 tokens: rotate the tokens first; 200: rotate the formed gradient
+def test_eigenbasis_gradients_equal_the_rotated_materialised_gradients(T):
+    from iprox_lightning.scoring.metrics import eigenbasis_gradients
+
+    g = torch.Generator().manual_seed(0)
+    h, d = torch.randn(2, T, 7, generator=g, dtype=torch.float64), torch.randn(2, T, 5, generator=g, dtype=torch.float64)
+    Q_h = torch.linalg.qr(torch.randn(7, 7, generator=g, dtype=torch.float64))[0]
+    Q_d = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))[0]
+    want = torch.stack([Q_d.t() @ sum(torch.outer(d[b, t], h[b, t]) for t in range(T)) @ Q_h for b in range(2)])
+    torch.testing.assert_close(eigenbasis_gradients(h, d, Q_h, Q_d), want, rtol=1e-12, atol=1e-12)

@@ -309,9 +309,9 @@ class ScoreFeatureTracker(WeightPairTracker):
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         h, delta = h.to(self.dtype), delta.to(self.dtype)
         if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M of the materialised [B, out, in]
-            MG = self.metric.matrix(key, materialize_grads(h, delta))
-            self.sq.add_(MG.double().pow(2).sum(dim=(1, 2)))
-            self.dots.add_(torch.einsum("boi,koi->bk", MG.double(), self.V[key].double()))
+            MG = self.metric.gradients(key, h, delta).flatten(1)  # [B, out·in], the tracker's dtype like tokens
+            self.sq.add_(MG.pow(2).sum(1).double())
+            self.dots.add_((MG @ self.V[key].to(MG).flatten(1).t()).double())
             return
         h, delta = self.metric.tokens(key, h, delta)
         s, dt = layer_features(h, delta, self.V[key], self.feature_mode)

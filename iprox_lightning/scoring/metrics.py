@@ -12,8 +12,9 @@ tokens ``(h, δ)`` of a per-example gradient (:meth:`InfluenceMetric.tokens`, th
 
 * :class:`EKFAC` — eigenvalue-corrected K-FAC (George et al. 2018): K-FAC's eigenbases with eigenvalues fitted to
   the per-example gradients; it rescales the whole per-example gradient in the Kronecker eigenbasis, so it does not
-  factor over tokens (``token_factored = False``) and the trackers apply :meth:`InfluenceMetric.matrix` to the
-  materialised per-layer gradient (or before projecting it, :mod:`.projection`).
+  factor over tokens (``token_factored = False``) and the trackers take the per-layer gradient it maps,
+  :meth:`InfluenceMetric.gradients` (rotating the tokens first when that is cheaper, :func:`eigenbasis_gradients`),
+  or project it (:mod:`.projection`).
 
 A fitted metric's state (eigenbases, eigenvalues) is saved and reused by fingerprint (:mod:`iprox_lightning.io.factors`,
 :func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` and gets a name in :func:`influence_metric`.
@@ -30,7 +31,7 @@ from torch import nn
 from ..damping import check_damping, check_damping_mode, damping_value
 from ..errors import UserInputError
 from ..tracking import backward_pairs
-from .features import WeightPairTracker, eval_mode, progress_bar, slice_rows, to_device, trim_batch
+from .features import WeightPairTracker, eval_mode, materialize_grads, progress_bar, slice_rows, to_device, trim_batch
 
 METRICS = ("tracin", "kfac", "ekfac")
 
@@ -145,6 +146,17 @@ def layer_metric(eig: Mapping[str, torch.Tensor], damping: float, mode: str,
     return LayerMetric(eig["Q_h"].double(), eh.rsqrt(), eig["Q_d"].double(), ed.rsqrt()).to(dtype)
 
 
+def eigenbasis_gradients(h: torch.Tensor, delta: torch.Tensor, Q_h: torch.Tensor, Q_d: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients in the Kronecker eigenbasis, ``Q_δᵀ (Σ_t δ_t h_tᵀ) Q_h``: ``[B, T, in] × [B, T, out]
+    -> [B, out, in]``, in the order with fewer multiply-adds: rotating the ``T`` tokens first
+    (``T (out² + in²) + T out in``, cheaper while ``T`` is below about the layer's width) or the formed gradient
+    (``T out in + out² in + out in²``). Both are the same matrix up to rounding."""
+    T, i, o = h.shape[1], h.shape[2], delta.shape[2]
+    if T * (o * o + i * i) <= o * i * (o + i):
+        return torch.bmm((delta @ Q_d).transpose(1, 2), h @ Q_h)
+    return Q_d.t() @ materialize_grads(h, delta) @ Q_h
+
+
 class EigenCorrection(WeightPairTracker):
     """Tracker: per tracked weight, ``Σ_z (Q_δᵀ G(z) Q_h)²`` (float64, elementwise) of the per-example gradients
     ``G(z) = Σ_t δ_t h_tᵀ`` in the K-FAC eigenbases (George et al. 2018, EK-FAC's corrected eigenvalues)."""
@@ -157,9 +169,7 @@ class EigenCorrection(WeightPairTracker):
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         Q_h, Q_d = (t.to(h.device) for t in self.bases[key])
-        G = torch.bmm(delta.double().transpose(1, 2), h.double())  # [B, out, in]
-        R = Q_d.t() @ G @ Q_h
-        s = R.pow(2).sum(0)
+        s = eigenbasis_gradients(h.double(), delta.double(), Q_h.double(), Q_d.double()).pow(2).sum(0)
         self.sums[key] = s if key not in self.sums else self.sums[key] + s
 
 
@@ -171,8 +181,8 @@ class InfluenceMetric:
 
     A metric maps a weight's per-example gradient ``G`` to ``M G``. It either factors over the tokens
     (``token_factored = True``: :meth:`tokens` maps ``(h, δ)`` so that ``Σ_t δ̃_t h̃_tᵀ = M G``; TracIn, K-FAC) and
-    scoring never forms ``G``, or it does not (``False``: EK-FAC) and the trackers materialise ``G`` per example and
-    apply :meth:`matrix` to it. A metric fitted on data saves and loads its fitted state (:meth:`state_dict`,
+    scoring never forms ``G``, or it does not (``False``: EK-FAC) and the trackers take ``M G`` per example from
+    :meth:`gradients`. A metric fitted on data saves and loads its fitted state (:meth:`state_dict`,
     :meth:`load_state_dict`: tensors only, written as safetensors by :mod:`iprox_lightning.io.factors`)."""
 
     name: str
@@ -195,6 +205,12 @@ class InfluenceMetric:
     def matrix(self, key: str, G: torch.Tensor) -> torch.Tensor:
         """``M G`` for gradient-shaped ``G: [..., out, in]`` of weight ``key``."""
         raise NotImplementedError
+
+    def gradients(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``M G`` of the per-example gradients ``G = Σ_t δ_t h_tᵀ`` of tokens ``h: [B, T, in]``, ``δ: [B, T, out]``
+        (``[B, out, in]``; what the trackers use when the metric is not ``token_factored``). A metric may override
+        it with a cheaper order than forming ``G`` first."""
+        return self.matrix(key, materialize_grads(h, delta))
 
     def tokens(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``(h̃, δ̃)`` with ``Σ_t δ̃_t h̃_tᵀ = M Σ_t δ_t h_tᵀ`` (only when ``token_factored``)."""
@@ -391,6 +407,10 @@ class EKFAC(KFAC):
         L = self._layer(key)
         s = self.scales[key].to(G)
         return (L.Q_d.t().to(G) @ G @ L.Q_h.to(G)) * s
+
+    def gradients(self, key, h, delta):
+        L = self._layer(key)
+        return eigenbasis_gradients(h, delta, L.Q_h.to(h), L.Q_d.to(h)) * self.scales[key].to(h)
 
     def tokens(self, key, h, delta):
         return InfluenceMetric.tokens(self, key, h, delta)

@@ -185,7 +185,7 @@ class ProjectedGradientTracker(WeightPairTracker):
                 h, delta = self.metric.tokens(key, h, delta)
             self.vectors[:, off:off + d] = p.tokens(h, delta)
         else:  # a metric of the whole per-example gradient (EK-FAC): materialise G, map it, project it
-            self.vectors[:, off:off + d] = p.matrix(self.metric.matrix(key, materialize_grads(h, delta)))
+            self.vectors[:, off:off + d] = p.matrix(self.metric.gradients(key, h, delta))
 
 
 class GradientProjector:
