@@ -138,6 +138,39 @@ def test_factors_are_saved_once_and_reused_by_fingerprint(tmp_path, method):
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.pkl"))
 
 
+@pytest.mark.parametrize("first", ["kfac", "ekfac"])
+def test_ekfac_and_kfac_share_the_kfac_factors_on_disk(tmp_path, monkeypatch, first):
+    """EK-FAC corrects the eigenvalues of K-FAC's eigenbases: with a K-FAC fit of the same inputs saved, it loads it
+    instead of a second K-FAC pass, and an EK-FAC fit saves its K-FAC part for a later K-FAC run; the fitted state
+    is the one fitted from scratch."""
+    import iprox_lightning.scoring.metrics as metrics
+
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    mods = tracked_modules(model)
+    keys = [v.key for v in virtual_linears(mods)]
+    fresh = {m: _fitted(m, model, FACTOR).state_dict() for m in ("kfac", "ekfac")}
+    passes = []
+    real = metrics._factor_batches
+    monkeypatch.setattr(metrics, "_factor_batches", lambda *a, **k: passes.append(a[5]) or real(*a, **k))
+    fit = lambda m: fit_or_load(influence_metric(m, damping=DAMPING, kfac_examples=len(FACTOR)), model, mods, keys,  # noqa: E731
+                                batches(FACTOR, 5), factors_dir=str(tmp_path), fingerprint={"model": "tiny"},
+                                dtype=torch.float64)
+    second = {"kfac": "ekfac", "ekfac": "kfac"}[first]
+    fit(first)
+    assert sorted(f.name.split("-")[0] for f in tmp_path.glob("*.safetensors")) == sorted({"kfac", first})
+    passes.clear()
+    st = fit(second)
+    assert passes == (["EK-FAC eigenvalues"] if second == "ekfac" else [])  # no second K-FAC pass
+    assert st.get("kfac_factors_reused", st.get("factors_reused")) is True
+    for m in ("kfac", "ekfac"):
+        again = influence_metric(m, damping=DAMPING, kfac_examples=len(FACTOR))
+        assert fit_or_load(again, model, mods, keys, None, factors_dir=str(tmp_path), fingerprint={"model": "tiny"},
+                           dtype=torch.float64)["factors_reused"] is True
+        assert again.state_dict().keys() == fresh[m].keys()
+        for k, t in again.state_dict().items():  # equal up to rounding (loaded eigenvectors are laid out otherwise)
+            torch.testing.assert_close(t, fresh[m][k], rtol=1e-10, atol=1e-12 * float(fresh[m][k].abs().max()))
+
+
 def test_ekfac_is_a_method_name():
     assert isinstance(influence_metric("ekfac"), EKFAC) and isinstance(influence_metric("kfac"), KFAC)
     assert EKFAC.token_factored is False and KFAC.token_factored is True

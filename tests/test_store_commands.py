@@ -385,12 +385,14 @@ def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files,
 
     root = Path(__file__).resolve().parents[1]
     main(["predict", "--config", str(root / "configs" / "score.yaml"), "--config", str(tmp_path / "score.yaml")])
-    (fitted,) = fdir.iterdir()
+    (fitted,) = fdir.glob("ekfac-*")  # beside it the K-FAC factors it corrects, for a K-FAC run
+    assert [p.name.split("-")[0] for p in sorted(fdir.iterdir())] == ["ekfac", "kfac"]
+    shared = sorted(p.name for p in fdir.iterdir())
     mtime, data = fitted.stat().st_mtime_ns, fitted.read_bytes()
     store = tmp_path / "store"
     _build(store, pool, "--k", "4", "--method", "ekfac", "--kfac_examples", "6", "--store_dtype", "float32",
            "--factors_dir", str(fdir))
-    assert [p.name for p in fdir.iterdir()] == [fitted.name] and fitted.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in fdir.iterdir()) == shared and fitted.stat().st_mtime_ns == mtime
     info = gs.read_info(store)
     assert info["factors"] == fitted.name and (store / fitted.name).read_bytes() == data
     import shutil
@@ -415,5 +417,5 @@ def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files,
     # other factor data (5 examples): fitted anew into the shared directory, not the earlier file
     _build(tmp_path / "store5", pool, "--k", "4", "--method", "ekfac", "--kfac_examples", "5", "--store_dtype",
            "float32", "--factors_dir", str(fdir))
-    (other,) = fdir.iterdir()
+    (other,) = fdir.glob("ekfac-*")
     assert other.name != fitted.name and gs.read_info(tmp_path / "store5")["factors"] == other.name

@@ -7,6 +7,8 @@ the file: the model's identity, the digest of the factor data, the metric's fit 
 weights and the dtypes. A run with the same inputs finds the file and loads it; any changed input gives another name,
 so an old result is never reused for a changed setting (damping is applied after loading, so it is not part of it).
 A file whose recorded fingerprint does not match its name's (edited, or copied over) is refused naming what differs.
+An EK-FAC fit reads the K-FAC file of the same inputs for its eigenbases, or writes one beside its own, so K-FAC and
+EK-FAC runs on one model and factor data make one K-FAC pass between them (:func:`~iprox_lightning.scoring.metrics.fit_or_load`).
 """
 from __future__ import annotations
 

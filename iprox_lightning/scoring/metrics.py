@@ -303,16 +303,24 @@ class KFAC(InfluenceMetric):
         t = torch.tensor([float(n)], dtype=torch.float64, device=device)
         return int((reduce(t) if reduce is not None else t).item())
 
-    def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False):
+    def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False,
+            eigenbases: "KFAC | None" = None):
+        """See :meth:`InfluenceMetric.fit`; ``eigenbases``: a fitted :class:`KFAC` on the same inputs whose factors
+        are taken instead of fitting them (EK-FAC corrects the eigenvalues of a saved K-FAC fit)."""
         if batches is None:
             raise ValueError(f"method={self.name!r} needs training batches to estimate the K-FAC factors")
-        device = next(model.parameters()).device
-        factors = KFACFactors(modules)
-        t0 = time.perf_counter()
-        factors.examples = _factor_batches(model, batches, self.examples, shard, progress, "K-FAC factors", [factors])
-        n = self._reduced_count(factors.examples, device, reduce)
-        self.eigens = factors.eigens(keys, reduce)
-        stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0}
+        if eigenbases is not None:
+            self.eigens = {k: {f: eigenbases.eigens[k][f] for f in _EIG_FIELDS} for k in keys}
+            stats = {"kfac_factors_reused": True}
+        else:
+            device = next(model.parameters()).device
+            factors = KFACFactors(modules)
+            t0 = time.perf_counter()
+            factors.examples = _factor_batches(model, batches, self.examples, shard, progress, "K-FAC factors",
+                                               [factors])
+            n = self._reduced_count(factors.examples, device, reduce)
+            self.eigens = factors.eigens(keys, reduce)
+            stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0}
         stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress))
         self._build(keys, dtype)
         return stats
@@ -368,6 +376,10 @@ class EKFAC(KFAC):
     name = "ekfac"
     token_factored = False
     extra_fields = ("lambda", "n")
+
+    def kfac(self) -> KFAC:
+        """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
+        return KFAC(self.damping, self.damping_mode, self.examples)
 
     def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
         t0 = time.perf_counter()
@@ -445,12 +457,26 @@ def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str,
     from ..io.factors import factors_path, load_factors, save_factors
     from ..io.fingerprint import digest
 
-    fp = {**dict(fingerprint or {}), **metric.fit_settings(), "weights": digest(list(keys)), "dtype": str(dtype)}
-    path = factors_path(factors_dir, metric.name, fp)
+    def where(m):
+        fp = {**dict(fingerprint or {}), **m.fit_settings(), "weights": digest(list(keys)), "dtype": str(dtype)}
+        return factors_path(factors_dir, m.name, fp), fp
+
+    path, fp = where(metric)
     if path.exists():
         metric.load_state_dict(load_factors(path, method=metric.name, fingerprint=fp), keys, dtype=dtype)
         return {"factors": str(path), "factors_reused": True}
-    stats = metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
+    if not isinstance(metric, EKFAC):
+        stats = metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
+    else:  # EK-FAC on the K-FAC factors of the same inputs: loaded when a K-FAC run saved them, else saved for one
+        base = metric.kfac()
+        base_path, base_fp = where(base)
+        if base_path.exists():
+            base.load_state_dict(load_factors(base_path, method=base.name, fingerprint=base_fp), keys, dtype=dtype)
+        stats = metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress,
+                           eigenbases=base if base_path.exists() else None)
+        if save and not base_path.exists():
+            save_factors(base_path, {f"{k}|{f}": metric.eigens[k][f] for k in keys for f in _EIG_FIELDS},
+                         method=base.name, fingerprint=base_fp)
     if save:
         save_factors(path, metric.state_dict(), method=metric.name, fingerprint=fp)
     return {**stats, "factors": str(path), "factors_reused": False}
