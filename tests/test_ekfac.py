@@ -283,3 +283,28 @@ def test_eigenbasis_gradients_equal_the_rotated_materialised_gradients(T):
     Q_d = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))[0]
     want = torch.stack([Q_d.t() @ sum(torch.outer(d[b, t], h[b, t]) for t in range(T)) @ Q_h for b in range(2)])
     torch.testing.assert_close(eigenbasis_gradients(h, d, Q_h, Q_d), want, rtol=1e-12, atol=1e-12)
+
+
+def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision():
+    """A float32 model's factor pass multiplies each batch's tokens in float32 (kronfluence's default, twice the
+    speed of float64 on a CPU) and sums the batches in float64: the K-FAC second moments and EK-FAC's eigenvalue sums
+    equal float64 brute force to float32 rounding (1e-5 of the largest entry), and stay float64."""
+    from iprox_lightning.scoring.metrics import EigenCorrection, KFACFactors
+
+    g = torch.Generator().manual_seed(1)
+    steps = [(torch.randn(3, 9, 24, generator=g, dtype=torch.float64),
+              torch.randn(3, 9, 40, generator=g, dtype=torch.float64),
+              (torch.rand(3, 9, generator=g) < 0.8).long()) for _ in range(4)]
+    Q_h = torch.linalg.qr(torch.randn(24, 24, generator=g, dtype=torch.float64))[0]
+    Q_d = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))[0]
+    kf, ec = KFACFactors({}), EigenCorrection({}, {"w": (Q_h.float(), Q_d.float())})
+    for h, d, mask in steps:
+        for tr in (kf, ec):
+            tr.start_step({"attention_mask": mask})
+            tr.on_weight("w", h.float(), (d * mask[..., None]).float())
+    hs = torch.cat([h[mask.bool()] for h, _, mask in steps])
+    ds = torch.cat([d[mask.bool()] for _, d, mask in steps])
+    lam = sum(((Q_d.t() @ (d * m[..., None]).transpose(1, 2) @ h @ Q_h) ** 2).sum(0) for h, d, m in steps)
+    for got, want in ((kf.sum_hh["w"], hs.t() @ hs), (kf.sum_dd["w"], ds.t() @ ds), (ec.sums["w"], lam)):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))

@@ -79,8 +79,16 @@ def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tenso
     return Q, e, lam
 
 
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a factor pass multiplies a batch's tokens in: theirs, at least float32 (a float64 model stays float64);
+    the batch's product is then added into float64 sums. Per-batch products in float32 are what kronfluence fits in
+    by default, and twice as fast as float64 on a CPU."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 class KFACFactors(WeightPairTracker):
-    """Tracker: running sums of ``h hᵀ`` and ``δ δᵀ`` (float64) over the non-padding tokens, per tracked weight."""
+    """Tracker: running sums of ``h hᵀ`` and ``δ δᵀ`` over the non-padding tokens, per tracked weight (each batch's
+    products in the tokens' precision, at least float32; the sums float64)."""
 
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:
         super().__init__(modules)
@@ -91,14 +99,14 @@ class KFACFactors(WeightPairTracker):
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         m = self.keep.squeeze(-1)
-        hv = h[m].to(torch.float64)
-        dv = delta[m].to(torch.float64)
+        hv = h[m].to(_work_dtype(h))
+        dv = delta[m].to(_work_dtype(delta))
         if key not in self.sum_hh:
-            self.sum_hh[key] = hv.new_zeros(hv.shape[-1], hv.shape[-1])
-            self.sum_dd[key] = dv.new_zeros(dv.shape[-1], dv.shape[-1])
+            self.sum_hh[key] = hv.new_zeros(hv.shape[-1], hv.shape[-1], dtype=torch.float64)
+            self.sum_dd[key] = dv.new_zeros(dv.shape[-1], dv.shape[-1], dtype=torch.float64)
             self.tokens[key] = 0.0
-        self.sum_hh[key].addmm_(hv.t(), hv)
-        self.sum_dd[key].addmm_(dv.t(), dv)
+        self.sum_hh[key].add_(hv.t() @ hv)
+        self.sum_dd[key].add_(dv.t() @ dv)
         self.tokens[key] += float(hv.shape[0])
 
     def eigens(self, keys: Sequence[str], reduce: Callable | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -158,19 +166,27 @@ def eigenbasis_gradients(h: torch.Tensor, delta: torch.Tensor, Q_h: torch.Tensor
 
 
 class EigenCorrection(WeightPairTracker):
-    """Tracker: per tracked weight, ``Σ_z (Q_δᵀ G(z) Q_h)²`` (float64, elementwise) of the per-example gradients
-    ``G(z) = Σ_t δ_t h_tᵀ`` in the K-FAC eigenbases (George et al. 2018, EK-FAC's corrected eigenvalues)."""
+    """Tracker: per tracked weight, ``Σ_z (Q_δᵀ G(z) Q_h)²`` (elementwise; each batch in the tokens' precision, at
+    least float32, summed in float64) of the per-example gradients ``G(z) = Σ_t δ_t h_tᵀ`` in the K-FAC eigenbases
+    (George et al. 2018, EK-FAC's corrected eigenvalues)."""
 
     def __init__(self, modules: Mapping[str, nn.Module], bases: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__(modules)
-        self.bases = bases
+        self.bases = dict(bases)
         self.sums: dict[str, torch.Tensor] = {}
         self.examples = 0
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
-        Q_h, Q_d = (t.to(h.device) for t in self.bases[key])
-        s = eigenbasis_gradients(h.double(), delta.double(), Q_h.double(), Q_d.double()).pow(2).sum(0)
-        self.sums[key] = s if key not in self.sums else self.sums[key] + s
+        w = _work_dtype(h)
+        Q_h, Q_d = self.bases[key]
+        if Q_h.dtype != w or Q_h.device != h.device:  # converted once per weight
+            Q_h, Q_d = self.bases[key] = (Q_h.to(h.device, w).contiguous(), Q_d.to(h.device, w).contiguous())
+        R = eigenbasis_gradients(h.to(w), delta.to(w), Q_h, Q_d)
+        s = torch.einsum("boi,boi->oi", R, R).double()
+        if key in self.sums:
+            self.sums[key].add_(s)
+        else:
+            self.sums[key] = s
 
 
 # --------------------------------------------------------------------------------------------
