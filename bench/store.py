@@ -20,7 +20,10 @@ earlier invocations with other settings are kept, a row measured again is replac
 (cached), ``query_share`` / ``requery_share`` (their seconds / exact seconds), ``new_task`` (the new suite's
 ``query_share``: cold query / fresh exact scoring of that suite; goal <= 0.05; and its Spearman per column),
 ``bytes_per_example`` (shard bytes / rows), ``spearman`` per task column and pooled
-(projected query vs exact scores of the same model and method; goal >= 0.95), and, with ``--proxy``,
+(projected query vs exact scores of the same model and method; goal >= 0.95; the query divides by the exact
+gradient norms the store keeps, ``norms: exact``; ``spearman_projected_norms``: the same store queried with
+``--norms projected``, dividing by the stored vectors' norms as stores built before the exact norms did — rows
+without ``norms`` were measured that way), and, with ``--proxy``,
 ``proxy_vs_target`` per method (Spearman per task between the proxy's and the target's query tables: EK-FAC vs K-FAC
 vs TracIn fidelity; ``exact`` holds each exact scoring's seconds). ``--exact-only`` runs the exact scorings
 alone (no store). Every stage is skipped when its output exists and its settings match ``OUT/state.json``;
@@ -86,8 +89,10 @@ def _bytes_per_example(store: Path) -> float:
 
 
 def _settings(st: dict) -> dict:
-    """A stage's settings without the K-FAC options when its method (TracIn) does not read them."""
-    return {k: v for k, v in st.items() if st.get("method") != "tracin" or k not in ("kfac_examples", "damping")}
+    """A stage's settings without the K-FAC options when nothing in it reads them (TracIn, unless a PCA store fits
+    its moments on ``kfac_examples``)."""
+    unread = st.get("method") == "tracin" and st.get("projection", "gaussian") != "pca"
+    return {k: v for k, v in st.items() if not unread or k not in ("kfac_examples", "damping")}
 
 
 class State:
@@ -140,7 +145,7 @@ def _new_task_validation(out: Path, validation: str, suite: str) -> Path:
 
 
 def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st: dict, store: Path, key: str,
-              bst: dict) -> dict:
+              bst: dict, rebuilt: bool) -> dict:
     """A validation set the store has never seen (``--new-task``): a fresh exact scoring of it against a cold query."""
     val = _new_task_validation(out, a.validation, a.new_task)
     sub = f"{name}-{a.new_task}"
@@ -154,7 +159,7 @@ def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st
         state.record(f"exact/{sub}", est, exact)
     qst = {**bst, "validation": str(val), "new_task": a.new_task}
     queried = state.done(f"query/{key}-{a.new_task}", qst, qdir / "scores.parquet")
-    if queried is None:
+    if queried is None or rebuilt:
         queried = {"query_s": _run(["query", "--store", str(store), "--validation", str(val), "--output_dir",
                                     str(qdir)], a.in_process, a.threads)}
         state.record(f"query/{key}-{a.new_task}", qst, queried)
@@ -210,34 +215,49 @@ def run(a) -> dict:
             for k, projection, tag in _stores(a, method):
                 key = f"{name}-{tag}"
                 store, qdir = out / "stores" / key, out / "queries" / key
-                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
-                       **({"projection": projection} if projection != "gaussian" else {})}
+                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size, "norms": "exact",
+                       **({"projection": projection, "kfac_examples": a.kfac_examples} if projection != "gaussian"
+                          else {})}
                 built = state.done(f"build/{key}", bst, store / "store.json")
+                rebuilt = built is None  # then its queries are made again too
                 if built is None:
+                    # a store this benchmark built with other settings (e.g. before stores kept exact norms, whose
+                    # fingerprint the build refuses) is built again from scratch; a killed build of these resumes
+                    earlier_build = state.data.get(f"build/{key}")
+                    fresh = earlier_build is not None and earlier_build["settings"] != bst
                     built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool",
                                               a.pool, "--k", str(k), "--method", method, "--kfac_examples",
                                               str(a.kfac_examples), "--damping", str(a.damping), "--store_dtype",
                                               a.store_dtype, "--max_length", str(a.max_length), "--batch_size",
                                               str(a.batch_size), "--projection", projection,
                                               "--factors_dir", str(out / "factors"),  # the exact run's, shared
-                                              "--progress", str(not a.in_process).lower()],
+                                              "--progress", str(not a.in_process).lower(),
+                                              *(["--overwrite", "true"] if fresh else [])],
                                              a.in_process, a.threads)}
                     state.record(f"build/{key}", bst, built)
                 queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
-                if queried is None or "requery_s" not in queried:
+                pdir = out / "queries" / f"{key}-projected-norms"
+                if (rebuilt or queried is None or "requery_s" not in queried
+                        or not (pdir / "scores.parquet").exists()):
                     q = ["query", "--store", str(store), "--validation", a.validation, "--output_dir", str(qdir)]
                     first = _run(q, a.in_process, a.threads)
                     queried = {"query_s": first, "requery_s": _run(q, a.in_process, a.threads)}
+                    # the same store queried dividing by its vectors' norms instead of the exact ones (cached)
+                    _run([*q[:-1], str(pdir), "--norms", "projected"], a.in_process, a.threads)
                     state.record(f"query/{key}", bst, queried)
                 rho = _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")
-                new_task = (_new_task(out, state, a, name, model, method, st, store, key, bst)
+                rho_projected = _compare(pdir / "scores.parquet", exact_dir / "scores.parquet")
+                new_task = (_new_task(out, state, a, name, model, method, st, store, key, bst, rebuilt)
                             if a.new_task and method == a.methods[0] else None)
                 row = {"who": who, "method": method, "k": k, "projection": projection, **exact, **built, **queried,
                        "build_vs_exact": built["build_s"] / exact["exact_s"],
                        "query_share": queried["query_s"] / exact["exact_s"],
                        "requery_share": queried["requery_s"] / exact["exact_s"], "new_task": new_task,
                        "bytes_per_example": _bytes_per_example(store), "spearman": rho,
-                       "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
+                       "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan")),
+                       "norms": "exact", "spearman_projected_norms": rho_projected,
+                       "spearman_min_task_projected_norms": min(
+                           (v for c, v in rho_projected.items() if c != "score"), default=float("nan"))}
                 results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"],
                                                                   r.get("projection", "gaussian")) !=
                                    (who, method, k, projection)]
@@ -254,8 +274,9 @@ def run(a) -> dict:
                 out / "exact" / f"proxy-{method}" / "scores.parquet", out / "exact" / f"target-{method}" / "scores.parquet")
     save()
     lines = ["| model | method | k | projection | exact s | build s | build/exact | query s (share) | re-query s (share) | "
-             f"new task {a.new_task or '—'}: exact s, query s (share) | bytes/example | Spearman pooled | min task |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"new task {a.new_task or '—'}: exact s, query s (share) | bytes/example | Spearman pooled | min task | "
+             "norms | pooled, min task with projected norms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         nt = r.get("new_task")
         lines.append(f"| {r['who']} | {r['method']} | {r['k']} | {r.get('projection', 'gaussian')} | {r['exact_s']:.1f} | {r['build_s']:.1f} | "
@@ -263,7 +284,9 @@ def run(a) -> dict:
                      f"{r['requery_s']:.1f} ({r['requery_share']:.3f}) | "
                      + (f"{nt['exact_s']:.1f}, {nt['query_s']:.1f} ({nt['query_share']:.3f})" if nt else "—")
                      + f" | {r['bytes_per_example']:.0f} | {r['spearman'].get('score', float('nan')):.3f} | "
-                     f"{r['spearman_min_task']:.3f} |")
+                     f"{r['spearman_min_task']:.3f} | {r.get('norms', 'projected')} | "
+                     + (f"{r['spearman_projected_norms'].get('score', float('nan')):.3f}, "
+                        f"{r['spearman_min_task_projected_norms']:.3f} |" if "spearman_projected_norms" in r else "— |"))
     cols = sorted({c for v in results["proxy_vs_target"].values() for c in v}, key=lambda c: (c != "score", c))
     if cols:
         lines += ["", f"Proxy vs target, Spearman per score column (proxy `{a.proxy}`; exact scorings, or k = projected "

@@ -198,7 +198,8 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
                                                for k, p in ref.items()})
     names, S, _ = task_sums(proj.project_batch(b) for b in dm.validation_dataloader())
     shards = [{"ids": r["id"], "tasks": r["task"], "vectors": r["vectors"], "n_tokens": torch.as_tensor(r["n_tokens"]),
-               "zero_grad": torch.as_tensor(r["zero_grad"]), "nonfinite": torch.as_tensor(r["nonfinite"])}
+               "zero_grad": torch.as_tensor(r["zero_grad"]), "nonfinite": torch.as_tensor(r["nonfinite"]),
+               "norms": r["norms"]}
               for r in (proj.project_batch(b) for b in dm.dataloader("pool"))]
     want = query_table(shards, names, S)
     assert got.task_names == want.task_names
