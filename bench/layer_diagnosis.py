@@ -43,20 +43,17 @@ def suite_order(names) -> list[str]:
 
 
 def read_store(path: Path) -> tuple[list[str], list[str], np.ndarray, dict]:
-    """``(ids, tasks, vectors float64 [n, D], store.json)`` of a gradient store, rows sorted by id; ``info["norms"]``:
-    the exact gradient norms [n] when every shard keeps them (what the query divides by), else ``None``."""
+    """``(ids, tasks, vectors float64 [n, D], store.json)`` of a gradient store, rows sorted by id."""
     from iprox_lightning.io import gradient_store as gs
 
     info = gs.read_info(path)
-    ids, tasks, vecs, norms = [], [], [], []
+    ids, tasks, vecs = [], [], []
     for s in gs.iter_shards(path):
         ids += list(s["ids"])
         tasks += [str(t) for t in s["tasks"]]
         vecs.append(s["vectors"].double().numpy())
-        norms.append(s["norms"].numpy() if "norms" in s else None)
     order = np.argsort(ids, kind="stable")
     X = np.concatenate(vecs)[order]
-    info["norms"] = None if any(n is None for n in norms) else np.concatenate(norms)[order]
     return [ids[i] for i in order], [tasks[i] for i in order], X, info
 
 
@@ -82,15 +79,15 @@ def attribution(pool: dict, val: dict, proxies: dict[str, tuple[dict, dict]]) ->
         if ppool["ids"] != ids:
             raise ValueError(f"proxy {name}: its pool store holds other examples than the target's")
         prepared[name] = (ppool["X"], layer_blocks(ppool["info"]["layout"], ppool["info"]["dim"]),
-                          suite_sums(pval["tasks"], pval["X"]), ppool["info"].get("norms"))
+                          suite_sums(pval["tasks"], pval["X"]))
     out = {}
     for suite in suite_order(S):
-        score, contrib = layer_contributions(X, S[suite], blocks, info.get("norms"))
+        score, contrib = layer_contributions(X, S[suite], blocks)
         row: dict = {"modules": task_layer_table(score, contrib),
                      "by_type": group_table(contrib, score, "type"), "by_block": group_table(contrib, score, "block"),
                      "proxies": {}}
-        for name, (pX, pb, pS, pn) in prepared.items():
-            pscore, pcontrib = layer_contributions(pX, pS[suite], pb, pn)
+        for name, (pX, pb, pS) in prepared.items():
+            pscore, pcontrib = layer_contributions(pX, pS[suite], pb)
             row["proxies"][name] = {
                 "spearman": float(spearmanr(pscore, score)[0]),
                 "modules": task_layer_table(score, contrib, pcontrib),

@@ -20,10 +20,10 @@ earlier invocations with other settings are kept, a row measured again is replac
 (cached), ``query_share`` / ``requery_share`` (their seconds / exact seconds), ``new_task`` (the new suite's
 ``query_share``: cold query / fresh exact scoring of that suite; goal <= 0.05; and its Spearman per column),
 ``bytes_per_example`` (shard bytes / rows), ``spearman`` per task column and pooled
-(projected query vs exact scores of the same model and method; goal >= 0.95; the query divides by the exact
-gradient norms the store keeps, ``norms: exact``; ``spearman_projected_norms``: the same store queried with
-``--norms projected``, dividing by the stored vectors' norms as stores built before the exact norms did — rows
-without ``norms`` were measured that way), and, with ``--proxy``,
+(projected query vs exact scores of the same model and method; goal >= 0.95; rows with ``norms: exact`` were
+measured at commit 85d0abc, whose stores kept each example's exact gradient norm and whose query divided by it, with
+``spearman_projected_norms`` the same store dividing by its vectors' norms as before and since: no gain, reverted),
+and, with ``--proxy``,
 ``proxy_vs_target`` per method (Spearman per task between the proxy's and the target's query tables: EK-FAC vs K-FAC
 vs TracIn fidelity; ``exact`` holds each exact scoring's seconds). ``--exact-only`` runs the exact scorings
 alone (no store). Every stage is skipped when its output exists and its settings match ``OUT/state.json``;
@@ -215,14 +215,14 @@ def run(a) -> dict:
             for k, projection, tag in _stores(a, method):
                 key = f"{name}-{tag}"
                 store, qdir = out / "stores" / key, out / "queries" / key
-                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size, "norms": "exact",
+                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
                        **({"projection": projection, "kfac_examples": a.kfac_examples} if projection != "gaussian"
                           else {})}
                 built = state.done(f"build/{key}", bst, store / "store.json")
                 rebuilt = built is None  # then its queries are made again too
                 if built is None:
-                    # a store this benchmark built with other settings (e.g. before stores kept exact norms, whose
-                    # fingerprint the build refuses) is built again from scratch; a killed build of these resumes
+                    # a store this benchmark built with other settings (whose fingerprint the build may refuse) is
+                    # built again from scratch; a killed build of these settings resumes
                     earlier_build = state.data.get(f"build/{key}")
                     fresh = earlier_build is not None and earlier_build["settings"] != bst
                     built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool",
@@ -236,17 +236,12 @@ def run(a) -> dict:
                                              a.in_process, a.threads)}
                     state.record(f"build/{key}", bst, built)
                 queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
-                pdir = out / "queries" / f"{key}-projected-norms"
-                if (rebuilt or queried is None or "requery_s" not in queried
-                        or not (pdir / "scores.parquet").exists()):
+                if rebuilt or queried is None or "requery_s" not in queried:
                     q = ["query", "--store", str(store), "--validation", a.validation, "--output_dir", str(qdir)]
                     first = _run(q, a.in_process, a.threads)
                     queried = {"query_s": first, "requery_s": _run(q, a.in_process, a.threads)}
-                    # the same store queried dividing by its vectors' norms instead of the exact ones (cached)
-                    _run([*q[:-1], str(pdir), "--norms", "projected"], a.in_process, a.threads)
                     state.record(f"query/{key}", bst, queried)
                 rho = _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")
-                rho_projected = _compare(pdir / "scores.parquet", exact_dir / "scores.parquet")
                 new_task = (_new_task(out, state, a, name, model, method, st, store, key, bst, rebuilt)
                             if a.new_task and method == a.methods[0] else None)
                 row = {"who": who, "method": method, "k": k, "projection": projection, **exact, **built, **queried,
@@ -254,10 +249,7 @@ def run(a) -> dict:
                        "query_share": queried["query_s"] / exact["exact_s"],
                        "requery_share": queried["requery_s"] / exact["exact_s"], "new_task": new_task,
                        "bytes_per_example": _bytes_per_example(store), "spearman": rho,
-                       "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan")),
-                       "norms": "exact", "spearman_projected_norms": rho_projected,
-                       "spearman_min_task_projected_norms": min(
-                           (v for c, v in rho_projected.items() if c != "score"), default=float("nan"))}
+                       "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
                 results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"],
                                                                   r.get("projection", "gaussian")) !=
                                    (who, method, k, projection)]

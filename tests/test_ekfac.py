@@ -225,23 +225,18 @@ def test_store_vectors_are_the_projected_whitened_gradient_in_weight_coordinates
             lam = torch.stack([(Qd.t() @ r[0][key] @ Qh) ** 2 for r in refs]).mean(0)
             s = (lam + DAMPING * lam.mean()).rsqrt()
             white[key] = lambda G, Qh=Qh, Qd=Qd, s=s: Qd @ ((Qd.t() @ G @ Qh) * s) @ Qh.t()
-    want, want_norms = [], []
+    want = []
     for e in TRAIN:
         layer_g, _ = ref_example(model, e)
-        parts, whole = [], []
+        parts = []
         for key, _, _ in tracked_params(model):
             p = proj.projections[key]
             G = white[key](layer_g[key])
-            whole.append(G.reshape(-1))
             G = G if p.P_out is None else p.P_out.double() @ G
             G = G if p.P_in is None else G @ p.P_in.double().t()
             parts.append(G.reshape(-1))
         want.append(torch.cat(parts))
-        want_norms.append(torch.cat(whole).norm())
     want = torch.stack(want)
-    # the exact norms kept beside the vectors: of the whole whitened gradient, before projecting
-    norms = torch.cat([proj.project_batch(b)["norms"] for b in batches(TRAIN, 4)])
-    torch.testing.assert_close(norms, torch.stack(want_norms), rtol=1e-6, atol=1e-9)
     # float64 both ways: 1e-14 of the largest |value| natively and under ATen's generic kernels; under its AVX2 kernels
     # the model's float64 forward rounds otherwise (cf. KERNEL_ATOL) and the whitening amplifies it: 3.7e-8 measured
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.abs().max()))

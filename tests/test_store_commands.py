@@ -198,8 +198,7 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
                                                for k, p in ref.items()})
     names, S, _ = task_sums(proj.project_batch(b) for b in dm.validation_dataloader())
     shards = [{"ids": r["id"], "tasks": r["task"], "vectors": r["vectors"], "n_tokens": torch.as_tensor(r["n_tokens"]),
-               "zero_grad": torch.as_tensor(r["zero_grad"]), "nonfinite": torch.as_tensor(r["nonfinite"]),
-               "norms": r["norms"]}
+               "zero_grad": torch.as_tensor(r["zero_grad"]), "nonfinite": torch.as_tensor(r["nonfinite"])}
               for r in (proj.project_batch(b) for b in dm.dataloader("pool"))]
     want = query_table(shards, names, S)
     assert got.task_names == want.task_names
@@ -243,7 +242,7 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
     proj = GradientProjector(net, projections={k: type(p)(p.key, p.out_features, p.in_features, *mixed[k])
                                                for k, p in ref.items()})
     names, S, _ = task_sums(proj.project_batch(b) for b in dm.validation_dataloader())
-    want = query_table([{"ids": r["id"], "tasks": r["task"], "vectors": r["vectors"], "norms": r["norms"],
+    want = query_table([{"ids": r["id"], "tasks": r["task"], "vectors": r["vectors"],
                          "n_tokens": torch.as_tensor(r["n_tokens"]), "zero_grad": torch.as_tensor(r["zero_grad"]),
                          "nonfinite": torch.as_tensor(r["nonfinite"])}
                         for r in (proj.project_batch(b) for b in dm.dataloader("pool"))], names, S)

@@ -26,13 +26,13 @@ def _model():
     return tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
 
 
-def _shards(projector, examples, bs=4, norms=False):
+def _shards(projector, examples, bs=4):
     out = []
     for b in batches(examples, bs):
         p = projector.project_batch(b)
         out.append({"ids": p["id"], "tasks": p["task"], "vectors": p["vectors"],
                     "n_tokens": torch.as_tensor(p["n_tokens"]), "zero_grad": torch.as_tensor(p["zero_grad"]),
-                    "nonfinite": torch.as_tensor(p["nonfinite"]), **({"norms": p["norms"]} if norms else {})})
+                    "nonfinite": torch.as_tensor(p["nonfinite"])})
     return out
 
 
@@ -60,11 +60,6 @@ def test_factored_projection_equals_projected_materialised_gradient(proxy):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * float(want.abs().max()))
     zero = torch.cat([torch.as_tensor(s["zero_grad"]) for s in _shards(proj, TRAIN)])
     assert zero.tolist() == [bool((w == 0).all()) for w in want] and zero.any()
-    # beside each vector the exact norm of the unprojected gradient (every tracked weight's, autograd)
-    norms = torch.cat([s["norms"] for s in _shards(proj, TRAIN, norms=True)])
-    exact = torch.stack([torch.cat([g.reshape(-1) for g in ref_example(model, e)[0].values()]).norm() for e in TRAIN])
-    assert norms.dtype == torch.float64
-    torch.testing.assert_close(norms, exact, rtol=1e-9, atol=1e-12)
 
 
 def test_projections_are_seeded_and_identity_when_k_covers_the_dimension():
@@ -105,40 +100,6 @@ def test_query_equals_brute_force_projected_tracin_and_exact_tracin_with_identit
     np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=0, atol=KERNEL_ATOL)
     np.testing.assert_allclose(got.score_max, exact.score_max, rtol=0, atol=KERNEL_ATOL)
     assert (got.zero_grad == exact.zero_grad).all() and got.zero_grad.any()
-
-
-def test_query_with_exact_norms_divides_the_projected_dot_by_the_exact_gradient_norm():
-    """``norms='exact'`` (what ``auto`` takes when the store keeps them): ``⟨P g, s_T⟩ / (‖g‖ ‖s_T‖)`` with ``‖g‖``
-    the unprojected gradient's norm (autograd) — only the dot product is projected; ``projected`` is the cosine of
-    the stored vectors; a store without norms is refused under ``exact`` and mixed shards under either."""
-    from iprox_lightning.errors import UserInputError
-
-    model = _model()
-    proj = GradientProjector(model, k=5, seed=1)
-    names, S, _ = task_sums(proj.project_batch(b) for b in batches(VAL, 3))
-    shards = _shards(proj, TRAIN, norms=True)
-    exact, auto = query_table(shards, names, S, norms="exact"), query_table(shards, names, S)
-    projected = query_table(shards, names, S, norms="projected")
-    assert (exact.settings["norms"], auto.settings["norms"], projected.settings["norms"]) == ("exact", "exact",
-                                                                                             "projected")
-    np.testing.assert_array_equal(auto.task_scores, exact.task_scores)
-    for e in TRAIN:
-        x = _brute_vector(model, proj.projections, e)
-        g = torch.cat([t.reshape(-1) for t in ref_example(model, e)[0].values()]).norm()
-        j = exact.ids.index(e["id"])
-        want = [0.0 if g == 0 else float(x @ S[k] / (g * S[k].norm())) for k in range(len(names))]
-        np.testing.assert_allclose(exact.task_scores[j], want, rtol=0, atol=KERNEL_ATOL)
-        want = [0.0 if x.norm() == 0 else float(x @ S[k] / (x.norm() * S[k].norm())) for k in range(len(names))]
-        np.testing.assert_allclose(projected.task_scores[j], want, rtol=0, atol=KERNEL_ATOL)
-    assert not np.allclose(exact.task_scores, projected.task_scores)
-    old = _shards(proj, TRAIN)  # a store built before the norms were kept
-    assert query_table(old, names, S).settings["norms"] == "projected"
-    with pytest.raises(UserInputError, match="keeps no exact gradient norms"):
-        query_table(old, names, S, norms="exact")
-    with pytest.raises(UserInputError, match="some of this store's shards keep exact gradient norms"):
-        query_table(shards[:1] + old[1:], names, S)
-    with pytest.raises(UserInputError, match="norms must be 'auto', 'exact' or 'projected', got 'x'"):
-        query_table(shards, names, S, norms="x")
 
 
 def test_less_max_over_subtasks_from_the_store():

@@ -53,15 +53,13 @@ def layer_blocks(layout: Sequence[Mapping], dim: int) -> dict[str, list[tuple[in
     return out
 
 
-def layer_contributions(X: np.ndarray, s: np.ndarray, blocks: Mapping[str, Sequence[tuple[int, int]]],
-                        norms: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def layer_contributions(X: np.ndarray, s: np.ndarray, blocks: Mapping[str, Sequence[tuple[int, int]]]
+                        ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(score [n], {module: c [n]})`` for rows ``X [n, D]`` against one task's sum ``s [D]``; a row of norm 0
-    scores 0 (as in scoring). ``norms``: the rows' norms to divide by, as the store's query does (its exact gradient
-    norms); default ``‖X_i‖``."""
+    scores 0 (as in scoring)."""
     X = np.asarray(X, np.float64)
     s = np.asarray(s, np.float64)
-    nx = np.linalg.norm(X, axis=1) if norms is None else np.asarray(norms, np.float64)
-    den = nx * np.linalg.norm(s)
+    den = np.linalg.norm(X, axis=1) * np.linalg.norm(s)
     inv = np.divide(1.0, den, out=np.zeros_like(den), where=den > 0)
     contrib = {m: sum(X[:, a:b] @ s[a:b] for a, b in bl) * inv for m, bl in blocks.items()}
     return X @ s * inv, contrib

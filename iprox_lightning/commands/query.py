@@ -18,7 +18,6 @@ def query(
     batch_size: Optional[int] = None,
     progress: bool = False,
     validation_model: Optional[str] = None,
-    norms: str = "auto",
 ) -> str:
     """Score every stored pool example against the validation set with one matrix product (TracIn cosine in the
     store's metric, per task, LESS max over subtasks) and write ``<output_dir>/scores.parquet`` + ``settings.json``,
@@ -46,9 +45,6 @@ def query(
             proxy was built from: hub id, directory, ``.gguf``), projected into the proxy's factor space and then by
             the store's projections (:class:`~iprox_lightning.scoring.features.FactorSpaceView`): the validation
             examples pay the target's backward, the pool stays the proxy's. Default: the store's own model.
-        norms: what a pool example's cosine divides by: ``exact`` (the norm of its unprojected gradient, kept by the
-            store: only the dot product is projected), ``projected`` (its stored vector's norm), ``auto`` (exact when
-            the store keeps them; stores built before they were kept do not).
     """
     import time
 
@@ -59,10 +55,6 @@ def query(
     from ..scoring.metrics import influence_metric
     from ..scoring.query import query_table
 
-    from ..errors import check_choice
-    from ..scoring.query import NORMS
-
-    check_choice("norms", norms, NORMS)
     t0 = time.perf_counter()
     info, out = _read_store(store, output_dir)
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
@@ -96,7 +88,7 @@ def query(
     del vnet
     t_val = time.perf_counter() - t0
     with ScoreDirLock(out, what="query", hint="write into another output_dir"):
-        table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names}, norms)
+        table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
         table.save(str(out / "scores.parquet"))
         wall = time.perf_counter() - t0
         write_settings(out, {
@@ -105,7 +97,7 @@ def query(
             "scorer": {"method": metric.name, **metric.settings(), "k": st.get("k"), "seed": st.get("seed"),
                        "dim": info["dim"], "store_dtype": info["dtype"], "task_names": names,
                        "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall,
-                       "validation_model": validation_model or "store", "norms": table.settings["norms"],
+                       "validation_model": validation_model or "store",
                        "validation_cache": cache_event}})
         if neighbours:
             _write_neighbours(out, store, near, neighbours)

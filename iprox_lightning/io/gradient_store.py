@@ -10,10 +10,8 @@ Layout::
     .store.lock                               # held (flock) by the build writing here: a second build is refused
     cache/validation/<fingerprint>.safetensors  # a query's projected validation gradients (+ .json), for re-queries
 
-A shard holds ``vectors [n, D]`` (``float32`` / ``float16`` / ``bfloat16``, the store's ``dtype``), ``norms [n]``
-(float64: the exact norm of each example's unprojected gradient, what a query divides by; absent in stores built
-before it), ``n_tokens [n]`` (int64), ``zero_grad [n]`` and ``nonfinite [n]`` (bool); its metadata holds ``ids`` and
-``tasks`` (JSON lists).
+A shard holds ``vectors [n, D]`` (``float32`` / ``float16`` / ``bfloat16``, the store's ``dtype``), ``n_tokens [n]``
+(int64), ``zero_grad [n]`` and ``nonfinite [n]`` (bool); its metadata holds ``ids`` and ``tasks`` (JSON lists).
 Safetensors only: nothing is ever unpickled.
 
 ``store.json``'s **fingerprint** records what produced the vectors: the model's identity, the settings (projection
@@ -188,16 +186,15 @@ def shard_name(rank: int, run: str, seq: int) -> str:
 
 
 def write_shard(store_dir: str | os.PathLike, name: str, *, ids: Sequence[str], tasks: Sequence[Any], vectors,
-                n_tokens, zero_grad, nonfinite, norms=None) -> Path:
-    """One shard of ``len(ids)`` rows (``vectors`` already in the store's dtype; ``norms``: the exact norms)."""
+                n_tokens, zero_grad, nonfinite) -> Path:
+    """One shard of ``len(ids)`` rows (``vectors`` already in the store's dtype)."""
     import torch
 
     n = len(ids)
     if vectors.shape[0] != n:
         raise ValueError(f"shard {name}: {vectors.shape[0]} vectors for {n} ids")
-    extra = {} if norms is None else {"norms": torch.as_tensor(norms, dtype=torch.float64).reshape(n)}
     return save_tensors(Path(store_dir) / SHARD_DIR / name, {
-        **extra, "vectors": vectors, "n_tokens": torch.as_tensor(n_tokens, dtype=torch.int64).reshape(n),
+        "vectors": vectors, "n_tokens": torch.as_tensor(n_tokens, dtype=torch.int64).reshape(n),
         "zero_grad": torch.as_tensor(zero_grad, dtype=torch.bool).reshape(n),
         "nonfinite": torch.as_tensor(nonfinite, dtype=torch.bool).reshape(n)},
         {"ids": json.dumps([str(i) for i in ids]), "tasks": json.dumps([None if t is None else str(t) for t in tasks])})
@@ -212,8 +209,6 @@ def _read_shard(path: str, vectors: bool = True) -> dict:
         out = {"ids": ids, "tasks": tasks}
         for k in (("vectors",) if vectors else ()) + ("n_tokens", "zero_grad", "nonfinite"):
             out[k] = f.get_tensor(k)
-        if vectors and "norms" in f.keys():
-            out["norms"] = f.get_tensor("norms")
     if len(ids) != len(tasks) or len(out["n_tokens"]) != len(ids) or (vectors and out["vectors"].shape[0] != len(ids)):
         raise ValueError("row counts of ids, tasks and tensors differ")
     return out
@@ -257,8 +252,7 @@ def done_ids(store_dir: str | os.PathLike) -> set[str]:
 
 def iter_shards(store_dir: str | os.PathLike, *, vectors: bool = True) -> Iterator[dict]:
     """The store's rows shard by shard, each id once (first occurrence in shard name order): dicts with ``ids``,
-    ``tasks``, ``vectors`` (as stored), ``norms`` (with ``vectors``, when the shard has them), ``n_tokens``,
-    ``zero_grad``, ``nonfinite``. An unreadable shard raises
+    ``tasks``, ``vectors`` (as stored), ``n_tokens``, ``zero_grad``, ``nonfinite``. An unreadable shard raises
     naming it."""
     import torch
 

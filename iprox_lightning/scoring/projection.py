@@ -42,7 +42,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .features import VirtualLinear, WeightPairTracker, layer_features
+from .features import VirtualLinear, WeightPairTracker, materialize_grads
 
 
 @dataclass
@@ -170,9 +170,7 @@ def layout(projections: Mapping[str, LayerProjection]) -> dict[str, tuple[int, i
 
 class ProjectedGradientTracker(WeightPairTracker):
     """Per example of a step, the projected gradient vector ``[B, D]`` (``self.vectors``, ``dtype``) of
-    ``P_δ (M G) P_hᵀ`` over the tracked weights (see the module docstring) and the exact squared norm of the
-    unprojected ``M G`` (``self.sq_norms [B]``, float64: :func:`~.features.layer_features`' cheaper exact route per
-    layer; EK-FAC's from the mapped gradient it forms anyway); ``metric`` ``None`` = TracIn."""
+    ``P_δ (M G) P_hᵀ`` over the tracked weights (see the module docstring); ``metric`` ``None`` = TracIn."""
 
     def __init__(self, modules: Mapping[str, nn.Module], projections: Mapping[str, LayerProjection], metric=None,
                  dtype: torch.dtype = torch.float32, moved: dict[str, LayerProjection] | None = None) -> None:
@@ -187,7 +185,6 @@ class ProjectedGradientTracker(WeightPairTracker):
         super().start_step(batch)
         B, device = batch["input_ids"].shape[0], batch["input_ids"].device
         self.vectors = torch.zeros(B, self.dim, dtype=self.dtype, device=device)
-        self.sq_norms = torch.zeros(B, dtype=torch.float64, device=device)
 
     def _projection(self, key: str, like: torch.Tensor) -> LayerProjection:
         """The projections of weight ``key`` on ``like``'s device, rotated back from the metric's basis if it has
@@ -215,17 +212,13 @@ class ProjectedGradientTracker(WeightPairTracker):
             if self.metric is not None:
                 h, delta = self.metric.tokens(key, h, delta)
             self.vectors[:, off:off + d] = p.tokens(h, delta)
-            self.sq_norms.add_(layer_features(h, delta, None)[0])
         else:  # a metric of the whole per-example gradient (EK-FAC): materialise G, map it, project it
-            MG = self.metric.gradients(key, h, delta)
-            self.vectors[:, off:off + d] = p.matrix(MG)
-            self.sq_norms.add_(torch.linalg.vector_norm(MG, dim=2).double().pow(2).sum(dim=1))
+            self.vectors[:, off:off + d] = p.matrix(self.metric.gradients(key, h, delta))
 
 
 class GradientProjector:
     """The projected gradient vectors of batches of a model: ``project_batch(batch)`` returns ``{"id", "task",
-    "vectors" [B, D] (the projector's dtype, CPU), "norms" [B] (float64: the exact norm of each unprojected, metric-mapped
-    gradient), "n_tokens", "zero_grad", "nonfinite"}``; an example without a response token
+    "vectors" [B, D] (the projector's dtype, CPU), "n_tokens", "zero_grad", "nonfinite"}``; an example without a response token
     gets a zero vector and ``zero_grad``, one whose vector is NaN/inf ``nonfinite``.
 
     ``projections``: from :func:`make_projections` (``k`` per side, ``seed``) or loaded from a store;
@@ -272,7 +265,6 @@ class GradientProjector:
         n_tok = (b["labels"][:, 1:] != -100).sum(dim=1).cpu()
         keep = has_response_tokens(b).cpu()
         vectors = torch.zeros(B, self.dim, dtype=self.dtype)
-        sq_norms = torch.zeros(B, dtype=torch.float64)
         if bool(keep.any()):
             tracker = ProjectedGradientTracker(self.modules, self.projections, self.metric, self.dtype, self._moved)
             pairs = tracker if self.pairs_from is None else FactorSpaceView(self.dense_modules, tracker, self.modules,
@@ -280,9 +272,8 @@ class GradientProjector:
             with eval_mode(net), torch.inference_mode(False), torch.enable_grad():
                 backward_pairs(net, trim_batch(b, keep), [pairs])
             vectors[torch.nonzero(keep).flatten()] = tracker.vectors.cpu()
-            sq_norms[torch.nonzero(keep).flatten()] = tracker.sq_norms.cpu()
         nonfinite = ~torch.isfinite(vectors).all(dim=1)
         zero = ((vectors == 0).all(dim=1) | (n_tok == 0)) & ~nonfinite
         return {"id": [str(i) for i in batch["id"]], "task": list(batch["task"]) if batch.get("task") is not None
-                else [None] * B, "vectors": vectors, "norms": sq_norms.sqrt(), "n_tokens": n_tok.numpy(), "zero_grad": zero.numpy(),
+                else [None] * B, "vectors": vectors, "n_tokens": n_tok.numpy(), "zero_grad": zero.numpy(),
                 "nonfinite": nonfinite.numpy()}

@@ -45,15 +45,13 @@ def task_sums(parts: Iterable[Mapping]) -> tuple[list[str], torch.Tensor, np.nda
     return names, torch.stack([sums[t] for t in names]), np.asarray([counts[t] for t in names], np.int64)
 
 
-def cosine_scores(X: torch.Tensor, S: torch.Tensor, zero_grad, nonfinite,
-                  norms: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+def cosine_scores(X: torch.Tensor, S: torch.Tensor, zero_grad, nonfinite) -> tuple[np.ndarray, np.ndarray]:
     """``(score [n], task_scores [n, K])``: cosines of the rows of ``X [n, D]`` with ``Σ_k S_k`` and with each
-    ``S_k`` (float64), 0 for ``zero_grad`` rows and where a norm is 0, NaN for ``nonfinite`` rows. ``norms``: the
-    rows' exact (unprojected) gradient norms to divide by instead of ``‖X_i‖``."""
+    ``S_k`` (float64), 0 for ``zero_grad`` rows and where a norm is 0, NaN for ``nonfinite`` rows."""
     X = X.double()
     S = S.double()
     Sall = S.sum(0)
-    nx = X.norm(dim=1) if norms is None else norms.double()
+    nx = X.norm(dim=1)
     ns, nall = S.norm(dim=1), Sall.norm()
     dots = X @ S.t()
     dall = X @ Sall
@@ -70,36 +68,14 @@ def cosine_scores(X: torch.Tensor, S: torch.Tensor, zero_grad, nonfinite,
     return score.numpy(), task.numpy()
 
 
-NORMS = ("auto", "exact", "projected")
-
-
-def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor, settings: Mapping | None = None,
-                norms: str = "auto"):
+def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor, settings: Mapping | None = None):
     """The :class:`~.influence.ScoreTable` of every stored example (rows sorted by id) against the task sums ``S``
-    (one matrix product per shard; ``shards`` as :func:`iprox_lightning.io.gradient_store.iter_shards` yields them).
-
-    ``norms``: what a pool example's cosine divides by: ``"exact"``, the norm of its unprojected gradient that the
-    store keeps (so only the dot product is projected); ``"projected"``, the norm of its stored vector; ``"auto"``,
-    exact when the store has them (stores built before they were kept have not). The validation side is projected
-    either way (one norm per task: it does not change a task's ranking). Returned in ``settings["norms"]``."""
-    from ..errors import check_choice
+    (one matrix product per shard; ``shards`` as :func:`iprox_lightning.io.gradient_store.iter_shards` yields them)."""
     from .influence import ScoreTable
 
-    check_choice("norms", norms, NORMS)
     ids, tasks, scores, task_scores, n_tok, zero, bad = [], [], [], [], [], [], []
-    used = set()
     for s in shards:
-        has = "norms" in s
-        if norms == "exact" and not has:
-            raise UserInputError("this store keeps no exact gradient norms (built before they were kept): query with "
-                                 "norms='projected' (--norms projected), or rebuild the store")
-        use = norms != "projected" and has
-        used.add(use)
-        if len(used) > 1:
-            raise UserInputError("some of this store's shards keep exact gradient norms and some do not (a build "
-                                 "resumed across versions): query with norms='projected', or rebuild the store")
-        sc, ts = cosine_scores(s["vectors"], S, s["zero_grad"].numpy(), s["nonfinite"].numpy(),
-                               s["norms"] if use else None)
+        sc, ts = cosine_scores(s["vectors"], S, s["zero_grad"].numpy(), s["nonfinite"].numpy())
         ids += s["ids"]
         tasks += s["tasks"]
         scores.append(sc)
@@ -111,9 +87,8 @@ def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor
         raise UserInputError("the gradient store holds no example")
     o = sorted(range(len(ids)), key=lambda j: ids[j])  # rows by id, like a merged score table
     cat = lambda parts: np.concatenate(parts)[o]  # noqa: E731
-    settings = {**dict(settings or {}), "norms": "exact" if True in used else "projected"}
     return ScoreTable([ids[j] for j in o], cat(scores), list(names), cat(task_scores), cat(n_tok), cat(zero),
-                      [tasks[j] for j in o] if any(t is not None for t in tasks) else None, settings,
+                      [tasks[j] for j in o] if any(t is not None for t in tasks) else None, dict(settings or {}),
                       nonfinite=cat(bad))
 
 

@@ -108,8 +108,7 @@ class GradientStoreModule(L.LightningModule):
         hp = self.hparams
         out = {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
                "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
-               "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype,
-               "norms": "exact"}  # shards keep each example's exact gradient norm (a store built before did not)
+               "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
         if hp.projection != "gaussian":  # (a gaussian store's fingerprint is as before the option)
@@ -261,8 +260,7 @@ class GradientStoreWriter(BufferedShardWriter):
         path = gs.write_shard(self.output_dir, gs.shard_name(rank, run, seq), ids=[i for p in parts for i in p["id"]],
                               tasks=[t for p in parts for t in p["task"]], vectors=vectors,
                               n_tokens=np.concatenate([p["n_tokens"] for p in parts]),
-                              zero_grad=np.concatenate([p["zero_grad"] for p in parts]) & ~nonfinite, nonfinite=nonfinite,
-                              norms=torch.cat([p["norms"] for p in parts]))
+                              zero_grad=np.concatenate([p["zero_grad"] for p in parts]) & ~nonfinite, nonfinite=nonfinite)
         return path, len(vectors)
 
     # ------------------------------------------------------------------ life cycle
