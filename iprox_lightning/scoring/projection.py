@@ -42,7 +42,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .features import VirtualLinear, WeightPairTracker, materialize_grads
+from .features import VirtualLinear, WeightPairTracker
 
 
 @dataclass
