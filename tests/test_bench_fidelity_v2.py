@@ -436,23 +436,6 @@ def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):
     assert al["best"]["step"] == best["step"] and rows[fid]["align_monitor"] == "val/fidelity_loss"
 
 
-def test_proxy_health_reads_stage1_variants_in_the_one_grammar():
-    """bench/proxy_health.py parses its Stage-1 settings with bench/variants.py: every layer at the same ρ unless
-    ``/global``; Layer Extraction and alignment are refused."""
-    import proxy_health
-
-    assert proxy_health.compress_kwargs("svd@0.3") == {"allocation": "uniform", "sparsity": 0.3, "method": "svd"}
-    assert proxy_health.compress_kwargs("ipsvd/core/abs1e-1@0.5") == {
-        "allocation": "uniform", "sparsity": 0.5, "method": "ipsvd", "mode": "core", "damping_mode": "absolute",
-        "damping": 0.1}
-    assert proxy_health.compress_kwargs("ipsvd/exact/rel1e-3/global/spare0@0.5") == {
-        "allocation": "global", "sparsity": 0.5, "method": "ipsvd", "mode": "exact", "damping_mode": "relative",
-        "damping": 1e-3, "keep_dense": variants.SPARE0}
-    for spec in ("le@0.5", "ipsvd/global@0.5+align"):
-        with pytest.raises(ValueError, match="Stage-1 setting"):
-            proxy_health.compress_kwargs(spec)
-
-
 def test_stage_with_changed_settings_keeps_old_output_until_it_succeeds(tmp_path):
     """A stage re-run for changed settings moves the old output aside; when the new run fails (here: a config file
     that does not exist, as a wrong default path would) the old output comes back whole and nothing is left over."""

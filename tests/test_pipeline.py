@@ -74,7 +74,11 @@ def captured_output():
     loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
                                        if isinstance(lg, logging.Logger)]
     handlers = {id(h): h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler}.values()
-    saved = [(h, h.setStream(buf)) for h in handlers]
+    def swap(h, stream):  # not setStream: it flushes the old stream, which an earlier test's capture may have closed
+        old, h.stream = h.stream, stream
+        return old
+
+    saved = [(h, swap(h, buf)) for h in handlers]
     try:
         with redirect_stdout(buf), redirect_stderr(buf), warnings.catch_warnings(record=True) as shown:
             warnings.simplefilter("default")  # as a user's run: each distinct warning once
@@ -83,7 +87,7 @@ def captured_output():
             yield buf, shown
     finally:
         for h, stream in saved:
-            h.setStream(stream)
+            swap(h, stream)
 
 
 @pytest.fixture(scope="module")
