@@ -286,8 +286,8 @@ def test_eigenbasis_gradients_equal_the_rotated_materialised_gradients(T):
 
 
 def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision():
-    """A float32 model's factor pass multiplies each batch's tokens in float32 (kronfluence's default, twice the
-    speed of float64 on a CPU) and sums the batches in float64: the K-FAC second moments and EK-FAC's eigenvalue sums
+    """A float32 model's factor pass multiplies each batch's tokens in float32 (kronfluence's default) and sums the
+    batches in float64: the K-FAC second moments and EK-FAC's eigenvalue sums
     equal float64 brute force to float32 rounding (1e-5 of the largest entry), and stay float64."""
     from iprox_lightning.scoring.metrics import EigenCorrection, KFACFactors
 

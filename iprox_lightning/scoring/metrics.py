@@ -81,8 +81,8 @@ def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tenso
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a factor pass multiplies a batch's tokens in: theirs, at least float32 (a float64 model stays float64);
-    the batch's product is then added into float64 sums. Per-batch products in float32 are what kronfluence fits in
-    by default, and twice as fast as float64 on a CPU."""
+    the batch's product is then added into float64 sums (per-batch products in float32 are kronfluence's default;
+    the sums over many batches keep float64's accuracy)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
