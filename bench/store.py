@@ -170,7 +170,7 @@ def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st
 
 
 def _stores(a, method: str) -> list[tuple[int, str, str]]:
-    """``(k, projection, tag)`` of each store measured for ``method`` (``pca``, ``pca+gaussian``: TracIn only); ``tag`` names its
+    """``(k, projection, tag)`` of each store measured for ``method`` (``pca``: TracIn only); ``tag`` names its
     directories: ``k<k>`` (gaussian, the names of stores built before the option) or ``<projection>-k<k>``."""
     return [(k, p, f"k{k}" if p == "gaussian" else f"{p}-k{k}")
             for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]
@@ -300,8 +300,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     ap.add_argument("--k", type=int, nargs="+", default=[16], help="projection sizes per side")
     ap.add_argument("--methods", nargs="+", default=["tracin", "kfac", "ekfac"])
-    ap.add_argument("--projections", nargs="+", default=["gaussian"], choices=["gaussian", "pca", "pca+gaussian"],
-                    help="store projections to measure at each k (pca, pca+gaussian: TracIn only)")
+    ap.add_argument("--projections", nargs="+", default=["gaussian"], choices=["gaussian", "pca"],
+                    help="store projections to measure at each k (pca: TracIn only)")
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)

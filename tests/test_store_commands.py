@@ -210,45 +210,6 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
         _build(d / "pca_kfac", pool, "--k", "4", "--projection", "pca", "--method", "kfac")
     with pytest.raises(Exception, match="projection must be one of"):
         _build(d / "pca_bad", pool, "--k", "4", "--projection", "sketch")
-    # pca+gaussian: the same moments (loaded from the pca store's file through a shared factors dir, not fitted again),
-    # half the rows their leading eigenvectors, half a seeded sketch of the rest; its query equals its vectors' cosines
-    fdir = d / "shared_factors"
-    fdir.mkdir()
-    import shutil
-
-    shutil.copy(store / info["factors"], fdir / info["factors"])
-    from iprox_lightning.scoring import metrics
-
-    def no_fit(*a, **k):
-        raise AssertionError("moments fitted again")
-
-    real_fit = metrics.KFAC.fit
-    metrics.KFAC.fit = no_fit
-    try:
-        _build(d / "mixed", pool, "--k", "4", "--projection", "pca+gaussian", "--kfac_examples", "6",
-               "--store_dtype", "float32", "--factors_dir", str(fdir))
-    finally:
-        metrics.KFAC.fit = real_fit
-    mixed = gs.load_projections(d / "mixed")
-    want = pca_projections(linears, 4, fac.eigens([v.key for v in linears]), residual_sketch=True, seed=0)
-    for key, p in want.items():
-        for got, w in zip(mixed[key], (p.P_out, p.P_in)):
-            assert (got is None) == (w is None)
-            if w is not None:
-                torch.testing.assert_close(got[2:] @ got[:2].t(), torch.zeros(2, 2), rtol=0, atol=1e-5)
-                torch.testing.assert_close(got[:2] @ got[:2].t(), torch.eye(2), rtol=0, atol=1e-4)
-    assert gs.read_info(d / "mixed")["fingerprint"]["settings"]["projection"] == "pca+gaussian"
-    main(["query", "--store", str(d / "mixed"), "--validation", str(val), "--output_dir", str(d / "q_mixed")])
-    proj = GradientProjector(net, projections={k: type(p)(p.key, p.out_features, p.in_features, *mixed[k])
-                                               for k, p in ref.items()})
-    names, S, _ = task_sums(proj.project_batch(b) for b in dm.validation_dataloader())
-    want = query_table([{"ids": r["id"], "tasks": r["task"], "vectors": r["vectors"],
-                         "n_tokens": torch.as_tensor(r["n_tokens"]), "zero_grad": torch.as_tensor(r["zero_grad"]),
-                         "nonfinite": torch.as_tensor(r["nonfinite"])}
-                        for r in (proj.project_batch(b) for b in dm.dataloader("pool"))], names, S)
-    got = ScoreTable.load(str(d / "q_mixed" / "scores.parquet"))
-    i = [want.ids.index(x) for x in got.ids]
-    np.testing.assert_allclose(got.task_scores, want.task_scores[i], rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ the query cache

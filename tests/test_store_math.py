@@ -183,26 +183,3 @@ def test_pca_projections_are_the_leading_eigenvectors_of_the_second_moments():
     assert all(p.P_in is None and p.P_out is None for p in pca_projections(linears, 10_000, eig).values())
     with pytest.raises(ValueError, match="no second moments"):
         pca_projections(linears, k, {})
-
-
-def test_leading_plus_residual_sketch_is_unbiased_exact_in_the_leading_block_and_seeded():
-    """``pca+gaussian`` rows: the ``k - k//2`` leading eigenvectors, then ``k//2`` seeded Gaussian rows with the
-    leading directions projected out. The sketch rows are orthogonal to the eigenvectors; a vector inside the
-    leading block keeps its norm exactly; over many seeds ``E[PᵀP] = I`` (inner products unbiased)."""
-    from iprox_lightning.scoring.projection import leading_plus_residual_sketch
-
-    g = torch.Generator().manual_seed(0)
-    Q = torch.linalg.qr(torch.randn(12, 12, generator=g, dtype=torch.float64))[0]
-    e = torch.linspace(12.0, 1.0, 12, dtype=torch.float64)  # column j has the j-th largest eigenvalue
-    P = leading_plus_residual_sketch(Q, e, 6, 0, "w", "in").double()
-    assert P.shape == (6, 12)
-    torch.testing.assert_close(P[:3], Q[:, :3].t(), rtol=0, atol=1e-6)  # largest first
-    torch.testing.assert_close(P[3:] @ Q[:, :3], torch.zeros(3, 3, dtype=torch.float64), rtol=0, atol=1e-6)
-    v = Q[:, :3] @ torch.randn(3, generator=g, dtype=torch.float64)
-    assert float((P @ v).norm()) == pytest.approx(float(v.norm()), rel=1e-6)
-    assert torch.equal(leading_plus_residual_sketch(Q, e, 6, 0, "w", "in"), leading_plus_residual_sketch(Q, e, 6, 0, "w", "in"))
-    assert not torch.equal(leading_plus_residual_sketch(Q, e, 6, 1, "w", "in"), leading_plus_residual_sketch(Q, e, 6, 0, "w", "in"))
-    mean = sum(leading_plus_residual_sketch(Q, e, 6, s, "w", "in").double().t()
-               @ leading_plus_residual_sketch(Q, e, 6, s, "w", "in").double() for s in range(4000)) / 4000
-    torch.testing.assert_close(mean, torch.eye(12, dtype=torch.float64), rtol=0, atol=0.05)
-    assert leading_plus_residual_sketch(Q, e, 12, 0, "w", "in") is None  # k >= dim: not projected

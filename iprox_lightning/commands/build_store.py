@@ -43,9 +43,8 @@ def build_store(
         tokenizer: tokenizer (default: the model's).
         k: projection rows per side of each tracked weight (``k >= a dimension`` leaves that side exact).
         seed: seed of the projections (saved in the store).
-        projection: ``gaussian`` (seeded random rows), ``pca`` (each layer's ``k`` leading eigenvectors of its input
-            and output-gradient second moments, fitted on ``kfac_examples`` pool examples; TracIn only) or
-            ``pca+gaussian`` (half the rows those eigenvectors, half a seeded Gaussian sketch of the rest; TracIn only).
+        projection: ``gaussian`` (seeded random rows) or ``pca`` (each layer's ``k`` leading eigenvectors of its input
+            and output-gradient second moments, fitted on ``kfac_examples`` pool examples; TracIn only).
         method: metric applied before projecting: ``tracin``, ``kfac`` or ``ekfac`` (factors fitted once, saved).
         damping: K-FAC / EK-FAC damping.
         damping_mode: ``relative`` or ``absolute``.

@@ -17,9 +17,6 @@ in model order, are one example's vector (dimension ``D = Σ k_out·k_in``).
   some pool examples): the vector holds ``G``'s coordinates in the ``k × k`` block of its largest token energy —
   no sampling noise, but the part of ``G`` outside that block is dropped rather than spread over the ``k`` rows.
   The matrices are saved in the store, so a query reproduces them without the factors.
-  ``projection="pca+gaussian"``: half of each side's rows the leading eigenvectors, half a seeded Gaussian sketch of
-  their orthogonal complement (:func:`leading_plus_residual_sketch`): unbiased like Gaussian rows, exact inside the
-  leading block, noise only from the energy outside it.
 * A side whose ``k`` is ``>=`` its dimension is not projected (the identity): ``k >= max(in, out)`` everywhere gives
   the exact gradients, and then the store's scores equal exact scoring.
 * An influence metric (:mod:`.metrics`) is applied first: to the tokens when it factors over them (TracIn,
@@ -108,30 +105,11 @@ def leading_eigenvectors(Q: torch.Tensor, e: torch.Tensor, k: int) -> torch.Tens
     return Q[:, top].t().contiguous().to(torch.float32)
 
 
-def leading_plus_residual_sketch(Q: torch.Tensor, e: torch.Tensor, k: int, seed: int, key: str,
-                                 side: str) -> torch.Tensor | None:
-    """``[k, dim]``: the ``k - k // 2`` leading eigenvectors ``U`` (as :func:`leading_eigenvectors`) stacked on
-    ``k // 2`` seeded Gaussian rows ``R (I - U Uᵀ)`` (``R`` as :func:`gaussian_projection` draws it for that many
-    rows) that sketch the rest of the space; ``None`` (identity) when ``k >= dim``. ``E[PᵀP] = U Uᵀ + (I - U Uᵀ) = I``:
-    inner products are unbiased, as with Gaussian rows, and exact inside the leading block, so the sampling noise
-    comes from the energy outside it only (float32)."""
-    if k >= Q.shape[0]:
-        return None
-    n_res = k // 2
-    U = leading_eigenvectors(Q, e, k - n_res).double()  # [k_top, dim]
-    if n_res == 0:
-        return U.to(torch.float32)
-    R = gaussian_projection(n_res, Q.shape[0], seed, key, side).double()
-    return torch.cat([U, R - (R @ U.t()) @ U]).to(torch.float32)
-
-
 def pca_projections(linears: Sequence[VirtualLinear], k: int,
-                    eigens: Mapping[str, Mapping[str, torch.Tensor]], residual_sketch: bool = False,
-                    seed: int = 0) -> dict[str, LayerProjection]:
+                    eigens: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, LayerProjection]:
     """One :class:`LayerProjection` per tracked weight whose rows are the ``k`` leading eigenvectors of its input
     (``P_in``) and output-gradient (``P_out``) second moments: ``eigens[key]`` holds ``Q_h, e_h, Q_d, e_d`` (the
-    undamped eigendecompositions of :meth:`~.metrics.KFACFactors.eigens`). ``residual_sketch``: half the rows
-    leading eigenvectors, half a seeded Gaussian sketch of the rest (:func:`leading_plus_residual_sketch`)."""
+    undamped eigendecompositions of :meth:`~.metrics.KFACFactors.eigens`)."""
     out = {}
     for v in linears:
         if v.key not in eigens:
@@ -140,14 +118,8 @@ def pca_projections(linears: Sequence[VirtualLinear], k: int,
         if (eg["Q_d"].shape[0], eg["Q_h"].shape[0]) != (v.out_features, v.in_features):
             raise ValueError(f"pca_projections: the second moments of {v.key!r} are {eg['Q_d'].shape[0]} x "
                              f"{eg['Q_h'].shape[0]}, the weight {v.out_features} x {v.in_features}")
-        if residual_sketch:
-            out[v.key] = LayerProjection(v.key, v.out_features, v.in_features,
-                                         leading_plus_residual_sketch(eg["Q_d"], eg["e_d"], k, seed, v.key, "out"),
-                                         leading_plus_residual_sketch(eg["Q_h"], eg["e_h"], k, seed, v.key, "in"))
-        else:
-            out[v.key] = LayerProjection(v.key, v.out_features, v.in_features,
-                                         leading_eigenvectors(eg["Q_d"], eg["e_d"], k),
-                                         leading_eigenvectors(eg["Q_h"], eg["e_h"], k))
+        out[v.key] = LayerProjection(v.key, v.out_features, v.in_features, leading_eigenvectors(eg["Q_d"], eg["e_d"], k),
+                                     leading_eigenvectors(eg["Q_h"], eg["e_h"], k))
     return out
 
 

@@ -28,7 +28,7 @@ from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)
 
-PROJECTIONS = ("gaussian", "pca", "pca+gaussian")
+PROJECTIONS = ("gaussian", "pca")
 BASIS = "weight"
 """``store.json`` ``fingerprint.settings.basis`` of a K-FAC / EK-FAC store: its vectors project the whitened gradient
 in the weights' own coordinates (:mod:`.projection`; stores without it projected in the factors' eigenbases, which a
@@ -48,12 +48,10 @@ class GradientStoreModule(L.LightningModule):
         damping_mode: ``"relative"`` or ``"absolute"``.
         kfac_examples: examples the factors are fitted on (and, with ``projection="pca"``, the second moments).
         kfac_split: data-module split the factors are fitted on.
-        projection: ``"gaussian"`` (seeded ``N(0, 1/k)`` rows: unbiased inner products, sampling noise), ``"pca"``
+        projection: ``"gaussian"`` (seeded ``N(0, 1/k)`` rows: unbiased inner products, sampling noise) or ``"pca"``
             (the ``k`` leading eigenvectors of each layer's input and output-gradient second moments, fitted on
             ``kfac_examples`` of ``kfac_split``: the ``k × k`` block of largest energy, no noise; TracIn only —
-            K-FAC / EK-FAC up-weight exactly the directions it drops) or ``"pca+gaussian"`` (half the rows those
-            eigenvectors, half a seeded Gaussian sketch of the rest: unbiased, noise only from outside the leading
-            block; TracIn only). Saved in the store either way.
+            K-FAC / EK-FAC up-weight exactly the directions it drops). Saved in the store either way.
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
         attn_implementation: attention kernel when loading.
@@ -75,8 +73,8 @@ class GradientStoreModule(L.LightningModule):
             raise UserInputError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
         if projection not in PROJECTIONS:
             raise UserInputError(f"GradientStoreModule: projection must be one of {PROJECTIONS}, got {projection!r}")
-        if projection != "gaussian" and method != "tracin":
-            raise UserInputError(f"GradientStoreModule: projection={projection!r} keeps each layer's largest-variance "
+        if projection == "pca" and method != "tracin":
+            raise UserInputError(f"GradientStoreModule: projection='pca' keeps each layer's largest-variance "
                                  f"directions, which {method} down-weights; use it with method='tracin' (or "
                                  "projection='gaussian')")
         self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
@@ -111,8 +109,8 @@ class GradientStoreModule(L.LightningModule):
                "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
-        if hp.projection != "gaussian":  # (a gaussian store's fingerprint is as before the option)
-            out.update(projection=hp.projection, kfac_examples=hp.kfac_examples, kfac_split=hp.kfac_split)
+        if hp.projection == "pca":  # (a gaussian store's fingerprint is as before the option)
+            out.update(projection="pca", kfac_examples=hp.kfac_examples, kfac_split=hp.kfac_split)
         return out
 
     def provenance(self) -> dict:
@@ -152,12 +150,11 @@ class GradientStoreModule(L.LightningModule):
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         if self.metric.needs_factor_data:
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
-        if projections is None and hp.projection != "gaussian":
+        if projections is None and hp.projection == "pca":
             moments = influence_metric("kfac", damping=hp.damping, damping_mode=hp.damping_mode,
                                        kfac_examples=hp.kfac_examples)
             self.stats.update(self._fit_factors(moments, modules, linears, store_dir, dtype, save))
-            projections = self._same_on_every_rank(pca_projections(
-                linears, hp.k, moments.eigens, residual_sketch=hp.projection == "pca+gaussian", seed=hp.seed))
+            projections = self._same_on_every_rank(pca_projections(linears, hp.k, moments.eigens))
         elif projections is None:
             projections = make_projections(linears, hp.k, hp.seed)
         self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
