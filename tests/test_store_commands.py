@@ -169,10 +169,35 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
     info = gs.read_info(store)
     st = info["fingerprint"]["settings"]
     assert (st["projection"], st["kfac_examples"], st["method"]) == ("pca", 6, "tracin")
-    assert info["factors"].startswith("kfac-") and (store / info["factors"]).exists()
-    mtime = (store / info["factors"]).stat().st_mtime_ns
-    _build(store, pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32")
-    assert (store / info["factors"]).stat().st_mtime_ns == mtime  # resumed: nothing re-fitted
+    # the moments make the saved projections and are not kept (as large as K-FAC factors); a resumed build reads the
+    # projections and fits nothing
+    assert info["factors"] is None and not list(store.glob("*kfac-*")) and (store / gs.PROJECTION_FILE).exists()
+    mtime = (store / gs.PROJECTION_FILE).stat().st_mtime_ns
+    from iprox_lightning.scoring import metrics
+
+    real_fit = metrics.KFAC.fit
+
+    def no_fit(*a, **k):
+        raise AssertionError("moments fitted again")
+
+    metrics.KFAC.fit = no_fit
+    try:
+        _build(store, pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32")
+        assert (store / gs.PROJECTION_FILE).stat().st_mtime_ns == mtime
+    finally:
+        metrics.KFAC.fit = real_fit
+    # with a shared factors_dir the moments are saved there once: another store of them (k = 3) fits nothing
+    fdir = d / "shared_moments"
+    _build(d / "pca4", pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32",
+           "--factors_dir", str(fdir))
+    (moments,) = fdir.glob("kfac-*.safetensors")
+    metrics.KFAC.fit = no_fit
+    try:
+        _build(d / "pca3", pool, "--k", "3", "--projection", "pca", "--kfac_examples", "6", "--store_dtype",
+               "float32", "--factors_dir", str(fdir))
+    finally:
+        metrics.KFAC.fit = real_fit
+    assert [p.name for p in fdir.iterdir()] == [moments.name] and not list((d / "pca3").glob("*kfac-*"))
     # the reference: moments of the first 6 pool examples (the factor loader's order), their top-4 eigenvectors
     net, _ = load_model("builtin", tokenizer=False)
     net.eval()

@@ -46,7 +46,8 @@ class GradientStoreModule(L.LightningModule):
         method: the influence metric applied before projecting: ``"tracin"``, ``"kfac"`` or ``"ekfac"``.
         damping: K-FAC / EK-FAC damping (the project's rule).
         damping_mode: ``"relative"`` or ``"absolute"``.
-        kfac_examples: examples the factors are fitted on (and, with ``projection="pca"``, the second moments).
+        kfac_examples: examples the factors are fitted on (and, with ``projection="pca"``, the second moments; these
+            make the projections the store saves and are not kept in it, only in ``factors_dir`` when given).
         kfac_split: data-module split the factors are fitted on.
         projection: ``"gaussian"`` (seeded ``N(0, 1/k)`` rows: unbiased inner products, sampling noise) or ``"pca"``
             (the ``k`` leading eigenvectors of each layer's input and output-gradient second moments, fitted on
@@ -153,7 +154,10 @@ class GradientStoreModule(L.LightningModule):
         if projections is None and hp.projection == "pca":
             moments = influence_metric("kfac", damping=hp.damping, damping_mode=hp.damping_mode,
                                        kfac_examples=hp.kfac_examples)
-            self.stats.update(self._fit_factors(moments, modules, linears, store_dir, dtype, save))
+            # the moments only make the projections, which the store saves: they are not kept in the store (as
+            # large as K-FAC factors), only in a shared factors_dir, where other stores and scoring runs reuse them
+            st = self._fit_factors(moments, modules, linears, None, dtype, save)
+            self.stats.update({("pca_moments" if k == "factors" else k): v for k, v in st.items()})
             projections = self._same_on_every_rank(pca_projections(linears, hp.k, moments.eigens))
         elif projections is None:
             projections = make_projections(linears, hp.k, hp.seed)
@@ -161,8 +165,9 @@ class GradientStoreModule(L.LightningModule):
                                            target_patterns=hp.target_patterns, projections=projections, dtype=dtype)
 
     def _fit_factors(self, metric, modules, linears, store_dir: str | None, dtype: torch.dtype, save: bool) -> dict:
-        """Fit ``metric``'s factors on ``kfac_split`` (all-reduced under DDP), or load the ones saved in
-        ``store_dir`` for the same model and data; returns the fit statistics."""
+        """Fit ``metric``'s factors on ``kfac_split`` (all-reduced under DDP), or load the ones saved for the same
+        model and data in the shared ``factors_dir`` or ``store_dir``, and keep a copy in ``store_dir``; returns the
+        fit statistics. ``store_dir=None``: only the shared directory, if any, saves them."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is None or not hasattr(dm, "dataloader"):
             raise RuntimeError(f"method={self.metric.name!r} / projection={self.hparams.projection!r} "
