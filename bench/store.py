@@ -188,7 +188,8 @@ def run(a) -> dict:
                               "k": a.k, "methods": a.methods, "projections": a.projections,
                               "store_dtype": a.store_dtype, "max_length": a.max_length,
                               "threads": a.threads, "new_task": a.new_task}, "rows": earlier, "exact": before.get("exact", {}),
-               "proxy_vs_target": before.get("proxy_vs_target", {})}
+               "proxy_vs_target": before.get("proxy_vs_target", {}),
+               "proxy_vs_target_proxy": a.proxy or before.get("proxy_vs_target_proxy")}
 
     def save():
         tmp = out / ".results.json.tmp"
@@ -281,7 +282,8 @@ def run(a) -> dict:
                         f"{r['spearman_min_task_projected_norms']:.3f} |" if "spearman_projected_norms" in r else "— |"))
     cols = sorted({c for v in results["proxy_vs_target"].values() for c in v}, key=lambda c: (c != "score", c))
     if cols:
-        lines += ["", f"Proxy vs target, Spearman per score column (proxy `{a.proxy}`; exact scorings, or k = projected "
+        lines += ["", f"Proxy vs target, Spearman per score column (proxy `{results['proxy_vs_target_proxy']}`; exact "
+                      "scorings, or k = projected "
                       "stores):", "", "| method | scores | " + " | ".join(c.replace("score/", "") or c for c in cols)
                   + " |", "|---|---|" + "---|" * len(cols)]
         for key, v in sorted(results["proxy_vs_target"].items()):
