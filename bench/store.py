@@ -101,9 +101,8 @@ class State:
     def __init__(self, out: Path):
         self.path = out / "state.json"
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
-        for s in self.data.values():  # records from before TracIn's settings left out the K-FAC options it ignores
-            if s["settings"].get("method") == "tracin":
-                s["settings"] = _settings(s["settings"])
+        for s in self.data.values():  # records from before the settings left out the K-FAC options nothing read
+            s["settings"] = _settings(s["settings"])
 
     def done(self, name: str, settings: dict, output: Path) -> dict | None:
         s = self.data.get(name)

@@ -308,7 +308,7 @@ class ScoreFeatureTracker(WeightPairTracker):
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         h, delta = h.to(self.dtype), delta.to(self.dtype)
-        if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M of the materialised [B, out, in]
+        if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M G per example, [B, out, in]
             MG = self.metric.gradients(key, h, delta).flatten(1)  # [B, out·in], the tracker's dtype like tokens
             self.sq.add_(MG.pow(2).sum(1).double())
             self.dots.add_((MG @ self.V[key].to(MG).flatten(1).t()).double())

@@ -247,6 +247,11 @@ class InfluenceMetric:
         """The options the fitted state depends on (its file's fingerprint; damping is applied after loading)."""
         return {"method": self.name}
 
+    def base_metric(self) -> "KFAC | None":
+        """A :class:`KFAC` whose fitted factors this metric's fit starts from (``fit(..., eigenbases=)``), shared on
+        disk by :func:`fit_or_load`; ``None`` for a metric fitted from scratch."""
+        return None
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fitted state as named tensors (``{}`` for a metric without one)."""
         return {}
@@ -393,7 +398,7 @@ class EKFAC(KFAC):
     token_factored = False
     extra_fields = ("lambda", "n")
 
-    def kfac(self) -> KFAC:
+    def base_metric(self) -> KFAC:
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
         return KFAC(self.damping, self.damping_mode, self.examples)
 
@@ -481,18 +486,19 @@ def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str,
     if path.exists():
         metric.load_state_dict(load_factors(path, method=metric.name, fingerprint=fp), keys, dtype=dtype)
         return {"factors": str(path), "factors_reused": True}
-    if not isinstance(metric, EKFAC):
+    base = metric.base_metric()
+    if base is None:
         stats = metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
-    else:  # EK-FAC on the K-FAC factors of the same inputs: loaded when a K-FAC run saved them, else saved for one
-        base = metric.kfac()
+    else:  # (EK-FAC) on the base's factors of the same inputs: loaded when a base run saved them, else saved for one
         base_path, base_fp = where(base)
-        if base_path.exists():
+        reuse = base_path.exists()
+        if reuse:
             base.load_state_dict(load_factors(base_path, method=base.name, fingerprint=base_fp), keys, dtype=dtype)
         stats = metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress,
-                           eigenbases=base if base_path.exists() else None)
-        if save and not base_path.exists():
-            save_factors(base_path, {f"{k}|{f}": metric.eigens[k][f] for k in keys for f in _EIG_FIELDS},
-                         method=base.name, fingerprint=base_fp)
+                           eigenbases=base if reuse else None)
+        if save and not reuse:
+            base.eigens = {k: {f: metric.eigens[k][f] for f in _EIG_FIELDS} for k in keys}
+            save_factors(base_path, base.state_dict(), method=base.name, fingerprint=base_fp)
     if save:
         save_factors(path, metric.state_dict(), method=metric.name, fingerprint=fp)
     return {**stats, "factors": str(path), "factors_reused": False}

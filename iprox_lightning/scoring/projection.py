@@ -184,7 +184,7 @@ class ProjectedGradientTracker(WeightPairTracker):
             if self.metric is not None:
                 h, delta = self.metric.tokens(key, h, delta)
             self.vectors[:, off:off + d] = p.tokens(h, delta)
-        else:  # a metric of the whole per-example gradient (EK-FAC): materialise G, map it, project it
+        else:  # a metric of the whole per-example gradient (EK-FAC): M G per example (its gradients()), projected
             self.vectors[:, off:off + d] = p.matrix(self.metric.gradients(key, h, delta))
 
 
