@@ -48,9 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
 from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text, logger_overlay,  # bench/: the stage ledger
                     recorded_hosts, splice_docs)
-from bootstrap import percentile_interval  # bench/: the one bootstrap
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 
+from iprox_lightning.bootstrap import paired_gain, percentile_interval
 from iprox_lightning.data.eval_validation import FORMS as VALIDATION_FORMS  # a validation form -> its suite
 from iprox_lightning.data.sources import write_records_jsonl
 from iprox_lightning.selection_rules import RULES, task_columns
@@ -852,16 +852,6 @@ def length_matched_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m
         out[ref] = {"seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
                     "selector": float(v.mean()), "diff": diff, "diff_ci": ci, "beats_every_seed": bool(min(gains) > 0)}
     return out
-
-def paired_gain(v: np.ndarray, others: list[np.ndarray], hib: bool, bootstrap: int, seed: int
-                ) -> tuple[float, list, list[float]]:
-    """``v``'s per-example improvement over the mean of ``others`` (positive = better, whatever the metric's direction):
-    ``(mean, paired bootstrap CI over the examples, the gain over each of others' means)``."""
-    ref = np.mean(others, axis=0)
-    d = (v - ref) if hib else (ref - v)
-    gains = [(float(v.mean()) - float(o.mean())) * (1 if hib else -1) for o in others]
-    return float(d.mean()), percentile_interval(lambda ix: float(d[ix].mean()), len(d), bootstrap, seed), gains
-
 
 def length_vs_effect(rows: list[dict]) -> dict:
     """Per task and metric, across the fine-tuned rows: Pearson and Spearman of a row's mean selected response length

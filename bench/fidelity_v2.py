@@ -59,10 +59,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from bootstrap import percentile_interval  # bench/: the one bootstrap
 from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
                     logger_overlay, recorded_hosts, splice_docs)
 from variants import build_key, dir_name, lever_base, parse_variant  # bench/: the variant grammar
+
+from iprox_lightning.bootstrap import percentile_interval
 
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -822,18 +823,24 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         (work / dir_name(v["key"])).mkdir(exist_ok=True)
         sets = select_sets(p, sample_path, work / dir_name(v["key"]))
         add_row(v["key"], v["rho"], maps[v["key"]], tab, sets, extra=variant_facts(args, out, st, v, previous))
-    paired = paired_rows(rows, maps, tmap, length, args)
-    paired_tasks = [{"a": v["key"], "b": build_key(v), **{
-        suite: task_paired_difference(suite_maps[v["key"]], suite_maps[build_key(v)], t_suites, suite, args)
-        for suite in suites}} for v in variants if v.get("target_validation")
-        and {v["key"], build_key(v)} <= set(suite_maps)]
-    # each Stage-2 lever row against the row it changes (the same key without its suffixes after +align...)
-    paired_levers = [{"a": v["key"], "b": lever_base(v["key"]), **{
-        suite: task_paired_difference(suite_maps[v["key"]], suite_maps[lever_base(v["key"])], t_suites, suite, args)
-        for suite in suites}} for v in variants if lever_base(v["key"]) in suite_maps and v["key"] in suite_maps]
     meta = summary_meta(args, st, ref, val_counts, suites, length, boot)
-    return {"meta": meta, "rows": rows, "paired": paired, "paired_per_task": paired_tasks,
-            "paired_levers": paired_levers, "stages": st.state["stages"]}
+    return {"meta": meta, "rows": rows, "paired": paired_rows(rows, maps, tmap, length, args),
+            **per_task_pairs(variants, suite_maps, t_suites, suites, args), "stages": st.state["stages"]}
+
+
+def per_task_pairs(variants, suite_maps: Mapping[str, Mapping[str, Mapping[str, float]]],
+                   t_suites: Mapping[str, Mapping[str, float]], suites: list[str], args) -> dict[str, list[dict]]:
+    """The per-task paired differences: each ``+tval`` row against its proxy's row (``paired_per_task``), and each
+    Stage-2 lever row against the row it changes, the same key without its suffixes after ``+align...``
+    (``paired_levers``)."""
+    def pair(a: str, b: str) -> dict:
+        return {"a": a, "b": b, **{suite: task_paired_difference(suite_maps[a], suite_maps[b], t_suites, suite, args)
+                                   for suite in suites}}
+
+    return {"paired_per_task": [pair(v["key"], build_key(v)) for v in variants if v.get("target_validation")
+                                and {v["key"], build_key(v)} <= set(suite_maps)],
+            "paired_levers": [pair(v["key"], lever_base(v["key"])) for v in variants
+                              if lever_base(v["key"]) in suite_maps and v["key"] in suite_maps]}
 
 
 def task_paired_difference(a: Mapping[str, Mapping[str, float]], b: Mapping[str, Mapping[str, float]],

@@ -130,50 +130,13 @@ class Stages:
         if self.dry_run:
             self.log(f"stage {key}: would run")
             return {}
-        set_aside = None
-        if done.exists() or (clean is not None and clean.exists()):
-            # the old output is moved aside, not deleted, until the new one exists: a stage that fails (a wrong
-            # path, an interrupted run) puts it back, so a mistyped argument never costs a finished warm-up
-            why = "no record" if rec is None else "settings changed"
-            target = clean or done
-            set_aside = target.with_name(target.name + ".replaced")
-            if set_aside.exists():
-                _remove(set_aside)
-            self.log(f"stage {key}: existing output from another setting ({why}): moved to {set_aside}, "
-                     "deleted once this stage has finished")
-            os.replace(target, set_aside)
-        ov = self.out / "configs" / f"{dir_name(key)}.yaml"
-        ov.parent.mkdir(parents=True, exist_ok=True)
-        ov.write_text(yaml.safe_dump(overlay, sort_keys=False))
-        args = [subcommand] + [a for c in [*configs, ov] for a in ("--config", str(c))]
-        cmd = [sys.executable, "train.py", *args]
-        printable = "python train.py " + " ".join(shlex.quote(str(a)) for a in args)
-        self.log(f"stage {key}: {printable}")
-        env = dict(os.environ)
-        if self.threads:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        logf = self.out / "logs" / f"{dir_name(key)}.log"
-        logf.parent.mkdir(parents=True, exist_ok=True)
-        who = resource.RUSAGE_SELF if self.in_process else resource.RUSAGE_CHILDREN
-        ru0 = resource.getrusage(who)
-        t0 = time.perf_counter()
+        target = clean or done
+        set_aside = self._set_aside(key, target, "no record" if rec is None else "settings changed") \
+            if done.exists() or (clean is not None and clean.exists()) else None
         try:
-            with open(logf, "w") as f:
-                if self.in_process:
-                    returncode = self.call_in_process(args, f)
-                else:
-                    returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                                env=env).returncode
-            wall = time.perf_counter() - t0
-            ru1 = resource.getrusage(who)
-            if returncode != 0:
-                tail = logf.read_text()[-3000:]
-                raise RuntimeError(f"stage {key} failed (exit {returncode}); log {logf}:\n{tail}")
-            if not done.exists():
-                raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
+            printable, wall, cpu_s, peak_rss = self._execute(key, subcommand, configs, overlay, done)
         except BaseException:  # a failure or Ctrl-C: the previous output comes back, whatever was half-written goes
             if set_aside is not None:
-                target = clean or done
                 if target.exists():
                     _remove(target)
                 os.replace(set_aside, target)
@@ -185,8 +148,7 @@ class Stages:
         # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
         # text would re-run them although nothing they depend on changed
         rec = {"fingerprint": rec["fingerprint"] if same else fp, "command": printable, "wall_s": wall,
-               "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
-               "peak_rss_mib": ru1.ru_maxrss / 1024, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "cpu_s": cpu_s, "peak_rss_mib": peak_rss, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                "commit": git_commit(dirty=True),
                "load_average": os.getloadavg()[0]}
         rec["host"] = host_info()  # where it ran: a summary rewritten elsewhere reports this, not its own machine
@@ -196,6 +158,51 @@ class Stages:
         self.save()
         self.log(f"stage {key}: done in {wall:.0f}s (CPU {rec['cpu_s']:.0f}s)")
         return rec
+
+    def _set_aside(self, key: str, target: Path, why: str) -> Path:
+        """Move a stage's old output aside (not deleted) until the new one exists: a stage that fails (a wrong path,
+        an interrupted run) puts it back, so a mistyped argument never costs a finished warm-up."""
+        set_aside = target.with_name(target.name + ".replaced")
+        if set_aside.exists():
+            _remove(set_aside)
+        self.log(f"stage {key}: existing output from another setting ({why}): moved to {set_aside}, "
+                 "deleted once this stage has finished")
+        os.replace(target, set_aside)
+        return set_aside
+
+    def _execute(self, key: str, subcommand: str, configs: list[Path], overlay: dict,
+                 done: Path) -> tuple[str, float, float, float]:
+        """Write the stage's overlay and run ``python train.py SUBCOMMAND --config ...`` (a subprocess, or in this
+        process); ``(printable command, wall seconds, CPU seconds, peak RSS MiB)``. Raises when it fails or
+        leaves no ``done``."""
+        ov = self.out / "configs" / f"{dir_name(key)}.yaml"
+        ov.parent.mkdir(parents=True, exist_ok=True)
+        ov.write_text(yaml.safe_dump(overlay, sort_keys=False))
+        args = [subcommand] + [a for c in [*configs, ov] for a in ("--config", str(c))]
+        printable = "python train.py " + " ".join(shlex.quote(str(a)) for a in args)
+        self.log(f"stage {key}: {printable}")
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        logf = self.out / "logs" / f"{dir_name(key)}.log"
+        logf.parent.mkdir(parents=True, exist_ok=True)
+        who = resource.RUSAGE_SELF if self.in_process else resource.RUSAGE_CHILDREN
+        ru0 = resource.getrusage(who)
+        t0 = time.perf_counter()
+        with open(logf, "w") as f:
+            if self.in_process:
+                returncode = self.call_in_process(args, f)
+            else:
+                returncode = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, stdout=f,
+                                            stderr=subprocess.STDOUT, env=env).returncode
+        wall = time.perf_counter() - t0
+        ru1 = resource.getrusage(who)
+        if returncode != 0:
+            raise RuntimeError(f"stage {key} failed (exit {returncode}); log {logf}:\n{logf.read_text()[-3000:]}")
+        if not done.exists():
+            raise RuntimeError(f"stage {key} finished but {done} is missing; log {logf}")
+        cpu_s = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+        return printable, wall, cpu_s, ru1.ru_maxrss / 1024
 
     def call_in_process(self, args: list[str], log) -> int:
         """``python train.py ARGS`` as :meth:`run`'s subprocess runs it, in this process: from the checkout's root,

@@ -175,6 +175,78 @@ def _stores(a, method: str) -> list[tuple[int, str, str]]:
             for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]
 
 
+def _exact(out: Path, state: State, a, name: str, model: str, method: str, st: dict) -> dict:
+    """The exact scoring of ``model`` by ``method`` (``train.py predict``): its recorded result, or run now."""
+    exact = state.done(f"exact/{name}", st, out / "exact" / name / "scores.parquet")
+    if exact is None:
+        cfg = _score_overlay(out, name, model, method, a)
+        exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config", str(cfg)],
+                                 a.in_process, a.threads)}
+        state.record(f"exact/{name}", st, exact)
+    return exact
+
+
+def _build(out: Path, state: State, a, key: str, model: str, method: str, k: int, projection: str,
+           bst: dict) -> tuple[dict, bool]:
+    """``(result, rebuilt)`` of the store ``key`` (``train.py build_store``): recorded, or built now (then its
+    queries are made again too)."""
+    store = out / "stores" / key
+    built = state.done(f"build/{key}", bst, store / "store.json")
+    if built is not None:
+        return built, False
+    # a store this benchmark built with other settings (whose fingerprint the build may refuse) is built again from
+    # scratch; a killed build of these settings resumes
+    earlier_build = state.data.get(f"build/{key}")
+    fresh = earlier_build is not None and earlier_build["settings"] != bst
+    built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool", a.pool, "--k",
+                              str(k), "--method", method, "--kfac_examples", str(a.kfac_examples), "--damping",
+                              str(a.damping), "--store_dtype", a.store_dtype, "--max_length", str(a.max_length),
+                              "--batch_size", str(a.batch_size), "--projection", projection,
+                              "--factors_dir", str(out / "factors"),  # the exact run's, shared
+                              "--progress", str(not a.in_process).lower(),
+                              *(["--overwrite", "true"] if fresh else [])], a.in_process, a.threads)}
+    state.record(f"build/{key}", bst, built)
+    return built, True
+
+
+def _query(out: Path, state: State, a, key: str, bst: dict, rebuilt: bool) -> dict:
+    """The store ``key`` queried with the validation set twice (cold, then re-reading its cached validation
+    gradients): recorded, or run now."""
+    qdir = out / "queries" / key
+    queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
+    if rebuilt or queried is None or "requery_s" not in queried:
+        q = ["query", "--store", str(out / "stores" / key), "--validation", a.validation, "--output_dir", str(qdir)]
+        first = _run(q, a.in_process, a.threads)
+        queried = {"query_s": first, "requery_s": _run(q, a.in_process, a.threads)}
+        state.record(f"query/{key}", bst, queried)
+    return queried
+
+
+def _store_row(out: Path, state: State, a, who: str, model: str, method: str, st: dict, exact: dict, k: int,
+               projection: str, tag: str) -> dict:
+    """One row of ``results.json``: the store ``<who>-<method>-<tag>`` built, queried and compared with the exact
+    scoring of the same model and method (and, with ``--new-task``, the new suite)."""
+    name = f"{who}-{method}"
+    key = f"{name}-{tag}"
+    bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
+           **({"projection": projection, "kfac_examples": a.kfac_examples} if projection != "gaussian" else {})}
+    built, rebuilt = _build(out, state, a, key, model, method, k, projection, bst)
+    queried = _query(out, state, a, key, bst, rebuilt)
+    rho = _compare(out / "queries" / key / "scores.parquet", out / "exact" / name / "scores.parquet")
+    new_task = (_new_task(out, state, a, name, model, method, st, out / "stores" / key, key, bst, rebuilt)
+                if a.new_task and method == a.methods[0] else None)
+    return {"who": who, "method": method, "k": k, "projection": projection, **exact, **built, **queried,
+            "build_vs_exact": built["build_s"] / exact["exact_s"],
+            "query_share": queried["query_s"] / exact["exact_s"],
+            "requery_share": queried["requery_s"] / exact["exact_s"], "new_task": new_task,
+            "bytes_per_example": _bytes_per_example(out / "stores" / key), "spearman": rho,
+            "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
+
+
+def _row_key(r: dict) -> tuple:
+    return r["who"], r["method"], r["k"], r.get("projection", "gaussian")
+
+
 def run(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,12 +254,11 @@ def run(a) -> dict:
     # rows of earlier invocations with other settings (k, projection, method, model) are kept: each row says its own
     # settings, and a row this invocation measures again replaces its old one
     before = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    earlier = before.get("rows", [])
     results: dict = {"meta": {"model": a.model, "proxy": a.proxy, "pool": a.pool, "validation": a.validation,
                               "k": a.k, "methods": a.methods, "projections": a.projections,
                               "store_dtype": a.store_dtype, "max_length": a.max_length,
-                              "threads": a.threads, "new_task": a.new_task}, "rows": earlier, "exact": before.get("exact", {}),
-               "proxy_vs_target": before.get("proxy_vs_target", {}),
+                              "threads": a.threads, "new_task": a.new_task}, "rows": before.get("rows", []),
+               "exact": before.get("exact", {}), "proxy_vs_target": before.get("proxy_vs_target", {}),
                "proxy_vs_target_proxy": a.proxy or before.get("proxy_vs_target_proxy")}
 
     def save():
@@ -199,62 +270,15 @@ def run(a) -> dict:
     for who, model in models.items():
         for method in a.methods:
             name = f"{who}-{method}"
-            exact_dir = out / "exact" / name
             st = _settings({"model": model, "method": method, "pool": a.pool, "validation": a.validation,
                             "max_length": a.max_length, "kfac_examples": a.kfac_examples, "damping": a.damping})
-            exact = state.done(f"exact/{name}", st, exact_dir / "scores.parquet")
-            if exact is None:
-                cfg = _score_overlay(out, name, model, method, a)
-                exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config",
-                                          str(cfg)], a.in_process, a.threads)}
-                state.record(f"exact/{name}", st, exact)
+            exact = _exact(out, state, a, name, model, method, st)
             results["exact"][name] = {"model": model, **exact}
             save()
-            if a.exact_only:
-                continue
-            for k, projection, tag in _stores(a, method):
-                key = f"{name}-{tag}"
-                store, qdir = out / "stores" / key, out / "queries" / key
-                bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
-                       **({"projection": projection, "kfac_examples": a.kfac_examples} if projection != "gaussian"
-                          else {})}
-                built = state.done(f"build/{key}", bst, store / "store.json")
-                rebuilt = built is None  # then its queries are made again too
-                if built is None:
-                    # a store this benchmark built with other settings (whose fingerprint the build may refuse) is
-                    # built again from scratch; a killed build of these settings resumes
-                    earlier_build = state.data.get(f"build/{key}")
-                    fresh = earlier_build is not None and earlier_build["settings"] != bst
-                    built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool",
-                                              a.pool, "--k", str(k), "--method", method, "--kfac_examples",
-                                              str(a.kfac_examples), "--damping", str(a.damping), "--store_dtype",
-                                              a.store_dtype, "--max_length", str(a.max_length), "--batch_size",
-                                              str(a.batch_size), "--projection", projection,
-                                              "--factors_dir", str(out / "factors"),  # the exact run's, shared
-                                              "--progress", str(not a.in_process).lower(),
-                                              *(["--overwrite", "true"] if fresh else [])],
-                                             a.in_process, a.threads)}
-                    state.record(f"build/{key}", bst, built)
-                queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
-                if rebuilt or queried is None or "requery_s" not in queried:
-                    q = ["query", "--store", str(store), "--validation", a.validation, "--output_dir", str(qdir)]
-                    first = _run(q, a.in_process, a.threads)
-                    queried = {"query_s": first, "requery_s": _run(q, a.in_process, a.threads)}
-                    state.record(f"query/{key}", bst, queried)
-                rho = _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")
-                new_task = (_new_task(out, state, a, name, model, method, st, store, key, bst, rebuilt)
-                            if a.new_task and method == a.methods[0] else None)
-                row = {"who": who, "method": method, "k": k, "projection": projection, **exact, **built, **queried,
-                       "build_vs_exact": built["build_s"] / exact["exact_s"],
-                       "query_share": queried["query_s"] / exact["exact_s"],
-                       "requery_share": queried["requery_s"] / exact["exact_s"], "new_task": new_task,
-                       "bytes_per_example": _bytes_per_example(store), "spearman": rho,
-                       "spearman_min_task": min((v for c, v in rho.items() if c != "score"), default=float("nan"))}
-                results["rows"] = [r for r in results["rows"] if (r["who"], r["method"], r["k"],
-                                                                  r.get("projection", "gaussian")) !=
-                                   (who, method, k, projection)]
-                results["rows"].append(row)
-                results["rows"].sort(key=lambda r: (r["who"], r["method"], r["k"], r.get("projection", "gaussian")))
+            for k, projection, tag in [] if a.exact_only else _stores(a, method):
+                row = _store_row(out, state, a, who, model, method, st, exact, k, projection, tag)
+                results["rows"] = sorted([r for r in results["rows"] if _row_key(r) != _row_key(row)] + [row],
+                                         key=_row_key)
                 save()
     if a.proxy:
         for method in a.methods:
@@ -265,8 +289,14 @@ def run(a) -> dict:
             results["proxy_vs_target"][f"{method}-exact"] = _compare(
                 out / "exact" / f"proxy-{method}" / "scores.parquet", out / "exact" / f"target-{method}" / "scores.parquet")
     save()
+    (out / "summary.md").write_text(summary_markdown(results, a.new_task))
+    return results
+
+
+def summary_markdown(results: dict, new_task: str | None) -> str:
+    """``summary.md``: one line per store row, then the proxy-vs-target Spearman per method and score column."""
     lines = ["| model | method | k | projection | exact s | build s | build/exact | query s (share) | re-query s (share) | "
-             f"new task {a.new_task or '—'}: exact s, query s (share) | bytes/example | Spearman pooled | min task | "
+             f"new task {new_task or '—'}: exact s, query s (share) | bytes/example | Spearman pooled | min task | "
              "norms | pooled, min task with projected norms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
@@ -288,8 +318,7 @@ def run(a) -> dict:
         for key, v in sorted(results["proxy_vs_target"].items()):
             method, src = key.split("-", 1)
             lines.append(f"| {method} | {src} | " + " | ".join(f"{v.get(c, float('nan')):.3f}" for c in cols) + " |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    return results
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:

@@ -80,3 +80,30 @@ def test_suite_heldout_records_never_overlap_the_validation_set(eval_dir):
     assert len({r["id"] for r in recs}) == len(recs)
     with pytest.raises(ValueError, match="TyDiQA's GoldP dev file"):
         suite_heldout_records(str(eval_dir), ("tydiqa",))
+
+
+def test_gains_vs_random_pairs_examples_by_task_and_id():
+    """The pipeline's effect in the benchmark's terms: per task, random's loss minus the selection's, example by
+    example, with a paired bootstrap CI; examples missing from either side are not paired."""
+    import numpy as np
+
+    from iprox_lightning.bootstrap import percentile_interval
+    from iprox_lightning.selection_effect import gains_vs_random
+
+    ex = lambda who: [{"id": f"{t}-{i}", "task": t, "loss": loss} for t, losses in who.items()  # noqa: E731
+                      for i, loss in enumerate(losses)]
+    metrics = {"random": {"examples": ex({"a": [2.0, 3.0, 4.0], "b": [1.0, 1.0]})},
+               "proxy": {"examples": ex({"a": [1.5, 3.0, 3.5], "b": [1.25, 0.75]})},
+               "target": {"examples": ex({"a": [2.0, 2.0]})}}  # a-2 missing: paired on a-0, a-1 only
+    g = gains_vs_random(metrics, seed=0, n_boot=200)
+    assert set(g) == {"a", "b"} and set(g["a"]) == {"proxy", "target"} and set(g["b"]) == {"proxy"}
+    d = np.array([0.5, 0.0, 0.5])
+    assert g["a"]["proxy"]["n"] == 3 and math.isclose(g["a"]["proxy"]["loss_gain"], 1 / 3)
+    assert g["a"]["proxy"]["loss_gain_ci"] == percentile_interval(lambda ix: float(d[ix].mean()), 3, 200, seed=0)
+    assert g["a"]["target"]["n"] == 2 and math.isclose(g["a"]["target"]["loss_gain"], 0.5)
+    assert math.isclose(g["b"]["proxy"]["loss_gain"], 0.0)
+    assert gains_vs_random({"proxy": metrics["proxy"]}) == {}  # no random row: nothing to compare with
+    lines = format_effect({"heldout": "h", "metrics": {"random": {"loss": 1.0, "exact_match": 0.0, "per_task": {}}},
+                           "gain_vs_random": g})
+    assert lines[-2] == "     a                   : proxy +0.333 [" + ", ".join(
+        f"{x:+.3f}" for x in g["a"]["proxy"]["loss_gain_ci"]) + "] | target +0.500 [+0.000, +1.000]"
