@@ -91,6 +91,8 @@ def gains_vs_random(metrics: Mapping[str, Mapping[str, Any]], seed: int = 0, n_b
     if "random" not in metrics:
         return {}
     rand = {(e["task"], e["id"]): e["loss"] for e in metrics["random"]["examples"]}
+    if len(rand) != len(metrics["random"]["examples"]):  # e.g. records without ids: nothing could be paired safely
+        raise ValueError("gains_vs_random: the held-out examples need distinct (task, id) pairs to be paired")
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for who in ("proxy", "target"):
         by_task: dict[str, list[tuple[float, float]]] = {}

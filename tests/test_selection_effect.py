@@ -103,6 +103,9 @@ def test_gains_vs_random_pairs_examples_by_task_and_id():
     assert g["a"]["target"]["n"] == 2 and math.isclose(g["a"]["target"]["loss_gain"], 0.5)
     assert math.isclose(g["b"]["proxy"]["loss_gain"], 0.0)
     assert gains_vs_random({"proxy": metrics["proxy"]}) == {}  # no random row: nothing to compare with
+    unnamed = {"random": {"examples": [{"id": None, "task": "a", "loss": 1.0}] * 2}, "proxy": metrics["proxy"]}
+    with pytest.raises(ValueError, match="distinct"):
+        gains_vs_random(unnamed)
     lines = format_effect({"heldout": "h", "metrics": {"random": {"loss": 1.0, "exact_match": 0.0, "per_task": {}}},
                            "gain_vs_random": g})
     assert lines[-2] == "     a                   : proxy +0.333 [" + ", ".join(
