@@ -150,12 +150,7 @@ def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st
     sub = f"{name}-{a.new_task}"
     exact_dir, qdir = out / "exact" / sub, out / "queries" / f"{key}-{a.new_task}"
     est = {**st, "validation": str(val), "new_task": a.new_task}
-    exact = state.done(f"exact/{sub}", est, exact_dir / "scores.parquet")
-    if exact is None:
-        cfg = _score_overlay(out, sub, model, method, argparse.Namespace(**{**vars(a), "validation": str(val)}))
-        exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config", str(cfg)],
-                                 a.in_process, a.threads)}
-        state.record(f"exact/{sub}", est, exact)
+    exact = _exact(out, state, argparse.Namespace(**{**vars(a), "validation": str(val)}), sub, model, method, est)
     qst = {**bst, "validation": str(val), "new_task": a.new_task}
     queried = state.done(f"query/{key}-{a.new_task}", qst, qdir / "scores.parquet")
     if queried is None or rebuilt:

@@ -151,7 +151,7 @@ def test_kfac_store_saves_factors_once_and_queries_with_them(files):
         main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(d / "q_old")])
 
 
-def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(files):
+def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(files, monkeypatch):
     """``--projection pca``: the store's projections are the leading eigenvectors of the second moments fitted on
     ``kfac_examples`` pool examples (saved with the store, never re-fitted on resume); the query equals TracIn
     cosines of the vectors those projections give; the option is fingerprinted; K-FAC with it is refused."""
@@ -175,28 +175,22 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
     mtime = (store / gs.PROJECTION_FILE).stat().st_mtime_ns
     from iprox_lightning.scoring import metrics
 
-    real_fit = metrics.KFAC.fit
-
     def no_fit(*a, **k):
         raise AssertionError("moments fitted again")
 
-    metrics.KFAC.fit = no_fit
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(metrics.KFAC, "fit", no_fit)
         _build(store, pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32")
         assert (store / gs.PROJECTION_FILE).stat().st_mtime_ns == mtime
-    finally:
-        metrics.KFAC.fit = real_fit
     # with a shared factors_dir the moments are saved there once: another store of them (k = 3) fits nothing
     fdir = d / "shared_moments"
     _build(d / "pca4", pool, "--k", "4", "--projection", "pca", "--kfac_examples", "6", "--store_dtype", "float32",
            "--factors_dir", str(fdir))
     (moments,) = fdir.glob("kfac-*.safetensors")
-    metrics.KFAC.fit = no_fit
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(metrics.KFAC, "fit", no_fit)
         _build(d / "pca3", pool, "--k", "3", "--projection", "pca", "--kfac_examples", "6", "--store_dtype",
                "float32", "--factors_dir", str(fdir))
-    finally:
-        metrics.KFAC.fit = real_fit
     assert [p.name for p in fdir.iterdir()] == [moments.name] and not list((d / "pca3").glob("*kfac-*"))
     # the reference: moments of the first 6 pool examples (the factor loader's order), their top-4 eigenvectors
     net, _ = load_model("builtin", tokenizer=False)
