@@ -136,10 +136,12 @@ def _norm_text(rec: dict) -> tuple:
     return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
 
 
-def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, skip_flagged: bool):
+def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, skip_flagged: bool,
+                 candidates: set[str] | None = None):
     """``(column label, ids, zero_grad flags, bad rows, ranked rows)`` of a score table under ``rule``: the ranked rows
     are ``(value, id)`` best first (ties by id), without the rows flagged ``zero_grad`` or non-finite (``bad``:
-    ``(id, score)``, an error unless ``skip_flagged``) and, with ``dedup``, one per id."""
+    ``(id, score)``, an error unless ``skip_flagged``) and, with ``dedup``, one per id; with ``candidates``, the rule
+    ranks those ids only (its standardisation and round-robin among them)."""
     from .selection_rules import rule_columns, rule_order
 
     used = rule_columns(rule, table.column_names, task)
@@ -157,7 +159,8 @@ def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, 
             f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
             "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
     bad_ids = {i for i, _ in bad}
-    keep = np.asarray([not z and i not in bad_ids for i, z in zip(ids, flags)], bool)
+    keep = np.asarray([not z and i not in bad_ids and (candidates is None or i in candidates)
+                       for i, z in zip(ids, flags)], bool)
     kept_ids = [i for i, m in zip(ids, keep) if m]
     order, value = rule_order(rule, kept_ids, {c: v[keep] for c, v in values.items()}, task)
     rows = [(float(value[j]), kept_ids[j]) for j in order]  # best first (ties by id)
@@ -167,6 +170,22 @@ def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, 
     elif len(set(ids)) != len(ids):
         raise UserInputError(f"{src}: duplicate ids in the score table and dedup=False")
     return col, ids, flags, bad, rows
+
+
+def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str], float]:
+    """The ``count`` ids of ``ranked`` with the fewest response tokens (the table's ``n_tokens``), every id tied with
+    the last of them too, and that last length."""
+    if "n_tokens" not in table.column_names:
+        raise UserInputError(f"{src}: within_shortest needs the score table's 'n_tokens' column (the response tokens "
+                             "each example was scored on; written by the scoring, store-query and RDS+ stages)")
+    n_tok = dict(zip((str(i) for i in table.column("id").to_pylist()), table.column("n_tokens").to_pylist()))
+    missing = [i for i in ranked if n_tok.get(i) is None]
+    if missing:
+        raise UserInputError(f"{src}: 'n_tokens' is missing for {len(missing)} row(s), e.g. {missing[:3]}")
+    if not ranked:
+        return set(), 0.0
+    cut = float(sorted(float(n_tok[i]) for i in ranked)[min(count, len(ranked)) - 1])
+    return {i for i in ranked if float(n_tok[i]) <= cut}, cut
 
 
 def _one_per_text(rows: list, records: dict) -> list:
@@ -220,6 +239,7 @@ def select(
     allow_pool_mismatch: bool = False,
     builtin_size: int | None = None,
     overwrite: bool = False,
+    within_shortest: float | None = None,
 ) -> str:
     """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
     return the output path.
@@ -250,7 +270,13 @@ def select(
         overwrite: replace ``output`` even when another score table's selection is there (its ``.meta.json`` names
             the table it came from) or a file of unknown origin; by default only the same table's selection is
             replaced, so one selector never silently overwrites another's file.
+        within_shortest: rank only among the ``within_shortest · k`` examples with the shortest responses (the
+            table's ``n_tokens``; every example tied with the last of them too), e.g. ``2``: the top ``k`` of the
+            ``2k`` shortest. The held-out form of short-answer tasks (MMLU, BBH direct answers) rewards short
+            responses; this keeps that and lets the scores choose among them. ``None`` (default): every example.
     """
+    if within_shortest is not None and not (isinstance(within_shortest, (int, float)) and within_shortest >= 1):
+        raise UserInputError(f"within_shortest must be a number >= 1 (a multiple of k), got {within_shortest!r}")
     src, table = _read_scores(scores_path)
     if per_task:
         rule = _per_task_rule(rule, task)
@@ -270,7 +296,15 @@ def select(
     n = len(rows)
     from .io.scores import topk_count
 
-    chosen = rows[:topk_count(k, n)]
+    count = topk_count(k, n)
+    shortlist = None
+    if within_shortest is not None:
+        short, cut = _shortest(src, table, [i for _, i in rows], int(np.ceil(within_shortest * count)))
+        rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=short)[4]
+        if pools and dedup:
+            rows = _one_per_text(rows, records)
+        shortlist = {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
+    chosen = rows[:count]
     _check_selection(chosen, src, n, len(ids), flags, bad)
 
     out = Path(output)
@@ -281,6 +315,7 @@ def select(
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
         "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,
         "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
+        **({"shortlist": shortlist} if shortlist is not None else {}),
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }

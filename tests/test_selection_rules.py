@@ -128,3 +128,41 @@ def test_select_cli_per_task_still_reads_as_rule_max(table, tmp_path):
     assert [json.loads(line)["id"] for line in open(out)] == brute_order(
         [ids[j] for j in ok], [ts[j].max() for j in ok])[:4]
     assert json.loads(open(str(out) + ".meta.json").read())["rule"] == "max"
+
+
+def test_within_shortest_ranks_only_the_shortest_brute_force(tmp_path):
+    """``within_shortest=m``: the rule ranks only the ``m·k`` shortest responses (ties at the cut kept); the balanced
+    rule standardises among them. Brute force: filter by length, then the rule on the filtered table."""
+    rng = np.random.default_rng(4)
+    ids = [f"ex-{j:03d}" for j in range(N)]
+    ts = rng.normal(size=(N, len(TASKS)))
+    n_tok = rng.permutation(np.tile(np.arange(1, 7), N // 6))  # five of each length 1..6
+    t = ScoreTable(ids, ts.mean(axis=1), TASKS, ts, n_tok, np.zeros(N, bool), ["t"] * N)
+    path = tmp_path / "scores.parquet"
+    t.save(str(path))
+    k, m = 4, 2.25  # the 9 shortest, and every example as short as the 9th: lengths 1 and 2
+    cut = sorted(n_tok)[8]
+    short = [j for j in range(N) if n_tok[j] <= cut]
+    assert cut == 2 and len(short) == 10  # the tie at the cut is kept
+    out = select(str(path), k=k, rule="mean", task="mmlu", dedup=False, output=str(tmp_path / "s.jsonl"),
+                 within_shortest=m)
+    got = [json.loads(line)["id"] for line in open(out)]
+    assert got == brute_order([ids[j] for j in short], [ts[j, 2:5].mean() for j in short])[:k]
+    meta = json.loads(open(out + ".meta.json").read())
+    assert meta["shortlist"] == {"within_shortest": m, "candidates": len(short), "max_response_tokens": float(cut)}
+    # balanced: the round robin over the candidates' standardised subtask columns
+    out = select(str(path), k=k, rule="balanced", task="mmlu", dedup=False, output=str(tmp_path / "b.jsonl"),
+                 within_shortest=m)
+    sub_ids = [ids[j] for j in short]
+    want, _ = balanced_brute(sub_ids, list(ts[short, 2:5].T), k)
+    assert [json.loads(line)["id"] for line in open(out)] == [sub_ids[j] for j in want]
+    with pytest.raises(ValueError, match="within_shortest must be a number >= 1"):
+        select(str(path), k=k, output=str(tmp_path / "x.jsonl"), within_shortest=0.5)
+
+
+def test_within_shortest_needs_response_tokens(table, tmp_path):
+    from iprox_lightning.io.scores import write_scores
+
+    p = write_scores({"a": 1.0, "b": 2.0}, tmp_path / "plain" / "scores.parquet")
+    with pytest.raises(ValueError, match="within_shortest needs the score table's 'n_tokens' column"):
+        select(str(p), k=1, output=str(tmp_path / "x.jsonl"), within_shortest=2)
