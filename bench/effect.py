@@ -742,7 +742,7 @@ class Effect:
         and the Markdown spliced into ``--docs``."""
         a = self.args
         evals = [json.loads(p.read_text()) for p in sorted(self.evals_dir.glob("*.json"))]
-        rows, noise, matched = [], {}, {}
+        rows, noise, matched, short = [], {}, {}, {}
         skipped: dict[str, set] = {"stale": set(), "unlisted": set()}
         model_fp = {ev["key"]: self.model_fingerprint(ev["key"]) for ev in evals}
         for task in a.tasks:
@@ -754,8 +754,12 @@ class Effect:
                 rows += self.task_rows(task, m, hib, per_seed, per_model, noise)
                 for ref, res in length_matched_controls(per_model, m, hib, a.bootstrap, a.seed).items():
                     matched.setdefault(f"{task}/{m}", {})[ref] = res
+                for ref, res in shortlist_controls(per_model, m, hib, a.bootstrap, a.seed).items():
+                    short.setdefault(f"{task}/{m}", {})[ref] = res
         stale, unlisted = skipped["stale"], skipped["unlisted"]
         summary = {"meta": self.summary_meta(rows, evals, noise, matched, stale, unlisted), "rows": rows}
+        if short:
+            summary["meta"]["shortlist_matched"] = short
         if stale:
             self.log(f"not reported (evaluated with other settings than this command's; re-run without --summary-only "
                      f"to refresh them): {', '.join(sorted(stale))}")
@@ -883,6 +887,27 @@ def length_matched_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m
                     "selector": float(v.mean()), "diff": diff, "diff_ci": ci, "beats_every_seed": bool(min(gains) > 0)}
     return out
 
+def shortlist_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m: str, hib: bool, bootstrap: int,
+                       seed: int) -> dict[str, dict]:
+    """Each ``<selector>~short<m>`` against the random subsets of the same shortlist (``random:<seed>~short<m>``)
+    under metric ``m``: what its scores choose beyond taking short responses."""
+    controls: dict[float, list[str]] = {}
+    for k in sorted(per_model):
+        base, mult = split_shortlist(k)
+        if mult is not None and base.startswith("random:"):
+            controls.setdefault(mult, []).append(k)
+    out = {}
+    for k in sorted(per_model):
+        base, mult = split_shortlist(k)
+        if mult is None or base.startswith("random:") or not controls.get(mult):
+            continue
+        v = per_model[k][m]
+        diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls[mult]], hib, bootstrap, seed)
+        out[k] = {"seeds": len(controls[mult]), "selector": float(v.mean()), "diff": diff, "diff_ci": ci,
+                  "beats_every_seed": bool(min(gains) > 0)}
+    return out
+
+
 def length_vs_effect(rows: list[dict]) -> dict:
     """Per task and metric, across the fine-tuned rows: Pearson and Spearman of a row's mean selected response length
     with its held-out value — how much of the table the lengths the selectors picked explain."""
@@ -980,6 +1005,14 @@ def noise_notes(m: dict, rows: list[dict]) -> list[str]:
                       f"{k} {ref} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} "
                       "seeds" + (", beats every seed" if v["beats_every_seed"] else "") + ")"
                       for k, refs in lm.items() for ref, v in refs.items()), ""]
+    sm = m.get("shortlist_matched")
+    if sm:
+        lines += ["Shortlist control (`random:<seed>~short<m>`: seeded random subsets of the same m·k shortest "
+                  "responses): a `~short<m>` selection minus their mean (positive = its scores choose better than "
+                  "the shortlist alone) [paired 95% CI]: " + "; ".join(
+                      f"{k} {ref} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} "
+                      "seeds" + (", beats every seed" if v["beats_every_seed"] else "") + ")"
+                      for k, refs in sm.items() for ref, v in refs.items()), ""]
     le = m.get("length_vs_effect")
     if le:
         lines += ["Response length of the selected subset vs the held-out value, across the fine-tuned rows "
@@ -1037,10 +1070,11 @@ HEADLINE_SKIP = ("random:", "lenmatch", "base")
 def selector_family(selector: str) -> tuple[str, str | None]:
     """``store:iprox@0.5@bbh-direct+balanced`` -> ``("store:iprox@0.5+balanced", "bbh-direct")``: a selector without its
     validation form, and the form (``store:target`` is spelled ``store``; ``rds@bbh-direct`` -> ``("rds", ...)``)."""
+    selector, mult = split_shortlist(selector)
     base, plus, rule = selector.partition("+")
     head, form = split_form(base)
     head = "store" if head == "store:target" else head
-    return head + plus + rule, form
+    return head + plus + rule + ("" if mult is None else f"{SHORT_SUFFIX}{mult:g}"), form
 
 
 def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss") -> list[dict]:

@@ -614,3 +614,42 @@ def test_a_remade_proxy_is_not_served_by_the_earlier_ones_store(fidelity_dir, tm
     again = runs()
     assert all(again[k] != first[k] for k in first)  # the store and its query were made anew
     assert json.loads(stages()["query:iprox@0.5"]["fingerprint"])["store"] == stages()["store:iprox@0.5"]["fingerprint"]
+
+
+def test_short_selectors_rank_within_the_shortlist_and_face_its_random_subsets(fidelity_dir, tmp_path):
+    """``<selector>~short<m>`` is the product's ``select(within_shortest=m)`` on that selector's table (a random table
+    gets the sample's response tokens first); its family keeps the suffix; ``shortlist_controls`` is the paired gain
+    over the mean of the ``random:<seed>~short<m>`` subsets."""
+    from iprox_lightning.bootstrap import paired_gain
+    from iprox_lightning.select import select
+
+    assert effect.split_shortlist("store:iprox@0.5@bbh-direct+balanced~short2") == (
+        "store:iprox@0.5@bbh-direct+balanced", 2.0)
+    assert effect.split_rule("store+max~short3", "mean") == ("store", "max")
+    assert effect.selector_family("rds@bbh-direct~short2") == ("rds~short2", "bbh-direct")
+    with pytest.raises(ValueError, match="~short<multiple of k>"):
+        effect.split_shortlist("target~shortx")
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
+            "--eval-dir", "builtin", "--tasks", "addition", "--selectors", "target~short2", "random:0~short2",
+            "--k", "0.2", "--max-length", "48", "--threads", "1", "--in-process", "--tables-only"]
+    effect.main(argv)
+    e = effect.Effect(effect.parse_args(argv))
+    e.sources = dict(effect.DEFAULT_SOURCES)
+    got = e.selection("addition", "target~short2")
+    ref = select(str(fidelity_dir / "scores" / "target" / "scores.parquet"), k=e.k, rule="mean", task="addition",
+                 pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / "ref.jsonl"), quiet=True,
+                 within_shortest=2)
+    assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    n_tok = e.response_tokens()
+    picked = [json.loads(x)["id"] for x in open(e.selection(None, "random:0~short2"))]
+    cut = sorted(n_tok.values())[2 * e.k - 1]
+    assert len(picked) == e.k and all(n_tok[i] <= cut for i in picked)
+    rng = np.random.default_rng(0)
+    per_model = {k: {"loss": rng.normal(size=20)} for k in ("target~short2", "random:0~short2", "random:1~short2",
+                                                              "target")}
+    res = effect.shortlist_controls(per_model, "loss", False, 200, 0)
+    assert list(res) == ["target~short2"]
+    diff, ci, _ = paired_gain(per_model["target~short2"]["loss"],
+                              [per_model[c]["loss"] for c in ("random:0~short2", "random:1~short2")], False, 200, 0)
+    assert res["target~short2"]["diff"] == pytest.approx(diff) and res["target~short2"]["seeds"] == 2
