@@ -710,14 +710,18 @@ class Effect:
         """Per proxy store query (selectors ``store:<proxy>``, with its validation form if any), how its per-subtask
         scores rank the sample against the warmed target's store queried with the same form (the same projection
         size and validation columns), per task: Spearman under the rules ``max`` (LESS) and ``mean`` over the task's
-        subtask columns, and the overlap of the two ``balanced`` selections of size k (the share of the target's
-        subset the proxy picks). Empty before a proxy store was queried."""
+        subtask columns; ``mean`` among the ``2k`` shortest responses only (``mean_within_shortest``, ties at the cut
+        kept: the ``~short2`` shortlist, where a ranking cannot agree by preferring short answers); and the overlap of
+        the two ``balanced`` selections of size k (the share of the target's subset the proxy picks). Empty before a
+        proxy store was queried."""
         from scipy.stats import spearmanr
 
         from iprox_lightning.io.scores import read_table
         from iprox_lightning.selection_rules import rule_order
 
         out: dict[str, dict] = {}
+        n_tok = self.response_tokens()
+        cut = sorted(n_tok.values())[min(2 * self.k, len(n_tok)) - 1] if n_tok else 0.0
         for src in self.proxy_store_queries():
             form = split_store_source(src)[1]
             path = self.store_paths(src)[1] / "scores.parquet"
@@ -732,6 +736,11 @@ class Effect:
                 cq, cr = (task_columns({c: df.loc[ids, c].to_numpy() for c in df.columns}, t) for df in (q, ref))
                 row[t] = {rule: float(spearmanr(agg(np.stack(list(cq.values()))), agg(np.stack(list(cr.values()))))[0])
                           for rule, agg in (("max", lambda x: x.max(0)), ("mean", lambda x: x.mean(0)))}
+                short = np.asarray([n_tok.get(i, np.inf) <= cut for i in ids])
+                if short.sum() > 2:
+                    mq, mr = (np.stack(list(c.values())).mean(0)[short] for c in (cq, cr))
+                    row[t]["mean_within_shortest"] = float(spearmanr(mq, mr)[0])
+                    row[t]["shortest_n"] = int(short.sum())
                 picks = [set(rule_order("balanced", ids, c, t)[0][:self.k].tolist()) for c in (cq, cr)]
                 row[t]["balanced_overlap"] = len(picks[0] & picks[1]) / self.k
             out[src] = row
@@ -1050,13 +1059,17 @@ def store_notes(m: dict) -> list[str]:
     pf = m.get("proxy_store_fidelity")
     if pf:
         lines += ["Proxy stores vs the target's store queried with the same validation form (same projection, same "
-                  "subtask columns), per task: Spearman of the max over subtasks / of their mean, and the share of "
-                  "the target's `balanced` subset (k examples) that the proxy's `balanced` subset holds:", "",
-                  "| proxy store | pooled | " + " | ".join(f"{t} max / mean / balanced overlap" for t in m["tasks"])
+                  "subtask columns), per task: Spearman of the max over subtasks / of their mean / of their mean among "
+                  "the 2k shortest responses (the `~short2` shortlist: agreement beyond preferring short answers), "
+                  "and the share of the target's `balanced` subset (k examples) that the proxy's `balanced` subset "
+                  "holds:", "",
+                  "| proxy store | pooled | " + " | ".join(f"{t} max / mean / mean in shortlist / balanced overlap"
+                                                           for t in m["tasks"])
                   + " |", "|---|---|" + "---|" * len(m["tasks"])]
         for src, r in pf.items():
             lines.append(f"| store:{src} | {r['pooled']:.2f} | " + " | ".join(
                 f"{r[t]['max']:.2f} / {r[t]['mean']:.2f} / "
+                + (f"{r[t]['mean_within_shortest']:.2f} / " if "mean_within_shortest" in r[t] else "— / ")
                 + (f"{r[t]['balanced_overlap']:.2f}" if "balanced_overlap" in r[t] else "—") if t in r else "—"
                 for t in m["tasks"]) + " |")
         lines.append("")
