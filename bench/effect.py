@@ -819,7 +819,7 @@ class Effect:
         random seeds' spread goes into ``noise``."""
         a = self.args
         n = len(self.heldout[task])
-        seeds = sorted(k for k in per_model if k.startswith("random:"))
+        seeds = sorted(k for k in per_model if k.startswith("random:") and split_shortlist(k)[1] is None)  # not ~short
         rand = np.mean([per_model[s][m] for s in seeds], axis=0) if seeds else None
         if seeds:
             means = [float(per_model[s][m].mean()) for s in seeds]

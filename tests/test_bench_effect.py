@@ -649,6 +649,14 @@ def test_short_selectors_rank_within_the_shortlist_and_face_its_random_subsets(f
     per_model = {k: {"loss": rng.normal(size=20)} for k in ("target~short2", "random:0~short2", "random:1~short2",
                                                               "target")}
     res = effect.shortlist_controls(per_model, "loss", False, 200, 0)
+    e.heldout = {"addition": [{"id": str(j)} for j in range(20)]}
+    noise: dict = {}
+    per_model["random:0"] = {"loss": rng.normal(size=20)}
+    rows = e.task_rows("addition", "loss", False, {}, per_model, noise)
+    assert noise["addition/loss"]["seeds"] == 1  # the shortlist's random subsets are controls, not random seeds
+    t_row = next(r for r in rows if r["selector"] == "target")
+    assert t_row["diff_vs_random"] == pytest.approx(float(per_model["random:0"]["loss"].mean()
+                                                          - per_model["target"]["loss"].mean()))
     assert list(res) == ["target~short2"]
     diff, ci, _ = paired_gain(per_model["target~short2"]["loss"],
                               [per_model[c]["loss"] for c in ("random:0~short2", "random:1~short2")], False, 200, 0)
