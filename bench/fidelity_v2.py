@@ -270,8 +270,8 @@ def headline(summary: Mapping[str, Any]) -> list[str]:
 
 
 def per_task_table(summary: Mapping[str, Any]) -> list[str]:
-    """Per-suite Spearman [CI] and worst task, length-partialled, top-5% / top-10% overlap of the per-suite top-k
-    sets; reference rows first, then the rest by their worst task (best first); the headline row in bold."""
+    """Per-suite Spearman [CI] and worst task, length-partialled, among the 10% shortest responses (ties kept), top-5%
+    / top-10% overlap of the per-suite top-k sets; reference rows first, then the rest by their worst task (best first); the headline row in bold."""
     suites = summary["meta"].get("suites") or []
     rows = [r for r in summary["rows"] if r.get("per_task")]
     if not suites or not rows:
@@ -281,6 +281,7 @@ def per_task_table(summary: Mapping[str, Any]) -> list[str]:
     rest = sorted((r for r in rows if r.get("rho") is not None), key=lambda r: [-x for x in worst_task_key(r)])
     head = (["variant", "ρ"] + [f"{suite_name(s)} Spearman" for s in suites] + ["worst task"]
             + [f"{suite_name(s)} partialled" for s in suites] + ["worst partialled"]
+            + [f"{suite_name(s)} among the shortest" for s in suites] + ["worst among the shortest"]
             + [f"top-5% {' / '.join(map(suite_name, suites))}", f"top-10% {' / '.join(map(suite_name, suites))}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in refs + rest:
@@ -293,6 +294,9 @@ def per_task_table(summary: Mapping[str, Any]) -> list[str]:
                  + [f"{_num(pt[s].get('spearman_length_partialled'))}{fmt_ci(pt[s].get('spearman_length_partialled_ci'))}"
                     for s in suites]
                  + [wt("spearman_length_partialled")]
+                 + [f"{_num(pt[s].get('spearman_within_shortest'))}{fmt_ci(pt[s].get('spearman_within_shortest_ci'))}"
+                    for s in suites]
+                 + [wt("spearman_within_shortest")]
                  + [" / ".join(_num(pt[s].get(k), "{:.2f}") for s in suites) for k in ("top5%", "top10%")])
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -53,15 +53,24 @@ def bf_topk(p: dict, t: dict, frac: float) -> float:
     return len(top(p) & top(t)) / k
 
 
+def bf_shortlist(ids, lengths, frac=0.10):
+    """The ids as short as the round(frac·n)-th shortest (every tie at the cut kept)."""
+    k = max(1, int(round(frac * len(ids))))
+    cut = sorted(lengths[i] for i in ids)[k - 1]
+    return [i for i in ids if lengths[i] <= cut]
+
+
 def brute_force(proxy, target, lengths, tasks):
     ids = sorted(set(proxy) & set(target) & set(lengths))
+    short = bf_shortlist(ids, lengths)
     out = {}
     for task in tasks:
         p = {i: proxy[i][task] for i in ids}
         t = {i: target[i][task] for i in ids}
         a, b, c = [p[i] for i in ids], [t[i] for i in ids], [lengths[i] for i in ids]
         out[task] = {"n": len(ids), "spearman": bf_spearman(a, b), "spearman_length_partialled": bf_partialled(a, b, c),
-                     "top5%": bf_topk(p, t, 0.05), "top10%": bf_topk(p, t, 0.10)}
+                     "spearman_within_shortest": bf_spearman([p[i] for i in short], [t[i] for i in short]),
+                     "shortest_n": len(short), "top5%": bf_topk(p, t, 0.05), "top10%": bf_topk(p, t, 0.10)}
     return out
 
 
@@ -69,7 +78,7 @@ def assert_matches(got, want):
     assert list(got) == list(want)
     for task, w in want.items():
         for k, v in w.items():
-            assert got[task][k] == pytest.approx(v, abs=1e-10), (task, k)
+            assert got[task][k] == pytest.approx(v, abs=1e-10, nan_ok=True), (task, k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,11 +106,12 @@ def test_per_task_retention_against_brute_force(ties):
     got = per_task_retention(proxy, target, lengths, tasks=tasks)
     assert_matches(got, brute_force(proxy, target, lengths, tasks))
     assert all(m["n"] == 47 for m in got.values())
+    assert got["mmlu"]["shortest_n"] >= 5  # round(0.1 · 47) = 5, and every tie at the cut
     # default tasks: every task both tables hold, sorted
     assert list(per_task_retention(proxy, target, lengths)) == ["bbh", "mmlu", "tydiqa"]
     # without lengths: no partialled entry, the same Spearman and overlaps
     plain = per_task_retention(proxy, target, tasks=tasks)
-    assert "spearman_length_partialled" not in plain["mmlu"]
+    assert "spearman_length_partialled" not in plain["mmlu"] and "spearman_within_shortest" not in plain["mmlu"]
     assert plain["bbh"]["spearman"] == got["bbh"]["spearman"] and plain["bbh"]["top10%"] == got["bbh"]["top10%"]
 
 
@@ -110,7 +120,7 @@ def test_worst_task_is_the_minimum_over_tasks():
     got = per_task_retention(proxy, target, lengths, tasks=("mmlu", "bbh", "tydiqa"))
     want = brute_force(proxy, target, lengths, ("mmlu", "bbh", "tydiqa"))
     w = worst_task(got)
-    for key in ("spearman", "spearman_length_partialled"):
+    for key in ("spearman", "spearman_length_partialled", "spearman_within_shortest"):
         task = min(want, key=lambda t: want[t][key])
         assert w[f"{key}_task"] == task and w[key] == pytest.approx(want[task][key], abs=1e-10)
     # an undefined (NaN) value is skipped; all undefined -> NaN, no task
@@ -132,11 +142,12 @@ def test_per_task_retention_interval_and_length_control():
         full = stat(np.arange(n))
         rng = np.random.default_rng(0)
         vals = [stat(rng.integers(0, n, n)) for _ in range(20)]
-        return [min(vals + [full]), max(vals + [full])]
+        finite = [v for v in vals + [full] if not math.isnan(v)]
+        return [min(finite), max(finite)] if finite else [float("nan")] * 2
 
     got = per_task_retention(proxy, target, lengths, tasks=("bbh",), interval=interval)["bbh"]
-    assert calls == [47] * 4  # Spearman, partialled, top-5%, top-10%
-    for k in ("spearman", "spearman_length_partialled", "top5%", "top10%"):
+    assert calls == [47] * 5  # Spearman, partialled, among the shortest, top-5%, top-10%
+    for k in ("spearman", "spearman_length_partialled", "spearman_within_shortest", "top5%", "top10%"):
         lo, hi = got[f"{k}_ci"]
         assert lo <= got[k] <= hi
     # a proxy that is the length ranking has no partialled retention (NaN), also on resampled ids

@@ -19,8 +19,9 @@ the number that matters most for data selection.
 **Per validation task** (:func:`per_task_retention`, :func:`worst_task`): the pooled score is one cosine to the
 mean gradient of *all* validation examples, so the largest task dominates it; a user selects one subset per
 target task. ``per_task_retention`` takes ``id -> {task: score}`` tables (:func:`per_task_scores` reads them from
-a score table's ``score/<task>`` columns) and gives each task's Spearman, length-partialled Spearman and top-k
-overlap of the per-task top-k sets (Spearman from ``scipy.stats.spearmanr``); ``worst_task`` is the minimum over
+a score table's ``score/<task>`` columns) and gives each task's Spearman, length-partialled Spearman, Spearman among
+the shortest responses (the 10% shortest, ties kept: where a short-answer task's top-k comes from, so a proxy cannot
+agree there by preferring short responses) and top-k overlap of the per-task top-k sets (Spearman from ``scipy.stats.spearmanr``); ``worst_task`` is the minimum over
 tasks — the number a proxy should be judged by.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_TOPK = (0.01, 0.05, 0.10)
+SHORTEST_FRACTION = 0.10  # the shortlist of "spearman_within_shortest": 2 × the paper's 5%
 
 
 def align_scores(
@@ -237,6 +239,7 @@ def per_task_retention(
     tasks: Sequence[str] | None = None,
     topk: Sequence[float] = PER_TASK_TOPK,
     interval: Interval | None = None,
+    shortest_fraction: float | None = SHORTEST_FRACTION,
 ) -> dict[str, dict[str, Any]]:
     """Retention of ``proxy`` w.r.t. ``target`` for each validation task, on the ids both tables (and
     ``lengths``, when given) share.
@@ -246,8 +249,11 @@ def per_task_retention(
     length-partialled Spearman. ``interval``: ``interval(stat, n) -> [lo, hi]``, called once per task and metric
     with ``stat(index array)`` (e.g. a percentile bootstrap); its result is stored under ``<metric>_ci``.
 
-    Returns ``{task: {"n", "spearman", "spearman_length_partialled" (with ``lengths``), "top5%", "top10%"}}``:
-    Spearman of the task's scores (``scipy.stats.spearmanr``), the same with the length ranks partialled out, and
+    Returns ``{task: {"n", "spearman", "spearman_length_partialled", "spearman_within_shortest", "shortest_n" (the
+    last three with ``lengths``), "top5%", "top10%"}}``:
+    Spearman of the task's scores (``scipy.stats.spearmanr``), the same with the length ranks partialled out, the same
+    among the ``shortest_n`` ids as short as the ``topk_count(shortest_fraction, n)``-th shortest (ties at the cut
+    kept; ``select(within_shortest=2)``'s shortlist at ``k = 5%``; a bootstrap resample keeps its ids in it), and
     ``|top_k(proxy task scores) ∩ top_k(target task scores)| / k`` with :func:`topk_count` / :func:`topk_indices`
     (ties broken by id). Raises ``ValueError`` when the tables share no id or a task score is not finite.
     """
@@ -261,6 +267,9 @@ def per_task_retention(
     if tasks is None:
         tasks = sorted(set.intersection(*(set(d[i]) for d in (proxy, target) for i in ids)))
     c = None if lengths is None else np.array([float(lengths[i]) for i in ids], dtype=np.float64)
+    short = None
+    if c is not None and shortest_fraction is not None:
+        short = c <= np.sort(c)[topk_count(shortest_fraction, len(ids)) - 1]
     out: dict[str, dict[str, Any]] = {}
     for task in tasks:
         cols = []
@@ -278,10 +287,12 @@ def per_task_retention(
             "spearman": lambda ix, p=p, t=t: spearman_columns(p[ix], t[ix])}
         if c is not None:
             stats["spearman_length_partialled"] = lambda ix, p=p, t=t: _partialled(p[ix], t[ix], c[ix])
+        if short is not None:
+            stats["spearman_within_shortest"] = lambda ix, p=p, t=t: spearman_columns(p[ix][short[ix]], t[ix][short[ix]])
         for frac in topk:
             stats[topk_key(frac)] = lambda ix, p=p, t=t, frac=frac: topk_overlap(p[ix], t[ix], frac)
         full = np.arange(len(ids))
-        m: dict[str, Any] = {"n": len(ids)}
+        m: dict[str, Any] = {"n": len(ids), **({} if short is None else {"shortest_n": int(short.sum())})}
         for key, f in stats.items():
             m[key] = float(f(full))
             if interval is not None:
@@ -291,7 +302,8 @@ def per_task_retention(
 
 
 def worst_task(per_task: Mapping[str, Mapping[str, Any]],
-               metrics: Sequence[str] = ("spearman", "spearman_length_partialled")) -> dict[str, Any]:
+               metrics: Sequence[str] = ("spearman", "spearman_length_partialled", "spearman_within_shortest")
+               ) -> dict[str, Any]:
     """The minimum over tasks of each metric of :func:`per_task_retention`: ``{metric: value, metric_task: task}``
     (tasks where the metric is undefined (NaN) are skipped; NaN and ``None`` when it is undefined on every task)."""
     out: dict[str, Any] = {}
@@ -307,9 +319,11 @@ def format_per_task(per_task: Mapping[str, Mapping[str, Any]], indent: str = "  
     """Console lines of :func:`per_task_retention` (one per task) and :func:`worst_task`."""
     lines = []
     for task, m in per_task.items():
-        part = m.get("spearman_length_partialled")
+        part, short = m.get("spearman_length_partialled"), m.get("spearman_within_shortest")
         lines.append(f"{indent}{'on ' + task:<{width}}: Spearman {m['spearman']:.3f}"
                      + (f", length-partialled {part:.3f}" if part is not None and not math.isnan(part) else "")
+                     + (f", among the {m['shortest_n']} shortest {short:.3f}" if short is not None
+                        and not math.isnan(short) else "")
                      + "".join(f", {k.replace('top', 'top-')} overlap {m[k]:.2f}" for k in m
                                if k.startswith("top") and not k.endswith("_ci")))
     w = worst_task(per_task)
@@ -319,5 +333,7 @@ def format_per_task(per_task: Mapping[str, Mapping[str, Any]], indent: str = "  
     if per_task:
         lines.append(f"{indent}{'worst task':<{width}}: Spearman {worst('spearman')}"
                      + (f", length-partialled {worst('spearman_length_partialled')}"
-                        if any("spearman_length_partialled" in m for m in per_task.values()) else ""))
+                        if any("spearman_length_partialled" in m for m in per_task.values()) else "")
+                     + (f", among the shortest {worst('spearman_within_shortest')}"
+                        if any("spearman_within_shortest" in m for m in per_task.values()) else ""))
     return lines
