@@ -119,7 +119,8 @@ def check(
     then raw retention flatters any proxy (see docs/BENCHMARKS.md). The pooled score is one cosine to the mean
     gradient of every validation example, so the largest task dominates it: each row also holds ``per_task``
     (:func:`~iprox_lightning.analysis.retention.per_task_retention` of the per-task scores: Spearman,
-    length-partialled Spearman, top-5% / top-10% overlap per validation task) and ``worst_task`` (the minimum over
+    length-partialled Spearman, Spearman among the 10% shortest responses, top-5% / top-10% overlap per validation
+    task) and ``worst_task`` (the minimum over
     tasks); the length sort ranks every task by length. The verdict
     (:func:`~iprox_lightning.analysis.verdict.check_verdict`) says "use this proxy" when it beats every free baseline
     on every task, else which baseline does as well on which task, and the next step to try.
