@@ -188,6 +188,17 @@ def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str]
     return {i for i in ranked if float(n_tok[i]) <= cut}, cut
 
 
+def _rank_within_shortest(src: Path, table, rows: list, rule: str, task: str | None, within_shortest: float,
+                          count: int, *, dedup: bool, skip_flagged: bool, records: dict | None) -> tuple[list, dict]:
+    """``rows`` re-ranked by ``rule`` among the ``ceil(within_shortest · count)`` shortest of them (ties kept; with
+    ``records``, one per text again), and the shortlist's description for the selection's meta."""
+    short, cut = _shortest(src, table, [i for _, i in rows], int(np.ceil(within_shortest * count)))
+    rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=short)[4]
+    if records is not None and dedup:
+        rows = _one_per_text(rows, records)
+    return rows, {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
+
+
 def _one_per_text(rows: list, records: dict) -> list:
     """``rows`` with only the first (best) of the rows whose records have the same text (:func:`_norm_text`)."""
     seen_text: set[tuple] = set()
@@ -275,7 +286,8 @@ def select(
             ``2k`` shortest. The held-out form of short-answer tasks (MMLU, BBH direct answers) rewards short
             responses; this keeps that and lets the scores choose among them. ``None`` (default): every example.
     """
-    if within_shortest is not None and not (isinstance(within_shortest, (int, float)) and within_shortest >= 1):
+    if within_shortest is not None and (isinstance(within_shortest, bool) or not isinstance(within_shortest, (int, float))
+                                        or within_shortest < 1):
         raise UserInputError(f"within_shortest must be a number >= 1 (a multiple of k), got {within_shortest!r}")
     src, table = _read_scores(scores_path)
     if per_task:
@@ -299,11 +311,8 @@ def select(
     count = topk_count(k, n)
     shortlist = None
     if within_shortest is not None:
-        short, cut = _shortest(src, table, [i for _, i in rows], int(np.ceil(within_shortest * count)))
-        rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=short)[4]
-        if pools and dedup:
-            rows = _one_per_text(rows, records)
-        shortlist = {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
+        rows, shortlist = _rank_within_shortest(src, table, rows, rule, task, within_shortest, count, dedup=dedup,
+                                                skip_flagged=skip_flagged, records=records if pools else None)
     chosen = rows[:count]
     _check_selection(chosen, src, n, len(ids), flags, bad)
 
