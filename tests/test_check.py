@@ -74,6 +74,27 @@ def test_verdict_floor_a_task_the_proxy_keeps_little_of_fails_even_against_poor_
     assert check_verdict(rows, manifest=ALIGNED, floor=-1)["verdict"].startswith("use this proxy: ")
 
 
+def test_verdict_a_task_kept_only_as_a_preference_for_short_responses_is_weak():
+    # the rho = 0.5 proxy of the 512-example benchmark (exact tables, bench/results/fidelity_v2/summary.json): MMLU
+    # Spearman 0.62 over the sample but 0.02 among its 64 shortest responses; BBH 0.26 (weak as before)
+    rows = [_row("proxy (tracin)", 0.6, {"mmlu": 0.62, "bbh": 0.45, "tydiqa": 0.53}),
+            _row("length sort (shortest first)", 0.4, {"mmlu": 0.48, "bbh": -0.20, "tydiqa": 0.39})]
+    within = {"mmlu": (0.02, 64), "bbh": (0.41, 64), "tydiqa": (0.30, 12)}  # tydiqa: too few to judge by
+    for t, (v, n) in within.items():
+        rows[0]["per_task"][t].update(spearman_within_shortest=v, shortest_n=n)
+    v = check_verdict(rows, manifest=ALIGNED, target="/m/warm")
+    assert v["use"] is False and v["as_good"] == [] and v["passes"] == ["bbh", "tydiqa"]
+    assert v["weak"] == [{"task": "mmlu", "proxy_spearman": 0.62, "within_shortest": 0.02, "shortest_n": 64}]
+    assert v["verdict"] == ("do not use this proxy yet: it keeps little of the target's ranking on mmlu among its 64 "
+                            "shortest responses (Spearman 0.02 < 0.40; 0.62 over all: a preference for short "
+                            "responses, which the length sort has for free) (it passes on bbh, tydiqa)")
+    assert "or select for mmlu with the target's own gradients" in v["next_step"]
+    # above the floor there (or the floor off), the whole-sample rule alone decides
+    rows[0]["per_task"]["mmlu"]["spearman_within_shortest"] = 0.45
+    assert check_verdict(rows, manifest=ALIGNED)["use"] is True
+    assert check_verdict(rows, manifest=ALIGNED, floor=-1)["use"] is True
+
+
 @pytest.mark.parametrize("manifest,target,baseline,starts", [
     ({"alignment": {"aligned": False}}, None, "length sort (shortest first)", "the proxy is not aligned"),
     (None, None, "length sort (shortest first)", "this model is not an IProX proxy"),
