@@ -710,18 +710,18 @@ class Effect:
         """Per proxy store query (selectors ``store:<proxy>``, with its validation form if any), how its per-subtask
         scores rank the sample against the warmed target's store queried with the same form (the same projection
         size and validation columns), per task: Spearman under the rules ``max`` (LESS) and ``mean`` over the task's
-        subtask columns; ``mean`` among the ``2k`` shortest responses only (``mean_within_shortest``, ties at the cut
-        kept: the ``~short2`` shortlist, where a ranking cannot agree by preferring short answers); and the overlap of
-        the two ``balanced`` selections of size k (the share of the target's subset the proxy picks). Empty before a
-        proxy store was queried."""
+        subtask columns; ``mean`` among the 10% shortest responses only (``mean_within_shortest``, ties at the cut
+        kept: the package's ``spearman_within_shortest``, where a ranking cannot agree by preferring short answers);
+        and the overlap of the two ``balanced`` selections of size k (the share of the target's subset the proxy
+        picks). Empty before a proxy store was queried."""
         from scipy.stats import spearmanr
 
+        from iprox_lightning.analysis.retention import per_task_retention
         from iprox_lightning.io.scores import read_table
         from iprox_lightning.selection_rules import rule_order
 
         out: dict[str, dict] = {}
         n_tok = self.response_tokens()
-        cut = sorted(n_tok.values())[min(2 * self.k, len(n_tok)) - 1] if n_tok else 0.0
         for src in self.proxy_store_queries():
             form = split_store_source(src)[1]
             path = self.store_paths(src)[1] / "scores.parquet"
@@ -729,18 +729,17 @@ class Effect:
             if not path.exists() or not t_path.exists():
                 continue
             q, ref = (read_table(x)[1].to_pandas().set_index("id") for x in (path, t_path))
-            ids = sorted(set(q.index) & set(ref.index))
+            ids = sorted(set(q.index) & set(ref.index) & set(n_tok))
             row: dict[str, Any] = {"n": len(ids), "k": self.k,
                                    "pooled": float(spearmanr(q.loc[ids, "score"], ref.loc[ids, "score"])[0])}
             for t in self.args.tasks:
                 cq, cr = (task_columns({c: df.loc[ids, c].to_numpy() for c in df.columns}, t) for df in (q, ref))
-                row[t] = {rule: float(spearmanr(agg(np.stack(list(cq.values()))), agg(np.stack(list(cr.values()))))[0])
-                          for rule, agg in (("max", lambda x: x.max(0)), ("mean", lambda x: x.mean(0)))}
-                short = np.asarray([n_tok.get(i, np.inf) <= cut for i in ids])
-                if short.sum() > 2:
-                    mq, mr = (np.stack(list(c.values())).mean(0)[short] for c in (cq, cr))
-                    row[t]["mean_within_shortest"] = float(spearmanr(mq, mr)[0])
-                    row[t]["shortest_n"] = int(short.sum())
+                row[t] = {"max": float(spearmanr(np.stack(list(cq.values())).max(0),
+                                                 np.stack(list(cr.values())).max(0))[0])}
+                mq, mr = ({i: {t: float(v)} for i, v in zip(ids, np.stack(list(c.values())).mean(0))} for c in (cq, cr))
+                m = per_task_retention(mq, mr, n_tok, tasks=[t], topk=())[t]
+                row[t].update(mean=m["spearman"], mean_within_shortest=m["spearman_within_shortest"],
+                              shortest_n=m["shortest_n"])
                 picks = [set(rule_order("balanced", ids, c, t)[0][:self.k].tolist()) for c in (cq, cr)]
                 row[t]["balanced_overlap"] = len(picks[0] & picks[1]) / self.k
             out[src] = row
@@ -1060,7 +1059,8 @@ def store_notes(m: dict) -> list[str]:
     if pf:
         lines += ["Proxy stores vs the target's store queried with the same validation form (same projection, same "
                   "subtask columns), per task: Spearman of the max over subtasks / of their mean / of their mean among "
-                  "the 2k shortest responses (the `~short2` shortlist: agreement beyond preferring short answers), "
+                  "the 10% shortest responses (ties kept; here the `~short2` shortlist: agreement beyond preferring short "
+                  "answers), "
                   "and the share of the target's `balanced` subset (k examples) that the proxy's `balanced` subset "
                   "holds:", "",
                   "| proxy store | pooled | " + " | ".join(f"{t} max / mean / mean in shortlist / balanced overlap"
