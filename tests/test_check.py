@@ -79,9 +79,11 @@ def test_verdict_a_task_kept_only_as_a_preference_for_short_responses_is_weak():
     # Spearman 0.62 over the sample but 0.02 among its 64 shortest responses; BBH 0.26 (weak as before)
     rows = [_row("proxy (tracin)", 0.6, {"mmlu": 0.62, "bbh": 0.45, "tydiqa": 0.53}),
             _row("length sort (shortest first)", 0.4, {"mmlu": 0.48, "bbh": -0.20, "tydiqa": 0.39})]
-    within = {"mmlu": (0.02, 64), "bbh": (0.41, 64), "tydiqa": (0.30, 12)}  # tydiqa: too few to judge by
-    for t, (v, n) in within.items():
-        rows[0]["per_task"][t].update(spearman_within_shortest=v, shortest_n=n)
+    # (value, shortest responses, share of the target's top 5% among them): tydiqa too few to judge by; and a task
+    # whose top 5% is not made of short answers is not judged by them (the last rows)
+    within = {"mmlu": (0.02, 64, 0.9), "bbh": (0.41, 64, 0.8), "tydiqa": (0.30, 12, 0.9)}
+    for t, (v, n, share) in within.items():
+        rows[0]["per_task"][t].update(spearman_within_shortest=v, shortest_n=n, target_top5_in_shortest=share)
     v = check_verdict(rows, manifest=ALIGNED, target="/m/warm")
     assert v["use"] is False and v["as_good"] == [] and v["passes"] == ["bbh", "tydiqa"]
     assert v["weak"] == [{"task": "mmlu", "proxy_spearman": 0.62, "within_shortest": 0.02, "shortest_n": 64}]
@@ -89,6 +91,12 @@ def test_verdict_a_task_kept_only_as_a_preference_for_short_responses_is_weak():
                             "shortest responses (Spearman 0.02 < 0.40; 0.62 over all: a preference for short "
                             "responses, which the length sort has for free) (it passes on bbh, tydiqa)")
     assert "or select for mmlu with the target's own gradients" in v["next_step"]
+    # a proxy already at 0.3 is told to go lower than that
+    at03 = check_verdict(rows, manifest={**ALIGNED, "achieved_sparsity": 0.3})["next_step"]
+    assert at03.startswith("keep more of each layer: rebuild with a lower --sparsity than 0.30 (e.g. 0.1)")
+    rows[0]["per_task"]["mmlu"]["target_top5_in_shortest"] = 0.4
+    assert check_verdict(rows, manifest=ALIGNED)["use"] is True
+    rows[0]["per_task"]["mmlu"]["target_top5_in_shortest"] = 0.9
     # above the floor there (or the floor off), the whole-sample rule alone decides
     rows[0]["per_task"]["mmlu"]["spearman_within_shortest"] = 0.45
     assert check_verdict(rows, manifest=ALIGNED)["use"] is True

@@ -60,6 +60,13 @@ def bf_shortlist(ids, lengths, frac=0.10):
     return [i for i in ids if lengths[i] <= cut]
 
 
+def bf_top_share(t: dict, short: list, frac: float) -> float:
+    """The share of the target's top-k (highest first, ties by id) that lies in ``short``."""
+    ids = sorted(t)
+    k = max(1, int(round(frac * len(ids))))
+    return sum(i in set(short) for i in sorted(ids, key=lambda i: (-t[i], i))[:k]) / k
+
+
 def brute_force(proxy, target, lengths, tasks):
     ids = sorted(set(proxy) & set(target) & set(lengths))
     short = bf_shortlist(ids, lengths)
@@ -70,7 +77,7 @@ def brute_force(proxy, target, lengths, tasks):
         a, b, c = [p[i] for i in ids], [t[i] for i in ids], [lengths[i] for i in ids]
         out[task] = {"n": len(ids), "spearman": bf_spearman(a, b), "spearman_length_partialled": bf_partialled(a, b, c),
                      "spearman_within_shortest": bf_spearman([p[i] for i in short], [t[i] for i in short]),
-                     "shortest_n": len(short), "top5%": bf_topk(p, t, 0.05), "top10%": bf_topk(p, t, 0.10)}
+                     "shortest_n": len(short), "target_top5_in_shortest": bf_top_share(t, short, 0.05), "top5%": bf_topk(p, t, 0.05), "top10%": bf_topk(p, t, 0.10)}
     return out
 
 

@@ -249,11 +249,13 @@ def per_task_retention(
     length-partialled Spearman. ``interval``: ``interval(stat, n) -> [lo, hi]``, called once per task and metric
     with ``stat(index array)`` (e.g. a percentile bootstrap); its result is stored under ``<metric>_ci``.
 
-    Returns ``{task: {"n", "spearman", "spearman_length_partialled", "spearman_within_shortest", "shortest_n" (the
-    last three with ``lengths``), "top5%", "top10%"}}``:
+    Returns ``{task: {"n", "spearman", "spearman_length_partialled", "spearman_within_shortest", "shortest_n",
+    "target_top5_in_shortest" (the last four with ``lengths``), "top5%", "top10%"}}``:
     Spearman of the task's scores (``scipy.stats.spearmanr``), the same with the length ranks partialled out, the same
     among the ``shortest_n`` ids as short as the ``topk_count(shortest_fraction, n)``-th shortest (ties at the cut
-    kept; ``select(within_shortest=2)``'s shortlist at ``k = 5%``; a bootstrap resample keeps its ids in it), and
+    kept; ``select(within_shortest=2)``'s shortlist at ``k = 5%``; a bootstrap resample keeps its ids in it) and the
+    share of the target's top 5% on the task that lies among them (near 1: a short-answer task, whose selection is
+    made there), and
     ``|top_k(proxy task scores) ∩ top_k(target task scores)| / k`` with :func:`topk_count` / :func:`topk_indices`
     (ties broken by id). Raises ``ValueError`` when the tables share no id or a task score is not finite.
     """
@@ -292,7 +294,10 @@ def per_task_retention(
         for frac in topk:
             stats[topk_key(frac)] = lambda ix, p=p, t=t, frac=frac: topk_overlap(p[ix], t[ix], frac)
         full = np.arange(len(ids))
-        m: dict[str, Any] = {"n": len(ids), **({} if short is None else {"shortest_n": int(short.sum())})}
+        m: dict[str, Any] = {"n": len(ids)}
+        if short is not None:  # how many of the target's top 5% are short: is this a short-answer task here?
+            top = topk_indices(t, topk_count(0.05, len(ids)))
+            m.update(shortest_n=int(short.sum()), target_top5_in_shortest=float(short[top].mean()))
         for key, f in stats.items():
             m[key] = float(f(full))
             if interval is not None:

@@ -12,8 +12,9 @@ length sort and, for an IProX proxy, Layer Extraction at its sparsity), each wit
   proxy's selection helps. The 0.4 comes from the downstream benchmark (``bench/effect.py``, SmolLM2-135M, k = 26 of
   512): the ρ = 0.5 proxy's own selection matched the target's gain on the tasks where it kept Spearman 0.47 / 0.55 of
   the target's ranking (TyDiQA, MMLU) and fell below every random seed where it kept 0.13 (BBH);
-* a task is also weak when, among its shortest responses (``spearman_within_shortest`` of the per-task table: the
-  10% shortest, where a short-answer task's top 5% comes from; at least ``MIN_SHORTEST`` of them), the proxy's
+* a short-answer task (at least half of the target's top 5% on it among the 10% shortest responses) is also weak
+  when, among those shortest responses (``spearman_within_shortest`` of the per-task table; at least
+  ``MIN_SHORTEST`` of them), the proxy's
   Spearman is below ``floor``: its agreement on the task is then a preference for short responses, which the length
   sort has for free. Measured on the same benchmark (MMLU, the 64 three-token examples of 512): the ρ = 0.5 proxy kept
   0.02 there (0.62 over the whole sample) and its selection among them was no better than random subsets of them
@@ -37,6 +38,7 @@ LENGTH_SORT = "length sort"
 LAYER_EXTRACTION = "layer extraction"
 FLOOR = 0.4  # the module docstring says where it comes from
 MIN_SHORTEST = 20  # fewer shortest responses than this: their Spearman is too noisy to judge a task by
+SHORT_ANSWER_SHARE = 0.5  # a short-answer task: at least this share of the target's top 5% is among the shortest
 
 
 def _baseline_label(name: str) -> str:
@@ -56,11 +58,13 @@ def _spearman_by_task(row: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _weak_among_shortest(row: Mapping[str, Any], floor: float) -> list[dict[str, Any]]:
-    """The tasks where the row's Spearman among the shortest responses (at least ``MIN_SHORTEST``) is below ``floor``."""
+    """The short-answer tasks (``SHORT_ANSWER_SHARE`` of the target's top 5% among the shortest responses) where the
+    row's Spearman among the shortest responses (at least ``MIN_SHORTEST``) is below ``floor``."""
     out = []
     for task, m in (row.get("per_task") or {}).items():
         v, n = m.get("spearman_within_shortest"), m.get("shortest_n") or 0
-        if v is not None and not math.isnan(float(v)) and n >= MIN_SHORTEST and float(v) < floor:
+        short_task = (m.get("target_top5_in_shortest") or 0.0) >= SHORT_ANSWER_SHARE
+        if short_task and v is not None and not math.isnan(float(v)) and n >= MIN_SHORTEST and float(v) < floor:
             out.append({"task": task, "proxy_spearman": float(m["spearman"]), "within_shortest": float(v),
                         "shortest_n": int(n)})
     return out
@@ -144,11 +148,12 @@ def next_step(as_good: Sequence[Mapping[str, Any]], *, weak: Sequence[Mapping[st
     tried = f" (this one: lr {lr:g}, {steps} steps)" if lr is not None and steps is not None else ""
     length_only = as_good and all(str(a["baseline"]).lower().startswith(LENGTH_SORT) for a in as_good)
     if not length_only:
-        lower = f" than {sparsity:.2f}" if isinstance(sparsity, (int, float)) else ""
+        lower, e_g = ((f" than {sparsity:.2f}", f"{max(0.1, round(sparsity - 0.2, 1)):.1f}")
+                      if isinstance(sparsity, (int, float)) else ("", "0.3"))
         weak_tasks = sorted({w["task"] for w in weak} - {"pooled"})
         with_target = (f"; or select for {', '.join(weak_tasks)} with the target's own gradients (python train.py "
                        "build_store --model <target>, then query)") if weak_tasks else ""
-        return (f"keep more of each layer: rebuild with a lower --sparsity{lower} (e.g. 0.3), or align longer or at "
+        return (f"keep more of each layer: rebuild with a lower --sparsity{lower} (e.g. {e_g}), or align longer or at "
                 f"another learning rate{tried}{with_target}")
     return ("the target's own ranking follows response length: warm the target up first (configs/warmup.yaml) so "
             f"its gradients carry task signal, or align the proxy longer{tried}")
