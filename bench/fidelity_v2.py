@@ -271,7 +271,8 @@ def headline(summary: Mapping[str, Any]) -> list[str]:
 
 def per_task_table(summary: Mapping[str, Any]) -> list[str]:
     """Per-suite Spearman [CI] and worst task, length-partialled, among the 10% shortest responses (ties kept), top-5%
-    / top-10% overlap of the per-suite top-k sets; reference rows first, then the rest by their worst task (best first); the headline row in bold."""
+    / top-10% overlap of the per-suite top-k sets; reference rows first, then the rest by their worst task (best
+    first); the headline row in bold."""
     suites = summary["meta"].get("suites") or []
     rows = [r for r in summary["rows"] if r.get("per_task")]
     if not suites or not rows:

@@ -184,7 +184,9 @@ def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str]
         raise UserInputError(f"{src}: 'n_tokens' is missing for {len(missing)} row(s), e.g. {missing[:3]}")
     if not ranked:
         return set(), 0.0
-    cut = float(sorted(float(n_tok[i]) for i in ranked)[min(count, len(ranked)) - 1])
+    from .io.scores import shortest_cut
+
+    cut = shortest_cut([float(n_tok[i]) for i in ranked], count)
     return {i for i in ranked if float(n_tok[i]) <= cut}, cut
 
 

@@ -21,8 +21,8 @@ mean gradient of *all* validation examples, so the largest task dominates it; a 
 target task. ``per_task_retention`` takes ``id -> {task: score}`` tables (:func:`per_task_scores` reads them from
 a score table's ``score/<task>`` columns) and gives each task's Spearman, length-partialled Spearman, Spearman among
 the shortest responses (the 10% shortest, ties kept: where a short-answer task's top-k comes from, so a proxy cannot
-agree there by preferring short responses) and top-k overlap of the per-task top-k sets (Spearman from ``scipy.stats.spearmanr``); ``worst_task`` is the minimum over
-tasks — the number a proxy should be judged by.
+agree there by preferring short responses) and top-k overlap of the per-task top-k sets (Spearman from
+``scipy.stats.spearmanr``); ``worst_task`` is the minimum over tasks — the number a proxy should be judged by.
 """
 from __future__ import annotations
 
@@ -271,7 +271,9 @@ def per_task_retention(
     c = None if lengths is None else np.array([float(lengths[i]) for i in ids], dtype=np.float64)
     short = None
     if c is not None and shortest_fraction is not None:
-        short = c <= np.sort(c)[topk_count(shortest_fraction, len(ids)) - 1]
+        from ..io.scores import shortest_cut
+
+        short = c <= shortest_cut(c, topk_count(shortest_fraction, len(ids)))
     out: dict[str, dict[str, Any]] = {}
     for task in tasks:
         cols = []

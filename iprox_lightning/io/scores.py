@@ -529,6 +529,13 @@ def write_scores(scores: Mapping[str, float], path: str | os.PathLike, **extra_c
 
 
 # ----------------------------------------------------------------------------------- top-k
+def shortest_cut(lengths: Sequence[float], count: int) -> float:
+    """The length of the ``count``-th shortest of ``lengths`` (``count`` capped at their number): every length at or
+    below it is in the shortlist, ties at the cut kept (``select(within_shortest=...)``, the per-task Spearman among
+    the shortest responses)."""
+    return float(np.sort(np.asarray(lengths, dtype=np.float64))[min(count, len(lengths)) - 1])
+
+
 def topk_count(k: int | float, n: int) -> int:
     """How many of ``n`` ranked examples a top-``k`` takes: an ``int`` count (capped at ``n``), or a
     ``float`` fraction in ``(0, 1]``: ``max(1, round(k·n))`` (0 when ``n == 0``)."""
