@@ -113,8 +113,9 @@ def split_shortlist(selector: str) -> tuple[str, float | None]:
 def split_rule(selector: str, default_rule: str) -> tuple[str, str]:
     """``"store+max"`` -> ``("store", "max")``: a selector may name its own selection rule after ``+`` (rows of
     several rules side by side); without one it uses ``--rule``. A ``~short<m>`` suffix is left out."""
-    base, _, rule = split_shortlist(selector)[0].partition("+")
-    return (base, rule) if rule in RULES else (split_shortlist(selector)[0], default_rule)
+    selector = split_shortlist(selector)[0]
+    base, _, rule = selector.partition("+")
+    return (base, rule) if rule in RULES else (selector, default_rule)
 
 
 def lenmatch_reference(selector: str) -> tuple[str, int] | None:
@@ -877,6 +878,21 @@ class Effect:
             "proxy_store_fidelity": self.proxy_store_fidelity()}
 
 
+def against_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], by_ref: Mapping[str, list[str]], m: str,
+                     hib: bool, bootstrap: int, seed: int) -> dict[str, dict]:
+    """Each selector ``ref`` of ``by_ref`` against its control subsets (``by_ref[ref]``) under metric ``m``: the
+    paired gain over their mean, and whether it beats every one of them."""
+    out = {}
+    for ref, controls in by_ref.items():
+        if ref not in per_model or not controls:
+            continue
+        v = per_model[ref][m]
+        diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls], hib, bootstrap, seed)
+        out[ref] = {"seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
+                    "selector": float(v.mean()), "diff": diff, "diff_ci": ci, "beats_every_seed": bool(min(gains) > 0)}
+    return out
+
+
 def length_matched_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m: str, hib: bool, bootstrap: int,
                             seed: int) -> dict[str, dict]:
     """Each selector with length-matched controls (``lenmatch[-<selector>]:<seed>``) against them under metric ``m``:
@@ -885,15 +901,8 @@ def length_matched_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m
     for k in sorted(per_model):
         if (ref := lenmatch_reference(k)) is not None:
             by_ref.setdefault(ref[0], []).append(k)
-    out = {}
-    for ref, controls in by_ref.items():
-        if ref not in per_model:
-            continue
-        v = per_model[ref][m]
-        diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls], hib, bootstrap, seed)
-        out[ref] = {"seeds": len(controls), "seed_means": [float(per_model[c][m].mean()) for c in controls],
-                    "selector": float(v.mean()), "diff": diff, "diff_ci": ci, "beats_every_seed": bool(min(gains) > 0)}
-    return out
+    return against_controls(per_model, by_ref, m, hib, bootstrap, seed)
+
 
 def shortlist_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m: str, hib: bool, bootstrap: int,
                        seed: int) -> dict[str, dict]:
@@ -904,16 +913,9 @@ def shortlist_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m: str
         base, mult = split_shortlist(k)
         if mult is not None and base.startswith("random:"):
             controls.setdefault(mult, []).append(k)
-    out = {}
-    for k in sorted(per_model):
-        base, mult = split_shortlist(k)
-        if mult is None or base.startswith("random:") or not controls.get(mult):
-            continue
-        v = per_model[k][m]
-        diff, ci, gains = paired_gain(v, [per_model[c][m] for c in controls[mult]], hib, bootstrap, seed)
-        out[k] = {"seeds": len(controls[mult]), "selector": float(v.mean()), "diff": diff, "diff_ci": ci,
-                  "beats_every_seed": bool(min(gains) > 0)}
-    return out
+    by_ref = {k: controls.get(mult, []) for k in sorted(per_model)
+              for base, mult in [split_shortlist(k)] if mult is not None and not base.startswith("random:")}
+    return against_controls(per_model, by_ref, m, hib, bootstrap, seed)
 
 
 def length_vs_effect(rows: list[dict]) -> dict:
@@ -997,6 +999,13 @@ def metric_tables(summary: dict) -> list[str]:
     return lines
 
 
+def control_results(by_key: Mapping[str, Mapping[str, dict]]) -> str:
+    """``task/metric selector diff [CI] (n seeds[, beats every seed])`` of :func:`against_controls` results, "; "-joined."""
+    return "; ".join(f"{k} {ref} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} "
+                     "seeds" + (", beats every seed" if v["beats_every_seed"] else "") + ")"
+                     for k, refs in by_key.items() for ref, v in refs.items())
+
+
 def noise_notes(m: dict, rows: list[dict]) -> list[str]:
     """The random seeds' spread, the length-matched controls, length vs effect, the training-seed noise."""
     lines: list[str] = []
@@ -1009,18 +1018,12 @@ def noise_notes(m: dict, rows: list[dict]) -> list[str]:
         lines += ["Length-matched control (`lenmatch:<seed>` / `lenmatch-<selector>:<seed>`: seeded random subsets "
                   "with the response lengths of the target's / that selector's selection for the task): the "
                   "selection minus their mean (positive = its choice is better than its lengths alone) [paired 95% "
-                  "CI]: " + "; ".join(
-                      f"{k} {ref} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} "
-                      "seeds" + (", beats every seed" if v["beats_every_seed"] else "") + ")"
-                      for k, refs in lm.items() for ref, v in refs.items()), ""]
+                  "CI]: " + control_results(lm), ""]
     sm = m.get("shortlist_matched")
     if sm:
         lines += ["Shortlist control (`random:<seed>~short<m>`: seeded random subsets of the same m·k shortest "
                   "responses): a `~short<m>` selection minus their mean (positive = its scores choose better than "
-                  "the shortlist alone) [paired 95% CI]: " + "; ".join(
-                      f"{k} {ref} {v['diff']:+.4f} [{v['diff_ci'][0]:+.4f}, {v['diff_ci'][1]:+.4f}] ({v['seeds']} "
-                      "seeds" + (", beats every seed" if v["beats_every_seed"] else "") + ")"
-                      for k, refs in sm.items() for ref, v in refs.items()), ""]
+                  "the shortlist alone) [paired 95% CI]: " + control_results(sm), ""]
     le = m.get("length_vs_effect")
     if le:
         lines += ["Response length of the selected subset vs the held-out value, across the fine-tuned rows "
