@@ -339,8 +339,8 @@ class Effect:
         source (``store:tval@0.5``) queries its proxy's store with the warmed target's validation gradients."""
         a = self.args
         store, d = self.store_paths(source)
-        if a.summary_only and (d / "scores.parquet").exists():
-            return d / "scores.parquet"  # the summary reads what the recorded query wrote; no model is needed
+        if (a.summary_only or a.recorded_tables) and (d / "scores.parquet").exists():
+            return d / "scores.parquet"  # what the recorded query wrote; no store or proxy is needed
         query_source, form = split_store_source(source)
         source = store_model(self.sources, query_source)  # a +tval source queries its proxy's store ...
         # ... with the warmed target's validation gradients
@@ -1201,6 +1201,9 @@ def parse_args(argv=None):
     ap.add_argument("--in-process", action="store_true",
                     help="run each stage's train.py command in this process, not as a subprocess (tests)")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite summary/tables from the cached evaluations")
+    ap.add_argument("--recorded-tables", action="store_true",
+                    help="rank from the store queries' recorded score tables (as --summary-only reads them), so rows "
+                         "can be fine-tuned and evaluated where the stores and proxies were not kept")
     ap.add_argument("--tables-only", action="store_true",
                     help="only make the selectors' score tables (scores, stores and their queries; no fine-tuning), "
                          "then the summary: a proxy store's fidelity to the target's store without its effect rows")

@@ -527,7 +527,7 @@ def test_readme_headline_is_generated_from_the_recorded_summary():
 
 
 def test_summary_only_reads_a_recorded_proxy_store_query_without_its_proxy(tmp_path):
-    """``--summary-only`` reads the table a recorded query wrote; the proxy (whose weights are not kept) is not needed
+    """``--summary-only`` (and ``--recorded-tables``) reads the table a recorded query wrote; the proxy (whose weights are not kept) is not needed
     then, while a run that would build or query refuses a missing proxy, naming the command that re-makes it."""
     from types import SimpleNamespace
 
@@ -535,10 +535,14 @@ def test_summary_only_reads_a_recorded_proxy_store_query_without_its_proxy(tmp_p
     store, d = effect.Effect.store_paths(paths, "iprox@0.5")
     d.mkdir(parents=True)
     (d / "scores.parquet").write_bytes(b"recorded")
-    fake = SimpleNamespace(args=SimpleNamespace(summary_only=True), out=tmp_path, fid=tmp_path / "fid", fid_stages={},
-                           sources={"iprox@0.5": "v"}, store_paths=lambda src: effect.Effect.store_paths(paths, src))
+    fake = SimpleNamespace(args=SimpleNamespace(summary_only=True, recorded_tables=False), out=tmp_path,
+                           fid=tmp_path / "fid", fid_stages={}, sources={"iprox@0.5": "v"},
+                           store_paths=lambda src: effect.Effect.store_paths(paths, src))
     assert effect.Effect.store_table(fake, "iprox@0.5") == d / "scores.parquet"
-    fake.args.summary_only = False
+    # --recorded-tables: a run that fine-tunes and evaluates ranks from the same recorded table
+    fake.args.summary_only, fake.args.recorded_tables = False, True
+    assert effect.Effect.store_table(fake, "iprox@0.5") == d / "scores.parquet"
+    fake.args.recorded_tables = False
     with pytest.raises(SystemExit, match="the proxy .* is gone; re-make it with"):
         effect.Effect.store_table(fake, "iprox@0.5")
 
