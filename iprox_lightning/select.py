@@ -295,18 +295,11 @@ def select(
     if per_task:
         rule = _per_task_rule(rule, task)
     col, ids, flags, bad, rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
-    bad_ids = {i for i, _ in bad}
     if pool is None:
         pool = _default_pool(ids)
     pools, size, pool_records, pool_check = _read_scored_pool(src, pool, builtin_size, allow_pool_mismatch)
     records = {r["id"]: r for r in pool_records}
-    if pools:
-        missing = [i for _, i in rows if i not in records]
-        if missing:
-            raise UserInputError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
-        if dedup:
-            rows = _one_per_text(rows, records)
-
+    rows = _rows_in_pool(rows, records, pools, dedup)
     n = len(rows)
     from .io.scores import topk_count
 
@@ -330,20 +323,42 @@ def select(
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }
-    if pools:
-        from .selection_summary import explain_selection, format_selection
+    _write_selection(out, chosen, table, pool_records if pools else None, meta, bad, quiet)
+    return str(out)
+
+
+def _rows_in_pool(rows: list[tuple[float, str]], records: dict[str, dict], pools, dedup: bool) -> list[tuple[float, str]]:
+    """The ranked ``(score, id)`` rows checked against the pool read (every scored id must be in it) and, with
+    ``dedup``, one per identical text; unchanged when no pool was read."""
+    if not pools:
+        return rows
+    missing = [i for _, i in rows if i not in records]
+    if missing:
+        raise UserInputError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
+    return _one_per_text(rows, records) if dedup else rows
+
+
+def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool_records: list[dict] | None, meta: dict,
+                     bad: list, quiet: bool) -> None:
+    """Write the chosen ``(score, id)`` rows (with their pool records and the explanation of what was picked, when
+    a pool was read) and ``meta`` to ``out``, then print what was written unless ``quiet``."""
+    from .io.selection import write_selection
+
+    if pool_records is not None:
+        from .selection_summary import explain_selection
 
         table_rows = {str(r["id"]): r for r in table.to_pylist()}
         meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows)
-    from .io.selection import write_selection
-
-    write_selection(out, [(i, s) for s, i in chosen], records if pools else None, meta)
+    records = {r["id"]: r for r in pool_records} if pool_records is not None else None
+    write_selection(out, [(i, s) for s, i in chosen], records, meta)
     if bad and not quiet:
-        print(f"select: skipped {len(bad)} row(s) flagged 'nonfinite' (NaN/inf), e.g. {sorted(bad_ids)[:3]}")
+        print(f"select: skipped {len(bad)} row(s) flagged 'nonfinite' (NaN/inf), e.g. {sorted({i for i, _ in bad})[:3]}")
     if not quiet:
-        what = "records (Dolly schema, ids kept)" if pools else "{id, score} rows (no pool given: pass --pool to copy the records)"
-        print(f"select: wrote {len(chosen)} of {n} ranked examples ({col}, k={k}) as {what} to {out}"
-              f" (+ {out.name}.meta.json)")
-        if pools:
+        what = ("records (Dolly schema, ids kept)" if pool_records is not None
+                else "{id, score} rows (no pool given: pass --pool to copy the records)")
+        print(f"select: wrote {len(chosen)} of {meta['ranked']} ranked examples ({meta['column']}, k={meta['k']}) as "
+              f"{what} to {out} (+ {out.name}.meta.json)")
+        if pool_records is not None:
+            from .selection_summary import format_selection
+
             print(format_selection(meta["explanation"]))
-    return str(out)

@@ -48,12 +48,9 @@ def query(
     """
     import time
 
-    from ..data import SFTDataModule
     from ..io import gradient_store as gs
-    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest, model_identity
-    from ..io.scores import ScoreDirLock, write_settings
+    from ..io.fingerprint import loader_digest, model_identity
     from ..scoring.metrics import influence_metric
-    from ..scoring.query import query_table
 
     t0 = time.perf_counter()
     info, out = _read_store(store, output_dir)
@@ -61,18 +58,7 @@ def query(
     model = model or info.get("model_source")
     net = _check_model(store, fp["model"], model, st)
     batch_size = batch_size or tok.get("batch_size", 8)
-    dm = SFTDataModule(pool=pool or [], validation=validation, tokenizer=tok.get("tokenizer", model),
-                       max_length=tok.get("max_length", 512), batch_size=batch_size,
-                       val_per_task=val_per_task, builtin_size=tok.get("builtin_size", 2000))
-    if pool is not None:
-        lines = diff(fp.get("pool"), loader_digest(dm.dataloader("pool")))
-        if lines:
-            raise FingerprintMismatch(f"the store {store} holds another pool than {pool!r} (store -> now):\n  "
-                                      + "\n  ".join(lines) + "\nbuild a store of this pool")
-    records = dm.validation_records
-    if subtasks:
-        records = [{**r, "category": f"{r['category']}.{r['subtask']}"} if r.get("subtask") else r for r in records]
-    val = dm.records_dataloader(records)
+    val = _validation_loader(store, info, model, validation, pool, subtasks, val_per_task, batch_size)
     val_digest = loader_digest(val)
     metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
                               kfac_examples=st.get("kfac_examples", 1024))
@@ -87,13 +73,32 @@ def query(
         net=lambda: net if net is not None else _load_net(model, st), pairs_from=vnet)
     del vnet
     t_val = time.perf_counter() - t0
+    table, wall = _write_scores(out, store, info, metric, names, S, counts, near, neighbours, t0, t_val, {
+        "store": fp, "validation": val_digest, "subtasks": subtasks, **extra}, validation_model, cache_event)
+    reused = "; validation gradients reused from the store's cache" if cache_event["action"] == "reused" else ""
+    print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
+          f"({int(counts.sum())} examples{reused}) in {wall:.1f} s -> {out / 'scores.parquet'}")
+    return str(out / "scores.parquet")
+
+
+def _write_scores(out, store: str, info: dict, metric, names: list[str], S, counts, near, neighbours: int, t0: float,
+                  t_val: float, fingerprint: dict, validation_model: Optional[str], cache_event: dict):
+    """Score the stored pool against the validation gradients ``S`` and write ``scores.parquet``, ``settings.json``
+    (and ``neighbours.jsonl``) under the output directory's one-writer lock; ``(table, wall seconds)``."""
+    import time
+
+    from ..io import gradient_store as gs
+    from ..io.scores import ScoreDirLock, write_settings
+    from ..scoring.query import query_table
+
+    st = info["fingerprint"]["settings"]
     with ScoreDirLock(out, what="query", hint="write into another output_dir"):
         table = query_table(gs.iter_shards(store), names, S, {"method": metric.name, "task_names": names})
         table.save(str(out / "scores.parquet"))
         wall = time.perf_counter() - t0
         write_settings(out, {
             "method": f"{metric.name} (store query)", "store": str(store), "pool": info.get("pool"),
-            "fingerprint": {"store": fp, "validation": val_digest, "subtasks": subtasks, **extra},
+            "fingerprint": fingerprint,
             "scorer": {"method": metric.name, **metric.settings(), "k": st.get("k"), "seed": st.get("seed"),
                        "dim": info["dim"], "store_dtype": info["dtype"], "task_names": names,
                        "val_counts": [int(c) for c in counts], "val_seconds": t_val, "wall_s": wall,
@@ -101,10 +106,29 @@ def query(
                        "validation_cache": cache_event}})
         if neighbours:
             _write_neighbours(out, store, near, neighbours)
-    reused = "; validation gradients reused from the store's cache" if cache_event["action"] == "reused" else ""
-    print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
-          f"({int(counts.sum())} examples{reused}) in {wall:.1f} s -> {out / 'scores.parquet'}")
-    return str(out / "scores.parquet")
+    return table, wall
+
+
+def _validation_loader(store: str, info: dict, model: str, validation: str, pool: Optional[str], subtasks: bool,
+                       val_per_task: Optional[int], batch_size: int):
+    """The validation examples tokenized as the store's pool was (its tokenizer, length and built-in size), each
+    subtask its own task when ``subtasks``; a ``pool`` given is checked to be the one stored."""
+    from ..data import SFTDataModule
+    from ..io.fingerprint import FingerprintMismatch, diff, loader_digest
+
+    tok = info.get("tokenization", {})
+    dm = SFTDataModule(pool=pool or [], validation=validation, tokenizer=tok.get("tokenizer", model),
+                       max_length=tok.get("max_length", 512), batch_size=batch_size,
+                       val_per_task=val_per_task, builtin_size=tok.get("builtin_size", 2000))
+    if pool is not None:
+        lines = diff(info["fingerprint"].get("pool"), loader_digest(dm.dataloader("pool")))
+        if lines:
+            raise FingerprintMismatch(f"the store {store} holds another pool than {pool!r} (store -> now):\n  "
+                                      + "\n  ".join(lines) + "\nbuild a store of this pool")
+    records = dm.validation_records
+    if subtasks:
+        records = [{**r, "category": f"{r['category']}.{r['subtask']}"} if r.get("subtask") else r for r in records]
+    return dm.records_dataloader(records)
 
 
 def _read_store(store: str, output_dir: str):

@@ -171,11 +171,9 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
     """Write the dense export of ``proxy`` (loaded from ``proxy_dir``, whose manifest is ``manifest``) to
     ``output``: built in a temporary directory beside it, loaded back with ``from_pretrained`` and compared with
     the proxy, then moved into place (replacing ``output``'s contents only when ``overwrite``). Returns ``output``."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    from .. import __version__
     from ..target_layers import count_parameters, lowrank_layers
-    from .fingerprint import file_identity
 
     proxy_dir, output = Path(proxy_dir), Path(output)
     check_export_target(proxy_dir, output, overwrite=overwrite)
@@ -203,47 +201,8 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
         if "transformers_weights" in saved_config:  # older transformers keep it on save: the export must not
             saved_config.pop("transformers_weights")
             (tmp / "config.json").write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n")
-        # load back the way a user will, then compare with the proxy
-        again, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=out_dtype, attn_implementation="eager",
-                                                           output_loading_info=True)
-        bad = {k: list(v)[:5] for k, v in info.items() if v}
-        if bad:
-            raise ValueError(f"export: from_pretrained of the dense model reports {bad}; nothing was written to {output}")
-        ids = _check_tokens(again.config)
-        strict = out_dtype in (torch.float32, torch.float64)
-        ref_dtype = out_dtype if strict and out_dtype != first.dtype else first.dtype
-        if ref_dtype != first.dtype:
-            proxy = proxy.to(ref_dtype)  # exact upcast of the proxy: compare in the export's precision
-        ref = _logits(proxy, ids)
-        got = _logits(again, ids)
-        del again
-        diff = float((got - ref).abs().max())
-        tol = 1e-4 * (1.0 + float(ref.abs().max()))
-        if not torch.isfinite(got).all() or (strict and not diff <= tol):
-            raise ValueError(f"export: the dense model's logits differ from the proxy's by up to {diff:.3g} "
-                             f"(tolerance {tol:.3g}); nothing was written to {output}")
-        man_file = proxy_dir / "iprox_proxy.json"
-        record = {
-            "format_version": EXPORT_VERSION,
-            "what": "dense export of an IProX proxy: each LowRankLinear replaced by one layer with weight A @ B",
-            "proxy": {
-                "path": str(proxy_dir.resolve()),
-                "manifest": {"file": man_file.name, **file_identity(man_file, hash_limit=None)},
-                "weights": manifest.get("weights"),
-                "format_version": manifest.get("format_version", 1),
-                "target_model": manifest.get("target_model"),
-                "dtype": manifest.get("dtype"),
-                "ranks": {name: m.rank for name, m in layers.items()},
-                **({"block_drop": manifest["block_drop"]} if "block_drop" in manifest else {}),
-            },
-            "dtype": str(out_dtype).replace("torch.", ""),
-            "layers_densified": len(layers),
-            "params": params,
-            "tokenizer": tokenizer is not None,
-            "check": {"tokens": int(ids.shape[1]), "reference_dtype": str(ref_dtype).replace("torch.", ""),
-                      "max_abs_logit_diff": diff, "tolerance": tol if strict else None},
-            "iprox_lightning": __version__,
-        }
+        check = _check_round_trip(proxy, tmp, out_dtype, output)
+        record = _export_record(proxy_dir, manifest, layers, out_dtype, params, tokenizer is not None, check)
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(README.format(proxy=proxy_dir, out=output, record=EXPORT_RECORD))
         _move_into_place(tmp, output)
@@ -252,6 +211,65 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
         raise
     log.info("exported %s -> %s (%d layers densified, %s)", proxy_dir, output, len(layers), record["dtype"])
     return output
+
+
+def _check_round_trip(proxy: nn.Module, tmp: Path, out_dtype: torch.dtype, output: Path) -> dict:
+    """Load the dense model saved in ``tmp`` back the way a user will and compare its logits with the proxy's (at
+    the export's precision when it is float32/64: then they must agree to 1e-4 relative; else only be finite);
+    the check's record. Raises, saying nothing was written to ``output``, when they do not."""
+    from transformers import AutoModelForCausalLM
+
+    first = next(proxy.parameters())
+    again, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=out_dtype, attn_implementation="eager",
+                                                       output_loading_info=True)
+    bad = {k: list(v)[:5] for k, v in info.items() if v}
+    if bad:
+        raise ValueError(f"export: from_pretrained of the dense model reports {bad}; nothing was written to {output}")
+    ids = _check_tokens(again.config)
+    strict = out_dtype in (torch.float32, torch.float64)
+    ref_dtype = out_dtype if strict and out_dtype != first.dtype else first.dtype
+    if ref_dtype != first.dtype:
+        proxy = proxy.to(ref_dtype)  # exact upcast of the proxy: compare in the export's precision
+    ref = _logits(proxy, ids)
+    got = _logits(again, ids)
+    del again
+    diff = float((got - ref).abs().max())
+    tol = 1e-4 * (1.0 + float(ref.abs().max()))
+    if not torch.isfinite(got).all() or (strict and not diff <= tol):
+        raise ValueError(f"export: the dense model's logits differ from the proxy's by up to {diff:.3g} "
+                         f"(tolerance {tol:.3g}); nothing was written to {output}")
+    return {"tokens": int(ids.shape[1]), "reference_dtype": str(ref_dtype).replace("torch.", ""),
+            "max_abs_logit_diff": diff, "tolerance": tol if strict else None}
+
+
+def _export_record(proxy_dir: Path, manifest: Mapping[str, Any], layers: Mapping[str, Any], out_dtype: torch.dtype,
+                   params: dict, has_tokenizer: bool, check: dict) -> dict:
+    """The export's record (``EXPORT_RECORD``): the proxy it came from (path, manifest identity, weights, ranks),
+    its dtype, parameter counts and the round-trip check."""
+    from .. import __version__
+    from .fingerprint import file_identity
+
+    man_file = proxy_dir / "iprox_proxy.json"
+    return {
+        "format_version": EXPORT_VERSION,
+        "what": "dense export of an IProX proxy: each LowRankLinear replaced by one layer with weight A @ B",
+        "proxy": {
+            "path": str(proxy_dir.resolve()),
+            "manifest": {"file": man_file.name, **file_identity(man_file, hash_limit=None)},
+            "weights": manifest.get("weights"),
+            "format_version": manifest.get("format_version", 1),
+            "target_model": manifest.get("target_model"),
+            "dtype": manifest.get("dtype"),
+            "ranks": {name: m.rank for name, m in layers.items()},
+            **({"block_drop": manifest["block_drop"]} if "block_drop" in manifest else {}),
+        },
+        "dtype": str(out_dtype).replace("torch.", ""),
+        "layers_densified": len(layers),
+        "params": params,
+        "tokenizer": has_tokenizer,
+        "check": check,
+        "iprox_lightning": __version__,
+    }
 
 
 def _move_into_place(tmp: Path, output: Path) -> None:
