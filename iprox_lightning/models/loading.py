@@ -174,23 +174,7 @@ def load_model(
         return model.eval(), _finish_tokenizer(tok)
 
     if p.suffix == ".gguf":
-        if not p.is_file():
-            raise InputNotFoundError(f"GGUF file not found: {p}")
-        cached = gguf_cache_dir(p)
-        if use_cache and (cached / "config.json").exists():
-            log.info("loading cached float copy of %s from %s", p, cached)
-            with transformers_bars_off():
-                model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
-            tok = load_tokenizer(str(p)) if tokenizer else None
-            return model.eval(), tok
-        check_gguf(p)
-        log.info("dequantizing GGUF %s (first load; cached afterwards)", p)
-        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
-        _drop_gguf_marker(model)
-        tok = _finish_tokenizer(__import__("transformers").AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
-        if use_cache:
-            _write_cache(model, tok, cached)
-        return model.eval(), (tok if tokenizer else None)
+        return _load_gguf(p, torch_dtype, kwargs, use_cache=use_cache, tokenizer=tokenizer)
 
     if p.is_file() and p.parent.is_dir() and is_proxy_file(p):
         raise UserInputError(f"{p} is a file of the IProX proxy directory {p.parent}: pass the directory itself "
@@ -206,6 +190,32 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
     tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
+
+
+def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer: bool):
+    """``(model, tokenizer)`` of a ``.gguf`` file: its cached float copy when there is one (and ``use_cache``), else
+    dequantized by transformers (then cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..console import transformers_bars_off
+
+    if not p.is_file():
+        raise InputNotFoundError(f"GGUF file not found: {p}")
+    cached = gguf_cache_dir(p)
+    if use_cache and (cached / "config.json").exists():
+        log.info("loading cached float copy of %s from %s", p, cached)
+        with transformers_bars_off():
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
+        tok = load_tokenizer(str(p)) if tokenizer else None
+        return model.eval(), tok
+    check_gguf(p)
+    log.info("dequantizing GGUF %s (first load; cached afterwards)", p)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
+    _drop_gguf_marker(model)
+    tok = _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+    if use_cache:
+        _write_cache(model, tok, cached)
+    return model.eval(), (tok if tokenizer else None)
 
 
 def _drop_gguf_marker(model) -> None:
