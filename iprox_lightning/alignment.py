@@ -313,45 +313,8 @@ def alignment_losses(
                      keep_tokens=grad_through_projection and create_graph, trackers=teacher_trackers)
 
     with torch.enable_grad():
-        captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        handles = []
-        if factor_tensors is None:
-            # record the factor tensors the forward really uses (plain params, or FSDP2's unsharded copies)
-            def make_pre_hook(name):
-                def pre_hook(module, args):
-                    captured[name] = (module.A, module.B)
-                return pre_hook
-
-            handles = [m.register_forward_pre_hook(make_pre_hook(n)) for n, m in lowrank.items()]
-        pairs = contextlib.nullcontext()
-        if proxy_trackers:
-            for tracker in proxy_trackers:
-                tracker.start_step(batch)
-            pairs = LayerTracker(*pair_dispatch(proxy_trackers), differentiable=True)
-        with pairs:  # (the proxy trackers' hooks: through the forward and step 3's backward)
-            try:
-                logits, scored = scored_logits(proxy, batch, use_cache=False)
-            finally:
-                for h in handles:
-                    h.remove()
-            factors = dict(factor_tensors) if factor_tensors is not None else captured
-            missing = [n for n in names if n not in factors]
-            if missing:
-                raise RuntimeError(f"alignment_losses: proxy layers {missing} did not run in the forward")
-            l_proxy = token_mean(*scored.ce_sums(logits))
-            flat = [x for n in names for x in factors[n]]
-            not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
-            if not_req:
-                raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
-            grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
-        for tracker in proxy_trackers:
-            tracker.end_step()
-        proxy_grads = {}
-        for i, n in enumerate(names):
-            g_a, g_b = grads[2 * i], grads[2 * i + 1]
-            if g_a is None or g_b is None:
-                raise RuntimeError(f"alignment_losses: layer {n!r} got no gradient from the proxy SFT loss")
-            proxy_grads[n] = (g_a, g_b)
+        logits, l_proxy, factors, proxy_grads = _proxy_factor_grads(proxy, batch, lowrank, factor_tensors,
+                                                                    proxy_trackers, create_graph)
         if t.tokens:
             projections = t.projections_for({n: factors[n] for n in names})
         else:
@@ -373,4 +336,55 @@ def alignment_losses(
         cos_a=cos_a,
         cos_b=cos_b,
     )
+
+
+def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, nn.Module],
+                        factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
+                        proxy_trackers: Sequence[PairTracker], create_graph: bool):
+    """Steps 2–3 of :func:`alignment_losses`: the proxy's forward (``L_proxy`` over the response tokens, and the
+    logits) and ``(∇_A, ∇_B)`` of every aligned layer by ``autograd.grad`` against the factor tensors the forward
+    really used (recorded by forward pre-hooks unless ``factor_tensors`` names them), with ``proxy_trackers``
+    capturing their pairs through both. ``(logits, L_proxy, factors, {layer: (∇_A, ∇_B)})``; raises when a layer did
+    not run, its factors do not require grad or it got no gradient."""
+    names = list(lowrank)
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = []
+    if factor_tensors is None:
+        # record the factor tensors the forward really uses (plain params, or FSDP2's unsharded copies)
+        def make_pre_hook(name):
+            def pre_hook(module, args):
+                captured[name] = (module.A, module.B)
+            return pre_hook
+
+        handles = [m.register_forward_pre_hook(make_pre_hook(n)) for n, m in lowrank.items()]
+    pairs = contextlib.nullcontext()
+    if proxy_trackers:
+        for tracker in proxy_trackers:
+            tracker.start_step(batch)
+        pairs = LayerTracker(*pair_dispatch(proxy_trackers), differentiable=True)
+    with pairs:  # (the proxy trackers' hooks: through the forward and step 3's backward)
+        try:
+            logits, scored = scored_logits(proxy, batch, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        factors = dict(factor_tensors) if factor_tensors is not None else captured
+        missing = [n for n in names if n not in factors]
+        if missing:
+            raise RuntimeError(f"alignment_losses: proxy layers {missing} did not run in the forward")
+        l_proxy = token_mean(*scored.ce_sums(logits))
+        flat = [x for n in names for x in factors[n]]
+        not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
+        if not_req:
+            raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
+        grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+    for tracker in proxy_trackers:
+        tracker.end_step()
+    proxy_grads = {}
+    for i, n in enumerate(names):
+        g_a, g_b = grads[2 * i], grads[2 * i + 1]
+        if g_a is None or g_b is None:
+            raise RuntimeError(f"alignment_losses: layer {n!r} got no gradient from the proxy SFT loss")
+        proxy_grads[n] = (g_a, g_b)
+    return logits, l_proxy, factors, proxy_grads
 
