@@ -136,8 +136,6 @@ def fit_regression_scorer(
     each epoch with ``seed``. History rows: ``{"epoch", "train_mse"}`` plus ``"eval_spearman"`` /
     ``"eval_pearson"`` (against ``targets``) when ``eval_batches`` are given.
     """
-    from ..analysis.retention import pearson, spearman
-
     dev = _device_of(scorer)
     batches = list(batches)
     for b in batches:
@@ -185,23 +183,30 @@ def fit_regression_scorer(
                     bar.set_postfix(mse=f"{tot / n:.4f}")
             row = {"epoch": float(epoch), "train_mse": tot / max(n, 1)}
             if eval_batches is not None:
-                if eval_cached is not None:
-                    with torch.no_grad():
-                        pred = {i: float(v) for ids_, f in eval_cached
-                                for i, v in zip(ids_, scorer.to_target_scale(scorer.head_forward(f)).tolist())}
-                else:
-                    pred = predict_scores(scorer, eval_batches, progress=False)
-                ids = sorted(pred)
-                t = lookup_targets(ids, targets).numpy()
-                p = [pred[i] for i in ids]
-                row["eval_spearman"] = spearman(p, t)
-                row["eval_pearson"] = pearson(p, t)
+                row.update(_eval_agreement(scorer, eval_batches, eval_cached, targets))
             history.append(row)
             log.info("regression scorer epoch %d: %s", epoch, row)
     finally:
         if bar is not None:
             bar.close()
     return history
+
+
+def _eval_agreement(scorer: RegressionLM, eval_batches, eval_cached, targets: Mapping[str, float]) -> dict[str, float]:
+    """Spearman and Pearson of the scorer's predictions on ``eval_batches`` (from their cached backbone features
+    when there are any) against ``targets``."""
+    from ..analysis.retention import pearson, spearman
+
+    if eval_cached is not None:
+        with torch.no_grad():
+            pred = {i: float(v) for ids_, f in eval_cached
+                    for i, v in zip(ids_, scorer.to_target_scale(scorer.head_forward(f)).tolist())}
+    else:
+        pred = predict_scores(scorer, eval_batches, progress=False)
+    ids = sorted(pred)
+    t = lookup_targets(ids, targets).numpy()
+    p = [pred[i] for i in ids]
+    return {"eval_spearman": spearman(p, t), "eval_pearson": pearson(p, t)}
 
 
 @torch.no_grad()
