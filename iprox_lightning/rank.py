@@ -165,23 +165,7 @@ def allocate_ranks(
         raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")
     r0 = mult if min_rank is None else int(min_rank)
     dense = dict(dense or {})
-    unknown = set(dense) - set(shapes)
-    if unknown:
-        raise ValueError(f"dense: unknown layer(s) {sorted(unknown)[:5]}")
-    weights = dict(weights or {})
-    bad = {n: w for n, w in weights.items() if not (float(w) >= 0.0 and math.isfinite(float(w)))}
-    if bad:
-        raise ValueError(f"weights must be finite and >= 0, got {dict(list(bad.items())[:5])}")
-    sig2: dict[str, list[float]] = {}
-    for name in shapes:
-        if name not in spectra and not dense.get(name):
-            raise ValueError(f"layer {name!r}: no spectrum given")
-        if name in spectra:
-            s = [float(x) for x in (spectra[name].tolist() if hasattr(spectra[name], "tolist") else spectra[name])]
-            if any(b > a * (1 + 1e-9) + 1e-300 for a, b in zip(s, s[1:])):
-                raise ValueError(f"layer {name!r}: spectrum must be sorted in descending order")
-            w = float(weights.get(name, 1.0))
-            sig2[name] = [x * x for x in s] if name not in weights else [w * x * x for x in s]
+    sig2 = _weighted_energies(spectra, shapes, dense, dict(weights or {}))
     plan, spent = minimum_allocation(shapes, budget, rank_multiple=mult, min_rank=r0, dense=dense)
 
     def next_block(name: str, r: int) -> tuple[float, float, bool]:
@@ -216,6 +200,29 @@ def allocate_ranks(
             plan[name] += mult
             push(name)
     return plan
+
+
+def _weighted_energies(spectra: Mapping[str, "torch.Tensor | list[float]"], shapes: Mapping[str, tuple[int, int]],
+                       dense: Mapping[str, bool], weights: Mapping[str, float]) -> dict[str, list[float]]:
+    """``{layer: [w·σ_i²]}`` for :func:`allocate_ranks`, after checking its inputs: every forced-dense layer is
+    known, every weight finite and ``≥ 0``, every layer not forced dense has a spectrum, each spectrum descending."""
+    unknown = set(dense) - set(shapes)
+    if unknown:
+        raise ValueError(f"dense: unknown layer(s) {sorted(unknown)[:5]}")
+    bad = {n: w for n, w in weights.items() if not (float(w) >= 0.0 and math.isfinite(float(w)))}
+    if bad:
+        raise ValueError(f"weights must be finite and >= 0, got {dict(list(bad.items())[:5])}")
+    sig2: dict[str, list[float]] = {}
+    for name in shapes:
+        if name not in spectra and not dense.get(name):
+            raise ValueError(f"layer {name!r}: no spectrum given")
+        if name in spectra:
+            s = [float(x) for x in (spectra[name].tolist() if hasattr(spectra[name], "tolist") else spectra[name])]
+            if any(b > a * (1 + 1e-9) + 1e-300 for a, b in zip(s, s[1:])):
+                raise ValueError(f"layer {name!r}: spectrum must be sorted in descending order")
+            w = float(weights.get(name, 1.0))
+            sig2[name] = [x * x for x in s] if name not in weights else [w * x * x for x in s]
+    return sig2
 
 
 def uniform_plan_for_budget(
