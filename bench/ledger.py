@@ -144,19 +144,23 @@ class Stages:
             raise
         if set_aside is not None:
             _remove(set_aside)
-        # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
-        # whose weights were not kept) keeps the recorded fingerprint text: downstream stages embed it, and a new
-        # text would re-run them although nothing they depend on changed
-        rec = {"fingerprint": rec["fingerprint"] if same else fp, "command": printable, "wall_s": wall,
-               "cpu_s": cpu_s, "peak_rss_mib": peak_rss, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "commit": git_commit(dirty=True),
+        run = {"command": printable, "wall_s": wall, "cpu_s": cpu_s, "peak_rss_mib": peak_rss,
+               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(dirty=True),
                "load_average": os.getloadavg()[0]}
-        rec["host"] = host_info()  # where it ran: a summary rewritten elsewhere reports this, not its own machine
+        run["host"] = host_info()  # where it ran: a summary rewritten elsewhere reports this, not its own machine
         if self.in_process:  # cpu_s and peak_rss_mib are this process's, not a stage process's
-            rec["in_process"] = True
+            run["in_process"] = True
+        if same:
+            # a re-run whose settings equal the record's up to outcome-neutral lines (a re-made output, e.g. a proxy
+            # or warmed target whose weights were not kept) keeps the record, fingerprint text included (downstream
+            # stages embed it, and a new text would re-run them although nothing they depend on changed), and adds
+            # this run to its ``rebuilt`` list: the first run's host and seconds stay what the results cite
+            rec = {**rec, "rebuilt": [*rec.get("rebuilt", []), run]}
+        else:
+            rec = {"fingerprint": fp, **run}
         self.state["stages"][key] = rec
         self.save()
-        self.log(f"stage {key}: done in {wall:.0f}s (CPU {rec['cpu_s']:.0f}s)")
+        self.log(f"stage {key}: done in {wall:.0f}s (CPU {cpu_s:.0f}s)")
         return rec
 
     def _set_aside(self, key: str, target: Path, why: str) -> Path:

@@ -267,7 +267,8 @@ def test_stage_fingerprints_ignore_outcome_neutral_config_lines(tmp_path):
 def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
     """A stage re-run only because its output is gone (a proxy whose weights were not kept), with settings equal up
     to outcome-neutral lines, keeps the recorded fingerprint text that downstream stages embed (else re-making the
-    proxy re-ran its scoring); a real change records the new text. The first run is the default subprocess, the
+    proxy re-ran its scoring) and the first run's record, the re-run going to its ``rebuilt`` list; a real change
+    records the new text. The first run is the default subprocess, the
     re-runs the same command in this process (``in_process``, what the end-to-end tests use): the same table."""
     import shutil
 
@@ -286,12 +287,16 @@ def test_a_remade_output_keeps_the_recorded_fingerprint(tmp_path):
     st.in_process = True
     neutral = {"seed": 0, "config": "trainer:\n  max_epochs: 4\n  log_every_n_steps: 5  # presentation only\n"}
     st.run("random", "random_scores", [], ov, neutral, out, clean=out.parent)
-    assert out.exists() and st.state["stages"]["random"]["fingerprint"] == recorded
-    assert st.state["stages"]["random"]["in_process"] is True and pq.read_table(out).to_pydict() == first
+    rec = st.state["stages"]["random"]
+    assert out.exists() and rec["fingerprint"] == recorded and pq.read_table(out).to_pydict() == first
+    # the record stays the first run's; the re-run is added to its rebuilt list (the host and seconds results cite)
+    assert "in_process" not in rec and [r["in_process"] for r in rec["rebuilt"]] == [True]
+    assert all("fingerprint" not in r and r["wall_s"] > 0 and r["host"]["cpus"] for r in rec["rebuilt"])
     assert st.ran == ["random", "random"]
     changed = {"seed": 0, "config": "trainer:\n  max_epochs: 5\n"}
     st.run("random", "random_scores", [], ov, changed, out, clean=out.parent)
     assert st.state["stages"]["random"]["fingerprint"] == json.dumps(changed, sort_keys=True)
+    assert "rebuilt" not in st.state["stages"]["random"]  # another setting: a new record
 
 
 def test_a_failing_stage_in_process_fails_as_its_command_does(tmp_path):
