@@ -323,7 +323,7 @@ def select(
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }
-    _write_selection(out, chosen, table, pool_records if pools else None, meta, bad, quiet)
+    _write_selection(out, chosen, table, (pool_records, records) if pools else None, meta, bad, quiet)
     return str(out)
 
 
@@ -338,18 +338,19 @@ def _rows_in_pool(rows: list[tuple[float, str]], records: dict[str, dict], pools
     return _one_per_text(rows, records) if dedup else rows
 
 
-def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool_records: list[dict] | None, meta: dict,
-                     bad: list, quiet: bool) -> None:
+def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tuple[list[dict], dict] | None,
+                     meta: dict, bad: list, quiet: bool) -> None:
     """Write the chosen ``(score, id)`` rows (with their pool records and the explanation of what was picked, when
-    a pool was read) and ``meta`` to ``out``, then print what was written unless ``quiet``."""
+    a pool was read: ``pool`` = its records and the same by id) and ``meta`` to ``out``, then print what was written
+    unless ``quiet``."""
     from .io.selection import write_selection
 
+    pool_records, records = pool if pool is not None else (None, None)
     if pool_records is not None:
         from .selection_summary import explain_selection
 
         table_rows = {str(r["id"]): r for r in table.to_pylist()}
         meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows)
-    records = {r["id"]: r for r in pool_records} if pool_records is not None else None
     write_selection(out, [(i, s) for s, i in chosen], records, meta)
     if bad and not quiet:
         print(f"select: skipped {len(bad)} row(s) flagged 'nonfinite' (NaN/inf), e.g. {sorted({i for i, _ in bad})[:3]}")
