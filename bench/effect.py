@@ -582,11 +582,11 @@ class Effect:
 
     # --- summary -----------------------------------------------------------------------------------
     def cost(self, selector: str) -> dict:
-        """Wall-clock of a selector's scoring (and of building its proxy) and its ratios to the target's scoring.
-        A ratio needs every stage in it to have run on the target's scoring host: a GPU's seconds over a CPU's
-        are no cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same. A
-        store selector whose target scoring ran elsewhere is compared with the target's store on its own host instead
-        (``cost_reference``: ``"target store"``)."""
+        """Wall-clock of a selector's scoring (and of building its proxy) and its ratios to the target's: a store
+        selector's to the target's store (build + one query; ``cost_reference``: ``"target store"``), any other's to
+        the target's exact scoring (``"target scoring"``; a store selector too where the target's store has no record
+        on its host). A ratio needs every stage in it to have run on one host: a GPU's seconds over a CPU's are no
+        cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same."""
         selector = split_rule(selector, self.args.rule)[0]
         st, own = self.fid_stages, self.st.state["stages"]
         tgt_rec = st.get("score:target", {})
@@ -618,11 +618,12 @@ class Effect:
             score, build = 0.0, 0.0
         host_set = lambda rs: {host_key(r) for r in rs} - {None}  # noqa: E731
         differ, reference = len(host_set([tgt_rec, *recs])) > 1, "target scoring"
-        if differ and is_store(selector):
-            # the target's exact scoring ran elsewhere: a store is compared with the target's own store on its host
-            # (build + its first query: the same pool pass and one validation set)
+        if is_store(selector):
+            # like for like: a store is compared with the target's own store on its host (build + its first query:
+            # the same pool pass and one validation set), not with the target's exact scoring (another method);
+            # the exact scoring only where the target's store has no record on this row's host
             ref = [own.get("store:target", {}), own.get("query:target", {})]
-            if all(r.get("wall_s") is not None for r in ref) and len(host_set([*ref, *recs])) == 1:
+            if all(r.get("wall_s") is not None for r in ref) and len(host_set([*ref, *recs])) <= 1:
                 tgt, differ, reference = sum(r["wall_s"] for r in ref), False, "target store"
         ratio = (score / tgt) if (score is not None and tgt and not differ) else None
         total = ((score + build) / tgt) if (score is not None and tgt and not differ) else None
@@ -994,8 +995,8 @@ def metric_tables(summary: dict) -> list[str]:
             lines += ["¹ its scoring stages ran on another host than the target's scoring (see `stage_wall_s` and each "
                       "stage's `host` in state.json): no cost ratio.", ""]
         if any(r.get("cost_reference") == "target store" for r in summary["rows"]):
-            lines += ["² the target's exact scoring ran on another host: ratio to the target's gradient store on this "
-                      "row's host (store build + one query, the same pool pass).", ""]
+            lines += ["² ratio to the target's gradient store on this row's host (store build + one query, the same "
+                      "pool pass), not to its exact scoring.", ""]
     return lines
 
 
@@ -1125,7 +1126,8 @@ def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss"
         else:
             cost_sel = members.get(None, next(iter(members.values())))  # the default-form query's cost
             c = next(by_key[(t, cost_sel)] for t in tasks if (t, cost_sel) in by_key)
-            row["cost"] = (c.get("scoring_cost_ratio"), c.get("total_cost_ratio"), c.get("hosts_differ"))
+            row["cost"] = (c.get("scoring_cost_ratio"), c.get("total_cost_ratio"), c.get("hosts_differ"),
+                           is_store(split_rule(cost_sel, m["rule"])[0]) and c.get("cost_reference") == "target scoring")
             worst = min(tasks, key=lambda t: row["tasks"][t]["diff"])
             row["worst"] = (worst, row["tasks"][worst]["diff"])
             out.append(row)
@@ -1140,9 +1142,10 @@ def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
              "(" + " / ".join(tasks) + ") |", "|---|" + "---|" * (len(tasks) + 3)]
     for r in rows:
         cells = [f"{fmt(x['diff'], x['ci'], '{:+.3f}')}" + ("†" if x["form"] else "") for x in r["tasks"].values()]
-        ratio, total, differ = r["cost"]
+        ratio, total, differ, vs_exact = r["cost"]
         cost = "other host" if differ else (f"{ratio:.2f}" + (f" ({total:.2f} with build)" if total and total != ratio
-                                                               else "") if ratio is not None else "—")
+                                                               else "") + (" vs exact scoring" if vs_exact else "")
+                                            if ratio is not None else "—")
         fid = [x["fidelity"] for x in r["tasks"].values()]
         lines.append(f"| {r['selector']} | " + " | ".join(cells) + f" | {r['worst'][1]:+.3f} ({r['worst'][0]}) | {cost} | "
                      + (" / ".join(f"{f:.2f}" for f in fid) if all(f is not None for f in fid) else "—") + " |")
@@ -1151,7 +1154,8 @@ def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
               f"{m['k']} of {m['pool_sample']} pool examples, held-out examples per task; rule `{m['rule']}` unless "
               "the selector names one after `+`." + (f" † queried in the {', '.join(used)} validation form." if used
                                                      else "") + " Cost: the selector's scoring wall-clock over the "
-              "target's (its store build + one query for a `store` selector), and with building the proxy."]
+              "target's — a `store` selector's (store build + one query) over the target's store — and with building the "
+              "proxy."]
     return "\n".join(lines)
 
 

@@ -378,8 +378,18 @@ def test_cost_ratio_only_between_stages_of_one_host():
         return SimpleNamespace(args=SimpleNamespace(rule="mean"), fid_stages=fid, st=SimpleNamespace(state={"stages": own}),
                                sources={"target": "target", "iprox@0.5": "v"})
 
-    same = effect.Effect.cost(fake(gpu, gpu), "store+max")
-    assert same["scoring_cost_ratio"] == 2.0 and same["total_cost_ratio"] == 2.0 and "hosts_differ" not in same
+    same = effect.Effect.cost(fake(gpu, gpu), "store+max")  # the target's store against itself, not the exact scoring
+    assert same["scoring_cost_ratio"] == 1.0 and same["cost_reference"] == "target store" and "hosts_differ" not in same
+    no_store = fake(gpu, gpu)  # a proxy's store where the target's store has no record: the exact scoring is the reference
+    for k in ("store:target", "query:target"):
+        del no_store.st.state["stages"][k]
+    no_store.st.state["stages"].update({"store:iprox@0.5": {"wall_s": 60.0, "host": gpu},
+                                        "query:iprox@0.5": {"wall_s": 20.0, "host": gpu}})
+    vs_exact = effect.Effect.cost(no_store, "store:iprox@0.5+max")
+    assert vs_exact["scoring_cost_ratio"] == 0.4 and vs_exact["total_cost_ratio"] == 1.0  # 80 / 200, + 120 built
+    assert vs_exact["cost_reference"] == "target scoring"
+    exact_rds = effect.Effect.cost(fake(gpu, gpu), "rds")
+    assert exact_rds["scoring_cost_ratio"] == 0.25 and exact_rds["cost_reference"] == "target scoring"
     other = effect.Effect.cost(fake(cpu, gpu), "rds")  # RDS+ on the CPU (no host: counts as any), target on the GPU
     assert other["scoring_cost_ratio"] == 0.25
     own_store = effect.Effect.cost(fake(cpu, gpu), "store+balanced")  # no exact scoring here: the target's store is 1
@@ -397,7 +407,6 @@ def test_cost_ratio_only_between_stages_of_one_host():
     ps = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
     assert ps["scoring_cost_ratio"] == 0.5 and ps["total_cost_ratio"] == 1.0  # (150 + 50) / (300 + 100), + 200 built
     assert ps["cost_reference"] == "target store" and "hosts_differ" not in ps
-    assert same["cost_reference"] == "target scoring"
     e.fid_stages["build:v"]["host"] = gpu  # the proxy built on the GPU, stored on the CPU: no ratio at all
     no = effect.Effect.cost(e, "store:iprox@0.5@bbh-direct+balanced")
     assert no["hosts_differ"] and no["scoring_cost_ratio"] is None and no["total_cost_ratio"] is None
