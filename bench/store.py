@@ -37,26 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from ledger import Stages  # bench/: the stage ledger
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(args: list[str], in_process: bool, threads: int | None) -> float:
-    """Run ``python train.py ARGS``; returns its wall seconds."""
-    t0 = time.perf_counter()
-    if in_process:
-        from iprox_lightning.cli import main
-
-        main(args)
-    else:
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-        subprocess.run([sys.executable, str(ROOT / "train.py"), *args], check=True, env=env, cwd=str(ROOT))
-    return time.perf_counter() - t0
 
 
 def _spearman(a, b) -> float:
@@ -95,40 +81,15 @@ def _settings(st: dict) -> dict:
     return {k: v for k, v in st.items() if not unread or k not in ("kfac_examples", "damping")}
 
 
-class State:
-    """``OUT/state.json``: per stage its settings and result; a stage re-runs when its settings changed."""
-
-    def __init__(self, out: Path):
-        self.path = out / "state.json"
-        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
-        for s in self.data.values():  # records from before the settings left out the K-FAC options nothing read
-            s["settings"] = _settings(s["settings"])
-
-    def done(self, name: str, settings: dict, output: Path) -> dict | None:
-        s = self.data.get(name)
-        return s["result"] if s and s["settings"] == settings and output.exists() else None
-
-    def record(self, name: str, settings: dict, result: dict) -> None:
-        self.data[name] = {"settings": settings, "result": result}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
-        tmp.replace(self.path)
-
-
-def _score_overlay(out: Path, name: str, model: str, method: str, a) -> Path:
-    import yaml
-
-    cfg = {"trainer": {"logger": False, "enable_progress_bar": not a.in_process, "callbacks": [
+def _score_overlay(out: Path, name: str, model: str, method: str, a) -> dict:
+    """The overlay of ``name``'s exact scoring (``train.py predict`` on top of ``configs/score.yaml``)."""
+    return {"trainer": {"logger": False, "enable_progress_bar": not a.in_process, "callbacks": [
         {"class_path": "iprox_lightning.scoring.InfluenceWriter",
          "init_args": {"output_dir": str(out / "exact" / name), "write_every_n_batches": 50}}]},
         "model": {"init_args": {"model": model, "method": method, "kfac_examples": a.kfac_examples,
                                 "damping": a.damping, "factors_dir": str(out / "factors")}},
         "data": {"init_args": {"pool": a.pool, "validation": a.validation, "tokenizer": model,
                                "max_length": a.max_length, "batch_size": a.batch_size}}}
-    p = out / "configs" / f"score-{name}.yaml"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(yaml.safe_dump(cfg))
-    return p
 
 
 def _new_task_validation(out: Path, validation: str, suite: str) -> Path:
@@ -143,23 +104,19 @@ def _new_task_validation(out: Path, validation: str, suite: str) -> Path:
     return p
 
 
-def _new_task(out: Path, state: State, a, name: str, model: str, method: str, st: dict, store: Path, key: str,
-              bst: dict, rebuilt: bool) -> dict:
+def _new_task(out: Path, st: Stages, a, name: str, model: str, method: str, settings: dict, key: str,
+              bst: dict) -> dict:
     """A validation set the store has never seen (``--new-task``): a fresh exact scoring of it against a cold query."""
     val = _new_task_validation(out, a.validation, a.new_task)
     sub = f"{name}-{a.new_task}"
-    exact_dir, qdir = out / "exact" / sub, out / "queries" / f"{key}-{a.new_task}"
-    est = {**st, "validation": str(val), "new_task": a.new_task}
-    exact = _exact(out, state, argparse.Namespace(**{**vars(a), "validation": str(val)}), sub, model, method, est)
-    qst = {**bst, "validation": str(val), "new_task": a.new_task}
-    queried = state.done(f"query/{key}-{a.new_task}", qst, qdir / "scores.parquet")
-    if queried is None or rebuilt:
-        queried = {"query_s": _run(["query", "--store", str(store), "--validation", str(val), "--output_dir",
-                                    str(qdir)], a.in_process, a.threads)}
-        state.record(f"query/{key}-{a.new_task}", qst, queried)
+    exact_dir = out / "exact" / sub
+    exact = _exact(out, st, argparse.Namespace(**{**vars(a), "validation": str(val)}), sub, model, method,
+                   {**settings, "validation": str(val), "new_task": a.new_task})
+    query_s = _query(out, st, key, {**bst, "validation": str(val), "new_task": a.new_task}, str(val),
+                     f"{key}-{a.new_task}")
+    qdir = out / "queries" / f"{key}-{a.new_task}"
     return {"task": a.new_task, "n_validation": sum(1 for _ in open(val, encoding="utf-8")),
-            "exact_s": exact["exact_s"], "query_s": queried["query_s"],
-            "query_share": queried["query_s"] / exact["exact_s"],
+            "exact_s": exact["exact_s"], "query_s": query_s, "query_share": query_s / exact["exact_s"],
             "spearman": _compare(qdir / "scores.parquet", exact_dir / "scores.parquet")}
 
 
@@ -170,65 +127,56 @@ def _stores(a, method: str) -> list[tuple[int, str, str]]:
             for k in a.k for p in a.projections if p == "gaussian" or method == "tracin"]
 
 
-def _exact(out: Path, state: State, a, name: str, model: str, method: str, st: dict) -> dict:
-    """The exact scoring of ``model`` by ``method`` (``train.py predict``): its recorded result, or run now."""
-    exact = state.done(f"exact/{name}", st, out / "exact" / name / "scores.parquet")
-    if exact is None:
-        cfg = _score_overlay(out, name, model, method, a)
-        exact = {"exact_s": _run(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config", str(cfg)],
-                                 a.in_process, a.threads)}
-        state.record(f"exact/{name}", st, exact)
-    return exact
+def _exact(out: Path, st: Stages, a, name: str, model: str, method: str, settings: dict) -> dict:
+    """The exact scoring of ``model`` by ``method`` (``train.py predict``): recorded, or run now."""
+    d = out / "exact" / name
+    rec = st.run(f"exact/{name}", "predict", [ROOT / "configs" / "score.yaml"], _score_overlay(out, name, model, method, a),
+                 settings, d / "scores.parquet", clean=d)
+    return {"exact_s": rec["wall_s"]}
 
 
-def _build(out: Path, state: State, a, key: str, model: str, method: str, k: int, projection: str,
-           bst: dict) -> tuple[dict, bool]:
-    """``(result, rebuilt)`` of the store ``key`` (``train.py build_store``): recorded, or built now (then its
-    queries are made again too)."""
+def _build(out: Path, st: Stages, a, key: str, model: str, method: str, k: int, projection: str, bst: dict) -> dict:
+    """The store ``key`` (``train.py build_store``): recorded, or built now (a store of other settings is set aside
+    first; a killed build of these settings resumes)."""
     store = out / "stores" / key
-    built = state.done(f"build/{key}", bst, store / "store.json")
-    if built is not None:
-        return built, False
-    # a store this benchmark built with other settings (whose fingerprint the build may refuse) is built again from
-    # scratch; a killed build of these settings resumes
-    earlier_build = state.data.get(f"build/{key}")
-    fresh = earlier_build is not None and earlier_build["settings"] != bst
-    built = {"build_s": _run(["build_store", "--model", model, "--output_dir", str(store), "--pool", a.pool, "--k",
-                              str(k), "--method", method, "--kfac_examples", str(a.kfac_examples), "--damping",
-                              str(a.damping), "--store_dtype", a.store_dtype, "--max_length", str(a.max_length),
-                              "--batch_size", str(a.batch_size), "--projection", projection,
-                              "--factors_dir", str(out / "factors"),  # the exact run's, shared
-                              "--progress", str(not a.in_process).lower(),
-                              *(["--overwrite", "true"] if fresh else [])], a.in_process, a.threads)}
-    state.record(f"build/{key}", bst, built)
-    return built, True
+    ov = {"model": model, "output_dir": str(store), "pool": a.pool, "k": k, "method": method,
+          "kfac_examples": a.kfac_examples, "damping": a.damping, "store_dtype": a.store_dtype,
+          "max_length": a.max_length, "batch_size": a.batch_size, "projection": projection,
+          "factors_dir": str(out / "factors"),  # the exact run's, shared
+          "progress": not a.in_process}
+    return {"build_s": st.run(f"build/{key}", "build_store", [], ov, bst, store / "store.json", clean=store)["wall_s"]}
 
 
-def _query(out: Path, state: State, a, key: str, bst: dict, rebuilt: bool) -> dict:
-    """The store ``key`` queried with the validation set twice (cold, then re-reading its cached validation
-    gradients): recorded, or run now."""
-    qdir = out / "queries" / key
-    queried = state.done(f"query/{key}", bst, qdir / "scores.parquet")
-    if rebuilt or queried is None or "requery_s" not in queried:
-        q = ["query", "--store", str(out / "stores" / key), "--validation", a.validation, "--output_dir", str(qdir)]
-        first = _run(q, a.in_process, a.threads)
-        queried = {"query_s": first, "requery_s": _run(q, a.in_process, a.threads)}
-        state.record(f"query/{key}", bst, queried)
-    return queried
+def _query(out: Path, st: Stages, key: str, qst: dict, validation: str, name: str | None = None) -> float:
+    """``train.py query`` of the store ``key`` with ``validation`` into ``OUT/queries/<name>`` (default ``key``):
+    recorded, or run now; its wall seconds. The query's settings include its store's, so a store built with
+    other settings is queried again."""
+    qdir = out / "queries" / (name or key)
+    ov = {"store": str(out / "stores" / key), "validation": validation, "output_dir": str(qdir)}
+    return st.run(f"query/{name or key}", "query", [], ov, qst, qdir / "scores.parquet", clean=qdir)["wall_s"]
 
 
-def _store_row(out: Path, state: State, a, who: str, model: str, method: str, st: dict, exact: dict, k: int,
+def _requery(out: Path, st: Stages, key: str, qst: dict, validation: str) -> float:
+    """The same query again (into ``OUT/requeries/<key>``), re-reading the validation gradients the first one cached
+    in the store."""
+    ov = {"store": str(out / "stores" / key), "validation": validation, "output_dir": str(out / "requeries" / key)}
+    return st.run(f"requery/{key}", "query", [], ov, {**qst, "requery": True}, out / "requeries" / key / "scores.parquet",
+                  clean=out / "requeries" / key)["wall_s"]
+
+
+def _store_row(out: Path, st: Stages, a, who: str, model: str, method: str, settings: dict, exact: dict, k: int,
                projection: str, tag: str) -> dict:
     """One row of ``results.json``: the store ``<who>-<method>-<tag>`` built, queried and compared with the exact
     scoring of the same model and method (and, with ``--new-task``, the new suite)."""
     name = f"{who}-{method}"
     key = f"{name}-{tag}"
-    bst = {**st, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
+    bst = {**settings, "k": k, "store_dtype": a.store_dtype, "batch_size": a.batch_size,
            **({"projection": projection, "kfac_examples": a.kfac_examples} if projection != "gaussian" else {})}
-    built, rebuilt = _build(out, state, a, key, model, method, k, projection, bst)
-    queried = _query(out, state, a, key, bst, rebuilt)
+    built = _build(out, st, a, key, model, method, k, projection, bst)
+    queried = {"query_s": _query(out, st, key, bst, a.validation)}
+    queried["requery_s"] = _requery(out, st, key, bst, a.validation)
     rho = _compare(out / "queries" / key / "scores.parquet", out / "exact" / name / "scores.parquet")
-    new_task = (_new_task(out, state, a, name, model, method, st, out / "stores" / key, key, bst, rebuilt)
+    new_task = (_new_task(out, st, a, name, model, method, settings, key, bst)
                 if a.new_task and method == a.methods[0] else None)
     return {"who": who, "method": method, "k": k, "projection": projection, **exact, **built, **queried,
             "build_vs_exact": built["build_s"] / exact["exact_s"],
@@ -243,9 +191,11 @@ def _row_key(r: dict) -> tuple:
 
 
 def run(a) -> dict:
-    out = Path(a.out)
+    out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    state = State(out)
+    t0 = time.perf_counter()
+    st = Stages(out, a.threads, lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True),
+                in_process=a.in_process)
     # rows of earlier invocations with other settings (k, projection, method, model) are kept: each row says its own
     # settings, and a row this invocation measures again replaces its old one
     before = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
@@ -265,13 +215,13 @@ def run(a) -> dict:
     for who, model in models.items():
         for method in a.methods:
             name = f"{who}-{method}"
-            st = _settings({"model": model, "method": method, "pool": a.pool, "validation": a.validation,
-                            "max_length": a.max_length, "kfac_examples": a.kfac_examples, "damping": a.damping})
-            exact = _exact(out, state, a, name, model, method, st)
+            settings = _settings({"model": model, "method": method, "pool": a.pool, "validation": a.validation,
+                                  "max_length": a.max_length, "kfac_examples": a.kfac_examples, "damping": a.damping})
+            exact = _exact(out, st, a, name, model, method, settings)
             results["exact"][name] = {"model": model, **exact}
             save()
             for k, projection, tag in [] if a.exact_only else _stores(a, method):
-                row = _store_row(out, state, a, who, model, method, st, exact, k, projection, tag)
+                row = _store_row(out, st, a, who, model, method, settings, exact, k, projection, tag)
                 results["rows"] = sorted([r for r in results["rows"] if _row_key(r) != _row_key(row)] + [row],
                                          key=_row_key)
                 save()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import ledger  # noqa: E402
 import store as bench_store  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,9 +44,13 @@ def test_store_bench_runs_and_resumes(tmp_path, monkeypatch):
         bench_store.main([*args[:-1], "tydiqa"])
     assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"][0]["k"] == 100000
     calls = []
-    monkeypatch.setattr(bench_store, "_run", lambda *a, **k: calls.append(a) or 1.0)
+    monkeypatch.setattr(ledger.Stages, "_execute", lambda self, key, *a: calls.append(key) or ("", 1.0, 1.0, 1.0))
     again = bench_store.main([*args, "--projections", "gaussian", "pca"])
     assert calls == [] and again["rows"][0]["build_s"] == row["build_s"]  # every stage reused
+    state = json.loads((tmp_path / "out" / "state.json").read_text())["stages"]
+    assert {"exact/target-tracin", "build/target-tracin-k100000", "query/target-tracin-k100000",
+            "requery/target-tracin-k100000", "query/target-tracin-k100000-bbh"} <= set(state)
+    assert row["build_s"] == state["build/target-tracin-k100000"]["wall_s"]  # the seconds the ledger recorded
     assert [r["projection"] for r in again["rows"]] == ["gaussian", "pca"]
     # an invocation measuring one of the rows keeps the other in results.json and summary.md
     one = bench_store.main([*args, "--projections", "pca"])
@@ -71,15 +76,16 @@ def test_store_bench_exact_only_compares_proxy_and_target_per_method(tmp_path, m
         assert set(v) == {"score", "score/bbh.b", "score/mmlu.a"} and all(x == pytest.approx(1.0) for x in v.values())
     assert "| kfac | exact | 1.000 |" in (tmp_path / "out" / "summary.md").read_text()
     calls = []
-    monkeypatch.setattr(bench_store, "_run", lambda *a, **k: calls.append(a[0]) or 1.0)
+    real = ledger.Stages._execute
+    monkeypatch.setattr(ledger.Stages, "_execute", lambda self, key, *a: calls.append(key) or real(self, key, *a))
     bench_store.main([*args, "--kfac-examples", "3"])
-    assert [c[-1] for c in calls] == [str(tmp_path / "out" / "configs" / f"score-{w}-kfac.yaml")
-                                      for w in ("target", "proxy")]
+    assert calls == ["exact/target-kfac", "exact/proxy-kfac"]
 
 
 def test_store_bench_rebuilds_a_store_of_earlier_settings_and_queries_it_again(tmp_path, monkeypatch):
-    """A store the benchmark recorded under other settings is built again with ``--overwrite true`` (the build would
-    otherwise refuse its fingerprint, or find it complete), and its queries are made again."""
+    """A store the benchmark recorded under other settings is built again from scratch (the old one set aside by the
+    ledger: the build would otherwise refuse its fingerprint, or find it complete), and its queries, recorded under
+    the same other settings, are made again; a stage of the current settings is reused."""
     pool, val = tmp_path / "pool.jsonl", tmp_path / "val.jsonl"
     pool.write_text("".join(json.dumps({"id": f"p{j}", "instruction": f"Say {'ab' * (j % 4 + 1)}", "context": "",
                                         "response": "b" * (j % 3 + 1)}) + "\n" for j in range(10)))
@@ -90,12 +96,14 @@ def test_store_bench_rebuilds_a_store_of_earlier_settings_and_queries_it_again(t
             "tracin", "--k", "2", "--store-dtype", "float32", "--max-length", "32", "--in-process"]
     row = bench_store.main(args)["rows"][0]
     state = json.loads((out / "state.json").read_text())
-    state["build/target-tracin-k2"]["settings"]["norms"] = "exact"  # recorded under a setting since dropped
+    for key in ("build/target-tracin-k2", "query/target-tracin-k2", "requery/target-tracin-k2"):
+        rec = state["stages"][key]  # recorded under a setting since dropped
+        rec["fingerprint"] = json.dumps({**json.loads(rec["fingerprint"]), "norms": "exact"}, sort_keys=True)
     (out / "state.json").write_text(json.dumps(state))
     calls = []
-    real = bench_store._run
-    monkeypatch.setattr(bench_store, "_run", lambda args, *a: calls.append(args) or real(args, *a))
+    real = ledger.Stages._execute
+    monkeypatch.setattr(ledger.Stages, "_execute", lambda self, key, *a: calls.append(key) or real(self, key, *a))
     again = bench_store.main(args)["rows"][0]
-    assert calls[0][0] == "build_store" and calls[0][-2:] == ["--overwrite", "true"]
-    assert [c[0] for c in calls[1:]] == ["query"] * 2
+    assert calls == ["build/target-tracin-k2", "query/target-tracin-k2", "requery/target-tracin-k2"]
     assert again["spearman"] == pytest.approx(row["spearman"])  # the same store again
+    assert not (out / "stores" / "target-tracin-k2.replaced").exists()  # the old store set aside, then removed
