@@ -40,17 +40,12 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 from ledger import Stages  # bench/: the stage ledger
 
+from iprox_lightning.analysis.retention import spearman_columns
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _spearman(a, b) -> float:
-    import numpy as np
-    from scipy.stats import spearmanr
-
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    return float(spearmanr(a, b).statistic) if len(a) > 2 and a.std() > 0 and b.std() > 0 else float("nan")
 
 
 def _columns(path: Path) -> dict:
@@ -65,7 +60,7 @@ def _compare(a: Path, b: Path) -> dict:
     ca, cb = _columns(a), _columns(b)
     if ca["id"] != cb["id"]:
         raise ValueError(f"{a} and {b} hold other ids")
-    return {c: _spearman(ca[c], cb[c]) for c in ca if c != "id" and c in cb}
+    return {c: spearman_columns(np.asarray(ca[c], float), np.asarray(cb[c], float)) for c in ca if c != "id" and c in cb}
 
 
 def _bytes_per_example(store: Path) -> float:
