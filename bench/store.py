@@ -142,21 +142,17 @@ def _build(out: Path, st: Stages, a, key: str, model: str, method: str, k: int, 
     return {"build_s": st.run(f"build/{key}", "build_store", [], ov, bst, store / "store.json", clean=store)["wall_s"]}
 
 
-def _query(out: Path, st: Stages, key: str, qst: dict, validation: str, name: str | None = None) -> float:
+def _query(out: Path, st: Stages, key: str, qst: dict, validation: str, name: str | None = None,
+           again: bool = False) -> float:
     """``train.py query`` of the store ``key`` with ``validation`` into ``OUT/queries/<name>`` (default ``key``):
     recorded, or run now; its wall seconds. The query's settings include its store's, so a store built with
-    other settings is queried again."""
-    qdir = out / "queries" / (name or key)
+    other settings is queried again. ``again``: the same query once more (stage ``requery/<name>``, into
+    ``OUT/requeries/<name>``), re-reading the validation gradients the first one cached in the store."""
+    kind, folder = ("requery", "requeries") if again else ("query", "queries")
+    qdir = out / folder / (name or key)
     ov = {"store": str(out / "stores" / key), "validation": validation, "output_dir": str(qdir)}
-    return st.run(f"query/{name or key}", "query", [], ov, qst, qdir / "scores.parquet", clean=qdir)["wall_s"]
-
-
-def _requery(out: Path, st: Stages, key: str, qst: dict, validation: str) -> float:
-    """The same query again (into ``OUT/requeries/<key>``), re-reading the validation gradients the first one cached
-    in the store."""
-    ov = {"store": str(out / "stores" / key), "validation": validation, "output_dir": str(out / "requeries" / key)}
-    return st.run(f"requery/{key}", "query", [], ov, {**qst, "requery": True}, out / "requeries" / key / "scores.parquet",
-                  clean=out / "requeries" / key)["wall_s"]
+    fp = {**qst, "requery": True} if again else qst
+    return st.run(f"{kind}/{name or key}", "query", [], ov, fp, qdir / "scores.parquet", clean=qdir)["wall_s"]
 
 
 def _store_row(out: Path, st: Stages, a, who: str, model: str, method: str, settings: dict, exact: dict, k: int,
@@ -169,7 +165,7 @@ def _store_row(out: Path, st: Stages, a, who: str, model: str, method: str, sett
            **({"projection": projection, "kfac_examples": a.kfac_examples} if projection != "gaussian" else {})}
     built = _build(out, st, a, key, model, method, k, projection, bst)
     queried = {"query_s": _query(out, st, key, bst, a.validation)}
-    queried["requery_s"] = _requery(out, st, key, bst, a.validation)
+    queried["requery_s"] = _query(out, st, key, bst, a.validation, again=True)
     rho = _compare(out / "queries" / key / "scores.parquet", out / "exact" / name / "scores.parquet")
     new_task = (_new_task(out, st, a, name, model, method, settings, key, bst)
                 if a.new_task and method == a.methods[0] else None)
