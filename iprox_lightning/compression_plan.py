@@ -23,12 +23,13 @@ import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from torch import nn
 from tqdm.auto import tqdm
 
 from .blocks import block_importance, decoder_blocks, most_important_blocks, remove_blocks
+from .compression_config import CompressionConfig
 from .influence_weights import RankWeights
 from .ipsvd import plain_spectrum, weighted_spectrum
 from .probes import Probes
@@ -42,8 +43,6 @@ from .rank import (
 )
 from .target_layers import count_parameters, find_target_linears, linear_shape, linear_weight
 
-if TYPE_CHECKING:  # the settings; compress.py imports this module
-    from .compress import CompressionConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class CompressionPlan:
         return d
 
 
-def plan_compression(model: nn.Module, config: "CompressionConfig", probe_batches: Optional[list] = None, *,
+def plan_compression(model: nn.Module, config: CompressionConfig, probe_batches: Optional[list] = None, *,
                      progress: bool = True) -> CompressionPlan:
     """The plan of ``config`` for ``model``, before any probe (the model is left as it is; a refused setting raises
     here). With ``drop_blocks`` the blocks are chosen on ``probe_batches`` and the budget left to the remaining
@@ -129,7 +128,7 @@ def plan_compression(model: nn.Module, config: "CompressionConfig", probe_batche
 
 
 def _plan_remaining_layers(plan: CompressionPlan, modules: Mapping[str, nn.Module],
-                           config: "CompressionConfig") -> CompressionPlan:
+                           config: CompressionConfig) -> CompressionPlan:
     """``drop_blocks``: the budget of the remaining layers, checked feasible; under ``"uniform"`` their ranks at the
     one sparsity ``ρ'`` that spends it."""
     bd, dense = plan.block_drop, {n: True for n in plan.dense_layers}
@@ -166,7 +165,7 @@ def layers_to_probe(plan: CompressionPlan) -> list[str]:
             if r is not None or (plan.allocation == "global" and n not in spared)]
 
 
-def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], config: "CompressionConfig",
+def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], config: CompressionConfig,
                       probes: Optional[Probes], *, compute_dtype=None, progress: bool = True,
                       weights: Optional[RankWeights] = None) -> CompressionPlan:
     """``allocation="global"``: ``plan`` with the ranks of one budget (default ``(1 − ρ)·Σ in·out``; with
