@@ -22,7 +22,8 @@ score tables (target, proxies, Layer Extraction), so no model is scored twice. T
    token NLL of the gold answer, teacher-forced) and ``exact_match`` (greedy decoding reproduces the gold answer);
 5. **summary** ``OUT/summary.json``: per task and selector the mean with a percentile bootstrap CI over held-out
    examples, and the paired difference to the mean of the random seeds (positive = better than random, whatever the
-   metric's direction) with its paired bootstrap CI; the seed spread (noise floor); each selector's scoring cost.
+   metric's direction) with its paired bootstrap CI; the seed spread (noise floor); each selector's scoring cost;
+   the share of each subset from its task's held-out source (TyDiQA: pool XQuAD) and how it tracks the value.
    ``OUT/summary.md`` and (``--docs``) the section of ``docs/BENCHMARKS.md`` are generated from it.
 
 Resumable: every stage is recorded in ``OUT/state.json`` with its fingerprint and skipped when it matches; each
@@ -211,8 +212,9 @@ def digest(obj: Any) -> str:
 # ------------------------------------------------------------------------------------------------
 # held-out examples
 # ------------------------------------------------------------------------------------------------
-def xquad_heldout(pool: str, exclude: set[str], per_language: int, seed: int) -> list[dict]:
-    """Pool XQuAD examples outside ``exclude``, ``per_language`` per language, as TyDiQA-form records."""
+def xquad_heldout(pool: str, exclude: set[str], per_language: int, seed: int) -> tuple[list[dict], set[str]]:
+    """Pool XQuAD examples outside ``exclude``, ``per_language`` per language, as TyDiQA-form records, and the pool
+    categories they were drawn from."""
     from iprox_lightning.data.eval_readers import sample_per_group
     from iprox_lightning.data.pool import read_pool
 
@@ -220,37 +222,41 @@ def xquad_heldout(pool: str, exclude: set[str], per_language: int, seed: int) ->
     for r in read_pool(pool):
         if r["id"].startswith("xquad-") and r["id"] not in exclude:
             by_lang.setdefault(r["id"].split("-")[1], []).append(r)
-    out = []
+    out, categories = [], set()
     for lang in sorted(by_lang):
         for r in sample_per_group(by_lang[lang], per_language, seed, f"heldout:xquad:{lang}"):
+            categories.add(r["category"])
             out.append({"id": f"heldout-{r['id']}", "category": "tydiqa", "subtask": lang,
                         "instruction": "Answer the following question based on the information in the given passage.",
                         "context": f"Passage: {str(r.get('context') or '').strip()}\nQuestion: {r['instruction'].strip()}",
                         "response": r["response"].strip()})
-    return out
+    return out, categories
 
 
-def heldout_sets(args, sample_ids: set[str], used: set[str]) -> dict[str, list[dict]]:
+def heldout_sets(args, sample_ids: set[str], used: set[str]) -> tuple[dict[str, list[dict]], dict[str, set[str]]]:
+    """Per task, the held-out examples, and the pool categories they were drawn from (``origins``: TyDiQA's
+    stand-in is pool XQuAD, the demo's tasks are fresh examples of their own pool family; none for MMLU / BBH)."""
     from iprox_lightning.evaluation.heldout import suite_heldout_records
 
-    sets = {}
+    sets, origins = {}, {}
     for task in args.tasks:
+        origins[task] = set()
         if task == "mmlu":
             sets[task] = suite_heldout_records(args.eval_dir, ["mmlu"], args.mmlu_per_subject, args.seed)
         elif task == "bbh":
             sets[task] = suite_heldout_records(args.eval_dir, ["bbh"], args.bbh_per_task, args.seed)
         elif task == "tydiqa":
-            sets[task] = xquad_heldout(args.pool, sample_ids | used, args.tydiqa_per_language, args.seed)
+            sets[task], origins[task] = xquad_heldout(args.pool, sample_ids | used, args.tydiqa_per_language, args.seed)
         elif args.eval_dir == "builtin":  # the demo: fresh examples of a validation family
             from iprox_lightning.evaluation.heldout import heldout_records
 
             recs, _ = heldout_records("builtin", "builtin", n_per_task=args.builtin_per_task, seed=args.seed)
-            sets[task] = [r for r in recs if r["category"] == task]
+            sets[task], origins[task] = [r for r in recs if r["category"] == task], {task}
             if not sets[task]:
                 raise ValueError(f"no built-in held-out examples for task {task!r}")
         else:
             raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
-    return sets
+    return sets, origins
 
 
 # ------------------------------------------------------------------------------------------------
@@ -538,7 +544,7 @@ class Effect:
 
         dm = SFTDataModule(pool=a.pool, validation=None, tokenizer="builtin", seed=a.seed)
         used = set(dm.splits.warmup) | set(dm.splits.probe) | set(dm.splits.align)
-        self.heldout = heldout_sets(a, set(self.sample_ids), used)
+        self.heldout, self.heldout_origins = heldout_sets(a, set(self.sample_ids), used)
         (self.out / "heldout").mkdir(exist_ok=True)
         self.heldout_digest = {}
         for t, recs in self.heldout.items():
@@ -644,6 +650,17 @@ class Effect:
             return None
         n = self.response_tokens()
         return float(np.mean([n[json.loads(line)["id"]] for line in open(path)]))
+
+    def selected_origin_share(self, task: str, selector: str) -> float | None:
+        """The share of the subset a row fine-tuned on drawn from the pool categories ``task``'s held-out examples
+        come from (TyDiQA: XQuAD); ``None`` for the base row."""
+        path = self.selection_path(None if task_free(selector) else task, selector)
+        if selector == "base" or not path.exists():
+            return None
+        if not hasattr(self, "_sample_category"):
+            self._sample_category = {r["id"]: r.get("category") for r in map(json.loads, open(self.sample))}
+        ids = [json.loads(line)["id"] for line in open(path)]
+        return sum(self._sample_category[i] in self.heldout_origins[task] for i in ids) / len(ids)
 
     def model_fingerprint(self, key: str) -> str | None:
         """The fingerprint a model evaluated under ``key`` has with the current settings (k, rule, fine-tuning,
@@ -847,6 +864,8 @@ class Effect:
                 row["beats_every_random_seed"] = bool(min(gains) > 0)
             row.update(self.cost(sel) if sel != "base" else {})
             row["selected_response_tokens"] = self.selected_tokens(task, sel)
+            if self.heldout_origins.get(task):
+                row["selected_heldout_origin_share"] = self.selected_origin_share(task, sel)
             rows.append(row)
         return rows
 
@@ -869,6 +888,8 @@ class Effect:
                          "config": "configs/finetune.yaml"},
             "sources": {s: v for s, v in self.sources.items()},
             "noise_floor": noise, "length_matched": matched, "length_vs_effect": length_vs_effect(rows),
+            "heldout_origins": {t: sorted(c) for t, c in self.heldout_origins.items() if c},
+            "heldout_origin_vs_effect": length_vs_effect(rows, "selected_heldout_origin_share"),
             "fidelity_dir": str(self.fid.relative_to(ROOT)) if self.fid.is_relative_to(ROOT) else str(self.fid),
             "hosts": recorded_hosts(self.st.state), "threads": a.threads,
             "summary_written_on": host_info(), "commands": self.st.state.get("run_commands", []),
@@ -919,16 +940,18 @@ def shortlist_controls(per_model: Mapping[str, Mapping[str, np.ndarray]], m: str
     return against_controls(per_model, by_ref, m, hib, bootstrap, seed)
 
 
-def length_vs_effect(rows: list[dict]) -> dict:
-    """Per task and metric, across the fine-tuned rows: Pearson and Spearman of a row's mean selected response length
-    with its held-out value — how much of the table the lengths the selectors picked explain."""
+def length_vs_effect(rows: list[dict], field: str = "selected_response_tokens") -> dict:
+    """Per task and metric, across the fine-tuned rows: Pearson and Spearman of a row's ``field`` (its mean selected
+    response length; ``selected_heldout_origin_share``: the share of its subset from the held-out examples' own pool
+    categories) with its held-out value — how much of the table the lengths (the sources) the selectors picked
+    explain."""
     from scipy.stats import pearsonr, spearmanr
 
     out: dict[str, dict] = {}
     groups: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        if r.get("selected_response_tokens") is not None:
-            groups.setdefault(f"{r['task']}/{r['metric']}", []).append((r["selected_response_tokens"], r["value"]))
+        if r.get(field) is not None:
+            groups.setdefault(f"{r['task']}/{r['metric']}", []).append((r[field], r["value"]))
     for k, xy in groups.items():
         x, y = np.asarray(xy).T
         if len(xy) > 2 and x.std() > 0 and y.std() > 0:
@@ -1030,6 +1053,12 @@ def noise_notes(m: dict, rows: list[dict]) -> list[str]:
         lines += ["Response length of the selected subset vs the held-out value, across the fine-tuned rows "
                   "(Pearson / Spearman): " + "; ".join(f"{k} {v['pearson']:+.2f} / {v['spearman']:+.2f} ({v['rows']} "
                                                        "rows)" for k, v in le.items()), ""]
+    ho = m.get("heldout_origin_vs_effect")
+    if ho:
+        lines += ["Share of the selected subset from the pool categories a task's held-out examples were drawn from ("
+                  + "; ".join(f"{t}: {', '.join(c)}" for t, c in m["heldout_origins"].items()) + ") vs the held-out "
+                  "value, across the fine-tuned rows (Pearson / Spearman): " + "; ".join(
+                      f"{k} {v['pearson']:+.2f} / {v['spearman']:+.2f} ({v['rows']} rows)" for k, v in ho.items()), ""]
     fn = m.get("finetune_noise")
     if fn:
         lines += ["Training-seed noise (the same subset fine-tuned with training seeds "

@@ -189,6 +189,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     argv_lm = [*argv[: argv.index("--selectors")], "--selectors", "target", "lenmatch:0", *argv[argv.index("--source"):]]
     lm = effect.main(argv_lm)
     ntok = dict(zip(t["id"], t["n_tokens"]))
+    category = {r["id"]: r["category"] for r in map(json.loads, open(fidelity_dir / "sample.jsonl"))}
     evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
     lrows = {(r["task"], r["selector"], r["metric"]): r for r in lm["rows"]}
     for task in ("addition", "uppercase"):
@@ -209,6 +210,21 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
             if x.std() > 0 and y.std() > 0:
                 assert lm["meta"]["length_vs_effect"][f"{task}/{metric}"]["pearson"] == pytest.approx(
                     np.corrcoef(x, y)[0, 1], abs=1e-9)
+            # the share of each subset from the held-out examples' own pool family (the demo's held-out examples are
+            # fresh examples of the task's family), recomputed from the selections and the sample's categories
+            assert lm["meta"]["heldout_origins"][task] == [task]
+            for sel in ("target", "lenmatch:0", "random:0", "random:1"):
+                path = out / "selections" / f"{fv2.dir_name(sel if sel.startswith('random:') else f'{task}/{sel}')}.jsonl"
+                picked = [json.loads(x)["id"] for x in open(path)]
+                assert lrows[(task, sel, metric)]["selected_heldout_origin_share"] == pytest.approx(
+                    np.mean([category[i] == task for i in picked]), abs=1e-12)
+            xy = [(r["selected_heldout_origin_share"], r["value"]) for r in lm["rows"]
+                  if r["task"] == task and r["metric"] == metric and r["selector"] != "base"]
+            x, y = np.asarray(xy).T
+            if x.std() > 0 and y.std() > 0:
+                assert lm["meta"]["heldout_origin_vs_effect"][f"{task}/{metric}"]["pearson"] == pytest.approx(
+                    np.corrcoef(x, y)[0, 1], abs=1e-9)
+            assert lrows[(task, "base", metric)]["selected_heldout_origin_share"] is None
     assert "Length-matched control" in (out / "summary.md").read_text()
 
     # a second training seed (--finetune-seeds 0 1): the seed-0 models are reused, each selection is fine-tuned again
@@ -667,7 +683,7 @@ def test_short_selectors_rank_within_the_shortlist_and_face_its_random_subsets(f
     per_model = {k: {"loss": rng.normal(size=20)} for k in ("target~short2", "random:0~short2", "random:1~short2",
                                                               "target")}
     res = effect.shortlist_controls(per_model, "loss", False, 200, 0)
-    e.heldout = {"addition": [{"id": str(j)} for j in range(20)]}
+    e.heldout, e.heldout_origins = {"addition": [{"id": str(j)} for j in range(20)]}, {"addition": set()}
     noise: dict = {}
     per_model["random:0"] = {"loss": rng.normal(size=20)}
     rows = e.task_rows("addition", "loss", False, {}, per_model, noise)
