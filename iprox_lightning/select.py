@@ -201,6 +201,25 @@ def _rank_within_shortest(src: Path, table, rows: list, rule: str, task: str | N
     return rows, {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
 
 
+def _without_categories(src: Path, table, rows: list, rule: str, task: str | None, patterns: Sequence[str], *,
+                        dedup: bool, skip_flagged: bool, records: dict | None) -> tuple[list, dict]:
+    """``rows`` re-ranked by ``rule`` among the candidates whose pool category matches none of ``patterns``
+    (``fnmatch``; with ``dedup``, one per text again), and what was left out for the selection's meta."""
+    from fnmatch import fnmatchcase
+
+    if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+        raise UserInputError(f"exclude_categories must be a list of category patterns, got {patterns!r}")
+    if records is None:
+        raise UserInputError("exclude_categories reads each candidate's category from the pool: pass pool")
+    keep = [i for _, i in rows if not any(fnmatchcase(str(records[i].get("category", "")), p) for p in patterns)]
+    if not keep:
+        raise UserInputError(f"exclude_categories {list(patterns)} leaves no candidate of the {len(rows)} ranked")
+    out = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=set(keep))[4]
+    if dedup:
+        out = _one_per_text(out, records)
+    return out, {"categories": list(patterns), "count": len(rows) - len(keep), "candidates": len(out)}
+
+
 def _one_per_text(rows: list, records: dict) -> list:
     """``rows`` with only the first (best) of the rows whose records have the same text (:func:`_norm_text`)."""
     seen_text: set[tuple] = set()
@@ -253,6 +272,7 @@ def select(
     builtin_size: int | None = None,
     overwrite: bool = False,
     within_shortest: float | None = None,
+    exclude_categories: Sequence[str] | None = None,
 ) -> str:
     """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
     return the output path.
@@ -287,6 +307,10 @@ def select(
             table's ``n_tokens``; every example tied with the last of them too), e.g. ``2``: the top ``k`` of the
             ``2k`` shortest. The held-out form of short-answer tasks (MMLU, BBH direct answers) rewards short
             responses; this keeps that and lets the scores choose among them. ``None`` (default): every example.
+        exclude_categories: leave out the candidates whose pool record's ``category`` matches one of these
+            shell-style patterns (``xquad_*``) before ranking (the rule then ranks, and ``within_shortest`` shortlists,
+            among the rest; the balanced rule standardises among them), e.g. the source an evaluation set was drawn
+            from; needs ``pool``. The meta records the patterns and how many were left out.
     """
     if within_shortest is not None and (isinstance(within_shortest, bool) or not isinstance(within_shortest, (int, float))
                                         or within_shortest < 1):
@@ -300,6 +324,10 @@ def select(
     pools, size, pool_records, pool_check = _read_scored_pool(src, pool, builtin_size, allow_pool_mismatch)
     records = {r["id"]: r for r in pool_records}
     rows = _rows_in_pool(rows, records, pools, dedup)
+    excluded = None
+    if exclude_categories:
+        rows, excluded = _without_categories(src, table, rows, rule, task, exclude_categories, dedup=dedup,
+                                             skip_flagged=skip_flagged, records=records if pools else None)
     n = len(rows)
     from .io.scores import topk_count
 
@@ -320,6 +348,7 @@ def select(
         "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,
         "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
         **({"shortlist": shortlist} if shortlist is not None else {}),
+        **({"excluded": excluded} if excluded is not None else {}),
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }

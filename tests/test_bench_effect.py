@@ -695,3 +695,49 @@ def test_short_selectors_rank_within_the_shortlist_and_face_its_random_subsets(f
     diff, ci, _ = paired_gain(per_model["target~short2"]["loss"],
                               [per_model[c]["loss"] for c in ("random:0~short2", "random:1~short2")], False, 200, 0)
     assert res["target~short2"]["diff"] == pytest.approx(diff) and res["target~short2"]["seeds"] == 2
+
+
+def test_fresh_selectors_leave_out_the_heldout_source_and_face_random_subsets_of_the_rest(fidelity_dir, tmp_path):
+    """``<selector>~fresh`` is the product's ``select(exclude_categories=...)`` with the pool categories its task's
+    held-out examples come from (the demo: the task's own family; TyDiQA: XQuAD); ``random:<seed>~fresh`` draws from
+    the same candidates and is the control of the ``~fresh`` rows (``meta.fresh_matched``: the paired gain over their
+    mean), not a random seed of the plain rows."""
+    from iprox_lightning.bootstrap import paired_gain
+    from iprox_lightning.select import select
+
+    assert effect.split_fresh("store:iprox@0.5+balanced~fresh") == ("store:iprox@0.5+balanced", True)
+    assert effect.split_fresh("store+balanced") == ("store+balanced", False)
+    assert effect.split_rule("store+max~fresh", "mean") == ("store", "max")
+    with pytest.raises(ValueError, match="without ~short"):
+        effect.split_fresh("target~short2~fresh")
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
+            "--eval-dir", "builtin", "--tasks", "addition", "--selectors", "target~fresh", "random:0~fresh",
+            "random:1~fresh", "--random-seeds", "0", "--k", "0.2", "--max-length", "48", "--epochs", "1",
+            "--bootstrap", "50", "--threads", "1", "--in-process"]
+    s = effect.main(argv)
+    category = {r["id"]: r["category"] for r in map(json.loads, open(fidelity_dir / "sample.jsonl"))}
+    ids = lambda p: [json.loads(x)["id"] for x in open(p)]  # noqa: E731
+    got = ids(out / "selections" / f"{fv2.dir_name('addition/target~fresh')}.jsonl")
+    ref = select(str(fidelity_dir / "scores" / "target" / "scores.parquet"), k=6, rule="mean", task="addition",
+                 pool=str(fidelity_dir / "sample.jsonl"), output=str(tmp_path / "ref.jsonl"), quiet=True,
+                 exclude_categories=["addition"])
+    assert got == ids(ref) and len(got) == 6 and all(category[i] != "addition" for i in got)
+    for seed in (0, 1):
+        picked = ids(out / "selections" / f"{fv2.dir_name(f'random:{seed}~fresh')}.jsonl")
+        assert len(picked) == 6 and all(category[i] != "addition" for i in picked)
+    m = s["meta"]
+    assert m["noise_floor"]["addition/loss"]["seeds"] == 1  # random:0 only: the ~fresh subsets are controls
+    rows = {(r["selector"], r["metric"]): r for r in s["rows"]}
+    assert rows[("target~fresh", "loss")]["selected_heldout_origin_share"] == 0.0
+    evals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in (out / "evals").glob("*.json")}
+
+    def per_example(key, metric):
+        return np.asarray([e[metric] for e in evals[key]["tasks"]["addition"]["examples"]])
+
+    for metric, hib in (("loss", False), ("exact_match", True)):
+        rec = m["fresh_matched"][f"addition/{metric}"]["target~fresh"]
+        diff, ci, _ = paired_gain(per_example("addition/target~fresh", metric),
+                                  [per_example(f"random:{j}~fresh", metric) for j in (0, 1)], hib, 50, 0)
+        assert rec["seeds"] == 2 and rec["diff"] == pytest.approx(diff, abs=1e-12) and rec["diff_ci"] == pytest.approx(ci)
+    assert "Fresh-candidates control" in (out / "summary.md").read_text()

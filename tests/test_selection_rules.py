@@ -166,3 +166,56 @@ def test_within_shortest_needs_response_tokens(table, tmp_path):
     p = write_scores({"a": 1.0, "b": 2.0}, tmp_path / "plain" / "scores.parquet")
     with pytest.raises(ValueError, match="within_shortest needs the score table's 'n_tokens' column"):
         select(str(p), k=1, output=str(tmp_path / "x.jsonl"), within_shortest=2)
+
+
+def test_exclude_categories_ranks_only_the_other_candidates_brute_force(tmp_path):
+    """``exclude_categories``: the candidates whose pool category matches a pattern are left out before ranking; the
+    rule (balanced: standardised among the rest) and ``within_shortest`` then work on the others. Brute force: the
+    rule on the table without them. Also from the command line, and its errors."""
+    from iprox_lightning.cli import main
+
+    rng = np.random.default_rng(7)
+    ids = [f"ex-{j:03d}" for j in range(N)]
+    ts = rng.normal(size=(N, len(TASKS)))
+    n_tok = rng.permutation(np.tile(np.arange(1, 7), N // 6))
+    t = ScoreTable(ids, ts.mean(axis=1), TASKS, ts, n_tok, np.zeros(N, bool), ["t"] * N)
+    path = tmp_path / "scores.parquet"
+    t.save(str(path))
+    cats = ["xquad_ar" if j % 3 == 0 else "xquad_de" if j % 5 == 0 else "t0" for j in range(N)]
+    pool = tmp_path / "pool.jsonl"
+    with open(pool, "w") as f:
+        for i, c in zip(ids, cats):
+            f.write(json.dumps({"id": i, "category": c, "instruction": f"q {i}", "response": "r"}) + "\n")
+    rest = [j for j in range(N) if not cats[j].startswith("xquad_")]
+    k = 4
+    out = select(str(path), k=k, rule="mean", task="mmlu", pool=str(pool), output=str(tmp_path / "m.jsonl"),
+                 quiet=True, exclude_categories=["xquad_*"])
+    assert [json.loads(line)["id"] for line in open(out)] == brute_order(
+        [ids[j] for j in rest], [ts[j, 2:5].mean() for j in rest])[:k]
+    meta = json.loads(open(out + ".meta.json").read())
+    assert meta["excluded"] == {"categories": ["xquad_*"], "count": N - len(rest), "candidates": len(rest)}
+    sub_ids = [ids[j] for j in rest]
+    want, _ = balanced_brute(sub_ids, list(ts[rest, 2:5].T), k)
+    out = select(str(path), k=k, rule="balanced", task="mmlu", pool=str(pool), output=str(tmp_path / "b.jsonl"),
+                 quiet=True, exclude_categories=["xquad_*"])
+    assert [json.loads(line)["id"] for line in open(out)] == [sub_ids[j] for j in want]
+    # with within_shortest: the shortlist is drawn from the remaining candidates
+    cut = sorted(n_tok[rest])[2 * k - 1]
+    short = [j for j in rest if n_tok[j] <= cut]
+    out = select(str(path), k=k, rule="mean", task="mmlu", pool=str(pool), output=str(tmp_path / "s.jsonl"),
+                 quiet=True, exclude_categories=["xquad_*"], within_shortest=2)
+    assert [json.loads(line)["id"] for line in open(out)] == brute_order(
+        [ids[j] for j in short], [ts[j, 2:5].mean() for j in short])[:k]
+    # an exact category name, from the command line
+    cli_out = tmp_path / "cli.jsonl"
+    main(["select", "--scores_path", str(path), "--k", "4", "--rule", "mean", "--task", "mmlu", "--pool", str(pool),
+          "--output", str(cli_out), "--quiet", "true", "--exclude_categories", "[xquad_ar]"])
+    rest_ar = [j for j in range(N) if cats[j] != "xquad_ar"]
+    assert [json.loads(line)["id"] for line in open(cli_out)] == brute_order(
+        [ids[j] for j in rest_ar], [ts[j, 2:5].mean() for j in rest_ar])[:k]
+    with pytest.raises(ValueError, match="exclude_categories reads each candidate's category from the pool"):
+        select(str(path), k=k, output=str(tmp_path / "x.jsonl"), exclude_categories=["xquad_*"])
+    with pytest.raises(ValueError, match="leaves no candidate"):
+        select(str(path), k=k, pool=str(pool), output=str(tmp_path / "y.jsonl"), exclude_categories=["*"])
+    with pytest.raises(ValueError, match="must be a list of category patterns"):
+        select(str(path), k=k, pool=str(pool), output=str(tmp_path / "z.jsonl"), exclude_categories="xquad_*")
