@@ -664,25 +664,29 @@ class Effect:
         """Where :meth:`selection` writes ``selector``'s subset for ``task`` (``None``: the task-free subset)."""
         return self.out / "selections" / f"{dir_name(selector if task is None else f'{task}/{selector}')}.jsonl"
 
+    def selected_ids(self, task: str, selector: str) -> list[str] | None:
+        """The ids of the subset a row fine-tuned on (``None`` for the base row or before its selection exists)."""
+        path = self.selection_path(None if task_free(selector) else task, selector)
+        if selector == "base" or not path.exists():
+            return None
+        return [json.loads(line)["id"] for line in open(path)]
+
     def selected_tokens(self, task: str, selector: str) -> float | None:
         """Mean response tokens of the subset a row fine-tuned on (``None`` for the base row)."""
-        if selector == "base":
-            return None
-        path = self.selection_path(None if task_free(selector) else task, selector)
-        if not path.exists():
+        ids = self.selected_ids(task, selector)
+        if ids is None:
             return None
         n = self.response_tokens()
-        return float(np.mean([n[json.loads(line)["id"]] for line in open(path)]))
+        return float(np.mean([n[i] for i in ids]))
 
     def selected_origin_share(self, task: str, selector: str) -> float | None:
         """The share of the subset a row fine-tuned on drawn from the pool categories ``task``'s held-out examples
         come from (TyDiQA: XQuAD); ``None`` for the base row."""
-        path = self.selection_path(None if task_free(selector) else task, selector)
-        if selector == "base" or not path.exists():
+        ids = self.selected_ids(task, selector)
+        if ids is None:
             return None
         if not hasattr(self, "_sample_category"):
             self._sample_category = {r["id"]: r.get("category") for r in map(json.loads, open(self.sample))}
-        ids = [json.loads(line)["id"] for line in open(path)]
         return sum(self._sample_category[i] in self.heldout_origins[task] for i in ids) / len(ids)
 
     def model_fingerprint(self, key: str) -> str | None:

@@ -195,10 +195,16 @@ def _rank_within_shortest(src: Path, table, rows: list, rule: str, task: str | N
     """``rows`` re-ranked by ``rule`` among the ``ceil(within_shortest · count)`` shortest of them (ties kept; with
     ``records``, one per text again), and the shortlist's description for the selection's meta."""
     short, cut = _shortest(src, table, [i for _, i in rows], int(np.ceil(within_shortest * count)))
-    rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=short)[4]
-    if records is not None and dedup:
-        rows = _one_per_text(rows, records)
+    rows = _rerank_among(src, table, rule, task, short, dedup=dedup, skip_flagged=skip_flagged, records=records)
     return rows, {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
+
+
+def _rerank_among(src: Path, table, rule: str, task: str | None, candidates: set[str], *, dedup: bool,
+                  skip_flagged: bool, records: dict | None) -> list:
+    """The rows of ``rule`` ranked among ``candidates`` only (a per-task rule standardises among them) and, with
+    ``records`` and ``dedup``, one per text: the re-ranking a restriction of the candidates needs."""
+    rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=candidates)[4]
+    return _one_per_text(rows, records) if records is not None and dedup else rows
 
 
 def _without_categories(src: Path, table, rows: list, rule: str, task: str | None, patterns: Sequence[str], *,
@@ -214,9 +220,7 @@ def _without_categories(src: Path, table, rows: list, rule: str, task: str | Non
     keep = [i for _, i in rows if not any(fnmatchcase(str(records[i].get("category", "")), p) for p in patterns)]
     if not keep:
         raise UserInputError(f"exclude_categories {list(patterns)} leaves no candidate of the {len(rows)} ranked")
-    out = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=set(keep))[4]
-    if dedup:
-        out = _one_per_text(out, records)
+    out = _rerank_among(src, table, rule, task, set(keep), dedup=dedup, skip_flagged=skip_flagged, records=records)
     return out, {"categories": list(patterns), "count": len(rows) - len(keep), "candidates": len(out)}
 
 

@@ -204,12 +204,6 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
             assert lrows[(task, "lenmatch:0", metric)]["scoring_cost_ratio"] is None
             assert lrows[(task, "target", metric)]["selected_response_tokens"] == pytest.approx(
                 np.mean([ntok[i] for i in ref]), abs=1e-12)
-            xy = [(r["selected_response_tokens"], r["value"]) for r in lm["rows"]
-                  if r["task"] == task and r["metric"] == metric and r["selector"] != "base"]
-            x, y = np.asarray(xy).T
-            if x.std() > 0 and y.std() > 0:
-                assert lm["meta"]["length_vs_effect"][f"{task}/{metric}"]["pearson"] == pytest.approx(
-                    np.corrcoef(x, y)[0, 1], abs=1e-9)
             # the share of each subset from the held-out examples' own pool family (the demo's held-out examples are
             # fresh examples of the task's family), recomputed from the selections and the sample's categories
             assert lm["meta"]["heldout_origins"][task] == [task]
@@ -218,12 +212,15 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
                 picked = [json.loads(x)["id"] for x in open(path)]
                 assert lrows[(task, sel, metric)]["selected_heldout_origin_share"] == pytest.approx(
                     np.mean([category[i] == task for i in picked]), abs=1e-12)
-            xy = [(r["selected_heldout_origin_share"], r["value"]) for r in lm["rows"]
-                  if r["task"] == task and r["metric"] == metric and r["selector"] != "base"]
-            x, y = np.asarray(xy).T
-            if x.std() > 0 and y.std() > 0:
-                assert lm["meta"]["heldout_origin_vs_effect"][f"{task}/{metric}"]["pearson"] == pytest.approx(
-                    np.corrcoef(x, y)[0, 1], abs=1e-9)
+            # each row field against the held-out value, across the fine-tuned rows
+            for field, key in (("selected_response_tokens", "length_vs_effect"),
+                               ("selected_heldout_origin_share", "heldout_origin_vs_effect")):
+                xy = [(r[field], r["value"]) for r in lm["rows"]
+                      if r["task"] == task and r["metric"] == metric and r["selector"] != "base"]
+                x, y = np.asarray(xy).T
+                if x.std() > 0 and y.std() > 0:
+                    assert lm["meta"][key][f"{task}/{metric}"]["pearson"] == pytest.approx(
+                        np.corrcoef(x, y)[0, 1], abs=1e-9)
             assert lrows[(task, "base", metric)]["selected_heldout_origin_share"] is None
     assert "Length-matched control" in (out / "summary.md").read_text()
 
