@@ -9,7 +9,7 @@ score tables (target, proxies, Layer Extraction), so no model is scored twice. T
 1. **score tables** the fidelity run does not have: RDS+ (``train.py rds_scores`` with the warmed target), seeded
    random scores (``train.py random_scores``), the length sort (shortest response first, from the target table's
    response-token counts);
-2. **select** (``iprox_lightning.select.select``): one subset per target task and selector, ``k`` of the sample,
+2. **select** (``iprox_lightning.selection.select.select``): one subset per target task and selector, ``k`` of the sample,
    ranked by ``--rule`` over that task's score columns (default ``mean``: the suite's score); the task-independent
    selectors (random, length) make one subset used for every task;
 3. **fine-tune** the warmed target on each subset (``train.py fit --config configs/finetune.yaml``,
@@ -51,10 +51,10 @@ from ledger import (Stages, check_local_inputs, config_text, git_commit, host_in
                     recorded_hosts, splice_docs)
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 
-from iprox_lightning.bootstrap import paired_gain, percentile_interval
+from iprox_lightning.evaluation.bootstrap import paired_gain, percentile_interval
 from iprox_lightning.data.eval_validation import FORMS as VALIDATION_FORMS  # a validation form -> its suite
 from iprox_lightning.data.sources import write_records_jsonl
-from iprox_lightning.selection_rules import RULES, task_columns
+from iprox_lightning.selection.rules import RULES, task_columns
 
 TASKS = ("mmlu", "bbh", "tydiqa")
 # the best proxy per ρ by the worst task of the per-task fidelity table (docs/BENCHMARKS.md), LE at ρ = 0.5, and ρ = 0.7
@@ -416,7 +416,7 @@ class Effect:
 
     # --- select, fine-tune, evaluate --------------------------------------------------------------
     def selection(self, task: str | None, selector: str) -> Path:
-        from iprox_lightning.select import select
+        from iprox_lightning.selection.select import select
 
         out = self.selection_path(task, selector)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -764,7 +764,7 @@ class Effect:
 
         from iprox_lightning.analysis.retention import per_task_retention
         from iprox_lightning.io.scores import read_table
-        from iprox_lightning.selection_rules import rule_order
+        from iprox_lightning.selection.rules import rule_order
 
         out: dict[str, dict] = {}
         n_tok = self.response_tokens()
@@ -1266,7 +1266,7 @@ def parse_args(argv=None):
     ap.add_argument("--finetune-seeds", nargs="+", type=int, default=None,
                     help="training seeds (batch order) each selection is fine-tuned with, in order (default: --seed); "
                          "a row's value is its per-example mean over the seeds run so far")
-    ap.add_argument("--rule", default="mean", help="selection rule over a task's columns (iprox_lightning.selection_rules); "
+    ap.add_argument("--rule", default="mean", help="selection rule over a task's columns (iprox_lightning.selection.rules); "
                     "a selector may name its own after '+', e.g. store+max")
     ap.add_argument("--store-k", type=int, default=16, help="projection rows per side of each layer (selector 'store')")
     ap.add_argument("--k", type=float, default=0.1, help="fraction (< 1) or count of the sample to select")

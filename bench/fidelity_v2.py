@@ -63,7 +63,7 @@ from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, h
                     logger_overlay, recorded_hosts, splice_docs)
 from variants import build_key, dir_name, lever_base, parse_variant  # bench/: the variant grammar
 
-from iprox_lightning.bootstrap import percentile_interval
+from iprox_lightning.evaluation.bootstrap import percentile_interval
 
 SHARED = ROOT.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -189,7 +189,7 @@ def paired_difference(a: Mapping[str, float], b: Mapping[str, float], target: Ma
 
 def select_sets(scores: Path, pool: Path, work: Path) -> dict[float, set[str]]:
     """The ids ``train.py select`` picks at 5% and 10% from a score table (the product's function)."""
-    from iprox_lightning.select import select
+    from iprox_lightning.selection.select import select
 
     out = {}
     for frac in (0.05, 0.10):

@@ -13,7 +13,7 @@ skipped when its fingerprint matches, like the other benchmarks):
    the target's score variance over the 512 pool examples and how well it ranks alone; per proxy, how well it keeps
    each layer's part of the ranking (Spearman of the layer's contributions, proxy vs target), grouped per layer type
    and per block;
-3. **Stage-1 health per task** (:func:`iprox_lightning.analysis.health.proxy_health` on each suite's validation
+3. **Stage-1 health per task** (:func:`iprox_lightning.compression.health.proxy_health` on each suite's validation
    examples): held-out loss, KL(target ‖ proxy) and top-1 agreement of the aligned proxy and, with ``--stage1``, of
    the Stage-1-only proxy of the same settings (compressed here from the product's probe split).
 
@@ -106,12 +106,12 @@ def health_per_suite(args, fid: Path, target_dir: str, proxies: dict[str, str]) 
 
     import torch
 
-    from iprox_lightning.analysis.health import proxy_health
-    from iprox_lightning.compress import compress_model
+    from iprox_lightning.compression.health import proxy_health
+    from iprox_lightning.compression.apply import compress_model
     from iprox_lightning.data import SFTDataModule
     from iprox_lightning.models.loading import load_model
-    from iprox_lightning.probes import collect_probes
-    from iprox_lightning.target_layers import find_target_linears
+    from iprox_lightning.compression.probes import collect_probes
+    from iprox_lightning.engine.target_layers import find_target_linears
 
     warmed = target_dir
     dm = SFTDataModule(pool=str(fid / "sample.jsonl"), validation=str(fid / "validation.jsonl"), tokenizer=warmed,

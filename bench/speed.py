@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
-from iprox_lightning.lowrank import LowRankLinear
-from iprox_lightning.target_layers import Conv1D
+from iprox_lightning.engine.batch import IGNORE_INDEX, per_example_loss
+from iprox_lightning.engine.lowrank import LowRankLinear
+from iprox_lightning.engine.target_layers import Conv1D
 from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
 from iprox_lightning.scoring.features import trim_batch
 
@@ -406,7 +406,7 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
 def unfused_head(model):
     """Inside the block the engine computes ``model``'s loss with the LM head unfused (``batch.scored_logits``), as
     when ``batch.fusable_head`` refuses a head."""
-    from iprox_lightning import batch as batch_module
+    from iprox_lightning.engine import batch as batch_module
 
     batch_module._HEAD_IS_PLAIN[model] = False
     try:
@@ -456,7 +456,7 @@ def write_result(args, result: dict) -> dict:
 
 def scored_share(batches) -> float:
     """The share of the real tokens of ``batches`` whose next token is scored: where the LM head runs."""
-    from iprox_lightning.batch import shifted_token_mask
+    from iprox_lightning.engine.batch import shifted_token_mask
 
     scored = sum(int(shifted_token_mask(b["labels"]).sum()) for b in batches)
     return scored / sum(int(b["attention_mask"].sum()) for b in batches)
@@ -475,10 +475,10 @@ def scoring_flop_ratio(target, proxy, seq_len: int, head_share: float = 1.0) -> 
 
 def shape_flop_ratio(name: str, rho: float, seq_len: int, head_share: float = 1.0) -> float:
     """:func:`scoring_flop_ratio` of the ``SHAPES[name]`` Llama (on the meta device) and its proxy at sparsity ``rho``
-    with every block linear at the rank :func:`~iprox_lightning.rank.rank_for_sparsity` gives (left dense where that
+    with every block linear at the rank :func:`~iprox_lightning.compression.ranks.rank_for_sparsity` gives (left dense where that
     rank would not save parameters)."""
     from iprox_lightning.analysis.flops import ModelShape
-    from iprox_lightning.rank import rank_for_sparsity
+    from iprox_lightning.compression.ranks import rank_for_sparsity
 
     target = ModelShape.from_config({"model_type": "llama", **SHAPES[name]}, name=name)
     ranks = {l.name: r for l in target.linears if (r := rank_for_sparsity(l.in_features, l.out_features, rho))}
@@ -510,7 +510,7 @@ def build_proxy_scorer(model, rho, val, args, head_share: float):
     """A low-rank copy of ``model`` at sparsity ``rho`` (SVD factors) and its fitted scorer."""
     import copy
 
-    from iprox_lightning.compress import compress_model
+    from iprox_lightning.compression.apply import compress_model
 
     proxy = copy.deepcopy(model)
     # plain SVD factors: an IPSVD proxy's shapes and realistic values (random factors on real weights gave activations

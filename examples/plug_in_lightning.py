@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from iprox_lightning import IPSVDCallback, ProxyAlignModule, tiny_causal_lm
 from iprox_lightning.scoring import InfluenceScoringModule, InfluenceWriter
-from iprox_lightning.select import select
+from iprox_lightning.selection.select import select
 
 
 # ----------------------------------------------------------------------------- the user's code

@@ -5,21 +5,21 @@ Stages: warm-up (``WarmupModule``) -> Stage 1 IPSVD (``IPSVDCallback`` / ``compr
 ``InfluenceWriter`` / ``tracin_scores``) -> ``select`` -> fine-tuning (``FinetuneModule``)
 -> evaluation (``EvaluationModule``).
 """
-from .batch import per_example_loss, sft_loss
+from .engine.batch import per_example_loss, sft_loss
 from .callbacks import IPSVDCallback
 from .evaluation import EvalDataModule, EvaluationModule
-from .compress import compress_model, count_parameters, load_proxy, save_proxy
+from .compression.apply import compress_model, count_parameters, load_proxy, save_proxy
 from .io.proxy import export_proxy
-from .ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
-from .alignment import alignment_losses, factor_projections, gradient_alignment_loss
-from .lowrank import LowRankLinear
+from .compression.ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
+from .alignment.losses import alignment_losses, factor_projections, gradient_alignment_loss
+from .engine.lowrank import LowRankLinear
 from .modules import CausalLMModule, FinetuneModule, ProxyAlignModule, WarmupModule
 from .models.loading import load_model, load_tokenizer
-from .target_layers import find_target_linears
+from .engine.target_layers import find_target_linears
 from .models.tiny import tiny_causal_lm
 from .scoring import InfluenceScoringModule, InfluenceWriter, ScoreTable, multi_checkpoint_scores, tracin_scores
-from .select import select
-from .tracking import LayerTracker, requires_grad_inputs
+from .selection.select import select
+from .engine.tracking import LayerTracker, requires_grad_inputs
 
 __version__ = "0.1.0"
 

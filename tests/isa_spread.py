@@ -95,7 +95,7 @@ def exact_match_margins(wd: Path) -> dict[str, list[float]]:
     is margin > 0, so the smallest |margin| says how far the exact-match count is from flipping."""
     import torch
 
-    from iprox_lightning.batch import IGNORE_INDEX
+    from iprox_lightning.engine.batch import IGNORE_INDEX
     from iprox_lightning.data import SFTDataModule
     from iprox_lightning.evaluation.heldout import heldout_records
     from iprox_lightning.models.loading import load_model
@@ -161,8 +161,8 @@ def self_consistency_one() -> dict:
     from test_scoring_trackers import kfac_whitening
 
     from iprox_lightning.models.tiny import tiny_causal_lm
-    from iprox_lightning.probes import collect_probes
-    from iprox_lightning.target_layers import find_target_linears
+    from iprox_lightning.compression.probes import collect_probes
+    from iprox_lightning.engine.target_layers import find_target_linears
 
     model = tiny_causal_lm("qwen2", seed=2)
     modules = find_target_linears(model)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from iprox_lightning.callbacks.ipsvd import IPSVDCallback
-from iprox_lightning.compress import load_proxy
+from iprox_lightning.compression.callback import IPSVDCallback
+from iprox_lightning.compression.apply import load_proxy
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.data.splits import make_splits
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.engine.lowrank import LowRankLinear
 from iprox_lightning.models.builtin import builtin_model
 from iprox_lightning.modules import ProxyAlignModule
-from iprox_lightning.modules.proxy_align import AlignConfig
+from iprox_lightning.alignment.module import AlignConfig
 from iprox_lightning.scoring.influence import tracin_scores
 
 

@@ -1,4 +1,4 @@
-"""Stage 2 math (iprox_lightning.alignment) against brute-force autograd references on tiny models."""
+"""Stage 2 math (iprox_lightning.alignment.losses) against brute-force autograd references on tiny models."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iprox_lightning.alignment import (
+from iprox_lightning.alignment.losses import (
     alignment_losses,
     cosine_distance,
     distillation_kl,
@@ -16,9 +16,9 @@ from iprox_lightning.alignment import (
     proxy_factor_layers,
     teacher_pass,
 )
-from iprox_lightning.batch import sft_loss, shifted_token_mask
-from iprox_lightning.compress import compress_model
-from iprox_lightning.target_layers import linear_weight
+from iprox_lightning.engine.batch import sft_loss, shifted_token_mask
+from iprox_lightning.compression.apply import compress_model
+from iprox_lightning.engine.target_layers import linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 

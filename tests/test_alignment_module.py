@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from iprox_lightning.compress import compress_model, load_proxy
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.compression.apply import compress_model, load_proxy
+from iprox_lightning.engine.lowrank import LowRankLinear
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import ProxyAlignModule
 
@@ -147,7 +147,7 @@ def test_resume_from_saved_proxy_dir(tmp_path):
     target = tiny_causal_lm("llama", seed=4)
     proxy = copy.deepcopy(target)
     compress_model(proxy, None, 0.6, method="svd", progress=False)
-    from iprox_lightning.compress import save_proxy
+    from iprox_lightning.compression.apply import save_proxy
 
     save_proxy(proxy, None, tmp_path / "p0", {"method": "svd", "sparsity": 0.6})
     m = ProxyAlignModule(target=target, proxy=str(tmp_path / "p0"), lr=1e-3, save_dir=str(tmp_path / "p1"))
@@ -180,7 +180,7 @@ def test_refuses_trainable_non_factors():
 
 def test_with_real_ipsvd_callback_and_datamodule(tmp_path):
     """The IPSVDCallback contract: configure_model() → compress pl_module.proxy from the teacher's probes → align."""
-    from iprox_lightning.callbacks.ipsvd import IPSVDCallback
+    from iprox_lightning.compression.callback import IPSVDCallback
 
     class DM(L.LightningDataModule):
         def train_dataloader(self):
@@ -292,7 +292,7 @@ def test_ipsvd_callback_health_check_matches_brute_force(tmp_path):
     equal a direct computation (per-example loss means, token-mean KL, top-1 agreement) and reach the manifest."""
     import torch.nn.functional as F
 
-    from iprox_lightning.callbacks.ipsvd import IPSVDCallback
+    from iprox_lightning.compression.callback import IPSVDCallback
 
     align = [make_batch(200 + i) for i in range(3)]
 

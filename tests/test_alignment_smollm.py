@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-from iprox_lightning.alignment import alignment_losses, proxy_factor_layers, teacher_pass
-from iprox_lightning.batch import sft_loss
-from iprox_lightning.target_layers import set_submodule
-from iprox_lightning.ipsvd import svd_factors
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.alignment.losses import alignment_losses, proxy_factor_layers, teacher_pass
+from iprox_lightning.engine.batch import sft_loss
+from iprox_lightning.engine.target_layers import set_submodule
+from iprox_lightning.compression.ipsvd import svd_factors
+from iprox_lightning.engine.lowrank import LowRankLinear
 
 LAYERS = ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj")
 

@@ -13,7 +13,7 @@ from iprox_lightning.analysis.flops import (
     scoring_flops,
     svd_flops,
 )
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.engine.lowrank import LowRankLinear
 from iprox_lightning.models.tiny import tiny_causal_lm, tiny_config
 
 
@@ -51,7 +51,7 @@ def test_forward_and_backward_match_flop_counter(arch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_head_on_scored_positions_matches_flop_counter(arch):
     """The product's forward (the LM head on the response tokens only, batch.scored_logits): head_share = N / (B·T)."""
-    from iprox_lightning.batch import scored_logits
+    from iprox_lightning.engine.batch import scored_logits
 
     model = tiny_causal_lm(arch)
     s = ModelShape.from_model(model)

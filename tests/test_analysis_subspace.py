@@ -15,8 +15,8 @@ from iprox_lightning.analysis.subspace import (
     subspace_affinity,
     subspace_basis,
 )
-from iprox_lightning.batch import per_example_loss
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.engine.batch import per_example_loss
+from iprox_lightning.engine.lowrank import LowRankLinear
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 

@@ -47,7 +47,7 @@ def test_smollm_layer_extraction(smollm, pool_batches, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from iprox_lightning.baselines.layer_extraction import layer_extraction_proxy, save_layer_extraction
-    from iprox_lightning.batch import sft_loss
+    from iprox_lightning.engine.batch import sft_loss
 
     model, tok = smollm
     proxy, info = layer_extraction_proxy(model, pool_batches, sparsity=0.3, progress=False)

@@ -44,7 +44,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     assert {t: h["n"] for t, h in m["heldout"].items()} == {"addition": 8, "uppercase": 8}
 
     # selections are the product's select on the fidelity run's tables: rule 'mean' over the task's halves
-    from iprox_lightning.select import select
+    from iprox_lightning.selection.select import select
 
     for task in ("addition", "uppercase"):
         for sel, table in (("target", "target"), ("iprox@0.5", fv2.dir_name(VARIANT))):
@@ -631,7 +631,7 @@ def test_a_remade_proxy_is_not_served_by_the_earlier_ones_store(fidelity_dir, tm
     import torch
 
     from iprox_lightning.io.proxy import load_proxy, save_proxy
-    from iprox_lightning.lowrank import LowRankLinear
+    from iprox_lightning.engine.lowrank import LowRankLinear
 
     model, tok = load_proxy(man.parent)
     with torch.no_grad():
@@ -651,8 +651,8 @@ def test_short_selectors_rank_within_the_shortlist_and_face_its_random_subsets(f
     """``<selector>~short<m>`` is the product's ``select(within_shortest=m)`` on that selector's table (a random table
     gets the sample's response tokens first); its family keeps the suffix; ``shortlist_controls`` is the paired gain
     over the mean of the ``random:<seed>~short<m>`` subsets."""
-    from iprox_lightning.bootstrap import paired_gain
-    from iprox_lightning.select import select
+    from iprox_lightning.evaluation.bootstrap import paired_gain
+    from iprox_lightning.selection.select import select
 
     assert effect.split_shortlist("store:iprox@0.5@bbh-direct+balanced~short2") == (
         "store:iprox@0.5@bbh-direct+balanced", 2.0)
@@ -699,8 +699,8 @@ def test_fresh_selectors_leave_out_the_heldout_source_and_face_random_subsets_of
     held-out examples come from (the demo: the task's own family; TyDiQA: XQuAD); ``random:<seed>~fresh`` draws from
     the same candidates and is the control of the ``~fresh`` rows (``meta.fresh_matched``: the paired gain over their
     mean), not a random seed of the plain rows."""
-    from iprox_lightning.bootstrap import paired_gain
-    from iprox_lightning.select import select
+    from iprox_lightning.evaluation.bootstrap import paired_gain
+    from iprox_lightning.selection.select import select
 
     assert effect.split_fresh("store:iprox@0.5+balanced~fresh") == ("store:iprox@0.5+balanced", True)
     assert effect.split_fresh("store+balanced") == ("store+balanced", False)

@@ -568,7 +568,7 @@ def test_last_suffix_builds_without_keep_best(tmp_path, monkeypatch):
     overlay, fp = ran["build:" + row]
     assert overlay["model"]["init_args"]["keep_best"] is False and fp["model"]["keep_best"] is False
     assert overlay["model"]["init_args"]["val_grad_weight"] == 1.0
-    from iprox_lightning.modules.proxy_align import AlignConfig
+    from iprox_lightning.alignment.module import AlignConfig
 
     assert AlignConfig(**{k: overlay["model"]["init_args"][k] for k in ("keep_best", "val_grad_weight")}).task_terms
 

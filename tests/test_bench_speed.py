@@ -104,7 +104,7 @@ def test_compare_unfused_times_every_engine_way_both_ways_and_restores_the_head(
     assert {k[:-1] for k in res["totals_s"] if k.endswith("~")} == ways
     for k in ways:
         assert res["ratios"][f"{k}:fused/unfused"] == pytest.approx(res["totals_s"][k] / res["totals_s"][k + "~"])
-    from iprox_lightning import batch as batch_module
+    from iprox_lightning.engine import batch as batch_module
 
     assert not any(v is False for v in batch_module._HEAD_IS_PLAIN.values())  # no model left unfused
     # --profile: one engine step of the target and of the proxy split by where its time goes

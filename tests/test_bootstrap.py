@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from iprox_lightning.bootstrap import paired_gain, percentile_interval
+from iprox_lightning.evaluation.bootstrap import paired_gain, percentile_interval
 
 
 def test_percentile_interval_of_a_mean():

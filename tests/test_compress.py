@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from iprox_lightning.batch import sft_loss
-from iprox_lightning.compress import (
+from iprox_lightning.engine.batch import sft_loss
+from iprox_lightning.compression.apply import (
     PROXY_MANIFEST,
     compress_model,
     count_parameters,
@@ -14,12 +14,12 @@ from iprox_lightning.compress import (
     lowrank_layers,
     save_proxy,
 )
-from iprox_lightning.ipsvd import ipsvd_factors, svd_factors
-from iprox_lightning.lowrank import LowRankLinear
-from iprox_lightning.target_layers import find_target_linears, linear_shape, linear_weight
+from iprox_lightning.compression.ipsvd import ipsvd_factors, svd_factors
+from iprox_lightning.engine.lowrank import LowRankLinear
+from iprox_lightning.engine.target_layers import find_target_linears, linear_shape, linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.probes import collect_probes
-from iprox_lightning.rank import rank_for_sparsity
+from iprox_lightning.compression.probes import collect_probes
+from iprox_lightning.compression.ranks import rank_for_sparsity
 
 from test_probes import make_batches
 

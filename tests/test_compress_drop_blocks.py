@@ -8,7 +8,7 @@ import torch
 
 from iprox_lightning.baselines.layer_extraction import block_importance, layer_extraction_proxy, remove_blocks
 from iprox_lightning.callbacks import IPSVDCallback
-from iprox_lightning.compress import (
+from iprox_lightning.compression.apply import (
     PROXY_MANIFEST,
     CompressionConfig,
     compress_model,
@@ -19,11 +19,11 @@ from iprox_lightning.compress import (
     save_proxy,
 )
 from iprox_lightning.io.proxy import ProxyFormatError
-from iprox_lightning.ipsvd import compute_factors, weighted_spectrum
-from iprox_lightning.target_layers import find_target_linears, linear_shape, linear_weight
+from iprox_lightning.compression.ipsvd import compute_factors, weighted_spectrum
+from iprox_lightning.engine.target_layers import find_target_linears, linear_shape, linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.probes import collect_probes
-from iprox_lightning.rank import allocate_ranks, rank_for_sparsity
+from iprox_lightning.compression.probes import collect_probes
+from iprox_lightning.compression.ranks import allocate_ranks, rank_for_sparsity
 
 from test_probes import make_batches
 

@@ -2,7 +2,7 @@
 
 What is asserted follows from the settings, not from this machine's floating-point kernels: the allocation each
 mode resolves to, which layers are factorised (exactly the layers the report gives a rank), the ranks of the
-uniform plan (:func:`iprox_lightning.rank.rank_for_sparsity`), the global plan spending no more than its budget,
+uniform plan (:func:`iprox_lightning.compression.ranks.rank_for_sparsity`), the global plan spending no more than its budget,
 the parameter counts adding up, and a save/load round trip that reproduces the logits bit for bit.
 """
 import copy
@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from iprox_lightning.batch import per_example_loss
-from iprox_lightning.compress import compress_model, load_proxy, lowrank_layers, resolve_allocation, save_proxy
-from iprox_lightning.rank import rank_for_sparsity
-from iprox_lightning.target_layers import linear_shape
+from iprox_lightning.engine.batch import per_example_loss
+from iprox_lightning.compression.apply import compress_model, load_proxy, lowrank_layers, resolve_allocation, save_proxy
+from iprox_lightning.compression.ranks import rank_for_sparsity
+from iprox_lightning.engine.target_layers import linear_shape
 
 SPARSITY = 0.5
 N_LAYERS = 30 * 7  # SmolLM2-135M: 30 blocks × (q, k, v, o, gate, up, down)

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from iprox_lightning.compress import CompressionConfig, apply_plan, compress, count_parameters
-from iprox_lightning.compression_plan import CompressionPlan, plan_compression
+from iprox_lightning.compression.apply import CompressionConfig, apply_plan, compress, count_parameters
+from iprox_lightning.compression.plan import CompressionPlan, plan_compression
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.model_modes import eval_mode, keep_eval
+from iprox_lightning.engine.model_modes import eval_mode, keep_eval
 
 from test_probes import make_batches
 

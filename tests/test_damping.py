@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from iprox_lightning.damping import damping_value
-from iprox_lightning.ipsvd import damping_values
+from iprox_lightning.engine.damping import damping_value
+from iprox_lightning.compression.ipsvd import damping_values
 from iprox_lightning.scoring.metrics import damped_eigh
 
 

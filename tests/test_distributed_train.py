@@ -56,7 +56,7 @@ def teacher_model():
 
 
 def svd_proxy(teacher):
-    from iprox_lightning.compress import compress_model
+    from iprox_lightning.compression.apply import compress_model
 
     proxy = copy.deepcopy(teacher)
     compress_model(proxy, None, 0.5, method="svd", progress=False)
@@ -77,7 +77,7 @@ def _run_mode(mode: str, out: str) -> None:
     from safetensors.torch import save_file
     from torch.utils.data import DataLoader
 
-    from iprox_lightning.modules.causal_lm import full_state_dict
+    from iprox_lightning.training.causal_lm import full_state_dict
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     data = DataLoader([micro_batch(s, rank) for s in range(STEPS)], batch_size=None)
@@ -175,7 +175,7 @@ def _assert_close(a: dict, b: dict, rtol=1e-4, atol=1e-6, keys=None):
 def _single_process_alignment(lr: float = LR_ALIGN, heldout: bool = False) -> tuple[list[dict], list[float]]:
     """AdamW on the mean of the two micro-batch alignment losses. Returns the proxy state at steps 0..STEPS
     and, with ``heldout``, the mean alignment loss on both ranks' held-out batches at each of those steps."""
-    from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
+    from iprox_lightning.alignment.losses import alignment_losses, proxy_factor_layers
 
     teacher = teacher_model().requires_grad_(False)
     proxy = svd_proxy(teacher).requires_grad_(False)
@@ -215,7 +215,7 @@ def test_ddp_alignment_ranks_identical_and_equal_to_mean_of_micro_batch_losses(d
 
 def _assert_only_factors_moved_and_saved(state, init, proxy_dir):
     """Non-factor tensors bit-identical to the initial proxy; the saved proxy holds exactly ``state``."""
-    from iprox_lightning.compress import load_proxy
+    from iprox_lightning.compression.apply import load_proxy
 
     for k in init:
         if not k.endswith((".A", ".B")):
@@ -242,7 +242,7 @@ def test_fsdp2_alignment_with_heldout_checks_and_keep_best(dist_out):
     """FSDP2 with a validation loader: the held-out loss at step 0 (un-aligned factors, computed outside
     Lightning's loop) and after every step equals single-process alignment evaluated on both ranks' held-out
     batches, on both ranks; keep_best saves the factors of the best step."""
-    from iprox_lightning.compress import load_proxy
+    from iprox_lightning.compression.apply import load_proxy
 
     torch.set_num_threads(1)
     (r0,) = _results(dist_out, "align_fsdp2_val", ranks=(0,))
@@ -261,8 +261,8 @@ def test_fsdp2_alignment_with_heldout_checks_and_keep_best(dist_out):
 
 
 def _single_process_warmup() -> dict:
-    from iprox_lightning.modules.causal_lm import decay_param_groups, freeze_embeddings_and_head
-    from iprox_lightning.batch import sft_loss
+    from iprox_lightning.training.causal_lm import decay_param_groups, freeze_embeddings_and_head
+    from iprox_lightning.engine.batch import sft_loss
 
     model = teacher_model()
     model.train()

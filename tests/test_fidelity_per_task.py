@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from iprox_lightning.callbacks.keep_best import KeepBestFactors
-from iprox_lightning.callbacks.ranking_fidelity import per_task_spearman, worst_task
+from iprox_lightning.alignment.keep_best import KeepBestFactors
+from iprox_lightning.alignment.fidelity import per_task_spearman, worst_task
 from iprox_lightning.modules import ProxyAlignModule
-from iprox_lightning.modules.proxy_align import AlignConfig
+from iprox_lightning.alignment.module import AlignConfig
 from iprox_lightning.scoring.influence import ScoreTable, tracin_scores
 from iprox_lightning.models.builtin import builtin_model
 

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from iprox_lightning.batch import sft_loss
+from iprox_lightning.engine.batch import sft_loss
 from iprox_lightning.modules import FinetuneModule, WarmupModule
 
 

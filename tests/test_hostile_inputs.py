@@ -616,7 +616,7 @@ def test_select_reads_the_builtin_pool_at_the_size_that_was_scored(tmp_path):
 def test_proxy_validation_is_checked_once_with_the_same_message_everywhere():
     """``check_choice`` / ``PROXY_VALIDATIONS``: one check of the choice of validation model, named in the error."""
     from iprox_lightning.errors import PROXY_VALIDATIONS, UserInputError, check_choice
-    from iprox_lightning.modules.proxy_align import AlignConfig
+    from iprox_lightning.alignment.module import AlignConfig
 
     assert PROXY_VALIDATIONS == ("target", "proxy")
     for v in PROXY_VALIDATIONS:

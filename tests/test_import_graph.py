@@ -107,7 +107,7 @@ def test_package_has_no_import_cycle():
 
 def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """``graph`` with each sub-package's modules merged into one node (``iprox_lightning.data.sft`` ->
-    ``data``); a top-level module is its own node (``iprox_lightning.compress`` -> ``compress``)."""
+    ``data``); a top-level module is its own node (``iprox_lightning.compression.apply`` -> ``compress``)."""
     def node(m: str) -> str:
         parts = m.split(".")
         return parts[1] if len(parts) > 1 else m
@@ -134,15 +134,49 @@ def test_package_folders_have_no_import_cycle():
     assert cycle is None, "import cycle between folders: " + " -> ".join(cycle)
 
 
+# The wings, lowest first: a folder imports only from its own floor's wings or lower ones, never from a wing on the
+# same floor (they are peers) or a higher one. The package root holds only its public face: ``errors``/``console``
+# (ground floor), ``cli`` and ``__init__`` (roof); ``modules/`` and ``callbacks/`` are faces that keep users'
+# ``class_path``s (``iprox_lightning.modules.ProxyAlignModule``, ``iprox_lightning.callbacks.IPSVDCallback``) working.
+WING_FLOORS = [
+    {"errors", "console"},
+    {"engine"},  # tracking, batch, target layers, low-rank layer, block surgery, model modes, damping, settings
+    {"io"},  # artifact and record formats
+    {"models"},
+    {"data"},
+    {"training", "compression", "scoring"},  # warm-up/fine-tune, Stage 1, influence scoring and stores
+    {"alignment"},  # Stage 2 (reads Stage 1's proxy and scores fidelity with the scoring wing)
+    {"selection"},
+    {"evaluation"},
+    {"analysis"},
+    {"baselines"},
+    {"callbacks", "modules"},
+    {"commands"},
+    {"cli", "iprox_lightning"},
+]
+
+
+def test_every_folder_and_root_module_is_on_a_wing_floor():
+    placed = set().union(*WING_FLOORS)
+    assert set(folder_graph(import_graph())) == placed
+
+
+def test_wings_import_only_downwards():
+    floor = {w: i for i, ws in enumerate(WING_FLOORS) for w in ws}
+    graph = folder_graph(import_graph())
+    upward = [(a, b) for a, targets in graph.items() for b in targets if floor[b] >= floor[a]]
+    assert not upward, "imports that do not go down a floor: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward))
+
+
 @pytest.mark.parametrize("importer, forbidden", [
     ("iprox_lightning.models.loading", "iprox_lightning.data.synthetic"),  # the built-in model lives in models/
-    ("iprox_lightning.models.loading", "iprox_lightning.compress"),
-    ("iprox_lightning.io.proxy", "iprox_lightning.compress"),
+    ("iprox_lightning.models.loading", "iprox_lightning.compression.apply"),
+    ("iprox_lightning.io.proxy", "iprox_lightning.compression.apply"),
     # Stage 2 takes its fidelity scorer as an argument and reports through its callbacks (issue 26)
-    ("iprox_lightning.modules.proxy_align", "iprox_lightning.scoring.influence"),
-    ("iprox_lightning.modules.proxy_align", "iprox_lightning.analysis.retention"),
+    ("iprox_lightning.alignment.module", "iprox_lightning.scoring.influence"),
+    ("iprox_lightning.alignment.module", "iprox_lightning.analysis.retention"),
     # Stage 1 cuts blocks with the neutral block surgery, not through a baseline
-    ("iprox_lightning.compress", "iprox_lightning.baselines.layer_extraction"),
+    ("iprox_lightning.compression.apply", "iprox_lightning.baselines.layer_extraction"),
 ])
 def test_low_layers_do_not_import_high_ones(importer, forbidden):
     graph = import_graph()

@@ -6,10 +6,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from iprox_lightning.batch import sft_loss
+from iprox_lightning.engine.batch import sft_loss
 from iprox_lightning.callbacks import IPSVDCallback
-from iprox_lightning.compress import compress_model, lowrank_layers
-from iprox_lightning.target_layers import find_target_linears
+from iprox_lightning.compression.apply import compress_model, lowrank_layers
+from iprox_lightning.engine.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 from test_probes import make_batches
@@ -113,8 +113,8 @@ def test_health_line_warns_only_without_alignment_and_names_unused_settings(monk
     import logging
     from types import SimpleNamespace
 
-    import iprox_lightning.analysis.health as health
-    from iprox_lightning.callbacks.ipsvd import HEALTH_KL, health_message
+    import iprox_lightning.compression.health as health
+    from iprox_lightning.compression.callback import HEALTH_KL, health_message
 
     h = {"examples": 16, "proxy_loss": 4.5, "target_loss": 1.85, "kl": 2.15, "top1_agreement": 0.41}
     warn, text = health_message(h, allocation="global", mode="exact", aligning=True)
@@ -133,7 +133,7 @@ def test_health_line_warns_only_without_alignment_and_names_unused_settings(monk
     for align, warned in ((True, False), (False, True)):
         caplog.clear()
         module = SimpleNamespace(teacher=object(), config=SimpleNamespace(align=align))
-        with caplog.at_level(logging.INFO, logger="iprox_lightning.callbacks.ipsvd"):
+        with caplog.at_level(logging.INFO, logger="iprox_lightning.compression.callback"):
             cb._health(trainer, module, model=None)
         assert any(r.levelno == logging.WARNING for r in caplog.records) is warned
         assert cb.report.health["kl"] == 2.15

@@ -3,7 +3,7 @@ square roots by eigendecomposition, full SVD)."""
 import pytest
 import torch
 
-from iprox_lightning.ipsvd import (
+from iprox_lightning.compression.ipsvd import (
     damping_values,
     ipsvd_factors,
     random_factors,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from iprox_lightning.models.loading import gguf_cache_dir, load_model, resolve_dtype
-from iprox_lightning.target_layers import find_target_linears, linear_shape, linear_weight
+from iprox_lightning.engine.target_layers import find_target_linears, linear_shape, linear_weight
 from iprox_lightning.models.tiny import tiny_causal_lm
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", "phi3", "gpt2"]

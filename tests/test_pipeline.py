@@ -310,7 +310,7 @@ def test_proxy_check_and_report_commands(run, capsys, tmp_path):
 def test_length_confound_against_brute_force():
     from scipy import stats
 
-    from iprox_lightning.batch import token_counts
+    from iprox_lightning.engine.batch import token_counts
     from iprox_lightning.analysis.retention import length_confound
 
     batch = {"id": ["a", "b", "c", "d", "e"], "labels": torch.tensor(
@@ -351,7 +351,7 @@ def run_all_variants(wd, tmp_path, *, demo=True, data=None, base_model="builtin"
     """Every ablation / baseline config of the paper's Tables 1-3, 7, 9, run end to end against a
     pipeline run in ``wd``; returns ``{variant: (spearman vs target, selected ids)}``."""
     from iprox_lightning.analysis.retention import retention_metrics
-    from iprox_lightning.compress import read_manifest
+    from iprox_lightning.compression.apply import read_manifest
 
     data = data or {}
     target = read_scores(wd / "scores" / "target" / "scores.parquet")

@@ -55,7 +55,7 @@ def _within(name, value):
 
 
 def test_pipeline_and_variants_on_smollm(smollm_gguf, shared_dir, tmp_path, monkeypatch):
-    from iprox_lightning.compress import read_manifest
+    from iprox_lightning.compression.apply import read_manifest
 
     monkeypatch.chdir(tmp_path)
     pool = tmp_path / "pool.jsonl"

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from iprox_lightning.batch import per_example_loss
-from iprox_lightning.target_layers import find_target_linears
+from iprox_lightning.engine.batch import per_example_loss
+from iprox_lightning.engine.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.probes import allocate_shares, collect_probes, sample_positions
+from iprox_lightning.compression.probes import allocate_shares, collect_probes, sample_positions
 
 
 def make_batches(n_examples=6, batch_size=3, T=10, vocab=128, seed=0):

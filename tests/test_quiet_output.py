@@ -91,7 +91,7 @@ def test_evaluation_results_are_one_table_with_full_names():
 def test_select_never_replaces_another_selectors_file(tmp_path, capsys):
     import numpy as np
 
-    from iprox_lightning.select import select
+    from iprox_lightning.selection.select import select
     from iprox_lightning.scoring import ScoreTable
 
     ids = [f"ex-{i:03d}" for i in range(20)]

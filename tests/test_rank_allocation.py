@@ -5,11 +5,11 @@ import itertools
 import pytest
 import torch
 
-from iprox_lightning.compress import compress_model, count_parameters, lowrank_layers
-from iprox_lightning.ipsvd import ipsvd_factors, plain_spectrum, svd_factors, weighted_objective, weighted_spectrum
-from iprox_lightning.target_layers import find_target_linears, linear_shape
+from iprox_lightning.compression.apply import compress_model, count_parameters, lowrank_layers
+from iprox_lightning.compression.ipsvd import ipsvd_factors, plain_spectrum, svd_factors, weighted_objective, weighted_spectrum
+from iprox_lightning.engine.target_layers import find_target_linears, linear_shape
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.rank import allocate_ranks, dense_rank
+from iprox_lightning.compression.ranks import allocate_ranks, dense_rank
 
 from test_probes import make_batches
 
@@ -109,7 +109,7 @@ def test_allocate_ranks_close_to_brute_force_with_dense_and_mixed_shapes(seed):
         assert got <= best + 1e-12
         assert got >= best - max_step  # greedy bound: within one step of the optimum
         # and never worse than the uniform plan at the same budget when it is feasible
-        from iprox_lightning.rank import rank_for_sparsity
+        from iprox_lightning.compression.ranks import rank_for_sparsity
 
         uni = {n: rank_for_sparsity(i, o, 1 - frac) for n, (o, i) in shapes.items()}
         if _cost(uni, shapes) <= budget:

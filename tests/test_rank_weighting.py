@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.batch import per_example_loss
-from iprox_lightning.callbacks.ipsvd import IPSVDCallback
-from iprox_lightning.compress import CompressionConfig, compress, compress_model, lowrank_layers
-from iprox_lightning.compression_plan import plan_compression, plan_global_ranks
+from iprox_lightning.engine.batch import per_example_loss
+from iprox_lightning.compression.callback import IPSVDCallback
+from iprox_lightning.compression.apply import CompressionConfig, compress, compress_model, lowrank_layers
+from iprox_lightning.compression.plan import plan_compression, plan_global_ranks
 from iprox_lightning.data import SFTDataModule
-from iprox_lightning.influence_weights import (
+from iprox_lightning.compression.influence_weights import (
     RankWeights,
     influence_rank_weights,
     layer_shares,
@@ -25,9 +25,9 @@ from iprox_lightning.influence_weights import (
 from iprox_lightning.models.builtin import builtin_model
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import ProxyAlignModule
-from iprox_lightning.probes import collect_probes
-from iprox_lightning.rank import allocate_ranks, plan_weights
-from iprox_lightning.target_layers import find_target_linears, linear_shape
+from iprox_lightning.compression.probes import collect_probes
+from iprox_lightning.compression.ranks import allocate_ranks, plan_weights
+from iprox_lightning.engine.target_layers import find_target_linears, linear_shape
 
 from test_probes import make_batches
 
@@ -177,7 +177,7 @@ def test_compress_with_influence_weighting_records_the_weights(tmp_path):
     assert d["rank_weighting"]["weights"] == pytest.approx(expected.weights)
     assert d["compression"]["rank_weighting"] == "influence" and "block_drop" not in d
     # the manifest records them
-    from iprox_lightning.compress import save_proxy
+    from iprox_lightning.compression.apply import save_proxy
 
     save_proxy(model, None, tmp_path / "p", rep)
     man = json.loads((tmp_path / "p" / "iprox_proxy.json").read_text())

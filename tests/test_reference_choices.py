@@ -7,19 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.alignment import distillation_kl
-from iprox_lightning.batch import shifted_token_mask
-from iprox_lightning.compress import CompressionConfig, compress, compress_model, count_parameters, lowrank_layers
+from iprox_lightning.alignment.losses import distillation_kl
+from iprox_lightning.engine.batch import shifted_token_mask
+from iprox_lightning.compression.apply import CompressionConfig, compress, compress_model, count_parameters, lowrank_layers
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import ProxyAlignModule
-from iprox_lightning.probes import all_token_labels, collect_probes
-from iprox_lightning.rank import (
+from iprox_lightning.compression.probes import all_token_labels, collect_probes
+from iprox_lightning.compression.ranks import (
     cheaper_than_dense,
     rank_for_sparsity,
     round_plan_up,
     uniform_plan_for_budget,
 )
-from iprox_lightning.target_layers import find_target_linears
+from iprox_lightning.engine.target_layers import find_target_linears
 
 from test_alignment_module import loader, make_batch, trainer
 from test_probes import brute_force_columns, make_batches

@@ -1,10 +1,10 @@
-"""The LM head on the scored positions only (``iprox_lightning.batch.scored_logits``) against full logits."""
+"""The LM head on the scored positions only (``iprox_lightning.engine.batch.scored_logits``) against full logits."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iprox_lightning.batch import (IGNORE_INDEX, ScoredTokens, head_on_scored_positions, per_example_token_ce,
+from iprox_lightning.engine.batch import (IGNORE_INDEX, ScoredTokens, head_on_scored_positions, per_example_token_ce,
                                    scored_logits, shifted_token_mask)
 from iprox_lightning.models.tiny import ARCHITECTURES, tiny_causal_lm
 
@@ -104,7 +104,7 @@ def test_a_head_called_on_other_positions_is_a_clear_error():
 
 
 def test_proxy_health_equals_a_brute_force_over_full_logits():
-    from iprox_lightning.analysis.health import proxy_health
+    from iprox_lightning.compression.health import proxy_health
 
     target = tiny_causal_lm("llama", seed=1).double()
     proxy = tiny_causal_lm("llama", seed=5).double()
@@ -138,7 +138,7 @@ def test_proxy_health_equals_a_brute_force_over_full_logits():
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cross_entropy_equals_cross_entropy_of_the_logits_with_its_gradient(chunk, bias):
-    from iprox_lightning.batch import linear_cross_entropy
+    from iprox_lightning.engine.batch import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     N, d, V = 7, 5, 11
@@ -158,7 +158,7 @@ def test_linear_cross_entropy_equals_cross_entropy_of_the_logits_with_its_gradie
 
 
 def test_linear_cross_entropy_in_float32_and_bfloat16_is_the_unfused_computation():
-    from iprox_lightning.batch import linear_cross_entropy
+    from iprox_lightning.engine.batch import linear_cross_entropy
 
     g = torch.Generator().manual_seed(1)
     h64, W64 = torch.randn(9, 16, generator=g, dtype=torch.float64), torch.randn(50, 16, generator=g, dtype=torch.float64)
@@ -178,7 +178,7 @@ def test_linear_cross_entropy_in_float32_and_bfloat16_is_the_unfused_computation
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_scored_ce_sums_equal_the_logits_way_with_gradients_and_the_head_sees_one_row(arch):
-    from iprox_lightning.batch import scored_ce_sums
+    from iprox_lightning.engine.batch import scored_ce_sums
 
     model = tiny_causal_lm(arch, seed=1).double().eval()
     batch = _batch(vocab=model.config.vocab_size)
@@ -220,7 +220,7 @@ class _ScaledLogits(nn.Module):
 
 
 def test_a_forward_that_changes_the_head_output_is_computed_unfused_and_remembered():
-    from iprox_lightning.batch import scored_ce_sums
+    from iprox_lightning.engine.batch import scored_ce_sums
 
     model = _ScaledLogits(tiny_causal_lm("llama", seed=1).double().eval())
     batch = _batch(vocab=model.inner.config.vocab_size)
@@ -240,7 +240,7 @@ def test_a_forward_that_changes_the_head_output_is_computed_unfused_and_remember
 
 
 def test_backward_pairs_keeps_logits_only_when_asked_and_its_loss_is_the_same():
-    from iprox_lightning.tracking import backward_pairs
+    from iprox_lightning.engine.tracking import backward_pairs
 
     model = tiny_causal_lm("qwen2", seed=3).double().eval()
     batch = _batch(seed=4, vocab=model.config.vocab_size)
@@ -253,7 +253,7 @@ def test_backward_pairs_keeps_logits_only_when_asked_and_its_loss_is_the_same():
 
 
 def test_a_tracked_head_runs_unfused_and_gets_its_pairs_on_every_scored_row():
-    from iprox_lightning.tracking import PairTracker, backward_pairs
+    from iprox_lightning.engine.tracking import PairTracker, backward_pairs
 
     model = tiny_causal_lm("llama", seed=3).double().eval()
     batch = _batch(seed=4, vocab=model.config.vocab_size)
@@ -278,7 +278,7 @@ def test_gemma3_with_final_logit_softcapping_is_computed_unfused():
     (``tanh(logits / c) · c``) — the check refuses to fuse it, and the sums equal the logits way."""
     from transformers import AutoModelForCausalLM
 
-    from iprox_lightning.batch import fusable_head, scored_ce_sums
+    from iprox_lightning.engine.batch import fusable_head, scored_ce_sums
 
     import copy
 

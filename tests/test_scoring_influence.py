@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
+from iprox_lightning.engine.batch import IGNORE_INDEX, per_example_loss
 from iprox_lightning.errors import UserInputError
-from iprox_lightning.lowrank import LowRankLinear
-from iprox_lightning.target_layers import Conv1D, find_target_linears
+from iprox_lightning.engine.lowrank import LowRankLinear
+from iprox_lightning.engine.target_layers import Conv1D, find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import (
     choose_mode,

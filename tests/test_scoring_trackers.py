@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.batch import IGNORE_INDEX, per_example_loss
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.engine.batch import IGNORE_INDEX, per_example_loss
+from iprox_lightning.engine.lowrank import LowRankLinear
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import (
     KFAC,
@@ -22,7 +22,7 @@ from iprox_lightning.scoring import (
 )
 from iprox_lightning.scoring.features import ScoreFeatureTracker, ValidationGradientTracker, WeightPairTracker
 from iprox_lightning.scoring.metrics import KFACFactors
-from iprox_lightning.tracking import backward_pairs
+from iprox_lightning.engine.tracking import backward_pairs
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from iprox_lightning.scoring import ScoreTable
-from iprox_lightning.select import select
+from iprox_lightning.selection.select import select
 
 N = 40
 

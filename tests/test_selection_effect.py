@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from iprox_lightning.evaluation.heldout import heldout_metrics, heldout_records
-from iprox_lightning.selection_effect import format_effect
+from iprox_lightning.evaluation.effect import format_effect
 
 
 class Fixed(torch.nn.Module):
@@ -87,8 +87,8 @@ def test_gains_vs_random_pairs_examples_by_task_and_id():
     example, with a paired bootstrap CI; examples missing from either side are not paired."""
     import numpy as np
 
-    from iprox_lightning.bootstrap import percentile_interval
-    from iprox_lightning.selection_effect import gains_vs_random
+    from iprox_lightning.evaluation.bootstrap import percentile_interval
+    from iprox_lightning.evaluation.effect import gains_vs_random
 
     ex = lambda who: [{"id": f"{t}-{i}", "task": t, "loss": loss} for t, losses in who.items()  # noqa: E731
                       for i, loss in enumerate(losses)]

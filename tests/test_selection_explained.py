@@ -9,8 +9,8 @@ from iprox_lightning.analysis.score_table import write_scores
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.data.pool import read_pool
 from iprox_lightning.data.synthetic import generate_builtin_dataset
-from iprox_lightning.select import select
-from iprox_lightning.selection_summary import explain_selection, format_selection
+from iprox_lightning.selection.select import select
+from iprox_lightning.selection.summary import explain_selection, format_selection
 
 
 def _pool():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from iprox_lightning.scoring import ScoreTable
-from iprox_lightning.select import select
-from iprox_lightning.selection_rules import RULES, rule_order, task_columns
+from iprox_lightning.selection.select import select
+from iprox_lightning.selection.rules import RULES, rule_order, task_columns
 from reference_rules import balanced_brute
 
 N = 30

@@ -10,12 +10,12 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from iprox_lightning.callbacks import IPSVDCallback
-from iprox_lightning.compress import CompressionConfig, compress_model
+from iprox_lightning.compression.apply import CompressionConfig, compress_model
 from iprox_lightning.errors import UserInputError
-from iprox_lightning.modules.proxy_align import AlignConfig, ProxyAlignModule
+from iprox_lightning.alignment.module import AlignConfig, ProxyAlignModule
 from iprox_lightning.scoring.influence import ScoringConfig
 from iprox_lightning.scoring.module import InfluenceScoringModule
-from iprox_lightning.settings import field_docs, takes_settings
+from iprox_lightning.engine.settings import field_docs, takes_settings
 
 CONSUMERS = [(IPSVDCallback, CompressionConfig, "compression"), (compress_model, CompressionConfig, "compression"),
              (ProxyAlignModule, AlignConfig, "alignment"), (InfluenceScoringModule, ScoringConfig, "scoring")]
@@ -29,7 +29,7 @@ def _built(consumer, param, **kw):
     """The config a consumer builds from ``kw`` (``compress_model``: the one it hands to ``compress``)."""
     if inspect.isclass(consumer):
         return consumer(**kw).config
-    import iprox_lightning.compress as c
+    import iprox_lightning.compression.apply as c
 
     seen, orig = {}, c.compress
     c.compress = lambda model, loader, config, **_: seen.setdefault("config", config)

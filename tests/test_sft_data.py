@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.batch import IGNORE_INDEX, check_batch, per_example_loss
+from iprox_lightning.engine.batch import IGNORE_INDEX, check_batch, per_example_loss
 from iprox_lightning.data.formatting import render_plain, tokenize_records, truncate
 from iprox_lightning.data.sft import SFTCollator, SFTDataModule, read_validation_sets
 from iprox_lightning.data.sources import write_records_jsonl
@@ -362,7 +362,7 @@ def test_trainer_fit_with_datamodule(tmp_path):
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from iprox_lightning.batch import sft_loss
+    from iprox_lightning.engine.batch import sft_loss
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -422,7 +422,7 @@ def test_eval_validation_sets_from_paper_suites(eval_dir):
 
 
 def test_batch_rows_picks_rows_of_tensors_and_lists_and_keeps_the_rest():
-    from iprox_lightning.batch import batch_rows
+    from iprox_lightning.engine.batch import batch_rows
 
     ids = torch.arange(12).reshape(4, 3)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids + 100, "id": ("a", "b", "c", "d"),

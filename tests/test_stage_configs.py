@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from iprox_lightning.callbacks import IPSVDCallback
-from iprox_lightning.compress import CompressionConfig, compress, compress_model, lowrank_layers
+from iprox_lightning.compression.apply import CompressionConfig, compress, compress_model, lowrank_layers
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import ProxyAlignModule
-from iprox_lightning.modules.proxy_align import AlignConfig
+from iprox_lightning.alignment.module import AlignConfig
 from iprox_lightning.scoring import InfluenceScoringModule
 from iprox_lightning.scoring.influence import ScoringConfig
 from iprox_lightning.scoring.metrics import KFAC, TracIn

@@ -161,7 +161,7 @@ def test_pca_store_fits_its_moments_once_and_queries_like_its_own_projections(fi
     from iprox_lightning.scoring.metrics import KFACFactors
     from iprox_lightning.scoring.projection import GradientProjector, pca_projections
     from iprox_lightning.scoring.query import query_table, task_sums
-    from iprox_lightning.tracking import backward_pairs
+    from iprox_lightning.engine.tracking import backward_pairs
 
     d, pool, val, _ = files
     store, out = d / "pca", d / "q_pca"
@@ -355,10 +355,10 @@ def test_proxy_store_queried_with_the_targets_validation_gradients_equals_exact_
     """``query --validation_model``: an identity-projection store of a proxy, queried with its target's validation
     gradients (projected into the proxy's factor space), equals exact scoring with ``validation_model``; the cache
     key and the settings hold the validation model, so the plain query of the same store is not served from it."""
-    from iprox_lightning.compress import compress_model
+    from iprox_lightning.compression.apply import compress_model
     from iprox_lightning.data import SFTDataModule
     from iprox_lightning.io.proxy import save_proxy
-    from iprox_lightning.lowrank import LowRankLinear
+    from iprox_lightning.engine.lowrank import LowRankLinear
     from iprox_lightning.models.loading import load_model
     from iprox_lightning.scoring import tracin_scores
 

@@ -105,7 +105,7 @@ def test_query_equals_brute_force_projected_tracin_and_exact_tracin_with_identit
 def test_less_max_over_subtasks_from_the_store():
     """Subtask columns ``suite.part``: ``select``'s rule max over a suite's parts is LESS's aggregate of the
     per-subtask cosines (each subtask costs one vector)."""
-    from iprox_lightning.selection_rules import rule_order
+    from iprox_lightning.selection.rules import rule_order
 
     model = _model()
     proj = GradientProjector(model, k=6, seed=2)
@@ -157,7 +157,7 @@ def test_pca_projections_are_the_leading_eigenvectors_of_the_second_moments():
     from iprox_lightning.scoring.features import tracked_modules, virtual_linears
     from iprox_lightning.scoring.metrics import KFACFactors
     from iprox_lightning.scoring.projection import pca_projections
-    from iprox_lightning.tracking import backward_pairs
+    from iprox_lightning.engine.tracking import backward_pairs
 
     model = _model()
     modules = tracked_modules(model)

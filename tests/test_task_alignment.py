@@ -1,4 +1,4 @@
-"""Stage 2's task terms (iprox_lightning.task_alignment) against brute-force autograd references on tiny models.
+"""Stage 2's task terms (iprox_lightning.alignment.task) against brute-force autograd references on tiny models.
 
 The references materialise every per-example gradient with ``torch.autograd.grad`` of the example's own loss (float64,
 ``create_graph=True``), form the TracIn scores / task gradients from those flat vectors, recompute the correlation,
@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import iprox_lightning.batch as batch_module
-from iprox_lightning.alignment import alignment_losses, proxy_factor_layers
-from iprox_lightning.batch import per_example_loss
-from iprox_lightning.compress import compress_model
+import iprox_lightning.engine.batch as batch_module
+from iprox_lightning.alignment.losses import alignment_losses, proxy_factor_layers
+from iprox_lightning.engine.batch import per_example_loss
+from iprox_lightning.compression.apply import compress_model
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.target_layers import Conv1D
-from iprox_lightning.task_alignment import (
+from iprox_lightning.engine.target_layers import Conv1D
+from iprox_lightning.alignment.task import (
     ExampleScoreTracker,
     FactorPairTracker,
     cosine_scores,
@@ -38,7 +38,7 @@ from iprox_lightning.task_alignment import (
     task_gradient_alignment,
     task_rows,
 )
-from iprox_lightning.tracking import backward_pairs
+from iprox_lightning.engine.tracking import backward_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from iprox_lightning.callbacks.ipsvd import IPSVDCallback
+from iprox_lightning.compression.callback import IPSVDCallback
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.data.splits import split_validation
-from iprox_lightning.lowrank import LowRankLinear
+from iprox_lightning.engine.lowrank import LowRankLinear
 from iprox_lightning.models.builtin import builtin_model
 from iprox_lightning.modules import ProxyAlignModule
-from iprox_lightning.modules import proxy_align as proxy_align_module
-from iprox_lightning.modules.proxy_align import AlignConfig
+from iprox_lightning.alignment import module as proxy_align_module
+from iprox_lightning.alignment.module import AlignConfig
 from iprox_lightning.scoring.influence import tracin_scores
-from iprox_lightning.task_alignment import task_gradient_alignment
+from iprox_lightning.alignment.task import task_gradient_alignment
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -348,7 +348,7 @@ def test_keep_best_refuses_to_judge_task_terms_by_the_held_out_alignment_loss():
     """The held-out ``val/loss`` is L_GA + λ_KL·L_KL, which the task terms trade for the ranking: keep_best on it
     kept the step-0 factors of the issue-22 ``+score1`` row. A task term with keep_best needs a fidelity monitor."""
     from iprox_lightning.errors import UserInputError
-    from iprox_lightning.modules.proxy_align import AlignConfig as AlignmentConfig
+    from iprox_lightning.alignment.module import AlignConfig as AlignmentConfig
 
     for terms in ({"score_weight": 1.0}, {"val_grad_weight": 0.5}):
         with pytest.raises(UserInputError, match="cannot judge the task terms"):

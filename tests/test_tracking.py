@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from iprox_lightning.batch import example_mean_sum, per_example_loss, sft_loss, shifted_token_mask, token_mean
-from iprox_lightning.target_layers import find_target_linears
+from iprox_lightning.engine.batch import example_mean_sum, per_example_loss, sft_loss, shifted_token_mask, token_mean
+from iprox_lightning.engine.target_layers import find_target_linears
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.tracking import LayerTracker, requires_grad_inputs
+from iprox_lightning.engine.tracking import LayerTracker, requires_grad_inputs
 
 
 def _batch():
@@ -82,8 +82,8 @@ def test_per_example_loss_masks_and_zero_examples():
 # ------------------------------------------------------------------------------------------
 # the backward-pairs engine
 # ------------------------------------------------------------------------------------------
-from iprox_lightning.lowrank import LowRankLinear  # noqa: E402
-from iprox_lightning.tracking import PairTracker, backward_pairs  # noqa: E402
+from iprox_lightning.engine.lowrank import LowRankLinear  # noqa: E402
+from iprox_lightning.engine.tracking import PairTracker, backward_pairs  # noqa: E402
 
 
 def _proxy(seed=3):

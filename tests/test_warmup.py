@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from iprox_lightning.batch import sft_loss
+from iprox_lightning.engine.batch import sft_loss
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.modules import WarmupModule
-from iprox_lightning.modules.causal_lm import decay_param_groups, linear_warmup_decay
+from iprox_lightning.training.causal_lm import decay_param_groups, linear_warmup_decay
 from test_alignment_module import make_batch  # the tests' shared SFT batch
 
 

@@ -1,32 +1,13 @@
 """Analysis of proxies: influence retention, subspace affinity / diversity, FLOPs, plots, report tables."""
-from .flops import (
-    LinearShape,
-    ModelShape,
-    alignment_flops,
-    ipsvd_flops,
-    pipeline_flops,
-    probe_flops,
-    scoring_flops,
-)
+from .flops import LinearShape, ModelShape, alignment_flops, ipsvd_flops, pipeline_flops, probe_flops, scoring_flops
 from .tables import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
 from .retention import (
-    kendall,
-    partial_spearman,
-    pearson,
-    per_task_retention,
-    per_task_scores,
-    retention_metrics,
-    spearman,
-    topk_overlap,
+    kendall, partial_spearman, pearson, per_task_retention, per_task_scores, retention_metrics, spearman, topk_overlap,
     worst_task,
 )
 from .score_table import read_scores, write_scores
 from .subspace import (
-    KroneckerProjector,
-    mean_nn_distance,
-    nearest_neighbor_distances,
-    per_example_gradients,
-    subspace_affinity,
+    KroneckerProjector, mean_nn_distance, nearest_neighbor_distances, per_example_gradients, subspace_affinity,
     subspace_basis,
 )
 

@@ -11,7 +11,7 @@ Conventions (one multiply-add = 2 FLOPs, as ``torch.utils.flop_counter`` counts)
   gradients (1× the forward of each layer whose weight gradient is formed — by autograd or from
   the hooked ``(h, δ)`` pairs); attention matmuls always cost 2× (both operands carry gradient);
   the LM head and embeddings are frozen (the paper excludes them), so the head costs 1×;
-* the LM head runs on the response tokens only (:func:`iprox_lightning.batch.scored_logits`): ``head_share`` is
+* the LM head runs on the response tokens only (:func:`iprox_lightning.engine.batch.scored_logits`): ``head_share`` is
   their share of the tokens (1 = every token, a model run without that);
 * elementwise work (norms, activations, softmax, rotary) is ignored.
 
@@ -89,8 +89,8 @@ class ModelShape:
     @classmethod
     def from_model(cls, model: nn.Module, *, name: str = "") -> "ModelShape":
         """Read the shapes of a (possibly meta-device, possibly low-rank) HF causal LM."""
-        from ..lowrank import LowRankLinear
-        from ..target_layers import BLOCK_RE, find_target_linears, is_linear_like, linear_shape
+        from ..engine.lowrank import LowRankLinear
+        from ..engine.target_layers import BLOCK_RE, find_target_linears, is_linear_like, linear_shape
 
         tracked = set(find_target_linears(model))
         linears = []

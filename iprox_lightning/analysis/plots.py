@@ -21,7 +21,7 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .retention import align_scores, topk_count, topk_indices, topk_key  # noqa: E402
+from .retention import align_scores, topk_count, topk_indices, topk_key
 
 CATEGORY_COLORS = {
     "both top-k": "tab:green",

@@ -79,7 +79,7 @@ def manifest_sizes(proxy_dir: str | Path, align_batch_size: int = 4) -> dict[str
 
 def render_markdown(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], plots: Sequence[str],
                     selections: Mapping[str, Any] | None = None, summary: Mapping[str, Any] | None = None) -> str:
-    from ..selection_summary import format_selection
+    from ..selection.summary import format_selection
     from .tables import format_table
 
     cols = []
@@ -99,7 +99,7 @@ def render_markdown(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, An
             fam = ", ".join(f"{f} {v:.3f}" for f, v in o.get("per_family", {}).get(who, {}).items())
             lines.append(f"- {who}: {o[f'{who}_selection']:.3f}" + (f" ({fam})" if fam else ""))
     if summary and summary.get("selection_effect"):
-        from ..selection_effect import format_effect
+        from ..evaluation.effect import format_effect
 
         lines += ["", "## Fine-tuned effect", "", "```"] + format_effect(summary["selection_effect"]) + ["```"]
     for name, e in (selections or {}).items():

@@ -5,6 +5,6 @@ module keeps the historical import path.
 """
 from __future__ import annotations
 
-from ..io.scores import JSONL_SUFFIXES, PARQUET_SUFFIXES, read_scores, write_scores  # noqa: F401
+from ..io.scores import JSONL_SUFFIXES, PARQUET_SUFFIXES, read_scores, write_scores
 
 __all__ = ["read_scores", "write_scores", "PARQUET_SUFFIXES", "JSONL_SUFFIXES"]

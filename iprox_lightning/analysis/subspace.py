@@ -32,10 +32,10 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..batch import check_batch, per_example_loss
-from ..lowrank import LowRankLinear
-from ..model_modes import eval_mode
-from ..target_layers import Conv1D, find_target_linears
+from ..engine.batch import check_batch, per_example_loss
+from ..engine.lowrank import LowRankLinear
+from ..engine.model_modes import eval_mode
+from ..engine.target_layers import Conv1D, find_target_linears
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def per_example_gradients(
 ) -> tuple[list[str], torch.Tensor]:
     """Flattened per-example gradients ``∇_W L(z)`` of the tracked layers: ``(ids, G [n, d])`` (float32).
 
-    ``L(z)`` is :func:`iprox_lightning.batch.per_example_loss` (mean CE over the response tokens).
+    ``L(z)`` is :func:`iprox_lightning.engine.batch.per_example_loss` (mean CE over the response tokens).
     Each example is run alone (batch size 1, padding trimmed) and differentiated with
     ``torch.autograd.grad`` w.r.t. :func:`gradient_parameters` — simple and exact, meant for small
     models and small analyses. ``Conv1D`` gradients are transposed to the ``[out, in]`` layout.

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .flops import ModelShape  # noqa: F401  (type hints)
+from .flops import ModelShape
 
 from .retention import DEFAULT_TOPK, retention_metrics, topk_count, topk_indices
 from .subspace import mean_nn_distance, subspace_affinity

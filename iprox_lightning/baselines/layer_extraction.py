@@ -24,14 +24,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..blocks import (  # noqa: F401  (block surgery lives in iprox_lightning.blocks; re-exported: this baseline's API)
-    BLOCK_LIST_PATHS,
-    LAYER_INDEX_CONFIG_KEYS,
-    PER_LAYER_CONFIG_KEYS,
-    block_importance,
-    decoder_blocks,
-    most_important_blocks,
-    remove_blocks,
+from ..engine.blocks import (
+    BLOCK_LIST_PATHS, LAYER_INDEX_CONFIG_KEYS, PER_LAYER_CONFIG_KEYS, block_importance, decoder_blocks,
+    most_important_blocks, remove_blocks,
 )
 from ..errors import UserInputError
 

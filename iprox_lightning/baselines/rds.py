@@ -20,8 +20,8 @@ import torch
 def embed(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], list, np.ndarray, np.ndarray]:
     """``(ids, tasks, embeddings [N, d] (unit rows, float64), response_tokens [N])`` of SFT ``batches`` (on the
     model's device)."""
-    from ..batch import IGNORE_INDEX, model_device, to_device
-    from ..model_modes import eval_mode
+    from ..engine.batch import IGNORE_INDEX, model_device, to_device
+    from ..engine.model_modes import eval_mode
 
     body = getattr(model, "base_model", model)  # the decoder without the LM head: no vocabulary-size logits
     ids, tasks, embs, n_resp = [], [], [], []

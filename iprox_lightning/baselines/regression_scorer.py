@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batch import check_batch
-from ..blocks import decoder_blocks
+from ..engine.batch import check_batch
+from ..engine.blocks import decoder_blocks
 from ..errors import UserInputError
 
 log = logging.getLogger(__name__)

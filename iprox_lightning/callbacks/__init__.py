@@ -1,6 +1,6 @@
 """Lightning callbacks of IProX."""
-from .ipsvd import IPSVDCallback
-from .keep_best import KeepBestFactors
-from .ranking_fidelity import RankingFidelity
+from ..compression.callback import IPSVDCallback
+from ..alignment.keep_best import KeepBestFactors
+from ..alignment.fidelity import RankingFidelity
 
 __all__ = ["IPSVDCallback", "KeepBestFactors", "RankingFidelity"]

@@ -324,7 +324,7 @@ def _retention_rows(tables: dict, seconds: dict, s: _Sample, method: str, layer_
     Extraction), each with length partialled out and, with per-task scores, per validation task."""
     from ..analysis.retention import length_confound, per_task_retention, per_task_scores, worst_task
     from ..analysis.tables import retention_rows
-    from ..batch import token_counts
+    from ..engine.batch import token_counts
 
     lengths = token_counts(s.pool_loader())["response_tokens"]
     others: dict[str, dict[str, float]] = {}

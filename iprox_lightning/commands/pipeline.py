@@ -51,7 +51,7 @@ def _write_overlay(path: Path, content: dict) -> Path:
 
 def _count_params(path: str) -> int:
     from ..models.loading import load_model
-    from ..target_layers import count_parameters
+    from ..engine.target_layers import count_parameters
 
     model, _ = load_model(path, tokenizer=False)
     return count_parameters(model)
@@ -89,7 +89,7 @@ def pipeline(
         sparsity: ρ, the share of each compressed layer's parameters removed.
         select_fraction: k as a fraction of the pool (paper: 5%).
         select_rule: how the score columns become one ranking (``balanced``, ``mean``, ``max``, ``pooled``:
-            :mod:`iprox_lightning.selection_rules`) for the target's and the proxy's selection (the random one ranks
+            :mod:`iprox_lightning.selection.rules`) for the target's and the proxy's selection (the random one ranks
             by its random score). ``balanced`` (default), ``mean`` and ``max`` select once per validation task
             (``selected/<who>.<task>.jsonl``): round-robin over the task's columns by standardised score / their
             mean / their max (LESS's max over its subtasks with ``data_args={"validation_subtasks": true}``), and
@@ -123,7 +123,7 @@ def pipeline(
     """
     import torch
 
-    from ..select import select
+    from ..selection.select import select
     from .lightning import run_lightning
 
     if num_threads is None and target == "builtin":
@@ -154,7 +154,7 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
         raise UserInputError(f"sparsity must be in [0, 1), got {sparsity}")
     if isinstance(select_fraction, bool) or not 0.0 < select_fraction <= 1.0:
         raise UserInputError(f"select_fraction must be a fraction in (0, 1], got {select_fraction}")
-    from ..selection_rules import RULES
+    from ..selection.rules import RULES
 
     if select_rule not in RULES:
         raise UserInputError(f"select_rule: unknown selection rule {select_rule!r}; rules: {', '.join(RULES)}")
@@ -402,7 +402,7 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
             "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
                                    "selected": str(selected[name])}},
         }, ft / "config.json", tag=name, upstream=("warmup",), files=(selected[name],))
-    from ..selection_effect import selection_effect
+    from ..evaluation.effect import selection_effect
 
     t0 = time.perf_counter()
     with quiet_stage():
@@ -468,7 +468,7 @@ def rule_task_scores(path: str | Path, rule: str, tasks: list[str]) -> dict[str,
     import numpy as np
 
     from ..io.scores import read_table
-    from ..selection_rules import rule_order
+    from ..selection.rules import rule_order
 
     _, table = read_table(path)
     ids = [str(i) for i in table.column("id").to_pylist()]
@@ -587,14 +587,14 @@ def _format_summary(s: dict[str, Any]) -> str:
                 lines.append(f"   {fam + ' share':<17}: " + " | ".join(
                     f"{who} {o['per_family'][who][fam]:.3f}" for who in names if who in o["per_family"]))
     if s.get("selection", {}).get("proxy"):
-        from ..selection_summary import format_selection
+        from ..selection.summary import format_selection
 
         lines.append("proxy's selection :")
         lines.extend("   " + l for l in format_selection(s["selection"]["proxy"]).splitlines())
     elif s.get("selection_rule", {}).get("tasks"):
         lines.extend(_format_task_selections(s["selection"], s["selection_rule"]["tasks"]))
     if s.get("selection_effect"):
-        from ..selection_effect import format_effect
+        from ..evaluation.effect import format_effect
 
         lines.extend(format_effect(s["selection_effect"]))
     lines.append("=" * 72)

@@ -34,7 +34,7 @@ def rds_scores(
     from pathlib import Path
 
     from ..baselines.rds import rds_table
-    from ..batch import resolve_device
+    from ..engine.batch import resolve_device
     from ..data import SFTDataModule
     from ..io.fingerprint import loader_digest, source_identity
     from ..io.scores import write_settings

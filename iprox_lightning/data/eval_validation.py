@@ -22,12 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import InputNotFoundError, UserInputError
-from .eval_readers import (
-    list_bbh_tasks,
-    read_bbh_cot_prompt,
-    read_mmlu,
-    read_tydiqa_one_shot,
-)
+from .eval_readers import list_bbh_tasks, read_bbh_cot_prompt, read_mmlu, read_tydiqa_one_shot
 
 SUITES = ("mmlu", "bbh", "tydiqa")
 FORMS = {"bbh-direct": "bbh"}  # another form of a suite's validation examples -> that suite (see the module doc)

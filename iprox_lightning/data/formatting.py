@@ -32,7 +32,7 @@ Plain template (``prompt_template="plain"``, or ``"auto"`` without a chat templa
     separated by a blank line, then ``### Response:\\n`` and the response turns joined by ``"\\n\\n"``.
     The prompt part ends right after ``### Response:\\n``.
 
-Labels (Hugging Face convention, see :mod:`iprox_lightning.batch`) are ``-100`` on every prompt
+Labels (Hugging Face convention, see :mod:`iprox_lightning.engine.batch`) are ``-100`` on every prompt
 token and the token id on every response token.
 
 Truncation to ``max_length``

@@ -4,7 +4,7 @@ Pipeline: :mod:`~iprox_lightning.data.sources` reads and validates records (file
 field mapping, clear errors) -> :mod:`~iprox_lightning.data.splits` draws the warm-up / probe /
 alignment subsets from one seed -> :mod:`~iprox_lightning.data.formatting` applies the chat (or
 plain) template, masks the prompt and truncates -> :class:`SFTCollator` right-pads into the batch
-format of :mod:`iprox_lightning.batch` (``input_ids``, ``attention_mask``, ``labels``, ``id``,
+format of :mod:`iprox_lightning.engine.batch` (``input_ids``, ``attention_mask``, ``labels``, ``id``,
 ``task``).
 
 Splits served (``dataloader(split)``):
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..batch import IGNORE_INDEX
+from ..engine.batch import IGNORE_INDEX
 from ..errors import UserInputError
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
 from .sources import is_hub_id, parse_hub_id, read_records

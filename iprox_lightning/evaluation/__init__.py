@@ -5,15 +5,8 @@ configs/evaluate.yaml``)."""
 from .bbh import BBHConfig
 from .datamodule import SUITES, EvalDataModule
 from .metrics import (
-    ExactMatch,
-    PerTaskAccuracy,
-    PerTaskMean,
-    SquadF1,
-    bbh_exact_match,
-    extract_bbh_answer,
-    squad_exact_match,
-    squad_f1,
-    squad_normalize,
+    ExactMatch, PerTaskAccuracy, PerTaskMean, SquadF1, bbh_exact_match, extract_bbh_answer, squad_exact_match,
+    squad_f1, squad_normalize,
 )
 from .mmlu import MMLUConfig
 from .module import EvaluationModule

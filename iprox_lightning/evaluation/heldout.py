@@ -103,8 +103,8 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
     """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc), on the model's device;
     ``per_example`` adds ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over
     examples)."""
-    from ..batch import example_means, model_device, scored_logits, to_device
-    from ..model_modes import eval_mode
+    from ..engine.batch import example_means, model_device, scored_logits, to_device
+    from ..engine.model_modes import eval_mode
 
     per_task: dict[str, list[tuple[float, bool]]] = {}
     examples: list[dict] = []
@@ -136,7 +136,7 @@ def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, ma
                      batch_size: int = 32, per_example: bool = False, device: str = "auto") -> dict[str, Any]:
     """Load ``model_dir`` onto ``device`` (``auto``: a GPU where one is visible) and run :func:`heldout_metrics` on
     ``records`` (tokenized like training)."""
-    from ..batch import resolve_device
+    from ..engine.batch import resolve_device
     from ..data import SFTDataModule
     from ..models.loading import load_model
 

@@ -11,7 +11,7 @@ suite's gold fields. :func:`collate_eval` turns records into an **evaluation bat
 * the suite's gold fields (ints -> ``LongTensor[B]``, anything else -> ``list``) and its constants
   (e.g. MMLU ``choice_ids``, BBH/TyDiQA ``max_new_tokens`` and ``stop``).
 
-Evaluation batches carry no ``labels``: they are not the SFT batch format of :mod:`iprox_lightning.batch`.
+Evaluation batches carry no ``labels``: they are not the SFT batch format of :mod:`iprox_lightning.engine.batch`.
 """
 from __future__ import annotations
 

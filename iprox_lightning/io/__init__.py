@@ -3,7 +3,7 @@
 schema version and a fingerprint of what produced it (:mod:`.fingerprint`); and the SFT record format that
 pool files and selections share (:mod:`.records`). Every other module reads and writes these artifacts
 through here; this package imports nothing from the rest of ``iprox_lightning`` but the layer helpers
-(:mod:`~iprox_lightning.target_layers`, :mod:`~iprox_lightning.lowrank`) and the user-error classes
+(:mod:`~iprox_lightning.engine.target_layers`, :mod:`~iprox_lightning.engine.lowrank`) and the user-error classes
 (:mod:`~iprox_lightning.errors`)."""
 from .fingerprint import FingerprintMismatch, digest, diff
 from .scores import SCHEMA_VERSION, read_scores, read_table, topk_count, topk_indices, topk_order, write_scores

@@ -152,7 +152,7 @@ def build_manifest(model: nn.Module, report: Any = None, **extra: Any) -> dict:
     """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the compression
     settings and parameter counts of ``report`` (a ``CompressionReport`` — any fields of its ``to_dict()`` —
     or a dict) and any ``extra`` keys."""
-    from ..target_layers import count_parameters, lowrank_layers
+    from ..engine.target_layers import count_parameters, lowrank_layers
 
     layers = {}
     for name, m in lowrank_layers(model).items():
@@ -190,7 +190,7 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     to the manifest."""
     from safetensors.torch import save_model
 
-    from ..target_layers import is_compressed
+    from ..engine.target_layers import is_compressed
     from .fingerprint import file_identity, sort_safetensors_metadata
 
     path = Path(path)
@@ -336,8 +336,8 @@ def _check_block_drop(config: Any, manifest: Mapping[str, Any], man_file: Path) 
 
 def _swap_in_factor_layers(model: nn.Module, layers: dict, man_file: Path) -> None:
     """Replace each manifest layer of ``model`` by a ``LowRankLinear`` of the recorded rank (shapes checked)."""
-    from ..lowrank import LowRankLinear
-    from ..target_layers import linear_shape, linear_weight, set_submodule
+    from ..engine.lowrank import LowRankLinear
+    from ..engine.target_layers import linear_shape, linear_weight, set_submodule
 
     for name, spec in layers.items():
         try:

@@ -103,7 +103,7 @@ def dense_state_dict(proxy: nn.Module, dtype: torch.dtype, reference: Mapping[st
     layout of the ``reference`` module at ``<name>``: ``[out, in]`` for ``nn.Linear``, ``[in, out]`` for
     ``Conv1D``) and ``<name>.bias`` (zeros when the architecture has a bias the proxy layer lacks); every other
     tensor copied; all cast to ``dtype``."""
-    from ..target_layers import Conv1D, lowrank_layers
+    from ..engine.target_layers import Conv1D, lowrank_layers
 
     low = lowrank_layers(proxy)
     out: dict[str, torch.Tensor] = {}
@@ -173,7 +173,7 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
     the proxy, then moved into place (replacing ``output``'s contents only when ``overwrite``). Returns ``output``."""
     from transformers import GenerationConfig
 
-    from ..target_layers import count_parameters, lowrank_layers
+    from ..engine.target_layers import count_parameters, lowrank_layers
 
     proxy_dir, output = Path(proxy_dir), Path(output)
     check_export_target(proxy_dir, output, overwrite=overwrite)

@@ -26,8 +26,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-from ..errors import InputNotFoundError, UserInputError  # noqa: E402
-from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS  # noqa: E402  (the proxy directory's one home)
+from ..errors import InputNotFoundError, UserInputError
+from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "bf16-true": torch.bfloat16,

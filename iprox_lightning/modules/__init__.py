@@ -1,7 +1,7 @@
 """Lightning modules of the training side: warm-up, Stage 2 alignment, fine-tuning."""
-from .causal_lm import CausalLMModule
-from .finetune import FinetuneModule
-from .proxy_align import AlignConfig, ProxyAlignModule
-from .warmup import WarmupModule
+from ..training.causal_lm import CausalLMModule
+from ..training.finetune import FinetuneModule
+from ..alignment.module import AlignConfig, ProxyAlignModule
+from ..training.warmup import WarmupModule
 
 __all__ = ["CausalLMModule", "WarmupModule", "FinetuneModule", "ProxyAlignModule", "AlignConfig"]

@@ -1,20 +1,8 @@
 """Influence scoring: gradient features from the backward-pairs engine, influence metrics (TracIn, K-FAC),
 scores, the Lightning prediction module and writer. See ``influence.py`` for the definitions."""
-from .features import (
-    VirtualLinear,
-    choose_mode,
-    feature_costs,
-    layer_features,
-    tracked_modules,
-    virtual_linears,
-)
+from .features import VirtualLinear, choose_mode, feature_costs, layer_features, tracked_modules, virtual_linears
 from .influence import (
-    InfluenceScorer,
-    ScoreTable,
-    ScoringConfig,
-    influence_scores,
-    multi_checkpoint_scores,
-    tracin_scores,
+    InfluenceScorer, ScoreTable, ScoringConfig, influence_scores, multi_checkpoint_scores, tracin_scores,
 )
 from .metrics import KFAC, InfluenceMetric, KFACFactors, LayerMetric, TracIn, influence_metric
 from .module import InfluenceScoringModule

@@ -24,7 +24,7 @@ both give identical numbers (tested).
 A ``LowRankLinear`` (``y = A (B h)``) is handled as two *virtual* linears: ``∇_A = Σ_t δ_t (B h_t)ᵀ``
 (input ``B h``, output-gradient ``δ``) and ``∇_B = Σ_t (Aᵀ δ_t) h_tᵀ`` (input ``h``, output-gradient
 ``Aᵀ δ``); ``B h`` and ``∂L/∂(B h) = Aᵀ δ`` are the pair of the layer's ``bottleneck`` seam. The pairs come
-from the backward-pairs engine (:mod:`iprox_lightning.tracking`) through a :class:`WeightPairTracker`.
+from the backward-pairs engine (:mod:`iprox_lightning.engine.tracking`) through a :class:`WeightPairTracker`.
 
 An influence metric (:mod:`.metrics`) optionally maps ``(h, δ)`` to a whitened basis first (K-FAC:
 ``h̃ = S_h Q_hᵀ h``, ``δ̃ = S_δ Q_δᵀ δ``), so the same two routines give ``⟨g, H⁻¹ ḡ⟩`` and ``‖H^{-1/2} g‖²``.
@@ -37,12 +37,12 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..batch import IGNORE_INDEX, batch_rows, check_batch, to_device  # noqa: F401  (to_device re-exported)
+from ..engine.batch import IGNORE_INDEX, batch_rows, check_batch, to_device
 from ..errors import UserInputError
-from ..lowrank import LowRankLinear
-from ..model_modes import eval_mode  # noqa: F401  (re-exported: the scoring modules' import)
-from ..target_layers import Conv1D, find_target_linears, linear_shape
-from ..tracking import PairTracker
+from ..engine.lowrank import LowRankLinear
+from ..engine.model_modes import eval_mode
+from ..engine.target_layers import Conv1D, find_target_linears, linear_shape
+from ..engine.tracking import PairTracker
 
 FEATURE_MODES = ("auto", "ghost", "materialize")
 
@@ -201,7 +201,7 @@ class FactorSpaceView(WeightPairTracker):
     :class:`WeightPairTracker` of another model (``modules``: the scored proxy's tracked modules, same paths), in that
     model's coordinates: a ``LowRankLinear`` ``W ≈ A B`` there gets ``A: (B h, δ)`` and ``B: (h, Aᵀ δ)`` -- summed over
     tokens, ``∇W·Bᵀ`` and ``Aᵀ·∇W``, the gradients its factors would get from the dense model's ``h`` and ``δ``
-    (:func:`iprox_lightning.alignment.factor_projections`, what Stage 2 aligns the proxy's own factor gradients to);
+    (:func:`iprox_lightning.alignment.losses.factor_projections`, what Stage 2 aligns the proxy's own factor gradients to);
     a layer dense in both gets its pair as is. So a proxy's pool can be scored against its target's validation
     gradients without forming an ``[out, in]`` matrix (:meth:`.influence.InfluenceScorer.collect_validation`,
     :class:`.projection.GradientProjector`)."""
@@ -323,7 +323,7 @@ class ScoreFeatureTracker(WeightPairTracker):
 # batch plumbing
 # --------------------------------------------------------------------------------------------
 def slice_rows(batch: Mapping, n: int) -> dict:
-    """The first ``n`` examples of ``batch`` (:func:`iprox_lightning.batch.batch_rows`)."""
+    """The first ``n`` examples of ``batch`` (:func:`iprox_lightning.engine.batch.batch_rows`)."""
     return batch_rows(batch, slice(0, n))
 
 

@@ -17,7 +17,7 @@ Definitions (sign convention: **higher score = more useful for the validation se
 * **K-FAC influence** (Grosse et al. 2023): per tracked weight ``W: [out, in]``,
   ``C_h = E[h hᵀ]`` and ``C_δ = E[δ δᵀ]`` (means over the non-padding tokens of the first
   ``kfac_examples`` training examples, ``h`` the layer input, ``δ = ∂L(z)/∂(W h)``), damped
-  ``C_λ = C + λ I`` by the project's damping rule, the same as IPSVD's (:mod:`iprox_lightning.damping`:
+  ``C_λ = C + λ I`` by the project's damping rule, the same as IPSVD's (:mod:`iprox_lightning.engine.damping`:
   ``λ = damping · trace(C)/dim``, or ``damping`` when the trace is 0, with ``damping_mode="relative"``;
   ``λ = damping`` with ``"absolute"``); ``H = ⊕_layers C_δ,λ ⊗ C_h,λ``, preconditioned validation
   gradient ``H⁻¹ ḡ = C_δ,λ⁻¹ Ḡ C_h,λ⁻¹`` per layer, and
@@ -49,19 +49,10 @@ import torch
 from torch import nn
 
 from ..errors import UserInputError
-from ..tracking import backward_pairs
+from ..engine.tracking import backward_pairs
 from .features import (
-    FEATURE_MODES,
-    FactorSpaceView,
-    ScoreFeatureTracker,
-    ValidationGradientTracker,
-    eval_mode,
-    has_response_tokens,
-    progress_bar,
-    to_device,
-    tracked_modules,
-    trim_batch,
-    virtual_linears,
+    FEATURE_MODES, FactorSpaceView, ScoreFeatureTracker, ValidationGradientTracker, eval_mode, has_response_tokens,
+    progress_bar, to_device, tracked_modules, trim_batch, virtual_linears,
 )
 from .metrics import InfluenceMetric, TracIn, influence_metric
 
@@ -178,7 +169,7 @@ class ScoringConfig:
             K-FAC metric) or ``"ekfac"`` (eigenvalue-corrected K-FAC); :func:`~.metrics.influence_metric`.
         normalize: cosine scores (paper); ``False`` gives plain inner products.
         per_task: also score against each validation task (LESS max aggregation in ``score_max``).
-        damping: K-FAC damping of the factors (the project's damping rule, :mod:`iprox_lightning.damping`).
+        damping: K-FAC damping of the factors (the project's damping rule, :mod:`iprox_lightning.engine.damping`).
         damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
         kfac_examples: training examples the K-FAC factors are estimated on (paper: 1024).
         feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation (identical numbers).

@@ -28,9 +28,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..damping import check_damping, check_damping_mode, damping_value
+from ..engine.damping import check_damping, check_damping_mode, damping_value
 from ..errors import UserInputError
-from ..tracking import backward_pairs
+from ..engine.tracking import backward_pairs
 from .features import WeightPairTracker, eval_mode, materialize_grads, progress_bar, slice_rows, to_device, trim_batch
 
 METRICS = ("tracin", "kfac", "ekfac")
@@ -67,7 +67,7 @@ class LayerMetric:
 
 def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``(Q, e + λ, λ)`` with ``C = Q diag(e) Qᵀ`` (float64) and ``λ`` the project's damping rule
-    (:func:`~iprox_lightning.damping.damping_value`)."""
+    (:func:`~iprox_lightning.engine.damping.damping_value`)."""
     C = C.double()
     C = 0.5 * (C + C.t())
     lam = damping_value(float(torch.trace(C)), C.shape[0], damping, mode)
@@ -303,7 +303,7 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
 class KFAC(InfluenceMetric):
     """``M = H^{-1/2}``, ``H = C_δ,λ ⊗ C_h,λ`` per tracked weight: ``C_h = E[h hᵀ]``, ``C_δ = E[δ δᵀ]`` over the
     non-padding tokens of the first ``examples`` training examples, damped by the project's rule
-    (``damping``, ``damping_mode``: :mod:`iprox_lightning.damping`)."""
+    (``damping``, ``damping_mode``: :mod:`iprox_lightning.engine.damping`)."""
 
     name = "kfac"
     needs_factor_data = True

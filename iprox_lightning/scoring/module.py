@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..settings import takes_settings
+from ..engine.settings import takes_settings
 from .influence import InfluenceScorer, ScoringConfig
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class InfluenceScoringModule(L.LightningModule):
     The scoring settings (``method``, ``normalize``, ``per_task``, ``damping``, ``damping_mode``,
     ``kfac_examples``, ``feature_mode``, ``target_patterns``) are the fields of
     :class:`~iprox_lightning.scoring.influence.ScoringConfig`, given as keywords (YAML ``init_args``, the command line)
-    or whole as ``scoring=ScoringConfig(...)`` (:func:`~iprox_lightning.settings.takes_settings`); the built config is
+    or whole as ``scoring=ScoringConfig(...)`` (:func:`~iprox_lightning.engine.settings.takes_settings`); the built config is
     ``self.config``: the scorer gets it unchanged and ``InfluenceWriter`` writes it verbatim into the score table's
     settings.
 

@@ -227,7 +227,7 @@ class GradientProjector:
         self._factors_moved: dict = {}  # with pairs_from: the proxy's factors on the dense model's device, once
 
     def project_batch(self, batch: Mapping) -> dict:
-        from ..tracking import backward_pairs
+        from ..engine.tracking import backward_pairs
         from .features import FactorSpaceView, eval_mode, has_response_tokens, to_device, trim_batch
 
         net = self.model if self.pairs_from is None else self.pairs_from

@@ -21,22 +21,9 @@ from __future__ import annotations
 
 import logging
 
-from ..io.scores import (  # noqa: F401  (re-exported: the historical import path)
-    SCORES_FILE,
-    SETTINGS_FILE,
-    SHARD_DIR,
-    OutputLocked,
-    ScoreDirLock,
-    check_fingerprint,
-    clear_output,
-    done_ids,
-    merge_shards,
-    predictions_to_arrow,
-    read_settings,
-    read_shards,
-    shard_files,
-    write_parquet_atomic,
-    write_settings,
+from ..io.scores import (
+    SCORES_FILE, SETTINGS_FILE, SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids,
+    merge_shards, predictions_to_arrow, read_settings, read_shards, shard_files, write_parquet_atomic, write_settings,
 )
 from .shard_writer import BufferedShardWriter
 

@@ -1,0 +1,367 @@
+"""Compress a causal LM into an IProX proxy (paper Stage 1), count its parameters, save and load it.
+
+``compress_model`` replaces, in place, every targeted linear layer (attention and MLP projections
+of the decoder blocks, fused ones and GPT-2 ``Conv1D`` included; never embeddings or LM head) by a
+:class:`~iprox_lightning.engine.lowrank.LowRankLinear` whose factors come from IPSVD (or plain SVD /
+random init), at the rank the sparsity budget gives (:mod:`iprox_lightning.compression.ranks`). Layers whose rank
+would reach ``min(in, out)`` stay dense. The returned :class:`CompressionReport` holds per-layer
+rank, weighted objective, time, and the requested vs achieved parameter counts of the whole model
+(embeddings and LM head included), so users see the true proxy size.
+
+``drop_blocks = d > 0`` (:attr:`CompressionConfig.drop_blocks`) first removes the ``d`` least important
+decoder blocks as the Layer Extraction baseline does (:mod:`iprox_lightning.engine.blocks`:
+ShortGPT importance on the probe batches, blocks cut and renumbered), then compresses the remaining blocks
+at the SAME whole-model parameter budget as ``d = 0`` would request: the weights freed by the dropped blocks
+go back to the remaining layers (see :func:`compress`).
+
+A proxy directory (``save_proxy`` / ``load_proxy``, defined in :mod:`iprox_lightning.io.proxy`) holds
+``config.json``, the tokenizer files, every weight (factors included) in ``iprox_proxy.safetensors`` and the
+manifest ``iprox_proxy.json``; it loads as a proxy or not at all. Nothing is unpickled on load.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..errors import UserInputError
+from .ipsvd import compute_factors, weighted_objective
+from ..engine.lowrank import LowRankLinear
+from ..engine.settings import takes_settings
+from ..engine.target_layers import (
+    count_parameters, find_target_linears, is_compressed, linear_shape, linear_weight, lowrank_layers, set_submodule,
+)
+from .influence_weights import RankWeights, influence_rank_weights
+from .probes import Probes, collect_probes
+from .ranks import requested_layer_params
+from .config import ALLOCATIONS, DEFAULT_ALLOCATION, METHODS, CompressionConfig, resolve_allocation
+from .plan import (
+    BlockDropReport, CompressionPlan, cut_planned_blocks, layers_to_probe, plan_compression, plan_global_ranks,
+)
+
+log = logging.getLogger(__name__)
+
+from ..io.proxy import MANIFEST_VERSION, PROXY_MANIFEST, PROXY_WEIGHTS
+def _layer_bias(module: nn.Module) -> torch.Tensor | None:
+    b = getattr(module, "bias", None)
+    return b if isinstance(b, torch.Tensor) else None
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class LayerReport:
+    name: str
+    in_features: int
+    out_features: int
+    rank: int | None  # None: kept dense
+    bias: bool
+    params_before: int
+    params_after: int
+    params_requested: float
+    mode: str | None = None  # factor mode actually used (ipsvd), e.g. "exact" after a core fallback
+    objective: float | None = None  # weighted objective J(A B)
+    objective_dense: float | None = None  # J(0) = weighted norm of W: objective / objective_dense is the relative error
+    time_s: float = 0.0
+
+    @property
+    def relative_objective(self) -> float | None:
+        if self.objective is None or not self.objective_dense:
+            return None
+        return self.objective / self.objective_dense
+
+
+@dataclass
+class CompressionReport:
+    """What ``compress_model`` did. Parameter counts are for the whole model unless prefixed ``target_``."""
+
+    sparsity: float
+    method: str
+    mode: str | None
+    damping: float | None
+    damping_mode: str | None
+    rank_multiple: int
+    seed: int
+    num_probe_tokens: int  # requested N
+    probe_tokens: int  # collected N
+    probe_examples: int
+    params_before: int
+    params_after: int
+    params_requested: int  # whole model at exactly (1 − ρ) of every targeted layer
+    target_params_before: int
+    target_params_after: int
+    time_probes_s: float
+    time_factors_s: float
+    layers: list[LayerReport] = field(default_factory=list)
+    allocation: str = "uniform"
+    keep_dense: list[str] | None = None
+    time_allocation_s: float = 0.0
+    health: dict[str, float] | None = None  # proxy vs target on held-out batches (IPSVDCallback)
+    compression: CompressionConfig | None = None  # the settings as given (written verbatim into the manifest)
+    block_drop: BlockDropReport | None = None  # drop_blocks > 0: the removed blocks (counts above: original model)
+    rank_weighting: RankWeights | None = None  # rank_weighting="influence": the allocation's layer weights
+
+    @property
+    def ranks(self) -> dict[str, int | None]:
+        return {lr.name: lr.rank for lr in self.layers}
+
+    @property
+    def achieved_sparsity(self) -> float:
+        """Sparsity actually reached on the targeted layers."""
+        return 1.0 - self.target_params_after / max(self.target_params_before, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["achieved_sparsity"] = self.achieved_sparsity
+        for k in ("block_drop", "rank_weighting"):  # only when used
+            if d[k] is None:
+                del d[k]
+        return d
+
+    def summary(self) -> str:
+        n_low = sum(lr.rank is not None for lr in self.layers)
+        rel = [lr.relative_objective for lr in self.layers if lr.relative_objective is not None]
+        mean_rel = f", mean relative weighted error {sum(rel) / len(rel):.4g}" if rel else ""
+        bd = self.block_drop
+        dropped = (f", dropped blocks {bd.dropped} of {bd.num_blocks_before} (Layer Extraction importance)"
+                   + (f", remaining layers at sparsity {bd.layer_sparsity:.4f}" if bd.layer_sparsity is not None else "")
+                   if bd is not None else "")
+        rw = self.rank_weighting
+        weighted = (f", influence-weighted allocation ({len(rw.tasks)} tasks, weights {min(rw.weights.values()):.3g}"
+                    f"..{max(rw.weights.values()):.3g}, {rw.time_s:.1f}s)" if rw is not None else "")
+        return (
+            f"{self.method}{'/' + self.mode if self.mode else ''} at sparsity {self.sparsity}: "
+            f"{n_low}/{len(self.layers)} layers factorised, parameters {self.params_before:,} -> "
+            f"{self.params_after:,} (requested {self.params_requested:,}; targeted layers "
+            f"{self.target_params_before:,} -> {self.target_params_after:,}, achieved sparsity "
+            f"{self.achieved_sparsity:.4f}), probes {self.probe_tokens} tokens in {self.time_probes_s:.1f}s, "
+            f"factors in {self.time_factors_s:.1f}s{mean_rel}{dropped}{weighted}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# compression
+# ------------------------------------------------------------------------------------------------
+@takes_settings(CompressionConfig, "compression", positional=("sparsity",))
+def compress_model(
+    model: nn.Module,
+    probe_dataloader: Iterable[Mapping] | None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    probes: Probes | None = None,
+    val_dataloader: Iterable[Mapping] | None = None,
+    validation_dataloader: Iterable[Mapping] | None = None,
+    compression: CompressionConfig | None = None,
+) -> CompressionReport:
+    """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (its fields: same names, same
+    defaults; ``sparsity`` also third by position) or whole as ``compression=``."""
+    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader, stacklevel=4)  # + the wrapper
+    return compress(model, probe_dataloader, compression, compute_dtype=compute_dtype, progress=progress,
+                    probes=probes, val_dataloader=val_dataloader)
+
+
+def _renamed_val_dataloader(val_dataloader: Iterable[Mapping] | None,
+                            validation_dataloader: Iterable[Mapping] | None, stacklevel: int = 3
+                            ) -> Iterable[Mapping] | None:
+    """``val_dataloader``, or the same batches given by its old name ``validation_dataloader=`` (with a warning)."""
+    if validation_dataloader is None:
+        return val_dataloader
+    if val_dataloader is not None:
+        raise UserInputError("pass the validation batches once, as val_dataloader (validation_dataloader is its old name)")
+    warnings.warn("compress(validation_dataloader=...) is deprecated: pass val_dataloader=... (the name Lightning and "
+                  "influence_scores use)", FutureWarning, stacklevel=stacklevel)
+    return validation_dataloader
+
+
+def compress(
+    model: nn.Module,
+    probe_dataloader: Iterable[Mapping] | None,
+    config: CompressionConfig,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    probes: Probes | None = None,
+    val_dataloader: Iterable[Mapping] | None = None,
+    validation_dataloader: Iterable[Mapping] | None = None,
+) -> CompressionReport:
+    """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
+
+    ``config`` (:class:`CompressionConfig`) says how. ``method``: ``"ipsvd"`` (needs ``probe_dataloader``),
+    ``"svd"`` or ``"random"``. When a probe dataloader is given, probes are collected for every method so the report holds the weighted
+    objective ``J`` (see :mod:`iprox_lightning.compression.ipsvd`) of each layer, measured with the given
+    ``damping``/``damping_mode`` whatever the method — comparable across methods.
+    ``mode``/``damping``/``damping_mode``/``core_fallback``/``compute_dtype``: see
+    :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` (a core→exact fallback is logged and recorded as the
+    layer's ``mode``). ``targets``: regex patterns of layer leaf names (default: all attention/MLP
+    projections). ``probes``: reuse probes collected beforehand by
+    :func:`~iprox_lightning.compression.probes.collect_probes` on this model (not consumed; e.g. for a sweep)
+    instead of collecting them from ``probe_dataloader``.
+    ``allocation`` (``None``: :func:`resolve_allocation`): ``"uniform"`` — every layer at the rank of sparsity ρ (:func:`~iprox_lightning.compression.ranks.plan_ranks`);
+    ``"global"`` — one budget of ``(1 − ρ)·Σ in·out`` weights for all targeted layers, spent greedily where
+    truncation costs most (:func:`~iprox_lightning.compression.ranks.allocate_ranks` over each layer's
+    :func:`~iprox_lightning.compression.ipsvd.weighted_spectrum` for IPSVD, its plain singular values for SVD): the
+    parameter count is the uniform one's, the ranks differ per layer. ``keep_dense``: regex patterns of
+    full layer names (``re.search``, e.g. ``"layers\\.0\\.mlp"``) kept dense; under ``"global"`` they are
+    charged to the same budget. Factors are cast to the dtype/device of the replaced weight; biases are kept
+    (frozen). Raises if the model is already compressed.
+
+    ``drop_blocks = d > 0``: the probe batches (read once into a list) first give the Layer Extraction block
+    importance (:func:`~iprox_lightning.engine.blocks.block_importance`, every real token of every
+    probe batch — the same data as the probes, no second sample); the ``d`` least important blocks are removed
+    in place (:func:`~iprox_lightning.engine.blocks.remove_blocks`: config lists cut, ``layer_idx``
+    renumbered), and the probes are collected on the cut model (its blocks see new inputs). The remaining
+    targeted layers then get ``params_requested`` (the whole original model at ``(1 − ρ)`` of every targeted
+    layer, as for ``d = 0``) minus every other parameter of the cut model: ``"global"`` spends that one budget;
+    ``"uniform"`` solves for the one sparsity ``ρ'`` of the remaining layers whose plan comes closest to it
+    (:func:`~iprox_lightning.compression.ranks.uniform_plan_for_budget`). ``keep_dense`` patterns match the cut model's
+    (renumbered) layer names and are charged to the budget under either allocation. Precollected ``probes``
+    are refused (they were taken before the cut). Raises, naming the numbers, when ``d`` is not below the number
+    of blocks or the budget left is infeasible (at least the remaining layers' dense size, or below their
+    smallest plan). Parameter counts of the report (``params_before``, ``target_params_before``,
+    ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
+
+    ``rank_weighting="influence"`` (``"global"`` only) reads ``val_dataloader`` (batches with a ``task``; its old name
+    ``validation_dataloader=`` still works, with a warning) and
+    the probe batches a second time (read once into a list; precollected ``probes`` alone are not enough) for the influence
+    weights of the (cut) target's layers (:func:`~iprox_lightning.compression.influence_weights.influence_rank_weights`,
+    recorded in ``report.rank_weighting``; its time is part of ``time_allocation_s``); ``rank_rounding`` and
+    ``probe_labels``: :class:`CompressionConfig`.
+    """
+    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader)
+    if config.method == "ipsvd" and probe_dataloader is None and probes is None:
+        raise UserInputError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
+    drop = config.drop_blocks
+    if drop and probes is not None:
+        raise UserInputError(f"drop_blocks={drop}: precollected probes were taken before the blocks are removed (the "
+                             "remaining blocks see new inputs); pass the probe_dataloader instead")
+    if drop and probe_dataloader is None:
+        raise UserInputError(f"drop_blocks={drop} needs the probe batches (block importance): give a probe_dataloader")
+    influence = config.rank_weighting == "influence"
+    if influence and (probe_dataloader is None or val_dataloader is None):
+        raise UserInputError("rank_weighting='influence' needs the probe batches and a val_dataloader (the per-task "
+                         "validation examples): give both (precollected probes alone are not enough)")
+    if is_compressed(model):
+        raise UserInputError("model already holds LowRankLinear layers (already compressed)")
+    if drop or influence:  # read once: block importance / influence weights, then probes of the cut model
+        probe_dataloader = list(probe_dataloader)
+    targets = list(config.targets) if config.targets is not None else None
+    plan = plan_compression(model, config, probe_dataloader, progress=progress)  # refused settings: model untouched
+    cut_planned_blocks(model, plan, targets)
+    modules = find_target_linears(model, targets)
+
+    t0 = time.perf_counter()
+    own_probes = probes is None
+    if probes is None and probe_dataloader is not None:
+        wanted = set(layers_to_probe(plan))
+        to_probe = {n: m for n, m in modules.items() if n in wanted}
+        if to_probe:
+            probes = collect_probes(model, probe_dataloader, to_probe, num_tokens=config.num_probe_tokens,
+                                    seed=config.seed, progress=progress, labels=config.probe_labels)
+    t_probes = time.perf_counter() - t0
+    t_alloc = time.perf_counter()
+    weights = influence_rank_weights(model, modules, val_dataloader, probe_dataloader,
+                                     mix=config.rank_weight_mix, progress=progress) if influence else None
+    plan = plan_global_ranks(plan, modules, config, probes, compute_dtype=compute_dtype, progress=progress,
+                             weights=weights)
+    t_alloc = time.perf_counter() - t_alloc
+
+    t1 = time.perf_counter()
+    layers = apply_plan(model, plan, config, probes, consume_probes=own_probes, compute_dtype=compute_dtype,
+                        progress=progress)
+    report = _report(model, plan, config, layers, probes, t_probes, time.perf_counter() - t1, t_alloc)
+    log.info(report.summary())
+    return report
+
+
+def apply_plan(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, probes: Probes | None, *,
+               consume_probes: bool = False, compute_dtype: torch.dtype | None = None,
+               progress: bool = True) -> list[LayerReport]:
+    """The apply step: replace, in place, every layer ``plan`` gives a rank by a ``LowRankLinear`` of that rank
+    (factors from ``config.method``; ``probes`` give IPSVD its ``(H, Δ)`` and every factorised layer its weighted
+    objective); one :class:`LayerReport` per targeted layer, dense ones included. ``consume_probes`` frees each
+    layer's probes once used."""
+    modules = find_target_linears(model, list(config.targets) if config.targets is not None else None)
+    if list(modules) != list(plan.shapes):
+        raise ValueError(f"the plan is for layers {list(plan.shapes)[:4]}..., the model has {list(modules)[:4]}...")
+    layers: list[LayerReport] = []
+    for name, module in tqdm(list(modules.items()), desc=f"IPSVD factors ({config.method})", disable=not progress):
+        out_f, in_f = linear_shape(module)
+        layers.append(LayerReport(name=name, in_features=in_f, out_features=out_f, rank=plan.ranks[name],
+                                  bias=_layer_bias(module) is not None, params_before=in_f * out_f,
+                                  params_after=in_f * out_f,
+                                  params_requested=requested_layer_params(in_f, out_f, config.sparsity)))
+        if plan.ranks[name] is not None:
+            _factorise_layer(model, name, module, layers[-1], config, probes, consume_probes, len(layers),
+                             compute_dtype)
+    return layers
+
+
+def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerReport, config: CompressionConfig,
+                     probes: Probes | None, consume_probes: bool, index: int, compute_dtype) -> None:
+    """Swap the layer ``name`` for its ``LowRankLinear`` at rank ``lr.rank``; fills ``lr`` (objective, mode, time)."""
+    ts = time.perf_counter()
+    W, bias, rank = linear_weight(module).detach(), _layer_bias(module), lr.rank
+    H = Delta = None
+    if probes is not None:
+        if name not in probes.H:
+            raise ValueError(f"layer {name!r}: no probes collected for it")
+        H, Delta = probes.pop(name) if consume_probes else (probes.H[name], probes.Delta[name])
+        H, Delta = H.to(W.device), Delta.to(W.device)
+    used_mode = config.mode if config.method == "ipsvd" else None
+    kwargs: dict[str, Any] = dict(seed=config.seed + index, compute_dtype=compute_dtype)
+    fallbacks: list[str] = []
+    if config.method == "ipsvd":
+        kwargs.update(damping=config.damping, damping_mode=config.damping_mode, core_fallback=config.core_fallback,
+                      on_fallback=fallbacks.append)
+    try:
+        A, B = compute_factors(config.method, W, rank, H, Delta, mode=used_mode, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"layer {name!r}: {e}") from None
+    if fallbacks:
+        log.warning("layer %s: %s -> falling back to mode='exact'", name, fallbacks[0])
+        used_mode = "exact"
+    if H is not None:
+        obj_kw = dict(damping=config.damping, damping_mode=config.damping_mode)
+        lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)
+        lr.objective_dense = weighted_objective(W, None, None, H, Delta, **obj_kw)
+    new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
+                                     None if bias is None else bias.detach())
+    new.train(module.training)
+    set_submodule(model, name, new)
+    lr.params_after = rank * (lr.in_features + lr.out_features)
+    lr.mode = used_mode
+    lr.time_s = time.perf_counter() - ts
+
+
+def _report(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, layers: list[LayerReport],
+            probes: Probes | None, t_probes: float, t_factors: float, t_alloc: float) -> CompressionReport:
+    return CompressionReport(
+        sparsity=config.sparsity, method=config.method,
+        mode=config.mode if config.method == "ipsvd" else None,
+        damping=config.damping,
+        damping_mode=config.damping_mode,
+        rank_multiple=config.rank_multiple, seed=config.seed, num_probe_tokens=config.num_probe_tokens,
+        probe_tokens=probes.num_tokens if probes is not None else 0,
+        probe_examples=probes.num_examples if probes is not None else 0,
+        params_before=plan.params_before, params_after=count_parameters(model),
+        params_requested=int(round(plan.params_requested)),
+        target_params_before=plan.target_params_before, target_params_after=sum(lr.params_after for lr in layers),
+        time_probes_s=t_probes, time_factors_s=t_factors, layers=layers,
+        allocation=plan.allocation, keep_dense=list(config.keep_dense) if config.keep_dense else None,
+        time_allocation_s=t_alloc, compression=config, block_drop=plan.block_drop,
+        rank_weighting=plan.rank_weighting,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# save / load: the proxy directory's one home is iprox_lightning.io.proxy (re-exported here)
+# ------------------------------------------------------------------------------------------------
+from ..io.proxy import build_manifest, load_proxy, read_manifest, save_proxy

@@ -1,0 +1,244 @@
+"""``IPSVDCallback``: Stage 1 of IProX inside a Lightning ``fit`` — compress the proxy before
+alignment training starts, so the new factors are what the optimiser trains.
+
+It acts in ``setup(stage="fit")``: after the datamodule's ``setup`` and before ``configure_model``,
+strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFinetuning`` and
+``ModelPruning`` change models at the same point). Steps:
+
+1. ``pl_module.configure_model()`` if the module has one (contract: idempotent; it builds
+   ``pl_module.proxy`` — and for ``ProxyAlignModule`` a frozen ``pl_module.teacher``);
+2. the model ``getattr(pl_module, model_attr)`` (fallback ``pl_module.model``) is skipped if it
+   already holds ``LowRankLinear`` layers (resumed / loaded proxy);
+3. probes from ``trainer.datamodule.probe_dataloader()`` (fallback ``pl_module.probe_dataloader()``); with
+   ``rank_weighting="influence"`` also the validation examples, ``trainer.datamodule.val_dataloader()`` (fallback
+   ``pl_module.val_dataloader()``), for the influence weights of the rank allocation;
+4. :func:`~iprox_lightning.compression.apply.compress` (with ``drop_blocks``: the least important blocks removed
+   first) with :class:`~iprox_lightning.compression.apply.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
+5. under multi-process strategies the factors are broadcast from rank 0 so every rank starts
+   bit-identical; per-layer rank / objective / time and the parameter counts go to the logger;
+   with ``save_dir`` rank 0 writes the proxy directory (:func:`~iprox_lightning.compression.apply.save_proxy`).
+
+The :class:`~iprox_lightning.compression.apply.CompressionReport` is kept as ``callback.report`` and
+``pl_module.ipsvd_report``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from .apply import CompressionConfig, CompressionReport, compress, is_compressed, lowrank_layers, save_proxy
+from ..engine.settings import takes_settings
+
+log = logging.getLogger(__name__)
+
+
+class IPSVDCallback(Callback):
+    @takes_settings(CompressionConfig, "compression", positional=("sparsity",))
+    def __init__(
+        self,
+        *,
+        model_attr: str = "proxy",
+        save_dir: Optional[str] = None,
+        compress_on_device: bool = True,
+        health_batches: int = 4,
+        compression: Optional[CompressionConfig] = None,
+    ) -> None:
+        """Stage 1 inside ``fit``: compress ``pl_module.<model_attr>`` in ``setup`` (module docstring).
+
+        The compression settings (``sparsity``, ``method``, ... ``rank_weight_mix``) are the fields of
+        :class:`~iprox_lightning.compression.apply.CompressionConfig`, given as keywords (YAML ``init_args``, the command line)
+        or whole as ``compression=CompressionConfig(...)`` (:func:`~iprox_lightning.engine.settings.takes_settings`); the
+        built config is ``self.config``.
+
+        Args:
+            model_attr: the LightningModule attribute holding the model to compress (fallback ``model``).
+            save_dir: where rank 0 saves the compressed proxy right away (before any alignment).
+            compress_on_device: move the model to the strategy's root device before compressing.
+            health_batches: batches of the alignment split (data Stage 1 never saw) on which the proxy is compared
+                with the uncompressed teacher right after compression (loss, KL, top-1 agreement; logged, kept in
+                the report and the manifest, loud when KL > 1 nat/token); 0 disables the check.
+        """
+        super().__init__()
+        self.config = compression
+        self.model_attr = model_attr
+        self.save_dir = save_dir
+        self.compress_on_device = compress_on_device
+        self.health_batches = health_batches
+        self.report: CompressionReport | None = None
+
+    # -------------------------------------------------------------------------------------------
+    def _target(self, pl_module: pl.LightningModule) -> torch.nn.Module:
+        model = getattr(pl_module, self.model_attr, None)
+        if model is None:
+            model = getattr(pl_module, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise AttributeError(
+                f"IPSVDCallback: {type(pl_module).__name__} has no model in attribute {self.model_attr!r} "
+                "(nor 'model'); build it in __init__ or configure_model(), or set model_attr"
+            )
+        return model
+
+    @staticmethod
+    def _probe_loader(trainer: pl.Trainer, pl_module: pl.LightningModule):
+        dm = trainer.datamodule
+        if dm is not None and hasattr(dm, "probe_dataloader"):
+            return dm.probe_dataloader()
+        if hasattr(pl_module, "probe_dataloader"):
+            return pl_module.probe_dataloader()
+        raise AttributeError(
+            "IPSVDCallback needs probe batches: give the datamodule (or the LightningModule) a "
+            "probe_dataloader() method returning batches in the project's format"
+        )
+
+    @staticmethod
+    def _validation_loader(trainer: pl.Trainer, pl_module: pl.LightningModule):
+        """The validation batches of the influence weights (per task): the datamodule's, else the module's."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        dm = trainer.datamodule
+        owners = [o for o in (dm, pl_module) if o is not None and is_overridden("val_dataloader", o)]
+        for owner in owners:
+            loader = owner.val_dataloader()
+            if isinstance(loader, (list, tuple)):  # Lightning allows several loaders: one stream of batches
+                from itertools import chain
+
+                loader = list(chain.from_iterable(loader)) if loader else None
+            if loader:
+                return loader
+        raise ValueError("IPSVDCallback(rank_weighting='influence') needs validation examples (the per-task validation "
+                         "gradients): give the datamodule validation sets (SFTDataModule(validation=...)) or the "
+                         "module a val_dataloader()")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if hasattr(pl_module, "configure_model"):
+            pl_module.configure_model()
+        model = self._target(pl_module)
+        if is_compressed(model):
+            rank_zero_info(f"IPSVDCallback: {type(model).__name__} already holds "
+                           f"{len(lowrank_layers(model))} LowRankLinear layers; skipping compression")
+            return
+        self._check_drop_blocks(pl_module)
+        if self.compress_on_device:
+            model.to(trainer.strategy.root_device)
+        try:
+            loader = self._probe_loader(trainer, pl_module)
+        except AttributeError:
+            if self.config.method == "ipsvd":
+                raise
+            loader = None  # svd / random need no probes (the report then has no objective)
+        from ..console import show_progress
+
+        validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
+                      else None)
+        self.report = compress(model, loader, self.config, progress=show_progress(trainer),
+                               val_dataloader=validation)
+        pl_module.ipsvd_report = self.report
+        self._broadcast_factors(trainer, model)
+        rank_zero_info(f"IPSVDCallback: {self.report.summary()}")
+        self._health(trainer, pl_module, model)
+        self._log(trainer)
+        if self.save_dir and trainer.is_global_zero:
+            tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
+            save_proxy(model, tok, self.save_dir, self.report)
+        trainer.strategy.barrier("ipsvd")
+
+    def _check_drop_blocks(self, pl_module: pl.LightningModule) -> None:
+        """Stage 2 pairs each proxy layer with the teacher layer of the same path; with blocks dropped the proxy's
+        blocks are renumbered (its block 2 may be the teacher's block 3), so alignment would compare the wrong
+        layers. Refuse that pairing before compressing; the IPSVD-only proxy (``align: false``) is fine."""
+        if not self.config.drop_blocks or getattr(pl_module, "teacher", None) is None:
+            return
+        align = getattr(getattr(pl_module, "config", None), "align", None)
+        if align:
+            raise ValueError(
+                f"IPSVDCallback(drop_blocks={self.config.drop_blocks}): {type(pl_module).__name__} aligns the proxy "
+                "with the target layer by layer path, but dropping blocks renumbers the proxy's blocks, so block i of "
+                "the proxy would be aligned with block i of the target; build this proxy without alignment "
+                "(align: false) or set drop_blocks: 0")
+
+    def _health(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
+        teacher = getattr(pl_module, "teacher", None)
+        dm = trainer.datamodule
+        if not self.health_batches or teacher is None or dm is None or not hasattr(dm, "dataloader"):
+            return
+        from itertools import islice
+
+        from .health import proxy_health
+
+        try:
+            batches = list(islice(iter(dm.dataloader("align")), self.health_batches))
+        except (KeyError, ValueError) as e:  # a datamodule without an alignment split
+            log.info("IPSVDCallback: no health check (%s)", e)
+            return
+        h = proxy_health(teacher, model, batches)
+        h["batches"] = len(batches)
+        self.report.health = h
+        aligning = bool(getattr(getattr(pl_module, "config", None), "align", False))
+        warn, msg = health_message(h, allocation=self.report.allocation, mode=self.report.mode, aligning=aligning)
+        if warn:
+            log.warning("%s", msg)
+        else:
+            rank_zero_info(msg)
+
+    @staticmethod
+    def _broadcast_factors(trainer: pl.Trainer, model: torch.nn.Module) -> None:
+        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return
+        with torch.no_grad():
+            for layer in lowrank_layers(model).values():
+                for p in (layer.A, layer.B):
+                    torch.distributed.broadcast(p.data, src=0)
+
+    def _log(self, trainer: pl.Trainer) -> None:
+        if trainer.logger is None or self.report is None or not trainer.is_global_zero:
+            return
+        rep = self.report
+        metrics = {
+            "ipsvd/params_before": float(rep.params_before),
+            "ipsvd/params_after": float(rep.params_after),
+            "ipsvd/params_requested": float(rep.params_requested),
+            "ipsvd/achieved_sparsity": rep.achieved_sparsity,
+            "ipsvd/time_probes_s": rep.time_probes_s,
+            "ipsvd/time_factors_s": rep.time_factors_s,
+        }
+        if rep.block_drop is not None:
+            metrics["ipsvd/blocks_dropped"] = float(len(rep.block_drop.dropped))
+        for k, v in (rep.health or {}).items():
+            metrics[f"ipsvd/health/{k}"] = float(v)
+        if rep.rank_weighting is not None:
+            metrics["ipsvd/rank_weighting_time_s"] = rep.rank_weighting.time_s
+            metrics.update({f"ipsvd/rank_weight/{n}": w for n, w in rep.rank_weighting.weights.items()})
+        for lr in rep.layers:
+            metrics[f"ipsvd/rank/{lr.name}"] = float(lr.rank if lr.rank is not None else min(lr.in_features, lr.out_features))
+            if lr.objective is not None:
+                metrics[f"ipsvd/objective/{lr.name}"] = lr.objective
+                metrics[f"ipsvd/relative_objective/{lr.name}"] = lr.relative_objective
+            metrics[f"ipsvd/time_s/{lr.name}"] = lr.time_s
+        trainer.logger.log_metrics(metrics, step=0)
+
+
+HEALTH_KL = 1.0  # nat/token on held-out examples: above it the Stage-1 proxy has lost much of the target's function
+
+
+def health_message(h: dict, *, allocation: str | None, mode: str | None, aligning: bool) -> tuple[bool, str]:
+    """``(warn?, text)`` of Stage 1's health line. Above :data:`HEALTH_KL` without Stage 2 to follow it is a warning
+    whose advice names only the settings not already in use; with Stage 2 next it is information (Stage 1 leaves
+    ~2 nat/token at ρ = 0.5 with the shipped settings, and Stage 2 is what aligns the proxy: not a problem to warn of
+    on the happy path)."""
+    msg = (f"IPSVDCallback: proxy health on {h['examples']} held-out examples: loss {h['proxy_loss']:.3f} "
+           f"(target {h['target_loss']:.3f}), KL {h['kl']:.3f} nat/token, top-1 agreement {h['top1_agreement']:.3f}")
+    if h["kl"] <= HEALTH_KL:
+        return False, msg
+    if aligning:
+        return False, msg + " (Stage 2 aligns the proxy next)"
+    tips = [t for t, used in (("allocation='global'", allocation == "global"), ("mode='exact'", mode == "exact"))
+            if not used] + ["keep_dense for fragile layers", "a lower sparsity", "alignment (align: true)"]
+    return True, (f"{msg} — the proxy has lost much of the target's function and no alignment follows; its gradients "
+                  f"will follow the target's poorly (try {', '.join(tips[:-1])} or {tips[-1]})")

@@ -1,0 +1,398 @@
+"""Top-k data selection from an influence score table.
+
+``select(scores_path, k=0.05, ...)`` reads the table written by ``InfluenceWriter`` (or
+``ScoreTable.save``), ranks examples by score (higher = more useful; ties broken by id so the
+result is deterministic), optionally de-duplicates and writes the subset as JSONL in the Dolly
+schema with the ids kept — the file ``SFTDataModule(selected=..., train_split="selected")`` reads.
+
+* ``k``: an ``int`` count, or a ``float`` fraction in ``(0, 1]`` of the ranked examples
+  (paper: 5%); the count is ``round(k · n)``, at least 1.
+* ``rule`` / ``task``: how the score columns become one ranking (:mod:`iprox_lightning.selection.rules`):
+  ``pooled`` (default: the score against the pooled validation gradient), ``mean`` / ``max`` over the parts of
+  one target task (``max`` is LESS's max over subtasks), ``balanced`` (task-balanced round-robin).
+  (``per_task=True``, the old spelling of ``rule="max"`` over every task, still works with a warning: in scoring
+  ``per_task`` means "also score against each validation task", so ``select`` now says ``rule``.)
+* Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
+* ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
+  identical text (instruction, context, response after whitespace normalisation).
+* ``pool``: the candidate pool the records are copied from — any source ``SFTDataModule`` reads
+  (``builtin``, a JSONL/JSON/Parquet file, a directory, a HF dataset id, a list of these; in Python
+  also a ``datasets.Dataset`` or a list of record dicts). Default: ``builtin`` when every scored id is
+  a built-in id. Without a pool the output holds ``{"id", "score"}`` rows only (and says so). The pool must be
+  the one that was scored (records digest in the score table's ``settings.json``; ``allow_pool_mismatch=True``
+  overrides); ``builtin`` is read at the size that was scored.
+* Refused: an empty selection, an id twice, an ``output`` that is the score table, a pool file or inside a pool
+  directory.
+
+A ``<output>.meta.json`` next to the output records the settings, the selected ids with scores and
+the selection's explanation (:mod:`iprox_lightning.selection.summary`: share per category vs the pool,
+per validation task, lengths, top/bottom examples), which ``select`` also prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import OutputExistsError, OutputIsDirectoryError, UserInputError
+
+TEXT_FIELDS = ("instruction", "context", "response")
+
+
+def _read_scores(path: str):
+    from ..io.scores import read_table
+
+    return read_table(path)
+
+
+def _table_fingerprint(src: Path) -> str | None:
+    """Digest of the fingerprint recorded next to a merged score table (``None`` for other tables)."""
+    from ..io.fingerprint import digest
+    from ..io.scores import read_settings
+
+    fp = read_settings(src.parent).get("fingerprint") if src.name == "scores.parquet" else None
+    return digest(fp) if fp else None
+
+
+def _default_pool(ids: Sequence[str]):
+    from ..data.synthetic import builtin_family
+
+    try:
+        for i in ids:
+            builtin_family(i)
+    except ValueError:
+        return None
+    return "builtin" if ids else None
+
+
+def _check_selection(chosen: list, src: Path, ranked: int, scored: int, flags: list, bad: list) -> None:
+    """Refuse an empty selection and one holding an id twice."""
+    if not chosen:
+        raise UserInputError(f"{src}: nothing to select: {ranked} example(s) left to rank of {scored} scored "
+                             f"({int(sum(bool(z) for z in flags))} without gradient, {len(bad)} non-finite skipped)")
+    ids = [i for _, i in chosen]
+    if len(set(ids)) != len(ids):
+        dup = next(i for j, i in enumerate(ids) if i in ids[:j])
+        raise UserInputError(f"{src}: the selection would hold id {dup!r} twice; select with dedup=True")
+
+
+def _check_output(out: Path, src: Path, pool) -> None:
+    """Refuse an output that is a directory, the score table being read, a pool file, or inside a pool directory
+    (where the next read of the pool would take the selection for pool data)."""
+    if out.is_dir():
+        raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
+    target = out.resolve()
+    if target == Path(src).resolve():
+        raise UserInputError(f"output {out} is the score table being read; choose another output file")
+    sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
+    for source in sources:
+        if not isinstance(source, (str, os.PathLike)):
+            continue
+        p = Path(source)
+        if p.is_file() and p.resolve() == target:
+            raise UserInputError(f"output {out} is the pool file {source}: writing the selection would replace the pool; "
+                                 "choose another output file")
+        if p.is_dir() and target.is_relative_to(p.resolve()):
+            raise UserInputError(f"output {out} is inside the pool directory {source}: the next read of the pool would "
+                                 "take the selection for pool data; choose another output file")
+
+
+def _suggested_output(out: Path, src: Path) -> Path:
+    """A selection file named after the score table: ``<out dir>/<scoring dir name>.jsonl`` for ``.../<name>/scores.parquet``,
+    else ``<out dir>/<table stem>.jsonl``."""
+    src = Path(src)
+    name = src.parent.name if src.name == "scores.parquet" else src.stem
+    return out.with_name(f"{name}.jsonl")
+
+
+def _check_not_another_selectors(out: Path, src: Path) -> None:
+    """Refuse to replace a selection file that another score table produced (its ``.meta.json`` names it) or whose
+    origin is unknown (no meta): each selector keeps its own file unless ``overwrite`` is set."""
+    if not out.exists():
+        return
+    meta = out.with_name(out.name + ".meta.json")
+    prev = None
+    if meta.is_file():
+        try:
+            prev = json.loads(meta.read_text()).get("scores")
+        except (ValueError, AttributeError):
+            prev = None
+    if prev is not None and Path(prev).resolve() == Path(src).resolve():
+        return  # the same selector again (e.g. another k): its own file
+    suggestion = _suggested_output(out, src)
+    if suggestion.resolve() == out.resolve():
+        suggestion = out.with_name(f"{out.stem}.{Path(src).parent.name or 'new'}.jsonl")
+    origin = f"the selection from {prev}" if prev is not None else "a file of unknown origin (no .meta.json)"
+    raise OutputExistsError(
+        f"output {out} already holds {origin}, not from {src}: not overwritten. Pass --output {suggestion} "
+        "(a file of its own), or --overwrite true to replace it")
+
+
+def _norm_text(rec: dict) -> tuple:
+    return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
+
+
+def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, skip_flagged: bool,
+                 candidates: set[str] | None = None):
+    """``(column label, ids, zero_grad flags, bad rows, ranked rows)`` of a score table under ``rule``: the ranked rows
+    are ``(value, id)`` best first (ties by id), without the rows flagged ``zero_grad`` or non-finite (``bad``:
+    ``(id, score)``, an error unless ``skip_flagged``) and, with ``dedup``, one per id; with ``candidates``, the rule
+    ranks those ids only (its standardisation and round-robin among them)."""
+    from .rules import rule_columns, rule_order
+
+    used = rule_columns(rule, table.column_names, task)
+    col = used[0] if len(used) == 1 else f"{rule}({', '.join(used)})"
+    ids = [str(i) for i in table.column("id").to_pylist()]
+    values = {c: np.asarray([np.nan if v is None else float(v) for v in table.column(c).to_pylist()], np.float64)
+              for c in used}
+    flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
+    nonfin = table.column("nonfinite").to_pylist() if "nonfinite" in table.column_names else [False] * len(ids)
+    finite = np.all([np.isfinite(v) for v in values.values()], axis=0) if ids else np.ones(0, bool)
+    bad = [(i, float(values[used[0]][j])) for j, (i, nf) in enumerate(zip(ids, nonfin)) if nf or not finite[j]]
+    if bad and not skip_flagged:
+        raise UserInputError(
+            f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
+            f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
+            "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
+    bad_ids = {i for i, _ in bad}
+    keep = np.asarray([not z and i not in bad_ids and (candidates is None or i in candidates)
+                       for i, z in zip(ids, flags)], bool)
+    kept_ids = [i for i, m in zip(ids, keep) if m]
+    order, value = rule_order(rule, kept_ids, {c: v[keep] for c, v in values.items()}, task)
+    rows = [(float(value[j]), kept_ids[j]) for j in order]  # best first (ties by id)
+    if dedup:
+        seen: set[str] = set()
+        rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
+    elif len(set(ids)) != len(ids):
+        raise UserInputError(f"{src}: duplicate ids in the score table and dedup=False")
+    return col, ids, flags, bad, rows
+
+
+def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str], float]:
+    """The ``count`` ids of ``ranked`` with the fewest response tokens (the table's ``n_tokens``), every id tied with
+    the last of them too, and that last length."""
+    if "n_tokens" not in table.column_names:
+        raise UserInputError(f"{src}: within_shortest needs the score table's 'n_tokens' column (the response tokens "
+                             "each example was scored on; written by the scoring, store-query and RDS+ stages)")
+    n_tok = dict(zip((str(i) for i in table.column("id").to_pylist()), table.column("n_tokens").to_pylist()))
+    missing = [i for i in ranked if n_tok.get(i) is None]
+    if missing:
+        raise UserInputError(f"{src}: 'n_tokens' is missing for {len(missing)} row(s), e.g. {missing[:3]}")
+    if not ranked:
+        return set(), 0.0
+    from ..io.scores import shortest_cut
+
+    cut = shortest_cut([float(n_tok[i]) for i in ranked], count)
+    return {i for i in ranked if float(n_tok[i]) <= cut}, cut
+
+
+def _rank_within_shortest(src: Path, table, rows: list, rule: str, task: str | None, within_shortest: float,
+                          count: int, *, dedup: bool, skip_flagged: bool, records: dict | None) -> tuple[list, dict]:
+    """``rows`` re-ranked by ``rule`` among the ``ceil(within_shortest · count)`` shortest of them (ties kept; with
+    ``records``, one per text again), and the shortlist's description for the selection's meta."""
+    short, cut = _shortest(src, table, [i for _, i in rows], int(np.ceil(within_shortest * count)))
+    rows = _rerank_among(src, table, rule, task, short, dedup=dedup, skip_flagged=skip_flagged, records=records)
+    return rows, {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
+
+
+def _rerank_among(src: Path, table, rule: str, task: str | None, candidates: set[str], *, dedup: bool,
+                  skip_flagged: bool, records: dict | None) -> list:
+    """The rows of ``rule`` ranked among ``candidates`` only (a per-task rule standardises among them) and, with
+    ``records`` and ``dedup``, one per text: the re-ranking a restriction of the candidates needs."""
+    rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=candidates)[4]
+    return _one_per_text(rows, records) if records is not None and dedup else rows
+
+
+def _without_categories(src: Path, table, rows: list, rule: str, task: str | None, patterns: Sequence[str], *,
+                        dedup: bool, skip_flagged: bool, records: dict | None) -> tuple[list, dict]:
+    """``rows`` re-ranked by ``rule`` among the candidates whose pool category matches none of ``patterns``
+    (``fnmatch``; with ``dedup``, one per text again), and what was left out for the selection's meta."""
+    from fnmatch import fnmatchcase
+
+    if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+        raise UserInputError(f"exclude_categories must be a list of category patterns, got {patterns!r}")
+    if records is None:
+        raise UserInputError("exclude_categories reads each candidate's category from the pool: pass pool")
+    keep = [i for _, i in rows if not any(fnmatchcase(str(records[i].get("category", "")), p) for p in patterns)]
+    if not keep:
+        raise UserInputError(f"exclude_categories {list(patterns)} leaves no candidate of the {len(rows)} ranked")
+    out = _rerank_among(src, table, rule, task, set(keep), dedup=dedup, skip_flagged=skip_flagged, records=records)
+    return out, {"categories": list(patterns), "count": len(rows) - len(keep), "candidates": len(out)}
+
+
+def _one_per_text(rows: list, records: dict) -> list:
+    """``rows`` with only the first (best) of the rows whose records have the same text (:func:`_norm_text`)."""
+    seen_text: set[tuple] = set()
+    kept = []
+    for r in rows:
+        key = _norm_text(records[r[1]])
+        if key not in seen_text:
+            seen_text.add(key)
+            kept.append(r)
+    return kept
+
+
+def _read_scored_pool(src: Path, pool, builtin_size: int | None, allow_mismatch: bool):
+    """``(pool descriptions, builtin size, pool records, pool check)`` of ``pool`` (``None``: no pool), checked to be
+    the pool the table ``src`` scored (its records digest) unless ``allow_mismatch``."""
+    from ..data.pool import describe, read_pool
+    from ..io.scores import check_scored_pool, scored_pool
+
+    pools = [] if pool is None else [describe(pool)]
+    scored = scored_pool(src)  # how the scored pool was read, and its records digest
+    size = builtin_size or scored.get("builtin_size") or 2000
+    pool_records = read_pool(pool, scored.get("field_map"), builtin_size=size) if pool is not None else []
+    pool_check = check_scored_pool(src, scored, pool_records, pools[0] if pools else None,
+                                   allow_mismatch=allow_mismatch) if pools else "no pool"
+    return pools, size, pool_records, pool_check
+
+
+def _per_task_rule(rule: str, task: str | None) -> str:
+    """The rule the deprecated ``per_task=True`` stands for (``"max"`` over every task), with a warning."""
+    if rule not in ("pooled", "max") or task is not None:
+        raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
+    warnings.warn("select(per_task=True) is deprecated: pass rule='max' (CLI: --rule max); in scoring, per_task "
+                  "means 'also score against each validation task'", FutureWarning, stacklevel=3)
+    return "max"
+
+
+def select(
+    scores_path: str,
+    *,
+    k: int | float = 0.05,
+    rule: str = "pooled",
+    task: str | None = None,
+    per_task: bool = False,
+    dedup: bool = True,
+    pool: str | list[str] | None = None,
+    output: str,
+    quiet: bool = False,
+    skip_flagged: bool = False,
+    allow_pool_mismatch: bool = False,
+    builtin_size: int | None = None,
+    overwrite: bool = False,
+    within_shortest: float | None = None,
+    exclude_categories: Sequence[str] | None = None,
+) -> str:
+    """Write the top-``k`` examples of ``scores_path`` to ``output`` (JSONL), print what was selected and
+    return the output path.
+
+    Args:
+        scores_path: score table (Parquet) written by the scoring stage, or its directory.
+        k: an int count, or a float fraction in (0, 1] of the ranked examples (paper: 0.05).
+        rule: how the table's columns become one ranking (:mod:`iprox_lightning.selection.rules`): ``pooled``
+            (the pooled ``score``), ``mean`` / ``max`` (mean / LESS max over the parts of ``task``, or over every
+            task column when no task is given), ``balanced`` (task-balanced round-robin over standardised task
+            scores).
+        task: the target task to select for (its columns ``score/<task>`` and ``score/<task>.<part>``; rules
+            ``mean``, ``max``, ``balanced``).
+        per_task: deprecated spelling of ``rule="max"`` without a task (LESS's max over validation tasks,
+            ``score_max``; CLI ``--rule max``); it warns and is read as that.
+        dedup: one row per id and, with a pool, one example per identical text.
+        pool: the candidate pool to copy records from (any source SFTDataModule reads; default
+            ``builtin`` when all ids are built-in ids, else ids and scores only).
+        output: the JSONL file to write (``<output>.meta.json`` goes next to it).
+        quiet: do not print the explanation.
+        skip_flagged: leave out rows flagged ``nonfinite`` (NaN/inf gradient) or holding a NaN/inf score,
+            and report how many; without it such rows stop the selection with an error naming them.
+        allow_pool_mismatch: select even when ``pool`` is not the pool that was scored (its records digest
+            differs from the one in the score table's ``settings.json``); by default that is an error, as the
+            ids would copy records that did not earn the scores.
+        builtin_size: size of the ``builtin`` pool (default: the size that was scored, from the score table's
+            settings; else 2000).
+        overwrite: replace ``output`` even when another score table's selection is there (its ``.meta.json`` names
+            the table it came from) or a file of unknown origin; by default only the same table's selection is
+            replaced, so one selector never silently overwrites another's file.
+        within_shortest: rank only among the ``within_shortest · k`` examples with the shortest responses (the
+            table's ``n_tokens``; every example tied with the last of them too), e.g. ``2``: the top ``k`` of the
+            ``2k`` shortest. The held-out form of short-answer tasks (MMLU, BBH direct answers) rewards short
+            responses; this keeps that and lets the scores choose among them. ``None`` (default): every example.
+        exclude_categories: leave out the candidates whose pool record's ``category`` matches one of these
+            shell-style patterns (``xquad_*``) before ranking (the rule then ranks, and ``within_shortest`` shortlists,
+            among the rest; the balanced rule standardises among them), e.g. the source an evaluation set was drawn
+            from; needs ``pool``. The meta records the patterns and how many were left out.
+    """
+    if within_shortest is not None and (isinstance(within_shortest, bool) or not isinstance(within_shortest, (int, float))
+                                        or within_shortest < 1):
+        raise UserInputError(f"within_shortest must be a number >= 1 (a multiple of k), got {within_shortest!r}")
+    src, table = _read_scores(scores_path)
+    if per_task:
+        rule = _per_task_rule(rule, task)
+    col, ids, flags, bad, rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
+    if pool is None:
+        pool = _default_pool(ids)
+    pools, size, pool_records, pool_check = _read_scored_pool(src, pool, builtin_size, allow_pool_mismatch)
+    records = {r["id"]: r for r in pool_records}
+    rows = _rows_in_pool(rows, records, pools, dedup)
+    excluded = None
+    if exclude_categories:
+        rows, excluded = _without_categories(src, table, rows, rule, task, exclude_categories, dedup=dedup,
+                                             skip_flagged=skip_flagged, records=records if pools else None)
+    n = len(rows)
+    from ..io.scores import topk_count
+
+    count = topk_count(k, n)
+    shortlist = None
+    if within_shortest is not None:
+        rows, shortlist = _rank_within_shortest(src, table, rows, rule, task, within_shortest, count, dedup=dedup,
+                                                skip_flagged=skip_flagged, records=records if pools else None)
+    chosen = rows[:count]
+    _check_selection(chosen, src, n, len(ids), flags, bad)
+
+    out = Path(output)
+    _check_output(out, src, pool)
+    if not overwrite:
+        _check_not_another_selectors(out, src)
+    meta = {
+        "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
+        "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,
+        "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
+        **({"shortlist": shortlist} if shortlist is not None else {}),
+        **({"excluded": excluded} if excluded is not None else {}),
+        "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
+        "selected": [{"id": i, "score": s} for s, i in chosen],
+    }
+    _write_selection(out, chosen, table, (pool_records, records) if pools else None, meta, bad, quiet)
+    return str(out)
+
+
+def _rows_in_pool(rows: list[tuple[float, str]], records: dict[str, dict], pools, dedup: bool) -> list[tuple[float, str]]:
+    """The ranked ``(score, id)`` rows checked against the pool read (every scored id must be in it) and, with
+    ``dedup``, one per identical text; unchanged when no pool was read."""
+    if not pools:
+        return rows
+    missing = [i for _, i in rows if i not in records]
+    if missing:
+        raise UserInputError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
+    return _one_per_text(rows, records) if dedup else rows
+
+
+def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tuple[list[dict], dict] | None,
+                     meta: dict, bad: list, quiet: bool) -> None:
+    """Write the chosen ``(score, id)`` rows (with their pool records and the explanation of what was picked, when
+    a pool was read: ``pool`` = its records and the same by id) and ``meta`` to ``out``, then print what was written
+    unless ``quiet``."""
+    from ..io.selection import write_selection
+
+    pool_records, records = pool if pool is not None else (None, None)
+    if pool_records is not None:
+        from .summary import explain_selection
+
+        table_rows = {str(r["id"]): r for r in table.to_pylist()}
+        meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows)
+    write_selection(out, [(i, s) for s, i in chosen], records, meta)
+    if bad and not quiet:
+        print(f"select: skipped {len(bad)} row(s) flagged 'nonfinite' (NaN/inf), e.g. {sorted({i for i, _ in bad})[:3]}")
+    if not quiet:
+        what = ("records (Dolly schema, ids kept)" if pool_records is not None
+                else "{id, score} rows (no pool given: pass --pool to copy the records)")
+        print(f"select: wrote {len(chosen)} of {meta['ranked']} ranked examples ({meta['column']}, k={meta['k']}) as "
+              f"{what} to {out} (+ {out.name}.meta.json)")
+        if pool_records is not None:
+            from .summary import format_selection
+
+            print(format_selection(meta["explanation"]))

@@ -1,0 +1,1 @@
+"""Training the target: the causal-LM module behind warm-up and fine-tuning."""
