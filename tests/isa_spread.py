@@ -126,7 +126,7 @@ def one(out: Path, num_threads: int | None) -> None:
     import torch
 
     import iprox_lightning
-    from iprox_lightning.analysis.score_table import read_scores
+    from iprox_lightning.io.scores import read_scores
     from iprox_lightning.commands.pipeline import pipeline
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from iprox_lightning.analysis import read_scores, retention_metrics, write_scores
+from iprox_lightning.analysis import retention_metrics
+from iprox_lightning.io.scores import read_scores, write_scores
 from iprox_lightning.analysis.retention import (
     kendall,
     pearson,

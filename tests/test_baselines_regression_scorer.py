@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.analysis import read_scores
+from iprox_lightning.io.scores import read_scores
 from iprox_lightning.analysis.retention import spearman
 from iprox_lightning.baselines.regression_scorer import (
     RegressionLM,

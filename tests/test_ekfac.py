@@ -308,3 +308,36 @@ def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision
     for got, want in ((kf.sum_hh["w"], hs.t() @ hs), (kf.sum_dd["w"], ds.t() @ ds), (ec.sums["w"], lam)):
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_metric_registers_once_by_its_class_keyword():
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.scoring.metrics import EKFAC, KFAC, InfluenceMetric, TracIn, influence_metric, metric_names
+
+    class Doubled(InfluenceMetric, name="doubled_for_test"):
+        def fit(self, *a, **k):
+            return {}
+
+        def matrix(self, key, G):
+            return 2 * G
+
+        def settings(self):
+            return {}
+
+    try:
+        metric = influence_metric("doubled_for_test")
+        assert isinstance(metric, Doubled) and metric.name == "doubled_for_test" and not metric.needs_factor_data
+        assert "doubled_for_test" in metric_names()
+        G = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(metric.matrix("w", G), 2 * G)
+        with pytest.raises(TypeError, match="taken"):
+            class Again(InfluenceMetric, name="doubled_for_test"):
+                pass
+    finally:
+        InfluenceMetric.registry.pop("doubled_for_test")
+    with pytest.raises(UserInputError, match="doubled_for_test"):
+        influence_metric("doubled_for_test")
+    assert metric_names()[:3] == ("tracin", "kfac", "ekfac")
+    assert (TracIn.factor_passes, KFAC.factor_passes, EKFAC.factor_passes) == (0, 1, 2)
+    assert isinstance(influence_metric("ekfac", kfac_examples=7), EKFAC) and influence_metric("ekfac").needs_factor_data
+    assert influence_metric("kfac", kfac_examples=7).examples == 7

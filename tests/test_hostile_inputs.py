@@ -343,7 +343,7 @@ def test_select_on_a_score_table_with_non_numeric_or_null_scores_names_file_and_
 @pytest.mark.parametrize("line,message", [('{"id": "b", "score": "high"}', r"id 'b' has a str 'score' \('high'\)"),
                                           ('{"id": "b", "score": [1]}', r"id 'b' has a list 'score' \('\[1\]'\)")])
 def test_a_jsonl_score_table_with_a_non_numeric_score_names_file_and_line(tmp_path, line, message):
-    from iprox_lightning.analysis.score_table import read_scores
+    from iprox_lightning.io.scores import read_scores
 
     path = tmp_path / "scores.jsonl"
     path.write_text('{"id": "a", "score": 0.5}\n' + line + "\n")
@@ -436,7 +436,7 @@ def test_a_stage_output_replaced_by_hand_reruns_the_stages_that_read_it(tmp_path
     import torch
 
     from iprox_lightning import load_proxy, save_proxy
-    from iprox_lightning.analysis.score_table import read_scores
+    from iprox_lightning.io.scores import read_scores
     from iprox_lightning.commands.pipeline import pipeline
     from iprox_lightning.io.proxy import read_manifest
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from iprox_lightning.analysis.score_table import read_scores
+from iprox_lightning.io.scores import read_scores
 from iprox_lightning.cli import main
 from iprox_lightning.commands.pipeline import pipeline
 
@@ -414,6 +414,6 @@ def test_every_ablation_and_baseline_runs_end_to_end(run, tmp_path, monkeypatch)
 
 
 def _write(scores, path):
-    from iprox_lightning.analysis.score_table import write_scores
+    from iprox_lightning.io.scores import write_scores
 
     return str(write_scores(scores, path))

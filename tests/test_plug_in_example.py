@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from iprox_lightning import LowRankLinear
-from iprox_lightning.analysis.score_table import read_scores
+from iprox_lightning.io.scores import read_scores
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plug_in_lightning.py"
 

@@ -185,9 +185,8 @@ def test_compress_with_influence_weighting_records_the_weights(tmp_path):
     assert set(man["rank_weighting"]["shares"]) == {"x", "y"}
     # mix 0: exactly the unweighted plan and factors
     m0, m1 = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
-    with pytest.warns(FutureWarning, match="pass val_dataloader"):  # the keyword's old name still works
-        r0 = compress_model(m0, probes, 0.5, num_probe_tokens=24, allocation="global", rank_weighting="influence",
-                            rank_weight_mix=0.0, validation_dataloader=validation, progress=False)
+    r0 = compress_model(m0, probes, 0.5, num_probe_tokens=24, allocation="global", rank_weighting="influence",
+                        rank_weight_mix=0.0, val_dataloader=validation, progress=False)
     r1 = compress_model(m1, probes, 0.5, num_probe_tokens=24, allocation="global", progress=False)
     assert r0.ranks == r1.ranks and "rank_weighting" not in r1.to_dict()
     assert set(r0.rank_weighting.weights.values()) == {1.0}
@@ -205,10 +204,6 @@ def test_influence_weighting_refusals():
     with pytest.raises(ValueError, match="needs the probe batches and a val_dataloader"):
         compress_model(tiny_causal_lm("llama", seed=0), make_batches(), 0.5, allocation="global",
                        rank_weighting="influence", progress=False)
-    with pytest.raises(ValueError, match="once, as val_dataloader"):
-        compress_model(tiny_causal_lm("llama", seed=0), make_batches(), 0.5, allocation="global",
-                       rank_weighting="influence", val_dataloader=make_batches(), validation_dataloader=make_batches(),
-                       progress=False)
 
 
 def test_ipsvd_callback_takes_the_validation_set_of_the_datamodule(tmp_path):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from iprox_lightning.analysis.score_table import write_scores
+from iprox_lightning.io.scores import write_scores
 from iprox_lightning.data import SFTDataModule
 from iprox_lightning.data.pool import read_pool
 from iprox_lightning.data.synthetic import generate_builtin_dataset

@@ -95,11 +95,9 @@ def test_select_with_rule_and_task(table, tmp_path):
     assert meta["rule"] == "max" and meta["task"] == "mmlu" and meta["count"] == 5
     assert [m["score"] for m in meta["selected"]] == pytest.approx(sorted((ts[j, 2:5].max() for j in ok),
                                                                           reverse=True)[:5])
-    # per_task=True (deprecated, warns) is LESS max over every task column (score_max)
-    with pytest.warns(FutureWarning, match=r"rule='max' \(CLI: --rule max\)"):
-        a = select(path, k=6, per_task=True, dedup=False, pool=pool, output=str(tmp_path / "a.jsonl"))
-    b = select(path, k=6, rule="max", dedup=False, pool=pool, output=str(tmp_path / "b.jsonl"))
-    assert open(a).read() == open(b).read()
+    # per_task (0.1.0's spelling of rule="max") is gone: a clear error, not a silent other ranking
+    with pytest.raises(TypeError, match="per_task"):
+        select(path, k=6, per_task=True, dedup=False, pool=pool, output=str(tmp_path / "a.jsonl"))
     with pytest.raises(ValueError, match="no score column for task 'gsm8k'"):
         select(path, k=5, rule="mean", task="gsm8k", pool=pool, output=str(tmp_path / "x.jsonl"))
 
@@ -116,18 +114,18 @@ def test_select_cli_names_the_rule(table, tmp_path):
         [ids[j] for j in ok], [ts[j, :2].mean() for j in ok])[:4]
 
 
-def test_select_cli_per_task_still_reads_as_rule_max(table, tmp_path):
+def test_select_cli_refuses_the_removed_per_task_option(table, tmp_path, capsys):
+    """0.1.0's ``--per_task true`` (read then as ``--rule max``) is removed: the command refuses it by name and writes
+    nothing, instead of ranking by another column than the user meant."""
     from iprox_lightning.cli import main
 
     ids, scores, ts, path, pool = table
     out = tmp_path / "old.jsonl"
-    with pytest.warns(FutureWarning, match="--rule max"):
+    with pytest.raises(SystemExit) as e:
         main(["select", "--scores_path", path, "--k", "4", "--per_task", "true", "--dedup", "false",
               "--pool", pool, "--output", str(out), "--quiet", "true"])
-    ok = [j for j in range(N) if j != 4]
-    assert [json.loads(line)["id"] for line in open(out)] == brute_order(
-        [ids[j] for j in ok], [ts[j].max() for j in ok])[:4]
-    assert json.loads(open(str(out) + ".meta.json").read())["rule"] == "max"
+    assert e.value.code != 0 and "per_task" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_within_shortest_ranks_only_the_shortest_brute_force(tmp_path):

@@ -5,7 +5,6 @@ from .retention import (
     kendall, partial_spearman, pearson, per_task_retention, per_task_scores, retention_metrics, spearman, topk_overlap,
     worst_task,
 )
-from .score_table import read_scores, write_scores
 from .subspace import (
     KroneckerProjector, mean_nn_distance, nearest_neighbor_distances, per_example_gradients, subspace_affinity,
     subspace_basis,
@@ -15,7 +14,7 @@ __all__ = [
     "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",
     "scoring_flops", "flops_rows", "format_table", "merge_rows", "retention_rows", "select_top", "selection_rows", "write_rows",
     "kendall", "partial_spearman", "pearson", "per_task_retention", "per_task_scores", "retention_metrics", "spearman",
-    "topk_overlap", "worst_task", "read_scores", "write_scores",
+    "topk_overlap", "worst_task",
     "KroneckerProjector", "mean_nn_distance", "nearest_neighbor_distances", "per_example_gradients",
     "subspace_affinity", "subspace_basis",
 ]

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from ..analysis.score_table import write_scores
+from ..io.scores import write_scores
 
 
 def random_score(example_id: str, seed: int = 0) -> float:

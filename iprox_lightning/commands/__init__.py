@@ -7,7 +7,8 @@
   needs no command: point ``configs/score.yaml`` at any causal LM.
 
 A new command: add ``commands/<name>.py`` whose first docstring line says what it does and which
-defines ``<name>(...)``, then add the name to :data:`COMMANDS`.
+defines ``<name>(...)``, then add the name to :data:`COMMANDS`. A command that is its wing's own public function
+(``select``) is named in :data:`COMMAND_HOMES` instead of a module here.
 """
 from __future__ import annotations
 
@@ -26,14 +27,21 @@ COMMANDS = ("sample_pool", "select", "pipeline", "report", "check", "layer_extra
             "rds_scores", "export_proxy", "build_store", "query")
 """The plain-function commands, in the order ``train.py --help`` lists them."""
 
+COMMAND_HOMES = {"select": "..selection.select"}
+"""Commands whose module lives in a wing (relative to this package); the others are ``commands/<name>.py``."""
+
+
+def _module(name: str):
+    return import_module(COMMAND_HOMES.get(name, f".{name}"), __name__)
+
 
 def command(name: str) -> Callable:
     """The function of command ``name`` (imported on demand: a ``fit`` run needs none of them)."""
     if name not in COMMANDS:
         raise KeyError(f"unknown command {name!r}; commands: {', '.join(COMMANDS)}")
-    return getattr(import_module(f"{__name__}.{name}"), name)
+    return getattr(_module(name), name)
 
 
 def summary(name: str) -> str:
     """One line saying what command ``name`` does (the first line of its module's docstring)."""
-    return (import_module(f"{__name__}.{name}").__doc__ or "").strip().splitlines()[0].rstrip(".")
+    return (_module(name).__doc__ or "").strip().splitlines()[0].rstrip(".")

@@ -88,6 +88,16 @@ class _Estimate:
             self.left -= n
 
 
+class _Reiterable:
+    """Batches that can be walked more than once (EK-FAC fits in two passes), each walk made afresh by ``make()``."""
+
+    def __init__(self, make: Callable):
+        self.make = make
+
+    def __iter__(self):
+        return iter(self.make())
+
+
 def _duration(s: float) -> str:
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
 
@@ -276,6 +286,7 @@ def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int, valida
     gradients come from another, ``validation_from[who] = (identity, load)``, has that identity in its validation
     fingerprint), and the time estimate of what the cache does not hold yet (padded tokens left to process)."""
     from ..scoring.check_cache import padded_tokens
+    from ..scoring.metrics import InfluenceMetric
 
     scorer_settings = {"per_task": config.per_task, "target_patterns": config.target_patterns,
                        "max_length": max_length}
@@ -292,7 +303,7 @@ def _plan_cache(cache, models: dict, s: _Sample, config, max_length: int, valida
         sfp = cache.scores_fingerprint(vfp, s.pool_digest, config.to_dict(), s.batch_size)
         fps[who] = (vfp, sfp)
         if not cache.scores_path(sfp).is_file():
-            todo += pool_tokens * (2 if config.method == "kfac" else 1)
+            todo += pool_tokens * (1 + InfluenceMetric.registry[config.method].factor_passes)  # fit passes + scoring
             if not cache.validation_path(vfp).is_file():
                 todo += val_tokens
     return fps, _Estimate(todo, f"{len(models)} models, the cached parts skipped")
@@ -405,8 +416,8 @@ def _score(who, model, cache, vfp, sfp, config, dm, chosen, batch_size, estimate
     t0 = time.perf_counter()
     scorer = InfluenceScorer(model, config)
     pool = lambda: _sample_loader(dm, "pool", chosen, batch_size)  # noqa: E731
-    scorer.stats.update(scorer.metric.fit(model, scorer.modules, [v.key for v in scorer.linears],
-                                          timed(pool(), "K-FAC factors") if config.method == "kfac" else pool(),
+    factor_batches = _Reiterable(lambda: timed(pool(), "factors")) if scorer.metric.needs_factor_data else pool()
+    scorer.stats.update(scorer.metric.fit(model, scorer.modules, [v.key for v in scorer.linears], factor_batches,
                                           dtype=scorer.dtype, progress=False))
     if not cache.load_validation(scorer, vfp, who):
         vmodel = None if validation_model is None else validation_model()

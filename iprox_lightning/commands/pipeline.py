@@ -362,7 +362,7 @@ def _select_subsets(stages: _StageRunner, score_dirs: dict[str, Path], pool, dat
                     select_fraction: float, select_rule: str):
     """4. select: target, proxy, random (a per-task rule: target and proxy once per validation task) ->
     ``(scores, tasks, {name: <workdir>/selected/<name>.jsonl})``."""
-    from ..analysis.score_table import read_scores
+    from ..io.scores import read_scores
     from ..baselines.random_selection import write_random_scores
 
     wd, times = stages.wd, stages.times

@@ -42,7 +42,7 @@ def regression_scorer(
         batch_size: examples per batch.
         seed: seed of the hold-out split and training.
     """
-    from ..analysis.score_table import read_scores, write_scores
+    from ..io.scores import read_scores, write_scores
     from ..data.sft import pool_sample_datamodule
     from ..baselines.regression_scorer import build_regression_lm, fit_regression_scorer, predict_scores
 

@@ -65,7 +65,7 @@ def report(
         max_examples: at most this many pool examples get gradients for SA / 1-NND.
         plots: also write the scatter and histogram PNGs.
     """
-    from ..analysis.score_table import read_scores
+    from ..io.scores import read_scores
     from ..analysis.tables import merge_rows, retention_rows, write_rows
 
     src = _report_inputs(workdir, target_scores, proxy_scores, target_model, proxy_models, gradient_model)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -158,27 +157,12 @@ def compress_model(
     progress: bool = True,
     probes: Probes | None = None,
     val_dataloader: Iterable[Mapping] | None = None,
-    validation_dataloader: Iterable[Mapping] | None = None,
     compression: CompressionConfig | None = None,
 ) -> CompressionReport:
     """:func:`compress` with the :class:`CompressionConfig` given as keyword arguments (its fields: same names, same
     defaults; ``sparsity`` also third by position) or whole as ``compression=``."""
-    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader, stacklevel=4)  # + the wrapper
     return compress(model, probe_dataloader, compression, compute_dtype=compute_dtype, progress=progress,
                     probes=probes, val_dataloader=val_dataloader)
-
-
-def _renamed_val_dataloader(val_dataloader: Iterable[Mapping] | None,
-                            validation_dataloader: Iterable[Mapping] | None, stacklevel: int = 3
-                            ) -> Iterable[Mapping] | None:
-    """``val_dataloader``, or the same batches given by its old name ``validation_dataloader=`` (with a warning)."""
-    if validation_dataloader is None:
-        return val_dataloader
-    if val_dataloader is not None:
-        raise UserInputError("pass the validation batches once, as val_dataloader (validation_dataloader is its old name)")
-    warnings.warn("compress(validation_dataloader=...) is deprecated: pass val_dataloader=... (the name Lightning and "
-                  "influence_scores use)", FutureWarning, stacklevel=stacklevel)
-    return validation_dataloader
 
 
 def compress(
@@ -190,7 +174,6 @@ def compress(
     progress: bool = True,
     probes: Probes | None = None,
     val_dataloader: Iterable[Mapping] | None = None,
-    validation_dataloader: Iterable[Mapping] | None = None,
 ) -> CompressionReport:
     """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
 
@@ -228,14 +211,11 @@ def compress(
     smallest plan). Parameter counts of the report (``params_before``, ``target_params_before``,
     ``params_requested``) are the original model's; ``report.block_drop`` records the blocks.
 
-    ``rank_weighting="influence"`` (``"global"`` only) reads ``val_dataloader`` (batches with a ``task``; its old name
-    ``validation_dataloader=`` still works, with a warning) and
-    the probe batches a second time (read once into a list; precollected ``probes`` alone are not enough) for the influence
+    ``rank_weighting="influence"`` (``"global"`` only) reads ``val_dataloader`` (batches with a ``task``) and the probe batches a second time (read once into a list; precollected ``probes`` alone are not enough) for the influence
     weights of the (cut) target's layers (:func:`~iprox_lightning.compression.influence_weights.influence_rank_weights`,
     recorded in ``report.rank_weighting``; its time is part of ``time_allocation_s``); ``rank_rounding`` and
     ``probe_labels``: :class:`CompressionConfig`.
     """
-    val_dataloader = _renamed_val_dataloader(val_dataloader, validation_dataloader)
     if config.method == "ipsvd" and probe_dataloader is None and probes is None:
         raise UserInputError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
     drop = config.drop_blocks

@@ -17,13 +17,14 @@ tokens ``(h, δ)`` of a per-example gradient (:meth:`InfluenceMetric.tokens`, th
   or project it (:mod:`.projection`).
 
 A fitted metric's state (eigenbases, eigenvalues) is saved and reused by fingerprint (:mod:`iprox_lightning.io.factors`,
-:func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` and gets a name in :func:`influence_metric`.
+:func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` with a class keyword ``name=``: it registers
+itself once (:data:`InfluenceMetric.registry`), and ``method: <name>`` then selects it everywhere.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -32,9 +33,6 @@ from ..engine.damping import check_damping, check_damping_mode, damping_value
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
 from .features import WeightPairTracker, eval_mode, materialize_grads, progress_bar, slice_rows, to_device, trim_batch
-
-METRICS = ("tracin", "kfac", "ekfac")
-
 
 # --------------------------------------------------------------------------------------------
 # K-FAC factors and the whitening they give
@@ -201,9 +199,30 @@ class InfluenceMetric:
     :meth:`gradients`. A metric fitted on data saves and loads its fitted state (:meth:`state_dict`,
     :meth:`load_state_dict`: tensors only, written as safetensors by :mod:`iprox_lightning.io.factors`)."""
 
-    name: str
-    needs_factor_data = False  # fit() reads training batches
-    token_factored = True  # tokens() exists; False: matrix() on materialised per-example gradients
+    registry: ClassVar[dict[str, type["InfluenceMetric"]]] = {}  # name -> class, filled by __init_subclass__
+    name: ClassVar[str]
+    factor_passes: ClassVar[int] = 0  # passes fit() makes over the training batches (0: nothing to fit)
+    token_factored: ClassVar[bool] = True  # tokens() exists; False: matrix() on materialised per-example gradients
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        """``class MyMetric(InfluenceMetric, name="mine")`` registers it as ``method: mine``; a subclass without a
+        ``name`` (a helper base) is not registered."""
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in InfluenceMetric.registry:
+                raise TypeError(f"influence metric name {name!r} is taken by {InfluenceMetric.registry[name].__name__}")
+            cls.name = name
+            InfluenceMetric.registry[name] = cls
+
+    @classmethod
+    def from_options(cls, *, damping: float, damping_mode: str, kfac_examples: int) -> "InfluenceMetric":
+        """The metric built from the scoring options (a metric without options ignores them)."""
+        return cls()
+
+    @property
+    def needs_factor_data(self) -> bool:
+        """Whether :meth:`fit` reads training batches."""
+        return self.factor_passes > 0
 
     def fit(self, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
             batches: Iterable[Mapping] | None, *, dtype: torch.dtype, shard=(0, 1), reduce=None,
@@ -261,10 +280,8 @@ class InfluenceMetric:
         """Set the fitted state of weights ``keys`` from :meth:`state_dict`'s output."""
 
 
-class TracIn(InfluenceMetric):
+class TracIn(InfluenceMetric, name="tracin"):
     """The identity metric: plain gradient inner products."""
-
-    name = "tracin"
 
     def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False):
         return {}
@@ -300,13 +317,16 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
     return done
 
 
-class KFAC(InfluenceMetric):
+class KFAC(InfluenceMetric, name="kfac"):
     """``M = H^{-1/2}``, ``H = C_δ,λ ⊗ C_h,λ`` per tracked weight: ``C_h = E[h hᵀ]``, ``C_δ = E[δ δᵀ]`` over the
     non-padding tokens of the first ``examples`` training examples, damped by the project's rule
     (``damping``, ``damping_mode``: :mod:`iprox_lightning.engine.damping`)."""
 
-    name = "kfac"
-    needs_factor_data = True
+    factor_passes = 1  # the factors C_h, C_δ
+
+    @classmethod
+    def from_options(cls, *, damping, damping_mode, kfac_examples):
+        return cls(damping, damping_mode, kfac_examples)
 
     def __init__(self, damping: float = 1e-3, damping_mode: str = "relative", examples: int = 1024) -> None:
         check_damping(damping, damping_mode)
@@ -386,7 +406,7 @@ class KFAC(InfluenceMetric):
         self._build(keys, dtype)
 
 
-class EKFAC(KFAC):
+class EKFAC(KFAC, name="ekfac"):
     """Eigenvalue-corrected K-FAC (George et al. 2018; kronfluence's default): the K-FAC eigenbases ``Q_h``, ``Q_δ``
     with the eigenvalues replaced by ``Λ = E_z[(Q_δᵀ G(z) Q_h)²]`` (elementwise, over the per-example gradients of the
     first ``examples`` training examples), damped by the project's rule on ``Λ`` (``λ = damping·mean(Λ)``, relative);
@@ -394,7 +414,7 @@ class EKFAC(KFAC):
     ``H = (Q_δ ⊗ Q_h) diag(Λ + λ) (Q_δ ⊗ Q_h)ᵀ``. Not token-factored: per-example gradients are materialised per
     layer (``[B, out, in]``, never one flat vector)."""
 
-    name = "ekfac"
+    factor_passes = 2  # K-FAC's factors, then the eigenvalues in their eigenbases
     token_factored = False
     extra_fields = ("lambda", "n")
 
@@ -449,21 +469,27 @@ class EKFAC(KFAC):
         return InfluenceMetric.tokens(self, key, h, delta)
 
 
-METRIC_CLASSES = {"tracin": TracIn, "kfac": KFAC, "ekfac": EKFAC}
+def metric_names() -> tuple[str, ...]:
+    """The registered metric names (``method:`` values)."""
+    return tuple(InfluenceMetric.registry)
+
+
+def check_metric_name(name: str, owner: str = "") -> None:
+    if name not in InfluenceMetric.registry:
+        raise UserInputError(f"{owner + ': ' if owner else ''}method must be one of {metric_names()}, got {name!r}")
 
 
 def influence_metric(name: str, *, damping: float = 1e-3, damping_mode: str = "relative",
                      kfac_examples: int = 1024) -> InfluenceMetric:
-    """The metric called ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"``, the ``method:`` of the scoring configs);
-    the K-FAC options are checked whatever the name, so a config is valid or not independently of ``method``."""
-    if name not in METRICS:
-        raise UserInputError(f"method must be one of {METRICS}, got {name!r}")
+    """The metric registered as ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"`` | a user's, the ``method:`` of the
+    scoring configs); the K-FAC options are checked whatever the name, so a config is valid or not independently of
+    ``method``."""
+    check_metric_name(name)
     check_damping_mode(damping_mode)
     if kfac_examples < 1:
         raise UserInputError(f"kfac_examples must be >= 1, got {kfac_examples}")
-    if name in ("kfac", "ekfac"):
-        return METRIC_CLASSES[name](damping, damping_mode, kfac_examples)
-    return TracIn()
+    return InfluenceMetric.registry[name].from_options(damping=damping, damping_mode=damping_mode,
+                                                       kfac_examples=kfac_examples)
 
 
 def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import UserInputError
 from ..io import gradient_store as gs
-from .metrics import METRICS, fit_or_load, influence_metric
+from .metrics import check_metric_name, fit_or_load, influence_metric
 from .projection import GradientProjector, LayerProjection, make_projections, pca_projections
 from .shard_writer import BufferedShardWriter
 
@@ -70,8 +70,7 @@ class GradientStoreModule(L.LightningModule):
         super().__init__()
         if k < 1:
             raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
-        if method not in METRICS:
-            raise UserInputError(f"GradientStoreModule: method must be one of {METRICS}, got {method!r}")
+        check_metric_name(method, "GradientStoreModule")
         if projection not in PROJECTIONS:
             raise UserInputError(f"GradientStoreModule: projection must be one of {PROJECTIONS}, got {projection!r}")
         if projection == "pca" and method != "tracin":

@@ -10,8 +10,6 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
 * ``rule`` / ``task``: how the score columns become one ranking (:mod:`iprox_lightning.selection.rules`):
   ``pooled`` (default: the score against the pooled validation gradient), ``mean`` / ``max`` over the parts of
   one target task (``max`` is LESS's max over subtasks), ``balanced`` (task-balanced round-robin).
-  (``per_task=True``, the old spelling of ``rule="max"`` over every task, still works with a warning: in scoring
-  ``per_task`` means "also score against each validation task", so ``select`` now says ``rule``.)
 * Examples flagged ``zero_grad`` (no response token, no gradient) are never selected.
 * ``dedup=True``: one row per id (highest score kept); with ``pool`` also one example per
   identical text (instruction, context, response after whitespace normalisation).
@@ -32,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -251,22 +248,12 @@ def _read_scored_pool(src: Path, pool, builtin_size: int | None, allow_mismatch:
     return pools, size, pool_records, pool_check
 
 
-def _per_task_rule(rule: str, task: str | None) -> str:
-    """The rule the deprecated ``per_task=True`` stands for (``"max"`` over every task), with a warning."""
-    if rule not in ("pooled", "max") or task is not None:
-        raise UserInputError("per_task=True means rule='max' over every task; pass rule/task instead")
-    warnings.warn("select(per_task=True) is deprecated: pass rule='max' (CLI: --rule max); in scoring, per_task "
-                  "means 'also score against each validation task'", FutureWarning, stacklevel=3)
-    return "max"
-
-
 def select(
     scores_path: str,
     *,
     k: int | float = 0.05,
     rule: str = "pooled",
     task: str | None = None,
-    per_task: bool = False,
     dedup: bool = True,
     pool: str | list[str] | None = None,
     output: str,
@@ -290,8 +277,6 @@ def select(
             scores).
         task: the target task to select for (its columns ``score/<task>`` and ``score/<task>.<part>``; rules
             ``mean``, ``max``, ``balanced``).
-        per_task: deprecated spelling of ``rule="max"`` without a task (LESS's max over validation tasks,
-            ``score_max``; CLI ``--rule max``); it warns and is read as that.
         dedup: one row per id and, with a pool, one example per identical text.
         pool: the candidate pool to copy records from (any source SFTDataModule reads; default
             ``builtin`` when all ids are built-in ids, else ids and scores only).
@@ -320,8 +305,6 @@ def select(
                                         or within_shortest < 1):
         raise UserInputError(f"within_shortest must be a number >= 1 (a multiple of k), got {within_shortest!r}")
     src, table = _read_scores(scores_path)
-    if per_task:
-        rule = _per_task_rule(rule, task)
     col, ids, flags, bad, rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
     if pool is None:
         pool = _default_pool(ids)
@@ -349,7 +332,7 @@ def select(
         _check_not_another_selectors(out, src)
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
-        "column": col, "rule": rule, "task": task, "per_task": per_task, "dedup": dedup, "pool": pools,
+        "column": col, "rule": rule, "task": task, "dedup": dedup, "pool": pools,
         "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
         **({"shortlist": shortlist} if shortlist is not None else {}),
         **({"excluded": excluded} if excluded is not None else {}),
