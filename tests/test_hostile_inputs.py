@@ -84,7 +84,7 @@ def test_two_scoring_runs_into_one_directory(tmp_path):
     import subprocess
     import sys
 
-    from iprox_lightning.io.scores import OutputLocked
+    from iprox_lightning.io.score_dir import OutputLocked
     from iprox_lightning.scoring import ScoreTable
 
     out = tmp_path / "scores"
@@ -505,7 +505,7 @@ def test_a_second_pipeline_into_the_same_workdir_is_refused(tmp_path):
     """Two pipelines into one workdir would train into the same model directories: the second stops at once."""
     import os
 
-    from iprox_lightning.io.scores import OutputLocked, ScoreDirLock
+    from iprox_lightning.io.score_dir import OutputLocked, ScoreDirLock
 
     wd = tmp_path / "wd"
     with ScoreDirLock(wd, ".pipeline.lock", "pipeline run"):  # another pipeline holds it

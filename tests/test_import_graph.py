@@ -172,8 +172,7 @@ def test_wings_import_only_downwards():
     ("iprox_lightning.models.loading", "iprox_lightning.data.synthetic"),  # the built-in model lives in models/
     ("iprox_lightning.models.loading", "iprox_lightning.compression.apply"),
     ("iprox_lightning.io.proxy", "iprox_lightning.compression.apply"),
-    # Stage 2 takes its fidelity scorer as an argument and reports through its callbacks (issue 26)
-    ("iprox_lightning.alignment.module", "iprox_lightning.scoring.influence"),
+    # Stage 2 reports its fidelity through its callbacks (issue 26), not through the analysis wing
     ("iprox_lightning.alignment.module", "iprox_lightning.analysis.retention"),
     # Stage 1 cuts blocks with the neutral block surgery, not through a baseline
     ("iprox_lightning.compression.apply", "iprox_lightning.baselines.layer_extraction"),

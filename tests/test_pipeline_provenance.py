@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from iprox_lightning.io.scores import write_settings
+from iprox_lightning.io.score_dir import write_settings
 from iprox_lightning.io.stages import StageLedger, format_provenance, pipeline_provenance
 
 

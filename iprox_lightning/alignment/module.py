@@ -64,7 +64,6 @@ At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,20 +84,16 @@ from ..errors import PROXY_VALIDATIONS, UserInputError, check_choice
 from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import keep_eval
 from ..engine.settings import takes_settings
+from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
 from .fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
 
 log = logging.getLogger(__name__)
 
-# ``fidelity_scorer=None``: the product's TracIn, named rather than imported (Stage 2 does not depend on the scoring
-# stage; a YAML ``fidelity_scorer: <dotted name>`` or a callable passed from Python replaces it)
-DEFAULT_FIDELITY_SCORER = "iprox_lightning.scoring.influence.tracin_scores"
+# ``fidelity_scorer=None``: the product's TracIn (:func:`~iprox_lightning.scoring.influence.tracin_scores`; the
+# alignment wing sits above the scoring wing); a callable passed from Python (or a YAML class/function path that
+# jsonargparse resolves) replaces it
 DEFAULT_FIDELITY_SCORES = "tracin (default ScoringConfig), score = cos(g(z), mean validation gradient)"
-
-
-def _resolve_callable(name: str) -> Callable:
-    module, _, attr = name.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _is_proxy_dir(source: Any) -> bool:
@@ -276,7 +271,7 @@ class ProxyAlignModule(L.LightningModule):
         log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
         fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
             progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
-            TracIn (:data:`DEFAULT_FIDELITY_SCORER`, default ``ScoringConfig``).
+            TracIn (:func:`~iprox_lightning.scoring.influence.tracin_scores`, default ``ScoringConfig``).
     """
 
     @takes_settings(AlignConfig, "alignment")
@@ -317,7 +312,7 @@ class ProxyAlignModule(L.LightningModule):
         self._task_batches: Any = None  # the task terms' inputs (each fit anew): val_train batches, directions
         self.directions: Optional[TaskDirections] = None
         if config.fidelity_examples:
-            scorer = fidelity_scorer if fidelity_scorer is not None else _resolve_callable(DEFAULT_FIDELITY_SCORER)
+            scorer = fidelity_scorer if fidelity_scorer is not None else tracin_scores
             self.ranking_fidelity = RankingFidelity(config.fidelity_examples, scorer, description=(
                 DEFAULT_FIDELITY_SCORES if fidelity_scorer is None else getattr(scorer, "__qualname__", str(scorer))),
                 per_task=config.fidelity_per_task, target_validation=config.proxy_validation == "target")

@@ -112,15 +112,15 @@ def kendall(x: np.ndarray, y: np.ndarray) -> float:
 
 def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest scores; ties broken by position (``align_scores`` sorts by id).
-    The ranking rule is the package's one: :func:`iprox_lightning.io.scores.topk_order`."""
-    from ..io.scores import topk_order
+    The ranking rule is the package's one: :func:`iprox_lightning.selection.topk.topk_order`."""
+    from ..selection.topk import topk_order
 
     return topk_order(scores)[:k]
 
 
 def topk_count(frac: float, n: int) -> int:
-    """``k = max(1, round(frac · n))`` (capped at ``n``): :func:`iprox_lightning.io.scores.topk_count`."""
-    from ..io.scores import topk_count as count
+    """``k = max(1, round(frac · n))`` (capped at ``n``): :func:`iprox_lightning.selection.topk.topk_count`."""
+    from ..selection.topk import topk_count as count
 
     return count(float(frac), n)
 
@@ -271,7 +271,7 @@ def per_task_retention(
     c = None if lengths is None else np.array([float(lengths[i]) for i in ids], dtype=np.float64)
     short = None
     if c is not None and shortest_fraction is not None:
-        from ..io.scores import shortest_cut
+        from ..selection.topk import shortest_cut
 
         short = c <= shortest_cut(c, topk_count(shortest_fraction, len(ids)))
     out: dict[str, dict[str, Any]] = {}

@@ -134,7 +134,7 @@ def pipeline(
     wd = Path(workdir)
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
     check_sources(target, pool, validation)
-    from ..io.scores import ScoreDirLock
+    from ..io.score_dir import ScoreDirLock
 
     with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
@@ -257,7 +257,7 @@ class _StageRunner:
         if key in ledger.notes:
             print(f"[pipeline] {key}: runs again: {ledger.notes[key]}")
         if done.name == "scores.parquet":  # start the scoring output fresh (force, or an upstream output changed)
-            from ..io.scores import clear_output
+            from ..io.score_dir import clear_output
 
             if self.force or key in ledger.notes:
                 clear_output(done.parent)

@@ -88,7 +88,7 @@ def _write_scores(out, store: str, info: dict, metric, names: list[str], S, coun
     import time
 
     from ..io import gradient_store as gs
-    from ..io.scores import ScoreDirLock, write_settings
+    from ..io.score_dir import ScoreDirLock, write_settings
     from ..scoring.query import query_table
 
     st = info["fingerprint"]["settings"]

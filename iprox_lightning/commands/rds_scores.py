@@ -37,7 +37,7 @@ def rds_scores(
     from ..engine.batch import resolve_device
     from ..data import SFTDataModule
     from ..io.fingerprint import loader_digest, source_identity
-    from ..io.scores import write_settings
+    from ..io.score_dir import write_settings
     from ..models.loading import load_model
 
     dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or model, max_length=max_length,

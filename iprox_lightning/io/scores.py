@@ -1,181 +1,42 @@
-"""The score table: the only reader and writer of score shards, the merged table and its settings.
+"""The score table: its columns, its reading and writing, the pool it was scored on.
 
-Layout of a scoring output directory::
-
-    shards/rank000-<run>-00000.parquet   # per-rank shards, written atomically (temp file + os.replace)
-    shards/corrupt/...                    # unreadable shards moved aside on resume (their ids re-scored)
-    scores.parquet                        # merged: one row per id, sorted by id
-    settings.json                         # schema_version, fingerprint, scoring settings, merge summary
-    .scoring.lock                         # held (flock) by the run writing here: a second run is refused
-
-``settings.json`` holds ``fingerprint`` (below), ``scoring`` (the run's ``ScoringConfig`` verbatim,
-:class:`iprox_lightning.scoring.influence.ScoringConfig`), ``config`` (the fingerprinted settings: the model's name,
-the ``ScoringConfig``, the factor split, the loading dtype), ``data`` (examples dropped by truncation), ``scorer``
-(the scorer's settings and preparation statistics), ``merge`` and ``repairs``.
+A scoring output directory (its lock, shards, merge and ``settings.json``) is :mod:`.score_dir`; the merged table
+``scores.parquet`` and its ``settings.json`` sidecar are read and written here.
 
 Columns (:data:`SCHEMA_VERSION` 2): ``id``, ``score``, ``score_max`` (LESS max over validation tasks),
 ``score/<task>`` per validation task, ``n_tokens`` (response tokens), ``zero_grad`` (no gradient: score
 0), ``nonfinite`` (the example's gradient was NaN/inf: scores NaN), ``task`` (the example's own task).
 
-The **fingerprint** in ``settings.json`` records what produced the rows: the model's identity, the
-scoring settings, and digests of the scored pool and of the validation set's content
-(:mod:`iprox_lightning.io.fingerprint`). Resuming into a directory whose fingerprint differs — or that
-holds shards but no fingerprint — raises :class:`FingerprintMismatch` naming every field that differs;
-``overwrite=True`` (``--trainer.callbacks.overwrite true``) or a new directory starts fresh.
-
 Also here: :func:`read_scores` / :func:`write_scores` (``id -> score`` tables in Parquet or JSONL, for
-external or hand-made tables) and the one top-k rule of the package (:func:`topk_count`,
-:func:`topk_order`): highest score first, ties broken by id (or position), ``k = max(1, round(f·n))``.
+external or hand-made tables). The top-k rule: :mod:`iprox_lightning.selection.topk`.
 """
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import math
 import os
-import shutil
-import socket
-import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import InputNotFoundError, UserError, UserInputError
-from .fingerprint import FingerprintMismatch, diff
+from ..errors import InputNotFoundError, UserInputError
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2
-SHARD_DIR = "shards"
-CORRUPT_DIR = "corrupt"
 SCORES_FILE = "scores.parquet"
 SETTINGS_FILE = "settings.json"
-LOCK_FILE = ".scoring.lock"
 FLAG_COLUMNS = ("zero_grad", "nonfinite")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
 # ----------------------------------------------------------------------------------- small helpers
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
-    return path
-
-
-def write_parquet_atomic(table, path: str | os.PathLike) -> Path:
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def read_settings(output_dir: str | os.PathLike) -> dict:
-    p = Path(output_dir) / SETTINGS_FILE
-    if not p.exists():
-        return {}
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserInputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno}); remove the directory or pass "
-                             "overwrite=True to start fresh") from None
-
-
-def write_settings(output_dir: str | os.PathLike, settings: Mapping) -> Path:
-    return write_json_atomic(Path(output_dir) / SETTINGS_FILE, {**settings, "schema_version": SCHEMA_VERSION})
 
 
 # ----------------------------------------------------------------------------------- one writer at a time
-class OutputLocked(UserError, RuntimeError):
-    """Another scoring run is writing into the same output directory."""
-
-
-class ScoreDirLock:
-    """An exclusive lock on an output directory (a scoring run's; the pipeline's workdir), held for a whole run.
-
-    ``<output_dir>/.scoring.lock`` is locked with ``flock`` (released by the kernel when the holder exits, so a
-    crashed run never leaves a stale lock) and records the holder's pid, host and start time for the error a
-    second run gets. The file is left in place after release (removing it would let two runs lock two different
-    files). Where the file system has no ``flock`` the run goes on unlocked, with a warning."""
-
-    def __init__(self, output_dir: str | os.PathLike, lock_file: str = LOCK_FILE, what: str = "scoring run",
-                 hint: str = "score into another output_dir"):
-        self.dir = Path(output_dir)
-        self.path = self.dir / lock_file
-        self.what, self.hint = what, hint
-        self._fd: int | None = None
-
-    def holder(self) -> str:
-        """Who holds (or last held) the lock, from the lock file."""
-        try:
-            info = json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
-            info = {}
-        if not info.get("pid"):
-            return "holder unknown"
-        host = info.get("host", "?")
-        alive = ""
-        if host == socket.gethostname():
-            try:
-                os.kill(int(info["pid"]), 0)
-            except ProcessLookupError:
-                alive = ", no longer running (a process it started may still hold the lock)"
-            except (OSError, ValueError):
-                pass
-        return f"pid {info['pid']} on host {host}, started {info.get('started', '?')}{alive}"
-
-    def acquire(self) -> "ScoreDirLock":
-        import fcntl
-
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputLocked(
-                f"{self.dir} is being written by another {self.what} ({self.holder()}; lock file {self.path}): two "
-                f"runs into one directory would mix their outputs. Wait for it to finish, or {self.hint}") from None
-        except OSError as e:  # e.g. a network file system without flock
-            os.close(fd)
-            log.warning("%s: cannot lock (%s); make sure no other scoring run writes into this directory", self.path, e)
-            return self
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        import fcntl
-
-        fd, self._fd = self._fd, None
-        try:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def __enter__(self) -> "ScoreDirLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 # ----------------------------------------------------------------------------------- columns
@@ -229,110 +90,6 @@ def flag_counts(table) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------- shards
-def shard_files(output_dir: str | os.PathLike) -> list[str]:
-    """Complete shard files of ``output_dir`` in name order (temp files and moved-aside ones ignored)."""
-    return sorted(glob.glob(os.path.join(str(output_dir), SHARD_DIR, "rank*.parquet")))
-
-
-def _quarantine(path: str, error: Exception) -> dict:
-    src = Path(path)
-    dest_dir = src.parent / CORRUPT_DIR
-    dest_dir.mkdir(exist_ok=True)
-    dest = dest_dir / src.name
-    shutil.move(str(src), dest)
-    msg = str(error).splitlines()[0][:200]
-    log.warning("score shard %s is unreadable (%s: %s): moved to %s; its examples will be scored again",
-                src, type(error).__name__, msg, dest)
-    return {"shard": str(src), "moved_to": str(dest), "error": f"{type(error).__name__}: {msg}",
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def read_shards(output_dir: str | os.PathLike, columns: Sequence[str] | None = None, *, repair: bool = True):
-    """``(files, tables, repairs)``: every readable shard; an unreadable one (truncated by a crash) is
-    moved to ``shards/corrupt/`` and listed in ``repairs`` (``repair=False``: raise naming the file)."""
-    import pyarrow.parquet as pq
-
-    files, tables, repairs = [], [], []
-    for f in shard_files(output_dir):
-        try:
-            t = pq.read_table(f, columns=list(columns) if columns else None)
-        except Exception as e:  # pyarrow raises several types for truncated files
-            if not repair:
-                raise UserInputError(f"score shard {f} is unreadable ({type(e).__name__}: {e})") from None
-            repairs.append(_quarantine(f, e))
-            continue
-        files.append(f)
-        tables.append(t)
-    return files, tables, repairs
-
-
-def done_ids(output_dir: str | os.PathLike) -> set[str]:
-    """Example ids already written to the readable shards of ``output_dir``."""
-    _, tables, _ = read_shards(output_dir, ["id"])
-    return {i for t in tables for i in t.column("id").to_pylist()}
-
-
-def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None) -> str:
-    """Merge ``output_dir/shards/*.parquet`` into ``output_dir/scores.parquet`` (one row per id, first
-    occurrence kept, rows sorted by id) and update ``settings.json``. Returns the path."""
-    import pyarrow as pa
-
-    out_dir = Path(output_dir)
-    files, tables, repairs = read_shards(out_dir)
-    if not files:
-        raise InputNotFoundError(f"no score shards in {out_dir / SHARD_DIR}: nothing was scored")
-    cols = tables[0].column_names
-    for f, t in zip(files, tables):
-        if t.column_names != cols:
-            raise UserInputError(f"shard {f} has columns {t.column_names}, expected {cols} (mixed runs in one output_dir?)")
-    table = pa.concat_tables(tables)
-    ids = table.column("id").to_pylist()
-    first: dict[str, int] = {}
-    for j, i in enumerate(ids):
-        first.setdefault(i, j)
-    n_dup = len(ids) - len(first)
-    order = sorted(first, key=str)
-    table = table.take(pa.array([first[i] for i in order], pa.int64()))
-    path = write_parquet_atomic(table, out_dir / SCORES_FILE)
-    s = read_settings(out_dir)
-    s.update(settings or {})
-    if repairs:
-        s["repairs"] = list(s.get("repairs", [])) + repairs
-    s["merge"] = {"rows": table.num_rows, "shards": len(files), "duplicates_dropped": n_dup, **flag_counts(table),
-                  "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    write_settings(out_dir, s)
-    return str(path)
-
-
-def clear_output(output_dir: str | os.PathLike) -> None:
-    """Remove a scoring output (shards, merged table, settings) so a run starts fresh."""
-    out = Path(output_dir)
-    shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
-    for name in (SCORES_FILE, SETTINGS_FILE):
-        (out / name).unlink(missing_ok=True)
-
-
-def check_fingerprint(output_dir: str | os.PathLike, fingerprint: Mapping, *, hint: str) -> None:
-    """Refuse to resume into ``output_dir`` unless its recorded fingerprint equals ``fingerprint``.
-
-    Raises :class:`FingerprintMismatch` when the directory holds shards or a merged table that were
-    produced from different inputs, or whose inputs are unknown (no ``settings.json`` fingerprint)."""
-    out = Path(output_dir)
-    n_shards = len(shard_files(out))
-    has_table = (out / SCORES_FILE).exists()
-    if not n_shards and not has_table:
-        return
-    what = f"{n_shards} shard(s)" if n_shards else SCORES_FILE
-    old = read_settings(out).get("fingerprint")
-    if old is None:
-        raise FingerprintMismatch(
-            f"{out} already holds {what} but {out / SETTINGS_FILE} records no fingerprint, so it cannot be told "
-            f"whether they come from this model, pool, validation set and settings; {hint}")
-    lines = diff(old, dict(fingerprint))
-    if lines:
-        raise FingerprintMismatch(
-            f"{out} holds {what} produced from different inputs; refusing to resume or reuse them. What differs "
-            f"(previous -> now):\n  " + "\n  ".join(lines) + f"\n{hint}")
 
 
 # ----------------------------------------------------------------------------------- the scored pool
@@ -529,39 +286,34 @@ def write_scores(scores: Mapping[str, float], path: str | os.PathLike, **extra_c
 
 
 # ----------------------------------------------------------------------------------- top-k
-def shortest_cut(lengths: Sequence[float], count: int) -> float:
-    """The length of the ``count``-th shortest of ``lengths`` (``count`` capped at their number): every length at or
-    below it is in the shortlist, ties at the cut kept (``select(within_shortest=...)``, the per-task Spearman among
-    the shortest responses)."""
-    return float(np.sort(np.asarray(lengths, dtype=np.float64))[min(count, len(lengths)) - 1])
 
 
-def topk_count(k: int | float, n: int) -> int:
-    """How many of ``n`` ranked examples a top-``k`` takes: an ``int`` count (capped at ``n``), or a
-    ``float`` fraction in ``(0, 1]``: ``max(1, round(k·n))`` (0 when ``n == 0``)."""
-    if isinstance(k, bool) or not isinstance(k, (int, float, np.integer, np.floating)):
-        raise TypeError(f"k must be an int count or a float fraction, got {k!r}")
-    if isinstance(k, (float, np.floating)):
-        if not 0.0 < k <= 1.0:
-            raise UserInputError(f"fraction k must be in (0, 1], got {k}")
-        return min(n, max(1, int(round(k * n)))) if n else 0
-    if k < 1:
-        raise UserInputError(f"count k must be >= 1, got {k}")
-    return min(int(k), n)
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+    return path
 
 
-def topk_order(scores: Sequence[float], keys: Sequence[str] | None = None) -> np.ndarray:
-    """Indices of ``scores`` from the highest down; ties broken by ``keys`` (ids) when given, else by
-    position. The package's only ranking rule (``select``, retention, reports)."""
-    s = np.asarray(scores, dtype=np.float64)
-    if not np.isfinite(s).all():
-        bad = int((~np.isfinite(s)).sum())
-        raise UserInputError(f"cannot rank {bad} non-finite score(s) (NaN/inf); drop the rows flagged 'nonfinite' first")
-    tie = np.arange(len(s)) if keys is None else np.unique(np.asarray(list(keys), dtype=object).astype(str),
-                                                            return_inverse=True)[1]
-    return np.lexsort((tie, -s))
+def write_parquet_atomic(table, path: str | os.PathLike) -> Path:
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
 
 
-def topk_indices(scores: Sequence[float], k: int | float, keys: Sequence[str] | None = None) -> np.ndarray:
-    """Indices of the top-``k`` (count or fraction, :func:`topk_count`) scores, best first."""
-    return topk_order(scores, keys)[: topk_count(k, len(scores))]
+def read_settings(output_dir: str | os.PathLike) -> dict:
+    p = Path(output_dir) / SETTINGS_FILE
+    if not p.exists():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserInputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno}); remove the directory or pass "
+                             "overwrite=True to start fresh") from None

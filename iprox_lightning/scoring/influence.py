@@ -146,7 +146,8 @@ class ScoreTable(Mapping):
     @classmethod
     def load(cls, path: str) -> "ScoreTable":
         """Read a merged score table (a file, or a scoring directory with its ``settings.json``)."""
-        from ..io.scores import read_settings, read_table
+        from ..io.scores import read_settings
+        from ..io.scores import read_table
 
         p, table = read_table(path)
         return cls.from_arrow(table, read_settings(p.parent) if p.name == "scores.parquet" else None)

@@ -19,7 +19,7 @@ from typing import Any
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from ..errors import UserInputError
-from ..io.scores import OutputLocked
+from ..io.score_dir import OutputLocked
 
 
 class BufferedShardWriter(BasePredictionWriter):

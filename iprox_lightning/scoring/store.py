@@ -248,7 +248,7 @@ class GradientStoreWriter(BufferedShardWriter):
 
     # ------------------------------------------------------------------ shards (BufferedShardWriter)
     def make_lock(self):
-        from ..io.scores import ScoreDirLock
+        from ..io.score_dir import ScoreDirLock
 
         return ScoreDirLock(self.output_dir, gs.LOCK_FILE, "store build", "build into another directory")
 

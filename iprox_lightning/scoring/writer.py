@@ -4,7 +4,7 @@ The files (layout, columns, ``settings.json``, fingerprint) are defined and read
 :mod:`iprox_lightning.io.scores`; this callback decides *when* to write them.
 
 One run at a time: rank 0 holds an exclusive lock on ``output_dir`` (``.scoring.lock``,
-:class:`~iprox_lightning.io.scores.ScoreDirLock`) from ``setup`` to the end of the merge; a second run started
+:class:`~iprox_lightning.io.score_dir.ScoreDirLock`) from ``setup`` to the end of the merge; a second run started
 into the same directory meanwhile stops with :class:`~iprox_lightning.io.scores.OutputLocked` naming the directory
 and the holder's pid (two runs would mix their shards and settings). A crashed holder releases it with its process.
 
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 
-from ..io.scores import (
-    SCORES_FILE, SETTINGS_FILE, SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids,
-    merge_shards, predictions_to_arrow, read_settings, read_shards, shard_files, write_parquet_atomic, write_settings,
+from ..io.scores import SCORES_FILE, SETTINGS_FILE, read_settings, write_parquet_atomic
+from ..io.score_dir import (
+    SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, merge_shards, read_shards,
+    shard_files, write_settings,
 )
+from ..io.scores import predictions_to_arrow
 from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)

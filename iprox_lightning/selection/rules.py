@@ -44,7 +44,7 @@ def task_columns(columns: Mapping[str, np.ndarray], task: str | None) -> dict[st
 
 
 def _order(values: np.ndarray, ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    from ..io.scores import topk_order
+    from .topk import topk_order
 
     return topk_order(values, ids), values
 

@@ -181,7 +181,7 @@ def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str]
         raise UserInputError(f"{src}: 'n_tokens' is missing for {len(missing)} row(s), e.g. {missing[:3]}")
     if not ranked:
         return set(), 0.0
-    from ..io.scores import shortest_cut
+    from .topk import shortest_cut
 
     cut = shortest_cut([float(n_tok[i]) for i in ranked], count)
     return {i for i in ranked if float(n_tok[i]) <= cut}, cut
@@ -316,7 +316,7 @@ def select(
         rows, excluded = _without_categories(src, table, rows, rule, task, exclude_categories, dedup=dedup,
                                              skip_flagged=skip_flagged, records=records if pools else None)
     n = len(rows)
-    from ..io.scores import topk_count
+    from .topk import topk_count
 
     count = topk_count(k, n)
     shortlist = None

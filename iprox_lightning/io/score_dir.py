@@ -1,0 +1,242 @@
+"""A scoring output directory: its lock, its shards, their merge into the score table, its settings.
+
+Layout::
+
+    shards/rank000-<run>-00000.parquet   # per-rank shards, written atomically (temp file + os.replace)
+    shards/corrupt/...                    # unreadable shards moved aside on resume (their ids re-scored)
+    scores.parquet                        # merged: one row per id, sorted by id (the table: :mod:`.scores`)
+    settings.json                         # schema_version, fingerprint, scoring settings, merge summary
+    .scoring.lock                         # held (flock) by the run writing here: a second run is refused
+
+``settings.json`` holds ``fingerprint`` (below), ``scoring`` (the run's ``ScoringConfig`` verbatim,
+:class:`iprox_lightning.scoring.influence.ScoringConfig`), ``config`` (the fingerprinted settings: the model's name,
+the ``ScoringConfig``, the factor split, the loading dtype), ``data`` (examples dropped by truncation), ``scorer``
+(the scorer's settings and preparation statistics), ``merge`` and ``repairs``.
+
+The **fingerprint** in ``settings.json`` records what produced the rows: the model's identity, the
+scoring settings, and digests of the scored pool and of the validation set's content
+(:mod:`iprox_lightning.io.fingerprint`). Resuming into a directory whose fingerprint differs — or that
+holds shards but no fingerprint — raises :class:`FingerprintMismatch` naming every field that differs;
+``overwrite=True`` (``--trainer.callbacks.overwrite true``) or a new directory starts fresh.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from ..errors import InputNotFoundError, UserError, UserInputError
+from .fingerprint import FingerprintMismatch, diff
+from .scores import (
+    SCHEMA_VERSION, SCORES_FILE, SETTINGS_FILE, flag_counts, read_settings, write_json_atomic, write_parquet_atomic,
+)
+
+log = logging.getLogger(__name__)
+
+
+SHARD_DIR = "shards"
+
+
+CORRUPT_DIR = "corrupt"
+
+
+LOCK_FILE = ".scoring.lock"
+
+
+def write_settings(output_dir: str | os.PathLike, settings: Mapping) -> Path:
+    return write_json_atomic(Path(output_dir) / SETTINGS_FILE, {**settings, "schema_version": SCHEMA_VERSION})
+
+
+class OutputLocked(UserError, RuntimeError):
+    """Another scoring run is writing into the same output directory."""
+
+
+class ScoreDirLock:
+    """An exclusive lock on an output directory (a scoring run's; the pipeline's workdir), held for a whole run.
+
+    ``<output_dir>/.scoring.lock`` is locked with ``flock`` (released by the kernel when the holder exits, so a
+    crashed run never leaves a stale lock) and records the holder's pid, host and start time for the error a
+    second run gets. The file is left in place after release (removing it would let two runs lock two different
+    files). Where the file system has no ``flock`` the run goes on unlocked, with a warning."""
+
+    def __init__(self, output_dir: str | os.PathLike, lock_file: str = LOCK_FILE, what: str = "scoring run",
+                 hint: str = "score into another output_dir"):
+        self.dir = Path(output_dir)
+        self.path = self.dir / lock_file
+        self.what, self.hint = what, hint
+        self._fd: int | None = None
+
+    def holder(self) -> str:
+        """Who holds (or last held) the lock, from the lock file."""
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        if not info.get("pid"):
+            return "holder unknown"
+        host = info.get("host", "?")
+        alive = ""
+        if host == socket.gethostname():
+            try:
+                os.kill(int(info["pid"]), 0)
+            except ProcessLookupError:
+                alive = ", no longer running (a process it started may still hold the lock)"
+            except (OSError, ValueError):
+                pass
+        return f"pid {info['pid']} on host {host}, started {info.get('started', '?')}{alive}"
+
+    def acquire(self) -> "ScoreDirLock":
+        import fcntl
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputLocked(
+                f"{self.dir} is being written by another {self.what} ({self.holder()}; lock file {self.path}): two "
+                f"runs into one directory would mix their outputs. Wait for it to finish, or {self.hint}") from None
+        except OSError as e:  # e.g. a network file system without flock
+            os.close(fd)
+            log.warning("%s: cannot lock (%s); make sure no other scoring run writes into this directory", self.path, e)
+            return self
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "ScoreDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def shard_files(output_dir: str | os.PathLike) -> list[str]:
+    """Complete shard files of ``output_dir`` in name order (temp files and moved-aside ones ignored)."""
+    return sorted(glob.glob(os.path.join(str(output_dir), SHARD_DIR, "rank*.parquet")))
+
+
+def _quarantine(path: str, error: Exception) -> dict:
+    src = Path(path)
+    dest_dir = src.parent / CORRUPT_DIR
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / src.name
+    shutil.move(str(src), dest)
+    msg = str(error).splitlines()[0][:200]
+    log.warning("score shard %s is unreadable (%s: %s): moved to %s; its examples will be scored again",
+                src, type(error).__name__, msg, dest)
+    return {"shard": str(src), "moved_to": str(dest), "error": f"{type(error).__name__}: {msg}",
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def read_shards(output_dir: str | os.PathLike, columns: Sequence[str] | None = None, *, repair: bool = True):
+    """``(files, tables, repairs)``: every readable shard; an unreadable one (truncated by a crash) is
+    moved to ``shards/corrupt/`` and listed in ``repairs`` (``repair=False``: raise naming the file)."""
+    import pyarrow.parquet as pq
+
+    files, tables, repairs = [], [], []
+    for f in shard_files(output_dir):
+        try:
+            t = pq.read_table(f, columns=list(columns) if columns else None)
+        except Exception as e:  # pyarrow raises several types for truncated files
+            if not repair:
+                raise UserInputError(f"score shard {f} is unreadable ({type(e).__name__}: {e})") from None
+            repairs.append(_quarantine(f, e))
+            continue
+        files.append(f)
+        tables.append(t)
+    return files, tables, repairs
+
+
+def done_ids(output_dir: str | os.PathLike) -> set[str]:
+    """Example ids already written to the readable shards of ``output_dir``."""
+    _, tables, _ = read_shards(output_dir, ["id"])
+    return {i for t in tables for i in t.column("id").to_pylist()}
+
+
+def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None) -> str:
+    """Merge ``output_dir/shards/*.parquet`` into ``output_dir/scores.parquet`` (one row per id, first
+    occurrence kept, rows sorted by id) and update ``settings.json``. Returns the path."""
+    import pyarrow as pa
+
+    out_dir = Path(output_dir)
+    files, tables, repairs = read_shards(out_dir)
+    if not files:
+        raise InputNotFoundError(f"no score shards in {out_dir / SHARD_DIR}: nothing was scored")
+    cols = tables[0].column_names
+    for f, t in zip(files, tables):
+        if t.column_names != cols:
+            raise UserInputError(f"shard {f} has columns {t.column_names}, expected {cols} (mixed runs in one output_dir?)")
+    table = pa.concat_tables(tables)
+    ids = table.column("id").to_pylist()
+    first: dict[str, int] = {}
+    for j, i in enumerate(ids):
+        first.setdefault(i, j)
+    n_dup = len(ids) - len(first)
+    order = sorted(first, key=str)
+    table = table.take(pa.array([first[i] for i in order], pa.int64()))
+    path = write_parquet_atomic(table, out_dir / SCORES_FILE)
+    s = read_settings(out_dir)
+    s.update(settings or {})
+    if repairs:
+        s["repairs"] = list(s.get("repairs", [])) + repairs
+    s["merge"] = {"rows": table.num_rows, "shards": len(files), "duplicates_dropped": n_dup, **flag_counts(table),
+                  "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_settings(out_dir, s)
+    return str(path)
+
+
+def clear_output(output_dir: str | os.PathLike) -> None:
+    """Remove a scoring output (shards, merged table, settings) so a run starts fresh."""
+    out = Path(output_dir)
+    shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+    for name in (SCORES_FILE, SETTINGS_FILE):
+        (out / name).unlink(missing_ok=True)
+
+
+def check_fingerprint(output_dir: str | os.PathLike, fingerprint: Mapping, *, hint: str) -> None:
+    """Refuse to resume into ``output_dir`` unless its recorded fingerprint equals ``fingerprint``.
+
+    Raises :class:`FingerprintMismatch` when the directory holds shards or a merged table that were
+    produced from different inputs, or whose inputs are unknown (no ``settings.json`` fingerprint)."""
+    out = Path(output_dir)
+    n_shards = len(shard_files(out))
+    has_table = (out / SCORES_FILE).exists()
+    if not n_shards and not has_table:
+        return
+    what = f"{n_shards} shard(s)" if n_shards else SCORES_FILE
+    old = read_settings(out).get("fingerprint")
+    if old is None:
+        raise FingerprintMismatch(
+            f"{out} already holds {what} but {out / SETTINGS_FILE} records no fingerprint, so it cannot be told "
+            f"whether they come from this model, pool, validation set and settings; {hint}")
+    lines = diff(old, dict(fingerprint))
+    if lines:
+        raise FingerprintMismatch(
+            f"{out} holds {what} produced from different inputs; refusing to resume or reuse them. What differs "
+            f"(previous -> now):\n  " + "\n  ".join(lines) + f"\n{hint}")
