@@ -76,30 +76,6 @@ def test_readme_stage_commands_run_as_written(tmp_path, monkeypatch, capsys, eva
     assert e.value.code in (0, None)
 
 
-def architecture_paths(text: str) -> set[str]:
-    """The file paths ARCHITECTURE.md names in backticks (``x.py``, ``dir/x.py``, ``x.yaml``, ``x.md``)."""
-    return {p for p in re.findall(r"`([\w/.\-]+\.(?:py|yaml|md))`", text)}
-
-
-def test_architecture_names_only_files_that_exist():
-    """ARCHITECTURE.md matches the code: every file it names is there (in the package, the repository root,
-    ``configs/`` or ``bench/``), and every sub-package of the package has its row."""
-    root = README.parent
-    text = (root / "ARCHITECTURE.md").read_text()
-    paths = architecture_paths(text)
-    assert {"tracking.py", "io/proxy.py", "target_layers.py", "io/records.py", "data/sources.py"} <= paths
-    bases = (root / "iprox_lightning", root, root / "configs", root / "bench")
-    missing = sorted(p for p in paths if not any((b / p).exists() for b in bases))
-    assert not missing, f"ARCHITECTURE.md names files that do not exist: {missing}"
-    folders = sorted(d.name for d in (root / "iprox_lightning").iterdir() if (d / "__init__.py").exists())
-    assert [d for d in folders if f"`{d}/" not in text] == []
-
-
-def test_architecture_paths_reader():
-    assert architecture_paths("see `io/proxy.py` and `configs/warmup.yaml`, not `x`") == {"io/proxy.py",
-                                                                                          "configs/warmup.yaml"}
-
-
 def test_readme_build_once_query_many_commands_run_as_written(tmp_path, monkeypatch, capsys):
     """The README's "Build once, query many" commands, verbatim: build, query, select."""
     import re
@@ -122,6 +98,8 @@ def test_readme_build_once_query_many_commands_run_as_written(tmp_path, monkeypa
 
 RECIPE_HEADING = "## Your own model (SmolLM2 from a GGUF file, on a CPU)"
 RECIPE_MODEL = "../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+GUIDE = README.parent / "docs" / "GUIDE.md"
+GUIDE_RECIPE_HEADING = "## Your own model: the sizes, what to read, the GPU version"
 
 
 def bash_commands(block: str) -> list[str]:
@@ -131,12 +109,18 @@ def bash_commands(block: str) -> list[str]:
             if c.strip()]
 
 
+def doc_section(path: Path, heading: str) -> str:
+    """The text of ``path`` from the line ``heading`` to the next ``## `` heading."""
+    text = path.read_text()
+    section = text[text.index(heading):]
+    return section[: section.index("\n## ", 1)]
+
+
 def readme_recipe() -> tuple[list[str], list[str]]:
-    """The commands of the "Your own model" section's two bash blocks, exactly as written: (CPU recipe, GPU version)."""
-    text = README.read_text()
-    section = text[text.index(RECIPE_HEADING):]
-    section = section[: section.index("\n## ", 1)]
-    cpu, gpu = re.findall(r"```bash\n(.*?)```", section, re.S)
+    """The commands of the "Your own model" recipe, exactly as written: (the README's CPU block, the GPU version in
+    the guide's section on it)."""
+    (cpu,) = re.findall(r"```bash\n(.*?)```", doc_section(README, RECIPE_HEADING), re.S)
+    (gpu,) = re.findall(r"```bash\n(.*?)```", doc_section(GUIDE, GUIDE_RECIPE_HEADING), re.S)
     return bash_commands(cpu), bash_commands(gpu)
 
 
