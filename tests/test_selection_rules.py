@@ -217,3 +217,29 @@ def test_exclude_categories_ranks_only_the_other_candidates_brute_force(tmp_path
         select(str(path), k=k, pool=str(pool), output=str(tmp_path / "y.jsonl"), exclude_categories=["*"])
     with pytest.raises(ValueError, match="must be a list of category patterns"):
         select(str(path), k=k, pool=str(pool), output=str(tmp_path / "z.jsonl"), exclude_categories="xquad_*")
+
+
+def test_a_restriction_reranks_among_the_candidates_it_keeps(table):
+    """The extension point of ``select``'s restrictions: a :class:`Restriction` keeps some ids, :class:`Candidates`
+    re-ranks among them and records the restriction's meta with the count left; equal to ranking the kept rows by
+    brute force."""
+    from iprox_lightning.io.scores import read_table
+    from iprox_lightning.selection.candidates import Candidates, Restriction
+
+    ids, scores, ts, path, pool = table
+
+    class EvenIds(Restriction):
+        meta_key = "even"
+
+        def keep(self, candidates, count):
+            return {i for _, i in candidates.rows if int(i[-1]) % 2 == 0}, {"rule": "even", "candidates": None}
+
+    src, tab = read_table(path)
+    cands = Candidates.rank(src, tab, "pooled", None, dedup=False, skip_flagged=False)
+    assert [i for _, i in cands.rows] == brute_order([ids[j] for j in range(N) if j != 4],
+                                                     [scores[j] for j in range(N) if j != 4])
+    cands.restrict(EvenIds())
+    kept = [j for j in range(N) if j != 4 and int(ids[j][-1]) % 2 == 0]
+    assert [i for _, i in cands.rows] == brute_order([ids[j] for j in kept], [scores[j] for j in kept])
+    assert [v for v, _ in cands.rows] == pytest.approx(sorted((scores[j] for j in kept), reverse=True))
+    assert cands.applied == {"even": {"rule": "even", "candidates": len(kept)}}

@@ -19,6 +19,9 @@ schema with the ids kept — the file ``SFTDataModule(selected=..., train_split=
   a built-in id. Without a pool the output holds ``{"id", "score"}`` rows only (and says so). The pool must be
   the one that was scored (records digest in the score table's ``settings.json``; ``allow_pool_mismatch=True``
   overrides); ``builtin`` is read at the size that was scored.
+* ``exclude_categories`` / ``within_shortest``: restrictions of the candidates, each re-ranking among what is left
+  (:mod:`iprox_lightning.selection.candidates`: :class:`~.candidates.ExcludeCategories`,
+  :class:`~.candidates.WithinShortest`).
 * Refused: an empty selection, an id twice, an ``output`` that is the score table, a pool file or inside a pool
   directory.
 
@@ -33,11 +36,9 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
 from ..errors import OutputExistsError, OutputIsDirectoryError, UserInputError
-
-TEXT_FIELDS = ("instruction", "context", "response")
+from .candidates import Candidates, ExcludeCategories, WithinShortest
+from .topk import topk_count
 
 
 def _read_scores(path: str):
@@ -129,110 +130,6 @@ def _check_not_another_selectors(out: Path, src: Path) -> None:
         "(a file of its own), or --overwrite true to replace it")
 
 
-def _norm_text(rec: dict) -> tuple:
-    return tuple(" ".join(str(rec.get(f) or "").split()) for f in TEXT_FIELDS)
-
-
-def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, skip_flagged: bool,
-                 candidates: set[str] | None = None):
-    """``(column label, ids, zero_grad flags, bad rows, ranked rows)`` of a score table under ``rule``: the ranked rows
-    are ``(value, id)`` best first (ties by id), without the rows flagged ``zero_grad`` or non-finite (``bad``:
-    ``(id, score)``, an error unless ``skip_flagged``) and, with ``dedup``, one per id; with ``candidates``, the rule
-    ranks those ids only (its standardisation and round-robin among them)."""
-    from .rules import rule_columns, rule_order
-
-    used = rule_columns(rule, table.column_names, task)
-    col = used[0] if len(used) == 1 else f"{rule}({', '.join(used)})"
-    ids = [str(i) for i in table.column("id").to_pylist()]
-    values = {c: np.asarray([np.nan if v is None else float(v) for v in table.column(c).to_pylist()], np.float64)
-              for c in used}
-    flags = table.column("zero_grad").to_pylist() if "zero_grad" in table.column_names else [False] * len(ids)
-    nonfin = table.column("nonfinite").to_pylist() if "nonfinite" in table.column_names else [False] * len(ids)
-    finite = np.all([np.isfinite(v) for v in values.values()], axis=0) if ids else np.ones(0, bool)
-    bad = [(i, float(values[used[0]][j])) for j, (i, nf) in enumerate(zip(ids, nonfin)) if nf or not finite[j]]
-    if bad and not skip_flagged:
-        raise UserInputError(
-            f"{src}: {len(bad)} row(s) have a non-finite {col!r} or are flagged 'nonfinite' (NaN/inf gradient), "
-            f"e.g. {', '.join(f'{i!r} -> {s}' for i, s in bad[:3])}; fix the scoring (e.g. float32 instead of "
-            "float16) or pass skip_flagged=True (CLI: --skip_flagged true) to leave them out")
-    bad_ids = {i for i, _ in bad}
-    keep = np.asarray([not z and i not in bad_ids and (candidates is None or i in candidates)
-                       for i, z in zip(ids, flags)], bool)
-    kept_ids = [i for i, m in zip(ids, keep) if m]
-    order, value = rule_order(rule, kept_ids, {c: v[keep] for c, v in values.items()}, task)
-    rows = [(float(value[j]), kept_ids[j]) for j in order]  # best first (ties by id)
-    if dedup:
-        seen: set[str] = set()
-        rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
-    elif len(set(ids)) != len(ids):
-        raise UserInputError(f"{src}: duplicate ids in the score table and dedup=False")
-    return col, ids, flags, bad, rows
-
-
-def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str], float]:
-    """The ``count`` ids of ``ranked`` with the fewest response tokens (the table's ``n_tokens``), every id tied with
-    the last of them too, and that last length."""
-    if "n_tokens" not in table.column_names:
-        raise UserInputError(f"{src}: within_shortest needs the score table's 'n_tokens' column (the response tokens "
-                             "each example was scored on; written by the scoring, store-query and RDS+ stages)")
-    n_tok = dict(zip((str(i) for i in table.column("id").to_pylist()), table.column("n_tokens").to_pylist()))
-    missing = [i for i in ranked if n_tok.get(i) is None]
-    if missing:
-        raise UserInputError(f"{src}: 'n_tokens' is missing for {len(missing)} row(s), e.g. {missing[:3]}")
-    if not ranked:
-        return set(), 0.0
-    from .topk import shortest_cut
-
-    cut = shortest_cut([float(n_tok[i]) for i in ranked], count)
-    return {i for i in ranked if float(n_tok[i]) <= cut}, cut
-
-
-def _rank_within_shortest(src: Path, table, rows: list, rule: str, task: str | None, within_shortest: float,
-                          count: int, *, dedup: bool, skip_flagged: bool, records: dict | None) -> tuple[list, dict]:
-    """``rows`` re-ranked by ``rule`` among the ``ceil(within_shortest · count)`` shortest of them (ties kept; with
-    ``records``, one per text again), and the shortlist's description for the selection's meta."""
-    short, cut = _shortest(src, table, [i for _, i in rows], int(np.ceil(within_shortest * count)))
-    rows = _rerank_among(src, table, rule, task, short, dedup=dedup, skip_flagged=skip_flagged, records=records)
-    return rows, {"within_shortest": within_shortest, "candidates": len(rows), "max_response_tokens": cut}
-
-
-def _rerank_among(src: Path, table, rule: str, task: str | None, candidates: set[str], *, dedup: bool,
-                  skip_flagged: bool, records: dict | None) -> list:
-    """The rows of ``rule`` ranked among ``candidates`` only (a per-task rule standardises among them) and, with
-    ``records`` and ``dedup``, one per text: the re-ranking a restriction of the candidates needs."""
-    rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged, candidates=candidates)[4]
-    return _one_per_text(rows, records) if records is not None and dedup else rows
-
-
-def _without_categories(src: Path, table, rows: list, rule: str, task: str | None, patterns: Sequence[str], *,
-                        dedup: bool, skip_flagged: bool, records: dict | None) -> tuple[list, dict]:
-    """``rows`` re-ranked by ``rule`` among the candidates whose pool category matches none of ``patterns``
-    (``fnmatch``; with ``dedup``, one per text again), and what was left out for the selection's meta."""
-    from fnmatch import fnmatchcase
-
-    if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
-        raise UserInputError(f"exclude_categories must be a list of category patterns, got {patterns!r}")
-    if records is None:
-        raise UserInputError("exclude_categories reads each candidate's category from the pool: pass pool")
-    keep = [i for _, i in rows if not any(fnmatchcase(str(records[i].get("category", "")), p) for p in patterns)]
-    if not keep:
-        raise UserInputError(f"exclude_categories {list(patterns)} leaves no candidate of the {len(rows)} ranked")
-    out = _rerank_among(src, table, rule, task, set(keep), dedup=dedup, skip_flagged=skip_flagged, records=records)
-    return out, {"categories": list(patterns), "count": len(rows) - len(keep), "candidates": len(out)}
-
-
-def _one_per_text(rows: list, records: dict) -> list:
-    """``rows`` with only the first (best) of the rows whose records have the same text (:func:`_norm_text`)."""
-    seen_text: set[tuple] = set()
-    kept = []
-    for r in rows:
-        key = _norm_text(records[r[1]])
-        if key not in seen_text:
-            seen_text.add(key)
-            kept.append(r)
-    return kept
-
-
 def _read_scored_pool(src: Path, pool, builtin_size: int | None, allow_mismatch: bool):
     """``(pool descriptions, builtin size, pool records, pool check)`` of ``pool`` (``None``: no pool), checked to be
     the pool the table ``src`` scored (its records digest) unless ``allow_mismatch``."""
@@ -301,29 +198,25 @@ def select(
             among the rest; the balanced rule standardises among them), e.g. the source an evaluation set was drawn
             from; needs ``pool``. The meta records the patterns and how many were left out.
     """
-    if within_shortest is not None and (isinstance(within_shortest, bool) or not isinstance(within_shortest, (int, float))
-                                        or within_shortest < 1):
-        raise UserInputError(f"within_shortest must be a number >= 1 (a multiple of k), got {within_shortest!r}")
+    restrictions = ([ExcludeCategories(exclude_categories)] if exclude_categories else []) + \
+        ([WithinShortest(within_shortest)] if within_shortest is not None else [])
     src, table = _read_scores(scores_path)
-    col, ids, flags, bad, rows = _ranked_rows(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
+    cands = Candidates.rank(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
+    ids, flags, bad = cands.ids, cands.flags, cands.bad
     if pool is None:
         pool = _default_pool(ids)
     pools, size, pool_records, pool_check = _read_scored_pool(src, pool, builtin_size, allow_pool_mismatch)
     records = {r["id"]: r for r in pool_records}
-    rows = _rows_in_pool(rows, records, pools, dedup)
-    excluded = None
-    if exclude_categories:
-        rows, excluded = _without_categories(src, table, rows, rule, task, exclude_categories, dedup=dedup,
-                                             skip_flagged=skip_flagged, records=records if pools else None)
-    n = len(rows)
-    from .topk import topk_count
-
+    cands.in_pool(records, pools)
+    for r in restrictions:
+        if not r.needs_count:
+            cands.restrict(r)
+    n = len(cands.rows)
     count = topk_count(k, n)
-    shortlist = None
-    if within_shortest is not None:
-        rows, shortlist = _rank_within_shortest(src, table, rows, rule, task, within_shortest, count, dedup=dedup,
-                                                skip_flagged=skip_flagged, records=records if pools else None)
-    chosen = rows[:count]
+    for r in restrictions:
+        if r.needs_count:
+            cands.restrict(r, count)
+    chosen = cands.rows[:count]
     _check_selection(chosen, src, n, len(ids), flags, bad)
 
     out = Path(output)
@@ -332,26 +225,14 @@ def select(
         _check_not_another_selectors(out, src)
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
-        "column": col, "rule": rule, "task": task, "dedup": dedup, "pool": pools,
+        "column": cands.column, "rule": rule, "task": task, "dedup": dedup, "pool": pools,
         "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
-        **({"shortlist": shortlist} if shortlist is not None else {}),
-        **({"excluded": excluded} if excluded is not None else {}),
+        **{key: cands.applied[key] for key in ("shortlist", "excluded") if key in cands.applied},
         "skipped": {"zero_grad": int(sum(bool(z) for z in flags)), "nonfinite": len(bad)},
         "selected": [{"id": i, "score": s} for s, i in chosen],
     }
     _write_selection(out, chosen, table, (pool_records, records) if pools else None, meta, bad, quiet)
     return str(out)
-
-
-def _rows_in_pool(rows: list[tuple[float, str]], records: dict[str, dict], pools, dedup: bool) -> list[tuple[float, str]]:
-    """The ranked ``(score, id)`` rows checked against the pool read (every scored id must be in it) and, with
-    ``dedup``, one per identical text; unchanged when no pool was read."""
-    if not pools:
-        return rows
-    missing = [i for _, i in rows if i not in records]
-    if missing:
-        raise UserInputError(f"{len(missing)} scored id(s) not found in pool {pools}, e.g. {missing[:5]}")
-    return _one_per_text(rows, records) if dedup else rows
 
 
 def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tuple[list[dict], dict] | None,
