@@ -20,16 +20,29 @@ in name order.
 from __future__ import annotations
 
 import logging
+from typing import Any, Protocol, runtime_checkable
 
-from ..io.scores import SCORES_FILE, SETTINGS_FILE, read_settings, write_parquet_atomic
 from ..io.score_dir import (
     SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, merge_shards, read_shards,
     shard_files, write_settings,
 )
-from ..io.scores import predictions_to_arrow
+from ..io.scores import SCORES_FILE, SETTINGS_FILE, predictions_to_arrow, read_settings, write_parquet_atomic
 from .shard_writer import BufferedShardWriter
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ScoringModule(Protocol):
+    """What :class:`InfluenceWriter` reads from the module whose predictions it writes (``InfluenceScoringModule`` is
+    one): the provenance fingerprinted into ``settings.json`` (rank 0's, broadcast), the ids already scored (set on
+    resume, skipped by the module) and the scorer whose settings the merge records. A module without them has its
+    predictions written and merged with no fingerprint and no resume."""
+
+    skip_ids: set[str]
+    scorer: Any
+
+    def scoring_provenance(self) -> dict[str, Any]: ...
 
 
 class InfluenceWriter(BufferedShardWriter):
@@ -85,10 +98,14 @@ class InfluenceWriter(BufferedShardWriter):
                 f"or choose a new output_dir than {self.output_dir}")
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        prov = pl_module.scoring_provenance() if hasattr(pl_module, "scoring_provenance") and trainer.global_rank == 0 \
-            else ({"fingerprint": {"settings": pl_module.scoring_config()}} if hasattr(pl_module, "scoring_config") else {})
-        if trainer.world_size > 1 and hasattr(pl_module, "scoring_provenance"):
-            prov = trainer.strategy.broadcast(prov, src=0)
+        scoring = isinstance(pl_module, ScoringModule)
+        if not scoring:  # another module's predictions: written and merged, with no fingerprint or resume
+            prov = {}
+        elif trainer.world_size > 1:  # rank 0's provenance (digests of the data it read) for every rank
+            prov = trainer.strategy.broadcast(pl_module.scoring_provenance() if trainer.global_rank == 0 else None,
+                                              src=0)
+        else:
+            prov = pl_module.scoring_provenance()
         self._provenance = prov
         existing = shard_files(self.output_dir)
         if existing and not self.resume:
@@ -108,7 +125,7 @@ class InfluenceWriter(BufferedShardWriter):
             write_settings(self.output_dir, s)
         trainer.strategy.barrier()
         done = done_ids(self.output_dir)
-        if hasattr(pl_module, "skip_ids"):
+        if scoring:
             pl_module.skip_ids = set(done)
         if done and trainer.global_rank == 0:
             log.info("InfluenceWriter: resuming, %d ids already scored in %s", len(done), self.output_dir)
@@ -118,9 +135,8 @@ class InfluenceWriter(BufferedShardWriter):
         trainer.strategy.barrier()
         if self.merge and trainer.global_rank == 0:
             extra = {}
-            scorer = getattr(pl_module, "scorer", None)
-            if scorer is not None:
-                extra["scorer"] = scorer.settings()
+            if isinstance(pl_module, ScoringModule) and pl_module.scorer is not None:
+                extra["scorer"] = pl_module.scorer.settings()
             self.merged_path = merge_shards(self.output_dir, extra)
             from lightning.pytorch.utilities import rank_zero_info
 
