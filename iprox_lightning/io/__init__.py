@@ -8,5 +8,13 @@ through here; this package imports nothing from the rest of ``iprox_lightning`` 
 from .fingerprint import FingerprintMismatch, digest, diff
 from .scores import SCHEMA_VERSION, read_scores, read_table, topk_count, topk_indices, topk_order, write_scores
 
+# public for the benchmarks: a saved proxy's manifest and tensor shapes, a score table's task columns, the
+# selection file, and a gradient store's info and shards (bench/layer_diagnosis.py reads stores it did not build)
+from .gradient_store import iter_shards, read_info
+from .proxy import PROXY_MANIFEST, read_manifest, tensor_shapes
+from .scores import task_names_of
+from .selection import write_selection
+
 __all__ = ["FingerprintMismatch", "digest", "diff", "SCHEMA_VERSION", "read_scores", "read_table", "topk_count",
-           "topk_indices", "topk_order", "write_scores"]
+           "topk_indices", "topk_order", "write_scores", "iter_shards", "read_info", "PROXY_MANIFEST", "read_manifest",
+           "tensor_shapes", "task_names_of", "write_selection"]
