@@ -51,10 +51,9 @@ from ledger import (Stages, check_local_inputs, config_text, git_commit, host_in
                     recorded_hosts, splice_docs)
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 
-from iprox_lightning.evaluation.bootstrap import paired_gain, percentile_interval
-from iprox_lightning.data.eval_validation import FORMS as VALIDATION_FORMS  # a validation form -> its suite
-from iprox_lightning.data.sources import write_records_jsonl
-from iprox_lightning.selection.rules import RULES, task_columns
+from iprox_lightning.evaluation import paired_gain, percentile_interval
+from iprox_lightning.data import VALIDATION_FORMS, write_records_jsonl  # VALIDATION_FORMS: a form -> its suite
+from iprox_lightning.selection import RULES, task_columns
 
 TASKS = ("mmlu", "bbh", "tydiqa")
 # the best proxy per ρ by the worst task of the per-task fidelity table (docs/BENCHMARKS.md), LE at ρ = 0.5, and ρ = 0.7
@@ -200,7 +199,7 @@ def split_form(text: str) -> tuple[str, str | None]:
 def proxy_weights_digest(proxy_dir: Path) -> str | None:
     """The weights digest a saved proxy's manifest records (``iprox_proxy.json``: ``weights.sha256``; Layer
     Extraction's saved model: ``None``)."""
-    from iprox_lightning.io.proxy import PROXY_MANIFEST, read_manifest
+    from iprox_lightning.io import PROXY_MANIFEST, read_manifest
 
     return read_manifest(proxy_dir).get("weights", {}).get("sha256") if (proxy_dir / PROXY_MANIFEST).is_file() else None
 
@@ -230,8 +229,7 @@ def digest(obj: Any) -> str:
 def xquad_heldout(pool: str, exclude: set[str], per_language: int, seed: int) -> tuple[list[dict], set[str]]:
     """Pool XQuAD examples outside ``exclude``, ``per_language`` per language, as TyDiQA-form records, and the pool
     categories they were drawn from."""
-    from iprox_lightning.data.eval_readers import sample_per_group
-    from iprox_lightning.data.pool import read_pool
+    from iprox_lightning.data import read_pool, sample_per_group
 
     by_lang: dict[str, list[dict]] = {}
     for r in read_pool(pool):
@@ -251,7 +249,7 @@ def xquad_heldout(pool: str, exclude: set[str], per_language: int, seed: int) ->
 def heldout_sets(args, sample_ids: set[str], used: set[str]) -> tuple[dict[str, list[dict]], dict[str, set[str]]]:
     """Per task, the held-out examples, and the pool categories they were drawn from (``origins``: TyDiQA's
     stand-in is pool XQuAD, the demo's tasks are fresh examples of their own pool family; none for MMLU / BBH)."""
-    from iprox_lightning.evaluation.heldout import suite_heldout_records
+    from iprox_lightning.evaluation import suite_heldout_records
 
     sets, origins = {}, {}
     for task in args.tasks:
@@ -263,7 +261,7 @@ def heldout_sets(args, sample_ids: set[str], used: set[str]) -> tuple[dict[str, 
         elif task == "tydiqa":
             sets[task], origins[task] = xquad_heldout(args.pool, sample_ids | used, args.tydiqa_per_language, args.seed)
         elif args.eval_dir == "builtin":  # the demo: fresh examples of a validation family
-            from iprox_lightning.evaluation.heldout import heldout_records
+            from iprox_lightning.evaluation import heldout_records
 
             recs, _ = heldout_records("builtin", "builtin", n_per_task=args.builtin_per_task, seed=args.seed)
             sets[task], origins[task] = [r for r in recs if r["category"] == task], {task}
@@ -334,7 +332,7 @@ class Effect:
                         {"sample": self.sample_ids, "seed": seed}, p, clean=p.parent)
             return p
         if selector == "length":  # model-free: shortest response (in the scored tokens) first
-            from iprox_lightning.io.scores import write_scores
+            from iprox_lightning.io import write_scores
 
             p = self.out / "scores" / "length" / "scores.parquet"
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -416,7 +414,7 @@ class Effect:
 
     # --- select, fine-tune, evaluate --------------------------------------------------------------
     def selection(self, task: str | None, selector: str) -> Path:
-        from iprox_lightning.selection.select import select
+        from iprox_lightning.selection import select
 
         out = self.selection_path(task, selector)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -443,7 +441,7 @@ class Effect:
         ``~short`` row: the table itself when it has them, else a copy with them (random scores carry none)."""
         import pyarrow.parquet as pq
 
-        from iprox_lightning.io.scores import read_table, write_scores
+        from iprox_lightning.io import read_table, write_scores
 
         src = self.table(selector)
         if "n_tokens" in pq.read_schema(src).names:
@@ -459,7 +457,7 @@ class Effect:
 
     def response_tokens(self) -> dict[str, float]:
         """``{id: response tokens}`` of the sample, as the target scored it (the length sort's key)."""
-        from iprox_lightning.io.scores import read_table
+        from iprox_lightning.io import read_table
 
         if not hasattr(self, "_response_tokens"):
             _, t = read_table(self.fid / "scores" / "target" / "scores.parquet")
@@ -470,8 +468,8 @@ class Effect:
         """``lenmatch:<seed>`` (``lenmatch-<selector>:<seed>``): a seeded random subset with the response lengths of
         the target's (that selector's) selection for ``task`` (``baselines.random_selection.length_matched_subset``)
         — the control that tells what the selector's choice gains beyond the lengths it picked."""
-        from iprox_lightning.baselines.random_selection import length_matched_subset
-        from iprox_lightning.io.selection import write_selection
+        from iprox_lightning.baselines import length_matched_subset
+        from iprox_lightning.io import write_selection
 
         ref_sel, seed = lenmatch_reference(selector)
         if task is None or task_free(ref_sel):
@@ -523,7 +521,7 @@ class Effect:
 
     def evaluate(self, key: str, model_dir: str, model_fp: str, tasks: list[str]) -> dict:
         """``{task: [{"id", "loss", "exact_match"}, ...]}``, cached in ``OUT/evals/<key>.json`` by fingerprint."""
-        from iprox_lightning.evaluation.heldout import evaluate_heldout
+        from iprox_lightning.evaluation import evaluate_heldout
 
         path = self.evals_dir / f"{dir_name(key)}.json"
         cached, want, todo = self.evals_todo(key, model_fp, tasks)
@@ -713,7 +711,7 @@ class Effect:
         without an exact table."""
         from scipy.stats import spearmanr
 
-        from iprox_lightning.io.scores import read_table
+        from iprox_lightning.io import read_table
 
         q_path = self.store_paths(source)[1] / "scores.parquet"
         e_path = self.fid / "scores" / dir_name(self.sources.get(source, source)) / "scores.parquet"
@@ -762,9 +760,9 @@ class Effect:
         picks). Empty before a proxy store was queried."""
         from scipy.stats import spearmanr
 
-        from iprox_lightning.analysis.retention import per_task_retention
-        from iprox_lightning.io.scores import read_table
-        from iprox_lightning.selection.rules import rule_order
+        from iprox_lightning.analysis import per_task_retention
+        from iprox_lightning.io import read_table
+        from iprox_lightning.selection import rule_order
 
         out: dict[str, dict] = {}
         n_tok = self.response_tokens()

@@ -44,11 +44,11 @@ def suite_order(names) -> list[str]:
 
 def read_store(path: Path) -> tuple[list[str], list[str], np.ndarray, dict]:
     """``(ids, tasks, vectors float64 [n, D], store.json)`` of a gradient store, rows sorted by id."""
-    from iprox_lightning.io import gradient_store as gs
+    from iprox_lightning.io import iter_shards, read_info
 
-    info = gs.read_info(path)
+    info = read_info(path)
     ids, tasks, vecs = [], [], []
-    for s in gs.iter_shards(path):
+    for s in iter_shards(path):
         ids += list(s["ids"])
         tasks += [str(t) for t in s["tasks"]]
         vecs.append(s["vectors"].double().numpy())
@@ -69,7 +69,7 @@ def suite_sums(tasks: list[str], X: np.ndarray) -> dict[str, np.ndarray]:
 def attribution(pool: dict, val: dict, proxies: dict[str, tuple[dict, dict]]) -> dict:
     from scipy.stats import spearmanr
 
-    from iprox_lightning.analysis.layer_attribution import group_table, layer_blocks, layer_contributions, task_layer_table
+    from iprox_lightning.analysis import group_table, layer_blocks, layer_contributions, task_layer_table
 
     ids, X, info = pool["ids"], pool["X"], pool["info"]
     blocks = layer_blocks(info["layout"], info["dim"])
@@ -106,12 +106,10 @@ def health_per_suite(args, fid: Path, target_dir: str, proxies: dict[str, str]) 
 
     import torch
 
-    from iprox_lightning.compression.health import proxy_health
-    from iprox_lightning.compression.apply import compress_model
+    from iprox_lightning.compression import collect_probes, compress_model, proxy_health
     from iprox_lightning.data import SFTDataModule
-    from iprox_lightning.models.loading import load_model
-    from iprox_lightning.compression.probes import collect_probes
-    from iprox_lightning.engine.target_layers import find_target_linears
+    from iprox_lightning.engine import find_target_linears
+    from iprox_lightning.models import load_model
 
     warmed = target_dir
     dm = SFTDataModule(pool=str(fid / "sample.jsonl"), validation=str(fid / "validation.jsonl"), tokenizer=warmed,

@@ -34,11 +34,10 @@ from pathlib import Path
 
 import torch
 
-from iprox_lightning.engine.batch import IGNORE_INDEX, per_example_loss
-from iprox_lightning.engine.lowrank import LowRankLinear
-from iprox_lightning.engine.target_layers import Conv1D
-from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
-from iprox_lightning.scoring.features import trim_batch
+from transformers.pytorch_utils import Conv1D
+
+from iprox_lightning.engine import IGNORE_INDEX, LowRankLinear, per_example_loss
+from iprox_lightning.scoring import InfluenceScorer, ScoringConfig, trim_batch
 
 SHAPES = {
     # random-init Llama shapes (transformers LlamaConfig kwargs)
@@ -74,7 +73,7 @@ def build_model(args):
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation=args.attn, dtype=getattr(torch, args.dtype))
         return model.eval(), None
-    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.models import load_model
 
     return load_model(args.model, dtype=args.dtype, attn_implementation=args.attn)
 
@@ -142,7 +141,7 @@ def tracked_tensors(scorer):
         if isinstance(m, LowRankLinear):
             out.append((m.A if v.key.endswith(".A") else m.B, False))
         else:
-            out.append((m.weight, bool(Conv1D) and isinstance(m, Conv1D)))
+            out.append((m.weight, isinstance(m, Conv1D)))
     return out
 
 
@@ -322,7 +321,7 @@ def setup(args, device):
     print(f"validation gradients{' + K-FAC factors' if args.method == 'kfac' else ''}: "
           f"{time.perf_counter() - t0:.1f}s, {scorer.settings()['tracked_parameters'] / 1e6:.1f}M tracked params, "
           f"K={len(scorer.task_names)} validation direction(s)")
-    from iprox_lightning.scoring.features import choose_mode
+    from iprox_lightning.scoring import choose_mode
 
     modes: dict[str, int] = {}
     for v in scorer.linears:
@@ -357,7 +356,7 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
         pscorer.score_batch(small)
     stores = {}
     if args.store_k:
-        from iprox_lightning.scoring.projection import GradientProjector
+        from iprox_lightning.scoring import GradientProjector
 
         stores = {"s": GradientProjector(model, k=args.store_k)}
         stores.update({f"s{k[1:]}": GradientProjector(pscorer.model, k=args.store_k)
@@ -406,13 +405,13 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
 def unfused_head(model):
     """Inside the block the engine computes ``model``'s loss with the LM head unfused (``batch.scored_logits``), as
     when ``batch.fusable_head`` refuses a head."""
-    from iprox_lightning.engine import batch as batch_module
+    from iprox_lightning.engine import HEAD_IS_PLAIN
 
-    batch_module._HEAD_IS_PLAIN[model] = False
+    HEAD_IS_PLAIN[model] = False
     try:
         yield
     finally:
-        del batch_module._HEAD_IS_PLAIN[model]  # checked again (and fused) at the next call
+        del HEAD_IS_PLAIN[model]  # checked again (and fused) at the next call
 
 
 def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[str, float]]:
@@ -447,6 +446,39 @@ def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[s
     return tot, ratios
 
 
+WAY_LABELS = {"a": "(a) scoring engine, target", "b": "(b) LESS per-example loop",
+              "c1": "(c1) plain fwd + bwd, tracked weights trainable", "c2": "(c2) plain fwd + bwd, all parameters",
+              "s": "(s) gradient store's per-batch work, target"}
+
+
+def way_label(way: str) -> str:
+    """The table label of a timed way (``p0.5``: the engine on the ρ = 0.5 proxy; ``s0.5``: its store; a trailing
+    ``~``: the same way with the LM head unfused, ``--compare-unfused``)."""
+    base, unfused = way.removesuffix("~"), way.endswith("~")
+    if base in WAY_LABELS:
+        label = WAY_LABELS[base]
+    else:
+        label = (WAY_LABELS["a"] if base[0] == "p" else WAY_LABELS["s"]).replace("target", f"proxy ρ = {base[1:]}")
+    return label + (", head unfused" if unfused else "")
+
+
+def markdown(result: dict) -> str:
+    """The table of one ``--out`` result: every way's total seconds over the run's batches, the proxies' time over
+    the target's same way (engine or store, fused or not) and their analytic FLOP ratio."""
+    tot, proxies, a = result["totals_s"], result.get("proxies", {}), result["args"]
+    shape = "random weights of " + a["shape"] if a.get("random_init") else Path(a["model"]).name
+    lines = [f"| way ({shape}; {a['batches']} batches × {a['batch_size']} × {a['seq_len']} tokens, "
+             f"{result['threads']} threads, {result['device_name']}) | total s | / target's way | analytic FLOPs |",
+             "|---|---|---|---|"]
+    for way in sorted(tot, key=lambda w: (w.endswith("~"), w[0] == "s", w.removesuffix("~") not in WAY_LABELS, w)):
+        base = way.removesuffix("~")
+        ref = None if base in WAY_LABELS else ("a" if base[0] == "p" else "s") + way[len(base):]
+        flops = proxies.get(f"p{base[1:]}", {}).get("flop_ratio") if ref else None
+        lines.append(f"| {way_label(way)} | {tot[way]:.1f} | {f'{tot[way] / tot[ref]:.2f}' if ref else ''} | "
+                     f"{f'{flops:.2f}' if flops is not None else ''} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_result(args, result: dict) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -456,7 +488,7 @@ def write_result(args, result: dict) -> dict:
 
 def scored_share(batches) -> float:
     """The share of the real tokens of ``batches`` whose next token is scored: where the LM head runs."""
-    from iprox_lightning.engine.batch import shifted_token_mask
+    from iprox_lightning.engine import shifted_token_mask
 
     scored = sum(int(shifted_token_mask(b["labels"]).sum()) for b in batches)
     return scored / sum(int(b["attention_mask"].sum()) for b in batches)
@@ -466,7 +498,7 @@ def scoring_flop_ratio(target, proxy, seq_len: int, head_share: float = 1.0) -> 
     """Analytic FLOPs of scoring one example with ``proxy`` over the same with ``target`` (forward, backward with the
     tracked layers' weight gradients, inner products, the LM head on ``head_share`` of the tokens;
     :func:`iprox_lightning.analysis.flops.scoring_flops`)."""
-    from iprox_lightning.analysis.flops import ModelShape, scoring_flops
+    from iprox_lightning.analysis import ModelShape, scoring_flops
 
     flops = [scoring_flops(s if isinstance(s, ModelShape) else ModelShape.from_model(s), n_train=1, n_val=0,
                            seq_len=seq_len, head_share=head_share)["total"] for s in (target, proxy)]
@@ -477,8 +509,8 @@ def shape_flop_ratio(name: str, rho: float, seq_len: int, head_share: float = 1.
     """:func:`scoring_flop_ratio` of the ``SHAPES[name]`` Llama (on the meta device) and its proxy at sparsity ``rho``
     with every block linear at the rank :func:`~iprox_lightning.compression.ranks.rank_for_sparsity` gives (left dense where that
     rank would not save parameters)."""
-    from iprox_lightning.analysis.flops import ModelShape
-    from iprox_lightning.compression.ranks import rank_for_sparsity
+    from iprox_lightning.analysis import ModelShape
+    from iprox_lightning.compression import rank_for_sparsity
 
     target = ModelShape.from_config({"model_type": "llama", **SHAPES[name]}, name=name)
     ranks = {l.name: r for l in target.linears if (r := rank_for_sparsity(l.in_features, l.out_features, rho))}
@@ -495,7 +527,7 @@ def fitted_scorer(model, val, args):
 
 def saved_proxy_scorer(model, path, val, args, head_share: float, device):
     """A saved proxy (loaded as any model, with ``--attn`` and ``--dtype``) and its fitted scorer."""
-    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.models import load_model
 
     proxy, _ = load_model(str(path), dtype=args.dtype, attn_implementation=args.attn, tokenizer=False)
     proxy = proxy.to(device).eval().requires_grad_(False)
@@ -510,7 +542,7 @@ def build_proxy_scorer(model, rho, val, args, head_share: float):
     """A low-rank copy of ``model`` at sparsity ``rho`` (SVD factors) and its fitted scorer."""
     import copy
 
-    from iprox_lightning.compression.apply import compress_model
+    from iprox_lightning.compression import compress_model
 
     proxy = copy.deepcopy(model)
     # plain SVD factors: an IPSVD proxy's shapes and realistic values (random factors on real weights gave activations

@@ -43,13 +43,13 @@ from pathlib import Path
 import numpy as np
 from ledger import Stages  # bench/: the stage ledger
 
-from iprox_lightning.analysis.retention import spearman_columns
+from iprox_lightning.analysis import spearman_columns
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _columns(path: Path) -> dict:
-    from iprox_lightning.io.scores import read_table
+    from iprox_lightning.io import read_table
 
     t = read_table(path)[1].to_pydict()
     order = sorted(range(len(t["id"])), key=lambda j: t["id"][j])

@@ -400,13 +400,14 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
 
 
 def test_splice_docs_replaces_only_the_generated_section(tmp_path):
+    begin, end = fv2.docs_markers(tmp_path / "fidelity_v2")
     doc = tmp_path / "B.md"
-    doc.write_text(f"# Page\nintro\n{fv2.DOCS_BEGIN}\nold table\n{fv2.DOCS_END}\nreading\n")
-    ledger.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n", fv2.DOCS_BEGIN, fv2.DOCS_END)
-    assert doc.read_text() == f"# Page\nintro\n{fv2.DOCS_BEGIN}\n| a | b |\n{fv2.DOCS_END}\nreading\n"
+    doc.write_text(f"# Page\nintro\n{begin}\nold table\n{end}\nreading\n")
+    ledger.splice_docs(doc, "# Proxy fidelity v2\n| a | b |\n", begin, end)
+    assert doc.read_text() == f"# Page\nintro\n{begin}\n| a | b |\n{end}\nreading\n"
     (tmp_path / "C.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
-        ledger.splice_docs(tmp_path / "C.md", "x", fv2.DOCS_BEGIN, fv2.DOCS_END)
+        ledger.splice_docs(tmp_path / "C.md", "x", begin, end)
 
 
 def test_end_to_end_builtin_block_drop_and_fidelity_monitor_rows(tmp_path):

@@ -10,6 +10,11 @@ from .subspace import (
     subspace_basis,
 )
 
+# public for the benchmarks: per-column Spearman (bench/store.py) and the per-layer attribution
+# (bench/layer_diagnosis.py)
+from .layer_attribution import group_table, layer_blocks, layer_contributions, task_layer_table
+from .retention import spearman_columns
+
 __all__ = [
     "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",
     "scoring_flops", "flops_rows", "format_table", "merge_rows", "retention_rows", "select_top", "selection_rows", "write_rows",
@@ -17,4 +22,5 @@ __all__ = [
     "topk_overlap", "worst_task",
     "KroneckerProjector", "mean_nn_distance", "nearest_neighbor_distances", "per_example_gradients",
     "subspace_affinity", "subspace_basis",
+    "group_table", "layer_blocks", "layer_contributions", "task_layer_table", "spearman_columns",
 ]

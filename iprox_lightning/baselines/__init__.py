@@ -8,9 +8,13 @@ from .layer_extraction import (
 from .rds import embed as rds_embed, rds_table
 from .random_selection import random_score, random_scores, random_subset, write_random_scores
 
+# public for the benchmarks (bench/effect.py's length-matched controls)
+from .random_selection import length_matched_subset
+
 __all__ = [
     "RegressionLM", "build_regression_lm", "fit_regression_scorer", "predict_scores",
     "block_importance", "blocks_to_keep", "decoder_blocks", "layer_extraction_proxy", "remove_blocks",
     "run_layer_extraction", "save_layer_extraction", "random_score", "random_scores", "random_subset",
     "write_random_scores", "rds_embed", "rds_table",
+    "length_matched_subset",
 ]

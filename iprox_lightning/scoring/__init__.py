@@ -8,9 +8,14 @@ from .metrics import KFAC, InfluenceMetric, KFACFactors, LayerMetric, TracIn, in
 from .module import InfluenceScoringModule
 from .writer import InfluenceWriter, done_ids, merge_shards
 
+# public for the benchmarks (bench/speed.py times the engine's pieces and the store's projection)
+from .features import trim_batch
+from .projection import GradientProjector
+
 __all__ = [
     "LayerMetric", "VirtualLinear", "choose_mode", "feature_costs", "layer_features",
     "tracked_modules", "virtual_linears", "InfluenceScorer", "KFACFactors", "ScoreTable", "ScoringConfig",
     "InfluenceMetric", "TracIn", "KFAC", "influence_metric", "influence_scores",
     "multi_checkpoint_scores", "tracin_scores", "InfluenceScoringModule", "InfluenceWriter", "done_ids", "merge_shards",
+    "trim_batch", "GradientProjector",
 ]
