@@ -25,7 +25,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
@@ -36,7 +35,7 @@ import torch
 
 from transformers.pytorch_utils import Conv1D
 
-from iprox_lightning.engine import IGNORE_INDEX, LowRankLinear, per_example_loss
+from iprox_lightning.engine import IGNORE_INDEX, LowRankLinear, per_example_loss, unfused_head
 from iprox_lightning.scoring import InfluenceScorer, ScoringConfig, trim_batch
 
 SHAPES = {
@@ -399,19 +398,6 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
                 print("  (a)", [round(float(x), 6) for x in a_scores], "\n  (b)", [round(x, 6) for x in b_scores])
         print(f"batch {j}: " + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in times.items() if v), flush=True)
     return times, diffs
-
-
-@contextlib.contextmanager
-def unfused_head(model):
-    """Inside the block the engine computes ``model``'s loss with the LM head unfused (``batch.scored_logits``), as
-    when ``batch.fusable_head`` refuses a head."""
-    from iprox_lightning.engine import HEAD_IS_PLAIN
-
-    HEAD_IS_PLAIN[model] = False
-    try:
-        yield
-    finally:
-        del HEAD_IS_PLAIN[model]  # checked again (and fused) at the next call
 
 
 def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[str, float]]:

@@ -4,11 +4,10 @@ gradients handed to small trackers (``tracking``), the SFT batch and loss (``bat
 settings machinery."""
 # public on purpose: the SFT batch's ignored label, per-example loss and scored-token mask, the low-rank layer and
 # the targeted layers — what a caller building batches or proxies by hand needs (bench/speed.py)
-from .batch import IGNORE_INDEX, per_example_loss, shifted_token_mask
-from .batch import _HEAD_IS_PLAIN as HEAD_IS_PLAIN  # per-model fused-head check; bench/speed.py forces the unfused way
+from .batch import IGNORE_INDEX, per_example_loss, shifted_token_mask, unfused_head  # unfused_head: bench/speed.py
 from .lowrank import LowRankLinear
 from .target_layers import find_target_linears
 
 __all__ = [
-    "HEAD_IS_PLAIN", "IGNORE_INDEX", "LowRankLinear", "find_target_linears", "per_example_loss", "shifted_token_mask",
+    "IGNORE_INDEX", "LowRankLinear", "find_target_linears", "per_example_loss", "shifted_token_mask", "unfused_head",
 ]

@@ -253,6 +253,17 @@ def fusable_head(model: torch.nn.Module, batch: Mapping[str, Any], **kwargs) -> 
     return head if plain else None
 
 
+@contextlib.contextmanager
+def unfused_head(model: torch.nn.Module):
+    """Inside the block the engine computes ``model``'s loss with the LM head unfused (:func:`scored_logits`), as when
+    :func:`fusable_head` refuses a head (for measuring what the fusion saves: ``bench/speed.py --compare-unfused``)."""
+    _HEAD_IS_PLAIN[model] = False
+    try:
+        yield
+    finally:
+        del _HEAD_IS_PLAIN[model]  # checked again (and fused) at the next call
+
+
 def scored_ce_sums(model: torch.nn.Module, batch: Mapping[str, Any],
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor, ScoredTokens]:
     """``(ce_sum[B], n_tokens[B], scored)`` of ``batch`` — :meth:`ScoredTokens.ce_sums` of :func:`scored_logits` —
