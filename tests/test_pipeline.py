@@ -220,6 +220,47 @@ def test_pipeline_resumes_without_rerunning(run, capsys):
     assert again["oracle"] == s["oracle"]
 
 
+def test_pipeline_resumes_whether_or_not_output_is_a_terminal(run, monkeypatch, capsys):
+    """Issue 55: progress bars (on a terminal only) and the other result-neutral trainer settings are no part of a
+    stage's fingerprint: a run started under ``tee`` resumes in a terminal, every stage reused; a record written when
+    they were (an older workdir) is reused too."""
+    import iprox_lightning.console as console
+
+    wd, s = run
+    assert "enable_progress_bar: false" in (wd / "configs" / "warmup.yaml").read_text()  # the first run: no terminal
+    from iprox_lightning.io.stages import StageLedger
+
+    overlays, prepare = {}, StageLedger.prepare
+
+    def spy(self, key, configs, overlay, **kw):
+        overlays[key] = overlay
+        return prepare(self, key, configs, overlay, **kw)
+
+    monkeypatch.setattr(StageLedger, "prepare", spy)
+    monkeypatch.setattr(console, "interactive", lambda: True)
+    again = pipeline(workdir=str(wd), select_rule=DEMO_RULE, proxy_validation=DEMO_PROXY_VALIDATION)
+    assert overlays["warmup"]["trainer"]["enable_progress_bar"] is True  # the overlay differs: bars on
+    assert {v["status"] for v in again["stages"].values()} == {"reused"}
+    assert {k: v["fingerprint"] for k, v in again["stages"].items()} == {
+        k: v["fingerprint"] for k, v in s["stages"].items()}
+    # an older record: its inputs hold the neutral settings and its fingerprint is the digest of those inputs
+    from iprox_lightning.io.fingerprint import digest
+
+    rec_path = wd / "stages" / "warmup.json"
+    saved = rec_path.read_text()
+    rec = json.loads(saved)
+    rec["inputs"]["overlay"]["trainer"]["enable_progress_bar"] = False
+    rec["fingerprint"] = digest(rec["inputs"])
+    rec_path.write_text(json.dumps(rec))
+    try:
+        monkeypatch.setattr(console, "interactive", lambda: False)
+        third = pipeline(workdir=str(wd), select_rule=DEMO_RULE, proxy_validation=DEMO_PROXY_VALIDATION)
+        assert {v["status"] for v in third["stages"].values()} == {"reused"}
+    finally:
+        rec_path.write_text(saved)
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("flag,stage,what", [
     ("--sparsity=0.3", "build_proxy", "overlay.trainer.callbacks[0].init_args.sparsity: 0.5 -> 0.3"),
     ("--method=kfac", "score:target", "overlay.model.init_args.method: 'tracin' -> 'kfac'"),

@@ -24,6 +24,21 @@ from .fingerprint import FingerprintMismatch, diff, digest, file_identity, sourc
 
 STAGES_DIR = "stages"
 
+RESULT_NEUTRAL_TRAINER = ("enable_progress_bar", "enable_model_summary", "log_every_n_steps", "logger",
+                          "default_root_dir", "enable_checkpointing")
+"""Trainer settings of a stage's overlay that change how a run looks or where its logs go, never what it computes:
+left out of the fingerprint, so a run started under ``tee``/``nohup`` resumes in a terminal and the reverse."""
+
+
+def result_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` without the :data:`RESULT_NEUTRAL_TRAINER` settings of its overlay (what the fingerprint digests)."""
+    out = json.loads(json.dumps(inputs, default=str))
+    trainer = (out.get("overlay") or {}).get("trainer")
+    if isinstance(trainer, dict):
+        for k in RESULT_NEUTRAL_TRAINER:
+            trainer.pop(k, None)
+    return out
+
 
 def sources_identity(sources: Mapping[str, Any]) -> dict[str, Any]:
     """Identity of the pipeline's named sources. A value ``{"eval": <dir>, "suites": [...]}`` (an
@@ -87,6 +102,7 @@ class StageLedger:
         self.output_paths: dict[str, Path] = {}  # stage -> its output (file or directory)
         self.upstream: dict[str, tuple] = {}  # stage -> the stages it reads
         self.notes: dict[str, str] = {}  # stage -> why it runs again / what changed in its output
+        self.recorded: dict[str, str] = {}  # reused stage -> the fingerprint its record holds
 
     def record_path(self, key: str) -> Path:
         return self.dir / f"{key.replace(':', '_')}.json"
@@ -102,8 +118,8 @@ class StageLedger:
             "files": {str(f): file_identity(f) if Path(f).is_file() else None for f in files},
         }
         self.upstream[key] = tuple(upstream)
-        self.inputs[key] = inputs
-        self.fingerprints[key] = digest(inputs)
+        self.inputs[key] = result_inputs(inputs)
+        self.fingerprints[key] = digest(self.inputs[key])
         return self.fingerprints[key]
 
     def reuse(self, key: str, done: str | os.PathLike, output: str | os.PathLike | None = None) -> bool:
@@ -122,8 +138,8 @@ class StageLedger:
                 f"stage {key}: {done} exists but {rec_path} does not record what produced it (an older or hand-made "
                 f"output), so it cannot be reused safely; {self.hint}")
         rec = self.read_record(key, done)
-        if rec.get("fingerprint") != self.fingerprints[key]:
-            old, now = rec.get("inputs", {}), self.inputs[key]
+        if rec.get("fingerprint") != self.fingerprints[key] and not self._same_result_inputs(key, rec):
+            old, now = result_inputs(rec.get("inputs", {})), self.inputs[key]
             lines = diff(old, now)
             if [k for k in set(old) | set(now) if old.get(k) != now.get(k)] == ["files"]:
                 # only an input file another stage wrote (the selection a fine-tune reads) changed: run again
@@ -143,12 +159,20 @@ class StageLedger:
                     diff({"upstream_outputs": read}, {"upstream_outputs": now}))
                 return False
         self.status[key] = "reused"
+        self.recorded[key] = rec.get("fingerprint")
         recorded = rec.get("output")
         self.outputs[key] = output_identity(self.output_paths[key], recorded if isinstance(recorded, Mapping) else None)
         if isinstance(recorded, Mapping) and _content(recorded) != _content(self.outputs[key]):
             self.notes[key] = ("its output changed since it was recorded (used as it is now): "
                                + "; ".join(diff(_content(recorded), _content(self.outputs[key]))))
         return True
+
+    def _same_result_inputs(self, key: str, rec: Mapping) -> bool:
+        """A record written before the fingerprint left out :data:`RESULT_NEUTRAL_TRAINER` (or upstream of one): the
+        same inputs but for those settings, its upstream stages the records reused now."""
+        old, now = result_inputs(rec.get("inputs", {})), dict(self.inputs[key])
+        now["upstream"] = {u: self.recorded.get(u, f) for u, f in now.get("upstream", {}).items()}
+        return old == now
 
     def read_record(self, key: str, done: str | os.PathLike) -> dict:
         """The record of stage ``key``; an unreadable one (cut short, not a JSON object) is refused like a missing
