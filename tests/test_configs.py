@@ -132,3 +132,22 @@ def test_build_proxy_documents_the_task_alignment_keys_with_their_defaults(tmp_p
         assert {k: cfg[part]["init_args"][k] for k in ks} == {k: other[k] for k in ks}
     plain = _print_config(["fit", "--config", str(CONFIGS / "build_proxy.yaml")], capsys)
     assert plain["model"]["init_args"]["val_grad_weight"] == 0.0 and plain["data"]["init_args"]["val_train_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("old, new", [
+    ("iprox_lightning.modules.proxy_align.ProxyAlignModule", "iprox_lightning.alignment.module.ProxyAlignModule"),
+    ("iprox_lightning.modules.ProxyAlignModule", None),  # the face keeps working
+])
+def test_a_0_1_class_path_names_its_new_home(old, new, tmp_path, capsys):
+    """Issue 53: users' configs keep their ``iprox_lightning.modules.X`` / ``callbacks.X`` class_paths; a 0.1.0 module
+    path (``modules.proxy_align.ProxyAlignModule``) fails with a message naming where the class lives now."""
+    overlay = tmp_path / "old.yaml"
+    overlay.write_text(f"model:\n  class_path: {old}\n")
+    args = ["fit", "--config", str(CONFIGS / "build_proxy.yaml"), "--config", str(overlay)]
+    if new is None:
+        assert _print_config(args, capsys)["model"]["class_path"] == old
+        return
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--print_config"])
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and f"the class now lives at '{new}'" in err

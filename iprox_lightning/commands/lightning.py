@@ -83,6 +83,38 @@ def allowed_imports() -> list[str] | None:
     return None if "*" in extra else list(ALLOWED_IMPORTS) + extra
 
 
+MOVED_MODULES = {  # 0.1.0 module -> its home in the wings (0.2)
+    "modules.causal_lm": "training.causal_lm", "modules.warmup": "training.warmup",
+    "modules.finetune": "training.finetune", "modules.proxy_align": "alignment.module",
+    "modules.proxy_fsdp": "alignment.fsdp", "callbacks.ipsvd": "compression.callback",
+    "callbacks.keep_best": "alignment.keep_best", "callbacks.ranking_fidelity": "alignment.fidelity",
+    "compress": "compression.apply", "compression_config": "compression.config", "compression_plan": "compression.plan",
+    "ipsvd": "compression.ipsvd", "rank": "compression.ranks", "probes": "compression.probes",
+    "influence_weights": "compression.influence_weights", "alignment": "alignment.losses",
+    "task_alignment": "alignment.task", "select": "selection.select", "selection_rules": "selection.rules",
+    "selection_summary": "selection.summary", "selection_effect": "evaluation.effect",
+    "tracking": "engine.tracking", "batch": "engine.batch", "lowrank": "engine.lowrank",
+    "target_layers": "engine.target_layers", "analysis.score_table": "io.scores",
+}
+
+
+def moved_path(path: str) -> str | None:
+    """The 0.2 import path of a class or function given by its 0.1.0 module path (``iprox_lightning.modules.proxy_align
+    .ProxyAlignModule`` -> ``iprox_lightning.alignment.module.ProxyAlignModule``); ``None`` for any other path. The
+    faces ``iprox_lightning.modules.X`` / ``iprox_lightning.callbacks.X`` keep working as they are."""
+    parts = path.split(".")
+    if parts[0] != "iprox_lightning" or len(parts) < 3:
+        return None
+    for n in (3, 2):  # the longest 0.1.0 module first; the last part is the class or function
+        old = ".".join(parts[1:n])
+        if len(parts) > n and old in MOVED_MODULES and not (old == "alignment" and parts[2] in _ALIGNMENT_WING):
+            return ".".join(["iprox_lightning", MOVED_MODULES[old], *parts[n:]])
+    return None
+
+
+_ALIGNMENT_WING = {"losses", "module", "fsdp", "keep_best", "fidelity", "task"}  # iprox_lightning.alignment.<these>: 0.2
+
+
 @contextmanager
 def restricted_imports():
     """While parsing a command line or config, a ``class_path`` outside :func:`allowed_imports` is refused
@@ -99,6 +131,10 @@ def restricted_imports():
     check = _common.check_import_path
 
     def check_with_hint(path: str) -> None:
+        new = moved_path(path)
+        if new is not None:
+            raise _common.ImportDenied(f"import path {path!r} is a 0.1.0 path: the class now lives at {new!r} "
+                                       "(update the class_path in your config)")
         try:
             check(path)
         except _common.ImportDenied:
