@@ -58,7 +58,7 @@ for _p in (str(REPO), str(REPO / "bench")):  # this checkout's package and bench
 
 SCHEMA = 1
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PARTS_NEEDING_CUDA = {"fsdp": "Lightning's FSDPStrategy requires a CUDA accelerator"}
+FSDP_NEEDS_CUDA = "Lightning's FSDPStrategy requires a CUDA accelerator"
 VALIDATION_TASKS = {"gsm8k": "gsm8k_train", "strategyqa": "strategyqa", "xquad": "xquad_en"}
 """--prepare's validation tasks: task name -> the pool category its held-out rows come from."""
 PREPARE_POOL_SIZE = 2048
@@ -67,7 +67,8 @@ WHEELS = ("jsonargparse", "docstring-parser", "typeshed-client", "gguf")
 """Packages the project imports that the GPU machine's image lacks (its package list: /work/.library/device/KINDS.md);
 --prepare downloads their wheels at the versions installed here (pure Python)."""
 
-# what --tiny changes: tiny shapes on a CPU in seconds (the GPU defaults are the parser's)
+# what --tiny changes (options given on the command line win): tiny shapes and the built-in data on a CPU, every part
+# in about a minute (the GPU defaults are the parser's)
 TINY = dict(shapes=["tiny"], batches=2, batch_size=4, seq_len=32, store_k=4, pool_size=120, max_length=64,
             pipeline_batch_size=8, construction_fraction=0.1, val_per_task=4, fsdp_pool=40, budget=300.0,
             budget_engine=120.0, budget_pipeline=150.0, budget_fsdp=120.0)
@@ -101,8 +102,9 @@ def parse_args(argv=None):
     ap.add_argument("--store-k", type=int, default=16)
     # pipeline and fsdp
     ap.add_argument("--precision", default="bf16-mixed", help="the Trainer precision of the pipeline and fsdp parts")
-    ap.add_argument("--smollm2", default=None, help=f"the SmolLM2 model (default: {GGUF_NAME} in --inputs, shared/models "
-                                                    "or ../shared/models; else a random SmolLM2-135M-shape model)")
+    ap.add_argument("--smollm2", default=None, help=f"the SmolLM2 model: a path, or 'random' for a random-init "
+                                                    f"SmolLM2-135M-shape model (default: {GGUF_NAME} in --inputs, "
+                                                    "shared/models or ../shared/models, else 'random')")
     ap.add_argument("--pool", default=None, help="pool JSONL (default: --inputs/pool.jsonl, else a sample of "
                                                  "../shared/data/pool/instructions.jsonl, else the built-in pool)")
     ap.add_argument("--pool-size", type=int, default=2048)
@@ -136,6 +138,8 @@ def parse_args(argv=None):
     every = [f"engine:{s}" for s in args.shapes] + ["pipeline", "fsdp"]
     if args.parts is not None and (unknown := [p for p in args.parts if p not in every]):
         ap.error(f"--parts: unknown {unknown}; parts: {', '.join(every)}")
+    if args.smollm2 not in (None, "random") and not Path(args.smollm2).exists():
+        ap.error(f"--smollm2: {args.smollm2} not found (a path, or 'random')")
     return args
 
 
@@ -453,14 +457,19 @@ def resolve_inputs(args, workdir: Path, rec: PartRecord) -> dict:
         rec.update(inputs=src)
         return src
     src: dict = {"data_args": {}}
-    gguf = next((p for p in ([Path(args.smollm2)] if args.smollm2 else [
-        inputs / GGUF_NAME, REPO / "shared" / "models" / GGUF_NAME, REPO.parent / "shared" / "models" / GGUF_NAME])
-        if p.exists()), None)
-    if gguf is not None:
-        src.update(target=str(gguf), model_source=f"SmolLM2-135M-Instruct GGUF ({gguf})")
+    if args.smollm2 == "random":
+        model = None
+    elif args.smollm2:
+        model = Path(args.smollm2)
+    else:
+        model = next((p for p in (inputs / GGUF_NAME, REPO / "shared" / "models" / GGUF_NAME,
+                                  REPO.parent / "shared" / "models" / GGUF_NAME) if p.exists()), None)
+    if model is not None:
+        src.update(target=str(model), model_source=f"SmolLM2-135M-Instruct ({model})")
     else:
         src.update(target=str(random_smollm2(inputs / "smollm2", workdir / "smollm2_random", args.device)),
-                   model_source="random SmolLM2-135M-shape model (the GGUF is absent: "
+                   model_source="random SmolLM2-135M-shape model (" + ("--smollm2 random" if args.smollm2 else
+                                                                       "the GGUF is absent") + ": "
                                 + ("SmolLM2's tokenizer and config from --inputs" if (inputs / "smollm2").is_dir()
                                    else "the built-in character tokenizer") + ")")
     shared_pool = REPO.parent / "shared" / "data" / "pool" / "instructions.jsonl"
@@ -511,8 +520,11 @@ def random_smollm2(tokenizer_dir: Path, out: Path, device: str) -> Path:
     torch.manual_seed(0)
     with torch.device(device):  # initialising on the CPU is the slow part
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from iprox_lightning.console import transformers_bars_off
+
     tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
+    with transformers_bars_off():
+        model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
@@ -670,7 +682,7 @@ def fsdp_part(args, workdir: Path, rec: PartRecord) -> None:
         with open(src["pool"]) as f:
             Path(pool).write_text("".join(line for _, line in zip(range(args.fsdp_pool), f)))
     rec.update(strategy=strategy, precision=args.precision, peak_memory_note=peak_memory_note(args.device),
-               **({} if strategy == "fsdp" else {"note": f"{PARTS_NEEDING_CUDA['fsdp']}: on {args.device} the part's "
+               **({} if strategy == "fsdp" else {"note": f"{FSDP_NEEDS_CUDA}: on {args.device} the part's "
                                                          "commands run with the default strategy"}))
     trainer = {"accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "strategy": strategy,
                "precision": args.precision, "default_root_dir": str(workdir / "lightning"), "logger": False,

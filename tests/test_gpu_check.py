@@ -124,8 +124,10 @@ def test_a_part_the_budget_cannot_fit_is_skipped_with_the_reason(tmp_path):
     assert part["status"] == "skipped" and "budget spent" in part["reason"] and "result" not in part
 
 
-def test_bad_shapes_and_parts_are_refused_at_once(capsys):
-    for argv in (["--tiny", "--shapes", "llama-9b"], ["--tiny", "--parts", "engine:llama-1b"]):
+def test_bad_shapes_parts_and_models_are_refused_at_once(capsys):
+    for argv, said in ((["--tiny", "--shapes", "llama-9b"], "--shapes: unknown ['llama-9b']"),
+                       (["--tiny", "--parts", "engine:llama-1b"], "--parts: unknown ['engine:llama-1b']"),
+                       (["--smollm2", "/no/such/model.gguf"], "--smollm2: /no/such/model.gguf not found")):
         with pytest.raises(SystemExit):
             gpu_check.parse_args(argv)
-        assert "unknown" in capsys.readouterr().err
+        assert said in capsys.readouterr().err
