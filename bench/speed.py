@@ -62,6 +62,23 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def peak_memory(device, peaks: dict | None, key: str):
+    """The peak CUDA memory allocated while the block runs (``torch.cuda.max_memory_allocated``, reset on entry, so it
+    counts what was already resident: the process's peak during this stage), stored as ``peaks[key]`` (the largest
+    over repeated entries). Nothing on a CPU device or when ``peaks`` is None."""
+    if device.type != "cuda" or peaks is None:
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize(device)
+        peaks[key] = max(peaks.get(key, 0), torch.cuda.max_memory_allocated(device))
+
+
 def build_model(args):
     if args.random_init:
         from transformers import AutoModelForCausalLM, LlamaConfig
@@ -214,6 +231,10 @@ def parse_args(argv=None):
     ap.add_argument("--proxy-rhos", type=float, nargs="*", default=[],
                     help="also time (a) for low-rank proxies (SVD factors) at these sparsities")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--proxy-factors", default="svd", choices=["svd", "random"],
+                    help="the --proxy-rhos proxies' factors: plain SVD of each weight (realistic values; on a CPU, random "
+                         "factors on real weights gave denormals and slower scoring) or LowRankLinear's random init "
+                         "(no SVD: the same shapes in a fraction of the build time, for timing large shapes on a GPU)")
     ap.add_argument("--proxy-dirs", nargs="*", default=[],
                     help="also time saved proxies (directories `save_proxy` / a build wrote), as the --proxy-rhos ones")
     ap.add_argument("--store-k", type=int, default=0,
@@ -244,15 +265,17 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model, scorer, batches, val = setup(args, device)
+    peaks: dict[str, int] = {}  # peak CUDA bytes per stage (CUDA only)
+    model, scorer, batches, val = setup(args, device, peaks)
     share = scored_share(batches) if args.head_share is None else args.head_share
     proxies = {}
     for rho in args.proxy_rhos:
-        proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, val, args, share)
+        with peak_memory(device, peaks, f"build_proxy:p{rho:g}"):
+            proxies[f"p{rho:g}"] = build_proxy_scorer(model, rho, val, args, share)
         print(f"proxy rho={rho:g}: {proxies[f'p{rho:g}'][1]['params'] / 1e6:.1f}M params")
     for d in args.proxy_dirs:
         proxies[f"p:{Path(d).name}"] = saved_proxy_scorer(model, d, val, args, share, device)
-    times, diffs = time_ways(args, device, model, scorer, proxies, batches)
+    times, diffs = time_ways(args, device, model, scorer, proxies, batches, peaks)
     n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
     tot, ratios = report(args, times, diffs, proxies, n_tok)
     result = dict(
@@ -264,6 +287,9 @@ def main(argv=None):
         max_abs_diff_engine_vs_loop=max(diffs) if diffs else None,
         proxies={k: info for k, (_, info) in proxies.items()},
         peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        # per stage: build_model, fit_validation (validation gradients, K-FAC factors), build_proxy:<p>, and each timed
+        # way by its key (a, c1, c2, p<rho>, s, s<rho>): the process's peak while that stage ran
+        peak_cuda_bytes_per_stage=peaks if device.type == "cuda" else None,
     )
     if args.profile:
         result["profile"] = {k: time_split(fn, batches[-1], model.config.vocab_size) for k, fn in
@@ -296,11 +322,13 @@ def time_split(score_batch, batch, vocab: int) -> dict[str, float]:
     return split
 
 
-def setup(args, device):
-    """The target on ``device``, its fitted scorer, the timed batches and the validation batches."""
+def setup(args, device, peaks: dict | None = None):
+    """The target on ``device``, its fitted scorer, the timed batches and the validation batches (with ``peaks``: the
+    peak CUDA memory of the model's build and of the scorer's fit, :func:`peak_memory`)."""
     t0 = time.perf_counter()
-    model, tok = build_model(args)
-    model.to(device)
+    with peak_memory(device, peaks, "build_model"):
+        model, tok = build_model(args)
+        model.to(device)
     print(f"model loaded in {time.perf_counter() - t0:.1f}s: "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, device={device}, "
           f"threads={torch.get_num_threads()}, {platform.processor() or platform.machine()}")
@@ -315,7 +343,8 @@ def setup(args, device):
     print(f"{args.batches} batches x {args.batch_size} x <= {args.seq_len} tokens ({n_tok} real tokens)")
 
     t0 = time.perf_counter()
-    scorer = fitted_scorer(model, val, args)
+    with peak_memory(device, peaks, "fit_validation"):
+        scorer = fitted_scorer(model, val, args)
     sync(device)
     print(f"validation gradients{' + K-FAC factors' if args.method == 'kfac' else ''}: "
           f"{time.perf_counter() - t0:.1f}s, {scorer.settings()['tracked_parameters'] / 1e6:.1f}M tracked params, "
@@ -330,9 +359,10 @@ def setup(args, device):
     return model, scorer, batches, val
 
 
-def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, list[float]], list[float]]:
+def time_ways(args, device, model, scorer, proxies, batches, peaks: dict | None = None
+              ) -> tuple[dict[str, list[float]], list[float]]:
     """Every way timed on every batch, the order rotating batch by batch (after one untimed warm-up batch); and
-    per batch the largest |score (a) - score (b)|."""
+    per batch the largest |score (a) - score (b)| (with ``peaks``: each way's peak CUDA memory, by its key)."""
     tracked = {p for p, _ in tracked_tensors(scorer)}
     everything = set(model.parameters())
     flat_val = None
@@ -340,12 +370,13 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
         n = float(scorer.val_counts.sum())
         flat_val = torch.cat([scorer.V[v.key].sum(0).reshape(-1) for v in scorer.linears]).float() / n
 
-    def timed(fn):
-        sync(device)
-        t = time.perf_counter()
-        r = fn()
-        sync(device)
-        return time.perf_counter() - t, r
+    def timed(fn, key):
+        with peak_memory(device, peaks, key):
+            sync(device)
+            t = time.perf_counter()
+            r = fn()
+            sync(device)
+            return time.perf_counter() - t, r
 
     # warm-up (allocator, kernels) on the first batch, not timed
     small = {k: (v[:2] if torch.is_tensor(v) else v[:2]) for k, v in batches[0].items()}
@@ -377,20 +408,20 @@ def time_ways(args, device, model, scorer, proxies, batches) -> tuple[dict[str, 
         for key in order:
             if key.endswith("~"):  # the same way with the LM head unfused (full [N, V] logits)
                 with unfused_head(models[key[:-1]]):
-                    dt, _ = timed(lambda: engine[key[:-1]](batch))
+                    dt, _ = timed(lambda: engine[key[:-1]](batch), key)
             elif key in proxies or key in stores:
-                dt, _ = timed(lambda: engine[key](batch))
+                dt, _ = timed(lambda: engine[key](batch), key)
             elif key == "a":
-                dt, res = timed(lambda: scorer.score_batch(batch))
+                dt, res = timed(lambda: scorer.score_batch(batch), key)
                 a_scores = res["score"]
             elif key == "b":
                 if flat_val is None:
                     continue
-                dt, b_scores = timed(lambda: less_way(model, scorer, flat_val, batch, device))
+                dt, b_scores = timed(lambda: less_way(model, scorer, flat_val, batch, device), key)
             elif key == "c1":
-                dt, _ = timed(lambda: floor(model, batch, device, tracked))
+                dt, _ = timed(lambda: floor(model, batch, device, tracked), key)
             else:
-                dt, _ = timed(lambda: floor(model, batch, device, everything))
+                dt, _ = timed(lambda: floor(model, batch, device, everything), key)
             times[key].append(dt)
         if flat_val is not None:
             diffs.append(max(abs(x - y) for x, y in zip(a_scores, b_scores)))
@@ -525,7 +556,8 @@ def saved_proxy_scorer(model, path, val, args, head_share: float, device):
 
 
 def build_proxy_scorer(model, rho, val, args, head_share: float):
-    """A low-rank copy of ``model`` at sparsity ``rho`` (SVD factors) and its fitted scorer."""
+    """A low-rank copy of ``model`` at sparsity ``rho`` (``--proxy-factors``: SVD or random factors) and its fitted
+    scorer."""
     import copy
 
     from iprox_lightning.compression import compress_model
@@ -533,7 +565,7 @@ def build_proxy_scorer(model, rho, val, args, head_share: float):
     proxy = copy.deepcopy(model)
     # plain SVD factors: an IPSVD proxy's shapes and realistic values (random factors on real weights gave activations
     # full of denormals and scored 2-3x slower than the real proxies built from the same ranks)
-    rep = compress_model(proxy, None, rho, method="svd", progress=False, seed=0)
+    rep = compress_model(proxy, None, rho, method=args.proxy_factors, progress=False, seed=0)
     for p in proxy.parameters():
         p.requires_grad_(False)
     scorer = fitted_scorer(proxy, val, args)
