@@ -511,20 +511,17 @@ def random_smollm2(tokenizer_dir: Path, out: Path, device: str) -> Path:
         config = AutoConfig.from_pretrained(tokenizer_dir)
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
-        from iprox_lightning.models.builtin import builtin_tokenizer
+        from iprox_lightning.models import load_tokenizer
 
-        tok = builtin_tokenizer()
+        tok = load_tokenizer("builtin")
         config = LlamaConfig(**speed.SHAPES["smollm-135m"], max_position_embeddings=2048,
                              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                              eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     with torch.device(device):  # initialising on the CPU is the slow part
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    from iprox_lightning.console import transformers_bars_off
-
     tmp = out.with_name(out.name + ".tmp")
-    with transformers_bars_off():
-        model.save_pretrained(tmp)
+    model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
@@ -738,22 +735,21 @@ def prepare(out: Path) -> dict:
     sample, the validation file, SmolLM2's tokenizer and config, the wheels the GPU machine lacks, the commit."""
     from importlib.metadata import version
 
-    from iprox_lightning.commands.sample_pool import sample_pool
+    from iprox_lightning.cli import main as cli
 
     shared = REPO.parent / "shared"
     out.mkdir(parents=True, exist_ok=True)
     pool = shared / "data" / "pool" / "instructions.jsonl"
-    sample_pool(str(pool), PREPARE_POOL_SIZE, str(out / "pool.jsonl"), by="source", seed=0, overwrite=True)
+    cli(["sample_pool", "--pool", str(pool), "--n", str(PREPARE_POOL_SIZE), "--output", str(out / "pool.jsonl"),
+         "--by", "source", "--seed", "0", "--overwrite", "true"])
     write_validation(pool, out / "pool.jsonl", out / "validation.jsonl")
-    from iprox_lightning.models.loading import gguf_cache_dir, load_tokenizer
+    from iprox_lightning.models import load_tokenizer
     from transformers import AutoConfig
 
     gguf = shared / "models" / GGUF_NAME
     tok = load_tokenizer(str(gguf))
     tok.save_pretrained(out / "smollm2")
-    cached = gguf_cache_dir(gguf)
-    config = (AutoConfig.from_pretrained(cached) if (cached / "config.json").exists()
-              else AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config.save_pretrained(out / "smollm2")
     wheels = out / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
