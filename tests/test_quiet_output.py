@@ -197,7 +197,9 @@ def test_user_errors_keep_their_traceback_with_debug_and_bugs_always(tmp_path, m
     turned into a line. From Python (``main([...])``) a user error is raised to the caller."""
     import sys
 
-    import iprox_lightning.selection.select as select_command
+    from importlib import import_module
+
+    select_command = import_module("iprox_lightning.selection.select")  # the module (the package exports the function)
     from iprox_lightning.errors import UserError, UserInputError
     from iprox_lightning.io.records import DataFormatError
 
