@@ -3,7 +3,8 @@
 Each run is the product's proxy build — ``ProxyAlignModule`` on a built-in-vocabulary Llama, ``SFTDataModule`` on the
 built-in demo data (the demo's splits: ``construction_fraction`` 0.1, probes 10% of it), ``IPSVDCallback`` at ρ 0.5
 with every probe token — stopped after one alignment step. Two callbacks around ``IPSVDCallback`` measure, on every
-rank, Stage 1 alone: its wall seconds, and the peak resident memory during it (Linux: the peak is reset through
+rank, Stage 1 alone: its wall seconds, its CPU seconds (``time.process_time``: the work itself, which a busy shared
+machine does not inflate as it does the wall time), and the peak resident memory during it (Linux: the peak is reset through
 ``/proc/self/clear_refs`` just before, ``VmHWM`` read just after; ``rss_before_mb`` is the resident memory before:
 the teacher and the proxy copy, built by ``configure_model`` before the clock starts). Every process runs one torch
 thread, so one rank's seconds compare with the one-process run's.
@@ -58,11 +59,12 @@ def _worker(shape: str, out: str) -> None:
             pl_module.configure_model()  # teacher + proxy copy: before the clock (IPSVDCallback calls it again)
             row["rss_before_mb"] = _status_mb("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident memory (VmHWM)
-            row["t0"] = time.perf_counter()
+            row["t0"], row["cpu0"] = time.perf_counter(), time.process_time()
 
     class Stop(L.Callback):
         def setup(self, trainer, pl_module, stage):
             row["stage1_s"] = time.perf_counter() - row.pop("t0")
+            row["stage1_cpu_s"] = time.process_time() - row.pop("cpu0")  # this process's CPU seconds, all threads
             row["stage1_peak_rss_mb"] = _status_mb("VmHWM")
             rep = pl_module.ipsvd_report
             row.update(probe_tokens=rep.probe_tokens, params_before=rep.params_before, params_after=rep.params_after)

@@ -144,7 +144,6 @@ class IPSVDCallback(Callback):
         else:
             self.report = self._stage_one(trainer, pl_module, model)
         pl_module.ipsvd_report = self.report
-        rank_zero_info(f"IPSVDCallback: {self.report.summary()}")
         self._log(trainer)
         if self.save_dir and trainer.is_global_zero:
             tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
@@ -153,7 +152,7 @@ class IPSVDCallback(Callback):
 
     def _stage_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module
                    ) -> CompressionReport:
-        """Stage 1 in this process: probes, factors (``compress``), then the health check."""
+        """Stage 1 in this process: probes, factors (``compress``), its summary line, then the health check."""
         try:
             loader = self._probe_loader(trainer, pl_module)
         except AttributeError:
@@ -165,6 +164,7 @@ class IPSVDCallback(Callback):
         validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
                       else None)
         report = compress(model, loader, self.config, progress=show_progress(trainer), val_dataloader=validation)
+        rank_zero_info(f"IPSVDCallback: {report.summary()}")
         self._health(trainer, pl_module, model, report)
         return report
 
