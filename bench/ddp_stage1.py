@@ -116,6 +116,21 @@ def _run(world: int, shape: str, package: Path, rows_file: Path) -> list[dict]:
     return [{**r, "command_wall_s": round(wall, 2), "load_avg_1min_after": load} for r in rows]
 
 
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per (label, processes, rank): the median over repeats of Stage 1's CPU and wall seconds and of its
+    peak resident memory above the memory before it."""
+    from statistics import median
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["processes"], r["rank"]), []).append(r)
+    return [{"label": label, "processes": n, "rank": rank, "repeats": len(rs),
+             "stage1_cpu_s": round(median(r["stage1_cpu_s"] for r in rs), 2),
+             "stage1_wall_s": round(median(r["stage1_s"] for r in rs), 2),
+             "stage1_peak_above_before_mb": round(median(r["stage1_peak_rss_mb"] - r["rss_before_mb"] for r in rs), 1)}
+            for (label, n, rank), rs in groups.items() if all("stage1_cpu_s" in r for r in rs)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="demo")
@@ -123,6 +138,7 @@ def main() -> None:
     ap.add_argument("--package", default=str(HERE.parents[1]), help="checkout whose iprox_lightning is measured")
     ap.add_argument("--label", default="rank0_once", help="name of this code's behaviour in the rows")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--summary-only", action="store_true", help="rewrite the summary of --out's rows, run nothing")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -134,7 +150,7 @@ def main() -> None:
     result = json.loads(out.read_text()) if out.exists() else {"rows": []}
     result["description"] = __doc__.split("\n\n")[0]
     commit = _commit(package)
-    for repeat in range(a.repeats):
+    for repeat in range(0 if a.summary_only else a.repeats):
         for world in (1, 2):
             rows = _run(world, a.shape, package, out.with_suffix(".rows.tmp"))
             for r in rows:
@@ -142,7 +158,12 @@ def main() -> None:
                          repeat=repeat, processes=world, backend="gloo" if world > 1 else None, threads_per_process=1)
                 print(json.dumps(r), flush=True)
             result["rows"].extend(rows)
+            result["summary"] = summarise(result["rows"])
             out.write_text(json.dumps(result, indent=1))
+    result["summary"] = summarise(result["rows"])
+    out.write_text(json.dumps(result, indent=1))
+    for line in result["summary"]:
+        print(json.dumps(line))
     out.with_suffix(".rows.tmp").unlink(missing_ok=True)
 
 
