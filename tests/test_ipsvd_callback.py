@@ -128,12 +128,47 @@ def test_health_line_warns_only_without_alignment_and_names_unused_settings(monk
     # through the callback: the module's config says whether Stage 2 follows
     monkeypatch.setattr(health, "proxy_health", lambda teacher, model, batches: dict(h))
     cb = IPSVDCallback(sparsity=0.5, allocation="global")
-    cb.report = SimpleNamespace(allocation="global", mode="exact", health=None)
+    report = SimpleNamespace(allocation="global", mode="exact", health=None)
     trainer = SimpleNamespace(datamodule=SimpleNamespace(dataloader=lambda split: iter([{"x": 1}])))
     for align, warned in ((True, False), (False, True)):
         caplog.clear()
         module = SimpleNamespace(teacher=object(), config=SimpleNamespace(align=align))
         with caplog.at_level(logging.INFO, logger="iprox_lightning.compression.callback"):
-            cb._health(trainer, module, model=None)
+            cb._health(trainer, module, None, report)
         assert any(r.levelno == logging.WARNING for r in caplog.records) is warned
-        assert cb.report.health["kl"] == 2.15
+        assert report.health["kl"] == 2.15
+
+
+@pytest.mark.parametrize("arch, settings", [
+    ("llama", dict(drop_blocks=1, allocation="global", keep_dense=[r"layers\.0\.mlp"])),
+    ("gpt2", dict(allocation="uniform")),  # Conv1D layers with biases
+])
+def test_report_structure_holds_the_compressed_state_and_keeps_the_generator_in_step(arch, settings):
+    """What a DDP rank other than 0 does instead of Stage 1: ``apply_report_structure`` gives the uncompressed model the
+    compressed one's structure (blocks cut, the same ranks, biases), so the compressed state dict loads strictly and
+    the two models compute the same logits; its parameter draws leave the global generator where ``compress`` does."""
+    from iprox_lightning.compression.apply import CompressionConfig, apply_report_structure, compress
+
+    batches = make_batches(n_examples=6, batch_size=3, seed=1)
+    compressed, shell = tiny_causal_lm(arch, seed=0, num_layers=4), tiny_causal_lm(arch, seed=0, num_layers=4)
+    torch.manual_seed(7)
+    report = compress(compressed, batches, CompressionConfig(sparsity=0.5, num_probe_tokens=24, **settings),
+                      progress=False)
+    after_compress = torch.random.get_rng_state()
+    torch.manual_seed(7)
+    apply_report_structure(shell, report)
+    assert torch.equal(torch.random.get_rng_state(), after_compress)
+    ranks = {n: m.rank for n, m in lowrank_layers(compressed).items()}
+    assert ranks and {n: m.rank for n, m in lowrank_layers(shell).items()} == ranks
+    assert shell.config.num_hidden_layers == 4 - settings.get("drop_blocks", 0)
+    assert len(ranks) == sum(lr.rank is not None for lr in report.layers)
+    assert not any(n.startswith("model.layers.0.mlp") for n in ranks) or not settings.get("keep_dense")
+    before = {k: v.clone() for k, v in shell.state_dict().items()}
+    shell.load_state_dict(compressed.state_dict(), strict=True)
+    for k, v in compressed.state_dict().items():  # every tensor but the factors was already the compressed one's
+        if not k.endswith((".A", ".B")):
+            assert torch.equal(before[k], v), k
+    ids = batches[0]["input_ids"]
+    torch.testing.assert_close(shell(input_ids=ids).logits, compressed(input_ids=ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="already compressed"):
+        apply_report_structure(shell, report)

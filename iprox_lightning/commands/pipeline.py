@@ -71,6 +71,9 @@ def pipeline(
     demo_overlays: bool | None = None,
     accelerator: str = "cpu",
     devices: int = 1,
+    num_nodes: int | None = None,
+    strategy: str | None = None,
+    precision: str | None = None,
     finetune: bool = True,
     force: bool = False,
     seed: int = 0,
@@ -104,8 +107,18 @@ def pipeline(
             ρ = 0.3 (BBH 0.39 → 0.43) and ρ = 0.5 (0.26 → 0.36) (`docs/BENCHMARKS.md`, issue-22 levers).
         config_dir: the stage configs (default: the repository's ``configs/``).
         demo_overlays: also apply ``configs/builtin/*.yaml`` (default: when pool is ``builtin``).
-        accelerator: the Trainer accelerator of every stage (``cpu``, ``gpu``, ``auto``).
-        devices: the Trainer devices of every stage.
+        accelerator: the Trainer accelerator of every stage (``cpu``, ``gpu``, ``auto``); the held-out evaluation's
+            device.
+        devices: the Trainer devices of every stage (processes per node). Above 1 (or with ``num_nodes`` above 1)
+            each Lightning stage runs as its own ``python -m iprox_lightning.cli <subcommand>`` process, which
+            Lightning's launcher starts the other processes from; its output goes to ``<workdir>/logs/<stage>.out``.
+            The steps outside Lightning (random scores, select, the held-out evaluation, the summary) run once, in
+            this process.
+        num_nodes: the Trainer ``num_nodes`` of every stage (default: the stage configs', 1). Several nodes: untested
+            here; each node would have to run the pipeline.
+        strategy: the Trainer ``strategy`` of every stage, e.g. ``ddp`` (default: the stage configs', ``auto``).
+        precision: the Trainer ``precision`` of every stage, e.g. ``bf16-mixed``, ``bf16-true`` (default: the stage
+            configs', ``32-true``); the held-out evaluation runs in it too.
         finetune: also fine-tune the warmed-up target on each selection (proxy's, target's, random of
             the same size) and evaluate each on held-out examples of the validation tasks
             (:mod:`iprox_lightning.evaluation.heldout`).
@@ -133,13 +146,14 @@ def pipeline(
 
     wd = Path(workdir)
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
+    hardware = trainer_hardware(accelerator, devices, num_nodes, strategy, precision)
     check_sources(target, pool, validation)
     from ..io.score_dir import ScoreDirLock
 
     with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
-                         config_dir=config_dir, demo_overlays=demo_overlays, accelerator=accelerator, devices=devices,
+                         config_dir=config_dir, demo_overlays=demo_overlays, hardware=hardware, threads=num_threads,
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select,
                          proxy_validation=proxy_validation)
@@ -169,6 +183,69 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
         raise UserInputError(f"method: {e}") from None
 
 
+def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, strategy: str | None,
+                     precision: str | None) -> dict[str, Any]:
+    """The Trainer settings every stage's overlay gets: ``accelerator`` and ``devices`` always, ``num_nodes``,
+    ``strategy`` and ``precision`` when given (else the stage configs' own); a bad value is refused before any stage
+    runs."""
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, value in (("devices", devices), ("num_nodes", num_nodes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserInputError(f"{name} must be a positive integer, got {value!r}")
+    strategies = ["auto", *sorted(StrategyRegistry.available_strategies())]
+    if strategy is not None and strategy not in strategies and "." not in str(strategy):
+        raise UserInputError(f"strategy: unknown strategy {strategy!r}; give one of {', '.join(strategies)} or a "
+                             "strategy class path (e.g. lightning.pytorch.strategies.ModelParallelStrategy)")
+    precisions = [str(v) for group in get_args(_PRECISION_INPUT) for v in get_args(group)]
+    if precision is not None and str(precision) not in precisions:
+        raise UserInputError(f"precision: unknown precision {precision!r}; give one of {', '.join(precisions)}")
+    out: dict[str, Any] = {"accelerator": accelerator, "devices": devices}
+    if num_nodes is not None:
+        out["num_nodes"] = num_nodes
+    if strategy is not None:
+        out["strategy"] = {"class_path": strategy} if "." in strategy else strategy
+    if precision is not None:
+        out["precision"] = str(precision)
+    return out
+
+
+def _processes(trainer: dict[str, Any]) -> int:
+    return int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1)
+
+
+def _run_stage_process(args: list[str], log_file: Path, threads: int | None) -> None:
+    """``python -m iprox_lightning.cli <args>`` in its own process (Lightning's launcher starts the other ranks from
+    it), its output into ``log_file``; a stage's one-line user error is raised as one, any other failure with the end
+    of the output."""
+    import os
+    import subprocess
+    import sys
+
+    import iprox_lightning
+
+    root = str(Path(iprox_lightning.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as out:
+        code = subprocess.run([sys.executable, "-m", "iprox_lightning.cli", *args], stdout=out,
+                              stderr=subprocess.STDOUT, env=env).returncode
+    if code == 0:
+        return
+    lines = log_file.read_text(errors="replace").splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    if code == 2 and errors:
+        raise UserInputError(f"{errors[-1][len('error: '):]} (stage output: {log_file})")
+    tail = "\n".join(lines[-30:])
+    raise RuntimeError(f"stage failed (exit {code}): python -m iprox_lightning.cli {' '.join(args)}; the end of its "
+                       f"output ({log_file}):\n{tail}")
+
+
 def check_sources(target: str, pool, validation) -> None:
     """Refuse at once a hub id that is neither cached nor reachable (before: the warm-up started, then a traceback)."""
     from ..data.sources import is_hub_id, parse_hub_id
@@ -183,13 +260,13 @@ def check_sources(target: str, pool, validation) -> None:
 
 
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
-              demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, eval_per_task,
-              run_lightning, select, proxy_validation="target") -> dict[str, Any]:
+              demo_overlays, hardware, finetune, force, seed, data_args, align_epochs, eval_per_task,
+              run_lightning, select, proxy_validation="target", threads=None) -> dict[str, Any]:
     """The stages of :func:`pipeline`, run while its workdir lock is held: the stage table of ``ARCHITECTURE.md`` in
     order, one step each."""
     stages = _stage_runner(wd, config_dir, (pool == "builtin") if demo_overlays is None else demo_overlays, force,
-                           {"target": target, "pool": pool, "validation": validation}, accelerator, devices,
-                           run_lightning)
+                           {"target": target, "pool": pool, "validation": validation}, hardware,
+                           run_lightning, threads)
     data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
     warm = _warm_up(stages, target, data_args, seed)
     proxy = _build_proxy(stages, warm, data_args, seed, sparsity, align_epochs)
@@ -231,6 +308,7 @@ class _StageRunner:
     trainer: dict[str, Any]  # every stage's trainer settings
     fit_trainer: dict[str, Any]  # the training stages'
     logger: dict[str, Any]
+    threads: int | None = None  # torch threads of a stage run in its own processes (OMP_NUM_THREADS)
 
     def named_logger(self, name: str) -> dict[str, Any]:
         return {**self.logger, "init_args": {**self.logger["init_args"], "name": name}}
@@ -265,8 +343,11 @@ class _StageRunner:
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         log.info("stage %s: python train.py %s", key, " ".join(args))
         t0 = time.perf_counter()
-        with quiet_stage():  # Lightning's per-run lines off: this stage is the one line below
-            self.run_lightning(args)
+        if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
+            _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
+        else:
+            with quiet_stage():  # Lightning's per-run lines off: this stage is the one line below
+                self.run_lightning(args)
         ledger.record(key, output)
         times[key] = time.perf_counter() - t0
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
@@ -275,8 +356,8 @@ class _StageRunner:
         times_path.write_text(json.dumps(times, indent=2))
 
 
-def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, accelerator, devices,
-                  run_lightning) -> _StageRunner:
+def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, hardware: dict,
+                  run_lightning, threads: int | None = None) -> _StageRunner:
     """The stage configs (checked), the seconds of earlier runs (none with ``force``), the trainer settings and the
     stage ledger of a pipeline run in ``wd``."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
@@ -289,7 +370,7 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
     # one line per stage (below): no model summary, and progress bars only on a terminal
     # absolute log/root paths: TensorBoard's writer thread opens its events file by the path it was given, later, from
     # whatever the working directory is then (a relative one failed mid-run on SmolLM2: FileNotFoundError)
-    trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd.resolve() / "lightning"),
+    trainer_common = {**hardware, "default_root_dir": str(wd.resolve() / "lightning"),
                       "enable_model_summary": False, "enable_progress_bar": interactive()}
     # training stages log every step: a small run (a few batches: a sample, a 5% selection) then logs at all, without
     # Lightning's warning that its batches are fewer than the logging interval
@@ -305,7 +386,8 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
         if isinstance(v, str) and (parsed := parse_eval_source(v)):
             sources[k] = {"eval": parsed[0], "suites": list(parsed[1])}
     ledger = StageLedger(wd, sources, force=force)
-    return _StageRunner(wd, cfg_dir, demo, force, ledger, times, run_lightning, trainer_common, fit_common, logger)
+    return _StageRunner(wd, cfg_dir, demo, force, ledger, times, run_lightning, trainer_common, fit_common, logger,
+                        threads)
 
 
 def _warm_up(stages: _StageRunner, target, data_args: dict, seed: int) -> Path:
@@ -407,7 +489,9 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
     t0 = time.perf_counter()
     with quiet_stage():
         effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args,
-                                  tasks=tasks, eval_per_task=eval_per_task)
+                                  tasks=tasks, eval_per_task=eval_per_task,
+                                  device="cpu" if stages.trainer["accelerator"] == "cpu" else "auto",
+                                  precision=stages.trainer.get("precision"))
     times["evaluate"] = time.perf_counter() - t0
     print(f"[pipeline] evaluate: the warmed-up target and its fine-tuned copies on held-out examples, "
           f"{times['evaluate']:.1f} s -> {wd / 'summary.json'}", flush=True)

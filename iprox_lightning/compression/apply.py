@@ -321,6 +321,38 @@ def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerRe
     lr.time_s = time.perf_counter() - ts
 
 
+def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
+    """Give ``model`` (the uncompressed model ``report`` was made from), in place, the structure of the compressed one
+    without computing any factor: the blocks ``report.block_drop`` removed cut, every layer ``report.layers`` gives a
+    rank a :class:`LowRankLinear` of that rank, on the weight's device and dtype, its bias copied, its train mode
+    kept. The factors are left as initialised — the same draws of the global random generator as
+    :meth:`LowRankLinear.from_factors` makes in :func:`compress`, so a process that runs this instead of ``compress``
+    keeps its generator in step — and the caller fills them (``IPSVDCallback`` broadcasts rank 0's)."""
+    if is_compressed(model):
+        raise UserInputError("model already holds LowRankLinear layers (already compressed)")
+    if report.block_drop is not None:
+        from .blocks import remove_blocks
+
+        remove_blocks(model, report.block_drop.kept, inplace=True)
+    targets = list(report.compression.targets) if report.compression and report.compression.targets else None
+    modules = find_target_linears(model, targets)
+    for lr in report.layers:
+        if lr.rank is None:
+            continue
+        module = modules.get(lr.name)
+        if module is None or linear_shape(module) != (lr.out_features, lr.in_features):
+            raise ValueError(f"layer {lr.name!r} of the report ({lr.out_features}x{lr.in_features}) is not in the model "
+                             f"as such ({None if module is None else linear_shape(module)})")
+        weight, bias = linear_weight(module), _layer_bias(module)
+        new = LowRankLinear(lr.in_features, lr.out_features, lr.rank, bias=bias is not None, device=weight.device,
+                            dtype=weight.dtype)
+        if bias is not None:
+            with torch.no_grad():
+                new.bias.copy_(bias)
+        new.train(module.training)
+        set_submodule(model, lr.name, new)
+
+
 def _report(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, layers: list[LayerReport],
             probes: Probes | None, t_probes: float, t_factors: float, t_alloc: float) -> CompressionReport:
     return CompressionReport(

@@ -14,8 +14,12 @@ strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFin
    ``pl_module.val_dataloader()``), for the influence weights of the rank allocation;
 4. :func:`~iprox_lightning.compression.apply.compress` (with ``drop_blocks``: the least important blocks removed
    first) with :class:`~iprox_lightning.compression.apply.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
-5. under multi-process strategies the factors are broadcast from rank 0 so every rank starts
-   bit-identical; per-layer rank / objective / time and the parameter counts go to the logger;
+5. the health check (the proxy against its teacher on a few alignment batches);
+6. under a multi-process strategy (DDP, FSDP) steps 3–5 run on rank 0 only, once — the probe loader is read whole
+   on rank 0, so its factors are those of one process — while the other ranks wait; they then receive rank 0's
+   report, give their model its structure (:func:`~iprox_lightning.compression.apply.apply_report_structure`: blocks cut,
+   ``LowRankLinear`` layers of the same ranks) and its factors by broadcast, so every rank starts bit-identical;
+   per-layer rank / objective / time and the parameter counts go to the logger;
    with ``save_dir`` rank 0 writes the proxy directory (:func:`~iprox_lightning.compression.apply.save_proxy`).
 
 The :class:`~iprox_lightning.compression.apply.CompressionReport` is kept as ``callback.report`` and
@@ -31,7 +35,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from .apply import CompressionConfig, CompressionReport, compress, is_compressed, lowrank_layers, save_proxy
+from .apply import (
+    CompressionConfig,
+    CompressionReport,
+    apply_report_structure,
+    compress,
+    is_compressed,
+    lowrank_layers,
+    save_proxy,
+)
 from ..engine.settings import takes_settings
 
 log = logging.getLogger(__name__)
@@ -127,6 +139,20 @@ class IPSVDCallback(Callback):
         self._check_drop_blocks(pl_module)
         if self.compress_on_device:
             model.to(trainer.strategy.root_device)
+        if _distributed(trainer):
+            self.report = self._stage_one_on_rank_zero(trainer, pl_module, model)
+        else:
+            self.report = self._stage_one(trainer, pl_module, model)
+        pl_module.ipsvd_report = self.report
+        self._log(trainer)
+        if self.save_dir and trainer.is_global_zero:
+            tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
+            save_proxy(model, tok, self.save_dir, self.report)
+        trainer.strategy.barrier("ipsvd")
+
+    def _stage_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module
+                   ) -> CompressionReport:
+        """Stage 1 in this process: probes, factors (``compress``), its summary line, then the health check."""
         try:
             loader = self._probe_loader(trainer, pl_module)
         except AttributeError:
@@ -137,17 +163,35 @@ class IPSVDCallback(Callback):
 
         validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
                       else None)
-        self.report = compress(model, loader, self.config, progress=show_progress(trainer),
-                               val_dataloader=validation)
-        pl_module.ipsvd_report = self.report
+        report = compress(model, loader, self.config, progress=show_progress(trainer), val_dataloader=validation)
+        rank_zero_info(f"IPSVDCallback: {report.summary()}")
+        self._health(trainer, pl_module, model, report)
+        return report
+
+    def _stage_one_on_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module
+                                ) -> CompressionReport:
+        """Stage 1 once under a multi-process strategy: rank 0 runs it (the probe and validation loaders are read
+        whole, unsplit, so its factors are one process's); the other ranks wait, take its report (the plan: dropped
+        blocks, ranks) and give their model that structure (:func:`~iprox_lightning.compression.apply.apply_report_structure`),
+        then every factor (and bias) is broadcast from rank 0. A failure on rank 0 is sent to the other ranks, which
+        raise at once instead of waiting for the process group's timeout."""
+        report, failure = None, None
+        if trainer.is_global_zero:
+            try:
+                report = self._stage_one(trainer, pl_module, model)
+            except BaseException as e:  # noqa: BLE001 (re-raised below, once the other ranks are told)
+                failure = e
+        sent = trainer.strategy.broadcast(
+            {"report": report, "failure": None if failure is None else f"{type(failure).__name__}: {failure}"}, src=0)
+        if failure is not None:
+            raise failure
+        if sent["failure"] is not None:
+            raise RuntimeError(f"IPSVDCallback: Stage 1 failed on rank 0 ({sent['failure']})")
+        if not trainer.is_global_zero:
+            report = sent["report"]
+            apply_report_structure(model, report)
         self._broadcast_factors(trainer, model)
-        rank_zero_info(f"IPSVDCallback: {self.report.summary()}")
-        self._health(trainer, pl_module, model)
-        self._log(trainer)
-        if self.save_dir and trainer.is_global_zero:
-            tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
-            save_proxy(model, tok, self.save_dir, self.report)
-        trainer.strategy.barrier("ipsvd")
+        return report
 
     def _check_drop_blocks(self, pl_module: pl.LightningModule) -> None:
         """Stage 2 pairs each proxy layer with the teacher layer of the same path; with blocks dropped the proxy's
@@ -163,7 +207,8 @@ class IPSVDCallback(Callback):
                 "the proxy would be aligned with block i of the target; build this proxy without alignment "
                 "(align: false) or set drop_blocks: 0")
 
-    def _health(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
+    def _health(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module,
+                report: CompressionReport) -> None:
         teacher = getattr(pl_module, "teacher", None)
         dm = trainer.datamodule
         if not self.health_batches or teacher is None or dm is None or not hasattr(dm, "dataloader"):
@@ -179,9 +224,9 @@ class IPSVDCallback(Callback):
             return
         h = proxy_health(teacher, model, batches)
         h["batches"] = len(batches)
-        self.report.health = h
+        report.health = h
         aligning = bool(getattr(getattr(pl_module, "config", None), "align", False))
-        warn, msg = health_message(h, allocation=self.report.allocation, mode=self.report.mode, aligning=aligning)
+        warn, msg = health_message(h, allocation=report.allocation, mode=report.mode, aligning=aligning)
         if warn:
             log.warning("%s", msg)
         else:
@@ -189,12 +234,18 @@ class IPSVDCallback(Callback):
 
     @staticmethod
     def _broadcast_factors(trainer: pl.Trainer, model: torch.nn.Module) -> None:
-        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return
+        """Rank 0's factors and biases into every rank's ``LowRankLinear`` layers (the same layers on every rank), each
+        sent from the strategy's device (a GPU under NCCL) and copied back where the layer lives."""
+        device = trainer.strategy.root_device
         with torch.no_grad():
             for layer in lowrank_layers(model).values():
-                for p in (layer.A, layer.B):
-                    torch.distributed.broadcast(p.data, src=0)
+                for p in (layer.A, layer.B, layer.bias):
+                    if p is None:
+                        continue
+                    buf = p.data if p.device == device else p.data.to(device)
+                    torch.distributed.broadcast(buf, src=0)
+                    if buf is not p.data:
+                        p.data.copy_(buf)
 
     def _log(self, trainer: pl.Trainer) -> None:
         if trainer.logger is None or self.report is None or not trainer.is_global_zero:
@@ -222,6 +273,11 @@ class IPSVDCallback(Callback):
                 metrics[f"ipsvd/relative_objective/{lr.name}"] = lr.relative_objective
             metrics[f"ipsvd/time_s/{lr.name}"] = lr.time_s
         trainer.logger.log_metrics(metrics, step=0)
+
+
+def _distributed(trainer: pl.Trainer) -> bool:
+    """A multi-process run whose process group is up (Lightning starts it before the ``setup`` hooks)."""
+    return (trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 HEALTH_KL = 1.0  # nat/token on held-out examples: above it the Stage-1 proxy has lost much of the target's function

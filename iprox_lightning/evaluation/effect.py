@@ -23,10 +23,12 @@ WHO = ("base", "proxy", "target", "random")
 
 def selection_effect(wd: str | Path, warm: str | Path, *, pool: Any, validation: Any, seed: int = 0,
                      data_args: dict | None = None, n_per_task: int = 50, tasks: Sequence[str] | None = None,
-                     eval_per_task: int | None = None) -> dict[str, Any]:
+                     eval_per_task: int | None = None, device: str = "auto", precision: str | None = None
+                     ) -> dict[str, Any]:
     """See the module doc. ``eval_per_task``: on data other than the built-in, at most this many validation examples
     per task, those the scoring's validation sample left out first (:func:`heldout_records`); on the built-in data it
-    replaces ``n_per_task``."""
+    replaces ``n_per_task``. ``device`` and ``precision`` (a Trainer precision: ``bf16-mixed``, ``bf16-true``, ...):
+    where and how each model is evaluated (:func:`~iprox_lightning.evaluation.heldout.evaluate_heldout`)."""
     from .heldout import evaluate_heldout, heldout_records
 
     wd = Path(wd)
@@ -45,7 +47,7 @@ def selection_effect(wd: str | Path, warm: str | Path, *, pool: Any, validation:
                                     per_task=eval_per_task if val_records is not None else None, steered=steered)
     max_length = int(data_args.get("max_length") or (128 if pool == "builtin" else 512))
     evaluate = lambda m, recs: evaluate_heldout(str(m), recs, str(warm), max_length=max_length,  # noqa: E731
-                                                per_example=True)
+                                                per_example=True, device=device, precision=precision)
     if not tasks:
         models = {"base": Path(warm), **{w: wd / "finetune" / w / "model" for w in WHO[1:]}}
         effect = {"heldout": desc, "metrics": {w: evaluate(m, records) for w, m in models.items()

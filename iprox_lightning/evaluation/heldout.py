@@ -133,9 +133,14 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
 
 
 def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, max_length: int = 128,
-                     batch_size: int = 32, per_example: bool = False, device: str = "auto") -> dict[str, Any]:
+                     batch_size: int = 32, per_example: bool = False, device: str = "auto",
+                     precision: str | None = None) -> dict[str, Any]:
     """Load ``model_dir`` onto ``device`` (``auto``: a GPU where one is visible) and run :func:`heldout_metrics` on
-    ``records`` (tokenized like training)."""
+    ``records`` (tokenized like training), in ``precision`` (a Trainer precision, as the training stages ran:
+    ``*-true`` casts the weights to that dtype, ``*-mixed`` runs the forward under ``torch.autocast``; ``None`` or
+    ``32-true``: the weights as saved)."""
+    from contextlib import nullcontext
+
     from ..engine.batch import resolve_device
     from ..data import SFTDataModule
     from ..models.loading import load_model
@@ -143,4 +148,19 @@ def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, ma
     dm = SFTDataModule(pool=list(records), validation=None, tokenizer=tokenizer, max_length=max_length)
     model, _ = load_model(model_dir, tokenizer=False)
     model.to(resolve_device(device))
-    return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size), per_example=per_example)
+    name = "32-true" if precision is None else str(precision)
+    half = {"bf16": torch.bfloat16, "16": torch.float16}
+    kind = name.split("-")[0]
+    if name in ("32-true", "32"):
+        context = nullcontext()
+    elif name in ("64-true", "64"):
+        model, context = model.double(), nullcontext()
+    elif name.endswith("-true") and kind in half:
+        model, context = model.to(half[kind]), nullcontext()
+    elif kind in half and name in (kind, f"{kind}-mixed"):
+        context = torch.autocast(next(model.parameters()).device.type, dtype=half[kind])
+    else:
+        raise UserInputError(f"precision {precision!r}: the held-out evaluation runs in 32-true, 64-true, bf16-true, "
+                             "16-true, bf16-mixed or 16-mixed")
+    with context:
+        return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size), per_example=per_example)
