@@ -331,7 +331,7 @@ def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
     if is_compressed(model):
         raise UserInputError("model already holds LowRankLinear layers (already compressed)")
     if report.block_drop is not None:
-        from .blocks import remove_blocks
+        from ..engine.blocks import remove_blocks
 
         remove_blocks(model, report.block_drop.kept, inplace=True)
     targets = list(report.compression.targets) if report.compression and report.compression.targets else None
