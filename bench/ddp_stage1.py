@@ -47,7 +47,7 @@ def _worker(shape: str, out: str) -> None:
 
     from iprox_lightning.callbacks import IPSVDCallback
     from iprox_lightning.data import SFTDataModule
-    from iprox_lightning.models.builtin import builtin_model
+    from iprox_lightning.models import builtin_model
     from iprox_lightning.modules import ProxyAlignModule
 
     torch.set_num_threads(1)

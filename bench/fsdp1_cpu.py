@@ -1,6 +1,6 @@
 """Does Lightning's ``FSDPStrategy`` (FSDP1) run the warm-up and the scoring on 2 CPU gloo processes?
 
-Each variant runs the product's CLI (``python -m iprox_lightning.cli fit|predict``) with the shipped config, the
+Each variant runs the product's CLI (``python train.py fit|predict``) with the shipped config, the
 built-in demo overlay and an overlay naming the strategy (2 CPU processes, a 200-example built-in pool, 4 warm-up
 steps), and records its exit code and last error lines:
 
@@ -42,7 +42,7 @@ VARIANTS = {
 def _run(work: Path, name: str, sub: str, stage: str, overlay: dict) -> dict:
     cfg = work / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(overlay))
-    args = [sys.executable, "-m", "iprox_lightning.cli", sub, "--config", str(ROOT / "configs" / f"{stage}.yaml"),
+    args = [sys.executable, str(ROOT / "train.py"), sub, "--config", str(ROOT / "configs" / f"{stage}.yaml"),
             "--config", str(ROOT / "configs" / "builtin" / f"{stage}.yaml"), "--config", str(cfg)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{work}", IPROX_ALLOW_IMPORTS="cpufsdp",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -69,7 +69,7 @@ def main() -> None:
         data = {"pool": "builtin", "validation": "builtin", "seed": 0, "builtin_size": 200}
         trainer = {"accelerator": "cpu", "devices": 2, "logger": False, "enable_progress_bar": False,
                    "enable_model_summary": False, "default_root_dir": str(work / "lightning")}
-        from iprox_lightning.models.builtin import builtin_model, builtin_tokenizer
+        from iprox_lightning.models import builtin_model, builtin_tokenizer
 
         dense = work / "dense"  # the model scored: the built-in one, saved (the warm-up under test may save nothing)
         builtin_model().save_pretrained(dense)

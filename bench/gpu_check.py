@@ -36,7 +36,6 @@ data, and says so in the JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -420,30 +419,6 @@ def engine_summary(res: dict, rhos) -> dict:
 
 # ----------------------------------------------------------------------------------------------- pipeline part
 
-@contextlib.contextmanager
-def stage_memory(device: str, peaks: dict):
-    """Inside the block every Lightning stage command (``run_lightning``, which ``pipeline`` and ``train.py fit /
-    predict`` call) records its peak CUDA memory in ``peaks`` under its last config's name (``warmup``,
-    ``build_proxy``, ``score_target``, ...)."""
-    import torch
-
-    import speed
-    from iprox_lightning.commands import lightning as lightning_command
-
-    original = lightning_command.run_lightning
-
-    def measured(cli_args=None, **kwargs):
-        configs = [a for a in (cli_args or []) if a.endswith((".yaml", ".yml"))]
-        name = Path(configs[-1]).stem if configs else "stage"
-        with speed.peak_memory(torch.device(device), peaks, name):
-            return original(cli_args, **kwargs)
-
-    lightning_command.run_lightning = measured
-    try:
-        yield
-    finally:
-        lightning_command.run_lightning = original
-
 
 def resolve_inputs(args, workdir: Path, rec: PartRecord) -> dict:
     """The target, pool and validation of the pipeline and fsdp parts (and what they are, recorded): ``--tiny``: the
@@ -479,9 +454,10 @@ def resolve_inputs(args, workdir: Path, rec: PartRecord) -> dict:
         src.update(pool=str(inputs / "pool.jsonl"), pool_source=f"{inputs / 'pool.jsonl'} (--prepare's sample)")
     elif shared_pool.exists():
         sample = workdir / "pool_sample.jsonl"
-        from iprox_lightning.commands.sample_pool import sample_pool
+        from iprox_lightning.cli import main as cli
 
-        sample_pool(str(shared_pool), args.pool_size, str(sample), by="source", seed=0, overwrite=True)
+        cli(["sample_pool", "--pool", str(shared_pool), "--n", str(args.pool_size), "--output", str(sample),
+             "--by", "source", "--seed", "0", "--overwrite", "true"])
         src.update(pool=str(sample), pool_source=f"a {args.pool_size}-example sample of {shared_pool}")
     else:
         src.update(pool="builtin", pool_source=f"builtin, {args.pool_size} examples (no pool file found)")
@@ -545,25 +521,8 @@ def write_validation(pool_file: Path, exclude_from: Path, out: Path, per_task: i
 
 
 def precision_options(args, workdir: Path) -> tuple[list[str], str]:
-    """``pipeline``'s options for ``--precision``: its own ``--precision`` where it has one, else a copy of the stage
-    configs with ``trainer.precision`` set (its ``--config_dir``)."""
-    import inspect
-
-    import yaml
-
-    from iprox_lightning.commands.pipeline import DEFAULT_CONFIG_DIR, pipeline
-
-    if "precision" in inspect.signature(pipeline).parameters:
-        return ["--precision", args.precision], "pipeline --precision"
-    cfg = workdir / "configs"
-    shutil.rmtree(cfg, ignore_errors=True)
-    shutil.copytree(DEFAULT_CONFIG_DIR, cfg)
-    for path in cfg.glob("*.yaml"):
-        data = yaml.safe_load(path.read_text())
-        if isinstance(data, dict) and isinstance(data.get("trainer"), dict):
-            data["trainer"]["precision"] = args.precision
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return ["--config_dir", str(cfg)], f"stage configs copied to {cfg} with trainer.precision {args.precision}"
+    """``pipeline``'s options for ``--precision`` (every stage's trainer precision)."""
+    return ["--precision", args.precision], "pipeline --precision"
 
 
 def data_args(args, src: dict) -> dict:
@@ -587,11 +546,11 @@ def pipeline_part(args, workdir: Path, rec: PartRecord) -> None:
             "--data_args", json.dumps(data_args(args, src)), *precision_args]
     rec.update(command="python train.py " + " ".join(argv), precision=args.precision, precision_via=via,
                peak_memory_note=peak_memory_note(args.device))
-    peaks: dict[str, int] = {}
     try:
-        with stage_memory(args.device, peaks):
-            cli(argv)
-    finally:  # what ran is recorded also when a later stage fails
+        cli(argv)
+    finally:  # what ran is recorded also when a later stage fails; peak CUDA memory per stage: the pipeline's record
+        peaks_path = run / "peak_device_memory_per_stage.json"
+        peaks = json.loads(peaks_path.read_text()) if peaks_path.exists() else None
         rec.update(**pipeline_results(run, peaks if args.device == "cuda" else None))
     if time_left(args) < 30:
         rec.update(store_build={"status": "skipped", "reason": f"{time_left(args):.0f} s of the part's budget left"})
@@ -664,6 +623,9 @@ def store_build(args, src: dict, run: Path, out: Path) -> dict:
 def fsdp_part(args, workdir: Path, rec: PartRecord) -> None:
     """A warm-up and a scoring run through the stage commands with ``strategy: fsdp`` on one device (the default
     strategy on a CPU, where FSDPStrategy cannot run: recorded); in ``<workdir>/fsdp``."""
+    import torch
+
+    import speed
     from iprox_lightning.cli import main as cli
 
     strategy = "fsdp" if args.device == "cuda" else "auto"
@@ -694,17 +656,18 @@ def fsdp_part(args, workdir: Path, rec: PartRecord) -> None:
         "data": {"init_args": {**data, "tokenizer": src["target"], "train_split": "warmup"}}})
     steps = {}
     peaks: dict[str, int] = {}
-    with stage_memory(args.device, peaks):
+    with speed.peak_memory(torch.device(args.device), peaks, "warmup"):
         steps["warmup"] = timed_command(cli, ["fit", "--config", str(configs / "warmup.yaml"), *builtin,
                                               "--config", str(overlay)])
-        rec.update(steps=steps, peak_memory_bytes=dict(peaks) if args.device == "cuda" else None)
-        scores = workdir / "scores"
-        builtin = ["--config", str(configs / "builtin" / "score.yaml")] if pool == "builtin" else []
-        overlay = write_overlay(workdir / "score.yaml", {
-            "trainer": {**trainer, "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
-                                                  "init_args": {"output_dir": str(scores)}}]},
-            "model": {"init_args": {"model": str(warm), "method": "tracin"}},
-            "data": {"init_args": {**data, "tokenizer": str(warm)}}})
+    rec.update(steps=steps, peak_memory_bytes=dict(peaks) if args.device == "cuda" else None)
+    scores = workdir / "scores"
+    builtin = ["--config", str(configs / "builtin" / "score.yaml")] if pool == "builtin" else []
+    overlay = write_overlay(workdir / "score.yaml", {
+        "trainer": {**trainer, "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
+                                              "init_args": {"output_dir": str(scores)}}]},
+        "model": {"init_args": {"model": str(warm), "method": "tracin"}},
+        "data": {"init_args": {**data, "tokenizer": str(warm)}}})
+    with speed.peak_memory(torch.device(args.device), peaks, "score"):
         steps["score"] = timed_command(cli, ["predict", "--config", str(configs / "score.yaml"), *builtin,
                                              "--config", str(overlay)])
     import pyarrow.parquet as pq

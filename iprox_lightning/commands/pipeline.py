@@ -23,6 +23,8 @@ stage output replaced by hand is used, and the stages that read it run again.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import time
@@ -346,7 +348,7 @@ class _StageRunner:
         if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
             _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
         else:
-            with quiet_stage():  # Lightning's per-run lines off: this stage is the one line below
+            with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
                 self.run_lightning(args)
         ledger.record(key, output)
         times[key] = time.perf_counter() - t0
@@ -354,6 +356,28 @@ class _StageRunner:
         times_path = self.wd / "seconds_per_stage.json"
         times_path.parent.mkdir(parents=True, exist_ok=True)
         times_path.write_text(json.dumps(times, indent=2))
+
+
+PEAK_MEMORY_FILE = "peak_device_memory_per_stage.json"
+"""``{stage: peak bytes allocated on the CUDA device}`` of the stages run in the pipeline's own process on a GPU."""
+
+
+@contextlib.contextmanager
+def _device_memory_peak(path: Path, key: str):
+    """Record the stage's peak CUDA memory (``torch.cuda.max_memory_allocated`` since the stage began) in ``path``;
+    nothing on a machine without CUDA (a CPU process's peak RSS cannot be told apart per stage)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield
+    finally:
+        peaks = json.loads(path.read_text()) if path.exists() else {}
+        peaks[key] = int(torch.cuda.max_memory_allocated())
+        path.write_text(json.dumps(peaks, indent=2))
 
 
 def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, hardware: dict,
