@@ -125,14 +125,14 @@ def test_health_line_warns_only_without_alignment_and_names_unused_settings(monk
     assert warn and "allocation='global'" in text and "mode='exact'" in text
     assert health_message({**h, "kl": HEALTH_KL}, allocation="uniform", mode="core", aligning=False)[0] is False
 
-    # through the callback: the module's config says whether Stage 2 follows
+    # through the callback: the module (a TeacherHolder) says whether Stage 2 follows
     monkeypatch.setattr(health, "proxy_health", lambda teacher, model, batches: dict(h))
     cb = IPSVDCallback(sparsity=0.5, allocation="global")
     report = SimpleNamespace(allocation="global", mode="exact", health=None)
     trainer = SimpleNamespace(datamodule=SimpleNamespace(dataloader=lambda split: iter([{"x": 1}])))
     for align, warned in ((True, False), (False, True)):
         caplog.clear()
-        module = SimpleNamespace(teacher=object(), config=SimpleNamespace(align=align))
+        module = SimpleNamespace(teacher=object(), aligns=align)  # a TeacherHolder
         with caplog.at_level(logging.INFO, logger="iprox_lightning.compression.callback"):
             cb._health(trainer, module, None, report)
         assert any(r.levelno == logging.WARNING for r in caplog.records) is warned

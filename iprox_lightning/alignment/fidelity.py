@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import numpy as np
@@ -41,6 +41,16 @@ from ..errors import UserInputError
 from .keep_best import finite_or_none
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class FidelityData(Protocol):
+    """What the check reads from the datamodule (``SFTDataModule``): ``n`` held-out pool examples and the validation
+    sets the scores are taken against."""
+
+    def fidelity_dataloader(self, n: int) -> Iterable: ...
+
+    def val_dataloader(self) -> Any: ...
 
 FIDELITY_SPEARMAN = "val/fidelity_spearman"
 FIDELITY_LOSS = "val/fidelity_loss"
@@ -160,7 +170,7 @@ class RankingFidelity(Callback):
         if self._state is None:
             n = self.examples
             dm = trainer.datamodule if trainer is not None else None
-            if dm is None or not hasattr(dm, "fidelity_dataloader") or not hasattr(dm, "val_dataloader"):
+            if not isinstance(dm, FidelityData):
                 raise UserInputError(f"ProxyAlignModule(fidelity_examples={n}) needs a datamodule with "
                                      "fidelity_dataloader(n) and val_dataloader() (SFTDataModule)")
             loader, val = dm.fidelity_dataloader(n), dm.val_dataloader()

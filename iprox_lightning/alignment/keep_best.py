@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import numpy as np
@@ -27,6 +27,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Step0Metrics(Protocol):
+    """Another callback whose metrics of the un-aligned factors join the step-0 candidate (``RankingFidelity``)."""
+
+    def step0_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]: ...
 
 
 def finite_or_none(value: Any) -> Any:
@@ -55,7 +62,7 @@ class KeepBestFactors(Callback):
         if metrics is None:
             return  # no validation loader: nothing to compare against
         for cb in trainer.callbacks:
-            if cb is not self and hasattr(cb, "step0_metrics"):
+            if cb is not self and isinstance(cb, Step0Metrics):
                 metrics.update(cb.step0_metrics(trainer, pl_module))
         # float32 like the values Lightning logs later, so the candidates compare on one footing
         metrics = {k: float(np.float32(v)) for k, v in metrics.items()}

@@ -333,6 +333,11 @@ class ProxyAlignModule(L.LightningModule):
         """The frozen target (eval mode, no grad); not a registered submodule."""
         return self._teacher
 
+    @property
+    def aligns(self) -> bool:
+        """Whether Stage 2 trains the factors (``align``; ``False``: the IPSVD-only proxy is saved as built)."""
+        return self.config.align
+
     def configure_model(self) -> None:
         """Build teacher and proxy (idempotent) and (re)apply the trainable set: only ``LowRankLinear``
         factors. Safe to call again after ``IPSVDCallback`` swapped layers (Lightning does)."""

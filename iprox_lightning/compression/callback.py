@@ -28,7 +28,7 @@ The :class:`~iprox_lightning.compression.apply.CompressionReport` is kept as ``c
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Iterable, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -47,6 +47,41 @@ from .apply import (
 from ..engine.settings import takes_settings
 
 log = logging.getLogger(__name__)
+
+
+# What the callback reads from the module and the datamodule it runs with, declared (each optional: the callback does
+# without what is missing, or says what it needs).
+@runtime_checkable
+class TeacherHolder(Protocol):
+    """A module that keeps the uncompressed target beside the proxy it trains (``ProxyAlignModule``): the health check
+    compares the proxy with ``teacher``; ``aligns``: Stage 2 pairs proxy and teacher layers by path (so no block may
+    be dropped)."""
+
+    teacher: Optional[torch.nn.Module]
+
+    @property
+    def aligns(self) -> bool: ...
+
+
+@runtime_checkable
+class HasTokenizer(Protocol):
+    """Saved beside the proxy with ``save_dir``."""
+
+    tokenizer: Any
+
+
+@runtime_checkable
+class ProbeSource(Protocol):
+    """The probe batches of Stage 1 (``SFTDataModule``; else the LightningModule may have them)."""
+
+    def probe_dataloader(self) -> Iterable: ...
+
+
+@runtime_checkable
+class SplitSource(Protocol):
+    """A datamodule with named splits (``SFTDataModule``): the health check reads a few ``align`` batches."""
+
+    def dataloader(self, split: str) -> Iterable: ...
 
 
 class IPSVDCallback(Callback):
@@ -97,11 +132,9 @@ class IPSVDCallback(Callback):
 
     @staticmethod
     def _probe_loader(trainer: pl.Trainer, pl_module: pl.LightningModule):
-        dm = trainer.datamodule
-        if dm is not None and hasattr(dm, "probe_dataloader"):
-            return dm.probe_dataloader()
-        if hasattr(pl_module, "probe_dataloader"):
-            return pl_module.probe_dataloader()
+        for source in (trainer.datamodule, pl_module):
+            if isinstance(source, ProbeSource):
+                return source.probe_dataloader()
         raise AttributeError(
             "IPSVDCallback needs probe batches: give the datamodule (or the LightningModule) a "
             "probe_dataloader() method returning batches in the project's format"
@@ -129,8 +162,7 @@ class IPSVDCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if hasattr(pl_module, "configure_model"):
-            pl_module.configure_model()
+        pl_module.configure_model()  # a LightningModule hook (idempotent): builds the proxy (and teacher)
         model = self._target(pl_module)
         if is_compressed(model):
             rank_zero_info(f"IPSVDCallback: {type(model).__name__} already holds "
@@ -146,7 +178,8 @@ class IPSVDCallback(Callback):
         pl_module.ipsvd_report = self.report
         self._log(trainer)
         if self.save_dir and trainer.is_global_zero:
-            tok = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
+            tok = next((s.tokenizer for s in (pl_module, trainer.datamodule)
+                        if isinstance(s, HasTokenizer) and s.tokenizer is not None), None)
             save_proxy(model, tok, self.save_dir, self.report)
         trainer.strategy.barrier("ipsvd")
 
@@ -197,10 +230,9 @@ class IPSVDCallback(Callback):
         """Stage 2 pairs each proxy layer with the teacher layer of the same path; with blocks dropped the proxy's
         blocks are renumbered (its block 2 may be the teacher's block 3), so alignment would compare the wrong
         layers. Refuse that pairing before compressing; the IPSVD-only proxy (``align: false``) is fine."""
-        if not self.config.drop_blocks or getattr(pl_module, "teacher", None) is None:
+        if not self.config.drop_blocks or not isinstance(pl_module, TeacherHolder) or pl_module.teacher is None:
             return
-        align = getattr(getattr(pl_module, "config", None), "align", None)
-        if align:
+        if pl_module.aligns:
             raise ValueError(
                 f"IPSVDCallback(drop_blocks={self.config.drop_blocks}): {type(pl_module).__name__} aligns the proxy "
                 "with the target layer by layer path, but dropping blocks renumbers the proxy's blocks, so block i of "
@@ -209,9 +241,9 @@ class IPSVDCallback(Callback):
 
     def _health(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module,
                 report: CompressionReport) -> None:
-        teacher = getattr(pl_module, "teacher", None)
+        teacher = pl_module.teacher if isinstance(pl_module, TeacherHolder) else None
         dm = trainer.datamodule
-        if not self.health_batches or teacher is None or dm is None or not hasattr(dm, "dataloader"):
+        if not self.health_batches or teacher is None or not isinstance(dm, SplitSource):
             return
         from itertools import islice
 
@@ -225,7 +257,7 @@ class IPSVDCallback(Callback):
         h = proxy_health(teacher, model, batches)
         h["batches"] = len(batches)
         report.health = h
-        aligning = bool(getattr(getattr(pl_module, "config", None), "align", False))
+        aligning = pl_module.aligns
         warn, msg = health_message(h, allocation=report.allocation, mode=report.mode, aligning=aligning)
         if warn:
             log.warning("%s", msg)
