@@ -448,3 +448,49 @@ def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files,
            "float32", "--factors_dir", str(fdir))
     (other,) = fdir.glob("ekfac-*")
     assert other.name != fitted.name and gs.read_info(tmp_path / "store5")["factors"] == other.name
+
+
+def test_a_query_refuses_a_store_whose_files_are_not_the_ones_its_build_recorded(files, tmp_path):
+    """Issue 57: a shard deleted, another store's shard copied in, a shard or the projections replaced: each was read
+    as if whole (a query on 192 of 200 rows; scores from another store's projections). The build records its contents
+    (every shard's rows and SHA-256, the projection file's); the query refuses a store that differs, naming the file."""
+    import shutil
+    from pathlib import Path
+
+    d, pool, val, _ = files
+    store, other = tmp_path / "s", tmp_path / "other"
+    _build(store, pool, "--k", "8", "--batch_size", "2")
+    _build(other, pool, "--k", "8", "--batch_size", "2", "--seed", "1")
+    info = gs.read_info(store)
+    shards = sorted(Path(f).name for f in gs.shard_files(store))
+    assert len(shards) > 1 and sorted(info["contents"]["shards"]) == shards
+    assert sum(s["rows"] for s in info["contents"]["shards"].values()) == info["rows"] == 10
+    _query(store, val, tmp_path / "ok")  # the store as built: queried
+
+    def refused(match):
+        with pytest.raises(gs.StoreFormatError, match=match):
+            _query(store, val, tmp_path / "q")
+        assert not (tmp_path / "q" / "scores.parquet").exists()
+
+    first = Path(gs.shard_files(store)[0])
+    saved = first.read_bytes()
+    first.unlink()  # deleted
+    refused("missing: " + first.name)
+    first.write_bytes(saved)
+    foreign = Path(gs.shard_files(other)[0])
+    shutil.copy(foreign, store / "shards" / ("rank009-" + foreign.name.split("-", 1)[1]))  # another store's shard
+    refused("not from this build: rank009-")
+    (store / "shards" / ("rank009-" + foreign.name.split("-", 1)[1])).unlink()
+    first.write_bytes(Path(gs.shard_files(other)[0]).read_bytes())  # replaced under its own name
+    refused(f"{first.name}: changed since the build")
+    first.write_bytes(saved)
+    proj = store / gs.PROJECTION_FILE
+    kept = proj.read_bytes()
+    proj.write_bytes((other / gs.PROJECTION_FILE).read_bytes())  # another store's projections
+    refused(f"{gs.PROJECTION_FILE}: not the file the build recorded")
+    proj.write_bytes(kept)
+    _query(store, val, tmp_path / "ok2")  # restored: queried again
+    old = dict(info)
+    del old["contents"]
+    gs.write_info(store, old)  # a store built before the contents were recorded
+    refused("no 'contents' record")

@@ -143,6 +143,7 @@ def _read_store(store: str, output_dir: str):
     if not info.get("complete"):
         raise gs.StoreFormatError(f"{store}: the store's build has not finished ({Path(store) / gs.STORE_FILE}: "
                                   "'complete' is false); run the same build_store command again to finish it")
+    gs.verify_contents(store, info)  # the shards, projections and factors the build recorded, unchanged
     out = Path(output_dir)
     if out.resolve() == Path(store).resolve():
         raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")

@@ -22,7 +22,10 @@ build continues where it stopped: the ids of the readable shards are skipped (ex
 occurrence of an id, in shard name order).
 
 ``store.json`` also records the store's size once the build is complete: ``bytes`` (the shard files together) and
-``bytes_per_example`` (``bytes / rows``).
+``bytes_per_example`` (``bytes / rows``), and its **contents** (:func:`contents_manifest`): every shard with its rows
+and SHA-256, and the SHA-256 of the projection and factor files. A query reads a store only after
+:func:`verify_contents` found exactly those files, unchanged: a shard deleted, added (another store's) or replaced, or
+projections / factors swapped, is refused naming the file.
 
 **The query cache** (``cache/``, :func:`save_validation_gradients` / :func:`load_validation_gradients`): a query
 computes the projected gradients of its validation set — the only model work it does — and keeps them under the
@@ -270,6 +273,59 @@ def iter_shards(store_dir: str | os.PathLike, *, vectors: bool = True) -> Iterat
             s = {k: ([v[j] for j in keep] if isinstance(v, list) else v[idx]) for k, v in s.items()}
         if s["ids"]:
             yield s
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    from .fingerprint import file_identity
+
+    return file_identity(path, hash_limit=None)["sha256"]
+
+
+def _side_files(store_dir: str | os.PathLike, info: Mapping) -> list[str]:
+    """The store's files besides its shards that a query reads: the projections and the fitted factors."""
+    names = [PROJECTION_FILE] if (Path(store_dir) / PROJECTION_FILE).exists() else []
+    return names + ([info["factors"]] if info.get("factors") else [])
+
+
+def contents_manifest(store_dir: str | os.PathLike, info: Mapping) -> dict:
+    """``{"shards": {name: {"rows", "sha256"}}, "files": {name: sha256}}`` of a finished store (what
+    :func:`verify_contents` checks before a query)."""
+    shards = {}
+    for f in shard_files(store_dir):
+        shards[Path(f).name] = {"rows": len(_read_shard(f, vectors=False)["ids"]), "sha256": _sha256(f)}
+    return {"shards": shards, "files": {n: _sha256(Path(store_dir) / n) for n in _side_files(store_dir, info)}}
+
+
+def verify_contents(store_dir: str | os.PathLike, info: Mapping) -> None:
+    """Refuse a store whose files are not the ones its build recorded (``store.json``'s ``contents``): a shard missing,
+    added or changed, a projection or factor file changed, or rows that do not add up to ``rows``."""
+    where = Path(store_dir) / STORE_FILE
+    rec = info.get("contents")
+    if not isinstance(rec, Mapping) or not isinstance(rec.get("shards"), Mapping):
+        raise StoreFormatError(f"{where}: no 'contents' record (a store built before it was kept): run the same "
+                               "build_store command again (it reuses the shards and records them)")
+    have = {Path(f).name: f for f in shard_files(store_dir)}
+    want = rec["shards"]
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        raise StoreFormatError(
+            f"{Path(store_dir) / SHARD_DIR}: the shards are not the ones the build recorded in {where}"
+            + (f"; missing: {', '.join(missing[:5])}" if missing else "")
+            + (f"; not from this build: {', '.join(extra[:5])}" if extra else "")
+            + "; rebuild the store (build_store --overwrite true) or restore the files")
+    for name, f in have.items():
+        if _sha256(f) != want[name].get("sha256"):
+            raise StoreFormatError(f"{f}: changed since the build recorded it in {where} (SHA-256 differs); rebuild "
+                                   "the store or restore the file")
+    rows = sum(int(s.get("rows", -1)) for s in want.values())
+    if rows != info.get("rows"):
+        raise StoreFormatError(f"{where}: the shards hold {rows} rows, 'rows' says {info.get('rows')}")
+    files = rec.get("files", {})
+    for name in sorted(set(files) | set(_side_files(store_dir, info))):
+        path = Path(store_dir) / name
+        if name not in files or not path.exists() or _sha256(path) != files[name]:
+            raise StoreFormatError(f"{path}: not the file the build recorded in {where} (missing or changed); rebuild "
+                                   "the store or restore the file")
 
 
 def store_size(store_dir: str | os.PathLike, rows: int) -> dict:

@@ -300,6 +300,7 @@ class GradientStoreWriter(BufferedShardWriter):
             rows = sum(len(s["ids"]) for s in gs.iter_shards(self.output_dir, vectors=False))
             info.update(complete=True, rows=rows, shards=len(gs.shard_files(self.output_dir)),
                         finished=time.strftime("%Y-%m-%d %H:%M:%S"), **gs.store_size(self.output_dir, rows))
+            info["contents"] = gs.contents_manifest(self.output_dir, info)
             gs.write_info(self.output_dir, info)
         trainer.strategy.barrier()
         self._unlock()
