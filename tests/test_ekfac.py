@@ -341,3 +341,36 @@ def test_a_metric_registers_once_by_its_class_keyword():
     assert (TracIn.factor_passes, KFAC.factor_passes, EKFAC.factor_passes) == (0, 1, 2)
     assert isinstance(influence_metric("ekfac", kfac_examples=7), EKFAC) and influence_metric("ekfac").needs_factor_data
     assert influence_metric("kfac", kfac_examples=7).examples == 7
+
+
+def test_a_factor_file_whose_tensors_were_changed_is_refused(tmp_path):
+    """Issue 57: an altered K-FAC factor file in a shared factors dir was loaded (vectors off by up to 1.8e3). The file
+    records a digest of its tensors; a changed tensor (metadata kept) or a file without the digest is refused."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    from iprox_lightning.io.gradient_store import StoreFormatError
+
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    mods = tracked_modules(model)
+    keys = [v.key for v in virtual_linears(mods)]
+    fp = {"model": "tiny", "data": "factor-digest"}
+
+    def fit():
+        return fit_or_load(influence_metric("kfac", damping=DAMPING, kfac_examples=len(FACTOR)), model, mods, keys,
+                           batches(FACTOR, 5), factors_dir=str(tmp_path), fingerprint=fp, dtype=torch.float64)
+
+    path = fit()["factors"]
+    assert fit()["factors_reused"] is True
+    with safe_open(path, framework="pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * 2  # altered, metadata (fingerprint) kept
+    save_file(tensors, path, metadata=meta)
+    with pytest.raises(StoreFormatError, match="'content_sha256' differs"):
+        fit()
+    del meta["content_sha256"]
+    save_file(load_file(path), path, metadata=meta)
+    with pytest.raises(StoreFormatError, match="'content_sha256' missing"):
+        fit()

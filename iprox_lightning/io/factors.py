@@ -6,7 +6,9 @@ never a pickle) and, in the metadata, ``schema_version``, ``method`` and the ``f
 the file: the model's identity, the digest of the factor data, the metric's fit settings (``kfac_examples``), the tracked
 weights and the dtypes. A run with the same inputs finds the file and loads it; any changed input gives another name,
 so an old result is never reused for a changed setting (damping is applied after loading, so it is not part of it).
-A file whose recorded fingerprint does not match its name's (edited, or copied over) is refused naming what differs.
+A file whose recorded fingerprint does not match its name's (edited, or copied over) is refused naming what differs,
+and so is one whose tensors are not the ones written (``content_sha256`` in the metadata: a digest of every tensor's
+name, dtype, shape and bytes).
 An EK-FAC fit reads the K-FAC file of the same inputs for its eigenbases, or writes one beside its own, so K-FAC and
 EK-FAC runs on one model and factor data make one K-FAC pass between them (:func:`~iprox_lightning.scoring.metrics.fit_or_load`).
 """
@@ -28,10 +30,25 @@ def factors_path(factors_dir: str | os.PathLike, method: str, fingerprint: Mappi
     return Path(factors_dir) / f"{method}-{digest(dict(fingerprint))}.safetensors"
 
 
+def content_digest(tensors: Mapping[str, Any]) -> str:
+    """SHA-256 of every tensor's name, dtype, shape and bytes, in name order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        v = tensors[k].detach().cpu().contiguous()
+        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}|".encode())
+        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_factors(path: str | os.PathLike, tensors: Mapping[str, Any], *, method: str, fingerprint: Mapping) -> Path:
     """Write a factor file atomically (see the module docstring)."""
     return save_tensors(path, tensors, {"schema_version": str(SCHEMA_VERSION), "method": method,
-                                        "fingerprint": json.dumps(dict(fingerprint), sort_keys=True, default=str)})
+                                        "fingerprint": json.dumps(dict(fingerprint), sort_keys=True, default=str),
+                                        "content_sha256": content_digest(tensors)})
 
 
 def load_factors(path: str | os.PathLike, *, method: str, fingerprint: Mapping | None = None) -> dict:
@@ -42,6 +59,10 @@ def load_factors(path: str | os.PathLike, *, method: str, fingerprint: Mapping |
                                f"version reads {SCHEMA_VERSION}")
     if meta.get("method") != method:
         raise StoreFormatError(f"{path}: holds {meta.get('method')!r} factors, not {method!r}")
+    if meta.get("content_sha256") != content_digest(tensors):
+        raise StoreFormatError(f"{path}: its tensors are not the ones written (metadata field 'content_sha256' "
+                               + ("missing: a file of an earlier version" if "content_sha256" not in meta else "differs")
+                               + "); remove the file to fit the factors again")
     if fingerprint is not None:
         try:
             old = json.loads(meta.get("fingerprint", ""))
