@@ -629,3 +629,34 @@ def test_proxy_validation_is_checked_once_with_the_same_message_everywhere():
         AlignConfig(proxy_validation="teacher")
     with pytest.raises(UserInputError, match=re.escape("x must be 1, 2 or 3, got 4")):
         check_choice("x", 4, (1, 2, 3))
+
+
+def test_round_three_inputs_refused_before_any_work(tmp_path, capsys):
+    """Issue 57: ``val_per_task=0`` was read as the default; a selection file with an id twice was read as 11 examples
+    for a count of 10; ``query --neighbours -1`` failed only after the validation gradients were computed."""
+    import json
+
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.io.records import DataFormatError
+    from iprox_lightning.io.selection import read_selection
+
+    with pytest.raises(UserInputError, match="val_per_task must be >= 1"):
+        SFTDataModule(pool="builtin", validation="builtin", tokenizer="builtin", val_per_task=0)
+    rows = [{"id": f"ex-{i}", "instruction": f"q{i}", "response": f"a{i}"} for i in range(3)]
+    sel = tmp_path / "sel.jsonl"
+    sel.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
+    with pytest.raises(DataFormatError, match="selected more than once: 'ex-0'"):
+        read_selection(sel)
+    sel.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "sel.jsonl.meta.json").write_text(json.dumps({"count": 2}))
+    with pytest.raises(DataFormatError, match="holds 3 examples, its sel.jsonl.meta.json says count 2"):
+        read_selection(sel)
+    (tmp_path / "sel.jsonl.meta.json").write_text(json.dumps({"count": 3}))
+    assert [r["id"] for r in read_selection(sel)] == ["ex-0", "ex-1", "ex-2"]
+    from iprox_lightning.cli import main
+
+    with pytest.raises(UserInputError, match="neighbours must be an integer >= 0, got -1"):
+        main(["query", "--store", str(tmp_path / "no-store"), "--validation", "builtin", "--output_dir",
+              str(tmp_path / "q"), "--neighbours", "-1"])
+    assert not (tmp_path / "q").exists()

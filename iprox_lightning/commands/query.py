@@ -52,6 +52,8 @@ def query(
     from ..io.fingerprint import loader_digest, model_identity
     from ..scoring.metrics import influence_metric
 
+    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
+        raise UserInputError(f"query: neighbours must be an integer >= 0, got {neighbours!r}")
     t0 = time.perf_counter()
     info, out = _read_store(store, output_dir)
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})

@@ -249,6 +249,9 @@ class SFTDataModule(L.LightningDataModule):
         self.fractions = (warmup_fraction, construction_fraction, probe_fraction)
         self.align_examples = align_examples
         self.fidelity_examples = 0  # size of the "fidelity" split, set by fidelity_dataloader(n)
+        if val_per_task is not None and (isinstance(val_per_task, bool) or val_per_task < 1):
+            raise UserInputError(f"SFTDataModule: val_per_task must be >= 1 (or None: every validation example), "
+                                 f"got {val_per_task!r}")
         self.val_per_task = val_per_task
         self.validation_subtasks = validation_subtasks
         self.train_split = train_split

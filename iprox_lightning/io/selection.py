@@ -95,4 +95,14 @@ def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Calla
     if missing:
         raise DataFormatError(f"{path}: {len(missing)} selected id(s) are not in the pool {pool_name}, e.g. "
                               f"{', '.join(missing[:3])}")
+    from collections import Counter
+
+    twice = sorted(i for i, n in Counter(str(r["id"]) for r in out).items() if n > 1)
+    if twice:
+        raise DataFormatError(f"{path}: id(s) selected more than once: {', '.join(map(repr, twice[:5]))} (a selection "
+                              "holds each example once)")
+    count = (meta or {}).get("count")
+    if isinstance(count, int) and count != len(out):
+        raise DataFormatError(f"{path}: holds {len(out)} examples, its {meta_path(path).name} says count {count} (the "
+                              "file was cut or added to after select wrote it)")
     return out
