@@ -310,7 +310,9 @@ def _gguf(path):
 
 
 @pytest.mark.parametrize("keep,message", [(-40, r"not a readable GGUF file, truncated or damaged \(472 bytes; "),
-                                          (100, r"not a readable GGUF file, truncated or damaged \(100 bytes; "),
+                                          (100, r"the GGUF header counts 2 tensors and 3 key-values, more than its "
+                                                r"100 bytes can hold"),
+                                          (300, r"not a readable GGUF file, truncated or damaged \(300 bytes; "),
                                           (0, r"not a GGUF file \(starts with b'', not b'GGUF'; 0 bytes\)")])
 def test_a_truncated_gguf_file_is_named(tmp_path, monkeypatch, keep, message):
     pytest.importorskip("gguf")
@@ -322,6 +324,32 @@ def test_a_truncated_gguf_file_is_named(tmp_path, monkeypatch, keep, message):
     cut.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
     with pytest.raises(ValueError, match=rf"^{cut}: {message}"):
         load_model(str(cut))
+
+
+def test_a_gguf_without_tensors_or_with_absurd_counts_is_refused_before_reading(tmp_path, monkeypatch):
+    """Issue 57: a 914-byte GGUF with no tensors built a 7B-size default Llama (23.9 GB before the kernel killed it);
+    header counts are bounded by the file's size before any reader allocates for them."""
+    import struct
+
+    gguf = pytest.importorskip("gguf")
+    from iprox_lightning import load_model
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "cache"))
+    empty = tmp_path / "empty.gguf"
+    w = gguf.GGUFWriter(str(empty), "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=rf"^{empty}: the GGUF file holds no tensors"):
+        load_model(str(empty))
+    data = bytearray(_gguf(tmp_path / "full.gguf").read_bytes())
+    data[8:16] = struct.pack("<Q", 10**12)  # a trillion tensors in a few hundred bytes
+    huge = tmp_path / "huge.gguf"
+    huge.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"^{huge}: the GGUF header counts 1000000000000 tensors"):
+        load_model(str(huge))
 
 
 # ------------------------------------------------------------------------------------------------ bad tables / records

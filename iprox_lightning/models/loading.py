@@ -74,6 +74,7 @@ def check_gguf(path: str | os.PathLike) -> None:
         magic = f.read(4)
     if magic != b"GGUF":
         raise UserInputError(f"{p}: not a GGUF file (starts with {magic!r}, not b'GGUF'; {size} bytes)")
+    _check_gguf_counts(p, size)
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -86,6 +87,26 @@ def check_gguf(path: str | os.PathLike) -> None:
                              f"{type(e).__name__}: {e})") from None
     if end > size:
         raise UserInputError(f"{p}: truncated GGUF file: its tensors end at byte {end}, the file has {size} bytes")
+
+
+def _check_gguf_counts(p: Path, size: int) -> None:
+    """The header's tensor and key-value counts, bounded by the file's size before any reader allocates for them
+    (a tensor entry takes at least 32 bytes, a key-value at least 13), and at least one tensor: a GGUF without
+    tensors is no model (transformers would build a default-size model from it)."""
+    import struct
+
+    with open(p, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24:
+        raise UserInputError(f"{p}: truncated GGUF header ({size} bytes)")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version < 2:
+        raise UserInputError(f"{p}: GGUF version {version} is not supported (2 or newer)")
+    if n_tensors == 0:
+        raise UserInputError(f"{p}: the GGUF file holds no tensors: it is not a model's weights")
+    if n_tensors * 32 + n_kv * 13 > size:
+        raise UserInputError(f"{p}: the GGUF header counts {n_tensors} tensors and {n_kv} key-values, more than its "
+                             f"{size} bytes can hold (damaged or not a model file)")
 
 
 def _finish_tokenizer(tok):
