@@ -79,8 +79,9 @@ def _run(argv: list[str], args: list[str] | None):
     if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
-        from .commands.lightning import restricted_imports
+        from .commands.lightning import check_config_opt_ins, restricted_imports
 
+        check_config_opt_ins(argv[1:])
         with restricted_imports():
             return CLI(command(argv[0]), args=argv[1:], as_positional=False)
     from .commands.lightning import run_lightning

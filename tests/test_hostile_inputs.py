@@ -688,3 +688,32 @@ def test_round_three_inputs_refused_before_any_work(tmp_path, capsys):
         main(["query", "--store", str(tmp_path / "no-store"), "--validation", "builtin", "--output_dir",
               str(tmp_path / "q"), "--neighbours", "-1"])
     assert not (tmp_path / "q").exists()
+
+
+def test_a_config_file_cannot_opt_in_to_running_code(tmp_path, monkeypatch):
+    """Issue 57: ``trust_remote_code: true`` or ``weights_only: false`` in a (shared) config ran the model directory's
+    Python or a checkpoint's pickles; the opt-in must be the user's own act: the command line or IPROX_ALLOW_CODE."""
+    from iprox_lightning.commands.lightning import check_config_opt_ins
+    from iprox_lightning.errors import UserInputError
+
+    monkeypatch.delenv("IPROX_ALLOW_CODE", raising=False)
+    cfg = tmp_path / "shared.yaml"
+    cfg.write_text("model:\n  init_args:\n    trust_remote_code: true\n")
+    ckpt = tmp_path / "ckpt.yaml"
+    ckpt.write_text("ckpt_path: x.ckpt\nweights_only: false\n")
+    with pytest.raises(UserInputError, match=rf"^{cfg}: model.init_args.trust_remote_code: true would run code"):
+        check_config_opt_ins(["fit", "--config", str(cfg)])
+    with pytest.raises(UserInputError, match=rf"^{ckpt}: weights_only: false would run code"):
+        check_config_opt_ins(["fit", f"--config={ckpt}"])
+    check_config_opt_ins(["fit", "--config", str(cfg), "--model.init_args.trust_remote_code", "true"])  # the user's act
+    monkeypatch.setenv("IPROX_ALLOW_CODE", "weights_only")
+    check_config_opt_ins(["fit", "--config", str(ckpt)])
+    with pytest.raises(UserInputError, match="trust_remote_code"):
+        check_config_opt_ins(["fit", "--config", str(cfg)])
+    monkeypatch.delenv("IPROX_ALLOW_CODE")
+    safe = tmp_path / "safe.yaml"
+    safe.write_text("model:\n  init_args:\n    trust_remote_code: false\nweights_only: true\n")
+    check_config_opt_ins(["fit", "--config", str(safe)])
+    # through the command line, before anything is built
+    with pytest.raises(UserInputError, match="a config file cannot opt in"):
+        main(["fit", "--config", "configs/warmup.yaml", "--config", str(cfg)])

@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
+from ..errors import UserInputError
+
 
 def is_torch_module_base(cls: type) -> bool:
     """``torch.nn.Module`` itself (not its subclasses, so not ``LightningModule``)."""
@@ -155,6 +157,56 @@ def restricted_imports():
         _common.parsing_settings.update(saved)
 
 
+CODE_OPT_INS = {"trust_remote_code": True, "weights_only": False}
+"""Settings that run code a file brings (a model directory's Python; a checkpoint's pickles) and the value that does:
+the user's own act on the command line (``--model.init_args.trust_remote_code true``) or ``IPROX_ALLOW_CODE=<key>``
+(comma-separated, or ``1`` for both), never a line of a config file someone else wrote."""
+CODE_ENV = "IPROX_ALLOW_CODE"
+
+
+def check_config_opt_ins(argv: list[str]) -> None:
+    """Refuse a config file (``--config FILE``) that sets a :data:`CODE_OPT_INS` key to its code-running value, unless
+    the command line sets the same key itself or :data:`CODE_ENV` allows it; the error names the file and the key."""
+    import os
+
+    import yaml
+
+    allowed = {k.strip() for k in os.environ.get(CODE_ENV, "").split(",") if k.strip()}
+    if allowed & {"1", "true", "yes", "*"}:
+        return
+    configs, flags = [], []
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            configs.append(argv[i + 1])
+        elif a.startswith("--config="):
+            configs.append(a.split("=", 1)[1])
+        elif a.startswith("--"):
+            flags.append(a[2:].split("=", 1)[0])
+
+    def found(node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in CODE_OPT_INS and v is CODE_OPT_INS[k]:
+                    yield ".".join(path + [str(k)]), k, v
+                yield from found(v, path + [str(k)])
+        elif isinstance(node, list):
+            for j, v in enumerate(node):
+                yield from found(v, path + [str(j)])
+
+    for cfg in configs:
+        try:
+            data = yaml.safe_load(Path(cfg).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # the parser names an unreadable config itself
+        for dotted, key, value in found(data, []):
+            if key in allowed or any(f == key or f.endswith("." + key) for f in flags):
+                continue
+            raise UserInputError(
+                f"{cfg}: {dotted}: {str(value).lower()} would run code the model or checkpoint files bring; a config "
+                f"file cannot opt in to that. Opt in yourself on the command line (--{dotted} {str(value).lower()}) or "
+                f"with {CODE_ENV}={key}")
+
+
 def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCLI:
     """Run LightningCLI on ``args`` (``None``: the command line).
 
@@ -166,6 +218,7 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCL
 
     quiet_lightning_tips()
     hide_torch_module_subclasses()
+    check_config_opt_ins(list(sys.argv[1:] if args is None else args))
     saved = sys.argv
     if args is not None:
         sys.argv = sys.argv[:1]
