@@ -717,3 +717,27 @@ def test_a_config_file_cannot_opt_in_to_running_code(tmp_path, monkeypatch):
     # through the command line, before anything is built
     with pytest.raises(UserInputError, match="a config file cannot opt in"):
         main(["fit", "--config", "configs/warmup.yaml", "--config", str(cfg)])
+
+
+def test_a_validation_task_whose_every_example_is_dropped_is_refused(tmp_path):
+    """Issue 57: when every example of one validation task was longer than max_length, scoring exited 0 with only the
+    other task's column; the data module refuses it naming the task."""
+    import json
+
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.errors import UserInputError
+
+    rows = [{"id": f"a{i}", "instruction": "add 1 and 2", "response": "3", "category": "short"} for i in range(2)]
+    rows += [{"id": f"b{i}", "instruction": "word " * 400, "response": "yes", "category": "long"} for i in range(2)]
+    rows += [{"id": "b-ok", "instruction": "word", "response": "yes", "category": "mixed"},
+             {"id": "b-cut", "instruction": "word " * 400, "response": "yes", "category": "mixed"}]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = SFTDataModule(pool="builtin", validation=str(val), tokenizer="builtin", max_length=64, builtin_size=20,
+                       truncation="right")
+    with pytest.raises(UserInputError, match=r"validation task\(s\) \['long'\]: every example was dropped"):
+        dm.dataset("validation")
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[:2] + rows[4:]))
+    dm = SFTDataModule(pool="builtin", validation=str(val), tokenizer="builtin", max_length=64, builtin_size=20,
+                       truncation="right")
+    assert sorted({e.task for e in dm.dataset("validation").examples}) == ["mixed", "short"]  # one of 'mixed' kept

@@ -462,6 +462,8 @@ class SFTDataModule(L.LightningDataModule):
                 raise UserInputError(
                     f"split {split!r}: all {len(recs)} examples were dropped (no response token left after "
                     f"truncation to max_length={self.max_length}, truncation={self.truncation!r})")
+            if split == "validation" and dropped:
+                self._check_no_task_vanished(recs, examples)
             self.dropped_ids[split] = list(dropped)
             self.stats[split] = {"read": len(recs), "dropped": len(dropped), "kept": len(examples),
                                  "tokens": int(sum(len(e.input_ids) for e in examples))}
@@ -472,6 +474,17 @@ class SFTDataModule(L.LightningDataModule):
             self._log_stats(split)
             self._datasets[split] = SFTDataset(examples)
         return self._datasets[split]
+
+    def _check_no_task_vanished(self, recs: list[dict], examples) -> None:
+        """A validation task all of whose examples were dropped by truncation would leave the scoring objective without
+        it (and its score column) silently: refused naming the task(s)."""
+        kept = {e.task for e in examples}
+        gone = sorted({str(r.get("category")) for r in recs} - kept)
+        if gone:
+            raise UserInputError(
+                f"validation task(s) {gone}: every example was dropped (no response token left after truncation to "
+                f"max_length={self.max_length}, truncation={self.truncation!r}), so the scores would leave the task "
+                "out; raise max_length or use truncation='left' / shorter validation examples")
 
     def _log_stats(self, split: str) -> None:
         trainer = getattr(self, "trainer", None)
