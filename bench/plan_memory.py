@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not another one installed
 GGUF = "/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 POOL = "/work/shared/data/pool/instructions.jsonl"
 
@@ -187,7 +188,7 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": vars(a), "response_share": share, "padded_length": length, "stages": {}}
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     for stage in a.stages:
         argv = overlays(stage, model, pool, work, a)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *argv]

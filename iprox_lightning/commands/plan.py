@@ -61,7 +61,8 @@ def plan(
         num_probe_tokens: Stage 1's probe columns (IPSVDCallback num_probe_tokens).
         align_epochs: Stage 2's epochs.
         validation_examples: validation examples scored for the validation gradients.
-        tasks: validation tasks (scoring keeps one gradient per task).
+        tasks: score columns: validation tasks, or subtasks with validation_subtasks (scoring keeps one float32
+            gradient per column; the pipeline at the paper's sizes has 93).
         method: the scoring method the run uses: tracin, kfac or ekfac.
         kfac_examples: examples K-FAC / EK-FAC factors are fitted on (time only: the factors' size is fixed).
         k: a gradient store's projection rows per side (build_store k).
