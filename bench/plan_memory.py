@@ -101,8 +101,8 @@ def response_share(pool: Path, tokenizer: Path, max_length: int, batch_size: int
     return sum(share) / len(share), round(sum(lengths) / len(lengths))
 
 
-def overlays(stage: str, model: Path, pool: Path, work: Path, a) -> list[str]:
-    data = {"pool": str(pool), "validation": "builtin", "tokenizer": str(model), "max_length": a.max_length,
+def overlays(stage: str, model: Path, pool: Path, work: Path, a, validation: str) -> list[str]:
+    data = {"pool": str(pool), "validation": validation, "tokenizer": str(model), "max_length": a.max_length,
             "batch_size": a.batch_size}
     trainer = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
                "enable_model_summary": False, "precision": a.precision}
@@ -170,7 +170,9 @@ def main() -> None:
     ap.add_argument("--construction-fraction", type=float, default=0.05)
     ap.add_argument("--pool-rows", type=int, default=400)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--tasks", type=int, default=3, help="validation tasks of the built-in validation sets")
+    ap.add_argument("--tasks", type=int, default=2, help="validation tasks of the built-in validation sets (2)")
+    ap.add_argument("--validation-tasks", type=int, default=0,
+                    help="> 0: a validation file of that many tasks (4 pool rows each) instead of the built-in sets")
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--stages", nargs="+", default=["warmup", "build_proxy", "score"])
     ap.add_argument("--work", default="/tmp/plan_memory")
@@ -182,6 +184,13 @@ def main() -> None:
     if not pool.is_file():
         with open(POOL) as f:
             pool.write_text("".join(next(f) for _ in range(a.pool_rows)))
+    validation = "builtin"
+    if a.validation_tasks:  # that many tasks of 4 examples each, from pool rows after the ones used as the pool
+        rows = [json.loads(line) for line in open(POOL)][a.pool_rows:a.pool_rows + 4 * a.validation_tasks]
+        val = work / f"validation_{a.validation_tasks}.jsonl"
+        val.write_text("".join(json.dumps({**r, "id": f"val-{i}", "category": f"task{i // 4}"}) + "\n"
+                               for i, r in enumerate(rows)))
+        validation, a.tasks = str(val), a.validation_tasks
     model = make_model(a.shape, work / "models" / a.shape)
     share, length = response_share(pool, model, a.max_length, a.batch_size)
     plan = predicted(a.shape, model, a, share, length)
@@ -190,7 +199,7 @@ def main() -> None:
     result = {"args": vars(a), "response_share": share, "padded_length": length, "stages": {}}
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     for stage in a.stages:
-        argv = overlays(stage, model, pool, work, a)
+        argv = overlays(stage, model, pool, work, a, validation)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *argv]
         t0 = time.time()
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
