@@ -10,6 +10,7 @@ the shared pool; validation sets the built-in ones. One stage at a time; run it 
 
   flock /tmp/iprox-heavy.lock python bench/plan_memory.py --shape smollm2-135m --max-length 128 --batch-size 4 \
       --out bench/results/plan/smollm2-135m_cpu.json
+  python bench/plan_memory.py --repredict bench/results/plan/smollm2-135m_cpu.json   # the plan again, same measurements
 """
 from __future__ import annotations
 
@@ -158,9 +159,31 @@ def predicted(shape: str, model: Path, a, share: float, length: int) -> dict:
             "settings": {k: getattr(run, k) for k in run.__dataclass_fields__}}
 
 
+def repredict(path: str) -> None:
+    """Recompute the plan's side of a recorded validation with this checkout's memory model (the measurements stay)."""
+    result = json.loads(Path(path).read_text())
+    a = argparse.Namespace(**result["args"])
+    model = Path(a.work) / "models" / a.shape
+    plan = predicted(a.shape, model, a, result["response_share"], result["padded_length"])
+    for stage, r in result["stages"].items():
+        if "measured_bytes" not in r:
+            continue
+        r.update(predicted_bytes=plan[stage]["peak"], ratio=plan[stage]["peak"] / r["measured_bytes"],
+                 plan=plan[stage])
+        if stage == "build_proxy":
+            r.update(plan_stage1=plan["build_proxy_stage1"], plan_stage2=plan["build_proxy_stage2"])
+        print(stage, {k: r[k] for k in ("measured_bytes", "predicted_bytes", "ratio")})
+    result["settings"] = plan["settings"]
+    result["plan_code"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                         text=True).stdout.strip()
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--repredict":
+        return repredict(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--max-length", type=int, default=128)

@@ -18,7 +18,10 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   architecture and attention implementation (eager attention saves its ``[B, H, T, T]`` probabilities). With
   activation checkpointing only each layer's input hidden state is kept, plus one layer's activations.
 * **LM head**: the warm-up / fine-tune loss computes ``[N, V]`` float32 logits for the ``N`` scored (response) tokens
-  and log-softmax keeps another (``response_share`` = ``N / (B·T)``); the backward-pairs engine (probes, scoring,
+  (``response_share`` = ``N / (B·T)``), and its backward holds three such tensors (the saved log-softmax, its
+  gradient, the logits' gradient) while the gradients of the weights are being allocated and the earlier layers'
+  activations are still held: the training stages add weights, moments, gradients, activations and these (an upper
+  bound, the measured CPU peaks reach it within 15%); the backward-pairs engine (probes, scoring,
   stores) fuses the head with the cross-entropy in row chunks (no ``[N, V]`` tensor); Stage 2 holds the teacher's
   and the proxy's logits, their softmaxes at temperature τ and the first-order graph over them: six ``[N, V]``.
 * **Stage 1** (IPSVD, on every rank, before any sharding): the teacher and the proxy (a dense copy until it is
@@ -363,21 +366,22 @@ def _optimizer_temp(run: RunSettings, n: float) -> float:
 
 def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, stage: str, n_examples: int,
                   epochs: int = 1) -> StagePlan:
-    """Warm-up / fine-tune: full fine-tuning (embeddings and head frozen) with AdamW, per device. The peak is the
-    larger of the forward's end (activations + the head's logits) and the optimiser step (gradients + AdamW's
-    temporary), on top of weights and moments."""
+    """Warm-up / fine-tune: full fine-tuning (embeddings and head frozen) with AdamW, per device. From the second
+    step on, weights and moments live throughout; the backward allocates the gradients (the last layers' first) while
+    the earlier layers' activations are still held, and begins at the head, whose backward holds three ``[N, V]``
+    float32 tensors (the saved log-softmax, its gradient, the logits' gradient): the plan adds them all (an upper
+    bound; measured on CPU within 15% of the peak, ``bench/results/plan/``)."""
     wb, S = weight_bytes(run.precision), run.shards
     weights = sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0)
     grads = sizes.trainable * wb / S
-    adam = 2 * sizes.trainable * wb / S
-    act = acts.total(sizes.shape.num_layers, run.batch_size, checkpointing=run.gradient_checkpointing)
-    head = 2 * _head_rows(run, run.batch_size) * sizes.shape.vocab_size * 4
-    step = grads + _optimizer_temp(run, grads)
-    buckets = grads if run.strategy == "ddp" and run.devices > 1 else 0
-    if act + head >= step:
-        parts = {"weights": weights, "adamw": adam, "activations": act, "lm_head": head, "ddp_buckets": buckets}
-    else:
-        parts = {"weights": weights, "adamw": adam, "gradients": step, "ddp_buckets": buckets}
+    parts = {
+        "weights": weights,
+        "adamw": 2 * sizes.trainable * wb / S,
+        "gradients": grads + _optimizer_temp(run, grads),
+        "activations": acts.total(sizes.shape.num_layers, run.batch_size, checkpointing=run.gradient_checkpointing),
+        "lm_head": 3 * _head_rows(run, run.batch_size) * sizes.shape.vocab_size * 4,
+        "ddp_buckets": grads if run.strategy == "ddp" and run.devices > 1 else 0,
+    }
     n = n_examples * epochs / run.devices
     f = sizes.shape.forward_flops(1, run.max_length, head_share=run.response_share)["total"]
     f += sizes.shape.backward_flops(1, run.max_length, weight_grads="all", head_share=run.response_share)["total"]
