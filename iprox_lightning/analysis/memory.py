@@ -21,7 +21,7 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   (``response_share`` = ``N / (B·T)``), and its backward holds three such tensors (the saved log-softmax, its
   gradient, the logits' gradient) while the gradients of the weights are being allocated and the earlier layers'
   activations are still held: the training stages add weights, moments, gradients, activations and these (an upper
-  bound, the measured CPU peaks reach it within 15%); the backward-pairs engine (probes, scoring,
+  bound, the measured CPU peaks reach it within 20%); the backward-pairs engine (probes, scoring,
   stores) fuses the head with the cross-entropy in row chunks (no ``[N, V]`` tensor); Stage 2 holds the teacher's
   and the proxy's logits, their softmaxes at temperature τ and the first-order graph over them: six ``[N, V]``.
 * **Stage 1** (IPSVD, on every rank, before any sharding): the teacher and the proxy (a dense copy until it is
@@ -370,7 +370,7 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
     step on, weights and moments live throughout; the backward allocates the gradients (the last layers' first) while
     the earlier layers' activations are still held, and begins at the head, whose backward holds three ``[N, V]``
     float32 tensors (the saved log-softmax, its gradient, the logits' gradient): the plan adds them all (an upper
-    bound; measured on CPU within 15% of the peak, ``bench/results/plan/``)."""
+    bound; measured on CPU within 20% of the peak, ``bench/results/plan/``)."""
     wb, S = weight_bytes(run.precision), run.shards
     weights = sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0)
     grads = sizes.trainable * wb / S
