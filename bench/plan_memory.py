@@ -125,7 +125,8 @@ def overlays(stage: str, model: Path, pool: Path, work: Path, a, validation: str
     if stage == "score":
         cfg = {"trainer": {**trainer, "limit_predict_batches": a.steps,
                            "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
-                                          "init_args": {"output_dir": str(work / "scores"),
+                                          "init_args": {"output_dir": str(work / f"scores_{model.name}"),
+                                                        "overwrite": True,
                                                         "write_every_n_batches": 50}}]},
                "model": {"init_args": {"model": str(model), "method": "tracin", "per_task": True}},
                "data": {"init_args": data}}
@@ -220,6 +221,8 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": vars(a), "response_share": share, "padded_length": length, "stages": {}}
+    if out.is_file():  # a re-run of some stages keeps the others' records
+        result["stages"] = json.loads(out.read_text()).get("stages", {})
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     for stage in a.stages:
         argv = overlays(stage, model, pool, work, a, validation)
