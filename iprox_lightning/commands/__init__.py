@@ -23,7 +23,7 @@ TRAINER_COMMANDS = {
 }
 """The LightningCLI subcommands (:mod:`.lightning`) and what they do in this project."""
 
-COMMANDS = ("sample_pool", "select", "pipeline", "report", "check", "layer_extraction", "regression_scorer", "random_scores",
+COMMANDS = ("sample_pool", "select", "pipeline", "plan", "report", "check", "layer_extraction", "regression_scorer", "random_scores",
             "rds_scores", "export_proxy", "build_store", "query")
 """The plain-function commands, in the order ``train.py --help`` lists them."""
 

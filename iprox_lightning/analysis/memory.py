@@ -1,0 +1,587 @@
+"""Peak memory per device of each IProX stage, before the run (``train.py plan``).
+
+Bytes per device of what each stage holds at its peak, from the model's shapes (a Hugging Face config on the meta
+device: no weights, no memory) and the run's settings. ``B`` is the per-device batch, ``T`` the sequence length.
+
+* **Weights** per precision: ``32-true`` and ``bf16-mixed`` keep float32 weights (``bf16-mixed`` runs the matmuls
+  under ``torch.autocast``; its bfloat16 copies of the weights a backward needs are saved tensors, counted with the
+  activations), ``bf16-true`` keeps bfloat16 weights (and bfloat16 gradients and AdamW states).
+* **Gradients and AdamW** (warm-up, fine-tune: every parameter but the frozen input embeddings and LM head; Stage 2:
+  the proxy's factors only): one gradient and two AdamW moments per trainable parameter in the weights' dtype; on a
+  GPU, ``torch.optim.AdamW`` (foreach) allocates one more full-size temporary during ``step``. DDP keeps its
+  gradient buckets (one more gradient copy); FSDP (``ModelParallelStrategy``, FSDP2) divides weights, gradients and
+  moments by the number of devices and holds the largest block's gathered weights twice (prefetch).
+* **Activations**: the bytes autograd saves for the backward, counted by running the model's own decoder stack with
+  one and with two layers under ``FakeTensorMode`` (no memory is allocated) at the run's ``T`` and precision, with
+  ``torch.autograd.graph.saved_tensors_hooks`` summing every saved storage that is not a parameter
+  (:func:`saved_activation_bytes`): ``outside + L · per_layer`` for ``L`` layers, exact for any Hugging Face
+  architecture and attention implementation (eager attention saves its ``[B, H, T, T]`` probabilities). With
+  activation checkpointing only each layer's input hidden state is kept, plus one layer's activations.
+* **LM head**: the warm-up / fine-tune loss computes ``[N, V]`` float32 logits for the ``N`` scored (response) tokens
+  (``response_share`` = ``N / (B·T)``), and its backward holds three such tensors (the saved log-softmax, its
+  gradient, the logits' gradient) while the gradients of the weights are being allocated and the earlier layers'
+  activations are still held: the training stages add weights, moments, gradients, activations and these (an upper
+  bound, the measured CPU peaks reach it within 20%); the backward-pairs engine (probes, scoring,
+  stores) fuses the head with the cross-entropy in row chunks (no ``[N, V]`` tensor); Stage 2 holds the teacher's
+  and the proxy's logits, their softmaxes at temperature τ and the first-order graph over them: six ``[N, V]``.
+* **Stage 1** (IPSVD, on every rank, before any sharding): the teacher and the proxy (a dense copy until it is
+  compressed), the float32 probe columns ``num_probe_tokens · Σ (in + out)`` over the targeted layers, then per
+  layer the float64 work of :func:`iprox_lightning.compression.ipsvd.ipsvd_factors` (``H``, ``Δ`` in float64, the Gram matrices
+  ``min(d, N)²`` of each side, ``W`` and the whitened ``S`` with two ``[out, in]`` temporaries, the Gram of ``S``).
+* **Stage 2** (alignment): teacher + compressed proxy + the factors' gradients and AdamW moments, the teacher's kept
+  ``(h, δ)`` of every aligned layer and token (``B·T · Σ (in + out)``, ``grad_through_projection``), and the proxy's
+  activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
+  backward's transients.
+* **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
+  weight (float32, ``K`` validation tasks), the per-layer feature transient (``[B, out, in]`` per-example gradients
+  where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
+  K-FAC adds the float64 factor sums ``in² + out²`` per tracked weight and their float64 eigenvectors; EK-FAC also the
+  float64 eigenbasis corrections ``[out, in]``.
+* **Store build**: the frozen model, one batch's activations, the projections ``k × (in + out)`` per tracked weight,
+  the per-example projected vectors ``B × Σ k_out·k_in`` buffered for ``write_every_n_batches`` batches.
+
+Times come from :mod:`.flops` (FLOPs per stage), converted to seconds where a measured throughput of the same model
+size on the same device kind is known (``bench/results/speed_*.json``); otherwise the FLOPs are reported as such.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..errors import UserInputError
+from .flops import ModelShape, alignment_flops, probe_flops, scoring_flops
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+STRATEGIES = ("ddp", "fsdp")
+METHODS = ("tracin", "kfac", "ekfac")
+GIB = 1024**3
+
+# Named shapes: the published configs' sizes, built in code (no hub access).
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192),
+    "gemma-3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                         tie_word_embeddings=True, max_position_embeddings=32768, sliding_window=512),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=131072),
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=131072),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       max_position_embeddings=32768),
+}
+
+
+def weight_bytes(precision: str) -> int:
+    """Bytes per weight (and per gradient / AdamW moment) under a Lightning ``precision``."""
+    _check_choice("precision", precision, PRECISIONS)
+    return 2 if precision == "bf16-true" else 4
+
+
+def activation_bytes(precision: str) -> int:
+    """Bytes per element of the hidden states the matmuls produce (bfloat16 under both bf16 precisions)."""
+    _check_choice("precision", precision, PRECISIONS)
+    return 4 if precision == "32-true" else 2
+
+
+def _check_choice(option: str, value: str, choices: Iterable[str]) -> None:
+    if value not in tuple(choices):
+        raise UserInputError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------------------------
+def load_config(model: str):
+    """The Hugging Face config of ``model``: a named shape (:data:`NAMED_SHAPES`), a ``.gguf`` file, a local model
+    directory (a saved proxy directory reads its target's ``config.json``) or a hub id."""
+    from transformers import AutoConfig
+
+    if model in NAMED_SHAPES:
+        d = dict(NAMED_SHAPES[model])
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    p = Path(model)
+    try:
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise UserInputError(f"model: no GGUF file {model}")
+            return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise UserInputError(f"model: {model} has no config.json (a Hugging Face model directory is needed)")
+            return AutoConfig.from_pretrained(str(p))
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"model: cannot read a config for {model!r} (a named shape: "
+                             f"{', '.join(NAMED_SHAPES)}; a .gguf file; a model directory; a reachable hub id): "
+                             f"{str(e).splitlines()[0]}") from None
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@dataclass
+class ModelSizes:
+    """Parameter counts of a causal LM (no duplicates: tied weights once) and its shapes for FLOPs."""
+
+    shape: ModelShape
+    params: int  # every parameter
+    frozen: int  # input embeddings + LM head (frozen in every stage; tied weights once)
+    largest_block: int  # parameters of the largest decoder block (FSDP gathers one at a time)
+
+    @property
+    def trainable(self) -> int:
+        """Parameters the warm-up / fine-tune trains (everything but the embeddings and the head)."""
+        return self.params - self.frozen
+
+    @classmethod
+    def from_config(cls, config, *, name: str = "") -> "ModelSizes":
+        model = _meta_model(config)
+        params = sum(p.numel() for p in model.parameters())
+        frozen_ids = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                      for p in m.parameters()}
+        frozen = sum(p.numel() for p in model.parameters() if id(p) in frozen_ids)
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+        return cls(ModelShape.from_model(model, name=name), params, frozen, max(blocks, default=0))
+
+
+def count_parameters(config) -> int:
+    """Every parameter of the model ``config`` describes, as transformers builds it (meta device)."""
+    return sum(p.numel() for p in _meta_model(config).parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# activations: what a backward keeps, counted under FakeTensorMode
+# --------------------------------------------------------------------------------------------
+def _with_layers(config, n: int):
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:n]
+    return cfg
+
+
+def _saved_bytes(config, batch_size: int, seq_len: int, precision: str, attn_implementation: str,
+                 trainable: bool) -> int:
+    """Bytes of every non-parameter storage the decoder stack (``model.model``, no LM head) saves for its backward
+    on ``batch_size × seq_len`` tokens; the model is built and run on fake tensors (nothing allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        model.train()
+        model.requires_grad_(trainable)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st._cdata not in params:
+                seen[st._cdata] = st.nbytes()
+            return t
+
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model.get_decoder()(inputs_embeds=emb, attention_mask=torch.ones(batch_size, seq_len, dtype=torch.long),
+                                use_cache=False)
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Saved-activation bytes of the decoder stack: per sequence of ``seq_len`` tokens ``outside`` (rotary tables,
+    final norm) and ``per_layer``; per batch ``fixed_outside`` / ``fixed_per_layer`` (what does not grow with the batch:
+    under ``bf16-mixed`` the bfloat16 copies of the weights autocast casts); ``layer_input`` = one layer's input
+    hidden state of one sequence (what activation checkpointing keeps per layer)."""
+
+    outside: int
+    per_layer: int
+    layer_input: int
+    fixed_outside: int = 0
+    fixed_per_layer: int = 0
+
+    def total(self, num_layers: int, batch_size: int = 1, *, checkpointing: bool = False) -> int:
+        fixed = self.fixed_outside + num_layers * self.fixed_per_layer
+        if checkpointing:
+            return fixed + batch_size * (self.outside + num_layers * self.layer_input + self.per_layer)
+        return fixed + batch_size * (self.outside + num_layers * self.per_layer)
+
+
+def saved_activation_bytes(config, *, seq_len: int, precision: str, attn_implementation: str = "eager",
+                           trainable: bool = True) -> Activations:
+    """:class:`Activations` of ``config``'s decoder stack: its saved tensors with one and two layers and one and two
+    sequences, counted on fake tensors (see the module docstring); the count is affine in layers and sequences."""
+    c = {(L, B): _saved_bytes(_with_layers(config, L), B, seq_len, precision, attn_implementation, trainable)
+         for L in (1, 2) for B in (1, 2)}
+    seq_layer = c[2, 2] - c[2, 1] - c[1, 2] + c[1, 1]
+    fixed_layer = c[2, 1] - c[1, 1] - seq_layer
+    seq_out = c[1, 2] - c[1, 1] - seq_layer
+    fixed_out = c[1, 1] - fixed_layer - seq_out - seq_layer
+    return Activations(outside=seq_out, per_layer=seq_layer, fixed_outside=fixed_out, fixed_per_layer=fixed_layer,
+                       layer_input=seq_len * int(config.hidden_size) * activation_bytes(precision))
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunSettings:
+    """What the plan needs to know about a run (each stage's option of the same meaning in brackets)."""
+
+    pool_size: int = 16000
+    max_length: int = 512  # data.max_length
+    batch_size: int = 8  # data.batch_size of warm-up / fine-tune / scoring / store (per device)
+    align_batch_size: int = 4  # build_proxy's data.batch_size
+    response_share: float = 1.0  # share of a batch's tokens that are scored (the LM head's rows); 1 = upper bound
+    precision: str = "32-true"  # trainer.precision
+    devices: int = 1  # trainer.devices × trainer.num_nodes
+    strategy: str = "ddp"  # ddp | fsdp (ModelParallelStrategy, FSDP2)
+    device_kind: str = "cuda"  # cuda | cpu (CPU AdamW has no foreach temporaries)
+    attn_implementation: str = "eager"  # the project loads models with eager attention
+    gradient_checkpointing: bool = False  # model.gradient_checkpointing (warm-up, fine-tune)
+    sparsity: float = 0.5  # IPSVDCallback sparsity ρ
+    num_probe_tokens: int = 1024  # IPSVDCallback num_probe_tokens
+    warmup_fraction: float = 0.05
+    construction_fraction: float = 0.01
+    probe_fraction: float = 0.1
+    align_epochs: int = 2
+    validation_examples: int = 300
+    tasks: int = 3  # validation tasks (V holds one gradient per task)
+    method: str = "tracin"  # scoring method (tracin | kfac | ekfac)
+    kfac_examples: int = 1024
+    store_k: int = 16  # build_store k
+    write_every_n_batches: int = 50
+    select_k: int = 800  # examples the fine-tune trains on
+    finetune_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("method", self.method, METHODS)
+        _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
+        for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
+                     "tasks", "store_k", "select_k", "write_every_n_batches"):
+            if int(getattr(self, name)) < 1:
+                raise UserInputError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 < self.response_share <= 1.0:
+            raise UserInputError(f"response_share must be in (0, 1], got {self.response_share!r}")
+        if not 0.0 < self.sparsity < 1.0:
+            raise UserInputError(f"sparsity must be in (0, 1), got {self.sparsity!r}")
+
+    @property
+    def shards(self) -> int:
+        return self.devices if self.strategy == "fsdp" else 1
+
+
+@dataclass
+class StagePlan:
+    """One stage's peak bytes per device (``parts``: what makes it up, summing to ``peak``), its time and the settings
+    that lower its largest parts."""
+
+    stage: str
+    parts: dict[str, float]
+    peak: float
+    flops: float
+    seconds: float | None = None
+    time_source: str = ""
+    levers: list[str] = field(default_factory=list)
+
+    def fits(self, device_memory: float | None) -> bool | None:
+        return None if device_memory is None else self.peak <= device_memory
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# the settings that lower each part, in the words of the stage configs
+_LEVERS = {
+    "activations": "data.batch_size / data.max_length, or activation checkpointing (model.gradient_checkpointing)",
+    "lm_head": "data.batch_size / data.max_length (the [N, V] logits of the scored tokens)",
+    "weights": "strategy fsdp over more devices, or precision bf16-true",
+    "gradients": "strategy fsdp over more devices, or precision bf16-true",
+    "adamw": "strategy fsdp over more devices, or precision bf16-true",
+    "ddp_buckets": "strategy fsdp (DDP keeps a second copy of the gradients)",
+    "teacher": "precision bf16-true (Stage 1 runs unsharded on every rank: FSDP does not help it)",
+    "proxy": "precision bf16-true, or a higher sparsity",
+    "probes": "num_probe_tokens (float32 columns of every targeted layer)",
+    "ipsvd_float64": "a device with more memory for Stage 1 (its float64 per-layer work is fixed by the layer shape)",
+    "teacher_tokens": "data.batch_size / data.max_length of build_proxy (the teacher's (h, δ) of every token)",
+    "validation_gradients": "fewer validation tasks, or scoring the proxy / a gradient store (build_store)",
+    "features": "data.batch_size of scoring",
+    "kfac_factors": "method tracin (K-FAC factors are in² + out² per layer whatever kfac_examples is), or a store",
+    "ekfac_corrections": "method kfac or tracin",
+    "store_vectors": "store k or write_every_n_batches",
+    "projections": "store k",
+}
+
+
+def _stage(stage: str, parts: Mapping[str, float], flops: float) -> StagePlan:
+    parts = {k: float(v) for k, v in parts.items() if v}
+    order = sorted(parts, key=parts.get, reverse=True)
+    training = stage in ("warm-up", "fine-tune")
+    levers = []
+    for k in order[:2]:
+        lever = _LEVERS.get(k)
+        if k in ("teacher", "proxy") and stage.startswith("build_proxy: Stage 1"):
+            lever = ("a device with more memory: Stage 1 holds the float32 teacher and its dense copy unsharded on "
+                     "every rank (FSDP does not shard it; model.dtype bfloat16 would halve both)")
+        if k == "activations" and not training:
+            lever = f"data.batch_size / data.max_length of {stage.split(':')[0].split(' (')[0]}"
+        if lever and lever not in levers:
+            levers.append(lever)
+    return StagePlan(stage, parts, sum(parts.values()), flops, levers=levers)
+
+
+def _head_rows(run: RunSettings, batch_size: int) -> float:
+    return batch_size * run.max_length * run.response_share
+
+
+def _optimizer_temp(run: RunSettings, n: float) -> float:
+    return n if run.device_kind == "cuda" else 0.0
+
+
+def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, stage: str, n_examples: int,
+                  epochs: int = 1) -> StagePlan:
+    """Warm-up / fine-tune: full fine-tuning (embeddings and head frozen) with AdamW, per device. From the second
+    step on, weights and moments live throughout; the backward allocates the gradients (the last layers' first) while
+    the earlier layers' activations are still held, and begins at the head, whose backward holds three ``[N, V]``
+    float32 tensors (the saved log-softmax, its gradient, the logits' gradient): the plan adds them all (an upper
+    bound; measured on CPU within 20% of the peak, ``bench/results/plan/``)."""
+    wb, S = weight_bytes(run.precision), run.shards
+    weights = sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0)
+    grads = sizes.trainable * wb / S
+    parts = {
+        "weights": weights,
+        "adamw": 2 * sizes.trainable * wb / S,
+        "gradients": grads + _optimizer_temp(run, grads),
+        "activations": acts.total(sizes.shape.num_layers, run.batch_size, checkpointing=run.gradient_checkpointing),
+        "lm_head": 3 * _head_rows(run, run.batch_size) * sizes.shape.vocab_size * 4,
+        "ddp_buckets": grads if run.strategy == "ddp" and run.devices > 1 else 0,
+    }
+    n = n_examples * epochs / run.devices
+    f = sizes.shape.forward_flops(1, run.max_length, head_share=run.response_share)["total"]
+    f += sizes.shape.backward_flops(1, run.max_length, weight_grads="all", head_share=run.response_share)["total"]
+    return _stage(stage, parts, f * n)
+
+
+def _ipsvd_work(sizes: ModelSizes, N: int) -> float:
+    """Float64 bytes of the largest layer's :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` (mode exact)."""
+    worst = 0.0
+    for l in sizes.shape.linears:
+        if not l.tracked:
+            continue
+        i, o = l.in_features, l.out_features
+        work = (i + o) * N + min(i, N) ** 2 + min(o, N) ** 2 + 4 * o * i + 2 * min(o, i) ** 2
+        worst = max(worst, 8.0 * work)
+    return worst
+
+
+def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
+    """The proxy's shapes at a uniform rank per layer keeping ``1 - sparsity`` of each targeted layer's weights, and
+    its parameter count (the frozen ones unchanged)."""
+    ranks = {}
+    for l in sizes.shape.linears:
+        if l.tracked:
+            ranks[l.name] = max(1, int(round((1 - sparsity) * l.in_features * l.out_features
+                                             / (l.in_features + l.out_features))))
+    proxy = sizes.shape.with_ranks(ranks)
+    return proxy, sizes.params - sizes.shape.tracked_params + proxy.tracked_params
+
+
+def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
+                     acts_float32: Activations | None = None) -> tuple[StagePlan, StagePlan]:
+    """``(Stage 1, Stage 2)`` of build_proxy, per device (see the module docstring). Stage 1 runs in
+    ``IPSVDCallback.setup``, before Lightning applies the precision: float32 weights (the modules load
+    ``dtype: float32``) and no autocast, so its activations are ``acts_float32`` (the 32-true count); Stage 2's teacher
+    is not a registered submodule, so ``bf16-true`` does not convert it: it stays float32."""
+    wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
+    L, B, V = sizes.shape.num_layers, run.align_batch_size, sizes.shape.vocab_size
+    io_sum = sum(l.in_features + l.out_features for l in sizes.shape.linears if l.tracked)
+    N = run.num_probe_tokens
+    act = acts.total(L, B)
+    act1 = (acts_float32 or acts).total(L, B)
+    stage1 = {
+        "teacher": sizes.params * 4,
+        "proxy": sizes.params * 4,  # the dense copy, compressed layer by layer
+        "probes": 4.0 * N * io_sum,
+        # the probe pass, then the factors: the larger of the two
+        ("activations" if act1 >= _ipsvd_work(sizes, N) else "ipsvd_float64"): max(act1, _ipsvd_work(sizes, N)),
+    }
+    n_construct = run.pool_size * run.construction_fraction
+    n_probe = max(1, round(n_construct * run.probe_fraction))
+    n_align = max(1, round(n_construct - n_probe))
+    proxy_shape, proxy_params = proxy_sizes(sizes, run.sparsity)
+    factors = proxy_shape.tracked_params
+    tokens = B * run.max_length
+    stage2 = {
+        "teacher": sizes.params * 4,
+        "proxy": proxy_params * wb / S,
+        "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
+        "adamw": 2 * factors * wb / S,
+        "teacher_tokens": tokens * io_sum * ab,
+        "activations": 3 * act,
+        "lm_head": 6 * _head_rows(run, B) * V * 4,
+    }
+    f1 = probe_flops(sizes.shape, proxy_shape, n_examples=n_probe, seq_len=run.max_length, n_vectors=N,
+                     head_share=run.response_share)["total"]
+    f2 = alignment_flops(sizes.shape, proxy_shape, n_examples=n_align, seq_len=run.max_length,
+                         epochs=run.align_epochs, head_share=run.response_share)["total"] / run.devices
+    return _stage("build_proxy: Stage 1 (IPSVD)", stage1, f1), _stage("build_proxy: Stage 2 (alignment)", stage2, f2)
+
+
+def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
+    """Scoring the pool with the (dense) model and ``method``, per device."""
+    from ..scoring.features import choose_mode
+
+    wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
+    tracked = [l for l in sizes.shape.linears if l.tracked]
+    feat = 0.0
+    for l in tracked:
+        mode = choose_mode(T, l.in_features, l.out_features, K)
+        size = B * l.out_features * l.in_features if mode == "materialize" else B * T * K * l.out_features
+        feat = max(feat, 4.0 * size)
+    parts = {
+        "weights": sizes.params * wb,
+        "activations": acts.total(sizes.shape.num_layers, B),
+        "validation_gradients": 4.0 * K * sizes.shape.tracked_params,
+        "features": feat,
+    }
+    if method in ("kfac", "ekfac"):
+        parts["kfac_factors"] = 16.0 * sum(l.in_features ** 2 + l.out_features ** 2 for l in tracked)
+    if method == "ekfac":
+        parts["ekfac_corrections"] = 8.0 * sizes.shape.tracked_params
+    f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=T,
+                      head_share=run.response_share)["total"] / run.devices
+    if method in ("kfac", "ekfac"):
+        f *= 1 + run.kfac_examples / run.pool_size
+    return _stage(f"scoring ({method})", parts, f)
+
+
+def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
+    """A gradient store's build (TracIn, random projections of ``k`` rows per side), per device."""
+    wb, B, k = weight_bytes(run.precision), run.batch_size, run.store_k
+    tracked = [l for l in sizes.shape.linears if l.tracked]
+    dim = sum(min(k, l.out_features) * min(k, l.in_features) for l in tracked)
+    parts = {
+        "weights": sizes.params * wb,
+        "activations": acts.total(sizes.shape.num_layers, B),
+        "projections": 4.0 * sum(min(k, l.out_features) * l.out_features + min(k, l.in_features) * l.in_features
+                                 for l in tracked),
+        "store_vectors": 4.0 * B * dim * run.write_every_n_batches,
+    }
+    f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=0, seq_len=run.max_length,
+                      head_share=run.response_share)["total"] / run.devices
+    return _stage("store build", parts, f)
+
+
+def plan_stages(sizes: ModelSizes, config, run: RunSettings) -> list[StagePlan]:
+    """Every stage's :class:`StagePlan`, in run order."""
+    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
+                                  attn_implementation=run.attn_implementation)
+    acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
+        config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
+    n_warm = max(1, round(run.pool_size * run.warmup_fraction))
+    stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
+    stages += list(build_proxy_plan(sizes, acts, run, acts32))
+    stages += [scoring_plan(sizes, acts, run, m) for m in METHODS]
+    stages.append(store_plan(sizes, acts, run))
+    stages.append(training_plan(sizes, acts, run, stage="fine-tune", n_examples=run.select_k,
+                                epochs=run.finetune_epochs))
+    return stages
+
+
+# --------------------------------------------------------------------------------------------
+# measured throughput
+# --------------------------------------------------------------------------------------------
+# which timed way of bench/speed.py measures each stage's work (tokens/s of a forward + backward)
+_SPEED_KEYS = {"warm-up": "c2", "fine-tune": "c2", "scoring (tracin)": "a", "store build": "s"}
+
+
+def measured_throughput(params: int, device_kind: str, results_dir: str | Path) -> dict[str, tuple[float, str]]:
+    """``{speed key: (tokens/s, file)}`` from the ``speed_*.json`` files of ``bench/speed.py`` measured on a model
+    of ``params`` parameters (within 1%) on ``device_kind``; the newest file per key wins (sorted by name)."""
+    out: dict[str, tuple[float, str]] = {}
+    for f in sorted(Path(results_dir).glob("speed_*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if d.get("device") != device_kind or not d.get("params") or abs(d["params"] - params) > 0.01 * params:
+            continue
+        for k, v in (d.get("tokens_per_s") or {}).items():
+            if isinstance(v, (int, float)) and v > 0:
+                out[k] = (float(v), f.name)
+    return out
+
+
+def attach_times(stages: list[StagePlan], sizes: ModelSizes, run: RunSettings,
+                 speeds: Mapping[str, tuple[float, str]]) -> None:
+    """Seconds per stage where a measured throughput applies: a stage with its own timed way converts its tokens at
+    that rate; the others (build_proxy, K-FAC) convert FLOPs at the FLOP rate the scoring measurement implies."""
+    rate = None
+    if "a" in speeds:
+        per_token = scoring_flops(sizes.shape, n_train=1, n_val=0, seq_len=run.max_length,
+                                  head_share=run.response_share)["total"] / run.max_length
+        rate = (per_token * speeds["a"][0], speeds["a"][1])
+    for s in stages:
+        key = _SPEED_KEYS.get(s.stage)
+        if key in speeds:
+            tokens = s.flops / _flops_per_token(s.stage, sizes, run)
+            s.seconds, s.time_source = tokens / speeds[key][0], f"measured {speeds[key][0]:.0f} tok/s ({speeds[key][1]})"
+        elif rate is not None:
+            s.seconds, s.time_source = s.flops / rate[0], f"FLOPs at the measured scoring rate ({rate[1]})"
+
+
+def _flops_per_token(stage: str, sizes: ModelSizes, run: RunSettings) -> float:
+    T, h = run.max_length, run.response_share
+    if stage in ("warm-up", "fine-tune"):
+        f = sizes.shape.forward_flops(1, T, head_share=h)["total"]
+        f += sizes.shape.backward_flops(1, T, weight_grads="all", head_share=h)["total"]
+        return f / T
+    return scoring_flops(sizes.shape, n_train=1, n_val=0, seq_len=T, head_share=h)["total"] / T
+
+
+# --------------------------------------------------------------------------------------------
+# sizes as text
+# --------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
+          "TIB": 1024**4}
+
+
+def parse_bytes(text: str | int | float, option: str = "device_memory") -> float:
+    """``"80GB"`` / ``"141 GiB"`` / ``"24e9"`` → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise UserInputError(f"{option}: cannot read {text!r} as a size (e.g. 80GB, 141GiB, 24e9)")
+    return float(m.group(1)) * _UNITS[unit]
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"

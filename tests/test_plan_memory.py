@@ -1,0 +1,148 @@
+"""``train.py plan`` and its memory model (:mod:`iprox_lightning.analysis.memory`) against brute-force counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iprox_lightning.analysis import memory as M
+from iprox_lightning.errors import UserInputError
+from iprox_lightning.models.tiny import tiny_config
+
+# parameter counts the model cards publish
+PUBLISHED = {"smollm2-135m": 134_515_008, "gemma-3-270m": 268_098_176, "llama-3.2-1b": 1_235_814_400,
+             "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512}
+
+
+@pytest.mark.parametrize("name", sorted(M.NAMED_SHAPES))
+def test_named_shapes_have_transformers_and_published_parameter_counts(name):
+    from transformers import AutoModelForCausalLM
+
+    config = M.load_config(name)
+    with torch.device("meta"):
+        counted = AutoModelForCausalLM.from_config(config).num_parameters()
+    sizes = M.ModelSizes.from_config(config)
+    assert sizes.params == counted == PUBLISHED[name]
+
+
+def _tiny_model(arch="llama"):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    return config, AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def _real_saved_bytes(model, batch_size, seq_len, precision):
+    """Brute force: the real model's saved tensors (non-parameter storages) in one forward of the decoder."""
+    model = model.to(torch.bfloat16 if precision == "bf16-true" else torch.float32).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model.get_decoder()(inputs_embeds=emb, attention_mask=torch.ones_like(ids), use_cache=False)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", M.PRECISIONS)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fake_counted_activations_equal_a_real_run_at_other_depth_and_batch(arch, precision):
+    # counted on fake tensors with 1-2 layers and 1-2 sequences, extrapolated to the real model's depth and batch 3
+    config, model = _tiny_model(arch)
+    acts = M.saved_activation_bytes(config, seq_len=24, precision=precision)
+    predicted = acts.total(config.num_hidden_layers, 3)
+    assert predicted == _real_saved_bytes(model, 3, 24, precision)
+    if precision == "bf16-mixed":  # the autocast copies of the weights do not grow with the batch
+        assert acts.fixed_per_layer > 0
+
+
+def test_weights_gradients_and_adamw_equal_a_real_step():
+    from iprox_lightning.training.causal_lm import decay_param_groups, freeze_embeddings_and_head
+
+    config, model = _tiny_model()
+    freeze_embeddings_and_head(model)
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(decay_param_groups(model, 0.01), lr=1e-3)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    sizes = M.ModelSizes.from_config(config)
+    run = M.RunSettings(max_length=16, batch_size=2, device_kind="cpu")
+    acts = M.saved_activation_bytes(config, seq_len=16, precision="32-true")
+    parts = M.training_plan(sizes, acts, run, stage="warm-up", n_examples=4).parts
+    assert parts["weights"] == weights and parts["adamw"] == moments
+    assert sizes.trainable * 4 == grads
+
+
+def test_fsdp_divides_the_sharded_state_and_bf16_true_halves_it():
+    config = M.load_config("llama-3.2-1b")
+    sizes = M.ModelSizes.from_config(config)
+    acts = M.Activations(outside=0, per_layer=0, layer_input=0)
+    one = M.training_plan(sizes, acts, M.RunSettings(), stage="warm-up", n_examples=1).parts
+    eight = M.training_plan(sizes, acts, M.RunSettings(devices=8, strategy="fsdp"), stage="warm-up",
+                            n_examples=1).parts
+    half = M.training_plan(sizes, acts, M.RunSettings(precision="bf16-true"), stage="warm-up", n_examples=1).parts
+    assert eight["adamw"] * 8 == one["adamw"] == half["adamw"] * 2 == 2 * 4 * sizes.trainable
+    assert eight["weights"] == sizes.params * 4 / 8 + 2 * sizes.largest_block * 4
+
+
+def test_a_stage_that_cannot_fit_is_refused_with_the_setting_to_change(capsys):
+    from iprox_lightning.commands.plan import plan
+
+    with pytest.raises(UserInputError) as e:
+        plan(model="smollm2-135m", max_length=2048, batch_size=64, device_memory="24GB", speed_results="/nonexistent")
+    msg = str(e.value)
+    assert "warm-up needs" in msg and "data.batch_size / data.max_length" in msg and "\n" not in msg
+    assert "NO" in capsys.readouterr().out
+    # the same run with activation checkpointing and a smaller batch fits: no error
+    rows = plan(model="smollm2-135m", max_length=512, batch_size=2, gradient_checkpointing=True,
+                device_memory="24GB", speed_results="/nonexistent")
+    assert all(r["peak"] <= 24e9 for r in rows if not r["stage"].startswith(("scoring (kfac", "scoring (ekfac")))
+
+
+def test_kfac_refusal_names_the_method_not_the_examples():
+    from iprox_lightning.commands.plan import plan
+
+    with pytest.raises(UserInputError, match=r"scoring \(kfac\) needs .*method tracin"):
+        plan(model="llama-3.2-1b", max_length=128, batch_size=1, align_batch_size=1, method="kfac",
+             device_memory="60GB", speed_results="/nonexistent")
+
+
+def test_cli_prints_every_stage_and_measured_time_where_known(tmp_path, capsys):
+    import json
+
+    from iprox_lightning.cli import main
+
+    sizes = M.ModelSizes.from_config(M.load_config("smollm2-135m"))
+    (tmp_path / "speed_x.json").write_text(json.dumps({"device": "cpu", "params": sizes.params,
+                                                        "tokens_per_s": {"a": 100.0, "c2": 50.0}}))
+    main(["plan", "--model", "smollm2-135m", "--accelerator", "cpu", "--max_length", "64", "--pool_size", "1000",
+          "--speed_results", str(tmp_path), "--output", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    for stage in ("warm-up", "build_proxy: Stage 1 (IPSVD)", "build_proxy: Stage 2 (alignment)", "scoring (tracin)",
+                  "scoring (kfac)", "scoring (ekfac)", "store build", "fine-tune"):
+        assert f"  {stage} " in out
+    rows = {r["stage"]: r for r in json.loads((tmp_path / "plan.json").read_text())["stages"]}
+    # scoring: 1000 pool + 300 validation examples x 64 tokens at the measured 100 tokens/s
+    assert rows["scoring (tracin)"]["seconds"] == pytest.approx((1000 + 300) * 64 / 100.0, rel=0.01)
+    assert "measured" in rows["warm-up"]["time_source"] and "FLOPs at the measured" in rows["store build"]["time_source"]
+
+
+def test_parse_bytes_and_bad_input():
+    assert M.parse_bytes("80GB") == 80e9 and M.parse_bytes("1.5 GiB") == 1.5 * 2**30 and M.parse_bytes("24e9") == 24e9
+    with pytest.raises(UserInputError, match="device_memory"):
+        M.parse_bytes("eighty")
+    with pytest.raises(UserInputError, match="precision"):
+        M.RunSettings(precision="fp8")
+    with pytest.raises(UserInputError, match="model: "):
+        M.load_config("/nonexistent/model.gguf")
