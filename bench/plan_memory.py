@@ -45,7 +45,7 @@ def vm_hwm() -> int:
 
 def child(argv: list[str]) -> None:
     """Run one stage's command line, print ``{"baseline", "peak", "vm_hwm"}`` as the last line."""
-    import iprox_lightning.cli  # noqa: F401  (the imports a stage makes, before the baseline)
+    from iprox_lightning.cli import main  # noqa: F401  (the imports a stage makes, before the baseline)
     import lightning  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
@@ -77,7 +77,7 @@ def make_model(shape: str, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from iprox_lightning.analysis.memory import load_config
+    from iprox_lightning.analysis import load_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_config(shape))
@@ -143,16 +143,16 @@ def _write(work: Path, stage: str, cfg: dict) -> str:
 
 
 def predicted(shape: str, model: Path, a, share: float, length: int) -> dict:
-    from iprox_lightning.analysis import memory as M
+    from iprox_lightning.analysis import ModelSizes, RunSettings, load_config, plan_stages
 
-    cfg = M.load_config(str(model))
-    sizes = M.ModelSizes.from_config(cfg, name=shape)
+    cfg = load_config(str(model))
+    sizes = ModelSizes.from_config(cfg, name=shape)
     n_pool = a.pool_rows
-    run = M.RunSettings(pool_size=n_pool, max_length=length, batch_size=a.batch_size,
+    run = RunSettings(pool_size=n_pool, max_length=length, batch_size=a.batch_size,
                         align_batch_size=a.align_batch_size, response_share=share, precision=a.precision,
                         device_kind="cpu", num_probe_tokens=a.probe_tokens, construction_fraction=a.construction_fraction,
                         tasks=a.tasks)
-    st = {s.stage: s for s in M.plan_stages(sizes, cfg, run)}
+    st = {s.stage: s for s in plan_stages(sizes, cfg, run)}
     s1, s2 = st["build_proxy: Stage 1 (IPSVD)"], st["build_proxy: Stage 2 (alignment)"]
     bp = s1 if s1.peak >= s2.peak else s2
     return {"warmup": st["warm-up"].to_dict(), "build_proxy": bp.to_dict(), "build_proxy_stage1": s1.to_dict(),

@@ -33,10 +33,10 @@ def track(name: str, seq_len: int, batch_size: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
-    from iprox_lightning.analysis import memory as M
-    from iprox_lightning.training.causal_lm import decay_param_groups, freeze_embeddings_and_head
+    from iprox_lightning.analysis import Activations, ModelSizes, RunSettings, load_config, training_plan
+    from iprox_lightning.training import decay_param_groups, freeze_embeddings_and_head
 
-    cfg = M.load_config(name)
+    cfg = load_config(name)
     t0 = time.time()
     with FakeTensorMode():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -52,9 +52,9 @@ def track(name: str, seq_len: int, batch_size: int) -> dict:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             opt.step()
         peak = {str(k).split(".")[-1]: v for d, m in mt.get_tracker_snapshot("peak").items() for k, v in m.items()}
-    sizes = M.ModelSizes.from_config(cfg)
-    acts = M.Activations(outside=0, per_layer=0, layer_input=0)
-    plan = M.training_plan(sizes, acts, M.RunSettings(max_length=seq_len, batch_size=batch_size, device_kind="cpu"),
+    sizes = ModelSizes.from_config(cfg)
+    acts = Activations(outside=0, per_layer=0, layer_input=0)
+    plan = training_plan(sizes, acts, RunSettings(max_length=seq_len, batch_size=batch_size, device_kind="cpu"),
                            stage="warm-up", n_examples=1).parts
     return {"shape": name, "seconds": time.time() - t0, "memtracker_peak": peak,
             "frozen_grads": sizes.frozen * 4, "plan": {"weights": plan["weights"], "gradients": sizes.trainable * 4,

@@ -14,6 +14,8 @@ from .subspace import (
 # (bench/layer_diagnosis.py)
 from .layer_attribution import group_table, layer_blocks, layer_contributions, task_layer_table
 from .retention import spearman_columns
+# the memory plan (train.py plan) as an API: a model's sizes, one run's settings, the stages' peaks (bench/plan_*.py)
+from .memory import Activations, ModelSizes, RunSettings, load_config, plan_stages, training_plan
 
 __all__ = [
     "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",
@@ -23,4 +25,5 @@ __all__ = [
     "KroneckerProjector", "mean_nn_distance", "nearest_neighbor_distances", "per_example_gradients",
     "subspace_affinity", "subspace_basis",
     "group_table", "layer_blocks", "layer_contributions", "task_layer_table", "spearman_columns",
+    "Activations", "ModelSizes", "RunSettings", "load_config", "plan_stages", "training_plan",
 ]
