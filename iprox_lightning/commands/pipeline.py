@@ -78,6 +78,7 @@ def pipeline(
     align_epochs: int | None = None,
     num_threads: int | None = None,
     eval_per_task: int | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Run every stage and print a summary (proxy size vs target, time per stage, selection quality).
 
@@ -120,6 +121,8 @@ def pipeline(
         eval_per_task: evaluate the fine-tuned models on at most this many validation examples per task, drawn
             with ``seed``, first from those the scoring's validation sample (``val_per_task``) left out (default:
             every validation example; on the built-in data 50 fresh examples per validation family).
+        precision: the Trainer precision of every stage (``32-true``, ``bf16-mixed``, ``bf16-true``; default: the
+            stage configs', ``32-true``). What stays float32/64 under bf16: ``docs/GUIDE.md`` (Precision).
     """
     import torch
 
@@ -142,7 +145,7 @@ def pipeline(
                          config_dir=config_dir, demo_overlays=demo_overlays, accelerator=accelerator, devices=devices,
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select,
-                         proxy_validation=proxy_validation)
+                         proxy_validation=proxy_validation, precision=precision)
 
 
 def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "balanced",
@@ -184,12 +187,12 @@ def check_sources(target: str, pool, validation) -> None:
 
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
               demo_overlays, accelerator, devices, finetune, force, seed, data_args, align_epochs, eval_per_task,
-              run_lightning, select, proxy_validation="target") -> dict[str, Any]:
+              run_lightning, select, proxy_validation="target", precision=None) -> dict[str, Any]:
     """The stages of :func:`pipeline`, run while its workdir lock is held: the stage table of ``ARCHITECTURE.md`` in
     order, one step each."""
     stages = _stage_runner(wd, config_dir, (pool == "builtin") if demo_overlays is None else demo_overlays, force,
                            {"target": target, "pool": pool, "validation": validation}, accelerator, devices,
-                           run_lightning)
+                           run_lightning, precision)
     data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
     warm = _warm_up(stages, target, data_args, seed)
     proxy = _build_proxy(stages, warm, data_args, seed, sparsity, align_epochs)
@@ -276,7 +279,7 @@ class _StageRunner:
 
 
 def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, accelerator, devices,
-                  run_lightning) -> _StageRunner:
+                  run_lightning, precision: str | None = None) -> _StageRunner:
     """The stage configs (checked), the seconds of earlier runs (none with ``force``), the trainer settings and the
     stage ledger of a pipeline run in ``wd``."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
@@ -290,7 +293,8 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
     # absolute log/root paths: TensorBoard's writer thread opens its events file by the path it was given, later, from
     # whatever the working directory is then (a relative one failed mid-run on SmolLM2: FileNotFoundError)
     trainer_common = {"accelerator": accelerator, "devices": devices, "default_root_dir": str(wd.resolve() / "lightning"),
-                      "enable_model_summary": False, "enable_progress_bar": interactive()}
+                      "enable_model_summary": False, "enable_progress_bar": interactive(),
+                      **({"precision": precision} if precision else {})}
     # training stages log every step: a small run (a few batches: a sample, a 5% selection) then logs at all, without
     # Lightning's warning that its batches are fewer than the logging interval
     fit_common = {**trainer_common, "log_every_n_steps": 1}
