@@ -85,6 +85,7 @@ class Run:
 
     def save(self):
         (self.res_dir / "results.json").write_text(json.dumps(self.results, indent=2))
+        (self.res_dir / "results.md").write_text(markdown(self.results))
 
     def overlay(self, name: str, content: dict) -> Path:
         p = self.out / "configs" / f"{name.replace(':', '_')}.yaml"
@@ -209,6 +210,26 @@ class Run:
             print(f"[bf16] spearman {name}: {self.results['spearman'][name]}", flush=True)
 
 
+def markdown(results: dict) -> str:
+    """The table of ``docs/BENCHMARKS.md`` (bf16 vs float32) from ``results.json``."""
+    rows = ["| scores | precision | Spearman with float32, per task (worst) | pooled `score` | examples |",
+            "|---|---|---|---|---|"]
+    for name, r in results.get("spearman", {}).items():
+        what, _, prec = name.partition(":")
+        tasks = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in r.items() if k.startswith("score/"))
+        rows.append(f"| {what} | {prec or '32-true'} | {tasks} (**{r['worst_task']:.4f}**) | {r.get('score', float('nan')):.4f} "
+                    f"| {r['n']} |")
+    lines = ["\n".join(rows)]
+    for key, title in (("build", "short proxy build"), ("warmup", "warm-up"), ("heldout_loss_fp32_eval", "held-out loss (float32 evaluation)")):
+        for prec, v in results.get(key, {}).items():
+            logged = {k: round(x["last"], 4) for k, x in v.get("logged", v).items() if "loss" in k or "l_ga" in k}
+            lines.append(f"- {title}, {prec}: {json.dumps(logged)}" + (
+                f"; Stage-1 health {json.dumps(v['stage1_health'])}" if v.get("stage1_health") else ""))
+    secs = {k: v["seconds"] for k, v in results.get("stages", {}).items()}
+    lines.append(f"- seconds per stage: {json.dumps(secs)}")
+    return "\n".join(lines) + "\n"
+
+
 def _find(obj, word):
     """Every entry of a nested dict whose key contains ``word``."""
     found = {}
@@ -237,10 +258,16 @@ def main(argv=None):
     ap.add_argument("--align-steps", type=int, default=12)
     ap.add_argument("--stages", nargs="*", default=["tracin", "kfac", "store", "true_extra", "build", "warmup_bf16"],
                     help="which groups run (always in the order of main(), priority first)")
+    ap.add_argument("--summary-only", action="store_true", help="only re-write RESULTS/results.md; run nothing")
     ap.add_argument("--out", required=True, help="work directory (weights, stores: not kept in git)")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "bf16"))
     a = ap.parse_args(argv)
     os.chdir(ROOT)
+    if a.summary_only:
+        res = json.loads((Path(a.results) / "results.json").read_text())
+        (Path(a.results) / "results.md").write_text(markdown(res))
+        print(markdown(res))
+        return res
     r = Run(a)
     sample = r.sample()
     warm = r.warmup("32-true")

@@ -181,3 +181,29 @@ def test_trackers_compute_in_float32_under_autocast():
         for got, ref in ((kfac.sum_hh[key], h.t() @ h), (kfac.sum_dd[key], d.t() @ d)):
             assert got.dtype == torch.float64
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_bench_bf16_compares_score_tables_per_task_over_common_ids(tmp_path):
+    """``bench/bf16.py``'s comparison: per score column Spearman over the ids both tables hold (rows in any order),
+    the worst task, and its Markdown table naming each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_bf16", Path(__file__).parents[1] / "bench" / "bf16.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(0)
+    n = 30
+    a = pd.DataFrame({"id": [f"e{i}" for i in range(n)], "score": rng.normal(size=n),
+                      "score/mmlu": rng.normal(size=n), "score/bbh": rng.normal(size=n)})
+    b = a.copy()
+    b["score/bbh"] = b["score/bbh"] + rng.normal(scale=0.5, size=n)
+    b = b.iloc[::-1].iloc[:-2]  # reversed, two ids missing
+    a.to_parquet(tmp_path / "a.parquet")
+    b.to_parquet(tmp_path / "b.parquet")
+    got = bench.spearman_by_column(tmp_path / "a.parquet", tmp_path / "b.parquet")
+    common = a[a["id"].isin(b["id"])].set_index("id")
+    want_bbh = spearmanr(common["score/bbh"], b.set_index("id").loc[common.index, "score/bbh"]).statistic
+    assert got["n"] == n - 2 and got["score/mmlu"] == pytest.approx(1.0) and got["score"] == pytest.approx(1.0)
+    assert got["score/bbh"] == pytest.approx(want_bbh, abs=1e-12) and got["worst_task"] == got["score/bbh"] < 0.99
+    md = bench.markdown({"spearman": {"tracin:bf16-mixed": got}, "stages": {"sample": {"seconds": 1.0}}})
+    assert "| tracin | bf16-mixed |" in md and f"bbh {got['score/bbh']:.4f}" in md
