@@ -207,3 +207,25 @@ def test_bench_bf16_compares_score_tables_per_task_over_common_ids(tmp_path):
     assert got["score/bbh"] == pytest.approx(want_bbh, abs=1e-12) and got["worst_task"] == got["score/bbh"] < 0.99
     md = bench.markdown({"spearman": {"tracin:bf16-mixed": got}, "stages": {"sample": {"seconds": 1.0}}})
     assert "| tracin | bf16-mixed |" in md and f"bbh {got['score/bbh']:.4f}" in md
+
+
+def test_bf16_true_training_at_the_papers_lr_rounds_most_updates_away(tmp_path):
+    """Why the training stages should run bf16-mixed (docs/GUIDE.md, Precision): five warm-up steps at lr 1e-5 move
+    every weight under bf16-mixed (float32 master weights) but leave most bfloat16 weights unchanged under bf16-true
+    (measured: 12.6% moved), since an Adam step of ~lr is below bfloat16's spacing near the weights."""
+    from iprox_lightning.models.loading import load_model
+
+    base = dict(load_model("builtin", tokenizer=False)[0].named_parameters())
+    moved = {}
+    for precision in BF16:
+        save = tmp_path / precision
+        main(["fit", "--config", "configs/warmup.yaml", "--model.init_args.lr", "1e-5", "--trainer.precision", precision,
+              "--trainer.max_steps", "5", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.accelerator", "cpu", "--model.init_args.save_dir", str(save), "--data.init_args.builtin_size",
+              "200", "--data.init_args.warmup_fraction", "0.25", "--data.init_args.max_length", "64"])
+        trained = dict(load_model(str(save), tokenizer=False)[0].named_parameters())
+        keys = [k for k in trained if "proj" in k]  # the blocks' linears (embeddings and head are frozen)
+        dtype = torch.float32 if precision == "bf16-mixed" else torch.bfloat16  # the dtype it trains and saves in
+        changed = sum(int((trained[k].detach().to(dtype) != base[k].detach().to(dtype)).sum()) for k in keys)
+        moved[precision] = changed / sum(base[k].numel() for k in keys)
+    assert moved["bf16-mixed"] > 0.9 and moved["bf16-true"] < 0.3, moved
