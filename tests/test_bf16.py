@@ -116,7 +116,8 @@ def test_bf16_scores_rank_like_float32_and_factors_stay_float64(fp32, tmp_path, 
 @pytest.mark.parametrize("precision", BF16)
 def test_bf16_store_query_equals_the_float32_one(fp32, tmp_path, precision):
     """A store built under ``precision`` (and queried under it: the store records it) gives the float32 store's
-    scores within 2% of the largest |score| (measured: 0.4%) and the same ranking per task (Spearman >= 0.99); the
+    scores within 3% of the largest |score| (measured on the 400-example demo: 0.7% bf16-mixed, 0.9% bf16-true) and
+    the same ranking per task (Spearman >= 0.99; measured >= 0.9999); the
     precision is part of the store's fingerprint, so a build under another precision does not resume it."""
     from iprox_lightning.io import gradient_store as gs
 
@@ -135,7 +136,7 @@ def test_bf16_store_query_equals_the_float32_one(fp32, tmp_path, precision):
     ref, got = tables["32-true"], tables[precision]
     cols = [c for c in ref.columns if c.startswith("score/")]
     diff = (ref[cols] - got.loc[ref.index, cols]).abs().to_numpy().max()
-    assert diff <= 0.02 * ref[cols].abs().to_numpy().max()
+    assert diff <= 0.03 * ref[cols].abs().to_numpy().max()
     assert min(_spearman_per_column(ref[cols], got[cols]).values()) >= MIN_SPEARMAN
     with pytest.raises(Exception, match="precision"):  # another precision into the bf16 store: refused
         main(["build_store", "--model", str(warm), "--output_dir", str(tmp_path / f"store_{precision}"),
