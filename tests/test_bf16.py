@@ -230,3 +230,12 @@ def test_bf16_true_training_at_the_papers_lr_rounds_most_updates_away(tmp_path):
         changed = sum(int((trained[k].detach().to(dtype) != base[k].detach().to(dtype)).sum()) for k in keys)
         moved[precision] = changed / sum(base[k].numel() for k in keys)
     assert moved["bf16-mixed"] > 0.9 and moved["bf16-true"] < 0.3, moved
+
+
+def test_an_unknown_precision_is_a_user_error_naming_the_option(tmp_path):
+    from iprox_lightning.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"pipeline: precision must be one of .*'bf16-mixed'.*'fp8'"):
+        pipeline(workdir=str(tmp_path / "p"), precision="fp8")
+    with pytest.raises(UserInputError, match="GradientStoreModule: precision must be one of"):
+        main(["build_store", "--model", "builtin", "--output_dir", str(tmp_path / "s"), "--precision", "16-mixed"])

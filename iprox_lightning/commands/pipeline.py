@@ -137,6 +137,9 @@ def pipeline(
     wd = Path(workdir)
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
     check_sources(target, pool, validation)
+    from ..precision import check_precision
+
+    check_precision(precision, "pipeline")
     from ..io.scores import ScoreDirLock
 
     with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
