@@ -30,6 +30,7 @@ def build_store(
     overwrite: bool = False,
     progress: bool = True,
     factors_dir: Optional[str] = None,
+    precision: Optional[str] = None,
 ) -> str:
     """Project every pool example's gradient (LoGra-style, ``k`` rows per side of each tracked weight) and write them
     to a gradient store in ``output_dir`` (safetensors shards, ``store.json``; resumable: a killed build continues; a
@@ -66,6 +67,9 @@ def build_store(
         factors_dir: a directory of saved factors shared with scoring runs and other stores (``predict``'s
             ``model.init_args.factors_dir``): K-FAC / EK-FAC factors and PCA moments fitted there before on the same
             model, factor data and settings are loaded, not fitted again (the store keeps its own copy).
+        precision: the Trainer precision of the build (``32-true``, ``bf16-mixed``, ``bf16-true``; default float32);
+            recorded in the store, whose queries compute the validation gradients under the same one. The vectors
+            are projected in float32 whatever it is (``docs/GUIDE.md``, Precision).
     """
     import time
 
@@ -80,7 +84,8 @@ def build_store(
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
                                  damping_mode=damping_mode,
                                  kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype,
-                                 attn_implementation=attn_implementation, factors_dir=factors_dir)
+                                 attn_implementation=attn_implementation, factors_dir=factors_dir,
+                                 precision=precision)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
     data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,
@@ -91,7 +96,7 @@ def build_store(
     with quiet_stage():  # one summary line, not Lightning's "GPU available" / "TPU available" lines (warnings show)
         trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
                             enable_progress_bar=progress, inference_mode=False, callbacks=[writer],
-                            enable_checkpointing=False)
+                            enable_checkpointing=False, **({"precision": precision} if precision else {}))
         trainer.predict(module, datamodule=dm, return_predictions=False)
     info = read_info(output_dir)
     if trainer.global_rank == 0:

@@ -119,8 +119,9 @@ def pipeline(
         num_nodes: the Trainer ``num_nodes`` of every stage (default: the stage configs', 1). Several nodes: untested
             here; each node would have to run the pipeline.
         strategy: the Trainer ``strategy`` of every stage, e.g. ``ddp`` (default: the stage configs', ``auto``).
-        precision: the Trainer ``precision`` of every stage, e.g. ``bf16-mixed``, ``bf16-true`` (default: the stage
-            configs', ``32-true``); the held-out evaluation runs in it too.
+        precision: the Trainer ``precision`` of every stage: ``32-true``, ``bf16-mixed`` or ``bf16-true`` (default: the
+            stage configs', ``32-true``); the held-out evaluation runs in it too. What stays float32/64 under bf16:
+            ``docs/GUIDE.md`` (Precision).
         finetune: also fine-tune the warmed-up target on each selection (proxy's, target's, random of
             the same size) and evaluate each on held-out examples of the validation tasks
             (:mod:`iprox_lightning.evaluation.heldout`).
@@ -148,6 +149,9 @@ def pipeline(
 
     wd = Path(workdir)
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
+    from ..engine.precision import check_precision
+
+    check_precision(precision, "pipeline")
     hardware = trainer_hardware(accelerator, devices, num_nodes, strategy, precision)
     check_sources(target, pool, validation)
     from ..io.score_dir import ScoreDirLock

@@ -203,10 +203,16 @@ def _validation_gradients(store: str, info: dict, metric, val, cache_fp: str, *,
         near = (cached["vectors"], cached["ids"], cached["tasks"]) if neighbours else None
         return cached["task_names"], cached["sums"], cached["counts"], near, {
             "action": "reused", "fingerprint": cache_fp, "path": cached["path"], "seconds_saved": cached["seconds"]}
-    projector = _projector(store, info, info["fingerprint"]["settings"], metric, net(), pairs_from)
-    batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
-    parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
-    names, S, counts = task_sums(parts if parts is not None else batches)
+    from ..engine.precision import precision_context
+
+    st = info["fingerprint"]["settings"]
+    model = net()
+    # the store's precision (its pool gradients were computed under it): the validation gradients under the same one
+    with precision_context(st.get("precision"), model if pairs_from is None else pairs_from):
+        projector = _projector(store, info, st, metric, model, pairs_from)
+        batches = (projector.project_batch(b) for b in progress_bar(val, progress, "validation gradients"))
+        parts = list(batches) if neighbours else None  # per-example vectors only for neighbours: else D·n_tasks memory
+        names, S, counts = task_sums(parts if parts is not None else batches)
     near = None
     if neighbours:
         near = (torch.cat([pt["vectors"] for pt in parts]), [i for pt in parts for i in pt["id"]],

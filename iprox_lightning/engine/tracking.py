@@ -164,10 +164,23 @@ def pair_dispatch(trackers: Sequence[PairTracker]) -> tuple[dict[str, nn.Module]
             by_name.setdefault(name, []).append(tracker)
 
     def dispatch(name: str, module: nn.Module, h: torch.Tensor, delta: torch.Tensor) -> None:
-        for tracker in by_name[name]:
-            tracker.on_pair(name, h, delta)
+        with autocast_off(h.device.type):
+            for tracker in by_name[name]:
+                tracker.on_pair(name, h, delta)
 
     return modules, dispatch
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off: the trackers' own arithmetic runs in the dtypes they choose.
+
+    Precision rule (``docs/GUIDE.md``, Precision): under ``bf16-mixed`` the model's forward runs under
+    ``torch.autocast``, and so do the tensor hooks of its backward (autocast is thread-local state, still on while
+    ``torch.autograd.grad`` runs inside the step) — there every float32 matmul a tracker does (K-FAC covariances
+    ``hᵀh``, ghost dots, projections, IPSVD probe statistics, alignment losses) would silently run in bfloat16. The
+    pairs ``(h, δ)`` arrive in the model's compute dtype (bfloat16 under autocast); each tracker upcasts them to its
+    working dtype (float32 at least, float64 sums) and computes with autocast off."""
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def head_is_tracked(model: nn.Module, modules: Mapping[str, nn.Module]) -> bool:
@@ -212,8 +225,10 @@ def backward_pairs(
         inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         fused = not (keep_logits or create_graph or head_is_tracked(model, modules)) and (
             fusable_head(model, inputs, use_cache=False) is not None)  # (checked before any hook is in place)
-        for tracker in trackers:
-            tracker.start_step({**batch, **inputs})
+        device_type = ids.device.type
+        with autocast_off(device_type):
+            for tracker in trackers:
+                tracker.start_step({**batch, **inputs})
         leaves: list[torch.Tensor] = []
         with requires_grad_inputs(model, leaves), LayerTracker(modules, dispatch, differentiable=create_graph):
             if fused:  # the LM head fused with the cross-entropy: no [N, V] logits
@@ -228,6 +243,7 @@ def backward_pairs(
                 torch.autograd.grad(loss, leaves, allow_unused=True, create_graph=True)
             else:
                 torch.autograd.grad(loss, leaves, allow_unused=True)
-        for tracker in trackers:
-            tracker.end_step()
+        with autocast_off(device_type):
+            for tracker in trackers:
+                tracker.end_step()
     return BackwardStep(logits=None if logits is None else logits.detach(), loss=loss.detach())

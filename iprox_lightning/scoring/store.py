@@ -60,14 +60,20 @@ class GradientStoreModule(L.LightningModule):
             stores'): factors (or PCA moments) fitted there before on the same model, factor data and fit settings
             are loaded instead of fitted, new ones are saved there; the store keeps a copy of the file it used, so a
             query needs nothing but the store. ``None``: the store's own directory.
+        precision: the Trainer precision the store is built under (``bf16-mixed``, ``bf16-true``; ``None``: float32),
+            recorded in the store's settings so that ``query`` computes the validation gradients under the same one.
+            It must be the Trainer's (``build_store --precision`` passes both).
     """
 
     def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, method: str = "tracin",
                  damping: float = 1e-3, damping_mode: str = "relative", kfac_examples: int = 1024,
                  kfac_split: str = "pool", target_patterns: Optional[list[str]] = None, dtype: str = "float32",
                  attn_implementation: Optional[str] = "sdpa", projection: str = "gaussian",
-                 factors_dir: Optional[str] = None) -> None:
+                 factors_dir: Optional[str] = None, precision: Optional[str] = None) -> None:
         super().__init__()
+        from ..engine.precision import check_precision
+
+        check_precision(precision, "GradientStoreModule")
         if k < 1:
             raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
         check_metric_name(method, "GradientStoreModule")
@@ -111,6 +117,8 @@ class GradientStoreModule(L.LightningModule):
             out["basis"] = BASIS
         if hp.projection == "pca":  # (a gaussian store's fingerprint is as before the option)
             out.update(projection="pca", kfac_examples=hp.kfac_examples, kfac_split=hp.kfac_split)
+        if hp.get("precision") not in (None, "32-true"):  # (a float32 store's fingerprint is as before the option)
+            out["precision"] = hp.precision  # the query computes its validation gradients under the same one
         return out
 
     def provenance(self) -> dict:
