@@ -1,7 +1,6 @@
 """compress(drop_blocks=d): Layer Extraction's least important blocks removed, the rest IPSVD-compressed at the
 whole-model parameter budget of the same ρ; saved / reloaded as a proxy; d = 0 is the unchanged path."""
 import json
-import types
 
 import pytest
 import torch
@@ -191,12 +190,12 @@ def test_callback_drop_blocks_option_and_alignment_guard(tmp_path):
                        save_dir=str(tmp_path / "proxy"))
     assert cb.config.drop_blocks == 1
 
-    class Module(pl.LightningModule):
+    class Module(pl.LightningModule):  # a TeacherHolder (compression.callback): teacher + aligns
         def __init__(self, teacher=None, align=None):
             super().__init__()
             self.proxy = tiny_causal_lm("llama", seed=0)  # 2 blocks
             self.teacher = teacher
-            self.config = types.SimpleNamespace(align=align)
+            self.aligns = bool(align)
 
         def probe_dataloader(self):
             return _batches()
