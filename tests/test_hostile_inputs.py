@@ -741,3 +741,22 @@ def test_a_validation_task_whose_every_example_is_dropped_is_refused(tmp_path):
     dm = SFTDataModule(pool="builtin", validation=str(val), tokenizer="builtin", max_length=64, builtin_size=20,
                        truncation="right")
     assert sorted({e.task for e in dm.dataset("validation").examples}) == ["mixed", "short"]  # one of 'mixed' kept
+
+
+def test_check_names_the_model_option_and_select_says_why_rows_are_not_ranked(tmp_path, capsys):
+    """Issue 55: ``check --target`` with a typo named the *tokenizer* path; ``select`` printed "100 of 1991 ranked"
+    beside "of 2000" without saying where 9 went."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from iprox_lightning.errors import InputNotFoundError
+
+    with pytest.raises(InputNotFoundError, match=r"^check: --target '.*nope': no such file"):
+        main(["check", "--target", str(tmp_path / "nope"), "--proxy", "builtin", "--sample", "4"])
+    table = tmp_path / "scores.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c", "a"], "score": [0.3, 0.2, 0.1, 0.05],
+                             "zero_grad": [False, True, False, False]}), table)
+    main(["select", "--scores_path", str(table), "--k", "1", "--output", str(tmp_path / "s.jsonl")])
+    out = capsys.readouterr().out
+    assert "select: wrote 1 of 2 ranked examples" in out
+    assert "select: 2 of the table's 4 rows not ranked: 1 without a gradient (no response token), 1 repeated" in out

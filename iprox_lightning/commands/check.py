@@ -171,6 +171,7 @@ def check(
     from ..scoring.influence import ScoringConfig
 
     _check_arguments(sample, val_per_task)
+    _check_models(target=target, proxy=proxy)
     proxy_validation = _proxy_validation(proxy, proxy_validation)
     config = ScoringConfig(method=method)  # checks the method before anything is loaded
     result_path, cache = _output_paths(output_dir, output)
@@ -209,6 +210,18 @@ def _check_arguments(sample: int, val_per_task: int | None) -> None:
         raise UserInputError(f"sample must be >= 1, got {sample}")
     if val_per_task is not None and val_per_task < 1:
         raise UserInputError(f"val_per_task must be >= 1 or null (every validation example), got {val_per_task}")
+
+
+def _check_models(**models: str) -> None:
+    """A model option that is neither ``builtin``, an existing path nor a hub id is named as given (not as the
+    tokenizer the data module would load first)."""
+    from ..errors import InputNotFoundError
+    from ..models.hub import is_hub_id
+
+    for option, value in models.items():
+        if value != "builtin" and not Path(value).exists() and not is_hub_id(value):
+            raise InputNotFoundError(f"check: --{option} {value!r}: no such file or directory (and not a hub id "
+                                     "'owner/name'); if it is a stage's output, run that stage first")
 
 
 def _output_paths(output_dir: str | None, output: str | None):

@@ -256,6 +256,14 @@ def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tu
                 else "{id, score} rows (no pool given: pass --pool to copy the records)")
         print(f"select: wrote {len(chosen)} of {meta['ranked']} ranked examples ({meta['column']}, k={meta['k']}) as "
               f"{what} to {out} (+ {out.name}.meta.json)")
+        left = table.num_rows - meta["ranked"]
+        if left > 0:  # why the ranked count is not the table's
+            zero, nonfinite = meta["skipped"]["zero_grad"], meta["skipped"]["nonfinite"]
+            parts = [f"{zero} without a gradient (no response token)" if zero else "",
+                     f"{nonfinite} non-finite" if nonfinite else "",
+                     f"{left - zero - nonfinite} repeated ids/texts (dedup) or outside the restrictions"
+                     if left - zero - nonfinite else ""]
+            print(f"select: {left} of the table's {table.num_rows} rows not ranked: " + ", ".join(x for x in parts if x))
         if pool_records is not None:
             from .summary import format_selection
 
