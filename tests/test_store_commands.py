@@ -73,7 +73,9 @@ def test_identity_store_query_equals_exact_tracin_and_select_reads_it(files, cap
     rows = [json.loads(line) for line in open(out / "neighbours.jsonl")]
     assert len(rows) == 6 and all(len(r["neighbours"]) == 2 for r in rows)
     assert all(r["neighbours"][0]["cosine"] >= r["neighbours"][1]["cosine"] for r in rows)
-    assert "query: 10 stored pool examples scored against 3 validation task(s)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "query: 10 stored pool examples scored against 3 validation task(s)" in printed
+    assert f"query: the 2 nearest stored pool examples of each of the 6 validation examples (cosine) -> {out}" in printed
     # another pool, another model: refused
     with pytest.raises(FingerprintMismatch, match="another pool"):
         main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(d / "q2"),

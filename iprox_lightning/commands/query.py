@@ -80,6 +80,9 @@ def query(
     reused = "; validation gradients reused from the store's cache" if cache_event["action"] == "reused" else ""
     print(f"query: {len(table)} stored pool examples scored against {len(names)} validation task(s) "
           f"({int(counts.sum())} examples{reused}) in {wall:.1f} s -> {out / 'scores.parquet'}")
+    if neighbours:
+        print(f"query: the {neighbours} nearest stored pool examples of each of the {int(counts.sum())} validation "
+              f"examples (cosine) -> {out / 'neighbours.jsonl'}")
     return str(out / "scores.parquet")
 
 

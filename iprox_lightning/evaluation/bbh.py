@@ -100,7 +100,7 @@ def build(cfg: BBHConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData:
             n_truncated += cut
             records.append({"id": ex.id, "task": task, "input_ids": ids, "target": ex.target})
     if n_truncated:
-        log.warning("BBH: %d prompt(s) cut from the left to max_prompt_tokens=%s", n_truncated, cfg.max_prompt_tokens)
+        log.info("BBH: %d prompt(s) cut from the left to max_prompt_tokens=%s", n_truncated, cfg.max_prompt_tokens)
     return SuiteData(
         suite=NAME,
         records=records,

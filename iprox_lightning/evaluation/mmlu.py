@@ -110,7 +110,7 @@ def build(cfg: MMLUConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData
             n_truncated += cut
             records.append({"id": q.id, "task": subject, "input_ids": ids, "answer": q.answer, "shots": k})
     if n_fewer_shots or n_truncated:
-        log.warning(
+        log.info(
             "MMLU: %d prompt(s) used fewer than %d shots and %d were cut from the left to fit max_prompt_tokens=%d",
             n_fewer_shots, cfg.shots, n_truncated, cfg.max_prompt_tokens,
         )

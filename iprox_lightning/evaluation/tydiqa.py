@@ -155,7 +155,7 @@ def build(cfg: TyDiQAConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteDa
         for ex, ids, k in zip(chosen, encode_prompts(tokenizer, texts, chat), shots_used):
             records.append({"id": ex.id, "task": lang, "input_ids": ids, "answers": list(ex.answers), "shots": k})
     if n_fewer_shots:
-        log.warning("TyDiQA: %d question(s) had fewer than %d demonstration(s) (a question is never its own demo)",
+        log.info("TyDiQA: %d question(s) had fewer than %d demonstration(s) (a question is never its own demo)",
                     n_fewer_shots, cfg.shots)
     return SuiteData(
         suite=NAME,
