@@ -59,6 +59,7 @@ def main(args: list[str] | None = None):
     argv = list(sys.argv[1:] if args is None else args)
     debug = DEBUG_FLAG in argv or os.environ.get("IPROX_DEBUG", "").lower() in ("1", "true", "yes")
     argv = [a for a in argv if a != DEBUG_FLAG]
+    interrupted = _watch_ctrl_c() if args is None else None
     try:
         return _run(argv, args)
     except one_line_errors(command_line=args is None) as e:
@@ -66,6 +67,45 @@ def main(args: list[str] | None = None):
             raise
         print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    except (KeyboardInterrupt, SystemExit, Exception) as e:
+        stop = _stop_signal(e, interrupted)
+        if stop is None or debug:
+            raise
+        print(f"stopped ({stop[0]}): the finished stages, shards and checkpoints written so far are kept; run the same "
+              "command again to resume", file=sys.stderr)
+        raise SystemExit(stop[1]) from None
+
+
+STOP_CODES = {"Ctrl-C": 130, "SIGTERM": 143}
+"""Exit codes of a run stopped by a signal (128 + the signal's number, as a shell reports them)."""
+
+
+def _watch_ctrl_c() -> list[bool]:
+    """Record a Ctrl-C (SIGINT) before Python turns it into ``KeyboardInterrupt`` (Lightning turns that into
+    ``sys.exit(1)`` after its own clean-up, so the exit alone cannot tell it apart)."""
+    import signal
+
+    seen = [False]
+
+    def handler(signum, frame):
+        seen[0] = True
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
+    return seen
+
+
+def _stop_signal(e: BaseException, interrupted: list[bool] | None) -> tuple[str, int] | None:
+    """``(what stopped the run, its exit code)`` when ``e`` is a signal's doing: Ctrl-C, or SIGTERM (Lightning's
+    ``SIGTERMException`` at a safe point of a stage); ``None`` for anything else."""
+    if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and e.code == 1 and interrupted and interrupted[0]):
+        return "Ctrl-C", STOP_CODES["Ctrl-C"]
+    if type(e).__name__ == "SIGTERMException":
+        return "SIGTERM", STOP_CODES["SIGTERM"]
+    return None
 
 
 def _run(argv: list[str], args: list[str] | None):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 
 from ..errors import UserInputError
@@ -68,7 +69,21 @@ class IProXCLI(LightningCLI):
     def _instantiate_trainer(self, config, callbacks):
         from ..console import add_console_callbacks
 
-        return super()._instantiate_trainer(add_console_callbacks(config), callbacks)
+        config = add_console_callbacks(config)
+        config["callbacks"] = list(config["callbacks"]) + [StopOnSigterm()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+class StopOnSigterm(Callback):
+    """SIGTERM ends a predict run (scoring, a store build) after the batch in hand, as Lightning's fit and validation
+    loops already do (in predict Lightning's handler only records it, so the run went on to its end): the shards
+    written so far are kept, and the same command resumes from them. ``train.py`` then says so in one line."""
+
+    def on_predict_batch_end(self, trainer, *args, **kwargs) -> None:
+        if getattr(trainer, "received_sigterm", False):
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            raise SIGTERMException()
 
 
 ALLOWED_IMPORTS = ("iprox_lightning", "lightning", "pytorch_lightning", "torch.optim", "torchmetrics")
