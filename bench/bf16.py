@@ -48,7 +48,8 @@ def spearman_by_column(a_path: Path, b_path: Path) -> dict:
         x, y = a.loc[ids, c].to_numpy(), b.loc[ids, c].to_numpy()
         out[c] = float(spearmanr(x, y).statistic)
     out["n"] = int(len(ids))
-    out["worst_task"] = min(v for k, v in out.items() if k.startswith("score/"))
+    tasks = [v for k, v in out.items() if k.startswith("score/")]
+    out["worst_task"] = min(tasks) if tasks else None  # no task column in common (a store's subtasks vs tasks)
     return out
 
 
@@ -217,7 +218,7 @@ def markdown(results: dict) -> str:
     for name, r in results.get("spearman", {}).items():
         what, _, prec = name.partition(":")
         tasks = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in r.items() if k.startswith("score/"))
-        rows.append(f"| {what} | {prec or '32-true'} | {tasks} (**{r['worst_task']:.4f}**) | {r.get('score', float('nan')):.4f} "
+        rows.append(f"| {what} | {prec or '32-true'} | {tasks} (**{'—' if r['worst_task'] is None else format(r['worst_task'], '.4f')}**) | {r.get('score', float('nan')):.4f} "
                     f"| {r['n']} |")
     lines = ["\n".join(rows)]
     for key, title in (("build", "short proxy build"), ("warmup", "warm-up"), ("heldout_loss_fp32_eval", "held-out loss (float32 evaluation)")):
