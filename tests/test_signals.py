@@ -50,3 +50,28 @@ def test_a_signal_stops_scoring_at_a_safe_point_and_the_same_command_resumes(tmp
     _, table = read_table(out)
     ids = table.column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 600
+
+
+def test_sigterm_stops_a_store_build_and_the_same_command_resumes(tmp_path):
+    """Issue 57: SIGTERM during ``build_store`` was ignored until the build ended."""
+    from iprox_lightning.io import gradient_store as gs
+
+    out = tmp_path / "store"
+    cmd = [sys.executable, str(ROOT / "train.py"), "build_store", "--model", "builtin", "--pool", "builtin",
+           "--builtin_size", "600", "--batch_size", "8", "--max_length", "64", "--write_every_n_batches", "1",
+           "--progress", "false", "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not gs.shard_files(out):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t0 < 120
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "stopped (SIGTERM)" in err, err[-2000:]
+    assert not gs.read_info(out).get("complete")
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    info = gs.read_info(out)
+    ids = [i for s in gs.iter_shards(out, vectors=False) for i in s["ids"]]
+    assert info["complete"] and info["rows"] == len(ids) == len(set(ids)) == 600

@@ -79,6 +79,7 @@ def build_store(
     from ..data import SFTDataModule
     from ..io.gradient_store import read_info
     from ..scoring.store import GradientStoreModule, GradientStoreWriter
+    from .lightning import StopOnSigterm
 
     quiet_lightning_tips()
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
@@ -95,7 +96,7 @@ def build_store(
     t0 = time.perf_counter()
     with quiet_stage():  # one summary line, not Lightning's "GPU available" / "TPU available" lines (warnings show)
         trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
-                            enable_progress_bar=progress, inference_mode=False, callbacks=[writer],
+                            enable_progress_bar=progress, inference_mode=False, callbacks=[writer, StopOnSigterm()],
                             enable_checkpointing=False, **({"precision": precision} if precision else {}))
         trainer.predict(module, datamodule=dm, return_predictions=False)
     info = read_info(output_dir)
