@@ -760,3 +760,45 @@ def test_check_names_the_model_option_and_select_says_why_rows_are_not_ranked(tm
     out = capsys.readouterr().out
     assert "select: wrote 1 of 2 ranked examples" in out
     assert "select: 2 of the table's 4 rows not ranked: 1 without a gradient (no response token), 1 repeated" in out
+
+
+def test_score_commands_never_overwrite_a_pool_or_another_selectors_table(tmp_path):
+    """Issue 57: ``random_scores`` with its output set to the pool file replaced the pool; ``random_scores`` and
+    ``rds_scores`` pointed at another selector's score directory replaced its table; ``rds_scores`` recorded no pool
+    digest, so a re-sorted pool was later selected from silently."""
+    import json
+
+    from iprox_lightning.errors import OutputExistsError, UserInputError
+    from iprox_lightning.io.scores import read_scores, read_settings
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "instruction": f"say {i}", "response": str(i)}) + "\n"
+                            for i in range(12)))
+    before = pool.read_text()
+    with pytest.raises(UserInputError, match=r"is the pool file .*would replace the pool"):
+        main(["random_scores", "--output", str(pool), "--pool", str(pool)])
+    assert pool.read_text() == before
+    out = tmp_path / "r.parquet"
+    main(["random_scores", "--output", str(out), "--pool", str(pool), "--seed", "1"])
+    first = read_scores(out)
+    main(["random_scores", "--output", str(out), "--pool", str(pool), "--seed", "1"])  # the same again: fine
+    with pytest.raises(OutputExistsError, match="holds other scores"):
+        main(["random_scores", "--output", str(out), "--pool", str(pool), "--seed", "2"])
+    assert read_scores(out) == first
+    main(["random_scores", "--output", str(out), "--pool", str(pool), "--seed", "2", "--overwrite", "true"])
+    assert read_scores(out) != first
+    # rds_scores into another run's score directory: refused; its own run records the pool's records digest
+    other = tmp_path / "exact"
+    other.mkdir()
+    (other / "settings.json").write_text(json.dumps({"method": "tracin", "fingerprint": {"settings": {"m": 1}}}))
+    with pytest.raises(OutputExistsError, match="holds another run's scores"):
+        main(["rds_scores", "--model", "builtin", "--output_dir", str(other), "--pool", str(pool),
+              "--max_length", "32"])
+    rds = tmp_path / "rds"
+    main(["rds_scores", "--model", "builtin", "--output_dir", str(rds), "--pool", str(pool), "--max_length", "32"])
+    assert read_settings(rds)["pool"]["records"]
+    lines = before.splitlines(keepends=True)
+    pool.write_text("".join(lines[1:] + lines[:1]).replace('"say 3"', '"say three"'))  # another pool, same ids
+    with pytest.raises(UserInputError, match="pool"):
+        main(["select", "--scores_path", str(rds / "scores.parquet"), "--pool", str(pool), "--k", "2",
+              "--output", str(tmp_path / "sel.jsonl")])

@@ -2,18 +2,39 @@
 from __future__ import annotations
 
 
-def random_scores(output: str, pool: str = "builtin", seed: int = 0) -> str:
+def random_scores(output: str, pool: str = "builtin", seed: int = 0, overwrite: bool = False) -> str:
     """Seeded random scores for every pool example (random selection via ``select``).
 
     Args:
         output: the score table to write (Parquet).
         pool: the candidate pool (any source SFTDataModule reads).
         seed: seed of the random scores.
+        overwrite: replace an existing ``output`` that holds other scores (another selector's table, another seed
+            or pool); the same scores again are left as they are.
     """
-    from ..data.pool import read_pool
-    from ..baselines.random_selection import write_random_scores
+    from pathlib import Path
 
+    from ..baselines.random_selection import random_scores as draw
+    from ..data.pool import check_output_is_not_input, read_pool
+    from ..errors import OutputExistsError, OutputIsDirectoryError
+    from ..io.scores import read_scores, write_scores
+
+    out = Path(output)
+    check_output_is_not_input(out, pool, "output")
+    if out.is_dir():
+        raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'scores.parquet'}")
     recs = read_pool(pool)
-    path = str(write_random_scores(sorted(r["id"] for r in recs), output, seed=seed))
+    scores = draw(sorted(r["id"] for r in recs), seed)
+    if out.exists() and not overwrite:
+        try:
+            same = read_scores(out) == scores
+        except (ValueError, OSError):
+            same = False
+        if not same:
+            raise OutputExistsError(f"output {out} exists and holds other scores (another selector's table, or another "
+                                    "seed or pool); pass --overwrite true to replace it, or choose another output")
+        print(f"random_scores: {out} already holds these scores (seed {seed}, {len(recs)} pool examples)")
+        return str(out)
+    path = str(write_scores(scores, out))
     print(f"random_scores: wrote seeded (seed {seed}) random scores for {len(recs)} pool examples to {path}")
     return path

@@ -13,6 +13,7 @@ def rds_scores(
     seed: int = 0,
     builtin_size: int = 2000,
     device: str = "auto",
+    overwrite: bool = False,
 ) -> str:
     """Score every pool example with RDS+ (forward passes only) and write ``<output_dir>/scores.parquet`` (the
     influence-score format: ``select`` takes it with any rule) and ``settings.json`` (model, pool and validation
@@ -29,6 +30,8 @@ def rds_scores(
         seed: seed of the data module's splits.
         builtin_size: size of the built-in pool (``pool: builtin``).
         device: where the forward passes run (``auto``: a GPU where one is visible, else the CPU).
+        overwrite: replace the scores of an ``output_dir`` that holds another run's (another selector's table or
+            other settings); the same settings again are re-written.
     """
     import time
     from pathlib import Path
@@ -40,6 +43,18 @@ def rds_scores(
     from ..io.score_dir import write_settings
     from ..models.loading import load_model
 
+    from ..data.pool import check_output_is_not_input
+    from ..errors import OutputExistsError
+    from ..io.scores import read_settings
+
+    out = Path(output_dir)
+    check_output_is_not_input(out, pool, "output_dir")
+    old = read_settings(out) or None
+    settings = {"method": "rds+", "max_length": max_length}
+    if old is not None and not overwrite and (old.get("fingerprint") or {}).get("settings") != settings:
+        raise OutputExistsError(f"output_dir {out} holds another run's scores ({out / 'settings.json'}: method "
+                                f"{old.get('method')!r}); pass --overwrite true to replace them, or choose another "
+                                "output_dir")
     dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=seed, builtin_size=builtin_size)
     dm.setup("predict")
@@ -49,11 +64,11 @@ def rds_scores(
     t0 = time.perf_counter()
     table = rds_table(dm.predict_dataloader(), dm.validation_dataloader(), net)
     wall = time.perf_counter() - t0
-    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = table.save(str(out / "scores.parquet"))
-    write_settings(out, {"method": "rds+", **table.settings, "wall_s": wall, "fingerprint": {
-        "model": source_identity(model), "settings": {"method": "rds+", "max_length": max_length},
+    write_settings(out, {"method": "rds+", **table.settings, "wall_s": wall, "pool": dm.pool_provenance(),
+                         "fingerprint": {
+        "model": source_identity(model), "settings": settings,
         "pool": loader_digest(dm.predict_dataloader()), "validation": loader_digest(dm.validation_dataloader())}})
     print(f"rds_scores: RDS+ scores of {len(table)} pool examples against {len(table.task_names)} validation "
           f"task(s) in {wall:.1f} s -> {path}")

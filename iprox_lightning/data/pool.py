@@ -8,7 +8,9 @@ their ``category`` defaults to ``pool``. Errors name the row (``pool[3]: missing
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
@@ -55,3 +57,20 @@ def read_pool(pool: Any, field_map: dict[str, str] | None = None, builtin_size: 
             raise DataFormatError(f"pool {describe(pool)}: duplicate id {r['id']!r}")
         seen.add(r["id"])
     return records
+
+
+def check_output_is_not_input(out: str | os.PathLike, pool: Any, what: str) -> None:
+    """Refuse an output (``what``: the option's name) that is a pool file or lies inside a pool directory: writing it
+    would replace the pool, or make the next read of the pool take the output for pool data."""
+    target = Path(out).resolve()
+    sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
+    for source in sources:
+        if not isinstance(source, (str, os.PathLike)):
+            continue
+        p = Path(source)
+        if p.is_file() and p.resolve() == target:
+            raise UserInputError(f"{what} {out} is the pool file {source}: writing it would replace the pool; choose "
+                                 "another output")
+        if p.is_dir() and target.is_relative_to(p.resolve()):
+            raise UserInputError(f"{what} {out} is inside the pool directory {source}: the next read of the pool would "
+                                 "take it for pool data; choose another output")

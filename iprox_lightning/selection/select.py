@@ -32,7 +32,6 @@ per validation task, lengths, top/bottom examples), which ``select`` also prints
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -86,17 +85,9 @@ def _check_output(out: Path, src: Path, pool) -> None:
     target = out.resolve()
     if target == Path(src).resolve():
         raise UserInputError(f"output {out} is the score table being read; choose another output file")
-    sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
-    for source in sources:
-        if not isinstance(source, (str, os.PathLike)):
-            continue
-        p = Path(source)
-        if p.is_file() and p.resolve() == target:
-            raise UserInputError(f"output {out} is the pool file {source}: writing the selection would replace the pool; "
-                                 "choose another output file")
-        if p.is_dir() and target.is_relative_to(p.resolve()):
-            raise UserInputError(f"output {out} is inside the pool directory {source}: the next read of the pool would "
-                                 "take the selection for pool data; choose another output file")
+    from ..data.pool import check_output_is_not_input
+
+    check_output_is_not_input(out, pool, "output")
 
 
 def _suggested_output(out: Path, src: Path) -> Path:
