@@ -496,3 +496,25 @@ def test_a_query_refuses_a_store_whose_files_are_not_the_ones_its_build_recorded
     del old["contents"]
     gs.write_info(store, old)  # a store built before the contents were recorded
     refused("no 'contents' record")
+
+
+def test_a_query_refuses_an_exact_scoring_directory_unless_overwrite(files, tmp_path):
+    """Issue 57: ``query --output_dir`` at an exact-scoring directory replaced its table and settings and left its
+    shards beside them."""
+    from iprox_lightning.errors import OutputExistsError
+    from iprox_lightning.io.score_dir import SHARD_DIR
+
+    d, pool, val, _ = files
+    store = tmp_path / "s"
+    _build(store, pool, "--k", "8")
+    exact = tmp_path / "exact"
+    (exact / SHARD_DIR).mkdir(parents=True)
+    (exact / SHARD_DIR / "rank000-x-00000.parquet").write_bytes(b"old")
+    (exact / "settings.json").write_text(json.dumps({"method": "tracin"}))
+    with pytest.raises(OutputExistsError, match="holds another run's scores"):
+        _query(store, val, exact)
+    assert (exact / SHARD_DIR / "rank000-x-00000.parquet").exists()
+    table, _ = _query(store, val, exact, "--overwrite", "true")
+    assert not (exact / SHARD_DIR).exists() and len(table) == 10
+    again, _ = _query(store, val, exact)  # its own query directory: re-written
+    assert again.ids == table.ids

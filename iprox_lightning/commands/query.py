@@ -18,6 +18,7 @@ def query(
     batch_size: Optional[int] = None,
     progress: bool = False,
     validation_model: Optional[str] = None,
+    overwrite: bool = False,
 ) -> str:
     """Score every stored pool example against the validation set with one matrix product (TracIn cosine in the
     store's metric, per task, LESS max over subtasks) and write ``<output_dir>/scores.parquet`` + ``settings.json``,
@@ -45,6 +46,8 @@ def query(
             proxy was built from: hub id, directory, ``.gguf``), projected into the proxy's factor space and then by
             the store's projections (:class:`~iprox_lightning.scoring.features.FactorSpaceView`): the validation
             examples pay the target's backward, the pool stays the proxy's. Default: the store's own model.
+        overwrite: clear an ``output_dir`` that holds another kind of run (exact scoring's shards and settings, RDS+)
+            before writing; without it such a directory is refused (a store query's own directory is re-written).
     """
     import time
 
@@ -56,6 +59,7 @@ def query(
         raise UserInputError(f"query: neighbours must be an integer >= 0, got {neighbours!r}")
     t0 = time.perf_counter()
     info, out = _read_store(store, output_dir)
+    _check_output_dir(out, overwrite)
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
     model = model or info.get("model_source")
     net = _check_model(store, fp["model"], model, st)
@@ -84,6 +88,21 @@ def query(
         print(f"query: the {neighbours} nearest stored pool examples of each of the {int(counts.sum())} validation "
               f"examples (cosine) -> {out / 'neighbours.jsonl'}")
     return str(out / "scores.parquet")
+
+
+def _check_output_dir(out, overwrite: bool) -> None:
+    """Refuse an output directory holding another kind of run (exact scoring's shards and settings, RDS+, ...): a
+    query would replace its table and settings and leave its shards beside them. ``overwrite`` clears it first."""
+    from ..errors import OutputExistsError
+    from ..io.score_dir import SHARD_DIR, clear_output
+    from ..io.scores import read_settings
+
+    method = str((read_settings(out) or {}).get("method", "(store query)"))
+    if (out / SHARD_DIR).exists() or not method.endswith("(store query)"):
+        if not overwrite:
+            raise OutputExistsError(f"output_dir {out} holds another run's scores ({out / 'settings.json'}: method "
+                                    f"{method!r}); pass --overwrite true to clear it first, or choose another output_dir")
+        clear_output(out)
 
 
 def _write_scores(out, store: str, info: dict, metric, names: list[str], S, counts, near, neighbours: int, t0: float,
