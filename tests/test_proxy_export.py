@@ -91,8 +91,15 @@ def test_export_refuses_the_proxy_dir_a_non_empty_output_and_a_proxy(tmp_path):
     with pytest.raises(FileExistsError, match=r"exists and is not empty; pass --overwrite true"):
         export_proxy(path, out)
     assert (out / "keep.txt").read_text() == "mine"
-    export_proxy(path, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    (out / "data").mkdir()
+    with pytest.raises(FileExistsError, match=r"replaces a previous export only.*holds 2 other file\(s\): data/, keep.txt"):
+        export_proxy(path, out, overwrite=True)  # issue 57: it deleted every unrelated file without a word
+    assert (out / "keep.txt").read_text() == "mine" and (out / "data").is_dir()
+    (out / "keep.txt").unlink()
+    (out / "data").rmdir()
+    export_proxy(path, out)
+    export_proxy(path, out, overwrite=True)  # a previous export: replaced
+    assert (out / "model.safetensors").is_file()
     other = make_proxy(tmp_path, name="other")
     with pytest.raises(FileExistsError, match="is an IProX proxy directory; refusing to replace a proxy"):
         export_proxy(path, other, overwrite=True)

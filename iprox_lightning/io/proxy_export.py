@@ -87,6 +87,24 @@ def check_export_target(proxy_dir: str | Path, output: str | Path, *, overwrite:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputExistsError(f"export: the output {output} exists and is not empty; pass --overwrite true "
                                 "(overwrite=True) to replace its contents, or choose another directory")
+    if out.is_dir() and overwrite and not (out / "iprox_proxy.json").exists():  # a proxy: refused below, by name
+        foreign = sorted(f.name + ("/" if f.is_dir() else "") for f in out.iterdir() if not _export_file(f))
+        if foreign:
+            raise OutputExistsError(
+                f"export: --overwrite replaces a previous export only, and {output} also holds {len(foreign)} other "
+                f"file(s): {', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}; move them or choose another "
+                "directory")
+
+
+_EXPORT_FILES = ("config.json", "generation_config.json", "README.md", EXPORT_RECORD, "chat_template.jinja",
+                 "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json", "tokenizer.model")
+
+
+def _export_file(path: Path) -> bool:
+    """Whether ``path`` is a file an export writes (the dense model, its config and tokenizer, the record)."""
+    n = path.name
+    return path.is_file() and (n in _EXPORT_FILES or n.startswith(("model", "tokenizer")) and
+                               n.endswith((".safetensors", ".json", ".model")))
 
 
 def _reference_modules(config: Any) -> dict[str, type]:
