@@ -69,7 +69,7 @@ def main(args: list[str] | None = None):
         raise SystemExit(2) from None
     except (KeyboardInterrupt, SystemExit, Exception) as e:
         stop = _stop_signal(e, interrupted)
-        if stop is None or debug:
+        if stop is None or debug or args is not None:  # from Python the caller gets the exception itself
             raise
         print(f"stopped ({stop[0]}): the finished stages, shards and checkpoints written so far are kept; run the same "
               "command again to resume", file=sys.stderr)

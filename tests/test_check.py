@@ -285,3 +285,26 @@ def test_check_scores_an_iprox_proxy_against_the_targets_validation_gradients(mo
     assert check_cmd._proxy_validation(str(root / "proxy"), None) == "proxy"  # a plain model: its own
     with pytest.raises(Exception, match="proxy_validation must be 'target' or 'proxy'"):
         check_cmd._proxy_validation(str(root / "proxy"), "both")
+
+
+def test_an_edited_or_cut_cache_entry_is_computed_again(models, tmp_path, spy):
+    """Issue 57: an edited cached score table was reused (and the verdict followed it); a cut cache file stopped the
+    check instead of being recomputed. Both entries record a digest of their content; a changed or unreadable one is
+    computed again and the check's verdict is the first run's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, first = _check(models, tmp_path)
+    tables = sorted((tmp_path / "cache" / "scores").glob("*.parquet"))
+    grads = sorted((tmp_path / "cache").rglob("validation/*.safetensors"))
+    assert tables and grads
+    t = pq.read_table(tables[0])
+    pq.write_table(t.set_column(t.column_names.index("score"), "score",
+                                pa.array([-x for x in t.column("score").to_pylist()])), tables[0])  # edited
+    grads[0].write_bytes(grads[0].read_bytes()[:100])  # cut
+    spy.update(validation=0, score_batch=0)
+    _, again = _check(models, tmp_path)
+    acts = {(e["model"], e["what"]): e["action"] for e in again["cache"]}
+    assert "computed" in acts.values() and spy["score_batch"] > 0
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+    assert again["verdict"] == first["verdict"] and untimed(again["rows"]) == untimed(first["rows"])

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .fingerprint import FingerprintMismatch, diff, digest
+from .fingerprint import FingerprintMismatch, diff, digest, tensors_digest
 from .gradient_store import StoreFormatError, load_tensors, save_tensors
 
 SCHEMA_VERSION = 1
@@ -30,25 +30,11 @@ def factors_path(factors_dir: str | os.PathLike, method: str, fingerprint: Mappi
     return Path(factors_dir) / f"{method}-{digest(dict(fingerprint))}.safetensors"
 
 
-def content_digest(tensors: Mapping[str, Any]) -> str:
-    """SHA-256 of every tensor's name, dtype, shape and bytes, in name order."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    for k in sorted(tensors):
-        v = tensors[k].detach().cpu().contiguous()
-        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}|".encode())
-        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def save_factors(path: str | os.PathLike, tensors: Mapping[str, Any], *, method: str, fingerprint: Mapping) -> Path:
     """Write a factor file atomically (see the module docstring)."""
     return save_tensors(path, tensors, {"schema_version": str(SCHEMA_VERSION), "method": method,
                                         "fingerprint": json.dumps(dict(fingerprint), sort_keys=True, default=str),
-                                        "content_sha256": content_digest(tensors)})
+                                        "content_sha256": tensors_digest(tensors)})
 
 
 def load_factors(path: str | os.PathLike, *, method: str, fingerprint: Mapping | None = None) -> dict:
@@ -59,7 +45,7 @@ def load_factors(path: str | os.PathLike, *, method: str, fingerprint: Mapping |
                                f"version reads {SCHEMA_VERSION}")
     if meta.get("method") != method:
         raise StoreFormatError(f"{path}: holds {meta.get('method')!r} factors, not {method!r}")
-    if meta.get("content_sha256") != content_digest(tensors):
+    if meta.get("content_sha256") != tensors_digest(tensors):
         raise StoreFormatError(f"{path}: its tensors are not the ones written (metadata field 'content_sha256' "
                                + ("missing: a file of an earlier version" if "content_sha256" not in meta else "differs")
                                + "); remove the file to fit the factors again")

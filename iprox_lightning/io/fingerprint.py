@@ -222,3 +222,15 @@ def sort_safetensors_metadata(path: str | os.PathLike) -> None:
             return
         f.seek(8)
         f.write(out + raw[len(text):])
+
+
+def tensors_digest(tensors: Mapping[str, Any]) -> str:
+    """SHA-256 of every tensor's name, dtype, shape and bytes, in name order (a saved entry's content check)."""
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        v = tensors[k].detach().cpu().contiguous()
+        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}|".encode())
+        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

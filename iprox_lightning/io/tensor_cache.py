@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from .fingerprint import tensors_digest
+
 log = logging.getLogger(__name__)
 
 
@@ -52,7 +54,9 @@ class TensorCache:
         try:
             meta = json.loads(path.with_suffix(".json").read_text())
             tensors = load_file(str(path), device=device)
-        except Exception as e:  # a damaged entry: computed again and replaced
+            if meta.get("content_sha256") != tensors_digest(tensors):
+                raise ValueError("its tensors are not the ones written (content_sha256 differs or is missing)")
+        except Exception as e:  # a damaged or changed entry: computed again and replaced
             log.warning("cache entry %s is unreadable (%s: %s); computing it again", path, type(e).__name__, e)
             return None
         return tensors, meta
@@ -66,5 +70,6 @@ class TensorCache:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
         os.replace(tmp, path)
-        atomic_write_text(path.with_suffix(".json"), json.dumps(dict(meta), indent=1))
+        atomic_write_text(path.with_suffix(".json"), json.dumps({**dict(meta), "content_sha256": tensors_digest(tensors)},
+                                                                indent=1))
         return path

@@ -20,6 +20,7 @@ lists what was computed and what was reused (``check`` prints and records it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from ..io.tensor_cache import TensorCache, atomic_write_text as _atomic_write_te
 from .influence import InfluenceScorer, ScoreTable
 
 FORMAT = 1
+
+log = logging.getLogger(__name__)
 
 
 class CheckCache:
@@ -99,8 +102,16 @@ class CheckCache:
         meta = path.with_suffix(".json")
         if not (path.is_file() and meta.is_file()):
             return None
-        settings = json.loads(meta.read_text())
-        table = ScoreTable.load(str(path))
+        from ..io.fingerprint import file_identity
+
+        try:  # a cut, damaged or edited entry is computed again, as for the validation gradients
+            settings = json.loads(meta.read_text())
+            if settings.get("sha256") != file_identity(path, hash_limit=None)["sha256"]:
+                raise ValueError("the table is not the one written (sha256 differs or is missing)")
+            table = ScoreTable.load(str(path))
+        except Exception as e:
+            log.warning("check cache: %s is unreadable (%s: %s); scoring again", path, type(e).__name__, e)
+            return None
         table.settings = settings.get("settings", {})
         self.events.append({"model": who, "what": "scores", "action": "reused", "fingerprint": fp, "path": str(path),
                             "seconds_saved": settings.get("seconds")})
@@ -109,8 +120,11 @@ class CheckCache:
     def save_scores(self, table: ScoreTable, fp: str, who: str, seconds: float) -> Path:
         path = self.scores_path(fp)
         table.save(str(path))
+        from ..io.fingerprint import file_identity
+
         _atomic_write_text(path.with_suffix(".json"), json.dumps(
-            {"format": FORMAT, "model": who, "seconds": seconds, "settings": table.settings}, indent=1, default=str))
+            {"format": FORMAT, "model": who, "seconds": seconds, "settings": table.settings,
+             "sha256": file_identity(path, hash_limit=None)["sha256"]}, indent=1, default=str))
         self.events.append({"model": who, "what": "scores", "action": "computed", "fingerprint": fp,
                             "path": str(path), "seconds": seconds})
         return path
