@@ -802,3 +802,27 @@ def test_score_commands_never_overwrite_a_pool_or_another_selectors_table(tmp_pa
     with pytest.raises(UserInputError, match="pool"):
         main(["select", "--scores_path", str(rds / "scores.parquet"), "--pool", str(pool), "--k", "2",
               "--output", str(tmp_path / "sel.jsonl")])
+
+
+def test_check_store_and_query_outputs_never_land_in_the_pool(tmp_path):
+    """Issue 57: ``check --output`` pointed at the pool replaced the pool; store/query outputs written inside a
+    directory pool broke it (its next read took them for pool data)."""
+    import json
+
+    from iprox_lightning.errors import UserInputError
+
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    pool = pool_dir / "part.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "instruction": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(8)))
+    before = pool.read_text()
+    with pytest.raises(UserInputError, match="is the pool file"):
+        main(["check", "--target", "builtin", "--proxy", "builtin", "--pool", str(pool), "--sample", "4",
+              "--output", str(pool)])
+    with pytest.raises(UserInputError, match="inside the pool directory"):
+        main(["build_store", "--model", "builtin", "--pool", str(pool_dir), "--output_dir", str(pool_dir / "store")])
+    with pytest.raises(UserInputError, match="inside the pool directory"):
+        main(["check", "--target", "builtin", "--proxy", "builtin", "--pool", str(pool_dir), "--sample", "4",
+              "--output_dir", str(pool_dir / "check")])
+    assert pool.read_text() == before and sorted(p.name for p in pool_dir.iterdir()) == ["part.jsonl"]

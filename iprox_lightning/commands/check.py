@@ -175,6 +175,10 @@ def check(
     proxy_validation = _proxy_validation(proxy, proxy_validation)
     config = ScoringConfig(method=method)  # checks the method before anything is loaded
     result_path, cache = _output_paths(output_dir, output)
+    from ..data.pool import check_output_is_not_input
+
+    check_output_is_not_input(result_path, pool, "output")
+    check_output_is_not_input(cache.root, pool, "output_dir")
     s = _sample_pool(sample, cache, pool=pool, validation=validation, tokenizer=tokenizer or target,
                      max_length=max_length, batch_size=batch_size, seed=seed, val_per_task=val_per_task)
     models, le_rho = _models_to_score(target, proxy, s.dm, layer_extraction)

@@ -60,6 +60,10 @@ def query(
     t0 = time.perf_counter()
     info, out = _read_store(store, output_dir)
     _check_output_dir(out, overwrite)
+    if pool is not None:
+        from ..data.pool import check_output_is_not_input
+
+        check_output_is_not_input(out, pool, "output_dir")
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
     model = model or info.get("model_source")
     net = _check_model(store, fp["model"], model, st)
