@@ -604,13 +604,13 @@ def test_select_refuses_a_pool_other_than_the_scored_one(scored_file_pool, tmp_p
 def test_select_refuses_to_overwrite_its_inputs(scored_file_pool, tmp_path):
     pool, scores = scored_file_pool
     before = pool.read_bytes(), (scores / "scores.parquet").read_bytes()
-    with pytest.raises(ValueError, match=rf"^output {pool} is the pool file {pool}: writing the selection would "
+    with pytest.raises(ValueError, match=rf"^output {pool} is the pool file {pool}: writing it would "
                                          r"replace the pool"):
         _select(scores, pool, pool)
     with pytest.raises(ValueError, match=rf"^output {scores}/scores.parquet is the score table being read"):
         _select(scores, pool, scores / "scores.parquet")
-    with pytest.raises(ValueError, match=r"is inside the pool directory .*the next read of the pool would take the "
-                                         r"selection for pool data"):
+    with pytest.raises(ValueError, match=r"is inside the pool directory .*the next read of the pool would take it "
+                                         r"for pool data"):
         pool_dir = tmp_path / "pool_dir"
         _write_jsonl(pool_dir / "pool.jsonl", [json.loads(line) for line in pool.read_text().splitlines()])
         _select(scores, pool_dir, pool_dir / "selected.jsonl")
