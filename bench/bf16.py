@@ -212,22 +212,35 @@ class Run:
 
 
 def markdown(results: dict) -> str:
-    """The table of ``docs/BENCHMARKS.md`` (bf16 vs float32) from ``results.json``."""
-    rows = ["| scores | precision | Spearman with float32, per task (worst) | pooled `score` | examples |",
+    """The table of ``docs/BENCHMARKS.md`` (bf16 vs float32) from ``results.json``: Spearman per task (a store's per
+    subtask: its worst), then one line each for the short proxy builds and the warm-ups."""
+    rows = ["| scores | precision | Spearman with float32 per task (worst) | pooled `score` | examples |",
             "|---|---|---|---|---|"]
     for name, r in results.get("spearman", {}).items():
         what, _, prec = name.partition(":")
-        tasks = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in r.items() if k.startswith("score/"))
-        rows.append(f"| {what} | {prec or '32-true'} | {tasks} (**{'—' if r['worst_task'] is None else format(r['worst_task'], '.4f')}**) | {r.get('score', float('nan')):.4f} "
+        tasks = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("score/")}
+        shown = (", ".join(f"{k} {v:.4f}" for k, v in tasks.items()) if len(tasks) <= 4 else
+                 f"{len(tasks)} subtasks")
+        worst = "—" if r["worst_task"] is None else format(r["worst_task"], ".4f")
+        rows.append(f"| {what} | {prec or '32-true'} | {shown} (**{worst}**) | {r.get('score', float('nan')):.4f} "
                     f"| {r['n']} |")
     lines = ["\n".join(rows)]
-    for key, title in (("build", "short proxy build"), ("warmup", "warm-up"), ("heldout_loss_fp32_eval", "held-out loss (float32 evaluation)")):
-        for prec, v in results.get(key, {}).items():
-            logged = {k: round(x["last"], 4) for k, x in v.get("logged", v).items() if "loss" in k or "l_ga" in k}
-            lines.append(f"- {title}, {prec}: {json.dumps(logged)}" + (
-                f"; Stage-1 health {json.dumps(v['stage1_health'])}" if v.get("stage1_health") else ""))
-    secs = {k: v["seconds"] for k, v in results.get("stages", {}).items()}
-    lines.append(f"- seconds per stage: {json.dumps(secs)}")
+
+    def last(v, key):
+        x = v.get("logged", {}).get(key)
+        return None if x is None else round(x["last"], 4)
+
+    builds = results.get("build", {})
+    if builds:
+        health = {p: (v.get("stage1_health") or {}).get("health", {}) for p, v in builds.items()}
+        lines.append("- short proxy build (held-out `val/l_ga`, `val/loss` after alignment; Stage-1 health proxy / target "
+                     "loss, KL): " + "; ".join(
+                         f"{p}: {last(v, 'val/l_ga')}, {last(v, 'val/loss')}; {health[p].get('proxy_loss', 0):.3f} / "
+                         f"{health[p].get('target_loss', 0):.3f}, {health[p].get('kl', 0):.3f}" for p, v in builds.items()))
+    warm, evals = results.get("warmup", {}), results.get("heldout_loss_fp32_eval", {})
+    if warm:
+        lines.append("- warm-up (held-out loss in its precision; evaluated in float32): " + "; ".join(
+            f"{p}: {last(v, 'val/loss')}; {last({'logged': evals.get(p, {})}, 'val/loss')}" for p, v in warm.items()))
     return "\n".join(lines) + "\n"
 
 
