@@ -91,3 +91,33 @@ def test_effect_rows_recomputed_from_the_kept_evaluations(run):
             assert row["diff_vs_best_random_seed"] == pytest.approx(min(gains), abs=1e-12)
         checked += 1
     assert checked == len(summary["rows"]) > 100
+
+
+def test_results_fidelity_table_numbers_are_recorded_rows():
+    """docs/RESULTS.md's per-task fidelity table is a reading of the generated one: each of its rows' MMLU / BBH /
+    TyDiQA Spearman (2 decimals) is a row of ``bench/results/fidelity_v2/summary.json``, its ceiling the recorded
+    split-half reliability (3 decimals)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    summary = json.loads((root / "bench/results/fidelity_v2/summary.json").read_text())
+    recorded = {tuple(round(r["per_task"][t]["spearman"], 2) for t in ("mmlu", "bbh", "tydiqa"))
+                for r in summary["rows"] if all(t in r.get("per_task", {}) for t in ("mmlu", "bbh", "tydiqa"))}
+    text = (root / "docs/RESULTS.md").read_text()
+    section = text[text.index("## Per-task fidelity of the proxies"):]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| row")][:20]
+    rows = rows[:next((i for i, r in enumerate(rows) if not r.strip().endswith("|")), len(rows))]
+    num = lambda s: float(s.strip().replace("−", "-").replace("+", ""))  # noqa: E731
+    checked = 0
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].startswith("ceiling"):
+            half = {t: v["spearman"] for t, v in summary["meta"]["target_split_half_per_task"].items()}
+            assert tuple(num(c) for c in cells[1:4]) == tuple(round(half[t], 3) for t in ("mmlu", "bbh", "tydiqa"))
+            checked += 1
+            continue
+        triple = tuple(num(c) for c in cells[1:4])
+        assert triple in recorded, f"RESULTS.md row {cells[0]!r}: {triple} is no recorded fidelity_v2 row"
+        checked += 1
+    assert checked >= 8
