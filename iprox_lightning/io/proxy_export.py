@@ -264,8 +264,14 @@ def _export_record(proxy_dir: Path, manifest: Mapping[str, Any], layers: Mapping
                    params: dict, has_tokenizer: bool, check: dict) -> dict:
     """The export's record (``EXPORT_RECORD``): the proxy it came from (path, manifest identity, weights, ranks),
     its dtype, parameter counts and the round-trip check."""
-    from .. import __version__
+    from importlib.metadata import PackageNotFoundError, version
+
     from .fingerprint import file_identity
+
+    try:  # the installed package's version, without importing the package's root (io sits below it)
+        __version__ = version("iprox_lightning")
+    except PackageNotFoundError:
+        __version__ = "unknown"
 
     man_file = proxy_dir / "iprox_proxy.json"
     return {
