@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,21 +127,13 @@ def _worker(out: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dist_out(tmp_path_factory) -> Path:
     """One torchrun launch (2 CPU gloo ranks) running every mode in turn."""
+    from test_distributed_train import torchrun_two_ranks
+
     out = tmp_path_factory.mktemp("dist_ipsvd")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(HERE), str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    (out / "log.txt").write_text(res.stdout + "\n" + res.stderr)
+    res = torchrun_two_ranks(HERE, out, timeout=240)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     return out
 

@@ -143,15 +143,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_two_ranks(script: Path, out: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``script out`` on 2 CPU gloo ranks through torchrun (one thread each); its output kept in ``out/log.txt``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(script), str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    (out / "log.txt").write_text(res.stdout + "\n" + res.stderr)
+    return res
+
+
 @pytest.fixture(scope="module")
 def dist_out(tmp_path_factory) -> Path:
     """One torchrun launch (2 CPU gloo ranks) running every mode in turn: start-up is paid once."""
     out = tmp_path_factory.mktemp("dist")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(HERE), str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    (out / "log.txt").write_text(res.stdout + "\n" + res.stderr)
+    torchrun_two_ranks(HERE, out, timeout=300)
     return out
 
 
