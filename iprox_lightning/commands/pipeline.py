@@ -149,9 +149,6 @@ def pipeline(
 
     wd = Path(workdir)
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
-    from ..engine.precision import check_precision
-
-    check_precision(precision, "pipeline")
     hardware = trainer_hardware(accelerator, devices, num_nodes, strategy, precision)
     check_sources(target, pool, validation)
     from ..io.score_dir import ScoreDirLock
@@ -194,10 +191,9 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
     """The Trainer settings every stage's overlay gets: ``accelerator`` and ``devices`` always, ``num_nodes``,
     ``strategy`` and ``precision`` when given (else the stage configs' own); a bad value is refused before any stage
     runs."""
-    from typing import get_args
-
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
     from lightning.pytorch.strategies import StrategyRegistry
+
+    from ..engine.precision import check_precision
 
     for name, value in (("devices", devices), ("num_nodes", num_nodes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -206,9 +202,7 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
     if strategy is not None and strategy not in strategies and "." not in str(strategy):
         raise UserInputError(f"strategy: unknown strategy {strategy!r}; give one of {', '.join(strategies)} or a "
                              "strategy class path (e.g. lightning.pytorch.strategies.ModelParallelStrategy)")
-    precisions = [str(v) for group in get_args(_PRECISION_INPUT) for v in get_args(group)]
-    if precision is not None and str(precision) not in precisions:
-        raise UserInputError(f"precision: unknown precision {precision!r}; give one of {', '.join(precisions)}")
+    check_precision(precision, "pipeline")  # the precisions every stage supports (engine/precision.py)
     out: dict[str, Any] = {"accelerator": accelerator, "devices": devices}
     if num_nodes is not None:
         out["num_nodes"] = num_nodes
