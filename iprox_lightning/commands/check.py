@@ -217,15 +217,11 @@ def _check_arguments(sample: int, val_per_task: int | None) -> None:
 
 
 def _check_models(**models: str) -> None:
-    """A model option that is neither ``builtin``, an existing path nor a hub id is named as given (not as the
-    tokenizer the data module would load first)."""
-    from ..errors import InputNotFoundError
-    from ..models.hub import is_hub_id
+    """Each model option checked by its own name (not as the tokenizer the data module would load first)."""
+    from ..models.hub import check_model_source
 
     for option, value in models.items():
-        if value != "builtin" and not Path(value).exists() and not is_hub_id(value):
-            raise InputNotFoundError(f"check: --{option} {value!r}: no such file or directory (and not a hub id "
-                                     "'owner/name'); if it is a stage's output, run that stage first")
+        check_model_source(value, what=f"check: --{option}")
 
 
 def _output_paths(output_dir: str | None, output: str | None):
