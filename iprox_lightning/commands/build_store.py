@@ -31,6 +31,9 @@ def build_store(
     progress: bool = True,
     factors_dir: Optional[str] = None,
     precision: Optional[str] = None,
+    loss_reduction: str = "mean",
+    fisher: str = "empirical",
+    damping_target: str = "factors",
 ) -> str:
     """Project every pool example's gradient (LoGra-style, ``k`` rows per side of each tracked weight) and write them
     to a gradient store in ``output_dir`` (safetensors shards, ``store.json``; resumable: a killed build continues; a
@@ -70,6 +73,11 @@ def build_store(
         precision: the Trainer precision of the build (``32-true``, ``bf16-mixed``, ``bf16-true``; default float32);
             recorded in the store, whose queries compute the validation gradients under the same one. The vectors
             are projected in float32 whatever it is (``docs/GUIDE.md``, Precision).
+        loss_reduction: the per-example loss: ``mean`` (default) or ``sum`` of the response tokens' cross-entropies
+            (kronfluence's, bergson's); ``query`` uses the store's.
+        fisher: K-FAC / EK-FAC factors from the labels (``empirical``, default) or from labels sampled from the
+            model (``sampled``, kronfluence's default).
+        damping_target: K-FAC damps each factor (``factors``, default) or their product (``product``, kronfluence's).
     """
     import time
 
@@ -89,7 +97,8 @@ def build_store(
                                  damping_mode=damping_mode,
                                  kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype,
                                  attn_implementation=attn_implementation, factors_dir=factors_dir,
-                                 precision=precision)
+                                 precision=precision, loss_reduction=loss_reduction, fisher=fisher,
+                                 damping_target=damping_target)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
     data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,

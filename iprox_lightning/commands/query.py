@@ -71,7 +71,9 @@ def query(
     val = _validation_loader(store, info, model, validation, pool, subtasks, val_per_task, batch_size)
     val_digest = loader_digest(val)
     metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
-                              kfac_examples=st.get("kfac_examples", 1024))
+                              kfac_examples=st.get("kfac_examples", 1024),
+                              loss_reduction=st.get("loss_reduction", "mean"), fisher=st.get("fisher", "empirical"),
+                              damping_target=st.get("damping_target", "factors"))
     vnet, extra = None, {}
     if validation_model is not None:  # only then in the cache key: earlier caches keep matching
         vnet = _load_net(validation_model, st)
@@ -293,4 +295,4 @@ def _projector(store: str, info: dict, st: dict, metric, net, pairs_from=None):
                                dtype=dtype)
     return GradientProjector(net, metric=None if metric.name == "tracin" else metric,
                              target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype,
-                             pairs_from=pairs_from)
+                             pairs_from=pairs_from, loss_reduction=metric.loss_reduction)

@@ -310,6 +310,42 @@ def example_mean_sum(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return example_means(ce_sum, n).sum()
 
 
+def example_sum_sum(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``Σ_z L(z)``, ``L`` the per-example response-token *sum* of cross-entropies (``loss_reduction="sum"``,
+    kronfluence's and bergson's per-example loss): the batch's summed cross-entropy."""
+    return ce_sum.sum()
+
+
+LOSS_REDUCTIONS = ("mean", "sum")
+"""The per-example loss ``L(z)`` over an example's response tokens: the mean cross-entropy (the project's default) or
+the summed cross-entropy (kronfluence's and bergson's)."""
+
+
+def check_loss_reduction(reduction: str) -> None:
+    if reduction not in LOSS_REDUCTIONS:
+        from ..errors import UserInputError
+
+        raise UserInputError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {reduction!r}")
+
+
+def example_loss_fn(reduction: str = "mean"):
+    """The ``loss_fn(ce_sum, n)`` of :func:`~iprox_lightning.engine.tracking.backward_pairs` whose per-example
+    gradients are those of ``L(z)`` with ``reduction`` (:data:`LOSS_REDUCTIONS`)."""
+    check_loss_reduction(reduction)
+    return example_mean_sum if reduction == "mean" else example_sum_sum
+
+
+def sample_targets(logits: torch.Tensor, seed: int) -> torch.Tensor:
+    """Next tokens sampled from the model's predictive distribution ``softmax(logits)`` (``logits [N, V]``, one row
+    per scored position; a sampled Fisher's labels, kronfluence's default ``fisher="sampled"``). Deterministic in
+    ``seed`` on any device: ``N`` uniforms from a CPU generator seeded with ``seed``, then the inverse of each row's
+    cumulative distribution (float64)."""
+    u = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+    cdf = torch.softmax(logits.detach().double(), dim=-1).cumsum(dim=-1)
+    u = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+
+
 def token_mean(ce_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Token-mean cross-entropy over all response tokens of the batch (the usual SFT loss, :func:`sft_loss`)."""
     return ce_sum.sum() / n.sum().clamp(min=1).to(ce_sum.dtype)

@@ -36,13 +36,14 @@ the same graph (the one of the loss built from the pairs) does not hand the pair
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .batch import example_mean_sum, fusable_head, lm_head, scored_ce_sums, scored_logits
+from .batch import example_mean_sum, fusable_head, lm_head, sample_targets, scored_ce_sums, scored_logits
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -207,6 +208,7 @@ def backward_pairs(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = example_mean_sum,
     create_graph: bool = False,
     keep_logits: bool = False,
+    sample_seed: int | None = None,
 ) -> BackwardStep:
     """One step of the engine over ``batch`` (``input_ids``, ``attention_mask``, ``labels``) for ``trackers``
     (see the module docstring). ``loss_fn(ce_sum, n)`` (per example: summed response-token cross-entropy, response
@@ -216,14 +218,16 @@ def backward_pairs(
     pairs (module docstring; the returned logits and loss stay detached). The LM head runs fused with the
     cross-entropy (:func:`~iprox_lightning.engine.batch.scored_ce_sums`: no ``[N, V]`` logits) unless ``keep_logits=True``
     (the step's logits are returned), ``create_graph=True`` (a second derivative through the softmax) or a tracker
-    tracks the head itself."""
+    tracks the head itself. ``sample_seed``: the cross-entropy is taken against next tokens sampled from the model's
+    own predictive distribution (:func:`~iprox_lightning.engine.batch.sample_targets`, seeded), not the labels — a
+    sampled Fisher's pass (the head then runs unfused)."""
     modules, dispatch = pair_dispatch(trackers)
 
     with torch.inference_mode(False), torch.enable_grad():
         # copies: tensors made under inference mode cannot enter autograd
         ids, mask, labels = (batch[k].clone() for k in ("input_ids", "attention_mask", "labels"))
         inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        fused = not (keep_logits or create_graph or head_is_tracked(model, modules)) and (
+        fused = not (keep_logits or create_graph or sample_seed is not None or head_is_tracked(model, modules)) and (
             fusable_head(model, inputs, use_cache=False) is not None)  # (checked before any hook is in place)
         device_type = ids.device.type
         with autocast_off(device_type):
@@ -236,6 +240,8 @@ def backward_pairs(
                 loss = loss_fn(*scored_ce_sums(model, inputs, use_cache=False)[:2])
             else:
                 logits, scored = scored_logits(model, inputs, use_cache=False)
+                if sample_seed is not None:
+                    scored = dataclasses.replace(scored, targets=sample_targets(logits, sample_seed))
                 loss = loss_fn(*scored.ce_sums(logits))
             if not leaves:
                 raise RuntimeError("the input-embedding module did not run; cannot take gradients")

@@ -175,6 +175,13 @@ class ScoringConfig:
         kfac_examples: training examples the K-FAC factors are estimated on (paper: 1024).
         feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation (identical numbers).
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        loss_reduction: the per-example loss ``L(z)`` over the example's response tokens: ``"mean"`` cross-entropy
+            (default) or ``"sum"`` (kronfluence's, bergson's); for the scored, validation and factor gradients alike.
+        fisher: the curvature (K-FAC / EK-FAC factors) from the examples' labels, ``"empirical"`` (default), or from
+            next tokens sampled from the model, ``"sampled"`` (kronfluence's default; the factor passes only).
+        damping_target: K-FAC damps each factor, ``"factors"`` (default), or their Kronecker product,
+            ``"product"`` (kronfluence's); EK-FAC always damps its eigenvalue matrix as a whole.
+            ``docs/GUIDE.md``, "To match kronfluence / bergson / LESS", has the settings of each peer.
     """
 
     method: str = "tracin"
@@ -185,6 +192,9 @@ class ScoringConfig:
     kfac_examples: int = 1024
     feature_mode: str = "auto"
     target_patterns: Optional[tuple[str, ...]] = None
+    loss_reduction: str = "mean"
+    fisher: str = "empirical"
+    damping_target: str = "factors"
 
     def __post_init__(self) -> None:
         if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
@@ -196,14 +206,23 @@ class ScoringConfig:
     def build_metric(self) -> InfluenceMetric:
         """A new :class:`~.metrics.InfluenceMetric` named by ``method``, with this config's options."""
         return influence_metric(self.method, damping=self.damping, damping_mode=self.damping_mode,
-                                kfac_examples=self.kfac_examples)
+                                kfac_examples=self.kfac_examples, loss_reduction=self.loss_reduction,
+                                fisher=self.fisher, damping_target=self.damping_target)
 
     def to_dict(self) -> dict:
-        """The settings as plain JSON values (``target_patterns`` a list)."""
+        """The settings as plain JSON values (``target_patterns`` a list); the loss and curvature conventions only
+        when they differ from the defaults (the fingerprints of runs with the defaults are as before the options)."""
         d = asdict(self)
         if d["target_patterns"] is not None:
             d["target_patterns"] = list(d["target_patterns"])
+        for name in CONVENTIONS:
+            if d[name] == getattr(ScoringConfig, name):
+                del d[name]
         return d
+
+
+CONVENTIONS = ("loss_reduction", "fisher", "damping_target")
+"""The :class:`ScoringConfig` fields of the loss and curvature conventions (recorded only when not the default)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,7 +318,7 @@ class InfluenceScorer:
                 keep = has_response_tokens(b)
                 if not bool(keep.any()):
                     continue
-                backward_pairs(vmodel, trim_batch(b, keep), [pairs])
+                backward_pairs(vmodel, trim_batch(b, keep), [pairs], loss_fn=self.metric.loss_fn)
         # identical task list on every rank
         local = sorted(counts)
         names = sorted(set().union(*gather(local))) if gather is not None else local
@@ -379,7 +398,7 @@ class InfluenceScorer:
             rows = torch.nonzero(keep).flatten()
             tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.config.feature_mode)
             with eval_mode(self.model):
-                backward_pairs(self.model, trim_batch(b, keep), [tracker])
+                backward_pairs(self.model, trim_batch(b, keep), [tracker], loss_fn=self.metric.loss_fn)
             sq[rows] = tracker.sq.cpu()
             dots[rows] = tracker.dots.cpu()
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)

@@ -29,6 +29,7 @@ from typing import Callable, ClassVar, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..engine.batch import check_loss_reduction, example_loss_fn
 from ..engine.damping import check_damping, check_damping_mode, damping_value
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
@@ -203,6 +204,10 @@ class InfluenceMetric:
     name: ClassVar[str]
     factor_passes: ClassVar[int] = 0  # passes fit() makes over the training batches (0: nothing to fit)
     token_factored: ClassVar[bool] = True  # tokens() exists; False: matrix() on materialised per-example gradients
+    # the loss and curvature conventions (:meth:`set_conventions`; defaults: the project's, recorded only when changed)
+    loss_reduction: str = "mean"
+    fisher: str = "empirical"
+    damping_target: str = "factors"
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         """``class MyMetric(InfluenceMetric, name="mine")`` registers it as ``method: mine``; a subclass without a
@@ -223,6 +228,30 @@ class InfluenceMetric:
     def needs_factor_data(self) -> bool:
         """Whether :meth:`fit` reads training batches."""
         return self.factor_passes > 0
+
+    def set_conventions(self, *, loss_reduction: str = "mean", fisher: str = "empirical",
+                        damping_target: str = "factors") -> "InfluenceMetric":
+        """Set the loss and curvature conventions (before :meth:`fit`; ``docs/GUIDE.md``, "To match kronfluence /
+        bergson / LESS"): ``loss_reduction`` the per-example loss, the mean (default) or the sum of its response
+        tokens' cross-entropies (:data:`~iprox_lightning.engine.batch.LOSS_REDUCTIONS`), for the scored, validation
+        and factor gradients alike; ``fisher``: the curvature from the examples' labels (``"empirical"``, default)
+        or from labels sampled from the model (``"sampled"``, the factor passes only); ``damping_target``: K-FAC
+        damps each factor (``"factors"``, default) or their Kronecker product (``"product"``: ``Λ = e_δ e_hᵀ``
+        damped like EK-FAC's eigenvalues). A metric without factors ignores the last two."""
+        check_loss_reduction(loss_reduction)
+        check_conventions(fisher, damping_target)
+        self.loss_reduction, self.fisher, self.damping_target = loss_reduction, fisher, damping_target
+        return self
+
+    @property
+    def loss_fn(self):
+        """The ``loss_fn`` of :func:`~iprox_lightning.engine.tracking.backward_pairs` for :attr:`loss_reduction`."""
+        return example_loss_fn(self.loss_reduction)
+
+    def convention_settings(self, *names: str) -> dict:
+        """The conventions among ``names`` that differ from the defaults (so settings and fingerprints of runs with
+        the defaults are as before the options)."""
+        return {n: getattr(self, n) for n in names if getattr(self, n) != getattr(InfluenceMetric, n)}
 
     def fit(self, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
             batches: Iterable[Mapping] | None, *, dtype: torch.dtype, shard=(0, 1), reduce=None,
@@ -293,14 +322,23 @@ class TracIn(InfluenceMetric, name="tracin"):
         return h, delta
 
     def settings(self) -> dict:
-        return {}
+        return self.convention_settings("loss_reduction")
 
 
 _EIG_FIELDS = ("Q_h", "e_h", "tr_h", "Q_d", "e_d", "tr_d")
 
 
-def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: str, trackers) -> int:
-    """Run ``trackers`` over the first ``examples`` examples of ``batches`` (this rank's share); returns the count."""
+FISHER_SEED = 0
+"""Seed of a sampled Fisher's labels: batch ``j`` of the factor data draws with ``FISHER_SEED + j`` (the same labels
+whatever the number of processes, in both EK-FAC passes)."""
+
+
+def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: str, trackers,
+                    metric: "InfluenceMetric | None" = None) -> int:
+    """Run ``trackers`` over the first ``examples`` examples of ``batches`` (this rank's share), with ``metric``'s
+    per-example loss and Fisher (:meth:`InfluenceMetric.set_conventions`); returns the count."""
+    loss_fn = example_loss_fn("mean") if metric is None else metric.loss_fn
+    sampled = metric is not None and metric.fisher == "sampled"
     rank, world = shard
     device = next(model.parameters()).device
     seen = done = 0
@@ -312,7 +350,8 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
             seen += take
             if j % world != rank:
                 continue
-            backward_pairs(model, trim_batch(to_device(slice_rows(batch, take), device)), trackers)
+            backward_pairs(model, trim_batch(to_device(slice_rows(batch, take), device)), trackers, loss_fn=loss_fn,
+                           sample_seed=FISHER_SEED + j if sampled else None)
             done += take
     return done
 
@@ -328,13 +367,16 @@ class KFAC(InfluenceMetric, name="kfac"):
     def from_options(cls, *, damping, damping_mode, kfac_examples):
         return cls(damping, damping_mode, kfac_examples)
 
-    def __init__(self, damping: float = 1e-3, damping_mode: str = "relative", examples: int = 1024) -> None:
+    def __init__(self, damping: float = 1e-3, damping_mode: str = "relative", examples: int = 1024,
+                 **conventions) -> None:
+        self.set_conventions(**conventions)
         check_damping(damping, damping_mode)
         if examples < 1:
             raise UserInputError(f"kfac_examples must be >= 1, got {examples}")
         self.damping, self.damping_mode, self.examples = float(damping), damping_mode, int(examples)
         self.layers: dict[str, LayerMetric] | None = None
         self.eigens: dict[str, dict[str, torch.Tensor]] = {}
+        self.scales: dict[str, torch.Tensor] | None = None  # damping_target="product" / EK-FAC: 1/sqrt(Λ + λ)
 
     @property
     def fitted(self) -> bool:
@@ -358,7 +400,7 @@ class KFAC(InfluenceMetric, name="kfac"):
             factors = KFACFactors(modules)
             t0 = time.perf_counter()
             factors.examples = _factor_batches(model, batches, self.examples, shard, progress, "K-FAC factors",
-                                               [factors])
+                                               [factors], self)
             n = self._reduced_count(factors.examples, device, reduce)
             self.eigens = factors.eigens(keys, reduce)
             stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0}
@@ -370,7 +412,27 @@ class KFAC(InfluenceMetric, name="kfac"):
         return {}
 
     def _build(self, keys, dtype) -> None:
+        if self.damping_target == "product":  # Λ = e_δ e_hᵀ damped as a whole: not token-factored (as EK-FAC)
+            self.token_factored = False
+            self._build_scales(keys, dtype, {k: torch.outer(self.eigens[k]["e_d"].double().clamp(min=0.0),
+                                                            self.eigens[k]["e_h"].double().clamp(min=0.0))
+                                             for k in keys}, "K-FAC eigenvalue product")
+            return
+        self.token_factored = type(self).token_factored
+        self.scales = None
         self.layers = {k: layer_metric(self.eigens[k], self.damping, self.damping_mode, dtype) for k in keys}
+
+    def _build_scales(self, keys, dtype, lams: Mapping[str, torch.Tensor], what: str) -> None:
+        """``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)`` per weight from the eigenvalue matrices ``lams`` (``[out, in]``),
+        damped as a whole by the project's rule (``λ = damping·mean(Λ)``, relative)."""
+        self.layers = {}
+        self.scales: dict[str, torch.Tensor] | None = {}
+        for k in keys:
+            lam = lams[k]
+            d = _damped(lam.reshape(-1), float(lam.sum()), self.damping, self.damping_mode, what)
+            self.scales[k] = d.rsqrt().reshape(lam.shape).to(dtype)
+            self.layers[k] = LayerMetric(self.eigens[k]["Q_h"].to(dtype), torch.ones(1, dtype=dtype),
+                                         self.eigens[k]["Q_d"].to(dtype), torch.ones(1, dtype=dtype))
 
     def _layer(self, key: str) -> LayerMetric:
         if self.layers is None:
@@ -378,9 +440,20 @@ class KFAC(InfluenceMetric, name="kfac"):
         return self.layers[key]
 
     def matrix(self, key, G):
+        if self.scales is not None:
+            L = self._layer(key)
+            return (L.Q_d.t().to(G) @ G @ L.Q_h.to(G)) * self.scales[key].to(G)
         return self._layer(key).matrix(G)
 
+    def gradients(self, key, h, delta):
+        if self.scales is not None:
+            L = self._layer(key)
+            return eigenbasis_gradients(h, delta, L.Q_h.to(h), L.Q_d.to(h)) * self.scales[key].to(h)
+        return InfluenceMetric.gradients(self, key, h, delta)
+
     def tokens(self, key, h, delta):
+        if not self.token_factored:
+            return InfluenceMetric.tokens(self, key, h, delta)
         return self._layer(key).tokens(h, delta)
 
     def basis(self, key):
@@ -388,10 +461,12 @@ class KFAC(InfluenceMetric, name="kfac"):
         return L.Q_d, L.Q_h
 
     def settings(self) -> dict:
-        return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples}
+        return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples,
+                **self.convention_settings("loss_reduction", "fisher", "damping_target")}
 
     def fit_settings(self) -> dict:
-        return {"method": self.name, "kfac_examples": self.examples}
+        return {"method": self.name, "kfac_examples": self.examples,
+                **self.convention_settings("loss_reduction", "fisher")}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{key}|{f}": t for key, e in self.eigens.items() for f, t in e.items()}
@@ -420,12 +495,18 @@ class EKFAC(KFAC, name="ekfac"):
 
     def base_metric(self) -> KFAC:
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
-        return KFAC(self.damping, self.damping_mode, self.examples)
+        return KFAC(self.damping, self.damping_mode, self.examples, loss_reduction=self.loss_reduction,
+                    fisher=self.fisher)
+
+    def settings(self) -> dict:  # EK-FAC damps its eigenvalue matrix as a whole whatever damping_target says
+        return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples,
+                **self.convention_settings("loss_reduction", "fisher")}
 
     def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
         t0 = time.perf_counter()
         corr = EigenCorrection(modules, {k: (self.eigens[k]["Q_h"], self.eigens[k]["Q_d"]) for k in keys})
-        corr.examples = _factor_batches(model, batches, self.examples, shard, progress, "EK-FAC eigenvalues", [corr])
+        corr.examples = _factor_batches(model, batches, self.examples, shard, progress, "EK-FAC eigenvalues", [corr],
+                                        self)
         n = torch.tensor(float(corr.examples), dtype=torch.float64)
         for k in keys:
             s = corr.sums.get(k)
@@ -443,30 +524,13 @@ class EKFAC(KFAC, name="ekfac"):
         return {"ekfac_seconds": time.perf_counter() - t0}
 
     def _build(self, keys, dtype) -> None:
-        self.layers = {}
-        self.scales: dict[str, torch.Tensor] = {}
+        lams = {}
         for k in keys:
-            e = self.eigens[k]
-            n = float(e["n"])
+            n = float(self.eigens[k]["n"])
             if n <= 0:
                 raise RuntimeError(f"EK-FAC eigenvalues of {k!r} saw no example")
-            lam = e["lambda"].double() / n
-            d = _damped(lam.reshape(-1), float(lam.sum()), self.damping, self.damping_mode, "EK-FAC eigenvalue matrix")
-            self.scales[k] = d.rsqrt().reshape(lam.shape).to(dtype)
-            self.layers[k] = LayerMetric(e["Q_h"].to(dtype), torch.ones(1, dtype=dtype), e["Q_d"].to(dtype),
-                                         torch.ones(1, dtype=dtype))
-
-    def matrix(self, key, G):
-        L = self._layer(key)
-        s = self.scales[key].to(G)
-        return (L.Q_d.t().to(G) @ G @ L.Q_h.to(G)) * s
-
-    def gradients(self, key, h, delta):
-        L = self._layer(key)
-        return eigenbasis_gradients(h, delta, L.Q_h.to(h), L.Q_d.to(h)) * self.scales[key].to(h)
-
-    def tokens(self, key, h, delta):
-        return InfluenceMetric.tokens(self, key, h, delta)
+            lams[k] = self.eigens[k]["lambda"].double() / n
+        self._build_scales(keys, dtype, lams, "EK-FAC eigenvalue matrix")
 
 
 def metric_names() -> tuple[str, ...]:
@@ -479,17 +543,33 @@ def check_metric_name(name: str, owner: str = "") -> None:
         raise UserInputError(f"{owner + ': ' if owner else ''}method must be one of {metric_names()}, got {name!r}")
 
 
+FISHERS = ("empirical", "sampled")
+DAMPING_TARGETS = ("factors", "product")
+
+
+def check_conventions(fisher: str, damping_target: str) -> None:
+    if fisher not in FISHERS:
+        raise UserInputError(f"fisher must be one of {FISHERS}, got {fisher!r}")
+    if damping_target not in DAMPING_TARGETS:
+        raise UserInputError(f"damping_target must be one of {DAMPING_TARGETS}, got {damping_target!r}")
+
+
 def influence_metric(name: str, *, damping: float = 1e-3, damping_mode: str = "relative",
-                     kfac_examples: int = 1024) -> InfluenceMetric:
+                     kfac_examples: int = 1024, loss_reduction: str = "mean", fisher: str = "empirical",
+                     damping_target: str = "factors") -> InfluenceMetric:
     """The metric registered as ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"`` | a user's, the ``method:`` of the
-    scoring configs); the K-FAC options are checked whatever the name, so a config is valid or not independently of
-    ``method``."""
+    scoring configs), with the loss and curvature conventions ``loss_reduction``, ``fisher``, ``damping_target``
+    (:meth:`InfluenceMetric.set_conventions`); the K-FAC options are checked whatever the name, so a config is valid
+    or not independently of ``method``."""
     check_metric_name(name)
     check_damping_mode(damping_mode)
     if kfac_examples < 1:
         raise UserInputError(f"kfac_examples must be >= 1, got {kfac_examples}")
-    return InfluenceMetric.registry[name].from_options(damping=damping, damping_mode=damping_mode,
-                                                       kfac_examples=kfac_examples)
+    check_loss_reduction(loss_reduction)
+    check_conventions(fisher, damping_target)
+    metric = InfluenceMetric.registry[name].from_options(damping=damping, damping_mode=damping_mode,
+                                                         kfac_examples=kfac_examples)
+    return metric.set_conventions(loss_reduction=loss_reduction, fisher=fisher, damping_target=damping_target)
 
 
 def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],

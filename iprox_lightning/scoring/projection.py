@@ -194,14 +194,16 @@ class GradientProjector:
     gets a zero vector and ``zero_grad``, one whose vector is NaN/inf ``nonfinite``.
 
     ``projections``: from :func:`make_projections` (``k`` per side, ``seed``) or loaded from a store;
-    ``metric``: a fitted :class:`~.metrics.InfluenceMetric` (``None``: TracIn); ``target_patterns`` as in scoring.
+    ``metric``: a fitted :class:`~.metrics.InfluenceMetric` (``None``: TracIn); ``target_patterns`` as in scoring;
+    ``loss_reduction``: the per-example loss (default: the metric's, else ``"mean"``).
     ``pairs_from``: a dense model (the target ``model`` was built from) whose backward gives the pairs instead, in
     ``model``'s coordinates (:class:`~.features.FactorSpaceView`): its gradients projected into ``model``'s store.
     """
 
     def __init__(self, model: nn.Module, *, k: int = 16, seed: int = 0, metric=None,
                  target_patterns: Sequence[str] | None = None, projections: Mapping[str, LayerProjection] | None = None,
-                 dtype: torch.dtype | None = None, pairs_from: nn.Module | None = None) -> None:
+                 dtype: torch.dtype | None = None, pairs_from: nn.Module | None = None,
+                 loss_reduction: str | None = None) -> None:
         from .features import tracked_modules, virtual_linears
 
         self.model = model
@@ -221,6 +223,10 @@ class GradientProjector:
         self.layout = layout(self.projections)
         self.dim = sum(d for _, d in self.layout.values())
         self.metric = metric
+        from ..engine.batch import example_loss_fn
+
+        # the per-example loss: the metric's (InfluenceMetric.set_conventions), or loss_reduction for TracIn
+        self.loss_fn = example_loss_fn(loss_reduction or getattr(metric, "loss_reduction", "mean"))
         p = next(model.parameters())
         self.dtype = dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)
         self._moved: dict[str, LayerProjection] = {}  # the projections on the model's device (rotated: P Q), once
@@ -242,7 +248,7 @@ class GradientProjector:
             pairs = tracker if self.pairs_from is None else FactorSpaceView(self.dense_modules, tracker, self.modules,
                                                                             self._factors_moved)
             with eval_mode(net), torch.inference_mode(False), torch.enable_grad():
-                backward_pairs(net, trim_batch(b, keep), [pairs])
+                backward_pairs(net, trim_batch(b, keep), [pairs], loss_fn=self.loss_fn)
             vectors[torch.nonzero(keep).flatten()] = tracker.vectors.cpu()
         nonfinite = ~torch.isfinite(vectors).all(dim=1)
         zero = ((vectors == 0).all(dim=1) | (n_tok == 0)) & ~nonfinite

@@ -56,6 +56,9 @@ class GradientStoreModule(L.LightningModule):
         target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
         attn_implementation: attention kernel when loading.
+        loss_reduction, fisher, damping_target: the loss and curvature conventions (``"mean"``, ``"empirical"``,
+            ``"factors"`` by default; :class:`~.influence.ScoringConfig`), recorded in the store's fingerprint when
+            changed; a query computes its validation gradients with the store's.
         factors_dir: a directory of saved factors shared with other runs (a scoring run's ``factors_dir``, other
             stores'): factors (or PCA moments) fitted there before on the same model, factor data and fit settings
             are loaded instead of fitted, new ones are saved there; the store keeps a copy of the file it used, so a
@@ -69,7 +72,8 @@ class GradientStoreModule(L.LightningModule):
                  damping: float = 1e-3, damping_mode: str = "relative", kfac_examples: int = 1024,
                  kfac_split: str = "pool", target_patterns: Optional[list[str]] = None, dtype: str = "float32",
                  attn_implementation: Optional[str] = "sdpa", projection: str = "gaussian",
-                 factors_dir: Optional[str] = None, precision: Optional[str] = None) -> None:
+                 factors_dir: Optional[str] = None, precision: Optional[str] = None, loss_reduction: str = "mean",
+                 fisher: str = "empirical", damping_target: str = "factors") -> None:
         super().__init__()
         from ..engine.precision import check_precision
 
@@ -83,7 +87,8 @@ class GradientStoreModule(L.LightningModule):
             raise UserInputError(f"GradientStoreModule: projection='pca' keeps each layer's largest-variance "
                                  f"directions, which {method} down-weights; use it with method='tracin' (or "
                                  "projection='gaussian')")
-        self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples)
+        self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples,
+                                       loss_reduction=loss_reduction, fisher=fisher, damping_target=damping_target)
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -160,7 +165,7 @@ class GradientStoreModule(L.LightningModule):
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
         if projections is None and hp.projection == "pca":
             moments = influence_metric("kfac", damping=hp.damping, damping_mode=hp.damping_mode,
-                                       kfac_examples=hp.kfac_examples)
+                                       kfac_examples=hp.kfac_examples, loss_reduction=self.metric.loss_reduction)
             # the moments only make the projections, which the store saves: they are not kept in the store (as
             # large as K-FAC factors), only in a shared factors_dir, where other stores and scoring runs reuse them
             st = self._fit_factors(moments, modules, linears, None, dtype, save)
@@ -169,7 +174,8 @@ class GradientStoreModule(L.LightningModule):
         elif projections is None:
             projections = make_projections(linears, hp.k, hp.seed)
         self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
-                                           target_patterns=hp.target_patterns, projections=projections, dtype=dtype)
+                                           target_patterns=hp.target_patterns, projections=projections, dtype=dtype,
+                                           loss_reduction=self.metric.loss_reduction)
 
     def _fit_factors(self, metric, modules, linears, store_dir: str | None, dtype: torch.dtype, save: bool) -> dict:
         """Fit ``metric``'s factors on ``kfac_split`` (all-reduced under DDP), or load the ones saved for the same
