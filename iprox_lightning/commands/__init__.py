@@ -24,7 +24,7 @@ TRAINER_COMMANDS = {
 """The LightningCLI subcommands (:mod:`.lightning`) and what they do in this project."""
 
 COMMANDS = ("sample_pool", "select", "pipeline", "plan", "report", "check", "layer_extraction", "regression_scorer", "random_scores",
-            "rds_scores", "export_proxy", "build_store", "query")
+            "rds_scores", "export_proxy", "build_store", "query", "cache")
 """The plain-function commands, in the order ``train.py --help`` lists them."""
 
 COMMAND_HOMES = {"select": "..selection.select"}
