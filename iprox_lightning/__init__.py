@@ -4,22 +4,72 @@ Stages: warm-up (``WarmupModule``) -> Stage 1 IPSVD (``IPSVDCallback`` / ``compr
 -> Stage 2 alignment (``ProxyAlignModule``) -> scoring (``InfluenceScoringModule`` +
 ``InfluenceWriter`` / ``tracin_scores``) -> ``select`` -> fine-tuning (``FinetuneModule``)
 -> evaluation (``EvaluationModule``).
+
+The public names are imported on first use (:func:`__getattr__`): ``import iprox_lightning`` and
+``python train.py --help`` load neither torch nor Lightning until a name that needs them is used.
 """
-from .engine.batch import per_example_loss, sft_loss
-from .callbacks import IPSVDCallback
-from .evaluation import EvalDataModule, EvaluationModule
-from .compression.apply import compress_model, count_parameters, load_proxy, save_proxy
-from .io.proxy import export_proxy
-from .compression.ipsvd import ipsvd_factors, random_factors, svd_factors, weighted_objective
-from .alignment.losses import alignment_losses, factor_projections, gradient_alignment_loss
-from .engine.lowrank import LowRankLinear
-from .modules import CausalLMModule, FinetuneModule, ProxyAlignModule, WarmupModule
-from .models.loading import load_model, load_tokenizer
-from .engine.target_layers import find_target_linears
-from .models.tiny import tiny_causal_lm
-from .scoring import InfluenceScoringModule, InfluenceWriter, ScoreTable, multi_checkpoint_scores, tracin_scores
-from .selection.select import select
-from .engine.tracking import LayerTracker, requires_grad_inputs
+from __future__ import annotations
+
+from importlib import import_module
+
+_HOMES = {
+    'per_example_loss': '.engine.batch',
+    'sft_loss': '.engine.batch',
+    'IPSVDCallback': '.callbacks',
+    'EvalDataModule': '.evaluation',
+    'EvaluationModule': '.evaluation',
+    'compress_model': '.compression.apply',
+    'count_parameters': '.compression.apply',
+    'load_proxy': '.compression.apply',
+    'save_proxy': '.compression.apply',
+    'export_proxy': '.io.proxy',
+    'ipsvd_factors': '.compression.ipsvd',
+    'random_factors': '.compression.ipsvd',
+    'svd_factors': '.compression.ipsvd',
+    'weighted_objective': '.compression.ipsvd',
+    'alignment_losses': '.alignment.losses',
+    'factor_projections': '.alignment.losses',
+    'gradient_alignment_loss': '.alignment.losses',
+    'LowRankLinear': '.engine.lowrank',
+    'CausalLMModule': '.modules',
+    'FinetuneModule': '.modules',
+    'ProxyAlignModule': '.modules',
+    'WarmupModule': '.modules',
+    'load_model': '.models.loading',
+    'load_tokenizer': '.models.loading',
+    'find_target_linears': '.engine.target_layers',
+    'tiny_causal_lm': '.models.tiny',
+    'InfluenceScoringModule': '.scoring',
+    'InfluenceWriter': '.scoring',
+    'ScoreTable': '.scoring',
+    'multi_checkpoint_scores': '.scoring',
+    'tracin_scores': '.scoring',
+    'select': '.selection.select',
+    'LayerTracker': '.engine.tracking',
+    'requires_grad_inputs': '.engine.tracking',
+}
+"""Each public name and the module (relative to this package) it lives in."""
+
+
+def __getattr__(name: str):
+    """A public name (imported from its module on first use) or a subpackage (``ipx.scoring``)."""
+    home = _HOMES.get(name)
+    if home is not None:
+        value = getattr(import_module(home, __name__), name)
+    else:
+        try:
+            value = import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
 
 __version__ = "0.1.0"
 

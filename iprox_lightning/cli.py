@@ -119,7 +119,7 @@ def _run(argv: list[str], args: list[str] | None):
     if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
-        from .commands.lightning import check_config_opt_ins, restricted_imports
+        from .commands.import_policy import check_config_opt_ins, restricted_imports
 
         check_config_opt_ins(argv[1:])
         with restricted_imports():

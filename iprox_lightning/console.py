@@ -22,6 +22,9 @@
   (``transformers.utils.logging.disable_progress_bar``). Warnings still show. The pipeline also turns the model
   summary off and the progress bars off unless stderr is a terminal (:func:`interactive`); the project's own bars
   (IPSVD, validation gradients) follow the Trainer's ``enable_progress_bar``.
+* **Off a terminal** (``nohup``, ``| tee``, a log file) Lightning's bar is off or ``\r``-noise: every CLI Trainer then
+  also gets :class:`ProgressLinesCallback`, a line at most every minute per loop (training epoch, prediction:
+  done/total, rate, ETA) — the same lines as every other long loop (:mod:`iprox_lightning.progress`).
 * **transformers' progress bars for local files** (:func:`transformers_bars_off`): "Loading weights" and "Writing
   model shards" of a local model take a fraction of a second and print two bars each; hub downloads keep theirs.
 """
@@ -33,7 +36,9 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from lightning.pytorch.callbacks import ModelSummary, ProgressBar as _ProgressBarBase, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar as _ProgressBarBase, TQDMProgressBar
+
+from .progress import ProgressLines, interval_s, is_terminal
 
 _TIP_PREFIX = "💡 Tip:"
 _LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -98,8 +103,70 @@ def add_console_callbacks(config: dict[str, Any]) -> dict[str, Any]:
         cbs.append(Summary())
         # the callback is in the list: Lightning's own default is off (else it says it is "skipping" its default)
         config["enable_model_summary"] = False
+    if not interactive() and interval_s() > 0 and not any(isinstance(c, ProgressLinesCallback) for c in cbs):
+        cbs.append(ProgressLinesCallback())
     config["callbacks"] = cbs
     return config
+
+
+def progress_lines() -> list:
+    """``[ProgressLinesCallback()]`` off a terminal (and lines not turned off), else ``[]``: for a Trainer built
+    outside the command line's LightningCLI (``build_store``)."""
+    return [ProgressLinesCallback()] if not interactive() and interval_s() > 0 else []
+
+
+class ProgressLinesCallback(Callback):
+    """Off a terminal, one progress line per loop at most every ``interval`` seconds (:mod:`iprox_lightning.progress`):
+    each training epoch (warm-up, alignment, fine-tuning: batches of the epoch) and each prediction run (scoring, a
+    store build: batches of all predict loaders). Rank 0 only; nothing on a terminal (the bar is there)."""
+
+    def __init__(self, interval: float | None = None, file=None, clock=None) -> None:
+        self.interval, self.file, self.clock = interval, file, clock
+        self._lines: ProgressLines | None = None
+
+    def _start(self, trainer, desc: str, total) -> None:
+        self._stop()
+        if not trainer.is_global_zero or is_terminal(self.file if self.file is not None else sys.stderr):
+            return
+        try:
+            total = int(sum(total)) if isinstance(total, (list, tuple)) else int(total)
+        except (TypeError, ValueError, OverflowError):
+            total = None
+        kwargs = {"clock": self.clock} if self.clock is not None else {}
+        self._lines = ProgressLines(total=total, desc=desc, unit="batch", file=self.file, interval=self.interval,
+                                    **kwargs)
+
+    def _step(self) -> None:
+        if self._lines is not None:
+            self._lines.update(1)
+
+    def _stop(self) -> None:
+        if self._lines is not None:
+            self._lines.close()
+            self._lines = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        self._start(trainer, f"{type(pl_module).__name__} epoch {trainer.current_epoch + 1}{epochs}",
+                    trainer.num_training_batches)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._step()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._stop()
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._start(trainer, f"{type(pl_module).__name__} predict", trainer.num_predict_batches)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._step()
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self._stop()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._stop()
 
 
 LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")

@@ -77,6 +77,7 @@ def _score(tmp: Path, warm: Path, method: str, precision: str) -> pd.DataFrame:
     out = tmp / f"{method}_{precision}"
     overlay = {
         "trainer": {"accelerator": "cpu", "devices": 1, "precision": precision, "logger": False,
+                    "default_root_dir": str(out),  # LightningCLI's config.yaml: in tmp, not the checkout's outputs/
                     "enable_progress_bar": False, "enable_model_summary": False,
                     "callbacks": [{"class_path": "iprox_lightning.scoring.InfluenceWriter",
                                    "init_args": {"output_dir": str(out)}}]},
@@ -222,6 +223,7 @@ def test_bf16_true_training_at_the_papers_lr_rounds_most_updates_away(tmp_path):
         save = tmp_path / precision
         main(["fit", "--config", "configs/warmup.yaml", "--model.init_args.lr", "1e-5", "--trainer.precision", precision,
               "--trainer.max_steps", "5", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.default_root_dir", str(tmp_path / f"root_{precision}"),
               "--trainer.accelerator", "cpu", "--model.init_args.save_dir", str(save), "--data.init_args.builtin_size",
               "200", "--data.init_args.warmup_fraction", "0.25", "--data.init_args.max_length", "64"])
         trained = dict(load_model(str(save), tokenizer=False)[0].named_parameters())

@@ -308,3 +308,30 @@ def test_an_edited_or_cut_cache_entry_is_computed_again(models, tmp_path, spy):
     assert "computed" in acts.values() and spy["score_batch"] > 0
     untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
     assert again["verdict"] == first["verdict"] and untimed(again["rows"]) == untimed(first["rows"])
+
+
+def test_check_can_drop_its_validation_cache_and_cache_lists_and_clears(models, tmp_path, monkeypatch, capsys):
+    """Issue 55: check's cache (2.4 GB on SmolLM2) is mostly validation gradient sums; ``--keep_validation_cache
+    false`` deletes them after the run and keeps the small score tables (the same check again still reuses them);
+    ``train.py cache`` lists every cache with its size and clears them."""
+    from iprox_lightning.cli import main
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "ipx_cache"))
+    gguf = tmp_path / "ipx_cache" / "gguf" / "m-0123"
+    gguf.mkdir(parents=True)
+    (gguf / "model.safetensors").write_bytes(b"\0" * 3000)
+    out = tmp_path / "check"
+    _, res = _check(models, out, "--keep_validation_cache", "false")
+    printed = capsys.readouterr().out
+    assert not (out / "cache" / "validation").exists() and "deleted the validation gradient cache" in printed
+    assert sorted(p.suffix for p in (out / "cache" / "scores").iterdir()) == [".json", ".json", ".parquet", ".parquet"]
+    _, res2 = _check(models, out)
+    assert set(_actions(res2).values()) == {"reused"}
+    capsys.readouterr()
+    listed = main(["cache", "--under", str(out)])
+    text = capsys.readouterr().out
+    assert listed == [str(gguf), str(out / "cache")]
+    assert "gguf copy" in text and "3.0 KB" in text and "check/store cache" in text and "total " in text
+    main(["cache", "--clear", "true", "--under", str(out)])
+    assert not gguf.exists() and not (out / "cache").exists() and (out / "check.json").exists()
+    assert main(["cache"]) == [] and "(empty)" in capsys.readouterr().out

@@ -182,3 +182,48 @@ def test_save_load_with_tokenizer_and_errors(tmp_path):
     (tmp_path / "p" / PROXY_MANIFEST).write_text(json.dumps(man))
     with pytest.raises(ValueError, match=f"layer '{name}' is"):
         load_proxy(tmp_path / "p")
+
+
+def test_summary_states_what_the_proxy_cannot_compress_and_warns_once(caplog, tmp_path):
+    """Issue 55: a model whose vocabulary is most of it (Gemma-3-270M: a 262k-way embedding) keeps most of its
+    parameters at any ρ; the summary says which share no ρ reaches (parameters and per-token matmul FLOPs), and a
+    warning says it once when the whole model saves less than half of ρ."""
+    import logging
+
+    from iprox_lightning.commands.pipeline import _uncompressible
+
+    vocab, hidden = 4096, 32
+    model = tiny_causal_lm("gemma3", seed=0, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=True)
+    total = count_parameters(model)
+    targeted = sum(linear_shape(m)[0] * linear_shape(m)[1] for m in find_target_linears(model).values())
+    with caplog.at_level(logging.WARNING, logger="iprox_lightning.compression.apply"):
+        rep = compress_model(model, make_batches(n_examples=6, batch_size=3, seed=1), 0.5, num_probe_tokens=24,
+                             allocation="uniform", progress=False)
+        compress_model(tiny_causal_lm("gemma3", seed=0, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=True),
+                       make_batches(n_examples=6, batch_size=3, seed=1), 0.5, num_probe_tokens=24,
+                       allocation="uniform", progress=False)
+    # the shares, by hand: everything outside the targeted layers; FLOPs: the (tied) LM head's vocab x hidden matmul
+    assert rep.fixed_param_share == pytest.approx(1 - targeted / total)
+    assert rep.fixed_param_share > 0.8
+    assert rep.fixed_flop_share == pytest.approx(vocab * hidden / (vocab * hidden + targeted))
+    assert rep.param_saving < 0.25
+    text = rep.summary()
+    assert f"not compressible: {rep.fixed_param_share:.1%} of the parameters (embedding, LM head, norms)" in text
+    assert f"{rep.fixed_flop_share:.1%} of the per-token matmul FLOPs (LM head)" in text
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "saves only" in warned[0] and "sparsity 0.5" in warned[0], warned
+    # the manifest carries the counts; the pipeline summary's line reads them
+    save_proxy(model, None, tmp_path / "p", rep)
+    manifest = json.loads((tmp_path / "p" / PROXY_MANIFEST).read_text())
+    u = _uncompressible(manifest)["uncompressible"]
+    assert u["params"] == pytest.approx(rep.fixed_param_share, abs=1e-4)
+    assert u["flops"] == pytest.approx(rep.fixed_flop_share, abs=1e-4)
+
+
+def test_a_model_mostly_made_of_targeted_layers_gets_no_warning(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="iprox_lightning.compression.apply"):
+        rep = compress_model(tiny_causal_lm("llama", seed=0), make_batches(n_examples=6, batch_size=3, seed=1), 0.5,
+                             num_probe_tokens=24, allocation="uniform", progress=False)
+    assert rep.saving_warning() is None and not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -9,20 +9,22 @@ import numpy as np
 import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, RichProgressBar, TQDMProgressBar
 
-from iprox_lightning.console import ProgressBar, Summary, add_console_callbacks
+from iprox_lightning.console import ProgressBar, ProgressLinesCallback, Summary, add_console_callbacks
 
 
 def test_add_console_callbacks_defaults_and_user_choices():
     cfg = add_console_callbacks({"callbacks": None})
-    assert [type(c) for c in cfg["callbacks"]] == [ProgressBar, Summary]
+    # off a terminal (pytest's capture) the progress lines too (tests/test_progress.py)
+    assert [type(c) for c in cfg["callbacks"]] == [ProgressBar, Summary, ProgressLinesCallback]
     assert cfg["enable_model_summary"] is False  # Lightning adds no second summary and prints no "skipping" line
     user_bar = RichProgressBar()
     cfg = add_console_callbacks({"callbacks": [user_bar]})
     assert cfg["callbacks"][0] is user_bar and sum(isinstance(c, (TQDMProgressBar, RichProgressBar)) for c in cfg["callbacks"]) == 1
     cfg = add_console_callbacks({"enable_progress_bar": False, "enable_model_summary": False})
-    assert cfg["callbacks"] == []
+    assert [type(c) for c in cfg["callbacks"]] == [ProgressLinesCallback]
     cfg = add_console_callbacks({"callbacks": [ModelSummary(max_depth=2)]})
-    assert [type(c) for c in cfg["callbacks"]] == [ModelSummary, ProgressBar] and "enable_model_summary" not in cfg
+    assert [type(c) for c in cfg["callbacks"]] == [ModelSummary, ProgressBar, ProgressLinesCallback]
+    assert "enable_model_summary" not in cfg
 
 
 class _Tiny(L.LightningModule):

@@ -135,11 +135,12 @@ def test_package_folders_have_no_import_cycle():
 
 
 # The wings, lowest first: a folder imports only from its own floor's wings or lower ones, never from a wing on the
-# same floor (they are peers) or a higher one. The package root holds only its public face: ``errors``/``console``
-# (ground floor), ``cli`` and ``__init__`` (roof); ``modules/`` and ``callbacks/`` are faces that keep users'
+# same floor (they are peers) or a higher one. The package root holds only its public face: ``errors``/``progress``
+# (ground floor), ``console`` (above them), ``cli`` and ``__init__`` (roof); ``modules/`` and ``callbacks/`` are faces that keep users'
 # ``class_path``s (``iprox_lightning.modules.ProxyAlignModule``, ``iprox_lightning.callbacks.IPSVDCallback``) working.
 WING_FLOORS = [
-    {"errors", "console"},
+    {"errors", "progress"},  # progress: every long loop's progress, on a terminal and off it
+    {"console"},
     {"engine"},  # tracking, batch, target layers, low-rank layer, block surgery, model modes, damping, settings
     {"io"},  # artifact and record formats
     {"models"},

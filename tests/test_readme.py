@@ -8,10 +8,12 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_python_snippet_runs(tmp_path, monkeypatch, capsys):
     text = README.read_text()
     block = re.search(r"```python\n(import iprox_lightning as ipx.*?)```", text, re.S).group(1)
-    block = block.replace('"/tmp/proxy"', repr(str(tmp_path / "proxy")))
+    assert "/tmp/" not in block  # issue 55: fixed /tmp paths collide between users and runs; relative ones do not
+    monkeypatch.chdir(tmp_path)  # run as written: its relative outputs/api/ paths land in tmp_path
     ns: dict = {}
     exec(compile(block, "README.md", "exec"), ns)
-    assert ns["report"].layers and (tmp_path / "proxy" / "iprox_proxy.json").exists()
+    assert ns["report"].layers and (tmp_path / "outputs" / "api" / "proxy" / "iprox_proxy.json").exists()
+    assert (tmp_path / "outputs" / "api" / "proxy_dense" / "config.json").exists()
     assert set(ns["proxy_scores"]) == set(ns["target_scores"]) and len(ns["target_scores"]) == 2000
     out = capsys.readouterr().out
     assert "spearman" in out

@@ -85,3 +85,23 @@ def test_data_module_accepts_in_memory_pool():
         assert len(dm.records("warmup")) == 10
     with pytest.raises(ValueError, match=r"pool\[1\]: missing field 'response'"):
         SFTDataModule(pool=[recs[0], {"instruction": "x"}], tokenizer="builtin").pool_records
+
+
+def test_a_selection_by_a_task_rule_prints_the_key_it_ranks_by(tmp_path, capsys):
+    """Issue 55: a store selection (rule max over task columns) printed each example's pooled ``score``, which is not
+    what it was ranked by; now the rule's value comes first, labelled."""
+    records = _pool()
+    # pooled score says x0 is best; the task column ta ranks x5 first
+    table = {"id": [r["id"] for r in records], "score": [10.0 - i for i in range(6)],
+             "score/ta": [float(i) for i in range(6)], "score/ta.part": [float(i) / 2 for i in range(6)]}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(table), tmp_path / "s.parquet")
+    out = select(str(tmp_path / "s.parquet"), k=2, pool=records, rule="max", task="ta",
+                 output=str(tmp_path / "sel.jsonl"))
+    text = capsys.readouterr().out
+    assert [json.loads(l)["id"] for l in open(out)] == ["x5", "x4"]
+    assert "x5 (c; ranked by max value +5.000, pooled score +5.000" in text, text
+    meta = json.loads(open(out + ".meta.json").read())
+    assert meta["explanation"]["top"][0]["ranked_by"] == "max value" and meta["explanation"]["top"][0]["rank_value"] == 5

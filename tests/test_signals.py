@@ -34,7 +34,8 @@ def test_a_signal_stops_scoring_at_a_safe_point_and_the_same_command_resumes(tmp
 
     out = tmp_path / "scores"
     cmd = _score_command(out, 600)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # run from tmp_path: the config's logger (outputs/logs) and saved config.yaml land there, not in the checkout
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_shards(proc, out)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
@@ -45,7 +46,7 @@ def test_a_signal_stops_scoring_at_a_safe_point_and_the_same_command_resumes(tmp
     kept = sum(t.num_rows for t in read_shards(out, ["id"])[1])
     assert 0 < kept < 600
     # the same command resumes: every id once
-    done = subprocess.run(_score_command(out, 600), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_score_command(out, 600), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     _, table = read_table(out)
     ids = table.column("id").to_pylist()

@@ -406,7 +406,7 @@ def test_store_reuses_a_scoring_runs_saved_factors_and_keeps_its_own_copy(files,
 
     d, pool, val, _ = files
     fdir = tmp_path / "factors"
-    cfg = {"trainer": {"logger": False, "enable_progress_bar": False, "callbacks": [
+    cfg = {"trainer": {"logger": False, "enable_progress_bar": False, "default_root_dir": str(tmp_path), "callbacks": [
         {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(tmp_path / "exact")}}]},
         "model": {"init_args": {"model": "builtin", "method": "ekfac", "kfac_examples": 6, "factors_dir": str(fdir)}},
         "data": {"init_args": {"pool": str(pool), "validation": str(val), "tokenizer": "builtin", "max_length": 48,

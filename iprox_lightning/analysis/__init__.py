@@ -1,21 +1,64 @@
 """Analysis of proxies: influence retention, subspace affinity / diversity, FLOPs, plots, report tables."""
-from .flops import LinearShape, ModelShape, alignment_flops, ipsvd_flops, pipeline_flops, probe_flops, scoring_flops
-from .tables import flops_rows, format_table, merge_rows, retention_rows, select_top, selection_rows, write_rows
-from .retention import (
-    kendall, partial_spearman, pearson, per_task_retention, per_task_scores, retention_metrics, spearman, topk_overlap,
-    worst_task,
-)
-from .subspace import (
-    KroneckerProjector, mean_nn_distance, nearest_neighbor_distances, per_example_gradients, subspace_affinity,
-    subspace_basis,
-)
+from __future__ import annotations
 
-# public for the benchmarks: per-column Spearman (bench/store.py) and the per-layer attribution
-# (bench/layer_diagnosis.py)
-from .layer_attribution import group_table, layer_blocks, layer_contributions, task_layer_table
-from .retention import spearman_columns
-# the memory plan (train.py plan) as an API: a model's sizes, one run's settings, the stages' peaks (bench/plan_*.py)
-from .memory import Activations, ModelSizes, RunSettings, load_config, plan_stages, training_plan
+from importlib import import_module
+
+_HOMES = {
+    'LinearShape': '.flops',
+    'ModelShape': '.flops',
+    'alignment_flops': '.flops',
+    'ipsvd_flops': '.flops',
+    'pipeline_flops': '.flops',
+    'probe_flops': '.flops',
+    'scoring_flops': '.flops',
+    'flops_rows': '.tables',
+    'format_table': '.tables',
+    'merge_rows': '.tables',
+    'retention_rows': '.tables',
+    'select_top': '.tables',
+    'selection_rows': '.tables',
+    'write_rows': '.tables',
+    'kendall': '.retention',
+    'partial_spearman': '.retention',
+    'pearson': '.retention',
+    'per_task_retention': '.retention',
+    'per_task_scores': '.retention',
+    'retention_metrics': '.retention',
+    'spearman': '.retention',
+    'topk_overlap': '.retention',
+    'worst_task': '.retention',
+    'KroneckerProjector': '.subspace',
+    'mean_nn_distance': '.subspace',
+    'nearest_neighbor_distances': '.subspace',
+    'per_example_gradients': '.subspace',
+    'subspace_affinity': '.subspace',
+    'subspace_basis': '.subspace',
+    'group_table': '.layer_attribution',
+    'layer_blocks': '.layer_attribution',
+    'layer_contributions': '.layer_attribution',
+    'task_layer_table': '.layer_attribution',
+    'spearman_columns': '.retention',
+    'Activations': '.memory',
+    'ModelSizes': '.memory',
+    'RunSettings': '.memory',
+    'load_config': '.memory',
+    'plan_stages': '.memory',
+    'training_plan': '.memory',
+}
+"""Each public name and the module it lives in: imported on first use (PEP 562), so importing the package loads
+none of them (``train.py <command> --help`` stays fast)."""
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
 
 __all__ = [
     "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",

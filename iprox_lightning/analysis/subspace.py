@@ -225,11 +225,9 @@ def per_example_gradients(
 
     ids: list[str] = []
     rows: list[torch.Tensor] = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import progress as progress_of
 
-        bar = tqdm(total=max_examples, desc="per-example gradients", unit="ex", leave=False)
+    bar = progress_of(total=max_examples, desc="per-example gradients", unit="ex", enabled=progress)
     try:
         with eval_mode(model), _grad_enabled_for(params.values()):
             for batch in batches:

@@ -156,11 +156,9 @@ def fit_regression_scorer(
                                for b in eval_batches]
     ys = [scorer.standardize(lookup_targets([str(i) for i in b["id"]], targets)).to(dev) for b in batches]
     history = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import progress as progress_of
 
-        bar = tqdm(total=epochs * len(batches), desc="regression scorer", unit="batch", leave=False)
+    bar = progress_of(total=epochs * len(batches), desc="regression scorer", unit="batch", enabled=progress)
     try:
         for epoch in range(epochs):
             order = list(range(len(batches)))
@@ -215,11 +213,9 @@ def predict_scores(scorer: RegressionLM, batches: Iterable[Mapping], *, progress
     dev = _device_of(scorer)
     scorer.eval()
     out: dict[str, float] = {}
-    it = batches
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import progress as progress_of
 
-        it = tqdm(batches, desc="scoring with regression scorer", unit="batch", leave=False)
+    it = progress_of(batches, desc="scoring with regression scorer", unit="batch", enabled=progress)
     for b in it:
         check_batch(b)
         z = scorer(b["input_ids"].to(dev), b["attention_mask"].to(dev))

@@ -24,7 +24,7 @@ TRAINER_COMMANDS = {
 """The LightningCLI subcommands (:mod:`.lightning`) and what they do in this project."""
 
 COMMANDS = ("sample_pool", "select", "pipeline", "plan", "report", "check", "layer_extraction", "regression_scorer", "random_scores",
-            "rds_scores", "export_proxy", "build_store", "query")
+            "rds_scores", "export_proxy", "build_store", "query", "cache")
 """The plain-function commands, in the order ``train.py --help`` lists them."""
 
 COMMAND_HOMES = {"select": "..selection.select"}
@@ -43,5 +43,12 @@ def command(name: str) -> Callable:
 
 
 def summary(name: str) -> str:
-    """One line saying what command ``name`` does (the first line of its module's docstring)."""
-    return (_module(name).__doc__ or "").strip().splitlines()[0].rstrip(".")
+    """One line saying what command ``name`` does (the first line of its module's docstring), read from the module's
+    source without importing it: ``train.py --help`` lists every command without loading torch or Lightning."""
+    import ast
+    from importlib.util import find_spec
+
+    spec = find_spec(COMMAND_HOMES.get(name, f".{name}"), __name__)
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.strip().splitlines()[0].rstrip(".")

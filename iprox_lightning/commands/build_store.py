@@ -83,7 +83,7 @@ def build_store(
 
     import lightning as L
 
-    from ..console import quiet_lightning_tips, quiet_stage
+    from ..console import progress_lines, quiet_lightning_tips, quiet_stage
     from ..data import SFTDataModule
     from ..io.gradient_store import read_info
     from ..scoring.store import GradientStoreModule, GradientStoreWriter
@@ -108,7 +108,8 @@ def build_store(
     t0 = time.perf_counter()
     with quiet_stage():  # one summary line, not Lightning's "GPU available" / "TPU available" lines (warnings show)
         trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
-                            enable_progress_bar=progress, inference_mode=False, callbacks=[writer, StopOnSigterm()],
+                            enable_progress_bar=progress, inference_mode=False,
+                            callbacks=[writer, StopOnSigterm(), *progress_lines()],
                             enable_checkpointing=False, **({"precision": precision} if precision else {}))
         trainer.predict(module, datamodule=dm, return_predictions=False)
     info = read_info(output_dir)

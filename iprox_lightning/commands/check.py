@@ -119,6 +119,7 @@ def check(
     layer_extraction: bool = True,
     min_spearman: float = FLOOR,
     proxy_validation: str | None = None,
+    keep_validation_cache: bool = True,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy`` against ``val_per_task`` validation
     examples per task; print the retention table, the per-task table and a verdict.
@@ -166,6 +167,10 @@ def check(
             proxy by default), ``proxy`` (its own) or ``None`` (default): ``target`` for a saved IProX proxy that kept
             every block of the target, ``proxy`` for any other model. Layer Extraction always uses its own (its
             blocks are renumbered).
+        keep_validation_cache: keep the validation gradient sums under ``<output_dir>/cache/validation/`` (most of
+            the cache: one float32 gradient per task column and model, 0.42 GB each for SmolLM2-135M) for the next
+            check of the same models; ``false`` deletes them at the end (the score tables, small, are kept, so the
+            same check again is still free). ``train.py cache --under <output_dir>`` lists and clears caches.
     """
     from ..analysis.verdict import check_verdict
     from ..scoring.influence import ScoringConfig
@@ -195,7 +200,21 @@ def check(
                              "counts": {t: len(v) for t, v in s.val_sample.items()}, "ids": s.val_sample},
               "cache": cache.events, "seconds": seconds, "estimate_s": estimate.estimate_s}
     _write_result(result_path, result)
+    if not keep_validation_cache:
+        _drop_validation_cache(cache)
     return {**rows[0], "verdict": verdict["verdict"], "use": verdict["use"]}
+
+
+def _drop_validation_cache(cache) -> None:
+    """Delete the check's cached validation gradient sums (``keep_validation_cache=False``), saying how much."""
+    import shutil
+
+    d = cache.root / "validation"
+    if not d.is_dir():
+        return
+    size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+    shutil.rmtree(d)
+    print(f"check: deleted the validation gradient cache {d} ({size / 1e6:.1f} MB; keep_validation_cache false)")
 
 
 def _proxy_validation(proxy: str, choice: str | None) -> str:

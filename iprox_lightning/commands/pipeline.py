@@ -600,6 +600,18 @@ def _per_task(wd, rule: str | None = None, tasks: list[str] | None = None) -> di
     return {"retention_proxy_vs_target_per_task": per_task, "retention_proxy_vs_target_worst_task": worst_task(per_task)}
 
 
+def _uncompressible(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the proxy cannot compress, from its manifest: ``{"uncompressible": {"params": share of the target's
+    parameters outside the targeted layers, "flops": share of per-token matmul FLOPs outside them}}`` (empty for a
+    manifest of an older version, which lacks the counts)."""
+    before, targeted = manifest.get("params_before"), manifest.get("target_params_before")
+    if not before or targeted is None:
+        return {}
+    other = manifest.get("untargeted_matmul_params")
+    return {"uncompressible": {"params": round(1 - targeted / before, 4),
+                               "flops": None if other is None else round(other / max(other + targeted, 1), 4)}}
+
+
 def _summary(wd, warm, proxy, scores, selected, times, pool, rule=None, tasks=None) -> dict[str, Any]:
     from ..analysis.retention import retention_metrics
 
@@ -612,6 +624,7 @@ def _summary(wd, warm, proxy, scores, selected, times, pool, rule=None, tasks=No
         "target_params": manifest.get("params_before") or _count_params(str(warm)),
         "proxy_params": manifest.get("params_after") or _count_params(str(proxy)),
         "proxy_manifest": {k: manifest[k] for k in ("sparsity", "method", "mode", "damping", "damping_mode") if k in manifest},
+        **_uncompressible(manifest),
         "seconds_per_stage": {k: round(v, 2) for k, v in times.items()},
         "retention_proxy_vs_target": retention_metrics(scores["proxy"], scores["target"]),
         "retention_random_vs_target": retention_metrics(scores["random"], scores["target"]),
@@ -661,6 +674,11 @@ def _format_summary(s: dict[str, Any]) -> str:
     tp, pp = s["target_params"], s["proxy_params"]
     lines.append(f"target parameters : {tp:,}")
     lines.append(f"proxy parameters  : {pp:,} ({pp / tp:.1%} of the target; {s['proxy_manifest']})")
+    if "uncompressible" in s:
+        u = s["uncompressible"]
+        flops = f", {u['flops']:.1%} of the per-token matmul FLOPs (LM head)" if u.get("flops") is not None else ""
+        lines.append(f"   not compressible: {u['params']:.1%} of the target's parameters (embedding, LM head, norms)"
+                     f"{flops}")
     lines.append("seconds per stage : " + ", ".join(f"{k} {v:.1f}" for k, v in s["seconds_per_stage"].items()))
     if "stages" in s:
         from ..io.stages import format_provenance

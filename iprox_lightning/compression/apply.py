@@ -106,6 +106,39 @@ class CompressionReport:
     compression: CompressionConfig | None = None  # the settings as given (written verbatim into the manifest)
     block_drop: BlockDropReport | None = None  # drop_blocks > 0: the removed blocks (counts above: original model)
     rank_weighting: RankWeights | None = None  # rank_weighting="influence": the allocation's layer weights
+    untargeted_matmul_params: int | None = None  # weights of the linear maps no plan touches (the LM head, tied or not)
+
+    # -------------------------------------------------------------- what the proxy cannot compress
+    @property
+    def fixed_param_share(self) -> float:
+        """Share of the target's parameters outside the targeted layers (embedding, LM head, norms): no ρ reaches
+        them."""
+        return 1.0 - self.target_params_before / max(self.params_before, 1)
+
+    @property
+    def fixed_flop_share(self) -> float | None:
+        """Share of the per-token matmul FLOPs (2 per weight of every linear map, the LM head included; the
+        sequence-length-dependent attention products not counted) in linear maps outside the targeted layers."""
+        if self.untargeted_matmul_params is None:
+            return None
+        return self.untargeted_matmul_params / max(self.untargeted_matmul_params + self.target_params_before, 1)
+
+    @property
+    def param_saving(self) -> float:
+        """Whole-model parameter saving: ``1 − params_after / params_before``."""
+        return 1.0 - self.params_after / max(self.params_before, 1)
+
+    def saving_warning(self) -> str | None:
+        """One line when ρ cannot buy the saving it names: the whole model saves less than half of ρ (most of the
+        model is what the proxy does not compress, e.g. a 262k-token embedding); ``None`` otherwise."""
+        if self.sparsity <= 0 or self.block_drop is not None or self.param_saving >= self.sparsity / 2:
+            return None
+        flops = (f" and {self.fixed_flop_share:.0%} of the per-token matmul FLOPs (LM head)"
+                 if self.fixed_flop_share is not None else "")
+        return (f"sparsity {self.sparsity} saves only {self.param_saving:.0%} of the whole model's parameters "
+                f"({self.params_before:,} -> {self.params_after:,}): {self.fixed_param_share:.0%} of them{flops} are "
+                "outside the layers IPSVD compresses (embedding, LM head, norms), so the proxy is hardly cheaper "
+                "than the target; a higher sparsity or drop_blocks buys more")
 
     @property
     def ranks(self) -> dict[str, int | None]:
@@ -135,12 +168,15 @@ class CompressionReport:
         rw = self.rank_weighting
         weighted = (f", influence-weighted allocation ({len(rw.tasks)} tasks, weights {min(rw.weights.values()):.3g}"
                     f"..{max(rw.weights.values()):.3g}, {rw.time_s:.1f}s)" if rw is not None else "")
+        flops = (f", {self.fixed_flop_share:.1%} of the per-token matmul FLOPs (LM head)"
+                 if self.fixed_flop_share is not None else "")
         return (
             f"{self.method}{'/' + self.mode if self.mode else ''} at sparsity {self.sparsity}: "
             f"{n_low}/{len(self.layers)} layers factorised, parameters {self.params_before:,} -> "
-            f"{self.params_after:,} (requested {self.params_requested:,}; targeted layers "
-            f"{self.target_params_before:,} -> {self.target_params_after:,}, achieved sparsity "
-            f"{self.achieved_sparsity:.4f}), probes {self.probe_tokens} tokens in {self.time_probes_s:.1f}s, "
+            f"{self.params_after:,} ({self.param_saving:.1%} saved; requested {self.params_requested:,}; targeted "
+            f"layers {self.target_params_before:,} -> {self.target_params_after:,}, achieved sparsity "
+            f"{self.achieved_sparsity:.4f}; not compressible: {self.fixed_param_share:.1%} of the parameters "
+            f"(embedding, LM head, norms){flops}), probes {self.probe_tokens} tokens in {self.time_probes_s:.1f}s, "
             f"factors in {self.time_factors_s:.1f}s{mean_rel}{dropped}{weighted}"
         )
 
@@ -258,7 +294,14 @@ def compress(
                         progress=progress)
     report = _report(model, plan, config, layers, probes, t_probes, time.perf_counter() - t1, t_alloc)
     log.info(report.summary())
+    warning = report.saving_warning()
+    if warning is not None and warning not in _WARNED:  # once per process and model: a sweep over ρ says it once each
+        _WARNED.add(warning)
+        log.warning(warning)
     return report
+
+
+_WARNED: set[str] = set()
 
 
 def apply_plan(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, probes: Probes | None, *,
@@ -370,6 +413,8 @@ def _report(model: nn.Module, plan: CompressionPlan, config: CompressionConfig, 
         allocation=plan.allocation, keep_dense=list(config.keep_dense) if config.keep_dense else None,
         time_allocation_s=t_alloc, compression=config, block_drop=plan.block_drop,
         rank_weighting=plan.rank_weighting,
+        untargeted_matmul_params=sum(m.weight.numel() for n, m in model.named_modules()
+                                     if isinstance(m, nn.Linear) and n not in {lr.name for lr in layers}),
     )
 
 

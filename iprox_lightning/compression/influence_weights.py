@@ -44,7 +44,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from ..progress import progress as progress_of
 
 from ..engine.batch import IGNORE_INDEX, check_batch, to_device
 from ..engine.model_modes import eval_mode
@@ -206,7 +206,7 @@ def influence_rank_weights(
     counts: dict[str, int] = {}
     ran = False
     with eval_mode(model):
-        for i, batch in enumerate(tqdm(validation_batches, desc="influence weights (validation)", disable=not progress)):
+        for i, batch in enumerate(progress_of(validation_batches, desc="influence weights (validation)", unit="batch", enabled=progress, leave=True)):
             try:
                 check_batch(batch)
             except ValueError as e:
@@ -228,7 +228,7 @@ def influence_rank_weights(
                                 for t in tasks])
         parts = ProbeScoreParts(modules, V, dtype)
         dots, sq = [], []
-        for i, batch in enumerate(tqdm(probe_batches, desc="influence weights (probes)", disable=not progress)):
+        for i, batch in enumerate(progress_of(probe_batches, desc="influence weights (probes)", unit="batch", enabled=progress, leave=True)):
             try:
                 check_batch(batch)
             except ValueError as e:

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from ..progress import progress as progress_of
 
 from ..engine.batch import check_batch, to_device
 from ..engine.model_modes import eval_mode
@@ -168,7 +168,7 @@ def collect_probes(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     loss_sum, n_examples = 0.0, 0
     with eval_mode(model):
-        for batch, share in tqdm(list(zip(batches, shares)), desc="IPSVD probes", disable=not progress):
+        for batch, share in progress_of(list(zip(batches, shares)), desc="IPSVD probes", unit="batch", enabled=progress, leave=True):
             n_examples += batch["input_ids"].shape[0]
             if share == 0:
                 continue

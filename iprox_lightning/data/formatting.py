@@ -295,10 +295,9 @@ def tokenize_records(
     in_main = threading.current_thread() is threading.main_thread()
     _limit = lambda j: None if in_main or j == 0 else 0  # noqa: E731
     starts = range(0, len(records), chunk_size)
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import progress as progress_of
 
-        starts = tqdm(starts, desc=desc, unit="chunk", total=len(starts))
+    starts = progress_of(starts, desc=desc, unit="chunk", total=len(starts), enabled=progress, leave=True)
     for s in starts:
         chunk = [bound_record(r, max_length * CHARS_PER_TOKEN_BOUND, truncation) for r in records[s : s + chunk_size]]
         texts = [render_chat(r, tokenizer, time_limit=_limit(s + j)) if mode == "chat" else render_plain(r)

@@ -89,11 +89,9 @@ def block_importance(
         handles.append(blk.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(blk.register_forward_hook(post, with_kwargs=True))
     dev = next(model.parameters()).device
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import progress as progress_of
 
-        bar = tqdm(total=max_batches, desc="block importance", unit="batch", leave=False)
+    bar = progress_of(total=max_batches, desc="block importance", unit="batch", enabled=progress)
     try:
         with eval_mode(model):
             for b, batch in enumerate(batches):

@@ -328,11 +328,11 @@ def slice_rows(batch: Mapping, n: int) -> dict:
 
 
 def progress_bar(it, enabled: bool, desc: str, total=None):
-    if not enabled:
-        return it
-    from tqdm.auto import tqdm
+    """``it`` with progress (:func:`iprox_lightning.progress.progress`): tqdm's bar on a terminal when ``enabled``,
+    a line a minute off a terminal."""
+    from ..progress import progress
 
-    return tqdm(it, desc=desc, total=total, leave=False)
+    return progress(it, desc=desc, total=total, enabled=enabled, unit="batch")
 
 
 def trim_batch(batch: Mapping, keep: torch.Tensor | None = None) -> dict:

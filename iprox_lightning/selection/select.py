@@ -238,7 +238,9 @@ def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tu
         from .summary import explain_selection
 
         table_rows = {str(r["id"]): r for r in table.to_pylist()}
-        meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows)
+        label = meta["column"] if "(" not in meta["column"] else f"{meta['rule']} value"  # e.g. score/mmlu, max value
+        meta["explanation"] = explain_selection([i for _, i in chosen], pool_records, table_rows,
+                                                ranked_by=(label, {i: s for s, i in chosen}))
     write_selection(out, [(i, s) for s, i in chosen], records, meta)
     if bad and not quiet:
         print(f"select: skipped {len(bad)} row(s) flagged 'nonfinite' (NaN/inf), e.g. {sorted({i for i, _ in bad})[:3]}")

@@ -59,10 +59,13 @@ def explain_selection(
     pool: Sequence[Mapping[str, Any]],
     rows: Mapping[str, Mapping[str, Any]] | None = None,
     n_examples: int = 3,
+    ranked_by: tuple[str, Mapping[str, float]] | None = None,
 ) -> dict[str, Any]:
     """See the module doc. ``selected``: ids best first; ``pool``: canonical records of the whole pool
     (every selected id must be in it); ``rows``: ``{id: score-table row}`` (``score``, ``score/<task>``,
-    ``n_tokens``), optional."""
+    ``n_tokens``), optional; ``ranked_by``: ``(label, {id: value})``, the key the selection ranked by (a rule's value:
+    ``max`` of the task columns, ``balanced``'s standardised task score, ...), shown beside each example's
+    ``score`` when it is not that column."""
     rows = rows or {}
     by_id = {r["id"]: r for r in pool}
     missing = [i for i in selected if i not in by_id]
@@ -100,6 +103,8 @@ def explain_selection(
     def example(i: str) -> dict[str, Any]:
         r = rows.get(i, {})
         ex = {"id": i, "category": category[i], **_text(by_id[i])}
+        if ranked_by is not None and ranked_by[0] != "score" and i in ranked_by[1]:
+            ex["ranked_by"], ex["rank_value"] = ranked_by[0], float(ranked_by[1][i])
         if "score" in r:
             ex["score"] = float(r["score"])
         ts = {k[len(TASK_PREFIX):]: float(v) for k, v in r.items() if k.startswith(TASK_PREFIX) and v is not None}
@@ -131,6 +136,8 @@ def format_selection(e: Mapping[str, Any], max_categories: int = 12) -> str:
     for label, key in (("top", "top"), ("bottom", "bottom")):
         for ex in e.get(key, []):
             sc = f"score {ex['score']:+.3f}" if "score" in ex else ""
+            if "ranked_by" in ex:  # the key the selection ranked by first: the pooled score is not it
+                sc = f"ranked by {ex['ranked_by']} {ex['rank_value']:+.3f}" + (f", pooled {sc}" if sc else "")
             ts = ", ".join(f"{t} {v:+.3f}" for t, v in ex.get("task_scores", {}).items())
             text = ex["instruction"] + (f" [{ex['context']}]" if ex["context"] else "") + f" -> {ex['response']}"
             lines.append(f"  {label:<6} {ex['id']} ({ex['category']}; {sc}{'; ' + ts if ts else ''}): {text!r}")
