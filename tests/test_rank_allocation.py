@@ -172,3 +172,49 @@ def test_compress_model_keep_dense_and_global_budget():
     compress_model(m2, batches, 0.5, keep_dense=[r"\.o_proj$"], num_probe_tokens=48, progress=False)
     assert not any(n.endswith("o_proj") for n in lowrank_layers(m2))
     assert count_parameters(m2) > 0
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7)])
+def test_whitened_svd_factors_equal_ipsvd_factors_at_every_rank(shape):
+    """One decomposition serves the spectrum and the factors of every rank up to ``keep``: the same σ as
+    weighted_spectrum and the same (A, B) as ipsvd_factors(mode="exact"), which test_ipsvd_factors checks against the
+    brute-force optimum."""
+    from iprox_lightning.compression.ipsvd import whitened_svd
+    W, H, D = _problem(*shape, seed=4)
+    kw = dict(damping=1e-3, damping_mode="relative")
+    w = whitened_svd(W, H, D, keep=4, **kw)
+    assert torch.allclose(w.singular_values, weighted_spectrum(W, H, D, **kw), rtol=1e-12, atol=0)
+    for r in range(1, 5):
+        A, B = w.factors(r)
+        A0, B0 = ipsvd_factors(W, H, D, r, mode="exact", **kw)
+        assert torch.allclose(A, A0, rtol=1e-5, atol=1e-7) and torch.allclose(B, B0, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="singular vectors kept"):
+        w.factors(5)
+    assert whitened_svd(W, H, D, keep=0, **kw).keep == 0
+
+
+def test_global_allocation_factorises_from_its_decompositions_within_the_probes_memory(monkeypatch):
+    """compress(allocation="global") decomposes each layer once: apply_plan takes the factors from the allocation's
+    decompositions (no second ipsvd_factors call) and the proxy equals the one made by recomputing them (the cache
+    left empty: no room)."""
+    import iprox_lightning.compression.apply as apply_mod
+    import iprox_lightning.compression.plan as plan_mod
+    batches = make_batches(n_examples=8, batch_size=4, seed=3)
+    calls = []
+    real = apply_mod.compute_factors
+    monkeypatch.setattr(apply_mod, "compute_factors", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    kw = dict(mode="exact", damping=1e-3, damping_mode="relative", num_probe_tokens=48, allocation="global",
+              progress=False)
+    cached = tiny_causal_lm("llama", seed=0)
+    rep = compress_model(cached, batches, 0.5, **kw)
+    assert calls == []  # every layer from its decomposition
+    monkeypatch.setattr(plan_mod, "whitened_bytes", lambda i, o, k: float("inf"))  # nothing fits: recomputed
+    recomputed = tiny_causal_lm("llama", seed=0)
+    rep2 = compress_model(recomputed, batches, 0.5, **kw)
+    assert len(calls) == sum(lr.rank is not None for lr in rep2.layers) > 0
+    assert rep.ranks == rep2.ranks
+    for (n, a), (_, b) in zip(cached.state_dict().items(), recomputed.state_dict().items()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), n
+    for l1, l2 in zip(rep.layers, rep2.layers):
+        assert l1.objective == pytest.approx(l2.objective, rel=1e-6, abs=1e-12)
+        assert l1.objective_dense == pytest.approx(l2.objective_dense, rel=1e-9)

@@ -27,7 +27,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
 * **Stage 1** (IPSVD, on every rank, before any sharding): the teacher and the proxy (a dense copy until it is
   compressed), the float32 probe columns ``num_probe_tokens · Σ (in + out)`` over the targeted layers, then per
   layer the float64 work of :func:`iprox_lightning.compression.ipsvd.ipsvd_factors` (``H``, ``Δ`` in float64, the Gram matrices
-  ``min(d, N)²`` of each side, ``W`` and the whitened ``S`` with two ``[out, in]`` temporaries, the Gram of ``S``).
+  ``min(d, N)²`` of each side, ``W`` and the whitened ``S`` with two ``[out, in]`` temporaries, the Gram of ``S``), and
+  the global allocation's kept decompositions (:class:`~iprox_lightning.compression.ipsvd.WhitenedSVD`, float64
+  ``(in + out)·dense_rank`` per layer, kept only while they fit in the probes' own bytes).
 * **Stage 2** (alignment): teacher + compressed proxy + the factors' gradients and AdamW moments, the teacher's kept
   ``(h, δ)`` of every aligned layer and token (``B·T · Σ (in + out)``, ``grad_through_projection``), and the proxy's
   activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
@@ -388,6 +390,16 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
     return _stage(stage, parts, f * n)
 
 
+def _whitened_bytes(sizes: ModelSizes) -> float:
+    """Float64 bytes of every tracked layer's :class:`~iprox_lightning.compression.ipsvd.WhitenedSVD` as the global
+    allocation keeps it (``(in + out)`` vectors up to the rank at which the layer stays dense, and its spectrum)."""
+    from ..compression.ipsvd import whitened_bytes
+    from ..compression.ranks import dense_rank
+    return float(sum(whitened_bytes(l.in_features, l.out_features,
+                                    min(dense_rank(l.in_features, l.out_features), l.in_features, l.out_features))
+                     for l in sizes.shape.linears if l.tracked))
+
+
 def _ipsvd_work(sizes: ModelSizes, N: int) -> float:
     """Float64 bytes of the largest layer's :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` (mode exact)."""
     worst = 0.0
@@ -428,6 +440,7 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
         "teacher": sizes.params * 4,
         "proxy": sizes.params * 4,  # the dense copy, compressed layer by layer
         "probes": 4.0 * N * io_sum,
+        "decompositions": min(4.0 * N * io_sum, _whitened_bytes(sizes)),
         # the probe pass, then the factors: the larger of the two
         ("activations" if act1 >= _ipsvd_work(sizes, N) else "ipsvd_float64"): max(act1, _ipsvd_work(sizes, N)),
     }

@@ -27,10 +27,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..errors import UserInputError
-from .ipsvd import compute_factors, weighted_objective
+from ..progress import progress as progress_of
+from .ipsvd import WhitenedSVD, compute_factors, weighted_objective
 from ..engine.lowrank import LowRankLinear
 from ..engine.settings import takes_settings
 from ..engine.target_layers import (
@@ -315,7 +315,8 @@ def apply_plan(model: nn.Module, plan: CompressionPlan, config: CompressionConfi
     if list(modules) != list(plan.shapes):
         raise ValueError(f"the plan is for layers {list(plan.shapes)[:4]}..., the model has {list(modules)[:4]}...")
     layers: list[LayerReport] = []
-    for name, module in tqdm(list(modules.items()), desc=f"IPSVD factors ({config.method})", disable=not progress):
+    for name, module in progress_of(list(modules.items()), desc=f"IPSVD factors ({config.method})", enabled=progress,
+                                    unit="layer"):
         out_f, in_f = linear_shape(module)
         layers.append(LayerReport(name=name, in_features=in_f, out_features=out_f, rank=plan.ranks[name],
                                   bias=_layer_bias(module) is not None, params_before=in_f * out_f,
@@ -323,13 +324,17 @@ def apply_plan(model: nn.Module, plan: CompressionPlan, config: CompressionConfi
                                   params_requested=requested_layer_params(in_f, out_f, config.sparsity)))
         if plan.ranks[name] is not None:
             _factorise_layer(model, name, module, layers[-1], config, probes, consume_probes, len(layers),
-                             compute_dtype)
+                             compute_dtype, plan.whitened.pop(name, None))
+    plan.whitened.clear()
     return layers
 
 
 def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerReport, config: CompressionConfig,
-                     probes: Probes | None, consume_probes: bool, index: int, compute_dtype) -> None:
-    """Swap the layer ``name`` for its ``LowRankLinear`` at rank ``lr.rank``; fills ``lr`` (objective, mode, time)."""
+                     probes: Probes | None, consume_probes: bool, index: int, compute_dtype,
+                     whitened: WhitenedSVD | None = None) -> None:
+    """Swap the layer ``name`` for its ``LowRankLinear`` at rank ``lr.rank``; fills ``lr`` (objective, mode, time).
+    ``whitened``: the layer's exact IPSVD from the global allocation (:func:`~iprox_lightning.compression.plan.plan_global_ranks`),
+    whose factors at the rank are those :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` computes (exact mode)."""
     ts = time.perf_counter()
     W, bias, rank = linear_weight(module).detach(), _layer_bias(module), lr.rank
     H = Delta = None
@@ -345,7 +350,11 @@ def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerRe
         kwargs.update(damping=config.damping, damping_mode=config.damping_mode, core_fallback=config.core_fallback,
                       on_fallback=fallbacks.append)
     try:
-        A, B = compute_factors(config.method, W, rank, H, Delta, mode=used_mode, **kwargs)
+        if whitened is not None and config.method == "ipsvd" and used_mode == "exact":
+            A, B = whitened.factors(rank)
+            A, B = A.to(W.device), B.to(W.device)
+        else:
+            A, B = compute_factors(config.method, W, rank, H, Delta, mode=used_mode, **kwargs)
     except ValueError as e:
         raise ValueError(f"layer {name!r}: {e}") from None
     if fallbacks:
@@ -354,7 +363,8 @@ def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerRe
     if H is not None:
         obj_kw = dict(damping=config.damping, damping_mode=config.damping_mode)
         lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)
-        lr.objective_dense = weighted_objective(W, None, None, H, Delta, **obj_kw)
+        lr.objective_dense = (float(whitened.singular_values.pow(2).sum()) if whitened is not None  # ‖S‖_F² = Σ σ²
+                              else weighted_objective(W, None, None, H, Delta, **obj_kw))
     new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
                                      None if bias is None else bias.detach())
     new.train(module.training)

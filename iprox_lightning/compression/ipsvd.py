@@ -52,6 +52,7 @@ The returned factors are float32 on the device of ``weight``: the caller casts.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -95,24 +96,28 @@ def damping_values(H: torch.Tensor, Delta: torch.Tensor, damping: float, damping
     return lam_h, lam_d
 
 
-def _gram_svd(X: torch.Tensor, k: int | None = None, rel_tol: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gram_svd(X: torch.Tensor, k: int | None = None, rel_tol: float = 0.0,
+              all_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-``k`` singular triplets ``(U [d, k], S [k], V [n, k])`` of ``X: [d, n]`` (descending)
     from the symmetric eigendecomposition of the smaller Gram matrix (``XᵀX`` or ``XXᵀ``), in the
     dtype of ``X`` (float64 here). Much faster than a full SVD on CPU; the side taken from the
     Gram matrix is exactly orthonormal, the other is ``X V / σ``. Components with
-    ``σ ≤ rel_tol · σ_max`` are dropped (``k`` shrinks)."""
+    ``σ ≤ rel_tol · σ_max`` are dropped (``k`` shrinks). ``all_values``: ``S`` holds all ``min(d, n)`` singular
+    values (``U``, ``V`` still the top ``k``; not with ``rel_tol``)."""
     d, n = X.shape
     k = min(d, n) if k is None else min(k, d, n)
     if n <= d:
         evals, V = torch.linalg.eigh(X.T @ X)
     else:
         evals, V = torch.linalg.eigh(X @ X.T)
-    evals, V = evals.flip(0)[:k], V.flip(1)[:, :k]
-    S = evals.clamp(min=0).sqrt()
+    S_all = evals.flip(0).clamp(min=0).sqrt()
+    S, V = S_all[:k], V.flip(1)[:, :k]
     keep = S > rel_tol * S[0] if S.numel() and S[0] > 0 else S > 0
     if rel_tol > 0:
         S, V = S[keep], V[:, keep]
     inv = torch.where(S > 0, 1.0 / torch.where(S > 0, S, torch.ones_like(S)), torch.zeros_like(S))
+    if all_values:
+        S = S_all
     if n <= d:
         return (X @ V) * inv[None, :], S, V
     return V, S, (X.T @ V) * inv[None, :]
@@ -215,13 +220,75 @@ def ipsvd_factors(
         if on_fallback is not None:
             on_fallback(reason)
     # exact: S = C_δ,λ^{1/2} W C_h,λ^{1/2} (out × in), top-r SVD, map back with C^{-1/2}
+    return _whiten(W, (lam_h, U_h, D_h), (lam_d, U_d, D_d), dense, keep=rank).factors(rank, split)
+
+
+@dataclass
+class WhitenedSVD:
+    """One layer's exact IPSVD, computed once for every rank up to ``keep``: the singular values ``σ`` of the whitened
+    weight ``S = C_δ,λ^{1/2} W C_h,λ^{1/2}`` (all ``min(in, out)`` of them, descending, float64: what
+    :func:`weighted_spectrum` returns) and its top ``keep`` singular vectors mapped back, ``left = C_δ,λ^{-1/2} U_k``
+    (``[out, keep]``) and ``right = C_h,λ^{-1/2} V_k`` (``[in, keep]``). :meth:`factors` at rank ``r ≤ keep`` is then
+    what :func:`ipsvd_factors` returns (``mode="exact"``) without a second decomposition: the global rank allocation
+    prices every layer with ``σ`` and keeps these to factorise (:func:`~iprox_lightning.compression.plan.plan_global_ranks`)."""
+
+    singular_values: torch.Tensor
+    left: torch.Tensor
+    right: torch.Tensor
+
+    @property
+    def keep(self) -> int:
+        return self.left.shape[1]
+
+    def factors(self, rank: int, split: str = "balanced") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A [out, r], B [r, in])`` float32 at rank ``r ≤ keep`` (``split``: :func:`ipsvd_factors`)."""
+        if not 1 <= rank <= self.keep:
+            raise ValueError(f"rank must be in [1, {self.keep}] (the singular vectors kept), got {rank}")
+        A, B = _split(self.left[:, :rank], self.singular_values[:rank].to(self.left.dtype), self.right[:, :rank], split)
+        return A.float().contiguous(), B.float().contiguous()
+
+
+def whitened_bytes(in_features: int, out_features: int, keep: int) -> int:
+    """Bytes a :class:`WhitenedSVD` keeping ``keep`` vectors holds (float64)."""
+    return 8 * ((in_features + out_features) * keep + min(in_features, out_features))
+
+
+def whitened_svd(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    Delta: torch.Tensor,
+    *,
+    keep: int,
+    damping: float = DEFAULT_DAMPING,
+    damping_mode: str = DEFAULT_DAMPING_MODE,
+    compute_dtype: torch.dtype | None = None,
+) -> WhitenedSVD:
+    """The :class:`WhitenedSVD` of ``weight`` given probes ``H``, ``Delta`` (module docstring), keeping ``keep``
+    singular vectors (``0``: the spectrum alone; at most ``min(in, out)``). ``compute_dtype``: as in
+    :func:`ipsvd_factors` (the dense ``out×in`` work and the mapping back; the spectrum is always float64)."""
+    out_f, in_f, N = _check_inputs(weight, H, Delta, 1)
+    if not 0 <= keep <= min(in_f, out_f):
+        raise ValueError(f"keep must be in [0, min(in, out) = {min(in_f, out_f)}], got {keep}")
+    lam_h, lam_d = damping_values(H, Delta, damping, damping_mode)
+    U_h, D_h = _thin_svd(H, lam_h, N)
+    U_d, D_d = _thin_svd(Delta, lam_d, N)
+    return _whiten(weight.detach(), (lam_h, U_h, D_h), (lam_d, U_d, D_d), compute_dtype or _F64, keep=keep)
+
+
+def _whiten(W: torch.Tensor, h_side: tuple, d_side: tuple, dense: torch.dtype, *, keep: int) -> WhitenedSVD:
+    """:class:`WhitenedSVD` from the probe sides ``(λ, U, D)`` of :func:`_thin_svd`; ``keep = 0``: σ only."""
+    (lam_h, U_h, D_h), (lam_d, U_d, D_d) = h_side, d_side
     Ud, Dd, Uh, Dh = U_d.to(dense), D_d.to(dense), U_h.to(dense), D_h.to(dense)
     S_mat = _apply_sqrt(_apply_sqrt(W.to(dense), Uh, Dh, lam_h, 0.5, "right"), Ud, Dd, lam_d, 0.5, "left")
-    U, S, V = _gram_svd(S_mat, rank)
-    Ul = _apply_sqrt(U, Ud, Dd, lam_d, -0.5, "left")  # C_δ,λ^{-1/2} U_r
-    Vr = _apply_sqrt(V, Uh, Dh, lam_h, -0.5, "left")  # C_h,λ^{-1/2} V_r
-    A, B = _split(Ul, S, Vr, split)
-    return A.float().contiguous(), B.float().contiguous()
+    if keep == 0:
+        _, S, _ = _gram_svd(S_mat.to(_F64))
+        return WhitenedSVD(S, S_mat.new_zeros(W.shape[0], 0), S_mat.new_zeros(W.shape[1], 0))
+    U, S, V = _gram_svd(S_mat, keep, all_values=True)
+    if dense != _F64:  # the spectrum in float64 whatever the dense dtype (weighted_spectrum's contract)
+        _, S, _ = _gram_svd(S_mat.to(_F64))
+    left = _apply_sqrt(U[:, :keep], Ud, Dd, lam_d, -0.5, "left")  # C_δ,λ^{-1/2} U_k
+    right = _apply_sqrt(V[:, :keep], Uh, Dh, lam_h, -0.5, "left")  # C_h,λ^{-1/2} V_k
+    return WhitenedSVD(S, left, right)
 
 
 def weighted_spectrum(
@@ -238,17 +305,8 @@ def weighted_spectrum(
     ``r`` leave ``J_r = Σ_{i>r} σ_i²`` (and ``J(0) = Σ σ_i²``), in the same units — the expected squared
     first-order change of the per-example loss under the K-FAC model — for every layer, which is what
     makes one parameter budget comparable across layers (:func:`iprox_lightning.compression.ranks.allocate_ranks`)."""
-    out_f, in_f = weight.shape
-    _check_inputs(weight, H, Delta, 1)
-    dense = compute_dtype or _F64
-    N = H.shape[1]
-    lam_h, lam_d = damping_values(H, Delta, damping, damping_mode)
-    U_h, D_h = _thin_svd(H, lam_h, N)
-    U_d, D_d = _thin_svd(Delta, lam_d, N)
-    S_mat = _apply_sqrt(_apply_sqrt(weight.detach().to(dense), U_h.to(dense), D_h.to(dense), lam_h, 0.5, "right"),
-                        U_d.to(dense), D_d.to(dense), lam_d, 0.5, "left")
-    _, S, _ = _gram_svd(S_mat.to(_F64))
-    return S
+    return whitened_svd(weight, H, Delta, keep=0, damping=damping, damping_mode=damping_mode,
+                        compute_dtype=compute_dtype).singular_values
 
 
 def plain_spectrum(weight: torch.Tensor) -> torch.Tensor:

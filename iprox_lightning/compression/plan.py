@@ -26,15 +26,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..engine.blocks import block_importance, decoder_blocks, most_important_blocks, remove_blocks
+from ..progress import progress as progress_of
 from .config import CompressionConfig
 from .influence_weights import RankWeights
-from .ipsvd import plain_spectrum, weighted_spectrum
+from .ipsvd import WhitenedSVD, plain_spectrum, whitened_bytes, whitened_svd
 from .probes import Probes
 from .ranks import (
-    allocate_ranks, minimum_allocation, plan_ranks, requested_layer_params, round_plan_up, uniform_plan_for_budget,
+    allocate_ranks, dense_rank, minimum_allocation, plan_ranks, requested_layer_params, round_plan_up, uniform_plan_for_budget,
 )
 from ..engine.target_layers import count_parameters, find_target_linears, linear_shape, linear_weight
 
@@ -74,6 +74,9 @@ class CompressionPlan:
     block_drop: Optional[BlockDropReport] = None  # drop_blocks > 0: the blocks removed before factorising
     path: str = ""  # drop_blocks > 0: the module path of the decoder block list
     rank_weighting: Optional[RankWeights] = None  # rank_weighting="influence": the layer weights of the allocation
+    # global IPSVD allocation: the layers' exact IPSVD computed for their spectra, kept (within the probes' own memory)
+    # so that apply_plan factorises them without a second decomposition; not part of the plan's record
+    whitened: dict[str, WhitenedSVD] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def layer_budget(self) -> Optional[float]:
@@ -178,17 +181,29 @@ def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], c
     budget = plan.layer_budget
     if budget is None:
         budget = sum((1.0 - config.sparsity) * o * i for o, i in plan.shapes.values())
-    spectra = {}
-    for name, module in tqdm(list(modules.items()), desc="rank allocation (spectra)", disable=not progress):
+    spectra: dict = {}
+    whitened: dict[str, WhitenedSVD] = {}
+    # the exact IPSVD of a layer serves both its spectrum and its factors: kept for apply_plan while the kept ones
+    # fit in the memory the probes themselves take (float32 H, Δ), recomputed there otherwise
+    room = 0 if probes is None else sum(4 * (t.numel()) for d in (probes.H, probes.Delta) for t in d.values())
+    for name, module in progress_of(list(modules.items()), desc="rank allocation (spectra)", enabled=progress,
+                                    unit="layer"):
         if name in plan.dense_layers:
             continue
         W = linear_weight(module).detach()
         if config.method == "ipsvd":
             if probes is None or name not in probes.H:
                 raise ValueError(f"layer {name!r}: global allocation needs its probes")
-            spectra[name] = weighted_spectrum(W, probes.H[name].to(W.device), probes.Delta[name].to(W.device),
-                                              damping=config.damping, damping_mode=config.damping_mode,
-                                              compute_dtype=compute_dtype)
+            out_f, in_f = W.shape
+            # no allocated rank reaches dense_rank (the layer is then kept dense): the vectors beyond are never used
+            keep = min(dense_rank(in_f, out_f), min(in_f, out_f))
+            keep = keep if whitened_bytes(in_f, out_f, keep) <= room else 0
+            w = whitened_svd(W, probes.H[name].to(W.device), probes.Delta[name].to(W.device), keep=keep,
+                             damping=config.damping, damping_mode=config.damping_mode, compute_dtype=compute_dtype)
+            spectra[name] = w.singular_values
+            if keep:
+                whitened[name] = w
+                room -= whitened_bytes(in_f, out_f, keep)
         else:
             spectra[name] = plain_spectrum(W)
     up = config.rank_rounding == "up"
@@ -202,7 +217,7 @@ def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], c
         raise ValueError(f"drop_blocks={config.drop_blocks}, sparsity {config.sparsity}, remaining layers: {e}") from None
     if up:
         ranks = round_plan_up(ranks, plan.shapes, config.rank_multiple)
-    return replace(plan, ranks=ranks, rank_weighting=weights)
+    return replace(plan, ranks=ranks, rank_weighting=weights, whitened=whitened)
 
 
 def _match_layers(modules: Mapping[str, nn.Module], patterns: list[str] | None) -> list[str]:
