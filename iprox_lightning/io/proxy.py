@@ -457,7 +457,8 @@ def _main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m iprox_lightning.io.proxy",
-                                 description="IProX proxy directories: upgrade a version-1 directory in place, or export a proxy as a dense Hugging Face model.")
+                                 description="IProX proxy directories: upgrade a version-1 directory in place, or export a proxy as a dense Hugging Face model.",
+                                 epilog="--debug (anywhere) shows the traceback of an error otherwise reported in one line.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("upgrade", help="re-save version-1 proxy directories (model.safetensors) as version 2")
     up.add_argument("paths", nargs="+", help="proxy directories")
@@ -525,4 +526,6 @@ def export_proxy(path: str | Path, output: str | Path, *, dtype: str | torch.dty
 
 
 if __name__ == "__main__":  # pragma: no cover
-    _main()
+    from ..errors import run_command_line
+
+    run_command_line(_main)
