@@ -826,3 +826,171 @@ def test_check_store_and_query_outputs_never_land_in_the_pool(tmp_path):
         main(["check", "--target", "builtin", "--proxy", "builtin", "--pool", str(pool_dir), "--sample", "4",
               "--output_dir", str(pool_dir / "check")])
     assert pool.read_text() == before and sorted(p.name for p in pool_dir.iterdir()) == ["part.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------------ issue 57, round 2
+def test_the_proxy_module_command_line_answers_a_user_error_in_one_line(tmp_path):
+    """``python -m iprox_lightning.io.proxy`` printed a 20-line traceback for a directory that is no proxy; now one
+    ``error:`` line (exit 2), the traceback with ``--debug``, as ``train.py`` does."""
+    import os
+    import subprocess
+
+    from iprox_lightning.errors import InputNotFoundError, run_command_line
+    from iprox_lightning.io.proxy import _main
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("IPROX_DEBUG", None)
+    r = subprocess.run([sys.executable, "-m", "iprox_lightning.io.proxy", "export", str(tmp_path / "nothing"),
+                        str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'nothing' / 'iprox_proxy.json'} not found: "
+                                     f"{tmp_path / 'nothing'} is not an IProX proxy directory (--debug shows the "
+                                     "traceback)"]
+    with pytest.raises(InputNotFoundError):  # --debug: the exception itself
+        run_command_line(_main, ["upgrade", str(tmp_path / "nothing"), "--debug"])
+
+
+def _edit_json(path, edit):
+    path.write_text(edit(path.read_text()) if callable(edit) else edit)
+
+
+def _set(*keys_value):
+    """An edit of a JSON text: the value at the dotted path (``None`` as the last key's value deletes it)."""
+    *keys, value = keys_value
+
+    def edit(text):
+        d = json.loads(text)
+        o = d
+        for k in keys[:-1]:
+            o = o[k] if not isinstance(o, list) else o[int(k)]
+        if value is None:
+            del o[keys[-1]]
+        else:
+            o[keys[-1]] = value
+        return json.dumps(d)
+    return edit
+
+
+@pytest.mark.parametrize("file,edit,message", [
+    ("config.json", lambda t: t[: len(t) // 2], r"config.json \(the proxy's architecture\): malformed JSON \(.* the "
+                                                r"file is cut short\)"),
+    ("config.json", "[]", r"config.json \(the proxy's architecture\): holds a JSON array, not an object"),
+    ("config.json", _set("model_type", None), r"config.json: field 'model_type' is missing"),
+    ("config.json", _set("hidden_size", "64"), r"config.json: not a config transformers can build \(.*'hidden_size'"),
+    # sizes are checked against the weights file's header before a model of that size is allocated (64 TB)
+    ("config.json", _set("vocab_size", 10**12), r"iprox_proxy.safetensors: tensor model.embed_tokens.weight has shape "
+                                                r"\[64, 16\], the model built from config.json expects \[1000000000000, "),
+    ("iprox_proxy.json", lambda t: t[: len(t) // 2], r"iprox_proxy.json \(proxy manifest\): malformed JSON"),
+    ("iprox_proxy.json", _set("layers", "model.layers.0.self_attn.q_proj", "bias", "no"),
+     r"iprox_proxy.json: field 'layers.model.layers.0.self_attn.q_proj.bias' is 'no' \(a JSON string\), not true or "
+     r"false"),
+    ("iprox_proxy.json", _set("weights", "sha256", ""), r"iprox_proxy.json: field 'weights.sha256' is '', not a hex "
+                                                        r"SHA-256 digest"),  # was: the digest check skipped
+    ("iprox_proxy.json", _set("weights", []), r"iprox_proxy.json: field 'weights' is \[\] \(a JSON array\)"),
+    ("iprox_proxy.json", _set("weights", "size", "x"), r"iprox_proxy.json: field 'weights.size' is 'x'"),
+    ("iprox_proxy.json", _set("format_version", 0), r"iprox_proxy.json: field 'format_version' is 0, must be >= 1"),
+])
+def test_a_cut_or_edited_proxy_config_or_manifest_names_file_and_field(proxy, file, edit, message):
+    """Issue 57: a cut config.json gave transformers' OSError, a wrong-typed field its validation traceback, a huge
+    vocab_size tried to allocate 64 TB; manifest fields of the wrong type raised ValueError/TypeError or were
+    ignored (an empty sha256 or a 'weights' list skipped the digest check; format_version 0 loaded)."""
+    from iprox_lightning import load_model
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, _ = proxy
+    _edit_json(path / file, edit)
+    with pytest.raises(ProxyFormatError, match=rf"^{path}/{message}"):
+        load_model(str(path), tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def built_store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("store57")
+    pool, val = _write_jsonl(d / "pool.jsonl", _records(6)), _write_jsonl(d / "val.jsonl", _records(4, "v"))
+    main(["build_store", "--model", "builtin", "--output_dir", str(d / "store"), "--pool", str(pool), "--max_length",
+          "32", "--batch_size", "3", "--k", "4", "--progress", "false"])
+    return d / "store", val
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t[:-40], r"\(gradient store record\): malformed JSON \(.* the file is cut short\)"),
+    (_set("layout", "0", "offset", "0"), r"field 'layout\[0\].offset' is '0' \(a JSON string\), not an integer"),
+    (_set("layout", "1", "offset", 0), r"field 'layout\[1\].offset' is 0, but the blocks before it end at 16"),
+    (_set("layout", "0", "in", None), r"field 'layout\[0\].in' is missing"),
+    (_set("layout", "0", "k_out", 9999), r"field 'layout\[0\]' projects a 64 x 64 weight to 9999 x 4"),
+    (_set("dim", 100), r"field 'dim' is 100, but the layout's blocks hold 224 numbers"),
+    (_set("dim", -5), r"field 'dim' is -5, must be >= 1"),
+    (_set("dtype", "int8"), r"field 'dtype' is 'int8', not one of \['float32', 'float16', 'bfloat16'\]"),
+    (_set("fingerprint", "settings", "x"), r"field 'fingerprint.settings' is 'x' \(a JSON string\), not an object"),
+    (_set("complete", "no"), r"field 'complete' is 'no' \(a JSON string\), not true or false"),
+    (_set("tokenization", "max_length", -3), r"field 'tokenization.max_length' is -3, must be >= 2"),
+    (_set("factors", "../../elsewhere.safetensors"), r"field 'factors' is '../../elsewhere.safetensors': a file name "
+                                                     r"inside the store, not a path"),
+    (_set("dtype", "bfloat16"), r"field 'dtype' is 'bfloat16', but .*rank000-.*\.safetensors stores F16 vectors"),
+])
+def test_an_edited_store_record_names_file_and_field(built_store, tmp_path, edit, message):
+    """Issue 57: store.json's layout, dim, dtype and flags were not checked: edited offsets, dims or dtypes were
+    queried (exit 0), a missing key or a wrong type raised KeyError / AttributeError / TypeError. Each is refused
+    before the query computes anything, naming store.json and the field."""
+    from iprox_lightning.io.gradient_store import StoreFormatError
+
+    store, val = built_store
+    kept = (store / "store.json").read_text()
+    try:
+        _edit_json(store / "store.json", edit)
+        with pytest.raises(StoreFormatError, match=rf"^{store}/store.json:? " + message):
+            main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(tmp_path / "q")])
+    finally:
+        (store / "store.json").write_text(kept)
+    assert not (tmp_path / "q" / "scores.parquet").exists()
+
+
+def _gguf_with_vocab(path, n_tokens):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{j}" for j in range(n_tokens)])
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.add_tensor("output.weight", np.ones((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_with_a_huge_string_array_or_absurd_lengths_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """Issue 57: the GGUF reader keeps over 1 KB per array entry: a 10 MB file of 700,000 short vocabulary strings took
+    1.3 GB before the check answered. The header is now walked as stored, each declared length and count checked
+    against the bytes left, the entries bounded by the vocabulary (8 per token-embedding row + 65,536)."""
+    import struct
+    import tracemalloc
+
+    pytest.importorskip("gguf")
+    from iprox_lightning import load_model
+    from iprox_lightning.models.loading import check_gguf
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "cache"))
+    big = _gguf_with_vocab(tmp_path / "vocab.gguf", 70_000)  # for 8 embedding rows
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=rf"^{big}: its key-value arrays hold 70000 entries, more than a model with 8 "
+                                         r"token-embedding rows has \(65600 at most"):
+        load_model(str(big))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # the reader took ~90 MB for this file
+    check_gguf(_gguf_with_vocab(tmp_path / "ok.gguf", 8))  # a vocabulary of the embedding's size: read
+    data = bytearray((tmp_path / "ok.gguf").read_bytes())
+    at = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4  # value type, item type
+    for offset, value, message in [(0, 10**15, r"array 'tokenizer.ggml.tokens' of 1000000000000000 entries at byte "),
+                                   (8, 2**40, r"the string value of 'tokenizer.ggml.tokens' \(1099511627776 bytes\) ")]:
+        bad = bytearray(data)
+        bad[at + offset:at + offset + 8] = struct.pack("<Q", value)  # the count; the first string's length
+        (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=rf"^{tmp_path / 'bad.gguf'}: not a readable GGUF file, truncated or "
+                                             rf"damaged \(\d+ bytes; {message}"):
+            check_gguf(tmp_path / "bad.gguf")

@@ -29,7 +29,7 @@ def read_json(path: str | os.PathLike, *, error: type[Exception] = UserInputErro
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        cut = " — the file is cut short" if e.pos >= len(text.rstrip()) else ""
+        cut = " — the file is cut short" if text.rstrip()[-1:] not in ("}", "]") else ""
         raise error(f"{p}{kind}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno}{cut}); restore or "
                     "re-create it") from None
     if object_ and not isinstance(data, dict):
