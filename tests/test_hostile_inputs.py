@@ -994,3 +994,76 @@ def test_a_gguf_with_a_huge_string_array_or_absurd_lengths_is_refused_without_re
         with pytest.raises(ValueError, match=rf"^{tmp_path / 'bad.gguf'}: not a readable GGUF file, truncated or "
                                              rf"damaged \(\d+ bytes; {message}"):
             check_gguf(tmp_path / "bad.gguf")
+
+
+def _peak_rss_since_reset():
+    """(reset the process's peak RSS, a function returning the growth of the peak since then, in bytes); None where
+    /proc/self/clear_refs cannot reset it."""
+    def hwm():
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise OSError("no VmHWM")
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) becomes the current RSS
+        start = hwm()
+    except OSError:
+        return None
+    return lambda: hwm() - start
+
+
+def _turns(n, size, last="fine"):
+    text = "".join("abcdefghij klmnopqrst"[j % 21] for j in range(size))
+    msgs = [{"role": "user" if j % 2 == 0 else "assistant", "content": f"{j} {text}"} for j in range(n)]
+    return msgs + [{"role": "assistant", "content": last}]
+
+
+def test_a_record_of_many_short_turns_is_cut_before_it_is_tokenized(tmp_path):
+    """Issue 57: each field was cut before tokenizing, not a conversation of many short turns: one 5 MB line of 50,000
+    turns peaked at 2.1 GB while it was tokenized. The rendered prompt and response are now cut too; the peak stays
+    within 250 MB of where it was."""
+    import gc
+
+    from iprox_lightning.data.sft import SFTDataModule
+    from iprox_lightning.models.builtin import builtin_tokenizer
+
+    rec = {"id": "long", "category": "a", "messages": _turns(50_000, 96)}
+    pool = _write_jsonl(tmp_path / "pool.jsonl", [rec] + _records(2))
+    assert pool.stat().st_size > 5_000_000
+    del rec
+    gc.collect()
+    peak = _peak_rss_since_reset()
+    if peak is None:
+        pytest.skip("/proc/self/clear_refs cannot reset the peak RSS here")
+    ds = SFTDataModule(pool=str(pool), validation=None, tokenizer=builtin_tokenizer(), max_length=128).dataset("pool")
+    grew = peak()
+    assert ds.ids == ["long", "r0", "r1"] and len(ds.examples[0].input_ids) == 128
+    assert grew < 250 * 2**20, f"peak RSS grew by {grew / 2**20:.0f} MB"
+
+
+@pytest.mark.parametrize("template,truncation", [("chat", "prompt_left"), ("plain", "prompt_left"),
+                                                 ("chat", "right"), ("plain", "right")])
+def test_cutting_the_rendered_text_keeps_the_tokens_of_the_uncut_text(tmp_path, monkeypatch, template, truncation):
+    """The kept tokens are those of the uncut text: for records of every size (short, long fields, many turns), the
+    examples equal those tokenized without any cut (the BOS a chat template renders stays in front)."""
+    from iprox_lightning.data import formatting
+    from iprox_lightning.data.sft import SFTDataModule
+
+    recs = _records(3) + [{"id": "turns", "category": "a", "messages": _turns(400, 60)},
+                          {"id": "short-turns", "category": "b", "messages": _turns(4, 10)},
+                          {"id": "long-answer", "category": "b", "messages": _turns(2, 10, last="x y " * 5000)}]
+    pool = _write_jsonl(tmp_path / "pool.jsonl", recs)
+
+    def tokenized(bound):
+        monkeypatch.setattr(formatting, "CHARS_PER_TOKEN_BOUND", bound)
+        tok = _counting_tokenizer()
+        type(tok).longest = 0
+        ds = SFTDataModule(pool=str(pool), validation=None, tokenizer=tok, max_length=96, prompt_template=template,
+                           truncation=truncation).dataset("pool")
+        return {ex.id: (ex.input_ids.tolist(), ex.prompt_len) for ex in ds.examples}, type(tok).longest
+
+    got, longest = tokenized(64)
+    want, longest_uncut = tokenized(10**9)
+    assert longest <= 96 * 64 + 4 < longest_uncut
+    assert got == want and len(got) >= 4
