@@ -1067,3 +1067,67 @@ def test_cutting_the_rendered_text_keeps_the_tokens_of_the_uncut_text(tmp_path, 
     want, longest_uncut = tokenized(10**9)
     assert longest <= 96 * 64 + 4 < longest_uncut
     assert got == want and len(got) >= 4
+
+
+def _absurd_safetensors(path, kind):
+    """Rewrite the safetensors file ``path`` with a header length past the file ("length") or a first tensor of 1 TB
+    whose offsets lie past the file ("offsets")."""
+    import struct
+
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    if kind == "length":
+        path.write_bytes(struct.pack("<Q", 2**62) + data[8:])
+        return
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name] = {"dtype": "F32", "shape": [2**18, 2**20], "data_offsets": [0, 2**40]}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
+_ABSURD = {"length": r"its safetensors header claims 4611686018427387904 bytes, the file has \d+: cut short",
+           "offsets": r"tensor '.*' \(F32 \[262144, 1048576\], 1099511627776 bytes\) lies at bytes 0..1099511627776 of "
+                      r"the \d+ data bytes the file holds"}
+
+
+@pytest.mark.parametrize("kind", sorted(_ABSURD))
+def test_safetensors_headers_with_absurd_sizes_are_refused_naming_the_file(proxy, tmp_path, kind):
+    """Issue 57: a model directory's weights with a header length or tensor offsets past the file stopped with the
+    safetensors library's 'Error while deserializing header' (no file named), through transformers; a proxy's, a
+    store's or a factor file's with its message. Each is now checked against the file's size first, naming file and
+    tensor."""
+    import torch
+
+    from iprox_lightning import load_model
+    from iprox_lightning.io.factors import load_factors, save_factors
+    from iprox_lightning.io.proxy import ProxyFormatError
+    from iprox_lightning.io.gradient_store import StoreFormatError
+    from iprox_lightning.models.tiny import tiny_causal_lm
+    from iprox_lightning.errors import UserInputError
+
+    path, _ = proxy
+    _absurd_safetensors(path / "iprox_proxy.safetensors", kind)
+    with pytest.raises(ProxyFormatError, match=rf"^{path}/iprox_proxy.safetensors: {_ABSURD[kind]}"):
+        load_model(str(path), tokenizer=False)
+    dense = tmp_path / "dense"
+    tiny_causal_lm("llama", seed=1).save_pretrained(dense)
+    _absurd_safetensors(dense / "model.safetensors", kind)
+    with pytest.raises(UserInputError, match=rf"^{dense}/model.safetensors: {_ABSURD[kind]}"):
+        load_model(str(dense), tokenizer=False)
+    factors = save_factors(tmp_path / "kfac-x.safetensors", {"A": torch.ones(2, 2)}, method="kfac", fingerprint={})
+    _absurd_safetensors(factors, kind)
+    with pytest.raises(StoreFormatError, match=rf"^{factors}: {_ABSURD[kind]}"):
+        load_factors(factors, method="kfac")
+
+
+def test_a_cut_model_config_is_named(tmp_path):
+    from iprox_lightning import load_model
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.models.tiny import tiny_causal_lm
+
+    tiny_causal_lm("llama", seed=1).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text()[:50])
+    with pytest.raises(UserInputError, match=rf"^{tmp_path}/config.json \(the model's architecture\): malformed JSON "
+                                             r"\(.*the file is cut short\)"):
+        load_model(str(tmp_path), tokenizer=False)

@@ -197,6 +197,9 @@ def load_tensors(path: str | os.PathLike) -> tuple[dict, dict]:
     p = Path(path)
     if not p.exists():
         raise StoreFormatError(f"{p} not found")
+    from .jsonfile import read_safetensors_header
+
+    read_safetensors_header(p, error=StoreFormatError)
     try:
         with safe_open(str(p), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})

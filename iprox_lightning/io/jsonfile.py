@@ -97,3 +97,58 @@ def _kind_words(kind: str) -> str:
 def _short(v: Any) -> str:
     s = json.dumps(v) if not isinstance(v, str) else repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20
+"""The largest safetensors header read (the safetensors library's own limit)."""
+_ST_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+                  "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+
+
+def read_safetensors_header(path: str | os.PathLike, *, error: type[Exception] = UserInputError) -> dict:
+    """The JSON header of a safetensors file, checked against the file's size before anything else reads it: the
+    header's length, each tensor's ``dtype``, ``shape`` and ``data_offsets`` (inside the data, the size its shape and
+    dtype need). ``error`` names the file and the tensor (a cut download, a damaged or hand-made file) instead of the
+    library's ``SafetensorError`` without a file name."""
+    import struct
+
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise error(f"{p}: not a safetensors file ({size} bytes; cut short?)")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8 or n > SAFETENSORS_HEADER_LIMIT:
+            raise error(f"{p}: its safetensors header claims {n} bytes, the file has {size}"
+                        + (" (more than the 100 MB a header may take)" if n <= size - 8 else "")
+                        + ": cut short, damaged or not a safetensors file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{p}: its safetensors header is not JSON ({e}); the file is damaged") from None
+    if not isinstance(header, dict):
+        raise error(f"{p}: its safetensors header is a JSON {_json_type(header)}, not an object")
+    data = size - 8 - n
+    fields = Fields(p, error)
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        at = f"tensor {name}"
+        fields.check(at, spec, "object")
+        dtype = fields.get(spec, "dtype", "str", at=at, choices=_ST_ITEM_BYTES)
+        shape = fields.get(spec, "shape", "list", at=at)
+        for j, d in enumerate(shape):
+            fields.check(f"{at}.shape[{j}]", d, "int", minimum=0)
+        offsets = fields.get(spec, "data_offsets", "list", at=at)
+        if len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+            raise fields.fail(f"{at}.data_offsets", f"is {_short(offsets)}, not two integers")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end <= data or end - begin != numel * _ST_ITEM_BYTES[dtype]:
+            raise error(f"{p}: tensor {name!r} ({dtype} {shape}, {numel * _ST_ITEM_BYTES[dtype]} bytes) lies at bytes "
+                        f"{begin}..{end} of the {data} data bytes the file holds: cut short or damaged")
+    return header

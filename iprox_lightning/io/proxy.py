@@ -283,6 +283,9 @@ def read_config(path: str | Path) -> Any:
 
 def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapping[str, dict]) -> None:
     """Compare the weights file's header with the model built from config + manifest, before loading."""
+    from .jsonfile import read_safetensors_header
+
+    read_safetensors_header(weights, error=ProxyFormatError)  # sizes against the file, naming it
     try:
         have = tensor_shapes(weights)
         have_dtypes = tensor_dtypes(weights)

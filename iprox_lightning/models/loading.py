@@ -315,11 +315,27 @@ def load_model(
     from .hub import check_model_source
 
     check_model_source(name, "model")
+    if p.is_dir():
+        check_model_dir(p)
     # a local directory loads in a moment: no "Loading weights" bar (a download keeps its bars)
     with transformers_bars_off() if p.is_dir() else nullcontext():
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
     tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
+
+
+def check_model_dir(path: Path) -> None:
+    """A local model directory's ``config.json`` (UTF-8 JSON object with a ``model_type``) and every ``*.safetensors``
+    header (sizes and offsets inside the file) are read before transformers is: each fault is one
+    :class:`UserInputError` naming the file and field, instead of transformers' ``OSError`` or the safetensors
+    library's error without a file name."""
+    from ..io.jsonfile import Fields, read_json, read_safetensors_header
+
+    cfg = path / "config.json"
+    if cfg.is_file():
+        Fields(cfg).get(read_json(cfg, what="the model's architecture"), "model_type", "str")
+    for f in sorted(path.glob("*.safetensors")):
+        read_safetensors_header(f)
 
 
 def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer: bool):
@@ -334,6 +350,7 @@ def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer
     cached = gguf_cache_dir(p)
     if use_cache and (cached / "config.json").exists():
         log.info("loading cached float copy of %s from %s", p, cached)
+        check_model_dir(cached)
         with transformers_bars_off():
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
         tok = load_tokenizer(str(p)) if tokenizer else None
