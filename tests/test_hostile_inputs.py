@@ -1131,3 +1131,55 @@ def test_a_cut_model_config_is_named(tmp_path):
     with pytest.raises(UserInputError, match=rf"^{tmp_path}/config.json \(the model's architecture\): malformed JSON "
                                              r"\(.*the file is cut short\)"):
         load_model(str(tmp_path), tokenizer=False)
+
+
+def _command_line(monkeypatch, capsys, *args):
+    """``python train.py <args>`` as the process's command line: (exit code, stderr lines)."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
+    monkeypatch.delenv("IPROX_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code, capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--n", "0"], "--n must be >= 1, got 0"),
+    (["--n", "11"], "--n 11 is more than the 10 records of {pool}"),
+    (["--n", "3", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--n", "3", "--output", "{dir}"], "--output {dir} is a directory; name a file"),
+    (["--n", "3", "--output", "{pool}"], "--output {pool} would replace the pool {pool}"),
+    (["--n", "4", "--output", "{dir}/taken.jsonl"], "--output {dir}/taken.jsonl already exists and holds something "
+                                                     "else than this sample"),
+])
+def test_sample_pool_edges_answer_in_one_line(tmp_path, monkeypatch, capsys, extra, message):
+    """Issue 57: sample_pool raised plain ValueError / IsADirectoryError / FileExistsError (a traceback on the
+    command line) and numpy's 'expected non-negative integer' for a negative seed; each is one error: line now."""
+    pool = _write_jsonl(tmp_path / "pool.jsonl", [{**r, "source": "s"} for r in _records(10)])
+    (tmp_path / "taken.jsonl").write_text("{}\n")
+    fill = {"pool": pool, "dir": tmp_path}
+    extra = [a.format(**fill) for a in extra]
+    if "--output" not in extra:
+        extra += ["--output", tmp_path / "sample.jsonl"]
+    code, err = _command_line(monkeypatch, capsys, "sample_pool", "--pool", pool, *extra)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message.format(**fill)), err
+    assert not (tmp_path / "sample.jsonl").exists() and (tmp_path / "taken.jsonl").read_text() == "{}\n"
+
+
+def test_exclude_categories_matching_no_category_is_refused(tmp_path):
+    """Issue 57: a misspelt ``exclude_categories`` pattern excluded nothing and the selection was written as if the
+    option had not been given (exit 0); matching everything was already refused."""
+    import pandas as pd
+
+    from iprox_lightning.errors import UserInputError
+
+    pool = _write_jsonl(tmp_path / "pool.jsonl", _records(8))
+    table = tmp_path / "scores.parquet"
+    pd.DataFrame({"id": [f"r{j}" for j in range(8)], "score": [float(j) for j in range(8)]}).to_parquet(table)
+    args = ["select", "--scores_path", table, "--pool", pool, "--allow_pool_mismatch", "true", "--k", "2", "--output",
+            tmp_path / "sel.jsonl", "--quiet", "true"]
+    with pytest.raises(UserInputError, match=r"exclude_categories \['A'\] match\(es\) no category of the 8 ranked "
+                                             r"candidates \(their categories: 'a', 'b'\)"):
+        main([*map(str, args), "--exclude_categories", '["a*", "A"]'])
+    assert not (tmp_path / "sel.jsonl").exists()
+    main([*map(str, args), "--exclude_categories", '["a*"]'])  # every pattern matches: selected among the rest
+    assert [json.loads(line)["id"] for line in (tmp_path / "sel.jsonl").read_text().splitlines()] == ["r6", "r4"]
