@@ -1183,3 +1183,26 @@ def test_exclude_categories_matching_no_category_is_refused(tmp_path):
     assert not (tmp_path / "sel.jsonl").exists()
     main([*map(str, args), "--exclude_categories", '["a*"]'])  # every pattern matches: selected among the rest
     assert [json.loads(line)["id"] for line in (tmp_path / "sel.jsonl").read_text().splitlines()] == ["r6", "r4"]
+
+
+@pytest.mark.parametrize("how", ["-c", "string", "group file", "group file ="])
+def test_a_config_file_cannot_opt_in_to_running_code_by_another_spelling(tmp_path, monkeypatch, how):
+    """Issue 57: the opt-in check read only ``--config FILE`` and boolean values: ``-c FILE``, ``"true"`` / ``"False"``
+    as strings (the parser reads them as booleans) and a group given as a file (``--data d.yaml``) set
+    trust_remote_code / weights_only from a file (checked: ``--print_config`` showed ``trust_remote_code: true``)."""
+    from iprox_lightning.errors import UserInputError
+
+    monkeypatch.delenv("IPROX_ALLOW_CODE", raising=False)
+    cfg = tmp_path / "shared.yaml"
+    if how == "-c":
+        cfg.write_text("data:\n  init_args:\n    trust_remote_code: true\n")
+        args, dotted = ["-c", str(cfg)], "data.init_args.trust_remote_code: true"
+    elif how == "string":
+        cfg.write_text("ckpt_path: x.ckpt\nweights_only: 'False'\n")
+        args, dotted = ["--config", str(cfg)], "weights_only: false"
+    else:
+        cfg.write_text("init_args:\n  trust_remote_code: 'yes'\n")
+        args = ["--data", str(cfg)] if how == "group file" else [f"--data={cfg}"]
+        dotted = "data.init_args.trust_remote_code: true"
+    with pytest.raises(UserInputError, match=rf"^{cfg}: {dotted} would run code .* a config file cannot opt in"):
+        main(["fit", "--config", "configs/warmup.yaml", *args])
