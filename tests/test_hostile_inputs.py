@@ -1086,8 +1086,9 @@ def _absurd_safetensors(path, kind):
     path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
 
 
-_ABSURD = {"length": r"its safetensors header claims 4611686018427387904 bytes, the file has \d+: cut short",
-           "offsets": r"tensor '.*' \(F32 \[262144, 1048576\], 1099511627776 bytes\) lies at bytes 0..1099511627776 of "
+_ABSURD = {"length": r"not a readable safetensors file: its header claims 4611686018427387904 bytes, the file has "
+                     r"\d+: cut short",
+           "offsets": r"not a readable safetensors file: tensor '.*' \(F32 \[262144, 1048576\], 1099511627776 bytes\) lies at bytes 0..1099511627776 of "
                       r"the \d+ data bytes the file holds"}
 
 

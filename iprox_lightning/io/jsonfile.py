@@ -117,19 +117,19 @@ def read_safetensors_header(path: str | os.PathLike, *, error: type[Exception] =
     with open(p, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise error(f"{p}: not a safetensors file ({size} bytes; cut short?)")
+            raise error(f"{p}: not a readable safetensors file: {size} bytes, cut short?")
         n = struct.unpack("<Q", head)[0]
         if n > size - 8 or n > SAFETENSORS_HEADER_LIMIT:
-            raise error(f"{p}: its safetensors header claims {n} bytes, the file has {size}"
+            raise error(f"{p}: not a readable safetensors file: its header claims {n} bytes, the file has {size}"
                         + (" (more than the 100 MB a header may take)" if n <= size - 8 else "")
                         + ": cut short, damaged or not a safetensors file")
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{p}: its safetensors header is not JSON ({e}); the file is damaged") from None
+        raise error(f"{p}: not a readable safetensors file: its header is not JSON ({e}); the file is damaged") from None
     if not isinstance(header, dict):
-        raise error(f"{p}: its safetensors header is a JSON {_json_type(header)}, not an object")
+        raise error(f"{p}: not a readable safetensors file: its header is a JSON {_json_type(header)}, not an object")
     data = size - 8 - n
     fields = Fields(p, error)
     for name, spec in header.items():
@@ -149,6 +149,6 @@ def read_safetensors_header(path: str | os.PathLike, *, error: type[Exception] =
         for d in shape:
             numel *= d
         if not 0 <= begin <= end <= data or end - begin != numel * _ST_ITEM_BYTES[dtype]:
-            raise error(f"{p}: tensor {name!r} ({dtype} {shape}, {numel * _ST_ITEM_BYTES[dtype]} bytes) lies at bytes "
+            raise error(f"{p}: not a readable safetensors file: tensor {name!r} ({dtype} {shape}, {numel * _ST_ITEM_BYTES[dtype]} bytes) lies at bytes "
                         f"{begin}..{end} of the {data} data bytes the file holds: cut short or damaged")
     return header
