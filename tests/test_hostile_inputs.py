@@ -1207,3 +1207,20 @@ def test_a_config_file_cannot_opt_in_to_running_code_by_another_spelling(tmp_pat
         dotted = "data.init_args.trust_remote_code: true"
     with pytest.raises(UserInputError, match=rf"^{cfg}: {dotted} would run code .* a config file cannot opt in"):
         main(["fit", "--config", "configs/warmup.yaml", *args])
+
+
+@pytest.mark.parametrize("text,message", [('{"model": {"name": "x"', r"malformed JSON \(.* the file is cut short\)"),
+                                          ("[1, 2]", r"holds a JSON array, not an object"),
+                                          (b"\xff\xfe{}", r"not UTF-8 text \(byte offset 0\)")])
+def test_a_cut_or_foreign_settings_or_selection_meta_names_the_file(tmp_path, text, message):
+    """Issue 57: a score directory's settings.json or a selection's .meta.json that is a JSON array or not UTF-8 raised
+    AttributeError / UnicodeDecodeError (a cut one was named already); each reader now goes through io/jsonfile."""
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.io.scores import read_settings
+    from iprox_lightning.io.selection import read_meta
+
+    for path, read, arg in [(tmp_path / "settings.json", read_settings, tmp_path),
+                            (tmp_path / "sel.jsonl.meta.json", read_meta, tmp_path / "sel.jsonl")]:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(UserInputError, match=rf"^{path} \((score settings|selection meta)[^)]*\): {message}"):
+            read(arg)
