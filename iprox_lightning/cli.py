@@ -33,9 +33,8 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-DEBUG_FLAG = "--debug"
-"""Anywhere on the command line (or ``IPROX_DEBUG=1``): errors the command line answers in one line (:func:`one_line_errors`)
-keep their traceback."""
+from .errors import DEBUG_FLAG, debug_requested  # noqa: E402  (anywhere on the command line, or IPROX_DEBUG=1:
+# errors the command line answers in one line (one_line_errors) keep their traceback)
 
 
 def one_line_errors(command_line: bool = True) -> tuple[type[BaseException], ...]:
@@ -54,10 +53,8 @@ def one_line_errors(command_line: bool = True) -> tuple[type[BaseException], ...
 
 def main(args: list[str] | None = None):
     """Run ``python train.py <command> ...``: the process's command line (``args`` None), or ``args`` from Python."""
-    import os
-
     argv = list(sys.argv[1:] if args is None else args)
-    debug = DEBUG_FLAG in argv or os.environ.get("IPROX_DEBUG", "").lower() in ("1", "true", "yes")
+    debug = debug_requested(argv)
     argv = [a for a in argv if a != DEBUG_FLAG]
     interrupted = _watch_ctrl_c() if args is None else None
     try:

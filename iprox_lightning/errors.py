@@ -40,6 +40,35 @@ class OutputNotDirectoryError(UserError, NotADirectoryError):
     """An output directory named by a file."""
 
 
+DEBUG_FLAG = "--debug"
+"""Anywhere on a command line (or ``IPROX_DEBUG=1``): a :class:`UserError` keeps its traceback instead of the one
+``error:`` line."""
+
+
+def debug_requested(argv) -> bool:
+    """True when ``argv`` holds :data:`DEBUG_FLAG` or the environment sets ``IPROX_DEBUG`` (1 / true / yes)."""
+    import os
+
+    return DEBUG_FLAG in argv or os.environ.get("IPROX_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def run_command_line(fn, argv=None):
+    """``fn(argv)`` for a module's own command line (``python -m iprox_lightning.io.proxy ...``): ``argv`` (default
+    ``sys.argv[1:]``) without :data:`DEBUG_FLAG`; a :class:`UserError` is printed as one ``error:`` line on stderr
+    (exit status 2), like ``python train.py`` does, unless :func:`debug_requested`."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    try:
+        return fn([a for a in argv if a != DEBUG_FLAG])
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 PROXY_VALIDATIONS = ("target", "proxy")
 """Whose validation gradients score a proxy: its target's (mapped into the proxy's factor space) or its own."""
 

@@ -826,3 +826,401 @@ def test_check_store_and_query_outputs_never_land_in_the_pool(tmp_path):
         main(["check", "--target", "builtin", "--proxy", "builtin", "--pool", str(pool_dir), "--sample", "4",
               "--output_dir", str(pool_dir / "check")])
     assert pool.read_text() == before and sorted(p.name for p in pool_dir.iterdir()) == ["part.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------------ issue 57, round 2
+def test_the_proxy_module_command_line_answers_a_user_error_in_one_line(tmp_path):
+    """``python -m iprox_lightning.io.proxy`` printed a 20-line traceback for a directory that is no proxy; now one
+    ``error:`` line (exit 2), the traceback with ``--debug``, as ``train.py`` does."""
+    import os
+    import subprocess
+
+    from iprox_lightning.errors import InputNotFoundError, run_command_line
+    from iprox_lightning.io.proxy import _main
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("IPROX_DEBUG", None)
+    r = subprocess.run([sys.executable, "-m", "iprox_lightning.io.proxy", "export", str(tmp_path / "nothing"),
+                        str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'nothing' / 'iprox_proxy.json'} not found: "
+                                     f"{tmp_path / 'nothing'} is not an IProX proxy directory (--debug shows the "
+                                     "traceback)"]
+    with pytest.raises(InputNotFoundError):  # --debug: the exception itself
+        run_command_line(_main, ["upgrade", str(tmp_path / "nothing"), "--debug"])
+
+
+def _edit_json(path, edit):
+    path.write_text(edit(path.read_text()) if callable(edit) else edit)
+
+
+def _set(*keys_value):
+    """An edit of a JSON text: the value at the dotted path (``None`` as the last key's value deletes it)."""
+    *keys, value = keys_value
+
+    def edit(text):
+        d = json.loads(text)
+        o = d
+        for k in keys[:-1]:
+            o = o[k] if not isinstance(o, list) else o[int(k)]
+        if value is None:
+            del o[keys[-1]]
+        else:
+            o[keys[-1]] = value
+        return json.dumps(d)
+    return edit
+
+
+@pytest.mark.parametrize("file,edit,message", [
+    ("config.json", lambda t: t[: len(t) // 2], r"config.json \(the proxy's architecture\): malformed JSON \(.* the "
+                                                r"file is cut short\)"),
+    ("config.json", "[]", r"config.json \(the proxy's architecture\): holds a JSON array, not an object"),
+    ("config.json", _set("model_type", None), r"config.json: field 'model_type' is missing"),
+    ("config.json", _set("hidden_size", "64"), r"config.json: not a config transformers can build \(.*'hidden_size'"),
+    # sizes are checked against the weights file's header before a model of that size is allocated (64 TB)
+    ("config.json", _set("vocab_size", 10**12), r"iprox_proxy.safetensors: tensor model.embed_tokens.weight has shape "
+                                                r"\[64, 16\], the model built from config.json expects \[1000000000000, "),
+    ("iprox_proxy.json", lambda t: t[: len(t) // 2], r"iprox_proxy.json \(proxy manifest\): malformed JSON"),
+    ("iprox_proxy.json", _set("layers", "model.layers.0.self_attn.q_proj", "bias", "no"),
+     r"iprox_proxy.json: field 'layers.model.layers.0.self_attn.q_proj.bias' is 'no' \(a JSON string\), not true or "
+     r"false"),
+    ("iprox_proxy.json", _set("weights", "sha256", ""), r"iprox_proxy.json: field 'weights.sha256' is '', not a hex "
+                                                        r"SHA-256 digest"),  # was: the digest check skipped
+    ("iprox_proxy.json", _set("weights", []), r"iprox_proxy.json: field 'weights' is \[\] \(a JSON array\)"),
+    ("iprox_proxy.json", _set("weights", "size", "x"), r"iprox_proxy.json: field 'weights.size' is 'x'"),
+    ("iprox_proxy.json", _set("format_version", 0), r"iprox_proxy.json: field 'format_version' is 0, must be >= 1"),
+])
+def test_a_cut_or_edited_proxy_config_or_manifest_names_file_and_field(proxy, file, edit, message):
+    """Issue 57: a cut config.json gave transformers' OSError, a wrong-typed field its validation traceback, a huge
+    vocab_size tried to allocate 64 TB; manifest fields of the wrong type raised ValueError/TypeError or were
+    ignored (an empty sha256 or a 'weights' list skipped the digest check; format_version 0 loaded)."""
+    from iprox_lightning import load_model
+    from iprox_lightning.io.proxy import ProxyFormatError
+
+    path, _ = proxy
+    _edit_json(path / file, edit)
+    with pytest.raises(ProxyFormatError, match=rf"^{path}/{message}"):
+        load_model(str(path), tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def built_store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("store57")
+    pool, val = _write_jsonl(d / "pool.jsonl", _records(6)), _write_jsonl(d / "val.jsonl", _records(4, "v"))
+    main(["build_store", "--model", "builtin", "--output_dir", str(d / "store"), "--pool", str(pool), "--max_length",
+          "32", "--batch_size", "3", "--k", "4", "--progress", "false"])
+    return d / "store", val
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t[:-40], r"\(gradient store record\): malformed JSON \(.* the file is cut short\)"),
+    (_set("layout", "0", "offset", "0"), r"field 'layout\[0\].offset' is '0' \(a JSON string\), not an integer"),
+    (_set("layout", "1", "offset", 0), r"field 'layout\[1\].offset' is 0, but the blocks before it end at 16"),
+    (_set("layout", "0", "in", None), r"field 'layout\[0\].in' is missing"),
+    (_set("layout", "0", "k_out", 9999), r"field 'layout\[0\]' projects a 64 x 64 weight to 9999 x 4"),
+    (_set("dim", 100), r"field 'dim' is 100, but the layout's blocks hold 224 numbers"),
+    (_set("dim", -5), r"field 'dim' is -5, must be >= 1"),
+    (_set("dtype", "int8"), r"field 'dtype' is 'int8', not one of \['float32', 'float16', 'bfloat16'\]"),
+    (_set("fingerprint", "settings", "x"), r"field 'fingerprint.settings' is 'x' \(a JSON string\), not an object"),
+    (_set("complete", "no"), r"field 'complete' is 'no' \(a JSON string\), not true or false"),
+    (_set("tokenization", "max_length", -3), r"field 'tokenization.max_length' is -3, must be >= 2"),
+    (_set("factors", "../../elsewhere.safetensors"), r"field 'factors' is '../../elsewhere.safetensors': a file name "
+                                                     r"inside the store, not a path"),
+    (_set("dtype", "bfloat16"), r"field 'dtype' is 'bfloat16', but .*rank000-.*\.safetensors stores F16 vectors"),
+])
+def test_an_edited_store_record_names_file_and_field(built_store, tmp_path, edit, message):
+    """Issue 57: store.json's layout, dim, dtype and flags were not checked: edited offsets, dims or dtypes were
+    queried (exit 0), a missing key or a wrong type raised KeyError / AttributeError / TypeError. Each is refused
+    before the query computes anything, naming store.json and the field."""
+    from iprox_lightning.io.gradient_store import StoreFormatError
+
+    store, val = built_store
+    kept = (store / "store.json").read_text()
+    try:
+        _edit_json(store / "store.json", edit)
+        with pytest.raises(StoreFormatError, match=rf"^{store}/store.json:? " + message):
+            main(["query", "--store", str(store), "--validation", str(val), "--output_dir", str(tmp_path / "q")])
+    finally:
+        (store / "store.json").write_text(kept)
+    assert not (tmp_path / "q" / "scores.parquet").exists()
+
+
+def _gguf_with_vocab(path, n_tokens):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{j}" for j in range(n_tokens)])
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.add_tensor("output.weight", np.ones((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_with_a_huge_string_array_or_absurd_lengths_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """Issue 57: the GGUF reader keeps over 1 KB per array entry: a 10 MB file of 700,000 short vocabulary strings took
+    1.3 GB before the check answered. The header is now walked as stored, each declared length and count checked
+    against the bytes left, the entries bounded by the vocabulary (8 per token-embedding row + 65,536)."""
+    import struct
+    import tracemalloc
+
+    pytest.importorskip("gguf")
+    from iprox_lightning import load_model
+    from iprox_lightning.models.loading import check_gguf
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "cache"))
+    big = _gguf_with_vocab(tmp_path / "vocab.gguf", 70_000)  # for 8 embedding rows
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=rf"^{big}: its key-value arrays hold 70000 entries, more than a model with 8 "
+                                         r"token-embedding rows has \(65600 at most"):
+        load_model(str(big))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # the reader took ~90 MB for this file
+    check_gguf(_gguf_with_vocab(tmp_path / "ok.gguf", 8))  # a vocabulary of the embedding's size: read
+    data = bytearray((tmp_path / "ok.gguf").read_bytes())
+    at = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4  # value type, item type
+    for offset, value, message in [(0, 10**15, r"array 'tokenizer.ggml.tokens' of 1000000000000000 entries at byte "),
+                                   (8, 2**40, r"the string value of 'tokenizer.ggml.tokens' \(1099511627776 bytes\) ")]:
+        bad = bytearray(data)
+        bad[at + offset:at + offset + 8] = struct.pack("<Q", value)  # the count; the first string's length
+        (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=rf"^{tmp_path / 'bad.gguf'}: not a readable GGUF file, truncated or "
+                                             rf"damaged \(\d+ bytes; {message}"):
+            check_gguf(tmp_path / "bad.gguf")
+
+
+def _peak_rss_since_reset():
+    """(reset the process's peak RSS, a function returning the growth of the peak since then, in bytes); None where
+    /proc/self/clear_refs cannot reset it."""
+    def hwm():
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise OSError("no VmHWM")
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) becomes the current RSS
+        start = hwm()
+    except OSError:
+        return None
+    return lambda: hwm() - start
+
+
+def _turns(n, size, last="fine"):
+    text = "".join("abcdefghij klmnopqrst"[j % 21] for j in range(size))
+    msgs = [{"role": "user" if j % 2 == 0 else "assistant", "content": f"{j} {text}"} for j in range(n)]
+    return msgs + [{"role": "assistant", "content": last}]
+
+
+def test_a_record_of_many_short_turns_is_cut_before_it_is_tokenized(tmp_path):
+    """Issue 57: each field was cut before tokenizing, not a conversation of many short turns: one 5 MB line of 50,000
+    turns peaked at 2.1 GB while it was tokenized. The rendered prompt and response are now cut too; the peak stays
+    within 250 MB of where it was."""
+    import gc
+
+    from iprox_lightning.data.sft import SFTDataModule
+    from iprox_lightning.models.builtin import builtin_tokenizer
+
+    rec = {"id": "long", "category": "a", "messages": _turns(50_000, 96)}
+    pool = _write_jsonl(tmp_path / "pool.jsonl", [rec] + _records(2))
+    assert pool.stat().st_size > 5_000_000
+    del rec
+    gc.collect()
+    peak = _peak_rss_since_reset()
+    if peak is None:
+        pytest.skip("/proc/self/clear_refs cannot reset the peak RSS here")
+    ds = SFTDataModule(pool=str(pool), validation=None, tokenizer=builtin_tokenizer(), max_length=128).dataset("pool")
+    grew = peak()
+    assert ds.ids == ["long", "r0", "r1"] and len(ds.examples[0].input_ids) == 128
+    assert grew < 250 * 2**20, f"peak RSS grew by {grew / 2**20:.0f} MB"
+
+
+@pytest.mark.parametrize("template,truncation", [("chat", "prompt_left"), ("plain", "prompt_left"),
+                                                 ("chat", "right"), ("plain", "right")])
+def test_cutting_the_rendered_text_keeps_the_tokens_of_the_uncut_text(tmp_path, monkeypatch, template, truncation):
+    """The kept tokens are those of the uncut text: for records of every size (short, long fields, many turns), the
+    examples equal those tokenized without any cut (the BOS a chat template renders stays in front)."""
+    from iprox_lightning.data import formatting
+    from iprox_lightning.data.sft import SFTDataModule
+
+    recs = _records(3) + [{"id": "turns", "category": "a", "messages": _turns(400, 60)},
+                          {"id": "short-turns", "category": "b", "messages": _turns(4, 10)},
+                          {"id": "long-answer", "category": "b", "messages": _turns(2, 10, last="x y " * 5000)}]
+    pool = _write_jsonl(tmp_path / "pool.jsonl", recs)
+
+    def tokenized(bound):
+        monkeypatch.setattr(formatting, "CHARS_PER_TOKEN_BOUND", bound)
+        tok = _counting_tokenizer()
+        type(tok).longest = 0
+        ds = SFTDataModule(pool=str(pool), validation=None, tokenizer=tok, max_length=96, prompt_template=template,
+                           truncation=truncation).dataset("pool")
+        return {ex.id: (ex.input_ids.tolist(), ex.prompt_len) for ex in ds.examples}, type(tok).longest
+
+    got, longest = tokenized(64)
+    want, longest_uncut = tokenized(10**9)
+    assert longest <= 96 * 64 + 4 < longest_uncut
+    assert got == want and len(got) >= 4
+
+
+def _absurd_safetensors(path, kind):
+    """Rewrite the safetensors file ``path`` with a header length past the file ("length") or a first tensor of 1 TB
+    whose offsets lie past the file ("offsets")."""
+    import struct
+
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    if kind == "length":
+        path.write_bytes(struct.pack("<Q", 2**62) + data[8:])
+        return
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name] = {"dtype": "F32", "shape": [2**18, 2**20], "data_offsets": [0, 2**40]}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
+_ABSURD = {"length": r"not a readable safetensors file: its header claims 4611686018427387904 bytes, the file has "
+                     r"\d+: cut short",
+           "offsets": r"not a readable safetensors file: tensor '.*' \(F32 \[262144, 1048576\], 1099511627776 bytes\) lies at bytes 0..1099511627776 of "
+                      r"the \d+ data bytes the file holds"}
+
+
+@pytest.mark.parametrize("kind", sorted(_ABSURD))
+def test_safetensors_headers_with_absurd_sizes_are_refused_naming_the_file(proxy, tmp_path, kind):
+    """Issue 57: a model directory's weights with a header length or tensor offsets past the file stopped with the
+    safetensors library's 'Error while deserializing header' (no file named), through transformers; a proxy's, a
+    store's or a factor file's with its message. Each is now checked against the file's size first, naming file and
+    tensor."""
+    import torch
+
+    from iprox_lightning import load_model
+    from iprox_lightning.io.factors import load_factors, save_factors
+    from iprox_lightning.io.proxy import ProxyFormatError
+    from iprox_lightning.io.gradient_store import StoreFormatError
+    from iprox_lightning.models.tiny import tiny_causal_lm
+    from iprox_lightning.errors import UserInputError
+
+    path, _ = proxy
+    _absurd_safetensors(path / "iprox_proxy.safetensors", kind)
+    with pytest.raises(ProxyFormatError, match=rf"^{path}/iprox_proxy.safetensors: {_ABSURD[kind]}"):
+        load_model(str(path), tokenizer=False)
+    dense = tmp_path / "dense"
+    tiny_causal_lm("llama", seed=1).save_pretrained(dense)
+    _absurd_safetensors(dense / "model.safetensors", kind)
+    with pytest.raises(UserInputError, match=rf"^{dense}/model.safetensors: {_ABSURD[kind]}"):
+        load_model(str(dense), tokenizer=False)
+    factors = save_factors(tmp_path / "kfac-x.safetensors", {"A": torch.ones(2, 2)}, method="kfac", fingerprint={})
+    _absurd_safetensors(factors, kind)
+    with pytest.raises(StoreFormatError, match=rf"^{factors}: {_ABSURD[kind]}"):
+        load_factors(factors, method="kfac")
+
+
+def test_a_cut_model_config_is_named(tmp_path):
+    from iprox_lightning import load_model
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.models.tiny import tiny_causal_lm
+
+    tiny_causal_lm("llama", seed=1).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text()[:50])
+    with pytest.raises(UserInputError, match=rf"^{tmp_path}/config.json \(the model's architecture\): malformed JSON "
+                                             r"\(.*the file is cut short\)"):
+        load_model(str(tmp_path), tokenizer=False)
+
+
+def _command_line(monkeypatch, capsys, *args):
+    """``python train.py <args>`` as the process's command line: (exit code, stderr lines)."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
+    monkeypatch.delenv("IPROX_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code, capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--n", "0"], "--n must be >= 1, got 0"),
+    (["--n", "11"], "--n 11 is more than the 10 records of {pool}"),
+    (["--n", "3", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--n", "3", "--output", "{dir}"], "--output {dir} is a directory; name a file"),
+    (["--n", "3", "--output", "{pool}"], "--output {pool} would replace the pool {pool}"),
+    (["--n", "4", "--output", "{dir}/taken.jsonl"], "--output {dir}/taken.jsonl already exists and holds something "
+                                                     "else than this sample"),
+])
+def test_sample_pool_edges_answer_in_one_line(tmp_path, monkeypatch, capsys, extra, message):
+    """Issue 57: sample_pool raised plain ValueError / IsADirectoryError / FileExistsError (a traceback on the
+    command line) and numpy's 'expected non-negative integer' for a negative seed; each is one error: line now."""
+    pool = _write_jsonl(tmp_path / "pool.jsonl", [{**r, "source": "s"} for r in _records(10)])
+    (tmp_path / "taken.jsonl").write_text("{}\n")
+    fill = {"pool": pool, "dir": tmp_path}
+    extra = [a.format(**fill) for a in extra]
+    if "--output" not in extra:
+        extra += ["--output", tmp_path / "sample.jsonl"]
+    code, err = _command_line(monkeypatch, capsys, "sample_pool", "--pool", pool, *extra)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message.format(**fill)), err
+    assert not (tmp_path / "sample.jsonl").exists() and (tmp_path / "taken.jsonl").read_text() == "{}\n"
+
+
+def test_exclude_categories_matching_no_category_is_refused(tmp_path):
+    """Issue 57: a misspelt ``exclude_categories`` pattern excluded nothing and the selection was written as if the
+    option had not been given (exit 0); matching everything was already refused."""
+    import pandas as pd
+
+    from iprox_lightning.errors import UserInputError
+
+    pool = _write_jsonl(tmp_path / "pool.jsonl", _records(8))
+    table = tmp_path / "scores.parquet"
+    pd.DataFrame({"id": [f"r{j}" for j in range(8)], "score": [float(j) for j in range(8)]}).to_parquet(table)
+    args = ["select", "--scores_path", table, "--pool", pool, "--allow_pool_mismatch", "true", "--k", "2", "--output",
+            tmp_path / "sel.jsonl", "--quiet", "true"]
+    with pytest.raises(UserInputError, match=r"exclude_categories \['A'\] match\(es\) no category of the 8 ranked "
+                                             r"candidates \(their categories: 'a', 'b'\)"):
+        main([*map(str, args), "--exclude_categories", '["a*", "A"]'])
+    assert not (tmp_path / "sel.jsonl").exists()
+    main([*map(str, args), "--exclude_categories", '["a*"]'])  # every pattern matches: selected among the rest
+    assert [json.loads(line)["id"] for line in (tmp_path / "sel.jsonl").read_text().splitlines()] == ["r6", "r4"]
+
+
+@pytest.mark.parametrize("how", ["-c", "string", "group file", "group file ="])
+def test_a_config_file_cannot_opt_in_to_running_code_by_another_spelling(tmp_path, monkeypatch, how):
+    """Issue 57: the opt-in check read only ``--config FILE`` and boolean values: ``-c FILE``, ``"true"`` / ``"False"``
+    as strings (the parser reads them as booleans) and a group given as a file (``--data d.yaml``) set
+    trust_remote_code / weights_only from a file (checked: ``--print_config`` showed ``trust_remote_code: true``)."""
+    from iprox_lightning.errors import UserInputError
+
+    monkeypatch.delenv("IPROX_ALLOW_CODE", raising=False)
+    cfg = tmp_path / "shared.yaml"
+    if how == "-c":
+        cfg.write_text("data:\n  init_args:\n    trust_remote_code: true\n")
+        args, dotted = ["-c", str(cfg)], "data.init_args.trust_remote_code: true"
+    elif how == "string":
+        cfg.write_text("ckpt_path: x.ckpt\nweights_only: 'False'\n")
+        args, dotted = ["--config", str(cfg)], "weights_only: false"
+    else:
+        cfg.write_text("init_args:\n  trust_remote_code: 'yes'\n")
+        args = ["--data", str(cfg)] if how == "group file" else [f"--data={cfg}"]
+        dotted = "data.init_args.trust_remote_code: true"
+    with pytest.raises(UserInputError, match=rf"^{cfg}: {dotted} would run code .* a config file cannot opt in"):
+        main(["fit", "--config", "configs/warmup.yaml", *args])
+
+
+@pytest.mark.parametrize("text,message", [('{"model": {"name": "x"', r"malformed JSON \(.* the file is cut short\)"),
+                                          ("[1, 2]", r"holds a JSON array, not an object"),
+                                          (b"\xff\xfe{}", r"not UTF-8 text \(byte offset 0\)")])
+def test_a_cut_or_foreign_settings_or_selection_meta_names_the_file(tmp_path, text, message):
+    """Issue 57: a score directory's settings.json or a selection's .meta.json that is a JSON array or not UTF-8 raised
+    AttributeError / UnicodeDecodeError (a cut one was named already); each reader now goes through io/jsonfile."""
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.io.scores import read_settings
+    from iprox_lightning.io.selection import read_meta
+
+    for path, read, arg in [(tmp_path / "settings.json", read_settings, tmp_path),
+                            (tmp_path / "sel.jsonl.meta.json", read_meta, tmp_path / "sel.jsonl")]:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(UserInputError, match=rf"^{path} \((score settings|selection meta)[^)]*\): {message}"):
+            read(arg)

@@ -39,8 +39,9 @@ def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
 def _proxy_manifest(proxy: str) -> dict | None:
     from ..io.proxy import PROXY_MANIFEST
 
-    path = Path(proxy) / PROXY_MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    from ..io.proxy import read_manifest
+
+    return read_manifest(proxy) if (Path(proxy) / PROXY_MANIFEST).is_file() else None
 
 
 def _proxy_sparsity(proxy: str) -> float | None:

@@ -105,7 +105,7 @@ CODE_ENV = "IPROX_ALLOW_CODE"
 
 
 def check_config_opt_ins(argv: list[str]) -> None:
-    """Refuse a config file (``--config FILE``) that sets a :data:`CODE_OPT_INS` key to its code-running value, unless
+    """Refuse a config file (``--config FILE``, ``-c FILE``, a group given as a file: ``--data FILE``) that sets a :data:`CODE_OPT_INS` key to its code-running value, unless
     the command line sets the same key itself or :data:`CODE_ENV` allows it; the error names the file and the key."""
     import os
 
@@ -116,29 +116,41 @@ def check_config_opt_ins(argv: list[str]) -> None:
         return
     configs, flags = [], []
     for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv):
-            configs.append(argv[i + 1])
-        elif a.startswith("--config="):
-            configs.append(a.split("=", 1)[1])
+        value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+        if a in ("--config", "-c") and value is not None:
+            configs.append((value, []))
+        elif a.startswith(("--config=", "-c=")):
+            configs.append((a.split("=", 1)[1], []))
         elif a.startswith("--"):
             flags.append(a[2:].split("=", 1)[0])
+            # a group given as a file (``--data d.yaml``, ``--model=m.yaml``) is a config file too
+            given = a.split("=", 1)[1] if "=" in a else value
+            if given and given.lower().endswith((".yaml", ".yml", ".json")) and Path(given).is_file():
+                configs.append((given, a[2:].split("=", 1)[0].split(".")))
+
+    def runs_code(key, v) -> bool:
+        """``v`` is the value of ``key`` that runs code, as the parser reads it (``"true"``, ``"yes"``: true)."""
+        if isinstance(v, str):
+            v = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False,
+                 "0": False}.get(v.strip().lower(), v)
+        return v is CODE_OPT_INS[key] or (not isinstance(v, bool) and isinstance(v, int) and bool(v) is CODE_OPT_INS[key])
 
     def found(node, path):
         if isinstance(node, dict):
             for k, v in node.items():
-                if k in CODE_OPT_INS and v is CODE_OPT_INS[k]:
-                    yield ".".join(path + [str(k)]), k, v
+                if k in CODE_OPT_INS and runs_code(k, v):
+                    yield ".".join(path + [str(k)]), k, CODE_OPT_INS[k]
                 yield from found(v, path + [str(k)])
         elif isinstance(node, list):
             for j, v in enumerate(node):
                 yield from found(v, path + [str(j)])
 
-    for cfg in configs:
+    for cfg, prefix in configs:
         try:
             data = yaml.safe_load(Path(cfg).read_text())
         except (OSError, yaml.YAMLError):
             continue  # the parser names an unreadable config itself
-        for dotted, key, value in found(data, []):
+        for dotted, key, value in found(data, prefix):
             if key in allowed or any(f == key or f.endswith("." + key) for f in flags):
                 continue
             raise UserInputError(

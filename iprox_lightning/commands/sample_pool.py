@@ -22,18 +22,21 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
     """
     from ..data.sources import iter_rows, write_records_jsonl
     from ..data.splits import stratified_sample
+    from ..errors import OutputExistsError, OutputIsDirectoryError, UserInputError
     from ..io.records import DataFormatError, normalize_row
 
-    if isinstance(n, bool) or n < 1:
-        raise ValueError(f"--n must be >= 1, got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserInputError(f"--n must be >= 1, got {n}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise UserInputError(f"--seed must be an integer >= 0, got {seed}")
     out = Path(output)
     if out.is_dir():
-        raise IsADirectoryError(f"--output {out} is a directory; name a file, e.g. {out / 'pool_sample.jsonl'}")
+        raise OutputIsDirectoryError(f"--output {out} is a directory; name a file, e.g. {out / 'pool_sample.jsonl'}")
     if out.suffix != ".jsonl":
-        raise ValueError(f"--output {out}: the sample is written as JSON Lines; name a .jsonl file")
+        raise UserInputError(f"--output {out}: the sample is written as JSON Lines; name a .jsonl file")
     src = Path(str(pool))
     if src.exists() and (out.resolve() == src.resolve() or (src.is_dir() and out.resolve().is_relative_to(src.resolve()))):
-        raise ValueError(f"--output {out} would {'replace' if src.is_file() else 'go inside'} the pool {pool}; "
+        raise UserInputError(f"--output {out} would {'replace' if src.is_file() else 'go inside'} the pool {pool}; "
                          "choose another output file")
     rows, seen, counters = [], {}, {}
     for name, where, row in iter_rows(pool):
@@ -50,7 +53,7 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
     if not rows:
         raise DataFormatError(f"{pool}: no records")
     if n > len(rows):
-        raise ValueError(f"--n {n} is more than the {len(rows)} records of {pool}")
+        raise UserInputError(f"--n {n} is more than the {len(rows)} records of {pool}")
     sample = stratified_sample(rows, n, seed, by=by)
     same = False
     if out.exists():
@@ -59,7 +62,7 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
         except (DataFormatError, ValueError):
             same = False
         if not same and not overwrite:
-            raise FileExistsError(f"--output {out} already exists and holds something else than this sample: not "
+            raise OutputExistsError(f"--output {out} already exists and holds something else than this sample: not "
                                   "overwritten. Pass another --output, or --overwrite true to replace it")
     if not same:
         write_records_jsonl(sample, out)

@@ -46,8 +46,10 @@ Truncation to ``max_length``
 Text that can never be kept is cut before tokenizing: no token spans more than :data:`CHARS_PER_TOKEN_BOUND`
 characters, so of each text field only ``max_length × CHARS_PER_TOKEN_BOUND`` characters can reach the kept tokens
 — the field's end for a prompt field under ``"prompt_left"`` (instruction, context, prompt turns), its start
-otherwise (:func:`bound_record`). A 50 MB record with ``max_length=128`` is tokenized as 8 K characters per field,
-not 50 MB; the kept tokens are those of the uncut text whenever tokens average at most half the bound.
+otherwise (:func:`bound_record`); the rendered prompt and response texts are then cut the same way
+(:func:`bound_rendered`: a conversation of many short turns). A 50 MB record with ``max_length=128`` is tokenized as
+8 K characters per field, not 50 MB; the kept tokens are those of the uncut text whenever tokens average at most half
+the bound.
 
 An example left with no scored response token (no response token at position ≥ 1) is dropped;
 :func:`tokenize_records` returns the dropped ids so callers can count them in the log.
@@ -224,6 +226,23 @@ def bound_record(record: dict, max_chars: int, truncation: str = "prompt_left") 
     return {**record, **{f: _cut(record[f], max_chars, end) for f, end in fields.items() if f in record}}
 
 
+def bound_rendered(prompt_text: str, response_text: str, max_chars: int, truncation: str = "prompt_left",
+                   bos_text: str | None = None) -> tuple[str, str]:
+    """The rendered ``(prompt_text, response_text)`` cut to ``max_chars`` characters each on the side :func:`truncate`
+    drops (the prompt's end is kept under ``"prompt_left"``, its start under ``"right"``; the response's start), a
+    leading ``bos_text`` (a chat template's BOS, which truncation keeps) kept in front. What :func:`bound_record`
+    cannot bound, many short turns of one conversation (50,000 turns of 100 characters peaked at 2.1 GB), is bounded
+    here, before tokenizing."""
+    if len(prompt_text) > max_chars:
+        if truncation != "prompt_left":
+            prompt_text = prompt_text[:max_chars]
+        elif bos_text and prompt_text.startswith(bos_text):
+            prompt_text = bos_text + prompt_text[len(prompt_text) - max_chars:]
+        else:
+            prompt_text = prompt_text[len(prompt_text) - max_chars:]
+    return prompt_text, response_text[:max_chars]
+
+
 def truncate(
     prompt_ids: list[int], response_ids: list[int], max_length: int, truncation: str = "prompt_left", bos_id: int | None = None
 ) -> tuple[list[int], list[int]]:
@@ -287,6 +306,7 @@ def tokenize_records(
         raise UserInputError(f"max_length must be >= 2, got {max_length}")
     bos = getattr(tokenizer, "bos_token_id", None)
     eos = getattr(tokenizer, "eos_token_id", None)
+    bos_text = getattr(tokenizer, "bos_token", None) if mode == "chat" else None  # rendered by the template
     examples: list[TokenizedExample] = []
     dropped: list[str] = []
     import threading
@@ -302,6 +322,7 @@ def tokenize_records(
         chunk = [bound_record(r, max_length * CHARS_PER_TOKEN_BOUND, truncation) for r in records[s : s + chunk_size]]
         texts = [render_chat(r, tokenizer, time_limit=_limit(s + j)) if mode == "chat" else render_plain(r)
                  for j, r in enumerate(chunk)]
+        texts = [bound_rendered(p, r, max_length * CHARS_PER_TOKEN_BOUND, truncation, bos_text) for p, r in texts]
         enc = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False)
         enc_p = tokenizer([t[0] for t in texts], **enc)["input_ids"]
         enc_r = tokenizer([t[1] for t in texts], **enc)["input_ids"]

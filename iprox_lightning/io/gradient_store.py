@@ -81,17 +81,65 @@ def read_info(store_dir: str | os.PathLike, *, required: bool = True) -> dict:
             raise StoreFormatError(f"{store_dir} is not a gradient store: {p} not found (build one with "
                                    "`python train.py build_store`)")
         return {}
-    try:
-        info = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise StoreFormatError(f"{p}: malformed JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(info, dict) or info.get("schema_version") != SCHEMA_VERSION:
-        got = info.get("schema_version") if isinstance(info, dict) else type(info).__name__
-        raise StoreFormatError(f"{p}: field 'schema_version' is {got!r}, this version reads {SCHEMA_VERSION}")
-    for field in ("fingerprint", "layout", "dim", "dtype"):
-        if field not in info:
-            raise StoreFormatError(f"{p}: field {field!r} is missing")
+    from .jsonfile import read_json
+
+    info = read_json(p, error=StoreFormatError, what="gradient store record")
+    if info.get("schema_version") != SCHEMA_VERSION:
+        raise StoreFormatError(f"{p}: field 'schema_version' is {info.get('schema_version')!r}, this version reads "
+                               f"{SCHEMA_VERSION}")
+    check_info_fields(p, info)
     return info
+
+
+def check_info_fields(p: Path, info: Mapping) -> None:
+    """Every field of ``store.json`` a build or query reads has its type and a possible value, and the layout adds up:
+    each tracked weight's block (``k_out × k_in`` numbers, ``1 <= k <= `` the weight's side) starts where the previous
+    one ended, and the blocks fill ``dim``. Refused naming the file and field (an edited or foreign record)."""
+    from .jsonfile import Fields
+
+    f = Fields(p, StoreFormatError)
+    fp = f.get(info, "fingerprint", "object")
+    f.get(fp, "settings", "object", at="fingerprint")
+    f.get(fp, "model", "object|null", at="fingerprint", default=None)
+    f.get(fp, "pool", "object|null", at="fingerprint", default=None)
+    dim = f.get(info, "dim", "int", minimum=1)
+    f.get(info, "dtype", "str", choices=STORAGE_DTYPES)
+    f.get(info, "rows", "int", minimum=0, default=None)
+    f.get(info, "complete", "bool", default=None)
+    tok = f.get(info, "tokenization", "object", default=None)
+    if tok is not None:
+        f.get(tok, "max_length", "int", at="tokenization", minimum=2, default=None)
+        f.get(tok, "batch_size", "int", at="tokenization", minimum=1, default=None)
+    factors = f.get(info, "factors", "str|null", default=None)
+    if factors is not None and (Path(factors).name != factors or factors in ("", ".", "..")):
+        raise f.fail("factors", f"is {factors!r}: a file name inside the store, not a path")
+    layout = f.get(info, "layout", "list")
+    offset, keys = 0, set()
+    for j, row in enumerate(layout):
+        at = f"layout[{j}]"
+        f.check(at, row, "object")
+        key = f.get(row, "key", "str", at=at)
+        if key in keys:
+            raise f.fail(f"{at}.key", f"is {key!r} a second time")
+        keys.add(key)
+        out_f, in_f = f.get(row, "out", "int", at=at, minimum=1), f.get(row, "in", "int", at=at, minimum=1)
+        k_out, k_in = f.get(row, "k_out", "int", at=at, minimum=1), f.get(row, "k_in", "int", at=at, minimum=1)
+        if k_out > out_f or k_in > in_f:
+            raise f.fail(at, f"projects a {out_f} x {in_f} weight to {k_out} x {k_in}: more rows than the weight has")
+        if f.get(row, "offset", "int", at=at, minimum=0) != offset:
+            raise f.fail(f"{at}.offset", f"is {row['offset']}, but the blocks before it end at {offset}")
+        offset += k_out * k_in
+    if offset != dim:
+        raise f.fail("dim", f"is {dim}, but the layout's blocks hold {offset} numbers")
+    contents = f.get(info, "contents", "object", default=None)
+    if contents is not None:
+        for name, rec in f.get(contents, "shards", "object", at="contents").items():
+            at = f"contents.shards.{name}"
+            f.check(at, rec, "object")
+            f.get(rec, "rows", "int", at=at, minimum=0)
+            f.get(rec, "sha256", "str", at=at)
+        for name, sha in f.get(contents, "files", "object", at="contents", default={}).items():
+            f.check(f"contents.files.{name}", sha, "str")
 
 
 def write_info(store_dir: str | os.PathLike, info: Mapping) -> Path:
@@ -149,6 +197,9 @@ def load_tensors(path: str | os.PathLike) -> tuple[dict, dict]:
     p = Path(path)
     if not p.exists():
         raise StoreFormatError(f"{p} not found")
+    from .jsonfile import read_safetensors_header
+
+    read_safetensors_header(p, error=StoreFormatError)
     try:
         with safe_open(str(p), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
@@ -317,7 +368,7 @@ def verify_contents(store_dir: str | os.PathLike, info: Mapping) -> None:
         if _sha256(f) != want[name].get("sha256"):
             raise StoreFormatError(f"{f}: changed since the build recorded it in {where} (SHA-256 differs); rebuild "
                                    "the store or restore the file")
-    rows = sum(int(s.get("rows", -1)) for s in want.values())
+    rows = sum(s["rows"] for s in want.values())  # integers >= 0 (read_info)
     if rows != info.get("rows"):
         raise StoreFormatError(f"{where}: the shards hold {rows} rows, 'rows' says {info.get('rows')}")
     files = rec.get("files", {})
@@ -326,6 +377,39 @@ def verify_contents(store_dir: str | os.PathLike, info: Mapping) -> None:
         if name not in files or not path.exists() or _sha256(path) != files[name]:
             raise StoreFormatError(f"{path}: not the file the build recorded in {where} (missing or changed); rebuild "
                                    "the store or restore the file")
+    check_layout_against_files(store_dir, info)
+
+
+def check_layout_against_files(store_dir: str | os.PathLike, info: Mapping) -> None:
+    """``store.json``'s layout, ``dim``, ``dtype`` and shard rows agree with the files (their headers only: nothing is
+    read): each projection ``[k, side]`` as the layout says (identity where absent), each shard's ``vectors`` ``[rows,
+    dim]`` in ``dtype``. Refused naming ``store.json``'s field and the file (an edited record)."""
+    from safetensors import safe_open
+
+    where = Path(store_dir) / STORE_FILE
+    proj = Path(store_dir) / PROJECTION_FILE
+    shapes: dict[str, list[int]] = {}
+    if proj.exists():
+        with safe_open(str(proj), framework="pt") as f:
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    for j, row in enumerate(info["layout"]):
+        for side, k, n in (("out", row["k_out"], row["out"]), ("in", row["k_in"], row["in"])):
+            have = shapes.get(f"{row['key']}|{side}", [n, n])  # absent: identity
+            if have != [k, n]:
+                raise StoreFormatError(f"{where}: field 'layout[{j}]' ({row['key']}) says a {k} x {n} '{side}' "
+                                       f"projection, {proj.name} holds {have[0]} x {have[1]}")
+    shards = info.get("contents", {}).get("shards", {})
+    for f in shard_files(store_dir):
+        with safe_open(f, framework="pt") as st:
+            v = st.get_slice("vectors")
+            shape, dtype = list(v.get_shape()), v.get_dtype()
+        want_rows = shards.get(Path(f).name, {}).get("rows")
+        if len(shape) != 2 or shape[1] != info["dim"] or (want_rows is not None and shape[0] != want_rows):
+            raise StoreFormatError(f"{where}: fields 'dim' ({info['dim']}) / 'contents.shards' rows ({want_rows}) "
+                                   f"disagree with {f}: vectors {shape}")
+        want = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[info["dtype"]]
+        if dtype != want:
+            raise StoreFormatError(f"{where}: field 'dtype' is {info['dtype']!r}, but {f} stores {dtype} vectors")
 
 
 def store_size(store_dir: str | os.PathLike, rows: int) -> dict:

@@ -226,11 +226,11 @@ def read_manifest(path: str | Path) -> dict:
     man_file = Path(path) / PROXY_MANIFEST
     if not man_file.is_file():
         raise InputNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
-    try:
-        manifest = json.loads(man_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ProxyFormatError(f"{man_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), dict):
+    from .jsonfile import Fields, read_json
+
+    manifest = read_json(man_file, error=ProxyFormatError, what="proxy manifest")
+    f = Fields(man_file, ProxyFormatError)
+    if not isinstance(manifest.get("layers"), dict):
         raise ProxyFormatError(f"{man_file}: malformed manifest (no 'layers' object)")
     dtype = manifest.get("dtype")
     if dtype is not None and dtype not in MANIFEST_DTYPES:
@@ -238,18 +238,54 @@ def read_manifest(path: str | Path) -> dict:
     version = manifest.get("format_version", 1)
     if isinstance(version, bool) or not isinstance(version, int):
         raise ProxyFormatError(f"{man_file}: 'format_version' is {version!r}, not an integer")
+    if version > MANIFEST_VERSION:
+        raise ProxyFormatError(f"{man_file}: format_version {manifest['format_version']} is newer than this "
+                               f"iprox_lightning reads ({MANIFEST_VERSION})")
+    f.get(manifest, "format_version", "int", minimum=1, default=None)
     for name, spec in manifest["layers"].items():
         if not isinstance(spec, dict):
             raise ProxyFormatError(f"{man_file}: layer {name!r} is {spec!r}, not an object with rank / in_features / "
                                    "out_features")
-    if int(manifest.get("format_version", 1)) > MANIFEST_VERSION:
-        raise ProxyFormatError(f"{man_file}: format_version {manifest['format_version']} is newer than this "
-                               f"iprox_lightning reads ({MANIFEST_VERSION})")
+        f.get(spec, "bias", "bool", at=f"layers.{name}", default=None)
+    weights = f.get(manifest, "weights", "object|null", default=None)
+    if weights is not None:
+        f.get(weights, "size", "int|null", at="weights", minimum=0, default=None)
+        sha = f.get(weights, "sha256", "str|null", at="weights", default=None)
+        if sha is not None and not re.fullmatch(r"[0-9a-f]{16,64}", sha):
+            raise f.fail("weights.sha256", f"is {sha!r}, not a hex SHA-256 digest")
+    bd = f.get(manifest, "block_drop", "object|null", default=None)
+    if bd is not None:
+        f.get(bd, "num_blocks_before", "int", at="block_drop", minimum=1)
+        for j, b in enumerate(f.get(bd, "dropped", "list", at="block_drop")):
+            f.check(f"block_drop.dropped[{j}]", b, "int", minimum=0)
     return manifest
+
+
+def read_config(path: str | Path) -> Any:
+    """The transformers config of a proxy directory's ``config.json``, or a :class:`ProxyFormatError` naming the file
+    (cut short, not JSON, no ``model_type``, a field of the wrong type) instead of transformers' own error."""
+    from transformers import AutoConfig
+
+    from .jsonfile import Fields, read_json
+
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise InputNotFoundError(f"{cfg_file} not found (the proxy's architecture)")
+    Fields(cfg_file, ProxyFormatError).get(read_json(cfg_file, error=ProxyFormatError, what="the proxy's architecture"),
+                                           "model_type", "str")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers' validation: a field of the wrong type or value, an unknown model_type
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ProxyFormatError(f"{cfg_file}: not a config transformers can build ({type(e).__name__}: {first})") \
+            from None
 
 
 def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapping[str, dict]) -> None:
     """Compare the weights file's header with the model built from config + manifest, before loading."""
+    from .jsonfile import read_safetensors_header
+
+    read_safetensors_header(weights, error=ProxyFormatError)  # sizes against the file, naming it
     try:
         have = tensor_shapes(weights)
         have_dtypes = tensor_dtypes(weights)
@@ -279,7 +315,8 @@ def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapp
                                + "; ".join(parts) + " — refusing to load with randomly initialised or ignored weights")
     for k, shape in want.items():
         if k in have and have[k] != shape:
-            raise ProxyFormatError(f"{weights}: tensor {k} has shape {list(have[k])}, the model expects {list(shape)}")
+            raise ProxyFormatError(f"{weights}: tensor {k} has shape {list(have[k])}, the model built from config.json "
+                                   f"expects {list(shape)}")
     wrong = sorted(k for k in have if state[k].is_floating_point() and have_dtypes[k] != _dtype_name(state[k].dtype))
     if wrong:
         k = wrong[0]
@@ -314,9 +351,9 @@ def _check_weights_digest(weights: Path, manifest: Mapping[str, Any], man_file: 
 
 
 def _is_tied(model: nn.Module, key: str, have: Mapping[str, Any]) -> bool:
-    sd = model.state_dict()
+    sd = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object (also on "meta")
     t = sd[key]
-    return any(k in have and sd[k].data_ptr() == t.data_ptr() for k in sd if k != key)
+    return any(k in have and sd[k] is t for k in sd if k != key)
 
 
 def _check_block_drop(config: Any, manifest: Mapping[str, Any], man_file: Path) -> None:
@@ -360,7 +397,7 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     ``LowRankLinear`` layers of the recorded ranks, the weights file checked against them, then loaded
     strictly. Returns ``(model in eval mode, tokenizer or None when the directory holds none)``."""
     from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
 
     path = Path(path)
@@ -380,15 +417,25 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
                if isinstance(spec[k], bool) or not isinstance(spec[k], int) or spec[k] < 1}
         if bad:
             raise ProxyFormatError(f"{man_file}: layer {name!r}: {bad} must be positive integers")
-    config = AutoConfig.from_pretrained(path)
+    config = read_config(path)
     _check_block_drop(config, manifest, man_file)
     build_dtype = getattr(torch, str(manifest.get("dtype") or "float32"))  # one of MANIFEST_DTYPES (read_manifest)
-    # every tensor is overwritten by the strict load below: skip the random initialisation (a second of CPU per
-    # 100M parameters, the dense model's and the factors')
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
-        _swap_in_factor_layers(model, layers, man_file)
-    model.tie_weights()  # tied input/output embeddings (skipped with the initialisation)
+
+    def build(on_meta: bool) -> nn.Module:
+        # every tensor is overwritten by the strict load below: skip the random initialisation (a second of CPU per
+        # 100M parameters, the dense model's and the factors')
+        import contextlib
+
+        with no_init_weights(), (torch.device("meta") if on_meta else contextlib.nullcontext()):
+            m = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
+            _swap_in_factor_layers(m, layers, man_file)
+        m.tie_weights()  # tied input/output embeddings (skipped with the initialisation)
+        return m
+
+    # first without memory: config.json's sizes (vocab_size, hidden_size, ...) are checked against the weights file's
+    # header before a model of that size is allocated (a vocab_size of 1e12 asked for 64 TB)
+    _check_tensors(build(on_meta=True), weights, man_file, layers)
+    model = build(on_meta=False)
     _check_tensors(model, weights, man_file, layers)
     if weights.name == PROXY_WEIGHTS:
         _check_weights_digest(weights, manifest, man_file)
@@ -457,7 +504,8 @@ def _main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m iprox_lightning.io.proxy",
-                                 description="IProX proxy directories: upgrade a version-1 directory in place, or export a proxy as a dense Hugging Face model.")
+                                 description="IProX proxy directories: upgrade a version-1 directory in place, or export a proxy as a dense Hugging Face model.",
+                                 epilog="--debug (anywhere) shows the traceback of an error otherwise reported in one line.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("upgrade", help="re-save version-1 proxy directories (model.safetensors) as version 2")
     up.add_argument("paths", nargs="+", help="proxy directories")
@@ -496,7 +544,9 @@ def add_from_pretrained_note(path: str | Path) -> None:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         return
-    cfg = json.loads(cfg_file.read_text())
+    from .jsonfile import read_json
+
+    cfg = read_json(cfg_file, error=ProxyFormatError, what="the proxy's architecture")
     if cfg.get("transformers_weights") == FROM_PRETRAINED_NOTE:
         return
     cfg["transformers_weights"] = FROM_PRETRAINED_NOTE
@@ -525,4 +575,6 @@ def export_proxy(path: str | Path, output: str | Path, *, dtype: str | torch.dty
 
 
 if __name__ == "__main__":  # pragma: no cover
-    _main()
+    from ..errors import run_command_line
+
+    run_command_line(_main)

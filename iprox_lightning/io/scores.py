@@ -312,8 +312,6 @@ def read_settings(output_dir: str | os.PathLike) -> dict:
     p = Path(output_dir) / SETTINGS_FILE
     if not p.exists():
         return {}
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserInputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno}); remove the directory or pass "
-                             "overwrite=True to start fresh") from None
+    from .jsonfile import read_json
+
+    return read_json(p, what="score settings; remove the directory or pass overwrite=True to start fresh")

@@ -52,10 +52,9 @@ def read_meta(path: str | os.PathLike) -> dict | None:
     p = meta_path(path)
     if not p.exists():
         return None
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserInputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    from .jsonfile import read_json
+
+    return read_json(p, what="selection meta")
 
 
 def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Callable | None = None,

@@ -76,17 +76,126 @@ def check_gguf(path: str | os.PathLike) -> None:
         raise UserInputError(f"{p}: not a GGUF file (starts with {magic!r}, not b'GGUF'; {size} bytes)")
     _check_gguf_counts(p, size)
     try:
-        from gguf import GGUFReader
+        _scan_gguf(p, size)
+    except _GGUFDamaged as e:
+        raise UserInputError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; {e})") from None
+
+
+GGUF_ARRAY_ENTRIES_PER_VOCAB = 8
+"""Array entries (of every key-value array together) a GGUF may hold per row of its token embedding: a tokenizer's
+tokens, scores and token types (one each per token) and merges (fewer than tokens) take about 4. The GGUF readers
+keep over 1 KB of Python and numpy objects per entry, so a small file of many short strings (a 10 MB file, 700,000 of
+them) took 1.3 GB before any check; beyond this bound (plus :data:`GGUF_ARRAY_ENTRIES_SLACK`) the file is refused."""
+GGUF_ARRAY_ENTRIES_SLACK = 1 << 16
+"""Array entries a GGUF may hold beyond :data:`GGUF_ARRAY_ENTRIES_PER_VOCAB` per vocabulary row (about 80 MB of
+reader objects), for key-values other than the tokenizer's."""
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _GGUFDamaged(Exception):
+    pass
+
+
+def _scan_gguf(p: Path, size: int) -> None:
+    """Walk the GGUF's key-values and tensor table as stored, without a reader: every declared string length and
+    array count is checked against the bytes left in the file before anything is read for it, the array entries are
+    bounded by the vocabulary (:data:`GGUF_ARRAY_ENTRIES_PER_VOCAB`), and the tensors must end inside the file. Each
+    failure is a :class:`UserInputError` naming the file, the key or tensor, and the byte offset."""
+    import mmap
+    import struct
+
+    with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = 24
+        _, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+
+        def need(n: int, what: str) -> None:
+            if n < 0 or pos + n > size:
+                raise _GGUFDamaged(f"{what} at byte {pos} needs {n} bytes, {max(size - pos, 0)} are left")
+
+        def u32() -> int:
+            nonlocal pos
+            need(4, "a 4-byte field")
+            pos += 4
+            return struct.unpack_from("<I", mm, pos - 4)[0]
+
+        def u64(what: str = "an 8-byte field") -> int:
+            nonlocal pos
+            need(8, what)
+            pos += 8
+            return struct.unpack_from("<Q", mm, pos - 8)[0]
+
+        def string(what: str) -> str:
+            nonlocal pos
+            n = u64(f"the length of {what}")
+            need(n, f"{what} ({n} bytes)")
+            pos += n
+            return bytes(mm[pos - n:pos]).decode("utf-8", "replace")
+
+        entries = 0
+
+        def value(vtype: int, key: str, depth: int = 0) -> int | None:
+            nonlocal pos, entries
+            if vtype in _GGUF_SCALARS:
+                need(_GGUF_SCALARS[vtype], f"the value of {key!r}")
+                pos += _GGUF_SCALARS[vtype]
+                return struct.unpack_from("<I", mm, pos - 4)[0] if vtype == 4 else None
+            if vtype == _GGUF_STRING:
+                string(f"the string value of {key!r}")
+                return None
+            if vtype != _GGUF_ARRAY or depth > 1:
+                raise _GGUFDamaged(f"key {key!r} has value type {vtype}, not a GGUF type")
+            itype, count = u32(), u64(f"the length of array {key!r}")
+            least = _GGUF_SCALARS.get(itype, 8 if itype == _GGUF_STRING else 12)
+            need(count * least, f"array {key!r} of {count} entries")  # before a single entry is read
+            entries += count
+            if itype in _GGUF_SCALARS:
+                pos += count * least
+            else:
+                for _ in range(count):
+                    value(itype, key, depth + 1)
+            return None
+
+        alignment = 32
+        for _ in range(n_kv):
+            key = string("a key")
+            got = value(u32(), key)
+            if key == "general.alignment" and got:
+                alignment = got
+        tensors = []
+        for _ in range(n_tensors):
+            name = string("a tensor name")
+            n_dims = u32()
+            if n_dims > 8:
+                raise _GGUFDamaged(f"tensor {name!r} has {n_dims} dimensions")
+            dims = [u64(f"a dimension of tensor {name!r}") for _ in range(n_dims)]
+            tensors.append((name, dims, u32(), u64(f"the offset of tensor {name!r}")))
+        data_start = -(-pos // alignment) * alignment
+    vocab = next((d[-1] for name, d, _, _ in tensors if name == "token_embd.weight" and d), None)
+    budget = GGUF_ARRAY_ENTRIES_PER_VOCAB * (vocab or 0) + GGUF_ARRAY_ENTRIES_SLACK
+    if entries > budget:
+        raise UserInputError(f"{p}: its key-value arrays hold {entries} entries, more than a model with "
+                             f"{vocab if vocab is not None else 'no'} token-embedding rows has ({budget} at most; a "
+                             "GGUF reader keeps over 1 KB per entry): damaged or not a model file")
+    try:
+        import gguf
     except ImportError:
         return
-    try:
-        reader = GGUFReader(str(p))
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as e:  # the reader raises struct / numpy errors for a cut header or tensor table
-        raise UserInputError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; "
-                             f"{type(e).__name__}: {e})") from None
+    end = data_start
+    for name, dims, ttype, offset in tensors:
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            raise UserInputError(f"{p}: tensor {name!r} has GGML type {ttype}, which this gguf package does not know "
+                                 f"(damaged, or a newer quantization than gguf {getattr(gguf, '__version__', '')})") \
+                from None
+        n = 1
+        for d in dims:
+            n *= d
+        end = max(end, data_start + offset + n // block * type_size)
     if end > size:
-        raise UserInputError(f"{p}: truncated GGUF file: its tensors end at byte {end}, the file has {size} bytes")
+        raise UserInputError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; its tensors end at "
+                             f"byte {end})")
 
 
 def _check_gguf_counts(p: Path, size: int) -> None:
@@ -206,11 +315,27 @@ def load_model(
     from .hub import check_model_source
 
     check_model_source(name, "model")
+    if p.is_dir():
+        check_model_dir(p)
     # a local directory loads in a moment: no "Loading weights" bar (a download keeps its bars)
     with transformers_bars_off() if p.is_dir() else nullcontext():
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
     tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
+
+
+def check_model_dir(path: Path) -> None:
+    """A local model directory's ``config.json`` (UTF-8 JSON object with a ``model_type``) and every ``*.safetensors``
+    header (sizes and offsets inside the file) are read before transformers is: each fault is one
+    :class:`UserInputError` naming the file and field, instead of transformers' ``OSError`` or the safetensors
+    library's error without a file name."""
+    from ..io.jsonfile import Fields, read_json, read_safetensors_header
+
+    cfg = path / "config.json"
+    if cfg.is_file():
+        Fields(cfg).get(read_json(cfg, what="the model's architecture"), "model_type", "str")
+    for f in sorted(path.glob("*.safetensors")):
+        read_safetensors_header(f)
 
 
 def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer: bool):
@@ -225,6 +350,7 @@ def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer
     cached = gguf_cache_dir(p)
     if use_cache and (cached / "config.json").exists():
         log.info("loading cached float copy of %s from %s", p, cached)
+        check_model_dir(cached)
         with transformers_bars_off():
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
         tok = load_tokenizer(str(p)) if tokenizer else None

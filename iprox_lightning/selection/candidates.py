@@ -123,8 +123,15 @@ class ExcludeCategories(Restriction):
         if candidates.records is None:
             raise UserInputError("exclude_categories reads each candidate's category from the pool: pass pool")
         rows, records = candidates.rows, candidates.records
-        keep = [i for _, i in rows
-                if not any(fnmatchcase(str(records[i].get("category", "")), p) for p in self.patterns)]
+        cats = {i: str(records[i].get("category", "")) for _, i in rows}
+        present = sorted(set(cats.values()))
+        idle = [p for p in self.patterns if not any(fnmatchcase(c, p) for c in present)]
+        if idle:  # a misspelt or foreign pattern would exclude nothing and select as if it were not given
+            shown = ", ".join(repr(c) for c in present[:10]) + (f" and {len(present) - 10} more" if len(present) > 10
+                                                                  else "")
+            raise UserInputError(f"exclude_categories {idle} match(es) no category of the {len(rows)} ranked candidates "
+                                 f"(their categories: {shown}); patterns are case-sensitive fnmatch patterns")
+        keep = [i for _, i in rows if not any(fnmatchcase(cats[i], p) for p in self.patterns)]
         if not keep:
             raise UserInputError(f"exclude_categories {list(self.patterns)} leaves no candidate of the {len(rows)} ranked")
         return set(keep), {"categories": list(self.patterns), "count": len(rows) - len(keep), "candidates": None}
