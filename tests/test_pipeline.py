@@ -431,6 +431,7 @@ def run_all_variants(wd, tmp_path, *, demo=True, data=None, base_model="builtin"
     for name, sc in results.items():
         assert set(sc) == set(target), name  # every pool example scored exactly once
         sel = main(["select", *_cfg("select"), "--scores_path", _write(sc, tmp_path / f"{name}.parquet"),
+                    "--rule", "pooled",  # these tables hold one score per example (no per-task columns)
                     "--output", str(tmp_path / "sel" / f"{name}.jsonl"),
                     *(["--pool", str(data["pool"])] if "pool" in data else [])])
         ids = [json.loads(l)["id"] for l in open(sel)]

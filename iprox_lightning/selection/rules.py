@@ -39,7 +39,8 @@ def task_columns(columns: Mapping[str, np.ndarray], task: str | None) -> dict[st
     if not cols:
         have = sorted({c[len("score/"):].split(".")[0] for c in columns if c.startswith("score/")})
         raise UserInputError(f"no score column for task {task!r}; the table's tasks: {have or 'none (pooled score only)'}"
-                             if task is not None else "the score table has no per-task columns (score/<task>)")
+                             if task is not None else "the score table has no per-task columns (score/<task>), which this rule ranks by: "
+                             "a table of one score (random_scores, a baseline) is selected with --rule pooled")
     return cols
 
 
