@@ -183,3 +183,41 @@ def test_pca_projections_are_the_leading_eigenvectors_of_the_second_moments():
     assert all(p.P_in is None and p.P_out is None for p in pca_projections(linears, 10_000, eig).values())
     with pytest.raises(ValueError, match="no second moments"):
         pca_projections(linears, k, {})
+
+
+def test_topk_rows_equal_a_stable_full_sort_with_ties():
+    from iprox_lightning.scoring.query import topk_rows
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((7, 3), (20, 5), (5, 9), (30, 1)):
+        values = torch.randint(0, 4, (6, n), generator=g).double()  # many ties
+        values[0, :] = 1.0  # a row of one value
+        values[1, ::2] = float("-inf")
+        index = torch.stack([torch.randperm(n, generator=g) for _ in range(6)])
+        v, i = topk_rows(values, index, k)
+        for r in range(6):
+            want = sorted(range(n), key=lambda j: (-float(values[r, j]), int(index[r, j])))[:k]
+            assert i[r].tolist() == [int(index[r, j]) for j in want]
+            assert v[r].tolist() == [float(values[r, j]) for j in want]
+
+
+def test_nearest_is_blocked_and_never_holds_all_cosines(monkeypatch):
+    """Blocks of stored rows with a running top-k give the unblocked answer; no step sees more than ``k + block``
+    candidates per query, whatever the store's size."""
+    import iprox_lightning.scoring.query as q
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(50, 6, generator=g)
+    X[7] = X[3]  # equal cosines: the earlier stored row first
+    shards = [{"ids": [f"e{j}" for j in range(a, a + 25)], "vectors": X[a:a + 25],
+               "zero_grad": torch.zeros(25, dtype=torch.bool), "nonfinite": torch.zeros(25, dtype=torch.bool)}
+              for a in (0, 25)]
+    Q = torch.cat([X[3:4], torch.randn(3, 6, generator=g)])
+    want = nearest(shards, Q, k=4, block_rows=10**6)
+    widths = []
+    real = q.topk_rows
+    monkeypatch.setattr(q, "topk_rows", lambda v, i, k: (widths.append(v.shape[1]), real(v, i, k))[1])
+    got = q.nearest(shards, Q, k=4, block_rows=3)
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
+    assert got[0][0][:2] == ["e3", "e7"]
+    assert max(widths) <= 4 + 3

@@ -114,6 +114,12 @@ def materialize_grads(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.bmm(delta.transpose(1, 2), h)
 
 
+def row_sq_norms(X: torch.Tensor) -> torch.Tensor:
+    """``‖X_b‖²`` of the rows of ``X: [B, D]`` as one batched product (no ``[B, D]`` temporary, unlike
+    ``X.pow(2).sum(1)``): ``[B]``."""
+    return torch.bmm(X.unsqueeze(1), X.unsqueeze(2)).reshape(X.shape[0])
+
+
 def ghost_sq_norms(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """``‖g_b‖² = Σ_{t,s} (h_t·h_s)(δ_t·δ_s)`` without forming ``g_b``: ``[B]``."""
     return (torch.bmm(h, h.transpose(1, 2)) * torch.bmm(delta, delta.transpose(1, 2))).sum(dim=(1, 2))
@@ -281,10 +287,16 @@ class ValidationGradientTracker(WeightPairTracker):
         for r, g in enumerate(self.group_of(batch)):
             index.setdefault(g, []).append(r)
         self.rows = {g: torch.tensor(r, device=batch["input_ids"].device) for g, r in index.items()}
+        self.row_lists = index
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         h, delta = h.to(self.dtype), delta.to(self.dtype)
         acc = self.sums[key]
+        if len(self.rows) > 1 and len(self.rows) == h.shape[0]:  # one example per group: one batched product
+            G = materialize_grads(h, delta)
+            for g, (j,) in self.row_lists.items():
+                acc[g] = G[j].clone() if g not in acc else acc[g] + G[j]
+            return
         for g, rows in self.rows.items():
             G = delta[rows].flatten(0, 1).t() @ h[rows].flatten(0, 1)
             acc[g] = G if g not in acc else acc[g] + G
@@ -310,13 +322,18 @@ class ScoreFeatureTracker(WeightPairTracker):
         h, delta = h.to(self.dtype), delta.to(self.dtype)
         if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M G per example, [B, out, in]
             MG = self.metric.gradients(key, h, delta).flatten(1)  # [B, out·in], the tracker's dtype like tokens
-            self.sq.add_(MG.pow(2).sum(1).double())
+            self.sq.add_(row_sq_norms(MG).double())
             self.dots.add_((MG @ self.V[key].to(MG).flatten(1).t()).double())
             return
         h, delta = self.metric.tokens(key, h, delta)
         s, dt = layer_features(h, delta, self.V[key], self.feature_mode)
         self.sq.add_(s.double())
         self.dots.add_(dt.double())
+
+    def end_step(self) -> None:
+        release = getattr(self.metric, "release_step", None)  # a metric's per-step reuse (EK-FAC's rotated inputs)
+        if release is not None:
+            release()
 
 
 # --------------------------------------------------------------------------------------------

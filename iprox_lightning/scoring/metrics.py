@@ -153,15 +153,53 @@ def layer_metric(eig: Mapping[str, torch.Tensor], damping: float, mode: str,
     return LayerMetric(eig["Q_h"].double(), eh.rsqrt(), eig["Q_d"].double(), ed.rsqrt()).to(dtype)
 
 
-def eigenbasis_gradients(h: torch.Tensor, delta: torch.Tensor, Q_h: torch.Tensor, Q_d: torch.Tensor) -> torch.Tensor:
+def eigenbasis_gradients(h: torch.Tensor, delta: torch.Tensor, Q_h: torch.Tensor, Q_d: torch.Tensor,
+                         rotate_h: Callable | None = None) -> torch.Tensor:
     """Per-example gradients in the Kronecker eigenbasis, ``Q_δᵀ (Σ_t δ_t h_tᵀ) Q_h``: ``[B, T, in] × [B, T, out]
     -> [B, out, in]``, in the order with fewer multiply-adds: rotating the ``T`` tokens first
     (``T (out² + in²) + T out in``, cheaper while ``T`` is below about the layer's width) or the formed gradient
-    (``T out in + out² in + out in²``). Both are the same matrix up to rounding."""
+    (``T out in + out² in + out in²``). Both are the same matrix up to rounding. ``rotate_h(h, Q_h)``: what computes
+    ``h @ Q_h`` (default: the product; :class:`RotatedInputs` reuses it across weights that share their input)."""
     T, i, o = h.shape[1], h.shape[2], delta.shape[2]
     if T * (o * o + i * i) <= o * i * (o + i):
-        return torch.bmm((delta @ Q_d).transpose(1, 2), h @ Q_h)
+        hq = h @ Q_h if rotate_h is None else rotate_h(h, Q_h)
+        return torch.bmm((delta @ Q_d).transpose(1, 2), hq)
     return Q_d.t() @ materialize_grads(h, delta) @ Q_h
+
+
+class RotatedInputs:
+    """``h @ Q_h`` reused within one backward step: the weights fed one input (q/k/v, gate/up) have the same input
+    factor ``C_h``, so the same eigenbasis (made one tensor by :func:`share_equal`), and their tokens are rotated
+    once. A hit needs the same ``Q_h`` object and the same memory of ``h`` unchanged since (the cached ``h`` is held,
+    so its memory cannot be reused by another tensor; its version counter tells in-place changes): identical
+    numbers. The last few inputs are kept until :meth:`clear` (end of the step)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.entries: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, h: torch.Tensor, Q_h: torch.Tensor) -> torch.Tensor:
+        for ch, version, cq, out in self.entries:
+            if cq is Q_h and ch.data_ptr() == h.data_ptr() and ch.shape == h.shape and ch.stride() == h.stride() \
+                    and ch.dtype == h.dtype and ch._version == version == h._version:
+                return out
+        out = h @ Q_h
+        self.entries = ([(h, h._version, Q_h, out)] + self.entries)[:self.keep]
+        return out
+
+    def clear(self) -> None:
+        self.entries = []
+
+
+def share_equal(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with equal ones (same shape, dtype and values) made one object (the first of them)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: list[torch.Tensor] = []
+    for k, t in tensors.items():
+        out[k] = next((u for u in seen if u.shape == t.shape and u.dtype == t.dtype and torch.equal(u, t)), t)
+        if out[k] is t:
+            seen.append(t)
+    return out
 
 
 class EigenCorrection(WeightPairTracker):
@@ -427,12 +465,14 @@ class KFAC(InfluenceMetric, name="kfac"):
         damped as a whole by the project's rule (``λ = damping·mean(Λ)``, relative)."""
         self.layers = {}
         self.scales: dict[str, torch.Tensor] | None = {}
+        # weights fed one input share one eigenbasis object (their tokens are then rotated once: RotatedInputs)
+        Q_h = share_equal({k: self.eigens[k]["Q_h"].to(dtype) for k in keys})
         for k in keys:
             lam = lams[k]
             d = _damped(lam.reshape(-1), float(lam.sum()), self.damping, self.damping_mode, what)
             self.scales[k] = d.rsqrt().reshape(lam.shape).to(dtype)
-            self.layers[k] = LayerMetric(self.eigens[k]["Q_h"].to(dtype), torch.ones(1, dtype=dtype),
-                                         self.eigens[k]["Q_d"].to(dtype), torch.ones(1, dtype=dtype))
+            self.layers[k] = LayerMetric(Q_h[k], torch.ones(1, dtype=dtype), self.eigens[k]["Q_d"].to(dtype),
+                                         torch.ones(1, dtype=dtype))
 
     def _layer(self, key: str) -> LayerMetric:
         if self.layers is None:
@@ -448,8 +488,15 @@ class KFAC(InfluenceMetric, name="kfac"):
     def gradients(self, key, h, delta):
         if self.scales is not None:
             L = self._layer(key)
-            return eigenbasis_gradients(h, delta, L.Q_h.to(h), L.Q_d.to(h)) * self.scales[key].to(h)
+            Q_h = L.Q_h if L.Q_h.dtype == h.dtype and L.Q_h.device == h.device else L.Q_h.to(h)
+            rotated = self.__dict__.setdefault("_rotated", RotatedInputs())
+            return eigenbasis_gradients(h, delta, Q_h, L.Q_d.to(h), rotated).mul_(self.scales[key].to(h))
         return InfluenceMetric.gradients(self, key, h, delta)
+
+    def release_step(self) -> None:
+        """Drop the step's rotated inputs (:class:`RotatedInputs`), kept while one backward step runs."""
+        if "_rotated" in self.__dict__:
+            self._rotated.clear()
 
     def tokens(self, key, h, delta):
         if not self.token_factored:

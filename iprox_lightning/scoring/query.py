@@ -92,27 +92,56 @@ def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor
                       nonfinite=cat(bad))
 
 
-def nearest(shards: Iterable[Mapping], Q: torch.Tensor, k: int) -> tuple[list[list[str]], np.ndarray]:
+def topk_rows(values: torch.Tensor, index: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, index)`` of the ``min(k, n)`` largest entries of each row of ``values [m, n]`` (``index [m, n]``:
+    each entry's position in the store), best first, equal values by lower index: the order of a stable descending
+    sort by value of the rows ordered by index, found by ``torch.topk`` (linear) plus a stable sort of the ``k``
+    chosen; only a row where a value equal to its ``k``-th is left out falls back to the full stable sort."""
+    n = values.shape[1]
+    k = min(k, n)
+    v, j = torch.topk(values, k, dim=1, sorted=True)
+    i = index.gather(1, j)
+    if k < n:  # a tie across the k-th place: which equal entries are in depends on topk; settle those rows exactly
+        kth = v[:, -1:]
+        tied = (values == kth).sum(1) > (v == kth).sum(1)
+        if bool(tied.any()):
+            rows = torch.nonzero(tied).flatten()
+            ro = torch.argsort(index[rows], dim=1, stable=True)
+            rv, ri = values[rows].gather(1, ro), index[rows].gather(1, ro)
+            o = torch.sort(rv, dim=1, descending=True, stable=True).indices[:, :k]
+            v[rows], i[rows] = rv.gather(1, o), ri.gather(1, o)
+    # among the chosen: by index, then (stable) by value descending
+    o = torch.argsort(i, dim=1, stable=True)
+    v, i = v.gather(1, o), i.gather(1, o)
+    o = torch.sort(v, dim=1, descending=True, stable=True).indices
+    return v.gather(1, o), i.gather(1, o)
+
+
+def nearest(shards: Iterable[Mapping], Q: torch.Tensor, k: int,
+            block_rows: int = 65536) -> tuple[list[list[str]], np.ndarray]:
     """``(ids [m][k'], cosines [m, k'])``: for each row of ``Q [m, D]`` the ``k' = min(k, n)`` stored examples of
-    highest cosine, best first (ties by position in the store), streamed shard by shard (memory ``m·k`` plus a shard).
-    Stored rows flagged ``zero_grad`` or ``nonfinite`` are never returned."""
+    highest cosine, best first (ties by position in the store), streamed shard by shard and within a shard by blocks
+    of ``block_rows`` stored rows with a running top-k per query (:func:`topk_rows`): memory ``m·(k + block_rows)``
+    plus a shard, never the ``[m, n]`` cosines. Stored rows flagged ``zero_grad`` or ``nonfinite`` are never
+    returned."""
     if k < 1:
         raise UserInputError(f"k must be >= 1, got {k}")
+    if block_rows < 1:
+        raise UserInputError(f"block_rows must be >= 1, got {block_rows}")
     Qn = torch.nn.functional.normalize(Q.double(), dim=1)
     best_v = torch.full((Q.shape[0], 0), float("-inf"), dtype=torch.float64)
     best_i = torch.zeros((Q.shape[0], 0), dtype=torch.long)
     all_ids: list[str] = []
     for s in shards:
-        X = s["vectors"].double()
-        ok = ~(s["zero_grad"] | s["nonfinite"])
-        sims = Qn @ torch.nn.functional.normalize(X, dim=1).t()
-        sims[:, ~ok] = float("-inf")
-        idx = torch.arange(len(all_ids), len(all_ids) + X.shape[0]).expand(Q.shape[0], -1)
+        ok_all = ~(s["zero_grad"] | s["nonfinite"])
+        start = len(all_ids)
         all_ids += s["ids"]
-        v, i = torch.cat([best_v, sims], 1), torch.cat([best_i, idx], 1)
-        # stable: among equal cosines the earlier stored row wins
-        order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
-        best_v, best_i = v.gather(1, order), i.gather(1, order)
+        for a in range(0, len(s["ids"]), block_rows):
+            X = s["vectors"][a:a + block_rows].double()
+            sims = Qn @ torch.nn.functional.normalize(X, dim=1).t()
+            sims[:, ~ok_all[a:a + block_rows]] = float("-inf")
+            idx = torch.arange(start + a, start + a + X.shape[0]).expand(Q.shape[0], -1)
+            best_v, best_i = topk_rows(torch.cat([best_v, sims], 1), torch.cat([best_i, idx], 1), k)
     keep = torch.isfinite(best_v).all(0)
     best_v, best_i = best_v[:, keep], best_i[:, keep]
     return [[all_ids[j] for j in row] for row in best_i.tolist()], best_v.numpy()
