@@ -64,6 +64,12 @@ def main(args: list[str] | None = None):
             raise
         print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as e:
+        full = disk_full_message(e)
+        if full is None or debug or args is not None:
+            raise
+        print(f"error: {full} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
     except (KeyboardInterrupt, SystemExit, Exception) as e:
         stop = _stop_signal(e, interrupted)
         if stop is None or debug or args is not None:  # from Python the caller gets the exception itself
@@ -71,6 +77,19 @@ def main(args: list[str] | None = None):
         print(f"stopped ({stop[0]}): the finished stages, shards and checkpoints written so far are kept; run the same "
               "command again to resume", file=sys.stderr)
         raise SystemExit(stop[1]) from None
+
+
+def disk_full_message(e: OSError) -> str | None:
+    """One line for a write the disk (or quota) refused, naming the file; ``None`` for any other ``OSError``. Every
+    artifact is written to a temporary file and renamed when complete, so nothing half-written is left under its
+    name: what was finished before is kept and the same command resumes once there is room."""
+    import errno
+
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    where = f" writing {e.filename}" if e.filename else ""
+    return (f"the disk is full{where} ({e.strerror}): free some space (python train.py cache lists the caches) or "
+            "write elsewhere, then run the same command again; what was finished is kept")
 
 
 STOP_CODES = {"Ctrl-C": 130, "SIGTERM": 143}

@@ -1224,3 +1224,45 @@ def test_a_cut_or_foreign_settings_or_selection_meta_names_the_file(tmp_path, te
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(UserInputError, match=rf"^{path} \((score settings|selection meta)[^)]*\): {message}"):
             read(arg)
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_written_output(tmp_path, monkeypatch, capsys):
+    """A write the disk refuses (ENOSPC) ends a command with one line naming the file and saying what to do; the
+    output is not created and no temporary file is left (the write goes to a temporary and is renamed when done)."""
+    import builtins
+    import errno
+    import sys
+
+    import iprox_lightning.data.sources as sources
+    from iprox_lightning.cli import main
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"r{i}", "instruction": f"q{i}", "response": f"a{i}", "source": "s"})
+                            + "\n" for i in range(10)))
+    out = tmp_path / "out" / "sample.jsonl"
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, text):
+            if self.written:  # the first line fits, the second does not
+                raise OSError(errno.ENOSPC, "No space left on device", self.f.name)
+            self.written += len(text)
+            return self.f.write(text)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(sources, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", "sample_pool", "--pool", str(pool), "--n", "5", "--output", str(out)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the disk is full writing ") and "sample.jsonl.tmp" in err[0]
+    assert "run the same command again" in err[0]
+    assert not out.exists() and list(out.parent.iterdir()) == []

@@ -25,7 +25,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except BaseException:  # a full disk, a stop: no half-written temporary left behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
 
