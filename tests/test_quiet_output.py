@@ -8,6 +8,7 @@ import warnings
 
 import lightning as L
 import pytest
+from pathlib import Path
 
 from iprox_lightning.cli import main
 
@@ -39,9 +40,11 @@ def test_unreachable_hub_id_is_one_line(offline, tmp_path, capsys, flag, first):
         main(["pipeline", "--workdir", str(tmp_path / "w"), flag, "foo/bar", "--debug"])
 
 
-def test_unreachable_hub_id_in_a_stage_config_is_one_line(offline, capsys):
+def test_unreachable_hub_id_in_a_stage_config_is_one_line(offline, capsys, tmp_path, monkeypatch):
+    config = Path(__file__).resolve().parents[1] / "configs" / "warmup.yaml"
+    monkeypatch.chdir(tmp_path)  # the config's relative output dirs land here, not in the checkout
     with pytest.raises(SystemExit) as e:
-        main(["fit", "--config", "configs/warmup.yaml", "--model.model", "foo/bar", "--data.tokenizer", "builtin",
+        main(["fit", "--config", str(config), "--model.model", "foo/bar", "--data.tokenizer", "builtin",
               "--trainer.logger", "false"])
     assert e.value.code == 2
     err = capsys.readouterr().err
