@@ -308,9 +308,10 @@ class ScoreFeatureTracker(WeightPairTracker):
     and ``V[key]: [K, out, in]`` fixed (whitened validation) directions; :func:`layer_features` per weight."""
 
     def __init__(self, modules: Mapping[str, nn.Module], metric, V: Mapping[str, torch.Tensor], n_directions: int,
-                 dtype: torch.dtype, feature_mode: str) -> None:
+                 dtype: torch.dtype, feature_mode: str, dual: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(modules)
         self.metric, self.V, self.K, self.dtype, self.feature_mode = metric, V, n_directions, dtype, feature_mode
+        self.dual = dual  # W with <G, W_k> = <M G, V_k> (EK-FAC's dual): dots on raw tokens; sq is then ‖G‖²
 
     def start_step(self, batch: Mapping) -> None:
         super().start_step(batch)
@@ -320,6 +321,11 @@ class ScoreFeatureTracker(WeightPairTracker):
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         h, delta = h.to(self.dtype), delta.to(self.dtype)
+        if self.dual is not None:  # only the inner products are needed: no rotation of the tokens
+            s, dt = layer_features(h, delta, self.dual[key].to(h), self.feature_mode)
+            self.sq.add_(s)
+            self.dots.add_(dt)
+            return
         if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M G per example, [B, out, in]
             MG = self.metric.gradients(key, h, delta).flatten(1)  # [B, out·in], the tracker's dtype like tokens
             self.sq.add_(row_sq_norms(MG).double())

@@ -502,6 +502,13 @@ class EKFAC(KFAC, name="ekfac"):
         s = self.scales[key].to(G)
         return (L.Q_d.t().to(G) @ G @ L.Q_h.to(G)) * s
 
+    def dual(self, key, V):
+        """``Q_δ (s ⊙ V) Q_hᵀ`` of ``matrix``-mapped directions ``V: [K, out, in]``: the directions ``W`` with
+        ``⟨G, W_k⟩ = ⟨gradients(G), V_k⟩`` for every per-example gradient ``G`` (``Q`` orthogonal), so a pass that
+        needs only the inner products (not ``‖M G‖``) takes them on the raw gradients, rotating no training token."""
+        L = self._layer(key)
+        return L.Q_d.to(V) @ (V * self.scales[key].to(V)) @ L.Q_h.t().to(V)
+
     def gradients(self, key, h, delta):
         L = self._layer(key)
         Q_h = L.Q_h if L.Q_h.dtype == h.dtype and L.Q_h.device == h.device else L.Q_h.to(h)
