@@ -33,7 +33,7 @@ def peak_mib() -> float:
 
 
 def main(argv=None) -> dict:
-    from iprox_lightning.scoring.query import nearest
+    from iprox_lightning.scoring import nearest
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)

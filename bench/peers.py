@@ -10,14 +10,17 @@ ratio is the median of ours over the median of the peer's (< 1: ours faster). Wh
 * ``ekfac_fit`` — ours: ``InfluenceMetric.fit`` of ``influence_metric("ekfac")`` (K-FAC factors, eigenbases,
   corrected eigenvalues); kronfluence: ``Analyzer.fit_all_factors`` (strategy ``ekfac``, empirical Fisher, as ours).
 * ``ekfac_scores`` — ours: ``InfluenceScorer``'s validation gradients, ``finalize`` and ``score_batch`` over the
-  training batches (the fitted metric); kronfluence: ``Analyzer.compute_pairwise_scores`` on its fitted factors.
-* ``store_build`` — ours: ``python train.py build_store`` (k = 16, float16 shards) in process; bergson:
-  ``collect_gradients`` into an index (``projection_dim`` 16, float16), the model already in memory.
+  training batches (the fitted metric; ``normalize=False``: plain inner products of every query example with every
+  training example, as kronfluence's); kronfluence: ``Analyzer.compute_pairwise_scores`` on its fitted factors.
+* ``store_build`` — ours: ``python train.py build_store`` (k = 16, float32 shards) in process; bergson:
+  ``collect_gradients`` into an index (``projection_dim`` 16, float32 like its float32 model), the model already in
+  memory.
 * ``store_query`` — ours: ``python train.py query`` of the query set (each query example its own column, the
   store's validation cache cleared first, so the query's gradients are computed); bergson: ``Attributor`` opened on
   its index (``unit_norm``) and ``trace`` over the query batches (scores of every index row).
 
-    python bench/peers.py --out bench/results/peers --threads 2   # run with a Python that imports both peers
+    # with a Python that imports both peers; the recorded run (about 10 minutes on the loaded 2-core host):
+    python bench/peers.py --out bench/results/peers --train 128 --query 16 --repeats 3 --threads 1
 
 Writes ``OUT/results.json`` (per stage: seconds of every repeat, medians, the ratio; torch, kronfluence and bergson
 versions, threads); ``python bench/tables.py`` puts its table in ``docs/BENCHMARKS.md``.
@@ -302,9 +305,10 @@ def summarise(meta: dict, secs: dict, stages: list, done: int) -> dict:
 
 def markdown(results: dict) -> str:
     m, v = results["meta"], results["meta"]["versions"]
+    threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
     lines = [f"| stage (tiny Llama {m['parameters'] / 1e6:.1f}M, {m['train']} × {m['query']} examples of "
-             f"{m['tokens_per_example']} tokens, {m['threads']} threads, median of {m['repeats']}) | peer | ours s "
-             "| peer s | ours / peer |", "|---|---|---|---|---|"]
+             f"{m['tokens_per_example']} tokens, batches of {m.get('batch_size', 8)}, {threads}, median of "
+             f"{m['repeats']}) | peer | ours s | peer s | ours / peer |", "|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['stage']} | {r['peer']} {v[r['peer']]} | {r['ours_median_s']:.2f} | "
                      f"{r['peer_median_s']:.2f} | {r['ratio']:.2f} |")

@@ -8,14 +8,16 @@ from .metrics import KFAC, InfluenceMetric, KFACFactors, LayerMetric, TracIn, in
 from .module import InfluenceScoringModule
 from .writer import InfluenceWriter, done_ids, merge_shards
 
-# public for the benchmarks (bench/speed.py times the engine's pieces and the store's projection)
+# public for the benchmarks (bench/speed.py times the engine's pieces and the store's projection; bench/neighbours.py
+# the store's blocked nearest neighbours)
 from .features import trim_batch
 from .projection import GradientProjector
+from .query import nearest
 
 __all__ = [
     "LayerMetric", "VirtualLinear", "choose_mode", "feature_costs", "layer_features",
     "tracked_modules", "virtual_linears", "InfluenceScorer", "KFACFactors", "ScoreTable", "ScoringConfig",
     "InfluenceMetric", "TracIn", "KFAC", "influence_metric", "influence_scores",
     "multi_checkpoint_scores", "tracin_scores", "InfluenceScoringModule", "InfluenceWriter", "done_ids", "merge_shards",
-    "trim_batch", "GradientProjector",
+    "trim_batch", "GradientProjector", "nearest",
 ]
