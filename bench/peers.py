@@ -10,14 +10,17 @@ ratio is the median of ours over the median of the peer's (< 1: ours faster). Wh
 * ``ekfac_fit`` — ours: ``InfluenceMetric.fit`` of ``influence_metric("ekfac")`` (K-FAC factors, eigenbases,
   corrected eigenvalues); kronfluence: ``Analyzer.fit_all_factors`` (strategy ``ekfac``, empirical Fisher, as ours).
 * ``ekfac_scores`` — ours: ``InfluenceScorer``'s validation gradients, ``finalize`` and ``score_batch`` over the
-  training batches (the fitted metric); kronfluence: ``Analyzer.compute_pairwise_scores`` on its fitted factors.
-* ``store_build`` — ours: ``python train.py build_store`` (k = 16, float16 shards) in process; bergson:
-  ``collect_gradients`` into an index (``projection_dim`` 16, float16), the model already in memory.
+  training batches (the fitted metric; ``normalize=False``: plain inner products of every query example with every
+  training example, as kronfluence's); kronfluence: ``Analyzer.compute_pairwise_scores`` on its fitted factors.
+* ``store_build`` — ours: ``python train.py build_store`` (k = 16, float32 shards) in process; bergson:
+  ``collect_gradients`` into an index (``projection_dim`` 16, float32 like its float32 model), the model already in
+  memory.
 * ``store_query`` — ours: ``python train.py query`` of the query set (each query example its own column, the
   store's validation cache cleared first, so the query's gradients are computed); bergson: ``Attributor`` opened on
   its index (``unit_norm``) and ``trace`` over the query batches (scores of every index row).
 
-    python bench/peers.py --out bench/results/peers --threads 2   # run with a Python that imports both peers
+    # with a Python that imports both peers; the recorded run (about 10 minutes on the loaded 2-core host):
+    python bench/peers.py --out bench/results/peers --train 128 --query 16 --repeats 3 --threads 1
 
 Writes ``OUT/results.json`` (per stage: seconds of every repeat, medians, the ratio; torch, kronfluence and bergson
 versions, threads); ``python bench/tables.py`` puts its table in ``docs/BENCHMARKS.md``.
@@ -50,7 +53,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 # ----------------------------------------------------------------------------------- inputs
-def build_inputs(work: Path, n_train: int, n_query: int, prompt_len: int, response_len: int, seed: int) -> dict:
+def build_inputs(work: Path, n_train: int, n_query: int, prompt_len: int, response_len: int, seed: int,
+                 batch_size: int = 8) -> dict:
     """The model directory (config + weights + tokenizer), the pool and query files and their token batches."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,13 +81,14 @@ def build_inputs(work: Path, n_train: int, n_query: int, prompt_len: int, respon
     write_records_jsonl(query, work / "query.jsonl")
     max_length = prompt_len + response_len + 32
     dm = SFTDataModule(pool=str(work / "pool.jsonl"), validation=str(work / "query.jsonl"), tokenizer=str(mdir),
-                       max_length=max_length, batch_size=8)
+                       max_length=max_length, batch_size=batch_size)
     train = list(dm.records_dataloader(pool))
     val = list(dm.records_dataloader(query, batch_size=n_query))
     lengths = {int(b["attention_mask"].sum(1).min()) for b in train + val} | \
         {int(b["attention_mask"].sum(1).max()) for b in train + val}
     assert len(lengths) == 1, f"examples of different lengths: {lengths}"
-    return {"model_dir": mdir, "model": model, "train": train, "val": val, "max_length": max_length,
+    return {"model_dir": mdir, "model": model, "batch_size": batch_size, "n_train": n_train, "train": train,
+            "val": val, "max_length": max_length,
             "parameters": sum(p.numel() for p in model.parameters()), "tokens_per_example": lengths.pop()}
 
 
@@ -112,7 +117,7 @@ class Ours:
         self.keys = [v.key for v in virtual_linears(self.modules)]
         assert sorted(self.modules) == sorted(tracked_names(self.model)), "tracked layers differ"
         self.metric = None
-        self.make_metric = lambda: influence_metric("ekfac", kfac_examples=len(inp["train"]) * 8)
+        self.make_metric = lambda: influence_metric("ekfac", kfac_examples=inp["n_train"])
 
     def ekfac_fit(self):
         metric = self.make_metric()
@@ -122,7 +127,9 @@ class Ours:
     def ekfac_scores(self):
         from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
 
-        scorer = InfluenceScorer(self.model, ScoringConfig(method="ekfac"), metric=self.metric)
+        # plain inner products of every query example with every training example, as kronfluence's pairwise scores
+        # (each query example is its own task; no cosine normalisation, which kronfluence does not do either)
+        scorer = InfluenceScorer(self.model, ScoringConfig(method="ekfac", normalize=False), metric=self.metric)
         scorer.collect_validation(self.inp["val"])
         scorer.finalize()
         self.scores = [scorer.score_batch(b) for b in self.inp["train"]]
@@ -136,7 +143,8 @@ class Ours:
 
     def store_build(self):
         self._cli("build_store", "--model", self.inp["model_dir"], "--output_dir", self.work / "store",
-                  "--pool", self.work / "pool.jsonl", "--k", 16, "--store_dtype", "float16", "--batch_size", 8,
+                  "--pool", self.work / "pool.jsonl", "--k", 16, "--store_dtype", "float32",
+                  "--batch_size", self.inp["batch_size"],
                   "--max_length", self.inp["max_length"], "--overwrite", "true", "--progress", "false",
                   "--accelerator", "cpu")
 
@@ -256,44 +264,51 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run(a) -> dict:
+def run(a, on_repeat=None) -> dict:
     torch.set_num_threads(a.threads)
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    inp = build_inputs(work, a.train, a.query, a.prompt_len, a.response_len, a.seed)
+    inp = build_inputs(work, a.train, a.query, a.prompt_len, a.response_len, a.seed, a.batch_size)
     ver = versions()
     ours = Ours(inp, work)
     peers = {"kronfluence": Kronfluence(inp, work) if ver["kronfluence"] else None,
              "bergson": Bergson(inp, work) if ver["bergson"] else None}
     stages = [s for s in a.stages if peers[PEER_OF[s]] is not None]
     secs = {s: {"ours": [], "peer": []} for s in stages}
+    meta = {"command": "python bench/peers.py " + " ".join(a.argv), "versions": ver, "threads": a.threads,
+            "parameters": inp["parameters"], "train": a.train, "query": a.query,
+            "tokens_per_example": inp["tokens_per_example"], "repeats": a.repeats, "batch_size": a.batch_size,
+            "projection_k": 16, "store_dtype": "float32", "tracked_layers": len(tracked_names(inp["model"]))}
     # one untimed warm-up of every stage (imports, first-call allocations), then the timed repeats
     for r in range(-1, a.repeats):
         for s in stages:
             sides = [("ours", ours), ("peer", peers[PEER_OF[s]])]
             for who, obj in (sides if r % 2 == 0 else sides[::-1]):
                 t = timed(getattr(obj, s))
+                print(f"{'warm-up' if r < 0 else f'repeat {r}'}: {s} {who} {t:.2f} s", flush=True)
                 if r >= 0:
                     secs[s][who].append(t)
-        print(f"repeat {r}: " + ", ".join(f"{s} {secs[s]['ours'][-1]:.2f}/{secs[s]['peer'][-1]:.2f} s"
-                                          for s in stages if r >= 0), flush=True)
+        if r >= 0 and on_repeat is not None:  # a stopped run keeps the repeats it finished
+            on_repeat(summarise(meta, secs, stages, r + 1))
+    return summarise(meta, secs, stages, a.repeats)
+
+
+def summarise(meta: dict, secs: dict, stages: list, done: int) -> dict:
     rows = []
     for s in stages:
         mo, mp = statistics.median(secs[s]["ours"]), statistics.median(secs[s]["peer"])
         rows.append({"stage": s, "peer": PEER_OF[s], "ours_s": secs[s]["ours"], "peer_s": secs[s]["peer"],
                      "ours_median_s": mo, "peer_median_s": mp, "ratio": mo / mp})
-    return {"meta": {"command": "python bench/peers.py " + " ".join(a.argv), "versions": ver, "threads": a.threads,
-                     "parameters": inp["parameters"], "train": a.train, "query": a.query,
-                     "tokens_per_example": inp["tokens_per_example"], "repeats": a.repeats,
-                     "tracked_layers": len(tracked_names(inp["model"]))}, "rows": rows}
+    return {"meta": {**meta, "repeats_done": done}, "rows": rows}
 
 
 def markdown(results: dict) -> str:
     m, v = results["meta"], results["meta"]["versions"]
+    threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
     lines = [f"| stage (tiny Llama {m['parameters'] / 1e6:.1f}M, {m['train']} × {m['query']} examples of "
-             f"{m['tokens_per_example']} tokens, {m['threads']} threads, median of {m['repeats']}) | peer | ours s "
-             "| peer s | ours / peer |", "|---|---|---|---|---|"]
+             f"{m['tokens_per_example']} tokens, batches of {m.get('batch_size', 8)}, {threads}, median of "
+             f"{m['repeats']}) | peer | ours s | peer s | ours / peer |", "|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['stage']} | {r['peer']} {v[r['peer']]} | {r['ours_median_s']:.2f} | "
                      f"{r['peer_median_s']:.2f} | {r['ratio']:.2f} |")
@@ -310,14 +325,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=8, help="training examples per batch, both sides")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
-    results = run(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write = lambda res: (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")  # noqa: E731
+    results = run(a, on_repeat=write)
+    write(results)
     print(markdown(results))
     return results
 

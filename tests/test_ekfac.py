@@ -75,6 +75,34 @@ def test_ekfac_scores_equal_the_dense_eigen_corrected_reference(proxy):
     assert np.abs(kfac.scores - table.scores).max() > 1e-3
 
 
+@pytest.mark.parametrize("proxy", [False, True])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_plain_ekfac_scores_through_the_dual_directions_equal_the_dense_reference(proxy, mode):
+    """``normalize=False`` takes ``⟨G, Q_δ (s²⊙V̂) Q_hᵀ⟩`` on the raw tokens (no training token rotated): the dense
+    ``gᵀ H⁻¹ v`` over the validation counts, and the same zero-gradient flags as the cosine pass."""
+    model = make_proxy() if proxy else tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
+    Hinv = dense_ekfac_inverse(model, FACTOR, DAMPING)
+    keys = [k for k, _, _ in tracked_params(model)]
+    flat = lambda e: {k: g.reshape(-1) for k, g in ref_example(model, e)[0].items()}  # noqa: E731
+    ip = lambda a, b: sum(float(a[k] @ Hinv[k] @ b[k]) for k in keys)  # noqa: E731
+    G, Gv = [flat(e) for e in TRAIN], [flat(e) for e in VAL]
+    tasks = sorted({e["task"] for e in VAL})
+    n_t = {t: sum(e["task"] == t for e in VAL) for t in tasks}
+    vt = {t: {k: sum(g[k] for g, e in zip(Gv, VAL) if e["task"] == t) for k in keys} for t in tasks}
+    vall = {k: sum(vt[t][k] for t in tasks) for k in keys}
+    kw = dict(metric="ekfac", damping=DAMPING, kfac_examples=len(FACTOR), factor_dataloader=batches(FACTOR, 5),
+              feature_mode=mode, progress=False)
+    table = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), normalize=False, **kw)
+    want = np.array([ip(g, vall) / len(VAL) for g in G])
+    want_t = np.array([[ip(g, vt[t]) / n_t[t] for t in tasks] for g in G])
+    # float64 both ways; under ATen's AVX2 kernels the two eigen-routes differ by up to 7e-8 of the largest |score|
+    # (1e-15 natively): KERNEL_ATOL of it, as the cosines' bound
+    np.testing.assert_allclose(table.scores, want, rtol=0, atol=KERNEL_ATOL * float(np.abs(want).max()))
+    np.testing.assert_allclose(table.task_scores, want_t, rtol=0, atol=KERNEL_ATOL * float(np.abs(want_t).max()))
+    cos = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), **kw)
+    assert table.zero_grad.any() and (table.zero_grad == cos.zero_grad).all()
+
+
 def test_ekfac_through_identity_projections_equals_ekfac_scoring():
     """A metric of the whole per-example gradient goes through the store's projection path unchanged."""
     model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)

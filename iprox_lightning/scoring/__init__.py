@@ -8,10 +8,10 @@ from .metrics import KFAC, InfluenceMetric, KFACFactors, LayerMetric, TracIn, in
 from .module import InfluenceScoringModule
 from .writer import InfluenceWriter, done_ids, merge_shards
 
-# public for the benchmarks (bench/speed.py times the engine's pieces and the store's projection)
+# public for the benchmarks (bench/speed.py times the engine's pieces and the store's projection; bench/neighbours.py
+# the store's blocked nearest neighbours)
 from .features import trim_batch
 from .projection import GradientProjector
-# public for bench/neighbours.py (query --neighbours' blocked top-k at a million stored rows)
 from .query import nearest
 
 __all__ = [

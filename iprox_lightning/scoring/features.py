@@ -148,7 +148,9 @@ def layer_features(
         # row norms then a float64 sum: accurate (a float32 dot over out*in elements errs ~1e-4) and
         # no [B, out, in] temporary
         sq = torch.linalg.vector_norm(g, dim=2).double().pow(2).sum(dim=1)
-        dots = None if V is None else (g.flatten(1) @ V.flatten(1).t()).double()
+        # [K, out·in] @ [out·in, B]: the directions as the row-major left operand (about 1.6× faster on one CPU
+        # thread than the [B, out·in] @ [out·in, K] form for a few examples and directions; the same products)
+        dots = None if V is None else (V.flatten(1) @ g.flatten(1).t()).t().double()
         return sq, dots
     sq = ghost_sq_norms(h, delta).double()
     return sq, (None if V is None else ghost_dots(h, delta, V).double())
@@ -308,9 +310,10 @@ class ScoreFeatureTracker(WeightPairTracker):
     and ``V[key]: [K, out, in]`` fixed (whitened validation) directions; :func:`layer_features` per weight."""
 
     def __init__(self, modules: Mapping[str, nn.Module], metric, V: Mapping[str, torch.Tensor], n_directions: int,
-                 dtype: torch.dtype, feature_mode: str) -> None:
+                 dtype: torch.dtype, feature_mode: str, dual: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(modules)
         self.metric, self.V, self.K, self.dtype, self.feature_mode = metric, V, n_directions, dtype, feature_mode
+        self.dual = dual  # W with <G, W_k> = <M G, V_k> (EK-FAC's dual): dots on raw tokens; sq is then ‖G‖²
 
     def start_step(self, batch: Mapping) -> None:
         super().start_step(batch)
@@ -320,6 +323,11 @@ class ScoreFeatureTracker(WeightPairTracker):
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         h, delta = h.to(self.dtype), delta.to(self.dtype)
+        if self.dual is not None:  # only the inner products are needed: no rotation of the tokens
+            s, dt = layer_features(h, delta, self.dual[key].to(h), self.feature_mode)
+            self.sq.add_(s)
+            self.dots.add_(dt)
+            return
         if not getattr(self.metric, "token_factored", True):  # e.g. EK-FAC: M G per example, [B, out, in]
             MG = self.metric.gradients(key, h, delta).flatten(1)  # [B, out·in], the tracker's dtype like tokens
             self.sq.add_(row_sq_norms(MG).double())

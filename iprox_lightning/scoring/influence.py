@@ -359,6 +359,10 @@ class InfluenceScorer:
                 f"{[sq_task[self.task_names.index(t)].item() for t in tasks]}): the model overflows or holds "
                 "NaN weights on those validation examples (try float32/bfloat16 instead of float16, or check "
                 "the model); no scores were computed")
+        # plain inner products with a metric that maps per-example gradients (EK-FAC): its dual directions, so the
+        # training tokens are not rotated; ‖M G‖ is then not computed, ‖G‖ gives the zero / non-finite flags
+        self.dual = ({key: self.metric.dual(key, V) for key, V in self.V.items()}
+                     if not self.config.normalize and hasattr(self.metric, "dual") else None)
         self.vnorm_task = sq_task.sqrt() / n.clamp(min=1)
         self.vnorm_all = math.sqrt(sq_all) / max(float(n.sum()), 1.0)
         self.stats["val_grad_norm"] = self.vnorm_all
@@ -396,7 +400,8 @@ class InfluenceScorer:
         keep = has_response_tokens(b).cpu()
         if bool(keep.any()):
             rows = torch.nonzero(keep).flatten()
-            tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.config.feature_mode)
+            tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.config.feature_mode,
+                                          dual=getattr(self, "dual", None))
             with eval_mode(self.model):
                 backward_pairs(self.model, trim_batch(b, keep), [tracker], loss_fn=self.metric.loss_fn)
             sq[rows] = tracker.sq.cpu()

@@ -579,6 +579,13 @@ class EKFAC(KFAC, name="ekfac"):
             lams[k] = self.eigens[k]["lambda"].double() / n
         self._build_scales(keys, dtype, lams, "EK-FAC eigenvalue matrix")
 
+    def dual(self, key, V):
+        """``Q_δ (s ⊙ V) Q_hᵀ`` of ``matrix``-mapped directions ``V: [K, out, in]``: the directions ``W`` with
+        ``⟨G, W_k⟩ = ⟨gradients(G), V_k⟩`` for every per-example gradient ``G`` (``Q`` orthogonal), so a pass that
+        needs only the inner products (not ``‖M G‖``) takes them on the raw gradients, rotating no training token."""
+        L = self._layer(key)
+        return L.Q_d.to(V) @ (V * self.scales[key].to(V)) @ L.Q_h.t().to(V)
+
 
 def metric_names() -> tuple[str, ...]:
     """The registered metric names (``method:`` values)."""
