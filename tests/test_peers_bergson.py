@@ -5,8 +5,8 @@ the store's query (``query_table``: cosine of every row with each query example'
 bergson's ``Attributor(unit_norm=True).trace``.
 
 bergson is not a test dependency: its metadata pins a CUDA torch that would replace this project's CPU torch, so it
-installs only with ``--no-deps`` plus its pure-Python requirements, which CI does not do. Without it this module is
-skipped; with it (``pip install --no-deps bergson`` and ``jaxtyping wadler-lindig petname simple-parsing natsort
+installs only with ``--no-deps`` plus its pure-Python requirements, which CI does (``.ci/run``, pinned). Without it this
+module is skipped; with it (``pip install --no-deps bergson`` and ``jaxtyping wadler-lindig petname simple-parsing natsort
 ml-dtypes peft docstring-parser``) it runs in seconds."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 bergson = pytest.importorskip(
-    "bergson", reason="bergson is not installed (it needs pip install --no-deps next to a CPU torch; not in CI)")
+    "bergson", reason="bergson is not installed (it needs pip install --no-deps next to a CPU torch: .ci/run's line)")
 
 from iprox_lightning.models.tiny import tiny_causal_lm  # noqa: E402
 from iprox_lightning.scoring.features import tracked_modules, virtual_linears  # noqa: E402
