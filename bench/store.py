@@ -78,7 +78,8 @@ def _settings(st: dict) -> dict:
 
 def _score_overlay(out: Path, name: str, model: str, method: str, a) -> dict:
     """The overlay of ``name``'s exact scoring (``train.py predict`` on top of ``configs/score.yaml``)."""
-    return {"trainer": {"logger": False, "enable_progress_bar": not a.in_process, "callbacks": [
+    return {"trainer": {"logger": False, "enable_progress_bar": not a.in_process,
+                        "default_root_dir": str(out / "lightning"), "callbacks": [
         {"class_path": "iprox_lightning.scoring.InfluenceWriter",
          "init_args": {"output_dir": str(out / "exact" / name), "write_every_n_batches": 50}}]},
         "model": {"init_args": {"model": model, "method": method, "kfac_examples": a.kfac_examples,
