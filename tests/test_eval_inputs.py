@@ -85,7 +85,7 @@ def _partial_bbh(root):
 
 def _test_args(d, out, *extra):
     return ["test", "--seed_everything", "0", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out),  # not the checkout
             "--model", "iprox_lightning.evaluation.EvaluationModule", "--model.model", "builtin",
             "--model.output_dir", str(out),
             "--data", "iprox_lightning.evaluation.EvalDataModule", "--data.data_dir", str(d),
