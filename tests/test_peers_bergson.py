@@ -10,11 +10,35 @@ module is skipped; with it (``pip install --no-deps bergson`` and ``jaxtyping wa
 ml-dtypes peft docstring-parser``) it runs in seconds."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+
+def _root_logging() -> tuple[list, int]:
+    return list(logging.root.handlers), logging.root.level
+
+
+def _restore_root_logging(state: tuple[list, int]) -> None:
+    logging.root.handlers[:] = state[0]
+    logging.root.setLevel(state[1])
+
+
+# importing bergson adds a stdout handler to the root logger and sets it to INFO (bergson 2.5.1): undone at once, so the
+# other tests of the session (collected after this import) keep their quiet output
+_LOGGING = _root_logging()
 bergson = pytest.importorskip(
     "bergson", reason="bergson is not installed (it needs pip install --no-deps next to a CPU torch: .ci/run's line)")
+_restore_root_logging(_LOGGING)
+
+
+@pytest.fixture(autouse=True)
+def _keep_root_logging():
+    """bergson's submodules imported inside a test may configure the root logger again: restored after each test."""
+    state = _root_logging()
+    yield
+    _restore_root_logging(state)
 
 from iprox_lightning.models.tiny import tiny_causal_lm  # noqa: E402
 from iprox_lightning.scoring.features import tracked_modules, virtual_linears  # noqa: E402
