@@ -10,7 +10,7 @@ The public names are imported on first use (:func:`__getattr__`): ``import iprox
 """
 from __future__ import annotations
 
-from importlib import import_module
+from .lazy import lazy_names
 
 _HOMES = {
     'per_example_loss': '.engine.batch',
@@ -51,24 +51,7 @@ _HOMES = {
 """Each public name and the module (relative to this package) it lives in."""
 
 
-def __getattr__(name: str):
-    """A public name (imported from its module on first use) or a subpackage (``ipx.scoring``)."""
-    home = _HOMES.get(name)
-    if home is not None:
-        value = getattr(import_module(home, __name__), name)
-    else:
-        try:
-            value = import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, subpackages=True)  # a public name, or a subpackage (ipx.scoring)
 
 
 __version__ = "0.1.0"

@@ -139,7 +139,7 @@ def test_package_folders_have_no_import_cycle():
 # (ground floor), ``console`` (above them), ``cli`` and ``__init__`` (roof); ``modules/`` and ``callbacks/`` are faces that keep users'
 # ``class_path``s (``iprox_lightning.modules.ProxyAlignModule``, ``iprox_lightning.callbacks.IPSVDCallback``) working.
 WING_FLOORS = [
-    {"errors", "progress"},  # progress: every long loop's progress, on a terminal and off it
+    {"errors", "progress", "lazy"},  # progress: every long loop's progress; lazy: names imported on first use
     {"console"},
     {"engine"},  # tracking, batch, target layers, low-rank layer, block surgery, model modes, damping, settings
     {"io"},  # artifact and record formats

@@ -1,7 +1,7 @@
 """Analysis of proxies: influence retention, subspace affinity / diversity, FLOPs, plots, report tables."""
 from __future__ import annotations
 
-from importlib import import_module
+from ..lazy import lazy_names
 
 _HOMES = {
     'LinearShape': '.flops',
@@ -49,16 +49,7 @@ _HOMES = {
 none of them (``train.py <command> --help`` stays fast)."""
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
 
 __all__ = [
     "LinearShape", "ModelShape", "alignment_flops", "ipsvd_flops", "pipeline_flops", "probe_flops",

@@ -4,7 +4,7 @@ The names are imported on first use, so that :mod:`.hub` (the command line's err
 """
 from __future__ import annotations
 
-from importlib import import_module
+from ..lazy import lazy_names
 
 _HOMES = {"builtin_model": ".builtin", "builtin_tokenizer": ".builtin",  # public on purpose: the demo's tiny Llama
           "load_model": ".loading", "load_tokenizer": ".loading"}
@@ -12,9 +12,4 @@ _HOMES = {"builtin_model": ".builtin", "builtin_tokenizer": ".builtin",  # publi
 __all__ = ["builtin_model", "builtin_tokenizer", "load_model", "load_tokenizer"]
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
