@@ -5,7 +5,7 @@ inner-product index (``IndexFlatIP``; the store is not a FAISS index, so buildin
 time), on the same in-memory synthetic float16 rows (cosine: both sides normalise), same queries, same k; both sides'
 thread counts recorded. Writes JSON (``--out``). Needs ``faiss-cpu`` (not a dependency: run it in a scratch venv):
 
-    python bench/neighbours_faiss.py --rows 1000000 --dim 256 --queries 16 --k 10 --out bench/results/neighbours_faiss.json
+    python bench/neighbours_faiss.py --rows 1000000 --dim 256 --queries 16 --k 10 --repeats 4 --out bench/results/neighbours_faiss.json
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def main(argv=None) -> dict:
     import torch
 
     from iprox_lightning.scoring import nearest
+    from neighbours import shards as synthetic_shards  # bench/ (this script's folder)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -35,13 +36,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    torch.manual_seed(0)
-    X = torch.randn(a.rows, a.dim).half()
-    shards = [{"ids": [str(j) for j in range(s, min(s + a.shard_rows, a.rows))], "vectors": X[s:s + a.shard_rows],
-               "zero_grad": torch.zeros(min(a.shard_rows, a.rows - s), dtype=torch.bool),
-               "nonfinite": torch.zeros(min(a.shard_rows, a.rows - s), dtype=torch.bool)}
-              for s in range(0, a.rows, a.shard_rows)]
-    Q = torch.randn(a.queries, a.dim)
+    # bench/neighbours.py's synthetic shards, held in memory here so that both sides search the same rows
+    shards = list(synthetic_shards(a.rows, a.dim, a.shard_rows, 0))
+    Q = torch.randn(a.queries, a.dim, generator=torch.Generator().manual_seed(1))
     runs = []
     for _ in range(a.repeats):  # interleaved
         t = time.perf_counter()
