@@ -220,7 +220,8 @@ def ipsvd_factors(
         if on_fallback is not None:
             on_fallback(reason)
     # exact: S = C_δ,λ^{1/2} W C_h,λ^{1/2} (out × in), top-r SVD, map back with C^{-1/2}
-    return _whiten(W, (lam_h, U_h, D_h), (lam_d, U_d, D_d), dense, keep=rank).factors(rank, split)
+    whitened = _whiten(W, (lam_h, U_h, D_h), (lam_d, U_d, D_d), dense, keep=rank, float64_spectrum=False)
+    return whitened.factors(rank, split)
 
 
 @dataclass
@@ -230,7 +231,8 @@ class WhitenedSVD:
     :func:`weighted_spectrum` returns) and its top ``keep`` singular vectors mapped back, ``left = C_δ,λ^{-1/2} U_k``
     (``[out, keep]``) and ``right = C_h,λ^{-1/2} V_k`` (``[in, keep]``). :meth:`factors` at rank ``r ≤ keep`` is then
     what :func:`ipsvd_factors` returns (``mode="exact"``) without a second decomposition: the global rank allocation
-    prices every layer with ``σ`` and keeps these to factorise (:func:`~iprox_lightning.compression.plan.plan_global_ranks`)."""
+    prices every layer with ``σ`` and keeps these to factorise
+    (:func:`~iprox_lightning.compression.plan.plan_global_ranks`)."""
 
     singular_values: torch.Tensor
     left: torch.Tensor
@@ -275,8 +277,10 @@ def whitened_svd(
     return _whiten(weight.detach(), (lam_h, U_h, D_h), (lam_d, U_d, D_d), compute_dtype or _F64, keep=keep)
 
 
-def _whiten(W: torch.Tensor, h_side: tuple, d_side: tuple, dense: torch.dtype, *, keep: int) -> WhitenedSVD:
-    """:class:`WhitenedSVD` from the probe sides ``(λ, U, D)`` of :func:`_thin_svd`; ``keep = 0``: σ only."""
+def _whiten(W: torch.Tensor, h_side: tuple, d_side: tuple, dense: torch.dtype, *, keep: int,
+            float64_spectrum: bool = True) -> WhitenedSVD:
+    """:class:`WhitenedSVD` from the probe sides ``(λ, U, D)`` of :func:`_thin_svd`; ``keep = 0``: σ only.
+    ``float64_spectrum=False`` (factors only, :func:`ipsvd_factors`): σ in the dense dtype, no second eigh."""
     (lam_h, U_h, D_h), (lam_d, U_d, D_d) = h_side, d_side
     Ud, Dd, Uh, Dh = U_d.to(dense), D_d.to(dense), U_h.to(dense), D_h.to(dense)
     S_mat = _apply_sqrt(_apply_sqrt(W.to(dense), Uh, Dh, lam_h, 0.5, "right"), Ud, Dd, lam_d, 0.5, "left")
@@ -284,7 +288,7 @@ def _whiten(W: torch.Tensor, h_side: tuple, d_side: tuple, dense: torch.dtype, *
         _, S, _ = _gram_svd(S_mat.to(_F64))
         return WhitenedSVD(S, S_mat.new_zeros(W.shape[0], 0), S_mat.new_zeros(W.shape[1], 0))
     U, S, V = _gram_svd(S_mat, keep, all_values=True)
-    if dense != _F64:  # the spectrum in float64 whatever the dense dtype (weighted_spectrum's contract)
+    if dense != _F64 and float64_spectrum:  # the spectrum in float64 whatever the dense dtype (weighted_spectrum's)
         _, S, _ = _gram_svd(S_mat.to(_F64))
     left = _apply_sqrt(U[:, :keep], Ud, Dd, lam_d, -0.5, "left")  # C_δ,λ^{-1/2} U_k
     right = _apply_sqrt(V[:, :keep], Uh, Dh, lam_h, -0.5, "left")  # C_h,λ^{-1/2} V_k
