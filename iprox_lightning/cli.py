@@ -135,11 +135,10 @@ def _run(argv: list[str], args: list[str] | None):
     if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
-        from .commands.import_policy import check_config_opt_ins, restricted_imports
+        from .commands.import_policy import opt_in_checking_parser, restricted_imports
 
-        check_config_opt_ins(argv[1:])
         with restricted_imports():
-            return CLI(command(argv[0]), args=argv[1:], as_positional=False)
+            return CLI(command(argv[0]), args=argv[1:], as_positional=False, parser_class=opt_in_checking_parser())
     from .commands.lightning import run_lightning
 
     return run_lightning(None if args is None and argv == sys.argv[1:] else argv)
