@@ -64,6 +64,11 @@ def main(args: list[str] | None = None):
             raise
         print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    except BrokenPipeError:
+        if debug or args is not None:
+            raise
+        _output_closed()
+        raise SystemExit(1) from None
     except OSError as e:
         full = disk_full_message(e)
         if full is None or debug or args is not None:
@@ -77,6 +82,20 @@ def main(args: list[str] | None = None):
         print(f"stopped ({stop[0]}): the finished stages, shards and checkpoints written so far are kept; run the same "
               "command again to resume", file=sys.stderr)
         raise SystemExit(stop[1]) from None
+
+
+def _output_closed() -> None:
+    """The reader of our output went away (``train.py --help | head``): say nothing more, as the Python docs
+    recommend for SIGPIPE: what is left to flush goes to ``os.devnull`` instead of a ``BrokenPipeError`` at exit."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # no file descriptor (captured): nothing to redirect
+            pass
+    os.close(devnull)
 
 
 def disk_full_message(e: OSError) -> str | None:

@@ -399,9 +399,10 @@ def test_a_truncated_stage_record_is_refused_naming_it(tmp_path):
     (tmp_path / "warmup" / "model" / "config.json").write_text("{}")
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "warmup.json").write_text('{"stage": "warmup", "fingerp')  # cut short by a full disk
-    with pytest.raises(FingerprintMismatch, match=rf"^stage warmup: {tmp_path}/stages/warmup.json is not readable JSON "
-                                                  r"\(Unterminated string starting at; cut short\?\), so what produced "
-                                                  r".*config.json is unknown .*--force true"):
+    # (issue 61: the message comes from the one JSON reader, io/jsonfile.read_json, which every small file now uses)
+    with pytest.raises(FingerprintMismatch, match=rf"^stage warmup: {tmp_path}/stages/warmup.json \(stage record\): "
+                                                  r"malformed JSON \(Unterminated string .* the file is cut short\), so "
+                                                  r"what produced .*config.json is unknown .*--force true"):
         pipeline(workdir=str(tmp_path))
 
 
@@ -1246,7 +1247,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_written_outp
     import errno
     import sys
 
-    import iprox_lightning.data.sources as sources
+    import iprox_lightning.io.atomic as atomic
     from iprox_lightning.cli import main
 
     pool = tmp_path / "pool.jsonl"
@@ -1270,12 +1271,13 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_written_outp
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(sources, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
+    # every writer goes through io/atomic.py (issue 61), so its open is the one the disk refuses
+    monkeypatch.setattr(atomic, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py", "sample_pool", "--pool", str(pool), "--n", "5", "--output", str(out)])
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the disk is full writing ") and "sample.jsonl.tmp" in err[0]
+    assert len(err) == 1 and err[0].startswith(f"error: the disk is full writing {out} ")  # the file, not its temporary
     assert "run the same command again" in err[0]
     assert not out.exists() and list(out.parent.iterdir()) == []

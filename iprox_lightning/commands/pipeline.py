@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import yaml
 
+from ..io.jsonfile import write_json
 from ..errors import PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserInputError, check_choice
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,9 @@ one subset over every task instead)."""
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(content, sort_keys=False))
-    return path
+    from ..io.atomic import write_text_atomic
+
+    return write_text_atomic(path, yaml.safe_dump(content, sort_keys=False))
 
 
 def _count_params(path: str) -> int:
@@ -288,7 +289,7 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
         summary["selection_effect"] = effect
     summary["artifacts"] = _artifacts(wd, finetune, tasks)
     summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args, proxy_validation)
-    (wd / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(wd / "summary.json", summary)
     print(_format_summary(summary))
     return summary
 
@@ -351,9 +352,19 @@ class _StageRunner:
         ledger.record(key, output)
         times[key] = time.perf_counter() - t0
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
-        times_path = self.wd / "seconds_per_stage.json"
-        times_path.parent.mkdir(parents=True, exist_ok=True)
-        times_path.write_text(json.dumps(times, indent=2))
+        write_json(self.wd / "seconds_per_stage.json", times)
+
+
+def _read_numbers(path: Path) -> dict[str, float]:
+    """A ``{stage: number}`` record of the workdir (seconds per stage, peak memory), read with its checks; a
+    damaged one is refused naming the file (remove it: the numbers are recorded afresh)."""
+    from ..io.jsonfile import Fields, read_json
+
+    what = "a pipeline record; remove it to record the numbers afresh"
+    data, fields = read_json(path, what=what), Fields(path)
+    for k, v in data.items():
+        fields.check(k, v, "number", minimum=0)
+    return data
 
 
 PEAK_MEMORY_FILE = "peak_device_memory_per_stage.json"
@@ -373,9 +384,9 @@ def _device_memory_peak(path: Path, key: str):
     try:
         yield
     finally:
-        peaks = json.loads(path.read_text()) if path.exists() else {}
+        peaks = _read_numbers(path) if path.exists() else {}
         peaks[key] = int(torch.cuda.max_memory_allocated())
-        path.write_text(json.dumps(peaks, indent=2))
+        write_json(path, peaks)
 
 
 def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, hardware: dict,
@@ -386,7 +397,7 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
     if not (cfg_dir / "warmup.yaml").exists():
         raise InputNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
     times_path = wd / "seconds_per_stage.json"
-    times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() and not force else {}
+    times: dict[str, float] = _read_numbers(times_path) if times_path.exists() and not force else {}
     from ..console import interactive
 
     # one line per stage (below): no model summary, and progress bars only on a terminal
@@ -642,8 +653,9 @@ def _summary(wd, warm, proxy, scores, selected, times, pool, rule=None, tasks=No
         }
     out["selection"] = {}
     for who, p in selected.items():
-        meta = Path(f"{p}.meta.json")
-        expl = json.loads(meta.read_text()).get("explanation") if meta.exists() else None
+        from ..io.selection import read_meta
+
+        expl = (read_meta(p) or {}).get("explanation")
         if expl:
             out["selection"][who] = expl
     return out
