@@ -62,7 +62,7 @@ def main(args: list[str] | None = None):
     except one_line_errors(command_line=args is None) as e:
         if debug:
             raise
-        print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
+        sys.stderr.write(f"error: {e} (--debug shows the traceback)\n")  # one write: ranks' lines do not interleave
         raise SystemExit(2) from None
     except BrokenPipeError:
         if debug or args is not None:

@@ -84,9 +84,16 @@ class IProXCLI(LightningCLI):
     def _instantiate_trainer(self, config, callbacks):
         from ..console import add_console_callbacks
 
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         config = add_console_callbacks(config)
         config["callbacks"] = list(config["callbacks"]) + [StopOnSigterm()]
-        return super()._instantiate_trainer(config, callbacks)
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except (ValueError, MisconfigurationException) as e:  # the Trainer's settings and this machine disagree
+            if isinstance(e, UserInputError):
+                raise
+            raise UserInputError(f"trainer: {e}") from e
 
 
 class StopOnSigterm(Callback):

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import yaml
 
 from ..io.jsonfile import write_json
-from ..errors import PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserInputError, check_choice
+from ..errors import (PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserError, UserInputError,
+                      check_choice)
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
         raise UserInputError(f"strategy: unknown strategy {strategy!r}; give one of {', '.join(strategies)} or a "
                              "strategy class path (e.g. lightning.pytorch.strategies.ModelParallelStrategy)")
     check_precision(precision, "pipeline")  # the precisions every stage supports (engine/precision.py)
+    check_strategy_hardware(strategy, accelerator, devices)
     out: dict[str, Any] = {"accelerator": accelerator, "devices": devices}
     if num_nodes is not None:
         out["num_nodes"] = num_nodes
@@ -212,6 +214,34 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
     if precision is not None:
         out["precision"] = str(precision)
     return out
+
+
+GPU_STRATEGIES = ("fsdp", "deepspeed")
+"""Strategies (their names and class paths contain these) that run on CUDA devices only."""
+
+
+def check_strategy_hardware(strategy: str | None, accelerator: str, devices: int) -> None:
+    """Refuse before any stage a strategy the machine cannot run: FSDP or DeepSpeed without a CUDA device (or with
+    ``--accelerator cpu``), more ``--devices`` than the CUDA devices there are, DeepSpeed without its package
+    (before: Lightning's error inside the first stage, or inside a stage's own process)."""
+    import importlib.util
+
+    import torch
+
+    kind = next((k for k in GPU_STRATEGIES if strategy is not None and k in str(strategy).lower()), None)
+    if kind is None:
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if str(accelerator).lower() == "cpu" or gpus == 0:
+        where = "--accelerator cpu" if str(accelerator).lower() == "cpu" else "this machine has no CUDA device"
+        raise UserInputError(f"strategy {strategy!r} runs on CUDA devices only, and {where}: use --strategy ddp "
+                             "(or leave --strategy out) on CPUs")
+    if isinstance(devices, int) and devices > gpus:
+        raise UserInputError(f"strategy {strategy!r} with --devices {devices}: this machine has {gpus} CUDA "
+                             f"device(s); pass --devices {gpus} or fewer")
+    if kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserInputError(f"strategy {strategy!r} needs the deepspeed package, which is not installed "
+                             "(pip install deepspeed), or use --strategy fsdp / ddp")
 
 
 def _processes(trainer: dict[str, Any]) -> int:
@@ -242,9 +272,14 @@ def _run_stage_process(args: list[str], log_file: Path, threads: int | None) -> 
     errors = [line for line in lines if line.startswith("error: ")]
     if code == 2 and errors:
         raise UserInputError(f"{errors[-1][len('error: '):]} (stage output: {log_file})")
-    tail = "\n".join(lines[-30:])
-    raise RuntimeError(f"stage failed (exit {code}): python -m iprox_lightning.cli {' '.join(args)}; the end of its "
-                       f"output ({log_file}):\n{tail}")
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+    raise StageProcessFailed(f"stage failed (exit {code}): python -m iprox_lightning.cli {' '.join(args)}; its last "
+                             f"line: {last[:500]} (its whole output, the traceback included: {log_file})")
+
+
+class StageProcessFailed(UserError, RuntimeError):
+    """A stage run in its own processes failed: one line with its last line of output and the log holding the rest
+    (the stage's own traceback is in the log; the pipeline's would say nothing more)."""
 
 
 def check_sources(target: str, pool, validation) -> None:
