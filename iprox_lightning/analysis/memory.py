@@ -540,8 +540,9 @@ def measured_throughput(params: int, device_kind: str, results_dir: str | Path) 
 
     out: dict[str, tuple[float, str]] = {}
     for f in sorted(Path(results_dir).glob("speed_*.json")):
-        hint = "a bench/speed.py measurement; measure again, remove the file or pass another --speed_results"
-        d, fields = read_json(f, what=hint), Fields(f)
+        d = read_json(f, what="a bench/speed.py measurement",
+                      fix="measure again, remove the file or pass another --speed_results")
+        fields = Fields(f)
         device = fields.get(d, "device", "str|null", default=None)
         n = fields.get(d, "params", "number|null", default=None)
         speeds = fields.get(d, "tokens_per_s", "object|null", default=None) or {}

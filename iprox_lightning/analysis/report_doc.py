@@ -63,8 +63,8 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
         if e:
             out["selections"][meta.name[: -len(".jsonl.meta.json")]] = e
     if (wd / "summary.json").exists():
-        out["summary"] = read_json(wd / "summary.json", what="the pipeline's summary; run the pipeline again to "
-                                                             "write it afresh")
+        out["summary"] = read_json(wd / "summary.json", what="the pipeline's summary",
+                                   fix="run the same pipeline again to write it afresh")
     return out
 
 

@@ -232,10 +232,12 @@ def check_strategy_hardware(strategy: str | None, accelerator: str, devices: int
     if kind is None:
         return
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if str(accelerator).lower() == "cpu" or gpus == 0:
-        where = "--accelerator cpu" if str(accelerator).lower() == "cpu" else "this machine has no CUDA device"
-        raise UserInputError(f"strategy {strategy!r} runs on CUDA devices only, and {where}: use --strategy ddp "
-                             "(or leave --strategy out) on CPUs")
+    if gpus == 0:
+        raise UserInputError(f"strategy {strategy!r} runs on CUDA devices only, and this machine has none: use "
+                             "--strategy ddp (or leave --strategy out) on CPUs")
+    if str(accelerator).lower() == "cpu":
+        raise UserInputError(f"strategy {strategy!r} runs on CUDA devices only, and the accelerator is cpu (the "
+                             "default): pass --accelerator gpu, or --strategy ddp to run on CPUs")
     if isinstance(devices, int) and devices > gpus:
         raise UserInputError(f"strategy {strategy!r} with --devices {devices}: this machine has {gpus} CUDA "
                              f"device(s); pass --devices {gpus} or fewer")
@@ -395,8 +397,8 @@ def _read_numbers(path: Path) -> dict[str, float]:
     damaged one is refused naming the file (remove it: the numbers are recorded afresh)."""
     from ..io.jsonfile import Fields, read_json
 
-    what = "a pipeline record; remove it to record the numbers afresh"
-    data, fields = read_json(path, what=what), Fields(path)
+    data = read_json(path, what="the pipeline's numbers per stage", fix="remove it: the numbers are recorded afresh")
+    fields = Fields(path)
     for k, v in data.items():
         fields.check(k, v, "number", minimum=0)
     return data

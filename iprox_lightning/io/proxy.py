@@ -497,7 +497,9 @@ def upgrade_proxy(path: str | Path) -> Path:
             raise ProxyFormatError(f"{path}: the re-saved weights do not load back identically; {LEGACY_WEIGHTS} kept")
     except Exception:
         (path / PROXY_WEIGHTS).unlink(missing_ok=True)
-        (path / PROXY_MANIFEST).write_text(old_manifest)
+        from .atomic import write_text_atomic
+
+        write_text_atomic(path / PROXY_MANIFEST, old_manifest)
         moved.rename(legacy)
         raise
     moved.unlink()
