@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import yaml
 
-from ..io.jsonfile import write_json
 from ..errors import (PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserError, UserInputError,
                       check_choice)
 
@@ -326,6 +325,8 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
         summary["selection_effect"] = effect
     summary["artifacts"] = _artifacts(wd, finetune, tasks)
     summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args, proxy_validation)
+    from ..io.jsonfile import write_json
+
     write_json(wd / "summary.json", summary)
     print(_format_summary(summary))
     return summary
@@ -389,6 +390,8 @@ class _StageRunner:
         ledger.record(key, output)
         times[key] = time.perf_counter() - t0
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
+        from ..io.jsonfile import write_json
+
         write_json(self.wd / "seconds_per_stage.json", times)
 
 
@@ -423,6 +426,8 @@ def _device_memory_peak(path: Path, key: str):
     finally:
         peaks = _read_numbers(path) if path.exists() else {}
         peaks[key] = int(torch.cuda.max_memory_allocated())
+        from ..io.jsonfile import write_json
+
         write_json(path, peaks)
 
 

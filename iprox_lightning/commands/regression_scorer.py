@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io.jsonfile import write_json
-
 
 def regression_scorer(
     backbone: str,
@@ -55,6 +53,8 @@ def regression_scorer(
                                     weight_decay=weight_decay, seed=seed)
     scores = predict_scores(scorer, dm.dataloader("pool"))
     path = write_scores(scores, output)
+    from ..io.jsonfile import write_json
+
     write_json(Path(str(path) + ".json"), {"baseline": "regression_scorer", "backbone": backbone,
                                            "holdout": len(dm.ids("construction")), "history": history})
     print(f"regression_scorer: fitted on {len(dm.ids('construction'))} hold-out examples, scored {len(scores)} pool "
