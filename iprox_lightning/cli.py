@@ -65,7 +65,7 @@ def main(args: list[str] | None = None):
         sys.stderr.write(f"error: {e} (--debug shows the traceback)\n")  # one write: ranks' lines do not interleave
         raise SystemExit(2) from None
     except BrokenPipeError:
-        if debug or args is not None:
+        if debug or args is not None or not _stdout_closed():  # another pipe (a socket, a child's): not ours
             raise
         _output_closed()
         raise SystemExit(1) from None
@@ -82,6 +82,18 @@ def main(args: list[str] | None = None):
         print(f"stopped ({stop[0]}): the finished stages, shards and checkpoints written so far are kept; run the same "
               "command again to resume", file=sys.stderr)
         raise SystemExit(stop[1]) from None
+
+
+def _stdout_closed() -> bool:
+    """Whether the reader of stdout is gone (a pipe whose other end is closed reports an error to ``poll``)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor, no poll
+        return False
 
 
 def _output_closed() -> None:
