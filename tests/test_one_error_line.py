@@ -272,3 +272,25 @@ def test_export_on_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(
     err = [line for line in r.stderr.splitlines() if "it/s]" not in line and line.strip()]
     assert err[-1] == "rc=1", r.stderr  # `ls -A` printed nothing after it: no export, no temporary
     assert len(err) == 2 and err[0].startswith(f"error: the disk is full writing {out} (No space left on device)")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "fsdp", "--devices", "2", "--accelerator", "gpu"],
+     r"^strategy 'fsdp' with --devices 2: this machine has 1 CUDA device\(s\); pass --devices 1 or fewer"),
+    (["--strategy", "fsdp"], r"^strategy 'fsdp' runs on CUDA devices only, and the accelerator is cpu \(the default\)"),
+    (["--strategy", "deepspeed", "--accelerator", "gpu"], r"^strategy 'deepspeed' needs the deepspeed package")])
+def test_a_gpu_strategy_the_machine_cannot_run_is_refused_before_any_stage(tmp_path, monkeypatch, args, message):
+    """The same up-front check on a machine with one CUDA device (simulated here: the check reads only the device
+    count): more --devices than devices, the cpu accelerator, DeepSpeed not installed."""
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    if importlib.util.find_spec("deepspeed") is not None and "deepspeed" in args:
+        pytest.skip("deepspeed is installed here")
+    wd = tmp_path / "wd"
+    with pytest.raises(UserInputError, match=message):
+        main(["pipeline", "--workdir", str(wd), *args])
+    assert not wd.exists()

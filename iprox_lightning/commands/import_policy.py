@@ -21,7 +21,6 @@ IMPORTS_ENV = "IPROX_ALLOW_IMPORTS"
 def allowed_imports() -> list[str] | None:
     """:data:`ALLOWED_IMPORTS` plus the packages named in ``$IPROX_ALLOW_IMPORTS`` (``None``: any import allowed)."""
     import os
-
     import re
 
     extra = [e.strip() for e in os.environ.get(IMPORTS_ENV, "").split(",") if e.strip()]
@@ -175,8 +174,9 @@ def command_line_opt_ins(argv: list[str]) -> dict[tuple[str, ...], object]:
                 inline(v, key)
 
     for i, a in enumerate(argv):
-        if a in ("-c",) or a.startswith("--"):
-            name, value = (a.split("=", 1) + [None])[:2] if "=" in a else (a, None)
+        if a == "-c" or a.startswith("--"):
+            name, given, value = a.partition("=")
+            value = value if given else None
             if value is None and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value = argv[i + 1]
             if value is None:

@@ -82,9 +82,9 @@ class IProXCLI(LightningCLI):
             raise cause from None
 
     def _instantiate_trainer(self, config, callbacks):
-        from ..console import add_console_callbacks
-
         from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        from ..console import add_console_callbacks
 
         config = add_console_callbacks(config)
         config["callbacks"] = list(config["callbacks"]) + [StopOnSigterm()]
