@@ -82,8 +82,9 @@ def _check_output(out: Path, src: Path, pool) -> None:
     (where the next read of the pool would take the selection for pool data)."""
     if out.is_dir():
         raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
-    target = out.resolve()
-    if target == Path(src).resolve():
+    from ..io.output_guard import same_file
+
+    if out.resolve() == Path(src).resolve() or same_file(out, src):
         raise UserInputError(f"output {out} is the score table being read; choose another output file")
     from ..data.pool import check_output_is_not_input
 

@@ -241,7 +241,9 @@ class CausalLMModule(L.LightningModule):
         sd = full_state_dict(self.model)  # collective under FSDP2
         path = Path(save_dir)
         if self.trainer.is_global_zero if self._trainer is not None else True:
-            path.mkdir(parents=True, exist_ok=True)
+            from ..io.ownership import make_owned_dir
+
+            make_owned_dir(path, "model")  # marked when created (or found empty): ours to replace
             kwargs: dict[str, Any] = {"safe_serialization": True}
             if sd is not None:
                 kwargs["state_dict"] = sd
