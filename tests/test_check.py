@@ -227,7 +227,7 @@ def test_check_resumes_after_an_interrupted_run(models, tmp_path, spy, monkeypat
     with pytest.raises(KeyboardInterrupt):
         _check(models, tmp_path)
     assert not (tmp_path / "check.json").exists()
-    saved = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    saved = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.name != ".iprox-dir.json")
     assert len(saved) == 4  # the target's validation gradients and scores (+ their .json), written as they were done
     monkeypatch.setattr(check_cmd, "_load", real)
     spy.update(validation=0, score_batch=0)
