@@ -350,3 +350,31 @@ def test_a_selection_keeps_each_pool_ids_json_type(tmp_path, capsys):
         assert type(x["id"]) is type(by_key[json.dumps(x["id"])]["id"])
     main(["sample_pool", "--pool", str(pool), "--n", "10", "--by", "category", "--output", str(sample)])
     assert "already there, unchanged" in capsys.readouterr().out
+
+
+def test_overwrite_of_a_file_output_replaces_only_a_file_of_the_commands_kind(tmp_path, monkeypatch, capsys):
+    """``--overwrite true`` of ``random_scores``, ``select`` and ``sample_pool`` replaces a score table, a selection
+    (its ``.meta.json`` beside it) or a sample the package wrote; a file of the user's under that name, or a symbolic
+    link, is refused in one line and kept."""
+    pool = _pool(tmp_path / "pool.jsonl")
+    mine = tmp_path / "mine.parquet"
+    mine.write_text("my own notes, not a table\n")
+    code, err = _command_line(monkeypatch, capsys, "random_scores", "--output", mine, "--pool", pool,
+                              "--overwrite", "true")
+    assert code == 2 and len(err) == 1 and "is not a score table: not replaced" in err[0]
+    table = tmp_path / "scores.parquet"
+    main(["random_scores", "--output", str(table), "--pool", str(pool)])
+    main(["random_scores", "--output", str(table), "--pool", str(pool), "--seed", "3", "--overwrite", "true"])
+    (tmp_path / "table-link.parquet").symlink_to(table)
+    code, err = _command_line(monkeypatch, capsys, "random_scores", "--output", tmp_path / "table-link.parquet",
+                              "--pool", pool, "--overwrite", "true")
+    assert code == 2 and len(err) == 1 and "is a symbolic link" in err[0]
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("keep me\n")
+    code, err = _command_line(monkeypatch, capsys, "select", "--scores_path", table, "--k", "3", "--output", notes,
+                              "--overwrite", "true")
+    assert code == 2 and len(err) == 1 and "a file of unknown origin" in err[0]
+    code, err = _command_line(monkeypatch, capsys, "sample_pool", "--pool", pool, "--n", "4", "--by", "category",
+                              "--output", notes, "--overwrite", "true")
+    assert code == 2 and len(err) == 1 and "is not a JSONL file of records: not replaced" in err[0]
+    assert notes.read_text() == "keep me\n" and mine.read_text() == "my own notes, not a table\n"

@@ -25,11 +25,17 @@ def random_scores(output: str, pool: str = "builtin", seed: int = 0, overwrite: 
         raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'scores.parquet'}")
     recs = read_pool(pool)
     scores = draw(sorted(r["id"] for r in recs), seed)
-    if out.exists() and not overwrite:
+    if out.exists() or out.is_symlink():
         try:
-            same = read_scores(out) == scores
+            old = read_scores(out)
         except (ValueError, OSError):
-            same = False
+            old = None
+        if old is None or out.is_symlink():  # --overwrite replaces a score table only, never through a link
+            raise OutputExistsError(f"output {out} exists and is {'a symbolic link' if out.is_symlink() else 'not a score table'}"
+                                    ": not replaced, even with --overwrite true (the package replaces only what it "
+                                    "writes). Choose another output, or delete it by hand if it is yours to drop")
+    if out.exists() and not overwrite:
+        same = old == scores
         if not same:
             raise OutputExistsError(f"output {out} exists and holds other scores (another selector's table, or another "
                                     "seed or pool); pass --overwrite true to replace it, or choose another output")

@@ -59,11 +59,16 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
         raise UserInputError(f"--n {n} is more than the {len(rows)} records of {pool}")
     sample = stratified_sample(rows, n, seed, by=by)
     same = False
-    if out.exists():
+    if out.exists() or out.is_symlink():
         try:
             same = [r for _, _, r in iter_rows(out)] == sample
-        except (DataFormatError, ValueError):
-            same = False
+            records = True
+        except (DataFormatError, ValueError, OSError):
+            same = records = False
+        if overwrite and (out.is_symlink() or not records):  # --overwrite replaces a sample (records) only
+            raise OutputExistsError(f"--output {out} is {'a symbolic link' if out.is_symlink() else 'not a JSONL file of records'}"
+                                    ": not replaced, even with --overwrite true (the package replaces only what it "
+                                    "writes). Choose another output, or delete it by hand if it is yours to drop")
         if not same and not overwrite:
             raise OutputExistsError(f"--output {out} already exists and holds something else than this sample: not "
                                   "overwritten. Pass another --output, or --overwrite true to replace it")
