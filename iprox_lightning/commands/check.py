@@ -189,6 +189,9 @@ def check(
 
     for path, option in ((result_path, "output"), (cache.root, "output_dir")):
         check_output_not_input(path, {"target": target, "proxy": proxy}, option)
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(cache.root.parent, "check output")
     s = _sample_pool(sample, cache, pool=pool, validation=validation, tokenizer=tokenizer or target,
                      max_length=max_length, batch_size=batch_size, seed=seed, val_per_task=val_per_task)
     models, le_rho = _models_to_score(target, proxy, s.dm, layer_extraction)

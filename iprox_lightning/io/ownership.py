@@ -37,7 +37,7 @@ FORMAT = 1
 CACHE_KINDS = ("gguf copy", "model file", "check cache", "store cache")
 """Kinds ``train.py cache`` lists and clears."""
 KINDS = CACHE_KINDS + ("scores", "gradient store", "proxy", "proxy export", "model", "pipeline workdir", "report",
-                       "check output")
+                       "check output", "evaluation")
 
 
 def _version() -> str:
