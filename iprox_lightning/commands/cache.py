@@ -58,7 +58,7 @@ def _root_entries(root: Path) -> list[Entry]:
     for sub, kind in (("gguf", "gguf copy"), ("models", "model file")):
         d = root / sub
         try:
-            children = sorted(d.iterdir()) if d.is_dir() and not d.is_symlink() else []
+            children = sorted(d.iterdir()) if d.is_dir() else []  # each entry is judged by its own marker
         except OSError:
             children = []
         for p in children:

@@ -66,9 +66,10 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
         except (DataFormatError, ValueError, OSError):
             same = records = False
         if overwrite and (out.is_symlink() or not records):  # --overwrite replaces a sample (records) only
-            raise OutputExistsError(f"--output {out} is {'a symbolic link' if out.is_symlink() else 'not a JSONL file of records'}"
-                                    ": not replaced, even with --overwrite true (the package replaces only what it "
-                                    "writes). Choose another output, or delete it by hand if it is yours to drop")
+            what = "a symbolic link" if out.is_symlink() else "not a JSONL file of records"
+            raise OutputExistsError(f"--output {out} is {what}: not replaced, even with --overwrite true (the package "
+                                    "replaces only what it writes). Choose another output, or delete it by hand if it "
+                                    "is yours to drop")
         if not same and not overwrite:
             raise OutputExistsError(f"--output {out} already exists and holds something else than this sample: not "
                                   "overwritten. Pass another --output, or --overwrite true to replace it")

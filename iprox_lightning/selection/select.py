@@ -216,9 +216,10 @@ def select(
     if not overwrite:
         _check_not_another_selectors(out, src)
     elif out.is_symlink() or (out.exists() and not out.with_name(out.name + ".meta.json").is_file()):
-        raise OutputExistsError(f"output {out} is {'a symbolic link' if out.is_symlink() else 'a file of unknown origin (no .meta.json: not a selection this package wrote)'}"
-                                ": not replaced, even with --overwrite true. Choose another output, or delete it by "
-                                "hand if it is yours to drop")
+        what = ("a symbolic link" if out.is_symlink() else
+                "a file of unknown origin (no .meta.json: not a selection this package wrote)")
+        raise OutputExistsError(f"output {out} is {what}: not replaced, even with --overwrite true. Choose another "
+                                "output, or delete it by hand if it is yours to drop")
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
         "column": cands.column, "rule": rule, "task": task, "dedup": dedup, "pool": pools,
