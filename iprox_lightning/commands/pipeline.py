@@ -476,6 +476,9 @@ def _select_subsets(stages: _StageRunner, score_dirs: dict[str, Path], pool, dat
     wd, times = stages.wd, stages.times
     scores = {who: read_scores(d / "scores.parquet") for who, d in score_dirs.items()}
     rand_path = wd / "scores" / "random" / "scores.parquet"
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(rand_path.parent, "scores")
     write_random_scores(sorted(scores["target"]), rand_path, seed=seed)  # cheap: always from this run's pool
     scores["random"] = read_scores(rand_path)
     tasks = selection_tasks(score_dirs["target"] / "scores.parquet", select_rule)
