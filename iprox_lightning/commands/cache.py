@@ -162,7 +162,9 @@ def cache(clear: bool = False, under: Optional[str] = None) -> list[str]:
     if entries:
         kept = len(entries) - len(ours)
         print(f"  total {_human(total)} in {len(ours)} entries" + (f"; {kept} not ours, kept" if kept else ""))
-    if under and owned_kind(under) is not None:
+    from ..io.ownership import CACHE_KINDS
+
+    if under and owned_kind(under) in CACHE_KINDS:
         print(f"cache: {under} is itself a {owned_kind(under)}; --under lists what is below it (give its parent to "
               "list it)")
     if clear:

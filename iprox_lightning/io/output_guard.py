@@ -77,9 +77,10 @@ def check_output_not_input(output: str | os.PathLike, inputs: Mapping[str, Any],
             raise UserInputError(f"{option} {output} is the {name} {what} {src}: writing it would replace the {name} "
                                  "(the same file by device and inode, links followed); choose another output")
         if os.path.isdir(src) and any(key == k for _, key in above):
-            raise UserInputError(f"{option} {output} is inside the {name} directory {src}: writing there changes the "
-                                 f"{name}, and the next read of the {name} would take it for {name} data; choose "
-                                 "another output")
+            why = (f"writing it would replace a file of the {name}" if out_key is not None else
+                   f"writing there would change the {name}: the next read of the {name} would take it for {name} data")
+            raise UserInputError(f"{option} {output} is inside the {name} directory {src}: {why}; choose another "
+                                 "output")
         if replaced_whole and out_key is not None and os.path.isdir(out) and any(key == out_key for _, key in _above(src)):
             what = "directory" if os.path.isdir(src) else "file"
             raise UserInputError(f"{option} {output} contains the {name} {what} {src}: replacing or clearing the output would "

@@ -161,14 +161,13 @@ def check_owned(path: str | os.PathLike, kinds: str | Iterable[str], *, option: 
     if got in kinds:
         return
     if p.is_symlink():
-        why = "is a symbolic link (the package deletes nothing through a link); name the directory itself"
+        why = "it is a symbolic link (the package deletes nothing through a link); name the directory itself"
     elif got is not None:
-        why = f"is a {got} the package wrote, not a {' or '.join(kinds)}"
+        why = f"it is a {got} the package wrote, not a {' or '.join(kinds)}; choose another output"
     else:
-        why = (f"holds no {MARKER} marker, so the package did not write it (or an older version did, before markers): "
-               "it is kept. Delete it by hand if it is yours to drop")
-    raise OutputExistsError(f"{option}: refusing to replace {p}{f' ({what})' if what else ''}: it {why}, or choose "
-                            "another output")
+        why = (f"it holds no {MARKER} marker, so the package did not write it (or an older version did, before "
+               "markers) and keeps it; choose another output, or delete it by hand if it is yours to drop")
+    raise OutputExistsError(f"{option}: refusing to replace {p}{f' ({what})' if what else ''}: {why}")
 
 
 def remove_owned(path: str | os.PathLike) -> None:
