@@ -61,7 +61,7 @@ def test_cache_clear_under_a_home_keeps_a_users_cache_folder(tmp_path, monkeypat
     assert owned_kind(ours) == "check cache" and owned_kind(home / "project" / "cache") is None
     assert main(["cache", "--under", str(home)]) == [str(ours)]
     main(["cache", "--under", str(home), "--clear", "true"])
-    out = capsys.readouterr().out
+    assert "cache: cleared" in capsys.readouterr().out
     assert not ours.exists() and (home / "runs" / "check").is_dir()
     assert _contents(home / "project" / "cache") == before
 
@@ -128,7 +128,7 @@ def test_cache_keeps_a_symlinked_and_a_hard_linked_copy_of_its_own_cache(tmp_pat
     assert (tmp_path / "copy" / "cache" / "validation" / "abc.safetensors").is_file()
     assert (tmp_path / "links" / "cache").is_symlink()
     text = capsys.readouterr().out
-    assert f"not ours, kept" in text and str(backup) in text  # an older-looking cache without marker: listed, kept
+    assert "not ours, kept" in text and str(backup) in text  # an older-looking cache without marker: listed, kept
 
 
 def test_cache_under_root_lists_no_system_folder_and_a_vanishing_folder_is_skipped(tmp_path, monkeypatch, capsys):
@@ -158,6 +158,26 @@ def test_cache_under_root_lists_no_system_folder_and_a_vanishing_folder_is_skipp
     assert all((site / p).is_dir() for p in ("pip/_internal/cache", "jedi/cache", "torch/cache"))
     listed = cache_cmd.cache_entries([str(Path(sys.prefix))])  # a real site-packages: none of its folders is ours
     assert [e for e in listed if e.ours] == []
+
+
+def test_an_older_versions_cache_without_marker_is_listed_kept_and_left_to_the_user(tmp_path, monkeypatch, capsys):
+    """Caches written before markers hold none: ``cache --under`` lists one that looks like a check / store cache as
+    not ours and says to delete it by hand; ``--clear`` and ``check --keep_validation_cache false`` keep it."""
+    from iprox_lightning.commands.check import _drop_validation_cache
+    from iprox_lightning.scoring.check_cache import CheckCache
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "ipx"))
+    old = tmp_path / "outputs" / "check" / "cache"
+    (old / "validation").mkdir(parents=True)
+    (old / "validation" / "0123.safetensors").write_bytes(b"\0" * 64)
+    (old / "scores").mkdir()
+    (old / "scores" / "0123.parquet").write_bytes(b"PAR1")
+    assert main(["cache", "--under", str(tmp_path / "outputs"), "--clear", "true"]) == []
+    out = capsys.readouterr().out
+    assert "not ours, kept" in out and str(old) in out and "delete it by hand" in out
+    _drop_validation_cache(CheckCache(old))
+    assert "holds no check cache marker" in capsys.readouterr().out
+    assert (old / "validation" / "0123.safetensors").is_file() and (old / "scores" / "0123.parquet").is_file()
 
 
 # ------------------------------------------------------------------------------------------------ --overwrite
