@@ -308,6 +308,27 @@ def test_plan_output_never_replaces_the_models_config_and_a_dir_is_one_line(tmp_
     assert json.loads((tmp_path / "plan.json").read_text())["stages"]
 
 
+def test_a_trained_or_extracted_model_never_replaces_the_model_it_starts_from(tmp_path, monkeypatch, capsys):
+    """``save_dir`` of warm-up / fine-tune / build_proxy and ``layer_extraction --output_dir`` at the model read (or
+    a symbolic link to it): ``save_pretrained`` would have written over its weights at the end of the run. Refused
+    when the module is made, before any training, by the same identity guard."""
+    from iprox_lightning.alignment.module import ProxyAlignModule
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.training.causal_lm import CausalLMModule
+
+    model = _plain_model(tmp_path / "model")
+    (tmp_path / "alias").symlink_to(model)
+    before = _contents(model)
+    with pytest.raises(UserInputError, match=rf"^save_dir {tmp_path / 'alias'} is the model directory {model}"):
+        CausalLMModule(model=str(model), save_dir=str(tmp_path / "alias"))
+    with pytest.raises(UserInputError, match=rf"^save_dir {model} is the target directory {model}"):
+        ProxyAlignModule(target=str(model), save_dir=str(model))
+    code, err = _command_line(monkeypatch, capsys, "layer_extraction", "--model", model, "--output_dir", model)
+    assert code == 2 and len(err) == 1 and f"output_dir {model} is the model directory" in err[0]
+    assert _contents(model) == before
+    CausalLMModule(model=str(model), save_dir=str(tmp_path / "trained"))  # another directory: fine
+
+
 def _pool(path: Path, n: int = 40) -> Path:
     """A pool whose ids mix integers and strings (every other line)."""
     path.write_text("".join(json.dumps({"id": j if j % 2 else f"ex-{j}", "instruction": f"say {j}",

@@ -157,6 +157,10 @@ class CausalLMModule(L.LightningModule):
             raise UserInputError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserInputError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        if save_dir:  # before any training: the trained model never replaces the model it starts from
+            from ..io.output_guard import check_output_not_input
+
+            check_output_not_input(save_dir, {"model": model}, "save_dir")
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         object.__setattr__(self, "model_source", model)  # never a registered submodule
         self.model: Optional[nn.Module] = None
