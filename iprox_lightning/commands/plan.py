@@ -119,13 +119,16 @@ def plan(
 
 
 def _check_output(output: str, model: str, speed_results: Optional[str]) -> None:
-    """Refuse an ``--output`` that is a directory, or is (or lies inside) the model or the speed results read."""
+    """Refuse an ``--output`` that is a directory, or is (or lies inside) the model read, or is one of the speed
+    results read (a plan beside them is fine: only ``speed_*.json`` files are read there)."""
     from ..errors import OutputIsDirectoryError
     from ..io.output_guard import check_output_not_input
 
     if Path(output).is_dir():
         raise OutputIsDirectoryError(f"--output {output} is a directory; name a file, e.g. {Path(output) / 'plan.json'}")
-    check_output_not_input(output, {"model": model, "speed results": speed_results}, "--output")
+    check_output_not_input(output, {"model": model}, "--output")
+    if speed_results and Path(output).name.startswith("speed_") and Path(output).suffix == ".json":
+        check_output_not_input(output, {"speed results": speed_results}, "--output")
 
 
 def _applies(stage: str, method: str) -> bool:
