@@ -122,8 +122,11 @@ def test_cache_keeps_a_symlinked_and_a_hard_linked_copy_of_its_own_cache(tmp_pat
     (tmp_path / "links" / "cache").symlink_to(ours)
     for d in (backup, tmp_path / "copy" / "cache", tmp_path / "links" / "cache"):
         assert owned_kind(d) is None
+    user = _user_files(tmp_path / "user")  # the user's files reached from inside the package's cache
+    (ours / "to-user").symlink_to(tmp_path / "user")
+    os.link(tmp_path / "user" / "thesis.tex", ours / "thesis-link.tex")
     main(["cache", "--under", str(tmp_path), "--clear", "true"])
-    assert not ours.exists()
+    assert not ours.exists() and _contents(tmp_path / "user") == user  # links removed, never followed
     assert (backup / "validation" / "abc.safetensors").is_file()  # its only link now: kept
     assert (tmp_path / "copy" / "cache" / "validation" / "abc.safetensors").is_file()
     assert (tmp_path / "links" / "cache").is_symlink()
