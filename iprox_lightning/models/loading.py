@@ -386,6 +386,9 @@ def _write_cache(model, tok, target: Path) -> None:
 
     try:
         with atomic_path(target, directory=True) as tmp:
+            from ..io.ownership import mark
+
+            mark(tmp, "gguf copy")  # the marker keeps the folder's identity through the rename
             model.save_pretrained(tmp, safe_serialization=True)
             if tok is not None:
                 tok.save_pretrained(tmp)
