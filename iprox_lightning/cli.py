@@ -62,8 +62,13 @@ def main(args: list[str] | None = None):
     except one_line_errors(command_line=args is None) as e:
         if debug:
             raise
-        print(f"error: {e} (--debug shows the traceback)", file=sys.stderr)
+        sys.stderr.write(f"error: {e} (--debug shows the traceback)\n")  # one write: ranks' lines do not interleave
         raise SystemExit(2) from None
+    except BrokenPipeError:
+        if debug or args is not None or not _stdout_closed():  # another pipe (a socket, a child's): not ours
+            raise
+        _output_closed()
+        raise SystemExit(1) from None
     except OSError as e:
         full = disk_full_message(e)
         if full is None or debug or args is not None:
@@ -77,6 +82,32 @@ def main(args: list[str] | None = None):
         print(f"stopped ({stop[0]}): the finished stages, shards and checkpoints written so far are kept; run the same "
               "command again to resume", file=sys.stderr)
         raise SystemExit(stop[1]) from None
+
+
+def _stdout_closed() -> bool:
+    """Whether the reader of stdout is gone (a pipe whose other end is closed reports an error to ``poll``)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor, no poll
+        return False
+
+
+def _output_closed() -> None:
+    """The reader of our output went away (``train.py --help | head``): say nothing more, as the Python docs
+    recommend for SIGPIPE: what is left to flush goes to ``os.devnull`` instead of a ``BrokenPipeError`` at exit."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # no file descriptor (captured): nothing to redirect
+            pass
+    os.close(devnull)
 
 
 def disk_full_message(e: OSError) -> str | None:
@@ -135,11 +166,10 @@ def _run(argv: list[str], args: list[str] | None):
     if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
-        from .commands.import_policy import check_config_opt_ins, restricted_imports
+        from .commands.import_policy import opt_in_checking_parser, restricted_imports
 
-        check_config_opt_ins(argv[1:])
         with restricted_imports():
-            return CLI(command(argv[0]), args=argv[1:], as_positional=False)
+            return CLI(command(argv[0]), args=argv[1:], as_positional=False, parser_class=opt_in_checking_parser())
     from .commands.lightning import run_lightning
 
     return run_lightning(None if args is None and argv == sys.argv[1:] else argv)

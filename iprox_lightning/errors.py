@@ -73,6 +73,20 @@ PROXY_VALIDATIONS = ("target", "proxy")
 """Whose validation gradients score a proxy: its target's (mapped into the proxy's factor space) or its own."""
 
 
+def check_output_dir(path, option: str) -> None:
+    """Raise :class:`OutputNotDirectoryError` naming ``option`` when ``path`` (an output directory, made later) or a
+    folder above it exists as something other than a directory."""
+    from pathlib import Path
+
+    for p in (Path(path), *Path(path).parents):
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                what = "is" if p == Path(path) else f"lies under {p}, which is"
+                raise OutputNotDirectoryError(f"{option} {path} {what} a file, not a directory: pass a directory "
+                                              "(it is made if missing)")
+            return
+
+
 def check_choice(name: str, value, choices) -> None:
     """Raise :class:`UserInputError` naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:

@@ -399,9 +399,10 @@ def test_a_truncated_stage_record_is_refused_naming_it(tmp_path):
     (tmp_path / "warmup" / "model" / "config.json").write_text("{}")
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "warmup.json").write_text('{"stage": "warmup", "fingerp')  # cut short by a full disk
-    with pytest.raises(FingerprintMismatch, match=rf"^stage warmup: {tmp_path}/stages/warmup.json is not readable JSON "
-                                                  r"\(Unterminated string starting at; cut short\?\), so what produced "
-                                                  r".*config.json is unknown .*--force true"):
+    # (issue 61: the message comes from the one JSON reader, io/jsonfile.read_json, which every small file now uses)
+    with pytest.raises(FingerprintMismatch, match=rf"^stage warmup: {tmp_path}/stages/warmup.json \(stage record\): "
+                                                  r"malformed JSON \(Unterminated string .* the file is cut short\), so "
+                                                  r"what produced .*config.json is unknown .*--force true"):
         pipeline(workdir=str(tmp_path))
 
 
@@ -692,29 +693,42 @@ def test_round_three_inputs_refused_before_any_work(tmp_path, capsys):
 
 def test_a_config_file_cannot_opt_in_to_running_code(tmp_path, monkeypatch):
     """Issue 57: ``trust_remote_code: true`` or ``weights_only: false`` in a (shared) config ran the model directory's
-    Python or a checkpoint's pickles; the opt-in must be the user's own act: the command line or IPROX_ALLOW_CODE."""
-    from iprox_lightning.commands.lightning import check_config_opt_ins
+    Python or a checkpoint's pickles; the opt-in must be the user's own act: the command line or IPROX_ALLOW_CODE.
+    (Issue 61 moved the check from a scan of argv to the resolved configuration, ``check_code_opt_ins``; this test now
+    goes through the command line and stops where the classes would be built.)"""
+    from iprox_lightning.commands.lightning import IProXCLI
     from iprox_lightning.errors import UserInputError
 
+    class Built(Exception):
+        pass
+
+    def stop(self):
+        raise Built
+
+    monkeypatch.setattr(IProXCLI, "instantiate_classes", stop)
     monkeypatch.delenv("IPROX_ALLOW_CODE", raising=False)
     cfg = tmp_path / "shared.yaml"
-    cfg.write_text("model:\n  init_args:\n    trust_remote_code: true\n")
+    cfg.write_text("data:\n  init_args:\n    trust_remote_code: true\n")
     ckpt = tmp_path / "ckpt.yaml"
-    ckpt.write_text("ckpt_path: x.ckpt\nweights_only: false\n")
-    with pytest.raises(UserInputError, match=rf"^{cfg}: model.init_args.trust_remote_code: true would run code"):
-        check_config_opt_ins(["fit", "--config", str(cfg)])
+    ckpt.write_text("ckpt_path: null\nweights_only: false\n")
+    warmup = ["fit", "--config", "configs/warmup.yaml"]
+    with pytest.raises(UserInputError, match=rf"^{cfg}: data.init_args.trust_remote_code: true would run code"):
+        main([*warmup, "--config", str(cfg)])
     with pytest.raises(UserInputError, match=rf"^{ckpt}: weights_only: false would run code"):
-        check_config_opt_ins(["fit", f"--config={ckpt}"])
-    check_config_opt_ins(["fit", "--config", str(cfg), "--model.init_args.trust_remote_code", "true"])  # the user's act
+        main([*warmup, f"--config={ckpt}"])
+    with pytest.raises(Built):  # the user's act
+        main([*warmup, "--config", str(cfg), "--data.init_args.trust_remote_code", "true"])
     monkeypatch.setenv("IPROX_ALLOW_CODE", "weights_only")
-    check_config_opt_ins(["fit", "--config", str(ckpt)])
+    with pytest.raises(Built):
+        main([*warmup, "--config", str(ckpt)])
     with pytest.raises(UserInputError, match="trust_remote_code"):
-        check_config_opt_ins(["fit", "--config", str(cfg)])
+        main([*warmup, "--config", str(cfg)])
     monkeypatch.delenv("IPROX_ALLOW_CODE")
     safe = tmp_path / "safe.yaml"
-    safe.write_text("model:\n  init_args:\n    trust_remote_code: false\nweights_only: true\n")
-    check_config_opt_ins(["fit", "--config", str(safe)])
-    # through the command line, before anything is built
+    safe.write_text("data:\n  init_args:\n    trust_remote_code: false\nweights_only: true\n")
+    with pytest.raises(Built):
+        main([*warmup, "--config", str(safe)])
+    monkeypatch.undo()  # through the whole command line, before anything is built
     with pytest.raises(UserInputError, match="a config file cannot opt in"):
         main(["fit", "--config", "configs/warmup.yaml", "--config", str(cfg)])
 
@@ -1233,7 +1247,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_written_outp
     import errno
     import sys
 
-    import iprox_lightning.data.sources as sources
+    import iprox_lightning.io.atomic as atomic
     from iprox_lightning.cli import main
 
     pool = tmp_path / "pool.jsonl"
@@ -1257,12 +1271,13 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_written_outp
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(sources, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
+    # every writer goes through io/atomic.py (issue 61), so its open is the one the disk refuses
+    monkeypatch.setattr(atomic, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py", "sample_pool", "--pool", str(pool), "--n", "5", "--output", str(out)])
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the disk is full writing ") and "sample.jsonl.tmp" in err[0]
+    assert len(err) == 1 and err[0].startswith(f"error: the disk is full writing {out} ")  # the file, not its temporary
     assert "run the same command again" in err[0]
     assert not out.exists() and list(out.parent.iterdir()) == []

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -537,16 +536,22 @@ _SPEED_KEYS = {"warm-up": "c2", "fine-tune": "c2", "scoring (tracin)": "a", "sto
 def measured_throughput(params: int, device_kind: str, results_dir: str | Path) -> dict[str, tuple[float, str]]:
     """``{speed key: (tokens/s, file)}`` from the ``speed_*.json`` files of ``bench/speed.py`` measured on a model
     of ``params`` parameters (within 1%) on ``device_kind``; the newest file per key wins (sorted by name)."""
+    from ..io.jsonfile import Fields, read_json
+
     out: dict[str, tuple[float, str]] = {}
     for f in sorted(Path(results_dir).glob("speed_*.json")):
-        try:
-            d = json.loads(f.read_text())
-        except (OSError, ValueError):
+        d = read_json(f, what="a bench/speed.py measurement",
+                      fix="measure again, remove the file or pass another --speed_results")
+        fields = Fields(f)
+        device = fields.get(d, "device", "str|null", default=None)
+        n = fields.get(d, "params", "number|null", default=None)
+        speeds = fields.get(d, "tokens_per_s", "object|null", default=None) or {}
+        for k, v in speeds.items():
+            fields.check(f"tokens_per_s.{k}", v, "number|null")
+        if device != device_kind or not n or abs(n - params) > 0.01 * params:
             continue
-        if d.get("device") != device_kind or not d.get("params") or abs(d["params"] - params) > 0.01 * params:
-            continue
-        for k, v in (d.get("tokens_per_s") or {}).items():
-            if isinstance(v, (int, float)) and v > 0:
+        for k, v in speeds.items():
+            if v is not None and v > 0:
                 out[k] = (float(v), f.name)
     return out
 
@@ -589,7 +594,7 @@ def parse_bytes(text: str | int | float, option: str = "device_memory") -> float
     """``"80GB"`` / ``"141 GiB"`` / ``"24e9"`` → bytes (GB = 10⁹, GiB = 2³⁰)."""
     if isinstance(text, (int, float)):
         return float(text)
-    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).upper() if m else None
     if m is None or unit not in _UNITS:
         raise UserInputError(f"{option}: cannot read {text!r} as a size (e.g. 80GB, 141GiB, 24e9)")

@@ -15,7 +15,6 @@ fine-tuned effect.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -57,12 +56,15 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
     models = {"proxy": wd / "proxy" / "model", "layer_extraction": wd / "layer_extraction" / "model"}
     out["proxy_models"] = {k: str(v) for k, v in models.items() if k in proxies and (v / "config.json").exists()}
     out["selections"] = {}
+    from ..io.jsonfile import read_json
+
     for meta in sorted((wd / "selected").glob("*.jsonl.meta.json")) if (wd / "selected").is_dir() else []:
-        e = json.loads(meta.read_text()).get("explanation")
+        e = read_json(meta, what="selection meta").get("explanation")
         if e:
             out["selections"][meta.name[: -len(".jsonl.meta.json")]] = e
     if (wd / "summary.json").exists():
-        out["summary"] = json.loads((wd / "summary.json").read_text())
+        out["summary"] = read_json(wd / "summary.json", what="the pipeline's summary",
+                                   fix="run the same pipeline again to write it afresh")
     return out
 
 

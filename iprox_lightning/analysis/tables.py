@@ -5,7 +5,6 @@ they can be printed (:func:`format_table`), written as JSON, or logged.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -124,8 +123,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
 
 def write_rows(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
     """Write rows as a JSON list (NaN written as ``null``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from ..io.jsonfile import write_json
+
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
-    path.write_text(json.dumps(clean, indent=2))
-    return path
+    return write_json(path, clean)

@@ -15,7 +15,6 @@ an ordinary HF model (``save_pretrained`` / ``from_pretrained``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..engine.blocks import (
     most_important_blocks, remove_blocks,
 )
 from ..errors import UserInputError
+from ..io.jsonfile import write_json
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def save_layer_extraction(proxy: nn.Module, info: Mapping, output_dir: str | os.
     proxy.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    (out / "layer_extraction.json").write_text(json.dumps(dict(info), indent=2))
+    write_json(out / "layer_extraction.json", dict(info))
     return out
 
 

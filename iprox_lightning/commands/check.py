@@ -15,7 +15,6 @@ estimate for the rest is printed (that batch's seconds per padded token, times t
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,8 +260,13 @@ def _output_paths(output_dir: str | None, output: str | None):
     """Where a check writes: ``(the result file, the CheckCache under <output_dir>/cache)``."""
     from ..scoring.check_cache import CheckCache
 
+    from ..errors import OutputIsDirectoryError, check_output_dir
+
     out_dir = Path(output_dir) if output_dir else (Path(output).parent if output else Path("outputs/check"))
+    check_output_dir(out_dir, "--output_dir" if output_dir else "the folder of --output")
     result_path = Path(output) if output else out_dir / "check.json"
+    if result_path.is_dir():
+        raise OutputIsDirectoryError(f"{'--output ' if output else ''}{result_path} is a directory: name a file")
     return result_path, CheckCache(out_dir / "cache")
 
 
@@ -427,8 +431,9 @@ def _print_tables(rows: list[dict[str, Any]], verdict: dict[str, Any], names: li
 
 def _write_result(result_path: Path, result: dict[str, Any]) -> None:
     """Write the result JSON (``check.json``) and say where."""
-    result_path.parent.mkdir(parents=True, exist_ok=True)
-    result_path.write_text(json.dumps(result, indent=2, default=_json_default))
+    from ..io.jsonfile import write_json
+
+    write_json(result_path, result, default=_json_default)
     print(f"check: wrote {result_path}")
 
 

@@ -1,5 +1,6 @@
 """What a command line may import and opt in to, checked before anything is imported: the ``class_path`` policy
-(:func:`restricted_imports`) and the code-running settings a config file may not set (:func:`check_config_opt_ins`).
+(:func:`restricted_imports`) and the code-running settings a config file may not set, checked on the resolved
+configuration (:func:`check_code_opt_ins`).
 
 Kept apart from :mod:`.lightning` so that every command's parsing (and ``--help``) runs without torch or Lightning.
 """
@@ -20,8 +21,14 @@ IMPORTS_ENV = "IPROX_ALLOW_IMPORTS"
 def allowed_imports() -> list[str] | None:
     """:data:`ALLOWED_IMPORTS` plus the packages named in ``$IPROX_ALLOW_IMPORTS`` (``None``: any import allowed)."""
     import os
+    import re
 
     extra = [e.strip() for e in os.environ.get(IMPORTS_ENV, "").split(",") if e.strip()]
+    bad = [e for e in extra if e != "*" and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", e)]
+    if bad:
+        raise UserInputError(f"{IMPORTS_ENV}={os.environ[IMPORTS_ENV]!r}: {', '.join(map(repr, bad))} is not a "
+                             "package name; name packages by their import path, comma-separated (my_project,other."
+                             "pkg), or '*' for any")
     return None if "*" in extra else list(ALLOWED_IMPORTS) + extra
 
 
@@ -102,58 +109,169 @@ CODE_OPT_INS = {"trust_remote_code": True, "weights_only": False}
 the user's own act on the command line (``--model.init_args.trust_remote_code true``) or ``IPROX_ALLOW_CODE=<key>``
 (comma-separated, or ``1`` for both), never a line of a config file someone else wrote."""
 CODE_ENV = "IPROX_ALLOW_CODE"
+_ALL = {"1", "true", "yes", "*"}
+_GROUP_KEYS = {"init_args", "dict_kwargs"}  # spelled or not on the command line: ``--model.trust_remote_code``
 
 
-def check_config_opt_ins(argv: list[str]) -> None:
-    """Refuse a config file (``--config FILE``, ``-c FILE``, a group given as a file: ``--data FILE``) that sets a :data:`CODE_OPT_INS` key to its code-running value, unless
-    the command line sets the same key itself or :data:`CODE_ENV` allows it; the error names the file and the key."""
+def allowed_code() -> set[str]:
+    """The :data:`CODE_OPT_INS` keys ``$IPROX_ALLOW_CODE`` allows (every key for ``1`` / ``true`` / ``yes`` / ``*``);
+    a name that is none of these is refused, naming the variable."""
     import os
 
+    given = [k.strip() for k in os.environ.get(CODE_ENV, "").split(",") if k.strip()]
+    if any(k.lower() in _ALL for k in given):
+        return set(CODE_OPT_INS)
+    unknown = [k for k in given if k not in CODE_OPT_INS]
+    if unknown:
+        raise UserInputError(f"{CODE_ENV}={os.environ[CODE_ENV]!r}: {', '.join(map(repr, unknown))} is not a code "
+                             f"opt-in; name {' or '.join(CODE_OPT_INS)} (comma-separated), or 1 for both")
+    return set(given)
+
+
+def _runs_code(key: str, v) -> bool:
+    """``v`` is the value of ``key`` that runs code, read as the parser reads it (``"yes"``, ``"True"``: true)."""
+    if isinstance(v, str):
+        v = _yaml_value(v)
+    if isinstance(v, bool):
+        return v is CODE_OPT_INS[key]
+    return isinstance(v, int) and bool(v) is CODE_OPT_INS[key]  # 1 / 0 in a free-form (dict) setting
+
+
+def _yaml_value(text: str):
+    """A command-line value as jsonargparse reads it (YAML: ``true``, ``True``, ``yes``, ``on`` are true)."""
     import yaml
 
-    allowed = {k.strip() for k in os.environ.get(CODE_ENV, "").split(",") if k.strip()}
-    if allowed & {"1", "true", "yes", "*"}:
-        return
-    configs, flags = [], []
-    for i, a in enumerate(argv):
-        value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
-        if a in ("--config", "-c") and value is not None:
-            configs.append((value, []))
-        elif a.startswith(("--config=", "-c=")):
-            configs.append((a.split("=", 1)[1], []))
-        elif a.startswith("--"):
-            flags.append(a[2:].split("=", 1)[0])
-            # a group given as a file (``--data d.yaml``, ``--model=m.yaml``) is a config file too
-            given = a.split("=", 1)[1] if "=" in a else value
-            if given and given.lower().endswith((".yaml", ".yml", ".json")) and Path(given).is_file():
-                configs.append((given, a[2:].split("=", 1)[0].split(".")))
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
-    def runs_code(key, v) -> bool:
-        """``v`` is the value of ``key`` that runs code, as the parser reads it (``"true"``, ``"yes"``: true)."""
-        if isinstance(v, str):
-            v = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False,
-                 "0": False}.get(v.strip().lower(), v)
-        return v is CODE_OPT_INS[key] or (not isinstance(v, bool) and isinstance(v, int) and bool(v) is CODE_OPT_INS[key])
 
-    def found(node, path):
+def _normal(parts) -> tuple[str, ...]:
+    """A dotted key without the ``init_args`` / ``dict_kwargs`` levels the command line may leave out."""
+    return tuple(str(p) for p in parts if p not in _GROUP_KEYS)
+
+
+def _abbreviated(parts: list[str]) -> str | None:
+    """The :data:`CODE_OPT_INS` key a top-level option abbreviates (argparse takes ``--weights_on`` for
+    ``--weights_only``; nested keys are never abbreviated)."""
+    hits = [k for k in CODE_OPT_INS if len(parts) == 1 and parts[0] and k.startswith(parts[0])]
+    return hits[0] if len(hits) == 1 else None
+
+
+def command_line_opt_ins(argv: list[str]) -> dict[tuple[str, ...], object]:
+    """The :data:`CODE_OPT_INS` keys the command line itself sets, by dotted path without ``init_args`` (the last
+    value given wins, as in the parser): ``--k v``, ``--k=v``, and a group or config given inline as YAML / JSON
+    (``--model '{"init_args": {...}}'``). A group or config given as a file is not the command line."""
+    found: dict[tuple[str, ...], object] = {}
+
+    def inline(node, prefix: tuple[str, ...]) -> None:
         if isinstance(node, dict):
             for k, v in node.items():
-                if k in CODE_OPT_INS and runs_code(k, v):
-                    yield ".".join(path + [str(k)]), k, CODE_OPT_INS[k]
-                yield from found(v, path + [str(k)])
-        elif isinstance(node, list):
-            for j, v in enumerate(node):
-                yield from found(v, path + [str(j)])
+                key = _normal(prefix + (str(k),))
+                if k in CODE_OPT_INS:
+                    found[key] = v
+                inline(v, key)
 
-    for cfg, prefix in configs:
-        try:
-            data = yaml.safe_load(Path(cfg).read_text())
-        except (OSError, yaml.YAMLError):
-            continue  # the parser names an unreadable config itself
-        for dotted, key, value in found(data, prefix):
-            if key in allowed or any(f == key or f.endswith("." + key) for f in flags):
+    for i, a in enumerate(argv):
+        if a == "-c" or a.startswith("--"):
+            name, given, value = a.partition("=")
+            value = value if given else None
+            if value is None and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+            if value is None:
                 continue
-            raise UserInputError(
-                f"{cfg}: {dotted}: {str(value).lower()} would run code the model or checkpoint files bring; a config "
-                f"file cannot opt in to that. Opt in yourself on the command line (--{dotted} {str(value).lower()}) or "
-                f"with {CODE_ENV}={key}")
+            parts = name.lstrip("-").split(".")
+            prefix = () if parts in (["c"], ["config"]) else _normal(parts)
+            key = parts[-1] if parts[-1] in CODE_OPT_INS else _abbreviated(parts)
+            if key is not None and prefix:
+                found[prefix[:-1] + (key,)] = value
+            loaded = _yaml_value(value)
+            if isinstance(loaded, dict):
+                inline(loaded, prefix)
+    return found
+
+
+def _opt_ins_set(node, path: tuple[str, ...] = (), source=None):
+    """``(dotted path, key, source)`` for every :data:`CODE_OPT_INS` key of a resolved config (jsonargparse
+    ``Namespace``, dicts, lists) set to its code-running value; ``source``: the group file it was read from, if any."""
+    from argparse import Namespace
+
+    if isinstance(node, Namespace):
+        node = vars(node)
+    if isinstance(node, dict):
+        source = node.get("__path__") or source
+        for k, v in node.items():
+            if k == "__path__" or (k == "config" and not path):  # the config files themselves
+                continue
+            if k in CODE_OPT_INS and _runs_code(k, v):
+                yield path + (str(k),), k, source
+            yield from _opt_ins_set(v, path + (str(k),), source)
+    elif isinstance(node, (list, tuple)):
+        for j, v in enumerate(node):
+            yield from _opt_ins_set(v, path + (str(j),), source)
+
+
+def check_code_opt_ins(config, argv: list[str]) -> None:
+    """Refuse a resolved configuration (what the parser built from every config file, group file and option, before
+    any class is built) that sets a :data:`CODE_OPT_INS` key to its code-running value, unless the command line
+    ``argv`` sets that very key to that value itself or :data:`CODE_ENV` allows the key. The error names the key and
+    the file it came from. A same-named key of another group on the command line (``--data.init_args.
+    trust_remote_code``) does not count, nor a value that does not run code."""
+    from argparse import Namespace
+
+    allowed = allowed_code()
+    given = None
+    for path, key, source in _opt_ins_set(config):
+        if key in allowed:
+            continue
+        if given is None:
+            given = command_line_opt_ins(argv)
+        said = given.get(_normal(path), _MISSING)
+        if said is not _MISSING and _runs_code(key, said):
+            continue
+        dotted, value = ".".join(path), str(CODE_OPT_INS[key]).lower()
+        files = config.get("config") if isinstance(config, Namespace) else None
+        where = _source_file(source, [f for f in files or [] if f is not None], path, key)
+        raise UserInputError(
+            f"{where}: {dotted}: {value} would run code the model or checkpoint files bring; a config file cannot opt "
+            f"in to that. Opt in yourself on the command line (--{dotted} {value}) or with {CODE_ENV}={key}")
+
+
+_MISSING = object()
+
+
+def _source_file(source, configs: list, path: tuple[str, ...], key: str) -> str:
+    """The file that set ``path``: its group file, else the last config file setting it, else every config file."""
+    def name(p) -> str:
+        return str(getattr(p, "absolute", p))
+
+    if source is not None:
+        return name(source)
+    import yaml
+
+    for cfg in reversed(configs):
+        try:
+            data = yaml.safe_load(Path(name(cfg)).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        if any(_normal(p) == _normal(path) for p, _, _ in _opt_ins_set(data)):
+            return name(cfg)
+    return ("a config file or checkpoint (" + ", ".join(name(c) for c in configs) + ")" if configs
+            else "a config file or checkpoint")
+
+
+def opt_in_checking_parser():
+    """A jsonargparse ``ArgumentParser`` class whose ``parse_args`` checks the resolved configuration with
+    :func:`check_code_opt_ins` before the caller builds or runs anything (the ``parser_class`` of a command's CLI)."""
+    from jsonargparse import ArgumentParser
+
+    class OptInCheckingParser(ArgumentParser):
+        def parse_args(self, args=None, *rest, **kwargs):
+            cfg = super().parse_args(args, *rest, **kwargs)
+            import sys
+
+            check_code_opt_ins(cfg, list(sys.argv[1:] if args is None else args))
+            return cfg
+
+    return OptInCheckingParser

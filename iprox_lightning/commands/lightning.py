@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from ..errors import UserInputError
 from .import_policy import (ALLOWED_IMPORTS, CODE_ENV, CODE_OPT_INS, IMPORTS_ENV, MOVED_MODULES,  # noqa: F401
-                            allowed_imports, check_config_opt_ins, moved_path, restricted_imports)
+                            allowed_imports, check_code_opt_ins, moved_path, restricted_imports)
 
 
 def is_torch_module_base(cls: type) -> bool:
@@ -56,7 +56,21 @@ def construction_error(error: BaseException) -> BaseException:
 class IProXCLI(LightningCLI):
     """LightningCLI with the project's console defaults (one tqdm progress-bar style and a model summary without
     unknown FLOPs, :func:`iprox_lightning.console.add_console_callbacks`), and the errors of the classes it builds
-    as they raised them (:func:`construction_error`)."""
+    as they raised them (:func:`construction_error`). The resolved configuration's code opt-ins
+    (``trust_remote_code``, ``weights_only``) are checked before any class is built (:func:`check_code_opt_ins`)."""
+
+    def parse_arguments(self, parser, args) -> None:
+        self._argv = list(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
+    def before_instantiate_classes(self) -> None:
+        """The check sees the configuration as it will be built: config files, group files, options and a
+        ``ckpt_path``'s hyper-parameters merged."""
+        argv, config = self._argv, self.config
+        if self.subcommand is not None:
+            config = config[self.subcommand]
+            argv = argv[argv.index(self.subcommand) + 1:] if self.subcommand in argv else argv
+        check_code_opt_ins(config, argv)
 
     def instantiate_classes(self) -> None:
         try:
@@ -68,11 +82,18 @@ class IProXCLI(LightningCLI):
             raise cause from None
 
     def _instantiate_trainer(self, config, callbacks):
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         from ..console import add_console_callbacks
 
         config = add_console_callbacks(config)
         config["callbacks"] = list(config["callbacks"]) + [StopOnSigterm()]
-        return super()._instantiate_trainer(config, callbacks)
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except (ValueError, MisconfigurationException) as e:  # the Trainer's settings and this machine disagree
+            if isinstance(e, UserInputError):
+                raise
+            raise UserInputError(f"trainer: {e}") from e
 
 
 class StopOnSigterm(Callback):
@@ -98,7 +119,6 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCL
 
     quiet_lightning_tips()
     hide_torch_module_subclasses()
-    check_config_opt_ins(list(sys.argv[1:] if args is None else args))
     saved = sys.argv
     if args is not None:
         sys.argv = sys.argv[:1]

@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import yaml
 
-from ..errors import PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserInputError, check_choice
+from ..errors import (PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserError, UserInputError,
+                      check_choice)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,9 @@ one subset over every task instead)."""
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(content, sort_keys=False))
-    return path
+    from ..io.atomic import write_text_atomic
+
+    return write_text_atomic(path, yaml.safe_dump(content, sort_keys=False))
 
 
 def _count_params(path: str) -> int:
@@ -207,6 +208,7 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
         raise UserInputError(f"strategy: unknown strategy {strategy!r}; give one of {', '.join(strategies)} or a "
                              "strategy class path (e.g. lightning.pytorch.strategies.ModelParallelStrategy)")
     check_precision(precision, "pipeline")  # the precisions every stage supports (engine/precision.py)
+    check_strategy_hardware(strategy, accelerator, devices)
     out: dict[str, Any] = {"accelerator": accelerator, "devices": devices}
     if num_nodes is not None:
         out["num_nodes"] = num_nodes
@@ -215,6 +217,36 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
     if precision is not None:
         out["precision"] = str(precision)
     return out
+
+
+GPU_STRATEGIES = ("fsdp", "deepspeed")
+"""Strategies (their names and class paths contain these) that run on CUDA devices only."""
+
+
+def check_strategy_hardware(strategy: str | None, accelerator: str, devices: int) -> None:
+    """Refuse before any stage a strategy the machine cannot run: FSDP or DeepSpeed without a CUDA device (or with
+    ``--accelerator cpu``), more ``--devices`` than the CUDA devices there are, DeepSpeed without its package
+    (before: Lightning's error inside the first stage, or inside a stage's own process)."""
+    import importlib.util
+
+    import torch
+
+    kind = next((k for k in GPU_STRATEGIES if strategy is not None and k in str(strategy).lower()), None)
+    if kind is None:
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise UserInputError(f"strategy {strategy!r} runs on CUDA devices only, and this machine has none: use "
+                             "--strategy ddp (or leave --strategy out) on CPUs")
+    if str(accelerator).lower() == "cpu":
+        raise UserInputError(f"strategy {strategy!r} runs on CUDA devices only, and the accelerator is cpu (the "
+                             "default): pass --accelerator gpu, or --strategy ddp to run on CPUs")
+    if isinstance(devices, int) and devices > gpus:
+        raise UserInputError(f"strategy {strategy!r} with --devices {devices}: this machine has {gpus} CUDA "
+                             f"device(s); pass --devices {gpus} or fewer")
+    if kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserInputError(f"strategy {strategy!r} needs the deepspeed package, which is not installed "
+                             "(pip install deepspeed), or use --strategy fsdp / ddp")
 
 
 def _processes(trainer: dict[str, Any]) -> int:
@@ -245,9 +277,14 @@ def _run_stage_process(args: list[str], log_file: Path, threads: int | None) -> 
     errors = [line for line in lines if line.startswith("error: ")]
     if code == 2 and errors:
         raise UserInputError(f"{errors[-1][len('error: '):]} (stage output: {log_file})")
-    tail = "\n".join(lines[-30:])
-    raise RuntimeError(f"stage failed (exit {code}): python -m iprox_lightning.cli {' '.join(args)}; the end of its "
-                       f"output ({log_file}):\n{tail}")
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+    raise StageProcessFailed(f"stage failed (exit {code}): python -m iprox_lightning.cli {' '.join(args)}; its last "
+                             f"line: {last[:500]} (its whole output, the traceback included: {log_file})")
+
+
+class StageProcessFailed(UserError, RuntimeError):
+    """A stage run in its own processes failed: one line with its last line of output and the log holding the rest
+    (the stage's own traceback is in the log; the pipeline's would say nothing more)."""
 
 
 def check_sources(target: str, pool, validation) -> None:
@@ -292,7 +329,9 @@ def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, 
         summary["selection_effect"] = effect
     summary["artifacts"] = _artifacts(wd, finetune, tasks)
     summary["next_command"] = _next_command(wd, warm, proxy, pool, validation, data_args, proxy_validation)
-    (wd / "summary.json").write_text(json.dumps(summary, indent=2))
+    from ..io.jsonfile import write_json
+
+    write_json(wd / "summary.json", summary)
     print(_format_summary(summary))
     return summary
 
@@ -355,9 +394,21 @@ class _StageRunner:
         ledger.record(key, output)
         times[key] = time.perf_counter() - t0
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
-        times_path = self.wd / "seconds_per_stage.json"
-        times_path.parent.mkdir(parents=True, exist_ok=True)
-        times_path.write_text(json.dumps(times, indent=2))
+        from ..io.jsonfile import write_json
+
+        write_json(self.wd / "seconds_per_stage.json", times)
+
+
+def _read_numbers(path: Path) -> dict[str, float]:
+    """A ``{stage: number}`` record of the workdir (seconds per stage, peak memory), read with its checks; a
+    damaged one is refused naming the file (remove it: the numbers are recorded afresh)."""
+    from ..io.jsonfile import Fields, read_json
+
+    data = read_json(path, what="the pipeline's numbers per stage", fix="remove it: the numbers are recorded afresh")
+    fields = Fields(path)
+    for k, v in data.items():
+        fields.check(k, v, "number", minimum=0)
+    return data
 
 
 PEAK_MEMORY_FILE = "peak_device_memory_per_stage.json"
@@ -377,9 +428,11 @@ def _device_memory_peak(path: Path, key: str):
     try:
         yield
     finally:
-        peaks = json.loads(path.read_text()) if path.exists() else {}
+        peaks = _read_numbers(path) if path.exists() else {}
         peaks[key] = int(torch.cuda.max_memory_allocated())
-        path.write_text(json.dumps(peaks, indent=2))
+        from ..io.jsonfile import write_json
+
+        write_json(path, peaks)
 
 
 def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, hardware: dict,
@@ -390,7 +443,7 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
     if not (cfg_dir / "warmup.yaml").exists():
         raise InputNotFoundError(f"stage configs not found in {cfg_dir} (pass --config_dir)")
     times_path = wd / "seconds_per_stage.json"
-    times: dict[str, float] = json.loads(times_path.read_text()) if times_path.exists() and not force else {}
+    times: dict[str, float] = _read_numbers(times_path) if times_path.exists() and not force else {}
     from ..console import interactive
 
     # one line per stage (below): no model summary, and progress bars only on a terminal
@@ -649,8 +702,9 @@ def _summary(wd, warm, proxy, scores, selected, times, pool, rule=None, tasks=No
         }
     out["selection"] = {}
     for who, p in selected.items():
-        meta = Path(f"{p}.meta.json")
-        expl = json.loads(meta.read_text()).get("explanation") if meta.exists() else None
+        from ..io.selection import read_meta
+
+        expl = (read_meta(p) or {}).get("explanation")
         if expl:
             out["selection"][who] = expl
     return out

@@ -70,8 +70,6 @@ def plan(
         speed_results: directory of bench/speed.py's speed_*.json (default: the repository's bench/results).
         output: also write the plan as JSON to this file.
     """
-    import json
-
     from ..analysis import memory as M
     from ..errors import UserInputError
 
@@ -106,9 +104,11 @@ def plan(
     for r in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
     if output:
-        Path(output).write_text(json.dumps({"model": model, "params": sizes.params, "device_memory": device_bytes,
-                                            "settings": {k: getattr(run, k) for k in run.__dataclass_fields__},
-                                            "stages": [s.to_dict() for s in stages]}, indent=1))
+        from ..io.jsonfile import write_json
+
+        write_json(output, {"model": model, "params": sizes.params, "device_memory": device_bytes,
+                            "settings": {k: getattr(run, k) for k in run.__dataclass_fields__},
+                            "stages": [s.to_dict() for s in stages]}, indent=1)
     refused = [s for s in stages if s.fits(device_bytes) is False and _applies(s.stage, method)]
     if refused:
         s = refused[0]

@@ -275,9 +275,9 @@ def _write_neighbours(out, store: str, near, neighbours: int) -> None:
     nn_ids, nn_sims = nearest(gs.iter_shards(store), Q, neighbours)
     rows = [{"id": i, "task": t, "neighbours": [{"id": n, "cosine": float(c)} for n, c in zip(ids, sims)]}
             for i, t, ids, sims in zip(vids, vtasks, nn_ids, nn_sims)]
-    tmp = out / ".neighbours.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(out / "neighbours.jsonl")
+    from ..io.atomic import write_text_atomic
+
+    write_text_atomic(out / "neighbours.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _projector(store: str, info: dict, st: dict, metric, net, pairs_from=None):
@@ -287,7 +287,7 @@ def _projector(store: str, info: dict, st: dict, metric, net, pairs_from=None):
     import torch
 
     from ..io import gradient_store as gs
-    from ..scoring.projection import GradientProjector, LayerProjection
+    from ..scoring.projection import GradientProjector, LayerProjection, ProjectionMismatch
 
     loaded = gs.load_projections(store)
     projections = {row["key"]: LayerProjection(row["key"], row["out"], row["in"], *loaded[row["key"]])
@@ -299,6 +299,15 @@ def _projector(store: str, info: dict, st: dict, metric, net, pairs_from=None):
 
         metric.load_state_dict(load_factors(Path(store) / info["factors"], method=metric.name), list(projections),
                                dtype=dtype)
-    return GradientProjector(net, metric=None if metric.name == "tracin" else metric,
-                             target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype,
-                             pairs_from=pairs_from, loss_reduction=metric.loss_reduction)
+    try:
+        return GradientProjector(net, metric=None if metric.name == "tracin" else metric,
+                                 target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype,
+                                 pairs_from=pairs_from, loss_reduction=metric.loss_reduction)
+    except ProjectionMismatch as e:
+        def name(w):
+            return "nothing" if w is None else f"{w[0]} ({w[1]} x {w[2]})"
+
+        raise gs.StoreFormatError(
+            f"{Path(store) / gs.STORE_FILE}: field 'layout[{e.index}]' is {name(e.have)}, but the model's tracked "
+            f"weight there is {name(e.want)}: the layout does not list the model's weights in their order (an edited "
+            "record, or the store of another model)") from None

@@ -1,7 +1,6 @@
 """Baseline (the paper's Influence Scorer, MATES-style): a regression head learns the target's hold-out scores, then scores the pool."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -54,8 +53,10 @@ def regression_scorer(
                                     weight_decay=weight_decay, seed=seed)
     scores = predict_scores(scorer, dm.dataloader("pool"))
     path = write_scores(scores, output)
-    Path(str(path) + ".json").write_text(json.dumps({"baseline": "regression_scorer", "backbone": backbone,
-                                                     "holdout": len(dm.ids("construction")), "history": history}, indent=2))
+    from ..io.jsonfile import write_json
+
+    write_json(Path(str(path) + ".json"), {"baseline": "regression_scorer", "backbone": backbone,
+                                           "holdout": len(dm.ids("construction")), "history": history})
     print(f"regression_scorer: fitted on {len(dm.ids('construction'))} hold-out examples, scored {len(scores)} pool "
           f"examples -> {path}")
     return {"output": str(path), "n": len(scores), "history": history}

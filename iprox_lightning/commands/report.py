@@ -214,6 +214,8 @@ def _write_markdown(out: Path, rows: list[dict[str, Any]], settings: dict[str, A
 
     md = render_markdown(rows, {k: v for k, v in settings.items() if v is not None}, [str(p) for p in pngs],
                          found.get("selections"), found.get("summary"))
-    (out / "report.md").write_text(md)
+    from ..io.atomic import write_text_atomic
+
+    write_text_atomic(out / "report.md", md)
     print(md)
     print(f"written: {out / 'report.md'}, {out / 'report.json'}" + (" and plots" if plots else ""))

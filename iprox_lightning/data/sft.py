@@ -256,6 +256,8 @@ class SFTDataModule(L.LightningDataModule):
         self.validation_subtasks = validation_subtasks
         self.train_split = train_split
         self.selected = selected
+        if isinstance(builtin_size, bool) or not isinstance(builtin_size, int) or builtin_size < 1:
+            raise UserInputError(f"builtin_size (the built-in pool's size) must be an integer >= 1, got {builtin_size!r}")
         self.builtin_size = builtin_size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.trust_remote_code = trust_remote_code

@@ -208,16 +208,11 @@ def write_records_jsonl(records: Iterable[Mapping], path: str | os.PathLike) -> 
     Written to a temporary file and renamed, so readers never see a half-written file (and a failed write, e.g. a
     full disk, leaves none).
     """
+    from ..io.atomic import open_atomic
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                line = {**r, "id": json_id(r["id"])} if "id" in r else dict(r)  # an integer id stays one
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    except BaseException:  # a full disk, a stop: no half-written temporary left behind
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    with open_atomic(path) as f:
+        for r in records:
+            line = {**r, "id": json_id(r["id"])} if "id" in r else dict(r)  # an integer id stays one
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
     return path

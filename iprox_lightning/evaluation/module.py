@@ -178,13 +178,15 @@ class EvaluationModule(LightningModule):
             "suites": info,
             "skipped": dict(getattr(dm, "skipped", {})),
         }
-        with open(out / f"{prefix}_metrics.json", "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, ensure_ascii=False)
+        from ..io.atomic import open_atomic
+        from ..io.jsonfile import write_json
+
+        write_json(out / f"{prefix}_metrics.json", summary, ensure_ascii=False)
         if self.save_predictions:
             pdir = out / f"{prefix}_predictions"
             pdir.mkdir(exist_ok=True)
             for suite, recs in preds.items():
-                with open(pdir / f"{suite}.jsonl", "w", encoding="utf-8") as f:
+                with open_atomic(pdir / f"{suite}.jsonl") as f:
                     for r in sorted(recs, key=lambda r: r["id"]):
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
         from lightning.pytorch.utilities import rank_zero_info

@@ -67,10 +67,10 @@ def copy_factors(path: str | os.PathLike, into: str | os.PathLike) -> Path:
     name is the fingerprint's digest, so it holds the same factors)."""
     import shutil
 
+    from .atomic import atomic_path
+
     dst = Path(into) / Path(path).name
     if not dst.exists():
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
-        shutil.copyfile(path, tmp)
-        os.replace(tmp, dst)
+        with atomic_path(dst) as tmp:
+            shutil.copyfile(path, tmp)
     return dst

@@ -187,14 +187,13 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: 
     """Write ``tensors`` as safetensors, atomically (temp file + ``os.replace``)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata=dict(metadata) if metadata else None)
-    sort_safetensors_metadata(tmp)  # the same tensors and metadata: the same bytes
-    os.replace(tmp, path)
-    return path
+    from .atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata=dict(metadata) if metadata else None)
+        sort_safetensors_metadata(tmp)  # the same tensors and metadata: the same bytes
+    return Path(path)
 
 
 def load_tensors(path: str | os.PathLike) -> tuple[dict, dict]:

@@ -2,7 +2,7 @@
 score ``settings.json``, selection ``.meta.json``, cache sidecars, stage records) with one rule: a file that is cut
 short, not UTF-8, not JSON, or whose fields have the wrong type or an impossible value is refused in one line that
 names the file and the field (:func:`read_json`, :class:`Fields`), never with a raw ``JSONDecodeError``, ``KeyError``
-or ``TypeError`` from deep inside the reader.
+or ``TypeError`` from deep inside the reader. :func:`write_json` writes one, atomically (:mod:`.atomic`).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ _MISSING = object()
 
 
 def read_json(path: str | os.PathLike, *, error: type[Exception] = UserInputError, what: str = "",
-              object_: bool = True) -> Any:
-    """The parsed JSON of ``path``; ``error`` (naming the file and, when given, ``what`` it is) when it cannot be read
-    as UTF-8 JSON — cut short, edited, binary — or, with ``object_``, is not a JSON object."""
+              object_: bool = True, fix: str = "restore or re-create it") -> Any:
+    """The parsed JSON of ``path``; ``error`` (naming the file and, when given, ``what`` it is, and saying ``fix``)
+    when it cannot be read as UTF-8 JSON — cut short, edited, binary — or, with ``object_``, is not a JSON object."""
     p = Path(path)
     kind = f" ({what})" if what else ""
     try:
@@ -30,11 +30,21 @@ def read_json(path: str | os.PathLike, *, error: type[Exception] = UserInputErro
         data = json.loads(text)
     except json.JSONDecodeError as e:
         cut = " — the file is cut short" if text.rstrip()[-1:] not in ("}", "]") else ""
-        raise error(f"{p}{kind}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno}{cut}); restore or "
-                    "re-create it") from None
+        raise error(f"{p}{kind}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno}{cut})"
+                    + (f"; {fix}" if fix else "")) from None
     if object_ and not isinstance(data, dict):
         raise error(f"{p}{kind}: holds a JSON {_json_type(data)}, not an object")
     return data
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = False,
+               default=None, ensure_ascii: bool = True, newline: bool = False) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`~.atomic.write_text_atomic`: a full disk or a stop
+    leaves the old file whole or none, never a cut one); ``newline`` ends the file with one. Returns ``path``."""
+    from .atomic import write_text_atomic
+
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default, ensure_ascii=ensure_ascii)
+    return write_text_atomic(path, text + ("\n" if newline else ""))
 
 
 def _json_type(v: Any) -> str:

@@ -75,20 +75,18 @@ def _record(kind: str, st: os.stat_result, what: str) -> str:
 
 def mark(path: str | os.PathLike, kind: str) -> Path:
     """Write the marker of ``kind`` into the directory ``path`` (which the caller just created or found empty)."""
+    from .atomic import write_text_atomic
+
     p = Path(path)
-    st = os.stat(p)
-    tmp = p / f"{MARKER}.tmp-{os.getpid()}"
-    tmp.write_text(_record(kind, st, "dir"))
-    os.replace(tmp, p / MARKER)
-    return p / MARKER
+    return write_text_atomic(p / MARKER, _record(kind, os.stat(p), "dir"))
 
 
 def mark_file(path: str | os.PathLike, kind: str) -> Path:
     """Write the sidecar marker of the file ``path`` (which the package just wrote)."""
+    from .atomic import write_text_atomic
+
     p = Path(path)
-    side = sidecar(p)
-    side.write_text(_record(kind, os.stat(p), "file"))
-    return side
+    return write_text_atomic(sidecar(p), _record(kind, os.stat(p), "file"))
 
 
 def _is_empty_dir(p: Path) -> bool:
@@ -124,9 +122,12 @@ def _read_marker(marker: Path, target_st: os.stat_result, what: str) -> str | No
 
     if not stat.S_ISREG(mst.st_mode) or mst.st_size > 4096:
         return None
+    from ..errors import UserError
+    from .jsonfile import read_json
+
     try:
-        data = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(marker, what="the package's marker")
+    except (OSError, UserError):  # damaged or unreadable: not the package's
         return None
     if not isinstance(data, dict) or data.get("kind") not in KINDS or data.get(what) != _identity(target_st):
         return None

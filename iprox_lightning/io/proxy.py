@@ -38,7 +38,6 @@ iprox_lightning.io.proxy upgrade <dir>``) re-saves it as version 2 in place, aft
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -213,12 +212,18 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     (path / LEGACY_WEIGHTS).unlink(missing_ok=True)  # never leave a file transformers would load
-    save_model(model, str(path / PROXY_WEIGHTS), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
-    sort_safetensors_metadata(path / PROXY_WEIGHTS)  # a re-built identical proxy has the same weights digest
+    from .atomic import atomic_path
+
+    with atomic_path(path / PROXY_WEIGHTS) as tmp:
+        save_model(model, str(tmp), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
+        sort_safetensors_metadata(tmp)  # a re-built identical proxy has the same weights digest
     man = build_manifest(model, manifest, **extra)
     man["weights"] = {"file": PROXY_WEIGHTS, **file_identity(path / PROXY_WEIGHTS, hash_limit=None)}
-    (path / PROXY_MANIFEST).write_text(json.dumps(man, indent=2, default=float) + "\n")
-    (path / "README.md").write_text(README.format(path=path))
+    from .atomic import write_text_atomic
+    from .jsonfile import write_json
+
+    write_json(path / PROXY_MANIFEST, man, default=float, newline=True)
+    write_text_atomic(path / "README.md", README.format(path=path))
     return path
 
 
@@ -494,7 +499,9 @@ def upgrade_proxy(path: str | Path) -> Path:
             raise ProxyFormatError(f"{path}: the re-saved weights do not load back identically; {LEGACY_WEIGHTS} kept")
     except Exception:
         (path / PROXY_WEIGHTS).unlink(missing_ok=True)
-        (path / PROXY_MANIFEST).write_text(old_manifest)
+        from .atomic import write_text_atomic
+
+        write_text_atomic(path / PROXY_MANIFEST, old_manifest)
         moved.rename(legacy)
         raise
     moved.unlink()
@@ -552,7 +559,9 @@ def add_from_pretrained_note(path: str | Path) -> None:
     if cfg.get("transformers_weights") == FROM_PRETRAINED_NOTE:
         return
     cfg["transformers_weights"] = FROM_PRETRAINED_NOTE
-    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    from .jsonfile import write_json
+
+    write_json(cfg_file, cfg, sort_keys=True, newline=True)
 
 
 def export_proxy(path: str | Path, output: str | Path, *, dtype: str | torch.dtype | None = None,

@@ -18,7 +18,6 @@ The entry point is :func:`iprox_lightning.io.proxy.export_proxy` (it loads the p
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,8 @@ import torch
 from torch import nn
 
 from ..errors import OutputExistsError, UserInputError
+from .atomic import named_os_errors, write_text_atomic
+from .jsonfile import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -220,18 +221,19 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
         from .ownership import mark
 
         mark(tmp, "proxy export")  # the marker keeps the folder's identity through the move into place
-        dense.save_pretrained(tmp)
-        del dense
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        saved_config = json.loads((tmp / "config.json").read_text())
+        with named_os_errors(output):  # safetensors' own error on a full disk: an OSError naming the output
+            dense.save_pretrained(tmp)
+            del dense
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        saved_config = read_json(tmp / "config.json", what="the export's config")
         if "transformers_weights" in saved_config:  # older transformers keep it on save: the export must not
             saved_config.pop("transformers_weights")
-            (tmp / "config.json").write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n")
+            write_json(tmp / "config.json", saved_config, sort_keys=True, newline=True)
         check = _check_round_trip(proxy, tmp, out_dtype, output)
         record = _export_record(proxy_dir, manifest, layers, out_dtype, params, tokenizer is not None, check)
-        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        (tmp / "README.md").write_text(README.format(proxy=proxy_dir, out=output, record=EXPORT_RECORD))
+        write_json(tmp / EXPORT_RECORD, record, newline=True)
+        write_text_atomic(tmp / "README.md", README.format(proxy=proxy_dir, out=output, record=EXPORT_RECORD))
         _move_into_place(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -57,6 +57,10 @@ class OutputLocked(UserError, RuntimeError):
     """Another scoring run is writing into the same output directory."""
 
 
+MAX_PID = 2**22
+"""The largest process id (Linux's ``pid_max`` limit); a lock file's larger pid is no process."""
+
+
 class ScoreDirLock:
     """An exclusive lock on an output directory (a scoring run's; the pipeline's workdir), held for a whole run.
 
@@ -73,23 +77,31 @@ class ScoreDirLock:
         self._fd: int | None = None
 
     def holder(self) -> str:
-        """Who holds (or last held) the lock, from the lock file."""
+        """Who holds (or last held) the lock, from the lock file (read with its checks: a damaged or edited file,
+        a pid that is no process id, says so instead of failing)."""
+        from .jsonfile import Fields, read_json
+
         try:
-            info = json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
-            info = {}
-        if not info.get("pid"):
-            return "holder unknown"
-        host = info.get("host", "?")
+            if not self.path.stat().st_size:
+                return "holder unknown"
+            info = read_json(self.path, what="lock file")
+            fields = Fields(self.path)
+            pid = fields.get(info, "pid", "int", minimum=1)
+            if pid > MAX_PID:
+                raise fields.fail("pid", f"is {pid}, not a process id (at most {MAX_PID})")
+            host = fields.get(info, "host", "str", default="?")
+            started = fields.get(info, "started", "str", default="?")
+        except (OSError, UserInputError) as e:
+            return f"holder unknown: {e}"
         alive = ""
         if host == socket.gethostname():
             try:
-                os.kill(int(info["pid"]), 0)
+                os.kill(pid, 0)
             except ProcessLookupError:
                 alive = ", no longer running (a process it started may still hold the lock)"
-            except (OSError, ValueError):
+            except OSError:
                 pass
-        return f"pid {info['pid']} on host {host}, started {info.get('started', '?')}{alive}"
+        return f"pid {pid} on host {host}, started {started}{alive}"
 
     def acquire(self) -> "ScoreDirLock":
         import fcntl

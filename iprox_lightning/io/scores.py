@@ -279,7 +279,9 @@ def write_scores(scores: Mapping[str, float], path: str | os.PathLike, **extra_c
 
         write_parquet_atomic(pa.table(cols), path)
     else:
-        with open(path, "w", encoding="utf-8") as f:
+        from .atomic import open_atomic
+
+        with open_atomic(path) as f:
             for i in range(len(ids)):
                 f.write(json.dumps({c: v[i] for c, v in cols.items()}) + "\n")
     return path
@@ -289,23 +291,20 @@ def write_scores(scores: Mapping[str, float], path: str | os.PathLike, **extra_c
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
-    return path
+    """An artifact's JSON (sorted keys, indent 2), atomically (:func:`~.jsonfile.write_json`)."""
+    from .jsonfile import write_json
+
+    return write_json(path, obj, sort_keys=True, default=str)
 
 
 def write_parquet_atomic(table, path: str | os.PathLike) -> Path:
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
+    from .atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+    return Path(path)
 
 
 def read_settings(output_dir: str | os.PathLike) -> dict:

@@ -35,17 +35,16 @@ def write_selection(path: str | os.PathLike, rows: Sequence[tuple[str, float]], 
     from .records import json_id
     from .scores import write_json_atomic
 
+    from .atomic import open_atomic
+
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open_atomic(out) as f:
         for i, s in rows:
             line = {"id": i, "score": s}
             if records is not None:  # the pool's id, with its JSON type (an integer id stays an integer)
                 line = {"id": json_id(records[i].get("id", i)), "score": s}
                 line.update({k: v for k, v in records[i].items() if k != "id"})
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
     write_json_atomic(meta_path(out), {"schema_version": SCHEMA_VERSION, "records": records is not None, **meta})
     return out
 

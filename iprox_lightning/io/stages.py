@@ -177,13 +177,18 @@ class StageLedger:
     def read_record(self, key: str, done: str | os.PathLike) -> dict:
         """The record of stage ``key``; an unreadable one (cut short, not a JSON object) is refused like a missing
         one: what produced ``done`` is unknown."""
+        from .jsonfile import read_json
+
         rec_path = self.record_path(key)
+
+        class Unreadable(Exception):
+            pass
+
         try:
-            rec = json.loads(rec_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise FingerprintMismatch(
-                f"stage {key}: {rec_path} is not readable JSON ({getattr(e, 'msg', e)}; cut short?), so what produced "
-                f"{done} is unknown and it cannot be reused safely; {self.hint}") from None
+            rec = read_json(rec_path, error=Unreadable, what="stage record", object_=False, fix="")
+        except Unreadable as e:
+            raise FingerprintMismatch(f"stage {key}: {e}, so what produced {done} is unknown and it cannot be reused "
+                                      f"safely; {self.hint}") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("inputs", {}), dict):
             raise FingerprintMismatch(f"stage {key}: {rec_path} is not a stage record (a JSON object with "
                                       f"'fingerprint' and 'inputs'); {self.hint}")

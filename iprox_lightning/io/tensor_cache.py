@@ -17,21 +17,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .fingerprint import tensors_digest
+from .jsonfile import read_json
 
 log = logging.getLogger(__name__)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-    except BaseException:  # a full disk, a stop: no half-written temporary left behind
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-    return path
+from .atomic import atomic_path, write_text_atomic as atomic_write_text  # noqa: E402,F401  (check_cache's name)
 
 
 class TensorCache:
@@ -63,7 +54,7 @@ class TensorCache:
             return None
         path = self.path(kind, fp)
         try:
-            meta = json.loads(path.with_suffix(".json").read_text())
+            meta = read_json(path.with_suffix(".json"), what="cache entry")
             tensors = load_file(str(path), device=device)
             if meta.get("content_sha256") != tensors_digest(tensors):
                 raise ValueError("its tensors are not the ones written (content_sha256 differs or is missing)")
@@ -78,10 +69,8 @@ class TensorCache:
 
         path = self.path(kind, fp)
         self.ensure_root()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
         atomic_write_text(path.with_suffix(".json"), json.dumps({**dict(meta), "content_sha256": tensors_digest(tensors)},
                                                                 indent=1))
         return path

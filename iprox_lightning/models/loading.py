@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -384,23 +382,21 @@ def _drop_gguf_marker(model) -> None:
 
 
 def _write_cache(model, tok, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        from ..io.ownership import mark
+    from ..io.atomic import atomic_path
 
-        mark(tmp, "gguf copy")  # the marker keeps the folder's identity through the rename below
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tok is not None:
-            tok.save_pretrained(tmp)
-        if target.exists():  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with atomic_path(target, directory=True) as tmp:
+            from ..io.ownership import mark
+
+            mark(tmp, "gguf copy")  # the marker keeps the folder's identity through the rename
+            model.save_pretrained(tmp, safe_serialization=True)
+            if tok is not None:
+                tok.save_pretrained(tmp)
+    except OSError:
+        if target.is_dir() and any(target.iterdir()):  # another process won the race: its copy is kept
             return
-        os.replace(tmp, target)
-        log.info("cached float model at %s", target)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log.info("cached float model at %s", target)
 
 
 def is_proxy_file(path: str | os.PathLike) -> bool:

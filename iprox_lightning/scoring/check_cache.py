@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from ..io.fingerprint import digest
-from ..io.tensor_cache import TensorCache, atomic_write_text as _atomic_write_text
+from ..io.atomic import write_text_atomic as _atomic_write_text
+from ..io.jsonfile import read_json
+from ..io.tensor_cache import TensorCache
 from .influence import InfluenceScorer, ScoreTable
 
 FORMAT = 1
@@ -105,7 +107,7 @@ class CheckCache:
         from ..io.fingerprint import file_identity
 
         try:  # a cut, damaged or edited entry is computed again, as for the validation gradients
-            settings = json.loads(meta.read_text())
+            settings = read_json(meta, what="check cache entry")
             if settings.get("sha256") != file_identity(path, hash_limit=None)["sha256"]:
                 raise ValueError("the table is not the one written (sha256 differs or is missing)")
             table = ScoreTable.load(str(path))

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..engine.settings import takes_settings
+from ..errors import UserInputError
 from .influence import InfluenceScorer, ScoringConfig
 
 log = logging.getLogger(__name__)
@@ -119,13 +120,7 @@ class InfluenceScoringModule(L.LightningModule):
         self.net.eval()
 
     def setup(self, stage: str) -> None:
-        if stage != "predict" or self._trainer is None or self.trainer.world_size <= 1:
-            return
-        dm = getattr(self.trainer, "datamodule", None)
-        loader = dm.predict_dataloader() if dm is not None and hasattr(dm, "predict_dataloader") else None
-        ds = getattr(loader, "dataset", None)
-        n = len(ds) if ds is not None and hasattr(ds, "__len__") else None
-        check_examples_per_process(n, self.trainer.world_size)
+        check_predict_examples(self, stage)
 
     def _loaders(self):
         """The validation loader and, for a metric fitted on data, the factor loader, from the trainer's data module."""
@@ -295,13 +290,25 @@ class InfluenceScoringModule(L.LightningModule):
         return self.net(*args, **kwargs)
 
 
+def check_predict_examples(module: L.LightningModule, stage: str) -> None:
+    """:func:`check_examples_per_process` on the predict loader of ``module``'s trainer (a module's ``setup``)."""
+    if stage != "predict" or module._trainer is None or module.trainer.world_size <= 1:
+        return
+    dm = getattr(module.trainer, "datamodule", None)
+    loader = dm.predict_dataloader() if dm is not None and hasattr(dm, "predict_dataloader") else None
+    ds = getattr(loader, "dataset", None)
+    n = len(ds) if ds is not None and hasattr(ds, "__len__") else None
+    check_examples_per_process(n, module.trainer.world_size)
+
+
 def check_examples_per_process(n: int | None, world_size: int) -> None:
     """Distributed scoring gives each process every ``world_size``-th example and needs at least one per
-    process (Lightning's predict sampler asserts it); fewer examples than processes is a clear error."""
+    process (Lightning's predict sampler asserts it, a bare ``AssertionError`` on the rank left without one); fewer
+    examples than processes is a clear error."""
     if n is not None and world_size > 1 and 0 < n < world_size:
-        raise ValueError(f"the pool to score has {n} example(s) but the run has {world_size} processes: distributed "
+        raise UserInputError(f"the pool to score has {n} example(s) but the run has {world_size} processes: distributed "
                          f"scoring needs at least one example per process; run with at most {n} device(s) "
-                         "(e.g. --trainer.devices 1)")
+                         f"(--devices {n}; for predict --trainer.devices {n})")
 
 
 def _empty_result(task_names: list[str]) -> dict:

@@ -188,6 +188,10 @@ class ProjectedGradientTracker(WeightPairTracker):
             self.vectors[:, off:off + d] = p.matrix(self.metric.gradients(key, h, delta))
 
 
+class ProjectionMismatch(ValueError):
+    """Projections given to :class:`GradientProjector` that are not for the model's tracked weights, in its order."""
+
+
 class GradientProjector:
     """The projected gradient vectors of batches of a model: ``project_batch(batch)`` returns ``{"id", "task",
     "vectors" [B, D] (the projector's dtype, CPU), "n_tokens", "zero_grad", "nonfinite"}``; an example without a response token
@@ -217,8 +221,12 @@ class GradientProjector:
         want = [(v.key, v.out_features, v.in_features) for v in self.linears]
         have = [(p.key, p.out_features, p.in_features) for p in projections.values()]
         if want != have:
-            raise ValueError(f"the projections are for other layers than the model's tracked weights (first "
-                             f"difference: {next((a, b) for a, b in zip(have + [None] * len(want), want) if a != b)})")
+            j, (a, b) = next((j, (a, b)) for j, (a, b) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
+                             if a != b)
+            err = ProjectionMismatch(f"the projections are for other layers than the model's tracked weights (first "
+                                     f"difference: {(a, b)})")
+            err.index, err.have, err.want = j, a, b
+            raise err
         self.projections = dict(projections)
         self.layout = layout(self.projections)
         self.dim = sum(d for _, d in self.layout.values())

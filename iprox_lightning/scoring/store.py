@@ -219,6 +219,11 @@ class GradientStoreModule(L.LightningModule):
         mats = self.trainer.strategy.broadcast({k: (p.P_out, p.P_in) for k, p in projections.items()}, src=0)
         return {k: LayerProjection(p.key, p.out_features, p.in_features, *mats[k]) for k, p in projections.items()}
 
+    def setup(self, stage: str) -> None:
+        from .module import check_predict_examples
+
+        check_predict_examples(self, stage)  # fewer pool examples than processes: one line, not rank 1's assert
+
     def on_predict_start(self) -> None:
         self.prepare()
 

@@ -31,7 +31,6 @@ per validation task, lengths, top/bottom examples), which ``select`` also prints
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -107,9 +106,11 @@ def _check_not_another_selectors(out: Path, src: Path) -> None:
     meta = out.with_name(out.name + ".meta.json")
     prev = None
     if meta.is_file():
+        from ..io.jsonfile import read_json
+
         try:
-            prev = json.loads(meta.read_text()).get("scores")
-        except (ValueError, AttributeError):
+            prev = read_json(meta, what="selection meta").get("scores")
+        except (UserInputError, OSError):  # damaged: its origin is unknown (refused below unless overwrite)
             prev = None
     if prev is not None and Path(prev).resolve() == Path(src).resolve():
         return  # the same selector again (e.g. another k): its own file
