@@ -219,7 +219,7 @@ def run_on_host(rec: dict, like: dict) -> dict:
     return next((r for r in [rec, *rec.get("rebuilt", [])] if want is not None and host_key(r) == want), rec)
 
 
-def digest(obj: Any) -> str:
+def json_digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -320,7 +320,7 @@ class Effect:
                   "tokenizer": self.warmed, "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed}
             self.st.run(f"score:{selector}", "rds_scores", [], ov, {
                 "warmup": self.target_fp,
-                "data": [self.sample_ids, digest(self.validation.read_text()) if form is None else val],
+                "data": [self.sample_ids, json_digest(self.validation.read_text()) if form is None else val],
                 "settings": {k: ov[k] for k in ("max_length", "batch_size")}}, d / "scores.parquet", clean=d)
             return d / "scores.parquet"
         if is_store(selector):
@@ -516,7 +516,7 @@ class Effect:
         path = self.evals_dir / f"{dir_name(key)}.json"
         cached = json.loads(path.read_text()) if path.exists() else {"tasks": {}}
         cached.update(key=key, selector=key.split("/", 1)[-1])
-        want = {t: digest([model_fp, self.heldout_digest[t], self.args.eval_max_length]) for t in tasks}
+        want = {t: json_digest([model_fp, self.heldout_digest[t], self.args.eval_max_length]) for t in tasks}
         return cached, want, [t for t in tasks if cached["tasks"].get(t, {}).get("fingerprint") != want[t]]
 
     def evaluate(self, key: str, model_dir: str, model_fp: str, tasks: list[str]) -> dict:
@@ -570,7 +570,7 @@ class Effect:
         self.heldout_digest = {}
         for t, recs in self.heldout.items():
             write_records_jsonl(recs, self.out / "heldout" / f"{t}.jsonl")
-            self.heldout_digest[t] = digest(recs)
+            self.heldout_digest[t] = json_digest(recs)
         state = self.st.state
         tasks = list(a.tasks)
         if a.summary_only:
@@ -850,7 +850,7 @@ class Effect:
             if fp is None:
                 skipped["unlisted"].add(ev["key"])
                 continue
-            if rec.get("fingerprint") != digest([fp, self.heldout_digest[task], a.eval_max_length]):
+            if rec.get("fingerprint") != json_digest([fp, self.heldout_digest[task], a.eval_max_length]):
                 skipped["stale"].add(ev["key"])
                 continue
             ex = {e["id"]: e for e in rec["examples"]}

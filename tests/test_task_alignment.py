@@ -25,7 +25,7 @@ from iprox_lightning.engine.target_layers import Conv1D
 from iprox_lightning.alignment.task import (
     ExampleScoreTracker,
     FactorPairTracker,
-    cosine_scores,
+    cosines_from_dots,
     example_features,
     listwise_loss,
     pearson_loss,
@@ -178,7 +178,7 @@ def test_score_agreement_loss_reduces_and_skips_invalid_rows():
 def test_cosine_scores_zero_gradient_is_zero_with_finite_gradient():
     dots = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
     sq = torch.tensor([0.0, 4.0], dtype=torch.float64, requires_grad=True)
-    s = cosine_scores(dots, sq, torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))
+    s = cosines_from_dots(dots, sq, torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))
     assert s.abs().max() == 0
     assert all(bool(torch.isfinite(g).all()) for g in torch.autograd.grad(s.sum(), (dots, sq)))
 

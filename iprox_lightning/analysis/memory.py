@@ -167,11 +167,6 @@ class ModelSizes:
         return cls(ModelShape.from_model(model, name=name), params, frozen, max(blocks, default=0))
 
 
-def count_parameters(config) -> int:
-    """Every parameter of the model ``config`` describes, as transformers builds it (meta device)."""
-    return sum(p.numel() for p in _meta_model(config).parameters())
-
-
 # --------------------------------------------------------------------------------------------
 # activations: what a backward keeps, counted under FakeTensorMode
 # --------------------------------------------------------------------------------------------

@@ -248,14 +248,14 @@ def _run_stage_process(args: list[str], log_file: Path, threads: int | None) -> 
 
 def check_sources(target: str, pool, validation) -> None:
     """Refuse at once a hub id that is neither cached nor reachable (before: the warm-up started, then a traceback)."""
-    from ..data.sources import is_hub_id, parse_hub_id
+    from ..data.sources import is_hub_dataset, parse_hub_id
     from ..models.hub import check_dataset_source, check_model_source
 
     if isinstance(target, str):
         check_model_source(target, "target model")
     for what, src in (("pool", pool), ("validation", validation)):
         for s in ([src] if isinstance(src, str) else list(src or []) if isinstance(src, (list, tuple)) else []):
-            if isinstance(s, str) and s != "builtin" and not s.startswith("eval:") and is_hub_id(s):
+            if isinstance(s, str) and s != "builtin" and not s.startswith("eval:") and is_hub_dataset(s):
                 check_dataset_source(parse_hub_id(s)[0], f"{what} {s!r}: data set")
 
 
