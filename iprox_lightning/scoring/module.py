@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ..engine.settings import takes_settings
-from .influence import InfluenceScorer, ScoringConfig
+from .config import ScoringConfig
+from .influence import InfluenceScorer
 
 log = logging.getLogger(__name__)
 
