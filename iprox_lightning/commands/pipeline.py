@@ -6,7 +6,8 @@ Each stage goes through the same LightningCLI configs a user runs:
     random) -> fine-tune on each of the three selections -> evaluate each on held-out examples of the
     validation tasks -> summary (retention, the selections explained, the fine-tuned effect)
 
-With a per-task selection rule (``balanced``, the default, ``mean``, ``max``: :data:`PER_TASK_RULES`) the target and
+With a per-task selection rule (``balanced``, the default, ``mean``, ``max``: a rule whose class declares ``per_task``,
+:class:`~iprox_lightning.selection.rules.SelectionRule`) the target and
 the proxy select one subset per validation task (``selected/<who>.<task>.jsonl``, ranked by the rule over the task's
 score columns: with ``validation_subtasks`` in ``data_args``, round-robin over its subtasks by standardised score, or
 LESS's max over them) and the target is fine-tuned on each
@@ -39,10 +40,6 @@ from ..errors import PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryEr
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-PER_TASK_RULES = ("balanced", "mean", "max")
-"""Selection rules that rank for one task: with them the pipeline selects (and fine-tunes) once per validation task
-(``balanced``: over the task's own score columns, its subtasks; ``select --rule balanced`` without ``--task`` balances
-one subset over every task instead)."""
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
@@ -521,9 +518,13 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
 
 
 def selection_tasks(scores_path: str | Path, rule: str) -> list[str]:
-    """The validation tasks a per-task rule selects for (:data:`PER_TASK_RULES`): the tasks of the score table's
-    columns ``score/<task>`` and ``score/<task>.<part>``, in order; ``[]`` for any other rule."""
-    if rule not in PER_TASK_RULES:
+    """The validation tasks a per-task rule selects for (a rule whose class declares ``per_task``: with it the pipeline
+    selects and fine-tunes once per validation task; ``balanced`` over the task's own score columns, its subtasks,
+    where ``select --rule balanced`` without ``--task`` balances one subset over every task): the tasks of the score
+    table's columns ``score/<task>`` and ``score/<task>.<part>``, in order; ``[]`` for any other rule."""
+    from ..selection.rules import RULES
+
+    if not RULES[rule].per_task:
         return []
     from ..io.scores import read_table, task_names_of
 
