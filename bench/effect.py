@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
 from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text, logger_overlay,  # bench/: the stage ledger
-                    recorded_hosts, splice_docs)
+                    read_json, recorded_hosts, splice_docs)
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 
 from iprox_lightning.evaluation import paired_gain, percentile_interval
@@ -283,7 +283,7 @@ class Effect:
         self.fid = Path(args.fidelity).resolve()
         self.t0 = time.perf_counter()
         self.st = Stages(self.out, args.threads, self.log, in_process=args.in_process, read_only=args.summary_only)
-        fid_state = json.loads((self.fid / "state.json").read_text())
+        fid_state = read_json(self.fid / "state.json")
         self.fid_stages = fid_state["stages"]
         self.warmed_up = "warmup" in self.fid_stages
         if self.warmed_up and not args.summary_only and not (self.fid / "warmed" / "config.json").exists():
