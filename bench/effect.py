@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
 from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, logger_overlay,  # bench/: the stage ledger
-                    read_json, recorded_hosts, splice_docs)
+                    read_kept, recorded_hosts, splice_docs)
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 # the benchmark's three other jobs, each its own file: the selector grammar, the statistics, the tables (their public
 # names are this script's too: bench/tables.py and the tests read them here)
@@ -129,7 +129,7 @@ class Effect:
         self.fid = Path(args.fidelity).resolve()
         self.t0 = time.perf_counter()
         self.st = Stages(self.out, args.threads, self.log, in_process=args.in_process, read_only=args.summary_only)
-        fid_state = read_json(self.fid / "state.json")
+        fid_state = read_kept(self.fid / "state.json")
         self.fid_stages = fid_state["stages"]
         self.warmed_up = "warmup" in self.fid_stages
         if self.warmed_up and not args.summary_only and not (self.fid / "warmed" / "config.json").exists():

@@ -60,7 +60,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
-                    kept, logger_overlay, read_json, recorded_hosts, splice_docs, write_json)
+                    kept, logger_overlay, read_kept, recorded_hosts, splice_docs, write_kept)
 from variants import build_key, dir_name, lever_base, parse_variant  # bench/: the variant grammar
 
 from iprox_lightning.evaluation import percentile_interval
@@ -407,7 +407,7 @@ def docs_markdown(summary: Mapping[str, Any]) -> str:
 
 
 def write_outputs(out: Path, summary: dict) -> None:
-    write_json(out / "summary.json", summary)
+    write_kept(out / "summary.json", summary)
     (out / "summary.md").write_text(markdown(summary))
 
 
@@ -763,7 +763,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
 
     variants = all_variants(variants, st.state)
     prev_path = out / "summary.json"
-    previous = read_json(prev_path) if kept(prev_path).exists() else None
+    previous = read_kept(prev_path) if kept(prev_path).exists() else None
 
     ref_path = out / "scores" / "target" / "scores.parquet"
     if not ref_path.exists():

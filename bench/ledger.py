@@ -98,13 +98,13 @@ def kept(path: Path) -> Path:
     return gz if gz.exists() and not Path(path).exists() else Path(path)
 
 
-def read_json(path: Path) -> Any:
+def read_kept(path: Path) -> Any:
     """The JSON at ``path`` (or at ``path.gz``: :func:`kept`)."""
     p = kept(path)
     return json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text())
 
 
-def write_json(path: Path, obj: Any) -> Path:
+def write_kept(path: Path, obj: Any) -> Path:
     """Write ``obj`` to ``path`` atomically, in the form it is kept in (gzipped, reproducibly, where ``path.gz`` is
     what exists); returns the file written."""
     p = kept(path)
@@ -128,11 +128,11 @@ class Stages:
         # (no interpreter and Lightning import per stage); see :meth:`call_in_process`
         self.in_process = in_process
         self.path = out / "state.json"
-        self.state = read_json(self.path) if kept(self.path).exists() else {"stages": {}}
+        self.state = read_kept(self.path) if kept(self.path).exists() else {"stages": {}}
         self.ran: list[str] = []  # stages run (or, in a dry run, that would run) by this process
 
     def save(self) -> None:
-        write_json(self.path, self.state)
+        write_kept(self.path, self.state)
 
     def run(self, key: str, subcommand: str, configs: list[Path], overlay: dict, fingerprint: dict,
             done: Path, clean: Path | None = None) -> dict:
