@@ -98,7 +98,8 @@ def pipeline(
             the target is fine-tuned on each. ``balanced`` is the default: on the downstream benchmark it was the best rule,
             or within 0.02 nats of it, on every task (``docs/BENCHMARKS.md``). ``pooled``: one subset by
             the cosine to the mean gradient of all validation examples (dominated by the largest task).
-        method: ``tracin`` or ``kfac``.
+        method: the scoring stage's ``method`` (``ScoringConfig``): ``tracin``, ``kfac``, ``ekfac`` or any registered
+            metric.
         proxy_validation: whose validation gradients the proxy's pool gradients are scored against: ``target`` (the
             warmed target's, projected into the proxy's factor space: the validation examples pay the target's
             backward, the pool only the proxy's; ``InfluenceScoringModule(validation_model=...)``) or ``proxy`` (its
@@ -175,7 +176,7 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
     check_choice("proxy_validation", proxy_validation, PROXY_VALIDATIONS)
     if eval_per_task is not None and (isinstance(eval_per_task, bool) or eval_per_task < 1):
         raise UserInputError(f"eval_per_task must be >= 1 or null (every validation example), got {eval_per_task}")
-    from ..scoring.influence import ScoringConfig
+    from ..scoring.config import ScoringConfig
 
     try:
         ScoringConfig(method=method)
