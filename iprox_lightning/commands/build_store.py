@@ -81,10 +81,11 @@ def build_store(
 
     quiet_lightning_tips()
     from ..data.pool import check_output_is_not_input
-
     from ..engine.precision import check_precision
+    from ..io.output_guard import check_output_not_input
 
     check_output_is_not_input(output_dir, pool, "output_dir")
+    check_output_not_input(output_dir, {"model": model}, "output_dir")
     check_precision(precision, "build_store")
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, dtype=dtype,
                                  attn_implementation=attn_implementation, factors_dir=factors_dir, scoring=scoring)
