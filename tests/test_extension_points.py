@@ -24,34 +24,41 @@ from iprox_lightning.selection.topk import topk_order
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Scaled(InfluenceMetric, name="scaled_for_test"):
-    """``M G = scale · G``: its own option, its own memory part, nothing to fit."""
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    """The two classes, defined here and nowhere else; registered while this module's tests run and taken out of the
+    registries after them (other test modules count the built-in metrics and rules)."""
+    class Scaled(InfluenceMetric, name="scaled_for_test"):
+        """``M G = scale · G``: its own option, its own memory part, nothing to fit."""
 
-    options = {"scale": 0.5}
-    memory_levers = {"scaled_copy": "method tracin (the test metric's copy)"}
+        options = {"scale": 0.5}
+        memory_levers = {"scaled_copy": "method tracin (the test metric's copy)"}
 
-    @classmethod
-    def memory_parts(cls, linears):
-        return {"scaled_copy": 4.0 * sum(i * o for i, o in linears)}
+        @classmethod
+        def memory_parts(cls, linears):
+            return {"scaled_copy": 4.0 * sum(i * o for i, o in linears)}
 
-    def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False):
-        return {}
+        def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False):
+            return {}
 
-    def matrix(self, key, G):
-        return self.own_options["scale"] * G
+        def matrix(self, key, G):
+            return self.own_options["scale"] * G
 
-    def tokens(self, key, h, delta):
-        return self.own_options["scale"] * h, delta
+        def tokens(self, key, h, delta):
+            return self.own_options["scale"] * h, delta
 
+    class WorstTask(SelectionRule, name="worst_task_for_test"):
+        """The minimum over the task columns: one subset for all tasks."""
 
-class WorstTask(SelectionRule, name="worst_task_for_test"):
-    """The minimum over the task columns: one subset for all tasks."""
+        per_task = False
 
-    per_task = False
+        def __call__(self, ids, columns, task=None):
+            values = np.min(np.stack(list(task_columns(columns, task).values())), axis=0)
+            return topk_order(values, ids), values
 
-    def __call__(self, ids, columns, task=None):
-        values = np.min(np.stack(list(task_columns(columns, task).values())), axis=0)
-        return topk_order(values, ids), values
+    yield Scaled, WorstTask
+    InfluenceMetric.registry.pop("scaled_for_test")
+    RULES.pop("worst_task_for_test")
 
 
 def _columns(path):
@@ -59,7 +66,8 @@ def _columns(path):
     return {c: np.asarray(table.column(c).to_pylist(), np.float64) for c in table.column_names if c.startswith("score")}
 
 
-def test_the_classes_registered_themselves():
+def test_the_classes_registered_themselves(extension):
+    Scaled, WorstTask = extension
     assert InfluenceMetric.registry["scaled_for_test"] is Scaled and isinstance(RULES["worst_task_for_test"], WorstTask)
 
 
