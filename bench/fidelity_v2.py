@@ -60,7 +60,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ledger import (ROOT, Stages, check_local_inputs, config_text, git_commit, host_info, hosts_text,  # bench/: the stage ledger
-                    logger_overlay, recorded_hosts, splice_docs)
+                    kept, logger_overlay, read_kept, recorded_hosts, splice_docs, write_kept)
 from variants import build_key, dir_name, lever_base, parse_variant  # bench/: the variant grammar
 
 from iprox_lightning.evaluation import percentile_interval
@@ -100,7 +100,7 @@ def split_halves(records: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
-def read_table(path: Path) -> dict[str, Any]:
+def score_arrays(path: Path) -> dict[str, Any]:
     """A score table (:func:`iprox_lightning.io.scores.read_table`) as ``{"id": [...], "score": array, "score_max":
     array, "tasks": {name: array}, "n_tokens": array}``."""
     from iprox_lightning.io import read_table as read_score_table, task_names_of
@@ -407,9 +407,7 @@ def docs_markdown(summary: Mapping[str, Any]) -> str:
 
 
 def write_outputs(out: Path, summary: dict) -> None:
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, out / "summary.json")
+    write_kept(out / "summary.json", summary)
     (out / "summary.md").write_text(markdown(summary))
 
 
@@ -765,12 +763,12 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
 
     variants = all_variants(variants, st.state)
     prev_path = out / "summary.json"
-    previous = json.loads(prev_path.read_text()) if prev_path.exists() else None
+    previous = read_kept(prev_path) if kept(prev_path).exists() else None
 
     ref_path = out / "scores" / "target" / "scores.parquet"
     if not ref_path.exists():
         raise SystemExit(f"{ref_path} missing: the target has not been scored yet")
-    ref = read_table(ref_path)
+    ref = score_arrays(ref_path)
     tmap = as_map(ref)
     length = dict(zip(ref["id"], map(float, ref["n_tokens"])))
     work = out / "selections"
@@ -781,7 +779,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
     cpu_target = st.state["stages"].get("score:target", {}).get("cpu_s")
     rows: list[dict] = []
     unwarmed_path = out / "scores" / "target_unwarmed" / "scores.parquet"
-    unwarmed = as_map(read_table(unwarmed_path)) if unwarmed_path.exists() else None
+    unwarmed = as_map(score_arrays(unwarmed_path)) if unwarmed_path.exists() else None
     # per task: each suite's score (mean of its halves), the validation file's suite order
     t_suites = suite_scores(ref)
     held = set.intersection(*map(set, t_suites.values())) if t_suites else set()
@@ -817,7 +815,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
     add_row("random", None, dict(zip(ref["id"], rng.random(len(ref["id"])))), extra={"params": 0, "scoring_time_ratio": 0.0})
     if unwarmed is not None:
         rec = st.state["stages"].get("score:target_unwarmed", {})
-        t_u = read_table(unwarmed_path)
+        t_u = score_arrays(unwarmed_path)
         (work / "target_unwarmed").mkdir(exist_ok=True)
         add_row("target_unwarmed", None, unwarmed, t_u, select_sets(unwarmed_path, sample_path, work / "target_unwarmed"),
                 extra={"kind": "reference",
@@ -829,7 +827,7 @@ def build_summary(args, out: Path, st: Stages, variants, sample_path: Path, val_
         p = out / "scores" / dir_name(v["key"]) / "scores.parquet"
         if not p.exists():
             continue
-        tab = read_table(p)
+        tab = score_arrays(p)
         maps[v["key"]] = as_map(tab)
         suite_maps[v["key"]] = suite_scores(tab)
         (work / dir_name(v["key"])).mkdir(exist_ok=True)

@@ -9,6 +9,7 @@ hours of finished stages under these fingerprints; switching would re-run them a
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import resource
@@ -90,6 +91,30 @@ class StageNotRun(RuntimeError):
     """A read-only :class:`Stages` (``--summary-only``) was asked for a stage that has not run with these settings."""
 
 
+def kept(path: Path) -> Path:
+    """Where a result's JSON is kept: ``path``, or ``path.gz`` when that exists (the large ledgers and summaries under
+    ``bench/results`` are kept gzipped; a run writes plain JSON where it finds none)."""
+    gz = Path(f"{path}.gz")
+    return gz if gz.exists() and not Path(path).exists() else Path(path)
+
+
+def read_kept(path: Path) -> Any:
+    """The JSON at ``path`` (or at ``path.gz``: :func:`kept`)."""
+    p = kept(path)
+    return json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text())
+
+
+def write_kept(path: Path, obj: Any) -> Path:
+    """Write ``obj`` to ``path`` atomically, in the form it is kept in (gzipped, reproducibly, where ``path.gz`` is
+    what exists); returns the file written."""
+    p = kept(path)
+    text = json.dumps(obj, indent=1)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text.encode(), mtime=0) if p.suffix == ".gz" else text.encode())
+    os.replace(tmp, p)
+    return p
+
+
 class Stages:
     """Runs ``python train.py ...`` stages one at a time and records them in ``OUT/state.json``."""
 
@@ -103,13 +128,11 @@ class Stages:
         # (no interpreter and Lightning import per stage); see :meth:`call_in_process`
         self.in_process = in_process
         self.path = out / "state.json"
-        self.state = json.loads(self.path.read_text()) if self.path.exists() else {"stages": {}}
+        self.state = read_kept(self.path) if kept(self.path).exists() else {"stages": {}}
         self.ran: list[str] = []  # stages run (or, in a dry run, that would run) by this process
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        os.replace(tmp, self.path)
+        write_kept(self.path, self.state)
 
     def run(self, key: str, subcommand: str, configs: list[Path], overlay: dict, fingerprint: dict,
             done: Path, clean: Path | None = None) -> dict:

@@ -278,7 +278,7 @@ def main(argv=None):
         proxies[f"p:{Path(d).name}"] = saved_proxy_scorer(model, d, val, args, share, device)
     times, diffs = time_ways(args, device, model, scorer, proxies, batches, peaks)
     n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
-    tot, ratios = report(args, times, diffs, proxies, n_tok)
+    tot, ratios = print_totals(args, times, diffs, proxies, n_tok)
     result = dict(
         args=vars(args), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
@@ -432,7 +432,7 @@ def time_ways(args, device, model, scorer, proxies, batches, peaks: dict | None 
     return times, diffs
 
 
-def report(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[str, float]]:
+def print_totals(args, times, diffs, proxies, n_tok) -> tuple[dict[str, float], dict[str, float]]:
     """Totals per way and the ratios (engine / floors, loop / engine, proxy / target), printed."""
     tot = {k: sum(v) for k, v in times.items() if v}
     print("\n=== totals over", args.batches, "batches ===")

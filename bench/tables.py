@@ -22,7 +22,7 @@ import layer_diagnosis  # bench/: the per-layer tables
 import peers  # bench/: side by side with kronfluence and bergson
 import speed  # bench/: the scoring-cost tables
 import store  # bench/: the gradient store's tables
-from ledger import ROOT, splice_docs  # bench/: the stage ledger
+from ledger import ROOT, read_kept, splice_docs  # bench/: the stage ledger
 
 RESULTS = ROOT / "bench" / "results"
 PAGES = (ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "RESULTS.md", ROOT / "README.md")
@@ -32,7 +32,7 @@ SPEED_RUNS = ("speed_smollm2_cpu_fused", "speed_gemma3-270m_cpu", "speed_llama-1
 
 
 def recorded(rel: str) -> dict:
-    return json.loads((RESULTS / rel).read_text())
+    return read_kept(RESULTS / rel)
 
 
 def speed_markers(name: str) -> tuple[str, str]:

@@ -54,7 +54,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
             got = out / "selections" / f"{fv2.dir_name(f'{task}/{sel}')}.jsonl"
             assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
     # the length sort: the 6 shortest scored responses (ties by id), one subset for both tasks
-    t = fv2.read_table(fidelity_dir / "scores" / "target" / "scores.parquet")
+    t = fv2.score_arrays(fidelity_dir / "scores" / "target" / "scores.parquet")
     shortest = [i for _, i in sorted(zip(t["n_tokens"], t["id"]))[:6]]
     assert [json.loads(x)["id"] for x in open(out / "selections" / "length.jsonl")] == shortest
 
@@ -82,7 +82,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
         got = out / "selections" / f"{fv2.dir_name(f'{task}/store:iprox@0.5+max')}.jsonl"
         assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
     # its per-task fidelity vs the target's store under max / mean over the task's subtask columns, recomputed
-    tq, pq = (fv2.read_table(x) for x in (out / "scores" / "store" / "scores.parquet", proxy_q))
+    tq, pq = (fv2.score_arrays(x) for x in (out / "scores" / "store" / "scores.parquet", proxy_q))
     assert list(tq["id"]) == list(pq["id"])
     pf = m["proxy_store_fidelity"]["iprox@0.5"]
     assert pf["n"] == 30 and pf["pooled"] == pytest.approx(spearmanr(pq["score"], tq["score"])[0], abs=1e-12)
@@ -99,7 +99,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
         assert pf["k"] == 6 and pf[task]["balanced_overlap"] == len(balanced_top(pq, 6) & balanced_top(tq, 6)) / 6
     assert "store:iprox@0.5" in (out / "summary.md").read_text()
     # the proxy's store against the proxy's own exact table (the fidelity run's), recomputed
-    pe = fv2.read_table(fidelity_dir / "scores" / fv2.dir_name(VARIANT) / "scores.parquet")
+    pe = fv2.score_arrays(fidelity_dir / "scores" / fv2.dir_name(VARIANT) / "scores.parquet")
     pe_score = dict(zip(pe["id"], pe["score"]))
     pv = m["proxy_stores_vs_exact"]["iprox@0.5"]
     assert pv["n"] == 30 and pv["pooled"] == pytest.approx(
@@ -129,7 +129,7 @@ def test_effect_end_to_end_builtin(fidelity_dir, tmp_path):
     # the store's pooled score against the exact target table's, recomputed
     from scipy.stats import spearmanr
 
-    q = fv2.read_table(out / "scores" / "store" / "scores.parquet")
+    q = fv2.score_arrays(out / "scores" / "store" / "scores.parquet")
     e = dict(zip(t["id"], t["score"]))
     assert m["store_vs_exact"]["n"] == 30 and m["store_vs_exact"]["pooled"] == pytest.approx(
         spearmanr(q["score"], [e[i] for i in q["id"]])[0], abs=1e-12)
@@ -495,7 +495,7 @@ def test_unwarmed_store_is_the_shipped_model_and_a_fidelity_reference(fidelity_d
     assert s["rows"] == [] and not list((out / "evals").glob("*.json")) and not (out / "selections").exists()
     man = json.loads((out / "stores" / "target_unwarmed" / "store.json").read_text())
     assert "builtin" in json.dumps(man)
-    a, b = (fv2.read_table(out / "scores" / d / "scores.parquet")
+    a, b = (fv2.score_arrays(out / "scores" / d / "scores.parquet")
             for d in ("store", fv2.dir_name("store:target_unwarmed")))
     assert list(a["id"]) == list(b["id"]) and np.array_equal(a["score"], b["score"])
     fid = s["meta"]["proxy_store_fidelity"]
@@ -590,7 +590,7 @@ def test_tval_store_selector_queries_its_proxys_store_with_the_targets_validatio
     assert sorted(p.name for p in (out / "stores").iterdir()) == [fv2.dir_name("iprox@0.5")]  # one store
     store = out / "stores" / fv2.dir_name("iprox@0.5")
     ref = query(str(store), str(fidelity_dir / "validation.jsonl"), str(tmp_path / "ref"), validation_model="builtin")
-    got, own, want = (fv2.read_table(p) for p in (out / "scores" / fv2.dir_name("store:tval@0.5") / "scores.parquet",
+    got, own, want = (fv2.score_arrays(p) for p in (out / "scores" / fv2.dir_name("store:tval@0.5") / "scores.parquet",
                                                     out / "scores" / fv2.dir_name("store:iprox@0.5") / "scores.parquet",
                                                     Path(ref)))
     assert list(got["id"]) == list(want["id"]) and np.array_equal(got["score"], want["score"])

@@ -321,8 +321,8 @@ def test_end_to_end_builtin_resume_and_changed_setting(tmp_path):
     assert s["meta"]["n_scored"] == 30 and s["meta"]["target_warmed_up"] is False
     assert s["meta"]["n_validation"] == 12
     # the summary's Spearman is recomputed from the product's own score tables
-    t = fv2.read_table(out / "scores" / "target" / "scores.parquet")
-    p = fv2.read_table(out / "scores" / fv2.dir_name("ipsvd/exact/rel1e-3/global@0.5") / "scores.parquet")
+    t = fv2.score_arrays(out / "scores" / "target" / "scores.parquet")
+    p = fv2.score_arrays(out / "scores" / fv2.dir_name("ipsvd/exact/rel1e-3/global@0.5") / "scores.parquet")
     tm, pm = fv2.as_map(t), fv2.as_map(p)
     ids = sorted(tm)
     assert rows["ipsvd/exact/rel1e-3/global@0.5"]["spearman"] == pytest.approx(

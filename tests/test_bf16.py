@@ -239,5 +239,5 @@ def test_an_unknown_precision_is_a_user_error_naming_the_option(tmp_path):
 
     with pytest.raises(UserInputError, match=r"pipeline: precision must be one of .*'bf16-mixed'.*'fp8'"):
         pipeline(workdir=str(tmp_path / "p"), precision="fp8")
-    with pytest.raises(UserInputError, match="GradientStoreModule: precision must be one of"):
+    with pytest.raises(UserInputError, match="build_store: precision must be one of"):
         main(["build_store", "--model", "builtin", "--output_dir", str(tmp_path / "s"), "--precision", "16-mixed"])

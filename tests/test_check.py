@@ -75,7 +75,7 @@ def test_verdict_floor_a_task_the_proxy_keeps_little_of_fails_even_against_poor_
 
 
 def test_verdict_a_task_kept_only_as_a_preference_for_short_responses_is_weak():
-    # the rho = 0.5 proxy of the 512-example benchmark (exact tables, bench/results/fidelity_v2/summary.json): MMLU
+    # the rho = 0.5 proxy of the 512-example benchmark (exact tables, bench/results/fidelity_v2/summary.json.gz): MMLU
     # Spearman 0.62 over the sample but 0.02 among its 64 shortest responses; BBH 0.26 (weak as before)
     rows = [_row("proxy (tracin)", 0.6, {"mmlu": 0.62, "bbh": 0.45, "tydiqa": 0.53}),
             _row("length sort (shortest first)", 0.4, {"mmlu": 0.48, "bbh": -0.20, "tydiqa": 0.39})]

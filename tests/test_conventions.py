@@ -15,7 +15,8 @@ from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import influence_scores
 from iprox_lightning.scoring.features import tracked_modules, virtual_linears
 from iprox_lightning.scoring.influence import ScoringConfig
-from iprox_lightning.scoring.metrics import FISHER_SEED, fit_or_load, influence_metric
+from iprox_lightning.scoring.influence import influence_metric
+from iprox_lightning.scoring.metrics import FISHER_SEED, fit_or_load
 from iprox_lightning.scoring.projection import GradientProjector
 from iprox_lightning.scoring.query import query_table, task_sums
 

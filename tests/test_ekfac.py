@@ -12,7 +12,8 @@ from iprox_lightning.io.fingerprint import FingerprintMismatch
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import influence_scores
 from iprox_lightning.scoring.features import tracked_modules, virtual_linears
-from iprox_lightning.scoring.metrics import EKFAC, KFAC, fit_or_load, influence_metric
+from iprox_lightning.scoring.influence import influence_metric
+from iprox_lightning.scoring.metrics import EKFAC, KFAC, fit_or_load
 from iprox_lightning.scoring.projection import GradientProjector
 from iprox_lightning.scoring.query import query_table, task_sums
 
@@ -106,7 +107,7 @@ def test_plain_ekfac_scores_through_the_dual_directions_equal_the_dense_referenc
 def test_ekfac_through_identity_projections_equals_ekfac_scoring():
     """A metric of the whole per-example gradient goes through the store's projection path unchanged."""
     model = tiny_causal_lm("llama", seed=0, dtype=torch.float64, **TINY)
-    metric = EKFAC(DAMPING, "relative", len(FACTOR))
+    metric = influence_metric("ekfac", damping=DAMPING, kfac_examples=len(FACTOR))
     mods = tracked_modules(model)
     metric.fit(model, mods, [v.key for v in virtual_linears(mods)], batches(FACTOR, 5), dtype=torch.float64)
     proj = GradientProjector(model, k=10_000, metric=metric)
@@ -203,7 +204,7 @@ def test_ekfac_is_a_method_name():
     assert isinstance(influence_metric("ekfac"), EKFAC) and isinstance(influence_metric("kfac"), KFAC)
     assert EKFAC.token_factored is False and KFAC.token_factored is True
     with pytest.raises(NotImplementedError, match="does not factor over tokens"):
-        EKFAC().tokens("w", torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
+        influence_metric("ekfac").tokens("w", torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
 
 
 # ------------------------------------------------------------------------------------------------ store projections
@@ -340,7 +341,8 @@ def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision
 
 def test_a_metric_registers_once_by_its_class_keyword():
     from iprox_lightning.errors import UserInputError
-    from iprox_lightning.scoring.metrics import EKFAC, KFAC, InfluenceMetric, TracIn, influence_metric, metric_names
+    from iprox_lightning.scoring.influence import influence_metric
+    from iprox_lightning.scoring.metrics import EKFAC, KFAC, InfluenceMetric, TracIn, metric_names
 
     class Doubled(InfluenceMetric, name="doubled_for_test"):
         def fit(self, *a, **k):
@@ -348,9 +350,6 @@ def test_a_metric_registers_once_by_its_class_keyword():
 
         def matrix(self, key, G):
             return 2 * G
-
-        def settings(self):
-            return {}
 
     try:
         metric = influence_metric("doubled_for_test")

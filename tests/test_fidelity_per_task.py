@@ -11,7 +11,7 @@ import torch
 from scipy.stats import spearmanr
 
 from iprox_lightning.alignment.keep_best import KeepBestFactors
-from iprox_lightning.alignment.fidelity import per_task_spearman, worst_task
+from iprox_lightning.alignment.fidelity import per_task_spearman, worst_task_rho
 from iprox_lightning.modules import ProxyAlignModule
 from iprox_lightning.alignment.module import AlignConfig
 from iprox_lightning.scoring.influence import ScoreTable, tracin_scores
@@ -29,10 +29,10 @@ def test_per_task_spearman_and_worst_against_scipy():
     rhos = per_task_spearman(proxy, target, ["a", "b", "c"])
     for k, t in enumerate("abc"):
         assert rhos[t] == pytest.approx(spearmanr(proxy[:, k], target[:, k]).statistic, abs=1e-12)
-    assert rhos["a"] > rhos["b"] > rhos["c"] and worst_task(rhos) == rhos["c"]
+    assert rhos["a"] > rhos["b"] > rhos["c"] and worst_task_rho(rhos) == rhos["c"]
     proxy[4, 1] = np.nan
     rhos = per_task_spearman(proxy, target, ["a", "b", "c"])
-    assert np.isnan(rhos["b"]) and np.isnan(worst_task(rhos))  # a task that cannot be judged is never served
+    assert np.isnan(rhos["b"]) and np.isnan(worst_task_rho(rhos))  # a task that cannot be judged is never served
 
 
 def test_align_config_checks_the_per_task_options():

@@ -114,7 +114,7 @@ def test_score_feature_tracker_norms_and_dots(feature_mode):
     ref = per_example_grads(model, b)
     g = torch.Generator().manual_seed(5)
     V = {k: torch.randn(2, *ref[k].shape[1:], generator=g, dtype=torch.float64) for k in keys}
-    t = ScoreFeatureTracker(modules, TracIn(), V, 2, torch.float64, feature_mode)
+    t = ScoreFeatureTracker(modules, influence_metric("tracin"), V, 2, torch.float64, feature_mode)
     backward_pairs(model, b, [t])
     sq = sum(ref[k].flatten(1).pow(2).sum(1) for k in keys)
     dots = sum(ref[k].flatten(1) @ V[k].flatten(1).t() for k in keys)
@@ -182,7 +182,7 @@ def kfac_whitening(seed: int):
     keys = [v.key for v in virtual_linears(modules)]
     fac = KFACFactors(modules)
     backward_pairs(model, b, [fac])
-    metric = KFAC(damping=1e-2, damping_mode="absolute", examples=4)
+    metric = influence_metric("kfac", damping=1e-2, damping_mode="absolute", kfac_examples=4)
     metric.fit(model, modules, keys, [b], dtype=torch.float64)
     n = int(b["attention_mask"].sum())
     g = torch.Generator().manual_seed(seed)
@@ -208,19 +208,19 @@ def test_metric_interface_names_and_config_compatibility():
     val = [batch(6)]
     # tracin_scores is influence_scores with the identity metric, by name or by instance
     t = tracin_scores(model, train, val, progress=False)
-    for metric in ("tracin", TracIn()):
+    for metric in ("tracin", influence_metric("tracin")):
         np.testing.assert_array_equal(influence_scores(model, train, val, metric=metric, progress=False).scores, t.scores)
     with pytest.raises(TypeError):
         tracin_scores(model, train, val, method="kfac", progress=False)
     # K-FAC by name with options == by instance; its settings carry the options, TracIn's none
     k1 = influence_scores(model, train, val, metric="kfac", damping=1e-2, kfac_examples=4, progress=False)
-    k2 = influence_scores(model, train, val, metric=KFAC(damping=1e-2, examples=4), progress=False)
+    k2 = influence_scores(model, train, val, metric=influence_metric("kfac", damping=1e-2, kfac_examples=4), progress=False)
     np.testing.assert_array_equal(k1.scores, k2.scores)
     assert np.abs(k1.scores - t.scores).max() > 1e-3
     assert k1.settings["method"] == "kfac" and k1.settings["damping"] == 1e-2 and k1.settings["kfac_examples"] == 4
     assert t.settings["method"] == "tracin" and "damping" not in t.settings
     with pytest.raises(TypeError, match="given by name"):
-        influence_scores(model, train, val, metric=TracIn(), damping=1e-2, progress=False)
+        influence_scores(model, train, val, metric=influence_metric("tracin"), damping=1e-2, progress=False)
     # the configs' `method: tracin|kfac` (+ damping options) select the metric of the Lightning module
     m = InfluenceScoringModule(model, method="kfac", damping=1e-2, damping_mode="absolute", kfac_examples=8)
     assert isinstance(m.metric, KFAC) and (m.metric.damping, m.metric.damping_mode, m.metric.examples) == (1e-2, "absolute", 8)
@@ -230,4 +230,4 @@ def test_metric_interface_names_and_config_compatibility():
     with pytest.raises(ValueError, match="damping_mode must be one of"):
         influence_metric("tracin", damping_mode="rel")
     with pytest.raises(ValueError, match="damping must be > 0"):
-        KFAC(damping=0.0)
+        influence_metric("kfac", damping=0.0)

@@ -25,7 +25,7 @@ from iprox_lightning.engine.target_layers import Conv1D
 from iprox_lightning.alignment.task import (
     ExampleScoreTracker,
     FactorPairTracker,
-    cosine_scores,
+    cosines_from_dots,
     example_features,
     listwise_loss,
     pearson_loss,
@@ -175,10 +175,10 @@ def test_score_agreement_loss_reduces_and_skips_invalid_rows():
         score_agreement_loss(p, t, valid, "pearson", "median")
 
 
-def test_cosine_scores_zero_gradient_is_zero_with_finite_gradient():
+def test_cosines_from_dots_zero_gradient_is_zero_with_finite_gradient():
     dots = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
     sq = torch.tensor([0.0, 4.0], dtype=torch.float64, requires_grad=True)
-    s = cosine_scores(dots, sq, torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))
+    s = cosines_from_dots(dots, sq, torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))
     assert s.abs().max() == 0
     assert all(bool(torch.isfinite(g).all()) for g in torch.autograd.grad(s.sum(), (dots, sq)))
 

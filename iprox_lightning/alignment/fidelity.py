@@ -16,7 +16,7 @@ task's scores (the table's ``task_names`` / ``task_scores``: the cosine with tha
 and the callback logs, besides the pooled metrics, ``val/fidelity_<task>`` (Spearman of the proxy's vs the target's
 scores against that task), ``val/fidelity_worst`` (their minimum; NaN if any is NaN) and
 ``val/fidelity_worst_loss = 1 − val/fidelity_worst`` (lower is better: the ``keep_best`` monitor that keeps the factors
-whose worst task ranks best). The math: :func:`per_task_spearman`, :func:`worst_task`.
+whose worst task ranks best). The math: :func:`per_task_spearman`, :func:`worst_task_rho`.
 
 Contract — what it reads: ``trainer.datamodule.fidelity_dataloader(n)`` / ``.val_dataloader()``;
 ``pl_module.teacher``, ``pl_module.proxy``, ``pl_module.factors_finite()`` (``False`` → NaN, no scoring),
@@ -71,7 +71,7 @@ def per_task_spearman(proxy_scores: np.ndarray, target_scores: np.ndarray, task_
     return out
 
 
-def worst_task(rhos: dict[str, float]) -> float:
+def worst_task_rho(rhos: dict[str, float]) -> float:
     """The minimum over tasks of ``rhos`` (NaN when any task's value is NaN: a task that cannot be judged is never
     counted as served)."""
     values = np.asarray(list(rhos.values()), np.float64)
@@ -123,7 +123,7 @@ class RankingFidelity(Callback):
         entry: dict[str, Any] = {"step": int(trainer.global_step), "spearman": float(np.float32(rho))}
         metrics = {FIDELITY_SPEARMAN: rho, FIDELITY_LOSS: 1.0 - rho}
         if self.per_task:
-            worst = worst_task(tasks)
+            worst = worst_task_rho(tasks)
             entry.update(tasks={t: float(np.float32(v)) for t, v in tasks.items()}, worst=float(np.float32(worst)))
             metrics.update({FIDELITY_TASK.format(t): v for t, v in tasks.items()})
             metrics.update({FIDELITY_WORST: worst, FIDELITY_WORST_LOSS: 1.0 - worst})

@@ -62,7 +62,6 @@ from .flops import ModelShape, alignment_flops, probe_flops, scoring_flops
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "fsdp")
-METHODS = ("tracin", "kfac", "ekfac")
 GIB = 1024**3
 
 # Named shapes: the published configs' sizes, built in code (no hub access).
@@ -164,11 +163,6 @@ class ModelSizes:
         names = set(getattr(model, "_no_split_modules", None) or [])
         blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
         return cls(ModelShape.from_model(model, name=name), params, frozen, max(blocks, default=0))
-
-
-def count_parameters(config) -> int:
-    """Every parameter of the model ``config`` describes, as transformers builds it (meta device)."""
-    return sum(p.numel() for p in _meta_model(config).parameters())
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +276,7 @@ class RunSettings:
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("method", self.method, METHODS)
+        _check_choice("method", self.method, _metrics())
         _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
         for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
                      "tasks", "store_k", "select_k", "write_every_n_batches"):
@@ -333,20 +327,19 @@ _LEVERS = {
     "teacher_tokens": "data.batch_size / data.max_length of build_proxy (the teacher's (h, δ) of every token)",
     "validation_gradients": "fewer validation tasks, or scoring the proxy / a gradient store (build_store)",
     "features": "data.batch_size of scoring",
-    "kfac_factors": "method tracin (K-FAC factors are in² + out² per layer whatever kfac_examples is), or a store",
-    "ekfac_corrections": "method kfac or tracin",
     "store_vectors": "store k or write_every_n_batches",
     "projections": "store k",
 }
 
 
-def _stage(stage: str, parts: Mapping[str, float], flops: float) -> StagePlan:
+def _stage(stage: str, parts: Mapping[str, float], flops: float, own_levers: Mapping[str, str] = {}) -> StagePlan:
+    """``own_levers``: the stage's own parts' levers (a metric's ``memory_levers``), beside :data:`_LEVERS`."""
     parts = {k: float(v) for k, v in parts.items() if v}
     order = sorted(parts, key=parts.get, reverse=True)
     training = stage in ("warm-up", "fine-tune")
     levers = []
     for k in order[:2]:
-        lever = _LEVERS.get(k)
+        lever = own_levers.get(k, _LEVERS.get(k))
         if k in ("teacher", "proxy") and stage.startswith("build_proxy: Stage 1"):
             lever = ("a device with more memory: Stage 1 holds the float32 teacher and its dense copy unsharded on "
                      "every rank (FSDP does not shard it; model.dtype bfloat16 would halve both)")
@@ -465,9 +458,19 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
     return _stage("build_proxy: Stage 1 (IPSVD)", stage1, f1), _stage("build_proxy: Stage 2 (alignment)", stage2, f2)
 
 
+def _metrics() -> dict:
+    """The registered influence metrics by name: each class declares its memory (``memory_parts``, ``memory_levers``)
+    and its factor passes."""
+    from ..scoring.metrics import InfluenceMetric  # (torch; the other scoring imports here are made where used)
+
+    return InfluenceMetric.registry
+
+
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
     """Scoring the pool with the (dense) model and ``method``, per device."""
     from ..scoring.features import choose_mode
+
+    metric = _metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
     tracked = [l for l in sizes.shape.linears if l.tracked]
@@ -482,15 +485,12 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         "validation_gradients": 4.0 * K * sizes.shape.tracked_params,
         "features": feat,
     }
-    if method in ("kfac", "ekfac"):
-        parts["kfac_factors"] = 16.0 * sum(l.in_features ** 2 + l.out_features ** 2 for l in tracked)
-    if method == "ekfac":
-        parts["ekfac_corrections"] = 8.0 * sizes.shape.tracked_params
+    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked]))
     f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=T,
                       head_share=run.response_share)["total"] / run.devices
-    if method in ("kfac", "ekfac"):
+    if metric.factor_passes:
         f *= 1 + run.kfac_examples / run.pool_size
-    return _stage(f"scoring ({method})", parts, f)
+    return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
 
 
 def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
@@ -519,7 +519,7 @@ def plan_stages(sizes: ModelSizes, config, run: RunSettings) -> list[StagePlan]:
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
     stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))
-    stages += [scoring_plan(sizes, acts, run, m) for m in METHODS]
+    stages += [scoring_plan(sizes, acts, run, m) for m in _metrics()]
     stages.append(store_plan(sizes, acts, run))
     stages.append(training_plan(sizes, acts, run, stage="fine-tune", n_examples=run.select_k,
                                 epochs=run.finetune_epochs))

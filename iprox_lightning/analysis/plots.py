@@ -21,7 +21,8 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .retention import align_scores, topk_count, topk_indices, topk_key
+from ..selection.topk import topk_count, topk_indices
+from .retention import align_scores, topk_key
 
 CATEGORY_COLORS = {
     "both top-k": "tab:green",
@@ -49,7 +50,7 @@ def log_figure(logger: Any, tag: str, fig, step: int = 0) -> None:
 
 def scatter_categories(proxy: np.ndarray, target: np.ndarray, frac: float) -> np.ndarray:
     """Category of each point (keys of ``CATEGORY_COLORS``) given the top-``frac`` sets."""
-    k = topk_count(frac, len(proxy))
+    k = topk_count(float(frac), len(proxy))
     in_p = np.zeros(len(proxy), bool)
     in_t = np.zeros(len(proxy), bool)
     in_p[topk_indices(proxy, k)] = True
@@ -79,7 +80,7 @@ def plot_score_scatter(
     from .retention import pearson, spearman, topk_overlap
 
     _, p, t = align_scores(proxy, target, names=(proxy_name, target_name))
-    k = topk_count(frac, len(p))
+    k = topk_count(float(frac), len(p))
     p_thr = p[topk_indices(p, k)].min()
     t_thr = t[topk_indices(t, k)].min()
     cat = scatter_categories(p, t, frac)

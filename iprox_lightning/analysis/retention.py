@@ -32,6 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ..selection.topk import topk_count, topk_indices
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TOPK = (0.01, 0.05, 0.10)
@@ -110,25 +112,10 @@ def kendall(x: np.ndarray, y: np.ndarray) -> float:
     return float(kendalltau(x, y, variant="b").statistic)
 
 
-def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest scores; ties broken by position (``align_scores`` sorts by id).
-    The ranking rule is the package's one: :func:`iprox_lightning.selection.topk.topk_order`."""
-    from ..selection.topk import topk_order
-
-    return topk_order(scores)[:k]
-
-
-def topk_count(frac: float, n: int) -> int:
-    """``k = max(1, round(frac · n))`` (capped at ``n``): :func:`iprox_lightning.selection.topk.topk_count`."""
-    from ..selection.topk import topk_count as count
-
-    return count(float(frac), n)
-
-
 def topk_overlap(proxy: np.ndarray, target: np.ndarray, frac: float) -> float:
     """``|top_k(proxy) ∩ top_k(target)| / k`` with ``k = topk_count(frac, n)``."""
     n = len(proxy)
-    k = topk_count(frac, n)
+    k = topk_count(float(frac), n)
     a = set(topk_indices(proxy, k).tolist())
     b = set(topk_indices(target, k).tolist())
     return len(a & b) / k
@@ -273,7 +260,7 @@ def per_task_retention(
     if c is not None and shortest_fraction is not None:
         from ..selection.topk import shortest_cut
 
-        short = c <= shortest_cut(c, topk_count(shortest_fraction, len(ids)))
+        short = c <= shortest_cut(c, topk_count(float(shortest_fraction), len(ids)))
     out: dict[str, dict[str, Any]] = {}
     for task in tasks:
         cols = []

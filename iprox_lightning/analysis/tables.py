@@ -12,9 +12,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..selection.topk import topk_count, topk_indices
 from .flops import ModelShape
-
-from .retention import DEFAULT_TOPK, retention_metrics, topk_count, topk_indices
+from .retention import DEFAULT_TOPK, retention_metrics
 from .subspace import mean_nn_distance, subspace_affinity
 
 
@@ -24,7 +24,7 @@ def select_top(scores: Mapping[str, float], frac: float) -> list[str]:
     import numpy as np
 
     vals = np.array([float(scores[i]) for i in ids])
-    return [ids[i] for i in topk_indices(vals, topk_count(frac, len(ids)))]
+    return [ids[i] for i in topk_indices(vals, topk_count(float(frac), len(ids)))]
 
 
 def retention_rows(

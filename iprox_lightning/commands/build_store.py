@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..engine.settings import takes_settings
+from ..scoring.config import STORE_FIELDS, ScoringConfig
 
+
+@takes_settings(ScoringConfig, "scoring", fields=STORE_FIELDS)
 def build_store(
     model: str,
     output_dir: str,
@@ -12,16 +16,11 @@ def build_store(
     k: int = 16,
     seed: int = 0,
     projection: str = "gaussian",
-    method: str = "tracin",
-    damping: float = 1e-3,
-    damping_mode: str = "relative",
-    kfac_examples: int = 1024,
     store_dtype: str = "float16",
     max_length: int = 512,
     batch_size: int = 8,
     builtin_size: int = 2000,
     data_seed: int = 0,
-    target_patterns: Optional[list[str]] = None,
     dtype: str = "float32",
     attn_implementation: str = "sdpa",
     devices: int = 1,
@@ -31,14 +30,14 @@ def build_store(
     progress: bool = True,
     factors_dir: Optional[str] = None,
     precision: Optional[str] = None,
-    loss_reduction: str = "mean",
-    fisher: str = "empirical",
-    damping_target: str = "factors",
+    scoring: Optional[ScoringConfig] = None,
 ) -> str:
     """Project every pool example's gradient (LoGra-style, ``k`` rows per side of each tracked weight) and write them
     to a gradient store in ``output_dir`` (safetensors shards, ``store.json``; resumable: a killed build continues; a
     store of another model, pool or settings is refused). ``python train.py query`` then scores any validation set
-    from it in seconds.
+    from it in seconds. The metric's settings (``method``, ``damping``, ``damping_mode``, ``kfac_examples``,
+    ``loss_reduction``, ``fisher``, ``damping_target``, ``options``) and ``target_patterns`` are the scoring settings'
+    fields (:class:`~iprox_lightning.scoring.influence.ScoringConfig`); ``query`` uses the store's.
 
     Args:
         model: the model whose gradients are stored (the target, a saved proxy directory, ``builtin``, a hub id).
@@ -49,16 +48,11 @@ def build_store(
         seed: seed of the projections (saved in the store).
         projection: ``gaussian`` (seeded random rows) or ``pca`` (each layer's ``k`` leading eigenvectors of its input
             and output-gradient second moments, fitted on ``kfac_examples`` pool examples; TracIn only).
-        method: metric applied before projecting: ``tracin``, ``kfac`` or ``ekfac`` (factors fitted once, saved).
-        damping: K-FAC / EK-FAC damping.
-        damping_mode: ``relative`` or ``absolute``.
-        kfac_examples: pool examples the factors are fitted on.
         store_dtype: storage of the vectors: ``float16``, ``bfloat16`` or ``float32``.
         max_length: token cap per example.
         batch_size: examples per backward pass.
         builtin_size: size of the built-in pool (``pool: builtin``).
         data_seed: seed of the data module.
-        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
         attn_implementation: attention kernel when loading (``sdpa``, ``eager``): the same function, not part of the
             store's fingerprint.
@@ -72,12 +66,8 @@ def build_store(
             model, factor data and settings are loaded, not fitted again (the store keeps its own copy).
         precision: the Trainer precision of the build (``32-true``, ``bf16-mixed``, ``bf16-true``; default float32);
             recorded in the store, whose queries compute the validation gradients under the same one. The vectors
-            are projected in float32 whatever it is (``docs/GUIDE.md``, Precision).
-        loss_reduction: the per-example loss: ``mean`` (default) or ``sum`` of the response tokens' cross-entropies
-            (kronfluence's, bergson's); ``query`` uses the store's.
-        fisher: K-FAC / EK-FAC factors from the labels (``empirical``, default) or from labels sampled from the
-            model (``sampled``, kronfluence's default).
-        damping_target: K-FAC damps each factor (``factors``, default) or their product (``product``, kronfluence's).
+            are projected in float32 whatever it is (``docs/GUIDE.md``, Precision). The Trainer's alone: the module
+            reads it from there.
     """
     import time
 
@@ -91,17 +81,14 @@ def build_store(
 
     quiet_lightning_tips()
     from ..data.pool import check_output_is_not_input
-
-    check_output_is_not_input(output_dir, pool, "output_dir")
+    from ..engine.precision import check_precision
     from ..io.output_guard import check_output_not_input
 
+    check_output_is_not_input(output_dir, pool, "output_dir")
     check_output_not_input(output_dir, {"model": model}, "output_dir")
-    module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
-                                 damping_mode=damping_mode,
-                                 kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype,
-                                 attn_implementation=attn_implementation, factors_dir=factors_dir,
-                                 precision=precision, loss_reduction=loss_reduction, fisher=fisher,
-                                 damping_target=damping_target)
+    check_precision(precision, "build_store")
+    module = GradientStoreModule(model, k=k, seed=seed, projection=projection, dtype=dtype,
+                                 attn_implementation=attn_implementation, factors_dir=factors_dir, scoring=scoring)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
     data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..analysis.verdict import FLOOR
+from ..engine.settings import takes_settings
 from ..errors import PROXY_VALIDATIONS, UserInputError, check_choice
+from ..scoring.config import METRIC_FIELDS, ScoringConfig
 
 
 def _sample_loader(dm, split: str, ids: list[str], batch_size: int):
@@ -102,6 +104,7 @@ def _duration(s: float) -> str:
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
 
 
+@takes_settings(ScoringConfig, "scoring", fields=(*METRIC_FIELDS, "feature_mode", "target_patterns"))
 def check(
     target: str,
     proxy: str,
@@ -110,7 +113,6 @@ def check(
     tokenizer: str | None = None,
     sample: int = 200,
     val_per_task: int | None = 16,
-    method: str = "tracin",
     max_length: int = 256,
     batch_size: int = 8,
     seed: int = 0,
@@ -120,6 +122,7 @@ def check(
     min_spearman: float = FLOOR,
     proxy_validation: str | None = None,
     keep_validation_cache: bool = True,
+    scoring: ScoringConfig | None = None,
 ) -> dict[str, Any]:
     """Score ``sample`` random pool examples with ``target`` and ``proxy`` against ``val_per_task`` validation
     examples per task; print the retention table, the per-task table and a verdict.
@@ -146,7 +149,6 @@ def check(
         val_per_task: validation examples per task, drawn with ``seed`` (stratified; a task with fewer keeps all;
             ``None``: every validation example). The validation gradients cost about as much per example as
             scoring one pool example, once per model.
-        method: ``tracin`` or ``kfac``.
         max_length: token cap per example.
         batch_size: examples per batch.
         seed: seed of the pool sample and of the validation sample.
@@ -173,12 +175,11 @@ def check(
             same check again is still free). ``train.py cache --under <output_dir>`` lists and clears caches.
     """
     from ..analysis.verdict import check_verdict
-    from ..scoring.influence import ScoringConfig
 
     _check_arguments(sample, val_per_task)
     _check_models(target=target, proxy=proxy)
     proxy_validation = _proxy_validation(proxy, proxy_validation)
-    config = ScoringConfig(method=method)  # checks the method before anything is loaded
+    config, method = scoring, scoring.method  # checked when built, before anything is loaded
     result_path, cache = _output_paths(output_dir, output)
     from ..data.pool import check_output_is_not_input
 

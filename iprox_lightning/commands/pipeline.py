@@ -6,7 +6,8 @@ Each stage goes through the same LightningCLI configs a user runs:
     random) -> fine-tune on each of the three selections -> evaluate each on held-out examples of the
     validation tasks -> summary (retention, the selections explained, the fine-tuned effect)
 
-With a per-task selection rule (``balanced``, the default, ``mean``, ``max``: :data:`PER_TASK_RULES`) the target and
+With a per-task selection rule (``balanced``, the default, ``mean``, ``max``: a rule whose class declares ``per_task``,
+:class:`~iprox_lightning.selection.rules.SelectionRule`) the target and
 the proxy select one subset per validation task (``selected/<who>.<task>.jsonl``, ranked by the rule over the task's
 score columns: with ``validation_subtasks`` in ``data_args``, round-robin over its subtasks by standardised score, or
 LESS's max over them) and the target is fine-tuned on each
@@ -40,10 +41,6 @@ from ..errors import (PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryE
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-PER_TASK_RULES = ("balanced", "mean", "max")
-"""Selection rules that rank for one task: with them the pipeline selects (and fine-tunes) once per validation task
-(``balanced``: over the task's own score columns, its subtasks; ``select --rule balanced`` without ``--task`` balances
-one subset over every task instead)."""
 
 
 def _write_overlay(path: Path, content: dict) -> Path:
@@ -102,7 +99,8 @@ def pipeline(
             the target is fine-tuned on each. ``balanced`` is the default: on the downstream benchmark it was the best rule,
             or within 0.02 nats of it, on every task (``docs/BENCHMARKS.md``). ``pooled``: one subset by
             the cosine to the mean gradient of all validation examples (dominated by the largest task).
-        method: ``tracin`` or ``kfac``.
+        method: the scoring stage's ``method`` (``ScoringConfig``): ``tracin``, ``kfac``, ``ekfac`` or any registered
+            metric.
         proxy_validation: whose validation gradients the proxy's pool gradients are scored against: ``target`` (the
             warmed target's, projected into the proxy's factor space: the validation examples pay the target's
             backward, the pool only the proxy's; ``InfluenceScoringModule(validation_model=...)``) or ``proxy`` (its
@@ -183,7 +181,7 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
     check_choice("proxy_validation", proxy_validation, PROXY_VALIDATIONS)
     if eval_per_task is not None and (isinstance(eval_per_task, bool) or eval_per_task < 1):
         raise UserInputError(f"eval_per_task must be >= 1 or null (every validation example), got {eval_per_task}")
-    from ..scoring.influence import ScoringConfig
+    from ..scoring.config import ScoringConfig
 
     try:
         ScoringConfig(method=method)
@@ -289,14 +287,14 @@ class StageProcessFailed(UserError, RuntimeError):
 
 def check_sources(target: str, pool, validation) -> None:
     """Refuse at once a hub id that is neither cached nor reachable (before: the warm-up started, then a traceback)."""
-    from ..data.sources import is_hub_id, parse_hub_id
+    from ..data.sources import is_hub_dataset, parse_hub_id
     from ..models.hub import check_dataset_source, check_model_source
 
     if isinstance(target, str):
         check_model_source(target, "target model")
     for what, src in (("pool", pool), ("validation", validation)):
         for s in ([src] if isinstance(src, str) else list(src or []) if isinstance(src, (list, tuple)) else []):
-            if isinstance(s, str) and s != "builtin" and not s.startswith("eval:") and is_hub_id(s):
+            if isinstance(s, str) and s != "builtin" and not s.startswith("eval:") and is_hub_dataset(s):
                 check_dataset_source(parse_hub_id(s)[0], f"{what} {s!r}: data set")
 
 
@@ -581,9 +579,13 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
 
 
 def selection_tasks(scores_path: str | Path, rule: str) -> list[str]:
-    """The validation tasks a per-task rule selects for (:data:`PER_TASK_RULES`): the tasks of the score table's
-    columns ``score/<task>`` and ``score/<task>.<part>``, in order; ``[]`` for any other rule."""
-    if rule not in PER_TASK_RULES:
+    """The validation tasks a per-task rule selects for (a rule whose class declares ``per_task``: with it the pipeline
+    selects and fine-tunes once per validation task; ``balanced`` over the task's own score columns, its subtasks,
+    where ``select --rule balanced`` without ``--task`` balances one subset over every task): the tasks of the score
+    table's columns ``score/<task>`` and ``score/<task>.<part>``, in order; ``[]`` for any other rule."""
+    from ..selection.rules import RULES
+
+    if not RULES[rule].per_task:
         return []
     from ..io.scores import read_table, task_names_of
 

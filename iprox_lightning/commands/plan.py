@@ -4,9 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from ..engine.settings import takes_settings
+from ..scoring.config import ScoringConfig
+
 _RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
+@takes_settings(ScoringConfig, "scoring", fields=("method", "kfac_examples"))
 def plan(
     model: str = "llama-3.2-1b",
     pool_size: int = 16000,
@@ -26,21 +30,20 @@ def plan(
     align_epochs: int = 2,
     validation_examples: int = 300,
     tasks: int = 3,
-    method: str = "tracin",
-    kfac_examples: int = 1024,
     k: int = 16,
     select_k: int = 800,
     speed_results: Optional[str] = None,
     output: Optional[str] = None,
+    scoring: Optional[ScoringConfig] = None,
 ) -> list[dict]:
-    """Print, per stage (warm-up; build_proxy's Stage 1 (IPSVD) and Stage 2 (alignment); scoring with TracIn, K-FAC
-    and EK-FAC; a gradient store's build; fine-tune), the peak memory per device, what makes it up, its time and
+    """Print, per stage (warm-up; build_proxy's Stage 1 (IPSVD) and Stage 2 (alignment); scoring with each registered
+    metric: TracIn, K-FAC, EK-FAC, ...; a gradient store's build; fine-tune), the peak memory per device, what makes it up, its time and
     whether it fits ``device_memory``. Memory from the model's shapes (meta device) and the saved activations of its
     own decoder counted on fake tensors (:mod:`iprox_lightning.analysis.memory` says what each stage holds); time from
     a throughput measured by ``bench/speed.py`` for a model of the same size on the same kind of device, else from the
     FLOPs (labelled). With ``device_memory``, a stage that will not fit (the method's stage: ``method`` of scoring)
-    stops the command with one ``error:`` line naming the setting to change; K-FAC / EK-FAC rows are information
-    unless ``method`` names them.
+    stops the command with one ``error:`` line naming the setting to change; the other metrics' rows are
+    information.
 
     Args:
         model: a named shape (smollm2-135m, gemma-3-270m, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-7b),
@@ -63,8 +66,6 @@ def plan(
         validation_examples: validation examples scored for the validation gradients.
         tasks: score columns: validation tasks, or subtasks with validation_subtasks (scoring keeps one float32
             gradient per column; the pipeline at the paper's sizes has 93).
-        method: the scoring method the run uses: tracin, kfac or ekfac.
-        kfac_examples: examples K-FAC / EK-FAC factors are fitted on (time only: the factors' size is fixed).
         k: a gradient store's projection rows per side (build_store k).
         select_k: examples the fine-tune trains on.
         speed_results: directory of bench/speed.py's speed_*.json (default: the repository's bench/results).
@@ -73,6 +74,7 @@ def plan(
     from ..analysis import memory as M
     from ..errors import UserInputError
 
+    method = scoring.method  # any registered metric: its class declares its memory (analysis/memory.py)
     if output:
         _check_output(output, model, speed_results)
     device_bytes = M.parse_bytes(device_memory) if device_memory is not None else None
@@ -84,7 +86,7 @@ def plan(
                         gradient_checkpointing=gradient_checkpointing, sparsity=sparsity,
                         num_probe_tokens=num_probe_tokens, align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
-                        kfac_examples=kfac_examples, store_k=k, select_k=select_k)
+                        kfac_examples=scoring.kfac_examples, store_k=k, select_k=select_k)
     config = M.load_config(model)
     sizes = M.ModelSizes.from_config(config, name=model)
     stages = M.plan_stages(sizes, config, run)

@@ -53,7 +53,7 @@ def query(
 
     from ..io import gradient_store as gs
     from ..io.fingerprint import loader_digest, model_identity
-    from ..scoring.metrics import influence_metric
+    from ..scoring.config import ScoringConfig
 
     if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
         raise UserInputError(f"query: neighbours must be an integer >= 0, got {neighbours!r}")
@@ -73,10 +73,7 @@ def query(
     batch_size = batch_size or tok.get("batch_size", 8)
     val = _validation_loader(store, info, model, validation, pool, subtasks, val_per_task, batch_size)
     val_digest = loader_digest(val)
-    metric = influence_metric(st["method"], damping=st.get("damping", 1e-3), damping_mode=st.get("damping_mode", "relative"),
-                              kfac_examples=st.get("kfac_examples", 1024),
-                              loss_reduction=st.get("loss_reduction", "mean"), fisher=st.get("fisher", "empirical"),
-                              damping_target=st.get("damping_target", "factors"))
+    metric = ScoringConfig.from_settings(st).build_metric()  # the store's settings, the rest at their defaults
     vnet, extra = None, {}
     if validation_model is not None:  # only then in the cache key: earlier caches keep matching
         vnet = _load_net(validation_model, st)
@@ -181,10 +178,12 @@ def _read_store(store: str, output_dir: str):
     if out.resolve() == Path(store).resolve():
         raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
     from ..io.output_guard import check_output_not_input
+    from ..scoring.metrics import InfluenceMetric
 
     check_output_not_input(out, {"store": store}, "output_dir")
     st = info["fingerprint"]["settings"]
-    if st.get("method", "tracin") != "tracin" and st.get("basis") != BASIS:
+    fitted = getattr(InfluenceMetric.registry.get(st.get("method")), "factor_passes", 0) > 0  # its class says
+    if fitted and st.get("basis") != BASIS:
         raise gs.StoreFormatError(f"{store}: this {st['method']} store was built by an earlier version, which projected "
                                   "the gradients in the K-FAC factors' eigenbases; queries now project in the weights' "
                                   "coordinates and would not match it. Rebuild it (the same build_store command with "

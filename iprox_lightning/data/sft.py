@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..engine.batch import IGNORE_INDEX
 from ..errors import UserInputError
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
-from .sources import is_hub_id, parse_hub_id, read_records
+from .sources import is_hub_dataset, parse_hub_id, read_records
 from .splits import PoolSplits, make_splits, sample_per_task
 
 log = logging.getLogger(__name__)
@@ -502,7 +502,7 @@ class SFTDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Download hub datasets once (rank 0); local files need nothing."""
         srcs = self.pool_sources + (self.validation_sources or [])
-        hub = [s for s in srcs if s != BUILTIN and not s.startswith("eval:") and is_hub_id(s)]
+        hub = [s for s in srcs if s != BUILTIN and not s.startswith("eval:") and is_hub_dataset(s)]
         if hub:
             import datasets
 

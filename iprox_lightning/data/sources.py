@@ -115,7 +115,7 @@ def source_name(source: str | os.PathLike) -> str:
     return parse_hub_id(s)[0].rstrip("/").split("/")[-1]
 
 
-def is_hub_id(source: str | os.PathLike) -> bool:
+def is_hub_dataset(source: str | os.PathLike) -> bool:
     """True when ``source`` would be read with ``datasets.load_dataset`` (no such local path)."""
     p = Path(str(source))
     return not p.exists() and p.suffix not in FILE_SUFFIXES and str(source) != "builtin"

@@ -64,11 +64,11 @@ def with_field_docs(doc: str | None, config_cls: type, names: list[str]) -> str:
     return "\n".join(lines[:end] + extra + lines[end:]) + "\n"
 
 
-def _field_parameters(config_cls: type, positional: tuple[str, ...]) -> list[inspect.Parameter]:
+def _field_parameters(config_cls: type, positional: tuple[str, ...], names: list[str]) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(config_cls)
     params = []
     for f in dataclasses.fields(config_cls):
-        if not f.init:
+        if f.name not in names:
             continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else _P.empty)  # type: ignore[misc]
@@ -87,7 +87,8 @@ def _cli_type(tp: Any) -> Any:
     return tp
 
 
-def takes_settings(config_cls: type, param: str, *, positional: tuple[str, ...] = ()) -> Callable[[F], F]:
+def takes_settings(config_cls: type, param: str, *, positional: tuple[str, ...] = (),
+                   fields: tuple[str, ...] | None = None) -> Callable[[F], F]:
     """Decorate ``fn(..., <param>=None, ...)``: its settings are ``config_cls``'s fields (module docstring).
 
     Args:
@@ -95,8 +96,13 @@ def takes_settings(config_cls: type, param: str, *, positional: tuple[str, ...] 
         param: the name of ``fn``'s parameter that receives the built config (keyword, default ``None``).
         positional: fields that may also be passed by position, right after ``fn``'s own positional parameters
             (``compress_model(model, loader, 0.5)``).
+        fields: the fields ``fn`` takes as keywords (default: every one); the others keep their defaults unless the
+            config is given whole (a gradient store takes the metric's fields, not the scoring loop's).
     """
-    names = [f.name for f in dataclasses.fields(config_cls) if f.init]
+    all_names = [f.name for f in dataclasses.fields(config_cls) if f.init]
+    if fields is not None and set(fields) - set(all_names):
+        raise TypeError(f"takes_settings: {sorted(set(fields) - set(all_names))} are not {config_cls.__name__} fields")
+    names = [n for n in all_names if fields is None or n in fields]
 
     def decorate(fn: F) -> F:
         sig = inspect.signature(fn)
@@ -107,16 +113,16 @@ def takes_settings(config_cls: type, param: str, *, positional: tuple[str, ...] 
         own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
         if param not in sig.parameters:
             raise TypeError(f"{fn.__qualname__} has no parameter {param!r} for its {config_cls.__name__}")
-        clash = set(names) & set(sig.parameters)
+        clash = set(all_names) & set(sig.parameters)
         if clash:
             raise TypeError(f"{fn.__qualname__} declares {sorted(clash)} itself: they are {config_cls.__name__} fields")
         if any(p.kind in (_P.POSITIONAL_ONLY, _P.VAR_POSITIONAL, _P.VAR_KEYWORD) for p in own):
             raise TypeError(f"{fn.__qualname__}: takes_settings needs named parameters only")
-        fields = _field_parameters(config_cls, positional)
+        taken = _field_parameters(config_cls, positional, names)
         head = [p for p in own if p.kind == _P.POSITIONAL_OR_KEYWORD and p.name != param]
         tail = [p for p in own if p.kind == _P.KEYWORD_ONLY and p.name != param]
-        pos_fields = [p for p in fields if p.kind == _P.POSITIONAL_OR_KEYWORD]
-        public = sig.replace(parameters=[*head, *pos_fields, *(p for p in fields if p.kind == _P.KEYWORD_ONLY), *tail],
+        pos_fields = [p for p in taken if p.kind == _P.POSITIONAL_OR_KEYWORD]
+        public = sig.replace(parameters=[*head, *pos_fields, *(p for p in taken if p.kind == _P.KEYWORD_ONLY), *tail],
                              return_annotation=hints.get("return", sig.return_annotation))
         # ``param`` itself is a Python-only way in (the whole config object): not in the public signature, so the
         # CLI offers one spelling of each setting

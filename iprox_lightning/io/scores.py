@@ -93,14 +93,18 @@ def flag_counts(table) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------- the scored pool
-def scored_pool(table_path: str | os.PathLike) -> dict:
-    """The ``"pool"`` entry of the settings next to a merged score table (sources, records digest, ``builtin_size``,
-    ``field_map``); ``{}`` for other tables and for tables scored before it was recorded."""
-    p = Path(table_path)
-    if p.name != SCORES_FILE:
-        return {}
-    info = read_settings(p.parent).get("pool")
+def scored_pool(settings: Mapping) -> dict:
+    """The ``"pool"`` entry of a score table's settings (:func:`read_scored`: sources, records digest,
+    ``builtin_size``, ``field_map``); ``{}`` for other tables and for tables scored before it was recorded."""
+    info = settings.get("pool")
     return dict(info) if isinstance(info, Mapping) else {}
+
+
+def read_scored(path: str | os.PathLike):
+    """``(path, pyarrow.Table, settings)`` of a score table read once for ``select``: :func:`read_table` and, for a
+    merged table (``scores.parquet``), the ``settings.json`` beside it (``{}`` for any other table)."""
+    p, table = read_table(path)
+    return p, table, (read_settings(p.parent) if p.name == SCORES_FILE else {})
 
 
 def check_scored_pool(table_path: str | os.PathLike, scored: Mapping, records: Sequence[Mapping], pool_name: Any,

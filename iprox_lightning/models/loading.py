@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -247,6 +249,46 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
     return _finish_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
 
 
+@dataclass(frozen=True)
+class LoadRequest:
+    """What :func:`load_model` was asked for, as each registered loader reads it: ``name`` as given, ``path`` (with
+    ``gguf_file`` joined), the torch ``dtype`` (``None``: as saved), transformers' ``kwargs`` (``trust_remote_code``,
+    ``attn_implementation``), ``use_cache`` (the GGUF float cache) and ``tokenizer`` (load one too)."""
+
+    name: str
+    path: Path
+    dtype: torch.dtype | None
+    kwargs: dict
+    attn_implementation: str | None
+    trust_remote_code: bool
+    use_cache: bool
+    tokenizer: bool
+
+
+LOADERS: dict[str, tuple[Callable[[LoadRequest], bool], Callable[[LoadRequest], tuple]]] = {}
+"""The model families / adapters :func:`load_model` loads, by name, in the order they are tried: the first whose
+``matches(request)`` is true returns ``(model, tokenizer)`` (``dense``, last, takes any hub id or directory)."""
+
+
+def register_loader(name: str, matches: Callable[[LoadRequest], bool], *, before: str | None = None):
+    """Register ``load(request) -> (model, tokenizer or None)`` (the decorated function) as the loader ``name`` of
+    the sources ``matches(request)`` accepts, tried before the loader ``before`` (default: before ``dense``, the
+    catch-all). A new family or adapter (a PEFT adapter directory, say) is one such function."""
+
+    def decorate(load: Callable[[LoadRequest], tuple]) -> Callable[[LoadRequest], tuple]:
+        if name in LOADERS:
+            raise TypeError(f"model loader name {name!r} is taken")
+        at = before if before is not None else ("dense" if "dense" in LOADERS else None)
+        items = list(LOADERS.items())
+        i = next((j for j, (n, _) in enumerate(items) if n == at), len(items))
+        items.insert(i, (name, (matches, load)))
+        LOADERS.clear()
+        LOADERS.update(items)
+        return load
+
+    return decorate
+
+
 def load_model(
     name_or_path: str | nn.Module,
     *,
@@ -257,53 +299,77 @@ def load_model(
     use_cache: bool = True,
     tokenizer: bool = True,
 ):
-    """Return ``(model, tokenizer)`` for a hub id, local dir, ``.gguf`` path, proxy dir or ``"builtin"``.
+    """Return ``(model, tokenizer)`` for a hub id, local dir, ``.gguf`` path, proxy dir or ``"builtin"``: the first
+    registered loader that takes the source (:data:`LOADERS`, :func:`register_loader`).
 
     ``attn_implementation`` defaults to ``"eager"`` because the alignment stage needs a double
     backward through attention (fused SDPA kernels have none); pass ``"sdpa"`` for fast scoring.
     ``use_cache=False`` skips the GGUF safetensors cache. The model is returned in eval mode.
     """
+    if isinstance(name_or_path, nn.Module):
+        return name_or_path, None
+    name = str(name_or_path)
+    kwargs = dict(trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    p = Path(name)
+    if gguf_file is not None:
+        p = p / gguf_file
+    request = LoadRequest(name, p, resolve_dtype(dtype), kwargs, attn_implementation, trust_remote_code, use_cache,
+                          tokenizer)
+    load = next(load for matches, load in LOADERS.values() if matches(request))
+    return load(request)
+
+
+@register_loader("builtin", lambda r: r.name == "builtin")
+def _load_builtin(r: LoadRequest):
+    """The demo's tiny Llama and its tokenizer (:mod:`.builtin`)."""
+    from .builtin import builtin_model, builtin_tokenizer
+
+    model = builtin_model()
+    if r.dtype is not None:
+        model = model.to(r.dtype)
+    return model.eval(), (builtin_tokenizer() if r.tokenizer else None)
+
+
+def _is_proxy_dir(r: LoadRequest) -> bool:
+    from ..io.proxy import check_not_a_bare_proxy, is_proxy_dir
+
+    if not r.path.is_dir():
+        return False
+    check_not_a_bare_proxy(r.path)  # factor tensors without a manifest: never load them as a plain model
+    return is_proxy_dir(r.path)
+
+
+@register_loader("proxy", _is_proxy_dir)
+def _load_proxy_dir(r: LoadRequest):
+    """A saved IProX proxy directory (:func:`iprox_lightning.io.proxy.load_proxy`)."""
+    from ..io.proxy import load_proxy
+
+    # the attention kernel asked for, as for any other model (a proxy is scored beside its target)
+    model, tok = load_proxy(r.path, **({"attn_implementation": r.attn_implementation} if r.attn_implementation else {}))
+    if r.dtype is not None:
+        model = model.to(r.dtype)
+    return model.eval(), _finish_tokenizer(tok)
+
+
+@register_loader("gguf", lambda r: r.path.suffix == ".gguf")
+def _load_gguf_file(r: LoadRequest):
+    """A ``.gguf`` file, dequantized once and cached (:func:`_load_gguf`)."""
+    return _load_gguf(r.path, r.dtype, r.kwargs, use_cache=r.use_cache, tokenizer=r.tokenizer)
+
+
+@register_loader("dense", lambda r: True)
+def _load_dense(r: LoadRequest):
+    """A Hugging Face causal LM from a hub id or a local directory (``AutoModelForCausalLM``); a proxy's own file or
+    any other file is refused naming what to pass instead."""
     from contextlib import nullcontext
 
     from transformers import AutoModelForCausalLM
 
     from ..console import transformers_bars_off
 
-    if isinstance(name_or_path, nn.Module):
-        return name_or_path, None
-    torch_dtype = resolve_dtype(dtype)
-    name = str(name_or_path)
-    kwargs = dict(trust_remote_code=trust_remote_code)
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-
-    if name == "builtin":
-        from .builtin import builtin_model, builtin_tokenizer
-
-        model = builtin_model()
-        if torch_dtype is not None:
-            model = model.to(torch_dtype)
-        return model.eval(), (builtin_tokenizer() if tokenizer else None)
-
-    p = Path(name)
-    if gguf_file is not None:
-        p = p / gguf_file
-    if p.is_dir():
-        from ..io.proxy import check_not_a_bare_proxy, is_proxy_dir
-
-        check_not_a_bare_proxy(p)  # factor tensors without a manifest: never load them as a plain model
-    if p.is_dir() and is_proxy_dir(p):
-        from ..io.proxy import load_proxy
-
-        # the attention kernel asked for, as for any other model (a proxy is scored beside its target)
-        model, tok = load_proxy(p, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
-        if torch_dtype is not None:
-            model = model.to(torch_dtype)
-        return model.eval(), _finish_tokenizer(tok)
-
-    if p.suffix == ".gguf":
-        return _load_gguf(p, torch_dtype, kwargs, use_cache=use_cache, tokenizer=tokenizer)
-
+    p, name = r.path, r.name
     if p.is_file() and p.parent.is_dir() and is_proxy_file(p):
         raise UserInputError(f"{p} is a file of the IProX proxy directory {p.parent}: pass the directory itself "
                              f"(load_model / iprox_lightning.load_proxy load it as a proxy), or export a dense Hugging Face "
@@ -317,8 +383,8 @@ def load_model(
         check_model_dir(p)
     # a local directory loads in a moment: no "Loading weights" bar (a download keeps its bars)
     with transformers_bars_off() if p.is_dir() else nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kwargs)
-    tok = load_tokenizer(name, trust_remote_code=trust_remote_code) if tokenizer else None
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=r.dtype, **r.kwargs)
+    tok = load_tokenizer(name, trust_remote_code=r.trust_remote_code) if r.tokenizer else None
     return model.eval(), tok
 
 

@@ -41,20 +41,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Iterable, Optional, Sequence
+from dataclasses import replace
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..errors import UserInputError
+from ..engine.settings import takes_settings
 from ..engine.tracking import backward_pairs
+from .config import METRIC_FIELDS, ScoringConfig
 from .features import (
-    FEATURE_MODES, FactorSpaceView, ScoreFeatureTracker, ValidationGradientTracker, eval_mode, has_response_tokens,
+    FactorSpaceView, ScoreFeatureTracker, ValidationGradientTracker, eval_mode, has_response_tokens,
     progress_bar, to_device, tracked_modules, trim_batch, virtual_linears,
 )
-from .metrics import InfluenceMetric, TracIn, influence_metric
+from .metrics import InfluenceMetric
 
 ALL_TASKS = "all"
 
@@ -153,76 +155,12 @@ class ScoreTable(Mapping):
         return cls.from_arrow(table, read_settings(p.parent) if p.name == "scores.parquet" else None)
 
 
-# --------------------------------------------------------------------------------------------
-# the settings
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ScoringConfig:
-    """The settings of influence scoring (how :class:`InfluenceScorer` scores), checked when built.
-
-    ``InfluenceScoringModule`` builds it from its options (same names) and keeps it as ``module.config``; it is
-    passed unchanged to :class:`InfluenceScorer` and written verbatim into the ``"scoring"`` block of the score
-    table's ``settings.json`` (:mod:`iprox_lightning.io.scores`). :func:`influence_scores` builds it from its
-    keyword arguments.
-
-    Args:
-        method: the influence metric by name: ``"tracin"`` (cosine of gradients), ``"kfac"`` (cosine in the
-            K-FAC metric) or ``"ekfac"`` (eigenvalue-corrected K-FAC); :func:`~.metrics.influence_metric`.
-        normalize: cosine scores (paper); ``False`` gives plain inner products.
-        per_task: also score against each validation task (LESS max aggregation in ``score_max``).
-        damping: K-FAC damping of the factors (the project's damping rule, :mod:`iprox_lightning.engine.damping`).
-        damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
-        kfac_examples: training examples the K-FAC factors are estimated on (paper: 1024).
-        feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation (identical numbers).
-        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
-        loss_reduction: the per-example loss ``L(z)`` over the example's response tokens: ``"mean"`` cross-entropy
-            (default) or ``"sum"`` (kronfluence's, bergson's); for the scored, validation and factor gradients alike.
-        fisher: the curvature (K-FAC / EK-FAC factors) from the examples' labels, ``"empirical"`` (default), or from
-            next tokens sampled from the model, ``"sampled"`` (kronfluence's default; the factor passes only).
-        damping_target: K-FAC damps each factor, ``"factors"`` (default), or their Kronecker product,
-            ``"product"`` (kronfluence's); EK-FAC always damps its eigenvalue matrix as a whole.
-            ``docs/GUIDE.md``, "To match kronfluence / bergson / LESS", has the settings of each peer.
-    """
-
-    method: str = "tracin"
-    normalize: bool = True
-    per_task: bool = True
-    damping: float = 1e-3
-    damping_mode: str = "relative"
-    kfac_examples: int = 1024
-    feature_mode: str = "auto"
-    target_patterns: Optional[tuple[str, ...]] = None
-    loss_reduction: str = "mean"
-    fisher: str = "empirical"
-    damping_target: str = "factors"
-
-    def __post_init__(self) -> None:
-        if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
-            object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
-        if self.feature_mode not in FEATURE_MODES:
-            raise UserInputError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}")
-        self.build_metric()  # checks method and the K-FAC options, whatever the method
-
-    def build_metric(self) -> InfluenceMetric:
-        """A new :class:`~.metrics.InfluenceMetric` named by ``method``, with this config's options."""
-        return influence_metric(self.method, damping=self.damping, damping_mode=self.damping_mode,
-                                kfac_examples=self.kfac_examples, loss_reduction=self.loss_reduction,
-                                fisher=self.fisher, damping_target=self.damping_target)
-
-    def to_dict(self) -> dict:
-        """The settings as plain JSON values (``target_patterns`` a list); the loss and curvature conventions only
-        when they differ from the defaults (the fingerprints of runs with the defaults are as before the options)."""
-        d = asdict(self)
-        if d["target_patterns"] is not None:
-            d["target_patterns"] = list(d["target_patterns"])
-        for name in CONVENTIONS:
-            if d[name] == getattr(ScoringConfig, name):
-                del d[name]
-        return d
+def influence_metric(name: str, **options) -> InfluenceMetric:
+    """The metric registered as ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"`` | a user's) with the
+    :class:`ScoringConfig` fields ``options`` (``damping``, ``kfac_examples``, ``loss_reduction``, ...), checked."""
+    return ScoringConfig(method=name, **options).build_metric()
 
 
-CONVENTIONS = ("loss_reduction", "fisher", "damping_target")
-"""The :class:`ScoringConfig` fields of the loss and curvature conventions (recorded only when not the default)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,35 +388,32 @@ def _table_from_parts(parts: list[dict], task_names: list[str], settings: dict) 
                       nonfinite=cat("nonfinite", (0,)))
 
 
+@takes_settings(ScoringConfig, "scoring")
 def influence_scores(
     model: nn.Module,
     train_dataloader: Iterable[Mapping],
     val_dataloader: Iterable[Mapping],
     *,
-    metric: InfluenceMetric | str = "tracin",
-    normalize: bool = True,
-    per_task: bool = True,
+    metric: InfluenceMetric | str | None = None,
     factor_dataloader: Iterable[Mapping] | None = None,
-    feature_mode: str = "auto",
-    target_patterns: list[str] | None = None,
     progress: bool = True,
     validation_model: nn.Module | None = None,
-    **metric_options,
+    scoring: ScoringConfig | None = None,
 ) -> ScoreTable:
-    """Influence score of every training example against the validation set, in the influence ``metric``.
+    """Influence score of every training example against the validation set, in the influence metric the
+    :class:`ScoringConfig` fields name (``method``, ``damping``, ...: keywords, or ``scoring=ScoringConfig(...)``).
 
-    ``metric``: an :class:`~.metrics.InfluenceMetric`, or its name with ``metric_options`` (``damping``,
-    ``damping_mode``, ``kfac_examples``: :func:`~.metrics.influence_metric`). ``"tracin"``:
-    ``score(z) = cos(g(z), ḡ)``; ``"kfac"``: cosine in the K-FAC metric ``⟨g, H⁻¹ḡ⟩ / (‖H^{-1/2}g‖ ‖H^{-1/2}ḡ‖)``
-    (see the module docstring for every definition; higher = more useful). ``normalize=False`` returns the
-    plain inner products.
+    ``method="tracin"``: ``score(z) = cos(g(z), ḡ)``; ``"kfac"``: cosine in the K-FAC metric
+    ``⟨g, H⁻¹ḡ⟩ / (‖H^{-1/2}g‖ ‖H^{-1/2}ḡ‖)`` (see the module docstring for every definition; higher = more useful).
+    ``normalize=False`` returns the plain inner products. ``metric``: an :class:`~.metrics.InfluenceMetric` object to
+    score in instead (its name and options then recorded in the settings), or a metric name (the same as
+    ``method=``).
 
     ``train_dataloader`` / ``val_dataloader``: any iterables of batches in the project's batch
     format (``input_ids``, ``attention_mask``, ``labels``, ``id``, optional ``task``). A metric fitted on data
     (K-FAC factors: the first ``kfac_examples`` examples) reads ``factor_dataloader`` (default: the
     training batches, which must then be re-iterable). ``per_task``: also score against each
     validation task's mean gradient (``ScoreTable.task_scores``, LESS max in ``score_max``).
-    ``feature_mode``: ``"auto"`` | ``"ghost"`` | ``"materialize"`` (identical numbers).
     ``validation_model``: a dense model (the target a proxy ``model`` was built from) whose validation gradients
     replace ``model``'s own, in ``model``'s coordinates (factor-space projections ``∇W·Bᵀ``, ``Aᵀ·∇W`` for a
     factorised layer; :class:`~.features.FactorSpaceView`): the few validation examples pay the target's backward,
@@ -487,13 +422,15 @@ def influence_scores(
     Returns a ``ScoreTable`` — a ``Mapping`` ``id -> score`` with per-task scores, response-token
     counts and zero-gradient flags.
     """
-    options = dict(normalize=normalize, per_task=per_task, feature_mode=feature_mode, target_patterns=target_patterns)
     if isinstance(metric, str):
-        scorer = InfluenceScorer(model, ScoringConfig(method=metric, **options, **metric_options))
-    elif metric_options:
-        raise TypeError(f"options {sorted(metric_options)} are for a metric given by name, not {type(metric).__name__}")
-    else:
-        scorer = InfluenceScorer(model, ScoringConfig(**options), metric=metric)
+        if scoring.method not in (ScoringConfig.method, metric):
+            raise UserInputError(f"influence_scores: metric={metric!r} and method={scoring.method!r} name two metrics")
+        scoring, metric = replace(scoring, method=metric), None
+    elif metric is not None:  # a metric object carries its own options
+        given = [f for f in METRIC_FIELDS if getattr(scoring, f) != getattr(ScoringConfig, f)]
+        if given:
+            raise TypeError(f"options {given} are for a metric given by name, not {type(metric).__name__}")
+    scorer = InfluenceScorer(model, scoring, metric=metric)
     metric = scorer.metric
     scorer.fit(val_dataloader, factor_dataloader if factor_dataloader is not None else train_dataloader,
                progress=progress, validation_model=validation_model)
@@ -501,23 +438,21 @@ def influence_scores(
     return _table_from_parts(parts, scorer.task_names, scorer.settings())
 
 
+@takes_settings(ScoringConfig, "scoring", fields=("normalize", "per_task", "feature_mode", "target_patterns",
+                                                   "loss_reduction"))
 def tracin_scores(
     model: nn.Module,
     train_dataloader: Iterable[Mapping],
     val_dataloader: Iterable[Mapping],
     *,
-    normalize: bool = True,
-    per_task: bool = True,
-    feature_mode: str = "auto",
-    target_patterns: list[str] | None = None,
     progress: bool = True,
     validation_model: nn.Module | None = None,
+    scoring: ScoringConfig | None = None,
 ) -> ScoreTable:
-    """TracIn: ``score(z) = cos(g(z), ḡ)`` of every training example (:func:`influence_scores` with the
-    identity metric; same arguments)."""
-    return influence_scores(model, train_dataloader, val_dataloader, metric=TracIn(), normalize=normalize,
-                            per_task=per_task, feature_mode=feature_mode, target_patterns=target_patterns,
-                            progress=progress, validation_model=validation_model)
+    """TracIn: ``score(z) = cos(g(z), ḡ)`` of every training example (:func:`influence_scores` with
+    ``method="tracin"``; same arguments)."""
+    return influence_scores(model, train_dataloader, val_dataloader, progress=progress,
+                            validation_model=validation_model, scoring=replace(scoring, method="tracin"))
 
 
 def multi_checkpoint_scores(

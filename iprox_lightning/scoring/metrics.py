@@ -18,22 +18,30 @@ tokens ``(h, δ)`` of a per-example gradient (:meth:`InfluenceMetric.tokens`, th
 
 A fitted metric's state (eigenbases, eigenvalues) is saved and reused by fingerprint (:mod:`iprox_lightning.io.factors`,
 :func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` with a class keyword ``name=``: it registers
-itself once (:data:`InfluenceMetric.registry`), and ``method: <name>`` then selects it everywhere.
+itself once (:data:`InfluenceMetric.registry`), and ``method: <name>`` then selects it everywhere. A metric is built
+from the one scoring settings object, :class:`~.config.ScoringConfig` (:meth:`InfluenceMetric.from_config`), which
+declares every shared option once with its default and its check; a metric class declares which of them it reads
+(``uses``, ``conventions``), its own options (``options``: name -> default, given as ``ScoringConfig(options={...})``),
+its fit passes (``factor_passes``) and its memory (:meth:`InfluenceMetric.memory_parts`, what ``train.py plan`` reads).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..engine.batch import check_loss_reduction, example_loss_fn
-from ..engine.damping import check_damping, check_damping_mode, damping_value
+from ..engine.batch import example_loss_fn
+from ..engine.damping import damping_value
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
 from .features import WeightPairTracker, eval_mode, materialize_grads, progress_bar, slice_rows, to_device, trim_batch
+
+if TYPE_CHECKING:
+    from .config import ScoringConfig
 
 # --------------------------------------------------------------------------------------------
 # K-FAC factors and the whitening they give
@@ -236,16 +244,23 @@ class InfluenceMetric:
     (``token_factored = True``: :meth:`tokens` maps ``(h, δ)`` so that ``Σ_t δ̃_t h̃_tᵀ = M G``; TracIn, K-FAC) and
     scoring never forms ``G``, or it does not (``False``: EK-FAC) and the trackers take ``M G`` per example from
     :meth:`gradients`. A metric fitted on data saves and loads its fitted state (:meth:`state_dict`,
-    :meth:`load_state_dict`: tensors only, written as safetensors by :mod:`iprox_lightning.io.factors`)."""
+    :meth:`load_state_dict`: tensors only, written as safetensors by :mod:`iprox_lightning.io.factors`).
+
+    Everything about a metric is declared on its class: ``name`` (the class keyword), ``uses`` (the shared
+    :class:`~.config.ScoringConfig` options it reads, recorded in its settings), ``conventions`` (the loss and
+    curvature conventions it honours, recorded when not the default), ``options`` (its own options, name -> default:
+    ``ScoringConfig(options={...})``, YAML ``options: {...}``; recorded in its settings), ``factor_passes`` (passes
+    :meth:`fit` makes over the training batches) and :meth:`memory_parts` / ``memory_levers`` (its memory, which
+    ``train.py plan`` adds to the scoring stage). It is built from the scoring settings by :meth:`from_config`."""
 
     registry: ClassVar[dict[str, type["InfluenceMetric"]]] = {}  # name -> class, filled by __init_subclass__
     name: ClassVar[str]
     factor_passes: ClassVar[int] = 0  # passes fit() makes over the training batches (0: nothing to fit)
     token_factored: ClassVar[bool] = True  # tokens() exists; False: matrix() on materialised per-example gradients
-    # the loss and curvature conventions (:meth:`set_conventions`; defaults: the project's, recorded only when changed)
-    loss_reduction: str = "mean"
-    fisher: str = "empirical"
-    damping_target: str = "factors"
+    uses: ClassVar[tuple[str, ...]] = ()  # the shared ScoringConfig options the metric reads (its settings)
+    conventions: ClassVar[tuple[str, ...]] = ("loss_reduction",)  # conventions recorded when not the default
+    options: ClassVar[Mapping[str, Any]] = {}  # the metric's own options, name -> default (ScoringConfig.options)
+    memory_levers: ClassVar[Mapping[str, str]] = {}  # memory part -> the setting that lowers it (train.py plan)
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         """``class MyMetric(InfluenceMetric, name="mine")`` registers it as ``method: mine``; a subclass without a
@@ -257,29 +272,32 @@ class InfluenceMetric:
             cls.name = name
             InfluenceMetric.registry[name] = cls
 
+    def __init__(self, config: "ScoringConfig") -> None:
+        """``config``: the scoring settings, checked when built (:meth:`~.config.ScoringConfig.build_metric` builds a
+        metric; ``influence_metric(name, **options)`` from keywords)."""
+        self.config = config
+        # the loss and curvature conventions (docs/GUIDE.md, "To match kronfluence / bergson / LESS"): the per-example
+        # loss (mean or sum of the response tokens' cross-entropies) for the scored, validation and factor gradients;
+        # the curvature from the labels or sampled ones (factor passes only); K-FAC damps each factor or their product
+        self.loss_reduction, self.fisher, self.damping_target = config.loss_reduction, config.fisher, config.damping_target
+        self.own_options = {**self.options, **dict(config.options or {})}
+
     @classmethod
-    def from_options(cls, *, damping: float, damping_mode: str, kfac_examples: int) -> "InfluenceMetric":
-        """The metric built from the scoring options (a metric without options ignores them)."""
-        return cls()
+    def from_config(cls, config: "ScoringConfig") -> "InfluenceMetric":
+        """The metric built from the scoring settings (:meth:`~.influence.ScoringConfig.build_metric`)."""
+        return cls(config)
+
+    @classmethod
+    def memory_parts(cls, linears: Sequence[tuple[int, int]]) -> dict[str, float]:
+        """Bytes per device the metric's own state adds to scoring, by part (``{}``: none), for the tracked weights'
+        ``(in_features, out_features)`` (what ``train.py plan`` adds to the scoring stage; ``memory_levers`` names
+        the setting that lowers each part)."""
+        return {}
 
     @property
     def needs_factor_data(self) -> bool:
         """Whether :meth:`fit` reads training batches."""
         return self.factor_passes > 0
-
-    def set_conventions(self, *, loss_reduction: str = "mean", fisher: str = "empirical",
-                        damping_target: str = "factors") -> "InfluenceMetric":
-        """Set the loss and curvature conventions (before :meth:`fit`; ``docs/GUIDE.md``, "To match kronfluence /
-        bergson / LESS"): ``loss_reduction`` the per-example loss, the mean (default) or the sum of its response
-        tokens' cross-entropies (:data:`~iprox_lightning.engine.batch.LOSS_REDUCTIONS`), for the scored, validation
-        and factor gradients alike; ``fisher``: the curvature from the examples' labels (``"empirical"``, default)
-        or from labels sampled from the model (``"sampled"``, the factor passes only); ``damping_target``: K-FAC
-        damps each factor (``"factors"``, default) or their Kronecker product (``"product"``: ``Λ = e_δ e_hᵀ``
-        damped like EK-FAC's eigenvalues). A metric without factors ignores the last two."""
-        check_loss_reduction(loss_reduction)
-        check_conventions(fisher, damping_target)
-        self.loss_reduction, self.fisher, self.damping_target = loss_reduction, fisher, damping_target
-        return self
 
     @property
     def loss_fn(self):
@@ -287,9 +305,10 @@ class InfluenceMetric:
         return example_loss_fn(self.loss_reduction)
 
     def convention_settings(self, *names: str) -> dict:
-        """The conventions among ``names`` that differ from the defaults (so settings and fingerprints of runs with
-        the defaults are as before the options)."""
-        return {n: getattr(self, n) for n in names if getattr(self, n) != getattr(InfluenceMetric, n)}
+        """The conventions among ``names`` that differ from the scoring settings' defaults (so settings and
+        fingerprints of runs with the defaults are as before the options)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self.config)}
+        return {n: getattr(self, n) for n in names if getattr(self, n) != defaults[n]}
 
     def fit(self, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
             batches: Iterable[Mapping] | None, *, dtype: torch.dtype, shard=(0, 1), reduce=None,
@@ -326,8 +345,10 @@ class InfluenceMetric:
         return None
 
     def settings(self) -> dict:
-        """The metric's options, for the score settings."""
-        raise NotImplementedError
+        """The metric's options, for the score settings (and the fingerprints of what it scored): the shared options
+        it ``uses``, its own ``options`` and its ``conventions`` that differ from the defaults."""
+        return {**{n: getattr(self.config, n) for n in self.uses}, **self.own_options,
+                **self.convention_settings(*self.conventions)}
 
     def fit_settings(self) -> dict:
         """The options the fitted state depends on (its file's fingerprint; damping is applied after loading)."""
@@ -359,9 +380,6 @@ class TracIn(InfluenceMetric, name="tracin"):
     def tokens(self, key, h, delta):
         return h, delta
 
-    def settings(self) -> dict:
-        return self.convention_settings("loss_reduction")
-
 
 _EIG_FIELDS = ("Q_h", "e_h", "tr_h", "Q_d", "e_d", "tr_d")
 
@@ -374,7 +392,7 @@ whatever the number of processes, in both EK-FAC passes)."""
 def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: str, trackers,
                     metric: "InfluenceMetric | None" = None) -> int:
     """Run ``trackers`` over the first ``examples`` examples of ``batches`` (this rank's share), with ``metric``'s
-    per-example loss and Fisher (:meth:`InfluenceMetric.set_conventions`); returns the count."""
+    per-example loss and Fisher (its conventions, :class:`InfluenceMetric`); returns the count."""
     loss_fn = example_loss_fn("mean") if metric is None else metric.loss_fn
     sampled = metric is not None and metric.fisher == "sampled"
     rank, world = shard
@@ -400,18 +418,20 @@ class KFAC(InfluenceMetric, name="kfac"):
     (``damping``, ``damping_mode``: :mod:`iprox_lightning.engine.damping`)."""
 
     factor_passes = 1  # the factors C_h, C_δ
+    uses = ("damping", "damping_mode", "kfac_examples")
+    conventions = ("loss_reduction", "fisher", "damping_target")
+    memory_levers = {"kfac_factors": "method tracin (K-FAC factors are in² + out² per layer whatever kfac_examples "
+                                     "is), or a store"}
 
     @classmethod
-    def from_options(cls, *, damping, damping_mode, kfac_examples):
-        return cls(damping, damping_mode, kfac_examples)
+    def memory_parts(cls, linears):
+        """The float64 factor sums ``in² + out²`` per tracked weight (and their eigenvectors, the same size)."""
+        return {"kfac_factors": 16.0 * sum(i ** 2 + o ** 2 for i, o in linears)}
 
-    def __init__(self, damping: float = 1e-3, damping_mode: str = "relative", examples: int = 1024,
-                 **conventions) -> None:
-        self.set_conventions(**conventions)
-        check_damping(damping, damping_mode)
-        if examples < 1:
-            raise UserInputError(f"kfac_examples must be >= 1, got {examples}")
-        self.damping, self.damping_mode, self.examples = float(damping), damping_mode, int(examples)
+    def __init__(self, config: "ScoringConfig") -> None:
+        super().__init__(config)
+        c = self.config
+        self.damping, self.damping_mode, self.examples = float(c.damping), c.damping_mode, int(c.kfac_examples)
         self.layers: dict[str, LayerMetric] | None = None
         self.eigens: dict[str, dict[str, torch.Tensor]] = {}
         self.scales: dict[str, torch.Tensor] | None = None  # damping_target="product" / EK-FAC: 1/sqrt(Λ + λ)
@@ -508,8 +528,7 @@ class KFAC(InfluenceMetric, name="kfac"):
         return L.Q_d, L.Q_h
 
     def settings(self) -> dict:
-        return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples,
-                **self.convention_settings("loss_reduction", "fisher", "damping_target")}
+        return {**super().settings(), "damping": self.damping, "kfac_examples": self.examples}  # as float, int
 
     def fit_settings(self) -> dict:
         return {"method": self.name, "kfac_examples": self.examples,
@@ -539,15 +558,17 @@ class EKFAC(KFAC, name="ekfac"):
     factor_passes = 2  # K-FAC's factors, then the eigenvalues in their eigenbases
     token_factored = False
     extra_fields = ("lambda", "n")
+    conventions = ("loss_reduction", "fisher")  # EK-FAC damps its eigenvalue matrix as a whole whatever damping_target says
+    memory_levers = {**KFAC.memory_levers, "ekfac_corrections": "method kfac or tracin"}
+
+    @classmethod
+    def memory_parts(cls, linears):
+        """K-FAC's factors and the float64 eigenbasis corrections ``[out, in]`` per tracked weight."""
+        return {**KFAC.memory_parts(linears), "ekfac_corrections": 8.0 * sum(i * o for i, o in linears)}
 
     def base_metric(self) -> KFAC:
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
-        return KFAC(self.damping, self.damping_mode, self.examples, loss_reduction=self.loss_reduction,
-                    fisher=self.fisher)
-
-    def settings(self) -> dict:  # EK-FAC damps its eigenvalue matrix as a whole whatever damping_target says
-        return {"damping": self.damping, "damping_mode": self.damping_mode, "kfac_examples": self.examples,
-                **self.convention_settings("loss_reduction", "fisher")}
+        return KFAC(dataclasses.replace(self.config, method="kfac"))
 
     def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
         t0 = time.perf_counter()
@@ -590,40 +611,6 @@ class EKFAC(KFAC, name="ekfac"):
 def metric_names() -> tuple[str, ...]:
     """The registered metric names (``method:`` values)."""
     return tuple(InfluenceMetric.registry)
-
-
-def check_metric_name(name: str, owner: str = "") -> None:
-    if name not in InfluenceMetric.registry:
-        raise UserInputError(f"{owner + ': ' if owner else ''}method must be one of {metric_names()}, got {name!r}")
-
-
-FISHERS = ("empirical", "sampled")
-DAMPING_TARGETS = ("factors", "product")
-
-
-def check_conventions(fisher: str, damping_target: str) -> None:
-    if fisher not in FISHERS:
-        raise UserInputError(f"fisher must be one of {FISHERS}, got {fisher!r}")
-    if damping_target not in DAMPING_TARGETS:
-        raise UserInputError(f"damping_target must be one of {DAMPING_TARGETS}, got {damping_target!r}")
-
-
-def influence_metric(name: str, *, damping: float = 1e-3, damping_mode: str = "relative",
-                     kfac_examples: int = 1024, loss_reduction: str = "mean", fisher: str = "empirical",
-                     damping_target: str = "factors") -> InfluenceMetric:
-    """The metric registered as ``name`` (``"tracin"`` | ``"kfac"`` | ``"ekfac"`` | a user's, the ``method:`` of the
-    scoring configs), with the loss and curvature conventions ``loss_reduction``, ``fisher``, ``damping_target``
-    (:meth:`InfluenceMetric.set_conventions`); the K-FAC options are checked whatever the name, so a config is valid
-    or not independently of ``method``."""
-    check_metric_name(name)
-    check_damping_mode(damping_mode)
-    if kfac_examples < 1:
-        raise UserInputError(f"kfac_examples must be >= 1, got {kfac_examples}")
-    check_loss_reduction(loss_reduction)
-    check_conventions(fisher, damping_target)
-    metric = InfluenceMetric.registry[name].from_options(damping=damping, damping_mode=damping_mode,
-                                                         kfac_examples=kfac_examples)
-    return metric.set_conventions(loss_reduction=loss_reduction, fisher=fisher, damping_target=damping_target)
 
 
 def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],

@@ -36,7 +36,8 @@ from torch import nn
 
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
-from .influence import InfluenceScorer, ScoringConfig
+from .config import ScoringConfig
+from .influence import InfluenceScorer
 
 log = logging.getLogger(__name__)
 

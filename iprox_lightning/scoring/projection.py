@@ -233,7 +233,7 @@ class GradientProjector:
         self.metric = metric
         from ..engine.batch import example_loss_fn
 
-        # the per-example loss: the metric's (InfluenceMetric.set_conventions), or loss_reduction for TracIn
+        # the per-example loss: the metric's (its ScoringConfig's loss_reduction), or loss_reduction for TracIn
         self.loss_fn = example_loss_fn(loss_reduction or getattr(metric, "loss_reduction", "mean"))
         p = next(model.parameters())
         self.dtype = dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)

@@ -20,9 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from ..io import gradient_store as gs
-from .metrics import check_metric_name, fit_or_load, influence_metric
+from .config import STORE_FIELDS, ScoringConfig
+from .metrics import fit_or_load
 from .projection import GradientProjector, LayerProjection, make_projections, pca_projections
 from .shard_writer import BufferedShardWriter
 
@@ -38,58 +40,52 @@ query no longer reproduces)."""
 class GradientStoreModule(L.LightningModule):
     """Projected per-example gradients of the pool (see :mod:`.projection`).
 
+    The metric's settings (``method``, ``damping``, ``damping_mode``, ``kfac_examples``: with ``projection="pca"``
+    also the second moments' examples, ``loss_reduction``, ``fisher``, ``damping_target``, ``options``) and
+    ``target_patterns`` are :class:`~.influence.ScoringConfig` fields (:data:`STORE_FIELDS`), given as keywords or
+    whole as ``scoring=ScoringConfig(...)``; the built config is ``self.config``. The precision is the Trainer's
+    (``trainer.precision``), recorded in the store's settings so that ``query`` computes the validation gradients
+    under the same one.
+
     Args:
         model: ``"builtin"``, a hub id, a local directory, a ``.gguf`` file, a saved proxy directory, or an ``nn.Module``.
         k: projection rows per side of each tracked weight (``k_out·k_in`` numbers per weight; a side with ``k >= its
             dimension`` is not projected, so a large ``k`` stores exact gradients).
         seed: seed of the projections.
-        method: the influence metric applied before projecting: ``"tracin"``, ``"kfac"`` or ``"ekfac"``.
-        damping: K-FAC / EK-FAC damping (the project's rule).
-        damping_mode: ``"relative"`` or ``"absolute"``.
-        kfac_examples: examples the factors are fitted on (and, with ``projection="pca"``, the second moments; these
-            make the projections the store saves and are not kept in it, only in ``factors_dir`` when given).
         kfac_split: data-module split the factors are fitted on.
         projection: ``"gaussian"`` (seeded ``N(0, 1/k)`` rows: unbiased inner products, sampling noise) or ``"pca"``
             (the ``k`` leading eigenvectors of each layer's input and output-gradient second moments, fitted on
             ``kfac_examples`` of ``kfac_split``: the ``k × k`` block of largest energy, no noise; TracIn only —
             K-FAC / EK-FAC up-weight exactly the directions it drops). Saved in the store either way.
-        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
         dtype: model dtype when loading.
         attn_implementation: attention kernel when loading.
-        loss_reduction, fisher, damping_target: the loss and curvature conventions (``"mean"``, ``"empirical"``,
-            ``"factors"`` by default; :class:`~.influence.ScoringConfig`), recorded in the store's fingerprint when
-            changed; a query computes its validation gradients with the store's.
         factors_dir: a directory of saved factors shared with other runs (a scoring run's ``factors_dir``, other
             stores'): factors (or PCA moments) fitted there before on the same model, factor data and fit settings
             are loaded instead of fitted, new ones are saved there; the store keeps a copy of the file it used, so a
             query needs nothing but the store. ``None``: the store's own directory.
-        precision: the Trainer precision the store is built under (``bf16-mixed``, ``bf16-true``; ``None``: float32),
-            recorded in the store's settings so that ``query`` computes the validation gradients under the same one.
-            It must be the Trainer's (``build_store --precision`` passes both).
     """
 
-    def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, method: str = "tracin",
-                 damping: float = 1e-3, damping_mode: str = "relative", kfac_examples: int = 1024,
-                 kfac_split: str = "pool", target_patterns: Optional[list[str]] = None, dtype: str = "float32",
-                 attn_implementation: Optional[str] = "sdpa", projection: str = "gaussian",
-                 factors_dir: Optional[str] = None, precision: Optional[str] = None, loss_reduction: str = "mean",
-                 fisher: str = "empirical", damping_target: str = "factors") -> None:
-        super().__init__()
-        from ..engine.precision import check_precision
-
-        check_precision(precision, "GradientStoreModule")
+    @takes_settings(ScoringConfig, "scoring", fields=STORE_FIELDS)
+    def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, *,
+                 kfac_split: str = "pool", dtype: str = "float32", attn_implementation: Optional[str] = "sdpa",
+                 projection: str = "gaussian", factors_dir: Optional[str] = None,
+                 scoring: Optional[ScoringConfig] = None) -> None:
+        # not super(): the hyper-parameters are given whole (ProxyAlignModule.__init__ says why)
+        L.LightningModule.__init__(self)
         if k < 1:
             raise UserInputError(f"GradientStoreModule: k (projection size) must be >= 1, got {k}")
-        check_metric_name(method, "GradientStoreModule")
         if projection not in PROJECTIONS:
             raise UserInputError(f"GradientStoreModule: projection must be one of {PROJECTIONS}, got {projection!r}")
-        if projection == "pca" and method != "tracin":
+        if projection == "pca" and scoring.method != "tracin":
             raise UserInputError(f"GradientStoreModule: projection='pca' keeps each layer's largest-variance "
-                                 f"directions, which {method} down-weights; use it with method='tracin' (or "
+                                 f"directions, which {scoring.method} down-weights; use it with method='tracin' (or "
                                  "projection='gaussian')")
-        self.metric = influence_metric(method, damping=damping, damping_mode=damping_mode, kfac_examples=kfac_examples,
-                                       loss_reduction=loss_reduction, fisher=fisher, damping_target=damping_target)
-        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        self.config = scoring
+        self.metric = scoring.build_metric()
+        hparams = {} if isinstance(model, nn.Module) else {"model": model}
+        hparams.update(k=k, seed=seed, kfac_split=kfac_split, dtype=dtype, attn_implementation=attn_implementation,
+                       projection=projection, factors_dir=factors_dir, **scoring.to_dict())
+        self.save_hyperparameters(hparams)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.projector: GradientProjector | None = None
@@ -114,16 +110,17 @@ class GradientStoreModule(L.LightningModule):
 
     def settings(self) -> dict:
         """What the vectors depend on besides the model and the pool (the store's fingerprinted settings)."""
-        hp = self.hparams
+        hp, patterns = self.hparams, self.config.target_patterns
         out = {"k": hp.k, "seed": hp.seed, "method": self.metric.name, **self.metric.settings(),
                "kfac_split": hp.kfac_split if self.metric.needs_factor_data else None,
-               "target_patterns": None if hp.target_patterns is None else list(hp.target_patterns), "dtype": hp.dtype}
+               "target_patterns": None if patterns is None else list(patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
         if hp.projection == "pca":  # (a gaussian store's fingerprint is as before the option)
-            out.update(projection="pca", kfac_examples=hp.kfac_examples, kfac_split=hp.kfac_split)
-        if hp.get("precision") not in (None, "32-true"):  # (a float32 store's fingerprint is as before the option)
-            out["precision"] = hp.precision  # the query computes its validation gradients under the same one
+            out.update(projection="pca", kfac_examples=self.config.kfac_examples, kfac_split=hp.kfac_split)
+        precision = str(self.trainer.precision) if self._trainer is not None else None
+        if precision not in (None, "32-true"):  # (a float32 store's fingerprint is as before the option)
+            out["precision"] = precision  # the query computes its validation gradients under the same one
         return out
 
     def provenance(self) -> dict:
@@ -151,8 +148,8 @@ class GradientStoreModule(L.LightningModule):
             self.configure_model()
         from .features import tracked_modules, virtual_linears
 
-        hp = self.hparams
-        modules = tracked_modules(self.net, None if hp.target_patterns is None else list(hp.target_patterns))
+        hp, patterns = self.hparams, self.config.target_patterns
+        modules = tracked_modules(self.net, None if patterns is None else list(patterns))
         linears = virtual_linears(modules)
         projections = None
         if store_dir is not None and (Path(store_dir) / gs.PROJECTION_FILE).exists():
@@ -164,8 +161,9 @@ class GradientStoreModule(L.LightningModule):
         if self.metric.needs_factor_data:
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
         if projections is None and hp.projection == "pca":
-            moments = influence_metric("kfac", damping=hp.damping, damping_mode=hp.damping_mode,
-                                       kfac_examples=hp.kfac_examples, loss_reduction=self.metric.loss_reduction)
+            c = self.config  # the second moments of K-FAC's first pass, on the store's examples and loss
+            moments = ScoringConfig(method="kfac", damping=c.damping, damping_mode=c.damping_mode,
+                                    kfac_examples=c.kfac_examples, loss_reduction=c.loss_reduction).build_metric()
             # the moments only make the projections, which the store saves: they are not kept in the store (as
             # large as K-FAC factors), only in a shared factors_dir, where other stores and scoring runs reuse them
             st = self._fit_factors(moments, modules, linears, None, dtype, save)
@@ -174,7 +172,7 @@ class GradientStoreModule(L.LightningModule):
         elif projections is None:
             projections = make_projections(linears, hp.k, hp.seed)
         self.projector = GradientProjector(self.net, metric=self.metric if self.metric.name != "tracin" else None,
-                                           target_patterns=hp.target_patterns, projections=projections, dtype=dtype,
+                                           target_patterns=patterns, projections=projections, dtype=dtype,
                                            loss_reduction=self.metric.loss_reduction)
 
     def _fit_factors(self, metric, modules, linears, store_dir: str | None, dtype: torch.dtype, save: bool) -> dict:

@@ -14,21 +14,20 @@ the columns ``score/T`` and ``score/T.<part>``. A rule turns the table into an o
   task with the fewest picks so far takes its best remaining example, round-robin (one selection serving every
   task, none over-picked).
 
-Rules are plain functions ``rule(ids, columns, task) -> (order, value)`` (row indices best first, and each row's
-value under the rule: the pooled, mean or max score, or for ``balanced`` the standardised score of the task that
-took it) registered in :data:`RULES`; ``select(...,
-rule=..., task=...)`` and ``python train.py select --rule ... --task ...`` name them. Ties are broken by id.
+A rule is one class, a :class:`SelectionRule` subclass with a class keyword ``name=``: it registers itself once in
+:data:`RULES` (name -> the rule, a callable ``rule(ids, columns, task) -> (order, value)``: row indices best first, and
+each row's value under the rule: the pooled, mean or max score, or for ``balanced`` the standardised score of the
+task that took it), and declares whether the pipeline selects one subset per validation task with it (``per_task``)
+and which columns it reads (:meth:`SelectionRule.columns`). ``select(..., rule=..., task=...)``,
+``python train.py select --rule ... --task ...`` and ``pipeline --select_rule ...`` name them. Ties are broken by id.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import UserInputError
-
-RuleFn = Callable[[Sequence[str], Mapping[str, np.ndarray], "str | None"], "tuple[np.ndarray, np.ndarray]"]
-
 
 def task_columns(columns: Mapping[str, np.ndarray], task: str | None) -> dict[str, np.ndarray]:
     """``{column name: values}`` of the per-task columns of ``task`` (its parts), or of every task when
@@ -50,60 +49,105 @@ def _order(values: np.ndarray, ids: Sequence[str]) -> tuple[np.ndarray, np.ndarr
     return topk_order(values, ids), values
 
 
-def pooled(ids, columns, task=None):
-    if task is not None:
-        raise UserInputError("rule 'pooled' ranks by the pooled score and takes no task; use rule 'mean' or 'max' "
-                             f"to select for task {task!r}")
-    return _order(np.asarray(columns["score"], np.float64), ids)
+class SelectionRule:
+    """A selection rule (module docstring): ``rule(ids, columns, task) -> (order, value)``.
+
+    Declared on the class: ``name`` (the class keyword; registers the rule in :data:`RULES`), ``per_task`` (the
+    pipeline selects one subset per validation task with it, each ranked against that task; ``False``: one subset
+    for all) and :meth:`columns` (the score columns it reads, checked for NaN/inf before ranking)."""
+
+    name: ClassVar[str]
+    per_task: ClassVar[bool] = True
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in RULES:
+                raise TypeError(f"selection rule name {name!r} is taken by {type(RULES[name]).__name__}")
+            cls.name = name
+            RULES[name] = cls()
+
+    def __call__(self, ids: Sequence[str], columns: Mapping[str, np.ndarray],
+                 task: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def columns(self, column_names: Sequence[str], task: str | None = None) -> list[str]:
+        """The table columns the rule reads: the task's parts (every task's with no ``task``)."""
+        return list(task_columns({c: np.zeros(0) for c in column_names}, task))
 
 
-def mean(ids, columns, task=None):
-    return _order(np.mean(np.stack(list(task_columns(columns, task).values())), axis=0), ids)
+RULES: dict[str, SelectionRule] = {}
+"""Selection rules by name (the CLI's ``--rule``), filled by :class:`SelectionRule` subclasses."""
 
 
-def max_(ids, columns, task=None):
-    return _order(np.max(np.stack(list(task_columns(columns, task).values())), axis=0), ids)
+class Pooled(SelectionRule, name="pooled"):
+    """The pooled ``score``; takes no task (one selection for all)."""
+
+    per_task = False
+
+    def __call__(self, ids, columns, task=None):
+        if task is not None:
+            raise UserInputError("rule 'pooled' ranks by the pooled score and takes no task; use rule 'mean' or 'max' "
+                                 f"to select for task {task!r}")
+        return _order(np.asarray(columns["score"], np.float64), ids)
+
+    def columns(self, column_names, task=None):
+        return ["score"]
 
 
-def balanced(ids, columns, task=None):
+class Mean(SelectionRule, name="mean"):
+    """The mean of the task's parts."""
+
+    def __call__(self, ids, columns, task=None):
+        return _order(np.mean(np.stack(list(task_columns(columns, task).values())), axis=0), ids)
+
+
+class Max(SelectionRule, name="max"):
+    """LESS: the max over the task's parts."""
+
+    def __call__(self, ids, columns, task=None):
+        return _order(np.max(np.stack(list(task_columns(columns, task).values())), axis=0), ids)
+
+
+class Balanced(SelectionRule, name="balanced"):
     """Round-robin over tasks by standardised score (see the module doc); ``task`` restricts to its parts."""
-    cols = task_columns(columns, task)
-    orders, zs = [], []
-    for v in cols.values():
-        v = np.asarray(v, np.float64)
-        sd = v.std()
-        z = (v - v.mean()) / sd if sd > 0 else v - v.mean()
-        orders.append(_order(z, ids)[0])
-        zs.append(z)
-    n, taken, out = len(ids), np.zeros(len(ids), bool), []
-    value = np.zeros(n)
-    heads = [0] * len(orders)
-    while len(out) < n:
-        for t in range(len(orders)):  # one pick per task per round: equal counts, ties by task order
-            while heads[t] < n and taken[orders[t][heads[t]]]:
-                heads[t] += 1
-            if heads[t] < n:
-                j = orders[t][heads[t]]
-                taken[j] = True
-                value[j] = zs[t][j]
-                out.append(j)
-    return np.asarray(out, dtype=np.int64), value
 
-
-RULES: dict[str, RuleFn] = {"pooled": pooled, "mean": mean, "max": max_, "balanced": balanced}
-"""Selection rules by name (the CLI's ``--rule``)."""
+    def __call__(self, ids, columns, task=None):
+        cols = task_columns(columns, task)
+        orders, zs = [], []
+        for v in cols.values():
+            v = np.asarray(v, np.float64)
+            sd = v.std()
+            z = (v - v.mean()) / sd if sd > 0 else v - v.mean()
+            orders.append(_order(z, ids)[0])
+            zs.append(z)
+        n, taken, out = len(ids), np.zeros(len(ids), bool), []
+        value = np.zeros(n)
+        heads = [0] * len(orders)
+        while len(out) < n:
+            for t in range(len(orders)):  # one pick per task per round: equal counts, ties by task order
+                while heads[t] < n and taken[orders[t][heads[t]]]:
+                    heads[t] += 1
+                if heads[t] < n:
+                    j = orders[t][heads[t]]
+                    taken[j] = True
+                    value[j] = zs[t][j]
+                    out.append(j)
+        return np.asarray(out, dtype=np.int64), value
 
 
 def rule_order(rule: str, ids: Sequence[str], columns: Mapping[str, np.ndarray],
                task: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(order, value)``: row indices in the order rule ``rule`` takes them (best first) and each row's value."""
-    if rule not in RULES:
-        raise UserInputError(f"unknown selection rule {rule!r}; rules: {', '.join(RULES)}")
-    return RULES[rule](list(ids), columns, task)
+    return _rule(rule)(list(ids), columns, task)
 
 
 def rule_columns(rule: str, column_names: Sequence[str], task: str | None = None) -> list[str]:
     """The table columns rule ``rule`` reads (to check them for NaN/inf before ranking)."""
-    if rule == "pooled":
-        return ["score"]
-    return list(task_columns({c: np.zeros(0) for c in column_names}, task))
+    return _rule(rule).columns(column_names, task)
+
+
+def _rule(rule: str) -> SelectionRule:
+    if rule not in RULES:
+        raise UserInputError(f"unknown selection rule {rule!r}; rules: {', '.join(RULES)}")
+    return RULES[rule]

@@ -39,18 +39,11 @@ from .candidates import Candidates, ExcludeCategories, WithinShortest
 from .topk import topk_count
 
 
-def _read_scores(path: str):
-    from ..io.scores import read_table
-
-    return read_table(path)
-
-
-def _table_fingerprint(src: Path) -> str | None:
+def _table_fingerprint(settings: dict) -> str | None:
     """Digest of the fingerprint recorded next to a merged score table (``None`` for other tables)."""
     from ..io.fingerprint import digest
-    from ..io.scores import read_settings
 
-    fp = read_settings(src.parent).get("fingerprint") if src.name == "scores.parquet" else None
+    fp = settings.get("fingerprint")
     return digest(fp) if fp else None
 
 
@@ -123,14 +116,14 @@ def _check_not_another_selectors(out: Path, src: Path) -> None:
         "(a file of its own), or --overwrite true to replace it")
 
 
-def _read_scored_pool(src: Path, pool, builtin_size: int | None, allow_mismatch: bool):
+def _read_scored_pool(src: Path, settings: dict, pool, builtin_size: int | None, allow_mismatch: bool):
     """``(pool descriptions, builtin size, pool records, pool check)`` of ``pool`` (``None``: no pool), checked to be
-    the pool the table ``src`` scored (its records digest) unless ``allow_mismatch``."""
+    the pool the table ``src`` scored (its records digest, in its ``settings``) unless ``allow_mismatch``."""
     from ..data.pool import describe, read_pool
     from ..io.scores import check_scored_pool, scored_pool
 
     pools = [] if pool is None else [describe(pool)]
-    scored = scored_pool(src)  # how the scored pool was read, and its records digest
+    scored = scored_pool(settings)  # how the scored pool was read, and its records digest
     size = builtin_size or scored.get("builtin_size") or 2000
     pool_records = read_pool(pool, scored.get("field_map"), builtin_size=size) if pool is not None else []
     pool_check = check_scored_pool(src, scored, pool_records, pools[0] if pools else None,
@@ -193,12 +186,14 @@ def select(
     """
     restrictions = ([ExcludeCategories(exclude_categories)] if exclude_categories else []) + \
         ([WithinShortest(within_shortest)] if within_shortest is not None else [])
-    src, table = _read_scores(scores_path)
+    from ..io.scores import read_scored
+
+    src, table, settings = read_scored(scores_path)  # the table and its settings, read once
     cands = Candidates.rank(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
     ids, flags, bad = cands.ids, cands.flags, cands.bad
     if pool is None:
         pool = _default_pool(ids)
-    pools, size, pool_records, pool_check = _read_scored_pool(src, pool, builtin_size, allow_pool_mismatch)
+    pools, size, pool_records, pool_check = _read_scored_pool(src, settings, pool, builtin_size, allow_pool_mismatch)
     records = {r["id"]: r for r in pool_records}
     cands.in_pool(records, pools)
     for r in restrictions:
@@ -222,7 +217,7 @@ def select(
         raise OutputExistsError(f"output {out} is {what}: not replaced, even with --overwrite true. Choose another "
                                 "output, or delete it by hand if it is yours to drop")
     meta = {
-        "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
+        "scores": str(src), "scores_fingerprint": _table_fingerprint(settings), "k": k, "count": len(chosen), "ranked": n,
         "column": cands.column, "rule": rule, "task": task, "dedup": dedup, "pool": pools,
         "pool_check": pool_check, **({"builtin_size": size} if pool == "builtin" else {}),
         **{key: cands.applied[key] for key in ("shortlist", "excluded") if key in cands.applied},

@@ -61,12 +61,12 @@ Everything here is plain PyTorch; ``ProxyAlignModule`` is the thin Lightning lay
 """
 from .common import (
     SCORE_LOSSES, TASK_REDUCTIONS, FactorPairTracker, TaskDirections, TaskGradientTracker, projected_directions,
-    proxy_directions, reduce_tasks, task_directions, task_rows, task_sums,
+    proxy_directions, reduce_tasks, task_directions, task_rows, task_gradient_sums,
 )
 from .gradient import TaskGradientOutput, task_gradient_alignment
 from .losses import TaskAlignmentOutput, task_alignment_losses
 from .score import (
-    ExampleScoreTracker, ScoreOutput, cosine_scores, example_features, listwise_loss, pearson_loss,
+    ExampleScoreTracker, ScoreOutput, cosines_from_dots, example_features, listwise_loss, pearson_loss,
     score_agreement_loss, score_alignment_loss,
 )
 
@@ -74,9 +74,9 @@ __all__ = [
     "SCORE_LOSSES",
     "TASK_REDUCTIONS",
     "task_rows",
-    "task_sums",
+    "task_gradient_sums",
     "example_features",
-    "cosine_scores",
+    "cosines_from_dots",
     "pearson_loss",
     "listwise_loss",
     "reduce_tasks",

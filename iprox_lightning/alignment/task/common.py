@@ -40,7 +40,7 @@ def _dtype(*xs: torch.Tensor) -> torch.dtype:
     return dt
 
 
-def task_sums(h: torch.Tensor, delta: torch.Tensor, rows: Mapping[str, Sequence[int]]) -> torch.Tensor:
+def task_gradient_sums(h: torch.Tensor, delta: torch.Tensor, rows: Mapping[str, Sequence[int]]) -> torch.Tensor:
     """``[K, out, in]``: per task ``k`` (in ``rows`` order) ``Σ_{b ∈ rows_k} Σ_t δ_{b,t} h_{b,t}ᵀ`` — the sum of the
     per-example gradients of the task's rows. ``h: [B, T, in]``, ``delta: [B, T, out]``; differentiable."""
     dt = _dtype(h, delta)
@@ -117,7 +117,7 @@ class TaskGradientTracker(PairTracker):
         self.rows = rows
 
     def on_pair(self, name: str, h: torch.Tensor, delta: torch.Tensor) -> None:
-        s = task_sums(h.detach(), (delta * self.keep.to(delta.device, delta.dtype)).detach(), self.rows)
+        s = task_gradient_sums(h.detach(), (delta * self.keep.to(delta.device, delta.dtype)).detach(), self.rows)
         if name not in self.sums:
             self.sums[name] = torch.zeros(len(self.tasks), *s.shape[1:], dtype=s.dtype, device=s.device)
         self.sums[name][self.index] += s
@@ -205,7 +205,7 @@ def proxy_directions(proxy: nn.Module, batches: Iterable[Mapping], tasks: Sequen
         with torch.no_grad():
             for n, ((z, d), (h, dz)) in tracker.pairs.items():
                 for j, (x, g) in enumerate(((z, d), (h, dz))):
-                    s = task_sums(x, g, rows)
+                    s = task_gradient_sums(x, g, rows)
                     if sums[n][j] is None:
                         sums[n][j] = torch.zeros(len(tasks), *s.shape[1:], dtype=s.dtype, device=s.device)
                     sums[n][j][index] += s

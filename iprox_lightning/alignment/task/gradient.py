@@ -12,7 +12,7 @@ from ..losses import factor_projections, proxy_factor_layers
 from ...engine.batch import batch_rows, check_batch
 from ...engine.lowrank import LowRankLinear
 from ...engine.tracking import PairTracker, backward_pairs
-from .common import EPS, FactorPairTracker, _dense_modules, _dtype, _keep, reduce_tasks, task_rows, task_sums
+from .common import EPS, FactorPairTracker, _dense_modules, _dtype, _keep, reduce_tasks, task_rows, task_gradient_sums
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,8 +58,8 @@ def _proxy_task_sums(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, Low
     out = {}
     for name in lowrank:
         (z, d), (h, dz) = pairs.pairs[name]
-        out[name] = (_in_order(task_sums(z, d, present), present, order),
-                     _in_order(task_sums(h, dz, present), present, order))
+        out[name] = (_in_order(task_gradient_sums(z, d, present), present, order),
+                     _in_order(task_gradient_sums(h, dz, present), present, order))
     return out
 
 

@@ -42,7 +42,7 @@ def example_features(h: torch.Tensor, delta: torch.Tensor, V: torch.Tensor, mode
     return sq, torch.einsum("btko,bto->bk", vh, delta)
 
 
-def cosine_scores(dots: torch.Tensor, sq: torch.Tensor, v_sq: torch.Tensor) -> torch.Tensor:
+def cosines_from_dots(dots: torch.Tensor, sq: torch.Tensor, v_sq: torch.Tensor) -> torch.Tensor:
     """TracIn scores ``[B, K]``: ``⟨g_b, v_k⟩ / (‖g_b‖ ‖v_k‖)`` from ``dots [B, K]``, ``sq = ‖g_b‖² [B]`` and
     ``v_sq = ‖v_k‖² [K]``; ``0`` for a zero gradient (never NaN, and a finite gradient there)."""
     return dots / (sq[:, None] * v_sq[None, :]).clamp_min(EPS * EPS).sqrt()
@@ -145,8 +145,8 @@ def score_alignment_loss(
             s, dt = example_features(x, g, v, mode)
             sq = s if sq is None else sq + s
             dots = dt if dots is None else dots + dt
-    sp = cosine_scores(dots, sq, directions.proxy_sq.to(dots.dtype))
-    st = cosine_scores(target_features.dots, target_features.sq, directions.target_sq.to(target_features.dots.dtype))
+    sp = cosines_from_dots(dots, sq, directions.proxy_sq.to(dots.dtype))
+    st = cosines_from_dots(target_features.dots, target_features.sq, directions.target_sq.to(target_features.dots.dtype))
     valid = (batch["labels"][:, 1:] != IGNORE_INDEX).any(dim=1).to(sp.device)
     loss, per_task = score_agreement_loss(sp, st.to(sp.dtype), valid, kind, reduction)
     return ScoreOutput(loss=loss, per_task=dict(zip(directions.tasks, per_task)),

@@ -1,0 +1,138 @@
+"""The scoring settings, declared once: :class:`ScoringConfig` (every field's name, type, default, check and
+documentation), which every scoring entry point takes (``InfluenceScoringModule``, ``GradientStoreModule``,
+``build_store``, ``query``, ``influence_scores``, ``check``, ``plan``) and builds its metric from
+(:meth:`ScoringConfig.build_metric`, the metric registry of :mod:`.metrics`).
+
+This module imports neither torch nor the metrics at import time: the commands' signatures (their ``--help``) read it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from ..engine.damping import check_damping
+from ..errors import UserInputError
+
+if TYPE_CHECKING:
+    from .metrics import InfluenceMetric
+
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScoringConfig:
+    """The settings of influence scoring (how :class:`InfluenceScorer` scores), checked when built.
+
+    ``InfluenceScoringModule`` builds it from its options (same names) and keeps it as ``module.config``; it is
+    passed unchanged to :class:`InfluenceScorer` and written verbatim into the ``"scoring"`` block of the score
+    table's ``settings.json`` (:mod:`iprox_lightning.io.scores`). :func:`influence_scores` builds it from its
+    keyword arguments.
+
+    Args:
+        method: the influence metric by name: ``"tracin"`` (cosine of gradients), ``"kfac"`` (cosine in the
+            K-FAC metric), ``"ekfac"`` (eigenvalue-corrected K-FAC) or any registered
+            :class:`~.metrics.InfluenceMetric`.
+        normalize: cosine scores (paper); ``False`` gives plain inner products.
+        per_task: also score against each validation task (LESS max aggregation in ``score_max``).
+        damping: K-FAC damping of the factors (the project's damping rule, :mod:`iprox_lightning.engine.damping`).
+        damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
+        kfac_examples: training examples the K-FAC factors are estimated on (paper: 1024).
+        feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation (identical numbers).
+        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        loss_reduction: the per-example loss ``L(z)`` over the example's response tokens: ``"mean"`` cross-entropy
+            (default) or ``"sum"`` (kronfluence's, bergson's); for the scored, validation and factor gradients alike.
+        fisher: the curvature (K-FAC / EK-FAC factors) from the examples' labels, ``"empirical"`` (default), or from
+            next tokens sampled from the model, ``"sampled"`` (kronfluence's default; the factor passes only).
+        damping_target: K-FAC damps each factor, ``"factors"`` (default), or their Kronecker product,
+            ``"product"`` (kronfluence's); EK-FAC always damps its eigenvalue matrix as a whole.
+            ``docs/GUIDE.md``, "To match kronfluence / bergson / LESS", has the settings of each peer.
+        options: the chosen metric's own options (``{name: value}``, the names its class declares in ``options``);
+            ``None``: its defaults.
+    """
+
+    method: str = "tracin"
+    normalize: bool = True
+    per_task: bool = True
+    damping: float = 1e-3
+    damping_mode: str = "relative"
+    kfac_examples: int = 1024
+    feature_mode: str = "auto"
+    target_patterns: Optional[tuple[str, ...]] = None
+    loss_reduction: str = "mean"
+    fisher: str = "empirical"
+    damping_target: str = "factors"
+    options: Optional[dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        """Every field's check (whatever the method, so a config is valid or not independently of ``method``)."""
+        # the metric registry, the feature modes and the losses live beside torch: read when a config is built,
+        # never by a command's --help (which reads this module for the commands' signatures)
+        from ..engine.batch import check_loss_reduction
+        from .features import FEATURE_MODES
+        from .metrics import InfluenceMetric, metric_names
+
+        if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
+            object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
+        if self.feature_mode not in FEATURE_MODES:
+            raise UserInputError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}")
+        if self.method not in InfluenceMetric.registry:
+            raise UserInputError(f"method must be one of {metric_names()}, got {self.method!r}")
+        check_damping(self.damping, self.damping_mode)
+        if self.kfac_examples < 1:
+            raise UserInputError(f"kfac_examples must be >= 1, got {self.kfac_examples}")
+        check_loss_reduction(self.loss_reduction)
+        if self.fisher not in FISHERS:
+            raise UserInputError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
+        if self.damping_target not in DAMPING_TARGETS:
+            raise UserInputError(f"damping_target must be one of {DAMPING_TARGETS}, got {self.damping_target!r}")
+        own = InfluenceMetric.registry[self.method].options
+        unknown = sorted(set(self.options or {}) - set(own))
+        if unknown:
+            raise UserInputError(f"options {unknown} are not options of method {self.method!r} (its options: "
+                                 f"{sorted(own) or 'none'})")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "ScoringConfig":
+        """The config of recorded settings (a store's ``fingerprint.settings``, a score table's ``scoring``): the
+        fields they hold, the rest at their defaults; the metric's own options from its recorded settings."""
+        from .metrics import InfluenceMetric  # (torch: see __post_init__)
+
+        kw = {f.name: settings[f.name] for f in fields(cls) if f.name in settings and f.name != "options"}
+        metric = InfluenceMetric.registry.get(kw.get("method", cls.method))
+        own = {k: settings[k] for k in (metric.options if metric is not None else ()) if k in settings}
+        return cls(**kw, options=own or None)
+
+    def build_metric(self) -> "InfluenceMetric":
+        """A new :class:`~.metrics.InfluenceMetric` named by ``method``, built from this config (the registry's
+        class, :meth:`~.metrics.InfluenceMetric.from_config`)."""
+        from .metrics import InfluenceMetric  # (torch: see __post_init__)
+
+        return InfluenceMetric.registry[self.method].from_config(self)
+
+    def to_dict(self) -> dict:
+        """The settings as plain JSON values (``target_patterns`` a list); the loss and curvature conventions and
+        the metric's own options only when they differ from the defaults (the fingerprints of runs with the
+        defaults are as before the options)."""
+        d = asdict(self)
+        if d["target_patterns"] is not None:
+            d["target_patterns"] = list(d["target_patterns"])
+        for name in (*CONVENTIONS, "options"):
+            if d[name] == getattr(ScoringConfig, name):
+                del d[name]
+        return d
+
+
+METRIC_FIELDS = ("method", "damping", "damping_mode", "kfac_examples", "loss_reduction", "fisher", "damping_target",
+                 "options")
+"""The :class:`ScoringConfig` fields that make the metric: what a gradient store and a check take
+(``takes_settings(ScoringConfig, ..., fields=...)``), without the scoring loop's own (``normalize``, ``per_task``,
+``feature_mode``)."""
+
+CONVENTIONS = ("loss_reduction", "fisher", "damping_target")
+"""The :class:`ScoringConfig` fields of the loss and curvature conventions (recorded only when not the default)."""
+
+FISHERS = ("empirical", "sampled")
+DAMPING_TARGETS = ("factors", "product")
+
+
+STORE_FIELDS = (*METRIC_FIELDS, "target_patterns")
+"""The :class:`ScoringConfig` fields a gradient store takes (``GradientStoreModule``, ``build_store``): the metric's
+and the tracked layers; the scoring loop's own (``normalize``, ``per_task``, ``feature_mode``) belong to a query."""
