@@ -287,3 +287,25 @@ def test_pipeline_default_rule_selects_once_per_task(demo):
         assert set(effect[who]["models"]) == {"addition", "uppercase"}
         assert all((wd / "finetune" / f"{who}.{t}" / "model" / "config.json").exists() for t in ("addition", "uppercase"))
     assert set(effect) == {"base", "proxy", "target", "random"} and all(m["n"] == 100 for m in effect.values())
+
+
+def test_report_reads_a_pipeline_run_with_per_task_selections(demo, tmp_path, capsys):
+    """Issue 65: ``report --workdir`` on the README's pipeline run (one selection per task for target and proxy, one
+    for random) finds every score table and model, and writes each per-task selection's oracle share and explanation
+    (it raised KeyError 'target_selection' on these)."""
+    from iprox_lightning.cli import main
+
+    wd, s = demo
+    rows = main(["report", "--workdir", str(wd), "--output_dir", str(tmp_path / "report"), "--max_examples", "200",
+                 "--plots", "false"])
+    by = {r["proxy"]: r for r in rows}
+    assert {"proxy", "random", "target"} <= set(by)
+    assert by["proxy"]["spearman"] == pytest.approx(s["retention_proxy_vs_target"]["spearman"])
+    md = (tmp_path / "report" / "report.md").read_text()
+    o = s["oracle"]
+    for who in ("target.addition", "target.uppercase", "proxy.addition", "proxy.uppercase", "random"):
+        fam = ", ".join(f"{f} {v:.3f}" for f, v in o["per_family"][who].items())
+        assert f"- {who}: {o[who + '_selection']:.3f} ({fam})\n" in md, who
+        assert f"## Selection `{who}` explained" in md, who
+    assert "## Fine-tuned effect" in md
+    capsys.readouterr()
