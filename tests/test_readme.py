@@ -200,6 +200,10 @@ def check_recipe_outputs(repo: Path) -> dict:
     assert check["verdict"]["verdict"].startswith(("use this proxy", "do not use this proxy yet"))
     assert set(check["rows"][0]["per_task"]) == tasks and check["sample"] == 64
     assert check["validation"]["counts"] == {"mmlu": 2, "bbh": 2, "tydiqa": 2}
+    # the pipeline's "next:" command is the README's check command, word for word (issue 65: it dropped --sample 64)
+    import shlex
+
+    assert shlex.split(summary["next_command"]) == shlex.split(readme_recipe()[0][2])
     return summary
 
 
