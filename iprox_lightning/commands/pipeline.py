@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import yaml
 
+from ..progress import activity, touch
 from ..errors import PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserInputError, check_choice
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ def pipeline(
     check_sources(target, pool, validation)
     from ..io.score_dir import ScoreDirLock
 
-    with _sigterm_unwinds(), ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir", remove=True):
+    with _sigterm_unwinds(), ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir", remove=True), \
+            activity(f"pipeline {wd}"):  # between and inside stages, a line at least every interval
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
                          config_dir=config_dir, demo_overlays=demo_overlays, hardware=hardware, threads=num_threads,
@@ -366,14 +368,16 @@ class _StageRunner:
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         log.info("stage %s: python train.py %s", key, " ".join(args))
         t0 = time.perf_counter()
-        if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
-            _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
-        else:
-            with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
-                self.run_lightning(args)
+        with activity(f"{key}: {subcommand} {configs[0].name}"):  # a line at least every interval, loops or not
+            if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
+                _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
+            else:
+                with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
+                    self.run_lightning(args)
         ledger.record(key, output)
         self.took(key, time.perf_counter() - t0)
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
+        touch()
 
     def took(self, key: str, seconds: float) -> None:
         """Record that stage ``key`` took ``seconds`` (in :attr:`times` and ``<workdir>/seconds_per_stage.json``, written
@@ -537,7 +541,7 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
     from ..evaluation.effect import selection_effect
 
     t0 = time.perf_counter()
-    with quiet_stage():
+    with quiet_stage(), activity("evaluate: the warmed-up target and its fine-tuned copies"):
         effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args,
                                   tasks=tasks, eval_per_task=eval_per_task,
                                   device="cpu" if stages.trainer["accelerator"] == "cpu" else "auto",
