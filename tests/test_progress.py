@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from contextlib import contextmanager
 
 import pytest
 
@@ -121,15 +122,58 @@ def test_lightning_loops_print_lines_off_a_terminal(tmp_path):
     assert any(isinstance(c, ProgressLinesCallback) for c in add_console_callbacks({})["callbacks"])
 
 
-def test_the_demo_pipeline_is_never_silent_for_an_interval(tmp_path, monkeypatch):
-    """Issue 65 (the README recipe under tee: 15 gaps over 60 s, one fine-tuning batch of 84 s, an evaluation of
-    281 s without a line): the demo pipeline with its output to a file, the interval scaled down to 3 s and one
-    fine-tuning batch slowed to 12 s (a step longer than the interval). A watcher notes when each line lands in the
-    file; from the first line to the last, no gap exceeds the interval plus the heartbeat's tick and scheduling slack
-    on a loaded machine (and the slowed batch is covered by heartbeat lines with its counts)."""
+@contextmanager
+def lines_to_a_file(path):
+    """Everything printed inside the block (``sys.stdout`` and ``sys.stderr``, the progress heartbeat's thread
+    included) goes to the file ``path`` (not a terminal); a watcher notes when each line lands there. Yields the list
+    of ``(time.monotonic(), line)``, complete when the block ends."""
     import threading
     import time
     from contextlib import redirect_stderr, redirect_stdout
+
+    seen: list[tuple[float, str]] = []
+    done = threading.Event()
+
+    def watch():
+        pos, part = 0, ""
+        while True:
+            finished = done.is_set()
+            with open(path, encoding="utf-8", errors="replace") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            now = time.monotonic()
+            part += chunk
+            *lines, part = part.split("\n")
+            seen.extend((now, ln) for ln in lines if ln.strip())
+            if finished:
+                return
+            time.sleep(0.1)
+
+    with open(path, "w", encoding="utf-8") as out:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with redirect_stdout(out), redirect_stderr(out):
+                yield seen
+        finally:
+            out.flush()
+            done.set()
+            watcher.join()
+
+
+def largest_gap(seen: list[tuple[float, str]]) -> tuple[float, str]:
+    """``(seconds, the line before)`` of the longest wait between two lines."""
+    return max((b[0] - a[0], a[1]) for a, b in zip(seen, seen[1:]))
+
+
+def test_the_demo_pipeline_is_never_silent_for_an_interval(tmp_path, monkeypatch):
+    """Issue 65 (the README recipe under tee: 15 gaps over 60 s, one fine-tuning batch of 84 s, an evaluation of
+    281 s without a line): the demo pipeline with its output to a file, the interval scaled down to 3 s and one
+    fine-tuning batch slowed to 12 s (a step longer than the interval). From the first line to the last no gap
+    exceeds the interval plus the heartbeat's 1 s tick and scheduling slack on a loaded machine, and the slowed batch
+    is covered by heartbeat lines with its counts."""
+    import time
 
     from iprox_lightning.commands.pipeline import pipeline
     from iprox_lightning.training.finetune import FinetuneModule
@@ -145,40 +189,10 @@ def test_the_demo_pipeline_is_never_silent_for_an_interval(tmp_path, monkeypatch
         return real_step(self, *a, **k)
 
     monkeypatch.setattr(FinetuneModule, "training_step", slow_step)
-    log = tmp_path / "pipeline.log"
-    seen: list[tuple[float, str]] = []
-    done = threading.Event()
-
-    def watch():
-        pos, part = 0, ""
-        while True:
-            finished = done.is_set()
-            with open(log, encoding="utf-8", errors="replace") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            now = time.monotonic()
-            part += chunk
-            *lines, part = part.split("\n")
-            seen.extend((now, ln) for ln in lines if ln.strip())
-            if finished:
-                return
-            time.sleep(0.1)
-
-    with open(log, "w", encoding="utf-8") as out:
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            with redirect_stdout(out), redirect_stderr(out):
-                pipeline(workdir=str(tmp_path / "wd"))
-        finally:
-            out.flush()
-            done.set()
-            watcher.join()
+    with lines_to_a_file(tmp_path / "pipeline.log") as seen:
+        pipeline(workdir=str(tmp_path / "wd"))
     assert slowed and seen[-1][1].strip().startswith("python train.py check")
-    times = [t for t, _ in seen]
-    gaps = [(b - a, seen[i][1]) for i, (a, b) in enumerate(zip(times, times[1:]))]
-    worst = max(gaps)
+    worst = largest_gap(seen)
     assert worst[0] <= interval + 4.0, (worst, len(seen))
     during = [ln for t, ln in seen if slowed[0] < t < slowed[0] + slow_s]
     assert sum(ln.startswith("[progress] FinetuneModule fit, epoch 1/") for ln in during) >= 2, during
