@@ -178,7 +178,8 @@ class ProgressLinesCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         per_epoch = _examples(trainer.train_dataloader)
-        full = trainer.limit_train_batches in (1.0, None) and not (trainer.max_steps and trainer.max_steps > 0)
+        limit = trainer.limit_train_batches  # an int is a number of batches, a float a share of the epoch
+        full = (limit is None or (isinstance(limit, float) and limit == 1.0)) and not (trainer.max_steps and trainer.max_steps > 0)
         epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
         total = per_epoch * epochs if per_epoch is not None and epochs and full else None
         self._desc = f"{type(pl_module).__name__} fit"

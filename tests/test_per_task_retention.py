@@ -309,3 +309,12 @@ def test_report_reads_a_pipeline_run_with_per_task_selections(demo, tmp_path, ca
         assert f"## Selection `{who}` explained" in md, who
     assert "## Fine-tuned effect" in md
     capsys.readouterr()
+
+
+def test_seconds_per_stage_file_holds_every_stage_the_summary_shows(demo):
+    """Issue 65: ``seconds_per_stage.json`` left out ``evaluate`` (the last stage: the file was written only when the
+    next stage ended), though the summary shows it."""
+    wd, s = demo
+    on_disk = json.loads((wd / "seconds_per_stage.json").read_text())
+    assert {"select", "evaluate"} <= set(on_disk) and set(on_disk) == set(s["seconds_per_stage"])
+    assert all(round(on_disk[k], 2) == v for k, v in s["seconds_per_stage"].items())
