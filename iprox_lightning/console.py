@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar as _ProgressBarBase, TQDMProgressBar
 
-from .progress import ProgressLines, interval_s, is_terminal
+from .progress import ProgressLines, interval_s, is_terminal, touch
 
 _TIP_PREFIX = "💡 Tip:"
 _LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -70,6 +70,19 @@ class ProgressBar(TQDMProgressBar):
         items.pop("v_num", None)
         return items
 
+    # the bar moved: the progress heartbeat (iprox_lightning.progress) has nothing to add for an interval
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        touch()
+        super().on_train_batch_end(*args, **kwargs)
+
+    def on_validation_batch_end(self, *args, **kwargs) -> None:
+        touch()
+        super().on_validation_batch_end(*args, **kwargs)
+
+    def on_predict_batch_end(self, *args, **kwargs) -> None:
+        touch()
+        super().on_predict_batch_end(*args, **kwargs)
+
 
 class Summary(ModelSummary):
     """Lightning's plain-text model summary, without FLOPs when they are unknown (counted as 0: the module
@@ -94,9 +107,13 @@ class Summary(ModelSummary):
 def add_console_callbacks(config: dict[str, Any]) -> dict[str, Any]:
     """Add :class:`ProgressBar` and :class:`Summary` to a Trainer's keyword arguments ``config`` unless it
     disables them (``enable_progress_bar`` / ``enable_model_summary`` false) or already holds a progress
-    bar / model summary callback. Returns ``config`` (modified in place)."""
+    bar / model summary callback. Off a terminal no bar at all (``\r``-separated noise in a log: issue 65), whatever
+    the config says: the progress lines speak there. Returns ``config`` (modified in place)."""
     cbs = config.get("callbacks")
     cbs = [] if cbs is None else (list(cbs) if isinstance(cbs, (list, tuple)) else [cbs])
+    if not interactive():
+        config["enable_progress_bar"] = False
+        cbs = [c for c in cbs if not isinstance(c, _ProgressBarBase)]
     if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, _ProgressBarBase) for c in cbs):
         cbs.append(ProgressBar())
     if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in cbs):
@@ -115,52 +132,75 @@ def progress_lines() -> list:
     return [ProgressLinesCallback()] if not interactive() and interval_s() > 0 else []
 
 
+def _examples(loaders) -> int | None:
+    """Examples in a dataloader (or a list of them: summed), ``None`` where a loader's dataset has no length."""
+    try:
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        return int(sum(len(dl.dataset) for dl in loaders))
+    except (TypeError, AttributeError):
+        return None
+
+
+def _batch_examples(batch) -> int:
+    """Examples in one batch: the rows of its ``input_ids`` (or of the tensor itself), else 1."""
+    x = batch.get("input_ids") if isinstance(batch, dict) else batch
+    shape = getattr(x, "shape", None)
+    return int(shape[0]) if shape else 1
+
+
 class ProgressLinesCallback(Callback):
-    """Off a terminal, one progress line per loop at most every ``interval`` seconds (:mod:`iprox_lightning.progress`):
-    each training epoch (warm-up, alignment, fine-tuning: batches of the epoch) and each prediction run (scoring, a
-    store build: batches of all predict loaders). Rank 0 only; nothing on a terminal (the bar is there)."""
+    """Off a terminal, one progress line per loop at most every ``interval`` seconds (:mod:`iprox_lightning.progress`),
+    counted in examples (a fine-tune on a small selection has one batch per epoch: batches said nothing): a whole
+    fit over its epochs (warm-up, alignment, fine-tuning; the epoch in the line) and each prediction run (scoring, a
+    store build: the examples of all predict loaders). Rank 0 only; nothing on a terminal (the bar is there)."""
 
     def __init__(self, interval: float | None = None, file=None, clock=None) -> None:
         self.interval, self.file, self.clock = interval, file, clock
         self._lines: ProgressLines | None = None
+        self._desc = ""
 
-    def _start(self, trainer, desc: str, total) -> None:
+    def _start(self, trainer, desc: str, total: int | None) -> None:
         self._stop()
         if not trainer.is_global_zero or is_terminal(self.file if self.file is not None else sys.stderr):
             return
-        try:
-            total = int(sum(total)) if isinstance(total, (list, tuple)) else int(total)
-        except (TypeError, ValueError, OverflowError):
-            total = None
         kwargs = {"clock": self.clock} if self.clock is not None else {}
-        self._lines = ProgressLines(total=total, desc=desc, unit="batch", file=self.file, interval=self.interval,
+        self._lines = ProgressLines(total=total, desc=desc, unit="example", file=self.file, interval=self.interval,
                                     **kwargs)
 
-    def _step(self) -> None:
+    def _step(self, batch) -> None:
         if self._lines is not None:
-            self._lines.update(1)
+            self._lines.update(_batch_examples(batch))
 
     def _stop(self) -> None:
         if self._lines is not None:
             self._lines.close()
             self._lines = None
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        per_epoch = _examples(trainer.train_dataloader)
+        limit = trainer.limit_train_batches  # an int is a number of batches, a float a share of the epoch
+        full = (limit is None or (isinstance(limit, float) and limit == 1.0)) and not (trainer.max_steps and trainer.max_steps > 0)
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+        total = per_epoch * epochs if per_epoch is not None and epochs and full else None
+        self._desc = f"{type(pl_module).__name__} fit"
+        self._start(trainer, self._desc, total)
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        self._start(trainer, f"{type(pl_module).__name__} epoch {trainer.current_epoch + 1}{epochs}",
-                    trainer.num_training_batches)
+        if self._lines is not None:
+            epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+            self._lines.desc = f"{self._desc}, epoch {trainer.current_epoch + 1}{epochs}"
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step()
+        self._step(batch)
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
         self._stop()
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        self._start(trainer, f"{type(pl_module).__name__} predict", trainer.num_predict_batches)
+        self._start(trainer, f"{type(pl_module).__name__} predict", _examples(trainer.predict_dataloaders))
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._step()
+        self._step(batch)
 
     def on_predict_end(self, trainer, pl_module) -> None:
         self._stop()

@@ -287,3 +287,34 @@ def test_pipeline_default_rule_selects_once_per_task(demo):
         assert set(effect[who]["models"]) == {"addition", "uppercase"}
         assert all((wd / "finetune" / f"{who}.{t}" / "model" / "config.json").exists() for t in ("addition", "uppercase"))
     assert set(effect) == {"base", "proxy", "target", "random"} and all(m["n"] == 100 for m in effect.values())
+
+
+def test_report_reads_a_pipeline_run_with_per_task_selections(demo, tmp_path, capsys):
+    """Issue 65: ``report --workdir`` on the README's pipeline run (one selection per task for target and proxy, one
+    for random) finds every score table and model, and writes each per-task selection's oracle share and explanation
+    (it raised KeyError 'target_selection' on these)."""
+    from iprox_lightning.cli import main
+
+    wd, s = demo
+    rows = main(["report", "--workdir", str(wd), "--output_dir", str(tmp_path / "report"), "--max_examples", "200",
+                 "--plots", "false"])
+    by = {r["proxy"]: r for r in rows}
+    assert {"proxy", "random", "target"} <= set(by)
+    assert by["proxy"]["spearman"] == pytest.approx(s["retention_proxy_vs_target"]["spearman"])
+    md = (tmp_path / "report" / "report.md").read_text()
+    o = s["oracle"]
+    for who in ("target.addition", "target.uppercase", "proxy.addition", "proxy.uppercase", "random"):
+        fam = ", ".join(f"{f} {v:.3f}" for f, v in o["per_family"][who].items())
+        assert f"- {who}: {o[who + '_selection']:.3f} ({fam})\n" in md, who
+        assert f"## Selection `{who}` explained" in md, who
+    assert "## Fine-tuned effect" in md
+    capsys.readouterr()
+
+
+def test_seconds_per_stage_file_holds_every_stage_the_summary_shows(demo):
+    """Issue 65: ``seconds_per_stage.json`` left out ``evaluate`` (the last stage: the file was written only when the
+    next stage ended), though the summary shows it."""
+    wd, s = demo
+    on_disk = json.loads((wd / "seconds_per_stage.json").read_text())
+    assert {"select", "evaluate"} <= set(on_disk) and set(on_disk) == set(s["seconds_per_stage"])
+    assert all(round(on_disk[k], 2) == v for k, v in s["seconds_per_stage"].items())

@@ -146,3 +146,62 @@ def test_parse_bytes_and_bad_input():
         M.RunSettings(precision="fp8")
     with pytest.raises(UserInputError, match="model: "):
         M.load_config("/nonexistent/model.gguf")
+
+
+def test_plan_counts_each_architecture_once_and_reads_them_back(tmp_path, monkeypatch):
+    """Issue 65: a plan took 33-36 s, most of it counting activations on fake tensors and importing transformers and
+    Lightning. The counts are saved per config, T, precision and versions under $IPROX_CACHE/plan and read back
+    without transformers (the second call counts nothing); another T or precision is counted anew."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("IPROX_CACHE", str(tmp_path))
+    run = M.RunSettings(max_length=64, precision="bf16-mixed")
+    sizes, acts, acts32 = M.model_counts("smollm2-135m", run)
+    assert len(list((tmp_path / "plan").glob("*.json"))) == 1
+    config = M.load_config("smollm2-135m")
+    assert acts == M.saved_activation_bytes(config, seq_len=64, precision="bf16-mixed")
+    assert acts32 == M.saved_activation_bytes(config, seq_len=64, precision="32-true")
+    assert sizes == M.ModelSizes.from_config(config, name="smollm2-135m")
+
+    def counted(*a, **k):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(M, "saved_activation_bytes", counted)
+    monkeypatch.setattr(M.ModelSizes, "from_config", counted)
+    assert M.model_counts("smollm2-135m", run) == (sizes, acts, acts32)
+    with pytest.raises(AssertionError, match="counted again"):
+        M.model_counts("smollm2-135m", M.RunSettings(max_length=65, precision="bf16-mixed"))
+    # the command line, in a fresh process: neither transformers nor Lightning is imported on a cached plan
+    code = ("import sys; from iprox_lightning.cli import main; "
+            "main(['plan', '--model', 'smollm2-135m', '--max_length', '64', '--precision', 'bf16-mixed']); "
+            "print(sorted(m for m in ('transformers', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "IPROX_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}).stdout
+    assert out.splitlines()[-1] == "[]", out
+
+
+def test_plan_states_its_assumptions_units_and_times_and_never_advises_a_setting_in_use(capsys):
+    """Without --device_memory the plan says what it assumed; with it, the GB -> GiB conversion; a time without a
+    measured throughput is labelled as FLOPs; the refusal of a run already on FSDP over 8 devices asks for more
+    devices, not for FSDP, and one already in bf16-true or with checkpointing is not told to use them."""
+    from iprox_lightning.commands.plan import plan
+
+    plan(model="smollm2-135m", max_length=64, speed_results="/nonexistent")
+    out = capsys.readouterr().out
+    assert ("device memory: not given (--device_memory, e.g. 80GB): assumed 1 cuda device(s) of any size, so the fits "
+            "column is not checked (-)") in out
+    assert "FLOPs (no measured throughput)" in out
+    with pytest.raises(UserInputError) as e:
+        plan(model="llama-3.1-8b", precision="bf16-mixed", devices=8, strategy="fsdp", device_memory="80GB",
+             speed_results="/nonexistent")
+    out, msg = capsys.readouterr().out, str(e.value)
+    assert "device memory: 80GB = 74.51 GiB per device (GB = 10^9 bytes, GiB = 2^30 bytes" in out
+    assert "more than the device's 74.51 GiB (80GB; " in msg
+    assert "strategy fsdp" not in msg and "more devices (fsdp over 8 now)" in msg
+    with pytest.raises(UserInputError) as e:
+        plan(model="llama-3.1-8b", precision="bf16-true", devices=8, strategy="fsdp", device_memory="80GB",
+             gradient_checkpointing=True, speed_results="/nonexistent")
+    msg = str(e.value)
+    assert "bf16-true" not in msg.split("change ", 1)[1] and "model.gradient_checkpointing" not in msg
+    assert "strategy fsdp" not in msg

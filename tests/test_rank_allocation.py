@@ -203,8 +203,10 @@ def test_global_allocation_factorises_from_its_decompositions_within_the_probes_
     calls = []
     real = apply_mod.compute_factors
     monkeypatch.setattr(apply_mod, "compute_factors", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    # one layer kept dense by name, so that the dense case is checked on every CPU (whether the allocation itself
+    # keeps a near-break-even v_proj dense depends on the last bits of its spectra: on AMD EPYC it does)
     kw = dict(mode="exact", damping=1e-3, damping_mode="relative", num_probe_tokens=48, allocation="global",
-              progress=False)
+              keep_dense=[r"layers\.0\.self_attn\.v_proj"], progress=False)
     cached = tiny_causal_lm("llama", seed=0)
     rep = compress_model(cached, batches, 0.5, **kw)
     assert calls == []  # every layer from its decomposition
@@ -216,5 +218,16 @@ def test_global_allocation_factorises_from_its_decompositions_within_the_probes_
     for (n, a), (_, b) in zip(cached.state_dict().items(), recomputed.state_dict().items()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), n
     for l1, l2 in zip(rep.layers, rep2.layers):
+        if l1.rank is None:
+            # kept dense (by name, or by the allocation: which near-break-even layers it keeps dense is not this
+            # test's concern): dense in both runs, no objective measured, the weight untouched
+            assert l2.rank is None and l1.objective is None and l2.objective is None, l1.name
+            continue
         assert l1.objective == pytest.approx(l2.objective, rel=1e-6, abs=1e-12)
         assert l1.objective_dense == pytest.approx(l2.objective_dense, rel=1e-9)
+    # the dense weights (if any) are the tiny model's own, bit for bit: nothing computed them
+    dense = [lr.name for lr in rep.layers if lr.rank is None]
+    assert "model.layers.0.self_attn.v_proj" in dense
+    fresh = dict(tiny_causal_lm("llama", seed=0).named_modules())
+    for n in dense:
+        assert torch.equal(dict(cached.named_modules())[n].weight, fresh[n].weight), n

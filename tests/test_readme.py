@@ -200,6 +200,10 @@ def check_recipe_outputs(repo: Path) -> dict:
     assert check["verdict"]["verdict"].startswith(("use this proxy", "do not use this proxy yet"))
     assert set(check["rows"][0]["per_task"]) == tasks and check["sample"] == 64
     assert check["validation"]["counts"] == {"mmlu": 2, "bbh": 2, "tydiqa": 2}
+    # the pipeline's "next:" command is the README's check command, word for word (issue 65: it dropped --sample 64)
+    import shlex
+
+    assert shlex.split(summary["next_command"]) == shlex.split(readme_recipe()[0][2])
     return summary
 
 
@@ -237,3 +241,29 @@ def test_readme_own_model_recipe_runs_as_written(tmp_path, eval_dir, capsys, mon
         chosen = [json.loads(line)["id"] for line in (wd / "selected" / f"proxy.{task}.jsonl").read_text().splitlines()]
         assert sorted(chosen) == sorted(want), task
     assert summary["seconds_per_stage"]["evaluate"] > 0
+
+
+def test_readme_plan_example_fits_and_its_numbers_are_the_plans():
+    """Issue 65: the README's `plan` example was refused (every stage NO). Its command, as written, plans every stage
+    the run uses within the device (the K-FAC / EK-FAC rows are information), and the figures the README quotes
+    are the plan's."""
+    import shlex
+
+    from iprox_lightning.cli import main
+
+    text = README.read_text()
+    (cmd,) = re.findall(r"`(python train\.py plan [^`]*)`", text)
+    rows = main(shlex.split(cmd)[2:])
+    used = [r for r in rows if not r["stage"].startswith(("scoring (kfac", "scoring (ekfac"))]
+    assert all(r["peak"] <= 80e9 for r in used)
+    top = max(used, key=lambda r: r["peak"])
+    assert top["stage"].startswith("build_proxy: Stage 2") and f"Stage 2, {top['peak'] / 2**30:.1f} GiB of the 74.51 GiB" in " ".join(text.split())
+    # what does not fit yet, as the README says: Llama-3.1-8B's Stage 1 on 80 GB cards
+    import pytest
+
+    from iprox_lightning.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"build_proxy: Stage 1 \(IPSVD\) needs 107\.89 GiB"):
+        main(["plan", "--model", "llama-3.1-8b", "--precision", "bf16-mixed", "--devices", "64", "--strategy", "fsdp",
+              "--device_memory", "80GB", "--gradient_checkpointing", "true", "--align_batch_size", "4"])
+    assert "(107.9 GiB)" in text

@@ -13,7 +13,8 @@ import torch
 from iprox_lightning.engine.batch import IGNORE_INDEX, per_example_loss
 from iprox_lightning.errors import UserInputError
 from iprox_lightning.engine.lowrank import LowRankLinear
-from iprox_lightning.engine.target_layers import Conv1D, find_target_linears
+from iprox_lightning.engine.target_layers import find_target_linears
+from transformers.pytorch_utils import Conv1D
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import (
     choose_mode,

@@ -21,7 +21,7 @@ from iprox_lightning.alignment.losses import alignment_losses, proxy_factor_laye
 from iprox_lightning.engine.batch import per_example_loss
 from iprox_lightning.compression.apply import compress_model
 from iprox_lightning.models.tiny import tiny_causal_lm
-from iprox_lightning.engine.target_layers import Conv1D
+from transformers.pytorch_utils import Conv1D
 from iprox_lightning.alignment.task import (
     ExampleScoreTracker,
     FactorPairTracker,

@@ -241,6 +241,77 @@ def saved_activation_bytes(config, *, seq_len: int, precision: str, attn_impleme
 
 
 # --------------------------------------------------------------------------------------------
+# the plan cache: a model's counts, computed once per architecture, sequence length and precision
+# --------------------------------------------------------------------------------------------
+PLAN_CACHE_VERSION = 1
+
+
+def _config_key(model: str) -> dict | None:
+    """What names ``model``'s config without reading it through transformers: a named shape's fields, a model
+    directory's ``config.json`` digest, a ``.gguf`` file's path, size and time; ``None`` for a hub id."""
+    import hashlib
+
+    if model in NAMED_SHAPES:
+        return {"named": model, **NAMED_SHAPES[model]}
+    p = Path(model)
+    if p.suffix == ".gguf" and p.is_file():
+        st = p.stat()
+        return {"gguf": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if p.is_dir() and (p / "config.json").is_file():
+        return {"config.json": hashlib.sha256((p / "config.json").read_bytes()).hexdigest()}
+    return None
+
+
+def _sizes_from_dict(d: Mapping[str, Any]) -> ModelSizes:
+    from .flops import LinearShape
+
+    sh = dict(d["shape"])
+    shape = ModelShape(**{**sh, "linears": [LinearShape(**l) for l in sh["linears"]],
+                          "lm_head": tuple(sh["lm_head"]) if sh["lm_head"] else None})
+    return ModelSizes(shape, int(d["params"]), int(d["frozen"]), int(d["largest_block"]))
+
+
+def model_counts(model: str, run: "RunSettings") -> tuple[ModelSizes, Activations, Activations]:
+    """``(sizes, activations at run.precision, float32 activations)`` of ``model`` at ``run.max_length``: read from
+    ``$IPROX_CACHE/plan/<digest>.json`` when the same config, sequence length, precision, attention implementation and
+    torch / transformers versions were counted before; else counted (the config read by transformers, the model built on
+    the meta device, the activations on fake tensors: tens of seconds) and saved there. A hub id's config is read
+    each time (its contents are the key)."""
+    import hashlib
+    from importlib.metadata import version
+
+    from ..io.scores import write_json_atomic
+    from ..models.loading import cache_root
+
+    config = None
+    ckey = _config_key(model)
+    if ckey is None:
+        config = load_config(model)
+        ckey = {"config": config.to_json_string(use_diff=False)}
+    key = {"v": PLAN_CACHE_VERSION, "model": ckey, "seq_len": run.max_length, "precision": run.precision,
+           "attn": run.attn_implementation, "torch": torch.__version__, "transformers": version("transformers")}
+    path = cache_root() / "plan" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
+    try:
+        d = json.loads(path.read_text())
+        if d.get("key") == key:
+            return (_sizes_from_dict(d["sizes"]), Activations(**d["activations"]), Activations(**d["activations32"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not counted yet (or an unreadable entry): count it
+    config = config if config is not None else load_config(model)
+    sizes = ModelSizes.from_config(config, name=model)
+    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
+                                  attn_implementation=run.attn_implementation)
+    acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
+        config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
+    try:
+        write_json_atomic(path, {"key": key, "sizes": dataclasses.asdict(sizes), "activations": dataclasses.asdict(acts),
+                                 "activations32": dataclasses.asdict(acts32)})
+    except OSError:
+        pass  # a read-only cache: counted again next time
+    return sizes, acts, acts32
+
+
+# --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -510,12 +581,16 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
     return _stage("store build", parts, f)
 
 
-def plan_stages(sizes: ModelSizes, config, run: RunSettings) -> list[StagePlan]:
-    """Every stage's :class:`StagePlan`, in run order."""
-    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
-                                  attn_implementation=run.attn_implementation)
-    acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
-        config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
+def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activations | None = None,
+                acts32: Activations | None = None) -> list[StagePlan]:
+    """Every stage's :class:`StagePlan`, in run order (``acts`` / ``acts32``: counted already, e.g. by
+    :func:`model_counts`; else counted from ``config``)."""
+    if acts is None:
+        acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
+                                      attn_implementation=run.attn_implementation)
+    if acts32 is None:
+        acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
+            config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
     stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))

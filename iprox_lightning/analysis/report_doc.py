@@ -97,7 +97,9 @@ def render_markdown(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, An
         o = summary["oracle"]
         lines += ["", "## Oracle (built-in data)", "",
                   f"Share of each selection from the validation families {o['validation_families']} (base rate {o['base_rate']:.3f}):", ""]
-        for who in ("target", "proxy", "random"):
+        # one selection per name the summary holds: target / proxy / random (one pooled selection each), or
+        # target.<task> / proxy.<task> / random (a pipeline run's per-task selections)
+        for who in [k[: -len("_selection")] for k in o if k.endswith("_selection")]:
             fam = ", ".join(f"{f} {v:.3f}" for f, v in o.get("per_family", {}).get(who, {}).items())
             lines.append(f"- {who}: {o[f'{who}_selection']:.3f}" + (f" ({fam})" if fam else ""))
     if summary and summary.get("selection_effect"):

@@ -35,7 +35,7 @@ from torch import nn
 from ..engine.batch import check_batch, per_example_loss
 from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import eval_mode
-from ..engine.target_layers import Conv1D, find_target_linears
+from ..engine.target_layers import conv1d_class, find_target_linears
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,9 +139,8 @@ def gradient_parameters(model: nn.Module, patterns: Sequence[str] | None = None)
 
 
 def _is_conv1d(model: nn.Module, pname: str) -> bool:
-    if not Conv1D:
-        return False
-    return isinstance(model.get_submodule(pname.rsplit(".", 1)[0]), Conv1D)
+    conv = conv1d_class()
+    return conv is not None and isinstance(model.get_submodule(pname.rsplit(".", 1)[0]), conv)
 
 
 class KroneckerProjector:

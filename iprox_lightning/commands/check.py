@@ -11,7 +11,8 @@ Cost: validation gradients are computed once per model and kept under ``<output_
 fingerprint (model files, validation sample, tokenization, tracked layers), each model's score table under
 ``<output_dir>/cache/scores/`` as soon as it is done (:mod:`iprox_lightning.scoring.check_cache`): a re-run, a second
 proxy or another ``--method`` reuses what it can, an interrupted check resumes. After the first batch a time
-estimate for the rest is printed (that batch's seconds per padded token, times the tokens left).
+estimate for the rest is printed, a rough upper bound (that batch's seconds per padded token, times the tokens left:
+the proxies run faster than the target's batch measured).
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ class _Estimate:
                 self.estimate_s = s / n * max(self.left - n, 0)
                 self.printed = True
                 print(f"check: one {who} batch ({what}, {len(b['id'])} examples, {n} padded tokens) took {s:.1f} s; "
-                      f"estimate for the rest: ~{_duration(self.estimate_s)} ({self.describe}; the proxies are "
-                      "smaller than the target, so this is rather an upper bound)", flush=True)
+                      f"the rest: at most ~{_duration(self.estimate_s)}, a rough upper bound ({self.describe}, all "
+                      "at this batch's rate; the proxies are smaller than the target and run faster)", flush=True)
             self.left -= n
 
 

@@ -37,6 +37,7 @@ import yaml
 
 from ..errors import (PROXY_VALIDATIONS, InputNotFoundError, OutputNotDirectoryError, UserError, UserInputError,
                       check_choice)
+from ..progress import activity, touch
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +157,37 @@ def pipeline(
 
     check_output_not_input(wd, {"pool": pool, "target": target, "validation": validation}, "--workdir")
     make_owned_dir(wd, "pipeline workdir")
-    with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
+    with _sigterm_unwinds(), ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir", remove=True), \
+            activity(f"pipeline {wd}"):  # between and inside stages, a line at least every interval
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
                          config_dir=config_dir, demo_overlays=demo_overlays, hardware=hardware, threads=num_threads,
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select,
                          proxy_validation=proxy_validation)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While the block runs, SIGTERM (``kill``, a scheduler's stop) exits like Ctrl-C does, through ``SystemExit``
+    (status 143), so that the workdir's lock is released and removed on the way out; a handler already installed is
+    left alone, and so is a thread other than the main one (only it receives signals)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "balanced",
@@ -384,17 +409,24 @@ class _StageRunner:
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         log.info("stage %s: python train.py %s", key, " ".join(args))
         t0 = time.perf_counter()
-        if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
-            _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
-        else:
-            with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
-                self.run_lightning(args)
+        with activity(f"{key}: {subcommand} {configs[0].name}"):  # a line at least every interval, loops or not
+            if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
+                _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
+            else:
+                with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
+                    self.run_lightning(args)
         ledger.record(key, output)
-        times[key] = time.perf_counter() - t0
+        self.took(key, time.perf_counter() - t0)
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
+        touch()
+
+    def took(self, key: str, seconds: float) -> None:
+        """Record that stage ``key`` took ``seconds`` (in :attr:`times` and ``<workdir>/seconds_per_stage.json``, written
+        at once: every stage the summary shows, the last one, ``evaluate``, included)."""
         from ..io.jsonfile import write_json
 
-        write_json(self.wd / "seconds_per_stage.json", times)
+        self.times[key] = seconds
+        write_json(self.wd / "seconds_per_stage.json", self.times)
 
 
 def _read_numbers(path: Path) -> dict[str, float]:
@@ -542,7 +574,7 @@ def _select_subsets(stages: _StageRunner, score_dirs: dict[str, Path], pool, dat
             selected[name] = Path(select(str(src), k=select_fraction, rule="pooled" if who == "random" else select_rule,
                                          task=task, pool=pool, quiet=True, builtin_size=data_args.get("builtin_size"),
                                          output=str(wd / "selected" / f"{name}.jsonl")))
-    times["select"] = time.perf_counter() - t0
+    stages.took("select", time.perf_counter() - t0)
     per = f", one subset per task ({', '.join(tasks)}; random: one for all)" if tasks else ""
     print(f"[pipeline] select: top {select_fraction:g} by the target's, the proxy's and random scores{per}, "
           f"{times['select']:.1f} s -> {wd / 'selected'}", flush=True)
@@ -567,12 +599,12 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
     from ..evaluation.effect import selection_effect
 
     t0 = time.perf_counter()
-    with quiet_stage():
+    with quiet_stage(), activity("evaluate: the warmed-up target and its fine-tuned copies"):
         effect = selection_effect(wd, warm, pool=pool, validation=validation, seed=seed, data_args=data_args,
                                   tasks=tasks, eval_per_task=eval_per_task,
                                   device="cpu" if stages.trainer["accelerator"] == "cpu" else "auto",
                                   precision=stages.trainer.get("precision"))
-    times["evaluate"] = time.perf_counter() - t0
+    stages.took("evaluate", time.perf_counter() - t0)
     print(f"[pipeline] evaluate: the warmed-up target and its fine-tuned copies on held-out examples, "
           f"{times['evaluate']:.1f} s -> {wd / 'summary.json'}", flush=True)
     return effect
@@ -611,6 +643,9 @@ def _artifacts(wd: Path, finetune: bool, tasks: list[str] | None = None) -> dict
     return {k: str(v) for k, v in out.items()}
 
 
+CHECK_SAMPLE = 64  # pool examples the next command's check scores on a real model (three models score each: minutes)
+
+
 def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args: dict,
                   proxy_validation: str = "target") -> str:
     """``train.py check`` of this run's proxy against its warmed-up target, on the same pool and validation sets, the
@@ -621,7 +656,9 @@ def _next_command(wd: Path, warm: Path, proxy: Path, pool, validation, data_args
     for flag, value in (("--pool", pool), ("--validation", validation)):
         if value != "builtin":
             args += [flag, value if isinstance(value, str) else json.dumps(value)]
-    for key in ("max_length", "val_per_task"):
+    if pool != "builtin":  # a real model: the README recipe's sample (check's default, 200, on the demo)
+        args += ["--sample", str(CHECK_SAMPLE)]
+    for key in ("val_per_task", "max_length"):  # in the README's order
         if data_args.get(key):
             args += [f"--{key}", str(data_args[key])]
     if proxy_validation != "target":  # check's default for an IProX proxy is the target's

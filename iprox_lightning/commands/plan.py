@@ -87,15 +87,20 @@ def plan(
                         num_probe_tokens=num_probe_tokens, align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=scoring.kfac_examples, store_k=k, select_k=select_k)
-    config = M.load_config(model)
-    sizes = M.ModelSizes.from_config(config, name=model)
-    stages = M.plan_stages(sizes, config, run)
+    sizes, acts, acts32 = M.model_counts(model, run)  # cached per architecture, T and precision
+    stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)
     speeds = M.measured_throughput(sizes.params, accelerator, speed_results or _RESULTS)
     M.attach_times(stages, sizes, run, speeds)
 
     print(f"plan: {model} — {sizes.params / 1e6:,.0f}M parameters ({sizes.trainable / 1e6:,.0f}M trained in warm-up), "
           f"{precision}, {run.devices} {accelerator} device(s), {strategy}; T = {max_length}, batch {batch_size} "
           f"(build_proxy {align_batch_size}), pool {pool_size}")
+    if device_bytes is None:
+        print(f"device memory: not given (--device_memory, e.g. 80GB): assumed {run.devices} {accelerator} device(s) "
+              "of any size, so the fits column is not checked (-)")
+    else:
+        print(f"device memory: {device_memory} = {M.gib(device_bytes)} per device (GB = 10^9 bytes, GiB = 2^30 "
+              "bytes; the peaks below are in GiB)")
     rows = [("stage", "peak/device", "fits", "time", "largest parts")]
     for s in stages:
         fits = s.fits(device_bytes)
@@ -115,8 +120,8 @@ def plan(
     if refused:
         s = refused[0]
         raise UserInputError(f"{s.stage} needs {M.gib(s.peak)} per device, more than the device's "
-                             f"{M.gib(device_bytes)} (largest: {max(s.parts, key=s.parts.get)}); change "
-                             f"{' or '.join(s.levers)}")
+                             f"{M.gib(device_bytes)} ({device_memory}; largest: {max(s.parts, key=s.parts.get)}); "
+                             f"change {' or '.join(_advice(s.levers, run))}")
     return [s.to_dict() for s in stages]
 
 
@@ -138,8 +143,38 @@ def _applies(stage: str, method: str) -> bool:
     return not stage.startswith("scoring (") or stage == f"scoring ({method})"
 
 
+# a setting a lever names that the run may use already: (the words, whether the run uses it, what to say instead:
+# None drops the alternative)
+_IN_USE = (
+    ("strategy fsdp over more devices", lambda r: r.strategy == "fsdp",
+     lambda r: f"more devices (fsdp over {r.devices} now)"),
+    ("strategy fsdp (DDP keeps a second copy of the gradients)", lambda r: r.strategy == "fsdp", None),
+    ("precision bf16-true", lambda r: r.precision == "bf16-true", None),
+    ("activation checkpointing (model.gradient_checkpointing)", lambda r: r.gradient_checkpointing, None),
+)
+
+
+def _advice(levers: list[str], run) -> list[str]:
+    """The stage's levers without a setting the run already uses (its ``, or`` alternatives filtered); a lever left
+    with nothing is dropped."""
+    out = []
+    for lever in levers:
+        alts = []
+        for alt in lever.split(", or "):
+            for words, used, instead in _IN_USE:
+                if alt.startswith(words) and used(run):
+                    alt = instead(run) if instead else None
+                    break
+            if alt and alt not in alts:
+                alts.append(alt)
+        if alts:
+            out.append(", or ".join(alts))
+    return out or ["to a device with more memory"]
+
+
 def _time_text(s) -> str:
     if s.seconds is not None:
         m = s.seconds / 60
-        return (f"{m:,.1f} min" if m < 120 else f"{m / 60:,.1f} h") + " (measured)"
-    return f"{s.flops:.2e} FLOPs"
+        t = f"{s.seconds:,.0f} s" if m < 2 else (f"{m:,.1f} min" if m < 120 else f"{m / 60:,.1f} h")
+        return t + (" (measured rate)" if s.time_source.startswith("measured") else " (FLOPs at a measured rate)")
+    return f"{s.flops:.2e} FLOPs (no measured throughput)"

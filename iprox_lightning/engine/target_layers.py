@@ -7,15 +7,19 @@ embeddings or the LM head. GPT-2-style ``Conv1D`` layers are included (their wei
 from __future__ import annotations
 
 import re
+import sys
 from typing import Iterable
 
 import torch
 from torch import nn
 
-try:  # transformers >= 4
-    from transformers.pytorch_utils import Conv1D
-except Exception:  # pragma: no cover
-    Conv1D = ()  # type: ignore
+
+
+def conv1d_class() -> type | None:
+    """transformers' GPT-2-style ``Conv1D`` class, or ``None`` while ``transformers.pytorch_utils`` is not imported:
+    no ``Conv1D`` layer can exist before its class does, and the engine then loads without transformers (``train.py
+    plan`` reads its numbers from a cache without it)."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 # leaf-name patterns of attention / MLP projections across Llama, Qwen, Gemma, Mistral, Phi, GPT-2, ...
 DEFAULT_TARGET_PATTERNS = (
@@ -32,12 +36,14 @@ BLOCK_RE = re.compile(r"(^|\.)(layers|h|blocks|block|decoder_layers)\.\d+\.")
 def is_linear_like(module: nn.Module) -> bool:
     from .lowrank import LowRankLinear
 
-    return isinstance(module, (nn.Linear, LowRankLinear)) or (bool(Conv1D) and isinstance(module, Conv1D))
+    conv = conv1d_class()
+    return isinstance(module, (nn.Linear, LowRankLinear)) or (conv is not None and isinstance(module, conv))
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The weight of a linear-like layer as ``[out, in]`` (``Conv1D`` stores ``[in, out]``)."""
-    if Conv1D and isinstance(module, Conv1D):
+    conv = conv1d_class()
+    if conv is not None and isinstance(module, conv):
         return module.weight.t()
     return module.weight
 

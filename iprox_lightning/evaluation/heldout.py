@@ -99,17 +99,20 @@ def suite_heldout_records(eval_dir: str, suites: Sequence[str] = ("mmlu", "bbh")
 
 
 @torch.no_grad()
-def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) -> dict[str, Any]:
+def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False, desc: str | None = None,
+                    total: int | None = None) -> dict[str, Any]:
     """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc), on the model's device;
     ``per_example`` adds ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over
-    examples)."""
+    examples). ``desc``: progress lines (:func:`iprox_lightning.progress.progress`) in examples, of ``total``."""
     from ..engine.batch import example_means, model_device, scored_logits, to_device
     from ..engine.model_modes import eval_mode
+    from ..progress import progress
 
     per_task: dict[str, list[tuple[float, bool]]] = {}
     examples: list[dict] = []
     device = model_device(model)
-    with eval_mode(model):
+    bar = progress(desc=desc or "held-out evaluation", total=total, unit="example", enabled=desc is not None)
+    with eval_mode(model), bar:
         for b in batches:
             b = to_device(b, device)
             logits, scored = scored_logits(model, b)  # the LM head on the answer tokens only
@@ -121,6 +124,7 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False) 
             for i, t, l, e in zip(ids, b["task"], loss.tolist(), exact.tolist()):
                 per_task.setdefault(t, []).append((l, bool(e)))
                 examples.append({"id": None if i is None else str(i), "task": t, "loss": l, "exact_match": bool(e)})
+            bar.update(len(b["task"]))
     allv = [v for vs in per_task.values() for v in vs]
     if not allv:
         raise ValueError("heldout_metrics: no examples")
@@ -163,4 +167,5 @@ def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, ma
         raise UserInputError(f"precision {precision!r}: the held-out evaluation runs in 32-true, 64-true, bf16-true, "
                              "16-true, bf16-mixed or 16-mixed")
     with context:
-        return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size), per_example=per_example)
+        return heldout_metrics(model, dm.records_dataloader(records, batch_size=batch_size), per_example=per_example,
+                               desc=f"held-out evaluation of {model_dir}", total=len(records))

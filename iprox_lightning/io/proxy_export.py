@@ -128,7 +128,7 @@ def dense_state_dict(proxy: nn.Module, dtype: torch.dtype, reference: Mapping[st
     layout of the ``reference`` module at ``<name>``: ``[out, in]`` for ``nn.Linear``, ``[in, out]`` for
     ``Conv1D``) and ``<name>.bias`` (zeros when the architecture has a bias the proxy layer lacks); every other
     tensor copied; all cast to ``dtype``."""
-    from ..engine.target_layers import Conv1D, lowrank_layers
+    from ..engine.target_layers import conv1d_class, lowrank_layers
 
     low = lowrank_layers(proxy)
     out: dict[str, torch.Tensor] = {}
@@ -141,7 +141,7 @@ def dense_state_dict(proxy: nn.Module, dtype: torch.dtype, reference: Mapping[st
         if ref is None:
             raise ValueError(f"export: layer {name!r} of the proxy does not exist in the architecture of its config.json")
         w = (m.A.detach().to(torch.float64) @ m.B.detach().to(torch.float64))
-        conv = bool(Conv1D) and isinstance(ref, Conv1D)
+        conv = conv1d_class() is not None and isinstance(ref, conv1d_class())
         out[f"{name}.weight"] = (w.t() if conv else w).to(dtype).contiguous()
         ref_bias = getattr(ref, "bias", None) is not None
         if m.bias is not None and not ref_bias:

@@ -66,14 +66,17 @@ class ScoreDirLock:
 
     ``<output_dir>/.scoring.lock`` is locked with ``flock`` (released by the kernel when the holder exits, so a
     crashed run never leaves a stale lock) and records the holder's pid, host and start time for the error a
-    second run gets. The file is left in place after release (removing it would let two runs lock two different
-    files). Where the file system has no ``flock`` the run goes on unlocked, with a warning."""
+    second run gets. The file is left in place after release, emptied; with ``remove`` (the pipeline's workdir) it
+    is removed instead, and a run that locked a file removed meanwhile locks the new one (the inode checked after
+    ``flock``), so two runs never hold two different files. A lock file still naming a holder when the lock is taken
+    was left by a run that stopped without releasing it (killed): one line says so. Where the file system has no
+    ``flock`` the run goes on unlocked, with a warning."""
 
     def __init__(self, output_dir: str | os.PathLike, lock_file: str = LOCK_FILE, what: str = "scoring run",
-                 hint: str = "score into another output_dir"):
+                 hint: str = "score into another output_dir", remove: bool = False):
         self.dir = Path(output_dir)
         self.path = self.dir / lock_file
-        self.what, self.hint = what, hint
+        self.what, self.hint, self.remove = what, hint, remove
         self._fd: int | None = None
 
     def holder(self) -> str:
@@ -107,18 +110,28 @@ class ScoreDirLock:
         import fcntl
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputLocked(
-                f"{self.dir} is being written by another {self.what} ({self.holder()}; lock file {self.path}): two "
-                f"runs into one directory would mix their outputs. Wait for it to finish, or {self.hint}") from None
-        except OSError as e:  # e.g. a network file system without flock
-            os.close(fd)
-            log.warning("%s: cannot lock (%s); make sure no other scoring run writes into this directory", self.path, e)
-            return self
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputLocked(
+                    f"{self.dir} is being written by another {self.what} ({self.holder()}; lock file {self.path}): two "
+                    f"runs into one directory would mix their outputs. Wait for it to finish, or {self.hint}") from None
+            except OSError as e:  # e.g. a network file system without flock
+                os.close(fd)
+                log.warning("%s: cannot lock (%s); make sure no other scoring run writes into this directory", self.path, e)
+                return self
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the holder removed the file between our open and flock: lock the one there now
+        if os.fstat(fd).st_size:  # the last holder never released it: killed, or its machine went down
+            print(f"{self.path}: a stale lock ({self.holder()}) left by a {self.what} that stopped without releasing "
+                  "it; taken over", flush=True)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
@@ -133,6 +146,8 @@ class ScoreDirLock:
         fd, self._fd = self._fd, None
         try:
             os.ftruncate(fd, 0)
+            if self.remove:  # still held: a run that opens it now finds it gone once it gets the lock (acquire)
+                self.path.unlink(missing_ok=True)
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)

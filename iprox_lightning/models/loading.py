@@ -14,6 +14,7 @@ proxy directory, or ``"builtin"`` (the offline demo model).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -421,12 +422,30 @@ def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer
         return model.eval(), tok
     check_gguf(p)
     log.info("dequantizing GGUF %s (first load; cached afterwards)", p)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
+    with _dequantizing_progress(p.name):
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
     _drop_gguf_marker(model)
     tok = _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
     if use_cache:
         _write_cache(model, tok, cached)
     return model.eval(), (tok if tokenizer else None)
+
+
+@contextlib.contextmanager
+def _dequantizing_progress(name: str):
+    """transformers' de-quantisation loop (its own ``tqdm.auto`` bar, which its progress-bar switch does not turn off)
+    shown as the package's progress (:func:`iprox_lightning.progress.progress`): the bar on a terminal, a line a
+    minute in a log, never the bar's ``\r`` noise in a piped log."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from ..progress import progress
+
+    real = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda it, *a, **k: progress(it, desc=f"de-quantizing {name}", unit="tensor")
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = real
 
 
 def _drop_gguf_marker(model) -> None:

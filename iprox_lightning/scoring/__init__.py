@@ -2,7 +2,7 @@
 scores, the Lightning prediction module and writer. See ``influence.py`` for the definitions.
 
 The names are imported on first use, so that :mod:`.config` (the scoring settings, which the commands' signatures and
-their ``--help`` read) loads without torch."""
+their ``--help`` read) loads without torch, and ``scoring.features`` (for ``train.py plan``) without Lightning."""
 from __future__ import annotations
 
 from ..lazy import lazy_names

@@ -41,7 +41,7 @@ from ..engine.batch import IGNORE_INDEX, batch_rows, check_batch, to_device
 from ..errors import UserInputError
 from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import eval_mode
-from ..engine.target_layers import Conv1D, find_target_linears, linear_shape
+from ..engine.target_layers import conv1d_class, find_target_linears, linear_shape
 from ..engine.tracking import PairTracker
 
 FEATURE_MODES = ("auto", "ghost", "materialize")
@@ -69,7 +69,8 @@ def tracked_modules(model: nn.Module, patterns: list[str] | None = None) -> dict
     to ``nn.Linear`` / ``Conv1D`` / ``LowRankLinear`` (biases, norms, embeddings and the LM head are
     never tracked)."""
     found = find_target_linears(model, patterns)
-    ok = (nn.Linear, LowRankLinear) + ((Conv1D,) if Conv1D else ())
+    conv = conv1d_class()
+    ok = (nn.Linear, LowRankLinear) + ((conv,) if conv is not None else ())
     return {n: m for n, m in found.items() if isinstance(m, ok)}
 
 
