@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,7 +281,7 @@ def model_counts(model: str, run: "RunSettings") -> tuple[ModelSizes, Activation
     import hashlib
     from importlib.metadata import version
 
-    from ..io.scores import write_json_atomic
+    from ..io.jsonfile import read_json, write_json
     from ..models.loading import cache_root
 
     config = None
@@ -292,10 +293,10 @@ def model_counts(model: str, run: "RunSettings") -> tuple[ModelSizes, Activation
            "attn": run.attn_implementation, "torch": torch.__version__, "transformers": version("transformers")}
     path = cache_root() / "plan" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
     try:
-        d = json.loads(path.read_text())
+        d = read_json(path)
         if d.get("key") == key:
             return (_sizes_from_dict(d["sizes"]), Activations(**d["activations"]), Activations(**d["activations32"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, UserInputError, ValueError, KeyError, TypeError):
         pass  # not counted yet (or an unreadable entry): count it
     config = config if config is not None else load_config(model)
     sizes = ModelSizes.from_config(config, name=model)
@@ -304,7 +305,7 @@ def model_counts(model: str, run: "RunSettings") -> tuple[ModelSizes, Activation
     acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
         config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
     try:
-        write_json_atomic(path, {"key": key, "sizes": dataclasses.asdict(sizes), "activations": dataclasses.asdict(acts),
+        write_json(path, {"key": key, "sizes": dataclasses.asdict(sizes), "activations": dataclasses.asdict(acts),
                                  "activations32": dataclasses.asdict(acts32)})
     except OSError:
         pass  # a read-only cache: counted again next time
