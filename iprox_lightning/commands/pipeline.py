@@ -153,7 +153,7 @@ def pipeline(
     check_sources(target, pool, validation)
     from ..io.score_dir import ScoreDirLock
 
-    with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"):
+    with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"), _SIGTERM:
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
                          config_dir=config_dir, demo_overlays=demo_overlays, hardware=hardware, threads=num_threads,
@@ -213,6 +213,64 @@ def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, stra
     return out
 
 
+class _SigtermStop:
+    """SIGTERM during a pipeline run stops it as SIGTERM within a stage does: ``train.py`` prints its one ``stopped``
+    line and exits 143 (before, a SIGTERM between two stages killed the process with no line).
+
+    Inside a stage run in this process Lightning's own handler is installed (it calls this one too): the stage stops at
+    its next safe point and raises ``SIGTERMException``; one that ends anyway is recorded and the run stops after it.
+    Anywhere else (between stages, loading a stage's model, saving its output) the run stops at once, as Ctrl-C does:
+    every artifact is written to a temporary and renamed, and a stage stopped before its record is redone by the next
+    run (:meth:`~iprox_lightning.io.stages.StageLedger.start`). A stage in its own processes gets the signal passed on
+    and stops at its safe point; the run stops when it has."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.child = None  # the stage process running now (several devices), if any
+        self._previous = None
+        self._installed = False
+
+    def _handler(self, signum, frame) -> None:
+        import signal
+
+        self.pending = True
+        if self.child is not None:
+            self.child.send_signal(signum)
+        elif signal.getsignal(signal.SIGTERM) == self._handler:  # no Lightning run is stopping at its safe point
+            self.stop()
+
+    def stop(self) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        raise SIGTERMException()
+
+    def check(self) -> None:
+        """Stop now if a SIGTERM came while a stage ran to its end."""
+        if self.pending:
+            self.stop()
+
+    def __enter__(self):
+        import signal
+
+        self.pending, self.child = False, None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+            self._installed = True
+        except ValueError:  # not the main thread: no handler of ours
+            self._installed = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+
+_SIGTERM = _SigtermStop()
+
+
 def _processes(trainer: dict[str, Any]) -> int:
     return int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1)
 
@@ -233,8 +291,14 @@ def _run_stage_process(args: list[str], log_file: Path, threads: int | None) -> 
         env["OMP_NUM_THREADS"] = str(threads)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w") as out:
-        code = subprocess.run([sys.executable, "-m", "iprox_lightning.cli", *args], stdout=out,
-                              stderr=subprocess.STDOUT, env=env).returncode
+        child = subprocess.Popen([sys.executable, "-m", "iprox_lightning.cli", *args], stdout=out,
+                                 stderr=subprocess.STDOUT, env=env)
+        _SIGTERM.child = child  # a SIGTERM is passed on: the stage stops at its safe point
+        try:
+            code = child.wait()
+        finally:
+            _SIGTERM.child = None
+    _SIGTERM.check()  # the stage was stopped by (or ran to its end despite) a SIGTERM: stop here
     if code == 0:
         return
     lines = log_file.read_text(errors="replace").splitlines()
@@ -337,11 +401,12 @@ class _StageRunner:
         if done.name == "scores.parquet":  # start the scoring output fresh (force, or an upstream output changed)
             from ..io.score_dir import clear_output
 
-            if self.force or key in ledger.notes:
+            if self.force or (key in ledger.notes and key not in ledger.partial):  # a partial one resumes its shards
                 clear_output(done.parent)
         configs.append(_write_overlay(self.wd / "configs" / f"{key.replace(':', '_')}.yaml", overlay))
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         log.info("stage %s: python train.py %s", key, " ".join(args))
+        ledger.start(key)  # a fault from here to its record leaves the stage marked partial: the next run redoes it
         t0 = time.perf_counter()
         if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
             _run_stage_process(args, self.wd / "logs" / f"{key.replace(':', '_')}.out", self.threads)
@@ -349,11 +414,13 @@ class _StageRunner:
             with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
                 self.run_lightning(args)
         ledger.record(key, output)
+        _SIGTERM.check()  # a SIGTERM the stage's Lightning run received but ran to its end: stop after its record
         times[key] = time.perf_counter() - t0
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
-        times_path = self.wd / "seconds_per_stage.json"
-        times_path.parent.mkdir(parents=True, exist_ok=True)
-        times_path.write_text(json.dumps(times, indent=2))
+        times_path = self.wd / "seconds_per_stage.json"  # in run order (not sorted): temporary + rename, so a full
+        tmp = times_path.with_name(f".{times_path.name}.tmp")  # disk leaves the last whole file, not a cut one
+        tmp.write_text(json.dumps(times, indent=2))
+        tmp.replace(times_path)
 
 
 PEAK_MEMORY_FILE = "peak_device_memory_per_stage.json"
