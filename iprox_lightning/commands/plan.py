@@ -85,6 +85,9 @@ def plan(
                         num_probe_tokens=num_probe_tokens, align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=kfac_examples, store_k=k, select_k=select_k)
+    from ..models.bounds import check_model_config
+
+    check_model_config(model)  # sizes read from the file bounded before a config or meta model is built from them
     config = M.load_config(model)
     sizes = M.ModelSizes.from_config(config, name=model)
     stages = M.plan_stages(sizes, config, run)
