@@ -85,9 +85,10 @@ def plan(
                         num_probe_tokens=num_probe_tokens, align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=kfac_examples, store_k=k, select_k=select_k)
-    from ..models.bounds import check_model_config
+    from ..models.loading import check_model_config
 
-    check_model_config(model)  # sizes read from the file bounded before a config or meta model is built from them
+    if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
+        check_model_config(model)
     config = M.load_config(model)
     sizes = M.ModelSizes.from_config(config, name=model)
     stages = M.plan_stages(sizes, config, run)

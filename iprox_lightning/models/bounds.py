@@ -59,33 +59,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_model_config(model: str) -> None:
-    """Check the sizes of ``model``'s config (a ``.gguf`` file, a model directory or a hub id) on its raw values, before
-    a config object is built from them (the plan's :func:`~iprox_lightning.analysis.memory.load_config`)."""
-    from transformers import PretrainedConfig
-
-    p = Path(model)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            return  # the caller says it is missing
-        from .loading import check_gguf
-
-        check_gguf(p)  # header, counts and metadata sizes bounded before a reader parses them
-        return
-    if p.is_dir():
-        cfg = p / "config.json"
-        if cfg.is_file():
-            from ..io.jsonfile import read_json
-
-            check_config_sizes(read_json(cfg, what="the model's architecture"), cfg)
-        return
-    try:
-        raw, _ = PretrainedConfig.get_config_dict(model)
-    except (OSError, ValueError):
-        return  # not reachable or not a model: the caller's own reading says so
-    check_config_sizes(raw, f"{model} (config.json)")
-
-
 GGUF_WEIGHTS_TOLERANCE = 0.1
 """How far a GGUF's tensors may hold fewer or more weights than the model its metadata describes (a share of the
 model's parameters): a few small tensors (e.g. rotary frequencies) may be stored or left out; a file missing a layer's

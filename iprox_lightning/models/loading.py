@@ -249,6 +249,34 @@ def _check_gguf_counts(p: Path, size: int) -> None:
                              f"{size} bytes can hold (damaged or not a model file)")
 
 
+def check_model_config(model: str) -> None:
+    """Check the sizes of ``model``'s config (a ``.gguf`` file, a model directory or a hub id) on its raw values
+    (:mod:`.bounds`), before a config object is built from them (the plan's
+    :func:`~iprox_lightning.analysis.memory.load_config`)."""
+    from transformers import PretrainedConfig
+
+    from .bounds import check_config_sizes
+
+    p = Path(model)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            return  # the caller says it is missing
+        check_gguf(p)  # header, counts and metadata sizes bounded before a reader parses them
+        return
+    if p.is_dir():
+        cfg = p / "config.json"
+        if cfg.is_file():
+            from ..io.jsonfile import read_json
+
+            check_config_sizes(read_json(cfg, what="the model's architecture"), cfg)
+        return
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(model)
+    except (OSError, ValueError):
+        return  # not reachable or not a model: the caller's own reading says so
+    check_config_sizes(raw, f"{model} (config.json)")
+
+
 def _finish_tokenizer(tok):
     if tok is not None and tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token  # documented: padding reuses EOS when a model has no pad token
