@@ -79,7 +79,6 @@ def test_a_full_disk_in_the_middle_of_the_pipeline_leaves_a_stage_the_next_run_r
     partial = [p for p in (wd / "finetune").glob("*/model") if not (wd / "stages" / f"finetune_{p.parent.name}.json").exists()]
     assert len(partial) == 1 and (partial[0] / "config.json").exists(), sorted((wd / "finetune").rglob("*"))
     name = partial[0].parent.name
-    assert (wd / "stages" / f"finetune_{name}.running").exists()  # marked partial by the stage that wrote it
 
     _resize(small_disk, 256 * 1024 * 1024)  # space made again: the same command finishes the run
     again = _run(_pipeline(wd), tmp_path)
@@ -125,3 +124,44 @@ def test_sigterm_between_two_stages_prints_the_stopped_line_and_the_same_command
     summary = json.loads((wd / "summary.json").read_text())
     assert summary["stages"]["warmup"]["status"] == "reused" and summary["stages"]["build_proxy"]["status"] == "ran"
     assert not list((wd / "stages").glob("*.running"))
+
+
+def test_a_stage_marked_running_is_redone_and_an_unmarked_unrecorded_output_still_refused(tmp_path):
+    """The ledger's rule (``io/stages.py``): a stage started and not recorded is redone, whether or not an older record
+    of it exists (a ``--force`` run stopped half-way must not leave the old record vouching for a half-new output);
+    recording it removes the mark; an output without a record and without a mark is still refused (provenance
+    unknown)."""
+    from iprox_lightning.io.fingerprint import FingerprintMismatch
+    from iprox_lightning.io.stages import StageLedger
+
+    wd, cfg = tmp_path / "wd", tmp_path / "stage.yaml"
+    cfg.write_text("seed_everything: 0\n")
+    done = wd / "warmup" / "model" / "config.json"
+
+    def ledger(force=False):
+        led = StageLedger(wd, {"target": "builtin", "pool": "builtin", "validation": "builtin"}, force=force)
+        led.prepare("warmup", [cfg], {"model": {"init_args": {"save_dir": str(done.parent)}}})
+        return led
+
+    first = ledger()
+    assert first.reuse("warmup", done) is False
+    first.start("warmup")
+    done.parent.mkdir(parents=True)
+    done.write_text("{}")  # the stage wrote its completion file, then the disk filled before its record
+    second = ledger()
+    assert second.reuse("warmup", done) is False and "warmup" in second.partial
+    assert "its last run stopped before it finished" in second.notes["warmup"]
+    second.start("warmup")
+    second.record("warmup")
+    assert not second.running_path("warmup").exists()
+    assert ledger().reuse("warmup", done) is True
+
+    forced = ledger(force=True)  # a forced re-run stopped half-way: its old record no longer describes the output
+    assert forced.reuse("warmup", done) is False
+    forced.start("warmup")
+    assert not forced.record_path("warmup").exists()
+    assert ledger().reuse("warmup", done) is False
+
+    forced.running_path("warmup").unlink()  # neither record nor mark: an output of unknown provenance
+    with pytest.raises(FingerprintMismatch, match="does not record what produced it"):
+        ledger().reuse("warmup", done)
