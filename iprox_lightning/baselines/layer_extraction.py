@@ -72,8 +72,10 @@ def layer_extraction_proxy(
 
 def save_layer_extraction(proxy: nn.Module, info: Mapping, output_dir: str | os.PathLike, tokenizer=None) -> Path:
     """``save_pretrained`` the proxy (safetensors) + ``layer_extraction.json`` (+ tokenizer) into ``output_dir``."""
+    from ..io.ownership import make_owned_dir
+
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_owned_dir(out, "model")
     proxy.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -93,6 +93,9 @@ def build_store(
     from ..data.pool import check_output_is_not_input
 
     check_output_is_not_input(output_dir, pool, "output_dir")
+    from ..io.output_guard import check_output_not_input
+
+    check_output_not_input(output_dir, {"model": model}, "output_dir")
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, method=method, damping=damping,
                                  damping_mode=damping_mode,
                                  kfac_examples=kfac_examples, target_patterns=target_patterns, dtype=dtype,

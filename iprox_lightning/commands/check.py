@@ -185,6 +185,13 @@ def check(
 
     check_output_is_not_input(result_path, pool, "output")
     check_output_is_not_input(cache.root, pool, "output_dir")
+    from ..io.output_guard import check_output_not_input
+
+    for path, option in ((result_path, "output"), (cache.root, "output_dir")):
+        check_output_not_input(path, {"target": target, "proxy": proxy}, option)
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(cache.root.parent, "check output")
     s = _sample_pool(sample, cache, pool=pool, validation=validation, tokenizer=tokenizer or target,
                      max_length=max_length, batch_size=batch_size, seed=seed, val_per_task=val_per_task)
     models, le_rho = _models_to_score(target, proxy, s.dm, layer_extraction)
@@ -210,8 +217,14 @@ def _drop_validation_cache(cache) -> None:
     """Delete the check's cached validation gradient sums (``keep_validation_cache=False``), saying how much."""
     import shutil
 
+    from ..io.ownership import owned_kind
+
     d = cache.root / "validation"
     if not d.is_dir():
+        return
+    if owned_kind(cache.root) != "check cache":  # an older version's cache, or a folder of the user's: kept
+        print(f"check: kept {d}: {cache.root} holds no check cache marker (written by an older version, or not by "
+              "iprox_lightning); delete it by hand if it is yours to drop")
         return
     size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
     shutil.rmtree(d)

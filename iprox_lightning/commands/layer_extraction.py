@@ -30,7 +30,12 @@ def layer_extraction(
         dtype: dtype of the saved model.
     """
     from ..baselines.layer_extraction import run_layer_extraction
+    from ..data.pool import check_output_is_not_input
     from ..data.sft import pool_sample_datamodule
+    from ..io.output_guard import check_output_not_input
+
+    check_output_not_input(output_dir, {"model": model, "tokenizer": tokenizer}, "output_dir")
+    check_output_is_not_input(output_dir, pool, "output_dir")
 
     dm = pool_sample_datamodule(pool, tokenizer or model, sample_fraction, max_length=max_length, batch_size=batch_size,
                                 seed=seed)

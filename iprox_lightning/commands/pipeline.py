@@ -151,8 +151,12 @@ def pipeline(
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
     hardware = trainer_hardware(accelerator, devices, num_nodes, strategy, precision)
     check_sources(target, pool, validation)
+    from ..io.output_guard import check_output_not_input
+    from ..io.ownership import make_owned_dir
     from ..io.score_dir import ScoreDirLock
 
+    check_output_not_input(wd, {"pool": pool, "target": target, "validation": validation}, "--workdir")
+    make_owned_dir(wd, "pipeline workdir")
     with ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir"), _SIGTERM:
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
@@ -539,6 +543,9 @@ def _select_subsets(stages: _StageRunner, score_dirs: dict[str, Path], pool, dat
     wd, times = stages.wd, stages.times
     scores = {who: read_scores(d / "scores.parquet") for who, d in score_dirs.items()}
     rand_path = wd / "scores" / "random" / "scores.parquet"
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(rand_path.parent, "scores")
     write_random_scores(sorted(scores["target"]), rand_path, seed=seed)  # cheap: always from this run's pool
     scores["random"] = read_scores(rand_path)
     tasks = selection_tasks(score_dirs["target"] / "scores.parquet", select_rule)

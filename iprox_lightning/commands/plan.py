@@ -75,6 +75,8 @@ def plan(
     from ..analysis import memory as M
     from ..errors import UserInputError
 
+    if output:
+        _check_output(output, model, speed_results)
     device_bytes = M.parse_bytes(device_memory) if device_memory is not None else None
     if devices < 1 or num_nodes < 1:
         raise UserInputError(f"devices and num_nodes must be >= 1, got {devices} and {num_nodes}")
@@ -118,6 +120,19 @@ def plan(
                              f"{M.gib(device_bytes)} (largest: {max(s.parts, key=s.parts.get)}); change "
                              f"{' or '.join(s.levers)}")
     return [s.to_dict() for s in stages]
+
+
+def _check_output(output: str, model: str, speed_results: Optional[str]) -> None:
+    """Refuse an ``--output`` that is a directory, or is (or lies inside) the model read, or is one of the speed
+    results read (a plan beside them is fine: only ``speed_*.json`` files are read there)."""
+    from ..errors import OutputIsDirectoryError
+    from ..io.output_guard import check_output_not_input
+
+    if Path(output).is_dir():
+        raise OutputIsDirectoryError(f"--output {output} is a directory; name a file, e.g. {Path(output) / 'plan.json'}")
+    check_output_not_input(output, {"model": model}, "--output")
+    if speed_results and Path(output).name.startswith("speed_") and Path(output).suffix == ".json":
+        check_output_not_input(output, {"speed results": speed_results}, "--output")
 
 
 def _applies(stage: str, method: str) -> bool:

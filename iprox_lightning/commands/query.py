@@ -64,6 +64,9 @@ def query(
         from ..data.pool import check_output_is_not_input
 
         check_output_is_not_input(out, pool, "output_dir")
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(out, "scores")
     fp, st, tok = info["fingerprint"], info["fingerprint"]["settings"], info.get("tokenization", {})
     model = model or info.get("model_source")
     net = _check_model(store, fp["model"], model, st)
@@ -177,6 +180,9 @@ def _read_store(store: str, output_dir: str):
     out = Path(output_dir)
     if out.resolve() == Path(store).resolve():
         raise UserInputError(f"output_dir {output_dir} is the store itself; write the scores elsewhere")
+    from ..io.output_guard import check_output_not_input
+
+    check_output_not_input(out, {"store": store}, "output_dir")
     st = info["fingerprint"]["settings"]
     if st.get("method", "tracin") != "tracin" and st.get("basis") != BASIS:
         raise gs.StoreFormatError(f"{store}: this {st['method']} store was built by an earlier version, which projected "

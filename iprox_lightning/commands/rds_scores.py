@@ -51,7 +51,12 @@ def rds_scores(
     check_output_is_not_input(out, pool, "output_dir")
     old = read_settings(out) or None
     settings = {"method": "rds+", "max_length": max_length}
-    if old is not None and not overwrite and (old.get("fingerprint") or {}).get("settings") != settings:
+    other_run = old is not None and (old.get("fingerprint") or {}).get("settings") != settings
+    if other_run and overwrite:
+        from ..io.ownership import check_owned
+
+        check_owned(out, "scores", option="--overwrite true", what="its scores would be replaced")
+    if other_run and not overwrite:
         raise OutputExistsError(f"output_dir {out} holds another run's scores ({out / 'settings.json'}: method "
                                 f"{old.get('method')!r}); pass --overwrite true to replace them, or choose another "
                                 "output_dir")
@@ -64,7 +69,9 @@ def rds_scores(
     t0 = time.perf_counter()
     table = rds_table(dm.predict_dataloader(), dm.validation_dataloader(), net)
     wall = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(out, "scores")
     path = table.save(str(out / "scores.parquet"))
     write_settings(out, {"method": "rds+", **table.settings, "wall_s": wall, "pool": dm.pool_provenance(),
                          "fingerprint": {

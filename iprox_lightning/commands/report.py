@@ -70,7 +70,9 @@ def report(
 
     src = _report_inputs(workdir, target_scores, proxy_scores, target_model, proxy_models, gradient_model)
     out = Path(output_dir or (Path(workdir) / "report" if workdir else "outputs/report"))
-    out.mkdir(parents=True, exist_ok=True)
+    from ..io.ownership import make_owned_dir
+
+    make_owned_dir(out, "report")
     n_probe_examples, n_align_examples, n_val = _flops_sizes(src.proxy_models, n_probe_examples, n_align_examples,
                                                              n_val, pool, validation)
     target = read_scores(src.target_scores)

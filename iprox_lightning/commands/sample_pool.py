@@ -23,7 +23,7 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
     from ..data.sources import iter_rows, write_records_jsonl
     from ..data.splits import stratified_sample
     from ..errors import OutputExistsError, OutputIsDirectoryError, UserInputError
-    from ..io.records import DataFormatError, normalize_row
+    from ..io.records import DataFormatError, json_id, normalize_row
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserInputError(f"--n must be >= 1, got {n}")
@@ -38,6 +38,9 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
     if src.exists() and (out.resolve() == src.resolve() or (src.is_dir() and out.resolve().is_relative_to(src.resolve()))):
         raise UserInputError(f"--output {out} would {'replace' if src.is_file() else 'go inside'} the pool {pool}; "
                          "choose another output file")
+    from ..io.output_guard import check_output_not_input
+
+    check_output_not_input(out, {"pool": str(pool)}, "--output")  # by identity: a hard link of the pool too
     rows, seen, counters = [], {}, {}
     for name, where, row in iter_rows(pool):
         idx = counters.get(name, 0)
@@ -49,18 +52,24 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
         if rec["id"] in seen:
             raise DataFormatError(f"{where}: duplicate id {rec['id']!r} (first seen at {seen[rec['id']]})")
         seen[rec["id"]] = where
-        rows.append({**row, "id": rec["id"], "category": rec["category"]})
+        rows.append({**row, "id": json_id(rec["id"]), "category": rec["category"]})
     if not rows:
         raise DataFormatError(f"{pool}: no records")
     if n > len(rows):
         raise UserInputError(f"--n {n} is more than the {len(rows)} records of {pool}")
     sample = stratified_sample(rows, n, seed, by=by)
     same = False
-    if out.exists():
+    if out.exists() or out.is_symlink():
         try:
             same = [r for _, _, r in iter_rows(out)] == sample
-        except (DataFormatError, ValueError):
-            same = False
+            records = True
+        except (DataFormatError, ValueError, OSError):
+            same = records = False
+        if overwrite and (out.is_symlink() or not records):  # --overwrite replaces a sample (records) only
+            what = "a symbolic link" if out.is_symlink() else "not a JSONL file of records"
+            raise OutputExistsError(f"--output {out} is {what}: not replaced, even with --overwrite true (the package "
+                                    "replaces only what it writes). Choose another output, or delete it by hand if it "
+                                    "is yours to drop")
         if not same and not overwrite:
             raise OutputExistsError(f"--output {out} already exists and holds something else than this sample: not "
                                   "overwritten. Pass another --output, or --overwrite true to replace it")

@@ -60,17 +60,10 @@ def read_pool(pool: Any, field_map: dict[str, str] | None = None, builtin_size: 
 
 
 def check_output_is_not_input(out: str | os.PathLike, pool: Any, what: str) -> None:
-    """Refuse an output (``what``: the option's name) that is a pool file or lies inside a pool directory: writing it
-    would replace the pool, or make the next read of the pool take the output for pool data."""
-    target = Path(out).resolve()
+    """Refuse an output (``what``: the option's name) that is a pool file (by device and inode: a hard or symbolic
+    link of it too), lies inside a pool directory, or contains a pool source: writing it would replace the pool, or
+    make the next read of the pool take the output for pool data (:func:`~iprox_lightning.io.output_guard.check_output_not_input`)."""
+    from ..io.output_guard import check_output_not_input
+
     sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
-    for source in sources:
-        if not isinstance(source, (str, os.PathLike)):
-            continue
-        p = Path(source)
-        if p.is_file() and p.resolve() == target:
-            raise UserInputError(f"{what} {out} is the pool file {source}: writing it would replace the pool; choose "
-                                 "another output")
-        if p.is_dir() and target.is_relative_to(p.resolve()):
-            raise UserInputError(f"{what} {out} is inside the pool directory {source}: the next read of the pool would "
-                                 "take it for pool data; choose another output")
+    check_output_not_input(out, {"pool": [s for s in sources if isinstance(s, (str, os.PathLike))]}, what)

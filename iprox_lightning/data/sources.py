@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import InputNotFoundError, UserInputError
-from ..io.records import DataFormatError, iter_jsonl, normalize_row, read_utf8, resolve_field_map
+from ..io.records import DataFormatError, iter_jsonl, json_id, normalize_row, read_utf8, resolve_field_map
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ def write_records_jsonl(records: Iterable[Mapping], path: str | os.PathLike) -> 
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for r in records:
-                f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
+                line = {**r, "id": json_id(r["id"])} if "id" in r else dict(r)  # an integer id stays one
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
     except BaseException:  # a full disk, a stop: no half-written temporary left behind
         tmp.unlink(missing_ok=True)
         raise

@@ -164,8 +164,10 @@ class EvaluationModule(LightningModule):
         return Path(base) / "eval"
 
     def _write(self, prefix: str, results: dict[str, float], preds: dict[str, list[dict[str, Any]]]) -> None:
+        from ..io.ownership import make_owned_dir
+
         out = self._out_dir()
-        out.mkdir(parents=True, exist_ok=True)
+        make_owned_dir(out, "evaluation")
         dm = self.trainer.datamodule
         info = {s: {k: v for k, v in d.info.items()} for s, d in dm.suite_data.items()}
         summary = {

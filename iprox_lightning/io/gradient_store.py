@@ -165,8 +165,15 @@ def check_store_fingerprint(store_dir: str | os.PathLike, fingerprint: Mapping, 
 
 
 def clear_store(store_dir: str | os.PathLike) -> None:
-    """Remove a store's shards, settings, projections and factors (a build then starts fresh)."""
+    """Remove a store's shards, settings, projections and factors (a build then starts fresh); only from a directory
+    the package marked as a gradient store (:mod:`.ownership`), else
+    :class:`~iprox_lightning.errors.OutputExistsError`."""
+    from .ownership import check_owned
+
     out = Path(store_dir)
+    if (any(os.path.lexists(out / n) for n in (SHARD_DIR, CACHE_DIR, STORE_FILE, PROJECTION_FILE))
+            or any(out.glob("*kfac-*.safetensors"))):
+        check_owned(out, "gradient store", option="overwrite", what="the store would be cleared")
     shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
     shutil.rmtree(out / CACHE_DIR, ignore_errors=True)
     for name in (STORE_FILE, PROJECTION_FILE):
@@ -420,7 +427,7 @@ def store_size(store_dir: str | os.PathLike, rows: int) -> dict:
 
 # ----------------------------------------------------------------------------------- the query cache
 def validation_cache(store_dir: str | os.PathLike) -> TensorCache:
-    return TensorCache(Path(store_dir) / CACHE_DIR)
+    return TensorCache(Path(store_dir) / CACHE_DIR, kind="store cache")
 
 
 def validation_cache_fingerprint(store_dir: str | os.PathLike, info: Mapping, validation: Any, **settings: Any) -> str:

@@ -193,10 +193,12 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     from ..engine.target_layers import is_compressed
     from .fingerprint import file_identity, sort_safetensors_metadata
 
+    from .ownership import make_owned_dir
+
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     if not is_compressed(model):
         raise ValueError("save_proxy: the model holds no LowRankLinear layer (compress it first)")
+    make_owned_dir(path, "proxy")
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError("save_proxy needs a Hugging Face model with a .config")

@@ -70,18 +70,21 @@ def resolve_export_dtype(dtype: str | torch.dtype | None, default: torch.dtype) 
 
 
 def check_export_target(proxy_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> None:
-    """Refuse an output that is the proxy directory, lies inside it or contains it, is a file, or is a non-empty
-    directory (unless ``overwrite``)."""
+    """Refuse an output that is the proxy directory, lies inside it or contains it (by device and inode), is a
+    file or a symbolic link, or is a non-empty directory (unless ``overwrite``, and then only a previous export:
+    marked by the package as a ``proxy export`` (:mod:`.ownership`) and holding nothing but an export's files)."""
+    from .output_guard import check_output_not_input, same_file
+    from .ownership import check_owned
+
     src = Path(proxy_dir).expanduser().resolve()
-    out = Path(output).expanduser().resolve()
-    if out == src:
+    out = Path(output).expanduser().absolute()
+    if same_file(out, src) or out.resolve() == src:
         raise UserInputError(f"export: the output {output} is the proxy directory itself; write the dense model to "
                              "another directory (the proxy stays as it is)")
-    if src in out.parents:
-        raise UserInputError(f"export: the output {output} lies inside the proxy directory {proxy_dir}; choose a "
-                             "directory outside it")
-    if out in src.parents:
-        raise UserInputError(f"export: the output {output} contains the proxy directory {proxy_dir}; choose another one")
+    check_output_not_input(out, {"proxy": src}, "export: the output", replaced_whole=True)
+    if out.is_symlink():
+        raise OutputExistsError(f"export: the output {output} is a symbolic link; name a directory itself (the "
+                                "export replaces the output, and deletes nothing through a link)")
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"export: the output {output} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -94,10 +97,13 @@ def check_export_target(proxy_dir: str | Path, output: str | Path, *, overwrite:
                 f"export: --overwrite replaces a previous export only, and {output} also holds {len(foreign)} other "
                 f"file(s): {', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}; move them or choose another "
                 "directory")
+        check_owned(out, "proxy export", option="export_proxy --overwrite true",
+                    what="a previous export is replaced only when the package marked it as one")
 
 
 _EXPORT_FILES = ("config.json", "generation_config.json", "README.md", EXPORT_RECORD, "chat_template.jinja",
-                 "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json", "tokenizer.model")
+                 "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json", "tokenizer.model",
+                 ".iprox-dir.json")  # the last: the package's marker (io/ownership.py)
 
 
 def _export_file(path: Path) -> bool:
@@ -211,6 +217,9 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
     try:
+        from .ownership import mark
+
+        mark(tmp, "proxy export")  # the marker keeps the folder's identity through the move into place
         dense.save_pretrained(tmp)
         del dense
         if tokenizer is not None:

@@ -129,6 +129,22 @@ def _check_messages(value: Any, where: str, col: str) -> list[dict]:
     return out
 
 
+class IntId(str):
+    """A record id the pool gave as a JSON integer. It is the id's text everywhere inside (score tables, digests,
+    lookups, ordering: a ``str``), and :func:`json_id` gives the integer back, so a file written from the records
+    (a selection, a pool sample) keeps each id with its JSON type: ``7`` stays ``7`` and ``"7b"`` stays ``"7b"``."""
+
+    __slots__ = ()
+
+    def __reduce__(self):  # pickled (DataLoader workers) as what it is
+        return IntId, (str(self),)
+
+
+def json_id(rid: Any) -> Any:
+    """The id as the pool's JSON had it: an :class:`IntId` as an ``int``, anything else as it is."""
+    return int(rid) if isinstance(rid, IntId) else rid
+
+
 def normalize_row(row: Any, *, field_map: Mapping[str, str], where: str, default_id: str, default_task: str) -> dict:
     """Validate one raw row and return its canonical record (see module doc)."""
     fm = resolve_field_map(field_map)
@@ -139,7 +155,7 @@ def normalize_row(row: Any, *, field_map: Mapping[str, str], where: str, default
         rid = default_id
     elif isinstance(rid, bool) or not isinstance(rid, (str, int)):
         raise DataFormatError(f"{where}: field {fm['id']!r} (id) must be a string or an integer, got {type(rid).__name__}")
-    rid = str(rid)
+    rid = IntId(rid) if isinstance(rid, int) else str(rid)  # the text inside; the JSON type kept for writers
     if not rid.strip():
         raise DataFormatError(f"{where}: field {fm['id']!r} (id) is empty")
     if len(rid) > MAX_ID_CHARS and len(rid.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:

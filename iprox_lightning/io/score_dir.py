@@ -212,8 +212,13 @@ def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None)
 
 
 def clear_output(output_dir: str | os.PathLike) -> None:
-    """Remove a scoring output (shards, merged table, settings) so a run starts fresh."""
+    """Remove a scoring output (shards, merged table, settings) so a run starts fresh; only from a directory the
+    package marked as a scoring output (:mod:`.ownership`), else :class:`~iprox_lightning.errors.OutputExistsError`."""
+    from .ownership import check_owned
+
     out = Path(output_dir)
+    if any(os.path.lexists(out / n) for n in (SHARD_DIR, SCORES_FILE, SETTINGS_FILE)):
+        check_owned(out, "scores", option="overwrite", what="scores would be cleared")
     shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
     for name in (SCORES_FILE, SETTINGS_FILE):
         (out / name).unlink(missing_ok=True)

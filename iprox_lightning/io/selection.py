@@ -32,6 +32,7 @@ def meta_path(path: str | os.PathLike) -> Path:
 def write_selection(path: str | os.PathLike, rows: Sequence[tuple[str, float]], records: Mapping[str, dict] | None,
                     meta: Mapping[str, Any]) -> Path:
     """Write ``rows`` (``(id, score)``, best first) with their pool ``records`` (or ``None``) and the meta."""
+    from .records import json_id
     from .scores import write_json_atomic
 
     out = Path(path)
@@ -40,7 +41,8 @@ def write_selection(path: str | os.PathLike, rows: Sequence[tuple[str, float]], 
     with open(tmp, "w", encoding="utf-8") as f:
         for i, s in rows:
             line = {"id": i, "score": s}
-            if records is not None:
+            if records is not None:  # the pool's id, with its JSON type (an integer id stays an integer)
+                line = {"id": json_id(records[i].get("id", i)), "score": s}
                 line.update({k: v for k, v in records[i].items() if k != "id"})
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     os.replace(tmp, out)

@@ -37,8 +37,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 class TensorCache:
     """Entries ``(tensors, meta)`` under ``root``, by kind and fingerprint (see the module doc)."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, kind: str = "check cache") -> None:
         self.root = Path(root)
+        self.kind = kind  # the marker's kind (io/ownership.py): what ``train.py cache`` lists and may clear
+
+    def ensure_root(self) -> None:
+        """Create ``root`` marked as :attr:`kind` (an existing, non-empty unmarked root stays unmarked: not ours)."""
+        from .ownership import make_owned_dir
+
+        make_owned_dir(self.root, self.kind)
 
     def path(self, kind: str, fp: str) -> Path:
         """The entry's tensors file (its JSON: the same path with suffix ``.json``)."""
@@ -70,6 +77,7 @@ class TensorCache:
         from safetensors.torch import save_file
 
         path = self.path(kind, fp)
+        self.ensure_root()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))

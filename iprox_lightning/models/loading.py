@@ -455,6 +455,9 @@ def _write_cache(model, tok, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
+        from ..io.ownership import mark
+
+        mark(tmp, "gguf copy")  # the marker keeps the folder's identity through the rename below
         model.save_pretrained(tmp, safe_serialization=True)
         if tok is not None:
             tok.save_pretrained(tmp)

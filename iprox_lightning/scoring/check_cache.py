@@ -42,7 +42,7 @@ class CheckCache:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
-        self.files = TensorCache(self.root)  # validation/<fp>.safetensors + .json
+        self.files = TensorCache(self.root, kind="check cache")  # validation/<fp>.safetensors + .json
         self.events: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ fingerprints
@@ -119,6 +119,7 @@ class CheckCache:
 
     def save_scores(self, table: ScoreTable, fp: str, who: str, seconds: float) -> Path:
         path = self.scores_path(fp)
+        self.files.ensure_root()
         table.save(str(path))
         from ..io.fingerprint import file_identity
 

@@ -33,6 +33,7 @@ class BufferedShardWriter(BasePredictionWriter):
     """
 
     shard_dir = "shards"
+    owned_kind = "scores"  # the marker of the output directory it creates (io/ownership.py)
 
     def __init__(self, output_dir: str, write_every_n_batches: int = 50, overwrite: bool = False,
                  flush_on_exception: bool = True) -> None:
@@ -71,6 +72,9 @@ class BufferedShardWriter(BasePredictionWriter):
         self._rank = trainer.global_rank
         refused = None
         if trainer.global_rank == 0:  # one run at a time per directory (a second one would mix its shards in)
+            from ..io.ownership import make_owned_dir
+
+            make_owned_dir(self.output_dir, self.owned_kind)  # marked when created (or found empty): ours to clear
             try:
                 self._lock = self.make_lock().acquire()
             except OutputLocked as e:

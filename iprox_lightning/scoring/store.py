@@ -261,6 +261,8 @@ class GradientStoreWriter(BufferedShardWriter):
         return f"to start fresh pass overwrite=True (CLI: --overwrite true) or choose another directory than {self.output_dir}"
 
     # ------------------------------------------------------------------ shards (BufferedShardWriter)
+    owned_kind = "gradient store"
+
     def make_lock(self):
         from ..io.score_dir import ScoreDirLock
 

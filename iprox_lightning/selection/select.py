@@ -82,8 +82,9 @@ def _check_output(out: Path, src: Path, pool) -> None:
     (where the next read of the pool would take the selection for pool data)."""
     if out.is_dir():
         raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
-    target = out.resolve()
-    if target == Path(src).resolve():
+    from ..io.output_guard import same_file
+
+    if out.resolve() == Path(src).resolve() or same_file(out, src):
         raise UserInputError(f"output {out} is the score table being read; choose another output file")
     from ..data.pool import check_output_is_not_input
 
@@ -214,6 +215,11 @@ def select(
     _check_output(out, src, pool)
     if not overwrite:
         _check_not_another_selectors(out, src)
+    elif out.is_symlink() or (out.exists() and not out.with_name(out.name + ".meta.json").is_file()):
+        what = ("a symbolic link" if out.is_symlink() else
+                "a file of unknown origin (no .meta.json: not a selection this package wrote)")
+        raise OutputExistsError(f"output {out} is {what}: not replaced, even with --overwrite true. Choose another "
+                                "output, or delete it by hand if it is yours to drop")
     meta = {
         "scores": str(src), "scores_fingerprint": _table_fingerprint(src), "k": k, "count": len(chosen), "ranked": n,
         "column": cands.column, "rule": rule, "task": task, "dedup": dedup, "pool": pools,

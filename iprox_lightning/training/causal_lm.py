@@ -157,6 +157,10 @@ class CausalLMModule(L.LightningModule):
             raise UserInputError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserInputError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        if save_dir:  # before any training: the trained model never replaces the model it starts from
+            from ..io.output_guard import check_output_not_input
+
+            check_output_not_input(save_dir, {"model": model}, "save_dir")
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         object.__setattr__(self, "model_source", model)  # never a registered submodule
         self.model: Optional[nn.Module] = None
@@ -241,7 +245,9 @@ class CausalLMModule(L.LightningModule):
         sd = full_state_dict(self.model)  # collective under FSDP2
         path = Path(save_dir)
         if self.trainer.is_global_zero if self._trainer is not None else True:
-            path.mkdir(parents=True, exist_ok=True)
+            from ..io.ownership import make_owned_dir
+
+            make_owned_dir(path, "model")  # marked when created (or found empty): ours to replace
             kwargs: dict[str, Any] = {"safe_serialization": True}
             if sd is not None:
                 kwargs["state_dict"] = sd
