@@ -351,9 +351,15 @@ class RunSettings:
         _check_choice("method", self.method, _metrics())
         _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
         for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
-                     "tasks", "store_k", "select_k", "write_every_n_batches"):
+                     "tasks", "store_k", "select_k", "write_every_n_batches", "validation_examples", "kfac_examples",
+                     "finetune_epochs"):
             if int(getattr(self, name)) < 1:
                 raise UserInputError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if int(self.align_epochs) < 0:  # 0: the IPSVD-only proxy, no alignment
+            raise UserInputError(f"align_epochs must be >= 0, got {self.align_epochs!r}")
+        for name in ("warmup_fraction", "construction_fraction", "probe_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise UserInputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.response_share <= 1.0:
             raise UserInputError(f"response_share must be in (0, 1], got {self.response_share!r}")
         if not 0.0 < self.sparsity < 1.0:

@@ -157,7 +157,8 @@ def pipeline(
 
     check_output_not_input(wd, {"pool": pool, "target": target, "validation": validation}, "--workdir")
     make_owned_dir(wd, "pipeline workdir")
-    with _sigterm_unwinds(), ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir", remove=True), \
+    # SIGTERM stops the run with the CLI's one 'stopped' line, the lock released and removed on the way out
+    with _SIGTERM, ScoreDirLock(wd, ".pipeline.lock", "pipeline run", "use another --workdir", remove=True), \
             activity(f"pipeline {wd}"):  # between and inside stages, a line at least every interval
         return _pipeline(wd, target=target, pool=pool, validation=validation, sparsity=sparsity,
                          select_fraction=select_fraction, select_rule=select_rule, method=method,
@@ -165,29 +166,6 @@ def pipeline(
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select,
                          proxy_validation=proxy_validation)
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds():
-    """While the block runs, SIGTERM (``kill``, a scheduler's stop) exits like Ctrl-C does, through ``SystemExit``
-    (status 143), so that the workdir's lock is released and removed on the way out; a handler already installed is
-    left alone, and so is a thread other than the main one (only it receives signals)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "balanced",
@@ -272,6 +250,64 @@ def check_strategy_hardware(strategy: str | None, accelerator: str, devices: int
                              "(pip install deepspeed), or use --strategy fsdp / ddp")
 
 
+class _SigtermStop:
+    """SIGTERM during a pipeline run stops it as SIGTERM within a stage does: ``train.py`` prints its one ``stopped``
+    line and exits 143 (before, a SIGTERM between two stages killed the process with no line).
+
+    Inside a stage run in this process Lightning's own handler is installed (it calls this one too): the stage stops at
+    its next safe point and raises ``SIGTERMException``; one that ends anyway is recorded and the run stops after it.
+    Anywhere else (between stages, loading a stage's model, saving its output) the run stops at once, as Ctrl-C does:
+    every artifact is written to a temporary and renamed, and a stage stopped before its record is redone by the next
+    run (:meth:`~iprox_lightning.io.stages.StageLedger.start`). A stage in its own processes gets the signal passed on
+    and stops at its safe point; the run stops when it has."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.child = None  # the stage process running now (several devices), if any
+        self._previous = None
+        self._installed = False
+
+    def _handler(self, signum, frame) -> None:
+        import signal
+
+        self.pending = True
+        if self.child is not None:
+            self.child.send_signal(signum)
+        elif signal.getsignal(signal.SIGTERM) == self._handler:  # no Lightning run is stopping at its safe point
+            self.stop()
+
+    def stop(self) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        raise SIGTERMException()
+
+    def check(self) -> None:
+        """Stop now if a SIGTERM came while a stage ran to its end."""
+        if self.pending:
+            self.stop()
+
+    def __enter__(self):
+        import signal
+
+        self.pending, self.child = False, None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+            self._installed = True
+        except ValueError:  # not the main thread: no handler of ours
+            self._installed = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+
+_SIGTERM = _SigtermStop()
+
+
 def _processes(trainer: dict[str, Any]) -> int:
     return int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1)
 
@@ -292,8 +328,14 @@ def _run_stage_process(args: list[str], log_file: Path, threads: int | None) -> 
         env["OMP_NUM_THREADS"] = str(threads)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w") as out:
-        code = subprocess.run([sys.executable, "-m", "iprox_lightning.cli", *args], stdout=out,
-                              stderr=subprocess.STDOUT, env=env).returncode
+        child = subprocess.Popen([sys.executable, "-m", "iprox_lightning.cli", *args], stdout=out,
+                                 stderr=subprocess.STDOUT, env=env)
+        _SIGTERM.child = child  # a SIGTERM is passed on: the stage stops at its safe point
+        try:
+            code = child.wait()
+        finally:
+            _SIGTERM.child = None
+    _SIGTERM.check()  # the stage was stopped by (or ran to its end despite) a SIGTERM: stop here
     if code == 0:
         return
     lines = log_file.read_text(errors="replace").splitlines()
@@ -403,11 +445,12 @@ class _StageRunner:
         if done.name == "scores.parquet":  # start the scoring output fresh (force, or an upstream output changed)
             from ..io.score_dir import clear_output
 
-            if self.force or key in ledger.notes:
+            if self.force or (key in ledger.notes and key not in ledger.partial):  # a partial one resumes its shards
                 clear_output(done.parent)
         configs.append(_write_overlay(self.wd / "configs" / f"{key.replace(':', '_')}.yaml", overlay))
         args = [subcommand] + [a for c in configs for a in ("--config", str(c))]
         log.info("stage %s: python train.py %s", key, " ".join(args))
+        ledger.start(key)  # a fault from here to its record leaves the stage marked partial: the next run redoes it
         t0 = time.perf_counter()
         with activity(f"{key}: {subcommand} {configs[0].name}"):  # a line at least every interval, loops or not
             if _processes(self.trainer) > 1:  # its own processes: Lightning's launcher re-runs the command it was given
@@ -416,6 +459,7 @@ class _StageRunner:
                 with quiet_stage(), _device_memory_peak(self.wd / PEAK_MEMORY_FILE, key):  # the one line below
                     self.run_lightning(args)
         ledger.record(key, output)
+        _SIGTERM.check()  # a SIGTERM the stage's Lightning run received but ran to its end: stop after its record
         self.took(key, time.perf_counter() - t0)
         print(f"[pipeline] {key}: {subcommand} {configs[0].name}, {times[key]:.1f} s -> {output}", flush=True)
         touch()

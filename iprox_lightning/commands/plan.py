@@ -87,6 +87,10 @@ def plan(
                         num_probe_tokens=num_probe_tokens, align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=scoring.kfac_examples, store_k=k, select_k=select_k)
+    from ..models.loading import check_model_config
+
+    if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
+        check_model_config(model)
     sizes, acts, acts32 = M.model_counts(model, run)  # cached per architecture, T and precision
     stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)
     speeds = M.measured_throughput(sizes.params, accelerator, speed_results or _RESULTS)

@@ -11,6 +11,12 @@ from typing import Any, Iterable, Iterator, Mapping
 from ..errors import UserInputError
 
 CANONICAL_FIELDS: tuple[str, ...] = ("id", "instruction", "context", "response", "category", "messages")
+
+MAX_ID_BYTES = 4096
+"""The longest id a record may have (UTF-8 bytes). Ids travel with every row into score tables, selections and a
+gradient store's shard headers (safetensors keeps a shard's metadata under 100 MB): a pool of 1 MB ids made
+``build_store`` grow to 875 MB and fail inside safetensors, leaving the store unfinished. Refused when read."""
+MAX_ID_CHARS = MAX_ID_BYTES // 4  # below this many characters an id is within MAX_ID_BYTES whatever its characters
 DEFAULT_FIELD_MAP: dict[str, str] = {f: f for f in CANONICAL_FIELDS}
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
@@ -152,6 +158,10 @@ def normalize_row(row: Any, *, field_map: Mapping[str, str], where: str, default
     rid = IntId(rid) if isinstance(rid, int) else str(rid)  # the text inside; the JSON type kept for writers
     if not rid.strip():
         raise DataFormatError(f"{where}: field {fm['id']!r} (id) is empty")
+    if len(rid) > MAX_ID_CHARS and len(rid.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise DataFormatError(f"{where}: field {fm['id']!r} (id) is {len(rid.encode('utf-8', 'surrogatepass')):,} "
+                              f"bytes, more than an id may be ({MAX_ID_BYTES:,} bytes of UTF-8): ids are kept in every "
+                              "score table, selection and store shard; give the row a shorter id")
     task = _get_str(row, fm, "category", where, required=False, non_empty=False)
     task = task if task and task.strip() else default_task
     if fm["messages"] in row and fm["instruction"] not in row:

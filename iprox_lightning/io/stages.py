@@ -12,6 +12,12 @@ pipeline stops with :class:`~iprox_lightning.io.fingerprint.FingerprintMismatch`
 (``--force true`` re-runs, or use a new ``--workdir``). An output without a record (an older workdir, or
 one written by hand) is refused the same way: its provenance is unknown. An output replaced by hand after it was
 recorded is used as it is, and the stages that read it run again (the output digests they recorded differ).
+
+A stage that starts writing first marks itself running (``<workdir>/stages/<stage>.running``, removed once its record
+is written) and drops its old record. A run stopped by a fault (a full disk, a killed process) before the record was
+written leaves that mark: on the next run the stage's output is known to be partial and the stage runs again from its
+last safe point (a fine-tune or proxy from its start, overwriting the files it writes; a scoring run from its shards),
+instead of being refused as an output of unknown provenance. Nothing is deleted for it.
 """
 from __future__ import annotations
 
@@ -103,9 +109,27 @@ class StageLedger:
         self.upstream: dict[str, tuple] = {}  # stage -> the stages it reads
         self.notes: dict[str, str] = {}  # stage -> why it runs again / what changed in its output
         self.recorded: dict[str, str] = {}  # reused stage -> the fingerprint its record holds
+        self.partial: set[str] = set()  # stages whose last run was stopped before its record (:meth:`start`)
 
     def record_path(self, key: str) -> Path:
         return self.dir / f"{key.replace(':', '_')}.json"
+
+    def running_path(self, key: str) -> Path:
+        """The mark of stage ``key`` while it writes its output (a record path ends in ``.json``, this never does)."""
+        return self.dir / f"{key.replace(':', '_')}.running"
+
+    def start(self, key: str) -> Path:
+        """Mark stage ``key`` running before it writes its output, then drop its old record (which no longer
+        describes the output once it is being rewritten): a fault before :meth:`record` leaves the mark, and the next
+        run redoes the stage (:meth:`reuse`). The mark is written first, so a fault while writing it changes nothing."""
+        from .scores import write_json_atomic
+
+        output = self.output_paths.get(key)
+        path = write_json_atomic(self.running_path(key), {
+            "stage": key, "fingerprint": self.fingerprints.get(key), "output": None if output is None else str(output),
+            "pid": os.getpid()})
+        self.record_path(key).unlink(missing_ok=True)
+        return path
 
     def prepare(self, key: str, configs: Sequence[str | os.PathLike], overlay: Mapping, *,
                 upstream: Iterable[str] = (), files: Iterable[str | os.PathLike] = ()) -> str:
@@ -131,6 +155,13 @@ class StageLedger:
         self.output_paths[key] = Path(output) if output is not None else done.parent
         if self.force or not done.exists():
             self.status[key] = "ran"
+            return False
+        running = self.running_path(key)
+        if running.exists():  # a run of this stage was stopped before its record: its output is partial
+            self.status[key] = "ran"
+            self.partial.add(key)
+            self.notes[key] = (f"its last run stopped before it finished ({running} marks it), so {self.output_paths[key]} "
+                               "is partial; it runs again from its last safe point")
             return False
         rec_path = self.record_path(key)
         if not rec_path.exists():
@@ -204,7 +235,9 @@ class StageLedger:
         output = output if output is not None else self.output_paths.get(key)
         if output is not None:
             self.outputs[key] = rec["output"] = output_identity(output)
-        return write_json_atomic(self.record_path(key), rec)
+        path = write_json_atomic(self.record_path(key), rec)
+        self.running_path(key).unlink(missing_ok=True)  # finished: the output is whole
+        return path
 
     def _upstream_outputs(self, key: str) -> dict[str, dict[str, str]]:
         """``{upstream stage: {file: sha256}}``: the current outputs of the stages ``key`` reads."""

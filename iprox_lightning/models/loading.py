@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +66,11 @@ def gguf_cache_dir(path: str | os.PathLike) -> Path:
     return cache_root() / "gguf" / _gguf_cache_key(Path(path))
 
 
-def check_gguf(path: str | os.PathLike) -> None:
+def check_gguf(path: str | os.PathLike) -> int:
     """Refuse a GGUF file that cannot be read whole (truncated download, not GGUF) with a ``ValueError`` naming the
     file, before transformers fails deep inside its reader. Reads the header and tensor table only (memory-mapped);
-    skipped when the ``gguf`` package is missing (transformers then says it needs it)."""
+    skipped when the ``gguf`` package is missing (transformers then says it needs it). Its metadata's sizes (layers,
+    widths, heads, vocabulary) are bounded (:mod:`.bounds`). Returns the elements of its tensors."""
     p = Path(path)
     size = p.stat().st_size
     with open(p, "rb") as f:
@@ -77,7 +79,7 @@ def check_gguf(path: str | os.PathLike) -> None:
         raise UserInputError(f"{p}: not a GGUF file (starts with {magic!r}, not b'GGUF'; {size} bytes)")
     _check_gguf_counts(p, size)
     try:
-        _scan_gguf(p, size)
+        return _scan_gguf(p, size)
     except _GGUFDamaged as e:
         raise UserInputError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; {e})") from None
 
@@ -140,7 +142,8 @@ def _scan_gguf(p: Path, size: int) -> None:
             if vtype in _GGUF_SCALARS:
                 need(_GGUF_SCALARS[vtype], f"the value of {key!r}")
                 pos += _GGUF_SCALARS[vtype]
-                return struct.unpack_from("<I", mm, pos - 4)[0] if vtype == 4 else None
+                fmt = _GGUF_INTS.get(vtype)
+                return struct.unpack_from(fmt, mm, pos - _GGUF_SCALARS[vtype])[0] if fmt else None
             if vtype == _GGUF_STRING:
                 string(f"the string value of {key!r}")
                 return None
@@ -158,11 +161,14 @@ def _scan_gguf(p: Path, size: int) -> None:
             return None
 
         alignment = 32
+        sizes: dict[str, int] = {}
         for _ in range(n_kv):
             key = string("a key")
             got = value(u32(), key)
             if key == "general.alignment" and got:
                 alignment = got
+            if got is not None and _is_size_key(key):
+                sizes[key] = got
         tensors = []
         for _ in range(n_tensors):
             name = string("a tensor name")
@@ -172,6 +178,8 @@ def _scan_gguf(p: Path, size: int) -> None:
             dims = [u64(f"a dimension of tensor {name!r}") for _ in range(n_dims)]
             tensors.append((name, dims, u32(), u64(f"the offset of tensor {name!r}")))
         data_start = -(-pos // alignment) * alignment
+    _check_gguf_sizes(p, sizes)
+    elements = sum(math.prod(d) for _, d, _, _ in tensors)
     vocab = next((d[-1] for name, d, _, _ in tensors if name == "token_embd.weight" and d), None)
     budget = GGUF_ARRAY_ENTRIES_PER_VOCAB * (vocab or 0) + GGUF_ARRAY_ENTRIES_SLACK
     if entries > budget:
@@ -181,7 +189,7 @@ def _scan_gguf(p: Path, size: int) -> None:
     try:
         import gguf
     except ImportError:
-        return
+        return elements
     end = data_start
     for name, dims, ttype, offset in tensors:
         try:
@@ -197,6 +205,29 @@ def _scan_gguf(p: Path, size: int) -> None:
     if end > size:
         raise UserInputError(f"{p}: not a readable GGUF file, truncated or damaged ({size} bytes; its tensors end at "
                              f"byte {end})")
+    return elements
+
+
+_GGUF_INTS = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}  # integer value types -> struct format
+_GGUF_SIZE_KEYS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+                   "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads",
+                   "attention.head_count_kv": "num_key_value_heads", "vocab_size": "vocab_size",
+                   "attention.key_length": "head_dim", "expert_count": "num_experts"}
+"""GGUF metadata sizes (``<arch>.<key>``) -> the config key transformers maps each to."""
+
+
+def _is_size_key(key: str) -> bool:
+    """Whether ``key`` is an ``<arch>.<size>`` key of :data:`_GGUF_SIZE_KEYS`."""
+    return key.partition(".")[2] in _GGUF_SIZE_KEYS
+
+
+def _check_gguf_sizes(p: Path, sizes: dict[str, int]) -> None:
+    """The GGUF's layer count, widths, heads and vocabulary bounded (:mod:`.bounds`) before any reader or config is
+    built from them."""
+    from .bounds import check_config_sizes
+
+    for key, v in sizes.items():
+        check_config_sizes({_GGUF_SIZE_KEYS[key.partition(".")[2]]: v}, f"{p}: metadata {key}")
 
 
 def _check_gguf_counts(p: Path, size: int) -> None:
@@ -217,6 +248,34 @@ def _check_gguf_counts(p: Path, size: int) -> None:
     if n_tensors * 32 + n_kv * 13 > size:
         raise UserInputError(f"{p}: the GGUF header counts {n_tensors} tensors and {n_kv} key-values, more than its "
                              f"{size} bytes can hold (damaged or not a model file)")
+
+
+def check_model_config(model: str) -> None:
+    """Check the sizes of ``model``'s config (a ``.gguf`` file, a model directory or a hub id) on its raw values
+    (:mod:`.bounds`), before a config object is built from them (the plan's
+    :func:`~iprox_lightning.analysis.memory.load_config`)."""
+    from .bounds import check_config_sizes
+
+    p = Path(model)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            return  # the caller says it is missing
+        check_gguf(p)  # header, counts and metadata sizes bounded before a reader parses them
+        return
+    if p.is_dir():
+        cfg = p / "config.json"
+        if cfg.is_file():
+            from ..io.jsonfile import read_json
+
+            check_config_sizes(read_json(cfg, what="the model's architecture"), cfg)
+        return
+    from transformers import PretrainedConfig  # a hub id only: the cached plan of a file or directory loads no transformers
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(model)
+    except (OSError, ValueError):
+        return  # not reachable or not a model: the caller's own reading says so
+    check_config_sizes(raw, f"{model} (config.json)")
 
 
 def _finish_tokenizer(tok):
@@ -398,7 +457,11 @@ def check_model_dir(path: Path) -> None:
 
     cfg = path / "config.json"
     if cfg.is_file():
-        Fields(cfg).get(read_json(cfg, what="the model's architecture"), "model_type", "str")
+        raw = read_json(cfg, what="the model's architecture")
+        Fields(cfg).get(raw, "model_type", "str")
+        from .bounds import check_config_sizes
+
+        check_config_sizes(raw, cfg)  # layers, widths, vocabulary bounded before transformers builds from them
     for f in sorted(path.glob("*.safetensors")):
         read_safetensors_header(f)
 
@@ -420,10 +483,15 @@ def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
         tok = load_tokenizer(str(p)) if tokenizer else None
         return model.eval(), tok
-    check_gguf(p)
+    from .bounds import gguf_config
+
+    # its tensors are the model its metadata describes, checked before that model is built (the config, read once here,
+    # is the one transformers would read)
+    config = gguf_config(p, check_gguf(p))
     log.info("dequantizing GGUF %s (first load; cached afterwards)", p)
     with _dequantizing_progress(p.name):
-        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch_dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, config=config, dtype=torch_dtype,
+                                                     **kwargs)
     _drop_gguf_marker(model)
     tok = _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
     if use_cache:
