@@ -205,7 +205,7 @@ def test_build_store_refuses_a_pool_id_above_the_bound_up_front(tmp_path):
 @pytest.mark.parametrize("option, value, message", [
     ("validation_examples", "-1", "validation_examples must be >= 1, got -1"),
     ("align_epochs", "-1", "align_epochs must be >= 0, got -1"),
-    ("kfac_examples", "0", "kfac_examples must be >= 1, got 0"),
+    ("kfac_examples", "0", "plan: kfac_examples must be >= 1, got 0"),  # ScoringConfig's check, named by its owner
     ("num_probe_tokens", "-5", "num_probe_tokens must be >= 1, got -5"),
     ("tasks", "0", "tasks must be >= 1, got 0"),
     ("select_k", "-1", "select_k must be >= 1, got -1"),
