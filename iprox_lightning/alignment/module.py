@@ -10,9 +10,10 @@ Models:
 * ``self.teacher`` — the target, loaded from ``target``; frozen (``requires_grad=False``), always in
   eval mode, kept **outside** the module tree: it is in no ``state_dict``/checkpoint, in no optimiser,
   and DDP/FSDP never wrap it; ``.to()``/``.cuda()``/``.half()`` of this module move it along.
-* ``self.proxy`` — a deep copy of the target (then compressed in place by
-  :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
-  ``setup("fit")``), or a saved proxy directory given as ``proxy``. Only the ``A``/``B`` factors of its
+* ``self.proxy`` — a copy of the target sharing its tensors (no dense copy of the model is made; then compressed in
+  place by :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
+  ``setup("fit")``; the next ``configure_model()`` gives its remaining tensors their own copies), or a saved proxy
+  directory given as ``proxy``. Only the ``A``/``B`` factors of its
   :class:`~iprox_lightning.engine.lowrank.LowRankLinear` layers train; every other tensor (biases, norms,
   embeddings, LM head, layers kept dense) is frozen and stays bit-identical. Both models run in eval
   mode (dropout off) so their gradients are comparable.
@@ -63,7 +64,6 @@ At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
 """
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,6 +83,8 @@ from .fidelity import FIDELITY_LOSS, FIDELITY_SPEARMAN, FIDELITY_WORST, FIDELITY
 from ..errors import PROXY_VALIDATIONS, UserInputError, check_choice
 from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import keep_eval
+from ..engine.shared import shared_copy, unshare
+from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
@@ -264,7 +266,8 @@ class ProxyAlignModule(L.LightningModule):
 
     Args:
         target: the (warmed-up) target model — hub id, directory, ``.gguf`` or ``"builtin"``; or an ``nn.Module``.
-        proxy: a saved proxy directory (or module) to start from; ``None``: a deep copy of the target that
+        proxy: a saved proxy directory (or module) to start from; ``None``: a copy of the target sharing its tensors
+            (:func:`~iprox_lightning.engine.shared.shared_copy`; its own once compressed) that
             ``IPSVDCallback`` compresses before training.
         save_dir: where the aligned proxy is saved at the end of ``fit``.
         dtype: dtype of both models when loaded by name.
@@ -345,8 +348,8 @@ class ProxyAlignModule(L.LightningModule):
             teacher, tok = resolve_model(self.target_source, self.hparams.dtype)
             teacher.eval().requires_grad_(False)
             object.__setattr__(self, "_teacher", teacher)
-            if self.proxy_source is None:
-                proxy = copy.deepcopy(teacher)
+            if self.proxy_source is None:  # the teacher's tensors, shared until IPSVDCallback compresses the proxy
+                proxy = shared_copy(teacher)
             else:
                 proxy, ptok = resolve_model(self.proxy_source, self.hparams.dtype)
                 tok = tok if tok is not None else ptok
@@ -355,6 +358,8 @@ class ProxyAlignModule(L.LightningModule):
             if hasattr(proxy, "config"):
                 proxy.config.use_cache = False
             self.proxy = proxy
+        elif is_compressed(self.proxy):  # compressed: its other tensors become its own (Stage 2 as with a copy)
+            unshare(self.proxy, self._teacher)
         self._set_trainable()
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):
