@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--pool-rows", type=int, default=400)
     ap.add_argument("--probe-tokens", type=int, default=1024)
     ap.add_argument("--group", type=int, default=21, help="probe_group_layers of the grouped run")
+    ap.add_argument("--runs", nargs="+", default=["reference", "single_pass", "groups", "gloo_2", "gloo_2_groups"],
+                    help="which runs (reference: --before's single pass, or this checkout's)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from safetensors.torch import load_file
@@ -114,9 +116,9 @@ def main() -> None:
     base = {"pool_rows": a.pool_rows, "probe_tokens": a.probe_tokens, "work": str(work)}
     runs = {}
     ref_pkg = Path(a.before) if a.before else ROOT
-    for name, package, extra, procs in [("reference", ref_pkg, {}, 1), ("single_pass", ROOT, {}, 1),
-                                        ("groups", ROOT, {"group": a.group}, 1), ("gloo_2", ROOT, {}, 2),
-                                        ("gloo_2_groups", ROOT, {"group": a.group}, 2)]:
+    plan = [("reference", ref_pkg, {}, 1), ("single_pass", ROOT, {}, 1), ("groups", ROOT, {"group": a.group}, 1),
+            ("gloo_2", ROOT, {}, 2), ("gloo_2_groups", ROOT, {"group": a.group}, 2)]
+    for name, package, extra, procs in [r for r in plan if r[0] in a.runs]:
         t0 = time.time()
         files, cmd = _launch(package, {**base, **extra}, procs)
         runs[name] = {"command": cmd, "files": files, "seconds": time.time() - t0,
@@ -124,8 +126,9 @@ def main() -> None:
                                 for r, f in enumerate(files)]}
         print(name, f"{runs[name]['seconds']:.0f} s", flush=True)
     ref = load_file(str(runs["reference"]["files"][0]))
-    one_process = {"gloo_2": load_file(str(runs["single_pass"]["files"][0])),
-                   "gloo_2_groups": load_file(str(runs["groups"]["files"][0]))}
+    one_process = {g: load_file(str(runs[one]["files"][0])) for g, one in (("gloo_2", "single_pass"),
+                                                                          ("gloo_2_groups", "groups"))
+                   if g in runs and one in runs}
     result = {"model": GGUF, "settings": {**base, "group": a.group, "sparsity": 0.5, "allocation": "global (default)"},
               "reference": str(ref_pkg), "code": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                                                 capture_output=True, text=True).stdout.strip(),

@@ -450,7 +450,7 @@ def _scheduled(model: nn.Module, plan: CompressionPlan, modules: Mapping[str, nn
 
     held: Probes | None = None  # one group: its probes serve the spectra and the factors (one pass, as compress's)
     kept: dict[str, WhitenedSVD] = {}
-    t_alloc = time.perf_counter()
+    t_alloc = time.perf_counter()  # the spectra and the allocation (their probe passes counted in t_probes)
     if plan.allocation == "global":
         def spectra() -> dict[str, torch.Tensor]:
             nonlocal held
@@ -474,8 +474,8 @@ def _scheduled(model: nn.Module, plan: CompressionPlan, modules: Mapping[str, nn
         for part in exchange.gather(spectra):
             every.update(part)
         plan = allocate_global(plan, every, config, weights)
-    t_alloc = time.perf_counter() - t_alloc
-    t1 = time.perf_counter()
+    t_alloc = time.perf_counter() - t_alloc - t_probes
+    t1, t_probes_before = time.perf_counter(), t_probes
 
     reports = {n: LayerReport(name=n, in_features=plan.shapes[n][1], out_features=plan.shapes[n][0],
                               rank=plan.ranks[n], bias=_layer_bias(modules[n]) is not None,
@@ -519,7 +519,8 @@ def _scheduled(model: nn.Module, plan: CompressionPlan, modules: Mapping[str, nn
         exchange.broadcast(A, src=owner[name])
         exchange.broadcast(B, src=owner[name])
         _swap_layer(model, name, module, A, B)
-    times = (t_probes, time.perf_counter() - t1, t_alloc, plan.block_drop.time_s if plan.block_drop else 0.0)
+    t_factors = time.perf_counter() - t1 - (t_probes - t_probes_before)
+    times = (t_probes, t_factors, t_alloc, plan.block_drop.time_s if plan.block_drop else 0.0)
     if exchange.world_size > 1:  # the slowest rank's: one report, the same on every rank
         times = tuple(max(t) for t in zip(*exchange.all_gather(times)))
     if plan.block_drop is not None:
