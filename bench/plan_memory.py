@@ -358,6 +358,7 @@ def stage1_main(argv: list[str]) -> None:
             "max_length": a.max_length, "threads": a.threads, "allocation": a.allocation}
     result = stage1_measure(args)
     result["code"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result["command_line"] = "python bench/plan_memory.py --stage1 " + " ".join(argv)
     out = Path(a.out)
     record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
     record["runs"].append(result)
