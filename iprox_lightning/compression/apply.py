@@ -535,7 +535,7 @@ def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
     rank a :class:`LowRankLinear` of that rank, on the weight's device and dtype, its bias copied, its train mode
     kept. The factors are left as initialised — the same draws of the global random generator as
     :meth:`LowRankLinear.from_factors` makes in :func:`compress`, so a process that runs this instead of ``compress``
-    keeps its generator in step — and the caller fills them (``IPSVDCallback`` broadcasts rank 0's)."""
+    keeps its generator in step — and the caller fills them (e.g. from a saved proxy's state dict)."""
     if is_compressed(model):
         raise UserInputError("model already holds LowRankLinear layers (already compressed)")
     if report.block_drop is not None:
