@@ -162,3 +162,20 @@ def test_stage_one_runs_on_the_weights_of_bf16_true():
     assert seen["stage1_dtype"] == {torch.bfloat16} and seen["stage1_teacher_dtype"] == {torch.bfloat16}
     seen32, _ = _fit_stage_one("bf16-mixed")  # mixed precision keeps float32 (master) weights
     assert seen32["stage1_dtype"] == {torch.float32} and seen32["teacher_dtype"] == {torch.float32}
+
+
+def test_bf16_true_loads_the_target_in_bfloat16(monkeypatch):
+    """The run converts both models to bfloat16: loading them so spares the float32 model's moment in memory."""
+    import lightning as L
+
+    import iprox_lightning.alignment.module as align_module
+    from iprox_lightning.modules import ProxyAlignModule
+
+    asked = []
+    real = align_module.resolve_model
+    monkeypatch.setattr(align_module, "resolve_model", lambda source, dtype: asked.append(dtype) or real(source, dtype))
+    for precision, want in (("bf16-true", "bfloat16"), ("bf16-mixed", "float32")):
+        module = ProxyAlignModule(target="builtin", log_layer_cosines=False)
+        module.trainer = L.Trainer(accelerator="cpu", precision=precision, logger=False)
+        module.configure_model()
+        assert asked[-1] == want and {p.dtype for p in module.teacher.parameters()} == {getattr(torch, want)}

@@ -270,7 +270,8 @@ class ProxyAlignModule(L.LightningModule):
             (:func:`~iprox_lightning.engine.shared.shared_copy`; its own once compressed) that
             ``IPSVDCallback`` compresses before training.
         save_dir: where the aligned proxy is saved at the end of ``fit``.
-        dtype: dtype of both models when loaded by name.
+        dtype: dtype of both models when loaded by name (under ``trainer.precision: bf16-true``: bfloat16, which the
+            run converts them to anyway).
         log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
         fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
             progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
@@ -345,13 +346,15 @@ class ProxyAlignModule(L.LightningModule):
         """Build teacher and proxy (idempotent) and (re)apply the trainable set: only ``LowRankLinear``
         factors. Safe to call again after ``IPSVDCallback`` swapped layers (Lightning does)."""
         if self.proxy is None:
-            teacher, tok = resolve_model(self.target_source, self.hparams.dtype)
+            # bf16-true converts both models to bfloat16: loaded so, the float32 model never exists (the same values)
+            dtype = "bfloat16" if self._trainer is not None and self.trainer.precision == "bf16-true" else self.hparams.dtype
+            teacher, tok = resolve_model(self.target_source, dtype)
             teacher.eval().requires_grad_(False)
             object.__setattr__(self, "_teacher", teacher)
             if self.proxy_source is None:  # the teacher's tensors, shared until IPSVDCallback compresses the proxy
                 proxy = shared_copy(teacher)
             else:
-                proxy, ptok = resolve_model(self.proxy_source, self.hparams.dtype)
+                proxy, ptok = resolve_model(self.proxy_source, dtype)
                 tok = tok if tok is not None else ptok
                 _check_same_blocks(teacher, proxy, self.proxy_source, self.config.align)
             self.tokenizer = tok
