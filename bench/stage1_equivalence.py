@@ -26,14 +26,14 @@ GGUF = "/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 POOL = "/work/shared/data/pool/instructions.jsonl"
 
 
-def _batches(pool_rows: int, work: Path):
+def _batches(pool_rows: int, work: Path, tokenizer: str):
     from iprox_lightning.data import SFTDataModule
 
     pool = work / "pool.jsonl"
     if not pool.is_file():
         with open(POOL) as f:
             pool.write_text("".join(next(f) for _ in range(pool_rows)))
-    dm = SFTDataModule(pool=str(pool), validation="builtin", tokenizer=GGUF, max_length=256, batch_size=4, seed=0,
+    dm = SFTDataModule(pool=str(pool), validation="builtin", tokenizer=tokenizer, max_length=256, batch_size=4, seed=0,
                        construction_fraction=0.5, probe_fraction=0.1, train_split="align")
     dm.setup("fit")
     return list(dm.probe_dataloader())
@@ -58,8 +58,8 @@ def run(args: dict) -> None:
 
         dist.init_process_group("gloo")
         kwargs["exchange"] = TorchExchange()
-    model, _ = load_model(GGUF, dtype="float32")
-    batches = _batches(args["pool_rows"], Path(args["work"]))
+    model, _ = load_model(args["model"], dtype="float32")
+    batches = _batches(args["pool_rows"], Path(args["work"]), args["model"])
     t0 = time.time()
     report = compress(model, batches, CompressionConfig(sparsity=0.5, num_probe_tokens=args["probe_tokens"]),
                       progress=False, **kwargs)
@@ -79,9 +79,9 @@ def _launch(package: Path, args: dict, processes: int = 1) -> tuple[list[Path], 
     script = str(ROOT / "bench" / "stage1_equivalence.py")
     if processes > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--master_port=29517",
-               script, "--run", json.dumps(args)]
+               script, "child", json.dumps(args)]
     else:
-        cmd = [sys.executable, script, "--run", json.dumps(args)]
+        cmd = [sys.executable, script, "child", json.dumps(args)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError((p.stdout + p.stderr)[-4000:])
@@ -99,10 +99,11 @@ def compare(ref: dict, got: dict) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--run":
+    if len(sys.argv) > 2 and sys.argv[1] == "child":
         return run(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default=None, help="another checkout whose single pass is the reference")
+    ap.add_argument("--model", default=GGUF, help="the model (and its tokenizer); builtin: a dry run")
     ap.add_argument("--pool-rows", type=int, default=400)
     ap.add_argument("--probe-tokens", type=int, default=1024)
     ap.add_argument("--group", type=int, default=21, help="probe_group_layers of the grouped run")
@@ -113,7 +114,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     work = Path(tempfile.mkdtemp(prefix="stage1_eq_work_"))
-    base = {"pool_rows": a.pool_rows, "probe_tokens": a.probe_tokens, "work": str(work)}
+    base = {"pool_rows": a.pool_rows, "probe_tokens": a.probe_tokens, "work": str(work), "model": a.model}
     runs = {}
     ref_pkg = Path(a.before) if a.before else ROOT
     plan = [("reference", ref_pkg, {}, 1), ("single_pass", ROOT, {}, 1), ("groups", ROOT, {"group": a.group}, 1),
@@ -129,7 +130,7 @@ def main() -> None:
     one_process = {g: load_file(str(runs[one]["files"][0])) for g, one in (("gloo_2", "single_pass"),
                                                                           ("gloo_2_groups", "groups"))
                    if g in runs and one in runs}
-    result = {"model": GGUF, "settings": {**base, "group": a.group, "sparsity": 0.5, "allocation": "global (default)"},
+    result = {"model": a.model, "settings": {**base, "group": a.group, "sparsity": 0.5, "allocation": "global (default)"},
               "reference": str(ref_pkg), "code": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                                                 capture_output=True, text=True).stdout.strip(),
               "comparisons": {}}
