@@ -9,6 +9,7 @@ same model and probe batches, computed here with the same thread count (one): th
   the health check on the alignment split and the proxy saved by rank 0;
 * ``drop``: ``drop_blocks=1`` and ``keep_dense`` (the structure rank 1 receives differs from its loaded model);
 * ``group``: ``probe_group_layers=2`` (each rank's probes two layers at a time);
+* ``one``: a single layer to decompose (rank 1 has no share);
 * ``fail``: rank 0's probes raise; rank 1 stops at once with rank 0's error instead of waiting for the timeout.
 """
 from __future__ import annotations
@@ -31,9 +32,12 @@ SETTINGS = {
     "build": dict(sparsity=0.5, num_probe_tokens=24, allocation="global"),
     "drop": dict(sparsity=0.5, num_probe_tokens=24, allocation="global", drop_blocks=1, keep_dense=[r"layers\.0\.mlp"]),
     "group": dict(sparsity=0.5, num_probe_tokens=24, allocation="global"),
+    # one layer to decompose: rank 1 has none, and still holds the factors and the report (probe counts included)
+    "one": dict(sparsity=0.5, num_probe_tokens=24, allocation="uniform", targets=["o_proj"],
+                keep_dense=[r"layers\.[12]\."]),
 }
 GROUP = {"group": 2}  # probe_group_layers of each mode (None: one pass)
-MODES = ("build", "drop", "group", "fail")
+MODES = ("build", "drop", "group", "one", "fail")
 
 
 def teacher_model():
@@ -178,12 +182,12 @@ def _one_process(mode: str, group: int | None = None):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["build", "drop", "group"])
+@pytest.mark.parametrize("mode", ["build", "drop", "group", "one"])
 def test_each_rank_decomposes_its_share_and_every_rank_holds_one_process_factors(dist_out, mode):
     (s0, r0), (s1, r1) = _rank_results(dist_out, mode)
     assert r0["compress_calls"] == 1 and r1["compress_calls"] == 1  # every rank: its share of the layers
     n0, n1 = len(r0["spectra"]), len(r1["spectra"])
-    assert n0 and n1  # both ranks decomposed layers, each layer once
+    assert (n0 and n1) or mode == "one"  # both ranks decomposed layers (the global allocation's spectra), each once
     ref_state, ref_report, ref_spectra = _one_process(mode, GROUP.get(mode))
     assert set(s0) == set(s1) == set(ref_state)
     factors = [k for k in ref_state if k.endswith((".A", ".B"))]
@@ -193,6 +197,7 @@ def test_each_rank_decomposes_its_share_and_every_rank_holds_one_process_factors
     assert r0["report"] == r1["report"]  # one report on every rank (health included: rank 0's)
     assert [lr["objective"] for lr in r1["report"]["layers"]] == [lr.objective for lr in ref_report.layers]
     ranks = {lr.name: lr.rank for lr in ref_report.layers}
+    assert r1["report"]["probe_tokens"] == ref_report.probe_tokens > 0
     assert sorted(r0["spectra"] + r1["spectra"]) == sorted(ref_spectra)  # between them, one process's decompositions
     assert {lr["name"]: lr["rank"] for lr in r1["report"]["layers"]} == ranks
     if mode == "group":  # and the single pass's factors: the same ranks, equal to rounding (compress's docstring)

@@ -179,3 +179,4 @@ def test_bf16_true_loads_the_target_in_bfloat16(monkeypatch):
         module.trainer = L.Trainer(accelerator="cpu", precision=precision, logger=False)
         module.configure_model()
         assert asked[-1] == want and {p.dtype for p in module.teacher.parameters()} == {getattr(torch, want)}
+

@@ -521,12 +521,14 @@ def _scheduled(model: nn.Module, plan: CompressionPlan, modules: Mapping[str, nn
         _swap_layer(model, name, module, A, B)
     t_factors = time.perf_counter() - t1 - (t_probes - t_probes_before)
     times = (t_probes, t_factors, t_alloc, plan.block_drop.time_s if plan.block_drop else 0.0)
-    if exchange.world_size > 1:  # the slowest rank's: one report, the same on every rank
-        times = tuple(max(t) for t in zip(*exchange.all_gather(times)))
+    counts = info[0] if info else None
+    if exchange.world_size > 1:  # the slowest rank's times, any rank's probe counts: one report on every rank
+        got = exchange.all_gather((times, counts))
+        times = tuple(max(t) for t in zip(*(t for t, _ in got)))
+        counts = next((c for _, c in got if c is not None), None)  # a rank with no layer collected no probes
     if plan.block_drop is not None:
         plan.block_drop.time_s = times[3]
-    times = times[:3]
-    return plan, [reports[n] for n in order], (info[0] if info else None), times
+    return plan, [reports[n] for n in order], counts, times[:3]
 
 
 def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
