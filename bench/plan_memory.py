@@ -11,6 +11,15 @@ the shared pool; validation sets the built-in ones. One stage at a time; run it 
   flock /tmp/iprox-heavy.lock python bench/plan_memory.py --shape smollm2-135m --max-length 128 --batch-size 4 \
       --out bench/results/plan/smollm2-135m_cpu.json
   python bench/plan_memory.py --repredict bench/results/plan/smollm2-135m_cpu.json   # the plan again, same measurements
+
+``--stage1`` measures Stage 1 alone, per rank (one process, or several gloo DDP processes): the product's
+``IPSVDCallback`` in a ``fit`` of ``ProxyAlignModule`` on a random model of a shape (``small``; ``llama-3.2-1b``;
+``wide``: the 8B width, heads and vocabulary with two decoder layers), stopped right after Stage 1; each rank's peak
+``RssAnon`` over its baseline against the plan's Stage 1 (``build_proxy_plan``). Runs with a model above ~2 GB go under
+the machine's model lock:
+
+  flock /tmp/iprox-model.lock python bench/plan_memory.py --stage1 --shape wide --precision bf16-true --devices 2 \
+      --out bench/results/plan/stage1_wide.json
 """
 from __future__ import annotations
 
@@ -180,7 +189,189 @@ def repredict(path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Stage 1 alone, per rank: --stage1
+# --------------------------------------------------------------------------------------------------------------------
+STAGE1_SHAPES = {  # random-init shapes (Hugging Face configs): name -> (named shape or config, layers override)
+    "small": dict(model_type="llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False,
+                  max_position_embeddings=2048),
+    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
+                 max_position_embeddings=2048),
+    "llama-3.2-1b": "llama-3.2-1b",
+    # the 8B width, heads and vocabulary (Llama-3.1-8B), two decoder layers: ~1.5B parameters, 6 GB in float32
+    "wide": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                 tie_word_embeddings=False, max_position_embeddings=131072),
+}
+
+
+def stage1_config(shape: str, layers: int | None):
+    from transformers import AutoConfig
+
+    from iprox_lightning.analysis import load_config
+
+    spec = STAGE1_SHAPES[shape]
+    if isinstance(spec, str):
+        config = load_config(spec)
+    else:
+        d = dict(spec)
+        config = AutoConfig.for_model(d.pop("model_type"), **d)
+    if layers:
+        config.num_hidden_layers = layers
+    return config
+
+
+def stage1_child(args: dict) -> None:
+    """One rank of Stage 1: the product's ``IPSVDCallback`` in a Lightning ``fit`` of ``ProxyAlignModule`` on a random
+    model of the shape, stopped right after Stage 1; writes ``{"baseline", "peak", "vm_hwm", "seconds"}`` (RssAnon
+    bytes: after the imports, and the largest sampled every 5 ms from the model's construction to the end of Stage 1)
+    to ``<out>/rank<r>.json``. Lightning's subprocess launcher starts the other ranks with this same command line."""
+    import lightning as L
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import iprox_lightning.compression.apply  # noqa: F401  (what Stage 1 imports, before the baseline)
+    import iprox_lightning.engine.tracking  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from iprox_lightning.callbacks import IPSVDCallback
+    from iprox_lightning.modules import ProxyAlignModule
+
+    torch.set_num_threads(args["threads"])
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    base = rss_anon()
+    peak = [base]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_anon())
+            time.sleep(0.005)
+
+    threading.Thread(target=sample, daemon=True).start()
+    t0 = time.time()
+    config = stage1_config(args["shape"], args["layers"])
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args["precision"] == "bf16-true" else torch.float32  # model.dtype of the run
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    B, T, N = args["batch_size"], args["max_length"], args["probe_tokens"]
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        ids = torch.randint(3, config.vocab_size, (B, T), generator=g)
+        labels = ids.clone()
+        labels[:, : T // 2] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+                "id": [str(i) for i in range(B)]}
+
+    probe = [batch() for _ in range(-(-N // (B * T)))]  # every token valid: N columns
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            return [batch()]
+
+        def probe_dataloader(self):
+            return probe
+
+    class Stop(L.Callback):
+        def setup(self, trainer, pl_module, stage):  # right after IPSVDCallback.setup (its barrier passed)
+            done.set()
+            peak[0] = max(peak[0], rss_anon())
+            out = Path(args["out"]) / f"rank{rank}.json"
+            out.write_text(json.dumps({"baseline": base, "peak": peak[0], "vm_hwm": vm_hwm(),
+                                       "seconds": time.time() - t0}))
+            sys.stdout.flush()
+            os._exit(0)
+
+    world = args["devices"]
+    module = ProxyAlignModule(target=model, log_layer_cosines=False, keep_best=False)
+    del model
+    callback = IPSVDCallback(sparsity=0.5, num_probe_tokens=N, health_batches=0,
+                             probe_group_layers=args["probe_group_layers"], allocation=args.get("allocation"))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=1,
+                        precision=args["precision"], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[callback, Stop()])
+    trainer.fit(module, datamodule=Data())
+    raise RuntimeError("Stage 1 did not stop the run")
+
+
+def stage1_plan(args: dict) -> dict:
+    """The plan's Stage 1 for the same settings (``bench`` and the CI test compare it with the measured peak)."""
+    from iprox_lightning.analysis import ModelSizes, RunSettings
+    from iprox_lightning.analysis.memory import build_proxy_plan, saved_activation_bytes
+
+    config = stage1_config(args["shape"], args["layers"])
+    sizes = ModelSizes.from_config(config, name=args["shape"])
+    run = RunSettings(max_length=args["max_length"], align_batch_size=args["batch_size"], precision=args["precision"],
+                      devices=args["devices"], device_kind="cpu", num_probe_tokens=args["probe_tokens"],
+                      probe_group_layers=args["probe_group_layers"])
+    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision)
+    acts32 = saved_activation_bytes(config, seq_len=run.max_length, precision="32-true")
+    return build_proxy_plan(sizes, acts, run, acts32)[0].to_dict()
+
+
+def stage1_measure(args: dict, timeout: float | None = None) -> dict:
+    """Run :func:`stage1_child` (``args["devices"]`` ranks) and compare each rank's peak with the plan's."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        child_args = {**args, "out": tmp}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--stage1-child", json.dumps(child_args)]
+        # glibc raises its mmap threshold (up to 32 MB) each time a mapped block is freed, after which freed blocks
+        # below it stay in the heap and in RSS: fixed at 128 KiB, RSS follows the live tensors at any shape (as it
+        # does anyway for tensors above 32 MB)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args["threads"]),
+               "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        t0 = time.time()
+        p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args["devices"])
+                 if (Path(tmp) / f"rank{r}.json").is_file()]
+        if len(ranks) != args["devices"]:
+            raise RuntimeError(f"Stage 1 run failed (rc {p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
+    plan = stage1_plan(args)
+    measured = [r["peak"] - r["baseline"] for r in ranks]
+    return {"args": args, "command": " ".join(["python bench/plan_memory.py --stage1-child", repr(json.dumps(args))]),
+            "ranks": ranks, "measured_bytes": measured, "predicted_bytes": plan["peak"],
+            "ratio": [plan["peak"] / m for m in measured], "seconds": time.time() - t0, "plan": plan}
+
+
+def stage1_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description="Stage 1's per-rank peak RSS against the plan (--stage1)")
+    ap.add_argument("--shape", default="small", choices=sorted(STAGE1_SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--devices", type=int, default=1, help="processes (gloo DDP on CPU when > 1)")
+    ap.add_argument("--probe-tokens", type=int, default=128)
+    ap.add_argument("--probe-group-layers", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--max-length", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--allocation", default=None, choices=["global", "uniform"],
+                    help="IPSVDCallback allocation (default: global); uniform decomposes each layer once, not twice "
+                         "(the plan's 'decompositions' part, the global allocation's kept ones, is then not held)")
+    ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
+    a = ap.parse_args(argv)
+    args = {"shape": a.shape, "layers": a.layers, "precision": a.precision, "devices": a.devices,
+            "probe_tokens": a.probe_tokens, "probe_group_layers": a.probe_group_layers, "batch_size": a.batch_size,
+            "max_length": a.max_length, "threads": a.threads, "allocation": a.allocation}
+    result = stage1_measure(args)
+    result["code"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result["command_line"] = "python bench/plan_memory.py --stage1 " + " ".join(argv)
+    out = Path(a.out)
+    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    record["runs"].append(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--stage1-child":
+        return stage1_child(json.loads(sys.argv[2]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--stage1":
+        return stage1_main(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--repredict":

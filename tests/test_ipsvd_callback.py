@@ -144,7 +144,7 @@ def test_health_line_warns_only_without_alignment_and_names_unused_settings(monk
     ("gpt2", dict(allocation="uniform")),  # Conv1D layers with biases
 ])
 def test_report_structure_holds_the_compressed_state_and_keeps_the_generator_in_step(arch, settings):
-    """What a DDP rank other than 0 does instead of Stage 1: ``apply_report_structure`` gives the uncompressed model the
+    """A model given a report's structure without computing it: ``apply_report_structure`` gives the uncompressed model the
     compressed one's structure (blocks cut, the same ranks, biases), so the compressed state dict loads strictly and
     the two models compute the same logits; its parameter draws leave the global generator where ``compress`` does."""
     from iprox_lightning.compression.apply import CompressionConfig, apply_report_structure, compress

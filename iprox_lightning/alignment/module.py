@@ -10,9 +10,10 @@ Models:
 * ``self.teacher`` — the target, loaded from ``target``; frozen (``requires_grad=False``), always in
   eval mode, kept **outside** the module tree: it is in no ``state_dict``/checkpoint, in no optimiser,
   and DDP/FSDP never wrap it; ``.to()``/``.cuda()``/``.half()`` of this module move it along.
-* ``self.proxy`` — a deep copy of the target (then compressed in place by
-  :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
-  ``setup("fit")``), or a saved proxy directory given as ``proxy``. Only the ``A``/``B`` factors of its
+* ``self.proxy`` — a copy of the target sharing its tensors (no dense copy of the model is made; then compressed in
+  place by :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
+  ``setup("fit")``; the next ``configure_model()`` gives its remaining tensors their own copies), or a saved proxy
+  directory given as ``proxy``. Only the ``A``/``B`` factors of its
   :class:`~iprox_lightning.engine.lowrank.LowRankLinear` layers train; every other tensor (biases, norms,
   embeddings, LM head, layers kept dense) is frozen and stays bit-identical. Both models run in eval
   mode (dropout off) so their gradients are comparable.
@@ -63,7 +64,6 @@ At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
 """
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,6 +83,8 @@ from .fidelity import FIDELITY_LOSS, FIDELITY_SPEARMAN, FIDELITY_WORST, FIDELITY
 from ..errors import PROXY_VALIDATIONS, UserInputError, check_choice
 from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import keep_eval
+from ..engine.shared import shared_copy, unshare
+from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
@@ -264,10 +266,12 @@ class ProxyAlignModule(L.LightningModule):
 
     Args:
         target: the (warmed-up) target model — hub id, directory, ``.gguf`` or ``"builtin"``; or an ``nn.Module``.
-        proxy: a saved proxy directory (or module) to start from; ``None``: a deep copy of the target that
+        proxy: a saved proxy directory (or module) to start from; ``None``: a copy of the target sharing its tensors
+            (:func:`~iprox_lightning.engine.shared.shared_copy`; its own once compressed) that
             ``IPSVDCallback`` compresses before training.
         save_dir: where the aligned proxy is saved at the end of ``fit``.
-        dtype: dtype of both models when loaded by name.
+        dtype: dtype of both models when loaded by name (under ``trainer.precision: bf16-true``: bfloat16, which the
+            run converts them to anyway).
         log_layer_cosines: log every layer's cosines (``align/cos_A/<layer>``, ``align/cos_B/<layer>``).
         fidelity_scorer: how the fidelity check scores examples: ``scorer(model, loader, validation_batches,
             progress=False)`` returning a table with ``ids``, ``scores``, ``settings``; ``None``: the product's
@@ -346,19 +350,23 @@ class ProxyAlignModule(L.LightningModule):
         """Build teacher and proxy (idempotent) and (re)apply the trainable set: only ``LowRankLinear``
         factors. Safe to call again after ``IPSVDCallback`` swapped layers (Lightning does)."""
         if self.proxy is None:
-            teacher, tok = resolve_model(self.target_source, self.hparams.dtype)
+            # bf16-true converts both models to bfloat16: loaded so, the float32 model never exists (the same values)
+            dtype = "bfloat16" if self._trainer is not None and self.trainer.precision == "bf16-true" else self.hparams.dtype
+            teacher, tok = resolve_model(self.target_source, dtype)
             teacher.eval().requires_grad_(False)
             object.__setattr__(self, "_teacher", teacher)
-            if self.proxy_source is None:
-                proxy = copy.deepcopy(teacher)
+            if self.proxy_source is None:  # the teacher's tensors, shared until IPSVDCallback compresses the proxy
+                proxy = shared_copy(teacher)
             else:
-                proxy, ptok = resolve_model(self.proxy_source, self.hparams.dtype)
+                proxy, ptok = resolve_model(self.proxy_source, dtype)
                 tok = tok if tok is not None else ptok
                 _check_same_blocks(teacher, proxy, self.proxy_source, self.config.align)
             self.tokenizer = tok
             if hasattr(proxy, "config"):
                 proxy.config.use_cache = False
             self.proxy = proxy
+        elif is_compressed(self.proxy):  # compressed: its other tensors become its own (Stage 2 as with a copy)
+            unshare(self.proxy, self._teacher)
         self._set_trainable()
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):

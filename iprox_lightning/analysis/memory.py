@@ -24,12 +24,17 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   bound, the measured CPU peaks reach it within 20%); the backward-pairs engine (probes, scoring,
   stores) fuses the head with the cross-entropy in row chunks (no ``[N, V]`` tensor); Stage 2 holds the teacher's
   and the proxy's logits, their softmaxes at temperature τ and the first-order graph over them: six ``[N, V]``.
-* **Stage 1** (IPSVD, on every rank, before any sharding): the teacher and the proxy (a dense copy until it is
-  compressed), the float32 probe columns ``num_probe_tokens · Σ (in + out)`` over the targeted layers, then per
-  layer the float64 work of :func:`iprox_lightning.compression.ipsvd.ipsvd_factors` (``H``, ``Δ`` in float64, the Gram matrices
-  ``min(d, N)²`` of each side, ``W`` and the whitened ``S`` with two ``[out, in]`` temporaries, the Gram of ``S``), and
-  the global allocation's kept decompositions (:class:`~iprox_lightning.compression.ipsvd.WhitenedSVD`, float64
-  ``(in + out)·dense_rank`` per layer, kept only while they fit in the probes' own bytes).
+* **Stage 1** (IPSVD, on every rank, before any sharding): the teacher on the device in the run's weights (bfloat16
+  under ``bf16-true``, float32 otherwise: ``bf16-mixed`` keeps float32 master weights), the proxy's factors (the rest
+  of the proxy is the teacher's own tensors until it is compressed: no dense copy), the float32 probe columns of one
+  probe group of the rank's share of the layers (``num_probe_tokens · Σ (in + out)`` over the group;
+  ``probe_group_layers`` layers of the share :func:`~iprox_lightning.compression.schedule.assign_layers` gives the
+  rank; one group of every layer by default, on one device), then per layer the float64 work of
+  :func:`iprox_lightning.compression.ipsvd.ipsvd_factors` (``H``, ``Δ`` in float64, the Gram matrices ``min(d, N)²`` of
+  each side, ``W`` and the whitened ``S`` with two ``[out, in]`` temporaries, the Gram of ``S``), and the global
+  allocation's kept decompositions of the rank's layers (:class:`~iprox_lightning.compression.ipsvd.WhitenedSVD`,
+  float64 ``(in + out)·dense_rank`` per layer, kept only while they fit in one group's probe bytes:
+  :func:`~iprox_lightning.compression.schedule.kept_whitened`).
 * **Stage 2** (alignment): teacher + compressed proxy + the factors' gradients and AdamW moments, the teacher's kept
   ``(h, δ)`` of every aligned layer and token (``B·T · Σ (in + out)``, ``grad_through_projection``), and the proxy's
   activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
@@ -332,6 +337,7 @@ class RunSettings:
     gradient_checkpointing: bool = False  # model.gradient_checkpointing (warm-up, fine-tune)
     sparsity: float = 0.5  # IPSVDCallback sparsity ρ
     num_probe_tokens: int = 1024  # IPSVDCallback num_probe_tokens
+    probe_group_layers: int | None = None  # IPSVDCallback probe_group_layers (None: every layer in one probe pass)
     warmup_fraction: float = 0.05
     construction_fraction: float = 0.01
     probe_fraction: float = 0.1
@@ -362,6 +368,8 @@ class RunSettings:
                 raise UserInputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.response_share <= 1.0:
             raise UserInputError(f"response_share must be in (0, 1], got {self.response_share!r}")
+        if self.probe_group_layers is not None and int(self.probe_group_layers) < 1:
+            raise UserInputError(f"probe_group_layers must be >= 1 or None, got {self.probe_group_layers!r}")
         if not 0.0 < self.sparsity < 1.0:
             raise UserInputError(f"sparsity must be in (0, 1), got {self.sparsity!r}")
 
@@ -400,7 +408,8 @@ _LEVERS = {
     "ddp_buckets": "strategy fsdp (DDP keeps a second copy of the gradients)",
     "teacher": "precision bf16-true (Stage 1 runs unsharded on every rank: FSDP does not help it)",
     "proxy": "precision bf16-true, or a higher sparsity",
-    "probes": "num_probe_tokens (float32 columns of every targeted layer)",
+    "probes": "IPSVDCallback probe_group_layers (the float32 columns of that many layers at a time), or num_probe_tokens",
+    "decompositions": "IPSVDCallback probe_group_layers (the kept decompositions fit in one group's probe bytes)",
     "ipsvd_float64": "a device with more memory for Stage 1 (its float64 per-layer work is fixed by the layer shape)",
     "teacher_tokens": "data.batch_size / data.max_length of build_proxy (the teacher's (h, δ) of every token)",
     "validation_gradients": "fewer validation tasks, or scoring the proxy / a gradient store (build_store)",
@@ -419,8 +428,8 @@ def _stage(stage: str, parts: Mapping[str, float], flops: float, own_levers: Map
     for k in order[:2]:
         lever = own_levers.get(k, _LEVERS.get(k))
         if k in ("teacher", "proxy") and stage.startswith("build_proxy: Stage 1"):
-            lever = ("a device with more memory: Stage 1 holds the float32 teacher and its dense copy unsharded on "
-                     "every rank (FSDP does not shard it; model.dtype bfloat16 would halve both)")
+            lever = ("precision bf16-true, or a device with more memory: Stage 1 holds the teacher and the proxy's "
+                     "factors unsharded on every rank (FSDP does not shard them)")
         if k == "activations" and not training:
             lever = f"data.batch_size / data.max_length of {stage.split(':')[0].split(' (')[0]}"
         if lever and lever not in levers:
@@ -460,26 +469,31 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
     return _stage(stage, parts, f * n)
 
 
-def _whitened_bytes(sizes: ModelSizes) -> float:
-    """Float64 bytes of every tracked layer's :class:`~iprox_lightning.compression.ipsvd.WhitenedSVD` as the global
-    allocation keeps it (``(in + out)`` vectors up to the rank at which the layer stays dense, and its spectrum)."""
+def stage_one_share(sizes: ModelSizes, run: RunSettings) -> dict[str, float]:
+    """Per rank, the largest of what :func:`~iprox_lightning.compression.apply.compress` holds for its share of the
+    layers (:mod:`iprox_lightning.compression.schedule`, the same functions on the model's shapes): ``probes`` — the
+    float32 columns of its largest probe group; ``decompositions`` — its kept
+    :class:`~iprox_lightning.compression.ipsvd.WhitenedSVD` (float64); ``ipsvd_float64`` — the float64 work of its
+    largest layer's :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` (mode exact)."""
     from ..compression.ipsvd import whitened_bytes
-    from ..compression.ranks import dense_rank
-    return float(sum(whitened_bytes(l.in_features, l.out_features,
-                                    min(dense_rank(l.in_features, l.out_features), l.in_features, l.out_features))
-                     for l in sizes.shape.linears if l.tracked))
+    from ..compression.schedule import assign_layers, kept_whitened, probe_groups, whitened_keep, whitened_room
 
-
-def _ipsvd_work(sizes: ModelSizes, N: int) -> float:
-    """Float64 bytes of the largest layer's :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` (mode exact)."""
-    worst = 0.0
-    for l in sizes.shape.linears:
-        if not l.tracked:
-            continue
-        i, o = l.in_features, l.out_features
-        work = (i + o) * N + min(i, N) ** 2 + min(o, N) ** 2 + 4 * o * i + 2 * min(o, i) ** 2
-        worst = max(worst, 8.0 * work)
-    return worst
+    N, group = run.num_probe_tokens, run.probe_group_layers
+    shapes = {l.name: (l.out_features, l.in_features) for l in sizes.shape.linears if l.tracked}
+    owner = assign_layers(shapes, run.devices)
+    kept = kept_whitened(shapes, list(shapes), whitened_room(shapes, list(shapes), N, group))
+    out = {"probes": 0.0, "decompositions": 0.0, "ipsvd_float64": 0.0}
+    for rank in range(run.devices):
+        mine = [n for n in shapes if owner[n] == rank]
+        groups = probe_groups(mine, group)
+        out["probes"] = max([out["probes"]] + [4.0 * N * sum(sum(shapes[n]) for n in g) for g in groups])
+        out["decompositions"] = max(out["decompositions"], float(sum(
+            whitened_bytes(shapes[n][1], shapes[n][0], whitened_keep(*shapes[n])) for n in mine if n in kept)))
+        for n in mine:
+            o, i = shapes[n]
+            work = (i + o) * N + min(i, N) ** 2 + min(o, N) ** 2 + 4 * o * i + 2 * min(o, i) ** 2
+            out["ipsvd_float64"] = max(out["ipsvd_float64"], 8.0 * work)
+    return out
 
 
 def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
@@ -497,31 +511,33 @@ def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
 def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
                      acts_float32: Activations | None = None) -> tuple[StagePlan, StagePlan]:
     """``(Stage 1, Stage 2)`` of build_proxy, per device (see the module docstring). Stage 1 runs in
-    ``IPSVDCallback.setup``, before Lightning applies the precision: float32 weights (the modules load
-    ``dtype: float32``) and no autocast, so its activations are ``acts_float32`` (the 32-true count); Stage 2's teacher
-    is not a registered submodule, so ``bf16-true`` does not convert it: it stays float32."""
+    ``IPSVDCallback.setup`` on the weights as the run holds them (the precision plugin's conversion applied first:
+    bfloat16 under ``bf16-true``, else float32) with no autocast, so its activations are those of ``acts`` under
+    ``bf16-true`` and ``acts_float32`` (the 32-true count) otherwise; its teacher is on the device, and the proxy is
+    the teacher's tensors plus the factors. Stage 2's teacher is converted with the module (``bf16-true``:
+    bfloat16)."""
     wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
     L, B, V = sizes.shape.num_layers, run.align_batch_size, sizes.shape.vocab_size
     io_sum = sum(l.in_features + l.out_features for l in sizes.shape.linears if l.tracked)
-    N = run.num_probe_tokens
     act = acts.total(L, B)
-    act1 = (acts_float32 or acts).total(L, B)
+    act1 = (acts if run.precision == "bf16-true" else (acts_float32 or acts)).total(L, B)
+    proxy_shape, proxy_params = proxy_sizes(sizes, run.sparsity)
+    factors = proxy_shape.tracked_params
+    share = stage_one_share(sizes, run)
+    work = share.pop("ipsvd_float64")
     stage1 = {
-        "teacher": sizes.params * 4,
-        "proxy": sizes.params * 4,  # the dense copy, compressed layer by layer
-        "probes": 4.0 * N * io_sum,
-        "decompositions": min(4.0 * N * io_sum, _whitened_bytes(sizes)),
+        "teacher": sizes.params * wb,
+        "proxy": factors * wb,  # the factors; every other tensor is the teacher's until Stage 1 ends
+        **share,
         # the probe pass, then the factors: the larger of the two
-        ("activations" if act1 >= _ipsvd_work(sizes, N) else "ipsvd_float64"): max(act1, _ipsvd_work(sizes, N)),
+        ("activations" if act1 >= work else "ipsvd_float64"): max(act1, work),
     }
     n_construct = run.pool_size * run.construction_fraction
     n_probe = max(1, round(n_construct * run.probe_fraction))
     n_align = max(1, round(n_construct - n_probe))
-    proxy_shape, proxy_params = proxy_sizes(sizes, run.sparsity)
-    factors = proxy_shape.tracked_params
     tokens = B * run.max_length
     stage2 = {
-        "teacher": sizes.params * 4,
+        "teacher": sizes.params * wb,
         "proxy": proxy_params * wb / S,
         "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
         "adamw": 2 * factors * wb / S,
@@ -529,7 +545,7 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
         "activations": 3 * act,
         "lm_head": 6 * _head_rows(run, B) * V * 4,
     }
-    f1 = probe_flops(sizes.shape, proxy_shape, n_examples=n_probe, seq_len=run.max_length, n_vectors=N,
+    f1 = probe_flops(sizes.shape, proxy_shape, n_examples=n_probe, seq_len=run.max_length, n_vectors=run.num_probe_tokens,
                      head_share=run.response_share)["total"]
     f2 = alignment_flops(sizes.shape, proxy_shape, n_examples=n_align, seq_len=run.max_length,
                          epochs=run.align_epochs, head_share=run.response_share)["total"] / run.devices

@@ -27,6 +27,7 @@ def plan(
     gradient_checkpointing: bool = False,
     sparsity: float = 0.5,
     num_probe_tokens: int = 1024,
+    probe_group_layers: Optional[int] = None,
     align_epochs: int = 2,
     validation_examples: int = 300,
     tasks: int = 3,
@@ -62,6 +63,8 @@ def plan(
         gradient_checkpointing: activation checkpointing in warm-up / fine-tune (model.gradient_checkpointing).
         sparsity: the proxy's sparsity ρ (IPSVDCallback sparsity).
         num_probe_tokens: Stage 1's probe columns (IPSVDCallback num_probe_tokens).
+        probe_group_layers: Stage 1's layers per probe pass on each device (IPSVDCallback probe_group_layers;
+            default: every layer of the device's share in one pass).
         align_epochs: Stage 2's epochs.
         validation_examples: validation examples scored for the validation gradients.
         tasks: score columns: validation tasks, or subtasks with validation_subtasks (scoring keeps one float32
@@ -84,7 +87,8 @@ def plan(
                         align_batch_size=align_batch_size, response_share=response_share, precision=precision,
                         devices=devices * num_nodes, strategy=strategy, device_kind=accelerator,
                         gradient_checkpointing=gradient_checkpointing, sparsity=sparsity,
-                        num_probe_tokens=num_probe_tokens, align_epochs=align_epochs,
+                        num_probe_tokens=num_probe_tokens, probe_group_layers=probe_group_layers,
+                        align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=scoring.kfac_examples, store_k=k, select_k=select_k)
     from ..models.loading import check_model_config

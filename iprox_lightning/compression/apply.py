@@ -41,8 +41,10 @@ from .probes import Probes, collect_probes
 from .ranks import requested_layer_params
 from .config import ALLOCATIONS, DEFAULT_ALLOCATION, METHODS, CompressionConfig, resolve_allocation
 from .plan import (
-    BlockDropReport, CompressionPlan, cut_planned_blocks, layers_to_probe, plan_compression, plan_global_ranks,
+    BlockDropReport, CompressionPlan, allocate_global, cut_planned_blocks, layer_spectrum, layers_to_probe,
+    plan_compression, plan_global_ranks,
 )
+from .schedule import Exchange, assign_layers, kept_whitened, probe_groups, whitened_room
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +212,8 @@ def compress(
     progress: bool = True,
     probes: Probes | None = None,
     val_dataloader: Iterable[Mapping] | None = None,
+    probe_group_layers: int | None = None,
+    exchange: Exchange | None = None,
 ) -> CompressionReport:
     """Replace the targeted linears of ``model`` in place by ``LowRankLinear`` layers.
 
@@ -251,6 +255,19 @@ def compress(
     weights of the (cut) target's layers (:func:`~iprox_lightning.compression.influence_weights.influence_rank_weights`,
     recorded in ``report.rank_weighting``; its time is part of ``time_allocation_s``); ``rank_rounding`` and
     ``probe_labels``: :class:`CompressionConfig`.
+
+    At scale (:mod:`iprox_lightning.compression.schedule`): ``probe_group_layers = k`` collects the probes of ``k``
+    layers at a time (a probe pass per group, twice under ``"global"``: the spectra, then the factors and their
+    objectives; every pass on the uncompressed model, whose layers are swapped once all factors are computed), so
+    the probe columns held are one group's; ``exchange`` (several processes: every rank calls ``compress`` on the same
+    model with the same probe batches) makes each rank decompose its share of the layers, largest first, and gather
+    the others' spectra, factors and records. The probe columns are the single pass's, bitwise (the token positions
+    are drawn from ``seed`` alone, the forward and backward are the same), and so are the spectra and the ranks. The
+    factors are too under any number of processes with the same ``probe_group_layers`` (the same functions on the same
+    columns, the same layers keeping their decompositions: :func:`~iprox_lightning.compression.schedule.kept_whitened`,
+    from the shapes alone); a smaller group keeps fewer decompositions (its room is one group's probe bytes), and a
+    layer not kept is decomposed again at its rank — the same eigendecomposition, its vectors sliced before rather
+    than after the products that map them back (equal to rounding).
     """
     if config.method == "ipsvd" and probe_dataloader is None and probes is None:
         raise UserInputError("method='ipsvd' needs a probe_dataloader (or precollected probes)")
@@ -273,6 +290,18 @@ def compress(
     cut_planned_blocks(model, plan, targets)
     modules = find_target_linears(model, targets)
 
+    if probe_group_layers is not None or (exchange is not None and exchange.world_size > 1):
+        if probes is not None:
+            raise UserInputError("precollected probes are one pass of every layer: give the probe_dataloader for "
+                                 "probe_group_layers or several processes")
+        if probe_dataloader is not None:
+            probe_dataloader = list(probe_dataloader)  # read once: one pass per group (twice under "global")
+        weights = influence_rank_weights(model, modules, val_dataloader, probe_dataloader,
+                                         mix=config.rank_weight_mix, progress=progress) if influence else None
+        plan, layers, info, times = _scheduled(model, plan, modules, config, probe_dataloader, weights,
+                                               probe_group_layers, exchange or Exchange(), compute_dtype, progress)
+        return _finish(_report(model, plan, config, layers, info, *times))
+
     t0 = time.perf_counter()
     own_probes = probes is None
     if probes is None and probe_dataloader is not None:
@@ -292,7 +321,10 @@ def compress(
     t1 = time.perf_counter()
     layers = apply_plan(model, plan, config, probes, consume_probes=own_probes, compute_dtype=compute_dtype,
                         progress=progress)
-    report = _report(model, plan, config, layers, probes, t_probes, time.perf_counter() - t1, t_alloc)
+    return _finish(_report(model, plan, config, layers, probes, t_probes, time.perf_counter() - t1, t_alloc))
+
+
+def _finish(report: CompressionReport) -> CompressionReport:
     log.info(report.summary())
     warning = report.saving_warning()
     if warning is not None and warning not in _WARNED:  # once per process and model: a sweep over ρ says it once each
@@ -336,7 +368,17 @@ def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerRe
     ``whitened``: the layer's exact IPSVD from the global allocation (:func:`~iprox_lightning.compression.plan.plan_global_ranks`),
     whose factors at the rank are those :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` computes (exact mode)."""
     ts = time.perf_counter()
-    W, bias, rank = linear_weight(module).detach(), _layer_bias(module), lr.rank
+    A, B = _layer_factors(name, module, lr, config, probes, consume_probes, index, compute_dtype, whitened)
+    _swap_layer(model, name, module, A, B)
+    lr.time_s = time.perf_counter() - ts
+
+
+def _layer_factors(name: str, module: nn.Module, lr: LayerReport, config: CompressionConfig, probes: Probes | None,
+                   consume_probes: bool, index: int, compute_dtype, whitened: WhitenedSVD | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of the layer ``name`` at rank ``lr.rank``, on the weight's device and in its dtype; fills ``lr``
+    (objective, mode, ``params_after``). ``whitened``: :func:`_factorise_layer`."""
+    W, rank = linear_weight(module).detach(), lr.rank
     H = Delta = None
     if probes is not None:
         if name not in probes.H:
@@ -365,13 +407,128 @@ def _factorise_layer(model: nn.Module, name: str, module: nn.Module, lr: LayerRe
         lr.objective = weighted_objective(W, A, B, H, Delta, **obj_kw)
         lr.objective_dense = (float(whitened.singular_values.pow(2).sum()) if whitened is not None  # ‖S‖_F² = Σ σ²
                               else weighted_objective(W, None, None, H, Delta, **obj_kw))
-    new = LowRankLinear.from_factors(A.to(W.device, W.dtype), B.to(W.device, W.dtype),
-                                     None if bias is None else bias.detach())
-    new.train(module.training)
-    set_submodule(model, name, new)
     lr.params_after = rank * (lr.in_features + lr.out_features)
     lr.mode = used_mode
-    lr.time_s = time.perf_counter() - ts
+    return A.to(W.device, W.dtype), B.to(W.device, W.dtype)
+
+
+def _swap_layer(model: nn.Module, name: str, module: nn.Module, A: torch.Tensor, B: torch.Tensor) -> None:
+    """Replace ``module`` (the layer ``name`` of ``model``) by the ``LowRankLinear`` of factors ``A``, ``B`` (on the
+    weight's device and in its dtype), its bias kept, its train mode kept."""
+    bias = _layer_bias(module)
+    new = LowRankLinear.from_factors(A, B, None if bias is None else bias.detach())
+    new.train(module.training)
+    set_submodule(model, name, new)
+
+
+def _scheduled(model: nn.Module, plan: CompressionPlan, modules: Mapping[str, nn.Module], config: CompressionConfig,
+               batches: list | None, weights: RankWeights | None, group_layers: int | None, exchange: Exchange,
+               compute_dtype, progress: bool) -> tuple[CompressionPlan, list[LayerReport], Probes | None, tuple]:
+    """:func:`compress`'s probes, allocation and factors with ``probe_group_layers`` and / or ``exchange`` (its
+    docstring): ``(plan, layer reports, the probe counts (a :class:`Probes` without columns), (t_probes, t_factors,
+    t_alloc))``. The model is swapped last, every layer from the factors of the rank that computed it."""
+    t_probes = 0.0
+    order = list(modules)
+    probed = layers_to_probe(plan)
+    owner = assign_layers({n: plan.shapes[n] for n in probed}, exchange.world_size)
+    groups = probe_groups([n for n in probed if owner[n] == exchange.rank], group_layers)
+    info: list[Probes] = []
+
+    def probes_of(group: list[str]) -> Probes | None:
+        nonlocal t_probes
+        if batches is None:
+            return None
+        t = time.perf_counter()
+        got = collect_probes(model, batches, {n: modules[n] for n in group}, num_tokens=config.num_probe_tokens,
+                             seed=config.seed, progress=progress, labels=config.probe_labels,
+                             warn_short=not info)
+        t_probes += time.perf_counter() - t
+        if not info:
+            info.append(Probes({}, {}, got.num_tokens, got.num_valid_tokens, got.num_examples, got.mean_loss,
+                               got.batch_shares))
+        return got
+
+    held: Probes | None = None  # one group: its probes serve the spectra and the factors (one pass, as compress's)
+    kept: dict[str, WhitenedSVD] = {}
+    t_alloc = time.perf_counter()  # the spectra and the allocation (their probe passes counted in t_probes)
+    if plan.allocation == "global":
+        def spectra() -> dict[str, torch.Tensor]:
+            nonlocal held
+            out, keep = {}, None
+            for group in groups:
+                got = probes_of(group) if config.method == "ipsvd" or len(groups) == 1 else None
+                if keep is None:  # the same layers as one process's single pass keeps, whatever the share or group
+                    n = got.num_tokens if got is not None else 0
+                    keep = kept_whitened(plan.shapes, [m for m in order if m in owner],
+                                         whitened_room(plan.shapes, probed, n, group_layers))
+                for name in group:
+                    out[name], w = layer_spectrum(name, modules[name], config, got, keep=name in keep,
+                                                  compute_dtype=compute_dtype)
+                    if w is not None:
+                        kept[name] = w
+                    out[name] = out[name].cpu()
+                held = got if len(groups) == 1 else None
+            return out
+
+        every = {}
+        for part in exchange.gather(spectra):
+            every.update(part)
+        plan = allocate_global(plan, every, config, weights)
+    t_alloc = time.perf_counter() - t_alloc - t_probes
+    t1, t_probes_before = time.perf_counter(), t_probes
+
+    reports = {n: LayerReport(name=n, in_features=plan.shapes[n][1], out_features=plan.shapes[n][0],
+                              rank=plan.ranks[n], bias=_layer_bias(modules[n]) is not None,
+                              params_before=plan.shapes[n][0] * plan.shapes[n][1],
+                              params_after=plan.shapes[n][0] * plan.shapes[n][1],
+                              params_requested=requested_layer_params(plan.shapes[n][1], plan.shapes[n][0],
+                                                                      config.sparsity)) for n in order}
+
+    mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's factors (never pickled: broadcast below)
+
+    def factors() -> tuple[dict, dict]:
+        records = {}
+        for group in groups:
+            todo = [n for n in group if plan.ranks[n] is not None]
+            if not todo:
+                continue
+            got = held if held is not None else probes_of(todo)
+            for name in todo:
+                ts = time.perf_counter()
+                lr = reports[name]
+                mine[name] = _layer_factors(name, modules[name], lr, config, got, True, order.index(name) + 1,
+                                           compute_dtype, kept.pop(name, None))
+                lr.time_s = time.perf_counter() - ts
+                records[name] = lr
+        return records, dict(plan.ranks)
+
+    for r, (records, ranks) in enumerate(exchange.gather(factors)):
+        if ranks != plan.ranks:  # pragma: no cover (invariant: the same allocation from the same spectra)
+            raise RuntimeError(f"rank {r} planned other ranks than rank {exchange.rank}")
+        reports.update(records)
+    for name in progress_of(order, desc="IPSVD factors (swap)", enabled=progress and len(order) > 1, unit="layer"):
+        lr, module = reports[name], modules[name]
+        if lr.rank is None:
+            continue
+        if owner[name] == exchange.rank:
+            A, B = mine.pop(name)
+        else:
+            W = linear_weight(module)
+            A = torch.empty(lr.out_features, lr.rank, dtype=W.dtype, device=W.device)
+            B = torch.empty(lr.rank, lr.in_features, dtype=W.dtype, device=W.device)
+        exchange.broadcast(A, src=owner[name])
+        exchange.broadcast(B, src=owner[name])
+        _swap_layer(model, name, module, A, B)
+    t_factors = time.perf_counter() - t1 - (t_probes - t_probes_before)
+    times = (t_probes, t_factors, t_alloc, plan.block_drop.time_s if plan.block_drop else 0.0)
+    counts = info[0] if info else None
+    if exchange.world_size > 1:  # the slowest rank's times, any rank's probe counts: one report on every rank
+        got = exchange.all_gather((times, counts))
+        times = tuple(max(t) for t in zip(*(t for t, _ in got)))
+        counts = next((c for _, c in got if c is not None), None)  # a rank with no layer collected no probes
+    if plan.block_drop is not None:
+        plan.block_drop.time_s = times[3]
+    return plan, [reports[n] for n in order], counts, times[:3]
 
 
 def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
@@ -380,7 +537,7 @@ def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
     rank a :class:`LowRankLinear` of that rank, on the weight's device and dtype, its bias copied, its train mode
     kept. The factors are left as initialised — the same draws of the global random generator as
     :meth:`LowRankLinear.from_factors` makes in :func:`compress`, so a process that runs this instead of ``compress``
-    keeps its generator in step — and the caller fills them (``IPSVDCallback`` broadcasts rank 0's)."""
+    keeps its generator in step — and the caller fills them (e.g. from a saved proxy's state dict)."""
     if is_compressed(model):
         raise UserInputError("model already holds LowRankLinear layers (already compressed)")
     if report.block_drop is not None:

@@ -13,12 +13,17 @@ strategy wrapping (DDP/FSDP) and ``configure_optimizers`` (Lightning's ``BaseFin
    ``rank_weighting="influence"`` also the validation examples, ``trainer.datamodule.val_dataloader()`` (fallback
    ``pl_module.val_dataloader()``), for the influence weights of the rank allocation;
 4. :func:`~iprox_lightning.compression.apply.compress` (with ``drop_blocks``: the least important blocks removed
-   first) with :class:`~iprox_lightning.compression.apply.CompressionConfig` ``callback.config``, in place, on the strategy's root device;
+   first) with :class:`~iprox_lightning.compression.apply.CompressionConfig` ``callback.config``, in place, on the
+   strategy's root device, with the weights as the run holds them: the precision plugin's conversion is applied
+   first (``bf16-true``: bfloat16 teacher and proxy; ``32-true`` and ``bf16-mixed`` keep float32 weights, the latter's
+   master weights) and the teacher is moved to the device with the proxy (``ProxyAlignModule``'s proxy shares the
+   teacher's tensors until it is compressed: no dense copy of the model is made);
+   ``probe_group_layers = k``: the probes of ``k`` layers at a time (:mod:`~iprox_lightning.compression.schedule`);
 5. the health check (the proxy against its teacher on a few alignment batches);
-6. under a multi-process strategy (DDP, FSDP) steps 3–5 run on rank 0 only, once — the probe loader is read whole
-   on rank 0, so its factors are those of one process — while the other ranks wait; they then receive rank 0's
-   report, give their model its structure (:func:`~iprox_lightning.compression.apply.apply_report_structure`: blocks cut,
-   ``LowRankLinear`` layers of the same ranks) and its factors by broadcast, so every rank starts bit-identical;
+6. under a multi-process strategy (DDP, FSDP) every rank runs step 4 on the whole probe loader (read unsplit, so its
+   factors are those of one process) and decomposes its share of the layers, largest first; the ranks gather each
+   other's spectra, records and factors, so every rank starts bit-identical and holds the same report; rank 0 runs
+   the health check and sends its result to the others; a failure on any rank stops every rank at once;
    per-layer rank / objective / time and the parameter counts go to the logger;
    with ``save_dir`` rank 0 writes the proxy directory (:func:`~iprox_lightning.compression.apply.save_proxy`).
 
@@ -38,13 +43,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from .apply import (
     CompressionConfig,
     CompressionReport,
-    apply_report_structure,
     compress,
     is_compressed,
     lowrank_layers,
     save_proxy,
 )
 from ..engine.settings import takes_settings
+from .schedule import Exchange, StageOneFailed, TorchExchange
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,7 @@ class IPSVDCallback(Callback):
         save_dir: Optional[str] = None,
         compress_on_device: bool = True,
         health_batches: int = 4,
+        probe_group_layers: Optional[int] = None,
         compression: Optional[CompressionConfig] = None,
     ) -> None:
         """Stage 1 inside ``fit``: compress ``pl_module.<model_attr>`` in ``setup`` (module docstring).
@@ -109,13 +115,23 @@ class IPSVDCallback(Callback):
             health_batches: batches of the alignment split (data Stage 1 never saw) on which the proxy is compared
                 with the uncompressed teacher right after compression (loss, KL, top-1 agreement; logged, kept in
                 the report and the manifest, loud when KL > 1 nat/token); 0 disables the check.
+            probe_group_layers: collect the probes of this many layers at a time (per process) instead of every
+                layer in one pass: the probe columns held are one group's (``train.py plan`` counts them); the factors
+                are the single pass's (:func:`~iprox_lightning.compression.apply.compress`). ``None``: one pass.
         """
+        if probe_group_layers is not None and (isinstance(probe_group_layers, bool) or
+                                               not isinstance(probe_group_layers, int) or probe_group_layers < 1):
+            from ..errors import UserInputError
+
+            raise UserInputError(f"IPSVDCallback probe_group_layers must be an integer >= 1 or null (every layer in "
+                                 f"one pass), got {probe_group_layers!r}")
         super().__init__()
         self.config = compression
         self.model_attr = model_attr
         self.save_dir = save_dir
         self.compress_on_device = compress_on_device
         self.health_batches = health_batches
+        self.probe_group_layers = probe_group_layers
         self.report: CompressionReport | None = None
 
     # -------------------------------------------------------------------------------------------
@@ -169,10 +185,15 @@ class IPSVDCallback(Callback):
                            f"{len(lowrank_layers(model))} LowRankLinear layers; skipping compression")
             return
         self._check_drop_blocks(pl_module)
+        # the weights as the run holds them (bf16-true: bfloat16; the strategy converts again later, a no-op then)
+        trainer.precision_plugin.convert_module(pl_module)
         if self.compress_on_device:
             model.to(trainer.strategy.root_device)
+            teacher = pl_module.teacher if isinstance(pl_module, TeacherHolder) else None
+            if teacher is not None:
+                teacher.to(trainer.strategy.root_device)
         if _distributed(trainer):
-            self.report = self._stage_one_on_rank_zero(trainer, pl_module, model)
+            self.report = self._stage_one_sharded(trainer, pl_module, model)
         else:
             self.report = self._stage_one(trainer, pl_module, model)
         pl_module.ipsvd_report = self.report
@@ -183,9 +204,10 @@ class IPSVDCallback(Callback):
             save_proxy(model, tok, self.save_dir, self.report)
         trainer.strategy.barrier("ipsvd")
 
-    def _stage_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module
-                   ) -> CompressionReport:
-        """Stage 1 in this process: probes, factors (``compress``), its summary line, then the health check."""
+    def _stage_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module,
+                   exchange: Optional[Exchange] = None) -> CompressionReport:
+        """Stage 1 in this process: probes, factors (``compress``; ``exchange``: this rank's share), its summary line,
+        then (one process) the health check."""
         try:
             loader = self._probe_loader(trainer, pl_module)
         except AttributeError:
@@ -196,34 +218,39 @@ class IPSVDCallback(Callback):
 
         validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
                       else None)
-        report = compress(model, loader, self.config, progress=show_progress(trainer), val_dataloader=validation)
+        report = compress(model, loader, self.config, progress=show_progress(trainer), val_dataloader=validation,
+                          probe_group_layers=self.probe_group_layers, exchange=exchange)
         rank_zero_info(f"IPSVDCallback: {report.summary()}")
-        self._health(trainer, pl_module, model, report)
+        if exchange is None:
+            self._health(trainer, pl_module, model, report)
         return report
 
-    def _stage_one_on_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module
-                                ) -> CompressionReport:
-        """Stage 1 once under a multi-process strategy: rank 0 runs it (the probe and validation loaders are read
-        whole, unsplit, so its factors are one process's); the other ranks wait, take its report (the plan: dropped
-        blocks, ranks) and give their model that structure (:func:`~iprox_lightning.compression.apply.apply_report_structure`),
-        then every factor (and bias) is broadcast from rank 0. A failure on rank 0 is sent to the other ranks, which
-        raise at once instead of waiting for the process group's timeout."""
-        report, failure = None, None
+    def _stage_one_sharded(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module
+                           ) -> CompressionReport:
+        """Stage 1 under a multi-process strategy: every rank runs ``compress`` on the whole probe loader with a
+        :class:`~iprox_lightning.compression.schedule.TorchExchange` (its share of the decompositions; the others'
+        spectra, records and factors gathered), then rank 0's health check goes to every rank. A failure on any rank
+        is sent to the others, which raise at once instead of waiting for the process group's timeout."""
+        exchange = TorchExchange(trainer.strategy.root_device)
+        try:
+            report = self._stage_one(trainer, pl_module, model, exchange)
+        except BaseException as e:  # noqa: BLE001 (re-raised: the other ranks told first)
+            exchange.fail(e)
+            raise
+        health, failure = None, None
         if trainer.is_global_zero:
             try:
-                report = self._stage_one(trainer, pl_module, model)
+                self._health(trainer, pl_module, model, report)
+                health = report.health
             except BaseException as e:  # noqa: BLE001 (re-raised below, once the other ranks are told)
                 failure = e
         sent = trainer.strategy.broadcast(
-            {"report": report, "failure": None if failure is None else f"{type(failure).__name__}: {failure}"}, src=0)
+            {"health": health, "failure": None if failure is None else f"{type(failure).__name__}: {failure}"}, src=0)
         if failure is not None:
             raise failure
         if sent["failure"] is not None:
-            raise RuntimeError(f"IPSVDCallback: Stage 1 failed on rank 0 ({sent['failure']})")
-        if not trainer.is_global_zero:
-            report = sent["report"]
-            apply_report_structure(model, report)
-        self._broadcast_factors(trainer, model)
+            raise StageOneFailed(f"IPSVDCallback: the health check failed on rank 0 ({sent['failure']})")
+        report.health = sent["health"]
         return report
 
     def _check_drop_blocks(self, pl_module: pl.LightningModule) -> None:
@@ -263,21 +290,6 @@ class IPSVDCallback(Callback):
             log.warning("%s", msg)
         else:
             rank_zero_info(msg)
-
-    @staticmethod
-    def _broadcast_factors(trainer: pl.Trainer, model: torch.nn.Module) -> None:
-        """Rank 0's factors and biases into every rank's ``LowRankLinear`` layers (the same layers on every rank), each
-        sent from the strategy's device (a GPU under NCCL) and copied back where the layer lives."""
-        device = trainer.strategy.root_device
-        with torch.no_grad():
-            for layer in lowrank_layers(model).values():
-                for p in (layer.A, layer.B, layer.bias):
-                    if p is None:
-                        continue
-                    buf = p.data if p.device == device else p.data.to(device)
-                    torch.distributed.broadcast(buf, src=0)
-                    if buf is not p.data:
-                        p.data.copy_(buf)
 
     def _log(self, trainer: pl.Trainer) -> None:
         if trainer.logger is None or self.report is None or not trainer.is_global_zero:

@@ -31,10 +31,11 @@ from ..engine.blocks import block_importance, decoder_blocks, most_important_blo
 from ..progress import progress as progress_of
 from .config import CompressionConfig
 from .influence_weights import RankWeights
-from .ipsvd import WhitenedSVD, plain_spectrum, whitened_bytes, whitened_svd
+from .ipsvd import WhitenedSVD, plain_spectrum, whitened_svd
 from .probes import Probes
+from .schedule import kept_whitened, whitened_keep
 from .ranks import (
-    allocate_ranks, dense_rank, minimum_allocation, plan_ranks, requested_layer_params, round_plan_up, uniform_plan_for_budget,
+    allocate_ranks, minimum_allocation, plan_ranks, requested_layer_params, round_plan_up, uniform_plan_for_budget,
 )
 from ..engine.target_layers import count_parameters, find_target_linears, linear_shape, linear_weight
 
@@ -178,34 +179,45 @@ def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], c
     layer than the budget."""
     if plan.allocation != "global":
         return plan
-    budget = plan.layer_budget
-    if budget is None:
-        budget = sum((1.0 - config.sparsity) * o * i for o, i in plan.shapes.values())
     spectra: dict = {}
     whitened: dict[str, WhitenedSVD] = {}
     # the exact IPSVD of a layer serves both its spectrum and its factors: kept for apply_plan while the kept ones
     # fit in the memory the probes themselves take (float32 H, Δ), recomputed there otherwise
     room = 0 if probes is None else sum(4 * (t.numel()) for d in (probes.H, probes.Delta) for t in d.values())
+    kept = kept_whitened(plan.shapes, [n for n in modules if n not in plan.dense_layers], room)
     for name, module in progress_of(list(modules.items()), desc="rank allocation (spectra)", enabled=progress,
                                     unit="layer"):
         if name in plan.dense_layers:
             continue
-        W = linear_weight(module).detach()
-        if config.method == "ipsvd":
-            if probes is None or name not in probes.H:
-                raise ValueError(f"layer {name!r}: global allocation needs its probes")
-            out_f, in_f = W.shape
-            # no allocated rank reaches dense_rank (the layer is then kept dense): the vectors beyond are never used
-            keep = min(dense_rank(in_f, out_f), min(in_f, out_f))
-            keep = keep if whitened_bytes(in_f, out_f, keep) <= room else 0
-            w = whitened_svd(W, probes.H[name].to(W.device), probes.Delta[name].to(W.device), keep=keep,
-                             damping=config.damping, damping_mode=config.damping_mode, compute_dtype=compute_dtype)
-            spectra[name] = w.singular_values
-            if keep:
-                whitened[name] = w
-                room -= whitened_bytes(in_f, out_f, keep)
-        else:
-            spectra[name] = plain_spectrum(W)
+        spectra[name], w = layer_spectrum(name, module, config, probes, keep=name in kept, compute_dtype=compute_dtype)
+        if w is not None:
+            whitened[name] = w
+    return replace(allocate_global(plan, spectra, config, weights), whitened=whitened)
+
+
+def layer_spectrum(name: str, module: nn.Module, config: CompressionConfig, probes: Optional[Probes], *, keep: bool,
+                   compute_dtype=None) -> tuple[Any, Optional[WhitenedSVD]]:
+    """One layer's spectrum for the global allocation: ``(σ, its WhitenedSVD)`` — IPSVD: the exact IPSVD from its
+    probes, kept (``keep``: the vectors up to the rank at which the layer stays dense) or not (``None``, σ alone);
+    SVD: the plain singular values of ``W`` (and ``None``)."""
+    W = linear_weight(module).detach()
+    if config.method != "ipsvd":
+        return plain_spectrum(W), None
+    if probes is None or name not in probes.H:
+        raise ValueError(f"layer {name!r}: global allocation needs its probes")
+    out_f, in_f = W.shape
+    w = whitened_svd(W, probes.H[name].to(W.device), probes.Delta[name].to(W.device),
+                     keep=whitened_keep(out_f, in_f) if keep else 0,
+                     damping=config.damping, damping_mode=config.damping_mode, compute_dtype=compute_dtype)
+    return w.singular_values, (w if keep else None)
+
+
+def allocate_global(plan: CompressionPlan, spectra: Mapping[str, Any], config: CompressionConfig,
+                    weights: Optional[RankWeights] = None) -> CompressionPlan:
+    """``plan`` with the ranks of the global allocation of every layer's ``spectra`` (:func:`plan_global_ranks`)."""
+    budget = plan.layer_budget
+    if budget is None:
+        budget = sum((1.0 - config.sparsity) * o * i for o, i in plan.shapes.values())
     up = config.rank_rounding == "up"
     try:
         ranks = allocate_ranks(spectra, plan.shapes, budget, rank_multiple=1 if up else config.rank_multiple,
@@ -217,7 +229,7 @@ def plan_global_ranks(plan: CompressionPlan, modules: Mapping[str, nn.Module], c
         raise ValueError(f"drop_blocks={config.drop_blocks}, sparsity {config.sparsity}, remaining layers: {e}") from None
     if up:
         ranks = round_plan_up(ranks, plan.shapes, config.rank_multiple)
-    return replace(plan, ranks=ranks, rank_weighting=weights, whitened=whitened)
+    return replace(plan, ranks=ranks, rank_weighting=weights)
 
 
 def _match_layers(modules: Mapping[str, nn.Module], patterns: list[str] | None) -> list[str]:

@@ -133,6 +133,7 @@ def collect_probes(
     storage_device: str | torch.device | None = None,
     progress: bool = True,
     labels: str = "response",
+    warn_short: bool = True,
 ) -> Probes:
     """Collect ``H``/``Delta`` probe columns of ``modules`` (default: the targeted linears of
     ``model``) over ``dataloader`` (batches in the project's format). See the module docstring.
@@ -140,7 +141,8 @@ def collect_probes(
     ``storage_device``: where the probe columns are kept (default: the model's device). ``labels``
     (:data:`PROBE_LABELS`): ``"response"`` — ``δ`` of the response-token loss (the batch's ``labels``);
     ``"all"`` — of the loss over every non-pad token (:func:`all_token_labels`). The token positions
-    sampled are the same either way (every valid token is a candidate).
+    sampled are the same either way (every valid token is a candidate). ``warn_short=False``: no warning when the
+    probe set holds fewer valid tokens than ``num_tokens`` (a second pass over the same batches, already warned).
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -160,7 +162,7 @@ def collect_probes(
         raise ValueError("the probe dataloader yielded no valid (attention_mask == 1) token")
     shares = allocate_shares(counts, num_tokens)
     N = sum(shares)
-    if N < num_tokens:
+    if N < num_tokens and warn_short:
         log.warning("probe set has only %d valid tokens (< num_tokens=%d): using all of them", N, num_tokens)
 
     device = next(model.parameters()).device

@@ -1,0 +1,51 @@
+"""``train.py plan``'s Stage 1 against the measured per-rank peak of the product's Stage 1 (``bench/plan_memory.py
+--stage1``: ``IPSVDCallback`` in a ``ProxyAlignModule`` fit of a random model, stopped after Stage 1, each rank's peak
+``RssAnon`` over its baseline after the imports) at a small shape: 512 wide, MLP 2048, 2 layers, vocabulary 8192
+(65 MB of float32 weights), 128 probe tokens.
+
+Tolerance ±20%, the issue's target. What is not modelled: a few MB the run allocates besides its tensors (the Lightning
+trainer, the module objects, the probe batches; 4 MB measured at a 64-wide shape, 3% here) and what the plan takes as
+an upper bound (the float64 work of the largest layer all at once). The 1B and wide (8B-width) shapes are measured by
+the same code and recorded in ``bench/results/plan/stage1_*.json`` (too slow for the suite).
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_memory_bench", ROOT / "bench" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(**over):
+    return {"shape": "small", "layers": None, "precision": "32-true", "devices": 1, "probe_tokens": 128,
+            "probe_group_layers": None, "batch_size": 1, "max_length": 64, "threads": 1, "allocation": None, **over}
+
+
+def _check(result):
+    for measured, ratio in zip(result["measured_bytes"], result["ratio"]):
+        assert 0.8 <= ratio <= 1.2, (f"plan {result['predicted_bytes'] / 2**20:.1f} MiB vs measured "
+                                     f"{measured / 2**20:.1f} MiB", result["plan"]["parts"])
+
+
+def test_stage_one_plan_is_within_20_percent_of_the_measured_peak():
+    result = _bench().stage1_measure(_args(), timeout=300)
+    _check(result)
+
+
+@pytest.mark.distributed
+def test_stage_one_plan_is_within_20_percent_on_each_of_two_gloo_ranks_probing_groups():
+    bench = _bench()
+    result = bench.stage1_measure(_args(devices=2, probe_group_layers=2), timeout=400)
+    assert len(result["measured_bytes"]) == 2
+    _check(result)
+    whole = bench.stage1_plan(_args())
+    assert result["plan"]["parts"]["probes"] < whole["parts"]["probes"] / 2  # one group of the rank's share
