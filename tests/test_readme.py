@@ -258,12 +258,11 @@ def test_readme_plan_example_fits_and_its_numbers_are_the_plans():
     assert all(r["peak"] <= 80e9 for r in used)
     top = max(used, key=lambda r: r["peak"])
     assert top["stage"].startswith("build_proxy: Stage 2") and f"Stage 2, {top['peak'] / 2**30:.1f} GiB of the 74.51 GiB" in " ".join(text.split())
-    # what does not fit yet, as the README says: Llama-3.1-8B's Stage 1 on 80 GB cards
-    import pytest
-
-    from iprox_lightning.errors import UserInputError
-
-    with pytest.raises(UserInputError, match=r"build_proxy: Stage 1 \(IPSVD\) needs 107\.89 GiB"):
-        main(["plan", "--model", "llama-3.1-8b", "--precision", "bf16-mixed", "--devices", "64", "--strategy", "fsdp",
-              "--device_memory", "80GB", "--gradient_checkpointing", "true", "--align_batch_size", "4"])
-    assert "(107.9 GiB)" in text
+    # Llama-3.1-8B on 8 x 80 GB with fsdp, as the README says: Stage 1 fits, Stage 2 does not yet (a device memory
+    # large enough that the plan returns every row; the peaks do not depend on it)
+    rows = {r["stage"]: r["peak"] for r in main(["plan", "--model", "llama-3.1-8b", "--precision", "bf16-mixed",
+                                                 "--devices", "8", "--strategy", "fsdp", "--device_memory", "1000GB"])}
+    one = " ".join(text.split())
+    stage1, stage2 = rows["build_proxy: Stage 1 (IPSVD)"], rows["build_proxy: Stage 2 (alignment)"]
+    assert stage1 <= 80e9 < stage2
+    assert f"Stage 1 fits ({stage1 / 2**30:.1f} GiB per device)" in one and f"({stage2 / 2**30:.1f} GiB:" in one
