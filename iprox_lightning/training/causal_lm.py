@@ -254,11 +254,14 @@ class CausalLMModule(L.LightningModule):
             from lightning.pytorch.utilities import rank_zero_info
 
             from ..console import transformers_bars_off
+            from ..io.atomic import named_os_errors
 
-            with transformers_bars_off():
+            # a full disk in safetensors' writer (SafetensorError '(os error 28)') is an OSError naming the directory:
+            # one line on the command line, and the pipeline redoes the stage (issue 61)
+            with transformers_bars_off(), named_os_errors(path):
                 self.model.save_pretrained(path, **kwargs)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(path)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(path)
             rank_zero_info(f"{type(self).__name__}: saved the model ({type(self.model).__name__}) to {path}")
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_model")
