@@ -12,19 +12,30 @@ from lightning.pytorch.callbacks import ModelSummary, RichProgressBar, TQDMProgr
 from iprox_lightning.console import ProgressBar, ProgressLinesCallback, Summary, add_console_callbacks
 
 
-def test_add_console_callbacks_defaults_and_user_choices():
+def test_add_console_callbacks_defaults_and_user_choices(monkeypatch):
+    import iprox_lightning.console as console
+
+    # on a terminal: one bar (the user's if given), the summary; no progress lines (the bar speaks)
+    monkeypatch.setattr(console, "interactive", lambda: True)
     cfg = add_console_callbacks({"callbacks": None})
-    # off a terminal (pytest's capture) the progress lines too (tests/test_progress.py)
-    assert [type(c) for c in cfg["callbacks"]] == [ProgressBar, Summary, ProgressLinesCallback]
+    assert [type(c) for c in cfg["callbacks"]] == [ProgressBar, Summary]
     assert cfg["enable_model_summary"] is False  # Lightning adds no second summary and prints no "skipping" line
     user_bar = RichProgressBar()
     cfg = add_console_callbacks({"callbacks": [user_bar]})
     assert cfg["callbacks"][0] is user_bar and sum(isinstance(c, (TQDMProgressBar, RichProgressBar)) for c in cfg["callbacks"]) == 1
+    cfg = add_console_callbacks({"callbacks": [ModelSummary(max_depth=2)]})
+    assert [type(c) for c in cfg["callbacks"]] == [ModelSummary, ProgressBar]
+    assert "enable_model_summary" not in cfg
+    # off a terminal (a log file, a pipe, pytest's capture): no bar at all, whatever the config says (issue 65: tqdm's
+    # carriage returns in logs), and the progress lines instead (tests/test_progress.py)
+    monkeypatch.setattr(console, "interactive", lambda: False)
+    cfg = add_console_callbacks({"callbacks": None})
+    assert [type(c) for c in cfg["callbacks"]] == [Summary, ProgressLinesCallback]
+    assert cfg["enable_progress_bar"] is False
+    cfg = add_console_callbacks({"callbacks": [RichProgressBar()]})
+    assert [type(c) for c in cfg["callbacks"]] == [Summary, ProgressLinesCallback]
     cfg = add_console_callbacks({"enable_progress_bar": False, "enable_model_summary": False})
     assert [type(c) for c in cfg["callbacks"]] == [ProgressLinesCallback]
-    cfg = add_console_callbacks({"callbacks": [ModelSummary(max_depth=2)]})
-    assert [type(c) for c in cfg["callbacks"]] == [ModelSummary, ProgressBar, ProgressLinesCallback]
-    assert "enable_model_summary" not in cfg
 
 
 class _Tiny(L.LightningModule):

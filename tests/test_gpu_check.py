@@ -73,7 +73,8 @@ def test_pipeline_part_runs_every_stage_in_bf16_mixed(run):
     record, _ = run
     r = record["parts"]["pipeline"]["result"]
     assert r["precision"] == "bf16-mixed" and r["command"].startswith("python train.py pipeline ")
-    assert set(r["seconds_per_stage"]) == {"warmup", "build_proxy", "score:target", "score:proxy"}
+    # every stage the run went through, select included (seconds_per_stage.json holds select and evaluate: issue 65)
+    assert set(r["seconds_per_stage"]) == {"warmup", "build_proxy", "score:target", "score:proxy", "select"}
     assert all(_positive(v) for v in r["seconds_per_stage"].values())
     for who in ("target", "proxy"):
         s = r["scoring"][who]
