@@ -232,8 +232,7 @@ def stage1_child(args: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import iprox_lightning.compression.apply  # noqa: F401  (what Stage 1 imports, before the baseline)
-    import iprox_lightning.engine.tracking  # noqa: F401
+    from iprox_lightning.compression import compress  # noqa: F401  (Stage 1's imports, probes and tracking: before the baseline)
     import transformers.models.llama.modeling_llama  # noqa: F401
     from iprox_lightning.callbacks import IPSVDCallback
     from iprox_lightning.modules import ProxyAlignModule
@@ -300,7 +299,7 @@ def stage1_child(args: dict) -> None:
 def stage1_plan(args: dict) -> dict:
     """The plan's Stage 1 for the same settings (``bench`` and the CI test compare it with the measured peak)."""
     from iprox_lightning.analysis import ModelSizes, RunSettings
-    from iprox_lightning.analysis.memory import build_proxy_plan, saved_activation_bytes
+    from iprox_lightning.analysis import build_proxy_plan, saved_activation_bytes
 
     config = stage1_config(args["shape"], args["layers"])
     sizes = ModelSizes.from_config(config, name=args["shape"])

@@ -44,8 +44,8 @@ def run(args: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from iprox_lightning.compression.apply import CompressionConfig, compress
-    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.compression import CompressionConfig, compress
+    from iprox_lightning.models import load_model
 
     torch.set_num_threads(1)
     kwargs = {}
@@ -54,7 +54,7 @@ def run(args: dict) -> None:
     if args.get("distributed"):
         import torch.distributed as dist
 
-        from iprox_lightning.compression.schedule import TorchExchange
+        from iprox_lightning.compression import TorchExchange
 
         dist.init_process_group("gloo")
         kwargs["exchange"] = TorchExchange()

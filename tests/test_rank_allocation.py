@@ -198,7 +198,7 @@ def test_global_allocation_factorises_from_its_decompositions_within_the_probes_
     decompositions (no second ipsvd_factors call) and the proxy equals the one made by recomputing them (the cache
     left empty: no room)."""
     import iprox_lightning.compression.apply as apply_mod
-    import iprox_lightning.compression.plan as plan_mod
+    import iprox_lightning.compression.schedule as schedule_mod
     batches = make_batches(n_examples=8, batch_size=4, seed=3)
     calls = []
     real = apply_mod.compute_factors
@@ -210,7 +210,8 @@ def test_global_allocation_factorises_from_its_decompositions_within_the_probes_
     cached = tiny_causal_lm("llama", seed=0)
     rep = compress_model(cached, batches, 0.5, **kw)
     assert calls == []  # every layer from its decomposition
-    monkeypatch.setattr(plan_mod, "whitened_bytes", lambda i, o, k: float("inf"))  # nothing fits: recomputed
+    # nothing fits (Stage 1's schedule decides which decompositions are kept: compression/schedule.kept_whitened)
+    monkeypatch.setattr(schedule_mod, "whitened_bytes", lambda i, o, k: float("inf"))
     recomputed = tiny_causal_lm("llama", seed=0)
     rep2 = compress_model(recomputed, batches, 0.5, **kw)
     assert len(calls) == sum(lr.rank is not None for lr in rep2.layers) > 0

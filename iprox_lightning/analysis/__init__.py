@@ -44,6 +44,8 @@ _HOMES = {
     'load_config': '.memory',
     'plan_stages': '.memory',
     'training_plan': '.memory',
+    'build_proxy_plan': '.memory',  # bench/plan_memory.py: Stage 1's plan against its measured peak
+    'saved_activation_bytes': '.memory',
 }
 """Each public name and the module it lives in: imported on first use (PEP 562), so importing the package loads
 none of them (``train.py <command> --help`` stays fast)."""
@@ -60,4 +62,5 @@ __all__ = [
     "subspace_affinity", "subspace_basis",
     "group_table", "layer_blocks", "layer_contributions", "task_layer_table", "spearman_columns",
     "Activations", "ModelSizes", "RunSettings", "load_config", "plan_stages", "training_plan",
+    "build_proxy_plan", "saved_activation_bytes",
 ]
