@@ -38,18 +38,46 @@ GGUF = "/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 POOL = "/work/shared/data/pool/instructions.jsonl"
 
 
-def rss_anon() -> int:
+def _status_bytes(key: str) -> int | None:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+    return None
+
+
+def rss_anon() -> int:
+    value = _status_bytes("RssAnon")
+    if value is None:
+        raise RuntimeError("no RssAnon in /proc/self/status")
+    return value
 
 
 def vm_hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmHWM") or 0
+
+
+class PeakSampler:
+    """This process's RssAnon from now on: ``base`` at the start, the largest value sampled every ``interval`` seconds
+    by a daemon thread until :meth:`stop`, which returns the peak (the value at the stop included)."""
+
+    def __init__(self, interval: float) -> None:
+        self.base = rss_anon()
+        self._peak = self.base
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._done.is_set():
+            self._peak = max(self._peak, rss_anon())
+            time.sleep(interval)
+
+    def stop(self, join: bool = True) -> int:
+        self._done.set()
+        if join:
+            self._thread.join()
+        self._peak = max(self._peak, rss_anon())
+        return self._peak
 
 
 def child(argv: list[str]) -> None:
@@ -59,24 +87,12 @@ def child(argv: list[str]) -> None:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    base = rss_anon()
-    peak = [base]
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_anon())
-            time.sleep(0.01)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+    sampler = PeakSampler(0.01)
     from iprox_lightning.cli import main
 
     main(argv)
-    done.set()
-    t.join()
-    peak[0] = max(peak[0], rss_anon())
-    print(json.dumps({"baseline": base, "peak": peak[0], "vm_hwm": vm_hwm()}))
+    peak = sampler.stop()
+    print(json.dumps({"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm()}))
 
 
 def make_model(shape: str, out: Path) -> Path:
@@ -239,16 +255,7 @@ def stage1_child(args: dict) -> None:
 
     torch.set_num_threads(args["threads"])
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    base = rss_anon()
-    peak = [base]
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_anon())
-            time.sleep(0.005)
-
-    threading.Thread(target=sample, daemon=True).start()
+    sampler = PeakSampler(0.005)
     t0 = time.time()
     config = stage1_config(args["shape"], args["layers"])
     torch.manual_seed(0)
@@ -275,10 +282,9 @@ def stage1_child(args: dict) -> None:
 
     class Stop(L.Callback):
         def setup(self, trainer, pl_module, stage):  # right after IPSVDCallback.setup (its barrier passed)
-            done.set()
-            peak[0] = max(peak[0], rss_anon())
+            peak = sampler.stop(join=False)  # the process ends here (os._exit): the sampler thread with it
             out = Path(args["out"]) / f"rank{rank}.json"
-            out.write_text(json.dumps({"baseline": base, "peak": peak[0], "vm_hwm": vm_hwm(),
+            out.write_text(json.dumps({"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(),
                                        "seconds": time.time() - t0}))
             sys.stdout.flush()
             os._exit(0)
