@@ -305,10 +305,7 @@ def model_counts(model: str, run: "RunSettings") -> tuple[ModelSizes, Activation
         pass  # not counted yet (or an unreadable entry): count it
     config = config if config is not None else load_config(model)
     sizes = ModelSizes.from_config(config, name=model)
-    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
-                                  attn_implementation=run.attn_implementation)
-    acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
-        config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
+    acts, acts32 = run_activations(config, run)
     try:
         write_json(path, {"key": key, "sizes": dataclasses.asdict(sizes), "activations": dataclasses.asdict(acts),
                                  "activations32": dataclasses.asdict(acts32)})
@@ -604,16 +601,22 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
     return _stage("store build", parts, f)
 
 
+def run_activations(config, run: "RunSettings") -> tuple[Activations, Activations]:
+    """``(activations at run.precision, float32 activations)`` of ``config`` at ``run.max_length`` (counted on fake
+    tensors; the float32 ones are the same count under ``32-true``)."""
+    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
+                                  attn_implementation=run.attn_implementation)
+    acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
+        config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
+    return acts, acts32
+
+
 def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activations | None = None,
                 acts32: Activations | None = None) -> list[StagePlan]:
     """Every stage's :class:`StagePlan`, in run order (``acts`` / ``acts32``: counted already, e.g. by
     :func:`model_counts`; else counted from ``config``)."""
-    if acts is None:
-        acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision,
-                                      attn_implementation=run.attn_implementation)
-    if acts32 is None:
-        acts32 = acts if run.precision == "32-true" else saved_activation_bytes(
-            config, seq_len=run.max_length, precision="32-true", attn_implementation=run.attn_implementation)
+    if acts is None or acts32 is None:
+        acts, acts32 = run_activations(config, run)
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
     stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))
