@@ -1,0 +1,114 @@
+"""Warm-up / fine-tune at scale (issue 64, item 3): activation checkpointing and micro-batches give the same losses,
+gradients and optimiser steps as today's path on the same inputs; the store build's checkpointing the same vectors."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.modules import FinetuneModule, WarmupModule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_batch(seed: int, B: int = 5, T: int = 12, V: int = 128) -> dict:
+    """``B`` examples, right-padded, with different prompt and response lengths (so weighting by tokens matters)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    labels = ids.clone()
+    for i in range(B):
+        length = T - (i % 3)
+        mask[i, length:] = 0
+        labels[i, length:] = -100
+        labels[i, : 2 + 2 * i] = -100  # prompt tokens: fewer response tokens down the batch
+    return dict(input_ids=ids, attention_mask=mask, labels=labels, id=[f"{seed}-{i}" for i in range(B)])
+
+
+def _loss_and_grads(module) -> tuple[torch.Tensor, dict]:
+    module.configure_model()
+    loss, _ = module.sft_step(make_batch(0))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.model.named_parameters() if p.requires_grad}
+
+
+def test_gradient_checkpointing_keeps_the_loss_and_every_gradient():
+    """HF activation checkpointing (non-reentrant) recomputes each decoder block in the backward: the loss is the
+    same computation (exactly equal), the gradients equal the unchecked run's to 1e-6 (a recomputed block gives the
+    same floats on one machine; 1e-6 leaves room for kernels that do not)."""
+    ref_loss, ref = _loss_and_grads(WarmupModule(model=tiny_causal_lm("llama", seed=3)))
+    model = tiny_causal_lm("llama", seed=3)
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    loss, got = _loss_and_grads(WarmupModule(model=model, gradient_checkpointing=True))
+    assert len(calls) == 2  # forward and the recompute in the backward: checkpointing really ran
+    assert torch.equal(loss, ref_loss)
+    assert got.keys() == ref.keys() and len(got) > 0
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+class _Record(L.Callback):
+    """Each step's gradients (before the optimiser steps) and the final parameters."""
+
+    def __init__(self):
+        self.grads: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None})
+
+
+def _fit(micro_batch_size, *, steps=None, epochs=None, module_cls=WarmupModule, **kw):
+    module = module_cls(model=tiny_causal_lm("llama", seed=4), lr=1e-3, warmup_ratio=0.25,
+                        micro_batch_size=micro_batch_size, **kw)
+    rec = _Record()
+    batches = [make_batch(10 + s) for s in range(3)] + [make_batch(20, B=3)]  # a shorter last batch
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs or 1, logger=False, callbacks=[rec],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    lrs = trainer.optimizers[0].param_groups[0]["lr"]
+    return trainer, rec, {k: v.detach().clone() for k, v in module.model.state_dict().items()}, lrs
+
+
+def test_micro_batches_equal_the_whole_batch_step_for_step():
+    """``micro_batch_size`` splits each batch (5 examples, the last 3) and weights each micro-batch by the batch's
+    response tokens: every step's accumulated gradient equals the whole batch's to 1e-5 (sums in another order),
+    the optimiser steps as often (one per batch: the schedule is unchanged), and a micro-batch as large as the batch
+    is today's step exactly."""
+    ref_trainer, ref, ref_params, ref_lr = _fit(None)
+    assert ref_trainer.global_step == 4 and len(ref.grads) == 4
+    for micro in (1, 2, 5):
+        trainer, rec, params, lr = _fit(micro)
+        assert trainer.global_step == ref_trainer.global_step
+        assert len(rec.grads) == len(ref.grads)
+        assert lr == ref_lr  # the learning-rate schedule advanced by the same steps
+        for step, (g, r) in enumerate(zip(rec.grads, ref.grads)):
+            assert g.keys() == r.keys()
+            for n in r:
+                if micro == 5:
+                    assert torch.equal(g[n], r[n]), (micro, step, n)
+                else:
+                    torch.testing.assert_close(g[n], r[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{micro} {step} {n}: {m}")
+        for n in ref_params:
+            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6)
+        assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(
+            float(ref_trainer.callback_metrics["train/loss"]), rel=1e-5)
+
+
+def test_micro_batches_with_checkpointing_in_fine_tune():
+    """Both levers together (fine-tune, every parameter trained, two epochs): the same parameters as today's path."""
+    _, _, ref, _ = _fit(None, epochs=2, module_cls=FinetuneModule)
+    trainer, _, got, _ = _fit(2, epochs=2, module_cls=FinetuneModule, gradient_checkpointing=True)
+    assert trainer.global_step == 8
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5])
+def test_a_bad_micro_batch_size_is_a_user_error(bad):
+    from iprox_lightning.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="micro_batch_size"):
+        WarmupModule(model=tiny_causal_lm("llama"), micro_batch_size=bad)
