@@ -112,3 +112,76 @@ def test_a_bad_micro_batch_size_is_a_user_error(bad):
 
     with pytest.raises(UserInputError, match="micro_batch_size"):
         WarmupModule(model=tiny_causal_lm("llama"), micro_batch_size=bad)
+
+
+# ---------------------------------------------------------------------------------------------- the store build
+def test_checkpointed_blocks_give_the_same_pairs_in_eval_mode():
+    """The engine's pairs ``(h, δ)`` of every tracked layer with each decoder block checkpointed (eval mode, where
+    Hugging Face's checkpointing is off) equal the unchecked pass's exactly (the recompute is the same computation);
+    the recompute really ran (each block's attention ran twice) and was not handed over as pairs."""
+    from iprox_lightning.engine.checkpointing import checkpointed_blocks
+    from iprox_lightning.engine.tracking import PairTracker, backward_pairs
+    from iprox_lightning.scoring.features import tracked_modules
+
+    class Keep(PairTracker):
+        def __init__(self, modules):
+            self.modules, self.pairs = modules, {}
+
+        def on_pair(self, name, h, delta):
+            assert name not in self.pairs
+            self.pairs[name] = (h.clone(), delta.clone())
+
+    model = tiny_causal_lm("llama", seed=2)
+    batch = make_batch(1)
+    ref = Keep(tracked_modules(model, None))
+    backward_pairs(model, batch, [ref])
+    runs = []
+    model.model.layers[1].self_attn.register_forward_hook(lambda *a: runs.append(1))
+    got = Keep(tracked_modules(model, None))
+    with checkpointed_blocks(model) as n:
+        backward_pairs(model, batch, [got])
+    assert n == len(model.model.layers) and len(runs) == 2
+    assert "forward" not in model.model.layers[0].__dict__  # restored on the way out
+    assert got.pairs.keys() == ref.pairs.keys() and len(ref.pairs) > 0
+    for k, (h, d) in ref.pairs.items():
+        assert torch.equal(got.pairs[k][0], h) and torch.equal(got.pairs[k][1], d), k
+
+
+@pytest.mark.parametrize("method", ["tracin", "kfac"])
+def test_build_store_with_gradient_checkpointing_stores_the_same_vectors(tmp_path, method, monkeypatch):
+    """``build_store --gradient_checkpointing true`` writes the unchecked build's vectors (float32 storage; equal to
+    1e-6: the same computation, the tolerance for kernels that recompute in another order) under the same
+    fingerprint."""
+    import json
+
+    from iprox_lightning.cli import main
+    from iprox_lightning.io import gradient_store as gs
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p-{j}", "instruction": f"Reverse {'ab' * (j % 4 + 1)}",
+                                        "context": "", "response": "ba" * (j % 3 + 1)}) + "\n" for j in range(7)))
+    from iprox_lightning.engine import checkpointing
+
+    wrapped, recomputed = checkpointing._checkpointed, []
+
+    def counting(forward):  # counts the recomputes of the blocks the build checkpointed
+        def forward_counted(*a, **k):
+            recomputed.append(checkpointing.recomputing())
+            return forward(*a, **k)
+        return wrapped(forward_counted)
+
+    monkeypatch.setattr(checkpointing, "_checkpointed", counting)
+    stores = {}
+    for flag in ("false", "true"):
+        out = tmp_path / f"store-{flag}"
+        main(["build_store", "--model", "builtin", "--output_dir", str(out), "--pool", str(pool), "--max_length",
+              "48", "--batch_size", "3", "--k", "8", "--store_dtype", "float32", "--progress", "false",
+              "--method", method, "--kfac_examples", "4", "--gradient_checkpointing", flag])
+        shards = list(gs.iter_shards(out))
+        stores[flag] = ({i: v for s in shards for i, v in zip(s["ids"], s["vectors"])},
+                        gs.read_info(out)["fingerprint"])
+        assert any(recomputed) == (flag == "true")
+    (ref, ref_fp), (got, got_fp) = stores["false"], stores["true"]
+    assert got_fp == ref_fp and sorted(got) == sorted(ref) and len(ref) == 7
+    for i in ref:
+        torch.testing.assert_close(torch.as_tensor(got[i]), torch.as_tensor(ref[i]), rtol=1e-6, atol=1e-7)
