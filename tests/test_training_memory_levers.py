@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.errors import UserInputError
 from iprox_lightning.modules import FinetuneModule, WarmupModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -185,3 +186,72 @@ def test_build_store_with_gradient_checkpointing_stores_the_same_vectors(tmp_pat
     assert got_fp == ref_fp and sorted(got) == sorted(ref) and len(ref) == 7
     for i in ref:
         torch.testing.assert_close(torch.as_tensor(got[i]), torch.as_tensor(ref[i]), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def test_tracked_input_bytes_equal_a_hand_count():
+    """The inputs the engine's hooks hold per layer of a tiny Llama: q/k/v share one ``[T, hidden]`` input, o_proj
+    reads ``[T, heads·head_dim]``, gate/up share ``[T, hidden]``, down_proj reads ``[T, intermediate]`` (float32)."""
+    from iprox_lightning.analysis import memory as M
+    from iprox_lightning.models.tiny import tiny_config
+
+    cfg = tiny_config("llama")
+    T, hd = 24, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    want = T * 4 * (2 * cfg.hidden_size + cfg.num_attention_heads * hd + cfg.intermediate_size)
+    assert M.saved_activation_bytes(cfg, seq_len=T, precision="32-true").tracked_input == want
+
+
+def test_plan_follows_micro_batches_checkpointing_and_offload():
+    """``plan``'s warm-up / fine-tune / store-build rows follow the settings: one micro-batch's activations and
+    LM-head rows, checkpointed activations (each block's input, one block's activations; the store build also holds
+    the tracked inputs), and under FSDP2 with CPU offload no AdamW moments and only the root's weights, two gathered
+    blocks and one block's gradients on the device; the other stages do not move."""
+    from iprox_lightning.analysis import memory as M
+    from iprox_lightning.commands.plan import plan
+
+    common = dict(model="smollm2-135m", max_length=256, batch_size=8, speed_results="/nonexistent")
+    base = {r["stage"]: r for r in plan(**common)}
+    sizes, acts, _ = M.model_counts("smollm2-135m", M.RunSettings(max_length=256))
+    L = sizes.shape.num_layers
+    assert base["warm-up"]["parts"]["activations"] == acts.total(L, 8)
+    micro = {r["stage"]: r for r in plan(**common, micro_batch_size=2)}
+    for stage in ("warm-up", "fine-tune"):
+        got, ref = micro[stage]["parts"], base[stage]["parts"]
+        assert got["activations"] == acts.total(L, 2) < ref["activations"]
+        assert got["lm_head"] == pytest.approx(ref["lm_head"] / 4)
+        assert {k: got[k] for k in ("weights", "adamw", "gradients")} == {k: ref[k] for k in ("weights", "adamw",
+                                                                                               "gradients")}
+    assert {r["stage"]: r for r in plan(**common, micro_batch_size=8)} == base  # a micro-batch of the whole batch
+    both = {r["stage"]: r for r in plan(**common, micro_batch_size=2, gradient_checkpointing=True)}
+    assert both["warm-up"]["parts"]["activations"] == acts.total(L, 2, checkpointing=True)
+    assert (acts.total(L, 2, checkpointing=True) == acts.fixed_outside + L * acts.fixed_per_layer
+            + 2 * (acts.outside + L * acts.layer_input + acts.per_layer))
+    store = {r["stage"]: r for r in plan(**common, store_gradient_checkpointing=True)}
+    held = acts.fixed_outside + L * acts.fixed_per_layer + 8 * (
+        acts.outside + L * (acts.layer_input + acts.tracked_input) + acts.per_layer)
+    assert store["store build"]["parts"]["activations"] == held < base["store build"]["parts"]["activations"]
+    for rows in (micro, store):
+        for stage in base:
+            if stage not in ("warm-up", "fine-tune", "store build"):
+                assert rows[stage] == base[stage]
+    fsdp = dict(common, devices=4, strategy="fsdp")
+    sharded = {r["stage"]: r["parts"] for r in plan(**fsdp)}
+    off = {r["stage"]: r["parts"] for r in plan(**fsdp, fsdp_cpu_offload=True)}
+    blocks = L * sizes.largest_block
+    assert "adamw" in sharded["warm-up"] and "adamw" not in off["warm-up"]
+    assert off["warm-up"]["weights"] == 4 * (sizes.params - blocks + 2 * sizes.largest_block)
+    assert off["warm-up"]["gradients"] == 4 * (max(sizes.trainable - blocks, 0) + sizes.largest_block)
+    assert off["warm-up"]["activations"] == sharded["warm-up"]["activations"]
+    with pytest.raises(UserInputError, match="fsdp_cpu_offload .* strategy fsdp"):
+        plan(**common, fsdp_cpu_offload=True)
+
+
+def test_plan_refusal_names_micro_batches_for_warm_up_activations():
+    from iprox_lightning.commands.plan import plan
+
+    with pytest.raises(UserInputError, match=r"warm-up needs .*model\.micro_batch_size"):
+        plan(model="smollm2-135m", max_length=2048, batch_size=64, device_memory="24GB", speed_results="/nonexistent")
+    with pytest.raises(UserInputError) as e:  # already at one example per micro-batch: not named again
+        plan(model="smollm2-135m", max_length=2048, batch_size=64, micro_batch_size=1, device_memory="2GB",
+             speed_results="/nonexistent")
+    assert "micro_batch_size" not in str(e.value)
