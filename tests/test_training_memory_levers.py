@@ -209,9 +209,9 @@ def test_plan_follows_micro_batches_checkpointing_and_offload():
     from iprox_lightning.analysis import memory as M
     from iprox_lightning.commands.plan import plan
 
-    common = dict(model="smollm2-135m", max_length=256, batch_size=8, speed_results="/nonexistent")
+    common = dict(model="smollm2-135m", max_length=512, batch_size=8, speed_results="/nonexistent")
     base = {r["stage"]: r for r in plan(**common)}
-    sizes, acts, _ = M.model_counts("smollm2-135m", M.RunSettings(max_length=256))
+    sizes, acts, _ = M.model_counts("smollm2-135m", M.RunSettings(max_length=512))
     L = sizes.shape.num_layers
     assert base["warm-up"]["parts"]["activations"] == acts.total(L, 8)
     micro = {r["stage"]: r for r in plan(**common, micro_batch_size=2)}
