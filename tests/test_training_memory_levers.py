@@ -255,3 +255,32 @@ def test_plan_refusal_names_micro_batches_for_warm_up_activations():
         plan(model="smollm2-135m", max_length=2048, batch_size=64, micro_batch_size=1, device_memory="2GB",
              speed_results="/nonexistent")
     assert "micro_batch_size" not in str(e.value)
+
+
+def test_warmup_command_with_micro_batches_trains_the_same_model(tmp_path):
+    """``python train.py fit --config configs/warmup.yaml`` with ``--model.init_args.micro_batch_size 3`` and
+    checkpointing (the built-in demo, batches of 8, two steps) saves the model the plain command saves (to 1e-5:
+    sums in another order)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from iprox_lightning.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    saved = {}
+    for name, extra in (("plain", []), ("levers", ["--model.init_args.micro_batch_size", "3",
+                                                   "--model.init_args.gradient_checkpointing", "true"])):
+        main(["fit", "--config", str(root / "configs/warmup.yaml"), "--trainer.max_steps", "2",
+              "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.default_root_dir", str(tmp_path / name), "--model.init_args.lr", "1e-3",
+              "--model.init_args.save_dir", str(tmp_path / name / "model"), "--data.init_args.builtin_size", "400",
+              *extra])
+        saved[name] = load_file(tmp_path / name / "model" / "model.safetensors")
+    assert saved["plain"].keys() == saved["levers"].keys()
+    for k, v in saved["plain"].items():
+        torch.testing.assert_close(saved["levers"][k], v, rtol=1e-5, atol=1e-6)
+    from iprox_lightning.models.loading import load_model
+
+    init = load_model("builtin", tokenizer=False)[0].state_dict()
+    assert any(not torch.equal(v, init[k]) for k, v in saved["plain"].items() if k in init)  # the steps trained
