@@ -63,8 +63,8 @@ class GradientStoreModule(L.LightningModule):
             stores'): factors (or PCA moments) fitted there before on the same model, factor data and fit settings
             are loaded instead of fitted, new ones are saved there; the store keeps a copy of the file it used, so a
             query needs nothing but the store. ``None``: the store's own directory.
-        gradient_checkpointing: activation checkpointing of each decoder block in the projection passes
-            (:mod:`~iprox_lightning.engine.checkpointing`): the forward keeps each block's input, the backward
+        gradient_checkpointing: activation checkpointing of each decoder block in the projection passes and the
+            factors' fit (:mod:`~iprox_lightning.engine.checkpointing`): the forward keeps each block's input, the backward
             recomputes one block at a time. The same vectors (not part of the store's fingerprint); the tracked
             layers' inputs are kept either way.
     """
@@ -203,7 +203,10 @@ class GradientStoreModule(L.LightningModule):
             own = gs.read_info(store_dir, required=False).get("factors")
             if own and (Path(store_dir) / own).exists():
                 copy_factors(Path(store_dir) / own, shared)
-        with torch.inference_mode(False), torch.enable_grad():
+        from ..engine.checkpointing import checkpointed_blocks
+
+        with torch.inference_mode(False), torch.enable_grad(), checkpointed_blocks(
+                self.net, enabled=bool(hp.get("gradient_checkpointing"))):
             stats = fit_or_load(
                 metric, self.net, modules, [v.key for v in linears], fac, factors_dir=shared or store_dir,
                 fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
