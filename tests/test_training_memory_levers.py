@@ -107,6 +107,19 @@ def test_micro_batches_with_checkpointing_in_fine_tune():
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6)
 
 
+def test_validation_in_micro_batches_gives_the_same_loss():
+    """With ``micro_batch_size`` the validation loss (response-token mean of each batch) is computed a micro-batch at
+    a time (one micro-batch's ``[N, V]`` logits): the same value to 1e-6 (sums in another order)."""
+    data = DataLoader([make_batch(30 + s) for s in range(2)], batch_size=None)
+    losses = []
+    for micro in (None, 2):
+        module = WarmupModule(model=tiny_causal_lm("llama", seed=4), micro_batch_size=micro)
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False)
+        losses.append(trainer.validate(module, data, verbose=False)[0]["val/loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5])
 def test_a_bad_micro_batch_size_is_a_user_error(bad):
     from iprox_lightning.errors import UserInputError

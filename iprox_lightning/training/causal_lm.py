@@ -263,8 +263,17 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         check_batch(batch)
-        logits, scored = scored_logits(self.model, batch, use_cache=False)
-        ce_sum, n = scored.ce_sums(logits)
+        if self.hparams.get("micro_batch_size") is not None:  # the LM head's [N, V] logits of one micro-batch at a time
+            from .memory_levers import split_batch
+
+            sums = []
+            for micro in split_batch(batch, self.hparams.micro_batch_size):
+                logits, scored = scored_logits(self.model, micro, use_cache=False)
+                sums.append(scored.ce_sums(logits))
+            ce_sum, n = torch.cat([c for c, _ in sums]), torch.cat([k for _, k in sums])
+        else:
+            logits, scored = scored_logits(self.model, batch, use_cache=False)
+            ce_sum, n = scored.ce_sums(logits)
         self.log("val/loss", ce_sum.sum() / n.sum().clamp_min(1), prog_bar=True, sync_dist=True,
                  batch_size=batch["input_ids"].shape[0])
 
