@@ -19,7 +19,8 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   activation checkpointing only each layer's input hidden state is kept, plus one layer's activations; a gradient
   store's checkpointed build also keeps the tracked layers' inputs, which the engine's hooks hold until the backward
   (``tracked_input``, counted on fake tensors the same way). Warm-up / fine-tune with ``micro_batch_size`` hold one
-  micro-batch's activations and LM-head rows; with FSDP2's CPU offload (``fsdp_cpu_offload``) the sharded weights,
+  micro-batch's activations and LM-head rows (checkpointed, the larger of the head's backward and one recomputed
+  block, which do not overlap); with FSDP2's CPU offload (``fsdp_cpu_offload``) the sharded weights,
   gradients and AdamW moments are in host memory, and the device holds the root's weights (embeddings, head), two
   gathered blocks and one block's unsharded gradients.
 * **LM head**: the warm-up / fine-tune loss computes ``[N, V]`` float32 logits for the ``N`` scored (response) tokens
@@ -510,12 +511,16 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
         weights = (max(sizes.params - in_blocks, 0) + 2 * sizes.largest_block) * wb
         grads, adamw = (max(sizes.trainable - in_blocks, 0) + sizes.largest_block) * wb, 0.0
     mb = min(run.micro_batch_size or run.batch_size, run.batch_size)
+    head = 3 * _head_rows(run, mb) * sizes.shape.vocab_size * 4
+    activations = acts.total(sizes.shape.num_layers, mb, checkpointing=run.gradient_checkpointing)
+    if run.gradient_checkpointing:  # the head's backward ends before the last block is recomputed: the larger of the
+        activations -= min(mb * acts.per_layer, head)  # two is held with the blocks' inputs, not both
     parts = {
         "weights": weights,
         "adamw": adamw,
         "gradients": grads + (0.0 if run.fsdp_cpu_offload else _optimizer_temp(run, grads)),
-        "activations": acts.total(sizes.shape.num_layers, mb, checkpointing=run.gradient_checkpointing),
-        "lm_head": 3 * _head_rows(run, mb) * sizes.shape.vocab_size * 4,
+        "activations": activations,
+        "lm_head": head,
         "ddp_buckets": grads if run.strategy == "ddp" and run.devices > 1 else 0,
     }
     n = n_examples * epochs / run.devices
