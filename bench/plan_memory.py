@@ -12,6 +12,14 @@ the shared pool; validation sets the built-in ones. One stage at a time; run it 
       --out bench/results/plan/smollm2-135m_cpu.json
   python bench/plan_memory.py --repredict bench/results/plan/smollm2-135m_cpu.json   # the plan again, same measurements
 
+The memory levers of warm-up and the store build (issue 64): ``--micro-batch-size N`` and ``--gradient-checkpointing``
+(warm-up's ``model.micro_batch_size`` / ``model.gradient_checkpointing``), ``--store-checkpointing`` (``build_store
+--gradient_checkpointing``); the stage ``store`` builds a gradient store of ``--steps`` batches of the pool:
+
+  flock /tmp/iprox-model.lock python bench/plan_memory.py --shape llama-3.2-1b --precision bf16-true --max-length 64 \
+      --batch-size 4 --micro-batch-size 1 --gradient-checkpointing --stages warmup \
+      --out bench/results/plan/levers_llama-3.2-1b_micro1_ckpt.json
+
 ``--stage1`` measures Stage 1 alone, per rank (one process, or several gloo DDP processes): the product's
 ``IPSVDCallback`` in a ``fit`` of ``ProxyAlignModule`` on a random model of a shape (``small``; ``llama-3.2-1b``;
 ``wide``: the 8B width, heads and vocabulary with two decoder layers), stopped right after Stage 1; each rank's peak
@@ -134,7 +142,8 @@ def overlays(stage: str, model: Path, pool: Path, work: Path, a, validation: str
                "enable_model_summary": False, "precision": a.precision}
     if stage == "warmup":
         cfg = {"trainer": {**trainer, "max_steps": a.steps, "limit_val_batches": 0},
-               "model": {"init_args": {"model": str(model), "save_dir": None}},
+               "model": {"init_args": {"model": str(model), "save_dir": None, "micro_batch_size": a.micro_batch_size,
+                                       "gradient_checkpointing": a.gradient_checkpointing}},
                "data": {"init_args": {**data, "warmup_fraction": 0.5}}}
         return ["fit", "--config", str(ROOT / "configs/warmup.yaml"), "--config", _write(work, stage, cfg)]
     if stage == "build_proxy":
@@ -156,6 +165,14 @@ def overlays(stage: str, model: Path, pool: Path, work: Path, a, validation: str
                "model": {"init_args": {"model": str(model), "method": "tracin", "per_task": True}},
                "data": {"init_args": data}}
         return ["predict", "--config", str(ROOT / "configs/score.yaml"), "--config", _write(work, stage, cfg)]
+    if stage == "store":  # a store of the first --steps batches of the pool
+        small = work / f"pool_{a.steps * a.batch_size}.jsonl"
+        with open(pool) as f:
+            small.write_text("".join(next(f) for _ in range(a.steps * a.batch_size)))
+        return ["build_store", "--model", str(model), "--output_dir", str(work / f"store_{model.name}"), "--pool",
+                str(small), "--max_length", str(a.max_length), "--batch_size", str(a.batch_size), "--precision",
+                a.precision, "--accelerator", "cpu", "--overwrite", "true", "--progress", "false",
+                "--gradient_checkpointing", str(a.store_checkpointing).lower()]
     raise ValueError(stage)
 
 
@@ -176,12 +193,15 @@ def predicted(shape: str, model: Path, a, share: float, length: int) -> dict:
     run = RunSettings(pool_size=n_pool, max_length=length, batch_size=a.batch_size,
                         align_batch_size=a.align_batch_size, response_share=share, precision=a.precision,
                         device_kind="cpu", num_probe_tokens=a.probe_tokens, construction_fraction=a.construction_fraction,
-                        tasks=a.tasks)
+                        tasks=a.tasks, micro_batch_size=getattr(a, "micro_batch_size", None),
+                        gradient_checkpointing=getattr(a, "gradient_checkpointing", False),
+                        store_gradient_checkpointing=getattr(a, "store_checkpointing", False))
     st = {s.stage: s for s in plan_stages(sizes, cfg, run)}
     s1, s2 = st["build_proxy: Stage 1 (IPSVD)"], st["build_proxy: Stage 2 (alignment)"]
     bp = s1 if s1.peak >= s2.peak else s2
     return {"warmup": st["warm-up"].to_dict(), "build_proxy": bp.to_dict(), "build_proxy_stage1": s1.to_dict(),
             "build_proxy_stage2": s2.to_dict(), "score": st["scoring (tracin)"].to_dict(),
+            "store": st["store build"].to_dict(),
             "settings": {k: getattr(run, k) for k in run.__dataclass_fields__}}
 
 
@@ -394,7 +414,11 @@ def main() -> None:
     ap.add_argument("--validation-tasks", type=int, default=0,
                     help="> 0: a validation file of that many tasks (4 pool rows each) instead of the built-in sets")
     ap.add_argument("--precision", default="32-true")
-    ap.add_argument("--stages", nargs="+", default=["warmup", "build_proxy", "score"])
+    ap.add_argument("--stages", nargs="+", default=["warmup", "build_proxy", "score"],
+                    choices=["warmup", "build_proxy", "score", "store"])
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="warm-up's model.micro_batch_size")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="warm-up's model.gradient_checkpointing")
+    ap.add_argument("--store-checkpointing", action="store_true", help="build_store --gradient_checkpointing")
     ap.add_argument("--work", default="/tmp/plan_memory")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()

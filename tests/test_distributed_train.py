@@ -9,7 +9,8 @@ ranks with each other and with a single-process reference computed here:
   gradients, so the step equals single-process AdamW on ``(L(b_0) + L(b_1)) / 2`` (per-micro-batch
   losses averaged — NOT ``L`` of the concatenated batch, since the cosines do not decompose);
 * warm-up (DDP and FSDP2): the loss is normalised by the global response-token count, so the step
-  equals single-process training on the concatenated batch.
+  equals single-process training on the concatenated batch; so it does with the memory levers (issue 64):
+  micro-batches of one example, activation checkpointing and, under FSDP2, the CPU offload of the sharded state.
 """
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def svd_proxy(teacher):
 
 
 # ------------------------------------------------------------------------------------------------ worker
-MODES = ("align_ddp", "align_fsdp2", "align_fsdp2_val", "warmup_ddp", "warmup_fsdp2")
+MODES = ("align_ddp", "align_fsdp2", "align_fsdp2_val", "warmup_ddp", "warmup_fsdp2", "warmup_ddp_levers",
+         "warmup_fsdp2_levers")
+LEVERS = dict(micro_batch_size=1, gradient_checkpointing=True)
 VAL_BATCHES = 2
 
 
@@ -98,9 +101,10 @@ def _run_mode(mode: str, out: str) -> None:
     else:
         from iprox_lightning.modules import WarmupModule
 
+        levers = {} if not mode.endswith("_levers") else {**LEVERS, "fsdp_cpu_offload": "fsdp2" in mode}
         module = WarmupModule(model=teacher_model(), lr=LR_WARM, warmup_ratio=0.0, lr_schedule="constant",
-                              save_dir=f"{out}/{mode}-hf")
-        if mode == "warmup_ddp":
+                              save_dir=f"{out}/{mode}-hf", **levers)
+        if mode.startswith("warmup_ddp"):
             strategy = "ddp"
         else:
             from lightning.pytorch.strategies import ModelParallelStrategy
@@ -110,10 +114,19 @@ def _run_mode(mode: str, out: str) -> None:
     if mode == "align_fsdp2_val":  # a held-out check after every step, and the un-aligned factors at step 0
         validation = dict(val_check_interval=1, num_sanity_val_steps=0)
         val = DataLoader([val_micro_batch(i, rank) for i in range(VAL_BATCHES)], batch_size=None)
+    losses: list[float] = []
+
+    class LocalLoss(L.Callback):  # each step's logged loss of this rank's batch
+        def on_train_batch_end(self, trainer, *args):
+            losses.append(float(trainer.callback_metrics["train/loss"]))
+
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, **validation)
+                        use_distributed_sampler=False, callbacks=[LocalLoss()] if mode.startswith("warmup") else [],
+                        **validation)
     trainer.fit(module, data, val if validation else None)
+    if losses:
+        Path(f"{out}/{mode}-losses-rank{rank}.json").write_text(json.dumps(losses))
     if validation:
         Path(f"{out}/{mode}-history-rank{rank}.json").write_text(json.dumps(module.validation_history))
     net = module.proxy if mode.startswith("align") else module.model
@@ -266,7 +279,9 @@ def test_fsdp2_alignment_with_heldout_checks_and_keep_best(dist_out):
     _assert_close(r0, ref_factors[best])  # restored into the module as well
 
 
-def _single_process_warmup() -> dict:
+def _single_process_warmup(losses: list | None = None) -> dict:
+    """The final state of single-process warm-up on the concatenated batches; ``losses`` gets each step's loss of
+    each rank's batch (``losses[step][rank]``, before the step)."""
     from iprox_lightning.training.causal_lm import decay_param_groups, freeze_embeddings_and_head
     from iprox_lightning.engine.batch import sft_loss
 
@@ -275,6 +290,10 @@ def _single_process_warmup() -> dict:
     freeze_embeddings_and_head(model)
     opt = torch.optim.AdamW(decay_param_groups(model, 0.01), lr=LR_WARM)
     for s in range(STEPS):
+        if losses is not None:
+            with torch.no_grad():
+                losses.append([float(sft_loss(model(input_ids=m["input_ids"], attention_mask=m["attention_mask"]).logits,
+                                              m["labels"])) for m in (micro_batch(s, 0), micro_batch(s, 1))])
         b = concat(micro_batch(s, 0), micro_batch(s, 1))
         loss = sft_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
         opt.zero_grad()
@@ -315,3 +334,24 @@ def test_fsdp2_warmup_on_cpu_gloo(dist_out):
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parents[1]))
     _worker(sys.argv[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["warmup_ddp_levers", "warmup_fsdp2_levers"])
+def test_warmup_with_memory_levers_on_two_gloo_ranks_equals_one_process(dist_out, mode):
+    """Micro-batches of one example and activation checkpointing under DDP (a backward per micro-batch, each
+    all-reduced), and under FSDP2 also the CPU offload of the sharded weights, gradients and AdamW moments: every
+    rank's loss at every step equals one process's loss of that rank's batch to 1e-5, and the trained weights equal
+    single-process training on the concatenated batches (to the tolerance of the plain DDP / FSDP2 tests: the
+    all-reduce and the micro-batches sum in another order)."""
+    torch.set_num_threads(1)
+    ranks = (0, 1) if "ddp" in mode else (0,)
+    got = _results(dist_out, mode, ranks=ranks)
+    ref_losses: list = []
+    ref = _single_process_warmup(ref_losses)
+    for r0 in got:
+        assert set(r0) == set(ref)
+        _assert_close(r0, ref)
+    for rank in (0, 1):
+        losses = json.loads((dist_out / f"{mode}-losses-rank{rank}.json").read_text())
+        assert losses == pytest.approx([step[rank] for step in ref_losses], rel=1e-5, abs=1e-6)

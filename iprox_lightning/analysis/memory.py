@@ -16,7 +16,13 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   ``torch.autograd.graph.saved_tensors_hooks`` summing every saved storage that is not a parameter
   (:func:`saved_activation_bytes`): ``outside + L · per_layer`` for ``L`` layers, exact for any Hugging Face
   architecture and attention implementation (eager attention saves its ``[B, H, T, T]`` probabilities). With
-  activation checkpointing only each layer's input hidden state is kept, plus one layer's activations.
+  activation checkpointing only each layer's input hidden state is kept, plus one layer's activations; a gradient
+  store's checkpointed build also keeps the tracked layers' inputs, which the engine's hooks hold until the backward
+  (``tracked_input``, counted on fake tensors the same way). Warm-up / fine-tune with ``micro_batch_size`` hold one
+  micro-batch's activations and LM-head rows (checkpointed, the larger of the head's backward and one recomputed
+  block, which do not overlap); with FSDP2's CPU offload (``fsdp_cpu_offload``) the sharded weights,
+  gradients and AdamW moments are in host memory, and the device holds the root's weights (embeddings, head), two
+  gathered blocks and one block's unsharded gradients.
 * **LM head**: the warm-up / fine-tune loss computes ``[N, V]`` float32 logits for the ``N`` scored (response) tokens
   (``response_share`` = ``N / (B·T)``), and its backward holds three such tensors (the saved log-softmax, its
   gradient, the logits' gradient) while the gradients of the weights are being allocated and the earlier layers'
@@ -212,23 +218,57 @@ def _saved_bytes(config, batch_size: int, seq_len: int, precision: str, attn_imp
     return sum(seen.values())
 
 
+def _tracked_input_bytes(config, seq_len: int, precision: str, attn_implementation: str) -> int:
+    """Bytes of the distinct inputs of one decoder layer's tracked linears on one sequence (what the backward-pairs
+    engine's hooks hold per layer until the backward), counted on fake tensors of a one-layer model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from ..engine.target_layers import find_target_linears
+
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(_with_layers(config, 1), attn_implementation=attn_implementation,
+                                                 dtype=dtype)
+        seen: dict[int, int] = {}
+
+        def hook(module, args, output):
+            st = args[0].untyped_storage()
+            seen[st._cdata] = st.nbytes()
+
+        for m in find_target_linears(model).values():
+            m.register_forward_hook(hook)
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+        with autocast:
+            model.get_decoder()(inputs_embeds=model.get_input_embeddings()(ids), use_cache=False,
+                                attention_mask=torch.ones(1, seq_len, dtype=torch.long))
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class Activations:
     """Saved-activation bytes of the decoder stack: per sequence of ``seq_len`` tokens ``outside`` (rotary tables,
     final norm) and ``per_layer``; per batch ``fixed_outside`` / ``fixed_per_layer`` (what does not grow with the batch:
     under ``bf16-mixed`` the bfloat16 copies of the weights autocast casts); ``layer_input`` = one layer's input
-    hidden state of one sequence (what activation checkpointing keeps per layer)."""
+    hidden state of one sequence (what activation checkpointing keeps per layer); ``tracked_input`` = one layer's
+    tracked linears' distinct inputs of one sequence (what the engine's hooks hold per layer in a checkpointed store
+    build)."""
 
     outside: int
     per_layer: int
     layer_input: int
     fixed_outside: int = 0
     fixed_per_layer: int = 0
+    tracked_input: int = 0
 
-    def total(self, num_layers: int, batch_size: int = 1, *, checkpointing: bool = False) -> int:
+    def total(self, num_layers: int, batch_size: int = 1, *, checkpointing: bool = False,
+              hold_tracked: bool = False) -> int:
+        """``hold_tracked``: checkpointed under the backward-pairs engine, which holds every tracked input."""
         fixed = self.fixed_outside + num_layers * self.fixed_per_layer
         if checkpointing:
-            return fixed + batch_size * (self.outside + num_layers * self.layer_input + self.per_layer)
+            held = self.layer_input + (self.tracked_input if hold_tracked else 0)
+            return fixed + batch_size * (self.outside + num_layers * held + self.per_layer)
         return fixed + batch_size * (self.outside + num_layers * self.per_layer)
 
 
@@ -243,13 +283,14 @@ def saved_activation_bytes(config, *, seq_len: int, precision: str, attn_impleme
     seq_out = c[1, 2] - c[1, 1] - seq_layer
     fixed_out = c[1, 1] - fixed_layer - seq_out - seq_layer
     return Activations(outside=seq_out, per_layer=seq_layer, fixed_outside=fixed_out, fixed_per_layer=fixed_layer,
-                       layer_input=seq_len * int(config.hidden_size) * activation_bytes(precision))
+                       layer_input=seq_len * int(config.hidden_size) * activation_bytes(precision),
+                       tracked_input=_tracked_input_bytes(config, seq_len, precision, attn_implementation))
 
 
 # --------------------------------------------------------------------------------------------
 # the plan cache: a model's counts, computed once per architecture, sequence length and precision
 # --------------------------------------------------------------------------------------------
-PLAN_CACHE_VERSION = 1
+PLAN_CACHE_VERSION = 2  # 2: Activations.tracked_input
 
 
 def _config_key(model: str) -> dict | None:
@@ -332,6 +373,9 @@ class RunSettings:
     device_kind: str = "cuda"  # cuda | cpu (CPU AdamW has no foreach temporaries)
     attn_implementation: str = "eager"  # the project loads models with eager attention
     gradient_checkpointing: bool = False  # model.gradient_checkpointing (warm-up, fine-tune)
+    micro_batch_size: int | None = None  # model.micro_batch_size (warm-up, fine-tune; None: the whole batch)
+    fsdp_cpu_offload: bool = False  # model.fsdp_cpu_offload (warm-up, fine-tune under strategy fsdp)
+    store_gradient_checkpointing: bool = False  # build_store gradient_checkpointing
     sparsity: float = 0.5  # IPSVDCallback sparsity ρ
     num_probe_tokens: int = 1024  # IPSVDCallback num_probe_tokens
     probe_group_layers: int | None = None  # IPSVDCallback probe_group_layers (None: every layer in one probe pass)
@@ -369,6 +413,11 @@ class RunSettings:
             raise UserInputError(f"probe_group_layers must be >= 1 or None, got {self.probe_group_layers!r}")
         if not 0.0 < self.sparsity < 1.0:
             raise UserInputError(f"sparsity must be in (0, 1), got {self.sparsity!r}")
+        if self.micro_batch_size is not None and int(self.micro_batch_size) < 1:
+            raise UserInputError(f"micro_batch_size must be >= 1 or None, got {self.micro_batch_size!r}")
+        if self.fsdp_cpu_offload and self.strategy != "fsdp":
+            raise UserInputError("fsdp_cpu_offload offloads FSDP2's sharded state: it needs strategy fsdp, got "
+                                 f"strategy {self.strategy!r}")
 
     @property
     def shards(self) -> int:
@@ -397,7 +446,8 @@ class StagePlan:
 
 # the settings that lower each part, in the words of the stage configs
 _LEVERS = {
-    "activations": "data.batch_size / data.max_length, or activation checkpointing (model.gradient_checkpointing)",
+    "activations": "model.micro_batch_size (the same batch in smaller pieces), or data.max_length, or activation "
+                   "checkpointing (model.gradient_checkpointing)",
     "lm_head": "data.batch_size / data.max_length (the [N, V] logits of the scored tokens)",
     "weights": "strategy fsdp over more devices, or precision bf16-true",
     "gradients": "strategy fsdp over more devices, or precision bf16-true",
@@ -429,6 +479,8 @@ def _stage(stage: str, parts: Mapping[str, float], flops: float, own_levers: Map
                      "factors unsharded on every rank (FSDP does not shard them)")
         if k == "activations" and not training:
             lever = f"data.batch_size / data.max_length of {stage.split(':')[0].split(' (')[0]}"
+            if stage == "store build":
+                lever += ", or build_store gradient_checkpointing"
         if lever and lever not in levers:
             levers.append(lever)
     return StagePlan(stage, parts, sum(parts.values()), flops, levers=levers)
@@ -448,16 +500,27 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
     step on, weights and moments live throughout; the backward allocates the gradients (the last layers' first) while
     the earlier layers' activations are still held, and begins at the head, whose backward holds three ``[N, V]``
     float32 tensors (the saved log-softmax, its gradient, the logits' gradient): the plan adds them all (an upper
-    bound; measured on CPU within 20% of the peak, ``bench/results/plan/``)."""
+    bound; measured on CPU within 20% of the peak, ``bench/results/plan/``). ``micro_batch_size``: the activations
+    and LM-head rows of one micro-batch; ``fsdp_cpu_offload``: the sharded state in host memory (module docstring)."""
     wb, S = weight_bytes(run.precision), run.shards
     weights = sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0)
     grads = sizes.trainable * wb / S
+    adamw = 2 * sizes.trainable * wb / S
+    if run.fsdp_cpu_offload:  # on the device: the root's weights, two gathered blocks, one block's full gradients
+        in_blocks = sizes.shape.num_layers * sizes.largest_block
+        weights = (max(sizes.params - in_blocks, 0) + 2 * sizes.largest_block) * wb
+        grads, adamw = (max(sizes.trainable - in_blocks, 0) + sizes.largest_block) * wb, 0.0
+    mb = min(run.micro_batch_size or run.batch_size, run.batch_size)
+    head = 3 * _head_rows(run, mb) * sizes.shape.vocab_size * 4
+    activations = acts.total(sizes.shape.num_layers, mb, checkpointing=run.gradient_checkpointing)
+    if run.gradient_checkpointing:  # the head's backward ends before the last block is recomputed: the larger of the
+        activations -= min(mb * acts.per_layer, head)  # two is held with the blocks' inputs, not both
     parts = {
         "weights": weights,
-        "adamw": 2 * sizes.trainable * wb / S,
-        "gradients": grads + _optimizer_temp(run, grads),
-        "activations": acts.total(sizes.shape.num_layers, run.batch_size, checkpointing=run.gradient_checkpointing),
-        "lm_head": 3 * _head_rows(run, run.batch_size) * sizes.shape.vocab_size * 4,
+        "adamw": adamw,
+        "gradients": grads + (0.0 if run.fsdp_cpu_offload else _optimizer_temp(run, grads)),
+        "activations": activations,
+        "lm_head": head,
         "ddp_buckets": grads if run.strategy == "ddp" and run.devices > 1 else 0,
     }
     n = n_examples * epochs / run.devices
@@ -591,7 +654,8 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
     dim = sum(min(k, l.out_features) * min(k, l.in_features) for l in tracked)
     parts = {
         "weights": sizes.params * wb,
-        "activations": acts.total(sizes.shape.num_layers, B),
+        "activations": acts.total(sizes.shape.num_layers, B, checkpointing=run.store_gradient_checkpointing,
+                                  hold_tracked=True),
         "projections": 4.0 * sum(min(k, l.out_features) * l.out_features + min(k, l.in_features) * l.in_features
                                  for l in tracked),
         "store_vectors": 4.0 * B * dim * run.write_every_n_batches,

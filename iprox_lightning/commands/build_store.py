@@ -30,6 +30,7 @@ def build_store(
     progress: bool = True,
     factors_dir: Optional[str] = None,
     precision: Optional[str] = None,
+    gradient_checkpointing: bool = False,
     scoring: Optional[ScoringConfig] = None,
 ) -> str:
     """Project every pool example's gradient (LoGra-style, ``k`` rows per side of each tracked weight) and write them
@@ -68,6 +69,9 @@ def build_store(
             recorded in the store, whose queries compute the validation gradients under the same one. The vectors
             are projected in float32 whatever it is (``docs/GUIDE.md``, Precision). The Trainer's alone: the module
             reads it from there.
+        gradient_checkpointing: activation checkpointing of each decoder block (the forward keeps each block's
+            input, the backward recomputes one block at a time): less memory, about one more forward of time, the
+            same vectors.
     """
     import time
 
@@ -88,7 +92,8 @@ def build_store(
     check_output_not_input(output_dir, {"model": model}, "output_dir")
     check_precision(precision, "build_store")
     module = GradientStoreModule(model, k=k, seed=seed, projection=projection, dtype=dtype,
-                                 attn_implementation=attn_implementation, factors_dir=factors_dir, scoring=scoring)
+                                 attn_implementation=attn_implementation, factors_dir=factors_dir,
+                                 gradient_checkpointing=gradient_checkpointing, scoring=scoring)
     dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
                        batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
     data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,

@@ -25,6 +25,9 @@ def plan(
     accelerator: str = "cuda",
     device_memory: Optional[str] = None,
     gradient_checkpointing: bool = False,
+    micro_batch_size: Optional[int] = None,
+    fsdp_cpu_offload: bool = False,
+    store_gradient_checkpointing: bool = False,
     sparsity: float = 0.5,
     num_probe_tokens: int = 1024,
     probe_group_layers: Optional[int] = None,
@@ -61,6 +64,12 @@ def plan(
         accelerator: cuda or cpu (measured CPU throughputs apply to cpu; on cuda AdamW adds a foreach temporary).
         device_memory: memory of one device, e.g. 80GB, 141GiB; stages above it are refused.
         gradient_checkpointing: activation checkpointing in warm-up / fine-tune (model.gradient_checkpointing).
+        micro_batch_size: warm-up / fine-tune split each batch into micro-batches of this many examples
+            (model.micro_batch_size: the same steps, one micro-batch's activations); default: the whole batch.
+        fsdp_cpu_offload: warm-up / fine-tune under strategy fsdp keep the sharded weights, gradients and AdamW
+            moments in host memory (model.fsdp_cpu_offload).
+        store_gradient_checkpointing: the store build checkpoints each decoder block (build_store
+            gradient_checkpointing).
         sparsity: the proxy's sparsity ρ (IPSVDCallback sparsity).
         num_probe_tokens: Stage 1's probe columns (IPSVDCallback num_probe_tokens).
         probe_group_layers: Stage 1's layers per probe pass on each device (IPSVDCallback probe_group_layers;
@@ -86,7 +95,9 @@ def plan(
     run = M.RunSettings(pool_size=pool_size, max_length=max_length, batch_size=batch_size,
                         align_batch_size=align_batch_size, response_share=response_share, precision=precision,
                         devices=devices * num_nodes, strategy=strategy, device_kind=accelerator,
-                        gradient_checkpointing=gradient_checkpointing, sparsity=sparsity,
+                        gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size,
+                        fsdp_cpu_offload=fsdp_cpu_offload, store_gradient_checkpointing=store_gradient_checkpointing,
+                        sparsity=sparsity,
                         num_probe_tokens=num_probe_tokens, probe_group_layers=probe_group_layers,
                         align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
@@ -159,6 +170,8 @@ _IN_USE = (
     ("strategy fsdp (DDP keeps a second copy of the gradients)", lambda r: r.strategy == "fsdp", None),
     ("precision bf16-true", lambda r: r.precision == "bf16-true", None),
     ("activation checkpointing (model.gradient_checkpointing)", lambda r: r.gradient_checkpointing, None),
+    ("model.micro_batch_size", lambda r: r.micro_batch_size == 1, None),
+    ("build_store gradient_checkpointing", lambda r: r.store_gradient_checkpointing, None),
 )
 
 

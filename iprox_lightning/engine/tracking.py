@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .batch import example_mean_sum, fusable_head, lm_head, sample_targets, scored_ce_sums, scored_logits
+from .checkpointing import recomputing
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -88,7 +89,7 @@ class LayerTracker:
     # hooks ----------------------------------------------------------------------------------
     def _make_hook(self, name: str):
         def hook(module: nn.Module, args, output):
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or recomputing():  # (a checkpointed block's recompute: .checkpointing)
                 return None
             self._uses[name] = self._uses.get(name, 0) + 1
             if self._uses[name] > 1:

@@ -63,13 +63,17 @@ class GradientStoreModule(L.LightningModule):
             stores'): factors (or PCA moments) fitted there before on the same model, factor data and fit settings
             are loaded instead of fitted, new ones are saved there; the store keeps a copy of the file it used, so a
             query needs nothing but the store. ``None``: the store's own directory.
+        gradient_checkpointing: activation checkpointing of each decoder block in the projection passes and the
+            factors' fit (:mod:`~iprox_lightning.engine.checkpointing`): the forward keeps each block's input, the backward
+            recomputes one block at a time. The same vectors (not part of the store's fingerprint); the tracked
+            layers' inputs are kept either way.
     """
 
     @takes_settings(ScoringConfig, "scoring", fields=STORE_FIELDS)
     def __init__(self, model: Union[str, nn.Module] = "builtin", k: int = 16, seed: int = 0, *,
                  kfac_split: str = "pool", dtype: str = "float32", attn_implementation: Optional[str] = "sdpa",
                  projection: str = "gaussian", factors_dir: Optional[str] = None,
-                 scoring: Optional[ScoringConfig] = None) -> None:
+                 gradient_checkpointing: bool = False, scoring: Optional[ScoringConfig] = None) -> None:
         # not super(): the hyper-parameters are given whole (ProxyAlignModule.__init__ says why)
         L.LightningModule.__init__(self)
         if k < 1:
@@ -85,6 +89,8 @@ class GradientStoreModule(L.LightningModule):
         hparams = {} if isinstance(model, nn.Module) else {"model": model}
         hparams.update(k=k, seed=seed, kfac_split=kfac_split, dtype=dtype, attn_implementation=attn_implementation,
                        projection=projection, factors_dir=factors_dir, **scoring.to_dict())
+        if gradient_checkpointing:  # (hyper-parameters as before the option when it is off)
+            hparams["gradient_checkpointing"] = True
         self.save_hyperparameters(hparams)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -197,7 +203,10 @@ class GradientStoreModule(L.LightningModule):
             own = gs.read_info(store_dir, required=False).get("factors")
             if own and (Path(store_dir) / own).exists():
                 copy_factors(Path(store_dir) / own, shared)
-        with torch.inference_mode(False), torch.enable_grad():
+        from ..engine.checkpointing import checkpointed_blocks
+
+        with torch.inference_mode(False), torch.enable_grad(), checkpointed_blocks(
+                self.net, enabled=bool(hp.get("gradient_checkpointing"))):
             stats = fit_or_load(
                 metric, self.net, modules, [v.key for v in linears], fac, factors_dir=shared or store_dir,
                 fingerprint={"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": hp.kfac_split,
@@ -234,7 +243,11 @@ class GradientStoreModule(L.LightningModule):
             from .features import trim_batch
 
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
-        return self.projector.project_batch(batch)
+        from ..engine.checkpointing import checkpointed_blocks
+
+        net = self.projector.pairs_from if self.projector.pairs_from is not None else self.net
+        with checkpointed_blocks(net, enabled=bool(self.hparams.get("gradient_checkpointing"))):
+            return self.projector.project_batch(batch)
 
     def forward(self, *args, **kwargs):
         return self.net(*args, **kwargs)

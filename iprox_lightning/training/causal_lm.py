@@ -6,13 +6,16 @@
   ranks (one ``all_reduce`` of a scalar) and multiplies by the world size, so the gradient average
   the strategy performs equals the gradient of the token-mean over the concatenated batch —
   single-device training on the concatenated batch and ``N``-rank training give the same step.
-  (With ``accumulate_grad_batches > 1`` each micro-batch is normalised by its own token count.)
+  (With ``accumulate_grad_batches > 1`` each micro-batch is normalised by its own token count; ``micro_batch_size``
+  splits each batch into micro-batches weighted by the batch's token count instead, exactly:
+  :mod:`~iprox_lightning.training.memory_levers`.)
 * Optimiser: AdamW; weight decay on matrices only (biases and norm weights get none, as the
   Hugging Face ``Trainer`` does); linear warm-up over ``warmup_ratio`` of the steps then linear decay
   to 0 (``lr_schedule="linear"``), or a constant rate.
 * ``freeze_embeddings``: the input embeddings and the LM head (tied or not) are frozen.
 * FSDP2: under Lightning's ``ModelParallelStrategy`` every decoder block (``model._no_split_modules``)
-  and then the root are wrapped with ``fully_shard`` over the data-parallel mesh in ``configure_model``.
+  and then the root are wrapped with ``fully_shard`` over the data-parallel mesh in ``configure_model``
+  (``fsdp_cpu_offload``: the sharded weights, gradients and AdamW moments in host memory).
 * At the end of ``fit`` the model is written with ``save_pretrained`` (safetensors) + the tokenizer
   into ``save_dir`` by rank 0 (under FSDP2 the full state dict is gathered first on every rank).
 """
@@ -29,6 +32,7 @@ from torch import nn
 
 from ..engine.batch import check_batch, scored_logits
 from ..errors import UserInputError
+from .memory_levers import enable_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +95,18 @@ def linear_warmup_decay(optimizer, total_steps: int, warmup_ratio: float, schedu
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def apply_fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool = True) -> int:
+def apply_fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool = True, offload_policy=None) -> int:
     """FSDP2: ``fully_shard`` each decoder block (classes in ``model._no_split_modules``), then the root.
-    Returns the number of blocks sharded."""
+    ``offload_policy``: FSDP2's (e.g. :func:`~.memory_levers.cpu_offload_policy`). Returns the number of blocks
+    sharded."""
     from torch.distributed.fsdp import fully_shard
 
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    extra = {} if offload_policy is None else {"offload_policy": offload_policy}
     for m in blocks:
-        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
     return len(blocks)
 
 
@@ -137,6 +143,12 @@ class CausalLMModule(L.LightningModule):
         gradient_checkpointing: HF gradient checkpointing (``use_reentrant=False``).
         dtype: weights dtype when loading by name (``"float32"``, ``"bfloat16"``, ...).
         fsdp_reshard_after_forward: FSDP2 ``reshard_after_forward`` (only under ``ModelParallelStrategy``).
+        micro_batch_size: split each batch into micro-batches of at most this many examples, each one's forward and
+            backward in turn, one optimiser step per batch: the same step (the loss is weighted by the whole batch's
+            response tokens), steps and schedule as the whole batch, with one micro-batch's activations
+            (:mod:`~iprox_lightning.training.memory_levers`). ``None``: the whole batch at once.
+        fsdp_cpu_offload: under ``ModelParallelStrategy`` (FSDP2), keep the sharded weights, gradients and AdamW
+            moments in host memory (the optimiser steps there).
     """
 
     def __init__(
@@ -151,8 +163,12 @@ class CausalLMModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         dtype: str = "float32",
         fsdp_reshard_after_forward: bool = True,
+        micro_batch_size: Optional[int] = None,
+        fsdp_cpu_offload: bool = False,
     ) -> None:
         super().__init__()
+        if micro_batch_size is not None and (type(micro_batch_size) is not int or micro_batch_size < 1):
+            raise UserInputError(f"micro_batch_size must be an integer >= 1 or null, got {micro_batch_size!r}")
         if lr_schedule not in LR_SCHEDULES:
             raise UserInputError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if not 0.0 <= warmup_ratio < 1.0:
@@ -165,6 +181,8 @@ class CausalLMModule(L.LightningModule):
         object.__setattr__(self, "model_source", model)  # never a registered submodule
         self.model: Optional[nn.Module] = None
         self.tokenizer: Any = None
+        if micro_batch_size is not None:  # the module steps the optimiser itself, once per batch
+            self.automatic_optimization = False
 
     # ------------------------------------------------------------------------------------- model
     def configure_model(self) -> None:
@@ -179,7 +197,7 @@ class CausalLMModule(L.LightningModule):
             frozen = freeze_embeddings_and_head(model)
             log.info("frozen embeddings / LM head: %s", frozen)
         if self.hparams.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if hasattr(model, "config"):
             model.config.use_cache = False
         mesh = self._device_mesh
@@ -188,7 +206,10 @@ class CausalLMModule(L.LightningModule):
             if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
                 raise ValueError("tensor parallelism is not supported: use ModelParallelStrategy(data_parallel_size=N, "
                                  "tensor_parallel_size=1) for FSDP2")
-            apply_fully_shard(model, dp, reshard_after_forward=self.hparams.fsdp_reshard_after_forward)
+            from .memory_levers import cpu_offload_policy
+
+            apply_fully_shard(model, dp, reshard_after_forward=self.hparams.fsdp_reshard_after_forward,
+                              offload_policy=cpu_offload_policy() if self.hparams.fsdp_cpu_offload else None)
         self.model = model
 
     # ------------------------------------------------------------------------------------- steps
@@ -210,14 +231,49 @@ class CausalLMModule(L.LightningModule):
         return loss, (local_sum / local_n.clamp_min(1)).detach()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if not self.automatic_optimization:
+            return self._micro_batch_step(batch)
         loss, local = self.sft_step(batch)
         self.log("train/loss", local, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
+    def _micro_batch_step(self, batch: dict) -> torch.Tensor:
+        """One optimiser step over ``batch`` in micro-batches of ``micro_batch_size`` (see the module docstring)."""
+        from .memory_levers import response_tokens, split_batch
+
+        check_batch(batch)
+        world = self.trainer.world_size
+        local_n = response_tokens(batch).float()
+        global_n = (self._global_token_count(local_n) if world > 1 else local_n).clamp_min(1)
+        opt = self.optimizers()
+        total = torch.zeros((), device=local_n.device)
+        for micro in split_batch(batch, int(self.hparams.micro_batch_size)):
+            logits, scored = scored_logits(self.model, micro, use_cache=False)
+            ce_sum = scored.ce_sums(logits)[0].sum()
+            self.manual_backward(ce_sum * world / global_n)
+            total += ce_sum.detach()
+        opt.step()
+        opt.zero_grad()
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()
+        local = total / local_n.clamp_min(1)
+        self.log("train/loss", local, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return local
+
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         check_batch(batch)
-        logits, scored = scored_logits(self.model, batch, use_cache=False)
-        ce_sum, n = scored.ce_sums(logits)
+        if self.hparams.get("micro_batch_size") is not None:  # the LM head's [N, V] logits of one micro-batch at a time
+            from .memory_levers import split_batch
+
+            sums = []
+            for micro in split_batch(batch, self.hparams.micro_batch_size):
+                logits, scored = scored_logits(self.model, micro, use_cache=False)
+                sums.append(scored.ce_sums(logits))
+            ce_sum, n = torch.cat([c for c, _ in sums]), torch.cat([k for _, k in sums])
+        else:
+            logits, scored = scored_logits(self.model, batch, use_cache=False)
+            ce_sum, n = scored.ce_sums(logits)
         self.log("val/loss", ce_sum.sum() / n.sum().clamp_min(1), prog_bar=True, sync_dist=True,
                  batch_size=batch["input_ids"].shape[0])
 
