@@ -27,7 +27,7 @@ from test_writer_scoring import Crash, TinyDM, assert_table_equal, make_trainer,
 from test_writer_scoring import build_model as build_float64  # noqa: E402
 
 TASKS = ["a", "b", "c", "d", "e"]
-POOL = make_examples(60, seed=1, tasks=TASKS, zero_every=9)
+POOL = make_examples(40, seed=1, tasks=TASKS, zero_every=9)
 VAL = make_examples(15, seed=2, tasks=TASKS)
 
 
