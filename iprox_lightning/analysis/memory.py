@@ -40,7 +40,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
   backward's transients.
 * **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
-  weight (float32, ``K`` validation tasks), the per-layer feature transient (``[B, out, in]`` per-example gradients
+  weight (float32, ``K`` validation tasks; as ``validation_gradients`` holds them: bfloat16, on the host with one
+  layer's widened on the device, or one column group's per pass: :func:`validation_gradient_bytes`), the per-layer
+  feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
   K-FAC adds the float64 factor sums ``in² + out²`` per tracked weight and their float64 eigenvectors; EK-FAC also the
   float64 eigenbasis corrections ``[out, in]``.
