@@ -572,7 +572,10 @@ def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
     ``ScoringConfig.validation_gradients``) for tracked weights ``(in_features, out_features)`` and ``columns`` score
     columns: ``device`` (held on the device), ``host`` (held in host memory), ``layer`` (one layer's widened copy on
     the device while a batch is scored: held on the host or in bfloat16), ``passes`` (column groups: passes over the
-    validation set and the pool; at most one per column) and ``group_columns`` (the largest group's columns)."""
+    validation set and the pool; at most one per column), ``group_columns`` (the largest group's columns) and
+    ``held`` (the bytes of the validation gradients as held while the pool is scored, wherever). Held on the host or
+    in bfloat16, the sums are accumulated on the host in the scoring precision (``host`` counts them: the host's peak)
+    and reach the device one layer at a time."""
     from ..scoring.config import VALIDATION_DEFAULTS
 
     h = {**VALIDATION_DEFAULTS, **dict(holding or {})}
@@ -580,10 +583,11 @@ def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
     kg = -(-int(columns) // passes)  # the largest group (groups differ by at most one column)
     sizes = [int(i) * int(o) for i, o in linears]
     held = kg * sum(sizes) * (2 if h["dtype"] == "bfloat16" else scoring_bytes)
-    widened = h["device"] == "cpu" or h["dtype"] == "bfloat16"
-    return {"device": float(held) if h["device"] == "same" else 0.0, "host": float(held) if h["device"] == "cpu" else 0.0,
-            "layer": float(scoring_bytes * kg * max(sizes, default=0)) if widened else 0.0, "passes": passes,
-            "group_columns": kg}
+    host_sums = h["device"] == "cpu" or h["dtype"] == "bfloat16"
+    return {"device": float(held) if h["device"] == "same" else 0.0,
+            "host": float(kg * sum(sizes) * scoring_bytes) if host_sums else 0.0,
+            "layer": float(scoring_bytes * kg * max(sizes, default=0)) if host_sums else 0.0, "passes": passes,
+            "group_columns": kg, "held": float(held)}
 
 
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
@@ -649,8 +653,9 @@ def tracin_or_store(sizes: ModelSizes, acts: Activations, run: RunSettings,
         out["store_fits"] = store.peak <= device_memory
     host = dataclasses.replace(run, validation_gradients={**holding, "device": "cpu", "column_groups": 1})
     out["host_one_pass_peak"] = scoring_plan(sizes, acts, host, "tracin").peak  # held on the host, one pass
-    out["host_bytes"] = validation_gradient_bytes(tracked, K, {**holding, "device": "cpu"})["host"]
-    out["host_transfer_per_batch"] = out["host_bytes"]  # every layer's moved to the device once per scored batch
+    on_host = validation_gradient_bytes(tracked, K, {**holding, "device": "cpu"})
+    out["host_bytes"] = on_host["host"]  # the float32 sums, the host's peak
+    out["host_transfer_per_batch"] = on_host["held"]  # every layer's moved to the device once per scored batch
     passes = fewest if device_memory is not None else exact_passes(run)
     if device_memory is None:
         out["better"] = None

@@ -255,7 +255,7 @@ class InfluenceScorer:
         ``groups`` given), accumulated where the validation gradients are held, and this rank's example counts."""
         rank, world = shard
         vmodel = self.model if model is None else model
-        hold = None if self.holding["device"] == "same" else self.hold_device
+        hold = torch.device("cpu") if self.host_sums else None
         tracker = ValidationGradientTracker(self.modules, [v.key for v in self.linears], group_of, self.dtype,
                                             groups=groups, device=hold)
         pairs = tracker
@@ -277,19 +277,25 @@ class InfluenceScorer:
                 backward_pairs(vmodel, trim_batch(b, keep), [pairs], loss_fn=self.metric.loss_fn)
         return tracker.sums, counts
 
+    @property
+    def host_sums(self) -> bool:
+        """Whether the validation sums are accumulated in host memory, in the scoring precision (held on the host, or
+        in bfloat16: then only the bfloat16 copies, made layer by layer in :meth:`finalize`, reach the device)."""
+        return self.holding["device"] == "cpu" or self.holding["dtype"] == "bfloat16"
+
     def _stacked(self, sums, names, reduce) -> None:
-        """``self.V[key]``: the sums of ``names`` stacked ``[K, out, in]``, all-reduced (on the model's device),
-        where the validation gradients are held."""
+        """``self.V[key]``: the raw sums of ``names`` stacked ``[K, out, in]``, all-reduced (on the model's device),
+        on the model's device (or on the host: :attr:`host_sums`)."""
         for v in self.linears:
             acc = sums[v.key]
-            where = self.hold_device if self.holding["device"] == "cpu" else next(iter(acc.values()), None)
-            where = where.device if isinstance(where, torch.Tensor) else self.device
+            where = torch.device("cpu") if self.host_sums else next(iter(acc.values()), None)
+            where = where if isinstance(where, torch.device) else where.device if where is not None else self.device
             st = torch.stack([acc[t] if t in acc else torch.zeros(v.out_features, v.in_features, dtype=self.dtype,
                                                                   device=where) for t in names])
-            sums[v.key] = {}
+            sums[v.key] = acc = {}
             if reduce is not None:
                 st = reduce(st.to(self.device))
-            self.V[v.key] = st.to(self.device) if self.holding["device"] == "same" else st.to(self.hold_device)
+            self.V[v.key] = st.cpu() if self.host_sums else st.to(self.device)
 
     def collect_validation(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, gather=None,
                            progress=False, model: nn.Module | None = None) -> None:
@@ -335,9 +341,9 @@ class InfluenceScorer:
     def finalize(self) -> None:
         """Map the validation gradients by the metric, hold them as ``validation_gradients`` says and compute
         their norms (from the values held)."""
-        for key in self.V:
-            V = self.metric.matrix(key, self.V[key] if self.holding["device"] == "same" else self.V[key].to(self.device))
-            if self.holding["device"] != "same" or self.hold_dtype != V.dtype:
+        for key in self.V:  # layer by layer: one layer's float32 copy on the device at a time
+            V = self.metric.matrix(key, self.V[key].to(self.device) if self.host_sums else self.V[key])
+            if self.host_sums:
                 V = V.to(device=self.hold_device, dtype=self.hold_dtype)
             self.V[key] = V
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
