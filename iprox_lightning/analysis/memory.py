@@ -46,7 +46,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
   backward's transients.
 * **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
-  weight (float32, ``K`` validation tasks), the per-layer feature transient (``[B, out, in]`` per-example gradients
+  weight (float32, ``K`` validation tasks; as ``validation_gradients`` holds them: bfloat16, on the host with one
+  layer's widened on the device, or one column group's per pass: :func:`validation_gradient_bytes`), the per-layer
+  feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
   K-FAC adds the float64 factor sums ``in² + out²`` per tracked weight and their float64 eigenvectors; EK-FAC also the
   float64 eigenbasis corrections ``[out, in]``.
@@ -386,6 +388,7 @@ class RunSettings:
     validation_examples: int = 300
     tasks: int = 3  # validation tasks (V holds one gradient per task)
     method: str = "tracin"  # scoring method (tracin | kfac | ekfac)
+    validation_gradients: Mapping[str, Any] | None = None  # ScoringConfig.validation_gradients (None: the defaults)
     kfac_examples: int = 1024
     store_k: int = 16  # build_store k
     write_every_n_batches: int = 50
@@ -418,6 +421,9 @@ class RunSettings:
         if self.fsdp_cpu_offload and self.strategy != "fsdp":
             raise UserInputError("fsdp_cpu_offload offloads FSDP2's sharded state: it needs strategy fsdp, got "
                                  f"strategy {self.strategy!r}")
+        from ..scoring.config import check_validation_gradients
+
+        object.__setattr__(self, "validation_gradients", check_validation_gradients(self.validation_gradients))
 
     @property
     def shards(self) -> int:
@@ -459,7 +465,10 @@ _LEVERS = {
     "decompositions": "IPSVDCallback probe_group_layers (the kept decompositions fit in one group's probe bytes)",
     "ipsvd_float64": "a device with more memory for Stage 1 (its float64 per-layer work is fixed by the layer shape)",
     "teacher_tokens": "data.batch_size / data.max_length of build_proxy (the teacher's (h, δ) of every token)",
-    "validation_gradients": "fewer validation tasks, or scoring the proxy / a gradient store (build_store)",
+    "validation_gradients": "scoring validation_gradients {dtype: bfloat16, device: cpu, column_groups: N}, fewer "
+                            "validation tasks, or scoring the proxy / a gradient store (build_store)",
+    "validation_layer": "scoring validation_gradients column_groups (one layer's group of columns is widened on the "
+                        "device)",
     "features": "data.batch_size of scoring",
     "store_vectors": "store k or write_every_n_batches",
     "projections": "store k",
@@ -620,31 +629,141 @@ def _metrics() -> dict:
     return InfluenceMetric.registry
 
 
+def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
+                               holding: Mapping[str, Any] | None = None, scoring_bytes: int = 4) -> dict[str, float]:
+    """What the exact scorer's validation gradients take (:class:`~iprox_lightning.scoring.influence.InfluenceScorer`,
+    ``ScoringConfig.validation_gradients``) for tracked weights ``(in_features, out_features)`` and ``columns`` score
+    columns: ``device`` (held on the device), ``host`` (held in host memory), ``layer`` (one layer's widened copy on
+    the device while a batch is scored: held on the host or in bfloat16), ``passes`` (column groups: passes over the
+    validation set and the pool; at most one per column), ``group_columns`` (the largest group's columns) and
+    ``held`` (the bytes of the validation gradients as held while the pool is scored, wherever). Held on the host or
+    in bfloat16, the sums are accumulated on the host in the scoring precision (``host`` counts them: the host's peak)
+    and reach the device one layer at a time."""
+    from ..scoring.config import VALIDATION_DEFAULTS
+
+    h = {**VALIDATION_DEFAULTS, **dict(holding or {})}
+    passes = min(int(h["column_groups"]), max(int(columns), 1))
+    kg = -(-int(columns) // passes)  # the largest group (groups differ by at most one column)
+    sizes = [int(i) * int(o) for i, o in linears]
+    held = kg * sum(sizes) * (2 if h["dtype"] == "bfloat16" else scoring_bytes)
+    host_sums = h["device"] == "cpu" or h["dtype"] == "bfloat16"
+    return {"device": float(held) if h["device"] == "same" else 0.0,
+            "host": float(kg * sum(sizes) * scoring_bytes) if host_sums else 0.0,
+            "layer": float(scoring_bytes * kg * max(sizes, default=0)) if host_sums else 0.0, "passes": passes,
+            "group_columns": kg, "held": float(held)}
+
+
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
-    """Scoring the pool with the (dense) model and ``method``, per device."""
+    """Scoring the pool with the (dense) model and ``method``, per device; the validation gradients as
+    ``run.validation_gradients`` holds them (:func:`validation_gradient_bytes`: column groups score one group's columns
+    per pass, each pass over the validation set and the pool)."""
     from ..scoring.features import choose_mode
 
     metric = _metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
     tracked = [l for l in sizes.shape.linears if l.tracked]
+    vg = validation_gradient_bytes([(l.in_features, l.out_features) for l in tracked], K, run.validation_gradients)
+    Kg = vg["group_columns"]
     feat = 0.0
     for l in tracked:
-        mode = choose_mode(T, l.in_features, l.out_features, K)
-        size = B * l.out_features * l.in_features if mode == "materialize" else B * T * K * l.out_features
+        mode = choose_mode(T, l.in_features, l.out_features, Kg)
+        size = B * l.out_features * l.in_features if mode == "materialize" else B * T * Kg * l.out_features
         feat = max(feat, 4.0 * size)
     parts = {
         "weights": sizes.params * wb,
         "activations": acts.total(sizes.shape.num_layers, B),
-        "validation_gradients": 4.0 * K * sizes.shape.tracked_params,
+        "validation_gradients": vg["device"],
+        "validation_layer": vg["layer"],
         "features": feat,
     }
     parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked]))
-    f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=T,
+    passes = vg["passes"]
+    n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
+    f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,
                       head_share=run.response_share)["total"] / run.devices
     if metric.factor_passes:
-        f *= 1 + run.kfac_examples / run.pool_size
+        f *= 1 + run.kfac_examples / (run.pool_size * passes)
     return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
+
+
+def tracin_or_store(sizes: ModelSizes, acts: Activations, run: RunSettings,
+                    device_memory: float | None) -> dict[str, Any]:
+    """For exact TracIn: its validation gradients at the run's holding, the fewest column groups that fit
+    ``device_memory`` (at the run's dtype and device), and whether the gradient store (``build_store`` + ``query``:
+    one pass over the pool, projected gradients, no dense validation gradient) is the better path, by how much
+    (peak bytes per device, passes over the pool ≈ time). ``better``: ``"exact"`` (fits in one pass: exact scores
+    at the store's cost), ``"store"`` (exact TracIn needs more passes, or does not fit even one column per pass,
+    or its host copy exceeds ``host_memory`` when held on the host)."""
+    tracked = [(l.in_features, l.out_features) for l in sizes.shape.linears if l.tracked]
+    K = run.tasks
+    holding = validation_holding_dict(run)
+    dense = {"float32": validation_gradient_bytes(tracked, K, {"dtype": "float32"})["device"],
+             "bfloat16": validation_gradient_bytes(tracked, K, {"dtype": "bfloat16"})["device"]}
+    exact = scoring_plan(sizes, acts, run, "tracin")
+    store = store_plan(sizes, acts, run)
+    out: dict[str, Any] = {"columns": K, "holding": holding, "dense_validation_gradients": dense,
+                           "exact_peak": exact.peak, "exact_passes": exact_passes(run), "store_peak": store.peak,
+                           "store_passes": 1, "store_disk": store_disk_bytes(sizes, run)}
+    fewest = None
+    if device_memory is not None:
+        for n in range(1, K + 1):
+            r = dataclasses.replace(run, validation_gradients={**holding, "column_groups": n})
+            if scoring_plan(sizes, acts, r, "tracin").peak <= device_memory:
+                fewest = n
+                break
+        out["fewest_column_groups"] = fewest
+        out["store_fits"] = store.peak <= device_memory
+    host = dataclasses.replace(run, validation_gradients={**holding, "device": "cpu", "column_groups": 1})
+    out["host_one_pass_peak"] = scoring_plan(sizes, acts, host, "tracin").peak  # held on the host, one pass
+    on_host = validation_gradient_bytes(tracked, K, {**holding, "device": "cpu"})
+    out["host_bytes"] = on_host["host"]  # the float32 sums, the host's peak
+    out["host_transfer_per_batch"] = on_host["held"]  # every layer's moved to the device once per scored batch
+    passes = fewest if device_memory is not None else exact_passes(run)
+    if device_memory is None:
+        out["better"] = None
+        out["why"] = (f"exact TracIn needs {gib(exact.peak)} per device in {passes} pass(es) over the pool, the store's "
+                      f"build {gib(store.peak)} in one (give the device memory to choose)")
+    elif passes is None and not out["store_fits"]:
+        out["better"] = "neither"
+        out["why"] = (f"neither fits {gib(device_memory)}: exact TracIn not even one column per pass, the store's "
+                      f"build needs {gib(store.peak)} per device (its weights and activations)")
+    elif passes is None:
+        out["better"] = "store"
+        out["why"] = (f"exact TracIn does not fit even one column per pass ({K} passes); the store's build needs "
+                      f"{gib(store.peak)} per device in one pass")
+    elif passes > 1:
+        out["better"] = "store"
+        out["why"] = (f"exact TracIn needs {passes} passes over the pool (column groups, about {passes}x the store "
+                      f"build's time) to fit; the store builds in one pass ({gib(store.peak)} per device)")
+    else:
+        out["better"] = "exact"
+        one = scoring_plan(sizes, acts, dataclasses.replace(run, validation_gradients={**holding, "column_groups": 1}),
+                           "tracin")
+        out["why"] = (f"one pass fits ({gib(one.peak)} per device): exact scores for about the store "
+                      "build's time")
+    out["time_ratio"] = float(passes) if passes else None  # exact TracIn's passes over the pool / the store's one
+    return out
+
+
+def validation_holding_dict(run: RunSettings) -> dict[str, Any]:
+    """``run.validation_gradients`` with every key (the defaults where not given)."""
+    from ..scoring.config import VALIDATION_DEFAULTS
+
+    return {**VALIDATION_DEFAULTS, **dict(run.validation_gradients or {})}
+
+
+def exact_passes(run: RunSettings) -> int:
+    """Passes exact scoring makes over the pool at the run's holding (column groups, at most one per column)."""
+    return min(int(validation_holding_dict(run)["column_groups"]), max(run.tasks, 1))
+
+
+def store_disk_bytes(sizes: ModelSizes, run: RunSettings) -> float:
+    """A gradient store's vectors on disk: one ``Σ k_out·k_in`` vector per pool example in the store's default
+    float16 (``GradientStoreWriter`` ``store_dtype``)."""
+    k = run.store_k
+    dim = sum(min(k, l.out_features) * min(k, l.in_features) for l in sizes.shape.linears if l.tracked)
+    return 2.0 * dim * run.pool_size
 
 
 def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:

@@ -10,7 +10,7 @@ from ..scoring.config import ScoringConfig
 _RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
-@takes_settings(ScoringConfig, "scoring", fields=("method", "kfac_examples"))
+@takes_settings(ScoringConfig, "scoring", fields=("method", "kfac_examples", "validation_gradients"))
 def plan(
     model: str = "llama-3.2-1b",
     pool_size: int = 16000,
@@ -77,7 +77,7 @@ def plan(
         align_epochs: Stage 2's epochs.
         validation_examples: validation examples scored for the validation gradients.
         tasks: score columns: validation tasks, or subtasks with validation_subtasks (scoring keeps one float32
-            gradient per column; the pipeline at the paper's sizes has 93).
+            gradient per column, held as ``validation_gradients`` says; the pipeline at the paper's sizes has 93).
         k: a gradient store's projection rows per side (build_store k).
         select_k: examples the fine-tune trains on.
         speed_results: directory of bench/speed.py's speed_*.json (default: the repository's bench/results).
@@ -101,7 +101,8 @@ def plan(
                         num_probe_tokens=num_probe_tokens, probe_group_layers=probe_group_layers,
                         align_epochs=align_epochs,
                         validation_examples=validation_examples, tasks=tasks, method=method,
-                        kfac_examples=scoring.kfac_examples, store_k=k, select_k=select_k)
+                        kfac_examples=scoring.kfac_examples, store_k=k, select_k=select_k,
+                        validation_gradients=scoring.validation_gradients)
     from ..models.loading import check_model_config
 
     if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
@@ -129,12 +130,20 @@ def plan(
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    versus = M.tracin_or_store(sizes, acts, run, device_bytes)
+    dense = versus["dense_validation_gradients"]
+    print(f"exact TracIn or the store: {tasks} columns' dense validation gradients are {M.gib(dense['float32'])} "
+          f"(float32), {M.gib(dense['bfloat16'])} (bfloat16); "
+          + {"store": "the store is better: ", "exact": "exact TracIn is better: "}.get(versus["better"], "")
+          + versus["why"]
+          + (f"; fewest column groups that fit: {versus['fewest_column_groups']}"
+             if versus.get("fewest_column_groups") else ""))
     if output:
         from ..io.jsonfile import write_json
 
         write_json(output, {"model": model, "params": sizes.params, "device_memory": device_bytes,
                             "settings": {k: getattr(run, k) for k in run.__dataclass_fields__},
-                            "stages": [s.to_dict() for s in stages]}, indent=1)
+                            "stages": [s.to_dict() for s in stages], "tracin_or_store": versus}, indent=1)
     refused = [s for s in stages if s.fits(device_bytes) is False and _applies(s.stage, method)]
     if refused:
         s = refused[0]

@@ -46,6 +46,15 @@ class ScoringConfig:
             ``docs/GUIDE.md``, "To match kronfluence / bergson / LESS", has the settings of each peer.
         options: the chosen metric's own options (``{name: value}``, the names its class declares in ``options``);
             ``None``: its defaults.
+        validation_gradients: how the per-column (task / subtask) validation gradients ``V: [K, out, in]`` per
+            tracked weight are held while the pool is scored, ``{dtype, device, column_groups}`` (``None``: the
+            defaults, today's holding): ``dtype`` ``"float32"`` (the scoring precision: float64 for a float64 model)
+            or ``"bfloat16"`` (half the bytes; each layer's are widened to the scoring precision when used);
+            ``device`` ``"same"`` (the model's) or ``"cpu"`` (host memory: each layer's moved to the model's device
+            while a batch is scored, the sums accumulated on the host too); ``column_groups`` ``N`` (>= 1): the
+            columns split into ``N`` groups, one group's validation gradients held at a time, each scored in its own
+            pass over the validation set and the pool (``N`` times the scoring work, ``1/N`` of the bytes; at most one
+            group per column). ``train.py plan`` counts the holding (:mod:`iprox_lightning.analysis.memory`).
     """
 
     method: str = "tracin"
@@ -60,6 +69,7 @@ class ScoringConfig:
     fisher: str = "empirical"
     damping_target: str = "factors"
     options: Optional[dict[str, Any]] = None
+    validation_gradients: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         """Every field's check (whatever the method, so a config is valid or not independently of ``method``)."""
@@ -83,6 +93,7 @@ class ScoringConfig:
             raise UserInputError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
         if self.damping_target not in DAMPING_TARGETS:
             raise UserInputError(f"damping_target must be one of {DAMPING_TARGETS}, got {self.damping_target!r}")
+        object.__setattr__(self, "validation_gradients", check_validation_gradients(self.validation_gradients))
         own = InfluenceMetric.registry[self.method].options
         unknown = sorted(set(self.options or {}) - set(own))
         if unknown:
@@ -114,10 +125,42 @@ class ScoringConfig:
         d = asdict(self)
         if d["target_patterns"] is not None:
             d["target_patterns"] = list(d["target_patterns"])
-        for name in (*CONVENTIONS, "options"):
+        for name in (*CONVENTIONS, "options", "validation_gradients"):
             if d[name] == getattr(ScoringConfig, name):
                 del d[name]
         return d
+
+
+VALIDATION_GRADIENTS = {"dtype": ("float32", "bfloat16"), "device": ("same", "cpu"), "column_groups": None}
+"""The keys of :attr:`ScoringConfig.validation_gradients` and their choices (``None``: an integer >= 1)."""
+VALIDATION_DEFAULTS = {"dtype": "float32", "device": "same", "column_groups": 1}
+"""Today's holding: float32 (the scoring precision) on the model's device, every column in one pass."""
+
+
+def check_validation_gradients(value: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """``validation_gradients`` checked and completed with the defaults (:data:`VALIDATION_DEFAULTS`); ``None`` when
+    it holds only the defaults (so the settings and fingerprints of runs with the defaults are as before it)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise UserInputError(f"validation_gradients must be a mapping like {VALIDATION_DEFAULTS}, got {value!r}")
+    unknown = sorted(set(value) - set(VALIDATION_GRADIENTS))
+    if unknown:
+        raise UserInputError(f"validation_gradients: unknown key(s) {unknown}; its keys: {sorted(VALIDATION_GRADIENTS)}")
+    out = {**VALIDATION_DEFAULTS, **value}
+    for key, choices in VALIDATION_GRADIENTS.items():
+        v = out[key]
+        if choices is None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserInputError(f"validation_gradients.{key} must be an integer >= 1, got {v!r}")
+        elif v not in choices:
+            raise UserInputError(f"validation_gradients.{key} must be one of {choices}, got {v!r}")
+    return None if out == VALIDATION_DEFAULTS else out
+
+
+def validation_holding(config: "ScoringConfig") -> dict[str, Any]:
+    """The validation-gradient holding of ``config`` with every key (the defaults where not given)."""
+    return {**VALIDATION_DEFAULTS, **(config.validation_gradients or {})}
 
 
 METRIC_FIELDS = ("method", "damping", "damping_mode", "kfac_examples", "loss_reduction", "fisher", "damping_target",

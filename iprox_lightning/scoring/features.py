@@ -32,7 +32,7 @@ An influence metric (:mod:`.metrics`) optionally maps ``(h, δ)`` to a whitened 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 from torch import nn
@@ -277,11 +277,16 @@ class ValidationGradientTracker(WeightPairTracker):
     """Per tracked weight and per group of examples (``group_of(batch)`` names each row's group, e.g. its
     validation task), the sum of the per-example gradients ``Σ_z g(z) = Σ_z Σ_t δ_t h_tᵀ`` (``sums[key][group]``)."""
 
-    def __init__(self, modules: Mapping[str, nn.Module], keys: list[str], group_of, dtype: torch.dtype) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], keys: list[str], group_of, dtype: torch.dtype,
+                 groups: Collection[str] | None = None, device: torch.device | str | None = None) -> None:
+        """``groups``: only these groups' sums are kept (``None``: every group's); ``device``: where the sums are
+        accumulated (``None``: where the gradients are computed; the same additions, so the same numbers)."""
         super().__init__(modules)
         self.sums: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
         self.group_of = group_of
         self.dtype = dtype
+        self.groups = None if groups is None else set(groups)
+        self.device = None if device is None else torch.device(device)
 
     def start_step(self, batch: Mapping) -> None:
         super().start_step(batch)
@@ -297,11 +302,20 @@ class ValidationGradientTracker(WeightPairTracker):
         if len(self.rows) > 1 and len(self.rows) == h.shape[0]:  # one example per group: one batched product
             G = materialize_grads(h, delta)
             for g, (j,) in self.row_lists.items():
-                acc[g] = G[j].clone() if g not in acc else acc[g] + G[j]
+                if self.groups is None or g in self.groups:
+                    self._add(acc, g, G[j])
             return
         for g, rows in self.rows.items():
-            G = delta[rows].flatten(0, 1).t() @ h[rows].flatten(0, 1)
-            acc[g] = G if g not in acc else acc[g] + G
+            if self.groups is None or g in self.groups:
+                self._add(acc, g, delta[rows].flatten(0, 1).t() @ h[rows].flatten(0, 1))
+
+    def _add(self, acc: dict[str, torch.Tensor], g: str, G: torch.Tensor) -> None:
+        if self.device is not None:
+            G = G.to(self.device)
+        if g not in acc:
+            acc[g] = G.clone() if G._base is not None else G  # a row of a batched product: its own memory
+        else:
+            acc[g] = acc[g] + G
 
 
 class ScoreFeatureTracker(WeightPairTracker):
@@ -334,7 +348,9 @@ class ScoreFeatureTracker(WeightPairTracker):
             self.dots.add_((MG @ self.V[key].to(MG).flatten(1).t()).double())
             return
         h, delta = self.metric.tokens(key, h, delta)
-        s, dt = layer_features(h, delta, self.V[key], self.feature_mode)
+        # validation gradients held on the host or in bfloat16 (ScoringConfig.validation_gradients): this layer's
+        # moved and widened while it is used; held as computed, the same tensor (no copy)
+        s, dt = layer_features(h, delta, self.V[key].to(device=h.device, dtype=h.dtype), self.feature_mode)
         self.sq.add_(s.double())
         self.dots.add_(dt.double())
 

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from torch import nn
 from ..errors import UserInputError
 from ..engine.settings import takes_settings
 from ..engine.tracking import backward_pairs
-from .config import METRIC_FIELDS, ScoringConfig
+from .config import METRIC_FIELDS, ScoringConfig, validation_holding
 from .features import (
     FactorSpaceView, ScoreFeatureTracker, ValidationGradientTracker, eval_mode, has_response_tokens,
     progress_bar, to_device, tracked_modules, trim_batch, virtual_linears,
@@ -197,6 +197,8 @@ class InfluenceScorer:
         self.dtype = feature_dtype or (torch.float64 if p.dtype == torch.float64 else torch.float32)
         self.task_names: list[str] = []
         self.V: dict[str, torch.Tensor] = {}  # key -> [K, out, in]: (whitened) Σ over task-T examples of g
+        self.holding = validation_holding(self.config)  # how V is held (ScoringConfig.validation_gradients)
+        self.columns: list[int] | None = None  # the task columns V holds (column groups: one group's)
         self.val_counts: np.ndarray | None = None
         self.vnorm_task: torch.Tensor | None = None
         self.vnorm_all: float = 0.0
@@ -215,6 +217,7 @@ class InfluenceScorer:
         return {
             "method": self.metric.name, "normalize": c["normalize"], "per_task": c["per_task"], **self.metric.settings(),
             "feature_mode": c["feature_mode"], "target_patterns": c["target_patterns"],
+            **({"validation_gradients": c["validation_gradients"]} if "validation_gradients" in c else {}),
             "tracked_weights": len(self.linears),
             "tracked_parameters": int(sum(v.out_features * v.in_features for v in self.linears)),
             "task_names": self.task_names,
@@ -229,34 +232,83 @@ class InfluenceScorer:
         return [str(t) for t in batch["task"]]
 
     # ------------------------------------------------------------------------------------
-    def collect_validation(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, gather=None,
-                           progress=False, model: nn.Module | None = None) -> None:
-        """Σ over the validation examples of each task of ``g(z')`` (per tracked weight).
+    @property
+    def hold_device(self):
+        """Where the validation gradients are held (``validation_gradients.device``: the model's, or the host)."""
+        return torch.device("cpu") if self.holding["device"] == "cpu" else self.device
 
-        ``model``: take the validation gradients from this dense model instead (e.g. the target a proxy was built
-        from), in the scored model's coordinates (:class:`~.features.FactorSpaceView`)."""
+    @property
+    def hold_dtype(self) -> torch.dtype:
+        """Their dtype (``validation_gradients.dtype``: the scoring precision, or bfloat16)."""
+        return torch.bfloat16 if self.holding["dtype"] == "bfloat16" else self.dtype
+
+    def column_groups(self) -> list[list[int]]:
+        """The columns (indexes into ``task_names``) of each pass: ``validation_gradients.column_groups`` contiguous
+        groups of near-equal size, at most one per column."""
+        K = len(self.task_names)
+        n = min(int(self.holding["column_groups"]), max(K, 1))
+        return [c.tolist() for c in np.array_split(np.arange(K), n)]
+
+    def _validation_sums(self, batches, group_of, *, groups=None, shard=(0, 1), progress=False,
+                         model: nn.Module | None = None, desc: str = "validation gradients"):
+        """``(sums[key][group], counts[group])``: Σ over each group's validation examples of ``g(z')`` (only the
+        ``groups`` given), accumulated where the validation gradients are held, and this rank's example counts."""
         rank, world = shard
         vmodel = self.model if model is None else model
-        tracker = ValidationGradientTracker(self.modules, [v.key for v in self.linears], self._group, self.dtype)
+        hold = torch.device("cpu") if self.host_sums else None
+        tracker = ValidationGradientTracker(self.modules, [v.key for v in self.linears], group_of, self.dtype,
+                                            groups=groups, device=hold)
         pairs = tracker
         if model is not None:
             target_patterns = None if self.config.target_patterns is None else list(self.config.target_patterns)
             pairs = FactorSpaceView(tracked_modules(model, target_patterns), tracker, self.modules)
-        sums = tracker.sums
         counts: dict[str, int] = {}
-        t0 = time.perf_counter()
         vdevice = next(vmodel.parameters()).device
         with eval_mode(vmodel):
-            for j, batch in enumerate(progress_bar(batches, progress, "validation gradients")):
+            for j, batch in enumerate(progress_bar(batches, progress, desc)):
                 if j % world != rank:
                     continue
-                for g in self._group(batch):
+                for g in self._group(batch):  # the tasks' examples, whatever the sums are grouped by
                     counts[g] = counts.get(g, 0) + 1
                 b = to_device(batch, vdevice)
                 keep = has_response_tokens(b)
                 if not bool(keep.any()):
                     continue
                 backward_pairs(vmodel, trim_batch(b, keep), [pairs], loss_fn=self.metric.loss_fn)
+        return tracker.sums, counts
+
+    @property
+    def host_sums(self) -> bool:
+        """Whether the validation sums are accumulated in host memory, in the scoring precision (held on the host, or
+        in bfloat16: then only the bfloat16 copies, made layer by layer in :meth:`finalize`, reach the device)."""
+        return self.holding["device"] == "cpu" or self.holding["dtype"] == "bfloat16"
+
+    def _stacked(self, sums, names, reduce) -> None:
+        """``self.V[key]``: the raw sums of ``names`` stacked ``[K, out, in]``, all-reduced (on the model's device),
+        on the model's device (or on the host: :attr:`host_sums`)."""
+        for v in self.linears:
+            acc = sums[v.key]
+            where = torch.device("cpu") if self.host_sums else next(iter(acc.values()), None)
+            where = where if isinstance(where, torch.device) else where.device if where is not None else self.device
+            st = torch.stack([acc[t] if t in acc else torch.zeros(v.out_features, v.in_features, dtype=self.dtype,
+                                                                  device=where) for t in names])
+            sums[v.key] = acc = {}
+            if reduce is not None:
+                st = reduce(st.to(self.device))
+            self.V[v.key] = st.cpu() if self.host_sums else st.to(self.device)
+
+    def collect_validation(self, batches: Iterable[Mapping], *, shard=(0, 1), reduce=None, gather=None,
+                           progress=False, model: nn.Module | None = None) -> None:
+        """Σ over the validation examples of each task of ``g(z')`` (per tracked weight); with column groups
+        (``validation_gradients.column_groups``) only the counts and the sum over every example (for the norm of
+        ``ḡ``), each group's columns then by :meth:`collect_columns`.
+
+        ``model``: take the validation gradients from this dense model instead (e.g. the target a proxy was built
+        from), in the scored model's coordinates (:class:`~.features.FactorSpaceView`)."""
+        t0 = time.perf_counter()
+        grouped = int(self.holding["column_groups"]) > 1 and self.config.per_task
+        group_of = (lambda b: [ALL_TASKS] * b["input_ids"].shape[0]) if grouped else self._group
+        sums, counts = self._validation_sums(batches, group_of, shard=shard, progress=progress, model=model)
         # identical task list on every rank
         local = sorted(counts)
         names = sorted(set().union(*gather(local))) if gather is not None else local
@@ -267,43 +319,66 @@ class InfluenceScorer:
         if reduce is not None:
             cnt = reduce(cnt)
         self.val_counts = cnt.cpu().numpy().astype(np.int64)
-        for v in self.linears:
-            acc = sums[v.key]
-            st = torch.stack([acc[t] if t in acc else torch.zeros(v.out_features, v.in_features, dtype=self.dtype,
-                                                                  device=vdevice) for t in names])
-            if reduce is not None:
-                st = reduce(st)
-            self.V[v.key] = st.to(self.device)
-            sums[v.key] = {}
+        self._stacked(sums, [ALL_TASKS] if grouped else names, reduce)
+        self.columns = None if grouped else list(range(len(names)))  # the columns self.V holds (None: their sum)
         self.stats["validation_model"] = "scored" if model is None else "other"
         self.stats["val_seconds"] = time.perf_counter() - t0
         self.stats["val_examples"] = int(self.val_counts.sum())
 
+    def collect_columns(self, columns: Sequence[int], val_batches: Iterable[Mapping], *, shard=(0, 1), reduce=None,
+                        progress=False, model: nn.Module | None = None) -> None:
+        """The validation gradients of the task columns ``columns`` only (one pass of column groups), mapped by the
+        metric (:meth:`finalize`): ``self.V`` then holds those columns."""
+        t0 = time.perf_counter()
+        names = [self.task_names[c] for c in columns]
+        sums, _ = self._validation_sums(val_batches, self._group, groups=names, shard=shard, progress=progress,
+                                        model=model, desc=f"validation gradients ({len(names)} columns)")
+        self._stacked(sums, names, reduce)
+        self.columns = list(columns)
+        self.finalize()
+        self.stats["val_seconds"] = self.stats.get("val_seconds", 0.0) + time.perf_counter() - t0
+
     def finalize(self) -> None:
-        """Map the validation gradients by the metric and compute their norms."""
-        for key in self.V:
-            self.V[key] = self.metric.matrix(key, self.V[key])
+        """Map the validation gradients by the metric, hold them as ``validation_gradients`` says and compute
+        their norms (from the values held)."""
+        for key in self.V:  # layer by layer: one layer's float32 copy on the device at a time
+            V = self.metric.matrix(key, self.V[key].to(self.device) if self.host_sums else self.V[key])
+            if self.host_sums:
+                V = V.to(device=self.hold_device, dtype=self.hold_dtype)
+            self.V[key] = V
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
-        sq_task = torch.zeros(len(self.task_names), dtype=torch.float64)
+        cols = self.columns
+        names = self.task_names if cols is None else [self.task_names[c] for c in cols]
+        sq_task = torch.zeros(len(names) if cols is not None else 1, dtype=torch.float64)
         sq_all = 0.0
         for key, V in self.V.items():
             sq_task += V.double().pow(2).sum(dim=(1, 2)).cpu()
             sq_all += float(V.double().sum(0).pow(2).sum())
-        bad = [t for t, v in zip(self.task_names, sq_task.tolist()) if not math.isfinite(v)]
+        bad = [t for t, v in zip(names, sq_task.tolist()) if not math.isfinite(v)] if cols is not None else []
         if bad or not math.isfinite(sq_all):
-            tasks = bad or self.task_names
+            tasks = bad or names
             raise ValueError(
                 f"the validation gradient of task(s) {tasks} is not finite (NaN/inf; squared norm "
-                f"{[sq_task[self.task_names.index(t)].item() for t in tasks]}): the model overflows or holds "
-                "NaN weights on those validation examples (try float32/bfloat16 instead of float16, or check "
-                "the model); no scores were computed")
+                f"{sq_task.tolist() if cols is None else [sq_task[names.index(t)].item() for t in tasks]}): the "
+                "model overflows or holds NaN weights on those validation examples (try float32/bfloat16 instead of "
+                "float16, or check the model); no scores were computed")
         # plain inner products with a metric that maps per-example gradients (EK-FAC): its dual directions, so the
         # training tokens are not rotated; ‖M G‖ is then not computed, ‖G‖ gives the zero / non-finite flags
-        self.dual = ({key: self.metric.dual(key, V) for key, V in self.V.items()}
-                     if not self.config.normalize and hasattr(self.metric, "dual") else None)
-        self.vnorm_task = sq_task.sqrt() / n.clamp(min=1)
-        self.vnorm_all = math.sqrt(sq_all) / max(float(n.sum()), 1.0)
-        self.stats["val_grad_norm"] = self.vnorm_all
+        self.dual = ({key: self.metric.dual(key, V.to(self.device, self.dtype)).to(self.hold_device, self.hold_dtype)
+                      for key, V in self.V.items()}
+                     if not self.config.normalize and hasattr(self.metric, "dual") and cols is not None else None)
+        if cols is None:  # column groups: the sum over every example gives ‖ḡ‖; the columns come pass by pass
+            self.vnorm_task = torch.zeros(len(self.task_names), dtype=torch.float64)
+            self.vnorm_all = math.sqrt(sq_all) / max(float(n.sum()), 1.0)
+            self.stats["val_grad_norm"] = self.vnorm_all
+            self.V = {}
+            return
+        if len(cols) == len(self.task_names):
+            self.vnorm_task = sq_task.sqrt() / n.clamp(min=1)
+            self.vnorm_all = math.sqrt(sq_all) / max(float(n.sum()), 1.0)
+            self.stats["val_grad_norm"] = self.vnorm_all
+        else:
+            self.vnorm_task[cols] = sq_task.sqrt() / n[cols].clamp(min=1)
         self.fitted = True
 
     def fit(self, val_batches, factor_batches=None, *, shard=(0, 1), reduce=None, gather=None, progress=False,
@@ -312,7 +387,8 @@ class InfluenceScorer:
         """Prepare the scorer: fit the metric (K-FAC factors on ``factor_batches``; with ``factors_dir`` loaded from
         there when fitted before on the same inputs, ``factors_fingerprint``, else fitted and saved there:
         :func:`~.metrics.fit_or_load`) then the validation gradients (of ``validation_model`` when given:
-        :meth:`collect_validation`)."""
+        :meth:`collect_validation`). With several column groups only the last group's columns are prepared here:
+        :meth:`earlier_passes` scores the pool against the others first."""
         from .metrics import fit_or_load
 
         self.stats.update(fit_or_load(self.metric, self.model, self.modules, [v.key for v in self.linears],
@@ -322,15 +398,50 @@ class InfluenceScorer:
         self.collect_validation(val_batches, shard=shard, reduce=reduce, gather=gather, progress=progress,
                                 model=validation_model)
         self.finalize()
+        self._passes = dict(val_batches=val_batches, shard=shard, reduce=reduce, progress=progress,
+                            model=validation_model)
+        self.earlier: dict[str, np.ndarray] = {}  # id -> dots of the earlier groups' columns (column groups)
+        if self.columns is None:
+            groups = self.column_groups()
+            self.stats["column_groups"] = len(groups)
+            if len(groups) == 1:
+                self.collect_columns(groups[0], **self._passes)
         return self
 
+    @property
+    def pending_groups(self) -> list[list[int]]:
+        """The column groups still to score the pool against before :meth:`score_batch` (column groups)."""
+        if self.columns is not None and self.fitted:
+            return []
+        return self.column_groups()
+
+    def earlier_passes(self, pool_batches: Iterable[Mapping], skip_ids: Collection[str] = ()) -> None:
+        """Column groups: score ``pool_batches`` (this rank's share, as :meth:`score_batch` will see it) against every
+        group's columns but the last's, each group's validation gradients collected in turn and dropped after its
+        pass, the inner products kept per example id; then prepare the last group's, so :meth:`score_batch` gives
+        every column (``skip_ids``: examples not to score, e.g. resumed ones)."""
+        groups = self.pending_groups
+        skip = set(skip_ids)
+        for group in groups[:-1]:
+            self.collect_columns(group, **self._passes)
+            for batch in progress_bar(pool_batches, self._passes["progress"], f"scoring ({len(group)} columns)"):
+                keep = torch.tensor([str(i) not in skip for i in batch["id"]], dtype=torch.bool)
+                if not bool(keep.any()):
+                    continue
+                if not bool(keep.all()):
+                    batch = trim_batch(batch, keep.to(batch["input_ids"].device))
+                _, dots, _, _ = self._features(batch)
+                for i, d in zip(batch["id"], dots.numpy()):
+                    self.earlier.setdefault(str(i), np.zeros(len(self.task_names)))[group] = d
+            self.V = {}
+        if groups:
+            self.collect_columns(groups[-1], **self._passes)
+
     # ------------------------------------------------------------------------------------
-    def score_batch(self, batch: Mapping) -> dict:
-        """Scores of the examples of one batch (see class docstring)."""
-        if not self.fitted:
-            raise RuntimeError("InfluenceScorer.score_batch called before fit()")
+    def _features(self, batch: Mapping):
+        """``(‖M g‖² [B], ⟨M g, V_k⟩ [B, K'] over the columns held, n_tokens [B], has_response [B])``."""
         B = batch["input_ids"].shape[0]
-        K = len(self.task_names)
+        K = len(self.columns)
         sq = torch.zeros(B, dtype=torch.float64)
         dots = torch.zeros(B, K, dtype=torch.float64)
         b = to_device(batch, self.device)
@@ -344,6 +455,23 @@ class InfluenceScorer:
                 backward_pairs(self.model, trim_batch(b, keep), [tracker], loss_fn=self.metric.loss_fn)
             sq[rows] = tracker.sq.cpu()
             dots[rows] = tracker.dots.cpu()
+        return sq, dots, n_tok, keep
+
+    def score_batch(self, batch: Mapping) -> dict:
+        """Scores of the examples of one batch (see class docstring)."""
+        if not self.fitted or self.pending_groups:
+            raise RuntimeError("InfluenceScorer.score_batch called before fit()" if not self.fitted else
+                               "InfluenceScorer.score_batch called before earlier_passes() (column groups)")
+        sq, dots, n_tok, keep = self._features(batch)
+        if len(self.columns) < len(self.task_names):  # column groups: the earlier groups' inner products by id
+            full = torch.zeros(len(sq), len(self.task_names), dtype=torch.float64)
+            for r, i in enumerate(batch["id"]):
+                if str(i) not in self.earlier:
+                    raise RuntimeError(f"example {i!r} was not scored in the earlier column groups' passes: the pool "
+                                       "batches differ between passes (a deterministic pool loader is needed)")
+                full[r] = torch.from_numpy(self.earlier.pop(str(i)))
+            full[:, self.columns] = dots
+            dots = full
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
         dot_all = dots.sum(dim=1) / n.sum().clamp(min=1)
         dot_task = dots / n.clamp(min=1)
@@ -434,6 +562,7 @@ def influence_scores(
     metric = scorer.metric
     scorer.fit(val_dataloader, factor_dataloader if factor_dataloader is not None else train_dataloader,
                progress=progress, validation_model=validation_model)
+    scorer.earlier_passes(train_dataloader)  # column groups: a pass over the pool per earlier group (else nothing)
     parts = [scorer.score_batch(b) for b in progress_bar(train_dataloader, progress, f"scoring ({metric.name})")]
     return _table_from_parts(parts, scorer.task_names, scorer.settings())
 

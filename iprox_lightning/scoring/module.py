@@ -215,6 +215,10 @@ class InfluenceScoringModule(L.LightningModule):
             self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
                             progress=show_progress(self.trainer), factors_dir=self.hparams.factors_dir,
                             factors_fingerprint=fac_fp, validation_model=vmodel)
+            if self.scorer.pending_groups:  # column groups: a pass over this rank's pool per earlier group
+                loaders = self.trainer.predict_dataloaders
+                loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+                self.scorer.earlier_passes(_Chained(_replay(dl) for dl in loaders), skip_ids=self.skip_ids)
         del vmodel  # only the preparation needs it
         st = self.scorer.settings()
         prepare_s = time.perf_counter() - t0
@@ -315,6 +319,30 @@ def check_examples_per_process(n: int | None, world_size: int) -> None:
 def _empty_result(task_names: list[str]) -> dict:
     return {"id": [], "score": np.zeros(0), "task_scores": np.zeros((0, len(task_names))), "n_tokens": np.zeros(0, np.int64),
             "zero_grad": np.zeros(0, bool), "nonfinite": np.zeros(0, bool), "task": None, "task_names": list(task_names)}
+
+
+def _replay(loader):
+    """A loader of the same batches as the trainer's predict ``loader`` (this rank's share), iterated apart from it:
+    Lightning's batch-sampler wrapper holds one shared iterator, which iterating the live loader would consume."""
+    from torch.utils.data import DataLoader
+
+    inner = getattr(loader.batch_sampler, "_batch_sampler", None) if isinstance(loader, DataLoader) else None
+    if inner is None:
+        raise RuntimeError("column groups (validation_gradients.column_groups > 1) need the predict data as a torch "
+                           f"DataLoader with a batch sampler, got {type(loader).__name__}")
+    return DataLoader(loader.dataset, batch_sampler=inner, collate_fn=loader.collate_fn, num_workers=loader.num_workers)
+
+
+class _Chained:
+    """The batches of several loaders, one after another, re-iterable (each iteration walks them again)."""
+
+    def __init__(self, loaders) -> None:
+        self.loaders = list(loaders)
+
+    def __iter__(self):
+        import itertools
+
+        return itertools.chain.from_iterable(self.loaders)
 
 
 def _gather_objects(obj) -> list:
