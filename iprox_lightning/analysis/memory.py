@@ -343,6 +343,9 @@ class RunSettings:
     tasks: int = 3  # validation tasks (V holds one gradient per task)
     method: str = "tracin"  # scoring method (tracin | kfac | ekfac)
     kfac_examples: int = 1024
+    kfac_dtype: str = "float32"  # scoring kfac_dtype (K-FAC / EK-FAC factor sums and eigenvectors)
+    kfac_partitions: int = 1  # scoring kfac_partitions (one group of layers' factor sums per pass)
+    kfac_offload: bool = False  # scoring kfac_offload (fitted factors on the host, one layer on the device)
     store_k: int = 16  # build_store k
     write_every_n_batches: int = 50
     select_k: int = 800  # examples the fine-tune trains on
@@ -557,6 +560,19 @@ def _metrics() -> dict:
     return InfluenceMetric.registry
 
 
+def _metric_settings(metric, run: RunSettings) -> tuple:
+    """``(config,)``: the scoring settings of the run for a metric whose ``memory_parts`` takes them (K-FAC's, by its
+    ``kfac_*`` options), else ``()`` (``memory_parts(linears)`` of a metric that takes none)."""
+    import inspect
+
+    if "config" not in inspect.signature(metric.memory_parts).parameters:
+        return ()
+    from ..scoring.config import ScoringConfig
+
+    return (ScoringConfig(method=metric.name, kfac_examples=run.kfac_examples, kfac_dtype=run.kfac_dtype,
+                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload),)
+
+
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
     """Scoring the pool with the (dense) model and ``method``, per device."""
     from ..scoring.features import choose_mode
@@ -576,7 +592,7 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         "validation_gradients": 4.0 * K * sizes.shape.tracked_params,
         "features": feat,
     }
-    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked]))
+    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked], *_metric_settings(metric, run)))
     f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=T,
                       head_share=run.response_share)["total"] / run.devices
     if metric.factor_passes:
