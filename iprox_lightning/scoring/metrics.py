@@ -352,7 +352,8 @@ class InfluenceMetric:
     def memory_parts(cls, linears: Sequence[tuple[int, int]]) -> dict[str, float]:
         """Bytes per device the metric's own state adds to scoring, by part (``{}``: none), for the tracked weights'
         ``(in_features, out_features)`` (what ``train.py plan`` adds to the scoring stage; ``memory_levers`` names
-        the setting that lowers each part)."""
+        the setting that lowers each part). A metric whose memory depends on the scoring settings takes them as a
+        second parameter ``config`` (the run's :class:`~.config.ScoringConfig`; K-FAC's ``kfac_*`` options)."""
         return {}
 
     @property
@@ -493,7 +494,7 @@ class KFAC(InfluenceMetric, name="kfac"):
                      "kfac_factor_sums": "kfac_partitions (one group of layers' sums per pass)"}
 
     @classmethod
-    def memory_parts(cls, linears, config: "ScoringConfig | None" = None):
+    def memory_parts(cls, linears, config: "ScoringConfig"):
         """Bytes per device, for the tracked weights' ``(in_features, out_features)`` and the scoring settings
         ``config`` (a float32 scoring dtype, as for a bf16 / float32 model):
 
@@ -508,9 +509,7 @@ class KFAC(InfluenceMetric, name="kfac"):
           exchange, every weight's factors (scoring applies them all), so the bytes do not shrink with the ranks.
         * ``kfac_eigh``: one layer's float64 eigendecomposition (an estimate: the matrix and its temporaries, the
           eigenvectors and LAPACK's workspace, ``5 · 8 · n²`` for the widest side ``n``)."""
-        from .config import ScoringConfig
-
-        c = config or ScoringConfig(method=cls.name)
+        c = config
         fb = 8.0 if c.kfac_dtype == "float64" else 4.0
         scaled = c.method == "ekfac" or c.damping_target == "product"  # M G = Q_δᵀ G Q_h / sqrt(Λ + λ)
         copy = 4.0 if fb != 4.0 else 0.0  # float32 whitening eigenvectors beside float64 factors
@@ -709,13 +708,11 @@ class EKFAC(KFAC, name="ekfac"):
     memory_levers = {**KFAC.memory_levers, "ekfac_corrections": "method kfac or tracin"}
 
     @classmethod
-    def memory_parts(cls, linears, config: "ScoringConfig | None" = None):
+    def memory_parts(cls, linears, config: "ScoringConfig"):
         """K-FAC's parts (:meth:`KFAC.memory_parts`), with the float32 scales ``[out, in]`` per tracked weight (the
         damped eigenbasis corrections) on the device as ``ekfac_corrections`` (with ``kfac_offload``: in
         ``kfac_factors``, the largest weight's while applied). The corrections' sums stay on the host."""
-        from .config import ScoringConfig
-
-        c = config or ScoringConfig(method=cls.name)
+        c = config
         parts = KFAC.memory_parts(linears, dataclasses.replace(c, method="ekfac"))
         scales = 0.0 if c.kfac_offload else sum(4.0 * i * o for i, o in linears)
         return {**parts, "kfac_factors": parts["kfac_factors"] - scales, "ekfac_corrections": scales}
