@@ -45,7 +45,9 @@ def _top(scores, share=0.05):
 def test_float32_factor_sums_keep_the_float64_ranking(method):
     """The default ``kfac_dtype: float32`` (kronfluence's: float32 sums, float64 eigendecompositions one layer at a
     time, float32 eigenvectors) ranks a float32 model's pool as today's float64 sums do: Spearman >= 0.999 and the
-    same top 5% (issue 64's bar), with the scores themselves within 1e-3 (measured: 2e-6 K-FAC, 3e-6 EK-FAC)."""
+    same top 5% (issue 64's bar), with the scores themselves (cosines, largest 0.19) within 1e-5: measured 5.0e-8
+    (K-FAC) and 1.2e-7 (EK-FAC) with this machine's and ATen's AVX2 kernels alike, Spearman 1.0, and the top-5%
+    boundary 6e-3 apart, so both hold on any x86 CPU by orders of magnitude."""
     model = tiny_causal_lm("llama", seed=0, dtype=torch.float32, **SMALL)
     got, table = _scores(method, model)
     ref, ref_table = _scores(method, model, kfac_dtype="float64")
@@ -54,7 +56,7 @@ def test_float32_factor_sums_keep_the_float64_ranking(method):
     assert not np.array_equal(got, ref)  # two precisions, not one path twice
     assert spearmanr(got, ref).statistic >= 0.999
     assert _top(got) == _top(ref)
-    assert np.abs(got - ref).max() < 1e-3
+    assert np.abs(got - ref).max() < 1e-5
 
 
 def _fit(method, model, **kw):

@@ -607,25 +607,26 @@ class KFAC(InfluenceMetric, name="kfac"):
     def _build(self, keys, dtype) -> None:
         if self.damping_target == "product":  # Λ = e_δ e_hᵀ damped as a whole: not token-factored (as EK-FAC)
             self.token_factored = False
-            self._build_scales(keys, dtype, {k: torch.outer(self.eigens[k]["e_d"].double().clamp(min=0.0),
-                                                            self.eigens[k]["e_h"].double().clamp(min=0.0))
-                                             for k in keys}, "K-FAC eigenvalue product")
+            self._build_scales(keys, dtype, lambda k: torch.outer(self.eigens[k]["e_d"].double().clamp(min=0.0),
+                                                                  self.eigens[k]["e_h"].double().clamp(min=0.0)),
+                               "K-FAC eigenvalue product")
             return
         self.token_factored = type(self).token_factored
         self.scales = None
         self.layers = {k: layer_metric(self.eigens[k], self.damping, self.damping_mode, dtype, self._target())
                        for k in keys}
 
-    def _build_scales(self, keys, dtype, lams: Mapping[str, torch.Tensor], what: str) -> None:
-        """``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)`` per weight from the eigenvalue matrices ``lams`` (``[out, in]``),
-        damped as a whole by the project's rule (``λ = damping·mean(Λ)``, relative)."""
+    def _build_scales(self, keys, dtype, lams: Callable[[str], torch.Tensor], what: str) -> None:
+        """``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)`` per weight from the eigenvalue matrices ``lams(key)`` (``[out, in]``,
+        float64, made one weight at a time), damped as a whole by the project's rule (``λ = damping·mean(Λ)``,
+        relative)."""
         self.layers = {}
         self.scales: dict[str, torch.Tensor] | None = {}
         to = dict(dtype=dtype, device=self._target())
         # weights fed one input share one eigenbasis object (their tokens are then rotated once: RotatedInputs)
         Q_h = share_equal({k: self.eigens[k]["Q_h"].to(**to) for k in keys})
         for k in keys:
-            lam = lams[k]
+            lam = lams(k)
             d = _damped(lam.reshape(-1), float(lam.sum()), self.damping, self.damping_mode, what)
             self.scales[k] = d.rsqrt().reshape(lam.shape).to(**to)
             self.layers[k] = LayerMetric(Q_h[k], torch.ones(1, **to), self.eigens[k]["Q_d"].to(**to),
@@ -749,13 +750,11 @@ class EKFAC(KFAC, name="ekfac"):
         return {"ekfac_seconds": time.perf_counter() - t0}
 
     def _build(self, keys, dtype) -> None:
-        lams = {}
         for k in keys:
-            n = float(self.eigens[k]["n"])
-            if n <= 0:
+            if float(self.eigens[k]["n"]) <= 0:
                 raise RuntimeError(f"EK-FAC eigenvalues of {k!r} saw no example")
-            lams[k] = self.eigens[k]["lambda"].double() / n
-        self._build_scales(keys, dtype, lams, "EK-FAC eigenvalue matrix")
+        self._build_scales(keys, dtype, lambda k: self.eigens[k]["lambda"].double() / float(self.eigens[k]["n"]),
+                           "EK-FAC eigenvalue matrix")
 
     def dual(self, key, V):
         """``Q_δ (s ⊙ V) Q_hᵀ`` of ``matrix``-mapped directions ``V: [K, out, in]``: the directions ``W`` with
