@@ -211,3 +211,32 @@ def test_factors_split_across_two_ranks_equal_one_process(tmp_path, method, port
     assert np.abs(want).max() > 1e-3
     for got in ranks:
         np.testing.assert_allclose(np.concatenate(got["scores"]), want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw,match", [({"kfac_dtype": "float16"}, "kfac_dtype must be one of"),
+                                      ({"kfac_partitions": 0}, "kfac_partitions must be an integer >= 1"),
+                                      ({"kfac_partitions": 1.5}, "kfac_partitions must be an integer >= 1"),
+                                      ({"kfac_offload": "yes"}, "kfac_offload must be true or false")])
+def test_bad_kfac_settings_are_one_user_error_naming_the_option(kw, match):
+    from iprox_lightning.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=match):
+        ScoringConfig(method="kfac", **kw)
+
+
+def test_plan_takes_the_kfac_settings_on_the_command_line(capsys):
+    """``train.py plan --kfac_partitions 4 --kfac_offload true`` prints the K-FAC rows with the lower peak; a bad
+    value is a user error naming the option."""
+    from iprox_lightning.cli import main
+
+    args = ["plan", "--model", "smollm2-135m", "--max_length", "64", "--speed_results", "/nonexistent"]
+    peaks = {}
+    for extra in ([], ["--kfac_partitions", "4", "--kfac_offload", "true"]):
+        main([*args, *extra])
+        row = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("  scoring (kfac)"))
+        peaks[len(extra)] = float(row.split()[2])
+    assert peaks[4] < peaks[0]
+    from iprox_lightning.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="plan: kfac_partitions must be an integer >= 1, got 0"):
+        main([*args, "--kfac_partitions", "0"])  # (train.py prints a UserError as one error: line)
