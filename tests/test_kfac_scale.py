@@ -230,12 +230,13 @@ def test_plan_takes_the_kfac_settings_on_the_command_line(capsys):
     from iprox_lightning.cli import main
 
     args = ["plan", "--model", "smollm2-135m", "--max_length", "64", "--speed_results", "/nonexistent"]
-    peaks = {}
+    peaks, flops = {}, {}
     for extra in ([], ["--kfac_partitions", "4", "--kfac_offload", "true"]):
         main([*args, *extra])
-        row = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("  scoring (kfac)"))
-        peaks[len(extra)] = float(row.split()[2])
+        row = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("  scoring (kfac)")).split()
+        peaks[len(extra)], flops[len(extra)] = float(row[2]), float(row[row.index("FLOPs") - 1])
     assert peaks[4] < peaks[0]
+    assert flops[4] > flops[0]  # a pass over the factor data per partition
     from iprox_lightning.errors import UserInputError
 
     with pytest.raises(UserInputError, match="plan: kfac_partitions must be an integer >= 1, got 0"):

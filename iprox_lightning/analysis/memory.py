@@ -596,7 +596,7 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=T,
                       head_share=run.response_share)["total"] / run.devices
     if metric.factor_passes:
-        f *= 1 + run.kfac_examples / run.pool_size
+        f *= 1 + run.kfac_partitions * run.kfac_examples / run.pool_size  # a pass over the factor data per partition
     return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
 
 
