@@ -42,8 +42,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
 * **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
   weight (float32, ``K`` validation tasks), the per-layer feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
-  K-FAC adds the float64 factor sums ``in² + out²`` per tracked weight and their float64 eigenvectors; EK-FAC also the
-  float64 eigenbasis corrections ``[out, in]``.
+  K-FAC adds its factors ``in² + out²`` per tracked weight (``kfac_dtype``, float32 by default; with ``kfac_offload``
+  one layer's) and one fit pass's sums (the largest of ``kfac_partitions`` groups): ``KFAC.memory_parts``; EK-FAC also
+  its float32 scales ``[out, in]``.
 * **Store build**: the frozen model, one batch's activations, the projections ``k × (in + out)`` per tracked weight,
   the per-example projected vectors ``B × Σ k_out·k_in`` buffered for ``write_every_n_batches`` batches.
 
