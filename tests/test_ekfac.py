@@ -314,10 +314,11 @@ def test_eigenbasis_gradients_equal_the_rotated_materialised_gradients(T):
     torch.testing.assert_close(eigenbasis_gradients(h, d, Q_h, Q_d), want, rtol=1e-12, atol=1e-12)
 
 
-def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision():
+@pytest.mark.parametrize("sums", [torch.float32, torch.float64])
+def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision(sums):
     """A float32 model's factor pass multiplies each batch's tokens in float32 (kronfluence's default) and sums the
-    batches in float64: the K-FAC second moments and EK-FAC's eigenvalue sums
-    equal float64 brute force to float32 rounding (1e-5 of the largest entry), and stay float64."""
+    batches in float32 (the default ``kfac_dtype``, kronfluence's) or float64: the K-FAC second moments and EK-FAC's
+    eigenvalue sums equal float64 brute force to float32 rounding (1e-5 of the largest entry), in the sums' dtype."""
     from iprox_lightning.scoring.metrics import EigenCorrection, KFACFactors
 
     g = torch.Generator().manual_seed(1)
@@ -326,7 +327,7 @@ def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision
               (torch.rand(3, 9, generator=g) < 0.8).long()) for _ in range(4)]
     Q_h = torch.linalg.qr(torch.randn(24, 24, generator=g, dtype=torch.float64))[0]
     Q_d = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))[0]
-    kf, ec = KFACFactors({}), EigenCorrection({}, {"w": (Q_h.float(), Q_d.float())})
+    kf, ec = KFACFactors({}, sums), EigenCorrection({}, {"w": (Q_h.float(), Q_d.float())}, sums)
     for h, d, mask in steps:
         for tr in (kf, ec):
             tr.start_step({"attention_mask": mask})
@@ -335,8 +336,8 @@ def test_factor_passes_on_float32_tokens_match_float64_sums_to_float32_precision
     ds = torch.cat([d[mask.bool()] for _, d, mask in steps])
     lam = sum(((Q_d.t() @ (d * m[..., None]).transpose(1, 2) @ h @ Q_h) ** 2).sum(0) for h, d, m in steps)
     for got, want in ((kf.sum_hh["w"], hs.t() @ hs), (kf.sum_dd["w"], ds.t() @ ds), (ec.sums["w"], lam)):
-        assert got.dtype == torch.float64
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+        assert got.dtype == sums
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
 def test_a_metric_registers_once_by_its_class_keyword():

@@ -50,8 +50,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   layer's widened on the device, or one column group's per pass: :func:`validation_gradient_bytes`), the per-layer
   feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
-  K-FAC adds the float64 factor sums ``in² + out²`` per tracked weight and their float64 eigenvectors; EK-FAC also the
-  float64 eigenbasis corrections ``[out, in]``.
+  K-FAC adds its factors ``in² + out²`` per tracked weight (``kfac_dtype``, float32 by default; with ``kfac_offload``
+  one layer's) and one fit pass's sums (the largest of ``kfac_partitions`` groups): ``KFAC.memory_parts``; EK-FAC also
+  its float32 scales ``[out, in]``.
 * **Store build**: the frozen model, one batch's activations, the projections ``k × (in + out)`` per tracked weight,
   the per-example projected vectors ``B × Σ k_out·k_in`` buffered for ``write_every_n_batches`` batches.
 
@@ -390,6 +391,9 @@ class RunSettings:
     method: str = "tracin"  # scoring method (tracin | kfac | ekfac)
     validation_gradients: Mapping[str, Any] | None = None  # ScoringConfig.validation_gradients (None: the defaults)
     kfac_examples: int = 1024
+    kfac_dtype: str = "float32"  # scoring kfac_dtype (K-FAC / EK-FAC factor sums and eigenvectors)
+    kfac_partitions: int = 1  # scoring kfac_partitions (one group of layers' factor sums per pass)
+    kfac_offload: bool = False  # scoring kfac_offload (fitted factors on the host, one layer on the device)
     store_k: int = 16  # build_store k
     write_every_n_batches: int = 50
     select_k: int = 800  # examples the fine-tune trains on
@@ -653,6 +657,19 @@ def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
             "group_columns": kg, "held": float(held)}
 
 
+def _metric_settings(metric, run: RunSettings) -> tuple:
+    """``(config,)``: the scoring settings of the run for a metric whose ``memory_parts`` takes them (K-FAC's, by its
+    ``kfac_*`` options), else ``()`` (``memory_parts(linears)`` of a metric that takes none)."""
+    import inspect
+
+    if "config" not in inspect.signature(metric.memory_parts).parameters:
+        return ()
+    from ..scoring.config import ScoringConfig
+
+    return (ScoringConfig(method=metric.name, kfac_examples=run.kfac_examples, kfac_dtype=run.kfac_dtype,
+                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload),)
+
+
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
     """Scoring the pool with the (dense) model and ``method``, per device; the validation gradients as
     ``run.validation_gradients`` holds them (:func:`validation_gradient_bytes`: column groups score one group's columns
@@ -677,13 +694,13 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         "validation_layer": vg["layer"],
         "features": feat,
     }
-    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked]))
+    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked], *_metric_settings(metric, run)))
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,
                       head_share=run.response_share)["total"] / run.devices
-    if metric.factor_passes:
-        f *= 1 + run.kfac_examples / (run.pool_size * passes)
+    if metric.factor_passes:  # a pass over the factor data per K-FAC partition
+        f *= 1 + run.kfac_partitions * run.kfac_examples / (run.pool_size * passes)
     return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
 
 

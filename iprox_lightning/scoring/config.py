@@ -44,6 +44,14 @@ class ScoringConfig:
         damping_target: K-FAC damps each factor, ``"factors"`` (default), or their Kronecker product,
             ``"product"`` (kronfluence's); EK-FAC always damps its eigenvalue matrix as a whole.
             ``docs/GUIDE.md``, "To match kronfluence / bergson / LESS", has the settings of each peer.
+        kfac_dtype: the K-FAC / EK-FAC factor sums and stored eigenvectors, ``"float32"`` (default, kronfluence's)
+            or ``"float64"`` (a float64 model's are float64 either way); each eigendecomposition runs in float64, one
+            layer at a time. Recorded in the factors' fingerprint.
+        kfac_partitions: fit the K-FAC / EK-FAC factors in this many passes over the factor data, one group of the
+            tracked layers per pass (balanced by factor size), so only one group's sums are held (default 1: all in
+            one pass; identical numbers either way).
+        kfac_offload: keep the fitted K-FAC / EK-FAC factors in host memory and copy each layer's to the device when
+            it is applied (default ``False``: on the device; identical numbers).
         options: the chosen metric's own options (``{name: value}``, the names its class declares in ``options``);
             ``None``: its defaults.
         validation_gradients: how the per-column (task / subtask) validation gradients ``V: [K, out, in]`` per
@@ -68,6 +76,9 @@ class ScoringConfig:
     loss_reduction: str = "mean"
     fisher: str = "empirical"
     damping_target: str = "factors"
+    kfac_dtype: str = "float32"
+    kfac_partitions: int = 1
+    kfac_offload: bool = False
     options: Optional[dict[str, Any]] = None
     validation_gradients: Optional[dict[str, Any]] = None
 
@@ -89,6 +100,13 @@ class ScoringConfig:
         if self.kfac_examples < 1:
             raise UserInputError(f"kfac_examples must be >= 1, got {self.kfac_examples}")
         check_loss_reduction(self.loss_reduction)
+        if self.kfac_dtype not in KFAC_DTYPES:
+            raise UserInputError(f"kfac_dtype must be one of {KFAC_DTYPES}, got {self.kfac_dtype!r}")
+        if isinstance(self.kfac_partitions, bool) or int(self.kfac_partitions) != self.kfac_partitions \
+                or self.kfac_partitions < 1:
+            raise UserInputError(f"kfac_partitions must be an integer >= 1, got {self.kfac_partitions!r}")
+        if not isinstance(self.kfac_offload, bool):
+            raise UserInputError(f"kfac_offload must be true or false, got {self.kfac_offload!r}")
         if self.fisher not in FISHERS:
             raise UserInputError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
         if self.damping_target not in DAMPING_TARGETS:
@@ -125,7 +143,7 @@ class ScoringConfig:
         d = asdict(self)
         if d["target_patterns"] is not None:
             d["target_patterns"] = list(d["target_patterns"])
-        for name in (*CONVENTIONS, "options", "validation_gradients"):
+        for name in (*CONVENTIONS, *KFAC_SCALE, "options", "validation_gradients"):
             if d[name] == getattr(ScoringConfig, name):
                 del d[name]
         return d
@@ -164,7 +182,7 @@ def validation_holding(config: "ScoringConfig") -> dict[str, Any]:
 
 
 METRIC_FIELDS = ("method", "damping", "damping_mode", "kfac_examples", "loss_reduction", "fisher", "damping_target",
-                 "options")
+                 "kfac_dtype", "kfac_partitions", "kfac_offload", "options")
 """The :class:`ScoringConfig` fields that make the metric: what a gradient store and a check take
 (``takes_settings(ScoringConfig, ..., fields=...)``), without the scoring loop's own (``normalize``, ``per_task``,
 ``feature_mode``)."""
@@ -172,6 +190,12 @@ METRIC_FIELDS = ("method", "damping", "damping_mode", "kfac_examples", "loss_red
 CONVENTIONS = ("loss_reduction", "fisher", "damping_target")
 """The :class:`ScoringConfig` fields of the loss and curvature conventions (recorded only when not the default)."""
 
+KFAC_SCALE = ("kfac_dtype", "kfac_partitions", "kfac_offload")
+"""The :class:`ScoringConfig` fields of K-FAC at scale (recorded only when not the default: the settings and
+fingerprints of runs that do not use them are as before them; ``kfac_dtype`` is in the K-FAC metrics' own settings
+and factor fingerprints whatever its value)."""
+
+KFAC_DTYPES = ("float32", "float64")
 FISHERS = ("empirical", "sampled")
 DAMPING_TARGETS = ("factors", "product")
 

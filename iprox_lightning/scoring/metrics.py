@@ -87,18 +87,59 @@ def damped_eigh(C: torch.Tensor, damping: float, mode: str) -> tuple[torch.Tenso
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype a factor pass multiplies a batch's tokens in: theirs, at least float32 (a float64 model stays float64);
-    the batch's product is then added into float64 sums (per-batch products in float32 are kronfluence's default;
-    the sums over many batches keep float64's accuracy)."""
+    """The dtype a factor pass multiplies a batch's tokens in: theirs, at least float32 (a float64 model stays
+    float64; per-batch products in float32 are kronfluence's default)."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+FACTOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+"""``kfac_dtype`` (:class:`~.config.ScoringConfig`) -> the least precision of the factor sums and of the stored
+eigenvectors (a float64 model's are float64 whatever it says)."""
+
+
+def factor_layer_sizes(modules: Mapping[str, nn.Module]) -> dict[str, int]:
+    """Entries of the K-FAC factors (``in² + out²`` per tracked weight) of each tracked module: what a module
+    partition (:func:`balanced_groups`) balances. A ``LowRankLinear`` has two weights, ``A`` (``r² + out²``) and
+    ``B`` (``in² + r²``)."""
+    from ..engine.lowrank import LowRankLinear
+
+    out = {}
+    for name, m in modules.items():
+        if isinstance(m, LowRankLinear):
+            out[name] = 2 * m.rank ** 2 + m.in_features ** 2 + m.out_features ** 2
+        else:
+            o, i = (m.out_features, m.in_features) if hasattr(m, "in_features") else m.weight.shape
+            out[name] = int(i) ** 2 + int(o) ** 2
+    return out
+
+
+def balanced_groups(sizes: Mapping[str, float], n: int) -> list[list[str]]:
+    """``sizes``' names in at most ``n`` non-empty groups of about equal total size: the largest first, each into
+    the group that is lightest so far (the first of equal ones); each group in ``sizes``' order. The module
+    partitions of a K-FAC fit (``kfac_partitions``) and each rank's share of their eigendecompositions use it, and
+    so does ``train.py plan`` (:mod:`iprox_lightning.analysis.memory`)."""
+    n = max(1, min(int(n), len(sizes)))
+    totals, members = [0.0] * n, [set() for _ in range(n)]
+    for name in sorted(sizes, key=lambda k: -sizes[k]):  # stable: equal sizes keep their order
+        g = min(range(n), key=lambda j: totals[j])
+        totals[g] += sizes[name]
+        members[g].add(name)
+    return [[k for k in sizes if k in m] for m in members if m]
+
+
+def _weight_module(key: str) -> str:
+    """The tracked module of weight ``key`` (``<module>.weight``, a LowRankLinear's ``<module>.A`` / ``.B``)."""
+    return key.rsplit(".", 1)[0]
 
 
 class KFACFactors(WeightPairTracker):
     """Tracker: running sums of ``h hᵀ`` and ``δ δᵀ`` over the non-padding tokens, per tracked weight (each batch's
-    products in the tokens' precision, at least float32; the sums float64)."""
+    products in the tokens' precision, at least float32; the sums in that precision, at least ``dtype``: float32,
+    kronfluence's default, or float64)."""
 
-    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], dtype: torch.dtype = torch.float32) -> None:
         super().__init__(modules)
+        self.dtype = dtype
         self.sum_hh: dict[str, torch.Tensor] = {}
         self.sum_dd: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, float] = {}
@@ -109,16 +150,23 @@ class KFACFactors(WeightPairTracker):
         hv = h[m].to(_work_dtype(h))
         dv = delta[m].to(_work_dtype(delta))
         if key not in self.sum_hh:
-            self.sum_hh[key] = hv.new_zeros(hv.shape[-1], hv.shape[-1], dtype=torch.float64)
-            self.sum_dd[key] = dv.new_zeros(dv.shape[-1], dv.shape[-1], dtype=torch.float64)
+            s = torch.promote_types(hv.dtype, self.dtype)
+            self.sum_hh[key] = hv.new_zeros(hv.shape[-1], hv.shape[-1], dtype=s)
+            self.sum_dd[key] = dv.new_zeros(dv.shape[-1], dv.shape[-1], dtype=s)
             self.tokens[key] = 0.0
         self.sum_hh[key].add_(hv.t() @ hv)
         self.sum_dd[key].add_(dv.t() @ dv)
         self.tokens[key] += float(hv.shape[0])
 
-    def eigens(self, keys: Sequence[str], reduce: Callable | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """All-reduce (``reduce``), normalise to means and eigendecompose, undamped (float64): per key ``Q_h``,
-        ``e_h``, ``tr_h`` (the trace of ``C_h``), ``Q_d``, ``e_d``, ``tr_d`` — what a saved factor file holds."""
+    def eigens(self, keys: Sequence[str], reduce: Callable | None = None, *, owned: Sequence[str] | None = None,
+               device=None) -> dict[str, dict[str, torch.Tensor]]:
+        """All-reduce (``reduce``), normalise to means and eigendecompose, undamped: per key ``Q_h``, ``e_h``,
+        ``tr_h`` (the trace of ``C_h``), ``Q_d``, ``e_d``, ``tr_d`` — what a saved factor file holds. Each
+        eigendecomposition runs in float64, one layer at a time; the eigenvectors are stored in the sums' dtype
+        (float32 unless the sums are float64), the eigenvalues and traces in float64, on ``device`` (``None``: the
+        sums'; ``"cpu"`` offloads them). ``owned``: under several processes, the keys this rank decomposes; the
+        others' results come from their ranks (``reduce`` of this rank's zeros, so every rank ends with every key,
+        exactly the owner's numbers)."""
         out = {}
         for key in keys:
             if key not in self.sum_hh:
@@ -131,10 +179,20 @@ class KFACFactors(WeightPairTracker):
             if n <= 0:
                 raise RuntimeError(f"K-FAC factors of {key!r} saw no token")
             out[key] = {}
-            for side, C in (("h", hh / n), ("d", dd / n)):
-                C = 0.5 * (C + C.t())
-                e, Q = torch.linalg.eigh(C)
-                out[key].update({f"Q_{side}": Q, f"e_{side}": e, f"tr_{side}": torch.trace(C).reshape(())})
+            for side, S in (("h", hh), ("d", dd)):
+                if owned is None or key in owned:
+                    C = S.double() / n
+                    C = 0.5 * (C + C.t())
+                    e, Q = torch.linalg.eigh(C)
+                    part = {f"Q_{side}": Q.to(S.dtype), f"e_{side}": e, f"tr_{side}": torch.trace(C).reshape(())}
+                    del C
+                else:
+                    part = {f"Q_{side}": torch.zeros_like(S), f"e_{side}": S.new_zeros(len(S), dtype=torch.float64),
+                            f"tr_{side}": S.new_zeros((), dtype=torch.float64)}
+                if owned is not None and reduce is not None:  # (eigh's vectors are column-major: one layout)
+                    part = {f: reduce(t.contiguous()) for f, t in part.items()}
+                out[key].update({f: t.to(device) if device is not None else t for f, t in part.items()})
+            del hh, dd
         return out
 
     def metrics(self, keys: Sequence[str], damping: float, mode: str, reduce: Callable | None = None,
@@ -153,12 +211,13 @@ def _damped(e: torch.Tensor, trace: float, damping: float, mode: str, what: str)
 
 
 def layer_metric(eig: Mapping[str, torch.Tensor], damping: float, mode: str,
-                 dtype: torch.dtype = torch.float32) -> LayerMetric:
+                 dtype: torch.dtype = torch.float32, device=None) -> LayerMetric:
     """The K-FAC whitening of one weight from its undamped eigendecomposition (:meth:`KFACFactors.eigens`),
-    damped by the project's rule per factor."""
+    damped by the project's rule per factor (in float64), in ``dtype`` on ``device`` (``None``: the eigenvectors';
+    eigenvectors already in ``dtype`` there are shared, not copied)."""
     eh = _damped(eig["e_h"], float(eig["tr_h"]), damping, mode, "K-FAC factor")
     ed = _damped(eig["e_d"], float(eig["tr_d"]), damping, mode, "K-FAC factor")
-    return LayerMetric(eig["Q_h"].double(), eh.rsqrt(), eig["Q_d"].double(), ed.rsqrt()).to(dtype)
+    return LayerMetric(*(t.to(dtype=dtype, device=device) for t in (eig["Q_h"], eh.rsqrt(), eig["Q_d"], ed.rsqrt())))
 
 
 def eigenbasis_gradients(h: torch.Tensor, delta: torch.Tensor, Q_h: torch.Tensor, Q_d: torch.Tensor,
@@ -212,12 +271,14 @@ def share_equal(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class EigenCorrection(WeightPairTracker):
     """Tracker: per tracked weight, ``Σ_z (Q_δᵀ G(z) Q_h)²`` (elementwise; each batch in the tokens' precision, at
-    least float32, summed in float64) of the per-example gradients ``G(z) = Σ_t δ_t h_tᵀ`` in the K-FAC eigenbases
-    (George et al. 2018, EK-FAC's corrected eigenvalues)."""
+    least float32, summed in that precision, at least ``dtype``) of the per-example gradients ``G(z) = Σ_t δ_t h_tᵀ``
+    in the K-FAC eigenbases (George et al. 2018, EK-FAC's corrected eigenvalues)."""
 
-    def __init__(self, modules: Mapping[str, nn.Module], bases: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], bases: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__(modules)
         self.bases = dict(bases)
+        self.dtype = dtype
         self.sums: dict[str, torch.Tensor] = {}
         self.examples = 0
 
@@ -227,7 +288,7 @@ class EigenCorrection(WeightPairTracker):
         if Q_h.dtype != w or Q_h.device != h.device:  # converted once per weight
             Q_h, Q_d = self.bases[key] = (Q_h.to(h.device, w).contiguous(), Q_d.to(h.device, w).contiguous())
         R = eigenbasis_gradients(h.to(w), delta.to(w), Q_h, Q_d)
-        s = torch.einsum("boi,boi->oi", R, R).double()
+        s = torch.einsum("boi,boi->oi", R, R).to(torch.promote_types(w, self.dtype))
         if key in self.sums:
             self.sums[key].add_(s)
         else:
@@ -291,7 +352,8 @@ class InfluenceMetric:
     def memory_parts(cls, linears: Sequence[tuple[int, int]]) -> dict[str, float]:
         """Bytes per device the metric's own state adds to scoring, by part (``{}``: none), for the tracked weights'
         ``(in_features, out_features)`` (what ``train.py plan`` adds to the scoring stage; ``memory_levers`` names
-        the setting that lowers each part)."""
+        the setting that lowers each part). A metric whose memory depends on the scoring settings takes them as a
+        second parameter ``config`` (the run's :class:`~.config.ScoringConfig`; K-FAC's ``kfac_*`` options)."""
         return {}
 
     @property
@@ -415,23 +477,62 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
 class KFAC(InfluenceMetric, name="kfac"):
     """``M = H^{-1/2}``, ``H = C_δ,λ ⊗ C_h,λ`` per tracked weight: ``C_h = E[h hᵀ]``, ``C_δ = E[δ δᵀ]`` over the
     non-padding tokens of the first ``examples`` training examples, damped by the project's rule
-    (``damping``, ``damping_mode``: :mod:`iprox_lightning.engine.damping`)."""
+    (``damping``, ``damping_mode``: :mod:`iprox_lightning.engine.damping`).
+
+    At scale (:class:`~.config.ScoringConfig`): the sums are float32 (``kfac_dtype``; float64 on request, and for a
+    float64 model), each eigendecomposition float64 one layer at a time, its eigenvectors stored in the sums' dtype;
+    ``kfac_partitions`` passes over the factor data fit one group of the tracked layers each (:func:`balanced_groups`),
+    so only one group's sums are held; ``kfac_offload`` keeps the finished factors on the host and brings each layer's
+    whitening to the device when it is applied; under several processes each rank decomposes its share of a group's
+    layers (largest first) and the ranks exchange the results."""
 
     factor_passes = 1  # the factors C_h, C_δ
-    uses = ("damping", "damping_mode", "kfac_examples")
+    uses = ("damping", "damping_mode", "kfac_examples", "kfac_dtype")
     conventions = ("loss_reduction", "fisher", "damping_target")
-    memory_levers = {"kfac_factors": "method tracin (K-FAC factors are in² + out² per layer whatever kfac_examples "
-                                     "is), or a store"}
+    memory_levers = {"kfac_factors": "kfac_offload true (the factors on the host, one layer on the device at a time), "
+                                     "or method tracin, or a store",
+                     "kfac_factor_sums": "kfac_partitions (one group of layers' sums per pass)"}
 
     @classmethod
-    def memory_parts(cls, linears):
-        """The float64 factor sums ``in² + out²`` per tracked weight (and their eigenvectors, the same size)."""
-        return {"kfac_factors": 16.0 * sum(i ** 2 + o ** 2 for i, o in linears)}
+    def memory_parts(cls, linears, config: "ScoringConfig"):
+        """Bytes per device, for the tracked weights' ``(in_features, out_features)`` and the scoring settings
+        ``config`` (a float32 scoring dtype, as for a bf16 / float32 model):
+
+        * ``kfac_factors``: what the fitted metric holds on the device — the eigenvectors (``in² + out²`` per weight,
+          ``kfac_dtype``), float64 eigenvalues and traces, and the whitening in float32 (K-FAC: its scale vectors,
+          the float32 eigenvectors are shared; ``damping_target: product`` / EK-FAC: its float32 scales ``[out,
+          in]``, in ``ekfac_corrections`` for EK-FAC). With ``kfac_offload`` all of it is on the host and the device
+          holds the largest weight's float32 whitening while it is applied.
+        * ``kfac_factor_sums``: the sums of the largest of the ``kfac_partitions`` groups, held during a fit pass
+          (EK-FAC's eigenvalue sums of a group, ``in·out`` per weight, are smaller). Under several processes each
+          rank decomposes a share of the layers, but every rank holds the whole group's sums and, after the
+          exchange, every weight's factors (scoring applies them all), so the bytes do not shrink with the ranks.
+        * ``kfac_eigh``: one layer's float64 eigendecomposition (an estimate: the matrix and its temporaries, the
+          eigenvectors and LAPACK's workspace, ``5 · 8 · n²`` for the widest side ``n``)."""
+        c = config
+        fb = 8.0 if c.kfac_dtype == "float64" else 4.0
+        scaled = c.method == "ekfac" or c.damping_target == "product"  # M G = Q_δᵀ G Q_h / sqrt(Λ + λ)
+        copy = 4.0 if fb != 4.0 else 0.0  # float32 whitening eigenvectors beside float64 factors
+
+        def whitening(i, o):  # float32, on the device
+            return copy * (i * i + o * o) + (8.0 + 4.0 * i * o if scaled else 4.0 * (i + o))
+
+        if c.kfac_offload:
+            held = max((4.0 * (i * i + o * o) + (4.0 * i * o if scaled else 4.0 * (i + o)) for i, o in linears),
+                       default=0.0)
+        else:
+            held = sum(fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears)
+        sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
+        sums = max((fb * sum(sizes[j] for j in g) for g in balanced_groups(sizes, c.kfac_partitions)), default=0.0)
+        eigh = 5 * 8.0 * max((max(i, o) ** 2 for i, o in linears), default=0)
+        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}
 
     def __init__(self, config: "ScoringConfig") -> None:
         super().__init__(config)
         c = self.config
         self.damping, self.damping_mode, self.examples = float(c.damping), c.damping_mode, int(c.kfac_examples)
+        self.factor_dtype = FACTOR_DTYPES[c.kfac_dtype]
+        self.partitions, self.offload = int(c.kfac_partitions), bool(c.kfac_offload)
         self.layers: dict[str, LayerMetric] | None = None
         self.eigens: dict[str, dict[str, torch.Tensor]] = {}
         self.scales: dict[str, torch.Tensor] | None = None  # damping_target="product" / EK-FAC: 1/sqrt(Λ + λ)
@@ -444,24 +545,53 @@ class KFAC(InfluenceMetric, name="kfac"):
         t = torch.tensor([float(n)], dtype=torch.float64, device=device)
         return int((reduce(t) if reduce is not None else t).item())
 
+    def groups(self, modules: Mapping[str, nn.Module], keys: Sequence[str]) -> list[tuple[list[str], list[str]]]:
+        """The module partitions of the fit: ``kfac_partitions`` groups ``(module paths, their weights' keys)``,
+        balanced by factor size (:func:`balanced_groups`)."""
+        out = []
+        for mods in balanced_groups(factor_layer_sizes(modules), self.partitions):
+            ms = set(mods)
+            out.append((mods, [k for k in keys if _weight_module(k) in ms]))
+        return out
+
+    def _owned(self, modules, group: list[str], keys: Sequence[str], shard, reduce) -> set[str] | None:
+        """This rank's share of a group's weights to decompose (its largest-first balanced share), ``None`` with one
+        process."""
+        rank, world = shard
+        if world <= 1 or reduce is None:
+            return None
+        share = balanced_groups(factor_layer_sizes({m: modules[m] for m in group}), world)
+        mine = set(share[rank]) if rank < len(share) else set()
+        return {k for k in keys if _weight_module(k) in mine}
+
     def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False,
             eigenbases: "KFAC | None" = None):
         """See :meth:`InfluenceMetric.fit`; ``eigenbases``: a fitted :class:`KFAC` on the same inputs whose factors
         are taken instead of fitting them (EK-FAC corrects the eigenvalues of a saved K-FAC fit)."""
         if batches is None:
             raise ValueError(f"method={self.name!r} needs training batches to estimate the K-FAC factors")
+        self.device = next(model.parameters()).device
         if eigenbases is not None:
             self.eigens = {k: {f: eigenbases.eigens[k][f] for f in _EIG_FIELDS} for k in keys}
             stats = {"kfac_factors_reused": True}
         else:
-            device = next(model.parameters()).device
-            factors = KFACFactors(modules)
             t0 = time.perf_counter()
-            factors.examples = _factor_batches(model, batches, self.examples, shard, progress, "K-FAC factors",
-                                               [factors], self)
-            n = self._reduced_count(factors.examples, device, reduce)
-            self.eigens = factors.eigens(keys, reduce)
-            stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0}
+            self.eigens, groups, done, decomposed = {}, self.groups(modules, keys), 0, 0
+            for j, (mods, gkeys) in enumerate(groups):
+                factors = KFACFactors({m: modules[m] for m in mods}, self.factor_dtype)
+                desc = "K-FAC factors" + (f" {j + 1}/{len(groups)}" if len(groups) > 1 else "")
+                done = _factor_batches(model, batches, self.examples, shard, progress, desc, [factors], self)
+                owned = self._owned(modules, mods, gkeys, shard, reduce)
+                decomposed += len(gkeys if owned is None else owned)
+                self.eigens.update(factors.eigens(gkeys, reduce, owned=owned, device="cpu" if self.offload else None))
+                del factors
+            missing = [k for k in keys if k not in self.eigens]
+            if missing:
+                raise RuntimeError(f"no K-FAC statistics were collected for {missing[0]!r}: is it a tracked weight?")
+            self.eigens = {k: self.eigens[k] for k in keys}
+            n = self._reduced_count(done, self.device, reduce)
+            stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0, "kfac_passes": len(groups),
+                     "kfac_weights_decomposed": decomposed}
         stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress))
         self._build(keys, dtype)
         return stats
@@ -469,41 +599,53 @@ class KFAC(InfluenceMetric, name="kfac"):
     def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
         return {}
 
+    def _target(self):
+        """Where the whitening is kept: the host with ``kfac_offload`` (each layer is moved to the device when
+        applied), else the model's device (``None``: where the factors are)."""
+        return "cpu" if self.offload else getattr(self, "device", None)
+
     def _build(self, keys, dtype) -> None:
         if self.damping_target == "product":  # Λ = e_δ e_hᵀ damped as a whole: not token-factored (as EK-FAC)
             self.token_factored = False
-            self._build_scales(keys, dtype, {k: torch.outer(self.eigens[k]["e_d"].double().clamp(min=0.0),
-                                                            self.eigens[k]["e_h"].double().clamp(min=0.0))
-                                             for k in keys}, "K-FAC eigenvalue product")
+            self._build_scales(keys, dtype, lambda k: torch.outer(self.eigens[k]["e_d"].double().clamp(min=0.0),
+                                                                  self.eigens[k]["e_h"].double().clamp(min=0.0)),
+                               "K-FAC eigenvalue product")
             return
         self.token_factored = type(self).token_factored
         self.scales = None
-        self.layers = {k: layer_metric(self.eigens[k], self.damping, self.damping_mode, dtype) for k in keys}
+        self.layers = {k: layer_metric(self.eigens[k], self.damping, self.damping_mode, dtype, self._target())
+                       for k in keys}
 
-    def _build_scales(self, keys, dtype, lams: Mapping[str, torch.Tensor], what: str) -> None:
-        """``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)`` per weight from the eigenvalue matrices ``lams`` (``[out, in]``),
-        damped as a whole by the project's rule (``λ = damping·mean(Λ)``, relative)."""
+    def _build_scales(self, keys, dtype, lams: Callable[[str], torch.Tensor], what: str) -> None:
+        """``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)`` per weight from the eigenvalue matrices ``lams(key)`` (``[out, in]``,
+        float64, made one weight at a time), damped as a whole by the project's rule (``λ = damping·mean(Λ)``,
+        relative)."""
         self.layers = {}
         self.scales: dict[str, torch.Tensor] | None = {}
+        to = dict(dtype=dtype, device=self._target())
         # weights fed one input share one eigenbasis object (their tokens are then rotated once: RotatedInputs)
-        Q_h = share_equal({k: self.eigens[k]["Q_h"].to(dtype) for k in keys})
+        Q_h = share_equal({k: self.eigens[k]["Q_h"].to(**to) for k in keys})
         for k in keys:
-            lam = lams[k]
+            lam = lams(k)
             d = _damped(lam.reshape(-1), float(lam.sum()), self.damping, self.damping_mode, what)
-            self.scales[k] = d.rsqrt().reshape(lam.shape).to(dtype)
-            self.layers[k] = LayerMetric(Q_h[k], torch.ones(1, dtype=dtype), self.eigens[k]["Q_d"].to(dtype),
-                                         torch.ones(1, dtype=dtype))
+            self.scales[k] = d.rsqrt().reshape(lam.shape).to(**to)
+            self.layers[k] = LayerMetric(Q_h[k], torch.ones(1, **to), self.eigens[k]["Q_d"].to(**to),
+                                         torch.ones(1, **to))
 
-    def _layer(self, key: str) -> LayerMetric:
+    def _layer(self, key: str, like: torch.Tensor | None = None) -> LayerMetric:
+        """Weight ``key``'s whitening, on ``like``'s device (an offloaded one is copied there)."""
         if self.layers is None:
             raise RuntimeError(f"the {self.name} metric has no factors yet: call fit first")
-        return self.layers[key]
+        L = self.layers[key]
+        if like is not None and L.Q_h.device != like.device:
+            L = L.to(L.Q_h.dtype, like.device)
+        return L
 
     def matrix(self, key, G):
         if self.scales is not None:
             L = self._layer(key)
             return (L.Q_d.t().to(G) @ G @ L.Q_h.to(G)) * self.scales[key].to(G)
-        return self._layer(key).matrix(G)
+        return self._layer(key, G).matrix(G)
 
     def gradients(self, key, h, delta):
         if self.scales is not None:
@@ -521,7 +663,7 @@ class KFAC(InfluenceMetric, name="kfac"):
     def tokens(self, key, h, delta):
         if not self.token_factored:
             return InfluenceMetric.tokens(self, key, h, delta)
-        return self._layer(key).tokens(h, delta)
+        return self._layer(key, h).tokens(h, delta)
 
     def basis(self, key):
         L = self._layer(key)
@@ -531,19 +673,23 @@ class KFAC(InfluenceMetric, name="kfac"):
         return {**super().settings(), "damping": self.damping, "kfac_examples": self.examples}  # as float, int
 
     def fit_settings(self) -> dict:
-        return {"method": self.name, "kfac_examples": self.examples,
+        return {"method": self.name, "kfac_examples": self.examples, "kfac_dtype": self.config.kfac_dtype,
                 **self.convention_settings("loss_reduction", "fisher")}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{key}|{f}": t for key, e in self.eigens.items() for f, t in e.items()}
 
-    def load_state_dict(self, state, keys, *, dtype=torch.float32) -> None:
+    def load_state_dict(self, state, keys, *, dtype=torch.float32, device=None) -> None:
+        """See :meth:`InfluenceMetric.load_state_dict`; the tensors keep their saved dtypes (float32 eigenvectors
+        stay float32), and the whitening is built on ``device`` (``None``: the host; ``kfac_offload``: the host)."""
         fields = _EIG_FIELDS + getattr(self, "extra_fields", ())
         missing = [f"{k}|{f}" for k in keys for f in fields if f"{k}|{f}" not in state]
         if missing:
             raise UserInputError(f"the saved {self.name} factors lack {len(missing)} tensor(s), e.g. {missing[0]!r}: "
                                  "they were fitted for other layers")
-        self.eigens = {k: {f: state[f"{k}|{f}"].double() for f in fields} for k in keys}
+        self.eigens = {k: {f: state[f"{k}|{f}"] for f in fields} for k in keys}
+        if device is not None:
+            self.device = torch.device(device)
         self._build(keys, dtype)
 
 
@@ -553,7 +699,8 @@ class EKFAC(KFAC, name="ekfac"):
     first ``examples`` training examples), damped by the project's rule on ``Λ`` (``λ = damping·mean(Λ)``, relative);
     ``M G = (Q_δᵀ G Q_h) / sqrt(Λ + λ)``, so ``⟨M g, M v⟩ = ⟨g, H⁻¹ v⟩`` with
     ``H = (Q_δ ⊗ Q_h) diag(Λ + λ) (Q_δ ⊗ Q_h)ᵀ``. Not token-factored: per-example gradients are materialised per
-    layer (``[B, out, in]``, never one flat vector)."""
+    layer (``[B, out, in]``, never one flat vector). The eigenvalue sums are in K-FAC's factor dtype, and fitted over
+    the same module partitions (one group per pass)."""
 
     factor_passes = 2  # K-FAC's factors, then the eigenvalues in their eigenbases
     token_factored = False
@@ -562,9 +709,14 @@ class EKFAC(KFAC, name="ekfac"):
     memory_levers = {**KFAC.memory_levers, "ekfac_corrections": "method kfac or tracin"}
 
     @classmethod
-    def memory_parts(cls, linears):
-        """K-FAC's factors and the float64 eigenbasis corrections ``[out, in]`` per tracked weight."""
-        return {**KFAC.memory_parts(linears), "ekfac_corrections": 8.0 * sum(i * o for i, o in linears)}
+    def memory_parts(cls, linears, config: "ScoringConfig"):
+        """K-FAC's parts (:meth:`KFAC.memory_parts`), with the float32 scales ``[out, in]`` per tracked weight (the
+        damped eigenbasis corrections) on the device as ``ekfac_corrections`` (with ``kfac_offload``: in
+        ``kfac_factors``, the largest weight's while applied). The corrections' sums stay on the host."""
+        c = config
+        parts = KFAC.memory_parts(linears, dataclasses.replace(c, method="ekfac"))
+        scales = 0.0 if c.kfac_offload else sum(4.0 * i * o for i, o in linears)
+        return {**parts, "kfac_factors": parts["kfac_factors"] - scales, "ekfac_corrections": scales}
 
     def base_metric(self) -> KFAC:
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
@@ -572,33 +724,37 @@ class EKFAC(KFAC, name="ekfac"):
 
     def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
         t0 = time.perf_counter()
-        corr = EigenCorrection(modules, {k: (self.eigens[k]["Q_h"], self.eigens[k]["Q_d"]) for k in keys})
-        corr.examples = _factor_batches(model, batches, self.examples, shard, progress, "EK-FAC eigenvalues", [corr],
-                                        self)
-        n = torch.tensor(float(corr.examples), dtype=torch.float64)
-        for k in keys:
-            s = corr.sums.get(k)
-            if s is None:
-                s = torch.zeros(len(self.eigens[k]["e_d"]), len(self.eigens[k]["e_h"]), dtype=torch.float64)
-            if reduce is not None:
-                s = reduce(s)
-            self.eigens[k]["lambda"] = s.cpu()
-            self.eigens[k]["n"] = n
+        groups = self.groups(modules, keys)
+        examples = 0
+        for j, (mods, gkeys) in enumerate(groups):
+            corr = EigenCorrection({m: modules[m] for m in mods},
+                                   {k: (self.eigens[k]["Q_h"], self.eigens[k]["Q_d"]) for k in gkeys},
+                                   self.factor_dtype)
+            desc = "EK-FAC eigenvalues" + (f" {j + 1}/{len(groups)}" if len(groups) > 1 else "")
+            examples = _factor_batches(model, batches, self.examples, shard, progress, desc, [corr], self)
+            for k in gkeys:
+                s = corr.sums.pop(k, None)
+                if s is None:
+                    s = torch.zeros(len(self.eigens[k]["e_d"]), len(self.eigens[k]["e_h"]),
+                                    dtype=torch.promote_types(self.eigens[k]["Q_h"].dtype, self.factor_dtype))
+                if reduce is not None:
+                    s = reduce(s)
+                self.eigens[k]["lambda"] = s.cpu()
+            del corr
+        n = torch.tensor(float(examples), dtype=torch.float64)
         if reduce is not None:
             device = next(model.parameters()).device
-            tot = reduce(n.reshape(1).to(device)).cpu().reshape(())
-            for k in keys:
-                self.eigens[k]["n"] = tot
+            n = reduce(n.reshape(1).to(device)).cpu().reshape(())
+        for k in keys:
+            self.eigens[k]["n"] = n
         return {"ekfac_seconds": time.perf_counter() - t0}
 
     def _build(self, keys, dtype) -> None:
-        lams = {}
         for k in keys:
-            n = float(self.eigens[k]["n"])
-            if n <= 0:
+            if float(self.eigens[k]["n"]) <= 0:
                 raise RuntimeError(f"EK-FAC eigenvalues of {k!r} saw no example")
-            lams[k] = self.eigens[k]["lambda"].double() / n
-        self._build_scales(keys, dtype, lams, "EK-FAC eigenvalue matrix")
+        self._build_scales(keys, dtype, lambda k: self.eigens[k]["lambda"].double() / float(self.eigens[k]["n"]),
+                           "EK-FAC eigenvalue matrix")
 
     def dual(self, key, V):
         """``Q_δ (s ⊙ V) Q_hᵀ`` of ``matrix``-mapped directions ``V: [K, out, in]``: the directions ``W`` with
@@ -631,7 +787,8 @@ def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str,
 
     path, fp = where(metric)
     if path.exists():
-        metric.load_state_dict(load_factors(path, method=metric.name, fingerprint=fp), keys, dtype=dtype)
+        on = {"device": next(model.parameters()).device} if isinstance(metric, KFAC) else {}
+        metric.load_state_dict(load_factors(path, method=metric.name, fingerprint=fp), keys, dtype=dtype, **on)
         return {"factors": str(path), "factors_reused": True}
     base = metric.base_metric()
     if base is None:

@@ -169,7 +169,9 @@ class GradientStoreModule(L.LightningModule):
         if projections is None and hp.projection == "pca":
             c = self.config  # the second moments of K-FAC's first pass, on the store's examples and loss
             moments = ScoringConfig(method="kfac", damping=c.damping, damping_mode=c.damping_mode,
-                                    kfac_examples=c.kfac_examples, loss_reduction=c.loss_reduction).build_metric()
+                                    kfac_examples=c.kfac_examples, loss_reduction=c.loss_reduction,
+                                    kfac_dtype=c.kfac_dtype, kfac_partitions=c.kfac_partitions,
+                                    kfac_offload=c.kfac_offload).build_metric()
             # the moments only make the projections, which the store saves: they are not kept in the store (as
             # large as K-FAC factors), only in a shared factors_dir, where other stores and scoring runs reuse them
             st = self._fit_factors(moments, modules, linears, None, dtype, save)
