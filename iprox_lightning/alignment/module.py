@@ -73,7 +73,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from .losses import AlignmentOutput, alignment_losses, proxy_factor_layers
+from .losses import AlignmentOutput, accumulated_alignment_losses, alignment_losses, proxy_factor_layers
 from .task import (
     SCORE_LOSSES, TASK_REDUCTIONS, TaskDirections, projected_directions, proxy_directions, task_alignment_losses,
     task_directions,
@@ -204,6 +204,8 @@ class AlignConfig:
     score_refresh_every: int = 10
     task_reduction: str = "mean"
     proxy_validation: str = "proxy"
+    activation_checkpointing: bool = False
+    micro_batch_size: Optional[int] = None
 
     @property
     def task_terms(self) -> bool:
@@ -252,6 +254,16 @@ class AlignConfig:
                 f"{self.val_grad_weight}, score_weight={self.score_weight}): that held-out metric is L_GA + λ_KL·L_KL, "
                 "which they trade for the per-task ranking. Use monitor: val/fidelity_worst_loss (with "
                 "fidelity_examples > 0 and fidelity_per_task: true) or val/fidelity_loss, or keep_best: false")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise UserInputError(f"activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
+        if self.micro_batch_size is not None:
+            if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
+                    or self.micro_batch_size < 1:
+                raise UserInputError(f"micro_batch_size must be an int >= 1 or null, got {self.micro_batch_size!r}")
+            if self.task_terms:
+                raise UserInputError(f"micro_batch_size={self.micro_batch_size} cannot be combined with the task terms "
+                                     f"(val_grad_weight={self.val_grad_weight}, score_weight={self.score_weight}): "
+                                     "set micro_batch_size: null, or turn the task terms off")
         if self.keep_best and self.monitor == FIDELITY_WORST:
             raise UserInputError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
                              f"use {FIDELITY_WORST_LOSS!r} (= 1 − the worst task's Spearman)")
@@ -423,12 +435,13 @@ class ProxyAlignModule(L.LightningModule):
         """``L_GA + λ_KL·L_KL`` on ``batch`` (see :func:`iprox_lightning.alignment.losses.alignment_losses`)."""
         keep_eval(self.proxy, self._teacher)
         unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
-        return alignment_losses(
-            self._teacher, self.proxy, batch,
-            kl_weight=self.config.kl_weight, temperature=self.config.temperature,
-            grad_through_projection=self.config.grad_through_projection,
-            create_graph=create_graph, layers=self.config.layers,
-        )
+        cfg = self.config
+        common = dict(kl_weight=cfg.kl_weight, temperature=cfg.temperature,
+                      grad_through_projection=cfg.grad_through_projection, create_graph=create_graph,
+                      layers=cfg.layers, checkpointing=cfg.activation_checkpointing)
+        if cfg.micro_batch_size is not None:
+            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size, **common)
+        return alignment_losses(self._teacher, self.proxy, batch, **common)
 
     @staticmethod
     def _output_metrics(out: AlignmentOutput, prefix: str, per_layer: bool) -> dict[str, torch.Tensor]:
@@ -514,7 +527,8 @@ class ProxyAlignModule(L.LightningModule):
             self._teacher, self.proxy, batch, val_batch=val_batch, val_grad_weight=cfg.val_grad_weight,
             val_grad_chunk=cfg.val_grad_chunk, directions=directions, score_weight=cfg.score_weight, score_loss=cfg.score_loss,
             task_reduction=cfg.task_reduction, kl_weight=cfg.kl_weight, temperature=cfg.temperature,
-            grad_through_projection=cfg.grad_through_projection, create_graph=True, layers=cfg.layers)
+            grad_through_projection=cfg.grad_through_projection, create_graph=True, layers=cfg.layers,
+            checkpointing=cfg.activation_checkpointing)
         size = batch["input_ids"].shape[0]
         self._log_output(out, "align", size, self.hparams.log_layer_cosines)
         extra: dict[str, torch.Tensor] = {}

@@ -43,6 +43,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .activation_checkpoint import recomputing
 from .batch import example_mean_sum, fusable_head, lm_head, sample_targets, scored_ce_sums, scored_logits
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
@@ -88,7 +89,7 @@ class LayerTracker:
     # hooks ----------------------------------------------------------------------------------
     def _make_hook(self, name: str):
         def hook(module: nn.Module, args, output):
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or recomputing():  # (a checkpointed block's recomputation: no new pair)
                 return None
             self._uses[name] = self._uses.get(name, 0) + 1
             if self._uses[name] > 1:
