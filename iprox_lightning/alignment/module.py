@@ -88,7 +88,7 @@ from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
-from .fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
+from .fsdp import reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +321,7 @@ class ProxyAlignModule(L.LightningModule):
         object.__setattr__(self, "target_source", target)
         object.__setattr__(self, "proxy_source", proxy)
         object.__setattr__(self, "_teacher", None)  # outside the module tree: no state_dict, no DDP/FSDP
+        object.__setattr__(self, "_teacher_skeleton", None)  # FSDP2: the sharded teacher's modules, meta parameters
         self.proxy: Optional[nn.Module] = None
         self.tokenizer: Any = None
         self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
@@ -383,6 +384,8 @@ class ProxyAlignModule(L.LightningModule):
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):
             shard_proxy(self.proxy, self._device_mesh)
+            # after Stage 1 (which ran on the whole teacher): its skeleton rebuilds the saved proxy
+            object.__setattr__(self, "_teacher_skeleton", shard_teacher(self._teacher, self._device_mesh))
 
     def on_fit_start(self) -> None:
         # The proxy runs in eval mode (no dropout; alignment_step switches it before every forward). Hand it
@@ -628,7 +631,8 @@ class ProxyAlignModule(L.LightningModule):
         zero = self.trainer.is_global_zero if self._trainer is not None else True
         full = full_state_dict(self.proxy)  # collective under FSDP2 (full tensors on rank 0)
         if zero:
-            proxy = self.proxy if full is None else unsharded_copy(self._teacher, self.proxy, full)
+            proxy = self.proxy if full is None else unsharded_copy(
+                self._teacher if self._teacher_skeleton is None else self._teacher_skeleton, self.proxy, full)
             manifest = self.ipsvd_report
             if manifest is None and _is_proxy_dir(self.proxy_source):
                 manifest = {k: v for k, v in read_manifest(self.proxy_source).items()

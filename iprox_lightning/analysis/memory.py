@@ -325,6 +325,8 @@ class RunSettings:
     max_length: int = 512  # data.max_length
     batch_size: int = 8  # data.batch_size of warm-up / fine-tune / scoring / store (per device)
     align_batch_size: int = 4  # build_proxy's data.batch_size
+    align_checkpointing: bool = False  # ProxyAlignModule activation_checkpointing (Stage 2)
+    align_micro_batch_size: int | None = None  # ProxyAlignModule micro_batch_size (Stage 2; None: the whole batch)
     response_share: float = 1.0  # share of a batch's tokens that are scored (the LM head's rows); 1 = upper bound
     precision: str = "32-true"  # trainer.precision
     devices: int = 1  # trainer.devices × trainer.num_nodes
@@ -365,6 +367,8 @@ class RunSettings:
                 raise UserInputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.response_share <= 1.0:
             raise UserInputError(f"response_share must be in (0, 1], got {self.response_share!r}")
+        if self.align_micro_batch_size is not None and int(self.align_micro_batch_size) < 1:
+            raise UserInputError(f"align_micro_batch_size must be >= 1 or None, got {self.align_micro_batch_size!r}")
         if self.probe_group_layers is not None and int(self.probe_group_layers) < 1:
             raise UserInputError(f"probe_group_layers must be >= 1 or None, got {self.probe_group_layers!r}")
         if not 0.0 < self.sparsity < 1.0:
@@ -505,6 +509,36 @@ def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
     return proxy, sizes.params - sizes.shape.tracked_params + proxy.tracked_params
 
 
+def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, proxy_params: int, factors: int,
+                    io_sum: int) -> dict[str, float]:
+    """Stage 2's parts per device (see the module docstring). One pass holds ``b`` rows: the batch, or the micro-batch
+    (``align_micro_batch_size``; then the batch's summed proxy gradients and target projections and the summed
+    shares of the gradient, three factor-sized float32 tensors, live through the step). Under FSDP the proxy is
+    sharded and gathered whole for the step (both are held); the teacher is replicated. The proxy's activations: the
+    forward's (or, checkpointed, each block's input), the ``create_graph`` graph (about one forward's worth, also when
+    checkpointed: the recomputed tensors it references stay in it) and the double backward's transients (one forward's
+    worth, or one block's when checkpointed); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
+    wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
+    L, V = sizes.shape.num_layers, sizes.shape.vocab_size
+    b = min(run.align_micro_batch_size or run.align_batch_size, run.align_batch_size)
+    fixed = acts.fixed_outside + L * acts.fixed_per_layer
+    full = acts.total(L, b) - fixed
+    if run.align_checkpointing:
+        activations = fixed + (acts.total(L, b, checkpointing=True) - fixed) + full
+    else:
+        activations = fixed + 3 * full
+    return {
+        "teacher": sizes.params * weight_bytes(run.precision),
+        "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),
+        "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
+        "adamw": 2 * factors * wb / S,
+        "teacher_tokens": b * run.max_length * io_sum * ab,
+        "activations": activations,
+        "lm_head": 6 * _head_rows(run, b) * V * 4,
+        "accumulation": 3 * factors * 4 if b < run.align_batch_size else 0,
+    }
+
+
 def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
                      acts_float32: Activations | None = None) -> tuple[StagePlan, StagePlan]:
     """``(Stage 1, Stage 2)`` of build_proxy, per device (see the module docstring). Stage 1 runs in
@@ -532,16 +566,7 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
     n_construct = run.pool_size * run.construction_fraction
     n_probe = max(1, round(n_construct * run.probe_fraction))
     n_align = max(1, round(n_construct - n_probe))
-    tokens = B * run.max_length
-    stage2 = {
-        "teacher": sizes.params * wb,
-        "proxy": proxy_params * wb / S,
-        "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
-        "adamw": 2 * factors * wb / S,
-        "teacher_tokens": tokens * io_sum * ab,
-        "activations": 3 * act,
-        "lm_head": 6 * _head_rows(run, B) * V * 4,
-    }
+    stage2 = stage_two_parts(sizes, acts, run, proxy_params, factors, io_sum)
     f1 = probe_flops(sizes.shape, proxy_shape, n_examples=n_probe, seq_len=run.max_length, n_vectors=run.num_probe_tokens,
                      head_share=run.response_share)["total"]
     f2 = alignment_flops(sizes.shape, proxy_shape, n_examples=n_align, seq_len=run.max_length,
