@@ -1,7 +1,7 @@
 """Validate ``train.py plan``'s Stage 2 (alignment) on CPU: one alignment step per child process, its peak memory
 against the plan's, with and without activation checkpointing and micro-batches.
 
-Each child imports the project, records its anonymous resident memory (``RssAnon``, :mod:`bench.plan_memory`'s
+Each child imports the project, then records its anonymous resident memory (``RssAnon``, ``bench/plan_memory.py``'s
 sampler, every 10 ms) as the baseline, builds a random-init model of a shape (``--shape``: a named shape of
 ``train.py plan``, cut to ``--layers`` decoder blocks) as the target, an SVD proxy of it (sparsity 0.5), the AdamW
 optimiser over the factors, and runs ``--steps`` steps of ``ProxyAlignModule.alignment_step`` + backward + AdamW step
@@ -35,16 +35,15 @@ VARIANTS = {  # name: ProxyAlignModule settings
 
 
 def child(args: dict) -> None:
-    from plan_memory import PeakSampler
-
-    sampler = PeakSampler(0.01)
     import torch
+    from plan_memory import PeakSampler
+    from transformers import AutoModelForCausalLM
 
     from iprox_lightning.analysis.memory import _with_layers, load_config
     from iprox_lightning.compression.apply import compress_model
     from iprox_lightning.modules import ProxyAlignModule
-    from transformers import AutoModelForCausalLM
 
+    sampler = PeakSampler(0.01)  # the baseline: after the imports (as bench/plan_memory.py)
     torch.manual_seed(0)
     config = _with_layers(load_config(args["shape"]), args["layers"])
     target = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -99,7 +98,9 @@ def main() -> None:
     for name in a.variants:
         args = {"shape": a.shape, "layers": a.layers, "max_length": a.max_length, "batch_size": a.batch_size,
                 "steps": a.steps, "settings": VARIANTS[name]}
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(ROOT)}
+        # glibc: freed blocks leave the RSS at every size (as bench/plan_memory.py --stage1)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(ROOT),
+               "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         proc = subprocess.run([sys.executable, __file__, "--out", a.out, "--child", json.dumps(args)], env=env,
                               capture_output=True, text=True)
         if proc.returncode:

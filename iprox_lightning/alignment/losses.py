@@ -497,6 +497,7 @@ def accumulated_alignment_losses(
     if grad_through_projection:
         leaves += [x for n in names for x in p_leaves[n]]
     cot = torch.autograd.grad(l_ga, leaves)
+    del leaves, g_leaves, p_leaves, g_sum, p_sum  # pass 2 holds the cotangents and the summed shares only
     c_g = {n: cot[2 * i: 2 * i + 2] for i, n in enumerate(names)}
     c_p = {n: cot[2 * len(names) + 2 * i: 2 * len(names) + 2 * i + 2] for i, n in enumerate(names)}
 

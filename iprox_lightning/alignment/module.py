@@ -9,7 +9,9 @@ Models:
 
 * ``self.teacher`` — the target, loaded from ``target``; frozen (``requires_grad=False``), always in
   eval mode, kept **outside** the module tree: it is in no ``state_dict``/checkpoint, in no optimiser,
-  and DDP/FSDP never wrap it; ``.to()``/``.cuda()``/``.half()`` of this module move it along.
+  and DDP never wraps it (under FSDP2 the module shards it per decoder block itself,
+  :func:`~iprox_lightning.alignment.fsdp.shard_teacher`); ``.to()``/``.cuda()``/``.half()`` of this module move it
+  along.
 * ``self.proxy`` — a copy of the target sharing its tensors (no dense copy of the model is made; then compressed in
   place by :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
   ``setup("fit")``; the next ``configure_model()`` gives its remaining tensors their own copies), or a saved proxy
@@ -43,7 +45,8 @@ the scores made by ``fidelity_scorer``; with ``fidelity_per_task`` also per vali
 and the worst task (``val/fidelity_worst``, ``val/fidelity_worst_loss = 1 − worst``: the ``monitor`` that keeps the
 factors whose worst task ranks best). The module reads their reports (``report()``) into the manifest.
 
-FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.alignment.fsdp`.
+FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.alignment.fsdp`. At scale: ``activation_checkpointing`` and
+``micro_batch_size`` (:class:`AlignConfig`).
 
 Task-aware terms (issue 22; opt-in, off by default; the math: :mod:`iprox_lightning.alignment.task`), trained on the
 validation examples the data module sets apart (``SFTDataModule(val_train_fraction=f)``: the ``val_train`` split,

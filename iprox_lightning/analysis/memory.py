@@ -35,10 +35,12 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   allocation's kept decompositions of the rank's layers (:class:`~iprox_lightning.compression.ipsvd.WhitenedSVD`,
   float64 ``(in + out)·dense_rank`` per layer, kept only while they fit in one group's probe bytes:
   :func:`~iprox_lightning.compression.schedule.kept_whitened`).
-* **Stage 2** (alignment): teacher + compressed proxy + the factors' gradients and AdamW moments, the teacher's kept
-  ``(h, δ)`` of every aligned layer and token (``B·T · Σ (in + out)``, ``grad_through_projection``), and the proxy's
-  activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
-  backward's transients.
+* **Stage 2** (alignment, :func:`stage_two_parts`): teacher (under FSDP sharded per decoder block) + compressed proxy
+  (under FSDP sharded and gathered whole for the step) + the factors' gradients and AdamW moments, the teacher's kept
+  ``(h, δ)`` of every aligned layer and token of a pass (``b·T · Σ (in + out)``, ``grad_through_projection``; ``b``
+  the build batch or ``align_micro_batch_size``), and the proxy's activations of a pass: its forward (checkpointed:
+  each block's input), the first-order graph ``create_graph=True`` keeps, and the double backward's transients
+  (checkpointed: one block's); the weight copies ``bf16-mixed`` saves once.
 * **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
   weight (float32, ``K`` validation tasks), the per-layer feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
@@ -428,10 +430,15 @@ def _stage(stage: str, parts: Mapping[str, float], flops: float, own_levers: Map
     levers = []
     for k in order[:2]:
         lever = own_levers.get(k, _LEVERS.get(k))
+        if k == "teacher" and stage.startswith("build_proxy: Stage 2"):
+            lever = "strategy fsdp over more devices (Stage 2 shards the teacher per decoder block), or precision bf16-true"
+        if k == "activations" and stage.startswith("build_proxy: Stage 2"):
+            lever = ("ProxyAlignModule micro_batch_size (rows per pass, the batch kept) or activation_checkpointing "
+                     "(plan --align_micro_batch_size / --align_checkpointing)")
         if k in ("teacher", "proxy") and stage.startswith("build_proxy: Stage 1"):
             lever = ("precision bf16-true, or a device with more memory: Stage 1 holds the teacher and the proxy's "
                      "factors unsharded on every rank (FSDP does not shard them)")
-        if k == "activations" and not training:
+        if k == "activations" and not training and not stage.startswith("build_proxy: Stage 2"):
             lever = f"data.batch_size / data.max_length of {stage.split(':')[0].split(' (')[0]}"
         if lever and lever not in levers:
             levers.append(lever)
@@ -514,7 +521,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     """Stage 2's parts per device (see the module docstring). One pass holds ``b`` rows: the batch, or the micro-batch
     (``align_micro_batch_size``; then the batch's summed proxy gradients and target projections and the summed
     shares of the gradient, three factor-sized float32 tensors, live through the step). Under FSDP the proxy is
-    sharded and gathered whole for the step (both are held); the teacher is replicated. The proxy's activations: the
+    sharded and gathered whole for the step (both are held); the teacher is sharded per decoder block, its largest
+    block gathered twice (FSDP2's prefetch). The proxy's activations: the
     forward's (or, checkpointed, each block's input), the ``create_graph`` graph (about one forward's worth, also when
     checkpointed: the recomputed tensors it references stay in it) and the double backward's transients (one forward's
     worth, or one block's when checkpointed); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
@@ -528,7 +536,7 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     else:
         activations = fixed + 3 * full
     return {
-        "teacher": sizes.params * weight_bytes(run.precision),
+        "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
         "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),
         "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
         "adamw": 2 * factors * wb / S,
