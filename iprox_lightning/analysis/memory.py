@@ -38,9 +38,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
 * **Stage 2** (alignment, :func:`stage_two_parts`): teacher (under FSDP sharded per decoder block) + compressed proxy
   (under FSDP sharded and gathered whole for the step) + the factors' gradients and AdamW moments, the teacher's kept
   ``(h, δ)`` of every aligned layer and token of a pass (``b·T · Σ (in + out)``, ``grad_through_projection``; ``b``
-  the build batch or ``align_micro_batch_size``), and the proxy's activations of a pass: its forward (checkpointed:
-  each block's input), the first-order graph ``create_graph=True`` keeps, and the double backward's transients
-  (checkpointed: one block's); the weight copies ``bf16-mixed`` saves once.
+  the build batch or ``align_micro_batch_size``), and the proxy's activations of a pass three times over: its
+  forward, the first-order graph ``create_graph=True`` keeps, and the double backward's transients (activation
+  checkpointing does not lower this peak: measured); the weight copies ``bf16-mixed`` saves once.
 * **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
   weight (float32, ``K`` validation tasks), the per-layer feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
@@ -433,8 +433,7 @@ def _stage(stage: str, parts: Mapping[str, float], flops: float, own_levers: Map
         if k == "teacher" and stage.startswith("build_proxy: Stage 2"):
             lever = "strategy fsdp over more devices (Stage 2 shards the teacher per decoder block), or precision bf16-true"
         if k == "activations" and stage.startswith("build_proxy: Stage 2"):
-            lever = ("ProxyAlignModule micro_batch_size (rows per pass, the batch kept) or activation_checkpointing "
-                     "(plan --align_micro_batch_size / --align_checkpointing)")
+            lever = "ProxyAlignModule micro_batch_size (rows per pass, the batch kept; plan --align_micro_batch_size)"
         if k in ("teacher", "proxy") and stage.startswith("build_proxy: Stage 1"):
             lever = ("precision bf16-true, or a device with more memory: Stage 1 holds the teacher and the proxy's "
                      "factors unsharded on every rank (FSDP does not shard them)")
@@ -523,18 +522,17 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     shares of the gradient, three factor-sized float32 tensors, live through the step). Under FSDP the proxy is
     sharded and gathered whole for the step (both are held); the teacher is sharded per decoder block, its largest
     block gathered twice (FSDP2's prefetch). The proxy's activations: the
-    forward's (or, checkpointed, each block's input), the ``create_graph`` graph (about one forward's worth, also when
-    checkpointed: the recomputed tensors it references stay in it) and the double backward's transients (one forward's
-    worth, or one block's when checkpointed); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
+    forward's, the ``create_graph`` graph and the double backward's transients, about one forward's worth each, the
+    same with ``align_checkpointing`` (measured on CPU: the recomputed tensors the ``create_graph`` graph references stay
+    in it, and the double backward recomputes beside it); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
     wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
     L, V = sizes.shape.num_layers, sizes.shape.vocab_size
     b = min(run.align_micro_batch_size or run.align_batch_size, run.align_batch_size)
     fixed = acts.fixed_outside + L * acts.fixed_per_layer
-    full = acts.total(L, b) - fixed
-    if run.align_checkpointing:
-        activations = fixed + (acts.total(L, b, checkpointing=True) - fixed) + full
-    else:
-        activations = fixed + 3 * full
+    # align_checkpointing lowers nothing here (measured: the same peak, bench/results/plan/stage2_*.json): the
+    # create_graph graph keeps the recomputed tensors its backward formulas reference, and the double backward
+    # recomputes the blocks again beside it
+    activations = fixed + 3 * (acts.total(L, b) - fixed)
     return {
         "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
         "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),

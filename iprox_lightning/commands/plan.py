@@ -69,7 +69,7 @@ def plan(
             default: every layer of the device's share in one pass).
         align_epochs: Stage 2's epochs.
         align_checkpointing: Stage 2's activation checkpointing of both forwards (ProxyAlignModule
-            activation_checkpointing).
+            activation_checkpointing); measured on CPU not to lower Stage 2's peak, so it changes no number here.
         align_micro_batch_size: Stage 2's rows per pass (ProxyAlignModule micro_batch_size; default: the whole build
             batch).
         validation_examples: validation examples scored for the validation gradients.
