@@ -184,18 +184,10 @@ class AlignConfig:
             :func:`~iprox_lightning.alignment.task.projected_directions`, re-made every step at no extra pass; the
             fidelity scorer is then called with ``validation_model=<the target>``), which is how ``pipeline``
             scores a proxy by default (``--proxy_validation target``).
-        activation_checkpointing: run the decoder blocks of both forwards (the target's and the proxy's) checkpointed
-            (:func:`~iprox_lightning.engine.activation_checkpoint.checkpointed_blocks`, non-reentrant): each block keeps
-            only its input and every backward recomputes it (the target once per pass, the proxy twice: the
-            ``create_graph`` backward and the double backward). The same losses and gradients (measured bit-identical
-            on CPU), more time; measured on CPU, the step's peak memory does not fall (the ``create_graph`` graph keeps
-            the recomputed tensors it references): use ``micro_batch_size`` to lower it. ``False`` (default): off.
-        micro_batch_size: rows per pass: the batch's ``L_GA + λ_KL·L_KL`` and its gradient are accumulated exactly
-            over micro-batches of this many rows
-            (:func:`~iprox_lightning.alignment.losses.accumulated_alignment_losses`: one pass without a graph for the
-            cosines' arguments, then one with it; two target and two proxy passes per micro-batch). The effective
-            batch stays the data's ``batch_size``. ``None`` (default): the whole batch in one pass. Not with the
-            task terms.
+        activation_checkpointing: checkpoint the decoder blocks of both forwards (the same losses and gradients, more
+            time; measured on CPU, the step's peak does not fall: GUIDE "Stage 2 at scale"). ``False``: off.
+        micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (two target and two proxy
+            passes per micro-batch; not with the task terms). ``None``: the whole batch.
     """
 
     lr: float = 5e-5
