@@ -1,16 +1,24 @@
-"""FSDP2 handling of Stage 2's proxy: shard it, gather / free its factors around a step, rebuild it unsharded.
+"""FSDP2 handling of Stage 2's models: shard the proxy and the teacher, gather / free the proxy's parameters around a
+step, rebuild the proxy unsharded.
 
 The alignment step differentiates the proxy's gradients (double backward), so under ``ModelParallelStrategy`` the
 proxy is sharded per decoder block with its unsharded parameters kept alive through both backward passes
 (``reshard_after_forward=False`` and ``set_reshard_after_backward(False)``); :func:`unshard_proxy` gathers the factors
 before a step (the teacher pass projects its gradients with the very ``A``/``B`` the proxy forward then uses) and
 :func:`reshard_proxy` frees them after it (after each optimiser step, so the next forward all-gathers the updated
-shards). The teacher stays replicated. Every function is a no-op on an unsharded proxy.
+shards). The proxy is therefore gathered whole for a step: the create_graph backward's graph holds the unsharded
+parameters the forward used, and freeing them (FSDP2 frees a resharded parameter's storage) breaks the double backward
+(``setStorage: sizes [...] out of bounds for storage of size 0``), also with checkpointed blocks, whose recomputation
+saves the gathered parameters into that graph again. :func:`shard_teacher` shards the frozen teacher per decoder block
+with the default reshard after forward (its pass is a plain forward + backward: one block gathered at a time) and keeps
+a skeleton of it (parameters on the meta device, buffers on the host) for :func:`unsharded_copy`. Every function is a
+no-op on an unsharded proxy.
 """
 from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 from ..engine.lowrank import LowRankLinear
@@ -18,15 +26,30 @@ from ..engine.target_layers import set_submodule
 from ..training.causal_lm import apply_fully_shard, is_sharded
 
 
-def shard_proxy(proxy: nn.Module, mesh) -> None:
-    """Shard ``proxy`` over the data-parallel dimension of ``mesh`` (tensor parallelism is refused)."""
-    dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+def _data_parallel(mesh):
     if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
         raise ValueError("tensor parallelism is not supported: use ModelParallelStrategy(data_parallel_size=N, "
                          "tensor_parallel_size=1) for FSDP2")
-    apply_fully_shard(proxy, dp, reshard_after_forward=False)
+    return mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+
+
+def shard_proxy(proxy: nn.Module, mesh) -> None:
+    """Shard ``proxy`` over the data-parallel dimension of ``mesh`` (tensor parallelism is refused)."""
+    apply_fully_shard(proxy, _data_parallel(mesh), reshard_after_forward=False)
     for m in sharded_modules(proxy):
         m.set_reshard_after_backward(False)
+
+
+def shard_teacher(teacher: nn.Module, mesh) -> nn.Module:
+    """Shard the frozen ``teacher`` per decoder block over the data-parallel dimension of ``mesh`` (each block gathered
+    for its forward and again for its backward, then freed). Returns its skeleton: the same modules with every
+    parameter on the meta device (no memory) and the buffers copied to the host, for :func:`unsharded_copy`."""
+    memo: dict = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                  for p in teacher.parameters()}
+    memo.update({id(b): b.detach().to("cpu", copy=True) for b in teacher.buffers()})
+    skeleton = copy.deepcopy(teacher, memo)
+    apply_fully_shard(teacher, _data_parallel(mesh), reshard_after_forward=True)
+    return skeleton
 
 
 def sharded_modules(proxy: nn.Module | None) -> list:
@@ -52,12 +75,20 @@ def reshard_proxy(proxy: nn.Module | None) -> None:
 
 def unsharded_copy(teacher: nn.Module, proxy: nn.Module, state_dict: dict) -> nn.Module:
     """A plain (unsharded, CPU) proxy holding ``state_dict``: the teacher's architecture with ``proxy``'s
-    ``LowRankLinear`` layers (ranks read from the factor shapes)."""
-    model = copy.deepcopy(teacher).to("cpu")
+    ``LowRankLinear`` layers (ranks read from the factor shapes). ``teacher``: the unsharded teacher, or the skeleton
+    :func:`shard_teacher` returned (its meta parameters take ``state_dict``'s tensors)."""
+    skeleton = any(p.is_meta for p in teacher.parameters())
+    model = copy.deepcopy(teacher) if skeleton else copy.deepcopy(teacher).to("cpu")
     for name, m in proxy.named_modules():
         if isinstance(m, LowRankLinear):
             A = state_dict[f"{name}.A"]
             set_submodule(model, name, LowRankLinear(m.in_features, m.out_features, A.shape[1],
                                                       bias=m.bias is not None, dtype=A.dtype))
-    model.load_state_dict(state_dict, strict=True)
+    if skeleton:
+        # own storage per tensor (the gathered ones may be views of a larger buffer, which save_proxy refuses)
+        model.load_state_dict({k: v.clone() for k, v in state_dict.items()}, strict=True, assign=True)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # (assign gives tied names their own tensors)
+    else:
+        model.load_state_dict(state_dict, strict=True)
     return model

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.batch import check_batch, scored_logits, token_mean
+from ..engine.checkpointing import checkpointed_blocks
+from ..engine.batch import check_batch, scored_logits, shifted_token_mask, token_mean
 from ..engine.lowrank import LowRankLinear
 from ..engine.target_layers import is_linear_like, linear_shape
 from ..engine.tracking import LayerTracker, PairTracker, backward_pairs, pair_dispatch
@@ -61,6 +62,8 @@ __all__ = [
     "TeacherPass",
     "FactorProjectionTracker",
     "alignment_losses",
+    "accumulated_alignment_losses",
+    "split_batch",
     "AlignmentOutput",
 ]
 
@@ -232,6 +235,7 @@ def teacher_pass(
     *,
     keep_tokens: bool = False,
     trackers: Sequence[PairTracker] = (),
+    checkpointing: bool = False,
 ) -> TeacherPass:
     """Forward + backward of the frozen teacher's SFT loss, projecting ``∇_W L`` of each layer.
 
@@ -240,6 +244,8 @@ def teacher_pass(
     (:func:`iprox_lightning.engine.tracking.backward_pairs`, loss :func:`~iprox_lightning.engine.batch.token_mean`, the SFT loss): the
     backward is a ``torch.autograd.grad`` w.r.t. the embedding output, so no teacher parameter ever gets ``.grad``.
     ``trackers``: more consumers of the same step's pairs (e.g. per-example features, :mod:`.task_alignment`).
+    ``checkpointing``: the teacher's decoder blocks run checkpointed
+    (:func:`~iprox_lightning.engine.checkpointing.checkpointed_blocks`; the same pairs).
     """
     check_batch(batch)
     modules = dict(teacher.named_modules())
@@ -255,7 +261,8 @@ def teacher_pass(
             )
         tracked[name] = m
     tracker = FactorProjectionTracker(tracked, factors, keep_tokens)
-    step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=token_mean, keep_logits=True)
+    with checkpointed_blocks(teacher, checkpointing):
+        step = backward_pairs(teacher, batch, [tracker, *trackers], loss_fn=token_mean, keep_logits=True)
     missing = [n for n in tracked if n not in (tracker.tokens if keep_tokens else tracker.projections)]
     if missing:
         raise RuntimeError(f"teacher_pass: no gradient reached layers {missing} (not used in the forward?)")
@@ -291,6 +298,7 @@ def alignment_losses(
     factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     teacher_trackers: Sequence[PairTracker] = (),
     proxy_trackers: Sequence[PairTracker] = (),
+    checkpointing: bool = False,
 ) -> AlignmentOutput:
     """``L = L_GA + λ_KL · L_KL`` on one batch (see the module docstring for the definitions).
 
@@ -306,15 +314,19 @@ def alignment_losses(
     ``teacher_trackers`` get the teacher pass's pairs; ``proxy_trackers`` the proxy's, captured during step 3's
     backward as differentiable pairs (``h`` and ``δ`` carry the graph with ``create_graph``): the per-example terms of
     :mod:`iprox_lightning.alignment.task` need no pass of their own.
+    ``checkpointing``: both forwards run their decoder blocks checkpointed
+    (:func:`~iprox_lightning.engine.checkpointing.checkpointed_blocks`): the same losses and gradients, each
+    backward recomputing the blocks (the proxy's twice: the ``create_graph`` backward and the one of ``loss``).
     """
     lowrank = proxy_factor_layers(proxy, layers)
     names = list(lowrank)
     t = teacher_pass(teacher, batch, {n: (m.A, m.B) for n, m in lowrank.items()},
-                     keep_tokens=grad_through_projection and create_graph, trackers=teacher_trackers)
+                     keep_tokens=grad_through_projection and create_graph, trackers=teacher_trackers,
+                     checkpointing=checkpointing)
 
     with torch.enable_grad():
         logits, l_proxy, factors, proxy_grads = _proxy_factor_grads(proxy, batch, lowrank, factor_tensors,
-                                                                    proxy_trackers, create_graph)
+                                                                    proxy_trackers, create_graph, checkpointing)
         if t.tokens:
             projections = t.projections_for({n: factors[n] for n in names})
         else:
@@ -340,7 +352,7 @@ def alignment_losses(
 
 def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, nn.Module],
                         factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
-                        proxy_trackers: Sequence[PairTracker], create_graph: bool):
+                        proxy_trackers: Sequence[PairTracker], create_graph: bool, checkpointing: bool = False):
     """Steps 2–3 of :func:`alignment_losses`: the proxy's forward (``L_proxy`` over the response tokens, and the
     logits) and ``(∇_A, ∇_B)`` of every aligned layer by ``autograd.grad`` against the factor tensors the forward
     really used (recorded by forward pre-hooks unless ``factor_tensors`` names them), with ``proxy_trackers``
@@ -364,7 +376,8 @@ def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, 
         pairs = LayerTracker(*pair_dispatch(proxy_trackers), differentiable=True)
     with pairs:  # (the proxy trackers' hooks: through the forward and step 3's backward)
         try:
-            logits, scored = scored_logits(proxy, batch, use_cache=False)
+            with checkpointed_blocks(proxy, checkpointing):
+                logits, scored = scored_logits(proxy, batch, use_cache=False)
         finally:
             for h in handles:
                 h.remove()
@@ -388,3 +401,126 @@ def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, 
         proxy_grads[n] = (g_a, g_b)
     return logits, l_proxy, factors, proxy_grads
 
+
+
+# ------------------------------------------------------------------------------------------------
+# micro-batches: the full batch's objective, accumulated exactly
+# ------------------------------------------------------------------------------------------------
+def split_batch(batch: Mapping, size: int) -> list[dict]:
+    """``batch`` cut into consecutive row slices of at most ``size`` rows (tensors and lists alike; other values are
+    shared). The rows keep their padded length, so each row's computation is the one it has in the full batch."""
+    n = batch["input_ids"].shape[0]
+    parts = []
+    for lo in range(0, n, size):
+        hi = min(n, lo + size)
+        parts.append({k: (v[lo:hi] if isinstance(v, (torch.Tensor, list, tuple)) and len(v) == n else v)
+                      for k, v in batch.items()})
+    return parts
+
+
+def accumulated_alignment_losses(
+    teacher: nn.Module,
+    proxy: nn.Module,
+    batch: Mapping,
+    micro_batch_size: int,
+    *,
+    kl_weight: float = 0.1,
+    temperature: float = 2.0,
+    grad_through_projection: bool = True,
+    create_graph: bool = True,
+    layers: Iterable[str] | None = None,
+    checkpointing: bool = False,
+) -> AlignmentOutput:
+    """:func:`alignment_losses` of the whole ``batch``, computed ``micro_batch_size`` rows at a time: the same loss
+    and the same gradient of ``loss`` w.r.t. the factors (up to float summation order), with every pass's memory
+    bounded by one micro-batch.
+
+    ``L_GA`` is not a sum over micro-batches (a cosine of summed gradients), but its arguments are: with ``w_m =
+    N_m / N`` (the micro-batch's share of the batch's response tokens; every mean is a token mean) the batch's
+    proxy gradient is ``g = Σ_m w_m g_m``, its projected teacher gradient ``P = Σ_m w_m P_m`` and ``L_KL = Σ_m w_m
+    L_KL,m``. So, exactly:
+
+    1. pass 1, per micro-batch without a graph: ``g_m``, ``P_m``, ``L_KL,m`` → ``g``, ``P``, the loss values and the
+       cotangents ``c_g = ∂L_GA/∂g``, ``c_P = ∂L_GA/∂P`` (one small backward over the cosines);
+    2. pass 2 (``create_graph``), per micro-batch: the teacher pass again and the proxy's ``g_m`` with its graph, the
+       surrogate ``s_m = w_m (⟨c_g, g_m⟩ + ⟨c_P, P_m⟩ + λ_KL L_KL,m)`` (``⟨c_P, P_m⟩`` only with
+       ``grad_through_projection``), whose gradient ``∂s_m/∂θ`` is micro-batch ``m``'s share of ``∂L/∂θ``; each but the
+       last is differentiated at once (its graph freed) and summed into ``a``.
+
+    The returned ``loss`` has the value ``L_GA + λ_KL·L_KL`` of the whole batch and the graph of ``s_last + ⟨a, θ⟩``:
+    ONE backward of it (the caller's, e.g. Lightning's, under DDP the one that all-reduces) gives ``∂L/∂θ``. Costs per
+    step: two teacher passes and two proxy passes (one plain, one with the double backward) per micro-batch.
+    ``create_graph=False`` (evaluation): pass 1 only. One micro-batch: :func:`alignment_losses` itself.
+    """
+    if isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+    check_batch(batch)
+    common = dict(kl_weight=kl_weight, temperature=temperature, grad_through_projection=grad_through_projection,
+                  layers=layers, checkpointing=checkpointing)
+    parts = split_batch(batch, int(micro_batch_size))
+    counts = [int(shifted_token_mask(p["labels"]).sum()) for p in parts]
+    total = sum(counts)
+    if len(parts) == 1 or total == 0:
+        return alignment_losses(teacher, proxy, batch, create_graph=create_graph, **common)
+    parts, weights = zip(*[(p, c / total) for p, c in zip(parts, counts) if c])  # no response token: no share
+    lowrank = proxy_factor_layers(proxy, layers)
+    names = list(lowrank)
+
+    # pass 1: the batch's g, P and the loss values
+    g_sum: dict[str, list[torch.Tensor]] = {}
+    p_sum: dict[str, list[torch.Tensor]] = {}
+    l_kl = proxy_sft = teacher_sft = 0.0
+    for part, w in zip(parts, weights):
+        t = teacher_pass(teacher, part, {n: (m.A, m.B) for n, m in lowrank.items()}, checkpointing=checkpointing)
+        with torch.enable_grad():
+            logits, l_proxy, _, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), False, checkpointing)
+        for n in names:
+            for acc, new in ((g_sum, grads[n]), (p_sum, t.projections[n])):
+                if n in acc:
+                    acc[n] = [a + w * x.detach().float() for a, x in zip(acc[n], new)]
+                else:
+                    acc[n] = [w * x.detach().float() for x in new]
+        with torch.no_grad():
+            l_kl = l_kl + w * distillation_kl(t.logits, logits.detach(), temperature)
+        proxy_sft = proxy_sft + w * l_proxy.detach()
+        teacher_sft = teacher_sft + w * t.loss
+    g_leaves = {n: tuple(x.requires_grad_(True) for x in g_sum[n]) for n in names}
+    p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_sum[n]) for n in names}
+    with torch.enable_grad():
+        l_ga, cos_a, cos_b = gradient_alignment_loss(g_leaves, p_leaves)
+    loss_value = (l_ga + kl_weight * l_kl).detach() if kl_weight != 0 else l_ga.detach()
+    out = AlignmentOutput(loss=loss_value, l_ga=l_ga.detach(), l_kl=l_kl.detach(), proxy_sft=proxy_sft,
+                          teacher_sft=teacher_sft, cos_a=cos_a, cos_b=cos_b)
+    if not create_graph:
+        return out
+    leaves = [x for n in names for x in g_leaves[n]]
+    if grad_through_projection:
+        leaves += [x for n in names for x in p_leaves[n]]
+    cot = torch.autograd.grad(l_ga, leaves)
+    del leaves, g_leaves, p_leaves, g_sum, p_sum  # pass 2 holds the cotangents and the summed shares only
+    c_g = {n: cot[2 * i: 2 * i + 2] for i, n in enumerate(names)}
+    c_p = {n: cot[2 * len(names) + 2 * i: 2 * len(names) + 2 * i + 2] for i, n in enumerate(names)}
+
+    # pass 2: each micro-batch's share of ∂L/∂θ
+    acc: list[torch.Tensor] | None = None
+    for i, (part, w) in enumerate(zip(parts, weights)):
+        t = teacher_pass(teacher, part, {n: (m.A, m.B) for n, m in lowrank.items()},
+                         keep_tokens=grad_through_projection, checkpointing=checkpointing)
+        with torch.enable_grad():
+            logits, _, factors, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), True, checkpointing)
+            terms = [(c * x.float()).sum() for n in names for c, x in zip(c_g[n], grads[n])]
+            if grad_through_projection:
+                proj = t.projections_for({n: factors[n] for n in names})
+                terms += [(c * x.float()).sum() for n in names for c, x in zip(c_p[n], proj[n])]
+            s = torch.stack(terms).sum()
+            if kl_weight != 0:
+                s = s + kl_weight * distillation_kl(t.logits, logits, temperature)
+            s = w * s
+            flat = [x for n in names for x in factors[n]]
+            if i < len(parts) - 1:
+                shares = torch.autograd.grad(s, flat)
+                acc = list(shares) if acc is None else [a + b for a, b in zip(acc, shares)]
+            elif acc is not None:
+                s = s + torch.stack([(a.detach() * x).sum() for a, x in zip(acc, flat)]).sum()
+    out.loss = s - s.detach() + loss_value  # the value of L, the gradient of Σ_m s_m
+    return out

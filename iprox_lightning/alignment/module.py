@@ -9,7 +9,9 @@ Models:
 
 * ``self.teacher`` — the target, loaded from ``target``; frozen (``requires_grad=False``), always in
   eval mode, kept **outside** the module tree: it is in no ``state_dict``/checkpoint, in no optimiser,
-  and DDP/FSDP never wrap it; ``.to()``/``.cuda()``/``.half()`` of this module move it along.
+  and DDP never wraps it (under FSDP2 the module shards it per decoder block itself,
+  :func:`~iprox_lightning.alignment.fsdp.shard_teacher`); ``.to()``/``.cuda()``/``.half()`` of this module move it
+  along.
 * ``self.proxy`` — a copy of the target sharing its tensors (no dense copy of the model is made; then compressed in
   place by :class:`~iprox_lightning.callbacks.IPSVDCallback`, which calls ``configure_model()`` in its
   ``setup("fit")``; the next ``configure_model()`` gives its remaining tensors their own copies), or a saved proxy
@@ -43,7 +45,8 @@ the scores made by ``fidelity_scorer``; with ``fidelity_per_task`` also per vali
 and the worst task (``val/fidelity_worst``, ``val/fidelity_worst_loss = 1 − worst``: the ``monitor`` that keeps the
 factors whose worst task ranks best). The module reads their reports (``report()``) into the manifest.
 
-FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.alignment.fsdp`.
+FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.alignment.fsdp`. At scale: ``activation_checkpointing`` and
+``micro_batch_size`` (:class:`AlignConfig`).
 
 Task-aware terms (issue 22; opt-in, off by default; the math: :mod:`iprox_lightning.alignment.task`), trained on the
 validation examples the data module sets apart (``SFTDataModule(val_train_fraction=f)``: the ``val_train`` split,
@@ -73,7 +76,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from .losses import AlignmentOutput, alignment_losses, proxy_factor_layers
+from .losses import AlignmentOutput, accumulated_alignment_losses, alignment_losses, proxy_factor_layers
 from .task import (
     SCORE_LOSSES, TASK_REDUCTIONS, TaskDirections, projected_directions, proxy_directions, task_alignment_losses,
     task_directions,
@@ -88,7 +91,7 @@ from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
-from .fsdp import reshard_proxy, shard_proxy, unshard_proxy, unsharded_copy
+from .fsdp import reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +184,10 @@ class AlignConfig:
             :func:`~iprox_lightning.alignment.task.projected_directions`, re-made every step at no extra pass; the
             fidelity scorer is then called with ``validation_model=<the target>``), which is how ``pipeline``
             scores a proxy by default (``--proxy_validation target``).
+        activation_checkpointing: checkpoint the decoder blocks of both forwards (the same losses and gradients, more
+            time; measured on CPU, the step's peak does not fall: GUIDE "Stage 2 at scale"). ``False``: off.
+        micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (two target and two proxy
+            passes per micro-batch; not with the task terms). ``None``: the whole batch.
     """
 
     lr: float = 5e-5
@@ -204,6 +211,8 @@ class AlignConfig:
     score_refresh_every: int = 10
     task_reduction: str = "mean"
     proxy_validation: str = "proxy"
+    activation_checkpointing: bool = False
+    micro_batch_size: Optional[int] = None
 
     @property
     def task_terms(self) -> bool:
@@ -252,6 +261,16 @@ class AlignConfig:
                 f"{self.val_grad_weight}, score_weight={self.score_weight}): that held-out metric is L_GA + λ_KL·L_KL, "
                 "which they trade for the per-task ranking. Use monitor: val/fidelity_worst_loss (with "
                 "fidelity_examples > 0 and fidelity_per_task: true) or val/fidelity_loss, or keep_best: false")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise UserInputError(f"activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
+        if self.micro_batch_size is not None:
+            if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
+                    or self.micro_batch_size < 1:
+                raise UserInputError(f"micro_batch_size must be an int >= 1 or null, got {self.micro_batch_size!r}")
+            if self.task_terms:
+                raise UserInputError(f"micro_batch_size={self.micro_batch_size} cannot be combined with the task terms "
+                                     f"(val_grad_weight={self.val_grad_weight}, score_weight={self.score_weight}): "
+                                     "set micro_batch_size: null, or turn the task terms off")
         if self.keep_best and self.monitor == FIDELITY_WORST:
             raise UserInputError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
                              f"use {FIDELITY_WORST_LOSS!r} (= 1 − the worst task's Spearman)")
@@ -309,6 +328,7 @@ class ProxyAlignModule(L.LightningModule):
         object.__setattr__(self, "target_source", target)
         object.__setattr__(self, "proxy_source", proxy)
         object.__setattr__(self, "_teacher", None)  # outside the module tree: no state_dict, no DDP/FSDP
+        object.__setattr__(self, "_teacher_skeleton", None)  # FSDP2: the sharded teacher's modules, meta parameters
         self.proxy: Optional[nn.Module] = None
         self.tokenizer: Any = None
         self.ipsvd_report: Any = None  # set by IPSVDCallback after compressing; goes into the saved manifest
@@ -371,6 +391,8 @@ class ProxyAlignModule(L.LightningModule):
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):
             shard_proxy(self.proxy, self._device_mesh)
+            # after Stage 1 (which ran on the whole teacher): its skeleton rebuilds the saved proxy
+            object.__setattr__(self, "_teacher_skeleton", shard_teacher(self._teacher, self._device_mesh))
 
     def on_fit_start(self) -> None:
         # The proxy runs in eval mode (no dropout; alignment_step switches it before every forward). Hand it
@@ -423,12 +445,13 @@ class ProxyAlignModule(L.LightningModule):
         """``L_GA + λ_KL·L_KL`` on ``batch`` (see :func:`iprox_lightning.alignment.losses.alignment_losses`)."""
         keep_eval(self.proxy, self._teacher)
         unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
-        return alignment_losses(
-            self._teacher, self.proxy, batch,
-            kl_weight=self.config.kl_weight, temperature=self.config.temperature,
-            grad_through_projection=self.config.grad_through_projection,
-            create_graph=create_graph, layers=self.config.layers,
-        )
+        cfg = self.config
+        common = dict(kl_weight=cfg.kl_weight, temperature=cfg.temperature,
+                      grad_through_projection=cfg.grad_through_projection, create_graph=create_graph,
+                      layers=cfg.layers, checkpointing=cfg.activation_checkpointing)
+        if cfg.micro_batch_size is not None:
+            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size, **common)
+        return alignment_losses(self._teacher, self.proxy, batch, **common)
 
     @staticmethod
     def _output_metrics(out: AlignmentOutput, prefix: str, per_layer: bool) -> dict[str, torch.Tensor]:
@@ -514,7 +537,8 @@ class ProxyAlignModule(L.LightningModule):
             self._teacher, self.proxy, batch, val_batch=val_batch, val_grad_weight=cfg.val_grad_weight,
             val_grad_chunk=cfg.val_grad_chunk, directions=directions, score_weight=cfg.score_weight, score_loss=cfg.score_loss,
             task_reduction=cfg.task_reduction, kl_weight=cfg.kl_weight, temperature=cfg.temperature,
-            grad_through_projection=cfg.grad_through_projection, create_graph=True, layers=cfg.layers)
+            grad_through_projection=cfg.grad_through_projection, create_graph=True, layers=cfg.layers,
+            checkpointing=cfg.activation_checkpointing)
         size = batch["input_ids"].shape[0]
         self._log_output(out, "align", size, self.hparams.log_layer_cosines)
         extra: dict[str, torch.Tensor] = {}
@@ -614,7 +638,8 @@ class ProxyAlignModule(L.LightningModule):
         zero = self.trainer.is_global_zero if self._trainer is not None else True
         full = full_state_dict(self.proxy)  # collective under FSDP2 (full tensors on rank 0)
         if zero:
-            proxy = self.proxy if full is None else unsharded_copy(self._teacher, self.proxy, full)
+            proxy = self.proxy if full is None else unsharded_copy(
+                self._teacher if self._teacher_skeleton is None else self._teacher_skeleton, self.proxy, full)
             manifest = self.ipsvd_report
             if manifest is None and _is_proxy_dir(self.proxy_source):
                 manifest = {k: v for k, v in read_manifest(self.proxy_source).items()

@@ -41,10 +41,12 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   allocation's kept decompositions of the rank's layers (:class:`~iprox_lightning.compression.ipsvd.WhitenedSVD`,
   float64 ``(in + out)·dense_rank`` per layer, kept only while they fit in one group's probe bytes:
   :func:`~iprox_lightning.compression.schedule.kept_whitened`).
-* **Stage 2** (alignment): teacher + compressed proxy + the factors' gradients and AdamW moments, the teacher's kept
-  ``(h, δ)`` of every aligned layer and token (``B·T · Σ (in + out)``, ``grad_through_projection``), and the proxy's
-  activations three times over: its forward, the first-order graph ``create_graph=True`` keeps, and the double
-  backward's transients.
+* **Stage 2** (alignment, :func:`stage_two_parts`): teacher (under FSDP sharded per decoder block) + compressed proxy
+  (under FSDP sharded and gathered whole for the step) + the factors' gradients and AdamW moments, the teacher's kept
+  ``(h, δ)`` of every aligned layer and token of a pass (``b·T · Σ (in + out)``, ``grad_through_projection``; ``b``
+  the build batch or ``align_micro_batch_size``), and the proxy's activations of a pass three times over: its
+  forward, the first-order graph ``create_graph=True`` keeps, and the double backward's transients (activation
+  checkpointing does not lower this peak: measured); the weight copies ``bf16-mixed`` saves once.
 * **Scoring**: the frozen model, activations of one batch, the validation gradients ``V: [K, out, in]`` per tracked
   weight (float32, ``K`` validation tasks; as ``validation_gradients`` holds them: bfloat16, on the host with one
   layer's widened on the device, or one column group's per pass: :func:`validation_gradient_bytes`), the per-layer
@@ -369,6 +371,8 @@ class RunSettings:
     max_length: int = 512  # data.max_length
     batch_size: int = 8  # data.batch_size of warm-up / fine-tune / scoring / store (per device)
     align_batch_size: int = 4  # build_proxy's data.batch_size
+    align_checkpointing: bool = False  # ProxyAlignModule activation_checkpointing (Stage 2)
+    align_micro_batch_size: int | None = None  # ProxyAlignModule micro_batch_size (Stage 2; None: the whole batch)
     response_share: float = 1.0  # share of a batch's tokens that are scored (the LM head's rows); 1 = upper bound
     precision: str = "32-true"  # trainer.precision
     devices: int = 1  # trainer.devices × trainer.num_nodes
@@ -416,6 +420,8 @@ class RunSettings:
                 raise UserInputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.response_share <= 1.0:
             raise UserInputError(f"response_share must be in (0, 1], got {self.response_share!r}")
+        if self.align_micro_batch_size is not None and int(self.align_micro_batch_size) < 1:
+            raise UserInputError(f"align_micro_batch_size must be >= 1 or None, got {self.align_micro_batch_size!r}")
         if self.probe_group_layers is not None and int(self.probe_group_layers) < 1:
             raise UserInputError(f"probe_group_layers must be >= 1 or None, got {self.probe_group_layers!r}")
         if not 0.0 < self.sparsity < 1.0:
@@ -487,10 +493,14 @@ def _stage(stage: str, parts: Mapping[str, float], flops: float, own_levers: Map
     levers = []
     for k in order[:2]:
         lever = own_levers.get(k, _LEVERS.get(k))
+        if k == "teacher" and stage.startswith("build_proxy: Stage 2"):
+            lever = "strategy fsdp over more devices (Stage 2 shards the teacher per decoder block), or precision bf16-true"
+        if k == "activations" and stage.startswith("build_proxy: Stage 2"):
+            lever = "ProxyAlignModule micro_batch_size (rows per pass, the batch kept; plan --align_micro_batch_size)"
         if k in ("teacher", "proxy") and stage.startswith("build_proxy: Stage 1"):
             lever = ("precision bf16-true, or a device with more memory: Stage 1 holds the teacher and the proxy's "
                      "factors unsharded on every rank (FSDP does not shard them)")
-        if k == "activations" and not training:
+        if k == "activations" and not training and not stage.startswith("build_proxy: Stage 2"):
             lever = f"data.batch_size / data.max_length of {stage.split(':')[0].split(' (')[0]}"
             if stage == "store build":
                 lever += ", or build_store gradient_checkpointing"
@@ -581,6 +591,36 @@ def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
     return proxy, sizes.params - sizes.shape.tracked_params + proxy.tracked_params
 
 
+def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, proxy_params: int, factors: int,
+                    io_sum: int) -> dict[str, float]:
+    """Stage 2's parts per device (see the module docstring). One pass holds ``b`` rows: the batch, or the micro-batch
+    (``align_micro_batch_size``; then the batch's summed proxy gradients and target projections and the summed
+    shares of the gradient, three factor-sized float32 tensors, live through the step). Under FSDP the proxy is
+    sharded and gathered whole for the step (both are held); the teacher is sharded per decoder block, its largest
+    block gathered twice (FSDP2's prefetch). The proxy's activations: the
+    forward's, the ``create_graph`` graph and the double backward's transients, about one forward's worth each, the
+    same with ``align_checkpointing`` (measured on CPU: the recomputed tensors the ``create_graph`` graph references stay
+    in it, and the double backward recomputes beside it); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
+    wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
+    L, V = sizes.shape.num_layers, sizes.shape.vocab_size
+    b = min(run.align_micro_batch_size or run.align_batch_size, run.align_batch_size)
+    fixed = acts.fixed_outside + L * acts.fixed_per_layer
+    # align_checkpointing lowers nothing here (measured: the same peak, bench/results/plan/stage2_*.json): the
+    # create_graph graph keeps the recomputed tensors its backward formulas reference, and the double backward
+    # recomputes the blocks again beside it
+    activations = fixed + 3 * (acts.total(L, b) - fixed)
+    return {
+        "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
+        "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),
+        "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
+        "adamw": 2 * factors * wb / S,
+        "teacher_tokens": b * run.max_length * io_sum * ab,
+        "activations": activations,
+        "lm_head": 6 * _head_rows(run, b) * V * 4,
+        "accumulation": 3 * factors * 4 if b < run.align_batch_size else 0,
+    }
+
+
 def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
                      acts_float32: Activations | None = None) -> tuple[StagePlan, StagePlan]:
     """``(Stage 1, Stage 2)`` of build_proxy, per device (see the module docstring). Stage 1 runs in
@@ -608,16 +648,7 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
     n_construct = run.pool_size * run.construction_fraction
     n_probe = max(1, round(n_construct * run.probe_fraction))
     n_align = max(1, round(n_construct - n_probe))
-    tokens = B * run.max_length
-    stage2 = {
-        "teacher": sizes.params * wb,
-        "proxy": proxy_params * wb / S,
-        "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
-        "adamw": 2 * factors * wb / S,
-        "teacher_tokens": tokens * io_sum * ab,
-        "activations": 3 * act,
-        "lm_head": 6 * _head_rows(run, B) * V * 4,
-    }
+    stage2 = stage_two_parts(sizes, acts, run, proxy_params, factors, io_sum)
     f1 = probe_flops(sizes.shape, proxy_shape, n_examples=n_probe, seq_len=run.max_length, n_vectors=run.num_probe_tokens,
                      head_share=run.response_share)["total"]
     f2 = alignment_flops(sizes.shape, proxy_shape, n_examples=n_align, seq_len=run.max_length,

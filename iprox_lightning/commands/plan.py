@@ -33,6 +33,8 @@ def plan(
     num_probe_tokens: int = 1024,
     probe_group_layers: Optional[int] = None,
     align_epochs: int = 2,
+    align_checkpointing: bool = False,
+    align_micro_batch_size: Optional[int] = None,
     validation_examples: int = 300,
     tasks: int = 3,
     k: int = 16,
@@ -76,6 +78,10 @@ def plan(
         probe_group_layers: Stage 1's layers per probe pass on each device (IPSVDCallback probe_group_layers;
             default: every layer of the device's share in one pass).
         align_epochs: Stage 2's epochs.
+        align_checkpointing: Stage 2's activation checkpointing of both forwards (ProxyAlignModule
+            activation_checkpointing); measured on CPU not to lower Stage 2's peak, so it changes no number here.
+        align_micro_batch_size: Stage 2's rows per pass (ProxyAlignModule micro_batch_size; default: the whole build
+            batch).
         validation_examples: validation examples scored for the validation gradients.
         tasks: score columns: validation tasks, or subtasks with validation_subtasks (scoring keeps one float32
             gradient per column, held as ``validation_gradients`` says; the pipeline at the paper's sizes has 93).
@@ -100,7 +106,8 @@ def plan(
                         fsdp_cpu_offload=fsdp_cpu_offload, store_gradient_checkpointing=store_gradient_checkpointing,
                         sparsity=sparsity,
                         num_probe_tokens=num_probe_tokens, probe_group_layers=probe_group_layers,
-                        align_epochs=align_epochs,
+                        align_epochs=align_epochs, align_checkpointing=align_checkpointing,
+                        align_micro_batch_size=align_micro_batch_size,
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=scoring.kfac_examples, kfac_dtype=scoring.kfac_dtype,
                         kfac_partitions=scoring.kfac_partitions, kfac_offload=scoring.kfac_offload, store_k=k,

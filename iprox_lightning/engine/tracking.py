@@ -43,8 +43,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .batch import example_mean_sum, fusable_head, lm_head, sample_targets, scored_ce_sums, scored_logits
 from .checkpointing import recomputing
+from .batch import example_mean_sum, fusable_head, lm_head, sample_targets, scored_ce_sums, scored_logits
 
 PairFn = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -89,7 +89,7 @@ class LayerTracker:
     # hooks ----------------------------------------------------------------------------------
     def _make_hook(self, name: str):
         def hook(module: nn.Module, args, output):
-            if not torch.is_grad_enabled() or recomputing():  # (a checkpointed block's recompute: .checkpointing)
+            if not torch.is_grad_enabled() or recomputing():  # (a checkpointed block's recomputation: no new pair)
                 return None
             self._uses[name] = self._uses.get(name, 0) + 1
             if self._uses[name] > 1:
@@ -181,7 +181,7 @@ def autocast_off(device_type: str):
     ``torch.autograd.grad`` runs inside the step) — there every float32 matmul a tracker does (K-FAC covariances
     ``hᵀh``, ghost dots, projections, IPSVD probe statistics, alignment losses) would silently run in bfloat16. The
     pairs ``(h, δ)`` arrive in the model's compute dtype (bfloat16 under autocast); each tracker upcasts them to its
-    working dtype (float32 at least; float64 sums where a tracker keeps them) and computes with autocast off."""
+    working dtype (float32 at least, float64 sums) and computes with autocast off."""
     return torch.autocast(device_type=device_type, enabled=False)
 
 

@@ -42,12 +42,14 @@ def task_alignment_losses(
     grad_through_projection: bool = True,
     create_graph: bool = True,
     layers: Optional[Iterable[str]] = None,
+    checkpointing: bool = False,
 ) -> TaskAlignmentOutput:
     """``L_GA + λ_KL·L_KL`` on ``batch`` (:func:`~iprox_lightning.alignment.losses.alignment_losses`) plus
     ``val_grad_weight · L_val`` on ``val_batch`` (:func:`task_gradient_alignment`, ``val_grad_chunk`` rows per
     create-graph backward) and ``score_weight · L_score`` on
     ``batch`` against ``directions`` (:func:`score_alignment_loss`; its features ride on the passes of ``L_GA``).
-    A term whose weight is 0 is not computed. The caller runs one backward of ``loss``."""
+    A term whose weight is 0 is not computed. The caller runs one backward of ``loss``. ``checkpointing``: the
+    ``L_GA`` passes run their decoder blocks checkpointed (:func:`~iprox_lightning.alignment.losses.alignment_losses`)."""
     proxy_tr: list[PairTracker] = []
     teacher_tr: list[PairTracker] = []
     if score_weight:
@@ -61,7 +63,8 @@ def task_alignment_losses(
         proxy_tr, teacher_tr = [pairs], [features]
     base = alignment_losses(teacher, proxy, batch, kl_weight=kl_weight, temperature=temperature,
                             grad_through_projection=grad_through_projection, create_graph=create_graph,
-                            layers=layers, teacher_trackers=teacher_tr, proxy_trackers=proxy_tr)
+                            layers=layers, teacher_trackers=teacher_tr, proxy_trackers=proxy_tr,
+                            checkpointing=checkpointing)
     loss = base.loss
     out = TaskAlignmentOutput(**{f: getattr(base, f) for f in AlignmentOutput.__dataclass_fields__})
     if score_weight:

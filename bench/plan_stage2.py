@@ -1,0 +1,118 @@
+"""Validate ``train.py plan``'s Stage 2 (alignment) on CPU: one alignment step per child process, its peak memory
+against the plan's, with and without activation checkpointing and micro-batches.
+
+Each child imports the project, then records its anonymous resident memory (``RssAnon``, ``bench/plan_memory.py``'s
+sampler, every 10 ms) as the baseline, builds a random-init model of a shape (``--shape``: a named shape of
+``train.py plan``, cut to ``--layers`` decoder blocks) as the target, an SVD proxy of it (sparsity 0.5), the AdamW
+optimiser over the factors, and runs ``--steps`` steps of ``ProxyAlignModule.alignment_step`` + backward + AdamW step
+(the module's own step without a Trainer, so nothing else is resident) on random token batches (half prompt, half
+response). It reports ``peak - baseline`` and the plan's Stage 2 peak for the same settings (``build_proxy_plan``,
+``device_kind=cpu``). Above ~2 GB: run under the machine's model lock:
+
+  flock /tmp/iprox-model.lock python bench/plan_stage2.py --shape llama-3.2-1b --layers 2 --max-length 256 \\
+      --batch-size 4 --out bench/results/plan/stage2_llama-3.2-1b-2l.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+VARIANTS = {  # name: ProxyAlignModule settings
+    "default": {},
+    "checkpointing": {"activation_checkpointing": True},
+    "micro_batch_1": {"micro_batch_size": 1},
+    "checkpointing+micro_batch_1": {"activation_checkpointing": True, "micro_batch_size": 1},
+}
+
+
+def child(args: dict) -> None:
+    import torch
+    from plan_memory import PeakSampler
+    from transformers import AutoModelForCausalLM
+
+    from iprox_lightning.analysis.memory import _with_layers, load_config
+    from iprox_lightning.compression.apply import compress_model
+    from iprox_lightning.modules import ProxyAlignModule
+
+    sampler = PeakSampler(0.01)  # the baseline: after the imports (as bench/plan_memory.py)
+    torch.manual_seed(0)
+    config = _with_layers(load_config(args["shape"]), args["layers"])
+    target = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    module = ProxyAlignModule(target=target, keep_best=False, **args["settings"])
+    module.configure_model()
+    compress_model(module.proxy, None, 0.5, method="svd", progress=False)
+    module.configure_model()
+    opt = module.configure_optimizers()
+    B, T, V = args["batch_size"], args["max_length"], config.vocab_size
+    t0 = time.time()
+    for step in range(args["steps"]):
+        ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(step))
+        labels = ids.clone()
+        labels[:, : T // 2] = -100
+        batch = dict(input_ids=ids, attention_mask=torch.ones(B, T, dtype=torch.long), labels=labels,
+                     id=[str(i) for i in range(B)])
+        out = module.alignment_step(batch)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = sampler.stop()
+    print(json.dumps({"peak_bytes": peak - sampler.base, "seconds": time.time() - t0, "loss": float(out.loss)}))
+
+
+def plan(args: dict) -> dict:
+    from iprox_lightning.analysis.memory import ModelSizes, RunSettings, _with_layers, build_proxy_plan, load_config
+    from iprox_lightning.analysis.memory import run_activations
+
+    config = _with_layers(load_config(args["shape"]), args["layers"])
+    s = args["settings"]
+    run = RunSettings(max_length=args["max_length"], align_batch_size=args["batch_size"], precision="32-true",
+                      device_kind="cpu", response_share=0.5, align_checkpointing=s.get("activation_checkpointing", False),
+                      align_micro_batch_size=s.get("micro_batch_size"))
+    acts, acts32 = run_activations(config, run)
+    return build_proxy_plan(ModelSizes.from_config(config, name=args["shape"]), acts, run, acts32)[1].to_dict()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(json.loads(a.child))
+    results = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "variants": {}}
+    for name in a.variants:
+        args = {"shape": a.shape, "layers": a.layers, "max_length": a.max_length, "batch_size": a.batch_size,
+                "steps": a.steps, "settings": VARIANTS[name]}
+        # glibc: freed blocks leave the RSS at every size (as bench/plan_memory.py --stage1)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(ROOT),
+               "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        proc = subprocess.run([sys.executable, __file__, "--out", a.out, "--child", json.dumps(args)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{name}: child failed\n{proc.stderr[-4000:]}")
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        p = plan(args)
+        results["variants"][name] = {**args, "measured": measured, "plan": p,
+                                     "ratio_plan_over_measured": p["peak"] / measured["peak_bytes"]}
+        print(f"{name}: measured {measured['peak_bytes'] / 2**30:.2f} GiB, plan {p['peak'] / 2**30:.2f} GiB "
+              f"(ratio {p['peak'] / measured['peak_bytes']:.2f}), {measured['seconds']:.0f} s", flush=True)
+        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
