@@ -181,7 +181,7 @@ def autocast_off(device_type: str):
     ``torch.autograd.grad`` runs inside the step) — there every float32 matmul a tracker does (K-FAC covariances
     ``hᵀh``, ghost dots, projections, IPSVD probe statistics, alignment losses) would silently run in bfloat16. The
     pairs ``(h, δ)`` arrive in the model's compute dtype (bfloat16 under autocast); each tracker upcasts them to its
-    working dtype (float32 at least, float64 sums) and computes with autocast off."""
+    working dtype (float32 at least; float64 sums where a tracker keeps them) and computes with autocast off."""
     return torch.autocast(device_type=device_type, enabled=False)
 
 
