@@ -122,10 +122,12 @@ class ScoringConfig:
     def from_settings(cls, settings: Mapping[str, Any]) -> "ScoringConfig":
         """The config of recorded settings (a store's ``fingerprint.settings``, a score table's ``scoring``): the
         fields they hold, the rest at their defaults; the metric's own options from its recorded settings."""
-        from .metrics import InfluenceMetric  # (torch: see __post_init__)
+        from .metrics import KFAC_DTYPE_UNRECORDED, InfluenceMetric  # (torch: see __post_init__)
 
         kw = {f.name: settings[f.name] for f in fields(cls) if f.name in settings and f.name != "options"}
         metric = InfluenceMetric.registry.get(kw.get("method", cls.method))
+        if metric is not None and "kfac_dtype" in metric.uses and "kfac_dtype" not in settings:
+            kw["kfac_dtype"] = KFAC_DTYPE_UNRECORDED  # recorded before the option, or asked for: float64
         own = {k: settings[k] for k in (metric.options if metric is not None else ()) if k in settings}
         return cls(**kw, options=own or None)
 
@@ -143,10 +145,20 @@ class ScoringConfig:
         d = asdict(self)
         if d["target_patterns"] is not None:
             d["target_patterns"] = list(d["target_patterns"])
-        for name in (*CONVENTIONS, *KFAC_SCALE, "options", "validation_gradients"):
+        for name in (*CONVENTIONS, "kfac_partitions", "kfac_offload", "options", "validation_gradients"):
             if d[name] == getattr(ScoringConfig, name):
                 del d[name]
+        from .metrics import KFAC_DTYPE_UNRECORDED
+
+        if d["kfac_dtype"] == KFAC_DTYPE_UNRECORDED or "kfac_dtype" not in self.metric_class().uses:
+            del d["kfac_dtype"]
         return d
+
+    def metric_class(self) -> type:
+        """The registry's :class:`~.metrics.InfluenceMetric` class named by ``method``."""
+        from .metrics import InfluenceMetric  # (torch: see __post_init__)
+
+        return InfluenceMetric.registry[self.method]
 
 
 VALIDATION_GRADIENTS = {"dtype": ("float32", "bfloat16"), "device": ("same", "cpu"), "column_groups": None}
@@ -191,9 +203,11 @@ CONVENTIONS = ("loss_reduction", "fisher", "damping_target")
 """The :class:`ScoringConfig` fields of the loss and curvature conventions (recorded only when not the default)."""
 
 KFAC_SCALE = ("kfac_dtype", "kfac_partitions", "kfac_offload")
-"""The :class:`ScoringConfig` fields of K-FAC at scale (recorded only when not the default: the settings and
-fingerprints of runs that do not use them are as before them; ``kfac_dtype`` is in the K-FAC metrics' own settings
-and factor fingerprints whatever its value)."""
+"""The :class:`ScoringConfig` fields of K-FAC at scale. ``kfac_partitions`` and ``kfac_offload`` (the same numbers
+either way) are recorded only when not the default. ``kfac_dtype`` is recorded by a metric that uses it (K-FAC,
+EK-FAC: the scoring config, the metric's settings, the factors' fingerprint) unless it is
+:data:`~.metrics.KFAC_DTYPE_UNRECORDED`."""
+
 
 KFAC_DTYPES = ("float32", "float64")
 FISHERS = ("empirical", "sampled")

@@ -96,6 +96,12 @@ FACTOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 """``kfac_dtype`` (:class:`~.config.ScoringConfig`) -> the least precision of the factor sums and of the stored
 eigenvectors (a float64 model's are float64 whatever it says)."""
 
+KFAC_DTYPE_UNRECORDED = "float64"
+"""What K-FAC / EK-FAC summed in before ``kfac_dtype`` existed: never recorded (the scoring config, the metric's
+settings, the factors' fingerprint), and what recorded settings without ``kfac_dtype`` mean
+(:meth:`~.config.ScoringConfig.from_settings`). So a run recorded before the option resumes with
+``kfac_dtype: float64`` (the same computation), and the float32 default never reuses its factors, scores or store."""
+
 
 def factor_layer_sizes(modules: Mapping[str, nn.Module]) -> dict[str, int]:
     """Entries of the K-FAC factors (``in² + out²`` per tracked weight) of each tracked module: what a module
@@ -670,10 +676,14 @@ class KFAC(InfluenceMetric, name="kfac"):
         return L.Q_d, L.Q_h
 
     def settings(self) -> dict:
-        return {**super().settings(), "damping": self.damping, "kfac_examples": self.examples}  # as float, int
+        out = {**super().settings(), "damping": self.damping, "kfac_examples": self.examples}  # as float, int
+        if out["kfac_dtype"] == KFAC_DTYPE_UNRECORDED:  # as recorded before the option
+            del out["kfac_dtype"]
+        return out
 
     def fit_settings(self) -> dict:
-        return {"method": self.name, "kfac_examples": self.examples, "kfac_dtype": self.config.kfac_dtype,
+        dtype = {} if self.config.kfac_dtype == KFAC_DTYPE_UNRECORDED else {"kfac_dtype": self.config.kfac_dtype}
+        return {"method": self.name, "kfac_examples": self.examples, **dtype,
                 **self.convention_settings("loss_reduction", "fisher")}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
