@@ -8,6 +8,9 @@ proxy directory, or ``"builtin"`` (the offline demo model).
   renamed atomically, so an interrupted first load never leaves a broken cache.
   A file that is not GGUF or is cut short stops with a ``ValueError`` naming it (:func:`check_gguf`).
 * ``trust_remote_code`` is off unless the caller asks for it.
+* A directory holding ``adapter_config.json`` is a peft adapter: its base model (``base_model_name_or_path``) loads
+  through these same loaders and the adapters are merged into it (:mod:`.lora`); its weights are read from
+  ``adapter_model.safetensors`` only.
 * A directory holding ``iprox_proxy.json`` is an IProX proxy and goes through
   :func:`iprox_lightning.io.proxy.load_proxy`; a path to its manifest or weights file is refused with an error
   naming the directory, ``load_proxy`` and the dense export.
@@ -303,6 +306,10 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
             return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
         check_gguf(p)
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+    if (p / "adapter_config.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        from .lora import adapter_base
+
+        return load_tokenizer(adapter_base(p), trust_remote_code=trust_remote_code)  # a peft adapter: its base's
     from .hub import check_model_source
 
     check_model_source(str(name_or_path), "tokenizer")
@@ -417,6 +424,16 @@ def _load_proxy_dir(r: LoadRequest):
 def _load_gguf_file(r: LoadRequest):
     """A ``.gguf`` file, dequantized once and cached (:func:`_load_gguf`)."""
     return _load_gguf(r.path, r.dtype, r.kwargs, use_cache=r.use_cache, tokenizer=r.tokenizer)
+
+
+@register_loader("peft", lambda r: r.path.is_dir() and (r.path / "adapter_config.json").is_file())
+def _load_peft_adapter(r: LoadRequest):
+    """A peft adapter directory with its base model (``adapter_config.json`` names it; loaded by these same loaders),
+    merged into a dense model (:func:`.lora.load_adapter`)."""
+    from .lora import load_adapter
+
+    return load_adapter(r.path, merged=True, dtype=r.dtype, attn_implementation=r.attn_implementation,
+                        trust_remote_code=r.trust_remote_code, use_cache=r.use_cache, tokenizer=r.tokenizer)
 
 
 @register_loader("dense", lambda r: True)
