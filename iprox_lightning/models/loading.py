@@ -430,10 +430,32 @@ def _load_gguf_file(r: LoadRequest):
 def _load_peft_adapter(r: LoadRequest):
     """A peft adapter directory with its base model (``adapter_config.json`` names it; loaded by these same loaders),
     merged into a dense model (:func:`.lora.load_adapter`)."""
-    from .lora import load_adapter
-
     return load_adapter(r.path, merged=True, dtype=r.dtype, attn_implementation=r.attn_implementation,
                         trust_remote_code=r.trust_remote_code, use_cache=r.use_cache, tokenizer=r.tokenizer)
+
+
+def load_adapter(path: str | os.PathLike, *, merged: bool = True, dtype: str | torch.dtype | None = torch.float32,
+                 attn_implementation: str | None = "eager", trust_remote_code: bool = False, use_cache: bool = True,
+                 tokenizer: bool = True):
+    """``(model, tokenizer)`` of a peft adapter directory: its base (``base_model_name_or_path``) loaded by
+    :func:`load_model` (the same loaders: builtin, a directory, a ``.gguf``, a hub id; ``trust_remote_code`` only when
+    asked), the adapters put on it from ``adapter_model.safetensors`` (:mod:`.lora`; a pickle is refused), merged into
+    a dense model (``merged``) or the peft model; eval mode either way. The tokenizer is the adapter directory's when it
+    holds one, else the base's."""
+    from .lora import attach_saved_adapter, check_adapter_dir, merge
+
+    p = Path(path)
+    base = check_adapter_dir(p)
+    own_tok = tokenizer and (p / "tokenizer_config.json").is_file()
+    model, tok = load_model(base, dtype=dtype, attn_implementation=attn_implementation,
+                            trust_remote_code=trust_remote_code, use_cache=use_cache,
+                            tokenizer=tokenizer and not own_tok)
+    if own_tok:
+        tok = load_tokenizer(str(p), trust_remote_code=trust_remote_code)
+    adapted = attach_saved_adapter(model, p)
+    if dtype is not None:
+        adapted = adapted.to(resolve_dtype(dtype))
+    return (merge(adapted) if merged else adapted).eval(), tok
 
 
 @register_loader("dense", lambda r: True)

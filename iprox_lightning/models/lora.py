@@ -11,10 +11,11 @@
   base by its absolute path), so the directory loads on its own.
 * :func:`merge` — ``merge_and_unload``: the dense model, ``W + (alpha / r) · B A`` in every adapted layer (what Stage 1
   reads).
-* :func:`load_adapter` — an adapter directory and its base model (resolved through
-  :func:`~iprox_lightning.models.loading.load_model`'s own loaders; ``trust_remote_code`` only when asked), its
-  weights read from ``adapter_model.safetensors`` only. :func:`~iprox_lightning.models.loading.load_model` loads
-  such a directory merged (the ``peft`` loader).
+* :func:`check_adapter_dir`, :func:`attach_saved_adapter` — an adapter directory read (its weights from
+  ``adapter_model.safetensors`` only) onto its base model, which
+  :func:`~iprox_lightning.models.loading.load_adapter` loads through the package's own loaders (``trust_remote_code``
+  only when asked); :func:`~iprox_lightning.models.loading.load_model` loads such a directory merged (the ``peft``
+  loader).
 """
 from __future__ import annotations
 
@@ -126,13 +127,14 @@ def add_adapters(model: nn.Module, settings: LoraSettings, base: Optional[str] =
 
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     cfg = settings.peft_config(model_type)
-    if base is not None:
-        cfg.base_model_name_or_path = base_reference(base)
     try:
         with _peft_quiet():
-            return get_peft_model(model, cfg)
+            adapted = get_peft_model(model, cfg)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise UserInputError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
+    if base is not None:  # peft records the model's name_or_path (empty for a model built in code): the source's
+        adapted.peft_config["default"].base_model_name_or_path = base_reference(base)
+    return adapted
 
 
 def base_reference(source: str) -> str:
@@ -192,18 +194,10 @@ def adapter_base(path: Union[str, Path]) -> str:
     return base
 
 
-def load_adapter(path: Union[str, Path], *, merged: bool = True, dtype: Any = None, attn_implementation: Any = "eager",
-                 trust_remote_code: bool = False, use_cache: bool = True, tokenizer: bool = True):
-    """``(model, tokenizer)`` of an adapter directory: its base model loaded by
-    :func:`~iprox_lightning.models.loading.load_model` (the same loaders: builtin, a directory, a ``.gguf``, a hub id),
-    the adapters put on it from ``adapter_model.safetensors`` (a pickled ``adapter_model.bin`` is refused), merged into
-    a dense model (``merged``) or the peft model (eval mode either way). The tokenizer is the adapter directory's when
-    it holds one, else the base's."""
-    from peft import LoraConfig, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from .loading import load_model, load_tokenizer
-
+def check_adapter_dir(path: Union[str, Path]) -> str:
+    """Check an adapter directory before anything loads it: ``adapter_model.safetensors`` there (a pickled
+    ``adapter_model.bin`` is refused) with a sound header, a base named; returns the base
+    (:func:`adapter_base`)."""
     p = Path(path)
     weights = p / ADAPTER_WEIGHTS
     if not weights.is_file():
@@ -213,32 +207,31 @@ def load_adapter(path: Union[str, Path], *, merged: bool = True, dtype: Any = No
     from ..io.jsonfile import read_safetensors_header
 
     read_safetensors_header(weights)
+    base = adapter_base(p)
+    if Path(base).exists() and Path(base).resolve() == p.resolve():
+        raise UserInputError(f"{p / ADAPTER_CONFIG}: base_model_name_or_path names the adapter directory itself")
+    return base
+
+
+def attach_saved_adapter(model: nn.Module, path: Union[str, Path]) -> nn.Module:
+    """``model`` (the adapter's base, loaded) wrapped by peft with the adapters of the directory ``path`` (read from
+    its safetensors file; :func:`check_adapter_dir` first), for inference."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    p = Path(path)
     try:
         with _peft_quiet():
             cfg = LoraConfig.from_pretrained(str(p))
     except (TypeError, ValueError) as e:
         raise UserInputError(f"{p / ADAPTER_CONFIG}: not a LoRA adapter config peft reads: {e}") from None
-    base = adapter_base(p)
-    if Path(base).resolve() == p.resolve():
-        raise UserInputError(f"{p / ADAPTER_CONFIG}: base_model_name_or_path names the adapter directory itself")
-    own_tok = tokenizer and (p / "tokenizer_config.json").is_file()
-    model, tok = load_model(base, dtype=dtype, attn_implementation=attn_implementation,
-                            trust_remote_code=trust_remote_code, use_cache=use_cache,
-                            tokenizer=tokenizer and not own_tok)
-    if own_tok:
-        tok = load_tokenizer(str(p), trust_remote_code=trust_remote_code)
-    from peft import get_peft_model
-
     cfg.inference_mode = True
     with _peft_quiet():
-        peft_model = get_peft_model(model, cfg)
-        result = set_peft_model_state_dict(peft_model, load_file(str(weights)))
+        adapted = get_peft_model(model, cfg)
+        result = set_peft_model_state_dict(adapted, load_file(str(p / ADAPTER_WEIGHTS)))
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
-        raise UserInputError(f"{weights}: does not fit its base {base} ({len(missing)} adapter tensors missing, e.g. "
-                             f"{missing[:2]}; {len(result.unexpected_keys)} unexpected, e.g. "
-                             f"{list(result.unexpected_keys)[:2]})")
-    if dtype is not None:
-        peft_model = peft_model.to(dtype)
-    out = merge(peft_model) if merged else peft_model
-    return out.eval(), tok
+        raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit its base {cfg.base_model_name_or_path} "
+                             f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
+                             f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
+    return adapted
