@@ -292,3 +292,12 @@ def test_pipeline_lora_runs_end_to_end_on_the_demo(tmp_path):
     with pytest.raises(FingerprintMismatch) as e:
         main(args + ["--lora", json.dumps({**DEMO_LORA, "r": 8})])
     assert str(e.value).startswith("stage warmup: ") and "overlay.model.init_args.lora.r: 4 -> 8" in str(e.value)
+
+
+def test_lora_without_peft_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(UserInputError, match=r"pip install 'iprox_lightning\[peft\]'"):
+        WarmupModule(model="builtin", lora=LORA)

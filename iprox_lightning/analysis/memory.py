@@ -450,7 +450,7 @@ def _optimizer_temp(run: RunSettings, n: float) -> float:
 
 
 def lora_params(sizes: ModelSizes, lora: Mapping[str, Any]) -> int:
-    """The LoRA adapters' parameters, ``r · (in + out)`` per adapted linear of the decoder blocks (peft's rule for which
+    """The LoRA adapters' parameters, ``r · (in + out)`` per adapted linear of the decoder blocks (peft's rule: which
     layers ``target_modules`` names; resolved ones: :func:`with_lora_targets`)."""
     from ..models.lora import LoraSettings, matches_target
 

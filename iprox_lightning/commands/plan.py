@@ -107,8 +107,11 @@ def plan(
     speeds = M.measured_throughput(sizes.params, accelerator, speed_results or _RESULTS)
     M.attach_times(stages, sizes, run, speeds)
 
-    trained = (f"LoRA r {run.lora['r']} on {', '.join(run.lora['target_modules']) if isinstance(run.lora['target_modules'], list) else run.lora['target_modules']}: "
-               f"{M.lora_params(sizes, run.lora) / 1e6:,.1f}M" if run.lora else f"{sizes.trainable / 1e6:,.0f}M")
+    trained = f"{sizes.trainable / 1e6:,.0f}M"
+    if run.lora:
+        t = run.lora["target_modules"]
+        trained = (f"LoRA r {run.lora['r']} on {', '.join(t) if isinstance(t, list) else t}: "
+                   f"{M.lora_params(sizes, run.lora) / 1e6:,.1f}M")
     print(f"plan: {model} — {sizes.params / 1e6:,.0f}M parameters ({trained} trained in warm-up), "
           f"{precision}, {run.devices} {accelerator} device(s), {strategy}; T = {max_length}, batch {batch_size} "
           f"(build_proxy {align_batch_size}), pool {pool_size}")

@@ -1,16 +1,16 @@
 """LoRA through ``peft``: the settings, adapters put on a model, saved, read back with their base model, and merged.
 
 * :class:`LoraSettings` — ``{r, alpha, dropout, target_modules}``, the ``lora`` option of the warm-up and fine-tune
-  modules and of ``pipeline --lora``; checked field by field (a bad value is a :class:`~iprox_lightning.errors.UserInputError`
-  naming it). ``target_modules`` as peft reads it: a list of module names (a module matches when its path is the
-  name or ends with ``.<name>``) or one regex over the whole path; ``None``: peft's default for the architecture
-  (``q_proj``, ``v_proj`` for Llama, Qwen, Gemma).
+  modules and of ``pipeline --lora``; checked field by field (a bad value is a
+  :class:`~iprox_lightning.errors.UserInputError` naming it). ``target_modules`` as peft reads it: a list of module
+  names (a module matches when its path is the name or ends with ``.<name>``) or one regex over the whole path;
+  ``None``: peft's default for the architecture (``q_proj``, ``v_proj`` for Llama, Qwen, Gemma).
 * :func:`add_adapters` — ``peft.get_peft_model``: the base weights frozen, only the adapters train.
 * :func:`save_adapter` — an adapter directory in peft's format (``adapter_config.json`` +
   ``adapter_model.safetensors``, never a pickle), its ``base_model_name_or_path`` the base as it was loaded (a local
   base by its absolute path), so the directory loads on its own.
-* :func:`merge` — ``merge_and_unload``: the dense model, ``W + (alpha / r) · B A`` in every adapted layer (what Stage 1
-  reads).
+* :func:`merge` — ``merge_and_unload``: the dense model, ``W + (alpha / r) · B A`` in every adapted layer (what
+  Stage 1 reads).
 * :func:`check_adapter_dir`, :func:`attach_saved_adapter` — an adapter directory read (its weights from
   ``adapter_model.safetensors`` only) onto its base model, which
   :func:`~iprox_lightning.models.loading.load_adapter` loads through the package's own loaders (``trust_remote_code``
@@ -72,6 +72,7 @@ class LoraSettings:
         (an unknown key is refused naming the known ones)."""
         if value is None or isinstance(value, LoraSettings):
             return value
+        require_peft()
         if not isinstance(value, Mapping):
             raise UserInputError(f"lora must be a mapping {{r, alpha, dropout, target_modules}} or null, got {value!r}")
         known = set(cls.__dataclass_fields__)
@@ -102,6 +103,15 @@ class LoraSettings:
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=float(self.dropout), bias="none",
                           target_modules=self.resolved_targets(model_type), task_type="CAUSAL_LM")
+
+
+def require_peft() -> None:
+    """Refuse LoRA, naming the extra to install, where ``peft`` is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise UserInputError("lora: LoRA needs the peft package, which is not installed: "
+                             "pip install 'iprox_lightning[peft]'")
 
 
 def matches_target(settings: LoraSettings, model_type: str, module_path: str) -> bool:
@@ -198,6 +208,7 @@ def check_adapter_dir(path: Union[str, Path]) -> str:
     """Check an adapter directory before anything loads it: ``adapter_model.safetensors`` there (a pickled
     ``adapter_model.bin`` is refused) with a sound header, a base named; returns the base
     (:func:`adapter_base`)."""
+    require_peft()
     p = Path(path)
     weights = p / ADAPTER_WEIGHTS
     if not weights.is_file():
