@@ -70,17 +70,27 @@ ADAPTER_CONFIG = "adapter_config.json"
 """The settings file of a peft adapter directory (``models/lora.py``), which names its base model."""
 
 
-def _adapter_base_identity(path: Path, depth: int) -> Any:
-    """The identity of the base model a peft adapter directory names (``base_model_name_or_path``, a path relative to
-    the working directory or else to the adapter), itself an adapter at most 4 deep."""
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base model a peft adapter directory names (``base_model_name_or_path`` of its ``adapter_config.json``): a
+    path relative to the working directory or, failing that, to the adapter directory; else a hub id as given."""
     from .jsonfile import Fields, read_json
 
-    cfg = path / ADAPTER_CONFIG
+    cfg = Path(path) / ADAPTER_CONFIG
     base = Fields(cfg).get(read_json(cfg, what="a peft adapter's settings"), "base_model_name_or_path", "str")
-    if not Path(base).exists() and (path / base).exists():
-        base = str(path / base)
+    if not base:
+        raise UserInputError(f"{cfg}: base_model_name_or_path is empty; name the adapter's base model there")
+    if not Path(base).exists() and (Path(path) / base).exists():
+        return str(Path(path) / base)
+    return base
+
+
+def _adapter_base_identity(path: Path, depth: int) -> Any:
+    """The identity of the base model a peft adapter directory names (:func:`adapter_base`), itself an adapter at
+    most 4 deep."""
+    base = adapter_base(path)
     if depth >= 4:
-        raise UserInputError(f"{cfg}: its base model is an adapter of an adapter more than 4 deep ({base})")
+        raise UserInputError(f"{path / ADAPTER_CONFIG}: its base model is an adapter of an adapter more than 4 deep "
+                             f"({base})")
     return source_identity(base, _depth=depth + 1)
 
 

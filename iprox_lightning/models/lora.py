@@ -28,8 +28,8 @@ from typing import Any, Mapping, Optional, Union
 from torch import nn
 
 from ..errors import InputNotFoundError, UserInputError
+from ..io.fingerprint import ADAPTER_CONFIG, adapter_base  # noqa: F401  (the base an adapter names: one reader)
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -187,21 +187,6 @@ def merge(model: nn.Module) -> nn.Module:
 def is_adapter_dir(path: Union[str, Path]) -> bool:
     p = Path(path)
     return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
-
-
-def adapter_base(path: Union[str, Path]) -> str:
-    """The base model an adapter directory names (``base_model_name_or_path`` of its ``adapter_config.json``): a
-    path relative to the working directory or, failing that, to the adapter directory; else a hub id as given."""
-    from ..io.jsonfile import Fields, read_json
-
-    cfg = Path(path) / ADAPTER_CONFIG
-    raw = read_json(cfg, what="a peft adapter's settings")
-    base = Fields(cfg).get(raw, "base_model_name_or_path", "str")
-    if not base:
-        raise UserInputError(f"{cfg}: base_model_name_or_path is empty; name the adapter's base model there")
-    if not Path(base).exists() and (Path(path) / base).exists():
-        return str(Path(path) / base)
-    return base
 
 
 def check_adapter_dir(path: Union[str, Path]) -> str:
