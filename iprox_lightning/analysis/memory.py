@@ -402,6 +402,7 @@ class RunSettings:
     write_every_n_batches: int = 50
     select_k: int = 800  # examples the fine-tune trains on
     finetune_epochs: int = 1
+    lora: Mapping[str, Any] | None = None  # warm-up / fine-tune model.lora {r, alpha, dropout, target_modules}
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
@@ -434,6 +435,12 @@ class RunSettings:
         from ..scoring.config import check_validation_gradients
 
         object.__setattr__(self, "validation_gradients", check_validation_gradients(self.validation_gradients))
+        if self.lora is not None:
+            from ..models.lora import LoraSettings
+
+            LoraSettings.of(self.lora)
+            if self.strategy == "fsdp":
+                raise UserInputError("lora: LoRA warm-up and fine-tuning run under strategy ddp (not fsdp)")
 
     @property
     def shards(self) -> int:
@@ -517,6 +524,29 @@ def _optimizer_temp(run: RunSettings, n: float) -> float:
     return n if run.device_kind == "cuda" else 0.0
 
 
+def lora_params(sizes: ModelSizes, lora: Mapping[str, Any]) -> int:
+    """The LoRA adapters' parameters, ``r · (in + out)`` per adapted linear of the decoder blocks (peft's rule: which
+    layers ``target_modules`` names; resolved ones: :func:`with_lora_targets`)."""
+    from ..models.lora import LoraSettings, matches_target
+
+    settings = LoraSettings.of(lora)
+    if settings.target_modules is None:
+        raise ValueError("lora_params needs resolved target_modules (with_lora_targets)")
+    return sum(settings.r * (l.in_features + l.out_features) for l in sizes.shape.linears
+               if matches_target(settings, "", l.name))
+
+
+def with_lora_targets(lora: Mapping[str, Any], model: str) -> dict:
+    """``lora`` with ``target_modules`` resolved: as given, or peft's default for ``model``'s architecture."""
+    from ..models.lora import LoraSettings
+
+    settings = LoraSettings.of(lora)
+    if settings.target_modules is not None:
+        return settings.to_dict()
+    model_type = NAMED_SHAPES[model]["model_type"] if model in NAMED_SHAPES else load_config(model).model_type
+    return {**settings.to_dict(), "target_modules": settings.resolved_targets(model_type)}
+
+
 def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, stage: str, n_examples: int,
                   epochs: int = 1) -> StagePlan:
     """Warm-up / fine-tune: full fine-tuning (embeddings and head frozen) with AdamW, per device. From the second
@@ -524,7 +554,14 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
     the earlier layers' activations are still held, and begins at the head, whose backward holds three ``[N, V]``
     float32 tensors (the saved log-softmax, its gradient, the logits' gradient): the plan adds them all (an upper
     bound; measured on CPU within 20% of the peak, ``bench/results/plan/``). ``micro_batch_size``: the activations
-    and LM-head rows of one micro-batch; ``fsdp_cpu_offload``: the sharded state in host memory (module docstring)."""
+    and LM-head rows of one micro-batch; ``fsdp_cpu_offload``: the sharded state in host memory (module docstring).
+
+    With ``run.lora``: the base weights frozen in the run's weights dtype (no gradient, no AdamW state), the adapters
+    (:func:`lora_params`) trained: their weights, gradients and two moments; the activations and the head as in full
+    fine-tuning (the backward still runs through every layer); the backward's FLOPs without the base weights'
+    gradients."""
+    if run.lora is not None:
+        return _lora_training_plan(sizes, acts, run, stage=stage, n_examples=n_examples, epochs=epochs)
     wb, S = weight_bytes(run.precision), run.shards
     weights = sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0)
     grads = sizes.trainable * wb / S
@@ -550,6 +587,27 @@ def training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, sta
     f = sizes.shape.forward_flops(1, run.max_length, head_share=run.response_share)["total"]
     f += sizes.shape.backward_flops(1, run.max_length, weight_grads="all", head_share=run.response_share)["total"]
     return _stage(stage, parts, f * n)
+
+
+def _lora_training_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, stage: str, n_examples: int,
+                        epochs: int) -> StagePlan:
+    wb = weight_bytes(run.precision)
+    n_lora = lora_params(sizes, run.lora)
+    grads = n_lora * wb
+    parts = {
+        "weights": (sizes.params + n_lora) * wb,
+        "adamw": 2 * n_lora * wb,
+        "gradients": grads + _optimizer_temp(run, grads),
+        "activations": acts.total(sizes.shape.num_layers, run.batch_size, checkpointing=run.gradient_checkpointing),
+        "lm_head": 3 * _head_rows(run, run.batch_size) * sizes.shape.vocab_size * 4,
+        "ddp_buckets": grads if run.devices > 1 else 0,
+    }
+    n = n_examples * epochs / run.devices
+    f = sizes.shape.forward_flops(1, run.max_length, head_share=run.response_share)["total"]
+    f += sizes.shape.backward_flops(1, run.max_length, weight_grads="none", head_share=run.response_share)["total"]
+    frozen = "precision bf16-true (LoRA keeps the frozen base weights whole on every device)"
+    return _stage(stage, parts, f * n, {"weights": frozen, "adamw": "a smaller lora.r or fewer lora.target_modules",
+                                        "gradients": "a smaller lora.r or fewer lora.target_modules"})
 
 
 def stage_one_share(sizes: ModelSizes, run: RunSettings) -> dict[str, float]:

@@ -82,6 +82,7 @@ def pipeline(
     align_epochs: int | None = None,
     num_threads: int | None = None,
     eval_per_task: int | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every stage and print a summary (proxy size vs target, time per stage, selection quality).
 
@@ -136,6 +137,10 @@ def pipeline(
         eval_per_task: evaluate the fine-tuned models on at most this many validation examples per task, drawn
             with ``seed``, first from those the scoring's validation sample (``val_per_task``) left out (default:
             every validation example; on the built-in data 50 fresh examples per validation family).
+        lora: LoRA warm-up and fine-tuning (peft) instead of full fine-tuning, ``{"r": 8, "alpha": 16, "dropout": 0.0,
+            "target_modules": ["q_proj", "v_proj"]}`` (:class:`~iprox_lightning.models.lora.LoraSettings`): the
+            adapters of every epoch in ``warmup/model/adapters/`` (and each fine-tune's), the merged dense model in
+            ``warmup/model``, which the proxy is built from and scored as the target (default: full fine-tuning).
     """
     import torch
 
@@ -151,6 +156,10 @@ def pipeline(
     check_arguments(wd, sparsity, select_fraction, method, select_rule, eval_per_task, proxy_validation)
     hardware = trainer_hardware(accelerator, devices, num_nodes, strategy, precision)
     check_sources(target, pool, validation)
+    from ..models.lora import LoraSettings
+
+    lora_settings = LoraSettings.of(lora)  # refused before any stage
+    lora = lora_settings.to_dict() if lora_settings is not None else None
     from ..io.output_guard import check_output_not_input
     from ..io.ownership import make_owned_dir
     from ..io.score_dir import ScoreDirLock
@@ -165,7 +174,7 @@ def pipeline(
                          config_dir=config_dir, demo_overlays=demo_overlays, hardware=hardware, threads=num_threads,
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select,
-                         proxy_validation=proxy_validation)
+                         proxy_validation=proxy_validation, lora=lora)
 
 
 def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "balanced",
@@ -367,25 +376,28 @@ def check_sources(target: str, pool, validation) -> None:
 
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
               demo_overlays, hardware, finetune, force, seed, data_args, align_epochs, eval_per_task,
-              run_lightning, select, proxy_validation="target", threads=None) -> dict[str, Any]:
+              run_lightning, select, proxy_validation="target", threads=None, lora=None) -> dict[str, Any]:
     """The stages of :func:`pipeline`, run while its workdir lock is held: the stage table of ``ARCHITECTURE.md`` in
     order, one step each."""
     stages = _stage_runner(wd, config_dir, (pool == "builtin") if demo_overlays is None else demo_overlays, force,
                            {"target": target, "pool": pool, "validation": validation}, hardware,
                            run_lightning, threads)
     data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
-    warm = _warm_up(stages, target, data_args, seed)
+    warm = _warm_up(stages, target, data_args, seed, lora)
     proxy = _build_proxy(stages, warm, data_args, seed, sparsity, align_epochs)
     score_dirs = _score_pool(stages, warm, proxy, data_args, seed, method, proxy_validation)
     scores, tasks, selected = _select_subsets(stages, score_dirs, pool, data_args, seed, select, select_fraction,
                                               select_rule)
     effect = None
     if finetune:
-        effect = _finetune_and_evaluate(stages, warm, selected, tasks, pool, validation, data_args, seed, eval_per_task)
+        effect = _finetune_and_evaluate(stages, warm, selected, tasks, pool, validation, data_args, seed, eval_per_task,
+                                        lora)
 
     # 6. summary --------------------------------------------------------------------------------
     summary = _summary(wd, warm, proxy, scores, selected, stages.times, pool, select_rule if tasks else None, tasks)
     summary["selection_rule"] = {"rule": select_rule, "k": select_fraction, **({"tasks": tasks} if tasks else {})}
+    if lora is not None:
+        summary["lora"] = lora
     from ..io.stages import pipeline_provenance
 
     summary.update(pipeline_provenance(stages.ledger, method=method, sparsity=sparsity, score_dirs=score_dirs,
@@ -543,16 +555,23 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
                         threads)
 
 
-def _warm_up(stages: _StageRunner, target, data_args: dict, seed: int) -> Path:
-    """1. warm-up: the target fine-tuned on the warm-up split -> ``<workdir>/warmup/model``."""
+def _warm_up(stages: _StageRunner, target, data_args: dict, seed: int, lora: dict | None = None) -> Path:
+    """1. warm-up: the target fine-tuned on the warm-up split -> ``<workdir>/warmup/model`` (with ``lora``: the merged
+    dense model, its adapters in ``adapters/``)."""
     warm = stages.wd / "warmup" / "model"
     stages.run("warmup", "fit", {
         "seed_everything": seed,
         "trainer": {**stages.fit_trainer, "logger": stages.named_logger("warmup")},
-        "model": {"init_args": {"model": target, "save_dir": str(warm)}},
+        "model": {"init_args": {"model": target, "save_dir": str(warm), **_lora_args(lora)}},
         "data": {"init_args": {**data_args, "tokenizer": target, "train_split": "warmup"}},
     }, warm / "config.json")
     return warm
+
+
+def _lora_args(lora: dict | None) -> dict:
+    """The training modules' ``lora`` option: absent without LoRA (the stage configs, and so the fingerprints of a run
+    without it, stay as they were)."""
+    return {} if lora is None else {"lora": lora}
 
 
 def _build_proxy(stages: _StageRunner, warm: Path, data_args: dict, seed: int, sparsity: float,
@@ -626,7 +645,8 @@ def _select_subsets(stages: _StageRunner, score_dirs: dict[str, Path], pool, dat
 
 
 def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str, Path], tasks: list[str], pool,
-                           validation, data_args: dict, seed: int, eval_per_task: int | None) -> dict[str, Any]:
+                           validation, data_args: dict, seed: int, eval_per_task: int | None,
+                           lora: dict | None = None) -> dict[str, Any]:
     """5. fine-tune the warmed-up target on each selection, evaluate each on held-out examples -> the effect."""
     from ..console import quiet_stage
 
@@ -636,7 +656,7 @@ def _finetune_and_evaluate(stages: _StageRunner, warm: Path, selected: dict[str,
         stages.run("finetune", "fit", {
             "seed_everything": seed,
             "trainer": {**stages.fit_trainer, "logger": stages.named_logger(f"finetune_{name}")},
-            "model": {"init_args": {"model": str(warm), "save_dir": str(ft)}},
+            "model": {"init_args": {"model": str(warm), "save_dir": str(ft), **_lora_args(lora)}},
             "data": {"init_args": {**data_args, "tokenizer": str(warm), "train_split": "selected",
                                    "selected": str(selected[name])}},
         }, ft / "config.json", tag=name, upstream=("warmup",), files=(selected[name],))

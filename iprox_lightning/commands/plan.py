@@ -41,6 +41,7 @@ def plan(
     select_k: int = 800,
     speed_results: Optional[str] = None,
     output: Optional[str] = None,
+    lora: Optional[dict] = None,
     scoring: Optional[ScoringConfig] = None,
 ) -> list[dict]:
     """Print, per stage (warm-up; build_proxy's Stage 1 (IPSVD) and Stage 2 (alignment); scoring with each registered
@@ -89,6 +90,8 @@ def plan(
         select_k: examples the fine-tune trains on.
         speed_results: directory of bench/speed.py's speed_*.json (default: the repository's bench/results).
         output: also write the plan as JSON to this file.
+        lora: LoRA warm-up and fine-tune (``{r, alpha, dropout, target_modules}``, the modules' ``lora``): the base
+            weights frozen (no gradients, no AdamW state), the adapters trained.
     """
     from ..analysis import memory as M
     from ..errors import UserInputError
@@ -116,12 +119,21 @@ def plan(
 
     if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
         check_model_config(model)
+    if lora is not None:
+        from dataclasses import replace
+
+        run = replace(run, lora=M.with_lora_targets(lora, model))
     sizes, acts, acts32 = M.model_counts(model, run)  # cached per architecture, T and precision
     stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)
     speeds = M.measured_throughput(sizes.params, accelerator, speed_results or _RESULTS)
     M.attach_times(stages, sizes, run, speeds)
 
-    print(f"plan: {model} — {sizes.params / 1e6:,.0f}M parameters ({sizes.trainable / 1e6:,.0f}M trained in warm-up), "
+    trained = f"{sizes.trainable / 1e6:,.0f}M"
+    if run.lora:
+        t = run.lora["target_modules"]
+        trained = (f"LoRA r {run.lora['r']} on {', '.join(t) if isinstance(t, list) else t}: "
+                   f"{M.lora_params(sizes, run.lora) / 1e6:,.1f}M")
+    print(f"plan: {model} — {sizes.params / 1e6:,.0f}M parameters ({trained} trained in warm-up), "
           f"{precision}, {run.devices} {accelerator} device(s), {strategy}; T = {max_length}, batch {batch_size} "
           f"(build_proxy {align_batch_size}), pool {pool_size}")
     if device_bytes is None:

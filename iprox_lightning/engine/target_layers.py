@@ -66,7 +66,10 @@ def find_target_linears(
 ) -> dict[str, nn.Module]:
     """Map ``module path -> module`` for the targeted linear layers of a causal LM, in model order.
 
-    ``patterns`` are regexes matched against the leaf name (default ``DEFAULT_TARGET_PATTERNS``);
+    ``patterns`` are regexes (default ``DEFAULT_TARGET_PATTERNS``), each matched whole against the module's path and
+    against every dotted tail of it (:func:`path_tails`): a leaf name (``q_proj``) matches as it always did, and a
+    longer path names the layers inside a wrapper, e.g. PEFT's adapters ``lora_[AB]\\.default`` or
+    ``q_proj\\.lora_A\\.default`` (in a PEFT model the leaf of ``...q_proj.lora_A.default`` is ``default``);
     only modules inside a numbered decoder block are returned; embeddings / LM head never are.
     Raises ``ValueError`` when nothing matches (so a wrong pattern never silently tracks nothing).
     """
@@ -80,12 +83,12 @@ def find_target_linears(
             continue
         if isinstance(module, LowRankLinear) and not include_lowrank:
             continue
-        leaf = name.rsplit(".", 1)[-1]
         if any(e.search(name) for e in excl):
             continue
         if not BLOCK_RE.search(name + "."):
             continue
-        if any(p.match(leaf) for p in pats):
+        tails = path_tails(name)
+        if any(p.match(t) for p in pats for t in tails):
             found[name] = module
     if not found:
         raise ValueError(
@@ -94,6 +97,13 @@ def find_target_linears(
         )
     _refuse_shared(model, found)
     return found
+
+
+def path_tails(name: str) -> list[str]:
+    """The dotted tails of a module path, shortest first: ``a.b.c`` -> ``["c", "b.c", "a.b.c"]`` (the leaf name
+    first, the whole path last)."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts) - 1, -1, -1)]
 
 
 def _refuse_shared(model: nn.Module, found: dict[str, nn.Module]) -> None:

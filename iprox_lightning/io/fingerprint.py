@@ -3,7 +3,8 @@
 * :func:`digest` — SHA-256 of a canonical JSON encoding of any JSON-like value (16 hex chars).
 * :func:`source_identity` — a model or data source given by name: ``builtin`` / a hub id as is; a
   file by name, size and content hash (size + mtime above ``HASH_LIMIT`` bytes); a directory by the
-  identity of each file in it (config, manifest, weights, tokenizer).
+  identity of each file in it (config, manifest, weights, tokenizer), a peft adapter directory also by its base
+  model's identity (a changed base never reuses a result of the old one).
 * :func:`module_identity` — an in-memory ``nn.Module``: a hash of its parameter and buffer bytes.
 * :func:`examples_digest` — the content of a tokenized data set (ids, tasks, token ids, prompt
   lengths): a changed pool or validation set, tokenizer, template or ``max_length`` changes it.
@@ -48,8 +49,9 @@ def file_identity(path: str | os.PathLike, hash_limit: int | None = HASH_LIMIT) 
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def source_identity(source: Any) -> Any:
-    """Identity of a model / data source named by a string (see the module docstring)."""
+def source_identity(source: Any, _depth: int = 0) -> Any:
+    """Identity of a model / data source named by a string (see the module docstring); a peft adapter directory's
+    includes its base model's (``"base"``)."""
     if not isinstance(source, (str, os.PathLike)):
         return source if isinstance(source, (int, float, bool, type(None))) else type(source).__name__
     p = Path(source)
@@ -57,8 +59,39 @@ def source_identity(source: Any) -> Any:
         return {"path": str(p), **file_identity(p)}
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
-        return {"path": str(p), "files": {str(f.relative_to(p)): file_identity(f) for f in files}}
+        out = {"path": str(p), "files": {str(f.relative_to(p)): file_identity(f) for f in files}}
+        if (p / ADAPTER_CONFIG).is_file():  # a peft adapter is its files and its base model's
+            out["base"] = _adapter_base_identity(p, _depth)
+        return out
     return str(source)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The settings file of a peft adapter directory (``models/lora.py``), which names its base model."""
+
+
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base model a peft adapter directory names (``base_model_name_or_path`` of its ``adapter_config.json``): a
+    path relative to the working directory or, failing that, to the adapter directory; else a hub id as given."""
+    from .jsonfile import Fields, read_json
+
+    cfg = Path(path) / ADAPTER_CONFIG
+    base = Fields(cfg).get(read_json(cfg, what="a peft adapter's settings"), "base_model_name_or_path", "str")
+    if not base:
+        raise UserInputError(f"{cfg}: base_model_name_or_path is empty; name the adapter's base model there")
+    if not Path(base).exists() and (Path(path) / base).exists():
+        return str(Path(path) / base)
+    return base
+
+
+def _adapter_base_identity(path: Path, depth: int) -> Any:
+    """The identity of the base model a peft adapter directory names (:func:`adapter_base`), itself an adapter at
+    most 4 deep."""
+    base = adapter_base(path)
+    if depth >= 4:
+        raise UserInputError(f"{path / ADAPTER_CONFIG}: its base model is an adapter of an adapter more than 4 deep "
+                             f"({base})")
+    return source_identity(base, _depth=depth + 1)
 
 
 def model_identity(model: Any, net: Any = None) -> Any:

@@ -8,6 +8,9 @@ proxy directory, or ``"builtin"`` (the offline demo model).
   renamed atomically, so an interrupted first load never leaves a broken cache.
   A file that is not GGUF or is cut short stops with a ``ValueError`` naming it (:func:`check_gguf`).
 * ``trust_remote_code`` is off unless the caller asks for it.
+* A directory holding ``adapter_config.json`` is a peft adapter: its base model (``base_model_name_or_path``) loads
+  through these same loaders and the adapters are merged into it (:mod:`.lora`); its weights are read from
+  ``adapter_model.safetensors`` only.
 * A directory holding ``iprox_proxy.json`` is an IProX proxy and goes through
   :func:`iprox_lightning.io.proxy.load_proxy`; a path to its manifest or weights file is refused with an error
   naming the directory, ``load_proxy`` and the dense export.
@@ -303,6 +306,10 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
             return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
         check_gguf(p)
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+    if (p / "adapter_config.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        from .lora import adapter_base
+
+        return load_tokenizer(adapter_base(p), trust_remote_code=trust_remote_code)  # a peft adapter: its base's
     from .hub import check_model_source
 
     check_model_source(str(name_or_path), "tokenizer")
@@ -417,6 +424,38 @@ def _load_proxy_dir(r: LoadRequest):
 def _load_gguf_file(r: LoadRequest):
     """A ``.gguf`` file, dequantized once and cached (:func:`_load_gguf`)."""
     return _load_gguf(r.path, r.dtype, r.kwargs, use_cache=r.use_cache, tokenizer=r.tokenizer)
+
+
+@register_loader("peft", lambda r: r.path.is_dir() and (r.path / "adapter_config.json").is_file())
+def _load_peft_adapter(r: LoadRequest):
+    """A peft adapter directory with its base model (``adapter_config.json`` names it; loaded by these same loaders),
+    merged into a dense model (:func:`.lora.load_adapter`)."""
+    return load_adapter(r.path, merged=True, dtype=r.dtype, attn_implementation=r.attn_implementation,
+                        trust_remote_code=r.trust_remote_code, use_cache=r.use_cache, tokenizer=r.tokenizer)
+
+
+def load_adapter(path: str | os.PathLike, *, merged: bool = True, dtype: str | torch.dtype | None = torch.float32,
+                 attn_implementation: str | None = "eager", trust_remote_code: bool = False, use_cache: bool = True,
+                 tokenizer: bool = True):
+    """``(model, tokenizer)`` of a peft adapter directory: its base (``base_model_name_or_path``) loaded by
+    :func:`load_model` (the same loaders: builtin, a directory, a ``.gguf``, a hub id; ``trust_remote_code`` only when
+    asked), the adapters put on it from ``adapter_model.safetensors`` (:mod:`.lora`; a pickle is refused), merged into
+    a dense model (``merged``) or the peft model; eval mode either way. The tokenizer is the adapter directory's when it
+    holds one, else the base's."""
+    from .lora import attach_saved_adapter, check_adapter_dir, merge
+
+    p = Path(path)
+    base = check_adapter_dir(p)
+    own_tok = tokenizer and (p / "tokenizer_config.json").is_file()
+    model, tok = load_model(base, dtype=dtype, attn_implementation=attn_implementation,
+                            trust_remote_code=trust_remote_code, use_cache=use_cache,
+                            tokenizer=tokenizer and not own_tok)
+    if own_tok:
+        tok = load_tokenizer(str(p), trust_remote_code=trust_remote_code)
+    adapted = attach_saved_adapter(model, p)
+    if dtype is not None:
+        adapted = adapted.to(resolve_dtype(dtype))
+    return (merge(adapted) if merged else adapted).eval(), tok
 
 
 @register_loader("dense", lambda r: True)

@@ -36,7 +36,8 @@ class ScoringConfig:
         damping_mode: ``"relative"`` (``λ = damping·trace(C)/dim``) or ``"absolute"`` (``λ = damping``).
         kfac_examples: training examples the K-FAC factors are estimated on (paper: 1024).
         feature_mode: ``"auto"`` | ``"ghost"`` | ``"materialize"`` per-layer feature computation (identical numbers).
-        target_patterns: leaf-name regexes of the tracked linears (default: attention + MLP projections).
+        target_patterns: regexes of the tracked linears, each matched against the leaf name and every dotted tail
+            of the module path (PEFT adapters: ``lora_[AB]\\.default``; default: attention + MLP projections).
         loss_reduction: the per-example loss ``L(z)`` over the example's response tokens: ``"mean"`` cross-entropy
             (default) or ``"sum"`` (kronfluence's, bergson's); for the scored, validation and factor gradients alike.
         fisher: the curvature (K-FAC / EK-FAC factors) from the examples' labels, ``"empirical"`` (default), or from

@@ -18,6 +18,10 @@
   (``fsdp_cpu_offload``: the sharded weights, gradients and AdamW moments in host memory).
 * At the end of ``fit`` the model is written with ``save_pretrained`` (safetensors) + the tokenizer
   into ``save_dir`` by rank 0 (under FSDP2 the full state dict is gathered first on every rank).
+* ``lora`` (``{r, alpha, dropout, target_modules}``, :class:`~iprox_lightning.models.lora.LoraSettings`): LoRA through
+  peft instead of full fine-tuning: the base weights frozen, the adapters trained; the adapters are saved at the end
+  of every epoch into ``save_dir/adapters/epoch_<n>`` and at the end of ``fit`` into ``save_dir/adapters/final``
+  (peft's format, safetensors), and ``save_dir`` itself gets the merged dense model (what the next stage reads).
 """
 from __future__ import annotations
 
@@ -149,6 +153,8 @@ class CausalLMModule(L.LightningModule):
             (:mod:`~iprox_lightning.training.memory_levers`). ``None``: the whole batch at once.
         fsdp_cpu_offload: under ``ModelParallelStrategy`` (FSDP2), keep the sharded weights, gradients and AdamW
             moments in host memory (the optimiser steps there).
+        lora: LoRA adapters ``{r, alpha, dropout, target_modules}`` instead of full fine-tuning (default: none);
+            see the module docstring.
     """
 
     def __init__(
@@ -165,10 +171,14 @@ class CausalLMModule(L.LightningModule):
         fsdp_reshard_after_forward: bool = True,
         micro_batch_size: Optional[int] = None,
         fsdp_cpu_offload: bool = False,
+        lora: Optional[dict] = None,
     ) -> None:
         super().__init__()
         if micro_batch_size is not None and (type(micro_batch_size) is not int or micro_batch_size < 1):
             raise UserInputError(f"micro_batch_size must be an integer >= 1 or null, got {micro_batch_size!r}")
+        from ..models.lora import LoraSettings
+
+        self.lora_settings = LoraSettings.of(lora)  # checked before any training
         if lr_schedule not in LR_SCHEDULES:
             raise UserInputError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if not 0.0 <= warmup_ratio < 1.0:
@@ -196,6 +206,10 @@ class CausalLMModule(L.LightningModule):
         if self.hparams.freeze_embeddings:
             frozen = freeze_embeddings_and_head(model)
             log.info("frozen embeddings / LM head: %s", frozen)
+        if self.lora_settings is not None:
+            from .lora import with_adapters
+
+            model = with_adapters(model, self.lora_settings, self.model_source, self._device_mesh)
         if self.hparams.gradient_checkpointing:
             enable_checkpointing(model)
         if hasattr(model, "config"):
@@ -292,8 +306,18 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------- saving
+    def on_train_epoch_end(self) -> None:
+        if self.lora_settings is not None and self.hparams.save_dir:
+            from .lora import save_epoch_adapter
+
+            save_epoch_adapter(self, f"epoch_{self.current_epoch + 1}")
+
     def on_fit_end(self) -> None:
         if self.hparams.save_dir:
+            if self.lora_settings is not None:
+                from .lora import save_final_and_merge
+
+                save_final_and_merge(self)  # the adapters, then self.model the merged dense model
             self.save_model(self.hparams.save_dir)
 
     def save_model(self, save_dir: str) -> Optional[Path]:

@@ -1,0 +1,53 @@
+"""LoRA in the warm-up and fine-tune modules (``lora: {r, alpha, dropout, target_modules}`` of
+:class:`~iprox_lightning.training.causal_lm.CausalLMModule`): the adapters put on the loaded model, saved at the end
+of every epoch and of ``fit`` (``<save_dir>/adapters/epoch_<n>``, ``<save_dir>/adapters/final``: peft's format,
+safetensors, each loadable on its own with its base), and merged into the dense model ``save_dir`` receives (what
+Stage 1 reads). The peft calls themselves are :mod:`iprox_lightning.models.lora`'s."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import UserInputError
+from ..models.lora import LoraSettings, add_adapters, is_adapted, merge, save_adapter
+
+ADAPTERS_DIR = "adapters"
+"""The folder of ``save_dir`` the adapters are saved in, one directory per epoch and ``final``."""
+
+
+def with_adapters(model: nn.Module, settings: LoraSettings, source: Any, mesh: Any = None) -> nn.Module:
+    """``model`` with fresh LoRA adapters (peft; base weights frozen). ``source``: what the model was loaded from (the
+    adapters' recorded base: a path made absolute, a hub id or ``builtin``; a module given from Python records none).
+    Refused under FSDP2 (``ModelParallelStrategy``): its sharded merge and save are not built."""
+    if mesh is not None:
+        raise UserInputError("lora: LoRA under ModelParallelStrategy (FSDP2) is not supported; use strategy ddp "
+                             "(the frozen base and small adapters need no sharding of optimiser state)")
+    return add_adapters(model, settings, base=str(source) if isinstance(source, (str, Path)) else None)
+
+
+def adapter_dir(save_dir: str | Path, name: str) -> Path:
+    return Path(save_dir) / ADAPTERS_DIR / name
+
+
+def save_epoch_adapter(module, name: str) -> Path | None:
+    """The adapters of ``module.model`` into ``<save_dir>/adapters/<name>`` on rank 0 (all ranks call it)."""
+    path = adapter_dir(module.hparams.save_dir, name)
+    trainer = module._trainer
+    if trainer is None or trainer.is_global_zero:
+        from ..io.ownership import make_owned_dir
+
+        make_owned_dir(module.hparams.save_dir, "model")  # created (and marked) before the first adapter goes in
+        save_adapter(module.model, path)
+    if trainer is not None:
+        trainer.strategy.barrier("save_adapter")
+    return path
+
+
+def save_final_and_merge(module) -> None:
+    """The final adapters saved (``adapters/final``), then ``module.model`` replaced by the merged dense model."""
+    if not is_adapted(module.model):
+        return
+    save_epoch_adapter(module, "final")
+    module.model = merge(module.model)
