@@ -176,15 +176,15 @@ def test_build_store_with_gradient_checkpointing_stores_the_same_vectors(tmp_pat
                                         "context": "", "response": "ba" * (j % 3 + 1)}) + "\n" for j in range(7)))
     from iprox_lightning.engine import checkpointing
 
-    wrapped, recomputed = checkpointing._checkpointed, []
+    wrapped, recomputed = checkpointing._checkpointed_forward, []
 
-    def counting(forward):  # counts the recomputes of the blocks the build checkpointed
+    def counting(forward, *args, **kwargs):  # counts the recomputes of the blocks the build checkpointed
         def forward_counted(*a, **k):
             recomputed.append(checkpointing.recomputing())
             return forward(*a, **k)
-        return wrapped(forward_counted)
+        return wrapped(forward_counted, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "_checkpointed", counting)
+    monkeypatch.setattr(checkpointing, "_checkpointed_forward", counting)
     stores = {}
     for flag in ("false", "true"):
         out = tmp_path / f"store-{flag}"
