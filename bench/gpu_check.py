@@ -12,6 +12,10 @@ reason; one that raises is ``failed`` with the error's type and message, and the
   the product's Stage-1 code (``compress_model``, random factors: the proxy's shapes, no SVD time) and their
   time ratio to the target (and the analytic FLOP ratio beside it), the gradient store's per-batch build work
   (tokens/s, target and proxies), and the peak CUDA memory of every stage.
+* ``build``: Stage 1 and Stage 2 of build_proxy at the Llama-3.2-1B shape (``--build-shape``, random init) in one
+  ``fit`` of the product's ``IPSVDCallback`` and ``ProxyAlignModule`` on the device; per stage the measured peak
+  (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, reset between them; ``RssAnon`` on a CPU) beside
+  the plan's (``build_proxy_plan`` for the same settings).
 * ``pipeline``: the product's ``pipeline`` command on SmolLM2-135M (the GGUF, or, where it is absent, a random
   SmolLM2-135M-shape model: the JSON says which) over ~2k pool examples, ``bf16-mixed``, on the GPU: warm-up ->
   build_proxy (IPSVD + alignment) -> score (target, proxy) -> select; seconds, tokens/s and peak CUDA memory per
@@ -19,6 +23,10 @@ reason; one that raises is ``failed`` with the error's type and message, and the
 * ``fsdp``: Lightning's ``FSDPStrategy`` (FSDP1) on one GPU: a warm-up and a scoring run through the stage
   commands (``python train.py fit --config configs/warmup.yaml`` / ``predict --config configs/score.yaml``). It
   needs CUDA; on a CPU (``--tiny``) the same two commands run with the default strategy, recorded as such.
+
+The default parts (``engine:llama-1b``, ``build``, ``pipeline``, ``fsdp``) fit the default 540 s; the pipeline part's
+budget is the H100's recorded stage times (``H100_SECONDS``) plus its own overhead; ``--shapes llama-1b llama-3b``
+adds the 3B engine (110 s more: raise ``--budget`` or run it alone with ``--parts``).
 
 Usage::
 
