@@ -495,6 +495,7 @@ def build_part(args, rec: PartRecord) -> None:
                         "seconds": seconds}
         rec.update(stages=stages)
 
+    sampler = base = None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     else:
@@ -538,7 +539,6 @@ def build_part(args, rec: PartRecord) -> None:
                 torch.cuda.synchronize()
             record("stage2", plans[1], time.perf_counter() - self.t1)
 
-    sampler = sampler if not cuda else None
     module = ProxyAlignModule(target=model, log_layer_cosines=False, keep_best=False)
     del model
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.build_steps,
