@@ -12,6 +12,10 @@ reason; one that raises is ``failed`` with the error's type and message, and the
   the product's Stage-1 code (``compress_model``, random factors: the proxy's shapes, no SVD time) and their
   time ratio to the target (and the analytic FLOP ratio beside it), the gradient store's per-batch build work
   (tokens/s, target and proxies), and the peak CUDA memory of every stage.
+* ``build``: Stage 1 and Stage 2 of build_proxy at the Llama-3.2-1B shape (``--build-shape``, random init) in one
+  ``fit`` of the product's ``IPSVDCallback`` and ``ProxyAlignModule`` on the device; per stage the measured peak
+  (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, reset between them; ``RssAnon`` on a CPU) beside
+  the plan's (``build_proxy_plan`` for the same settings).
 * ``pipeline``: the product's ``pipeline`` command on SmolLM2-135M (the GGUF, or, where it is absent, a random
   SmolLM2-135M-shape model: the JSON says which) over ~2k pool examples, ``bf16-mixed``, on the GPU: warm-up ->
   build_proxy (IPSVD + alignment) -> score (target, proxy) -> select; seconds, tokens/s and peak CUDA memory per
@@ -19,6 +23,10 @@ reason; one that raises is ``failed`` with the error's type and message, and the
 * ``fsdp``: Lightning's ``FSDPStrategy`` (FSDP1) on one GPU: a warm-up and a scoring run through the stage
   commands (``python train.py fit --config configs/warmup.yaml`` / ``predict --config configs/score.yaml``). It
   needs CUDA; on a CPU (``--tiny``) the same two commands run with the default strategy, recorded as such.
+
+The default parts (``engine:llama-1b``, ``build``, ``pipeline``, ``fsdp``) fit the default 540 s; the pipeline part's
+budget is the H100's recorded stage times (``H100_SECONDS``) plus its own overhead; ``--shapes llama-1b llama-3b``
+adds the 3B engine (110 s more: raise ``--budget`` or run it alone with ``--parts``).
 
 Usage::
 
@@ -69,8 +77,16 @@ WHEELS = ("jsonargparse", "docstring-parser", "typeshed-client", "gguf")
 # what --tiny changes (options given on the command line win): tiny shapes and the built-in data on a CPU, every part
 # in about a minute (the GPU defaults are the parser's)
 TINY = dict(shapes=["tiny"], batches=2, batch_size=4, seq_len=32, store_k=4, pool_size=120, max_length=64,
-            pipeline_batch_size=8, construction_fraction=0.1, val_per_task=4, fsdp_pool=40, budget=300.0,
-            budget_engine=120.0, budget_pipeline=150.0, budget_fsdp=120.0)
+            pipeline_batch_size=8, construction_fraction=0.1, val_per_task=4, fsdp_pool=40, budget=420.0,
+            budget_engine=120.0, budget_pipeline=150.0, budget_fsdp=120.0, budget_build=120.0, build_shape="tiny",
+            build_max_length=64, build_batch_size=2, build_probe_tokens=128, build_steps=2)
+
+H100_SECONDS = {"warmup": 56.6, "build_proxy": 125.2, "score:target": 17.5, "score:proxy": 24.2}
+"""The pipeline's stages as one H100 80 GB ran them (SmolLM2-135M, a 2,000-example pool, stage by stage:
+``bench/results/fidelity_gpu2048/state.json``, each stage's ``wall_s`` and ``host``): the pipeline part's budget."""
+PIPELINE_OVERHEAD_S = 40.0
+"""The pipeline part's own start, its inputs and ``select`` beside the recorded stages (on a CPU, --tiny: ~25 s)."""
+PIPELINE_BUDGET_S = round(sum(H100_SECONDS.values()) + PIPELINE_OVERHEAD_S)
 
 
 # ----------------------------------------------------------------------------------------------- arguments
@@ -85,14 +101,19 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", default=None, help="scratch directory (default: a new one under /tmp)")
     ap.add_argument("--inputs", default=str(REPO / ".gpu_check"), help="what --prepare wrote")
     ap.add_argument("--parts", nargs="*", default=None, help="run only these parts (names as in the JSON)")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for all parts together")
+    ap.add_argument("--budget", type=float, default=540.0,
+                    help="seconds for all parts together (the device tool's 600 s command, less the start-up)")
     ap.add_argument("--budget-engine", type=float, default=None,
                     help="seconds per engine shape (default: 80 for llama-1b, 110 for llama-3b, 80 otherwise)")
-    ap.add_argument("--budget-pipeline", type=float, default=170.0)
+    ap.add_argument("--budget-pipeline", type=float, default=PIPELINE_BUDGET_S,
+                    help=f"default {PIPELINE_BUDGET_S:.0f}: the H100's recorded stage times (H100_SECONDS) + "
+                         f"{PIPELINE_OVERHEAD_S:.0f} s")
+    ap.add_argument("--budget-build", type=float, default=100.0)
     ap.add_argument("--budget-fsdp", type=float, default=80.0)
     ap.add_argument("--min-part-s", type=float, default=20.0, help="a part starts only with this much time left")
     # engine
-    ap.add_argument("--shapes", nargs="*", default=["llama-1b", "llama-3b"])
+    ap.add_argument("--shapes", nargs="*", default=["llama-1b"],
+                    help="engine shapes (llama-3b as well: --shapes llama-1b llama-3b, 110 s more)")
     ap.add_argument("--dtype", default="bfloat16", help="the engine part's model dtype")
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -112,6 +133,12 @@ def parse_args(argv=None):
     ap.add_argument("--construction-fraction", type=float, default=0.05)
     ap.add_argument("--val-per-task", type=int, default=8)
     ap.add_argument("--sparsity", type=float, default=0.5)
+    # build (Stage 1 and Stage 2 of build_proxy against the plan)
+    ap.add_argument("--build-shape", default="llama-3.2-1b", help="a shape of bench/plan_memory.py's STAGE1_SHAPES")
+    ap.add_argument("--build-max-length", type=int, default=512)
+    ap.add_argument("--build-batch-size", type=int, default=4, help="the build batch (the paper's 4)")
+    ap.add_argument("--build-probe-tokens", type=int, default=1024, help="IPSVDCallback num_probe_tokens (shipped)")
+    ap.add_argument("--build-steps", type=int, default=3, help="Stage 2 alignment steps")
     ap.add_argument("--fsdp-pool", type=int, default=256, help="pool examples of the fsdp part (the first of the pool)")
     ap.add_argument("--prepare", default=None, metavar="DIR", help="write the inputs that travel to DIR and exit")
     # internal: one part in a child process
@@ -134,7 +161,7 @@ def parse_args(argv=None):
 
     if unknown := [s for s in args.shapes if s not in speed.SHAPES]:
         ap.error(f"--shapes: unknown {unknown}; shapes: {', '.join(speed.SHAPES)}")
-    every = [f"engine:{s}" for s in args.shapes] + ["pipeline", "fsdp"]
+    every = [f"engine:{s}" for s in args.shapes] + ["build", "pipeline", "fsdp"]
     if args.parts is not None and (unknown := [p for p in args.parts if p not in every]):
         ap.error(f"--parts: unknown {unknown}; parts: {', '.join(every)}")
     if args.smollm2 not in (None, "random") and not Path(args.smollm2).exists():
@@ -143,7 +170,7 @@ def parse_args(argv=None):
 
 
 def part_names(args) -> list[str]:
-    names = [f"engine:{s}" for s in args.shapes] + ["pipeline", "fsdp"]
+    names = [f"engine:{s}" for s in args.shapes] + ["build", "pipeline", "fsdp"]
     return [n for n in names if args.parts is None or n in args.parts]
 
 
@@ -152,7 +179,7 @@ def part_budget(args, name: str) -> float:
         if args.budget_engine is not None:
             return args.budget_engine
         return {"llama-1b": 80.0, "llama-3b": 110.0}.get(name.split(":", 1)[1], 80.0)
-    return {"pipeline": args.budget_pipeline, "fsdp": args.budget_fsdp}[name]
+    return {"build": args.budget_build, "pipeline": args.budget_pipeline, "fsdp": args.budget_fsdp}[name]
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -367,6 +394,8 @@ def run_part(args) -> dict:
     try:
         if args.part.startswith("engine:"):
             engine_part(args, args.part.split(":", 1)[1], rec)
+        elif args.part == "build":
+            build_part(args, rec)
         elif args.part == "pipeline":
             pipeline_part(args, workdir, rec)
         elif args.part == "fsdp":
@@ -415,6 +444,113 @@ def engine_summary(res: dict, rhos) -> dict:
                              "store_build": tps.get("s")},
             "engine_over_fwd_bwd_tracked": ratios["engine/fwd_bwd_tracked"], "proxies": proxies,
             "peak_memory_bytes": res["peak_cuda_bytes_per_stage"]}
+
+
+# ----------------------------------------------------------------------------------------------- build part
+
+def build_part(args, rec: PartRecord) -> None:
+    """Stage 1 and Stage 2 of build_proxy at ``--build-shape`` (random init, built on the host as a loaded model is)
+    on the device: the product's ``IPSVDCallback`` and ``ProxyAlignModule`` in one Lightning ``fit`` at
+    ``--precision`` (``--build-steps`` alignment steps of ``--build-batch-size`` x ``--build-max-length`` random
+    tokens, half of them scored), each stage's measured peak beside the plan's (``build_proxy_plan``, the same
+    settings). On CUDA the peak is ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``), reset between
+    the stages; on a CPU the process's peak ``RssAnon`` over its value before the model was built (sampled every
+    5 ms: ``bench/plan_memory.py``'s ``PeakSampler``)."""
+    import lightning as L
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import plan_memory
+    from iprox_lightning.analysis import ModelSizes, RunSettings, build_proxy_plan, saved_activation_bytes
+    from iprox_lightning.callbacks import IPSVDCallback
+    from iprox_lightning.modules import ProxyAlignModule
+
+    cuda = args.device == "cuda"
+    B, T, N = args.build_batch_size, args.build_max_length, args.build_probe_tokens
+    config = plan_memory.stage1_config(args.build_shape, None)
+    run = RunSettings(max_length=T, align_batch_size=B, precision=args.precision, devices=1,
+                      device_kind="cuda" if cuda else "cpu", num_probe_tokens=N, sparsity=args.sparsity,
+                      response_share=0.5)
+    acts = saved_activation_bytes(config, seq_len=T, precision=run.precision)
+    acts32 = saved_activation_bytes(config, seq_len=T, precision="32-true")
+    plans = build_proxy_plan(ModelSizes.from_config(config, name=args.build_shape), acts, run, acts32)
+    measure = ("torch.cuda.max_memory_allocated (max_memory_reserved beside it), reset between the stages" if cuda
+               else "peak RssAnon of the part's process over its value before the model was built (CPU)")
+    rec.update(shape=args.build_shape, precision=args.precision, batch_size=B, max_length=T, probe_tokens=N,
+               steps=args.build_steps, sparsity=args.sparsity, measure=measure,
+               settings={k: getattr(run, k) for k in ("max_length", "align_batch_size", "precision", "devices",
+                                                       "device_kind", "num_probe_tokens", "sparsity",
+                                                       "response_share")})
+    stages: dict = {}
+
+    def peak_now() -> tuple[int, int | None]:
+        if cuda:
+            return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        return sampler.stop() - base, None
+
+    def record(name: str, plan, seconds: float) -> None:
+        measured, reserved = peak_now()
+        stages[name] = {"measured_bytes": measured, "reserved_bytes": reserved, "plan_bytes": plan.peak,
+                        "plan_over_measured": plan.peak / measured if measured else None, "plan_parts": plan.parts,
+                        "seconds": seconds}
+        rec.update(stages=stages)
+
+    sampler = base = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        sampler = plan_memory.PeakSampler(0.005)
+        base = sampler.base
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        ids = torch.randint(3, config.vocab_size, (B, T), generator=g)
+        labels = ids.clone()
+        labels[:, : T // 2] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+                "id": [str(i) for i in range(B)]}
+
+    probe = [batch() for _ in range(-(-N // (B * T)))]
+    train = [batch() for _ in range(args.build_steps)]
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):  # the batches as they are (a list would be read as several loaders)
+            return torch.utils.data.DataLoader(train, batch_size=None)
+
+        def probe_dataloader(self):
+            return probe
+
+    class Peaks(L.Callback):  # after IPSVDCallback: its setup (Stage 1) has run
+        def setup(self, trainer, pl_module, stage):
+            nonlocal sampler
+            record("stage1", plans[0], time.perf_counter() - t0)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                sampler = plan_memory.PeakSampler(0.005)
+            self.t1 = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module):
+            if cuda:
+                torch.cuda.synchronize()
+            record("stage2", plans[1], time.perf_counter() - self.t1)
+
+    module = ProxyAlignModule(target=model, log_layer_cosines=False, keep_best=False)
+    del model
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.build_steps,
+                        precision=args.precision, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[IPSVDCallback(sparsity=args.sparsity, num_probe_tokens=N, health_batches=0),
+                                   Peaks()])
+    trainer.fit(module, datamodule=Data())
+    if set(stages) != {"stage1", "stage2"}:
+        raise RuntimeError(f"the build ran {sorted(stages)} of Stage 1 and Stage 2")
+    rec.update(stages=stages, seconds=time.perf_counter() - t0,
+               proxy_params=sum(p.numel() for p in module.proxy.parameters()))
 
 
 # ----------------------------------------------------------------------------------------------- pipeline part

@@ -3,7 +3,7 @@
 # (nvidia-smi, Python, torch, CUDA), makes the project importable from this checkout (the packages the machine lacks
 # come from the wheels `python bench/gpu_check.py --prepare .gpu_check` downloaded beforehand; the package itself from
 # this checkout, by PYTHONPATH: nothing is built or fetched), then runs bench/gpu_check.py with the arguments given
-# (default budget 450 s for its parts: the whole call fits in 8 minutes). The JSON goes to bench/results/gpu/ and,
+# (default budget 540 s for its parts: the whole call fits the device tool's 10-minute command). The JSON goes to bench/results/gpu/ and,
 # where $OUT is set (the GPU machine's folder that comes back), is copied there with each part's log.
 # Usage: [GPU_CHECK_COMMIT=<commit>] [GPU_CHECK_INPUTS=.gpu_check] bash bench/gpu_check.sh [gpu_check.py options]
 set -u
