@@ -505,15 +505,7 @@ def build_part(args, rec: PartRecord) -> None:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
-    g = torch.Generator().manual_seed(1)
-
-    def batch():
-        ids = torch.randint(3, config.vocab_size, (B, T), generator=g)
-        labels = ids.clone()
-        labels[:, : T // 2] = -100
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-                "id": [str(i) for i in range(B)]}
-
+    batch = plan_memory.random_sft_batch_maker(config.vocab_size, B, T)
     probe = [batch() for _ in range(-(-N // (B * T)))]
     train = [batch() for _ in range(args.build_steps)]
 

@@ -64,6 +64,23 @@ def vm_hwm() -> int:
     return _status_bytes("VmHWM") or 0
 
 
+def random_sft_batch_maker(vocab_size: int, B: int, T: int, seed: int = 1):
+    """A function giving random SFT batches ``[B, T]`` of token ids in ``[3, vocab_size)`` (seeded: the same sequence
+    of batches each time), the first half of each row's labels masked, every position attended."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def batch():
+        ids = torch.randint(3, vocab_size, (B, T), generator=g)
+        labels = ids.clone()
+        labels[:, : T // 2] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+                "id": [str(i) for i in range(B)]}
+
+    return batch
+
+
 class PeakSampler:
     """This process's RssAnon from now on: ``base`` at the start, the largest value sampled every ``interval`` seconds
     by a daemon thread until :meth:`stop`, which returns the peak (the value at the stop included)."""
@@ -282,15 +299,7 @@ def stage1_child(args: dict) -> None:
     dtype = torch.bfloat16 if args["precision"] == "bf16-true" else torch.float32  # model.dtype of the run
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     B, T, N = args["batch_size"], args["max_length"], args["probe_tokens"]
-    g = torch.Generator().manual_seed(1)
-
-    def batch():
-        ids = torch.randint(3, config.vocab_size, (B, T), generator=g)
-        labels = ids.clone()
-        labels[:, : T // 2] = -100
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-                "id": [str(i) for i in range(B)]}
-
+    batch = random_sft_batch_maker(config.vocab_size, B, T)
     probe = [batch() for _ in range(-(-N // (B * T)))]  # every token valid: N columns
 
     class Data(L.LightningDataModule):
