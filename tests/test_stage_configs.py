@@ -87,7 +87,9 @@ def test_scoring_config_is_frozen_and_what_the_module_and_scorer_use():
     assert isinstance(InfluenceScoringModule(model).metric, TracIn)
     fields = {f.name for f in dataclasses.fields(ScoringConfig)}
     assert fields <= set(inspect.signature(InfluenceScoringModule).parameters)  # same names as the module's options
-    assert ScoringConfig(**kw).to_dict() == {**kw, "normalize": True}  # plain JSON values (lists, not tuples)
+    # plain JSON values (lists, not tuples); K-FAC records its float32 sums (float64, as before the option: unrecorded)
+    assert ScoringConfig(**kw).to_dict() == {**kw, "normalize": True, "kfac_dtype": "float32"}
+    assert ScoringConfig(**kw, kfac_dtype="float64").to_dict() == {**kw, "normalize": True}
 
 
 @pytest.mark.parametrize("kwargs, message", [
