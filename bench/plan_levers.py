@@ -71,7 +71,7 @@ def child(args: dict) -> None:
 
 def predicted(args: dict) -> dict:
     from iprox_lightning.analysis import ModelSizes, RunSettings, saved_activation_bytes
-    from iprox_lightning.analysis.memory import training_plan
+    from iprox_lightning.analysis import training_plan
     from plan_memory import stage1_config
 
     config = stage1_config(args["shape"], args["layers"])

@@ -39,13 +39,13 @@ def child(args: dict) -> None:
     from plan_memory import PeakSampler
     from transformers import AutoModelForCausalLM
 
-    from iprox_lightning.analysis.memory import _with_layers, load_config
-    from iprox_lightning.compression.apply import compress_model
+    from iprox_lightning.analysis import load_config, with_layers
+    from iprox_lightning.compression import compress_model
     from iprox_lightning.modules import ProxyAlignModule
 
     sampler = PeakSampler(0.01)  # the baseline: after the imports (as bench/plan_memory.py)
     torch.manual_seed(0)
-    config = _with_layers(load_config(args["shape"]), args["layers"])
+    config = with_layers(load_config(args["shape"]), args["layers"])
     target = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     module = ProxyAlignModule(target=target, keep_best=False, **args["settings"])
     module.configure_model()
@@ -69,10 +69,10 @@ def child(args: dict) -> None:
 
 
 def plan(args: dict) -> dict:
-    from iprox_lightning.analysis.memory import ModelSizes, RunSettings, _with_layers, build_proxy_plan, load_config
-    from iprox_lightning.analysis.memory import run_activations
+    from iprox_lightning.analysis import ModelSizes, RunSettings, build_proxy_plan, load_config, with_layers
+    from iprox_lightning.analysis import run_activations
 
-    config = _with_layers(load_config(args["shape"]), args["layers"])
+    config = with_layers(load_config(args["shape"]), args["layers"])
     s = args["settings"]
     run = RunSettings(max_length=args["max_length"], align_batch_size=args["batch_size"], precision="32-true",
                       device_kind="cpu", response_share=0.5, align_checkpointing=s.get("activation_checkpointing", False),

@@ -72,7 +72,7 @@ def compare(path: Path, ref: Path) -> dict:
     """Per score column: Spearman, top 5% overlap and the largest |difference| against the reference table."""
     import pyarrow.parquet as pq
 
-    from iprox_lightning.analysis.retention import spearman, topk_overlap
+    from iprox_lightning.analysis import spearman, topk_overlap
 
     a = pq.read_table(path).to_pandas().set_index("id")
     b = pq.read_table(ref).to_pandas().set_index("id").loc[a.index]
@@ -152,7 +152,7 @@ def rss_child(a) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from plan_memory import PeakSampler
 
-    from iprox_lightning.analysis.memory import load_config
+    from iprox_lightning.analysis import load_config
     from iprox_lightning.scoring import influence_scores
 
     torch.set_num_threads(1)
@@ -182,7 +182,7 @@ def rss_child(a) -> None:
 
 
 def run_rss(a) -> dict:
-    from iprox_lightning.analysis import memory as M
+    from iprox_lightning.analysis import ModelSizes, load_config, validation_gradient_bytes
 
     tracked = None
     result = {}
@@ -197,11 +197,11 @@ def run_rss(a) -> dict:
             raise SystemExit(f"{name} failed: {r.stderr[-2000:]}")
         measured = json.loads(r.stdout.strip().splitlines()[-1])["peak_over_baseline"]
         if tracked is None:
-            cfg = M.load_config("smollm2-135m")
+            cfg = load_config("smollm2-135m")
             cfg.num_hidden_layers = a.layers
-            shape = M.ModelSizes.from_config(cfg).shape
+            shape = ModelSizes.from_config(cfg).shape
             tracked = [(l.in_features, l.out_features) for l in shape.linears if l.tracked]
-        vg = M.validation_gradient_bytes(tracked, a.columns, holding)
+        vg = validation_gradient_bytes(tracked, a.columns, holding)
         # on a CPU the host is the device: the larger of the preparation's (float32 sums, on the host or the device,
         # and one layer's stacked copy) and the scoring's (held, and one layer widened) peaks
         prep = (vg["host"] or vg["held"]) + vg["layer"]

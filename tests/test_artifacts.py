@@ -154,15 +154,20 @@ def test_scoring_into_a_directory_of_other_inputs_is_refused(tmp_path, change, f
 
 def test_the_fingerprinted_scoring_settings_keep_their_fields_and_values(tmp_path):
     """The settings part of the resume fingerprint: the model's name, the ScoringConfig, the factor split and the
-    loading dtype, under the same names as before the ScoringConfig existed, so older score directories resume."""
-    module = score(tmp_path, DM(), method="kfac", kfac_examples=4, target_patterns=["q_proj"])
+    loading dtype, under the same names as before the ScoringConfig existed, so older score directories resume (a
+    K-FAC one with ``kfac_dtype float64``, what K-FAC summed in then; today's float32 default is recorded, so it
+    never resumes one of them)."""
     expected = {"model": "LlamaForCausalLM", "method": "kfac", "normalize": True, "per_task": True, "damping": 1e-3,
                 "damping_mode": "relative", "kfac_examples": 4, "kfac_split": "pool", "feature_mode": "auto",
                 "target_patterns": ["q_proj"], "dtype": "float32"}
-    assert module.scoring_config() == expected
-    settings = json.loads((tmp_path / "settings.json").read_text())
-    assert settings["fingerprint"]["settings"] == settings["config"] == expected
-    assert settings["scoring"] == {k: v for k, v in expected.items() if k not in ("model", "kfac_split", "dtype")}
+    for dtype, recorded in (("float64", {}), ("float32", {"kfac_dtype": "float32"})):
+        out = tmp_path / dtype
+        module = score(out, DM(), method="kfac", kfac_examples=4, target_patterns=["q_proj"], kfac_dtype=dtype)
+        assert module.scoring_config() == {**expected, **recorded}
+        settings = json.loads((out / "settings.json").read_text())
+        assert settings["fingerprint"]["settings"] == settings["config"] == {**expected, **recorded}
+        assert settings["scoring"] == {k: v for k, v in {**expected, **recorded}.items()
+                                       if k not in ("model", "kfac_split", "dtype")}
 
 
 def test_overwrite_starts_fresh_with_only_the_new_pool(tmp_path):

@@ -82,7 +82,8 @@ def test_module_and_writer_match_function(tmp_path, method, inference_mode):
     assert settings["config"]["method"] == method and settings["merge"]["rows"] == len(POOL)
     assert settings["scoring"] == {"method": method, "normalize": True, "per_task": True, "damping": 1e-3,
                                    "damping_mode": "relative", "kfac_examples": 8, "feature_mode": "auto",
-                                   "target_patterns": None}  # the module's ScoringConfig, verbatim
+                                   "target_patterns": None,  # the module's ScoringConfig, verbatim
+                                   **({"kfac_dtype": "float32"} if method == "kfac" else {})}
     assert settings["scorer"]["task_names"] == ["bbh", "mmlu"] and settings["scorer"]["val_counts"] == [2, 3]
     cols = pq.read_table(tmp_path / SCORES_FILE).column_names
     assert cols == ["id", "score", "score_max", "score/bbh", "score/mmlu", "n_tokens", "zero_grad", "nonfinite", "task"]

@@ -46,6 +46,9 @@ _HOMES = {
     'training_plan': '.memory',
     'build_proxy_plan': '.memory',  # bench/plan_memory.py: Stage 1's plan against its measured peak
     'saved_activation_bytes': '.memory',
+    'run_activations': '.memory',  # bench/plan_stage2.py
+    'validation_gradient_bytes': '.memory',  # bench/validation_holding.py
+    'with_layers': '.memory',
 }
 """Each public name and the module it lives in: imported on first use (PEP 562), so importing the package loads
 none of them (``train.py <command> --help`` stays fast)."""
@@ -62,5 +65,5 @@ __all__ = [
     "subspace_affinity", "subspace_basis",
     "group_table", "layer_blocks", "layer_contributions", "task_layer_table", "spearman_columns",
     "Activations", "ModelSizes", "RunSettings", "load_config", "plan_stages", "training_plan",
-    "build_proxy_plan", "saved_activation_bytes",
+    "build_proxy_plan", "saved_activation_bytes", "run_activations", "validation_gradient_bytes", "with_layers",
 ]

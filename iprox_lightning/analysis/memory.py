@@ -185,7 +185,8 @@ class ModelSizes:
 # --------------------------------------------------------------------------------------------
 # activations: what a backward keeps, counted under FakeTensorMode
 # --------------------------------------------------------------------------------------------
-def _with_layers(config, n: int):
+def with_layers(config, n: int):
+    """A copy of the Hugging Face ``config`` with its first ``n`` decoder layers (``layer_types`` cut to match)."""
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = n
     if getattr(cfg, "layer_types", None):
@@ -233,7 +234,7 @@ def _tracked_input_bytes(config, seq_len: int, precision: str, attn_implementati
 
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     with FakeTensorMode():
-        model = AutoModelForCausalLM.from_config(_with_layers(config, 1), attn_implementation=attn_implementation,
+        model = AutoModelForCausalLM.from_config(with_layers(config, 1), attn_implementation=attn_implementation,
                                                  dtype=dtype)
         seen: dict[int, int] = {}
 
@@ -281,7 +282,7 @@ def saved_activation_bytes(config, *, seq_len: int, precision: str, attn_impleme
                            trainable: bool = True) -> Activations:
     """:class:`Activations` of ``config``'s decoder stack: its saved tensors with one and two layers and one and two
     sequences, counted on fake tensors (see the module docstring); the count is affine in layers and sequences."""
-    c = {(L, B): _saved_bytes(_with_layers(config, L), B, seq_len, precision, attn_implementation, trainable)
+    c = {(L, B): _saved_bytes(with_layers(config, L), B, seq_len, precision, attn_implementation, trainable)
          for L in (1, 2) for B in (1, 2)}
     seq_layer = c[2, 2] - c[2, 1] - c[1, 2] + c[1, 1]
     fixed_layer = c[2, 1] - c[1, 1] - seq_layer

@@ -76,6 +76,7 @@ class CheckCache:
         by_key = {k: tensors[f"V{j}"] for j, k in enumerate(meta["keys"])}
         scorer.V = {k: by_key[k].to(scorer.dtype) for k in keys}
         scorer.task_names = list(meta["task_names"])
+        scorer.columns = list(range(len(scorer.task_names)))  # every column, as one collect_validation pass holds them
         scorer.val_counts = np.asarray(meta["val_counts"], dtype=np.int64)
         scorer.stats["val_seconds"] = 0.0
         scorer.stats["val_examples"] = int(scorer.val_counts.sum())
