@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.checkpointing import checkpointed_blocks
-from ..engine.batch import check_batch, scored_logits, shifted_token_mask, token_mean
+from ..engine.batch import check_batch, micro_batches, scored_logits, shifted_token_mask, token_mean
 from ..engine.lowrank import LowRankLinear
 from ..engine.target_layers import is_linear_like, linear_shape
 from ..engine.tracking import LayerTracker, PairTracker, backward_pairs, pair_dispatch
@@ -63,7 +63,6 @@ __all__ = [
     "FactorProjectionTracker",
     "alignment_losses",
     "accumulated_alignment_losses",
-    "split_batch",
     "AlignmentOutput",
 ]
 
@@ -402,22 +401,9 @@ def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, 
     return logits, l_proxy, factors, proxy_grads
 
 
-
 # ------------------------------------------------------------------------------------------------
 # micro-batches: the full batch's objective, accumulated exactly
 # ------------------------------------------------------------------------------------------------
-def split_batch(batch: Mapping, size: int) -> list[dict]:
-    """``batch`` cut into consecutive row slices of at most ``size`` rows (tensors and lists alike; other values are
-    shared). The rows keep their padded length, so each row's computation is the one it has in the full batch."""
-    n = batch["input_ids"].shape[0]
-    parts = []
-    for lo in range(0, n, size):
-        hi = min(n, lo + size)
-        parts.append({k: (v[lo:hi] if isinstance(v, (torch.Tensor, list, tuple)) and len(v) == n else v)
-                      for k, v in batch.items()})
-    return parts
-
-
 def accumulated_alignment_losses(
     teacher: nn.Module,
     proxy: nn.Module,
@@ -457,7 +443,7 @@ def accumulated_alignment_losses(
     check_batch(batch)
     common = dict(kl_weight=kl_weight, temperature=temperature, grad_through_projection=grad_through_projection,
                   layers=layers, checkpointing=checkpointing)
-    parts = split_batch(batch, int(micro_batch_size))
+    parts = micro_batches(batch, int(micro_batch_size))
     counts = [int(shifted_token_mask(p["labels"]).sum()) for p in parts]
     total = sum(counts)
     if len(parts) == 1 or total == 0:

@@ -72,6 +72,14 @@ def batch_rows(batch: Mapping[str, Any], rows: slice | list[int]) -> dict[str, A
             for k, v in batch.items()}
 
 
+def micro_batches(batch: Mapping[str, Any], size: int) -> list[dict[str, Any]]:
+    """``batch`` cut into consecutive row slices of at most ``size`` rows (:func:`batch_rows`). The rows keep their
+    padded length, so each row's computation is the one it has in the whole batch (the micro-batches of warm-up /
+    fine-tune and of Stage 2)."""
+    n = batch["input_ids"].shape[0]
+    return [batch_rows(batch, slice(lo, lo + size)) for lo in range(0, n, size)]
+
+
 def token_counts(batches: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
     """Per example id: ``response_tokens`` (labels other than ``IGNORE_INDEX``) and ``total_tokens``
     (attention mask), over every batch of ``batches``."""

@@ -253,7 +253,8 @@ class CausalLMModule(L.LightningModule):
 
     def _micro_batch_step(self, batch: dict) -> torch.Tensor:
         """One optimiser step over ``batch`` in micro-batches of ``micro_batch_size`` (see the module docstring)."""
-        from .memory_levers import response_tokens, split_batch
+        from ..engine.batch import micro_batches
+        from .memory_levers import response_tokens
 
         check_batch(batch)
         world = self.trainer.world_size
@@ -261,7 +262,7 @@ class CausalLMModule(L.LightningModule):
         global_n = (self._global_token_count(local_n) if world > 1 else local_n).clamp_min(1)
         opt = self.optimizers()
         total = torch.zeros((), device=local_n.device)
-        for micro in split_batch(batch, int(self.hparams.micro_batch_size)):
+        for micro in micro_batches(batch, int(self.hparams.micro_batch_size)):
             logits, scored = scored_logits(self.model, micro, use_cache=False)
             ce_sum = scored.ce_sums(logits)[0].sum()
             self.manual_backward(ce_sum * world / global_n)
@@ -278,10 +279,10 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         check_batch(batch)
         if self.hparams.get("micro_batch_size") is not None:  # the LM head's [N, V] logits of one micro-batch at a time
-            from .memory_levers import split_batch
+            from ..engine.batch import micro_batches
 
             sums = []
-            for micro in split_batch(batch, self.hparams.micro_batch_size):
+            for micro in micro_batches(batch, self.hparams.micro_batch_size):
                 logits, scored = scored_logits(self.model, micro, use_cache=False)
                 sums.append(scored.ce_sums(logits))
             ce_sum, n = torch.cat([c for c, _ in sums]), torch.cat([k for _, k in sums])

@@ -16,27 +16,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..engine.batch import IGNORE_INDEX
+from ..engine.batch import shifted_token_mask
 
 
 def response_tokens(batch: Mapping[str, Any]) -> torch.Tensor:
     """The response tokens the SFT loss scores in ``batch`` (position ``t`` predicts ``labels[:, t + 1]``)."""
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-
-
-def split_batch(batch: Mapping[str, Any], size: int) -> list[dict]:
-    """``batch`` cut along its examples into micro-batches of at most ``size`` (tensors and per-example lists
-    sliced; anything else, e.g. a scalar, is shared)."""
-    n = batch["input_ids"].shape[0]
-
-    def cut(v: Any, i: int) -> Any:
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
-            return v[i:i + size]
-        if isinstance(v, (list, tuple)) and len(v) == n:
-            return v[i:i + size]
-        return v
-
-    return [{k: cut(v, i) for k, v in batch.items()} for i in range(0, n, size)]
+    return shifted_token_mask(batch["labels"]).sum()
 
 
 def cpu_offload_policy():
