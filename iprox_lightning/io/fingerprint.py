@@ -60,7 +60,7 @@ def source_identity(source: Any, _depth: int = 0) -> Any:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
         out = {"path": str(p), "files": {str(f.relative_to(p)): file_identity(f) for f in files}}
-        if (p / ADAPTER_CONFIG).is_file():  # a peft adapter is its files and its base model's
+        if is_adapter_dir(p):  # a peft adapter is its files and its base model's
             out["base"] = _adapter_base_identity(p, _depth)
         return out
     return str(source)
@@ -68,6 +68,12 @@ def source_identity(source: Any, _depth: int = 0) -> Any:
 
 ADAPTER_CONFIG = "adapter_config.json"
 """The settings file of a peft adapter directory (``models/lora.py``), which names its base model."""
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a peft adapter directory (it holds :data:`ADAPTER_CONFIG`)."""
+    p = Path(path)
+    return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
 
 
 def adapter_base(path: str | os.PathLike) -> str:

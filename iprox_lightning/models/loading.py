@@ -32,6 +32,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 from ..errors import InputNotFoundError, UserInputError
+from ..io.fingerprint import is_adapter_dir
 from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
@@ -306,7 +307,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
             return _finish_tokenizer(AutoTokenizer.from_pretrained(cached))
         check_gguf(p)
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
-    if (p / "adapter_config.json").is_file() and not (p / "tokenizer_config.json").is_file():
+    if is_adapter_dir(p) and not (p / "tokenizer_config.json").is_file():
         from .lora import adapter_base
 
         return load_tokenizer(adapter_base(p), trust_remote_code=trust_remote_code)  # a peft adapter: its base's
@@ -426,7 +427,7 @@ def _load_gguf_file(r: LoadRequest):
     return _load_gguf(r.path, r.dtype, r.kwargs, use_cache=r.use_cache, tokenizer=r.tokenizer)
 
 
-@register_loader("peft", lambda r: r.path.is_dir() and (r.path / "adapter_config.json").is_file())
+@register_loader("peft", lambda r: is_adapter_dir(r.path))
 def _load_peft_adapter(r: LoadRequest):
     """A peft adapter directory with its base model (``adapter_config.json`` names it; loaded by these same loaders),
     merged into a dense model (:func:`.lora.load_adapter`)."""

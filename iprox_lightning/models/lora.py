@@ -184,11 +184,6 @@ def merge(model: nn.Module) -> nn.Module:
         return model.merge_and_unload()
 
 
-def is_adapter_dir(path: Union[str, Path]) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
-
-
 def check_adapter_dir(path: Union[str, Path]) -> str:
     """Check an adapter directory before anything loads it: ``adapter_model.safetensors`` there (a pickled
     ``adapter_model.bin`` is refused) with a sound header, a base named; returns the base
