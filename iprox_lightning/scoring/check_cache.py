@@ -25,7 +25,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..io.fingerprint import digest
@@ -74,12 +73,8 @@ class CheckCache:
         if sorted(keys) != sorted(meta["keys"]) or any(f"V{j}" not in tensors for j in range(len(keys))):
             return False
         by_key = {k: tensors[f"V{j}"] for j, k in enumerate(meta["keys"])}
-        scorer.V = {k: by_key[k].to(scorer.dtype) for k in keys}
-        scorer.task_names = list(meta["task_names"])
-        scorer.columns = list(range(len(scorer.task_names)))  # every column, as one collect_validation pass holds them
-        scorer.val_counts = np.asarray(meta["val_counts"], dtype=np.int64)
+        scorer.put_validation_sums({k: by_key[k] for k in keys}, meta["task_names"], meta["val_counts"])
         scorer.stats["val_seconds"] = 0.0
-        scorer.stats["val_examples"] = int(scorer.val_counts.sum())
         scorer.stats["val_cached"] = fp
         self.events.append({"model": who, "what": "validation gradients", "action": "reused", "fingerprint": fp,
                             "path": str(self.validation_path(fp)), "seconds_saved": meta.get("seconds")})

@@ -325,6 +325,16 @@ class InfluenceScorer:
         self.stats["val_seconds"] = time.perf_counter() - t0
         self.stats["val_examples"] = int(self.val_counts.sum())
 
+    def put_validation_sums(self, V: Mapping[str, torch.Tensor], task_names: Sequence[str],
+                            val_counts: Sequence[int]) -> None:
+        """The raw validation gradient sums of every column, as :meth:`collect_validation` leaves them without column
+        groups (e.g. read back from a cache), before :meth:`finalize`."""
+        self.V = {k: t.to(self.dtype) for k, t in V.items()}
+        self.task_names = list(task_names)
+        self.columns = list(range(len(self.task_names)))
+        self.val_counts = np.asarray(val_counts, dtype=np.int64)
+        self.stats["val_examples"] = int(self.val_counts.sum())
+
     def collect_columns(self, columns: Sequence[int], val_batches: Iterable[Mapping], *, shard=(0, 1), reduce=None,
                         progress=False, model: nn.Module | None = None) -> None:
         """The validation gradients of the task columns ``columns`` only (one pass of column groups), mapped by the
