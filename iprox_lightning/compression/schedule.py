@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ..engine.work_split import largest_first
 from .ipsvd import whitened_bytes
 from .ranks import dense_rank
 
@@ -35,18 +36,11 @@ def decomposition_cost(out_features: int, in_features: int) -> int:
 
 
 def assign_layers(shapes: Mapping[str, tuple[int, int]], world_size: int) -> dict[str, int]:
-    """``{layer: rank}``: largest first, each to the rank with the least work so far (module docstring)."""
+    """``{layer: rank}``: largest first, each to the rank with the least work so far (module docstring;
+    :func:`~iprox_lightning.engine.work_split.largest_first`)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    order = sorted(range(len(shapes)), key=lambda i: -decomposition_cost(*list(shapes.values())[i]))
-    names = list(shapes)
-    load = [0] * world_size
-    owner: dict[str, int] = {}
-    for i in order:
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        owner[names[i]] = r
-        load[r] += decomposition_cost(*shapes[names[i]])
-    return {n: owner[n] for n in names}
+    return largest_first({n: decomposition_cost(*shape) for n, shape in shapes.items()}, world_size)
 
 
 def probe_groups(names: Sequence[str], group_layers: Optional[int]) -> list[list[str]]:

@@ -38,6 +38,7 @@ from ..engine.batch import example_loss_fn
 from ..engine.damping import damping_value
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
+from ..engine.work_split import largest_first
 from .features import WeightPairTracker, eval_mode, materialize_grads, progress_bar, slice_rows, to_device, trim_batch
 
 if TYPE_CHECKING:
@@ -125,12 +126,8 @@ def balanced_groups(sizes: Mapping[str, float], n: int) -> list[list[str]]:
     partitions of a K-FAC fit (``kfac_partitions``) and each rank's share of their eigendecompositions use it, and
     so does ``train.py plan`` (:mod:`iprox_lightning.analysis.memory`)."""
     n = max(1, min(int(n), len(sizes)))
-    totals, members = [0.0] * n, [set() for _ in range(n)]
-    for name in sorted(sizes, key=lambda k: -sizes[k]):  # stable: equal sizes keep their order
-        g = min(range(n), key=lambda j: totals[j])
-        totals[g] += sizes[name]
-        members[g].add(name)
-    return [[k for k in sizes if k in m] for m in members if m]
+    owner = largest_first(sizes, n)  # (engine.work_split)
+    return [g for g in ([k for k in sizes if owner[k] == j] for j in range(n)) if g]
 
 
 def _weight_module(key: str) -> str:
