@@ -121,8 +121,8 @@ def run_smollm2(a) -> dict:
     base = {"trainer": {"accelerator": "cpu", "devices": 1},
             "model": {"init_args": {"model": GGUF, "method": "tracin"}},
             "data": {"init_args": {"pool": str(pool), "validation": f"eval:{EVAL}", "tokenizer": GGUF,
-                                   "validation_subtasks": True, "val_per_task": a.val_per_task, "max_length": 256,
-                                   "batch_size": 4, "seed": 0}}}
+                                   "validation_subtasks": a.column_kind == "subtasks", "val_per_task": a.val_per_task,
+                                   "max_length": a.max_length, "batch_size": 4, "seed": 0}}}
     bpath = work / "base.yaml"
     bpath.write_text(json.dumps(base))
     configs = ["configs/score.yaml", str(bpath)]
@@ -223,8 +223,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("which", choices=("demo", "smollm2", "rss", "rss-child"))
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--columns", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--columns", type=int, default=8, help="rss: validation tasks")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per example (rss: 64, smollm2: 256)")
+    p.add_argument("--columns-of", dest="column_kind", default="subtasks", choices=("subtasks", "tasks"),
+                   help="smollm2: a score column per eval subtask (93; dense float32 validation gradients of 39 GB at "
+                        "SmolLM2-135M) or per task (3)")
     p.add_argument("--holding", default="null")
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="rss: glibc's MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default)")
@@ -237,6 +240,8 @@ def main() -> None:
     a = p.parse_args()
     if a.which == "demo" and not a.workdir:
         p.error("demo needs --workdir")
+    if a.max_length is None:
+        a.max_length = 256 if a.which == "smollm2" else 64
     if a.which == "rss-child":
         return rss_child(a)
     t0 = time.perf_counter()

@@ -785,6 +785,14 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         "features": feat,
     }
     parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked], *_metric_settings(metric, run)))
+    # a fitted metric's fit_parts (K-FAC's sums and eigendecomposition) are freed before the validation gradients
+    # are collected (InfluenceScorer.fit): the larger of the two phases is the peak (measured on CPU, summing both
+    # over-counted K-FAC by 1.3x: bench/results/plan/scoring_small.json)
+    fit = [k for k in metric.fit_parts if k in parts]
+    scoring_only = ["validation_gradients", "validation_layer", "features"]
+    if fit:
+        for k in (scoring_only if sum(parts[k] for k in fit) > sum(parts[k] for k in scoring_only) else fit):
+            del parts[k]
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,

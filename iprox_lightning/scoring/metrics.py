@@ -325,6 +325,7 @@ class InfluenceMetric:
     conventions: ClassVar[tuple[str, ...]] = ("loss_reduction",)  # conventions recorded when not the default
     options: ClassVar[Mapping[str, Any]] = {}  # the metric's own options, name -> default (ScoringConfig.options)
     memory_levers: ClassVar[Mapping[str, str]] = {}  # memory part -> the setting that lowers it (train.py plan)
+    fit_parts: ClassVar[tuple[str, ...]] = ()  # memory parts held only while fit() runs (before V exists)
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         """``class MyMetric(InfluenceMetric, name="mine")`` registers it as ``method: mine``; a subclass without a
@@ -495,6 +496,7 @@ class KFAC(InfluenceMetric, name="kfac"):
     memory_levers = {"kfac_factors": "kfac_offload true (the factors on the host, one layer on the device at a time), "
                                      "or method tracin, or a store",
                      "kfac_factor_sums": "kfac_partitions (one group of layers' sums per pass)"}
+    fit_parts = ("kfac_factor_sums", "kfac_eigh")  # freed before the validation gradients are collected
 
     @classmethod
     def memory_parts(cls, linears, config: "ScoringConfig"):
@@ -510,8 +512,12 @@ class KFAC(InfluenceMetric, name="kfac"):
           (EK-FAC's eigenvalue sums of a group, ``in·out`` per weight, are smaller). Under several processes each
           rank decomposes a share of the layers, but every rank holds the whole group's sums and, after the
           exchange, every weight's factors (scoring applies them all), so the bytes do not shrink with the ranks.
-        * ``kfac_eigh``: one layer's float64 eigendecomposition (an estimate: the matrix and its temporaries, the
-          eigenvectors and LAPACK's workspace, ``5 · 8 · n²`` for the widest side ``n``)."""
+        * ``kfac_eigh``: the decompositions' peak beyond those two: group by group (largest first, the fit's order)
+          the earlier groups' eigenvectors (on the host with ``kfac_offload``), the group's sums, its own
+          eigenvectors and one layer's float64 eigendecomposition (the matrix, the eigenvectors ``eigh`` writes
+          into a copy of it and LAPACK ``syevd``'s workspace of ``2n²`` doubles: ``4 · 8 · n²`` for the widest side
+          ``n``), the largest over the groups less ``kfac_factors`` and ``kfac_factor_sums`` (measured on CPU:
+          ``bench/plan_scoring.py``, ``bench/results/plan/scoring_*.json``)."""
         c = config
         fb = 8.0 if c.kfac_dtype == "float64" else 4.0
         scaled = c.method == "ekfac" or c.damping_target == "product"  # M G = Q_δᵀ G Q_h / sqrt(Λ + λ)
@@ -526,9 +532,15 @@ class KFAC(InfluenceMetric, name="kfac"):
         else:
             held = sum(fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears)
         sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
-        sums = max((fb * sum(sizes[j] for j in g) for g in balanced_groups(sizes, c.kfac_partitions)), default=0.0)
-        eigh = 5 * 8.0 * max((max(i, o) ** 2 for i, o in linears), default=0)
-        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}
+        groups = balanced_groups(sizes, c.kfac_partitions)
+        sums = max((fb * sum(sizes[j] for j in g) for g in groups), default=0.0)
+        before, fit = 0.0, 0.0
+        for g in groups:
+            group = fb * sum(sizes[j] for j in g)
+            eigh = 4 * 8.0 * max(max(linears[int(j)]) ** 2 for j in g)
+            fit = max(fit, (0.0 if c.kfac_offload else before) + 2 * group + eigh)
+            before += group
+        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": max(fit - held - sums, 0.0)}
 
     def __init__(self, config: "ScoringConfig") -> None:
         super().__init__(config)
