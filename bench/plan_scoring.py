@@ -109,7 +109,9 @@ def child(args: dict) -> None:
         trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False,
                             enable_progress_bar=False, inference_mode=False, callbacks=[writer],
                             enable_checkpointing=False, precision="32-true")
-        trainer.predict(module, pool, return_predictions=False)
+        from torch.utils.data import DataLoader
+
+        trainer.predict(module, DataLoader(pool, batch_size=None), return_predictions=False)
     peak = sampler.stop()
     print(json.dumps({"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(), "seconds": time.time() - t0}))
 
