@@ -85,8 +85,8 @@ class PeakSampler:
     """This process's RssAnon from now on: ``base`` at the start, the largest value sampled every ``interval`` seconds
     by a daemon thread until :meth:`stop`, which returns the peak (the value at the stop included)."""
 
-    def __init__(self, interval: float) -> None:
-        self.base = rss_anon()
+    def __init__(self, interval: float, base: int | None = None) -> None:
+        self.base = rss_anon() if base is None else base  # base: an earlier sampler's (its peak not carried)
         self._peak = self.base
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
