@@ -123,7 +123,7 @@ def module_identity(module) -> str:
             continue
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         try:
-            h.update(t.cpu().contiguous().view(torch.uint8).numpy())  # the buffer itself: no bytes copy
+            h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         except (RuntimeError, TypeError):  # sharded / exotic tensors: shape and dtype only
             pass
     return h.hexdigest()[:16]
