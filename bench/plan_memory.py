@@ -298,6 +298,9 @@ def stage1_child(args: dict) -> None:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args["precision"] == "bf16-true" else torch.float32  # model.dtype of the run
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    if args.get("after_construction"):  # the peak from here (a tied head is initialised apart, then tied)
+        sampler.stop()
+        sampler = PeakSampler(0.005, base=sampler.base)
     B, T, N = args["batch_size"], args["max_length"], args["probe_tokens"]
     batch = random_sft_batch_maker(config.vocab_size, B, T)
     probe = [batch() for _ in range(-(-N // (B * T)))]  # every token valid: N columns
@@ -385,11 +388,15 @@ def stage1_main(argv: list[str]) -> None:
     ap.add_argument("--allocation", default=None, choices=["global", "uniform"],
                     help="IPSVDCallback allocation (default: global); uniform decomposes each layer once, not twice "
                          "(the plan's 'decompositions' part, the global allocation's kept ones, is then not held)")
+    ap.add_argument("--after-construction", action="store_true",
+                    help="sample the peak from after the model's construction (over the baseline before it): a "
+                         "random-init model with a tied head holds the head twice while it is built")
     ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
     a = ap.parse_args(argv)
     args = {"shape": a.shape, "layers": a.layers, "precision": a.precision, "devices": a.devices,
             "probe_tokens": a.probe_tokens, "probe_group_layers": a.probe_group_layers, "batch_size": a.batch_size,
-            "max_length": a.max_length, "threads": a.threads, "allocation": a.allocation}
+            "max_length": a.max_length, "threads": a.threads, "allocation": a.allocation,
+            **({"after_construction": True} if a.after_construction else {})}
     result = stage1_measure(args)
     result["code"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result["command_line"] = "python bench/plan_memory.py --stage1 " + " ".join(argv)
