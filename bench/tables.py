@@ -20,6 +20,7 @@ import effect  # bench/: the downstream-effect tables
 import fidelity_v2  # bench/: the per-task fidelity tables
 import layer_diagnosis  # bench/: the per-layer tables
 import peers  # bench/: side by side with kronfluence and bergson
+import plan_targets  # bench/: the paper's sizes against the device (plan --fit)
 import speed  # bench/: the scoring-cost tables
 import store  # bench/: the gradient store's tables
 from ledger import ROOT, read_kept, splice_docs  # bench/: the stage ledger
@@ -68,6 +69,7 @@ def page_tables() -> dict[tuple[str, str], Callable[[], str]]:
                                                           results["meta"].get("new_task"))
     out[bf16_markers()] = lambda: bf16.markdown(recorded("bf16/results.json"))
     out[peers_markers()] = lambda: peers.markdown(recorded("peers/results.json"))
+    out[plan_targets.markers()] = lambda: plan_targets.markdown(recorded("plan/targets.json"))
     return out
 
 

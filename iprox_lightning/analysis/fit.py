@@ -421,6 +421,24 @@ def fit_report(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activations, 
     return {"stages": fits, "tracin": route, "overlay": overlays(fits, run.method)}
 
 
+def fit_target(model: str, run: M.RunSettings, device_memory: str | float,
+               stages: Iterable[str] | None = None) -> dict[str, Any]:
+    """One target's fit as JSON (``bench/plan_targets.py``): ``model`` (as ``plan --model`` takes it) at ``run`` on
+    devices of ``device_memory``: every stage's (or the named ones'), exact TracIn's route (where TracIn is fitted)
+    and the overlay."""
+    memory = M.parse_bytes(device_memory)
+    sizes, acts, acts32 = M.model_counts(model, run)
+    fits = fit_stages(sizes, acts, acts32, run, memory, stages)
+    by = {f.stage: f for f in fits}
+    route = None
+    if "scoring (tracin)" in by:
+        store = by.get(STORE) or fit_stages(sizes, acts, acts32, run, memory, [STORE])[0]
+        route = tracin_route(sizes, run, memory, by["scoring (tracin)"], store)
+    return {"model": model, "params": sizes.params, "devices": run.devices, "strategy": run.strategy,
+            "device_memory": memory, "stages": [f.to_dict(memory) for f in fits], "tracin": route,
+            "overlay": overlays(fits, run.method)}
+
+
 def report_lines(report: Mapping[str, Any], device_memory: float, method: str, plan_args: list[str]) -> list[str]:
     """``plan --fit``'s text: the table, exact TracIn's route, the overlay as each command takes it."""
     lines = [f"fit: per stage the largest batch and the fewest levers (cheapest first: iprox_lightning/analysis/fit.py) "
@@ -450,3 +468,94 @@ def _quote(text: str) -> str:
     import shlex
 
     return shlex.quote(text)
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline --plan auto: the run's settings from its stage configs
+# --------------------------------------------------------------------------------------------
+def _get(d: Mapping, *path: str, default: Any = None) -> Any:
+    for k in path:
+        if not isinstance(d, Mapping) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def _callback_arg(config: Mapping, class_path: str, name: str, default: Any) -> Any:
+    for c in _get(config, "trainer", "callbacks", default=None) or []:
+        if isinstance(c, Mapping) and c.get("class_path") == class_path:
+            return _get(c, "init_args", name, default=default)
+    return default
+
+
+def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapping[str, Any], sparsity: float,
+                  align_epochs: int | None, method: str, lora: Mapping | None, validation: Any
+                  ) -> tuple[list[tuple[list[str], M.RunSettings]], Callable]:
+    """``([(plan stages, their run settings)], run -> (sizes, activations, float32 activations))`` of a pipeline
+    whose stage configs, merged as it runs them (its data arguments included), are ``configs`` (``warmup``,
+    ``build_proxy``, ``score``, ``finetune``): each stage's batch, sequence length, fractions and epochs from its
+    config, the precision, devices and strategy from ``hardware`` (else the configs'), the score columns of the
+    built-in validation data (else ``plan``'s default, 3). ``target`` ``builtin``: the demo's tiny Llama."""
+    from ..scoring.config import ScoringConfig
+
+    def data(stage: str, key: str, default: Any) -> Any:
+        return _get(configs[stage], "data", "init_args", key, default=default)
+
+    devices = int(hardware.get("devices") or 1) * int(hardware.get("num_nodes") or 1)
+    strategy = str(hardware.get("strategy") or _get(configs["warmup"], "trainer", "strategy", default="ddp")).lower()
+    precision = str(hardware.get("precision") or _get(configs["warmup"], "trainer", "precision", default="32-true"))
+    builtin_pool = data("warmup", "pool", "builtin") == "builtin"
+    tasks = 3
+    if validation == "builtin":
+        from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES
+
+        tasks = len(BUILTIN_VALIDATION_FAMILIES)
+    config = None
+    if target == "builtin":
+        from ..models.builtin import builtin_model
+
+        config = builtin_model().config
+    if lora is not None:
+        from ..models.lora import LoraSettings
+
+        lora = (M.with_lora_targets(lora, target) if config is None else
+                {**LoraSettings.of(lora).to_dict(),
+                 "target_modules": LoraSettings.of(lora).resolved_targets(config.model_type)})
+    base = M.RunSettings(
+        pool_size=int(data("warmup", "builtin_size", 2000)) if builtin_pool else 16000,
+        precision=precision, devices=devices, strategy="fsdp" if ("fsdp" in strategy or "modelparallel" in strategy)
+        else "ddp", device_kind="cpu" if str(hardware.get("accelerator", "cpu")).lower() == "cpu" else "cuda",
+        sparsity=min(max(float(sparsity), 1e-6), 1 - 1e-6), method=method, tasks=tasks, lora=lora,
+        kfac_examples=int(_get(configs["score"], "model", "init_args", "kfac_examples",
+                               default=ScoringConfig.kfac_examples)))
+    bp = configs["build_proxy"]
+    runs = [
+        (["warm-up"], dataclasses.replace(base, batch_size=int(data("warmup", "batch_size", 8)),
+                                          max_length=int(data("warmup", "max_length", 512)),
+                                          warmup_fraction=float(data("warmup", "warmup_fraction", 0.05)))),
+        ([STAGE1, STAGE2], dataclasses.replace(
+            base, align_batch_size=int(data("build_proxy", "batch_size", 4)),
+            max_length=int(data("build_proxy", "max_length", 512)),
+            construction_fraction=float(data("build_proxy", "construction_fraction", 0.01)),
+            probe_fraction=float(data("build_proxy", "probe_fraction", 0.1)),
+            num_probe_tokens=int(_callback_arg(bp, IPSVD_CALLBACK, "num_probe_tokens", 1024)),
+            align_epochs=int(align_epochs if align_epochs is not None else _get(bp, "trainer", "max_epochs", default=2)))),
+        ([f"scoring ({method})"], dataclasses.replace(base, batch_size=int(data("score", "batch_size", 8)),
+                                                      max_length=int(data("score", "max_length", 512)))),
+        (["fine-tune"], dataclasses.replace(
+            base, batch_size=int(data("finetune", "batch_size", 8)), max_length=int(data("finetune", "max_length", 512)),
+            finetune_epochs=int(_get(configs["finetune"], "trainer", "max_epochs", default=1)))),
+    ]
+    counted: dict[tuple, tuple] = {}
+
+    def sizes_of(run: M.RunSettings) -> tuple[M.ModelSizes, M.Activations, M.Activations]:
+        key = (run.max_length, run.precision)
+        if key not in counted:
+            if config is None:
+                counted[key] = M.model_counts(target, run)
+            else:
+                acts, acts32 = M.run_activations(config, run)
+                counted[key] = (M.ModelSizes.from_config(config, name="builtin"), acts, acts32)
+        return counted[key]
+
+    return runs, sizes_of
