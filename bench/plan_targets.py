@@ -34,8 +34,8 @@ TARGETS = (
     ("llama-3.1-8b", 1, "ddp", ("build_proxy: Stage 1 (IPSVD)", "scoring (tracin)", "store build")),
 )
 NOT_MODELLED = {
-    ("llama-3.1-8b", 1, "ddp"): ["query (train.py query): plan has no row for it",
-                                 "scoring with the proxy: plan's scoring rows are the dense target's"],
+    ("llama-3.1-8b", 1, "ddp"): ["the query (`train.py query`: no row)",
+                                 "scoring with the proxy (the scoring rows are the dense target's)"],
 }
 
 
@@ -106,12 +106,16 @@ def markdown(results: dict) -> str:
             cells.append("—" if s is None else _cell(s))
         rows.append(f"| {SHORT_STAGES.get(stage, stage)} | " + " | ".join(cells) + " |")
     lines = ["\n".join(rows), ""]
+    routes = [(head, t["tracin"]) for t, head in zip(targets, heads) if t["tracin"] is not None]
+    if routes and not any(r["to_store"] for _, r in routes):
+        lines.append(f"- Exact TracIn ({routes[0][1]['columns']} columns) fits in one pass on every target: exact "
+                     "scores; the gradient store is not needed.")
+    else:
+        lines += [f"- {head}: " + ("exact TracIn → the store: " if r["to_store"] else "") + r["why"] + "."
+                  for head, r in routes]
     for t, head in zip(targets, heads):
-        r = t["tracin"]
-        if r is not None:
-            lines.append(f"- {head}: " + ("exact TracIn → the store: " if r["to_store"] else "") + r["why"] + ".")
-        for what in t["not_modelled"]:
-            lines.append(f"- {head}: not modelled: {what}.")
+        if t["not_modelled"]:
+            lines.append(f"- {head}, not modelled by `plan`: " + "; ".join(t["not_modelled"]) + ".")
     return "\n".join(lines)
 
 

@@ -29,6 +29,9 @@ RESULTS = ROOT / "bench" / "results"
 PAGES = (ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "RESULTS.md", ROOT / "README.md")
 EFFECT_RUNS = ("effect_gpu2048", "effect")  # the headline prefers BBH's direct-answer form (its held-out metric's)
 FIDELITY_RUNS = ("fidelity_v2", "fidelity_gpu2048")
+PLANNED = (plan_targets.markers(),)
+"""Tables of the plan (nothing measured: ``bench/plan_targets.py``): the README's GPU section carries them, not
+``docs/BENCHMARKS.md``."""
 SPEED_RUNS = ("speed_smollm2_cpu_fused", "speed_gemma3-270m_cpu", "speed_llama-1b_cpu", "speed_llama-1b_store_cpu")
 
 

@@ -30,6 +30,7 @@ settings: every applied stage fits).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -488,6 +489,17 @@ def _callback_arg(config: Mapping, class_path: str, name: str, default: Any) -> 
     return default
 
 
+@functools.lru_cache(maxsize=8)
+def _builtin_counts(max_length: int, precision: str, attn: str) -> tuple:
+    """The built-in demo model's counts (the demo's tiny Llama: not a file ``model_counts`` caches)."""
+    from ..models.builtin import builtin_model
+
+    config = builtin_model().config
+    acts, acts32 = M.run_activations(config, M.RunSettings(max_length=max_length, precision=precision,
+                                                           attn_implementation=attn))
+    return M.ModelSizes.from_config(config, name="builtin"), acts, acts32
+
+
 def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapping[str, Any], sparsity: float,
                   align_epochs: int | None, method: str, lora: Mapping | None, validation: Any
                   ) -> tuple[list[tuple[list[str], M.RunSettings]], Callable]:
@@ -551,11 +563,8 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
     def sizes_of(run: M.RunSettings) -> tuple[M.ModelSizes, M.Activations, M.Activations]:
         key = (run.max_length, run.precision)
         if key not in counted:
-            if config is None:
-                counted[key] = M.model_counts(target, run)
-            else:
-                acts, acts32 = M.run_activations(config, run)
-                counted[key] = (M.ModelSizes.from_config(config, name="builtin"), acts, acts32)
+            counted[key] = M.model_counts(target, run) if config is None else \
+                _builtin_counts(run.max_length, run.precision, run.attn_implementation)
         return counted[key]
 
     return runs, sizes_of
