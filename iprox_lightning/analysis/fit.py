@@ -264,11 +264,16 @@ def lever_words(settings: Mapping[str, Any], run: M.RunSettings) -> list[str]:
     return out
 
 
+def size(n: float) -> str:
+    """Bytes as GiB (two decimals), or MiB below a tenth of a GiB (the demo's sizes)."""
+    return M.gib(n) if abs(n) >= 0.1 * M.GIB else f"{n / 2**20:.2f} MiB"
+
+
 def reason(f: StageFit, device_memory: float) -> str:
     """Why the nearest setting does not fit: its peak, the excess and its largest parts."""
     parts = sorted(f.plan.parts.items(), key=lambda kv: -kv[1])[:3]
-    return (f"{M.gib(f.plan.peak)} at the nearest setting, {M.gib(f.plan.peak - device_memory)} over "
-            f"{M.gib(device_memory)}; largest: " + ", ".join(f"{k} {v / M.GIB:.1f}" for k, v in parts) + " GiB")
+    return (f"{size(f.plan.peak)} at the nearest setting, {size(f.plan.peak - device_memory)} over "
+            f"{size(device_memory)}; largest: " + ", ".join(f"{k} {size(v)}" for k, v in parts))
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,13 +387,13 @@ def tracin_route(sizes: M.ModelSizes, run: M.RunSettings, device_memory: float, 
            "dense_validation_gradients": dense}
     if not tracin.fits:
         out["why"] = (f"exact TracIn does not fit even one column per pass ({reason(tracin, device_memory)}); the "
-                      f"store's build needs {M.gib(store.plan.peak)} per device in one pass")
+                      f"store's build needs {size(store.plan.peak)} per device in one pass")
     elif passes > 1:
         out["why"] = (f"exact TracIn fits only in {passes} column groups: {passes} passes over the pool (about "
                       f"{passes}x the store build's time); the store builds in one pass "
-                      f"({M.gib(store.plan.peak)} per device)")
+                      f"({size(store.plan.peak)} per device)")
     else:
-        out["why"] = f"exact TracIn fits in one pass ({M.gib(tracin.plan.peak)} per device): exact scores"
+        out["why"] = f"exact TracIn fits in one pass ({size(tracin.plan.peak)} per device): exact scores"
     if to_store and not store.fits:
         out["why"] += "; the store's build does not fit either"
     return out
@@ -406,7 +411,7 @@ def table_lines(fits: Iterable[StageFit], device_memory: float, method: str) -> 
             what = "; ".join(f.levers) or "none (the configs' settings)"
         else:
             what = f"nearest: {'; '.join(f.levers) or 'the configs settings'} — {reason(f, device_memory)}"
-        rows.append((f.stage, "yes" if f.fits else "NO", M.gib(f.plan.peak), what + info))
+        rows.append((f.stage, "yes" if f.fits else "NO", size(f.plan.peak), what + info))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
 
@@ -443,7 +448,7 @@ def fit_target(model: str, run: M.RunSettings, device_memory: str | float,
 def report_lines(report: Mapping[str, Any], device_memory: float, method: str, plan_args: list[str]) -> list[str]:
     """``plan --fit``'s text: the table, exact TracIn's route, the overlay as each command takes it."""
     lines = [f"fit: per stage the largest batch and the fewest levers (cheapest first: iprox_lightning/analysis/fit.py) "
-             f"within {M.gib(device_memory)} per device"]
+             f"within {size(device_memory)} per device"]
     lines += table_lines(report["stages"], device_memory, method)
     if report["tracin"] is not None:
         r = report["tracin"]

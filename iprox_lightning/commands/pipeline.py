@@ -960,10 +960,10 @@ def stage_plan(plan, device_memory, *, target, hardware: dict, config_dir, demo:
     failed = [f for f in fits if not f.fits]
     if failed:
         f = failed[0]
-        raise UserInputError(f"plan auto: {f.stage} fits {M.gib(memory)} per device at no setting the fit tries: "
+        raise UserInputError(f"plan auto: {f.stage} fits {F.size(memory)} per device at no setting the fit tries: "
                              f"{F.reason(f, memory)}; nearest: {'; '.join(f.levers) or 'no lever'}")
     chosen = [f"{f.stage}: {'; '.join(f.levers)}" for f in fits if f.levers]
-    print(f"[pipeline] plan auto: every stage fits {M.gib(memory)} per device "
+    print(f"[pipeline] plan auto: every stage fits {F.size(memory)} per device "
           + (f"with {' | '.join(chosen)}" if chosen else "at the configs' settings: nothing changed"), flush=True)
     return F.overlays(fits, method)["stages"]
 

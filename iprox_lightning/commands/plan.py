@@ -215,7 +215,7 @@ def _fit(sizes, acts, acts32, run, device_bytes, args: dict):
     error = None
     if failed:
         f = failed[0]
-        error = UserInputError(f"{f.stage} fits {M.gib(device_bytes)} ({args['device_memory']}) at no setting the fit "
+        error = UserInputError(f"{f.stage} fits {F.size(device_bytes)} ({args['device_memory']}) at no setting the fit "
                                f"tries: {F.reason(f, device_bytes)}; nearest: {'; '.join(f.levers) or 'no lever'}; "
                                f"beyond the levers: {' or '.join(f.plan.levers) or 'a device with more memory'}")
     return out, error
