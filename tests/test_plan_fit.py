@@ -119,7 +119,7 @@ def _plan(args, capsys):
     return code, capsys.readouterr().out, err
 
 
-def test_plan_fit_prints_an_overlay_that_plan_accepts(counts, capsys):
+def test_plan_fit_prints_an_overlay_that_plan_accepts(counts, capsys, tmp_path):
     """Through the CLI: a device that the configs' settings overflow; --fit chooses levers (the batch kept: micro-
     batches) and prints plan's flags for them, with which plan refuses nothing; the stage overlays are the stages'
     YAML keys."""
@@ -129,8 +129,12 @@ def test_plan_fit_prints_an_overlay_that_plan_accepts(counts, capsys):
     memory = str(int(rows["warm-up"].peak * 0.7))  # warm-up and fine-tune overflow at the configs' batch
     code, _, _ = _plan(base + ["--device_memory", memory], capsys)
     assert code == 2
-    code, out, err = _plan(base + ["--device_memory", memory, "--fit", "true"], capsys)
+    code, out, err = _plan(base + ["--device_memory", memory, "--fit", "true", "--output", str(tmp_path / "p.json")],
+                           capsys)
     assert code == 0, err
+    written = json.loads((tmp_path / "p.json").read_text())["fit"]
+    assert [s["stage"] for s in written["stages"]] == list(_stages(counts, run))
+    assert written["overlay"]["stages"]["warmup"]["model"]["init_args"]["micro_batch_size"] < 8
     lines = out.splitlines()
     plan_line = next(l for l in lines if l.strip().startswith("plan:        python train.py plan"))
     flags = shlex.split(plan_line.split("python train.py plan", 1)[1])

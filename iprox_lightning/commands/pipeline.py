@@ -962,9 +962,16 @@ def stage_plan(plan, device_memory, *, target, hardware: dict, config_dir, demo:
         f = failed[0]
         raise UserInputError(f"plan auto: {f.stage} fits {F.size(memory)} per device at no setting the fit tries: "
                              f"{F.reason(f, memory)}; nearest: {'; '.join(f.levers) or 'no lever'}")
+    route = ""
+    tracin = next((f for f in fits if f.stage == "scoring (tracin)"), None)
+    if tracin is not None:  # exact TracIn in several passes: say the store would take one
+        score_run = next(r for stages, r in runs if tracin.stage in stages)
+        store = F.fit_stages(*sizes_of(score_run), score_run, memory, [F.STORE])[0]
+        r = F.tracin_route(sizes_of(score_run)[0], score_run, memory, tracin, store)
+        route = f"; the gradient store would be the better path: {r['why']}" if r["to_store"] else ""
     chosen = [f"{f.stage}: {'; '.join(f.levers)}" for f in fits if f.levers]
     print(f"[pipeline] plan auto: every stage fits {F.size(memory)} per device "
-          + (f"with {' | '.join(chosen)}" if chosen else "at the configs' settings: nothing changed"), flush=True)
+          + (f"with {' | '.join(chosen)}" if chosen else "at the configs' settings: nothing changed") + route, flush=True)
     return F.overlays(fits, method)["stages"]
 
 
