@@ -34,8 +34,7 @@ TARGETS = (
     ("llama-3.1-8b", 1, "ddp", ("build_proxy: Stage 1 (IPSVD)", "scoring (tracin)", "store build")),
 )
 NOT_MODELLED = {
-    ("llama-3.1-8b", 1, "ddp"): ["the query (`train.py query`: no row)",
-                                 "scoring with the proxy (the scoring rows are the dense target's)"],
+    ("llama-3.1-8b", 1, "ddp"): ["the query", "scoring with the proxy: these rows are the dense target's"],
 }
 
 
@@ -54,7 +53,8 @@ def compute() -> dict:
 # --------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------
-SHORT_STAGES = {"build_proxy: Stage 1 (IPSVD)": "Stage 1 (IPSVD)", "build_proxy: Stage 2 (alignment)": "Stage 2 (alignment)"}
+SHORT_STAGES = {"build_proxy: Stage 1 (IPSVD)": "Stage 1", "build_proxy: Stage 2 (alignment)": "Stage 2",
+                "scoring (tracin)": "TracIn", "scoring (kfac)": "K-FAC", "scoring (ekfac)": "EK-FAC"}
 
 
 def short_levers(settings: dict) -> str:
@@ -92,31 +92,25 @@ def _cell(s: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    """The README's table: a column per target, a row per stage: fits (peak GiB per device: the levers), or not (the
-    nearest setting's peak, its largest parts); then exact TracIn's route and what the plan does not model."""
+    """The README's table: a row per target, a column per stage: fits (peak GiB per device: the levers chosen), or
+    not (the nearest setting's peak and its largest parts); exact TracIn's route; what the plan does not model."""
     targets = results["targets"]
-    heads = [f"{t['model']}, {t['devices']}×{results['meta']['device_memory']}" + (" fsdp" if t["strategy"] == "fsdp"
-                                                                                 else "") for t in targets]
     stages = list(dict.fromkeys(s["stage"] for t in targets for s in t["stages"]))
-    rows = ["| stage | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
-    for stage in stages:
+    rows = ["| target (80 GB devices) | " + " | ".join(SHORT_STAGES.get(s, s) for s in stages) + " | exact TracIn |",
+            "|---" * (len(stages) + 2) + "|"]
+    for t in targets:
+        head = f"{t['model']} ×{t['devices']}" + (" fsdp" if t["strategy"] == "fsdp" else "")
+        if t["not_modelled"]:
+            head += " (not modelled: " + "; ".join(t["not_modelled"]) + ")"
         cells = []
-        for t in targets:
+        for stage in stages:
             s = next((x for x in t["stages"] if x["stage"] == stage), None)
             cells.append("—" if s is None else _cell(s))
-        rows.append(f"| {SHORT_STAGES.get(stage, stage)} | " + " | ".join(cells) + " |")
-    lines = ["\n".join(rows), ""]
-    routes = [(head, t["tracin"]) for t, head in zip(targets, heads) if t["tracin"] is not None]
-    if routes and not any(r["to_store"] for _, r in routes):
-        lines.append(f"- Exact TracIn ({routes[0][1]['columns']} columns) fits in one pass on every target: exact "
-                     "scores; the gradient store is not needed.")
-    else:
-        lines += [f"- {head}: " + ("exact TracIn → the store: " if r["to_store"] else "") + r["why"] + "."
-                  for head, r in routes]
-    for t, head in zip(targets, heads):
-        if t["not_modelled"]:
-            lines.append(f"- {head}, not modelled by `plan`: " + "; ".join(t["not_modelled"]) + ".")
-    return "\n".join(lines)
+        r = t["tracin"]
+        route = "—" if r is None else (f"→ the store ({r['exact_passes']} passes)" if r["to_store"] and r["exact_passes"]
+                                       else "→ the store (no pass fits)" if r["to_store"] else "one pass")
+        rows.append(f"| {head} | " + " | ".join(cells) + f" | {route} |")
+    return "\n".join(rows)
 
 
 def markers() -> tuple[str, str]:
