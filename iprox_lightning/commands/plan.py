@@ -107,6 +107,8 @@ def plan(
     if output:
         _check_output(output, model, speed_results)
     device_bytes = M.parse_bytes(device_memory) if device_memory is not None else None
+    if fit and device_bytes is None:
+        raise UserInputError("--fit true needs --device_memory (e.g. 80GB): the memory the stages must fit in")
     if devices < 1 or num_nodes < 1:
         raise UserInputError(f"devices and num_nodes must be >= 1, got {devices} and {num_nodes}")
     run = M.RunSettings(pool_size=pool_size, max_length=max_length, batch_size=batch_size,
@@ -190,24 +192,24 @@ def plan(
 def _fit(sizes, acts, acts32, run, device_bytes, args: dict):
     """``plan --fit``: print the fit (:mod:`iprox_lightning.analysis.fit`) -> ``(its JSON, the error of the first
     applied stage that fits at no setting, or None)``."""
-    from ..analysis import fit as F
-    from ..analysis import memory as M
-    from ..errors import UserInputError
-
-    if device_bytes is None:
-        raise UserInputError("--fit true needs --device_memory (e.g. 80GB): the memory the stages must fit in")
-    report = F.fit_report(sizes, acts, acts32, run, device_bytes)
     import inspect
 
-    defaults = {k: p.default for k, p in inspect.signature(plan).parameters.items()}
-    flags = ["--model", args["model"], "--precision", args["precision"], "--devices", str(args["devices"])]
-    for k in ("num_nodes", "strategy", "accelerator", "max_length", "batch_size", "align_batch_size", "tasks",
-              "device_memory"):
-        if args[k] != defaults.get(k) and not (k == "batch_size" and "--batch_size" in
-                                                                   report["overlay"]["plan"]):
-            flags += [f"--{k}", str(args[k])]
-    if run.method != "tracin":
-        flags += ["--method", run.method]
+    from ..analysis import fit as F
+    from ..errors import UserInputError
+
+    report = F.fit_report(sizes, acts, acts32, run, device_bytes)
+    import json
+
+    # the command's own settings that differ from plan's defaults (the levers are the fit's; --batch_size the fit's
+    # smallest where it needs one)
+    skip = set(F.LEVERS_OFF) | {"fit", "output", "speed_results", "scoring", "model"}
+    if "--batch_size" in report["overlay"]["plan"]:
+        skip.add("batch_size")
+    flags = ["--model", args["model"]]
+    for k, p in inspect.signature(plan).parameters.items():  # the scoring fields' values are the config's
+        v = args[k] if k in args else getattr(args["scoring"], k, p.default)
+        if k not in skip and v != p.default:
+            flags += [f"--{k}", json.dumps(v) if isinstance(v, dict) else str(v).lower() if isinstance(v, bool) else str(v)]
     print("\n".join(F.report_lines(report, device_bytes, run.method, flags)))
     out = {"device_memory": device_bytes, "stages": [f.to_dict(device_bytes) for f in report["stages"]],
            "tracin": report["tracin"], "overlay": report["overlay"]}
@@ -216,8 +218,7 @@ def _fit(sizes, acts, acts32, run, device_bytes, args: dict):
     if failed:
         f = failed[0]
         error = UserInputError(f"{f.stage} fits {F.size(device_bytes)} ({args['device_memory']}) at no setting the fit "
-                               f"tries: {F.reason(f, device_bytes)}; nearest: {'; '.join(f.levers) or 'no lever'}; "
-                               f"beyond the levers: {' or '.join(f.plan.levers) or 'a device with more memory'}")
+                               f"tries: {F.reason(f, device_bytes)}; nearest: {'; '.join(f.levers) or 'no lever'}")
     return out, error
 
 
