@@ -15,14 +15,23 @@ from iprox_lightning.analysis import memory as M
 from iprox_lightning.errors import UserInputError
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "smollm2-135m"  # a named shape counted in seconds (on fake tensors)
 PAPER = dict(precision="bf16-mixed", max_length=512, batch_size=8, align_batch_size=4)
 
 
 @pytest.fixture(scope="module")
-def counts():
+def model(tmp_path_factory):
+    """A small Llama config directory (4 layers: the search's candidates are priced in milliseconds)."""
+    from iprox_lightning.models.tiny import tiny_config
+
+    d = tmp_path_factory.mktemp("model")
+    tiny_config(hidden_size=128, intermediate_size=256, num_layers=4, vocab_size=2048).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def counts(model):
     run = M.RunSettings(**PAPER)
-    return run, M.model_counts(MODEL, run)
+    return run, M.model_counts(model, run)
 
 
 def _stages(counts, run):
@@ -119,11 +128,11 @@ def _plan(args, capsys):
     return code, capsys.readouterr().out, err
 
 
-def test_plan_fit_prints_an_overlay_that_plan_accepts(counts, capsys, tmp_path):
+def test_plan_fit_prints_an_overlay_that_plan_accepts(model, counts, capsys, tmp_path):
     """Through the CLI: a device that the configs' settings overflow; --fit chooses levers (the batch kept: micro-
     batches) and prints plan's flags for them, with which plan refuses nothing; the stage overlays are the stages'
     YAML keys."""
-    base = ["--model", MODEL, "--precision", "bf16-mixed", "--accelerator", "cuda"]
+    base = ["--model", model, "--precision", "bf16-mixed", "--accelerator", "cuda"]
     run = counts[0]
     rows = _stages(counts, run)
     memory = str(int(rows["warm-up"].peak * 0.7))  # warm-up and fine-tune overflow at the configs' batch
@@ -148,11 +157,11 @@ def test_plan_fit_prints_an_overlay_that_plan_accepts(counts, capsys, tmp_path):
     assert json.loads(shlex.split(pipe.split("--plan", 1)[1])[0])["warmup"] == overlay
 
 
-def test_plan_fit_refuses_what_fits_at_no_setting(capsys):
-    code, out, err = _plan(["--model", MODEL, "--device_memory", "1MB", "--fit", "true"], capsys)
-    assert code == 2 and "fits 0.95 MiB (1MB) at no setting" in err and "nearest:" in err and "largest:" in err
+def test_plan_fit_refuses_what_fits_at_no_setting(model, capsys):
+    code, out, err = _plan(["--model", model, "--device_memory", "0.1MB", "--fit", "true"], capsys)
+    assert code == 2 and "fits 0.10 MiB (0.1MB) at no setting" in err and "nearest:" in err and "largest:" in err
     assert "  warm-up " in out.split("fit: ", 1)[1]  # the fit's table is printed before the refusal
-    code, _, err = _plan(["--model", MODEL, "--fit", "true"], capsys)
+    code, _, err = _plan(["--model", model, "--fit", "true"], capsys)
     assert code == 2 and "--fit true needs --device_memory" in err
 
 

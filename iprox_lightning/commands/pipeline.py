@@ -151,7 +151,7 @@ def pipeline(
             (``{"warmup": {...}, "build_proxy": {...}, "score": {...}, "finetune": {...}}``: each merged into that
             stage's config). Default: the configs' settings. A stage the fit leaves unchanged keeps its fingerprint.
         device_memory: the memory of one device for ``plan auto`` (e.g. ``80GB``; default: the first CUDA device's,
-            or the host's with ``accelerator cpu``).
+            or on CPUs the host's shared by the devices).
     """
     import torch
 
@@ -976,11 +976,12 @@ def stage_plan(plan, device_memory, *, target, hardware: dict, config_dir, demo:
 
 
 def _device_memory(hardware: dict) -> float:
-    """The memory of one device of the run: the first CUDA device's, or the host's on CPUs."""
+    """The memory of one device of the run: the first CUDA device's, or on CPUs the host's shared by the run's
+    processes on the node."""
     import os
 
     import torch
 
     if str(hardware.get("accelerator", "cpu")).lower() != "cpu" and torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(0).total_memory)
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / int(hardware.get("devices") or 1)
