@@ -194,7 +194,8 @@ def _read_store(store: str, output_dir: str):
 def _load_net(model: str, st: dict):
     from ..models.loading import load_model
 
-    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
+    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False,
+                        merge_adapters=st.get("gradients") != "adapters")  # as the store was built
     return net.eval()
 
 

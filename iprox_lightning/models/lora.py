@@ -162,6 +162,26 @@ def is_adapted(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def scores_adapters(model: Any) -> bool:
+    """Whether gradient scoring of ``model`` (a source string or a loaded module) runs over LoRA adapter gradients: a
+    peft adapter directory (loaded with its base, unmerged: ``load_model(..., merge_adapters=False)``) or a peft
+    model. Its tracked layers are then the adapters (``engine.target_layers.default_patterns``), and the scoring
+    settings record ``gradients: adapters`` (:data:`ADAPTER_GRADIENTS`), so no result over the merged dense model's
+    gradients is reused for them."""
+    if isinstance(model, (str, Path)):
+        from ..io.fingerprint import is_adapter_dir
+
+        return is_adapter_dir(model)
+    from ..engine.target_layers import has_adapters
+
+    return has_adapters(model) if isinstance(model, nn.Module) else False
+
+
+ADAPTER_GRADIENTS = {"gradients": "adapters"}
+"""What the settings of a scoring run, store or check over a peft model's adapter gradients record (nothing for any
+other model: their fingerprints are as before)."""
+
+
 def save_adapter(model: nn.Module, path: Union[str, Path]) -> Path:
     """The adapters of the peft ``model`` into the directory ``path`` (peft's format, safetensors), marked as the
     package's; a full disk is an ``OSError`` naming it."""

@@ -117,7 +117,7 @@ class InfluenceScoringModule(L.LightningModule):
 
         hp = self.hparams
         self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
-                                 trust_remote_code=hp.trust_remote_code, tokenizer=False)
+                                 trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
         self.net.eval()
 
     def setup(self, stage: str) -> None:
@@ -138,8 +138,12 @@ class InfluenceScoringModule(L.LightningModule):
     def scoring_config(self) -> dict[str, Any]:
         """The settings that must not change between a run and its resumption: the model's name, the
         :class:`ScoringConfig`, the factor split and the loading dtype."""
+        from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
+
         out = {"model": self.model_name, **self.config.to_dict(), "kfac_split": self.hparams.kfac_split,
                "dtype": self.hparams.dtype}
+        if scores_adapters(self.hparams.get("model", self.net)):  # a peft adapter: its adapters' gradients
+            out.update(ADAPTER_GRADIENTS)
         if self.validation_model is not None:  # only when set: earlier runs' fingerprints stay as they were
             vm = self.validation_model
             out["validation_model"] = vm if isinstance(vm, str) else type(vm).__name__

@@ -104,7 +104,8 @@ class GradientStoreModule(L.LightningModule):
         from ..models.loading import load_model
 
         hp = self.hparams
-        self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False)
+        self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False,
+                                 merge_adapters=False)
         self.net.eval()
 
     def model_identity(self) -> Any:
@@ -122,6 +123,10 @@ class GradientStoreModule(L.LightningModule):
                "target_patterns": None if patterns is None else list(patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
+        from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
+
+        if scores_adapters(hp.get("model", self.net)):  # a peft adapter: its adapters' gradients
+            out.update(ADAPTER_GRADIENTS)
         if hp.projection == "pca":  # (a gaussian store's fingerprint is as before the option)
             out.update(projection="pca", kfac_examples=self.config.kfac_examples, kfac_split=hp.kfac_split)
         precision = str(self.trainer.precision) if self._trainer is not None else None
