@@ -200,7 +200,10 @@ class InfluenceScoringModule(L.LightningModule):
 
         if self.net is None:
             self.configure_model()
-        self.scorer = InfluenceScorer(self.net, self.config, metric=self.metric)
+        from .less import attach_optimizer_state
+
+        self.scorer = InfluenceScorer(self.net, self.config,
+                                      metric=attach_optimizer_state(self.metric, self.hparams.get("model", self.net)))
         val, fac = self._loaders()
         strategy = self.trainer.strategy
         world, rank = self.trainer.world_size, self.trainer.global_rank

@@ -171,6 +171,11 @@ class GradientStoreModule(L.LightningModule):
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         if self.metric.needs_factor_data:
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
+        elif not self.metric.fitted:  # fitted on no data (LESS: the checkpoint's optimiser state, read from the model)
+            from .less import attach_optimizer_state
+
+            attach_optimizer_state(self.metric, hp.get("model", self.net))
+            self.stats.update(self.metric.fit(self.net, modules, [v.key for v in linears], None, dtype=dtype))
         if projections is None and hp.projection == "pca":
             c = self.config  # the second moments of K-FAC's first pass, on the store's examples and loss
             moments = ScoringConfig(method="kfac", damping=c.damping, damping_mode=c.damping_mode,
