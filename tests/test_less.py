@@ -120,3 +120,74 @@ def test_a_missing_or_foreign_optimizer_state_is_refused(tmp_path):
         influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), metric=metric, progress=False)
     with pytest.raises(UserInputError, match="options.adam of method less must be one of"):
         ScoringConfig(method="less", options={"adam": "sgd"}).build_metric()
+
+
+# ------------------------------------------------------------------------------------------------- the commands
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+DEMO_DATA = {"builtin_size": 120, "max_length": 64, "batch_size": 16}
+
+
+@pytest.fixture(scope="module")
+def less_warmup(tmp_path_factory):
+    """``configs/less/warmup.yaml`` on the demo (2 epochs here, r 8, a small pool): the LoRA warm-up's directory."""
+    from iprox_lightning.cli import main
+
+    root = tmp_path_factory.mktemp("less")
+    main(["fit", "--config", str(ROOT / "configs" / "warmup.yaml"), "--config", str(ROOT / "configs" / "builtin" /
+          "warmup.yaml"), "--config", str(ROOT / "configs" / "less" / "warmup.yaml"), "--trainer.max_epochs", "2",
+          "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+          str(root), "--model.init_args.save_dir", str(root / "warmup"),
+          "--model.init_args.lora", '{"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}',
+          *[a for k, v in DEMO_DATA.items() for a in (f"--data.init_args.{k}", str(v))]])
+    return root / "warmup"
+
+
+def _score(tmp_path, name, warm, **init_args):
+    """``configs/less/score.yaml`` (with ``init_args`` over it) on the demo: the score table."""
+    import yaml
+
+    from iprox_lightning.cli import main
+    from iprox_lightning.scoring.influence import ScoreTable
+
+    out = tmp_path / name
+    cfg = {"trainer": {"logger": False, "enable_progress_bar": False, "default_root_dir": str(tmp_path), "callbacks": [
+        {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(out)}}]},
+        "model": {"init_args": init_args}, "data": {"init_args": {"tokenizer": str(warm), **DEMO_DATA}}}
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    main(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config", str(ROOT / "configs" / "builtin" /
+          "score.yaml"), "--config", str(ROOT / "configs" / "less" / "score.yaml"), "--config",
+          str(tmp_path / f"{name}.yaml")])
+    return ScoreTable.load(str(out))
+
+
+def test_less_checkpoint_sum_equals_each_checkpoint_scored_alone_and_summed(less_warmup, tmp_path):
+    """``--model.checkpoints`` (configs/less/score.yaml): the LESS scores summed over the warm-up's checkpoints with
+    the epochs' mean learning rates equal each checkpoint scored on its own (``--model.model``) and summed with those
+    weights; then ``select --rule max`` selects from the table."""
+    from iprox_lightning.cli import main
+    from iprox_lightning.io.optimizer_state import read_adam_state
+
+    ckpts = [less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2)]
+    lrs = [read_adam_state(c).lr for c in ckpts]
+    assert lrs[0] != lrs[1] and all(lr > 0 for lr in lrs)  # the linear schedule: each epoch its own mean
+    both = _score(tmp_path, "both", less_warmup, checkpoints=[{"path": str(c)} for c in ckpts])
+    alone = [_score(tmp_path, f"alone{j}", less_warmup, checkpoints=None, model=str(c)) for j, c in enumerate(ckpts)]
+    assert both.ids == alone[0].ids == alone[1].ids and len(both) == 120 and len(both.task_names) > 1
+    recorded = both.settings["fingerprint"]["settings"]
+    assert recorded["method"] == "less" and recorded["gradients"] == "adapters" and recorded["checkpoint_weights"] == lrs
+    # the same per-checkpoint numbers (the same computation, batch by batch), summed in float64: equal to rounding
+    want = lrs[0] * alone[0].scores + lrs[1] * alone[1].scores
+    np.testing.assert_allclose(both.scores, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    want_t = lrs[0] * alone[0].task_scores + lrs[1] * alone[1].task_scores
+    np.testing.assert_allclose(both.task_scores, want_t, rtol=1e-12, atol=1e-12 * np.abs(want_t).max())
+    assert np.abs(alone[0].scores - alone[1].scores).max() > 1e-3  # the checkpoints differ
+    # a changed weight is another result: never reused
+    from iprox_lightning.io.fingerprint import FingerprintMismatch
+
+    with pytest.raises(FingerprintMismatch):
+        _score(tmp_path, "both", less_warmup, checkpoints=[{"path": str(c), "weight": 1.0} for c in ckpts])
+    out = tmp_path / "less.jsonl"
+    main(["select", "--scores_path", str(tmp_path / "both"), "--rule", "max", "--k", "6", "--output", str(out),
+          "--builtin_size", "120", "--quiet", "true"])
+    rows = [l for l in out.read_text().splitlines() if l.strip()]
+    assert len(rows) == 6

@@ -6,8 +6,8 @@ The file holds, per trained parameter (named as in the model the optimiser train
 ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``), its first and second moments,
 ``<name>|exp_avg`` and ``<name>|exp_avg_sq`` (safetensors, never a pickle), and in the metadata ``schema_version``,
 ``optimizer`` (``"AdamW"``), and ``state`` (JSON): ``{step: {name: int}, betas: [β1, β2], eps, lr, weight_decay}``,
-``lr`` the learning rate of the parameters' group when the checkpoint was taken (what LESS weights the checkpoint
-by). A file whose tensors are not the ones written is refused (``content_sha256``).
+``lr`` the mean learning rate of the steps of the epoch the checkpoint ends (what LESS weights the checkpoint by;
+the group's current one where not known). A file whose tensors are not the ones written is refused (``content_sha256``).
 """
 from __future__ import annotations
 
@@ -104,3 +104,21 @@ def read_adam_state(path: str | os.PathLike) -> AdamState:
         raise UserInputError(f"{p}: the first moments, second moments and steps name different parameters")
     return AdamState(m, v, {k: int(s) for k, s in st["step"].items()}, tuple(st["betas"]), float(st["eps"]),
                      float(st["lr"]), float(st.get("weight_decay", 0.0)), path=str(p))
+
+
+def recorded_lr(path: str | os.PathLike, what: str = "the checkpoint") -> float:
+    """The learning rate recorded in a checkpoint's optimiser state (``path``: the file or its directory), read from
+    the header alone: LESS's weight of the checkpoint. A checkpoint without one is refused naming ``what``."""
+    from .jsonfile import read_safetensors_header
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / OPTIMIZER_STATE
+    if not p.is_file():
+        raise InputNotFoundError(f"{what}: no weight given and no {OPTIMIZER_STATE} at {p} to take its learning rate "
+                                 "from; give the weight")
+    meta = read_safetensors_header(p).get("__metadata__") or {}
+    try:
+        return float(json.loads(meta["state"])["lr"])
+    except (KeyError, TypeError, ValueError):
+        raise UserInputError(f"{p}: no learning rate recorded (metadata 'state.lr'); give {what}'s weight") from None

@@ -46,10 +46,21 @@ def save_epoch_adapter(module, name: str) -> Path | None:
         if optimizers and any(optimizers[0].state.values()):
             from ..io.optimizer_state import OPTIMIZER_STATE, adam_state_of, save_adam_state
 
-            save_adam_state(path / OPTIMIZER_STATE, adam_state_of(dict(module.model.named_parameters()), optimizers[0]))
+            state = adam_state_of(dict(module.model.named_parameters()), optimizers[0])
+            lrs = module.__dict__.get("_step_lrs")
+            if lrs:  # the mean learning rate of the epoch's steps (LESS's weight); "final": its last epoch's
+                module.__dict__["_epoch_lr"] = sum(lrs) / len(lrs)
+            state.lr = module.__dict__.get("_epoch_lr", state.lr)
+            save_adam_state(path / OPTIMIZER_STATE, state)
+    module.__dict__["_step_lrs"] = []  # the next epoch's steps
     if trainer is not None:
         trainer.strategy.barrier("save_adapter")
     return path
+
+
+def note_step_lr(module, optimizer) -> None:
+    """Record the learning rate of the optimiser step about to be taken (its first group's), for the epoch's mean."""
+    module.__dict__.setdefault("_step_lrs", []).append(float(optimizer.param_groups[0]["lr"]))
 
 
 def save_final_and_merge(module) -> None:
