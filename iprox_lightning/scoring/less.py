@@ -55,6 +55,12 @@ class LESS(InfluenceMetric, name="less"):
     symmetric = False  # validation gradients unmapped (SGD)
     needs_optimizer_state: ClassVar[bool] = True
     options = {"adam": "paper"}
+    memory_levers = {"adam_moments": "LoRA adapters (fewer tracked weights)"}
+
+    @classmethod
+    def memory_parts(cls, linears):
+        """The checkpoint's two Adam moments of every tracked weight, float32, on the device (``train.py plan``)."""
+        return {"adam_moments": sum(2 * 4.0 * i * o for i, o in linears)}
 
     def __init__(self, config) -> None:
         super().__init__(config)

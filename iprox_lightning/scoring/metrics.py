@@ -814,6 +814,3 @@ def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str,
     if save:
         save_factors(path, metric.state_dict(), method=metric.name, fingerprint=fp)
     return {**stats, "factors": str(path), "factors_reused": False}
-
-
-from . import less  # noqa: E402,F401  (registers method "less": LESS's Adam-preconditioned training gradients)
