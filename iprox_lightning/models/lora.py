@@ -192,7 +192,9 @@ def save_adapter(model: nn.Module, path: Union[str, Path]) -> Path:
     path = Path(path)
     make_owned_dir(path, "model")
     with named_os_errors(path), _peft_quiet():
-        model.save_pretrained(path, safe_serialization=True)
+        # save_embedding_layers=False: the base's embeddings are never trained or resized here, so peft's "auto" check
+        # (which looks the base's config.json up on the hub, warning where it cannot: "builtin", offline) is not run
+        model.save_pretrained(path, safe_serialization=True, save_embedding_layers=False)
     sort_safetensors_metadata(path / ADAPTER_WEIGHTS)  # the same adapters, the same bytes
     return path
 
@@ -237,9 +239,13 @@ def attach_saved_adapter(model: nn.Module, path: Union[str, Path]) -> nn.Module:
     except (TypeError, ValueError) as e:
         raise UserInputError(f"{p / ADAPTER_CONFIG}: not a LoRA adapter config peft reads: {e}") from None
     cfg.inference_mode = True
+    # peft renames the recorded base to the loaded model's name (a warning when they differ: "builtin", a relative
+    # path); the base was checked and loaded from the record, which the wrapped model keeps
+    base, cfg.base_model_name_or_path = cfg.base_model_name_or_path, model.__dict__.get("name_or_path", None) or None
     with _peft_quiet():
         adapted = get_peft_model(model, cfg)
         result = set_peft_model_state_dict(adapted, load_file(str(p / ADAPTER_WEIGHTS)))
+    adapted.peft_config["default"].base_model_name_or_path = base
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit its base {cfg.base_model_name_or_path} "
