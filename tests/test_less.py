@@ -127,14 +127,27 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 DEMO_DATA = {"builtin_size": 120, "max_length": 64, "batch_size": 16}
 
 
+def guide_commands() -> list[list[str]]:
+    """The arguments of the GUIDE's "Reproduce LESS on the demo" commands, as written: the tests below run them
+    (with a smaller pool, fewer epochs and their outputs in a temporary directory given after them)."""
+    import re
+    import shlex
+
+    from test_readme import GUIDE, bash_commands, doc_section
+
+    (block,) = re.findall(r"```bash\n(.*?)```", doc_section(GUIDE, "## LoRA: adapter gradients and LESS"), re.S)
+    cmds = [shlex.split(c) for c in bash_commands(block)]
+    assert [c[:3] for c in cmds] == [["python", "train.py", s] for s in ("fit", "predict", "select")]
+    return [[str(ROOT / a) if a.startswith("configs/") else a for a in c[2:]] for c in cmds]
+
+
 @pytest.fixture(scope="module")
 def less_warmup(tmp_path_factory):
     """``configs/less/warmup.yaml`` on the demo (2 epochs here, r 8, a small pool): the LoRA warm-up's directory."""
     from iprox_lightning.cli import main
 
     root = tmp_path_factory.mktemp("less")
-    main(["fit", "--config", str(ROOT / "configs" / "warmup.yaml"), "--config", str(ROOT / "configs" / "builtin" /
-          "warmup.yaml"), "--config", str(ROOT / "configs" / "less" / "warmup.yaml"), "--trainer.max_epochs", "2",
+    main([*guide_commands()[0], "--trainer.max_epochs", "2",
           "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
           str(root), "--model.init_args.save_dir", str(root / "warmup"),
           "--model.init_args.lora", '{"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}',
@@ -154,9 +167,7 @@ def _score(tmp_path, name, warm, **init_args):
         {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(out)}}]},
         "model": {"init_args": init_args}, "data": {"init_args": {"tokenizer": str(warm), **DEMO_DATA}}}
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    main(["predict", "--config", str(ROOT / "configs" / "score.yaml"), "--config", str(ROOT / "configs" / "builtin" /
-          "score.yaml"), "--config", str(ROOT / "configs" / "less" / "score.yaml"), "--config",
-          str(tmp_path / f"{name}.yaml")])
+    main([*guide_commands()[1], "--config", str(tmp_path / f"{name}.yaml")])
     return ScoreTable.load(str(out))
 
 
@@ -187,7 +198,7 @@ def test_less_checkpoint_sum_equals_each_checkpoint_scored_alone_and_summed(less
     with pytest.raises(FingerprintMismatch):
         _score(tmp_path, "both", less_warmup, checkpoints=[{"path": str(c), "weight": 1.0} for c in ckpts])
     out = tmp_path / "less.jsonl"
-    main(["select", "--scores_path", str(tmp_path / "both"), "--rule", "max", "--k", "6", "--output", str(out),
+    main([*guide_commands()[2], "--scores_path", str(tmp_path / "both"), "--k", "6", "--output", str(out),
           "--builtin_size", "120", "--quiet", "true"])
     rows = [l for l in out.read_text().splitlines() if l.strip()]
     assert len(rows) == 6
