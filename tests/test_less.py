@@ -224,3 +224,25 @@ def test_less_store_unprojected_equals_exact_less_scoring(less_warmup, tmp_path)
     # scales float32 rounding up where v̂ is small: up to 1.05e-5 of these cosines measured, 1e-4 allowed
     np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=0, atol=1e-4)
     np.testing.assert_allclose(got.scores, exact.scores, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("a/b", r"checkpoints must be a non-empty list of \{path, weight\}"),
+    ([], r"checkpoints must be a non-empty list"),
+    ([{"weight": 1.0}], r"checkpoints\[0\] must be \{path, weight\}"),
+    ([{"path": "x", "weight": 1.0, "lr": 2}], r"checkpoints\[0\] must be \{path, weight\}"),
+    ([{"path": "x", "weight": "big"}], r"checkpoints\[0\]\.weight must be a finite number"),
+    ([{"path": "x", "weight": float("nan")}], r"checkpoints\[0\]\.weight must be a finite number"),
+])
+def test_bad_checkpoints_are_refused_naming_the_entry(bad, message):
+    from iprox_lightning.scoring import InfluenceScoringModule
+
+    with pytest.raises(UserInputError, match=message):
+        InfluenceScoringModule(checkpoints=bad)
+
+
+def test_a_checkpoint_without_weight_or_optimizer_state_is_refused(tmp_path):
+    from iprox_lightning.scoring import InfluenceScoringModule
+
+    with pytest.raises(InputNotFoundError, match=r"checkpoints\[1\]: no weight given and no optimizer_state"):
+        InfluenceScoringModule(checkpoints=[{"path": str(tmp_path), "weight": 1.0}, {"path": str(tmp_path)}])
