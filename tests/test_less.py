@@ -246,3 +246,14 @@ def test_a_checkpoint_without_weight_or_optimizer_state_is_refused(tmp_path):
 
     with pytest.raises(InputNotFoundError, match=r"checkpoints\[1\]: no weight given and no optimizer_state"):
         InfluenceScoringModule(checkpoints=[{"path": str(tmp_path), "weight": 1.0}, {"path": str(tmp_path)}])
+
+
+def test_check_refuses_less_before_loading_anything(tmp_path):
+    """LESS scores a LoRA checkpoint with its Adam moments: ``check`` (a proxy against its dense target) refuses it
+    at once, naming the metrics it takes (``pipeline --method less``: tests/test_hostile_inputs.py)."""
+    from iprox_lightning.cli import main
+
+    with pytest.raises(UserInputError, match="check with tracin, kfac or ekfac"):
+        main(["check", "--target", "builtin", "--proxy", "builtin", "--output_dir", str(tmp_path / "c"),
+              "--method", "less"])
+    assert not (tmp_path / "c").exists()
