@@ -910,7 +910,9 @@ def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activation
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
     stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))
-    stages += [scoring_plan(sizes, acts, run, m) for m in _metrics()]
+    # over the dense model's layers: LESS (a LoRA checkpoint's adapter gradients and Adam moments) is not planned here
+    stages += [scoring_plan(sizes, acts, run, m) for m, c in _metrics().items()
+               if not getattr(c, "needs_optimizer_state", False)]
     stages.append(store_plan(sizes, acts, run))
     stages.append(training_plan(sizes, acts, run, stage="fine-tune", n_examples=run.select_k,
                                 epochs=run.finetune_epochs))

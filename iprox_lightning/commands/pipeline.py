@@ -211,9 +211,13 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
     from ..scoring.config import ScoringConfig
 
     try:
-        ScoringConfig(method=method)
+        config = ScoringConfig(method=method)
     except ValueError as e:
         raise UserInputError(f"method: {e}") from None
+    if getattr(config.metric_class(), "needs_optimizer_state", False):
+        raise UserInputError(f"method: {method} scores a LoRA checkpoint's adapter gradients with its Adam moments, "
+                             "which the pipeline's dense target and proxy do not have: run LESS with configs/less/ "
+                             "(docs/GUIDE.md, 'LoRA: adapter gradients and LESS')")
 
 
 def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, strategy: str | None,

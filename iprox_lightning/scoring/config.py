@@ -88,6 +88,7 @@ class ScoringConfig:
         # the metric registry, the feature modes and the losses live beside torch: read when a config is built,
         # never by a command's --help (which reads this module for the commands' signatures)
         from ..engine.batch import check_loss_reduction
+        from . import less  # noqa: F401  (registers method "less" beside metrics' own)
         from .features import FEATURE_MODES
         from .metrics import InfluenceMetric, metric_names
 

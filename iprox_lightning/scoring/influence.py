@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Collection, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -594,6 +594,46 @@ def tracin_scores(
                             validation_model=validation_model, scoring=replace(scoring, method="tracin"))
 
 
+def checkpoint_sum(weights: Sequence[float], scores: Sequence, task_scores: Sequence, zero_grad: Sequence,
+                   nonfinite: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The multi-checkpoint combination of the same rows scored at each checkpoint ``c``: ``Σ_c w_c · score_c`` and
+    ``Σ_c w_c · task_scores_c`` (``w_c``: the checkpoint's learning rate, LESS's weights); a row is ``zero_grad`` when
+    it is at every checkpoint and ``nonfinite`` when it is at any (its sums then NaN). :func:`multi_checkpoint_scores`
+    and the predict loop's ``checkpoints`` (:class:`~.module.InfluenceScoringModule`) both combine with it."""
+    if len(weights) != len(scores) or not len(weights):
+        raise ValueError(f"need one weight per checkpoint, got {len(scores)} checkpoints and {len(weights)} weights")
+    s = sum(float(w) * np.asarray(x, dtype=np.float64) for w, x in zip(weights, scores))
+    ts = sum(float(w) * np.asarray(x, dtype=np.float64) for w, x in zip(weights, task_scores))
+    zero = np.logical_and.reduce([np.asarray(z, dtype=bool) for z in zero_grad])
+    bad = np.logical_or.reduce([np.asarray(b, dtype=bool) for b in nonfinite])
+    return s, ts, zero, bad
+
+
+def check_checkpoints(value: Any) -> list[dict] | None:
+    """``checkpoints`` of a scoring run checked: ``None``, or a non-empty list of ``{path, weight}`` (``weight`` a
+    finite number, or omitted: the learning rate recorded in the checkpoint's optimiser state,
+    :func:`~iprox_lightning.io.optimizer_state.recorded_lr`); returns ``[{path, weight}]`` with every weight."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise UserInputError(f"checkpoints must be a non-empty list of {{path, weight}}, got {value!r}")
+    out = []
+    for j, c in enumerate(value):
+        if isinstance(c, (str, bytes)) or hasattr(c, "__fspath__"):
+            c = {"path": str(c)}
+        if not isinstance(c, Mapping) or "path" not in c or set(c) - {"path", "weight"}:
+            raise UserInputError(f"checkpoints[{j}] must be {{path, weight}} (weight optional), got {c!r}")
+        w = c.get("weight")
+        if w is None:
+            from ..io.optimizer_state import recorded_lr
+
+            w = recorded_lr(c["path"], f"checkpoints[{j}]")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise UserInputError(f"checkpoints[{j}].weight must be a finite number, got {w!r}")
+        out.append({"path": str(c["path"]), "weight": float(w)})
+    return out
+
+
 def multi_checkpoint_scores(
     models: Sequence[nn.Module],
     train_dataloader: Iterable[Mapping],
@@ -602,24 +642,24 @@ def multi_checkpoint_scores(
     weights: Sequence[float],
     **kwargs,
 ) -> ScoreTable:
-    """Multi-checkpoint TracIn: ``Σ_c η_c · score_c(z)`` over checkpoints ``models`` with weights
-    ``η_c`` (learning rates); per-task scores likewise. ``kwargs`` go to :func:`influence_scores` (default
-    metric TracIn); the
-    data loaders must be re-iterable. An example is flagged ``zero_grad`` if it is at every checkpoint."""
+    """Multi-checkpoint scores: ``Σ_c η_c · score_c(z)`` over checkpoints ``models`` with weights ``η_c`` (learning
+    rates; :func:`checkpoint_sum`); per-task scores likewise. ``kwargs`` go to :func:`influence_scores` (default metric
+    TracIn; ``metric``: a list gives each checkpoint its own metric object, e.g. LESS's with that checkpoint's
+    optimiser state); the data loaders must be re-iterable. An example is flagged ``zero_grad`` if it is at every
+    checkpoint. The command line's ``--model.checkpoints`` (:class:`~.module.InfluenceScoringModule`) sums the same
+    way, batch by batch."""
     if len(models) != len(weights) or not models:
         raise ValueError(f"need one weight per checkpoint, got {len(models)} models and {len(weights)} weights")
-    total = None
-    for m, w in zip(models, weights):
-        t = influence_scores(m, train_dataloader, val_dataloader, **kwargs)
-        if total is None:
-            total = ScoreTable(t.ids, w * t.scores, t.task_names, w * t.task_scores, t.n_tokens, t.zero_grad,
-                               t.tasks, {**t.settings, "checkpoint_weights": list(map(float, weights))},
-                               nonfinite=t.nonfinite)
-        else:
-            if t.ids != total.ids or t.task_names != total.task_names:
-                raise ValueError("checkpoints scored different ids or tasks; use a deterministic data loader")
-            total.scores += w * t.scores
-            total.task_scores += w * t.task_scores
-            total.zero_grad &= t.zero_grad
-            total.nonfinite |= t.nonfinite
-    return total
+    metrics = kwargs.pop("metric", None)
+    metrics = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics] * len(models)
+    tables = []
+    for m, metric in zip(models, metrics):
+        t = influence_scores(m, train_dataloader, val_dataloader, metric=metric, **kwargs)
+        if tables and (t.ids != tables[0].ids or t.task_names != tables[0].task_names):
+            raise ValueError("checkpoints scored different ids or tasks; use a deterministic data loader")
+        tables.append(t)
+    s, ts, zero, bad = checkpoint_sum(weights, [t.scores for t in tables], [t.task_scores for t in tables],
+                                      [t.zero_grad for t in tables], [t.nonfinite for t in tables])
+    t = tables[0]
+    return ScoreTable(t.ids, s, t.task_names, ts, t.n_tokens, zero, t.tasks,
+                      {**t.settings, "checkpoint_weights": list(map(float, weights))}, nonfinite=bad)

@@ -321,6 +321,7 @@ class InfluenceMetric:
     name: ClassVar[str]
     factor_passes: ClassVar[int] = 0  # passes fit() makes over the training batches (0: nothing to fit)
     token_factored: ClassVar[bool] = True  # tokens() exists; False: matrix() on materialised per-example gradients
+    symmetric: ClassVar[bool] = True  # a store's query maps the validation gradients as its rows (False: LESS, unmapped)
     uses: ClassVar[tuple[str, ...]] = ()  # the shared ScoringConfig options the metric reads (its settings)
     conventions: ClassVar[tuple[str, ...]] = ("loss_reduction",)  # conventions recorded when not the default
     options: ClassVar[Mapping[str, Any]] = {}  # the metric's own options, name -> default (ScoringConfig.options)

@@ -307,6 +307,12 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------- saving
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.lora_settings is not None:  # each step's learning rate: an epoch's mean is its LESS weight
+            from .lora import note_step_lr
+
+            note_step_lr(self, optimizer)
+
     def on_train_epoch_end(self) -> None:
         if self.lora_settings is not None and self.hparams.save_dir:
             from .lora import save_epoch_adapter
