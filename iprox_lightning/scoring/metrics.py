@@ -455,25 +455,44 @@ whatever the number of processes, in both EK-FAC passes)."""
 
 
 def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: str, trackers,
-                    metric: "InfluenceMetric | None" = None) -> int:
+                    metric: "InfluenceMetric | None" = None, owners: Mapping[str, int] | None = None) -> int:
     """Run ``trackers`` over the first ``examples`` examples of ``batches`` (this rank's share), with ``metric``'s
-    per-example loss and Fisher (its conventions, :class:`InfluenceMetric`); returns the count."""
+    per-example loss and Fisher (its conventions, :class:`InfluenceMetric`); returns the count. ``owners`` (key ->
+    rank, ``shard_layers``): the pairs go to each weight's owner (:class:`~.layer_shards.OwnedLayers`), every rank
+    making the same number of steps."""
     loss_fn = example_loss_fn("mean") if metric is None else metric.loss_fn
     sampled = metric is not None and metric.fisher == "sampled"
     rank, world = shard
     device = next(model.parameters()).device
-    seen = done = 0
-    with eval_mode(model):
+
+    def taken():  # (j, the batch's first examples up to the limit)
+        seen = 0
         for j, batch in enumerate(progress_bar(batches, progress, desc)):
             if seen >= examples:
                 break
             take = min(batch["input_ids"].shape[0], examples - seen)
             seen += take
-            if j % world != rank:
-                continue
-            backward_pairs(model, trim_batch(to_device(slice_rows(batch, take), device)), trackers, loss_fn=loss_fn,
-                           sample_seed=FISHER_SEED + j if sampled else None)
-            done += take
+            yield j, slice_rows(batch, take)
+
+    done = 0
+    with eval_mode(model):
+        if owners is None:
+            for j, batch in taken():
+                if j % world != rank:
+                    continue
+                backward_pairs(model, trim_batch(to_device(batch, device)), trackers, loss_fn=loss_fn,
+                               sample_seed=FISHER_SEED + j if sampled else None)
+                done += batch["input_ids"].shape[0]
+            return done
+        from .layer_shards import OwnedLayers, equal_steps, idle_batch
+
+        owned = [OwnedLayers(t, owners, rank, world) for t in trackers]
+        for (j, batch), real in equal_steps(taken(), rank, world):
+            b = trim_batch(to_device(batch if real else idle_batch(batch), device))
+            for t in owned:
+                t.active = None if real else torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
+            backward_pairs(model, b, owned, loss_fn=loss_fn, sample_seed=FISHER_SEED + j if sampled else None)
+            done += b["input_ids"].shape[0] if real else 0
     return done
 
 
@@ -568,14 +587,17 @@ class KFAC(InfluenceMetric, name="kfac"):
         return {k for k in keys if _weight_module(k) in mine}
 
     def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False,
-            eigenbases: "KFAC | None" = None):
+            eigenbases: "KFAC | None" = None, owners: Mapping[str, int] | None = None):
         """See :meth:`InfluenceMetric.fit`; ``eigenbases``: a fitted :class:`KFAC` on the same inputs whose factors
-        are taken instead of fitting them (EK-FAC corrects the eigenvalues of a saved K-FAC fit)."""
+        are taken instead of fitting them (EK-FAC corrects the eigenvalues of a saved K-FAC fit). ``owners`` (weight
+        key -> rank, ``shard_layers``: :func:`~.layer_shards.layer_owners`): this rank sums, decomposes and keeps
+        only the weights it owns (every rank's pairs of a weight are sent to its owner)."""
         if batches is None:
             raise ValueError(f"method={self.name!r} needs training batches to estimate the K-FAC factors")
         self.device = next(model.parameters()).device
+        mine = list(keys) if owners is None else [k for k in keys if owners[k] == shard[0]]
         if eigenbases is not None:
-            self.eigens = {k: {f: eigenbases.eigens[k][f] for f in _EIG_FIELDS} for k in keys}
+            self.eigens = {k: {f: eigenbases.eigens[k][f] for f in _EIG_FIELDS} for k in mine}
             stats = {"kfac_factors_reused": True}
         else:
             t0 = time.perf_counter()
@@ -583,23 +605,30 @@ class KFAC(InfluenceMetric, name="kfac"):
             for j, (mods, gkeys) in enumerate(groups):
                 factors = KFACFactors({m: modules[m] for m in mods}, self.factor_dtype)
                 desc = "K-FAC factors" + (f" {j + 1}/{len(groups)}" if len(groups) > 1 else "")
-                done = _factor_batches(model, batches, self.examples, shard, progress, desc, [factors], self)
-                owned = self._owned(modules, mods, gkeys, shard, reduce)
-                decomposed += len(gkeys if owned is None else owned)
-                self.eigens.update(factors.eigens(gkeys, reduce, owned=owned, device="cpu" if self.offload else None))
+                done = _factor_batches(model, batches, self.examples, shard, progress, desc, [factors], self, owners)
+                where = "cpu" if self.offload else None
+                if owners is None:
+                    owned = self._owned(modules, mods, gkeys, shard, reduce)
+                    decomposed += len(gkeys if owned is None else owned)
+                    self.eigens.update(factors.eigens(gkeys, reduce, owned=owned, device=where))
+                else:  # the owner's sums hold every rank's tokens: no reduction, no exchange
+                    gmine = [k for k in gkeys if owners[k] == shard[0]]
+                    decomposed += len(gmine)
+                    self.eigens.update(factors.eigens(gmine, device=where))
                 del factors
-            missing = [k for k in keys if k not in self.eigens]
+            missing = [k for k in mine if k not in self.eigens]
             if missing:
                 raise RuntimeError(f"no K-FAC statistics were collected for {missing[0]!r}: is it a tracked weight?")
-            self.eigens = {k: self.eigens[k] for k in keys}
+            self.eigens = {k: self.eigens[k] for k in mine}
             n = self._reduced_count(done, self.device, reduce)
             stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0, "kfac_passes": len(groups),
                      "kfac_weights_decomposed": decomposed}
-        stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress))
-        self._build(keys, dtype)
+        stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress,
+                                    owners=owners))
+        self._build(mine, dtype)
         return stats
 
-    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
+    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress, owners=None) -> dict:
         return {}
 
     def _target(self):
@@ -729,22 +758,24 @@ class EKFAC(KFAC, name="ekfac"):
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
         return KFAC(dataclasses.replace(self.config, method="kfac"))
 
-    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
+    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress, owners=None) -> dict:
         t0 = time.perf_counter()
         groups = self.groups(modules, keys)
         examples = 0
         for j, (mods, gkeys) in enumerate(groups):
+            if owners is not None:  # the owner's sums hold every rank's examples: no reduction
+                gkeys = [k for k in gkeys if owners[k] == shard[0]]
             corr = EigenCorrection({m: modules[m] for m in mods},
                                    {k: (self.eigens[k]["Q_h"], self.eigens[k]["Q_d"]) for k in gkeys},
                                    self.factor_dtype)
             desc = "EK-FAC eigenvalues" + (f" {j + 1}/{len(groups)}" if len(groups) > 1 else "")
-            examples = _factor_batches(model, batches, self.examples, shard, progress, desc, [corr], self)
+            examples = _factor_batches(model, batches, self.examples, shard, progress, desc, [corr], self, owners)
             for k in gkeys:
                 s = corr.sums.pop(k, None)
                 if s is None:
                     s = torch.zeros(len(self.eigens[k]["e_d"]), len(self.eigens[k]["e_h"]),
                                     dtype=torch.promote_types(self.eigens[k]["Q_h"].dtype, self.factor_dtype))
-                if reduce is not None:
+                if reduce is not None and owners is None:
                     s = reduce(s)
                 self.eigens[k]["lambda"] = s.cpu()
             del corr
@@ -752,7 +783,7 @@ class EKFAC(KFAC, name="ekfac"):
         if reduce is not None:
             device = next(model.parameters()).device
             n = reduce(n.reshape(1).to(device)).cpu().reshape(())
-        for k in keys:
+        for k in self.eigens:
             self.eigens[k]["n"] = n
         return {"ekfac_seconds": time.perf_counter() - t0}
 
@@ -778,11 +809,19 @@ def metric_names() -> tuple[str, ...]:
 
 def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
                 batches: Iterable[Mapping] | None, *, factors_dir: str | None, fingerprint: Mapping | None,
-                dtype: torch.dtype, shard=(0, 1), reduce=None, progress: bool = False, save: bool = True) -> dict:
+                dtype: torch.dtype, shard=(0, 1), reduce=None, progress: bool = False, save: bool = True,
+                owners: Mapping[str, int] | None = None) -> dict:
     """``metric.fit(...)``, or, with a ``factors_dir``, load the factors fitted before on the same inputs
     (``fingerprint``: model identity and factor-data digest; the metric's fit settings, the tracked weights and
     ``dtype`` are added here) and save newly fitted ones there (``save``: rank 0 only under several processes).
-    Returns the fit statistics (``factors``: the file, ``factors_reused``)."""
+    Returns the fit statistics (``factors``: the file, ``factors_reused``). ``owners`` (``shard_layers``: weight key
+    -> rank): each rank fits and keeps its own weights' factors (:meth:`KFAC.fit`); not with a ``factors_dir``."""
+    if owners is not None and metric.needs_factor_data:
+        if factors_dir is not None:
+            raise UserInputError("factors_dir: the factors of shard_layers are split across the ranks (each holds its "
+                                 "share) and are not saved or loaded; leave factors_dir out, or shard_layers false")
+        return metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress,
+                          owners=owners)
     if factors_dir is None or not metric.needs_factor_data:
         return metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
     from ..io.factors import factors_path, load_factors, save_factors

@@ -277,6 +277,7 @@ class InfluenceScoringModule(L.LightningModule):
         self.n_skipped += int((~keep).sum())
         names = self.scorer.task_names
         if not bool(keep.any()):
+            self.scorer.take_part(batch)  # (shard_layers: the other ranks' pairs of this rank's weights)
             return _empty_result(names)
         if not bool(keep.all()):
             from .features import trim_batch
