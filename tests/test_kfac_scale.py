@@ -241,3 +241,90 @@ def test_plan_takes_the_kfac_settings_on_the_command_line(capsys):
 
     with pytest.raises(UserInputError, match="plan: kfac_partitions must be an integer >= 1, got 0"):
         main([*args, "--kfac_partitions", "0"])  # (train.py prints a UserError as one error: line)
+
+
+SHARD_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_scoring_influence import TINY, batches, make_examples
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
+
+OUT, METHOD = {out!r}, sys.argv[1]
+SMALL = {{**TINY, "num_layers": 2}}
+
+
+def data():  # 5 factor / pool batches and 3 validation batches: one rank makes an idle step in each pass
+    return batches(make_examples(18, seed=1, tasks=["x"]), 4), batches(make_examples(7, seed=2, tasks=["a", "b"]), 3)
+
+
+def scorer(**kw):
+    model = tiny_causal_lm("llama", seed=3, dtype=torch.float64, **SMALL)
+    return InfluenceScorer(model, ScoringConfig(method=METHOD, kfac_examples=18, kfac_partitions=2, **kw))
+
+
+def held(s):
+    eig = getattr(s.metric, "eigens", {{}})
+    return {{"V": sorted(s.V), "factors": {{k: {{f: t.tolist() for f, t in e.items() if f in ("e_h", "e_d", "lambda")}}
+                                          for k, e in eig.items()}}}}
+
+
+def run(rank, world):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def reduce(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    train, val = data()
+    s = scorer(shard_layers=True).fit(val, train, shard=(rank, world), reduce=reduce)
+    res = [s.score_batch(b) for b in train]
+    json.dump({{"scores": [r["score"].tolist() for r in res], "tasks": [r["task_scores"].tolist() for r in res],
+               **held(s)}}, open(os.path.join(OUT, f"r{{rank}}.json"), "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    torch.set_num_threads(1)
+    mp.start_processes(run, args=(2,), nprocs=2, start_method="fork")
+    train, val = data()
+    s = scorer().fit(val, train)
+    res = [s.score_batch(b) for b in train]
+    json.dump({{"scores": [r["score"].tolist() for r in res], "tasks": [r["task_scores"].tolist() for r in res],
+               **held(s)}}, open(os.path.join(OUT, "ref.json"), "w"))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method,port", [("ekfac", "29567")])
+def test_layer_sharded_factors_on_two_ranks_equal_one_process(tmp_path, method, port):
+    """``shard_layers``: each of 2 gloo ranks holds the factor sums, factors (eigenvalues, EK-FAC's corrections) and
+    validation gradients of its share of the 14 tracked weights only, every rank's pairs sent to a weight's owner
+    (idle steps where a rank has one batch fewer). The shares are disjoint and cover every weight; each owned
+    weight's eigenvalues and corrections, and the scores (overall and per task), equal one process's to 1e-9
+    relative (float64: the owner sums the ranks' tokens in another grouping than one process's batches)."""
+    script = tmp_path / "shard.py"
+    script.write_text(textwrap.dedent(SHARD_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path))))
+    r = subprocess.run([sys.executable, str(script), method, port], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    ranks = [json.loads((tmp_path / f"r{rank}.json").read_text()) for rank in range(2)]
+    assert len(ref["V"]) == len(ref["factors"]) == 14
+    for field in ("V", "factors"):
+        shares = [set(r[field]) for r in ranks]
+        assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(ref[field]) and all(shares)
+    for got in ranks:
+        for key, fields in got["factors"].items():
+            assert set(fields) == set(ref["factors"][key])
+            for f, v in fields.items():
+                np.testing.assert_allclose(np.asarray(v), np.asarray(ref["factors"][key][f]), rtol=1e-9, atol=1e-14)
+        for name in ("scores", "tasks"):
+            want, have = np.concatenate(ref[name]), np.concatenate(got[name])
+            assert np.abs(want).max() > 1e-3
+            np.testing.assert_allclose(have, want, rtol=1e-9, atol=1e-12)
