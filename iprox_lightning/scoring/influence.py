@@ -50,6 +50,7 @@ from torch import nn
 
 from ..errors import UserInputError
 from ..engine.settings import takes_settings
+from ..engine.fsdp import is_sharded
 from ..engine.tracking import backward_pairs
 from .config import METRIC_FIELDS, ScoringConfig, validation_holding
 from .features import (
@@ -233,6 +234,12 @@ class InfluenceScorer:
             return [ALL_TASKS] * B
         return [str(t) for t in batch["task"]]
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank must make the same steps: ``shard_layers`` (each weight's pairs go to its owner) or a
+        sharded model (FSDP2: each forward gathers the blocks from every rank)."""
+        return self.owners is not None or is_sharded(self.model)
+
     # ------------------------------------------------------------------------------------
     @property
     def hold_device(self):
@@ -271,8 +278,9 @@ class InfluenceScorer:
         counts: dict[str, int] = {}
         vdevice = next(vmodel.parameters()).device
         with eval_mode(vmodel):
-            if self.owners is not None:
-                self._owned_steps(vmodel, batches, pairs, owned, counts, shard, progress, desc)
+            if self.owners is not None or is_sharded(vmodel):
+                self._owned_steps(vmodel, batches, pairs, owned if self.owners is not None else None, counts, shard,
+                                  progress, desc)
                 return tracker.sums, counts
             for j, batch in enumerate(progress_bar(batches, progress, desc)):
                 if j % world != rank:
@@ -287,9 +295,10 @@ class InfluenceScorer:
         return tracker.sums, counts
 
     def _owned_steps(self, vmodel, batches, pairs, owned, counts, shard, progress, desc) -> None:
-        """:meth:`_validation_sums`'s loop under ``shard_layers``: every rank makes the same number of steps (idle
-        ones send no row: :func:`~.layer_shards.equal_steps`), a batch without a response token too."""
-        from .layer_shards import equal_steps, idle_batch
+        """:meth:`_validation_sums`'s loop under ``shard_layers`` or a sharded model (FSDP2: each forward a
+        collective): every rank makes the same number of steps (idle ones send no row or track nothing:
+        :func:`~.layer_shards.equal_steps`), a batch without a response token too."""
+        from .layer_shards import equal_steps
 
         vdevice = next(vmodel.parameters()).device
         for batch, real in equal_steps(progress_bar(batches, progress, desc), *shard):
@@ -301,15 +310,21 @@ class InfluenceScorer:
             self._owned_step(vmodel, b, keep, [pairs], owned)
 
     def _owned_step(self, model, b, keep, trackers, owned) -> None:
-        """One step under ``shard_layers``: the rows ``keep`` are sent (none: an idle step on the batch with every
-        token a label, so that every layer's exchange runs)."""
+        """One step that every rank makes (``shard_layers``: ``owned``, the :class:`~.layer_shards.OwnedLayers`; or a
+        sharded model: ``owned`` None): the rows ``keep``, or none: an idle step on the batch with every token a
+        label, so that every layer's exchange and every block's gathering runs (tracking nothing)."""
         from .layer_shards import idle_batch
 
         if bool(keep.any()):
-            b, owned.active = trim_batch(b, keep), None
+            b = trim_batch(b, keep)
+            if owned is not None:
+                owned.active = None
         else:
             b = idle_batch(b)
-            owned.active = torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
+            if owned is None:
+                trackers = []
+            else:
+                owned.active = torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
         backward_pairs(model, b, trackers, loss_fn=self.metric.loss_fn)
 
     @property
@@ -447,7 +462,7 @@ class InfluenceScorer:
         keys = [v.key for v in self.linears]
         self.shard, self._reduce = shard, reduce
         if self.config.shard_layers and shard[1] > 1 and reduce is not None:
-            from .layer_shards import layer_owners
+            from .metrics import layer_owners
 
             self.owners = layer_owners(self.modules, keys, self.config.kfac_partitions, shard[1])
         self.stats.update(fit_or_load(self.metric, self.model, self.modules, keys,
@@ -511,13 +526,15 @@ class InfluenceScorer:
         keep = has_response_tokens(b).cpu()
         if active is not None:
             keep = keep & active.cpu()
-        if self.owners is not None or bool(keep.any()):
+        if self.lockstep or bool(keep.any()):
             rows = torch.nonzero(keep).flatten()
             tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.config.feature_mode,
                                           dual=getattr(self, "dual", None))
             with eval_mode(self.model):
-                if self.owners is None:
+                if not self.lockstep:
                     backward_pairs(self.model, trim_batch(b, keep), [tracker], loss_fn=self.metric.loss_fn)
+                elif self.owners is None:
+                    self._owned_step(self.model, b, keep.to(b["input_ids"].device), [tracker], None)
                 else:
                     from .layer_shards import OwnedLayers
 
@@ -529,9 +546,10 @@ class InfluenceScorer:
         return sq, dots, n_tok, keep
 
     def take_part(self, batch: Mapping) -> None:
-        """Under ``shard_layers``, the step of a batch this rank scores no row of (e.g. every row resumed): the other
-        ranks' pairs still reach this rank's weights (a no-op otherwise)."""
-        if self.owners is not None:
+        """The step of a batch this rank scores no row of (e.g. every row resumed) where every rank must make the
+        same steps (:attr:`lockstep`: the other ranks' pairs still reach this rank's weights, its blocks are still
+        gathered); a no-op otherwise."""
+        if self.lockstep:
             self._features(batch, active=torch.zeros(batch["input_ids"].shape[0], dtype=torch.bool))
 
     def score_batch(self, batch: Mapping) -> dict:

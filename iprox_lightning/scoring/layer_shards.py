@@ -16,7 +16,7 @@ layer's width, and keeps no rank above its share.
 
 Every rank must make the same steps (each step is a sequence of collectives in the backward order of the same
 model): a rank with fewer batches makes idle steps, whose rows are sent as none (:func:`equal_steps`). Ownership
-(:func:`layer_owners`) is the largest-first split of each K-FAC partition's layers (by ``in² + out²``) over the
+(:func:`~.metrics.layer_owners`) is the largest-first split of each K-FAC partition's layers (by ``in² + out²``) over the
 ranks, so every pass holds about ``1/world`` of its sums on each rank.
 """
 from __future__ import annotations
@@ -25,22 +25,8 @@ import math
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
-from torch import nn
 
 from .features import WeightPairTracker
-
-
-def layer_owners(modules: Mapping[str, nn.Module], keys: Sequence[str], partitions: int, world: int) -> dict[str, int]:
-    """``{weight key: owning rank}``: each of the ``partitions`` module groups (:func:`~.metrics.balanced_groups`, as
-    the K-FAC fit passes) split over ``world`` ranks largest first by factor size; a weight's owner is its module's."""
-    from .metrics import _weight_module, balanced_groups, factor_layer_sizes
-
-    sizes = factor_layer_sizes(modules)
-    owner: dict[str, int] = {}
-    for group in balanced_groups(sizes, partitions):
-        for r, share in enumerate(balanced_groups({m: sizes[m] for m in group}, world)):
-            owner.update({m: r for m in share})
-    return {k: owner[_weight_module(k)] for k in keys}
 
 
 class OwnedLayers(WeightPairTracker):

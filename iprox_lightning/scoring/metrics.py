@@ -36,6 +36,7 @@ from torch import nn
 
 from ..engine.batch import example_loss_fn
 from ..engine.damping import damping_value
+from ..engine.fsdp import is_sharded
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
 from ..engine.work_split import largest_first
@@ -128,6 +129,18 @@ def balanced_groups(sizes: Mapping[str, float], n: int) -> list[list[str]]:
     n = max(1, min(int(n), len(sizes)))
     owner = largest_first(sizes, n)  # (engine.work_split)
     return [g for g in ([k for k in sizes if owner[k] == j] for j in range(n)) if g]
+
+
+def layer_owners(modules: Mapping[str, nn.Module], keys: Sequence[str], partitions: int, world: int) -> dict[str, int]:
+    """``{weight key: owning rank}`` of ``shard_layers`` (:mod:`.layer_shards`): each of the ``partitions`` module
+    groups (:func:`balanced_groups`, as the K-FAC fit passes) split over ``world`` ranks largest first by factor size,
+    so every pass holds about ``1/world`` of its sums on each rank; a weight's owner is its module's."""
+    sizes = factor_layer_sizes(modules)
+    owner: dict[str, int] = {}
+    for group in balanced_groups(sizes, partitions):
+        for r, share in enumerate(balanced_groups({m: sizes[m] for m in group}, world)):
+            owner.update({m: r for m in share})
+    return {k: owner[_weight_module(k)] for k in keys}
 
 
 def _weight_module(key: str) -> str:
@@ -476,7 +489,7 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
 
     done = 0
     with eval_mode(model):
-        if owners is None:
+        if owners is None and not is_sharded(model):
             for j, batch in taken():
                 if j % world != rank:
                     continue
@@ -486,12 +499,14 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
             return done
         from .layer_shards import OwnedLayers, equal_steps, idle_batch
 
-        owned = [OwnedLayers(t, owners, rank, world) for t in trackers]
+        # every rank the same steps: under FSDP each forward is a collective, under shard_layers each pair
+        owned = trackers if owners is None else [OwnedLayers(t, owners, rank, world) for t in trackers]
         for (j, batch), real in equal_steps(taken(), rank, world):
             b = trim_batch(to_device(batch if real else idle_batch(batch), device))
-            for t in owned:
+            for t in owned if owners is not None else ():
                 t.active = None if real else torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
-            backward_pairs(model, b, owned, loss_fn=loss_fn, sample_seed=FISHER_SEED + j if sampled else None)
+            backward_pairs(model, b, owned if real or owners is not None else [], loss_fn=loss_fn,
+                           sample_seed=FISHER_SEED + j if sampled else None)
             done += b["input_ids"].shape[0] if real else 0
     return done
 
