@@ -250,6 +250,7 @@ sys.path.insert(0, {tests!r})
 from test_scoring_influence import TINY, batches, make_examples
 from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
+from iprox_lightning.scoring.metrics import KFACFactors
 
 OUT, METHOD = {out!r}, sys.argv[1]
 SMALL = {{**TINY, "num_layers": 2}}
@@ -264,10 +265,36 @@ def scorer(**kw):
     return InfluenceScorer(model, ScoringConfig(method=METHOD, kfac_examples=18, kfac_partitions=2, **kw))
 
 
+SUMS = []  # the bytes of each pass's factor sums on this rank
+_eigens = KFACFactors.eigens
+
+
+def _spy(self, keys, *a, **k):
+    SUMS.append(sum(t.numel() * t.element_size() for d in (self.sum_hh, self.sum_dd) for t in d.values()))
+    return _eigens(self, keys, *a, **k)
+
+
+KFACFactors.eigens = _spy
+
+
+def nbytes(tensors):
+    seen, n = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            n += t.numel() * t.element_size()
+    return n
+
+
 def held(s):
-    eig = getattr(s.metric, "eigens", {{}})
+    m = s.metric
+    eig = getattr(m, "eigens", {{}})
+    state = [t for e in eig.values() for f, t in e.items() if f not in ("lambda", "n")]
+    state += [t for L in (getattr(m, "layers", None) or {{}}).values() for t in (L.Q_h, L.s_h, L.Q_d, L.s_d)]
+    state += list((getattr(m, "scales", None) or {{}}).values())
     return {{"V": sorted(s.V), "factors": {{k: {{f: t.tolist() for f, t in e.items() if f in ("e_h", "e_d", "lambda")}}
-                                          for k, e in eig.items()}}}}
+                                          for k, e in eig.items()}},
+            "bytes": {{"factors": nbytes(state), "sums": max(SUMS, default=0), "V": nbytes(s.V.values())}}}}
 
 
 def run(rank, world):
@@ -307,7 +334,9 @@ def test_layer_sharded_factors_on_two_ranks_equal_one_process(tmp_path, method, 
     validation gradients of its share of the 14 tracked weights only, every rank's pairs sent to a weight's owner
     (idle steps where a rank has one batch fewer). The shares are disjoint and cover every weight; each owned
     weight's eigenvalues and corrections, and the scores (overall and per task), equal one process's to 1e-9
-    relative (float64: the owner sums the ranks' tokens in another grouping than one process's batches)."""
+    relative (float64: the owner sums the ranks' tokens in another grouping than one process's batches). ``train.py
+    plan``'s scoring parts with ``shard_layers`` on 2 devices count each rank's weights as the scorer owns them, and
+    the bytes the fullest rank holds of its largest pass's sums and of its validation gradients."""
     script = tmp_path / "shard.py"
     script.write_text(textwrap.dedent(SHARD_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path))))
     r = subprocess.run([sys.executable, str(script), method, port], cwd=tmp_path, capture_output=True, text=True,
@@ -328,3 +357,17 @@ def test_layer_sharded_factors_on_two_ranks_equal_one_process(tmp_path, method, 
             want, have = np.concatenate(ref[name]), np.concatenate(got[name])
             assert np.abs(want).max() > 1e-3
             np.testing.assert_allclose(have, want, rtol=1e-9, atol=1e-12)
+    from iprox_lightning.analysis import memory as M
+
+    model = tiny_causal_lm("llama", seed=3, dtype=torch.float64, **SMALL)
+    linears = virtual_linears(tracked_modules(model))
+    run = M.RunSettings(devices=2, tasks=2, kfac_partitions=2, shard_layers=True)
+    keys, linears = [v.key for v in linears], [(v.in_features, v.out_features) for v in linears]
+    # the plan's weights per rank are the scorer's (each weight's bytes: test_plan_factor_bytes_equal_...)
+    assert [sorted(keys[j] for j in share) for share in M._layer_shares(linears, run)] == [r["V"] for r in ranks]
+    config = ScoringConfig(method=method, kfac_partitions=2, kfac_dtype="float64", shard_layers=True)
+    parts = type(config.build_metric()).memory_parts(linears, config, world=2)
+    assert parts["kfac_factor_sums"] == max(r["bytes"]["sums"] for r in ranks) < ref["bytes"]["sums"]
+    vg = max((M.validation_gradient_bytes([linears[j] for j in share], 2, None, scoring_bytes=8)
+              for share in M._layer_shares(linears, run)), key=lambda v: v["device"])
+    assert vg["device"] == max(r["bytes"]["V"] for r in ranks) < ref["bytes"]["V"]

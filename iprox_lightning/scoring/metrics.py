@@ -135,12 +135,18 @@ def layer_owners(modules: Mapping[str, nn.Module], keys: Sequence[str], partitio
     """``{weight key: owning rank}`` of ``shard_layers`` (:mod:`.layer_shards`): each of the ``partitions`` module
     groups (:func:`balanced_groups`, as the K-FAC fit passes) split over ``world`` ranks largest first by factor size,
     so every pass holds about ``1/world`` of its sums on each rank; a weight's owner is its module's."""
-    sizes = factor_layer_sizes(modules)
+    owner = owners_by_size(factor_layer_sizes(modules), partitions, world)
+    return {k: owner[_weight_module(k)] for k in keys}
+
+
+def owners_by_size(sizes: Mapping[str, float], partitions: int, world: int) -> dict[str, int]:
+    """``{name: rank}``: each of the ``partitions`` groups of ``sizes`` (:func:`balanced_groups`) split over ``world``
+    ranks largest first (:func:`layer_owners`, and ``train.py plan`` on the layers' shapes)."""
     owner: dict[str, int] = {}
     for group in balanced_groups(sizes, partitions):
         for r, share in enumerate(balanced_groups({m: sizes[m] for m in group}, world)):
             owner.update({m: r for m in share})
-    return {k: owner[_weight_module(k)] for k in keys}
+    return owner
 
 
 def _weight_module(key: str) -> str:
@@ -531,9 +537,9 @@ class KFAC(InfluenceMetric, name="kfac"):
                      "kfac_factor_sums": "kfac_partitions (one group of layers' sums per pass)"}
 
     @classmethod
-    def memory_parts(cls, linears, config: "ScoringConfig"):
+    def memory_parts(cls, linears, config: "ScoringConfig", world: int = 1):
         """Bytes per device, for the tracked weights' ``(in_features, out_features)`` and the scoring settings
-        ``config`` (a float32 scoring dtype, as for a bf16 / float32 model):
+        ``config`` (a float32 scoring dtype, as for a bf16 / float32 model) on ``world`` ranks:
 
         * ``kfac_factors``: what the fitted metric holds on the device — the eigenvectors (``in² + out²`` per weight,
           ``kfac_dtype``), float64 eigenvalues and traces, and the whitening in float32 (K-FAC: its scale vectors,
@@ -544,8 +550,15 @@ class KFAC(InfluenceMetric, name="kfac"):
           (EK-FAC's eigenvalue sums of a group, ``in·out`` per weight, are smaller). Under several processes each
           rank decomposes a share of the layers, but every rank holds the whole group's sums and, after the
           exchange, every weight's factors (scoring applies them all), so the bytes do not shrink with the ranks.
+          With ``shard_layers`` on several ranks they do: each rank holds its owned weights' factors and, per pass,
+          its owned share of the group's sums (:func:`owners_by_size`); the rank holding the most is counted.
         * ``kfac_eigh``: one layer's float64 eigendecomposition (an estimate: the matrix and its temporaries, the
           eigenvectors and LAPACK's workspace, ``5 · 8 · n²`` for the widest side ``n``)."""
+        return cls._memory_parts(linears, config, world)[0]
+
+    @classmethod
+    def _memory_parts(cls, linears, config: "ScoringConfig", world: int = 1) -> tuple[dict[str, float], list[int]]:
+        """``(memory_parts, the layers (indexes into linears) of the rank counted)``."""
         c = config
         fb = 8.0 if c.kfac_dtype == "float64" else 4.0
         scaled = c.method == "ekfac" or c.damping_target == "product"  # M G = Q_δᵀ G Q_h / sqrt(Λ + λ)
@@ -554,15 +567,24 @@ class KFAC(InfluenceMetric, name="kfac"):
         def whitening(i, o):  # float32, on the device
             return copy * (i * i + o * o) + (8.0 + 4.0 * i * o if scaled else 4.0 * (i + o))
 
+        sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
+        groups = balanced_groups(sizes, c.kfac_partitions)
+        ranks = [list(range(len(linears)))]  # the layers each rank holds
+        if getattr(c, "shard_layers", False) and world > 1:
+            owner = owners_by_size(sizes, c.kfac_partitions, world)
+            ranks = [[j for j in range(len(linears)) if owner[str(j)] == r] for r in range(world)]
+            groups = [[j for j in g if owner[j] == r] for g in groups for r in range(world)]
         if c.kfac_offload:
             held = max((4.0 * (i * i + o * o) + (4.0 * i * o if scaled else 4.0 * (i + o)) for i, o in linears),
                        default=0.0)
+            mine = ranks[0]
         else:
-            held = sum(fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears)
-        sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
-        sums = max((fb * sum(sizes[j] for j in g) for g in balanced_groups(sizes, c.kfac_partitions)), default=0.0)
+            per = [fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears]
+            mine = max(ranks, key=lambda r: sum(per[j] for j in r))
+            held = sum(per[j] for j in mine)
+        sums = max((fb * sum(sizes[j] for j in g) for g in groups), default=0.0)
         eigh = 5 * 8.0 * max((max(i, o) ** 2 for i, o in linears), default=0)
-        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}
+        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}, mine
 
     def __init__(self, config: "ScoringConfig") -> None:
         super().__init__(config)
@@ -760,13 +782,14 @@ class EKFAC(KFAC, name="ekfac"):
     memory_levers = {**KFAC.memory_levers, "ekfac_corrections": "method kfac or tracin"}
 
     @classmethod
-    def memory_parts(cls, linears, config: "ScoringConfig"):
+    def memory_parts(cls, linears, config: "ScoringConfig", world: int = 1):
         """K-FAC's parts (:meth:`KFAC.memory_parts`), with the float32 scales ``[out, in]`` per tracked weight (the
         damped eigenbasis corrections) on the device as ``ekfac_corrections`` (with ``kfac_offload``: in
-        ``kfac_factors``, the largest weight's while applied). The corrections' sums stay on the host."""
+        ``kfac_factors``, the largest weight's while applied; with ``shard_layers``: the owned weights'). The
+        corrections' sums stay on the host."""
         c = config
-        parts = KFAC.memory_parts(linears, dataclasses.replace(c, method="ekfac"))
-        scales = 0.0 if c.kfac_offload else sum(4.0 * i * o for i, o in linears)
+        parts, mine = KFAC._memory_parts(linears, dataclasses.replace(c, method="ekfac"), world)
+        scales = 0.0 if c.kfac_offload else sum(4.0 * linears[j][0] * linears[j][1] for j in mine)
         return {**parts, "kfac_factors": parts["kfac_factors"] - scales, "ekfac_corrections": scales}
 
     def base_metric(self) -> KFAC:
