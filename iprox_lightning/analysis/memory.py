@@ -762,6 +762,11 @@ def _metric_settings(metric, run: RunSettings) -> tuple:
                           shard_layers=run.shard_layers),)
 
 
+FIT_PARTS = ("kfac_factor_sums", "kfac_eigh")
+"""A metric's memory parts held only while it is fitted (before the pool is scored): :func:`scoring_plan` counts the
+fit or the scoring, whichever holds more, beside the fitted state."""
+
+
 def _layer_shares(linears: list[tuple[int, int]], run: RunSettings) -> list[list[int]]:
     """The tracked weights (indexes into ``linears``) each rank holds: all on one rank, or under ``shard_layers`` on
     several ranks each rank's owned ones (:func:`~iprox_lightning.scoring.metrics.owners_by_size`, the scorer's)."""
@@ -785,7 +790,10 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     weights' validation gradients and K-FAC state (the rank holding the most is counted), the features are computed
     for every rank's rows (``devices × B``), and one weight's pairs of every rank are gathered
     (``layer_exchange``: the sent copy, the received parts and their concatenation, ``(1 + 2·devices)·B·T·(in + out)``
-    float32 for the widest weight)."""
+    float32 for the widest weight). A metric fitted on data (K-FAC, EK-FAC) holds its fit's parts (:data:`FIT_PARTS`:
+    a pass's sums beside one batch's activations, then the sums beside one decomposition) before the scoring's
+    (the activations, validation gradients, features, exchange): the larger of the two phases is counted, beside the
+    weights and the fitted state both hold."""
     from ..scoring.features import choose_mode
 
     metric = _metrics()[method]
@@ -820,7 +828,17 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     import inspect
 
     world = {"world": run.devices} if "world" in inspect.signature(metric.memory_parts).parameters else {}
-    parts.update(metric.memory_parts(linears, *_metric_settings(metric, run), **world))
+    own = metric.memory_parts(linears, *_metric_settings(metric, run), **world)
+    fit = {k: own.pop(k) for k in FIT_PARTS if k in own}
+    parts.update(own)
+    if fit:  # the fit, then the scoring: the larger of the two is the peak (the other phase's parts are not held)
+        # fit: a pass holds its sums beside one batch's activations, then the decompositions beside the sums
+        fit_phase = {"kfac_factor_sums": fit.get("kfac_factor_sums", 0.0)}
+        fit_phase.update({"activations": parts["activations"]} if parts["activations"] >= fit.get("kfac_eigh", 0.0)
+                         else {"kfac_eigh": fit.get("kfac_eigh", 0.0)})
+        scoring_only = ("activations", "validation_gradients", "validation_layer", "features", "layer_exchange")
+        if sum(fit_phase.values()) > sum(parts[k] for k in scoring_only):
+            parts = {**{k: v for k, v in parts.items() if k not in scoring_only}, **fit_phase}
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,
