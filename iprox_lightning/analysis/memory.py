@@ -791,9 +791,9 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     for every rank's rows (``devices × B``), and one weight's pairs of every rank are gathered
     (``layer_exchange``: the sent copy, the received parts and their concatenation, ``(1 + 2·devices)·B·T·(in + out)``
     float32 for the widest weight). A metric fitted on data (K-FAC, EK-FAC) holds its fit's parts (:data:`FIT_PARTS`:
-    a pass's sums beside one batch's activations, then the sums beside one decomposition) before the scoring's
-    (the activations, validation gradients, features, exchange): the larger of the two phases is counted, beside the
-    weights and the fitted state both hold."""
+    a pass's sums beside one batch's activations, then the sums beside one decomposition, when FSDP's gathered root
+    and blocks are freed) before the scoring's (the activations, validation gradients, features, exchange): the larger
+    of the two phases is counted, beside the weights' shard and the fitted state both hold."""
     from ..scoring.features import choose_mode
 
     metric = _metrics()[method]
@@ -812,12 +812,12 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         mode = choose_mode(T, l.in_features, l.out_features, Kg)
         size = rows * l.out_features * l.in_features if mode == "materialize" else rows * T * Kg * l.out_features
         feat = max(feat, 4.0 * size)
-    weights = sizes.params * wb
-    if run.strategy == "fsdp" and run.devices > 1:
+    weights, gathered = sizes.params * wb, 0.0
+    if run.strategy == "fsdp" and run.devices > 1:  # the shard, and while the model runs the root and two blocks
         root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
-        weights = sizes.params * wb / run.devices + (root + 2 * sizes.largest_block) * wb
+        weights, gathered = sizes.params * wb / run.devices, (root + 2 * sizes.largest_block) * wb
     parts = {
-        "weights": weights,
+        "weights": weights + gathered,
         "activations": acts.total(sizes.shape.num_layers, B),
         "validation_gradients": vg["device"],
         "validation_layer": vg["layer"],
@@ -833,11 +833,13 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     parts.update(own)
     if fit:  # the fit, then the scoring: the larger of the two is the peak (the other phase's parts are not held)
         # fit: a pass holds its sums beside one batch's activations, then the decompositions beside the sums
+        # (the decompositions run after the pass: FSDP's gathered root and blocks are freed then)
         fit_phase = {"kfac_factor_sums": fit.get("kfac_factor_sums", 0.0)}
-        fit_phase.update({"activations": parts["activations"]} if parts["activations"] >= fit.get("kfac_eigh", 0.0)
-                         else {"kfac_eigh": fit.get("kfac_eigh", 0.0)})
+        fit_phase.update({"activations": parts["activations"], "weights": weights + gathered}
+                         if parts["activations"] + gathered >= fit.get("kfac_eigh", 0.0)
+                         else {"kfac_eigh": fit.get("kfac_eigh", 0.0), "weights": weights})
         scoring_only = ("activations", "validation_gradients", "validation_layer", "features", "layer_exchange")
-        if sum(fit_phase.values()) > sum(parts[k] for k in scoring_only):
+        if sum(fit_phase.values()) > sum(parts[k] for k in (*scoring_only, "weights")):
             parts = {**{k: v for k, v in parts.items() if k not in scoring_only}, **fit_phase}
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
