@@ -399,6 +399,7 @@ class RunSettings:
     kfac_dtype: str = "float32"  # scoring kfac_dtype (K-FAC / EK-FAC factor sums and eigenvectors)
     kfac_partitions: int = 1  # scoring kfac_partitions (one group of layers' factor sums per pass)
     kfac_offload: bool = False  # scoring kfac_offload (fitted factors on the host, one layer on the device)
+    shard_layers: bool = False  # scoring shard_layers (each rank holds its share of the weights' factors and V)
     store_k: int = 16  # build_store k
     write_every_n_batches: int = 50
     select_k: int = 800  # examples the fine-tune trains on
@@ -757,34 +758,89 @@ def _metric_settings(metric, run: RunSettings) -> tuple:
     from ..scoring.config import ScoringConfig
 
     return (ScoringConfig(method=metric.name, kfac_examples=run.kfac_examples, kfac_dtype=run.kfac_dtype,
-                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload),)
+                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload,
+                          shard_layers=run.shard_layers),)
+
+
+FIT_PARTS = ("kfac_factor_sums", "kfac_eigh")
+"""A metric's memory parts held only while it is fitted (before the pool is scored): :func:`scoring_plan` counts the
+fit or the scoring, whichever holds more, beside the fitted state."""
+
+
+def _layer_shares(linears: list[tuple[int, int]], run: RunSettings) -> list[list[int]]:
+    """The tracked weights (indexes into ``linears``) each rank holds: all on one rank, or under ``shard_layers`` on
+    several ranks each rank's owned ones (:func:`~iprox_lightning.scoring.metrics.owners_by_size`, the scorer's)."""
+    if not (run.shard_layers and run.devices > 1):
+        return [list(range(len(linears)))]
+    from ..scoring.metrics import owners_by_size
+
+    owner = owners_by_size({str(j): i * i + o * o for j, (i, o) in enumerate(linears)}, run.kfac_partitions,
+                           run.devices)
+    return [[j for j in range(len(linears)) if owner[str(j)] == r] for r in range(run.devices)]
 
 
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
     """Scoring the pool with the (dense) model and ``method``, per device; the validation gradients as
     ``run.validation_gradients`` holds them (:func:`validation_gradient_bytes`: column groups score one group's columns
-    per pass, each pass over the validation set and the pool)."""
+    per pass, each pass over the validation set and the pool).
+
+    Under strategy ``fsdp`` the scored model is sharded per decoder block (``InfluenceScoringModule`` under
+    ``ModelParallelStrategy``): its shard, the root's weights (embeddings, head, norm: FSDP2's root stays gathered
+    through the step) and two gathered blocks. With ``shard_layers`` on several devices each rank holds its owned
+    weights' validation gradients and K-FAC state (the rank holding the most is counted), the features are computed
+    for every rank's rows (``devices × B``), and one weight's pairs of every rank are gathered
+    (``layer_exchange``: the sent copy, the received parts and their concatenation, ``(1 + 2·devices)·B·T·(in + out)``
+    float32 for the widest weight). A metric fitted on data (K-FAC, EK-FAC) holds its fit's parts (:data:`FIT_PARTS`:
+    a pass's sums beside one batch's activations, then the sums beside one decomposition, when FSDP's gathered root
+    and blocks are freed) before the scoring's (the activations, validation gradients, features, exchange): the larger
+    of the two phases is counted, beside the weights' shard and the fitted state both hold."""
     from ..scoring.features import choose_mode
 
     metric = _metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
     tracked = [l for l in sizes.shape.linears if l.tracked]
-    vg = validation_gradient_bytes([(l.in_features, l.out_features) for l in tracked], K, run.validation_gradients)
+    linears = [(l.in_features, l.out_features) for l in tracked]
+    shares = _layer_shares(linears, run)
+    vg = max((validation_gradient_bytes([linears[j] for j in r], K, run.validation_gradients) for r in shares),
+             key=lambda v: v["device"] + v["layer"])
     Kg = vg["group_columns"]
+    sharded = len(shares) > 1
+    rows = B * (run.devices if sharded else 1)  # the features of every rank's rows on an owner
     feat = 0.0
     for l in tracked:
         mode = choose_mode(T, l.in_features, l.out_features, Kg)
-        size = B * l.out_features * l.in_features if mode == "materialize" else B * T * Kg * l.out_features
+        size = rows * l.out_features * l.in_features if mode == "materialize" else rows * T * Kg * l.out_features
         feat = max(feat, 4.0 * size)
+    weights, gathered = sizes.params * wb, 0.0
+    if run.strategy == "fsdp" and run.devices > 1:  # the shard, and while the model runs the root and two blocks
+        root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
+        weights, gathered = sizes.params * wb / run.devices, (root + 2 * sizes.largest_block) * wb
     parts = {
-        "weights": sizes.params * wb,
+        "weights": weights + gathered,
         "activations": acts.total(sizes.shape.num_layers, B),
         "validation_gradients": vg["device"],
         "validation_layer": vg["layer"],
         "features": feat,
+        "layer_exchange": ((1 + 2 * run.devices) * B * T * max((i + o for i, o in linears), default=0) * 4.0
+                           if sharded else 0.0),
     }
-    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked], *_metric_settings(metric, run)))
+    import inspect
+
+    world = {"world": run.devices} if "world" in inspect.signature(metric.memory_parts).parameters else {}
+    own = metric.memory_parts(linears, *_metric_settings(metric, run), **world)
+    fit = {k: own.pop(k) for k in FIT_PARTS if k in own}
+    parts.update(own)
+    if fit:  # the fit, then the scoring: the larger of the two is the peak (the other phase's parts are not held)
+        # fit: a pass holds its sums beside one batch's activations, then the decompositions beside the sums
+        # (the decompositions run after the pass: FSDP's gathered root and blocks are freed then)
+        fit_phase = {"kfac_factor_sums": fit.get("kfac_factor_sums", 0.0)}
+        fit_phase.update({"activations": parts["activations"], "weights": weights + gathered}
+                         if parts["activations"] + gathered >= fit.get("kfac_eigh", 0.0)
+                         else {"kfac_eigh": fit.get("kfac_eigh", 0.0), "weights": weights})
+        scoring_only = ("activations", "validation_gradients", "validation_layer", "features", "layer_exchange")
+        if sum(fit_phase.values()) > sum(parts[k] for k in (*scoring_only, "weights")):
+            parts = {**{k: v for k, v in parts.items() if k not in scoring_only}, **fit_phase}
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,

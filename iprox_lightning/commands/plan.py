@@ -11,7 +11,7 @@ _RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 @takes_settings(ScoringConfig, "scoring", fields=("method", "kfac_examples", "kfac_dtype", "kfac_partitions",
-                                                  "kfac_offload", "validation_gradients"))
+                                                  "kfac_offload", "validation_gradients", "shard_layers"))
 def plan(
     model: str = "llama-3.2-1b",
     pool_size: int = 16000,
@@ -123,7 +123,8 @@ def plan(
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=scoring.kfac_examples, kfac_dtype=scoring.kfac_dtype,
                         kfac_partitions=scoring.kfac_partitions, kfac_offload=scoring.kfac_offload, store_k=k,
-                        select_k=select_k, validation_gradients=scoring.validation_gradients)
+                        select_k=select_k, validation_gradients=scoring.validation_gradients,
+                        shard_layers=scoring.shard_layers)
     from ..models.loading import check_model_config
 
     if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built

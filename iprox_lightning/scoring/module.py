@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..engine.fsdp import apply_fully_shard, data_parallel_mesh, is_sharded
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from .config import ScoringConfig
@@ -127,14 +128,23 @@ class InfluenceScoringModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model and data
     def configure_model(self) -> None:
-        if self.net is not None:
-            return
-        from ..models.loading import load_model
+        """Load the model (idempotent); under ``ModelParallelStrategy`` (FSDP2) shard it per decoder block, each block
+        gathered for its forward and again for its backward (:func:`~iprox_lightning.engine.fsdp.apply_fully_shard`;
+        the engine's hooks take activations and their gradients, never a parameter)."""
+        if self.net is None:
+            from ..models.loading import load_model
 
-        hp = self.hparams
-        self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
-                                 trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
-        self.net.eval()
+            hp = self.hparams
+            self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype,
+                                     attn_implementation=hp.attn_implementation,
+                                     trust_remote_code=hp.trust_remote_code, tokenizer=False,
+                                     merge_adapters=False)
+            self.net.eval()
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not is_sharded(self.net):
+            self._identity = self.model_identity()  # (of the whole weights: a shard hashes as its shape only)
+            self.net.requires_grad_(False)  # (no parameter gradient is ever taken: nothing to reduce-scatter)
+            apply_fully_shard(self.net, data_parallel_mesh(mesh), reshard_after_forward=True)
 
     def setup(self, stage: str) -> None:
         check_predict_examples(self, stage)
@@ -198,6 +208,8 @@ class InfluenceScoringModule(L.LightningModule):
         """The files of a local model dir / file, else a hash of the loaded weights."""
         if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
+        if getattr(self, "_identity", None) is not None:
+            return self._identity
         from ..io.fingerprint import model_identity
 
         if self.checkpoints is not None:
@@ -328,6 +340,7 @@ class InfluenceScoringModule(L.LightningModule):
         self.n_skipped += int((~keep).sum())
         names = self.scorer.task_names
         if not bool(keep.any()):
+            self.scorer.take_part(batch)  # (shard_layers: the other ranks' pairs of this rank's weights)
             return _empty_result(names)
         if not bool(keep.all()):
             from .features import trim_batch
