@@ -79,6 +79,8 @@ def short_levers(settings: dict) -> str:
             words.append(f"{v} partitions")
         elif k == "kfac_offload" and v:
             words.append("factors on the host")
+        elif k == "shard_layers" and v:
+            words.append("factors split over ranks")
     return ", ".join(words)
 
 

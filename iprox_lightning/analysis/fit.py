@@ -46,14 +46,8 @@ STORE = "store build"
 
 LEVERS_OFF = dict(micro_batch_size=None, gradient_checkpointing=False, fsdp_cpu_offload=False, probe_group_layers=None,
                   align_micro_batch_size=None, align_checkpointing=False, kfac_partitions=1, kfac_offload=False,
-                  validation_gradients=None, store_gradient_checkpointing=False)
+                  validation_gradients=None, shard_layers=False, store_gradient_checkpointing=False)
 """The run's memory levers, all off: where every stage's search starts."""
-
-
-def _metrics() -> dict:
-    from ..scoring.metrics import InfluenceMetric
-
-    return InfluenceMetric.registry
 
 
 def stage_functions(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activations,
@@ -66,7 +60,7 @@ def stage_functions(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activati
         STAGE1: lambda r: M.build_proxy_plan(sizes, acts, r, acts32)[0],
         STAGE2: lambda r: M.build_proxy_plan(sizes, acts, r, acts32)[1],
     }
-    for m in _metrics():
+    for m in M.planned_metrics():
         out[f"scoring ({m})"] = lambda r, m=m: M.scoring_plan(sizes, acts, r, m)
     out[STORE] = lambda r: M.store_plan(sizes, acts, r)
     out["fine-tune"] = lambda r: M.training_plan(sizes, acts, r, stage="fine-tune", n_examples=r.select_k,
@@ -118,8 +112,8 @@ def holdings(columns: int) -> list[dict | None]:
 
 
 def _scoring_tiers(run: M.RunSettings, metric, n_tracked: int) -> list[dict]:
-    """Scoring's lever tiers, sorted by the dearest lever used (column groups, host holding, K-FAC offload, K-FAC
-    partitions, bfloat16 holding: the most significant first)."""
+    """Scoring's lever tiers, sorted by the dearest lever used (column groups, the factors and validation gradients
+    split across ranks, host holding, K-FAC offload, K-FAC partitions, bfloat16 holding: the most significant first)."""
     parts = [1]
     if metric.factor_passes:
         p = 2
@@ -131,9 +125,12 @@ def _scoring_tiers(run: M.RunSettings, metric, n_tracked: int) -> list[dict]:
     for i, h in enumerate(holdings(run.tasks)):
         for offload in ((False, True) if metric.factor_passes else (False,)):
             for p in parts:
-                h = h or {}
-                key = (int(h.get("column_groups", 1)), h.get("device") == "cpu", offload, p, h.get("dtype") == "bfloat16")
-                tiers.append((key, {"validation_gradients": h or None, "kfac_partitions": p, "kfac_offload": offload}))
+                for shard in ((False, True) if run.devices > 1 else (False,)):
+                    h = h or {}
+                    key = (int(h.get("column_groups", 1)), shard, h.get("device") == "cpu", offload, p,
+                           h.get("dtype") == "bfloat16")
+                    tiers.append((key, {"validation_gradients": h or None, "kfac_partitions": p, "kfac_offload": offload,
+                                        "shard_layers": shard}))
     return [t for _, t in sorted(tiers, key=lambda kv: kv[0])]
 
 
@@ -149,8 +146,8 @@ def candidates(stage: str, sizes: M.ModelSizes, run: M.RunSettings) -> Iterator[
     elif stage == STAGE2:
         yield from _tiered([{}, {"align_checkpointing": True}], "align_micro_batch_size",
                            [None] + divisors_down(run.align_batch_size)[1:])
-    elif stage.startswith("scoring (") and stage[9:-1] in _metrics():
-        metric = _metrics()[stage[9:-1]]
+    elif stage.startswith("scoring (") and stage[9:-1] in M.planned_metrics():
+        metric = M.planned_metrics()[stage[9:-1]]
         n_tracked = sum(1 for l in sizes.shape.linears if l.tracked)
         yield from _tiered(_scoring_tiers(run, metric, n_tracked), "batch_size", divisors_down(run.batch_size))
     elif stage == STORE:
@@ -259,6 +256,8 @@ def lever_words(settings: Mapping[str, Any], run: M.RunSettings) -> list[str]:
             out.append(f"kfac_partitions {v}")
         elif k == "kfac_offload" and v:
             out.append("kfac_offload true")
+        elif k == "shard_layers" and v:
+            out.append("shard_layers true (each rank holds its weights' factors and validation gradients)")
         elif k == "store_gradient_checkpointing" and v:
             out.append("gradient_checkpointing true")
     return out
@@ -320,7 +319,7 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
                     _deep_set(stages.setdefault("build_proxy", {}), init + (key,), s[k])
                     plan[k] = s[k]
         elif f.stage == f"scoring ({method})":
-            for k in ("validation_gradients", "kfac_partitions", "kfac_offload"):
+            for k in ("validation_gradients", "kfac_partitions", "kfac_offload", "shard_layers"):
                 if k in s:
                     _deep_set(stages.setdefault("score", {}), init + (k,), s[k])
                     plan[k] = s[k]

@@ -409,7 +409,7 @@ class RunSettings:
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("method", self.method, _metrics())
+        _check_choice("method", self.method, planned_metrics())
         _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
         for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
                      "tasks", "store_k", "select_k", "write_every_n_batches", "validation_examples", "kfac_examples",
@@ -716,12 +716,16 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
     return _stage("build_proxy: Stage 1 (IPSVD)", stage1, f1), _stage("build_proxy: Stage 2 (alignment)", stage2, f2)
 
 
-def _metrics() -> dict:
-    """The registered influence metrics by name: each class declares its memory (``memory_parts``, ``memory_levers``)
-    and its factor passes."""
-    from ..scoring.metrics import InfluenceMetric  # (torch; the other scoring imports here are made where used)
+def planned_metrics() -> dict:
+    """The influence metrics ``plan`` prices, by name: every registered one (each class declares its memory,
+    ``memory_parts`` / ``memory_levers``, and its factor passes) but those that score a LoRA checkpoint's adapter
+    gradients with its optimiser state (``needs_optimizer_state``: LESS), which do not score the dense model."""
+    # (torch; the other scoring imports here are made where used). LESS registers on import: imported here so the
+    # registry is whole whichever scoring module came first
+    from ..scoring import less  # noqa: F401
+    from ..scoring.metrics import InfluenceMetric
 
-    return InfluenceMetric.registry
+    return {n: c for n, c in InfluenceMetric.registry.items() if not getattr(c, "needs_optimizer_state", False)}
 
 
 def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
@@ -796,7 +800,7 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     of the two phases is counted, beside the weights' shard and the fitted state both hold."""
     from ..scoring.features import choose_mode
 
-    metric = _metrics()[method]
+    metric = planned_metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
     tracked = [l for l in sizes.shape.linears if l.tracked]
@@ -967,8 +971,7 @@ def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activation
     stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))
     # over the dense model's layers: LESS (a LoRA checkpoint's adapter gradients and Adam moments) is not planned here
-    stages += [scoring_plan(sizes, acts, run, m) for m, c in _metrics().items()
-               if not getattr(c, "needs_optimizer_state", False)]
+    stages += [scoring_plan(sizes, acts, run, m) for m in planned_metrics()]
     stages.append(store_plan(sizes, acts, run))
     stages.append(training_plan(sizes, acts, run, stage="fine-tune", n_examples=run.select_k,
                                 epochs=run.finetune_epochs))
