@@ -92,3 +92,73 @@ def unsharded_copy(teacher: nn.Module, proxy: nn.Module, state_dict: dict) -> nn
     else:
         model.load_state_dict(state_dict, strict=True)
     return model
+
+
+class FactorShards:
+    """Stage 2's accumulation buffers (:func:`~iprox_lightning.alignment.losses.accumulated_alignment_losses`) sharded
+    over the data-parallel ranks of ``mesh``: each rank keeps its rows (dim 0, in ``torch.chunk``'s chunks over the
+    ranks, as FSDP2's ``Shard(0)`` holds the factors themselves) of each full-size tensor.
+
+    :meth:`scatter` sums a full-size tensor over the ranks and keeps this rank's rows (a reduce-scatter),
+    :meth:`gather` rebuilds a full tensor from every rank's rows (an all-gather), :meth:`sum` all-reduces (sum).
+    Every rank must make the same calls in the same order (they are collectives)."""
+
+    def __init__(self, mesh, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.group = _data_parallel(mesh).get_group()
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.device = torch.device(device)
+    def rows(self, full_rows: int) -> tuple[int, int, int]:
+        """``(start, stop, chunk)``: this rank's rows of a ``full_rows``-row tensor and the chunk size."""
+        chunk = -(-full_rows // self.world)
+        start = min(self.rank * chunk, full_rows)
+        return start, min(start + chunk, full_rows), chunk
+
+    def scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``Σ_ranks full`` (every rank passes its own ``full``, of the same shape)."""
+        import torch.distributed as dist
+
+        n = full.shape[0]
+        start, stop, chunk = self.rows(n)
+        padded = full.new_zeros((chunk * self.world, *full.shape[1:]))
+        padded[:n] = full
+        out = full.new_empty((chunk, *full.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+        return out[: stop - start].clone()
+
+    def gather(self, local: torch.Tensor, full_rows: int) -> torch.Tensor:
+        """The full ``full_rows``-row tensor whose rows each rank holds (its :meth:`rows`) in ``local``."""
+        import torch.distributed as dist
+
+        start, stop, chunk = self.rows(full_rows)
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: stop - start] = local
+        out = local.new_empty((chunk * self.world, *local.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=self.group)
+        return out[:full_rows]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``Σ_ranks t`` (a copy)."""
+        import torch.distributed as dist
+
+        out = t.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def max(self, n: int) -> int:
+        """The largest ``n`` over the ranks."""
+        import torch.distributed as dist
+
+        out = torch.tensor([int(n)], dtype=torch.long, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return int(out)
+
+
+def factor_shards(proxy: nn.Module | None, mesh) -> FactorShards | None:
+    """:class:`FactorShards` over ``mesh`` when FSDP2 shards ``proxy``, else ``None`` (the buffers stay whole, as on
+    one process)."""
+    if not sharded_modules(proxy) or mesh is None:
+        return None
+    return FactorShards(mesh, next(proxy.parameters()).device)

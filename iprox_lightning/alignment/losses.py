@@ -416,6 +416,7 @@ def accumulated_alignment_losses(
     create_graph: bool = True,
     layers: Iterable[str] | None = None,
     checkpointing: bool = False,
+    shards=None,
 ) -> AlignmentOutput:
     """:func:`alignment_losses` of the whole ``batch``, computed ``micro_batch_size`` rows at a time: the same loss
     and the same gradient of ``loss`` w.r.t. the factors (up to float summation order), with every pass's memory
@@ -437,6 +438,15 @@ def accumulated_alignment_losses(
     ONE backward of it (the caller's, e.g. Lightning's, under DDP the one that all-reduces) gives ``∂L/∂θ``. Costs per
     step: two teacher passes and two proxy passes (one plain, one with the double backward) per micro-batch.
     ``create_graph=False`` (evaluation): pass 1 only. One micro-batch: :func:`alignment_losses` itself.
+
+    ``shards`` (FSDP2, :class:`~iprox_lightning.alignment.fsdp.FactorShards`): the objective is that of the **global**
+    batch, every rank's rows together (``N`` the response tokens of all ranks), and the three factor-sized buffers are
+    sharded: each rank keeps its rows of ``g``, ``P`` (summed over the ranks by a reduce-scatter per micro-batch and
+    layer), of the cotangents and of the summed shares. The cosines' dot products and squared norms are per-layer
+    scalars summed over the ranks (one all-reduce); a cotangent enters pass 2's surrogate through
+    :class:`_GatheredDot`, which gathers it (one layer's, transient) only in the backward. Each rank's returned
+    ``loss`` is scaled so that FSDP2's mean of the ranks' gradients is ``∂L/∂θ`` of the global batch; every rank runs
+    the same number of passes (a rank with fewer micro-batches repeats its last one with weight 0).
     """
     if isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
@@ -446,6 +456,8 @@ def accumulated_alignment_losses(
     parts = micro_batches(batch, int(micro_batch_size))
     counts = [int(shifted_token_mask(p["labels"]).sum()) for p in parts]
     total = sum(counts)
+    if shards is not None:
+        return _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, create_graph=create_graph, **common)
     if len(parts) == 1 or total == 0:
         return alignment_losses(teacher, proxy, batch, create_graph=create_graph, **common)
     parts, weights = zip(*[(p, c / total) for p, c in zip(parts, counts) if c])  # no response token: no share
@@ -509,4 +521,136 @@ def accumulated_alignment_losses(
             elif acc is not None:
                 s = s + torch.stack([(a.detach() * x).sum() for a, x in zip(acc, flat)]).sum()
     out.loss = s - s.detach() + loss_value  # the value of L, the gradient of Σ_m s_m
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# micro-batches under FSDP2: the global batch, the accumulation buffers sharded over the ranks
+# ------------------------------------------------------------------------------------------------
+class _RankSum(torch.autograd.Function):
+    """``Σ_ranks t`` of per-rank partial sums in the forward; the backward passes the gradient through (every rank
+    computes the same function of the summed values, so a rank's partial gets the sum's gradient)."""
+
+    @staticmethod
+    def forward(ctx, t, shards):
+        return shards.sum(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatheredDot(torch.autograd.Function):
+    """The gradient of ``⟨c, x⟩`` for a full ``x`` whose ``c`` each rank holds only in rows (``c_local``,
+    :meth:`~iprox_lightning.alignment.fsdp.FactorShards.gather`): the value is not computed (``0``: the surrogates
+    are used for their gradient only), the backward gathers ``c`` (one tensor, freed after) and returns ``grad · c``,
+    so no graph holds a full ``c``."""
+
+    @staticmethod
+    def forward(ctx, x, c_local, shards):
+        ctx.shards, ctx.rows, ctx.dtype = shards, x.shape[0], x.dtype
+        ctx.save_for_backward(c_local)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (c_local,) = ctx.saved_tensors
+        return (grad * ctx.shards.gather(c_local, ctx.rows)).to(ctx.dtype), None, None
+
+
+def _sharded_cosines(g: Mapping[str, Sequence[torch.Tensor]], p: Mapping[str, Sequence[torch.Tensor]], shards,
+                     eps: float = 1e-12):
+    """:func:`gradient_alignment_loss` of the full tensors whose rows each rank holds in ``g``/``p``: per layer and
+    factor ``⟨g, P⟩``, ``‖g‖²``, ``‖P‖²`` summed over the ranks (one all-reduce), differentiable in the local rows."""
+    names = list(g)
+    partial = []
+    for n in names:
+        for x, y in zip(g[n], p[n]):
+            x, y = x.reshape(-1).float(), y.reshape(-1).float()
+            partial += [x @ y, x @ x, y @ y]
+    dot, xx, yy = _RankSum.apply(torch.stack(partial), shards).view(len(names), 2, 3).unbind(-1)
+    # (a clamp before the square root: its gradient at an all-zero tensor is 0, as the norm's, never inf · 0)
+    cos = dot / (xx.clamp_min(eps**2).sqrt() * yy.clamp_min(eps**2).sqrt()).clamp_min(eps)
+    l_ga = (2.0 - cos.sum(-1)).sum() / len(names)
+    cos = cos.detach()
+    return l_ga, {n: cos[i, 0] for i, n in enumerate(names)}, {n: cos[i, 1] for i, n in enumerate(names)}
+
+
+def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_weight, temperature,
+                         grad_through_projection, create_graph, layers, checkpointing) -> AlignmentOutput:
+    """:func:`accumulated_alignment_losses` with ``shards`` (see there): the global batch, the buffers in rows."""
+    lowrank = proxy_factor_layers(proxy, layers)
+    names = list(lowrank)
+    n_parts = shards.max(len(parts))
+    total = float(shards.sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=shards.device)))
+    weights = [c / total if total else 0.0 for c in counts]
+    # the same number of passes on every rank (their FSDP2 gathers are collectives): the last one again, weight 0
+    parts, weights = list(parts) + [parts[-1]] * (n_parts - len(parts)), weights + [0.0] * (n_parts - len(parts))
+
+    def factors_now():
+        return {n: (m.A, m.B) for n, m in lowrank.items()}
+
+    # pass 1: this rank's rows of the global batch's g and P, and the loss values
+    g_rows: dict[str, list[torch.Tensor]] = {}
+    p_rows: dict[str, list[torch.Tensor]] = {}
+    values = torch.zeros(3, dtype=torch.float64, device=shards.device)  # L_KL, proxy SFT, teacher SFT
+    for part, w in zip(parts, weights):
+        t = teacher_pass(teacher, part, factors_now(), checkpointing=checkpointing)
+        with torch.enable_grad():
+            logits, l_proxy, _, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), False, checkpointing)
+        for n in names:
+            for acc, new in ((g_rows, grads.pop(n)), (p_rows, t.projections.pop(n))):
+                rows = [shards.scatter(w * x.detach().float()) for x in new]
+                acc[n] = rows if n not in acc else [a + r for a, r in zip(acc[n], rows)]
+        with torch.no_grad():
+            kl = distillation_kl(t.logits, logits.detach(), temperature)
+        values += w * torch.stack([kl.double(), l_proxy.detach().double(), t.loss.detach().double()])
+        del t, logits, grads
+    l_kl, proxy_sft, teacher_sft = (v.float() for v in shards.sum(values))
+    g_leaves = {n: tuple(x.requires_grad_(True) for x in g_rows[n]) for n in names}
+    p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_rows[n]) for n in names}
+    with torch.enable_grad():
+        l_ga, cos_a, cos_b = _sharded_cosines(g_leaves, p_leaves, shards)
+    loss_value = (l_ga + kl_weight * l_kl).detach() if kl_weight != 0 else l_ga.detach()
+    out = AlignmentOutput(loss=loss_value, l_ga=l_ga.detach(), l_kl=l_kl, proxy_sft=proxy_sft,
+                          teacher_sft=teacher_sft, cos_a=cos_a, cos_b=cos_b)
+    if not create_graph:
+        return out
+    leaves = [x for n in names for x in g_leaves[n]]
+    if grad_through_projection:
+        leaves += [x for n in names for x in p_leaves[n]]
+    cot = torch.autograd.grad(l_ga, leaves)
+    del leaves, g_leaves, p_leaves, g_rows, p_rows
+    c_g = {n: cot[2 * i: 2 * i + 2] for i, n in enumerate(names)}
+    c_p = {n: cot[2 * len(names) + 2 * i: 2 * len(names) + 2 * i + 2] for i, n in enumerate(names)}
+    del cot
+
+    # pass 2: each micro-batch's share of ∂L/∂θ; the earlier ones' summed over the ranks into this rank's rows
+    acc: list[torch.Tensor] | None = None
+    for i, (part, w) in enumerate(zip(parts, weights)):
+        t = teacher_pass(teacher, part, factors_now(), keep_tokens=grad_through_projection,
+                         checkpointing=checkpointing)
+        with torch.enable_grad():
+            logits, _, factors, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), True, checkpointing)
+            terms = [_GatheredDot.apply(x, c, shards) for n in names for c, x in zip(c_g[n], grads[n])]
+            if grad_through_projection:
+                proj = t.projections_for({n: factors[n] for n in names})
+                terms += [_GatheredDot.apply(x, c, shards) for n in names for c, x in zip(c_p[n], proj[n])]
+            s = torch.stack(terms).sum()
+            if kl_weight != 0:
+                s = s + kl_weight * distillation_kl(t.logits, logits, temperature)
+            s = w * s
+            flat = [x for n in names for x in factors[n]]
+            del t, grads, logits
+            if i < len(parts) - 1:
+                shares = torch.autograd.grad(s, flat)
+                rows = [shards.scatter(x.float()) for x in shares]
+                del shares
+                acc = rows if acc is None else [a + r for a, r in zip(acc, rows)]
+            else:
+                # FSDP2 averages the ranks' gradients: this micro-batch's share ×world; the summed shares once
+                s = shards.world * s
+                if acc is not None:
+                    s = s + torch.stack([_GatheredDot.apply(x, a, shards) for a, x in zip(acc, flat)]).sum()
+    out.loss = s - s.detach() + loss_value
     return out

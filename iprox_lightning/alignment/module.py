@@ -91,7 +91,7 @@ from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
-from .fsdp import reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
+from .fsdp import factor_shards, reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
 
 log = logging.getLogger(__name__)
 
@@ -444,13 +444,16 @@ class ProxyAlignModule(L.LightningModule):
     def alignment_step(self, batch: dict, *, create_graph: bool = True) -> AlignmentOutput:
         """``L_GA + λ_KL·L_KL`` on ``batch`` (see :func:`iprox_lightning.alignment.losses.alignment_losses`)."""
         keep_eval(self.proxy, self._teacher)
-        unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         cfg = self.config
+        # FSDP2 with micro-batches: the global batch's objective, its accumulation buffers sharded as the factors
+        shards = None if cfg.micro_batch_size is None else factor_shards(self.proxy, self._device_mesh)
+        unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         common = dict(kl_weight=cfg.kl_weight, temperature=cfg.temperature,
                       grad_through_projection=cfg.grad_through_projection, create_graph=create_graph,
                       layers=cfg.layers, checkpointing=cfg.activation_checkpointing)
         if cfg.micro_batch_size is not None:
-            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size, **common)
+            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size,
+                                                shards=shards, **common)
         return alignment_losses(self._teacher, self.proxy, batch, **common)
 
     @staticmethod
