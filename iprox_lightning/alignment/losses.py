@@ -351,12 +351,15 @@ def alignment_losses(
 
 def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, nn.Module],
                         factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
-                        proxy_trackers: Sequence[PairTracker], create_graph: bool, checkpointing: bool = False):
+                        proxy_trackers: Sequence[PairTracker], create_graph: bool, checkpointing: bool = False,
+                        on_grad=None):
     """Steps 2–3 of :func:`alignment_losses`: the proxy's forward (``L_proxy`` over the response tokens, and the
     logits) and ``(∇_A, ∇_B)`` of every aligned layer by ``autograd.grad`` against the factor tensors the forward
     really used (recorded by forward pre-hooks unless ``factor_tensors`` names them), with ``proxy_trackers``
     capturing their pairs through both. ``(logits, L_proxy, factors, {layer: (∇_A, ∇_B)})``; raises when a layer did
-    not run, its factors do not require grad or it got no gradient."""
+    not run, its factors do not require grad or it got no gradient. ``on_grad(layer, i, grad)`` (no ``create_graph``):
+    each factor's gradient is handed to it as the backward computes it, and not kept (the returned ones are zeros
+    that hold no memory)."""
     names = list(lowrank)
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     handles = []
@@ -389,7 +392,20 @@ def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, 
         not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
         if not_req:
             raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
-        grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        hooks = []
+        if on_grad is not None:
+            def make_hook(name, i):
+                def hook(grad):
+                    on_grad(name, i, grad)
+                    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+                return hook
+
+            hooks = [x.register_hook(make_hook(n, i)) for n in names for i, x in enumerate(factors[n])]
+        try:
+            grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        finally:
+            for h in hooks:
+                h.remove()
     for tracker in proxy_trackers:
         tracker.end_step()
     proxy_grads = {}
@@ -594,18 +610,23 @@ def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_wei
     g_rows: dict[str, list[torch.Tensor]] = {}
     p_rows: dict[str, list[torch.Tensor]] = {}
     values = torch.zeros(3, dtype=torch.float64, device=shards.device)  # L_KL, proxy SFT, teacher SFT
+    def add_rows(acc: dict, n: str, i: int, rows: torch.Tensor) -> None:
+        acc.setdefault(n, [None, None])
+        acc[n][i] = rows if acc[n][i] is None else acc[n][i] + rows
+
     for part, w in zip(parts, weights):
         t = teacher_pass(teacher, part, factors_now(), checkpointing=checkpointing)
-        with torch.enable_grad():
-            logits, l_proxy, _, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), False, checkpointing)
-        for n in names:
-            for acc, new in ((g_rows, grads.pop(n)), (p_rows, t.projections.pop(n))):
-                rows = [shards.scatter(w * x.detach().float()) for x in new]
-                acc[n] = rows if n not in acc else [a + r for a, r in zip(acc[n], rows)]
+        for n in names:  # (the full projections freed before the proxy's pass)
+            for i, x in enumerate(t.projections.pop(n)):
+                add_rows(p_rows, n, i, shards.scatter(w * x.float()))
+        with torch.enable_grad():  # each factor's gradient into its rows as the backward computes it
+            logits, l_proxy, _, _ = _proxy_factor_grads(
+                proxy, part, lowrank, None, (), False, checkpointing,
+                on_grad=lambda n, i, g: add_rows(g_rows, n, i, shards.scatter(w * g.detach().float())))
         with torch.no_grad():
             kl = distillation_kl(t.logits, logits.detach(), temperature)
         values += w * torch.stack([kl.double(), l_proxy.detach().double(), t.loss.detach().double()])
-        del t, logits, grads
+        del t, logits
     l_kl, proxy_sft, teacher_sft = (v.float() for v in shards.sum(values))
     g_leaves = {n: tuple(x.requires_grad_(True) for x in g_rows[n]) for n in names}
     p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_rows[n]) for n in names}
@@ -642,10 +663,24 @@ def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_wei
             s = w * s
             flat = [x for n in names for x in factors[n]]
             del t, grads, logits
+            if grad_through_projection:
+                del proj
             if i < len(parts) - 1:
-                shares = torch.autograd.grad(s, flat)
-                rows = [shards.scatter(x.float()) for x in shares]
-                del shares
+                # each share into its rows as the backward computes it (the returned zeros hold no memory)
+                rows: list = [None] * len(flat)
+
+                def make_hook(k):
+                    def hook(grad):
+                        rows[k] = shards.scatter(grad.float())
+                        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+                    return hook
+
+                hooks = [x.register_hook(make_hook(k)) for k, x in enumerate(flat)]
+                try:
+                    torch.autograd.grad(s, flat)
+                finally:
+                    for h in hooks:
+                        h.remove()
                 acc = rows if acc is None else [a + r for a, r in zip(acc, rows)]
             else:
                 # FSDP2 averages the ranks' gradients: this micro-batch's share ×world; the summed shares once

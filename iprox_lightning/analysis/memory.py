@@ -676,7 +676,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
         "teacher_tokens": b * run.max_length * io_sum * ab,
         "activations": activations,
         "lm_head": 6 * _head_rows(run, b) * V * 4,
-        "accumulation": 3 * factors * 4 if b < run.align_batch_size else 0,
+        # (under FSDP each rank keeps its rows of the three: alignment/fsdp.FactorShards)
+        "accumulation": 3 * factors * 4 / S if b < run.align_batch_size else 0,
     }
 
 
