@@ -103,13 +103,30 @@ class FactorShards:
     :meth:`gather` rebuilds a full tensor from every rank's rows (an all-gather), :meth:`sum` all-reduces (sum).
     Every rank must make the same calls in the same order (they are collectives)."""
 
-    def __init__(self, mesh, device: torch.device) -> None:
+    def __init__(self, mesh, factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
 
         self.group = _data_parallel(mesh).get_group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self.device = torch.device(device)
+        not_sharded = [n for n, pair in factors.items() if not all(isinstance(x, DTensor) for x in pair)]
+        if not_sharded:
+            raise RuntimeError(f"FactorShards: the factors of {not_sharded[:4]} are not FSDP2's sharded parameters "
+                               "(call it between steps, before the proxy is unsharded)")
+        self.factors = dict(factors)
+        for pair in self.factors.values():
+            for x in pair:
+                start, stop, _ = self.rows(x.shape[0])
+                if x.to_local().shape[0] != stop - start:
+                    raise RuntimeError(f"FactorShards: FSDP2 holds {x.to_local().shape[0]} rows of a factor of "
+                                       f"{x.shape[0]} rows on rank {self.rank}, not {stop - start}")
+        self.device = next(iter(self.factors.values()))[0].device
+
+    def local_factors(self, names) -> list[torch.Tensor]:
+        """The sharded factors' local rows (``A``, ``B`` of each layer of ``names``), differentiable: a gradient of
+        them goes straight into the sharded parameter's gradient (beside FSDP2's reduced one, which it adds to)."""
+        return [x.to_local() for n in names for x in self.factors[n]]
     def rows(self, full_rows: int) -> tuple[int, int, int]:
         """``(start, stop, chunk)``: this rank's rows of a ``full_rows``-row tensor and the chunk size."""
         chunk = -(-full_rows // self.world)
@@ -156,9 +173,11 @@ class FactorShards:
         return int(out)
 
 
-def factor_shards(proxy: nn.Module | None, mesh) -> FactorShards | None:
-    """:class:`FactorShards` over ``mesh`` when FSDP2 shards ``proxy``, else ``None`` (the buffers stay whole, as on
-    one process)."""
+def factor_shards(proxy: nn.Module | None, mesh, layers=None) -> FactorShards | None:
+    """:class:`FactorShards` of ``proxy``'s aligned factors (``layers``: as ``AlignConfig.layers``) over ``mesh`` when
+    FSDP2 shards ``proxy`` (call it between steps), else ``None`` (the buffers stay whole, as on one process)."""
     if not sharded_modules(proxy) or mesh is None:
         return None
-    return FactorShards(mesh, next(proxy.parameters()).device)
+    from .losses import proxy_factor_layers
+
+    return FactorShards(mesh, {n: (m.A, m.B) for n, m in proxy_factor_layers(proxy, layers).items()})

@@ -558,20 +558,37 @@ class _RankSum(torch.autograd.Function):
 
 class _GatheredDot(torch.autograd.Function):
     """The gradient of ``⟨c, x⟩`` for a full ``x`` whose ``c`` each rank holds only in rows (``c_local``,
-    :meth:`~iprox_lightning.alignment.fsdp.FactorShards.gather`): the value is not computed (``0``: the surrogates
-    are used for their gradient only), the backward gathers ``c`` (one tensor, freed after) and returns ``grad · c``,
-    so no graph holds a full ``c``."""
+    :meth:`~iprox_lightning.alignment.fsdp.FactorShards.gather`), with ``c`` gathered as late as the backward allows:
+    the value is not computed (``0``: the surrogates are used for their gradient only); the backward passes a zero
+    that holds no memory (an expanded scalar) and a pre-hook on ``x``'s own backward node replaces it by ``grad · c``,
+    gathered right before that node runs (the nodes of all layers would otherwise receive their full ``c`` at the
+    start of the backward and hold them until they run). No graph holds a full ``c``."""
 
     @staticmethod
     def forward(ctx, x, c_local, shards):
-        ctx.shards, ctx.rows, ctx.dtype = shards, x.shape[0], x.dtype
-        ctx.save_for_backward(c_local)
+        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.cell = []  # the upstream gradient (a scalar), for the pre-hook
+        node = x.grad_fn
+        if node is None:
+            raise RuntimeError("_GatheredDot: x must be the output of a differentiable operation")
+        rows, nr = x.shape[0], x.output_nr
+
+        def prehook(grad_outputs):
+            up = ctx.cell.pop() if ctx.cell else None
+            if up is None:
+                return None
+            grads = list(grad_outputs)
+            add = (up * shards.gather(c_local, rows)).to(ctx.dtype)
+            grads[nr] = add if grads[nr] is None else grads[nr] + add
+            return tuple(grads)
+
+        node.register_prehook(prehook)
         return torch.zeros((), dtype=torch.float32, device=x.device)
 
     @staticmethod
     def backward(ctx, grad):
-        (c_local,) = ctx.saved_tensors
-        return (grad * ctx.shards.gather(c_local, ctx.rows)).to(ctx.dtype), None, None
+        ctx.cell.append(grad)
+        return torch.zeros((), dtype=ctx.dtype, device=ctx.device).expand(ctx.shape), None, None
 
 
 def _sharded_cosines(g: Mapping[str, Sequence[torch.Tensor]], p: Mapping[str, Sequence[torch.Tensor]], shards,
@@ -683,9 +700,11 @@ def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_wei
                         h.remove()
                 acc = rows if acc is None else [a + r for a, r in zip(acc, rows)]
             else:
-                # FSDP2 averages the ranks' gradients: this micro-batch's share ×world; the summed shares once
+                # FSDP2 averages the ranks' gradients: this micro-batch's share ×world; the summed shares (already
+                # this rank's rows of the sum over the ranks) straight into the sharded factors' gradients
                 s = shards.world * s
                 if acc is not None:
-                    s = s + torch.stack([_GatheredDot.apply(x, a, shards) for a, x in zip(acc, flat)]).sum()
+                    local = shards.local_factors(names)
+                    s = s + torch.stack([(a * x.float()).sum() for a, x in zip(acc, local)]).sum()
     out.loss = s - s.detach() + loss_value
     return out

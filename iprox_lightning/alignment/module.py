@@ -446,7 +446,7 @@ class ProxyAlignModule(L.LightningModule):
         keep_eval(self.proxy, self._teacher)
         cfg = self.config
         # FSDP2 with micro-batches: the global batch's objective, its accumulation buffers sharded as the factors
-        shards = None if cfg.micro_batch_size is None else factor_shards(self.proxy, self._device_mesh)
+        shards = None if cfg.micro_batch_size is None else factor_shards(self.proxy, self._device_mesh, cfg.layers)
         unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         common = dict(kl_weight=cfg.kl_weight, temperature=cfg.temperature,
                       grad_through_projection=cfg.grad_through_projection, create_graph=create_graph,
