@@ -357,9 +357,9 @@ def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, 
     logits) and ``(∇_A, ∇_B)`` of every aligned layer by ``autograd.grad`` against the factor tensors the forward
     really used (recorded by forward pre-hooks unless ``factor_tensors`` names them), with ``proxy_trackers``
     capturing their pairs through both. ``(logits, L_proxy, factors, {layer: (∇_A, ∇_B)})``; raises when a layer did
-    not run, its factors do not require grad or it got no gradient. ``on_grad(layer, i, grad)`` (no ``create_graph``):
-    each factor's gradient is handed to it as the backward computes it, and not kept (the returned ones are zeros
-    that hold no memory)."""
+    not run, its factors do not require grad or it got no gradient. ``on_grad(layer, i, grad)``: each factor's
+    gradient (with ``create_graph`` its graph) is handed to it as the backward computes it, and not kept (the returned
+    ones are zeros that hold no memory)."""
     names = list(lowrank)
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     handles = []
@@ -498,6 +498,7 @@ def accumulated_alignment_losses(
             l_kl = l_kl + w * distillation_kl(t.logits, logits.detach(), temperature)
         proxy_sft = proxy_sft + w * l_proxy.detach()
         teacher_sft = teacher_sft + w * t.loss
+        del t, logits, grads  # (not held through the next micro-batch's passes)
     g_leaves = {n: tuple(x.requires_grad_(True) for x in g_sum[n]) for n in names}
     p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_sum[n]) for n in names}
     with torch.enable_grad():
@@ -531,9 +532,13 @@ def accumulated_alignment_losses(
                 s = s + kl_weight * distillation_kl(t.logits, logits, temperature)
             s = w * s
             flat = [x for n in names for x in factors[n]]
+            del t, logits, grads, terms  # (not held through the next micro-batch's passes)
+            if grad_through_projection:
+                del proj
             if i < len(parts) - 1:
                 shares = torch.autograd.grad(s, flat)
                 acc = list(shares) if acc is None else [a + b for a, b in zip(acc, shares)]
+                del shares, s
             elif acc is not None:
                 s = s + torch.stack([(a.detach() * x).sum() for a, x in zip(acc, flat)]).sum()
     out.loss = s - s.detach() + loss_value  # the value of L, the gradient of Σ_m s_m
@@ -669,19 +674,23 @@ def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_wei
         t = teacher_pass(teacher, part, factors_now(), keep_tokens=grad_through_projection,
                          checkpointing=checkpointing)
         with torch.enable_grad():
-            logits, _, factors, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), True, checkpointing)
-            terms = [_GatheredDot.apply(x, c, shards) for n in names for c, x in zip(c_g[n], grads[n])]
+            # each factor's gradient (with its graph) enters its surrogate term as the backward makes it, and each
+            # layer's projections right after they are made: neither is held for every layer at once
+            terms: list[torch.Tensor] = []
+            logits, _, factors, _ = _proxy_factor_grads(
+                proxy, part, lowrank, None, (), True, checkpointing,
+                on_grad=lambda n, j, g: terms.append(_GatheredDot.apply(g, c_g[n][j], shards)))
             if grad_through_projection:
-                proj = t.projections_for({n: factors[n] for n in names})
-                terms += [_GatheredDot.apply(x, c, shards) for n in names for c, x in zip(c_p[n], proj[n])]
+                for n in names:
+                    proj = factor_projections(*t.tokens.pop(n), *factors[n])
+                    terms += [_GatheredDot.apply(x, c, shards) for c, x in zip(c_p[n], proj)]
+                    del proj
             s = torch.stack(terms).sum()
             if kl_weight != 0:
                 s = s + kl_weight * distillation_kl(t.logits, logits, temperature)
             s = w * s
             flat = [x for n in names for x in factors[n]]
-            del t, grads, logits
-            if grad_through_projection:
-                del proj
+            del t, logits, terms
             if i < len(parts) - 1:
                 # each share into its rows as the backward computes it (the returned zeros hold no memory)
                 rows: list = [None] * len(flat)
