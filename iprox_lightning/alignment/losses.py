@@ -455,6 +455,11 @@ def accumulated_alignment_losses(
     step: two teacher passes and two proxy passes (one plain, one with the double backward) per micro-batch.
     ``create_graph=False`` (evaluation): pass 1 only. One micro-batch: :func:`alignment_losses` itself.
 
+    Memory: three factor-sized float32 buffers (``g`` and ``P``, then ``c_g``, ``c_P`` and ``a``) beside one
+    micro-batch's passes; a micro-batch's ``P_m``, ``g_m`` and shares go into them one tensor at a time as they are made
+    (tensor hooks in the backward; a layer's projections right after they are made), and ``c`` enters the surrogate
+    through :class:`_GatheredDot`, added to the gradient right before the node that consumes it.
+
     ``shards`` (FSDP2, :class:`~iprox_lightning.alignment.fsdp.FactorShards`): the objective is that of the **global**
     batch, every rank's rows together (``N`` the response tokens of all ranks), and the three factor-sized buffers are
     sharded: each rank keeps its rows of ``g``, ``P`` (summed over the ranks by a reduce-scatter per micro-batch and
@@ -472,82 +477,41 @@ def accumulated_alignment_losses(
     parts = micro_batches(batch, int(micro_batch_size))
     counts = [int(shifted_token_mask(p["labels"]).sum()) for p in parts]
     total = sum(counts)
-    if shards is not None:
-        return _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, create_graph=create_graph, **common)
-    if len(parts) == 1 or total == 0:
+    if shards is None and (len(parts) == 1 or total == 0):
         return alignment_losses(teacher, proxy, batch, create_graph=create_graph, **common)
-    parts, weights = zip(*[(p, c / total) for p, c in zip(parts, counts) if c])  # no response token: no share
-    lowrank = proxy_factor_layers(proxy, layers)
-    names = list(lowrank)
-
-    # pass 1: the batch's g, P and the loss values
-    g_sum: dict[str, list[torch.Tensor]] = {}
-    p_sum: dict[str, list[torch.Tensor]] = {}
-    l_kl = proxy_sft = teacher_sft = 0.0
-    for part, w in zip(parts, weights):
-        t = teacher_pass(teacher, part, {n: (m.A, m.B) for n, m in lowrank.items()}, checkpointing=checkpointing)
-        with torch.enable_grad():
-            logits, l_proxy, _, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), False, checkpointing)
-        for n in names:
-            for acc, new in ((g_sum, grads[n]), (p_sum, t.projections[n])):
-                if n in acc:
-                    acc[n] = [a + w * x.detach().float() for a, x in zip(acc[n], new)]
-                else:
-                    acc[n] = [w * x.detach().float() for x in new]
-        with torch.no_grad():
-            l_kl = l_kl + w * distillation_kl(t.logits, logits.detach(), temperature)
-        proxy_sft = proxy_sft + w * l_proxy.detach()
-        teacher_sft = teacher_sft + w * t.loss
-        del t, logits, grads  # (not held through the next micro-batch's passes)
-    g_leaves = {n: tuple(x.requires_grad_(True) for x in g_sum[n]) for n in names}
-    p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_sum[n]) for n in names}
-    with torch.enable_grad():
-        l_ga, cos_a, cos_b = gradient_alignment_loss(g_leaves, p_leaves)
-    loss_value = (l_ga + kl_weight * l_kl).detach() if kl_weight != 0 else l_ga.detach()
-    out = AlignmentOutput(loss=loss_value, l_ga=l_ga.detach(), l_kl=l_kl.detach(), proxy_sft=proxy_sft,
-                          teacher_sft=teacher_sft, cos_a=cos_a, cos_b=cos_b)
-    if not create_graph:
-        return out
-    leaves = [x for n in names for x in g_leaves[n]]
-    if grad_through_projection:
-        leaves += [x for n in names for x in p_leaves[n]]
-    cot = torch.autograd.grad(l_ga, leaves)
-    del leaves, g_leaves, p_leaves, g_sum, p_sum  # pass 2 holds the cotangents and the summed shares only
-    c_g = {n: cot[2 * i: 2 * i + 2] for i, n in enumerate(names)}
-    c_p = {n: cot[2 * len(names) + 2 * i: 2 * len(names) + 2 * i + 2] for i, n in enumerate(names)}
-
-    # pass 2: each micro-batch's share of ∂L/∂θ
-    acc: list[torch.Tensor] | None = None
-    for i, (part, w) in enumerate(zip(parts, weights)):
-        t = teacher_pass(teacher, part, {n: (m.A, m.B) for n, m in lowrank.items()},
-                         keep_tokens=grad_through_projection, checkpointing=checkpointing)
-        with torch.enable_grad():
-            logits, _, factors, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), True, checkpointing)
-            terms = [(c * x.float()).sum() for n in names for c, x in zip(c_g[n], grads[n])]
-            if grad_through_projection:
-                proj = t.projections_for({n: factors[n] for n in names})
-                terms += [(c * x.float()).sum() for n in names for c, x in zip(c_p[n], proj[n])]
-            s = torch.stack(terms).sum()
-            if kl_weight != 0:
-                s = s + kl_weight * distillation_kl(t.logits, logits, temperature)
-            s = w * s
-            flat = [x for n in names for x in factors[n]]
-            del t, logits, grads, terms  # (not held through the next micro-batch's passes)
-            if grad_through_projection:
-                del proj
-            if i < len(parts) - 1:
-                shares = torch.autograd.grad(s, flat)
-                acc = list(shares) if acc is None else [a + b for a, b in zip(acc, shares)]
-                del shares, s
-            elif acc is not None:
-                s = s + torch.stack([(a.detach() * x).sum() for a, x in zip(acc, flat)]).sum()
-    out.loss = s - s.detach() + loss_value  # the value of L, the gradient of Σ_m s_m
-    return out
+    if shards is None:  # one process (or DDP: each rank its own batch's objective), the buffers whole
+        shards = _WholeBuffers(proxy_factor_layers(proxy, layers), batch["input_ids"].device)
+    return _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, create_graph=create_graph, **common)
 
 
 # ------------------------------------------------------------------------------------------------
 # micro-batches under FSDP2: the global batch, the accumulation buffers sharded over the ranks
 # ------------------------------------------------------------------------------------------------
+class _WholeBuffers:
+    """:class:`~iprox_lightning.alignment.fsdp.FactorShards`'s calls on one process: every buffer whole (a rank's
+    rows are all the rows), sums over one rank."""
+
+    world, rank = 1, 0
+
+    def __init__(self, lowrank: Mapping[str, nn.Module], device) -> None:
+        self.lowrank, self.device = lowrank, device
+
+    def scatter(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def gather(self, local: torch.Tensor, full_rows: int) -> torch.Tensor:
+        return local
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone()
+
+    def max(self, n: int) -> int:
+        return int(n)
+
+    def local_factors(self, names) -> list[torch.Tensor]:
+        return [x for n in names for x in (self.lowrank[n].A, self.lowrank[n].B)]
+
+
 class _RankSum(torch.autograd.Function):
     """``Σ_ranks t`` of per-rank partial sums in the forward; the backward passes the gradient through (every rank
     computes the same function of the summed values, so a rank's partial gets the sum's gradient)."""
@@ -619,6 +583,9 @@ def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_wei
     """:func:`accumulated_alignment_losses` with ``shards`` (see there): the global batch, the buffers in rows."""
     lowrank = proxy_factor_layers(proxy, layers)
     names = list(lowrank)
+    # a micro-batch with no response token has no share (one with weight 0 is kept if none has any)
+    parts, counts = zip(*([(p, c) for p, c in zip(parts, counts) if c] or [(parts[-1], 0)]))
+    parts, counts = list(parts), list(counts)
     n_parts = shards.max(len(parts))
     total = float(shards.sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=shards.device)))
     weights = [c / total if total else 0.0 for c in counts]

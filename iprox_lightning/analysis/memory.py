@@ -650,13 +650,17 @@ def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
     return proxy, sizes.params - sizes.shape.tracked_params + proxy.tracked_params
 
 
+STAGE2_FORWARDS = 5.4  # Stage 2's proxy activations at its peak, in forwards' worth (measured, stage_two_parts)
+STAGE2_HEAD_LOGITS = 8  # [N, V] float32 logits of the scored tokens at Stage 2's peak (measured, stage_two_parts)
+
+
 def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, proxy_params: int, factors: int,
                     io_sum: int) -> dict[str, float]:
     """Stage 2's parts per device (see the module docstring). One pass holds ``b`` rows: the batch, or the micro-batch
     (``align_micro_batch_size``; then the batch's summed proxy gradients and target projections and the summed
-    shares of the gradient, three factor-sized float32 tensors, live through the step, and one process also holds a
-    micro-batch's full gradients, projections and shares beside them; under FSDP each rank keeps its rows of the three
-    and the micro-batch's tensors go into them one at a time, :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
+    shares of the gradient, three factor-sized float32 tensors, live through the step, a micro-batch's tensors going
+    into them one at a time; under FSDP each rank keeps its rows of the three,
+    :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
     Under FSDP the proxy is sharded and gathered whole for the step (both are held); the teacher is sharded per
     decoder block, its largest block gathered twice (FSDP2's prefetch). The proxy's activations: the forward's, the
     ``create_graph`` graph and the double backward's transients, measured at 5.4 forwards' worth (SmolLM2 shapes
@@ -671,7 +675,7 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     # align_checkpointing lowers nothing here (measured: the same peak, bench/results/plan/stage2_*.json): the
     # create_graph graph keeps the recomputed tensors its backward formulas reference, and the double backward
     # recomputes the blocks again beside it
-    activations = fixed + 5.4 * (acts.total(L, b) - fixed)
+    activations = fixed + STAGE2_FORWARDS * (acts.total(L, b) - fixed)
     micro = b < run.align_batch_size
     return {
         "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
@@ -680,8 +684,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
         "adamw": 2 * factors * wb / S,
         "teacher_tokens": b * run.max_length * io_sum * ab,
         "activations": activations,
-        "lm_head": 8 * _head_rows(run, b) * V * 4,
-        "accumulation": (3 * factors * 4 / S if S > 1 else 6 * factors * 4) if micro else 0,
+        "lm_head": STAGE2_HEAD_LOGITS * _head_rows(run, b) * V * 4,
+        "accumulation": 3 * factors * 4 / S if micro else 0,
     }
 
 
