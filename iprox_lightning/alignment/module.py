@@ -46,7 +46,8 @@ and the worst task (``val/fidelity_worst``, ``val/fidelity_worst_loss = 1 − wo
 factors whose worst task ranks best). The module reads their reports (``report()``) into the manifest.
 
 FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.alignment.fsdp`. At scale: ``activation_checkpointing`` and
-``micro_batch_size`` (:class:`AlignConfig`).
+``micro_batch_size`` (:class:`AlignConfig`; under FSDP2 it aligns on the global batch, every rank's rows, not on the
+mean of the per-rank losses, with the accumulation buffers sharded: :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
 
 Task-aware terms (issue 22; opt-in, off by default; the math: :mod:`iprox_lightning.alignment.task`), trained on the
 validation examples the data module sets apart (``SFTDataModule(val_train_fraction=f)``: the ``val_train`` split,
@@ -186,8 +187,8 @@ class AlignConfig:
             scores a proxy by default (``--proxy_validation target``).
         activation_checkpointing: checkpoint the decoder blocks of both forwards (the same losses and gradients, more
             time; measured on CPU, the step's peak does not fall: GUIDE "Stage 2 at scale"). ``False``: off.
-        micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (two target and two proxy
-            passes per micro-batch; not with the task terms). ``None``: the whole batch.
+        micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (2 target, 2 proxy
+            passes each; FSDP2: the global batch's; no task terms). ``None``: the whole batch.
     """
 
     lr: float = 5e-5
