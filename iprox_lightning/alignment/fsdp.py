@@ -12,7 +12,8 @@ parameters the forward used, and freeing them (FSDP2 frees a resharded parameter
 saves the gathered parameters into that graph again. :func:`shard_teacher` shards the frozen teacher per decoder block
 with the default reshard after forward (its pass is a plain forward + backward: one block gathered at a time) and keeps
 a skeleton of it (parameters on the meta device, buffers on the host) for :func:`unsharded_copy`. Every function is a
-no-op on an unsharded proxy.
+no-op on an unsharded proxy. :class:`FactorShards` shards the micro-batch path's accumulation buffers over the ranks
+(:func:`~iprox_lightning.alignment.losses.accumulated_alignment_losses`).
 """
 from __future__ import annotations
 
