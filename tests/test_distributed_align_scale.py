@@ -9,6 +9,7 @@ of every step and the factors after three AdamW steps.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -96,9 +97,11 @@ def scale_out(tmp_path_factory) -> Path:
     return out
 
 
-def _single_process_global(settings: dict) -> tuple[list[dict], dict, list[float]]:
+@functools.lru_cache(maxsize=1)
+def _single_process_global() -> tuple[list[dict], dict, list[float]]:
     """One process, AdamW (the module's defaults, lr ``LR_ALIGN``) on the two ranks' batches concatenated, in
-    micro-batches of one row: the proxy's state at steps 0..STEPS, the first step's gradients and every step's loss."""
+    micro-batches of one row: the proxy's state at steps 0..STEPS, the first step's gradients and every step's loss.
+    The reference of every mode (checkpointing gives the same numbers bit for bit: tests/test_alignment_scale.py)."""
     from iprox_lightning.alignment.losses import accumulated_alignment_losses, proxy_factor_layers
 
     teacher = teacher_model().requires_grad_(False)
@@ -114,7 +117,7 @@ def _single_process_global(settings: dict) -> tuple[list[dict], dict, list[float
         if s == STEPS:
             break
         out = accumulated_alignment_losses(teacher, proxy, concat(micro_batch(s, 0), micro_batch(s, 1)), 1,
-                                           kl_weight=0.1, checkpointing=settings.get("activation_checkpointing", False))
+                                           kl_weight=0.1)
         opt.zero_grad()
         out.loss.backward()
         if s == 0:
@@ -137,7 +140,7 @@ def test_fsdp2_sharded_teacher_and_proxy_equal_the_replicated_run(scale_out, mod
 
     torch.set_num_threads(1)
     (r0,) = _results(scale_out, mode, ranks=(0,))
-    states, grads, losses = _single_process_global(MODES[mode])
+    states, grads, losses = _single_process_global()
     for r in (0, 1):
         got = load_file(scale_out / f"{mode}-grads-rank{r}.safetensors")
         assert set(got) == set(grads)
