@@ -7,7 +7,7 @@ from test_import_graph import WING_FLOORS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "ARCHITECTURE.md")
-MAX_LINES = 150
+MAX_LINES = 160  # 150 until the README's GPU section carried the generated target table (issues 63, 64)
 # where a page's relative paths are looked up: the repository root, the package (ARCHITECTURE.md's paths are under
 # it), and the folders whose files the pages name by their own path (`configs/builtin/`, `bench/effect.py`)
 BASES = (ROOT, ROOT / "iprox_lightning", ROOT / "configs", ROOT / "bench")
