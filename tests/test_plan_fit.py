@@ -180,7 +180,7 @@ def test_pipeline_plan_auto_on_the_demo(capsys):
     scoring batch, as the stage configs' keys; the same overlay may be given as --plan."""
     assert _demo_plan("auto") == {}
     assert "nothing changed" in capsys.readouterr().out
-    small = _demo_plan("auto", "10MB")
+    small = _demo_plan("auto", "13MB")
     assert "every stage fits" in capsys.readouterr().out
     assert small["warmup"]["model"]["init_args"]["micro_batch_size"] in (1, 2, 4)
     assert small["build_proxy"]["model"]["init_args"]["micro_batch_size"] in (1, 2)
@@ -194,7 +194,7 @@ def test_pipeline_plan_auto_on_the_demo(capsys):
     with pytest.raises(UserInputError, match="an overlay per stage config"):
         _demo_plan({"evaluate": {}})
     with pytest.raises(UserInputError, match="pass --plan auto too"):
-        _demo_plan(None, "10MB")
+        _demo_plan(None, "13MB")
 
 
 def test_a_stage_overlay_merges_into_the_pipelines_callbacks():

@@ -651,16 +651,24 @@ def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
     return proxy, sizes.params - sizes.shape.tracked_params + proxy.tracked_params
 
 
+STAGE2_FORWARDS = 5.4  # Stage 2's proxy activations at its peak, in forwards' worth (measured, stage_two_parts)
+STAGE2_HEAD_LOGITS = 8  # [N, V] float32 logits of the scored tokens at Stage 2's peak (measured, stage_two_parts)
+
+
 def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, proxy_params: int, factors: int,
                     io_sum: int) -> dict[str, float]:
     """Stage 2's parts per device (see the module docstring). One pass holds ``b`` rows: the batch, or the micro-batch
     (``align_micro_batch_size``; then the batch's summed proxy gradients and target projections and the summed
-    shares of the gradient, three factor-sized float32 tensors, live through the step). Under FSDP the proxy is
-    sharded and gathered whole for the step (both are held); the teacher is sharded per decoder block, its largest
-    block gathered twice (FSDP2's prefetch). The proxy's activations: the
-    forward's, the ``create_graph`` graph and the double backward's transients, about one forward's worth each, the
-    same with ``align_checkpointing`` (measured on CPU: the recomputed tensors the ``create_graph`` graph references stay
-    in it, and the double backward recomputes beside it); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
+    shares of the gradient, three factor-sized float32 tensors, live through the step, a micro-batch's tensors going
+    into them one at a time; under FSDP each rank keeps its rows of the three,
+    :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
+    Under FSDP the proxy is sharded and gathered whole for the step (both are held); the teacher is sharded per
+    decoder block, its largest block gathered twice (FSDP2's prefetch). The proxy's activations: the forward's, the
+    ``create_graph`` graph and the double backward's transients, measured at 5.4 forwards' worth (SmolLM2 shapes
+    with 2 and 4 layers, bench/results/plan/stage2_*.json), the same with ``align_checkpointing`` (measured on CPU: the
+    recomputed tensors the ``create_graph`` graph references stay in it, and the double backward recomputes beside
+    it); the weight copies ``bf16-mixed`` saves (``fixed``) once. The logits of the scored tokens: eight ``[N, V]``
+    float32 tensors at the peak (the teacher's and the proxy's, their softmaxes at τ, the graph over them; measured)."""
     wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
     L, V = sizes.shape.num_layers, sizes.shape.vocab_size
     b = min(run.align_micro_batch_size or run.align_batch_size, run.align_batch_size)
@@ -668,7 +676,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     # align_checkpointing lowers nothing here (measured: the same peak, bench/results/plan/stage2_*.json): the
     # create_graph graph keeps the recomputed tensors its backward formulas reference, and the double backward
     # recomputes the blocks again beside it
-    activations = fixed + 3 * (acts.total(L, b) - fixed)
+    activations = fixed + STAGE2_FORWARDS * (acts.total(L, b) - fixed)
+    micro = b < run.align_batch_size
     return {
         "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
         "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),
@@ -676,8 +685,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
         "adamw": 2 * factors * wb / S,
         "teacher_tokens": b * run.max_length * io_sum * ab,
         "activations": activations,
-        "lm_head": 6 * _head_rows(run, b) * V * 4,
-        "accumulation": 3 * factors * 4 if b < run.align_batch_size else 0,
+        "lm_head": STAGE2_HEAD_LOGITS * _head_rows(run, b) * V * 4,
+        "accumulation": 3 * factors * 4 / S if micro else 0,
     }
 
 
