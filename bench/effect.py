@@ -55,7 +55,7 @@ from ledger import (Stages, check_local_inputs, config_text, git_commit, host_in
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 # the benchmark's three other jobs, each its own file: the selector grammar, the statistics, the tables (their public
 # names are this script's too: bench/tables.py and the tests read them here)
-from effect_selectors import (DEFAULT_SELECTORS, DEFAULT_SOURCES, FT_SUFFIX, METRICS, TASKS, host_key, is_rds,  # bench/
+from effect_selectors import (DEFAULT_SELECTORS, DEFAULT_SOURCES, FT_SUFFIX, METRICS, TASKS, host_key, is_less, is_rds,  # bench/
                               is_store, json_digest, lenmatch_reference, proxy_weights_digest, run_on_host,
                               split_finetune_seed, split_fresh, split_rule, split_shortlist, split_store_source,
                               store_model, store_source, task_free)
@@ -171,6 +171,8 @@ class Effect:
             return d / "scores.parquet"
         if is_store(selector):
             return self.store_table(store_source(selector))
+        if is_less(selector):
+            return self.less_table()
         if selector.startswith("random:"):
             seed = int(selector.split(":", 1)[1])
             p = self.out / "scores" / f"random_{seed}" / "scores.parquet"
@@ -185,6 +187,46 @@ class Effect:
             write_scores({i: -n for i, n in self.response_tokens().items()}, p)
             return p
         raise ValueError(f"unknown selector {selector!r}")
+
+    def less_table(self) -> Path:
+        """LESS's score table (issue 66): a LoRA warm-up of ``--model`` on the pool's warm-up split (the recorded
+        full warm-up's examples; ``configs/less/warmup.yaml``: 4 epochs, each epoch's adapters and Adam moments
+        kept), then the sample scored with ``method: less`` at the 4 checkpoints, summed with the epochs' mean
+        learning rates (``configs/less/score.yaml``), one column per subtask (what LESS's max needs)."""
+        a = self.args
+        cfg = ROOT / "configs"
+        warm = self.out / "less" / "warmup"
+        builtin = a.pool == "builtin"
+        demo = [cfg / "builtin" / "warmup.yaml"] if builtin else []
+        wov = {"seed_everything": a.seed,
+               "trainer": {"default_root_dir": str(self.out / "lightning"), "limit_val_batches": 0,
+                           "num_sanity_val_steps": 0, "logger": False},
+               "model": {"init_args": {"model": a.model, "save_dir": str(warm)}},
+               "data": {"init_args": {"pool": a.pool, "validation": None, "tokenizer": a.model, "seed": a.seed,
+                                      "max_length": a.max_length, "train_split": "warmup"}}}
+        wfp = {"model": a.model, "pool": a.pool, "seed": a.seed, "max_length": a.max_length,
+               "config": [config_text(c) for c in (cfg / "warmup.yaml", *demo, cfg / "less" / "warmup.yaml")]}
+        epochs = 4  # configs/less/warmup.yaml's
+        last = warm / "adapters" / f"epoch_{epochs}" / "optimizer_state.safetensors"
+        self.st.run("less:warmup", "fit", [cfg / "warmup.yaml", *demo, cfg / "less" / "warmup.yaml"], wov, wfp, last,
+                    clean=warm)
+        d = self.out / "scores" / "less"
+        val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
+        sov = {"seed_everything": a.seed,
+               "trainer": {"default_root_dir": str(self.out / "lightning"), "logger": False, "callbacks": [
+                   {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(d)}}]},
+               "model": {"init_args": {"checkpoints": [{"path": str(warm / "adapters" / f"epoch_{e}")}
+                                                       for e in range(1, epochs + 1)]}},
+               "data": {"init_args": {"pool": str(self.sample), "validation": val, "tokenizer": str(warm),
+                                      "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed,
+                                      # the suites' subtasks (the demo's validation file names none)
+                                      "validation_subtasks": a.eval_dir != "builtin"}}}
+        sfp = {"warmup": self.st.state["stages"]["less:warmup"]["fingerprint"], "data": self.sample_ids,
+               "validation": val, "config": config_text(cfg / "less" / "score.yaml"),
+               "settings": {k: sov["data"]["init_args"][k] for k in ("max_length", "batch_size")}}
+        self.st.run("score:less", "predict", [cfg / "score.yaml", cfg / "less" / "score.yaml"], sov, sfp,
+                    d / "scores.parquet", clean=d)
+        return d / "scores.parquet"
 
     def store_paths(self, source: str) -> tuple[Path, Path]:
         """``(store dir, query score dir)`` of a gradient-store selector (``store`` = ``store:target``; a validation

@@ -112,6 +112,13 @@ def is_store(selector: str) -> bool:
     return selector == "store" or selector.startswith("store:")
 
 
+def is_less(selector: str) -> bool:
+    """LESS (issue 66): ``less`` — its own LoRA warm-up of the model (``configs/less/warmup.yaml``: 4 epochs on the
+    warm-up split, a checkpoint with its Adam moments per epoch), ``method: less`` over the 4 checkpoints weighted by
+    their epochs' mean learning rates (``configs/less/score.yaml``), per subtask; with ``+max``, LESS's max."""
+    return selector == "less"
+
+
 def is_rds(selector: str) -> bool:
     """The RDS+ baseline: ``rds`` or ``rds@<form>``."""
     return selector == "rds" or selector.startswith("rds@")

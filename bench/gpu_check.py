@@ -16,6 +16,10 @@ reason; one that raises is ``failed`` with the error's type and message, and the
   ``fit`` of the product's ``IPSVDCallback`` and ``ProxyAlignModule`` on the device; per stage the measured peak
   (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, reset between them; ``RssAnon`` on a CPU) beside
   the plan's (``build_proxy_plan`` for the same settings).
+* ``score``: scoring at the Llama-3.2-1B width (``--score-shape``, two random-init blocks: ``--score-layers``) with
+  the product's ``InfluenceScoringModule`` in a Lightning ``predict``: partitioned EK-FAC (``kfac_partitions``) and
+  TracIn with the validation gradients held in bfloat16 on the host; per run the measured peak (CUDA allocated /
+  reserved, reset before each run; ``RssAnon`` on a CPU) beside the plan's scoring stage (``scoring_plan``).
 * ``pipeline``: the product's ``pipeline`` command on SmolLM2-135M (the GGUF, or, where it is absent, a random
   SmolLM2-135M-shape model: the JSON says which) over ~2k pool examples, ``bf16-mixed``, on the GPU: warm-up ->
   build_proxy (IPSVD + alignment) -> score (target, proxy) -> select; seconds, tokens/s and peak CUDA memory per
@@ -24,8 +28,10 @@ reason; one that raises is ``failed`` with the error's type and message, and the
   commands (``python train.py fit --config configs/warmup.yaml`` / ``predict --config configs/score.yaml``). It
   needs CUDA; on a CPU (``--tiny``) the same two commands run with the default strategy, recorded as such.
 
-The default parts (``engine:llama-1b``, ``build``, ``pipeline``, ``fsdp``) fit the default 540 s; the pipeline part's
-budget is the H100's recorded stage times (``H100_SECONDS``) plus its own overhead; ``--shapes llama-1b llama-3b``
+The default parts (``engine:llama-1b``, ``build``, ``score``, ``pipeline``) fit the default 540 s; the pipeline part's
+budget is the H100's recorded stage times (``H100_SECONDS``) plus its own overhead, the score part's its share of the
+recorded scoring plus its eigendecompositions and start-up (``SCORE_BUDGET_S``); ``fsdp`` runs when named
+(``--parts fsdp``; with ``--tiny`` always: 80 s more than the defaults leave), and ``--shapes llama-1b llama-3b``
 adds the 3B engine (110 s more: raise ``--budget`` or run it alone with ``--parts``).
 
 Usage::
@@ -46,6 +52,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import resource
@@ -77,9 +84,11 @@ WHEELS = ("jsonargparse", "docstring-parser", "typeshed-client", "gguf")
 # what --tiny changes (options given on the command line win): tiny shapes and the built-in data on a CPU, every part
 # in about a minute (the GPU defaults are the parser's)
 TINY = dict(shapes=["tiny"], batches=2, batch_size=4, seq_len=32, store_k=4, pool_size=120, max_length=64,
-            pipeline_batch_size=8, construction_fraction=0.1, val_per_task=4, fsdp_pool=40, budget=420.0,
+            pipeline_batch_size=8, construction_fraction=0.1, val_per_task=4, fsdp_pool=40, budget=540.0,
             budget_engine=120.0, budget_pipeline=150.0, budget_fsdp=120.0, budget_build=120.0, build_shape="tiny",
-            build_max_length=64, build_batch_size=2, build_probe_tokens=128, build_steps=2)
+            build_max_length=64, build_batch_size=2, build_probe_tokens=128, build_steps=2, budget_score=120.0,
+            score_shape="tiny", score_layers=0, score_max_length=32, score_batch_size=2, score_kfac_examples=8,
+            score_pool=8, score_val_per_task=2)
 
 H100_SECONDS = {"warmup": 56.6, "build_proxy": 125.2, "score:target": 17.5, "score:proxy": 24.2}
 """The pipeline's stages as one H100 80 GB ran them (SmolLM2-135M, a 2,000-example pool, stage by stage:
@@ -87,6 +96,18 @@ H100_SECONDS = {"warmup": 56.6, "build_proxy": 125.2, "score:target": 17.5, "sco
 PIPELINE_OVERHEAD_S = 40.0
 """The pipeline part's own start, its inputs and ``select`` beside the recorded stages (on a CPU, --tiny: ~25 s)."""
 PIPELINE_BUDGET_S = round(sum(H100_SECONDS.values()) + PIPELINE_OVERHEAD_S)
+SCORE_WORK_SHARE = 1 / 4
+"""The score part's scored examples against the pipeline's target scoring (``score:target``: 2,000 examples): at its
+defaults 2 x 2 factor passes of 32 examples (EK-FAC, two partitions), 24 validation and 32 pool examples per method,
+~250 examples of 512 tokens, at about twice SmolLM2-135M's cost per token (the 1B width, two blocks and the 128k
+head against 30 blocks of 576)."""
+SCORE_EIGH_S = 30.0
+"""The score part's float64 eigendecompositions at its defaults: six of 8192 x 8192 (gate / up outputs, down input,
+two blocks) and 22 of at most 2048, one at a time on the device (a few seconds each for the largest: an estimate, no
+H100 record)."""
+SCORE_OVERHEAD_S = 25.0
+"""The part's start-up (imports, CUDA context, the random model on the host) and two Lightning predict runs."""
+SCORE_BUDGET_S = round(SCORE_WORK_SHARE * H100_SECONDS["score:target"] + SCORE_EIGH_S + SCORE_OVERHEAD_S)
 
 
 # ----------------------------------------------------------------------------------------------- arguments
@@ -109,6 +130,8 @@ def parse_args(argv=None):
                     help=f"default {PIPELINE_BUDGET_S:.0f}: the H100's recorded stage times (H100_SECONDS) + "
                          f"{PIPELINE_OVERHEAD_S:.0f} s")
     ap.add_argument("--budget-build", type=float, default=100.0)
+    ap.add_argument("--budget-score", type=float, default=SCORE_BUDGET_S,
+                    help=f"default {SCORE_BUDGET_S:.0f} (SCORE_BUDGET_S: its work against the H100's recorded scoring)")
     ap.add_argument("--budget-fsdp", type=float, default=80.0)
     ap.add_argument("--min-part-s", type=float, default=20.0, help="a part starts only with this much time left")
     # engine
@@ -139,6 +162,18 @@ def parse_args(argv=None):
     ap.add_argument("--build-batch-size", type=int, default=4, help="the build batch (the paper's 4)")
     ap.add_argument("--build-probe-tokens", type=int, default=1024, help="IPSVDCallback num_probe_tokens (shipped)")
     ap.add_argument("--build-steps", type=int, default=3, help="Stage 2 alignment steps")
+    # score (partitioned EK-FAC and TracIn with the validation-gradient holdings against the plan)
+    ap.add_argument("--score-shape", default="llama-3.2-1b", help="a shape of bench/plan_memory.py's STAGE1_SHAPES")
+    ap.add_argument("--score-layers", type=int, default=2,
+                    help="decoder layers of the score shape (the 1B width with 2 blocks: 6 float64 eigendecompositions "
+                         "of 8192 x 8192; 0: the shape's)")
+    ap.add_argument("--score-max-length", type=int, default=512)
+    ap.add_argument("--score-batch-size", type=int, default=4)
+    ap.add_argument("--score-kfac-examples", type=int, default=32)
+    ap.add_argument("--score-partitions", type=int, default=2, help="EK-FAC's kfac_partitions")
+    ap.add_argument("--score-pool", type=int, default=32, help="pool examples scored per method")
+    ap.add_argument("--score-tasks", type=int, default=3, help="validation tasks (score columns)")
+    ap.add_argument("--score-val-per-task", type=int, default=8)
     ap.add_argument("--fsdp-pool", type=int, default=256, help="pool examples of the fsdp part (the first of the pool)")
     ap.add_argument("--prepare", default=None, metavar="DIR", help="write the inputs that travel to DIR and exit")
     # internal: one part in a child process
@@ -161,7 +196,7 @@ def parse_args(argv=None):
 
     if unknown := [s for s in args.shapes if s not in speed.SHAPES]:
         ap.error(f"--shapes: unknown {unknown}; shapes: {', '.join(speed.SHAPES)}")
-    every = [f"engine:{s}" for s in args.shapes] + ["build", "pipeline", "fsdp"]
+    every = [f"engine:{s}" for s in args.shapes] + ["build", "score", "pipeline", "fsdp"]
     if args.parts is not None and (unknown := [p for p in args.parts if p not in every]):
         ap.error(f"--parts: unknown {unknown}; parts: {', '.join(every)}")
     if args.smollm2 not in (None, "random") and not Path(args.smollm2).exists():
@@ -169,9 +204,15 @@ def parse_args(argv=None):
     return args
 
 
+OPT_IN_PARTS = ("fsdp",)
+"""Parts that run only when named in ``--parts`` (the defaults fit one 540 s device command without them)."""
+
+
 def part_names(args) -> list[str]:
-    names = [f"engine:{s}" for s in args.shapes] + ["build", "pipeline", "fsdp"]
-    return [n for n in names if args.parts is None or n in args.parts]
+    names = [f"engine:{s}" for s in args.shapes] + ["build", "score", "pipeline", "fsdp"]
+    if args.parts is None:
+        return [n for n in names if n not in OPT_IN_PARTS or args.tiny]
+    return [n for n in names if n in args.parts]
 
 
 def part_budget(args, name: str) -> float:
@@ -179,7 +220,8 @@ def part_budget(args, name: str) -> float:
         if args.budget_engine is not None:
             return args.budget_engine
         return {"llama-1b": 80.0, "llama-3b": 110.0}.get(name.split(":", 1)[1], 80.0)
-    return {"build": args.budget_build, "pipeline": args.budget_pipeline, "fsdp": args.budget_fsdp}[name]
+    return {"build": args.budget_build, "score": args.budget_score, "pipeline": args.budget_pipeline,
+            "fsdp": args.budget_fsdp}[name]
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -396,6 +438,8 @@ def run_part(args) -> dict:
             engine_part(args, args.part.split(":", 1)[1], rec)
         elif args.part == "build":
             build_part(args, rec)
+        elif args.part == "score":
+            score_part(args, rec)
         elif args.part == "pipeline":
             pipeline_part(args, workdir, rec)
         elif args.part == "fsdp":
@@ -543,6 +587,120 @@ def build_part(args, rec: PartRecord) -> None:
         raise RuntimeError(f"the build ran {sorted(stages)} of Stage 1 and Stage 2")
     rec.update(stages=stages, seconds=time.perf_counter() - t0,
                proxy_params=sum(p.numel() for p in module.proxy.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------- score part
+
+SCORE_RUNS = {
+    "ekfac_partitioned": {"method": "ekfac", "kfac_partitions": None},  # None: --score-partitions
+    "tracin_bf16_host": {"method": "tracin", "validation_gradients": {"dtype": "bfloat16", "device": "cpu"}},
+}
+"""The score part's runs: the ``InfluenceScoringModule`` settings of each (``ScoringConfig`` fields)."""
+
+
+def score_runs(args) -> dict[str, dict]:
+    return {name: {k: (args.score_partitions if v is None else v) for k, v in kw.items()}
+            for name, kw in SCORE_RUNS.items()}
+
+
+def score_plan_settings(args, cuda: bool, settings: dict) -> dict:
+    """The plan's ``RunSettings`` fields of one score run (the plan's scoring stage, the same settings)."""
+    return {"max_length": args.score_max_length, "batch_size": args.score_batch_size, "precision": args.precision,
+            "devices": 1, "device_kind": "cuda" if cuda else "cpu", "tasks": args.score_tasks,
+            "validation_examples": args.score_tasks * args.score_val_per_task, "response_share": 0.5,
+            "kfac_examples": args.score_kfac_examples, "method": settings["method"],
+            "kfac_partitions": settings.get("kfac_partitions", 1),
+            "validation_gradients": settings.get("validation_gradients")}
+
+
+def score_part(args, rec: PartRecord) -> None:
+    """Scoring at ``--score-shape`` (random init, ``--score-layers`` blocks) on the device with the product's
+    ``InfluenceScoringModule`` in a Lightning ``predict`` at ``--precision``: partitioned EK-FAC (``kfac_partitions``,
+    its factors fitted on ``--score-kfac-examples`` pool examples) and TracIn with the validation gradients held in
+    bfloat16 on the host (:data:`SCORE_RUNS`), ``--score-pool`` random examples scored against ``--score-tasks``
+    tasks; per run the measured peak (CUDA: ``max_memory_allocated`` / ``max_memory_reserved``, reset before each run;
+    a CPU: the part's peak ``RssAnon`` over its value before the model was built) beside the plan's scoring stage for
+    the same settings (``scoring_plan``)."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    import plan_memory
+    from iprox_lightning.analysis import ModelSizes, RunSettings, saved_activation_bytes
+    from iprox_lightning.analysis.memory import scoring_plan
+    from iprox_lightning.scoring.module import InfluenceScoringModule
+
+    cuda = args.device == "cuda"
+    B, T = args.score_batch_size, args.score_max_length
+    config = plan_memory.stage1_config(args.score_shape, args.score_layers or None)
+    sizes = ModelSizes.from_config(config, name=args.score_shape)
+    acts = saved_activation_bytes(config, seq_len=T, precision=args.precision)
+    measure = ("torch.cuda.max_memory_allocated (max_memory_reserved beside it), reset before each run" if cuda
+               else "peak RssAnon of the part's process over its value before the model was built (CPU)")
+    rec.update(shape=args.score_shape, layers=config.num_hidden_layers, precision=args.precision, batch_size=B,
+               max_length=T, measure=measure, runs={})
+    sampler = None if cuda else plan_memory.PeakSampler(0.005)
+    base = None if cuda else sampler.base
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    batch = plan_memory.random_sft_batch_maker(config.vocab_size, B, T)
+    tasks = [f"task{k}" for k in range(args.score_tasks)]
+
+    def examples(n: int, name: str, task_names) -> list[dict]:
+        out = []
+        for j in range(-(-n // B)):
+            b = batch()
+            b["id"] = [f"{name}{j * B + i}" for i in range(B)]
+            b["task"] = [task_names[(j * B + i) % len(task_names)] for i in range(B)]
+            out.append(b)
+        return out
+
+    pool = examples(max(args.score_pool, args.score_kfac_examples), "pool", ["pool"])
+    val = examples(args.score_tasks * args.score_val_per_task, "val", tasks)
+
+    class Data(L.LightningDataModule):  # the batches as they are (a list would be read as several loaders)
+        def predict_dataloader(self):
+            return DataLoader(pool[:-(-args.score_pool // B)], batch_size=None)
+
+        def dataloader(self, split):  # the factor data: the pool's first batches
+            return DataLoader(pool, batch_size=None)
+
+        def validation_dataloader(self):
+            return DataLoader(val, batch_size=None)
+
+    runs: dict = {}
+    for name, settings in score_runs(args).items():
+        if time_left(args) < 10:
+            runs[name] = {"status": "skipped", "reason": f"{time_left(args):.0f} s of the part's budget left"}
+            rec.update(runs=runs)
+            continue
+        plan = scoring_plan(sizes, acts, RunSettings(**score_plan_settings(args, cuda, settings)), settings["method"])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            sampler = plan_memory.PeakSampler(0.005)
+        t1 = time.perf_counter()
+        module = InfluenceScoringModule(model, kfac_examples=args.score_kfac_examples, **settings)
+        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        out = trainer.predict(module, datamodule=Data())
+        if cuda:
+            torch.cuda.synchronize()
+            measured, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        else:
+            measured, reserved = sampler.stop() - base, None
+        scores = [float(x) for o in out for x in o["score"]]
+        runs[name] = {"status": "ok", "settings": settings, "measured_bytes": measured, "reserved_bytes": reserved,
+                      "plan_bytes": plan.peak, "plan_over_measured": plan.peak / measured if measured else None,
+                      "plan_parts": plan.parts, "seconds": time.perf_counter() - t1, "scored": len(scores),
+                      "scores_finite": all(math.isfinite(v) for v in scores),
+                      "scorer": {k: v for k, v in module.scorer.settings().items()
+                                 if k.startswith(("kfac_", "ekfac_", "val_", "column"))}}
+        rec.update(runs=runs)
+        del module, trainer, out
+    rec.update(runs=runs, seconds=time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------------------------- pipeline part

@@ -408,7 +408,155 @@ def stage1_main(argv: list[str]) -> None:
     print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Scoring under FSDP2 with shard_layers, per rank: --scoring
+# --------------------------------------------------------------------------------------------------------------------
+SCORING_SHAPES = {
+    # K-FAC's factors dominate: 4 blocks of width 1024 / MLP 4096 (~0.96 GB of float32 factors, ~0.5 GB per rank of 2)
+    "kfac": dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False,
+                 max_position_embeddings=2048),
+    "tiny": STAGE1_SHAPES["tiny"],
+}
+
+
+def scoring_settings(args: dict) -> dict:
+    """The :class:`ScoringConfig` fields of a ``--scoring`` run."""
+    return {"method": args["method"], "kfac_examples": args["kfac_examples"], "kfac_partitions": args["partitions"],
+            "shard_layers": args["shard_layers"]}
+
+
+def scoring_child(args: dict) -> None:
+    """One rank of scoring: the product's ``InfluenceScoringModule`` under ``ModelParallelStrategy`` (FSDP2: the model
+    sharded per block; ``args["devices"]`` gloo processes) on a random model of the shape, ``trainer.predict`` over a
+    few random batches; writes ``{"baseline", "peak", "vm_hwm", "seconds"}`` (RssAnon bytes after the imports, and the
+    largest sampled every 5 ms from the model's construction to the end of the predict loop) to
+    ``<out>/rank<r>.json``. Lightning's subprocess launcher starts the other ranks with this same command line."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import transformers.models.llama.modeling_llama  # noqa: F401  (before the baseline)
+    from iprox_lightning.scoring.module import InfluenceScoringModule
+
+    torch.set_num_threads(args["threads"])
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    sampler = PeakSampler(0.005)
+    t0 = time.time()
+    d = dict(SCORING_SHAPES[args["shape"]])
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    B, T = args["batch_size"], args["max_length"]
+    batch = random_sft_batch_maker(config.vocab_size, B, T)
+
+    def rows(n, tasks):
+        out = []
+        for j in range(n):
+            b = batch()
+            b["id"] = [f"{j}-{i}" for i in range(B)]
+            b["task"] = [tasks[(j * B + i) % len(tasks)] for i in range(B)]
+            out.append(b)
+        return out
+
+    pool = rows(args["pool_batches"], ["x"])
+    val = rows(args["val_batches"], [f"t{k}" for k in range(args["tasks"])])
+
+    from torch.utils.data import DataLoader
+
+    class Data(L.LightningDataModule):  # (each rank scores every pool batch; the factor and validation passes split)
+        def predict_dataloader(self):
+            return DataLoader(pool, batch_size=None)
+
+        def dataloader(self, split):
+            return DataLoader(pool, batch_size=None)
+
+        def validation_dataloader(self):
+            return DataLoader(val, batch_size=None)
+
+    world = args["devices"]
+    module = InfluenceScoringModule(model, **scoring_settings(args))
+    del model
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if world > 1 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    trainer.predict(module, datamodule=Data(), return_predictions=False)
+    peak = sampler.stop()
+    Path(args["out"], f"rank{rank}.json").write_text(json.dumps(
+        {"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(), "seconds": time.time() - t0,
+         "factors_held": len(module.metric.eigens) if hasattr(module.metric, "eigens") else 0}))
+
+
+def scoring_plan_of(args: dict) -> dict:
+    """The plan's scoring stage for the same settings (``bench`` and the CI test compare it with the measured peak)."""
+    from transformers import AutoConfig
+
+    from iprox_lightning.analysis import ModelSizes, RunSettings, saved_activation_bytes
+    from iprox_lightning.analysis.memory import scoring_plan
+
+    d = dict(SCORING_SHAPES[args["shape"]])
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
+    sizes = ModelSizes.from_config(config, name=args["shape"])
+    run = RunSettings(max_length=args["max_length"], batch_size=args["batch_size"], precision="32-true",
+                      devices=args["devices"], strategy="fsdp" if args["devices"] > 1 else "ddp", device_kind="cpu",
+                      tasks=args["tasks"], kfac_examples=args["kfac_examples"], kfac_partitions=args["partitions"],
+                      shard_layers=args["shard_layers"])
+    acts = saved_activation_bytes(config, seq_len=run.max_length, precision=run.precision)
+    return scoring_plan(sizes, acts, run, args["method"]).to_dict()
+
+
+def scoring_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description="Scoring's per-rank peak RSS under FSDP2 + shard_layers (--scoring)")
+    ap.add_argument("--shape", default="kfac", choices=sorted(SCORING_SHAPES))
+    ap.add_argument("--method", default="kfac")
+    ap.add_argument("--devices", type=int, default=2, help="processes (FSDP2 over gloo on CPU when > 1)")
+    ap.add_argument("--shard-layers", action="store_true")
+    ap.add_argument("--partitions", type=int, default=1, help="kfac_partitions")
+    ap.add_argument("--kfac-examples", type=int, default=8)
+    ap.add_argument("--tasks", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-length", type=int, default=64)
+    ap.add_argument("--pool-batches", type=int, default=4)
+    ap.add_argument("--val-batches", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
+    a = ap.parse_args(argv)
+    args = {"shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
+            "partitions": a.partitions, "kfac_examples": a.kfac_examples, "tasks": a.tasks, "batch_size": a.batch_size,
+            "max_length": a.max_length, "pool_batches": a.pool_batches, "val_batches": a.val_batches,
+            "threads": a.threads}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--scoring-child", json.dumps({**args, "out": tmp})]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(a.threads),
+               "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # (see stage1_measure)
+        t0 = time.time()
+        p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(a.devices)
+                 if (Path(tmp) / f"rank{r}.json").is_file()]
+        if len(ranks) != a.devices:
+            raise RuntimeError(f"scoring run failed (rc {p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
+    plan = scoring_plan_of(args)
+    measured = [r["peak"] - r["baseline"] for r in ranks]
+    result = {"args": args, "ranks": ranks, "measured_bytes": measured, "predicted_bytes": plan["peak"],
+              "ratio": [plan["peak"] / m for m in measured], "seconds": time.time() - t0, "plan": plan,
+              "code": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+              "command_line": "python bench/plan_memory.py --scoring " + " ".join(argv)}
+    out = Path(a.out)
+    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    record["runs"].append(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--scoring-child":
+        return scoring_child(json.loads(sys.argv[2]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--scoring":
+        return scoring_main(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--stage1-child":
         return stage1_child(json.loads(sys.argv[2]))
     if len(sys.argv) > 1 and sys.argv[1] == "--stage1":

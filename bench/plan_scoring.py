@@ -19,8 +19,8 @@ compared figure is the plan's device peak plus those host bytes (:func:`cpu_peak
   flock /tmp/iprox-model.lock python bench/plan_scoring.py store --shape llama-3.2-1b --layers 2 \\
       --out bench/results/plan/store_llama-3.2-1b.json
 
-Each run is appended to the JSON's ``runs`` with its command line; ``tests/test_plan_measured_levers.py`` checks
-every recorded run against today's plan (±20%, no model run).
+Each run is appended to the JSON's ``runs`` with its command line;
+``tests/test_plan_scoring_levers_measured.py`` checks every recorded run against today's plan (±20%, no model run).
 """
 from __future__ import annotations
 

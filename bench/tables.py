@@ -20,6 +20,7 @@ import effect  # bench/: the downstream-effect tables
 import fidelity_v2  # bench/: the per-task fidelity tables
 import layer_diagnosis  # bench/: the per-layer tables
 import peers  # bench/: side by side with kronfluence and bergson
+import plan_targets  # bench/: the paper's sizes against the device (plan --fit)
 import speed  # bench/: the scoring-cost tables
 import store  # bench/: the gradient store's tables
 from ledger import ROOT, read_kept, splice_docs  # bench/: the stage ledger
@@ -28,6 +29,9 @@ RESULTS = ROOT / "bench" / "results"
 PAGES = (ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "RESULTS.md", ROOT / "README.md")
 EFFECT_RUNS = ("effect_gpu2048", "effect")  # the headline prefers BBH's direct-answer form (its held-out metric's)
 FIDELITY_RUNS = ("fidelity_v2", "fidelity_gpu2048")
+PLANNED = (plan_targets.markers(),)
+"""Tables of the plan (nothing measured: ``bench/plan_targets.py``): the README's GPU section carries them, not
+``docs/BENCHMARKS.md``."""
 SPEED_RUNS = ("speed_smollm2_cpu_fused", "speed_gemma3-270m_cpu", "speed_llama-1b_cpu", "speed_llama-1b_store_cpu")
 
 
@@ -68,6 +72,7 @@ def page_tables() -> dict[tuple[str, str], Callable[[], str]]:
                                                           results["meta"].get("new_task"))
     out[bf16_markers()] = lambda: bf16.markdown(recorded("bf16/results.json"))
     out[peers_markers()] = lambda: peers.markdown(recorded("peers/results.json"))
+    out[plan_targets.markers()] = lambda: plan_targets.markdown(recorded("plan/targets.json"))
     return out
 
 

@@ -117,12 +117,14 @@ def test_settings_are_checked():
 
 
 def test_plan_counts_micro_batches_and_the_sharded_stage_two():
-    """``train.py plan``'s Stage 2 (analysis/memory.py): a pass holds a micro-batch's activations, head rows and
-    teacher tokens (plus three factor-sized float32 accumulators); the bfloat16 weight copies of bf16-mixed are
-    counted once, not three times; under FSDP the teacher is sharded (its largest block gathered twice) and the proxy
-    is held sharded and gathered whole; checkpointing changes nothing (measured)."""
+    """``train.py plan``'s Stage 2 (analysis/memory.py): a pass holds a micro-batch's activations (the measured
+    ``STAGE2_FORWARDS`` forwards' worth), head rows and teacher tokens (plus three factor-sized float32 accumulators,
+    each rank's rows of them under FSDP); the bfloat16 weight copies of bf16-mixed are counted once; under FSDP the
+    teacher is sharded (its largest block gathered twice) and the proxy is held sharded and gathered whole;
+    checkpointing changes nothing (measured)."""
     from iprox_lightning.analysis.memory import (
-        ModelSizes, RunSettings, build_proxy_plan, load_config, proxy_sizes, run_activations, weight_bytes)
+        STAGE2_FORWARDS, ModelSizes, RunSettings, build_proxy_plan, load_config, proxy_sizes, run_activations,
+        weight_bytes)
 
     config = load_config("smollm2-135m")
     sizes = ModelSizes.from_config(config, name="smollm2-135m")
@@ -136,13 +138,15 @@ def test_plan_counts_micro_batches_and_the_sharded_stage_two():
     L = sizes.shape.num_layers
     fixed = acts.fixed_outside + L * acts.fixed_per_layer
     assert fixed > 0  # bf16-mixed: the weight copies autocast saves
-    assert base["activations"] == pytest.approx(fixed + 3 * 4 * (acts.outside + L * acts.per_layer))
+    assert base["activations"] == pytest.approx(fixed + STAGE2_FORWARDS * 4 * (acts.outside + L * acts.per_layer))
     micro, _ = stage2(align_micro_batch_size=1)
-    assert micro["activations"] == pytest.approx(fixed + 3 * (acts.outside + L * acts.per_layer))
+    assert micro["activations"] == pytest.approx(fixed + STAGE2_FORWARDS * (acts.outside + L * acts.per_layer))
     assert micro["lm_head"] == pytest.approx(base["lm_head"] / 4)
     assert micro["teacher_tokens"] == pytest.approx(base["teacher_tokens"] / 4)
     factors = proxy_sizes(sizes, 0.5)[0].tracked_params
     assert micro["accumulation"] == 3 * factors * 4 and "accumulation" not in base
+    sharded_micro, _ = stage2(devices=2, strategy="fsdp", align_micro_batch_size=1)
+    assert sharded_micro["accumulation"] == pytest.approx(3 * factors * 4 / 2)
     assert stage2(align_checkpointing=True)[0] == base
     sharded, _ = stage2(devices=2, strategy="fsdp")
     wb = weight_bytes("bf16-mixed")

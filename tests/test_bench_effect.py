@@ -738,3 +738,30 @@ def test_fresh_selectors_leave_out_the_heldout_source_and_face_random_subsets_of
                                   [per_example(f"random:{j}~fresh", metric) for j in (0, 1)], hib, 50, 0)
         assert rec["seeds"] == 2 and rec["diff"] == pytest.approx(diff, abs=1e-12) and rec["diff_ci"] == pytest.approx(ci)
     assert "Fresh-candidates control" in (out / "summary.md").read_text()
+
+
+def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_max(fidelity_dir, tmp_path):
+    """Selector ``less+max`` (issue 66): its own LoRA warm-up (``configs/less/warmup.yaml``, a checkpoint per epoch),
+    ``method: less`` over the 4 checkpoints (``configs/less/score.yaml``), then the product's select with LESS's max;
+    a second invocation re-runs nothing."""
+    from iprox_lightning.selection.select import select
+
+    out = tmp_path / "effect"
+    argv = ["--out", str(out), "--fidelity", str(fidelity_dir), "--model", "builtin", "--pool", "builtin",
+            "--eval-dir", "builtin", "--tasks", "addition", "--priority-tasks", "addition", "--selectors", "less+max",
+            "--random-seeds", "0", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
+            "--builtin-per-task", "8", "--bootstrap", "50", "--threads", "1", "--in-process"]
+    effect.main(argv)
+    warm = out / "less" / "warmup" / "adapters"
+    assert sorted(p.name for p in warm.iterdir()) == ["epoch_1", "epoch_2", "epoch_3", "epoch_4", "final"]
+    table = out / "scores" / "less" / "scores.parquet"
+    settings = json.loads((table.parent / "settings.json").read_text())["fingerprint"]["settings"]
+    assert settings["method"] == "less" and len(settings["checkpoint_weights"]) == 4
+    ref = select(str(table), k=6, rule="max", task="addition", pool=str(fidelity_dir / "sample.jsonl"),
+                 output=str(tmp_path / "ref.jsonl"), quiet=True)
+    got = out / "selections" / f"{fv2.dir_name('addition/less+max')}.jsonl"
+    assert [json.loads(x)["id"] for x in open(got)] == [json.loads(x)["id"] for x in open(ref)]
+    state = json.loads((out / "state.json").read_text())["stages"]
+    assert {"less:warmup", "score:less"} <= set(state)
+    effect.main(argv)
+    assert json.loads((out / "state.json").read_text())["stages"] == state

@@ -37,14 +37,14 @@ def test_one_json_per_run_with_host_versions_and_commit(run):
     assert (commit["source"] == "git" and len(commit["commit"]) == 40) or (commit["commit"] is None
                                                                           and "unknown" in commit["source"])
     assert record["finished_utc"] and 0 < record["seconds"] <= record["budget_s"]
-    assert {k: v["status"] for k, v in record["parts"].items()} == {"engine:tiny": "ok", "build": "ok", "pipeline": "ok",
-                                                                    "fsdp": "ok"}
+    assert {k: v["status"] for k, v in record["parts"].items()} == {"engine:tiny": "ok", "build": "ok", "score": "ok",
+                                                                    "pipeline": "ok", "fsdp": "ok"}
     for part in record["parts"].values():
         assert 0 < part["seconds"] <= part["budget_s"] and part["returncode"] == 0 and part["error"] is None
         assert _positive(part["peak_rss_bytes"])
     # what comes back from the GPU machine: the JSON and each part's log, under --copy-to
     assert sorted(p.name for p in (root / "out").iterdir()) == sorted(
-        [path.name, "engine_tiny.log", "build.log", "pipeline.log", "fsdp.log"])
+        [path.name, "engine_tiny.log", "build.log", "score.log", "pipeline.log", "fsdp.log"])
 
 
 def test_engine_part_throughputs_proxy_ratios_and_memory(run):
@@ -97,9 +97,42 @@ def test_build_part_puts_each_stages_measured_peak_beside_the_plans(run):
     assert 0 < r["proxy_params"] < ModelSizes.from_config(config).params
 
 
+def test_score_part_puts_each_runs_measured_peak_beside_the_plan(run):
+    """Partitioned EK-FAC and TracIn with the validation gradients in bfloat16 on the host, each a Lightning predict
+    of the product's InfluenceScoringModule: per run the measured peak (on a CPU the part's RssAnon; on CUDA
+    max_memory_allocated / reserved, reset before each run) and today's plan of the scoring stage for the same
+    settings, side by side (at the tiny shape the plan is not expected within 20%: the run's own objects dominate; the
+    scoring plan's agreement is checked on the recorded CPU runs, test_plan_scoring_measured.py)."""
+    from iprox_lightning.analysis import ModelSizes, RunSettings, saved_activation_bytes
+    from iprox_lightning.analysis.memory import scoring_plan
+    import plan_memory
+
+    record, _ = run
+    r = record["parts"]["score"]["result"]
+    assert r["shape"] == "tiny" and r["precision"] == "bf16-mixed" and "RssAnon" in r["measure"]
+    config = plan_memory.stage1_config("tiny", None)
+    acts = saved_activation_bytes(config, seq_len=32, precision="bf16-mixed")
+    args = gpu_check.parse_args(["--tiny"])
+    assert set(r["runs"]) == {"ekfac_partitioned", "tracin_bf16_host"}
+    for name, settings in gpu_check.score_runs(args).items():
+        s = r["runs"][name]
+        assert s["status"] == "ok" and s["settings"] == settings and s["reserved_bytes"] is None
+        assert _positive(s["measured_bytes"]) and _positive(s["seconds"])
+        assert s["scored"] == 8 and s["scores_finite"]
+        plan = scoring_plan(ModelSizes.from_config(config, name="tiny"), acts,
+                            RunSettings(**gpu_check.score_plan_settings(args, False, settings)), settings["method"])
+        assert s["plan_bytes"] == plan.peak and s["plan_parts"] == plan.parts  # today's plan, the same settings
+        assert s["plan_over_measured"] == pytest.approx(s["plan_bytes"] / s["measured_bytes"])
+    ekfac = r["runs"]["ekfac_partitioned"]
+    assert ekfac["settings"]["kfac_partitions"] == 2 and ekfac["scorer"]["kfac_passes"] == 2
+    assert ekfac["scorer"]["kfac_examples_used"] == 8 and ekfac["scorer"]["kfac_weights_decomposed"] == 14
+    assert r["runs"]["tracin_bf16_host"]["settings"]["validation_gradients"] == {"dtype": "bfloat16", "device": "cpu"}
+
+
 def test_the_default_parts_fit_the_budget_and_the_pipeline_fits_the_recorded_h100_times():
     """The pipeline part's budget is the H100's recorded stage times (bench/results/fidelity_gpu2048/state.json)
-    plus the part's own overhead, and the default parts fit the default total (one device command of 600 s)."""
+    plus the part's own overhead, the score part's its share of the recorded scoring plus its decompositions and
+    start-up, and the default parts fit the default total (one device command of 600 s); the fsdp part is opt-in."""
     state = json.loads((Path(gpu_check.REPO) / "bench/results/fidelity_gpu2048/state.json").read_text())["stages"]
     recorded = {"warmup": "warmup", "build_proxy": "build:ipsvd/exact/rel1e-3/global@0.5+align2:3e-4",
                 "score:target": "score:target", "score:proxy": "score:ipsvd/exact/rel1e-3/global@0.5+align2:3e-4"}
@@ -109,8 +142,11 @@ def test_the_default_parts_fit_the_budget_and_the_pipeline_fits_the_recorded_h10
     args = gpu_check.parse_args(["--device", "cuda"])
     assert args.budget_pipeline >= sum(gpu_check.H100_SECONDS.values()) + 30
     assert sum(gpu_check.part_budget(args, n) for n in gpu_check.part_names(args)) <= args.budget < 600
-    assert gpu_check.part_names(args) == ["engine:llama-1b", "build", "pipeline", "fsdp"]
+    assert args.budget_score == gpu_check.SCORE_BUDGET_S >= gpu_check.H100_SECONDS["score:target"] / 4 + 30
+    assert gpu_check.part_names(args) == ["engine:llama-1b", "build", "score", "pipeline"]
+    assert gpu_check.part_names(gpu_check.parse_args(["--device", "cuda", "--parts", "fsdp"])) == ["fsdp"]
     assert args.build_shape == "llama-3.2-1b" and args.build_max_length == 512 and args.build_batch_size == 4
+    assert args.score_shape == "llama-3.2-1b" and args.score_max_length == 512 and args.score_partitions == 2
 
 
 def test_pipeline_part_runs_every_stage_in_bf16_mixed(run):

@@ -547,7 +547,8 @@ def test_a_second_pipeline_into_the_same_workdir_is_refused(tmp_path):
 @pytest.mark.parametrize("flag,message", [
     (["--select_fraction", "0"], r"select_fraction must be a fraction in \(0, 1\], got 0"),
     (["--sparsity", "1.5"], r"sparsity must be in \[0, 1\), got 1.5"),
-    (["--method", "bogus"], r"method: method must be one of \('tracin', 'kfac', 'ekfac'\), got 'bogus'"),
+    (["--method", "bogus"], r"method: method must be one of \('tracin', 'kfac', 'ekfac', 'less'\), got 'bogus'"),
+    (["--method", "less"], r"method: less scores a LoRA checkpoint's adapter gradients"),
 ])
 def test_pipeline_arguments_a_late_stage_would_refuse_stop_before_any_stage_runs(tmp_path, flag, message):
     """They used to stop only after warm-up and proxy building (sparsity) or scoring (select_fraction) ran."""

@@ -241,3 +241,133 @@ def test_plan_takes_the_kfac_settings_on_the_command_line(capsys):
 
     with pytest.raises(UserInputError, match="plan: kfac_partitions must be an integer >= 1, got 0"):
         main([*args, "--kfac_partitions", "0"])  # (train.py prints a UserError as one error: line)
+
+
+SHARD_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_scoring_influence import TINY, batches, make_examples
+from iprox_lightning.models.tiny import tiny_causal_lm
+from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
+from iprox_lightning.scoring.metrics import KFACFactors
+
+OUT, METHOD = {out!r}, sys.argv[1]
+SMALL = {{**TINY, "num_layers": 2}}
+
+
+def data():  # 5 factor / pool batches and 3 validation batches: one rank makes an idle step in each pass
+    return batches(make_examples(18, seed=1, tasks=["x"]), 4), batches(make_examples(7, seed=2, tasks=["a", "b"]), 3)
+
+
+def scorer(**kw):
+    model = tiny_causal_lm("llama", seed=3, dtype=torch.float64, **SMALL)
+    return InfluenceScorer(model, ScoringConfig(method=METHOD, kfac_examples=18, kfac_partitions=2, **kw))
+
+
+SUMS = []  # the bytes of each pass's factor sums on this rank
+_eigens = KFACFactors.eigens
+
+
+def _spy(self, keys, *a, **k):
+    SUMS.append(sum(t.numel() * t.element_size() for d in (self.sum_hh, self.sum_dd) for t in d.values()))
+    return _eigens(self, keys, *a, **k)
+
+
+KFACFactors.eigens = _spy
+
+
+def nbytes(tensors):
+    seen, n = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            n += t.numel() * t.element_size()
+    return n
+
+
+def held(s):
+    m = s.metric
+    eig = getattr(m, "eigens", {{}})
+    state = [t for e in eig.values() for f, t in e.items() if f not in ("lambda", "n")]
+    state += [t for L in (getattr(m, "layers", None) or {{}}).values() for t in (L.Q_h, L.s_h, L.Q_d, L.s_d)]
+    state += list((getattr(m, "scales", None) or {{}}).values())
+    return {{"V": sorted(s.V), "factors": {{k: {{f: t.tolist() for f, t in e.items() if f in ("e_h", "e_d", "lambda")}}
+                                          for k, e in eig.items()}},
+            "bytes": {{"factors": nbytes(state), "sums": max(SUMS, default=0), "V": nbytes(s.V.values())}}}}
+
+
+def run(rank, world):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def reduce(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    train, val = data()
+    s = scorer(shard_layers=True).fit(val, train, shard=(rank, world), reduce=reduce)
+    res = [s.score_batch(b) for b in train]
+    json.dump({{"scores": [r["score"].tolist() for r in res], "tasks": [r["task_scores"].tolist() for r in res],
+               **held(s)}}, open(os.path.join(OUT, f"r{{rank}}.json"), "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    torch.set_num_threads(1)
+    mp.start_processes(run, args=(2,), nprocs=2, start_method="fork")
+    train, val = data()
+    s = scorer().fit(val, train)
+    res = [s.score_batch(b) for b in train]
+    json.dump({{"scores": [r["score"].tolist() for r in res], "tasks": [r["task_scores"].tolist() for r in res],
+               **held(s)}}, open(os.path.join(OUT, "ref.json"), "w"))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method,port", [("ekfac", "29567")])
+def test_layer_sharded_factors_on_two_ranks_equal_one_process(tmp_path, method, port):
+    """``shard_layers``: each of 2 gloo ranks holds the factor sums, factors (eigenvalues, EK-FAC's corrections) and
+    validation gradients of its share of the 14 tracked weights only, every rank's pairs sent to a weight's owner
+    (idle steps where a rank has one batch fewer). The shares are disjoint and cover every weight; each owned
+    weight's eigenvalues and corrections, and the scores (overall and per task), equal one process's to 1e-9
+    relative (float64: the owner sums the ranks' tokens in another grouping than one process's batches). ``train.py
+    plan``'s scoring parts with ``shard_layers`` on 2 devices count each rank's weights as the scorer owns them, and
+    the bytes the fullest rank holds of its largest pass's sums and of its validation gradients."""
+    script = tmp_path / "shard.py"
+    script.write_text(textwrap.dedent(SHARD_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path))))
+    r = subprocess.run([sys.executable, str(script), method, port], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    ranks = [json.loads((tmp_path / f"r{rank}.json").read_text()) for rank in range(2)]
+    assert len(ref["V"]) == len(ref["factors"]) == 14
+    for field in ("V", "factors"):
+        shares = [set(r[field]) for r in ranks]
+        assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(ref[field]) and all(shares)
+    for got in ranks:
+        for key, fields in got["factors"].items():
+            assert set(fields) == set(ref["factors"][key])
+            for f, v in fields.items():
+                np.testing.assert_allclose(np.asarray(v), np.asarray(ref["factors"][key][f]), rtol=1e-9, atol=1e-14)
+        for name in ("scores", "tasks"):
+            want, have = np.concatenate(ref[name]), np.concatenate(got[name])
+            assert np.abs(want).max() > 1e-3
+            np.testing.assert_allclose(have, want, rtol=1e-9, atol=1e-12)
+    from iprox_lightning.analysis import memory as M
+
+    model = tiny_causal_lm("llama", seed=3, dtype=torch.float64, **SMALL)
+    linears = virtual_linears(tracked_modules(model))
+    run = M.RunSettings(devices=2, tasks=2, kfac_partitions=2, shard_layers=True)
+    keys, linears = [v.key for v in linears], [(v.in_features, v.out_features) for v in linears]
+    # the plan's weights per rank are the scorer's (each weight's bytes: test_plan_factor_bytes_equal_...)
+    assert [sorted(keys[j] for j in share) for share in M._layer_shares(linears, run)] == [r["V"] for r in ranks]
+    config = ScoringConfig(method=method, kfac_partitions=2, kfac_dtype="float64", shard_layers=True)
+    parts = type(config.build_metric()).memory_parts(linears, config, world=2)
+    assert parts["kfac_factor_sums"] == max(r["bytes"]["sums"] for r in ranks) < ref["bytes"]["sums"]
+    vg = max((M.validation_gradient_bytes([linears[j] for j in share], 2, None, scoring_bytes=8)
+              for share in M._layer_shares(linears, run)), key=lambda v: v["device"])
+    assert vg["device"] == max(r["bytes"]["V"] for r in ranks) < ref["bytes"]["V"]

@@ -2,7 +2,8 @@
 are deterministic (``create_module_projection_matrix(name, role, m, n, …, seed)``), so a ``GradientProjector`` given
 them (``projections=``, as a store reloads its own) must write the rows bergson's ``collect_gradients`` writes, and
 the store's query (``query_table``: cosine of every row with each query example's gradient) must give the scores of
-bergson's ``Attributor(unit_norm=True).trace``.
+bergson's ``Attributor(unit_norm=True).trace``. A peft model's rows (issue 66) likewise: bergson's PEFT gradient
+collection over the adapters, our store over the adapters it tracks by default.
 
 bergson is not a test dependency: its metadata pins a CUDA torch that would replace this project's CPU torch, so it
 installs only with ``--no-deps`` plus its pure-Python requirements, which CI does (``.ci/run``, pinned). Without it this
@@ -123,3 +124,55 @@ def test_store_rows_and_query_scores_equal_bergsons_index_on_its_projection(tmp_
     order = sorted(range(len(ids)), key=lambda j: f"p{j}")  # the table's rows are sorted by id
     torch.testing.assert_close(torch.as_tensor(table.task_scores, dtype=torch.float32), theirs[order],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_store_rows_equal_bergsons_peft_gradient_collection_on_its_projection(tmp_path):
+    """A peft model (LoRA adapters on q, v, down): bergson collects the adapters' gradients (the modules its
+    ``setup_model_and_peft`` names, ``extract_peft_target_modules``); our store, given its projections, writes the
+    same rows over the same modules, tracked without patterns (a peft model's default: its adapters)."""
+    from datasets import Dataset
+
+    from bergson import IndexConfig, collect_gradients
+    from bergson.collector.collector import create_module_projection_matrix
+    from bergson.data import load_gradients
+    from bergson.utils.worker_utils import extract_peft_target_modules, processor_for
+
+    from iprox_lightning.models.lora import LoraSettings, add_adapters
+
+    torch.manual_seed(0)
+    model = add_adapters(tiny_causal_lm("llama", seed=0, dtype=torch.float32, **TINY),
+                         LoraSettings(r=2, alpha=4, target_modules=("q_proj", "v_proj", "down_proj"))).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # peft starts lora_B at zero (every lora_A gradient zero): drawn at random
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    names = extract_peft_target_modules(model)  # relative to model.base_model, which bergson hooks
+    modules = tracked_modules(model)
+    assert {n.removeprefix("base_model.") for n in modules} == names and len(names) == 2 * 3 * TINY["num_layers"]
+    ids, labels = _examples(8, seed=1)
+
+    cfg = IndexConfig(run_path=str(tmp_path / "index"), projection_dim=P, loss_reduction="mean", precision="fp32")
+    cfg.partial_run_path.mkdir(parents=True)
+    processor = processor_for(cfg)
+    processor.save(cfg.partial_run_path)
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist(), "length": [ids.shape[1]] * len(ids)})
+    collect_gradients(model, ds, processor, cfg, batches=[list(range(0, 4)), list(range(4, 8))], target_modules=names)
+    cfg.partial_run_path.rename(cfg.run_path)
+    index = torch.from_numpy(load_gradients(cfg.run_path).copy()).reshape(len(ids), -1)
+
+    proj = {}
+    for v in virtual_linears(modules):
+        name = v.key.removeprefix("base_model.").removesuffix(".weight")  # bergson's module name
+        mat = lambda role, m: create_module_projection_matrix(  # noqa: E731
+            name, role, P, m, torch.float32, torch.device("cpu"), processor.projection_type,
+            processor.projection_scale, processor.projection_seed)
+        proj[v.key] = LayerProjection(v.key, v.out_features, v.in_features, mat("left", v.out_features),
+                                      mat("right", v.in_features))
+    projector = GradientProjector(model, projections=proj)
+    ours = torch.cat([projector.project_batch(_batch(ids[j:j + 4], labels[j:j + 4], [f"p{i}" for i in range(j, j + 4)]))
+                      ["vectors"] for j in (0, 4)])
+    assert ours.shape == index.shape and float(index.abs().max()) > 0
+    # float32 sums of the same terms in other orders (as the dense test)
+    torch.testing.assert_close(ours, index, rtol=1e-4, atol=1e-5 * float(index.abs().max()))
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)  # the base stays frozen

@@ -236,6 +236,18 @@ def test_pipeline_resumes_without_rerunning(run, capsys):
     assert again["oracle"] == s["oracle"]
 
 
+def test_plan_auto_keeps_every_stage_of_the_demo(run, capsys):
+    """``--plan auto`` on the demo (the host's memory): the fit needs no lever, so every stage's overlay and
+    fingerprint is today's and every stage is reused: the same score tables and selections, bit for bit."""
+    wd, s = run
+    again = pipeline(workdir=str(wd), select_rule=DEMO_RULE, proxy_validation=DEMO_PROXY_VALIDATION, plan="auto")
+    out = capsys.readouterr().out
+    assert "[pipeline] plan auto: every stage fits" in out and "nothing changed" in out
+    assert {k: v["status"] for k, v in again["stages"].items()} == {k: "reused" for k in s["stages"]}
+    assert {k: v["fingerprint"] for k, v in again["stages"].items()} == \
+        {k: v["fingerprint"] for k, v in s["stages"].items()}
+
+
 def test_pipeline_resumes_whether_or_not_output_is_a_terminal(run, monkeypatch, capsys):
     """Issue 55: progress bars (on a terminal only) and the other result-neutral trainer settings are no part of a
     stage's fingerprint: a run started under ``tee`` resumes in a terminal, every stage reused; a record written when

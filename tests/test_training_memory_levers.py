@@ -333,3 +333,22 @@ def test_plan_is_within_20_percent_of_the_measured_warm_up_per_lever(args, setti
 def test_the_warm_up_levers_are_recorded_at_the_small_shape():
     assert {s for a, s, r in (p.values for p in _recorded_levers()) if a["shape"] == "small"} == {
         "none", "micro1", "ckpt", "micro1_ckpt"}
+
+
+@pytest.mark.parametrize("trainer_option", [("accumulate_grad_batches", "2"), ("gradient_clip_val", "1.0")])
+def test_micro_batches_with_a_trainer_step_option_is_a_user_error(tmp_path, trainer_option):
+    """``micro_batch_size`` (the module steps its optimiser itself) with the Trainer's accumulation or clipping: a user
+    error naming both options (one ``error:`` line on the command line) before any step; Lightning raised its own
+    exception inside ``fit``."""
+    from pathlib import Path
+
+    from iprox_lightning.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    key, value = trainer_option
+    with pytest.raises(UserInputError, match=rf"trainer\.{key}=.* model\.micro_batch_size"):
+        main(["fit", "--config", str(root / "configs/warmup.yaml"), "--trainer.max_steps", "1",
+              "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
+              "--model.init_args.save_dir", str(tmp_path / "model"), "--data.init_args.builtin_size", "100",
+              "--model.init_args.micro_batch_size", "2", f"--trainer.{key}", value])
+    assert not (tmp_path / "model").exists()

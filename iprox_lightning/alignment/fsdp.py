@@ -12,7 +12,8 @@ parameters the forward used, and freeing them (FSDP2 frees a resharded parameter
 saves the gathered parameters into that graph again. :func:`shard_teacher` shards the frozen teacher per decoder block
 with the default reshard after forward (its pass is a plain forward + backward: one block gathered at a time) and keeps
 a skeleton of it (parameters on the meta device, buffers on the host) for :func:`unsharded_copy`. Every function is a
-no-op on an unsharded proxy.
+no-op on an unsharded proxy. :class:`FactorShards` shards the micro-batch path's accumulation buffers over the ranks
+(:func:`~iprox_lightning.alignment.losses.accumulated_alignment_losses`).
 """
 from __future__ import annotations
 
@@ -92,3 +93,92 @@ def unsharded_copy(teacher: nn.Module, proxy: nn.Module, state_dict: dict) -> nn
     else:
         model.load_state_dict(state_dict, strict=True)
     return model
+
+
+class FactorShards:
+    """Stage 2's accumulation buffers (:func:`~iprox_lightning.alignment.losses.accumulated_alignment_losses`) sharded
+    over the data-parallel ranks of ``mesh``: each rank keeps its rows (dim 0, in ``torch.chunk``'s chunks over the
+    ranks, as FSDP2's ``Shard(0)`` holds the factors themselves) of each full-size tensor.
+
+    :meth:`scatter` sums a full-size tensor over the ranks and keeps this rank's rows (a reduce-scatter),
+    :meth:`gather` rebuilds a full tensor from every rank's rows (an all-gather), :meth:`sum` all-reduces (sum).
+    Every rank must make the same calls in the same order (they are collectives)."""
+
+    def __init__(self, mesh, factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        self.group = _data_parallel(mesh).get_group()
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        not_sharded = [n for n, pair in factors.items() if not all(isinstance(x, DTensor) for x in pair)]
+        if not_sharded:
+            raise RuntimeError(f"FactorShards: the factors of {not_sharded[:4]} are not FSDP2's sharded parameters "
+                               "(call it between steps, before the proxy is unsharded)")
+        self.factors = dict(factors)
+        for pair in self.factors.values():
+            for x in pair:
+                start, stop, _ = self.rows(x.shape[0])
+                if x.to_local().shape[0] != stop - start:
+                    raise RuntimeError(f"FactorShards: FSDP2 holds {x.to_local().shape[0]} rows of a factor of "
+                                       f"{x.shape[0]} rows on rank {self.rank}, not {stop - start}")
+        self.device = next(iter(self.factors.values()))[0].device
+
+    def local_factors(self, names) -> list[torch.Tensor]:
+        """The sharded factors' local rows (``A``, ``B`` of each layer of ``names``), differentiable: a gradient of
+        them goes straight into the sharded parameter's gradient (beside FSDP2's reduced one, which it adds to)."""
+        return [x.to_local() for n in names for x in self.factors[n]]
+    def rows(self, full_rows: int) -> tuple[int, int, int]:
+        """``(start, stop, chunk)``: this rank's rows of a ``full_rows``-row tensor and the chunk size."""
+        chunk = -(-full_rows // self.world)
+        start = min(self.rank * chunk, full_rows)
+        return start, min(start + chunk, full_rows), chunk
+
+    def scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``Σ_ranks full`` (every rank passes its own ``full``, of the same shape)."""
+        import torch.distributed as dist
+
+        n = full.shape[0]
+        start, stop, chunk = self.rows(n)
+        padded = full.new_zeros((chunk * self.world, *full.shape[1:]))
+        padded[:n] = full
+        out = full.new_empty((chunk, *full.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+        return out[: stop - start].clone()
+
+    def gather(self, local: torch.Tensor, full_rows: int) -> torch.Tensor:
+        """The full ``full_rows``-row tensor whose rows each rank holds (its :meth:`rows`) in ``local``."""
+        import torch.distributed as dist
+
+        start, stop, chunk = self.rows(full_rows)
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: stop - start] = local
+        out = local.new_empty((chunk * self.world, *local.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=self.group)
+        return out[:full_rows]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``Σ_ranks t`` (a copy)."""
+        import torch.distributed as dist
+
+        out = t.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def max(self, n: int) -> int:
+        """The largest ``n`` over the ranks."""
+        import torch.distributed as dist
+
+        out = torch.tensor([int(n)], dtype=torch.long, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return int(out)
+
+
+def factor_shards(proxy: nn.Module | None, mesh, layers=None) -> FactorShards | None:
+    """:class:`FactorShards` of ``proxy``'s aligned factors (``layers``: as ``AlignConfig.layers``) over ``mesh`` when
+    FSDP2 shards ``proxy`` (call it between steps), else ``None`` (the buffers stay whole, as on one process)."""
+    if not sharded_modules(proxy) or mesh is None:
+        return None
+    from .losses import proxy_factor_layers
+
+    return FactorShards(mesh, {n: (m.A, m.B) for n, m in proxy_factor_layers(proxy, layers).items()})

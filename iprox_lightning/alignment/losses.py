@@ -351,12 +351,15 @@ def alignment_losses(
 
 def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, nn.Module],
                         factor_tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
-                        proxy_trackers: Sequence[PairTracker], create_graph: bool, checkpointing: bool = False):
+                        proxy_trackers: Sequence[PairTracker], create_graph: bool, checkpointing: bool = False,
+                        on_grad=None):
     """Steps 2–3 of :func:`alignment_losses`: the proxy's forward (``L_proxy`` over the response tokens, and the
     logits) and ``(∇_A, ∇_B)`` of every aligned layer by ``autograd.grad`` against the factor tensors the forward
     really used (recorded by forward pre-hooks unless ``factor_tensors`` names them), with ``proxy_trackers``
     capturing their pairs through both. ``(logits, L_proxy, factors, {layer: (∇_A, ∇_B)})``; raises when a layer did
-    not run, its factors do not require grad or it got no gradient."""
+    not run, its factors do not require grad or it got no gradient. ``on_grad(layer, i, grad)``: each factor's
+    gradient (with ``create_graph`` its graph) is handed to it as the backward computes it, and not kept (the returned
+    ones are zeros that hold no memory)."""
     names = list(lowrank)
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     handles = []
@@ -389,7 +392,20 @@ def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, 
         not_req = [n for n in names if not (factors[n][0].requires_grad and factors[n][1].requires_grad)]
         if not_req:
             raise RuntimeError(f"alignment_losses: factors of {not_req[:4]} do not require grad")
-        grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        hooks = []
+        if on_grad is not None:
+            def make_hook(name, i):
+                def hook(grad):
+                    on_grad(name, i, grad)
+                    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+                return hook
+
+            hooks = [x.register_hook(make_hook(n, i)) for n in names for i, x in enumerate(factors[n])]
+        try:
+            grads = torch.autograd.grad(l_proxy, flat, create_graph=create_graph, allow_unused=True)
+        finally:
+            for h in hooks:
+                h.remove()
     for tracker in proxy_trackers:
         tracker.end_step()
     proxy_grads = {}
@@ -416,6 +432,7 @@ def accumulated_alignment_losses(
     create_graph: bool = True,
     layers: Iterable[str] | None = None,
     checkpointing: bool = False,
+    shards=None,
 ) -> AlignmentOutput:
     """:func:`alignment_losses` of the whole ``batch``, computed ``micro_batch_size`` rows at a time: the same loss
     and the same gradient of ``loss`` w.r.t. the factors (up to float summation order), with every pass's memory
@@ -437,6 +454,20 @@ def accumulated_alignment_losses(
     ONE backward of it (the caller's, e.g. Lightning's, under DDP the one that all-reduces) gives ``∂L/∂θ``. Costs per
     step: two teacher passes and two proxy passes (one plain, one with the double backward) per micro-batch.
     ``create_graph=False`` (evaluation): pass 1 only. One micro-batch: :func:`alignment_losses` itself.
+
+    Memory: three factor-sized float32 buffers (``g`` and ``P``, then ``c_g``, ``c_P`` and ``a``) beside one
+    micro-batch's passes; a micro-batch's ``P_m``, ``g_m`` and shares go into them one tensor at a time as they are made
+    (tensor hooks in the backward; a layer's projections right after they are made), and ``c`` enters the surrogate
+    through :class:`_GatheredDot`, added to the gradient right before the node that consumes it.
+
+    ``shards`` (FSDP2, :class:`~iprox_lightning.alignment.fsdp.FactorShards`): the objective is that of the **global**
+    batch, every rank's rows together (``N`` the response tokens of all ranks), and the three factor-sized buffers are
+    sharded: each rank keeps its rows of ``g``, ``P`` (summed over the ranks by a reduce-scatter per micro-batch and
+    layer), of the cotangents and of the summed shares. The cosines' dot products and squared norms are per-layer
+    scalars summed over the ranks (one all-reduce); a cotangent enters pass 2's surrogate through
+    :class:`_GatheredDot`, which gathers it (one layer's, transient) only in the backward. Each rank's returned
+    ``loss`` is scaled so that FSDP2's mean of the ranks' gradients is ``∂L/∂θ`` of the global batch; every rank runs
+    the same number of passes (a rank with fewer micro-batches repeats its last one with weight 0).
     """
     if isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
@@ -446,36 +477,152 @@ def accumulated_alignment_losses(
     parts = micro_batches(batch, int(micro_batch_size))
     counts = [int(shifted_token_mask(p["labels"]).sum()) for p in parts]
     total = sum(counts)
-    if len(parts) == 1 or total == 0:
+    if shards is None and (len(parts) == 1 or total == 0):
         return alignment_losses(teacher, proxy, batch, create_graph=create_graph, **common)
-    parts, weights = zip(*[(p, c / total) for p, c in zip(parts, counts) if c])  # no response token: no share
+    if shards is None:  # one process (or DDP: each rank its own batch's objective), the buffers whole
+        shards = _WholeBuffers(proxy_factor_layers(proxy, layers), batch["input_ids"].device)
+    return _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, create_graph=create_graph, **common)
+
+
+# ------------------------------------------------------------------------------------------------
+# micro-batches under FSDP2: the global batch, the accumulation buffers sharded over the ranks
+# ------------------------------------------------------------------------------------------------
+class _WholeBuffers:
+    """:class:`~iprox_lightning.alignment.fsdp.FactorShards`'s calls on one process: every buffer whole (a rank's
+    rows are all the rows), sums over one rank."""
+
+    world, rank = 1, 0
+
+    def __init__(self, lowrank: Mapping[str, nn.Module], device) -> None:
+        self.lowrank, self.device = lowrank, device
+
+    def scatter(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def gather(self, local: torch.Tensor, full_rows: int) -> torch.Tensor:
+        return local
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone()
+
+    def max(self, n: int) -> int:
+        return int(n)
+
+    def local_factors(self, names) -> list[torch.Tensor]:
+        return [x for n in names for x in (self.lowrank[n].A, self.lowrank[n].B)]
+
+
+class _RankSum(torch.autograd.Function):
+    """``Σ_ranks t`` of per-rank partial sums in the forward; the backward passes the gradient through (every rank
+    computes the same function of the summed values, so a rank's partial gets the sum's gradient)."""
+
+    @staticmethod
+    def forward(ctx, t, shards):
+        return shards.sum(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatheredDot(torch.autograd.Function):
+    """The gradient of ``⟨c, x⟩`` for a full ``x`` whose ``c`` each rank holds only in rows (``c_local``,
+    :meth:`~iprox_lightning.alignment.fsdp.FactorShards.gather`), with ``c`` gathered as late as the backward allows:
+    the value is not computed (``0``: the surrogates are used for their gradient only); the backward passes a zero
+    that holds no memory (an expanded scalar) and a pre-hook on ``x``'s own backward node replaces it by ``grad · c``,
+    gathered right before that node runs (the nodes of all layers would otherwise receive their full ``c`` at the
+    start of the backward and hold them until they run). No graph holds a full ``c``."""
+
+    @staticmethod
+    def forward(ctx, x, c_local, shards):
+        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.cell = []  # the upstream gradient (a scalar), for the pre-hook
+        node = x.grad_fn
+        if node is None:
+            raise RuntimeError("_GatheredDot: x must be the output of a differentiable operation")
+        rows, nr = x.shape[0], x.output_nr
+
+        def prehook(grad_outputs):
+            up = ctx.cell.pop() if ctx.cell else None
+            if up is None:
+                return None
+            grads = list(grad_outputs)
+            add = (up * shards.gather(c_local, rows)).to(ctx.dtype)
+            grads[nr] = add if grads[nr] is None else grads[nr] + add
+            return tuple(grads)
+
+        node.register_prehook(prehook)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.cell.append(grad)
+        return torch.zeros((), dtype=ctx.dtype, device=ctx.device).expand(ctx.shape), None, None
+
+
+def _sharded_cosines(g: Mapping[str, Sequence[torch.Tensor]], p: Mapping[str, Sequence[torch.Tensor]], shards,
+                     eps: float = 1e-12):
+    """:func:`gradient_alignment_loss` of the full tensors whose rows each rank holds in ``g``/``p``: per layer and
+    factor ``⟨g, P⟩``, ``‖g‖²``, ``‖P‖²`` summed over the ranks (one all-reduce), differentiable in the local rows."""
+    names = list(g)
+    partial = []
+    for n in names:
+        for x, y in zip(g[n], p[n]):
+            x, y = x.reshape(-1).float(), y.reshape(-1).float()
+            partial += [x @ y, x @ x, y @ y]
+    dot, xx, yy = _RankSum.apply(torch.stack(partial), shards).view(len(names), 2, 3).unbind(-1)
+    # (a clamp before the square root: its gradient at an all-zero tensor is 0, as the norm's, never inf · 0)
+    cos = dot / (xx.clamp_min(eps**2).sqrt() * yy.clamp_min(eps**2).sqrt()).clamp_min(eps)
+    l_ga = (2.0 - cos.sum(-1)).sum() / len(names)
+    cos = cos.detach()
+    return l_ga, {n: cos[i, 0] for i, n in enumerate(names)}, {n: cos[i, 1] for i, n in enumerate(names)}
+
+
+def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_weight, temperature,
+                         grad_through_projection, create_graph, layers, checkpointing) -> AlignmentOutput:
+    """:func:`accumulated_alignment_losses` with ``shards`` (see there): the global batch, the buffers in rows."""
     lowrank = proxy_factor_layers(proxy, layers)
     names = list(lowrank)
+    # a micro-batch with no response token has no share (one with weight 0 is kept if none has any)
+    parts, counts = zip(*([(p, c) for p, c in zip(parts, counts) if c] or [(parts[-1], 0)]))
+    parts, counts = list(parts), list(counts)
+    n_parts = shards.max(len(parts))
+    total = float(shards.sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=shards.device)))
+    weights = [c / total if total else 0.0 for c in counts]
+    # the same number of passes on every rank (their FSDP2 gathers are collectives): the last one again, weight 0
+    parts, weights = list(parts) + [parts[-1]] * (n_parts - len(parts)), weights + [0.0] * (n_parts - len(parts))
 
-    # pass 1: the batch's g, P and the loss values
-    g_sum: dict[str, list[torch.Tensor]] = {}
-    p_sum: dict[str, list[torch.Tensor]] = {}
-    l_kl = proxy_sft = teacher_sft = 0.0
+    def factors_now():
+        return {n: (m.A, m.B) for n, m in lowrank.items()}
+
+    # pass 1: this rank's rows of the global batch's g and P, and the loss values
+    g_rows: dict[str, list[torch.Tensor]] = {}
+    p_rows: dict[str, list[torch.Tensor]] = {}
+    values = torch.zeros(3, dtype=torch.float64, device=shards.device)  # L_KL, proxy SFT, teacher SFT
+    def add_rows(acc: dict, n: str, i: int, rows: torch.Tensor) -> None:
+        acc.setdefault(n, [None, None])
+        acc[n][i] = rows if acc[n][i] is None else acc[n][i] + rows
+
     for part, w in zip(parts, weights):
-        t = teacher_pass(teacher, part, {n: (m.A, m.B) for n, m in lowrank.items()}, checkpointing=checkpointing)
-        with torch.enable_grad():
-            logits, l_proxy, _, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), False, checkpointing)
-        for n in names:
-            for acc, new in ((g_sum, grads[n]), (p_sum, t.projections[n])):
-                if n in acc:
-                    acc[n] = [a + w * x.detach().float() for a, x in zip(acc[n], new)]
-                else:
-                    acc[n] = [w * x.detach().float() for x in new]
+        t = teacher_pass(teacher, part, factors_now(), checkpointing=checkpointing)
+        for n in names:  # (the full projections freed before the proxy's pass)
+            for i, x in enumerate(t.projections.pop(n)):
+                add_rows(p_rows, n, i, shards.scatter(w * x.float()))
+        with torch.enable_grad():  # each factor's gradient into its rows as the backward computes it
+            logits, l_proxy, _, _ = _proxy_factor_grads(
+                proxy, part, lowrank, None, (), False, checkpointing,
+                on_grad=lambda n, i, g: add_rows(g_rows, n, i, shards.scatter(w * g.detach().float())))
         with torch.no_grad():
-            l_kl = l_kl + w * distillation_kl(t.logits, logits.detach(), temperature)
-        proxy_sft = proxy_sft + w * l_proxy.detach()
-        teacher_sft = teacher_sft + w * t.loss
-    g_leaves = {n: tuple(x.requires_grad_(True) for x in g_sum[n]) for n in names}
-    p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_sum[n]) for n in names}
+            kl = distillation_kl(t.logits, logits.detach(), temperature)
+        values += w * torch.stack([kl.double(), l_proxy.detach().double(), t.loss.detach().double()])
+        del t, logits
+    l_kl, proxy_sft, teacher_sft = (v.float() for v in shards.sum(values))
+    g_leaves = {n: tuple(x.requires_grad_(True) for x in g_rows[n]) for n in names}
+    p_leaves = {n: tuple(x.requires_grad_(grad_through_projection) for x in p_rows[n]) for n in names}
     with torch.enable_grad():
-        l_ga, cos_a, cos_b = gradient_alignment_loss(g_leaves, p_leaves)
+        l_ga, cos_a, cos_b = _sharded_cosines(g_leaves, p_leaves, shards)
     loss_value = (l_ga + kl_weight * l_kl).detach() if kl_weight != 0 else l_ga.detach()
-    out = AlignmentOutput(loss=loss_value, l_ga=l_ga.detach(), l_kl=l_kl.detach(), proxy_sft=proxy_sft,
+    out = AlignmentOutput(loss=loss_value, l_ga=l_ga.detach(), l_kl=l_kl, proxy_sft=proxy_sft,
                           teacher_sft=teacher_sft, cos_a=cos_a, cos_b=cos_b)
     if not create_graph:
         return out
@@ -483,30 +630,57 @@ def accumulated_alignment_losses(
     if grad_through_projection:
         leaves += [x for n in names for x in p_leaves[n]]
     cot = torch.autograd.grad(l_ga, leaves)
-    del leaves, g_leaves, p_leaves, g_sum, p_sum  # pass 2 holds the cotangents and the summed shares only
+    del leaves, g_leaves, p_leaves, g_rows, p_rows
     c_g = {n: cot[2 * i: 2 * i + 2] for i, n in enumerate(names)}
     c_p = {n: cot[2 * len(names) + 2 * i: 2 * len(names) + 2 * i + 2] for i, n in enumerate(names)}
+    del cot
 
-    # pass 2: each micro-batch's share of ∂L/∂θ
+    # pass 2: each micro-batch's share of ∂L/∂θ; the earlier ones' summed over the ranks into this rank's rows
     acc: list[torch.Tensor] | None = None
     for i, (part, w) in enumerate(zip(parts, weights)):
-        t = teacher_pass(teacher, part, {n: (m.A, m.B) for n, m in lowrank.items()},
-                         keep_tokens=grad_through_projection, checkpointing=checkpointing)
+        t = teacher_pass(teacher, part, factors_now(), keep_tokens=grad_through_projection,
+                         checkpointing=checkpointing)
         with torch.enable_grad():
-            logits, _, factors, grads = _proxy_factor_grads(proxy, part, lowrank, None, (), True, checkpointing)
-            terms = [(c * x.float()).sum() for n in names for c, x in zip(c_g[n], grads[n])]
+            # each factor's gradient (with its graph) enters its surrogate term as the backward makes it, and each
+            # layer's projections right after they are made: neither is held for every layer at once
+            terms: list[torch.Tensor] = []
+            logits, _, factors, _ = _proxy_factor_grads(
+                proxy, part, lowrank, None, (), True, checkpointing,
+                on_grad=lambda n, j, g: terms.append(_GatheredDot.apply(g, c_g[n][j], shards)))
             if grad_through_projection:
-                proj = t.projections_for({n: factors[n] for n in names})
-                terms += [(c * x.float()).sum() for n in names for c, x in zip(c_p[n], proj[n])]
+                for n in names:
+                    proj = factor_projections(*t.tokens.pop(n), *factors[n])
+                    terms += [_GatheredDot.apply(x, c, shards) for c, x in zip(c_p[n], proj)]
+                    del proj
             s = torch.stack(terms).sum()
             if kl_weight != 0:
                 s = s + kl_weight * distillation_kl(t.logits, logits, temperature)
             s = w * s
             flat = [x for n in names for x in factors[n]]
+            del t, logits, terms
             if i < len(parts) - 1:
-                shares = torch.autograd.grad(s, flat)
-                acc = list(shares) if acc is None else [a + b for a, b in zip(acc, shares)]
-            elif acc is not None:
-                s = s + torch.stack([(a.detach() * x).sum() for a, x in zip(acc, flat)]).sum()
-    out.loss = s - s.detach() + loss_value  # the value of L, the gradient of Σ_m s_m
+                # each share into its rows as the backward computes it (the returned zeros hold no memory)
+                rows: list = [None] * len(flat)
+
+                def make_hook(k):
+                    def hook(grad):
+                        rows[k] = shards.scatter(grad.float())
+                        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+                    return hook
+
+                hooks = [x.register_hook(make_hook(k)) for k, x in enumerate(flat)]
+                try:
+                    torch.autograd.grad(s, flat)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                acc = rows if acc is None else [a + r for a, r in zip(acc, rows)]
+            else:
+                # FSDP2 averages the ranks' gradients: this micro-batch's share ×world; the summed shares (already
+                # this rank's rows of the sum over the ranks) straight into the sharded factors' gradients
+                s = shards.world * s
+                if acc is not None:
+                    local = shards.local_factors(names)
+                    s = s + torch.stack([(a * x.float()).sum() for a, x in zip(acc, local)]).sum()
+    out.loss = s - s.detach() + loss_value
     return out

@@ -46,7 +46,8 @@ and the worst task (``val/fidelity_worst``, ``val/fidelity_worst_loss = 1 − wo
 factors whose worst task ranks best). The module reads their reports (``report()``) into the manifest.
 
 FSDP2 (``ModelParallelStrategy``): :mod:`iprox_lightning.alignment.fsdp`. At scale: ``activation_checkpointing`` and
-``micro_batch_size`` (:class:`AlignConfig`).
+``micro_batch_size`` (:class:`AlignConfig`; under FSDP2 it aligns on the global batch, every rank's rows, not on the
+mean of the per-rank losses, with the accumulation buffers sharded: :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
 
 Task-aware terms (issue 22; opt-in, off by default; the math: :mod:`iprox_lightning.alignment.task`), trained on the
 validation examples the data module sets apart (``SFTDataModule(val_train_fraction=f)``: the ``val_train`` split,
@@ -91,7 +92,7 @@ from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
-from .fsdp import reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
+from .fsdp import factor_shards, reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,8 @@ class AlignConfig:
             scores a proxy by default (``--proxy_validation target``).
         activation_checkpointing: checkpoint the decoder blocks of both forwards (the same losses and gradients, more
             time; measured on CPU, the step's peak does not fall: GUIDE "Stage 2 at scale"). ``False``: off.
-        micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (two target and two proxy
-            passes per micro-batch; not with the task terms). ``None``: the whole batch.
+        micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (2 target, 2 proxy
+            passes each; FSDP2: the global batch's; no task terms). ``None``: the whole batch.
     """
 
     lr: float = 5e-5
@@ -444,13 +445,16 @@ class ProxyAlignModule(L.LightningModule):
     def alignment_step(self, batch: dict, *, create_graph: bool = True) -> AlignmentOutput:
         """``L_GA + λ_KL·L_KL`` on ``batch`` (see :func:`iprox_lightning.alignment.losses.alignment_losses`)."""
         keep_eval(self.proxy, self._teacher)
-        unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         cfg = self.config
+        # FSDP2 with micro-batches: the global batch's objective, its accumulation buffers sharded as the factors
+        shards = None if cfg.micro_batch_size is None else factor_shards(self.proxy, self._device_mesh, cfg.layers)
+        unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         common = dict(kl_weight=cfg.kl_weight, temperature=cfg.temperature,
                       grad_through_projection=cfg.grad_through_projection, create_graph=create_graph,
                       layers=cfg.layers, checkpointing=cfg.activation_checkpointing)
         if cfg.micro_batch_size is not None:
-            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size, **common)
+            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size,
+                                                shards=shards, **common)
         return alignment_losses(self._teacher, self.proxy, batch, **common)
 
     @staticmethod

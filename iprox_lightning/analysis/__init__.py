@@ -49,6 +49,7 @@ _HOMES = {
     'run_activations': '.memory',  # bench/plan_stage2.py
     'validation_gradient_bytes': '.memory',  # bench/validation_holding.py
     'with_layers': '.memory',
+    'fit_target': '.fit',  # bench/plan_targets.py: the README's target table
 }
 """Each public name and the module it lives in: imported on first use (PEP 562), so importing the package loads
 none of them (``train.py <command> --help`` stays fast)."""
@@ -66,4 +67,5 @@ __all__ = [
     "group_table", "layer_blocks", "layer_contributions", "task_layer_table", "spearman_columns",
     "Activations", "ModelSizes", "RunSettings", "load_config", "plan_stages", "training_plan",
     "build_proxy_plan", "saved_activation_bytes", "run_activations", "validation_gradient_bytes", "with_layers",
+    "fit_target",
 ]

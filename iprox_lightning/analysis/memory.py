@@ -399,6 +399,7 @@ class RunSettings:
     kfac_dtype: str = "float32"  # scoring kfac_dtype (K-FAC / EK-FAC factor sums and eigenvectors)
     kfac_partitions: int = 1  # scoring kfac_partitions (one group of layers' factor sums per pass)
     kfac_offload: bool = False  # scoring kfac_offload (fitted factors on the host, one layer on the device)
+    shard_layers: bool = False  # scoring shard_layers (each rank holds its share of the weights' factors and V)
     store_k: int = 16  # build_store k
     write_every_n_batches: int = 50
     select_k: int = 800  # examples the fine-tune trains on
@@ -408,7 +409,7 @@ class RunSettings:
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("method", self.method, _metrics())
+        _check_choice("method", self.method, planned_metrics())
         _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
         for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
                      "tasks", "store_k", "select_k", "write_every_n_batches", "validation_examples", "kfac_examples",
@@ -650,16 +651,24 @@ def proxy_sizes(sizes: ModelSizes, sparsity: float) -> tuple[ModelShape, int]:
     return proxy, sizes.params - sizes.shape.tracked_params + proxy.tracked_params
 
 
+STAGE2_FORWARDS = 5.4  # Stage 2's proxy activations at its peak, in forwards' worth (measured, stage_two_parts)
+STAGE2_HEAD_LOGITS = 8  # [N, V] float32 logits of the scored tokens at Stage 2's peak (measured, stage_two_parts)
+
+
 def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, proxy_params: int, factors: int,
                     io_sum: int) -> dict[str, float]:
     """Stage 2's parts per device (see the module docstring). One pass holds ``b`` rows: the batch, or the micro-batch
     (``align_micro_batch_size``; then the batch's summed proxy gradients and target projections and the summed
-    shares of the gradient, three factor-sized float32 tensors, live through the step). Under FSDP the proxy is
-    sharded and gathered whole for the step (both are held); the teacher is sharded per decoder block, its largest
-    block gathered twice (FSDP2's prefetch). The proxy's activations: the
-    forward's, the ``create_graph`` graph and the double backward's transients, about one forward's worth each, the
-    same with ``align_checkpointing`` (measured on CPU: the recomputed tensors the ``create_graph`` graph references stay
-    in it, and the double backward recomputes beside it); the weight copies ``bf16-mixed`` saves (``fixed``) once."""
+    shares of the gradient, three factor-sized float32 tensors, live through the step, a micro-batch's tensors going
+    into them one at a time; under FSDP each rank keeps its rows of the three,
+    :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
+    Under FSDP the proxy is sharded and gathered whole for the step (both are held); the teacher is sharded per
+    decoder block, its largest block gathered twice (FSDP2's prefetch). The proxy's activations: the forward's, the
+    ``create_graph`` graph and the double backward's transients, measured at 5.4 forwards' worth (SmolLM2 shapes
+    with 2 and 4 layers, bench/results/plan/stage2_*.json), the same with ``align_checkpointing`` (measured on CPU: the
+    recomputed tensors the ``create_graph`` graph references stay in it, and the double backward recomputes beside
+    it); the weight copies ``bf16-mixed`` saves (``fixed``) once. The logits of the scored tokens: eight ``[N, V]``
+    float32 tensors at the peak (the teacher's and the proxy's, their softmaxes at τ, the graph over them; measured)."""
     wb, ab, S = weight_bytes(run.precision), activation_bytes(run.precision), run.shards
     L, V = sizes.shape.num_layers, sizes.shape.vocab_size
     b = min(run.align_micro_batch_size or run.align_batch_size, run.align_batch_size)
@@ -667,7 +676,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     # align_checkpointing lowers nothing here (measured: the same peak, bench/results/plan/stage2_*.json): the
     # create_graph graph keeps the recomputed tensors its backward formulas reference, and the double backward
     # recomputes the blocks again beside it
-    activations = fixed + 3 * (acts.total(L, b) - fixed)
+    activations = fixed + STAGE2_FORWARDS * (acts.total(L, b) - fixed)
+    micro = b < run.align_batch_size
     return {
         "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
         "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),
@@ -675,8 +685,8 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
         "adamw": 2 * factors * wb / S,
         "teacher_tokens": b * run.max_length * io_sum * ab,
         "activations": activations,
-        "lm_head": 6 * _head_rows(run, b) * V * 4,
-        "accumulation": 3 * factors * 4 if b < run.align_batch_size else 0,
+        "lm_head": STAGE2_HEAD_LOGITS * _head_rows(run, b) * V * 4,
+        "accumulation": 3 * factors * 4 / S if micro else 0,
     }
 
 
@@ -715,12 +725,16 @@ def build_proxy_plan(sizes: ModelSizes, acts: Activations, run: RunSettings,
     return _stage("build_proxy: Stage 1 (IPSVD)", stage1, f1), _stage("build_proxy: Stage 2 (alignment)", stage2, f2)
 
 
-def _metrics() -> dict:
-    """The registered influence metrics by name: each class declares its memory (``memory_parts``, ``memory_levers``)
-    and its factor passes."""
-    from ..scoring.metrics import InfluenceMetric  # (torch; the other scoring imports here are made where used)
+def planned_metrics() -> dict:
+    """The influence metrics ``plan`` prices, by name: every registered one (each class declares its memory,
+    ``memory_parts`` / ``memory_levers``, and its factor passes) but those that score a LoRA checkpoint's adapter
+    gradients with its optimiser state (``needs_optimizer_state``: LESS), which do not score the dense model."""
+    # (torch; the other scoring imports here are made where used). LESS registers on import: imported here so the
+    # registry is whole whichever scoring module came first
+    from ..scoring import less  # noqa: F401
+    from ..scoring.metrics import InfluenceMetric
 
-    return InfluenceMetric.registry
+    return {n: c for n, c in InfluenceMetric.registry.items() if not getattr(c, "needs_optimizer_state", False)}
 
 
 def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
@@ -757,42 +771,89 @@ def _metric_settings(metric, run: RunSettings) -> tuple:
     from ..scoring.config import ScoringConfig
 
     return (ScoringConfig(method=metric.name, kfac_examples=run.kfac_examples, kfac_dtype=run.kfac_dtype,
-                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload),)
+                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload,
+                          shard_layers=run.shard_layers),)
+
+
+FIT_PARTS = ("kfac_factor_sums", "kfac_eigh")
+"""A metric's memory parts held only while it is fitted (before the pool is scored): :func:`scoring_plan` counts the
+fit or the scoring, whichever holds more, beside the fitted state."""
+
+
+def _layer_shares(linears: list[tuple[int, int]], run: RunSettings) -> list[list[int]]:
+    """The tracked weights (indexes into ``linears``) each rank holds: all on one rank, or under ``shard_layers`` on
+    several ranks each rank's owned ones (:func:`~iprox_lightning.scoring.metrics.owners_by_size`, the scorer's)."""
+    if not (run.shard_layers and run.devices > 1):
+        return [list(range(len(linears)))]
+    from ..scoring.metrics import owners_by_size
+
+    owner = owners_by_size({str(j): i * i + o * o for j, (i, o) in enumerate(linears)}, run.kfac_partitions,
+                           run.devices)
+    return [[j for j in range(len(linears)) if owner[str(j)] == r] for r in range(run.devices)]
 
 
 def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str) -> StagePlan:
     """Scoring the pool with the (dense) model and ``method``, per device; the validation gradients as
     ``run.validation_gradients`` holds them (:func:`validation_gradient_bytes`: column groups score one group's columns
-    per pass, each pass over the validation set and the pool)."""
+    per pass, each pass over the validation set and the pool).
+
+    Under strategy ``fsdp`` the scored model is sharded per decoder block (``InfluenceScoringModule`` under
+    ``ModelParallelStrategy``): its shard, the root's weights (embeddings, head, norm: FSDP2's root stays gathered
+    through the step) and two gathered blocks. With ``shard_layers`` on several devices each rank holds its owned
+    weights' validation gradients and K-FAC state (the rank holding the most is counted), the features are computed
+    for every rank's rows (``devices × B``), and one weight's pairs of every rank are gathered
+    (``layer_exchange``: the sent copy, the received parts and their concatenation, ``(1 + 2·devices)·B·T·(in + out)``
+    float32 for the widest weight). A metric fitted on data (K-FAC, EK-FAC) holds its fit's parts (:data:`FIT_PARTS`:
+    a pass's sums beside one batch's activations, then the sums beside one decomposition, when FSDP's gathered root
+    and blocks are freed) before the scoring's (the activations, validation gradients, features, exchange): the larger
+    of the two phases is counted, beside the weights' shard and the fitted state both hold."""
     from ..scoring.features import choose_mode
 
-    metric = _metrics()[method]
+    metric = planned_metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
     tracked = [l for l in sizes.shape.linears if l.tracked]
-    vg = validation_gradient_bytes([(l.in_features, l.out_features) for l in tracked], K, run.validation_gradients)
+    linears = [(l.in_features, l.out_features) for l in tracked]
+    shares = _layer_shares(linears, run)
+    vg = max((validation_gradient_bytes([linears[j] for j in r], K, run.validation_gradients) for r in shares),
+             key=lambda v: v["device"] + v["layer"])
     Kg = vg["group_columns"]
+    sharded = len(shares) > 1
+    rows = B * (run.devices if sharded else 1)  # the features of every rank's rows on an owner
     feat = 0.0
     for l in tracked:
         mode = choose_mode(T, l.in_features, l.out_features, Kg)
-        size = B * l.out_features * l.in_features if mode == "materialize" else B * T * Kg * l.out_features
+        size = rows * l.out_features * l.in_features if mode == "materialize" else rows * T * Kg * l.out_features
         feat = max(feat, 4.0 * size)
+    weights, gathered = sizes.params * wb, 0.0
+    if run.strategy == "fsdp" and run.devices > 1:  # the shard, and while the model runs the root and two blocks
+        root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
+        weights, gathered = sizes.params * wb / run.devices, (root + 2 * sizes.largest_block) * wb
     parts = {
-        "weights": sizes.params * wb,
+        "weights": weights + gathered,
         "activations": acts.total(sizes.shape.num_layers, B),
         "validation_gradients": vg["device"],
         "validation_layer": vg["layer"],
         "features": feat,
+        "layer_exchange": ((1 + 2 * run.devices) * B * T * max((i + o for i, o in linears), default=0) * 4.0
+                           if sharded else 0.0),
     }
-    parts.update(metric.memory_parts([(l.in_features, l.out_features) for l in tracked], *_metric_settings(metric, run)))
-    # a fitted metric's fit_parts (K-FAC's sums and eigendecomposition) are freed before the validation gradients
-    # are collected (InfluenceScorer.fit): the larger of the two phases is the peak (measured on CPU, summing both
-    # over-counted K-FAC by 1.3x: bench/results/plan/scoring_small.json)
-    fit = [k for k in metric.fit_parts if k in parts]
-    scoring_only = ["validation_gradients", "validation_layer", "features"]
-    if fit:
-        for k in (scoring_only if sum(parts[k] for k in fit) > sum(parts[k] for k in scoring_only) else fit):
-            del parts[k]
+    import inspect
+
+    world = {"world": run.devices} if "world" in inspect.signature(metric.memory_parts).parameters else {}
+    own = metric.memory_parts(linears, *_metric_settings(metric, run), **world)
+    fit = {k: own.pop(k) for k in FIT_PARTS if k in own}
+    parts.update(own)
+    if fit:  # the fit, then the scoring: the larger of the two is the peak (the other phase's parts are not held)
+        # fit: a pass holds its sums beside one batch's activations, then the decompositions beside the sums
+        # (the decompositions run after the pass: FSDP's gathered root and blocks are freed then)
+        fit_phase = {"kfac_factor_sums": fit.get("kfac_factor_sums", 0.0)}
+        fit_phase.update({"activations": parts["activations"], "weights": weights + gathered}
+                         if parts["activations"] + gathered >= fit.get("kfac_eigh", 0.0)
+                         else {"kfac_eigh": fit.get("kfac_eigh", 0.0), "weights": weights})
+        scoring_only = ("activations", "validation_gradients", "validation_layer", "features", "layer_exchange")
+        if sum(fit_phase.values()) > sum(parts[k] for k in (*scoring_only, "weights")):
+            parts = {**{k: v for k, v in parts.items() if k not in scoring_only}, **fit_phase}
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,
@@ -918,7 +979,8 @@ def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activation
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
     stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))
-    stages += [scoring_plan(sizes, acts, run, m) for m in _metrics()]
+    # over the dense model's layers: LESS (a LoRA checkpoint's adapter gradients and Adam moments) is not planned here
+    stages += [scoring_plan(sizes, acts, run, m) for m in planned_metrics()]
     stages.append(store_plan(sizes, acts, run))
     stages.append(training_plan(sizes, acts, run, stage="fine-tune", n_examples=run.select_k,
                                 epochs=run.finetune_epochs))

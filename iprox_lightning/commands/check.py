@@ -181,6 +181,9 @@ def check(
     _check_models(target=target, proxy=proxy)
     proxy_validation = _proxy_validation(proxy, proxy_validation)
     config, method = scoring, scoring.method  # checked when built, before anything is loaded
+    if getattr(config.metric_class(), "needs_optimizer_state", False):  # (LESS) a LoRA checkpoint's, not a proxy's
+        raise UserInputError(f"method: {method} scores a LoRA checkpoint's adapter gradients with its Adam moments, "
+                             "which a proxy and its dense target do not have: check with tracin, kfac or ekfac")
     result_path, cache = _output_paths(output_dir, output)
     from ..data.pool import check_output_is_not_input
 

@@ -80,6 +80,7 @@ class IProXCLI(LightningCLI):
             if cause is e:
                 raise
             raise cause from None
+        check_manual_optimization(self.model, self.trainer)
 
     def _instantiate_trainer(self, config, callbacks):
         from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -94,6 +95,20 @@ class IProXCLI(LightningCLI):
             if isinstance(e, UserInputError):
                 raise
             raise UserInputError(f"trainer: {e}") from e
+
+
+def check_manual_optimization(model, trainer) -> None:
+    """A module that steps its optimiser itself (``micro_batch_size``: one step per batch over its micro-batches) takes
+    neither of the Trainer's step options: refused here in one line naming both, not by Lightning inside ``fit``."""
+    if model is None or trainer is None or getattr(model, "automatic_optimization", True):
+        return
+    taken = {k: v for k, v, unset in (("accumulate_grad_batches", trainer.accumulate_grad_batches, (1,)),
+                                      ("gradient_clip_val", trainer.gradient_clip_val, (None, 0))) if v not in unset}
+    if taken:
+        given = ", ".join(f"trainer.{k}={v}" for k, v in taken.items())
+        raise UserInputError(f"{given} cannot be combined with model.micro_batch_size (the module then makes one "
+                             "optimiser step per batch over its micro-batches): raise data.batch_size for a larger "
+                             "effective batch, or drop micro_batch_size")
 
 
 class StopOnSigterm(Callback):

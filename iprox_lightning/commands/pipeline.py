@@ -83,6 +83,8 @@ def pipeline(
     num_threads: int | None = None,
     eval_per_task: int | None = None,
     lora: dict[str, Any] | None = None,
+    plan: str | dict[str, Any] | None = None,
+    device_memory: str | None = None,
 ) -> dict[str, Any]:
     """Run every stage and print a summary (proxy size vs target, time per stage, selection quality).
 
@@ -141,6 +143,15 @@ def pipeline(
             "target_modules": ["q_proj", "v_proj"]}`` (:class:`~iprox_lightning.models.lora.LoraSettings`): the
             adapters of every epoch in ``warmup/model/adapters/`` (and each fine-tune's), the merged dense model in
             ``warmup/model``, which the proxy is built from and scored as the target (default: full fine-tuning).
+        plan: ``auto``: before any stage, fit every stage to ``device_memory`` (``train.py plan --fit``:
+            :mod:`iprox_lightning.analysis.fit`, the largest per-device batch and the fewest memory levers:
+            micro-batches that accumulate to the configs' batch, checkpointing, probe groups, the validation
+            gradients' holding, K-FAC partitions and offload) at this run's settings, and apply it to the stages; a
+            stage that fits at no setting stops the run before it starts. Or the overlay ``plan --fit`` prints
+            (``{"warmup": {...}, "build_proxy": {...}, "score": {...}, "finetune": {...}}``: each merged into that
+            stage's config). Default: the configs' settings. A stage the fit leaves unchanged keeps its fingerprint.
+        device_memory: the memory of one device for ``plan auto`` (e.g. ``80GB``; default: the first CUDA device's,
+            or on CPUs the host's shared by the devices).
     """
     import torch
 
@@ -160,6 +171,10 @@ def pipeline(
 
     lora_settings = LoraSettings.of(lora)  # refused before any stage
     lora = lora_settings.to_dict() if lora_settings is not None else None
+    plan_overlays = stage_plan(plan, device_memory, target=target, hardware=hardware, config_dir=config_dir,
+                               demo=(pool == "builtin") if demo_overlays is None else demo_overlays,
+                               data_args=data_args, sparsity=sparsity, align_epochs=align_epochs, method=method,
+                               lora=lora, validation=validation)
     from ..io.output_guard import check_output_not_input
     from ..io.ownership import make_owned_dir
     from ..io.score_dir import ScoreDirLock
@@ -174,7 +189,7 @@ def pipeline(
                          config_dir=config_dir, demo_overlays=demo_overlays, hardware=hardware, threads=num_threads,
                          finetune=finetune, force=force, seed=seed, data_args=data_args, align_epochs=align_epochs,
                          eval_per_task=eval_per_task, run_lightning=run_lightning, select=select,
-                         proxy_validation=proxy_validation, lora=lora)
+                         proxy_validation=proxy_validation, lora=lora, plan_overlays=plan_overlays)
 
 
 def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: str, select_rule: str = "balanced",
@@ -196,9 +211,13 @@ def check_arguments(wd: Path, sparsity: float, select_fraction: float, method: s
     from ..scoring.config import ScoringConfig
 
     try:
-        ScoringConfig(method=method)
+        config = ScoringConfig(method=method)
     except ValueError as e:
         raise UserInputError(f"method: {e}") from None
+    if getattr(config.metric_class(), "needs_optimizer_state", False):
+        raise UserInputError(f"method: {method} scores a LoRA checkpoint's adapter gradients with its Adam moments, "
+                             "which the pipeline's dense target and proxy do not have: run LESS with configs/less/ "
+                             "(docs/GUIDE.md, 'LoRA: adapter gradients and LESS')")
 
 
 def trainer_hardware(accelerator: str, devices: int, num_nodes: int | None, strategy: str | None,
@@ -376,12 +395,13 @@ def check_sources(target: str, pool, validation) -> None:
 
 def _pipeline(wd: Path, *, target, pool, validation, sparsity, select_fraction, select_rule, method, config_dir,
               demo_overlays, hardware, finetune, force, seed, data_args, align_epochs, eval_per_task,
-              run_lightning, select, proxy_validation="target", threads=None, lora=None) -> dict[str, Any]:
+              run_lightning, select, proxy_validation="target", threads=None, lora=None,
+              plan_overlays=None) -> dict[str, Any]:
     """The stages of :func:`pipeline`, run while its workdir lock is held: the stage table of ``ARCHITECTURE.md`` in
     order, one step each."""
     stages = _stage_runner(wd, config_dir, (pool == "builtin") if demo_overlays is None else demo_overlays, force,
                            {"target": target, "pool": pool, "validation": validation}, hardware,
-                           run_lightning, threads)
+                           run_lightning, threads, plan_overlays)
     data_args = {"pool": pool, "validation": validation, "seed": seed, **(data_args or {})}
     warm = _warm_up(stages, target, data_args, seed, lora)
     proxy = _build_proxy(stages, warm, data_args, seed, sparsity, align_epochs)
@@ -429,6 +449,7 @@ class _StageRunner:
     fit_trainer: dict[str, Any]  # the training stages'
     logger: dict[str, Any]
     threads: int | None = None  # torch threads of a stage run in its own processes (OMP_NUM_THREADS)
+    plan_overlays: dict | None = None  # pipeline --plan: {stage config: overlay merged into the stage's}
 
     def named_logger(self, name: str) -> dict[str, Any]:
         return {**self.logger, "init_args": {**self.logger["init_args"], "name": name}}
@@ -440,6 +461,10 @@ class _StageRunner:
         from ..console import quiet_stage
 
         ledger, times = self.ledger, self.times
+        if self.plan_overlays and name in self.plan_overlays:  # pipeline --plan: the fit's levers for this stage
+            from ..analysis.fit import merge_overlay
+
+            overlay = merge_overlay(overlay, self.plan_overlays[name])
         key = f"{name}:{tag}" if tag else name
         configs = [self.cfg_dir / f"{name}.yaml"]
         if self.demo and (self.cfg_dir / "builtin" / f"{name}.yaml").exists():
@@ -522,7 +547,7 @@ def _device_memory_peak(path: Path, key: str):
 
 
 def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, hardware: dict,
-                  run_lightning, threads: int | None = None) -> _StageRunner:
+                  run_lightning, threads: int | None = None, plan_overlays: dict | None = None) -> _StageRunner:
     """The stage configs (checked), the seconds of earlier runs (none with ``force``), the trainer settings and the
     stage ledger of a pipeline run in ``wd``."""
     cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
@@ -552,7 +577,7 @@ def _stage_runner(wd: Path, config_dir, demo: bool, force: bool, sources: dict, 
             sources[k] = {"eval": parsed[0], "suites": list(parsed[1])}
     ledger = StageLedger(wd, sources, force=force)
     return _StageRunner(wd, cfg_dir, demo, force, ledger, times, run_lightning, trainer_common, fit_common, logger,
-                        threads)
+                        threads, plan_overlays)
 
 
 def _warm_up(stages: _StageRunner, target, data_args: dict, seed: int, lora: dict | None = None) -> Path:
@@ -894,3 +919,73 @@ def _format_summary(s: dict[str, Any]) -> str:
         lines.append("next: is the proxy worth using (per-task retention vs the free baselines, a verdict)?")
         lines.append(f"   {s['next_command']}")
     return "\n".join(lines)
+
+
+PLAN_STAGES = ("warmup", "build_proxy", "score", "finetune")
+"""The stage configs ``pipeline --plan`` overlays (the fit's: :func:`iprox_lightning.analysis.fit.overlays`)."""
+
+
+def stage_plan(plan, device_memory, *, target, hardware: dict, config_dir, demo: bool, data_args, sparsity,
+               align_epochs, method: str, lora, validation) -> dict[str, dict]:
+    """``pipeline --plan``: ``{stage config: overlay}`` to merge into the stages (``{}`` without ``plan``): the
+    overlay given, or with ``auto`` the fit of this run's settings (the stage configs as the pipeline merges them)
+    to ``device_memory``; a stage that fits at no setting is refused here, before any stage runs."""
+    if plan is None:
+        if device_memory is not None:
+            raise UserInputError("device_memory is the memory --plan auto fits the stages to: pass --plan auto too")
+        return {}
+    if isinstance(plan, dict):
+        unknown = sorted(set(plan) - set(PLAN_STAGES))
+        if unknown or not all(isinstance(v, dict) for v in plan.values()):
+            raise UserInputError(f"plan: an overlay per stage config ({', '.join(PLAN_STAGES)}), each a mapping, as "
+                                 f"train.py plan --fit prints it; got {', '.join(unknown) or 'a value that is not a mapping'}")
+        return plan
+    if plan != "auto":
+        raise UserInputError(f"plan must be auto or the overlay train.py plan --fit prints (a JSON mapping), got {plan!r}")
+    from ..analysis import fit as F
+    from ..analysis import memory as M
+
+    cfg_dir = Path(config_dir) if config_dir else DEFAULT_CONFIG_DIR
+    configs = {}
+    for name in PLAN_STAGES:
+        merged: dict = {}
+        for f in [cfg_dir / f"{name}.yaml"] + ([cfg_dir / "builtin" / f"{name}.yaml"] if demo else []):
+            if f.exists():
+                merged = F.merge_overlay(merged, yaml.safe_load(f.read_text()) or {})
+        merged = F.merge_overlay(merged, {"data": {"init_args": dict(data_args or {})}})
+        configs[name] = merged
+    memory = M.parse_bytes(device_memory) if device_memory is not None else _device_memory(hardware)
+    runs, sizes_of = F.pipeline_runs(configs, target=target, hardware=hardware, sparsity=sparsity,
+                                     align_epochs=align_epochs, method=method, lora=lora, validation=validation)
+    fits = []
+    for stages, run in runs:
+        sizes, acts, acts32 = sizes_of(run)
+        fits += F.fit_stages(sizes, acts, acts32, run, memory, stages)
+    failed = [f for f in fits if not f.fits]
+    if failed:
+        f = failed[0]
+        raise UserInputError(f"plan auto: {f.stage} fits {F.size(memory)} per device at no setting the fit tries: "
+                             f"{F.reason(f, memory)}; nearest: {'; '.join(f.levers) or 'no lever'}")
+    route = ""
+    tracin = next((f for f in fits if f.stage == "scoring (tracin)"), None)
+    if tracin is not None:  # exact TracIn in several passes: say the store would take one
+        score_run = next(r for stages, r in runs if tracin.stage in stages)
+        store = F.fit_stages(*sizes_of(score_run), score_run, memory, [F.STORE])[0]
+        r = F.tracin_route(sizes_of(score_run)[0], score_run, memory, tracin, store)
+        route = f"; the gradient store would be the better path: {r['why']}" if r["to_store"] else ""
+    chosen = [f"{f.stage}: {'; '.join(f.levers)}" for f in fits if f.levers]
+    print(f"[pipeline] plan auto: every stage fits {F.size(memory)} per device "
+          + (f"with {' | '.join(chosen)}" if chosen else "at the configs' settings: nothing changed") + route, flush=True)
+    return F.overlays(fits, method)["stages"]
+
+
+def _device_memory(hardware: dict) -> float:
+    """The memory of one device of the run: the first CUDA device's, or on CPUs the host's shared by the run's
+    processes on the node."""
+    import os
+
+    import torch
+
+    if str(hardware.get("accelerator", "cpu")).lower() != "cpu" and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / int(hardware.get("devices") or 1)

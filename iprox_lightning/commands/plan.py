@@ -11,7 +11,7 @@ _RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 @takes_settings(ScoringConfig, "scoring", fields=("method", "kfac_examples", "kfac_dtype", "kfac_partitions",
-                                                  "kfac_offload", "validation_gradients"))
+                                                  "kfac_offload", "validation_gradients", "shard_layers"))
 def plan(
     model: str = "llama-3.2-1b",
     pool_size: int = 16000,
@@ -42,6 +42,7 @@ def plan(
     speed_results: Optional[str] = None,
     output: Optional[str] = None,
     lora: Optional[dict] = None,
+    fit: bool = False,
     scoring: Optional[ScoringConfig] = None,
 ) -> list[dict]:
     """Print, per stage (warm-up; build_proxy's Stage 1 (IPSVD) and Stage 2 (alignment); scoring with each registered
@@ -92,6 +93,12 @@ def plan(
         output: also write the plan as JSON to this file.
         lora: LoRA warm-up and fine-tune (``{r, alpha, dropout, target_modules}``, the modules' ``lora``): the base
             weights frozen (no gradients, no AdamW state), the adapters trained.
+        fit: also find, per stage, the largest per-device batch and the fewest memory levers (micro-batches,
+            checkpointing, probe groups, the validation gradients' holding, K-FAC partitions and offload) that fit
+            ``device_memory`` (:mod:`iprox_lightning.analysis.fit`: an ordered search priced by this plan), and print
+            them as the overlay ``pipeline --plan`` and each stage command take; the levers given here are replaced
+            by the search. A stage that fits at no setting stops the command after the print, naming the reason and
+            the nearest setting.
     """
     from ..analysis import memory as M
     from ..errors import UserInputError
@@ -100,6 +107,8 @@ def plan(
     if output:
         _check_output(output, model, speed_results)
     device_bytes = M.parse_bytes(device_memory) if device_memory is not None else None
+    if fit and device_bytes is None:
+        raise UserInputError("--fit true needs --device_memory (e.g. 80GB): the memory the stages must fit in")
     if devices < 1 or num_nodes < 1:
         raise UserInputError(f"devices and num_nodes must be >= 1, got {devices} and {num_nodes}")
     run = M.RunSettings(pool_size=pool_size, max_length=max_length, batch_size=batch_size,
@@ -114,7 +123,8 @@ def plan(
                         validation_examples=validation_examples, tasks=tasks, method=method,
                         kfac_examples=scoring.kfac_examples, kfac_dtype=scoring.kfac_dtype,
                         kfac_partitions=scoring.kfac_partitions, kfac_offload=scoring.kfac_offload, store_k=k,
-                        select_k=select_k, validation_gradients=scoring.validation_gradients)
+                        select_k=select_k, validation_gradients=scoring.validation_gradients,
+                        shard_layers=scoring.shard_layers)
     from ..models.loading import check_model_config
 
     if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
@@ -159,12 +169,18 @@ def plan(
           + versus["why"]
           + (f"; fewest column groups that fit: {versus['fewest_column_groups']}"
              if versus.get("fewest_column_groups") else ""))
+    fitted = _fit(sizes, acts, acts32, run, device_bytes, locals()) if fit else None
     if output:
         from ..io.jsonfile import write_json
 
         write_json(output, {"model": model, "params": sizes.params, "device_memory": device_bytes,
                             "settings": {k: getattr(run, k) for k in run.__dataclass_fields__},
-                            "stages": [s.to_dict() for s in stages], "tracin_or_store": versus}, indent=1)
+                            "stages": [s.to_dict() for s in stages], "tracin_or_store": versus,
+                            **({"fit": fitted[0]} if fit else {})}, indent=1)
+    if fit:
+        if fitted[1] is not None:
+            raise fitted[1]
+        return fitted[0]["stages"]
     refused = [s for s in stages if s.fits(device_bytes) is False and _applies(s.stage, method)]
     if refused:
         s = refused[0]
@@ -172,6 +188,39 @@ def plan(
                              f"{M.gib(device_bytes)} ({device_memory}; largest: {max(s.parts, key=s.parts.get)}); "
                              f"change {' or '.join(_advice(s.levers, run))}")
     return [s.to_dict() for s in stages]
+
+
+def _fit(sizes, acts, acts32, run, device_bytes, args: dict):
+    """``plan --fit``: print the fit (:mod:`iprox_lightning.analysis.fit`) -> ``(its JSON, the error of the first
+    applied stage that fits at no setting, or None)``."""
+    import inspect
+
+    from ..analysis import fit as F
+    from ..errors import UserInputError
+
+    report = F.fit_report(sizes, acts, acts32, run, device_bytes)
+    import json
+
+    # the command's own settings that differ from plan's defaults (the levers are the fit's; --batch_size the fit's
+    # smallest where it needs one)
+    skip = set(F.LEVERS_OFF) | {"fit", "output", "speed_results", "scoring", "model"}
+    if "--batch_size" in report["overlay"]["plan"]:
+        skip.add("batch_size")
+    flags = ["--model", args["model"]]
+    for k, p in inspect.signature(plan).parameters.items():  # the scoring fields' values are the config's
+        v = args[k] if k in args else getattr(args["scoring"], k, p.default)
+        if k not in skip and v != p.default:
+            flags += [f"--{k}", json.dumps(v) if isinstance(v, dict) else str(v).lower() if isinstance(v, bool) else str(v)]
+    print("\n".join(F.report_lines(report, device_bytes, run.method, flags)))
+    out = {"device_memory": device_bytes, "stages": [f.to_dict(device_bytes) for f in report["stages"]],
+           "tracin": report["tracin"], "overlay": report["overlay"]}
+    failed = [f for f in report["stages"] if not f.fits and F.applies(f.stage, run.method)]
+    error = None
+    if failed:
+        f = failed[0]
+        error = UserInputError(f"{f.stage} fits {F.size(device_bytes)} ({args['device_memory']}) at no setting the fit "
+                               f"tries: {F.reason(f, device_bytes)}; nearest: {'; '.join(f.levers) or 'no lever'}")
+    return out, error
 
 
 def _check_output(output: str, model: str, speed_results: Optional[str]) -> None:

@@ -194,7 +194,8 @@ def _read_store(store: str, output_dir: str):
 def _load_net(model: str, st: dict):
     from ..models.loading import load_model
 
-    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False)
+    net, _ = load_model(model, dtype=st.get("dtype", "float32"), attn_implementation="sdpa", tokenizer=False,
+                        merge_adapters=st.get("gradients") != "adapters")  # as the store was built
     return net.eval()
 
 
@@ -299,7 +300,7 @@ def _projector(store: str, info: dict, st: dict, metric, net, pairs_from=None):
         metric.load_state_dict(load_factors(Path(store) / info["factors"], method=metric.name), list(projections),
                                dtype=dtype)
     try:
-        return GradientProjector(net, metric=None if metric.name == "tracin" else metric,
+        return GradientProjector(net, metric=None if metric.name == "tracin" or not metric.symmetric else metric,
                                  target_patterns=st.get("target_patterns"), projections=projections, dtype=dtype,
                                  pairs_from=pairs_from, loss_reduction=metric.loss_reduction)
     except ProjectionMismatch as e:

@@ -27,6 +27,9 @@ DEFAULT_TARGET_PATTERNS = (
     r"gate_proj", r"up_proj", r"down_proj", r"gate_up_proj", r"fc1", r"fc2", r"w1", r"w2", r"w3",
     r"c_attn", r"c_proj", r"c_fc", r"out_proj", r"dense_h_to_4h", r"dense_4h_to_h", r"wq", r"wk", r"wv", r"wo",
 )
+# a peft model's LoRA adapters (``...q_proj.lora_A.default``): what a model holding them tracks when no patterns are
+# given (its base is frozen; its adapted projections are peft layers, not linear ones)
+ADAPTER_TARGET_PATTERNS = (r"lora_[AB]\.[^.]+",)
 # never touched, whatever the patterns say
 EXCLUDED_PATTERNS = (r"embed", r"lm_head", r"wte", r"wpe", r"score", r"classifier")
 # a module path must contain a decoder block index ("layers.3.", "h.3.", "blocks.3.")
@@ -71,11 +74,14 @@ def find_target_linears(
     longer path names the layers inside a wrapper, e.g. PEFT's adapters ``lora_[AB]\\.default`` or
     ``q_proj\\.lora_A\\.default`` (in a PEFT model the leaf of ``...q_proj.lora_A.default`` is ``default``);
     only modules inside a numbered decoder block are returned; embeddings / LM head never are.
+    Without ``patterns`` a model holding LoRA adapters (peft) tracks its adapters (:data:`ADAPTER_TARGET_PATTERNS`,
+    :func:`default_patterns`), any other the projections (:data:`DEFAULT_TARGET_PATTERNS`).
     Raises ``ValueError`` when nothing matches (so a wrong pattern never silently tracks nothing).
     """
     from .lowrank import LowRankLinear
 
-    pats = [re.compile(rf"^(?:{p})$") for p in (patterns or DEFAULT_TARGET_PATTERNS)]
+    patterns = list(patterns or default_patterns(model))
+    pats = [re.compile(rf"^(?:{p})$") for p in patterns]
     excl = [re.compile(p) for p in EXCLUDED_PATTERNS]
     found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
@@ -93,10 +99,21 @@ def find_target_linears(
     if not found:
         raise ValueError(
             f"no targeted linear layer found in {type(model).__name__} with patterns "
-            f"{list(patterns or DEFAULT_TARGET_PATTERNS)}"
+            f"{patterns}"
         )
     _refuse_shared(model, found)
     return found
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` holds LoRA adapter layers (peft's ``lora_A`` / ``lora_B``, any adapter name)."""
+    return any(".lora_A." in f"{n}." for n, _ in model.named_modules())
+
+
+def default_patterns(model: nn.Module) -> tuple[str, ...]:
+    """The tracked layers when none are named: a peft model's adapters (:data:`ADAPTER_TARGET_PATTERNS`: the
+    gradients LESS scores, over the adapter weights alone), else the projections (:data:`DEFAULT_TARGET_PATTERNS`)."""
+    return ADAPTER_TARGET_PATTERNS if has_adapters(model) else DEFAULT_TARGET_PATTERNS
 
 
 def path_tails(name: str) -> list[str]:

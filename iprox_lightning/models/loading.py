@@ -321,7 +321,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
 class LoadRequest:
     """What :func:`load_model` was asked for, as each registered loader reads it: ``name`` as given, ``path`` (with
     ``gguf_file`` joined), the torch ``dtype`` (``None``: as saved), transformers' ``kwargs`` (``trust_remote_code``,
-    ``attn_implementation``), ``use_cache`` (the GGUF float cache) and ``tokenizer`` (load one too)."""
+    ``attn_implementation``), ``use_cache`` (the GGUF float cache), ``tokenizer`` (load one too) and
+    ``merge_adapters`` (a peft adapter directory merged into a dense model, or kept as the peft model)."""
 
     name: str
     path: Path
@@ -331,6 +332,7 @@ class LoadRequest:
     trust_remote_code: bool
     use_cache: bool
     tokenizer: bool
+    merge_adapters: bool = True
 
 
 LOADERS: dict[str, tuple[Callable[[LoadRequest], bool], Callable[[LoadRequest], tuple]]] = {}
@@ -366,9 +368,13 @@ def load_model(
     trust_remote_code: bool = False,
     use_cache: bool = True,
     tokenizer: bool = True,
+    merge_adapters: bool = True,
 ):
     """Return ``(model, tokenizer)`` for a hub id, local dir, ``.gguf`` path, proxy dir or ``"builtin"``: the first
     registered loader that takes the source (:data:`LOADERS`, :func:`register_loader`).
+
+    A peft adapter directory loads with its base, merged into a dense model (``merge_adapters``), or as the peft model
+    (``merge_adapters=False``: what gradient scoring reads, the adapters' gradients; :func:`load_adapter`).
 
     ``attn_implementation`` defaults to ``"eager"`` because the alignment stage needs a double
     backward through attention (fused SDPA kernels have none); pass ``"sdpa"`` for fast scoring.
@@ -384,7 +390,7 @@ def load_model(
     if gguf_file is not None:
         p = p / gguf_file
     request = LoadRequest(name, p, resolve_dtype(dtype), kwargs, attn_implementation, trust_remote_code, use_cache,
-                          tokenizer)
+                          tokenizer, merge_adapters)
     load = next(load for matches, load in LOADERS.values() if matches(request))
     return load(request)
 
@@ -430,8 +436,8 @@ def _load_gguf_file(r: LoadRequest):
 @register_loader("peft", lambda r: is_adapter_dir(r.path))
 def _load_peft_adapter(r: LoadRequest):
     """A peft adapter directory with its base model (``adapter_config.json`` names it; loaded by these same loaders),
-    merged into a dense model (:func:`.lora.load_adapter`)."""
-    return load_adapter(r.path, merged=True, dtype=r.dtype, attn_implementation=r.attn_implementation,
+    merged into a dense model unless asked not to (:func:`load_adapter`)."""
+    return load_adapter(r.path, merged=r.merge_adapters, dtype=r.dtype, attn_implementation=r.attn_implementation,
                         trust_remote_code=r.trust_remote_code, use_cache=r.use_cache, tokenizer=r.tokenizer)
 
 

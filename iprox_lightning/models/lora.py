@@ -162,6 +162,26 @@ def is_adapted(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def scores_adapters(model: Any) -> bool:
+    """Whether gradient scoring of ``model`` (a source string or a loaded module) runs over LoRA adapter gradients: a
+    peft adapter directory (loaded with its base, unmerged: ``load_model(..., merge_adapters=False)``) or a peft
+    model. Its tracked layers are then the adapters (``engine.target_layers.default_patterns``), and the scoring
+    settings record ``gradients: adapters`` (:data:`ADAPTER_GRADIENTS`), so no result over the merged dense model's
+    gradients is reused for them."""
+    if isinstance(model, (str, Path)):
+        from ..io.fingerprint import is_adapter_dir
+
+        return is_adapter_dir(model)
+    from ..engine.target_layers import has_adapters
+
+    return has_adapters(model) if isinstance(model, nn.Module) else False
+
+
+ADAPTER_GRADIENTS = {"gradients": "adapters"}
+"""What the settings of a scoring run, store or check over a peft model's adapter gradients record (nothing for any
+other model: their fingerprints are as before)."""
+
+
 def save_adapter(model: nn.Module, path: Union[str, Path]) -> Path:
     """The adapters of the peft ``model`` into the directory ``path`` (peft's format, safetensors), marked as the
     package's; a full disk is an ``OSError`` naming it."""
@@ -172,7 +192,9 @@ def save_adapter(model: nn.Module, path: Union[str, Path]) -> Path:
     path = Path(path)
     make_owned_dir(path, "model")
     with named_os_errors(path), _peft_quiet():
-        model.save_pretrained(path, safe_serialization=True)
+        # save_embedding_layers=False: the base's embeddings are never trained or resized here, so peft's "auto" check
+        # (which looks the base's config.json up on the hub, warning where it cannot: "builtin", offline) is not run
+        model.save_pretrained(path, safe_serialization=True, save_embedding_layers=False)
     sort_safetensors_metadata(path / ADAPTER_WEIGHTS)  # the same adapters, the same bytes
     return path
 
@@ -217,9 +239,13 @@ def attach_saved_adapter(model: nn.Module, path: Union[str, Path]) -> nn.Module:
     except (TypeError, ValueError) as e:
         raise UserInputError(f"{p / ADAPTER_CONFIG}: not a LoRA adapter config peft reads: {e}") from None
     cfg.inference_mode = True
+    # peft renames the recorded base to the loaded model's name (a warning when they differ: "builtin", a relative
+    # path); the base was checked and loaded from the record, which the wrapped model keeps
+    base, cfg.base_model_name_or_path = cfg.base_model_name_or_path, model.__dict__.get("name_or_path", None) or None
     with _peft_quiet():
         adapted = get_peft_model(model, cfg)
         result = set_peft_model_state_dict(adapted, load_file(str(p / ADAPTER_WEIGHTS)))
+    adapted.peft_config["default"].base_model_name_or_path = base
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit its base {cfg.base_model_name_or_path} "

@@ -64,6 +64,12 @@ class ScoringConfig:
             columns split into ``N`` groups, one group's validation gradients held at a time, each scored in its own
             pass over the validation set and the pool (``N`` times the scoring work, ``1/N`` of the bytes; at most one
             group per column). ``train.py plan`` counts the holding (:mod:`iprox_lightning.analysis.memory`).
+        shard_layers: under several processes, each rank holds the K-FAC / EK-FAC factor sums and factors and the
+            validation gradients of its share of the tracked weights only (largest first within each of the
+            ``kfac_partitions`` groups), and every rank's pairs ``(h, δ)`` of a weight are sent to its owner, which
+            computes that weight's part of every rank's statistics and scores (:mod:`.layer_shards`). The same
+            scores up to the order of the sums (default ``False``: every rank holds every weight's; one process: no
+            effect). Not with ``factors_dir``.
     """
 
     method: str = "tracin"
@@ -82,12 +88,14 @@ class ScoringConfig:
     kfac_offload: bool = False
     options: Optional[dict[str, Any]] = None
     validation_gradients: Optional[dict[str, Any]] = None
+    shard_layers: bool = False
 
     def __post_init__(self) -> None:
         """Every field's check (whatever the method, so a config is valid or not independently of ``method``)."""
         # the metric registry, the feature modes and the losses live beside torch: read when a config is built,
         # never by a command's --help (which reads this module for the commands' signatures)
         from ..engine.batch import check_loss_reduction
+        from . import less  # noqa: F401  (registers method "less" beside metrics' own)
         from .features import FEATURE_MODES
         from .metrics import InfluenceMetric, metric_names
 
@@ -108,6 +116,8 @@ class ScoringConfig:
             raise UserInputError(f"kfac_partitions must be an integer >= 1, got {self.kfac_partitions!r}")
         if not isinstance(self.kfac_offload, bool):
             raise UserInputError(f"kfac_offload must be true or false, got {self.kfac_offload!r}")
+        if not isinstance(self.shard_layers, bool):
+            raise UserInputError(f"shard_layers must be true or false, got {self.shard_layers!r}")
         if self.fisher not in FISHERS:
             raise UserInputError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
         if self.damping_target not in DAMPING_TARGETS:
@@ -146,7 +156,8 @@ class ScoringConfig:
         d = asdict(self)
         if d["target_patterns"] is not None:
             d["target_patterns"] = list(d["target_patterns"])
-        for name in (*CONVENTIONS, "kfac_partitions", "kfac_offload", "options", "validation_gradients"):
+        for name in (*CONVENTIONS, "kfac_partitions", "kfac_offload", "options", "validation_gradients",
+                     "shard_layers"):
             if d[name] == getattr(ScoringConfig, name):
                 del d[name]
         from .metrics import KFAC_DTYPE_UNRECORDED

@@ -323,6 +323,8 @@ class ScoreFeatureTracker(WeightPairTracker):
     (float64), ``M`` the influence metric's map applied to the tokens (:meth:`.metrics.InfluenceMetric.tokens`)
     and ``V[key]: [K, out, in]`` fixed (whitened validation) directions; :func:`layer_features` per weight."""
 
+    row_fields = ("sq", "dots")  # per-row sums over the weights (shard_layers: completed across the ranks)
+
     def __init__(self, modules: Mapping[str, nn.Module], metric, V: Mapping[str, torch.Tensor], n_directions: int,
                  dtype: torch.dtype, feature_mode: str, dual: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(modules)

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Collection, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from torch import nn
 
 from ..errors import UserInputError
 from ..engine.settings import takes_settings
+from ..engine.fsdp import is_sharded
 from ..engine.tracking import backward_pairs
 from .config import METRIC_FIELDS, ScoringConfig, validation_holding
 from .features import (
@@ -204,6 +205,8 @@ class InfluenceScorer:
         self.vnorm_all: float = 0.0
         self.stats: dict[str, float] = {}
         self.fitted = False
+        self.owners: dict[str, int] | None = None  # shard_layers under several processes: weight key -> owning rank
+        self.shard = (0, 1)
 
     # ------------------------------------------------------------------------------------
     @property
@@ -230,6 +233,12 @@ class InfluenceScorer:
         if not self.config.per_task or "task" not in batch or batch["task"] is None:
             return [ALL_TASKS] * B
         return [str(t) for t in batch["task"]]
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank must make the same steps: ``shard_layers`` (each weight's pairs go to its owner) or a
+        sharded model (FSDP2: each forward gathers the blocks from every rank)."""
+        return self.owners is not None or is_sharded(self.model)
 
     # ------------------------------------------------------------------------------------
     @property
@@ -258,13 +267,21 @@ class InfluenceScorer:
         hold = torch.device("cpu") if self.host_sums else None
         tracker = ValidationGradientTracker(self.modules, [v.key for v in self.linears], group_of, self.dtype,
                                             groups=groups, device=hold)
-        pairs = tracker
+        pairs = owned = tracker
+        if self.owners is not None:  # shard_layers: each weight's pairs to its owner
+            from .layer_shards import OwnedLayers
+
+            pairs = owned = OwnedLayers(tracker, self.owners, rank, world)
         if model is not None:
             target_patterns = None if self.config.target_patterns is None else list(self.config.target_patterns)
-            pairs = FactorSpaceView(tracked_modules(model, target_patterns), tracker, self.modules)
+            pairs = FactorSpaceView(tracked_modules(model, target_patterns), owned, self.modules)
         counts: dict[str, int] = {}
         vdevice = next(vmodel.parameters()).device
         with eval_mode(vmodel):
+            if self.owners is not None or is_sharded(vmodel):
+                self._owned_steps(vmodel, batches, pairs, owned if self.owners is not None else None, counts, shard,
+                                  progress, desc)
+                return tracker.sums, counts
             for j, batch in enumerate(progress_bar(batches, progress, desc)):
                 if j % world != rank:
                     continue
@@ -277,6 +294,39 @@ class InfluenceScorer:
                 backward_pairs(vmodel, trim_batch(b, keep), [pairs], loss_fn=self.metric.loss_fn)
         return tracker.sums, counts
 
+    def _owned_steps(self, vmodel, batches, pairs, owned, counts, shard, progress, desc) -> None:
+        """:meth:`_validation_sums`'s loop under ``shard_layers`` or a sharded model (FSDP2: each forward a
+        collective): every rank makes the same number of steps (idle ones send no row or track nothing:
+        :func:`~.layer_shards.equal_steps`), a batch without a response token too."""
+        from .layer_shards import equal_steps
+
+        vdevice = next(vmodel.parameters()).device
+        for batch, real in equal_steps(progress_bar(batches, progress, desc), *shard):
+            if real:
+                for g in self._group(batch):
+                    counts[g] = counts.get(g, 0) + 1
+            b = to_device(batch, vdevice)
+            keep = has_response_tokens(b) if real else torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
+            self._owned_step(vmodel, b, keep, [pairs], owned)
+
+    def _owned_step(self, model, b, keep, trackers, owned) -> None:
+        """One step that every rank makes (``shard_layers``: ``owned``, the :class:`~.layer_shards.OwnedLayers`; or a
+        sharded model: ``owned`` None): the rows ``keep``, or none: an idle step on the batch with every token a
+        label, so that every layer's exchange and every block's gathering runs (tracking nothing)."""
+        from .layer_shards import idle_batch
+
+        if bool(keep.any()):
+            b = trim_batch(b, keep)
+            if owned is not None:
+                owned.active = None
+        else:
+            b = idle_batch(b)
+            if owned is None:
+                trackers = []
+            else:
+                owned.active = torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
+        backward_pairs(model, b, trackers, loss_fn=self.metric.loss_fn)
+
     @property
     def host_sums(self) -> bool:
         """Whether the validation sums are accumulated in host memory, in the scoring precision (held on the host, or
@@ -285,8 +335,13 @@ class InfluenceScorer:
 
     def _stacked(self, sums, names, reduce) -> None:
         """``self.V[key]``: the raw sums of ``names`` stacked ``[K, out, in]``, all-reduced (on the model's device),
-        on the model's device (or on the host: :attr:`host_sums`)."""
+        on the model's device (or on the host: :attr:`host_sums`); under ``shard_layers`` the owned weights' only,
+        whose sums hold every rank's examples already."""
+        if self.owners is not None:
+            reduce = None
         for v in self.linears:
+            if self.owners is not None and self.owners[v.key] != self.shard[0]:
+                continue
             acc = sums[v.key]
             where = torch.device("cpu") if self.host_sums else next(iter(acc.values()), None)
             where = where if isinstance(where, torch.device) else where.device if where is not None else self.device
@@ -364,6 +419,9 @@ class InfluenceScorer:
         for key, V in self.V.items():
             sq_task += V.double().pow(2).sum(dim=(1, 2)).cpu()
             sq_all += float(V.double().sum(0).pow(2).sum())
+        if self.owners is not None:  # shard_layers: each rank's owned weights' part of the squared norms
+            both = self._reduce(torch.cat([sq_task, torch.tensor([sq_all], dtype=torch.float64)]).to(self.device))
+            sq_task, sq_all = both[:-1].cpu(), float(both[-1])
         bad = [t for t, v in zip(names, sq_task.tolist()) if not math.isfinite(v)] if cols is not None else []
         if bad or not math.isfinite(sq_all):
             tasks = bad or names
@@ -401,10 +459,16 @@ class InfluenceScorer:
         :meth:`earlier_passes` scores the pool against the others first."""
         from .metrics import fit_or_load
 
-        self.stats.update(fit_or_load(self.metric, self.model, self.modules, [v.key for v in self.linears],
+        keys = [v.key for v in self.linears]
+        self.shard, self._reduce = shard, reduce
+        if self.config.shard_layers and shard[1] > 1 and reduce is not None:
+            from .metrics import layer_owners
+
+            self.owners = layer_owners(self.modules, keys, self.config.kfac_partitions, shard[1])
+        self.stats.update(fit_or_load(self.metric, self.model, self.modules, keys,
                                       factor_batches, factors_dir=factors_dir, fingerprint=factors_fingerprint,
                                       dtype=self.dtype, shard=shard, reduce=reduce, progress=progress,
-                                      save=shard[0] == 0))
+                                      save=shard[0] == 0, **({"owners": self.owners} if self.owners else {})))
         self.collect_validation(val_batches, shard=shard, reduce=reduce, gather=gather, progress=progress,
                                 model=validation_model)
         self.finalize()
@@ -437,6 +501,7 @@ class InfluenceScorer:
             for batch in progress_bar(pool_batches, self._passes["progress"], f"scoring ({len(group)} columns)"):
                 keep = torch.tensor([str(i) not in skip for i in batch["id"]], dtype=torch.bool)
                 if not bool(keep.any()):
+                    self.take_part(batch)
                     continue
                 if not bool(keep.all()):
                     batch = trim_batch(batch, keep.to(batch["input_ids"].device))
@@ -448,8 +513,10 @@ class InfluenceScorer:
             self.collect_columns(groups[-1], **self._passes)
 
     # ------------------------------------------------------------------------------------
-    def _features(self, batch: Mapping):
-        """``(‖M g‖² [B], ⟨M g, V_k⟩ [B, K'] over the columns held, n_tokens [B], has_response [B])``."""
+    def _features(self, batch: Mapping, active: torch.Tensor | None = None):
+        """``(‖M g‖² [B], ⟨M g, V_k⟩ [B, K'] over the columns held, n_tokens [B], has_response [B])``; ``active``
+        (``[B]`` bool): the rows to score (the others are skipped: zeros; under ``shard_layers`` the step is made
+        all the same, sending none of them)."""
         B = batch["input_ids"].shape[0]
         K = len(self.columns)
         sq = torch.zeros(B, dtype=torch.float64)
@@ -457,15 +524,33 @@ class InfluenceScorer:
         b = to_device(batch, self.device)
         n_tok = (b["labels"][:, 1:] != -100).sum(dim=1).cpu()
         keep = has_response_tokens(b).cpu()
-        if bool(keep.any()):
+        if active is not None:
+            keep = keep & active.cpu()
+        if self.lockstep or bool(keep.any()):
             rows = torch.nonzero(keep).flatten()
             tracker = ScoreFeatureTracker(self.modules, self.metric, self.V, K, self.dtype, self.config.feature_mode,
                                           dual=getattr(self, "dual", None))
             with eval_mode(self.model):
-                backward_pairs(self.model, trim_batch(b, keep), [tracker], loss_fn=self.metric.loss_fn)
-            sq[rows] = tracker.sq.cpu()
-            dots[rows] = tracker.dots.cpu()
+                if not self.lockstep:
+                    backward_pairs(self.model, trim_batch(b, keep), [tracker], loss_fn=self.metric.loss_fn)
+                elif self.owners is None:
+                    self._owned_step(self.model, b, keep.to(b["input_ids"].device), [tracker], None)
+                else:
+                    from .layer_shards import OwnedLayers
+
+                    owned = OwnedLayers(tracker, self.owners, *self.shard)
+                    self._owned_step(self.model, b, keep.to(b["input_ids"].device), [owned], owned)
+            if bool(keep.any()):
+                sq[rows] = tracker.sq.cpu()
+                dots[rows] = tracker.dots.cpu()
         return sq, dots, n_tok, keep
+
+    def take_part(self, batch: Mapping) -> None:
+        """The step of a batch this rank scores no row of (e.g. every row resumed) where every rank must make the
+        same steps (:attr:`lockstep`: the other ranks' pairs still reach this rank's weights, its blocks are still
+        gathered); a no-op otherwise."""
+        if self.lockstep:
+            self._features(batch, active=torch.zeros(batch["input_ids"].shape[0], dtype=torch.bool))
 
     def score_batch(self, batch: Mapping) -> dict:
         """Scores of the examples of one batch (see class docstring)."""
@@ -594,6 +679,46 @@ def tracin_scores(
                             validation_model=validation_model, scoring=replace(scoring, method="tracin"))
 
 
+def checkpoint_sum(weights: Sequence[float], scores: Sequence, task_scores: Sequence, zero_grad: Sequence,
+                   nonfinite: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The multi-checkpoint combination of the same rows scored at each checkpoint ``c``: ``Σ_c w_c · score_c`` and
+    ``Σ_c w_c · task_scores_c`` (``w_c``: the checkpoint's learning rate, LESS's weights); a row is ``zero_grad`` when
+    it is at every checkpoint and ``nonfinite`` when it is at any (its sums then NaN). :func:`multi_checkpoint_scores`
+    and the predict loop's ``checkpoints`` (:class:`~.module.InfluenceScoringModule`) both combine with it."""
+    if len(weights) != len(scores) or not len(weights):
+        raise ValueError(f"need one weight per checkpoint, got {len(scores)} checkpoints and {len(weights)} weights")
+    s = sum(float(w) * np.asarray(x, dtype=np.float64) for w, x in zip(weights, scores))
+    ts = sum(float(w) * np.asarray(x, dtype=np.float64) for w, x in zip(weights, task_scores))
+    zero = np.logical_and.reduce([np.asarray(z, dtype=bool) for z in zero_grad])
+    bad = np.logical_or.reduce([np.asarray(b, dtype=bool) for b in nonfinite])
+    return s, ts, zero, bad
+
+
+def check_checkpoints(value: Any) -> list[dict] | None:
+    """``checkpoints`` of a scoring run checked: ``None``, or a non-empty list of ``{path, weight}`` (``weight`` a
+    finite number, or omitted: the learning rate recorded in the checkpoint's optimiser state,
+    :func:`~iprox_lightning.io.optimizer_state.recorded_lr`); returns ``[{path, weight}]`` with every weight."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise UserInputError(f"checkpoints must be a non-empty list of {{path, weight}}, got {value!r}")
+    out = []
+    for j, c in enumerate(value):
+        if isinstance(c, (str, bytes)) or hasattr(c, "__fspath__"):
+            c = {"path": str(c)}
+        if not isinstance(c, Mapping) or "path" not in c or set(c) - {"path", "weight"}:
+            raise UserInputError(f"checkpoints[{j}] must be {{path, weight}} (weight optional), got {c!r}")
+        w = c.get("weight")
+        if w is None:
+            from ..io.optimizer_state import recorded_lr
+
+            w = recorded_lr(c["path"], f"checkpoints[{j}]")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise UserInputError(f"checkpoints[{j}].weight must be a finite number, got {w!r}")
+        out.append({"path": str(c["path"]), "weight": float(w)})
+    return out
+
+
 def multi_checkpoint_scores(
     models: Sequence[nn.Module],
     train_dataloader: Iterable[Mapping],
@@ -602,24 +727,24 @@ def multi_checkpoint_scores(
     weights: Sequence[float],
     **kwargs,
 ) -> ScoreTable:
-    """Multi-checkpoint TracIn: ``Σ_c η_c · score_c(z)`` over checkpoints ``models`` with weights
-    ``η_c`` (learning rates); per-task scores likewise. ``kwargs`` go to :func:`influence_scores` (default
-    metric TracIn); the
-    data loaders must be re-iterable. An example is flagged ``zero_grad`` if it is at every checkpoint."""
+    """Multi-checkpoint scores: ``Σ_c η_c · score_c(z)`` over checkpoints ``models`` with weights ``η_c`` (learning
+    rates; :func:`checkpoint_sum`); per-task scores likewise. ``kwargs`` go to :func:`influence_scores` (default metric
+    TracIn; ``metric``: a list gives each checkpoint its own metric object, e.g. LESS's with that checkpoint's
+    optimiser state); the data loaders must be re-iterable. An example is flagged ``zero_grad`` if it is at every
+    checkpoint. The command line's ``--model.checkpoints`` (:class:`~.module.InfluenceScoringModule`) sums the same
+    way, batch by batch."""
     if len(models) != len(weights) or not models:
         raise ValueError(f"need one weight per checkpoint, got {len(models)} models and {len(weights)} weights")
-    total = None
-    for m, w in zip(models, weights):
-        t = influence_scores(m, train_dataloader, val_dataloader, **kwargs)
-        if total is None:
-            total = ScoreTable(t.ids, w * t.scores, t.task_names, w * t.task_scores, t.n_tokens, t.zero_grad,
-                               t.tasks, {**t.settings, "checkpoint_weights": list(map(float, weights))},
-                               nonfinite=t.nonfinite)
-        else:
-            if t.ids != total.ids or t.task_names != total.task_names:
-                raise ValueError("checkpoints scored different ids or tasks; use a deterministic data loader")
-            total.scores += w * t.scores
-            total.task_scores += w * t.task_scores
-            total.zero_grad &= t.zero_grad
-            total.nonfinite |= t.nonfinite
-    return total
+    metrics = kwargs.pop("metric", None)
+    metrics = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics] * len(models)
+    tables = []
+    for m, metric in zip(models, metrics):
+        t = influence_scores(m, train_dataloader, val_dataloader, metric=metric, **kwargs)
+        if tables and (t.ids != tables[0].ids or t.task_names != tables[0].task_names):
+            raise ValueError("checkpoints scored different ids or tasks; use a deterministic data loader")
+        tables.append(t)
+    s, ts, zero, bad = checkpoint_sum(weights, [t.scores for t in tables], [t.task_scores for t in tables],
+                                      [t.zero_grad for t in tables], [t.nonfinite for t in tables])
+    t = tables[0]
+    return ScoreTable(t.ids, s, t.task_names, ts, t.n_tokens, zero, t.tasks,
+                      {**t.settings, "checkpoint_weights": list(map(float, weights))}, nonfinite=bad)

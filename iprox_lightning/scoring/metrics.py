@@ -36,6 +36,7 @@ from torch import nn
 
 from ..engine.batch import example_loss_fn
 from ..engine.damping import damping_value
+from ..engine.fsdp import is_sharded
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
 from ..engine.work_split import largest_first
@@ -128,6 +129,24 @@ def balanced_groups(sizes: Mapping[str, float], n: int) -> list[list[str]]:
     n = max(1, min(int(n), len(sizes)))
     owner = largest_first(sizes, n)  # (engine.work_split)
     return [g for g in ([k for k in sizes if owner[k] == j] for j in range(n)) if g]
+
+
+def layer_owners(modules: Mapping[str, nn.Module], keys: Sequence[str], partitions: int, world: int) -> dict[str, int]:
+    """``{weight key: owning rank}`` of ``shard_layers`` (:mod:`.layer_shards`): each of the ``partitions`` module
+    groups (:func:`balanced_groups`, as the K-FAC fit passes) split over ``world`` ranks largest first by factor size,
+    so every pass holds about ``1/world`` of its sums on each rank; a weight's owner is its module's."""
+    owner = owners_by_size(factor_layer_sizes(modules), partitions, world)
+    return {k: owner[_weight_module(k)] for k in keys}
+
+
+def owners_by_size(sizes: Mapping[str, float], partitions: int, world: int) -> dict[str, int]:
+    """``{name: rank}``: each of the ``partitions`` groups of ``sizes`` (:func:`balanced_groups`) split over ``world``
+    ranks largest first (:func:`layer_owners`, and ``train.py plan`` on the layers' shapes)."""
+    owner: dict[str, int] = {}
+    for group in balanced_groups(sizes, partitions):
+        for r, share in enumerate(balanced_groups({m: sizes[m] for m in group}, world)):
+            owner.update({m: r for m in share})
+    return owner
 
 
 def _weight_module(key: str) -> str:
@@ -321,11 +340,11 @@ class InfluenceMetric:
     name: ClassVar[str]
     factor_passes: ClassVar[int] = 0  # passes fit() makes over the training batches (0: nothing to fit)
     token_factored: ClassVar[bool] = True  # tokens() exists; False: matrix() on materialised per-example gradients
+    symmetric: ClassVar[bool] = True  # a store's query maps the validation gradients as its rows (False: LESS, unmapped)
     uses: ClassVar[tuple[str, ...]] = ()  # the shared ScoringConfig options the metric reads (its settings)
     conventions: ClassVar[tuple[str, ...]] = ("loss_reduction",)  # conventions recorded when not the default
     options: ClassVar[Mapping[str, Any]] = {}  # the metric's own options, name -> default (ScoringConfig.options)
     memory_levers: ClassVar[Mapping[str, str]] = {}  # memory part -> the setting that lowers it (train.py plan)
-    fit_parts: ClassVar[tuple[str, ...]] = ()  # memory parts held only while fit() runs (before V exists)
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         """``class MyMetric(InfluenceMetric, name="mine")`` registers it as ``method: mine``; a subclass without a
@@ -456,25 +475,46 @@ whatever the number of processes, in both EK-FAC passes)."""
 
 
 def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: str, trackers,
-                    metric: "InfluenceMetric | None" = None) -> int:
+                    metric: "InfluenceMetric | None" = None, owners: Mapping[str, int] | None = None) -> int:
     """Run ``trackers`` over the first ``examples`` examples of ``batches`` (this rank's share), with ``metric``'s
-    per-example loss and Fisher (its conventions, :class:`InfluenceMetric`); returns the count."""
+    per-example loss and Fisher (its conventions, :class:`InfluenceMetric`); returns the count. ``owners`` (key ->
+    rank, ``shard_layers``): the pairs go to each weight's owner (:class:`~.layer_shards.OwnedLayers`), every rank
+    making the same number of steps."""
     loss_fn = example_loss_fn("mean") if metric is None else metric.loss_fn
     sampled = metric is not None and metric.fisher == "sampled"
     rank, world = shard
     device = next(model.parameters()).device
-    seen = done = 0
-    with eval_mode(model):
+
+    def taken():  # (j, the batch's first examples up to the limit)
+        seen = 0
         for j, batch in enumerate(progress_bar(batches, progress, desc)):
             if seen >= examples:
                 break
             take = min(batch["input_ids"].shape[0], examples - seen)
             seen += take
-            if j % world != rank:
-                continue
-            backward_pairs(model, trim_batch(to_device(slice_rows(batch, take), device)), trackers, loss_fn=loss_fn,
+            yield j, slice_rows(batch, take)
+
+    done = 0
+    with eval_mode(model):
+        if owners is None and not is_sharded(model):
+            for j, batch in taken():
+                if j % world != rank:
+                    continue
+                backward_pairs(model, trim_batch(to_device(batch, device)), trackers, loss_fn=loss_fn,
+                               sample_seed=FISHER_SEED + j if sampled else None)
+                done += batch["input_ids"].shape[0]
+            return done
+        from .layer_shards import OwnedLayers, equal_steps, idle_batch
+
+        # every rank the same steps: under FSDP each forward is a collective, under shard_layers each pair
+        owned = trackers if owners is None else [OwnedLayers(t, owners, rank, world) for t in trackers]
+        for (j, batch), real in equal_steps(taken(), rank, world):
+            b = trim_batch(to_device(batch if real else idle_batch(batch), device))
+            for t in owned if owners is not None else ():
+                t.active = None if real else torch.zeros(b["input_ids"].shape[0], dtype=torch.bool)
+            backward_pairs(model, b, owned if real or owners is not None else [], loss_fn=loss_fn,
                            sample_seed=FISHER_SEED + j if sampled else None)
-            done += take
+            done += b["input_ids"].shape[0] if real else 0
     return done
 
 
@@ -496,12 +536,11 @@ class KFAC(InfluenceMetric, name="kfac"):
     memory_levers = {"kfac_factors": "kfac_offload true (the factors on the host, one layer on the device at a time), "
                                      "or method tracin, or a store",
                      "kfac_factor_sums": "kfac_partitions (one group of layers' sums per pass)"}
-    fit_parts = ("kfac_factor_sums", "kfac_eigh")  # freed before the validation gradients are collected
 
     @classmethod
-    def memory_parts(cls, linears, config: "ScoringConfig"):
+    def memory_parts(cls, linears, config: "ScoringConfig", world: int = 1):
         """Bytes per device, for the tracked weights' ``(in_features, out_features)`` and the scoring settings
-        ``config`` (a float32 scoring dtype, as for a bf16 / float32 model):
+        ``config`` (a float32 scoring dtype, as for a bf16 / float32 model) on ``world`` ranks:
 
         * ``kfac_factors``: what the fitted metric holds on the device — the eigenvectors (``in² + out²`` per weight,
           ``kfac_dtype``), float64 eigenvalues and traces, and the whitening in float32 (K-FAC: its scale vectors,
@@ -512,12 +551,15 @@ class KFAC(InfluenceMetric, name="kfac"):
           (EK-FAC's eigenvalue sums of a group, ``in·out`` per weight, are smaller). Under several processes each
           rank decomposes a share of the layers, but every rank holds the whole group's sums and, after the
           exchange, every weight's factors (scoring applies them all), so the bytes do not shrink with the ranks.
-        * ``kfac_eigh``: the decompositions' peak beyond those two: group by group (largest first, the fit's order)
-          the earlier groups' eigenvectors (on the host with ``kfac_offload``), the group's sums, its own
-          eigenvectors and one layer's float64 eigendecomposition (the matrix, the eigenvectors ``eigh`` writes
-          into a copy of it and LAPACK ``syevd``'s workspace of ``2n²`` doubles: ``4 · 8 · n²`` for the widest side
-          ``n``), the largest over the groups less ``kfac_factors`` and ``kfac_factor_sums`` (measured on CPU:
-          ``bench/plan_scoring.py``, ``bench/results/plan/scoring_*.json``)."""
+          With ``shard_layers`` on several ranks they do: each rank holds its owned weights' factors and, per pass,
+          its owned share of the group's sums (:func:`owners_by_size`); the rank holding the most is counted.
+        * ``kfac_eigh``: one layer's float64 eigendecomposition (an estimate: the matrix and its temporaries, the
+          eigenvectors and LAPACK's workspace, ``5 · 8 · n²`` for the widest side ``n``)."""
+        return cls._memory_parts(linears, config, world)[0]
+
+    @classmethod
+    def _memory_parts(cls, linears, config: "ScoringConfig", world: int = 1) -> tuple[dict[str, float], list[int]]:
+        """``(memory_parts, the layers (indexes into linears) of the rank counted)``."""
         c = config
         fb = 8.0 if c.kfac_dtype == "float64" else 4.0
         scaled = c.method == "ekfac" or c.damping_target == "product"  # M G = Q_δᵀ G Q_h / sqrt(Λ + λ)
@@ -526,21 +568,24 @@ class KFAC(InfluenceMetric, name="kfac"):
         def whitening(i, o):  # float32, on the device
             return copy * (i * i + o * o) + (8.0 + 4.0 * i * o if scaled else 4.0 * (i + o))
 
+        sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
+        groups = balanced_groups(sizes, c.kfac_partitions)
+        ranks = [list(range(len(linears)))]  # the layers each rank holds
+        if getattr(c, "shard_layers", False) and world > 1:
+            owner = owners_by_size(sizes, c.kfac_partitions, world)
+            ranks = [[j for j in range(len(linears)) if owner[str(j)] == r] for r in range(world)]
+            groups = [[j for j in g if owner[j] == r] for g in groups for r in range(world)]
         if c.kfac_offload:
             held = max((4.0 * (i * i + o * o) + (4.0 * i * o if scaled else 4.0 * (i + o)) for i, o in linears),
                        default=0.0)
+            mine = ranks[0]
         else:
-            held = sum(fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears)
-        sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
-        groups = balanced_groups(sizes, c.kfac_partitions)
+            per = [fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears]
+            mine = max(ranks, key=lambda r: sum(per[j] for j in r))
+            held = sum(per[j] for j in mine)
         sums = max((fb * sum(sizes[j] for j in g) for g in groups), default=0.0)
-        before, fit = 0.0, 0.0
-        for g in groups:
-            group = fb * sum(sizes[j] for j in g)
-            eigh = 4 * 8.0 * max(max(linears[int(j)]) ** 2 for j in g)
-            fit = max(fit, (0.0 if c.kfac_offload else before) + 2 * group + eigh)
-            before += group
-        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": max(fit - held - sums, 0.0)}
+        eigh = 5 * 8.0 * max((max(i, o) ** 2 for i, o in linears), default=0)
+        return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}, mine
 
     def __init__(self, config: "ScoringConfig") -> None:
         super().__init__(config)
@@ -580,14 +625,17 @@ class KFAC(InfluenceMetric, name="kfac"):
         return {k for k in keys if _weight_module(k) in mine}
 
     def fit(self, model, modules, keys, batches, *, dtype, shard=(0, 1), reduce=None, progress=False,
-            eigenbases: "KFAC | None" = None):
+            eigenbases: "KFAC | None" = None, owners: Mapping[str, int] | None = None):
         """See :meth:`InfluenceMetric.fit`; ``eigenbases``: a fitted :class:`KFAC` on the same inputs whose factors
-        are taken instead of fitting them (EK-FAC corrects the eigenvalues of a saved K-FAC fit)."""
+        are taken instead of fitting them (EK-FAC corrects the eigenvalues of a saved K-FAC fit). ``owners`` (weight
+        key -> rank, ``shard_layers``: :func:`~.layer_shards.layer_owners`): this rank sums, decomposes and keeps
+        only the weights it owns (every rank's pairs of a weight are sent to its owner)."""
         if batches is None:
             raise ValueError(f"method={self.name!r} needs training batches to estimate the K-FAC factors")
         self.device = next(model.parameters()).device
+        mine = list(keys) if owners is None else [k for k in keys if owners[k] == shard[0]]
         if eigenbases is not None:
-            self.eigens = {k: {f: eigenbases.eigens[k][f] for f in _EIG_FIELDS} for k in keys}
+            self.eigens = {k: {f: eigenbases.eigens[k][f] for f in _EIG_FIELDS} for k in mine}
             stats = {"kfac_factors_reused": True}
         else:
             t0 = time.perf_counter()
@@ -595,23 +643,30 @@ class KFAC(InfluenceMetric, name="kfac"):
             for j, (mods, gkeys) in enumerate(groups):
                 factors = KFACFactors({m: modules[m] for m in mods}, self.factor_dtype)
                 desc = "K-FAC factors" + (f" {j + 1}/{len(groups)}" if len(groups) > 1 else "")
-                done = _factor_batches(model, batches, self.examples, shard, progress, desc, [factors], self)
-                owned = self._owned(modules, mods, gkeys, shard, reduce)
-                decomposed += len(gkeys if owned is None else owned)
-                self.eigens.update(factors.eigens(gkeys, reduce, owned=owned, device="cpu" if self.offload else None))
+                done = _factor_batches(model, batches, self.examples, shard, progress, desc, [factors], self, owners)
+                where = "cpu" if self.offload else None
+                if owners is None:
+                    owned = self._owned(modules, mods, gkeys, shard, reduce)
+                    decomposed += len(gkeys if owned is None else owned)
+                    self.eigens.update(factors.eigens(gkeys, reduce, owned=owned, device=where))
+                else:  # the owner's sums hold every rank's tokens: no reduction, no exchange
+                    gmine = [k for k in gkeys if owners[k] == shard[0]]
+                    decomposed += len(gmine)
+                    self.eigens.update(factors.eigens(gmine, device=where))
                 del factors
-            missing = [k for k in keys if k not in self.eigens]
+            missing = [k for k in mine if k not in self.eigens]
             if missing:
                 raise RuntimeError(f"no K-FAC statistics were collected for {missing[0]!r}: is it a tracked weight?")
-            self.eigens = {k: self.eigens[k] for k in keys}
+            self.eigens = {k: self.eigens[k] for k in mine}
             n = self._reduced_count(done, self.device, reduce)
             stats = {"kfac_examples_used": n, "kfac_seconds": time.perf_counter() - t0, "kfac_passes": len(groups),
                      "kfac_weights_decomposed": decomposed}
-        stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress))
-        self._build(keys, dtype)
+        stats.update(self._fit_more(model, modules, keys, batches, shard=shard, reduce=reduce, progress=progress,
+                                    owners=owners))
+        self._build(mine, dtype)
         return stats
 
-    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
+    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress, owners=None) -> dict:
         return {}
 
     def _target(self):
@@ -728,35 +783,38 @@ class EKFAC(KFAC, name="ekfac"):
     memory_levers = {**KFAC.memory_levers, "ekfac_corrections": "method kfac or tracin"}
 
     @classmethod
-    def memory_parts(cls, linears, config: "ScoringConfig"):
+    def memory_parts(cls, linears, config: "ScoringConfig", world: int = 1):
         """K-FAC's parts (:meth:`KFAC.memory_parts`), with the float32 scales ``[out, in]`` per tracked weight (the
         damped eigenbasis corrections) on the device as ``ekfac_corrections`` (with ``kfac_offload``: in
-        ``kfac_factors``, the largest weight's while applied). The corrections' sums stay on the host."""
+        ``kfac_factors``, the largest weight's while applied; with ``shard_layers``: the owned weights'). The
+        corrections' sums stay on the host."""
         c = config
-        parts = KFAC.memory_parts(linears, dataclasses.replace(c, method="ekfac"))
-        scales = 0.0 if c.kfac_offload else sum(4.0 * i * o for i, o in linears)
+        parts, mine = KFAC._memory_parts(linears, dataclasses.replace(c, method="ekfac"), world)
+        scales = 0.0 if c.kfac_offload else sum(4.0 * linears[j][0] * linears[j][1] for j in mine)
         return {**parts, "kfac_factors": parts["kfac_factors"] - scales, "ekfac_corrections": scales}
 
     def base_metric(self) -> KFAC:
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
         return KFAC(dataclasses.replace(self.config, method="kfac"))
 
-    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress) -> dict:
+    def _fit_more(self, model, modules, keys, batches, *, shard, reduce, progress, owners=None) -> dict:
         t0 = time.perf_counter()
         groups = self.groups(modules, keys)
         examples = 0
         for j, (mods, gkeys) in enumerate(groups):
+            if owners is not None:  # the owner's sums hold every rank's examples: no reduction
+                gkeys = [k for k in gkeys if owners[k] == shard[0]]
             corr = EigenCorrection({m: modules[m] for m in mods},
                                    {k: (self.eigens[k]["Q_h"], self.eigens[k]["Q_d"]) for k in gkeys},
                                    self.factor_dtype)
             desc = "EK-FAC eigenvalues" + (f" {j + 1}/{len(groups)}" if len(groups) > 1 else "")
-            examples = _factor_batches(model, batches, self.examples, shard, progress, desc, [corr], self)
+            examples = _factor_batches(model, batches, self.examples, shard, progress, desc, [corr], self, owners)
             for k in gkeys:
                 s = corr.sums.pop(k, None)
                 if s is None:
                     s = torch.zeros(len(self.eigens[k]["e_d"]), len(self.eigens[k]["e_h"]),
                                     dtype=torch.promote_types(self.eigens[k]["Q_h"].dtype, self.factor_dtype))
-                if reduce is not None:
+                if reduce is not None and owners is None:
                     s = reduce(s)
                 self.eigens[k]["lambda"] = s.cpu()
             del corr
@@ -764,7 +822,7 @@ class EKFAC(KFAC, name="ekfac"):
         if reduce is not None:
             device = next(model.parameters()).device
             n = reduce(n.reshape(1).to(device)).cpu().reshape(())
-        for k in keys:
+        for k in self.eigens:
             self.eigens[k]["n"] = n
         return {"ekfac_seconds": time.perf_counter() - t0}
 
@@ -790,11 +848,19 @@ def metric_names() -> tuple[str, ...]:
 
 def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str, nn.Module], keys: Sequence[str],
                 batches: Iterable[Mapping] | None, *, factors_dir: str | None, fingerprint: Mapping | None,
-                dtype: torch.dtype, shard=(0, 1), reduce=None, progress: bool = False, save: bool = True) -> dict:
+                dtype: torch.dtype, shard=(0, 1), reduce=None, progress: bool = False, save: bool = True,
+                owners: Mapping[str, int] | None = None) -> dict:
     """``metric.fit(...)``, or, with a ``factors_dir``, load the factors fitted before on the same inputs
     (``fingerprint``: model identity and factor-data digest; the metric's fit settings, the tracked weights and
     ``dtype`` are added here) and save newly fitted ones there (``save``: rank 0 only under several processes).
-    Returns the fit statistics (``factors``: the file, ``factors_reused``)."""
+    Returns the fit statistics (``factors``: the file, ``factors_reused``). ``owners`` (``shard_layers``: weight key
+    -> rank): each rank fits and keeps its own weights' factors (:meth:`KFAC.fit`); not with a ``factors_dir``."""
+    if owners is not None and metric.needs_factor_data:
+        if factors_dir is not None:
+            raise UserInputError("factors_dir: the factors of shard_layers are split across the ranks (each holds its "
+                                 "share) and are not saved or loaded; leave factors_dir out, or shard_layers false")
+        return metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress,
+                          owners=owners)
     if factors_dir is None or not metric.needs_factor_data:
         return metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
     from ..io.factors import factors_path, load_factors, save_factors

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..engine.fsdp import apply_fully_shard, data_parallel_mesh, is_sharded
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from .config import ScoringConfig
@@ -67,6 +68,14 @@ class InfluenceScoringModule(L.LightningModule):
             (factor-space projections for factorised layers:
             :class:`~iprox_lightning.scoring.features.FactorSpaceView`); loaded for the preparation only.
             ``None``: ``model``'s own.
+        checkpoints: score at several checkpoints and sum the scores (LESS; multi-checkpoint TracIn, K-FAC, ...): a
+            list of ``{path, weight}`` (a path alone: ``{path}``), each loaded like ``model`` (an adapter directory
+            with its base, unmerged) and scored with the same settings against its own validation gradients (and its
+            own factors, or its own optimiser state for ``method: less``); a row's score is ``Σ_c weight_c ·
+            score_c``, per task likewise (:func:`~.influence.checkpoint_sum`, as the API's
+            :func:`~.influence.multi_checkpoint_scores`). ``weight`` omitted: the learning rate recorded in the
+            checkpoint's ``optimizer_state.safetensors`` (LESS's weights). ``model`` is then not read. Every
+            checkpoint's model is held while the pool is scored.
     """
 
     @takes_settings(ScoringConfig, "scoring")
@@ -81,6 +90,7 @@ class InfluenceScoringModule(L.LightningModule):
         gguf_file: Optional[str] = None,
         trust_remote_code: bool = False,
         validation_model: Union[str, nn.Module, None] = None,
+        checkpoints: Optional[list] = None,
         scoring: Optional[ScoringConfig] = None,
     ) -> None:
         # not super(): the hyper-parameters are given whole (ProxyAlignModule.__init__ says why)
@@ -94,12 +104,19 @@ class InfluenceScoringModule(L.LightningModule):
                        trust_remote_code=trust_remote_code)
         if isinstance(validation_model, str):
             hparams["validation_model"] = validation_model
+        from .influence import check_checkpoints
+
+        self.checkpoints = check_checkpoints(checkpoints)
+        if self.checkpoints is not None:  # (hyper-parameters as before the option when it is not given)
+            hparams["checkpoints"] = self.checkpoints
+            hparams["model"] = model = self.checkpoints[0]["path"]
         self.save_hyperparameters(hparams)
         self.validation_model = validation_model
         self._vnet: nn.Module | None = None  # validation_model once loaded
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
-        self.scorer: InfluenceScorer | None = None
+        self.scorer: InfluenceScorer | None = None  # the first checkpoint's with several
+        self.scorers: list[tuple[float, InfluenceScorer]] = []  # (weight, scorer) of each checkpoint
         self.skip_ids: set[str] = set()
         self.n_scored = 0
         self.n_skipped = 0
@@ -111,14 +128,23 @@ class InfluenceScoringModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model and data
     def configure_model(self) -> None:
-        if self.net is not None:
-            return
-        from ..models.loading import load_model
+        """Load the model (idempotent); under ``ModelParallelStrategy`` (FSDP2) shard it per decoder block, each block
+        gathered for its forward and again for its backward (:func:`~iprox_lightning.engine.fsdp.apply_fully_shard`;
+        the engine's hooks take activations and their gradients, never a parameter)."""
+        if self.net is None:
+            from ..models.loading import load_model
 
-        hp = self.hparams
-        self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
-                                 trust_remote_code=hp.trust_remote_code, tokenizer=False)
-        self.net.eval()
+            hp = self.hparams
+            self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype,
+                                     attn_implementation=hp.attn_implementation,
+                                     trust_remote_code=hp.trust_remote_code, tokenizer=False,
+                                     merge_adapters=False)
+            self.net.eval()
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not is_sharded(self.net):
+            self._identity = self.model_identity()  # (of the whole weights: a shard hashes as its shape only)
+            self.net.requires_grad_(False)  # (no parameter gradient is ever taken: nothing to reduce-scatter)
+            apply_fully_shard(self.net, data_parallel_mesh(mesh), reshard_after_forward=True)
 
     def setup(self, stage: str) -> None:
         check_predict_examples(self, stage)
@@ -138,8 +164,14 @@ class InfluenceScoringModule(L.LightningModule):
     def scoring_config(self) -> dict[str, Any]:
         """The settings that must not change between a run and its resumption: the model's name, the
         :class:`ScoringConfig`, the factor split and the loading dtype."""
+        from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
+
         out = {"model": self.model_name, **self.config.to_dict(), "kfac_split": self.hparams.kfac_split,
                "dtype": self.hparams.dtype}
+        if scores_adapters(self.hparams.get("model", self.net)):  # a peft adapter: its adapters' gradients
+            out.update(ADAPTER_GRADIENTS)
+        if self.checkpoints is not None:  # the paths' identities are the fingerprint's model
+            out["checkpoint_weights"] = [c["weight"] for c in self.checkpoints]
         if self.validation_model is not None:  # only when set: earlier runs' fingerprints stay as they were
             vm = self.validation_model
             out["validation_model"] = vm if isinstance(vm, str) else type(vm).__name__
@@ -176,8 +208,12 @@ class InfluenceScoringModule(L.LightningModule):
         """The files of a local model dir / file, else a hash of the loaded weights."""
         if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
+        if getattr(self, "_identity", None) is not None:
+            return self._identity
         from ..io.fingerprint import model_identity
 
+        if self.checkpoints is not None:
+            return [model_identity(c["path"], self.net if j == 0 else None) for j, c in enumerate(self.checkpoints)]
         return model_identity(self.hparams.get("model", self.net), self.net)
 
     def validation_model_identity(self) -> Any:
@@ -192,33 +228,22 @@ class InfluenceScoringModule(L.LightningModule):
 
     # ------------------------------------------------------------------ prediction
     def on_predict_start(self) -> None:
-        from ..console import show_progress
-
         if self.net is None:
             self.configure_model()
-        self.scorer = InfluenceScorer(self.net, self.config, metric=self.metric)
-        val, fac = self._loaders()
-        strategy = self.trainer.strategy
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
         t0 = time.perf_counter()
-        fac_fp = None
-        if fac is not None and self.hparams.factors_dir:
-            from ..io.fingerprint import loader_digest
-
-            fac_fp = {"model": self.model_identity(), "data": loader_digest(fac), "kfac_split": self.hparams.kfac_split,
-                      "load_dtype": self.hparams.dtype}
         vmodel, self._vnet = self._vnet or self._load_validation_model(), None
         if vmodel is not None:
             vmodel.to(next(self.net.parameters()).device)
-        with torch.inference_mode(False), torch.enable_grad():
-            self.scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
-                            progress=show_progress(self.trainer), factors_dir=self.hparams.factors_dir,
-                            factors_fingerprint=fac_fp, validation_model=vmodel)
-            if self.scorer.pending_groups:  # column groups: a pass over this rank's pool per earlier group
-                loaders = self.trainer.predict_dataloaders
-                loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-                self.scorer.earlier_passes(_Chained(_replay(dl) for dl in loaders), skip_ids=self.skip_ids)
+        if self.checkpoints is None:
+            self.scorer = self._prepare(self.net, self.metric, self.hparams.get("model", self.net), vmodel)
+            self.scorers = [(1.0, self.scorer)]
+        else:  # one scorer per checkpoint, each with its model, metric and validation gradients
+            self.scorers = []
+            for j, c in enumerate(self.checkpoints):
+                net = self.net if j == 0 else self._load(c["path"])
+                metric = self.metric if j == 0 else self.config.build_metric()
+                self.scorers.append((c["weight"], self._prepare(net, metric, c["path"], vmodel)))
+            self.scorer = self.scorers[0][1]
         del vmodel  # only the preparation needs it
         st = self.scorer.settings()
         prepare_s = time.perf_counter() - t0
@@ -231,6 +256,44 @@ class InfluenceScoringModule(L.LightningModule):
                 metrics[f"scoring/val_examples/{t}"] = float(c)
             metrics["scoring/prepare_seconds"] = prepare_s
             self.logger.log_metrics(metrics, step=0)
+
+    def _load(self, source: str) -> nn.Module:
+        """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`)."""
+        from ..models.loading import load_model
+
+        hp = self.hparams
+        net, _ = load_model(source, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                            trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
+        return net.to(next(self.net.parameters()).device).eval()
+
+    def _prepare(self, net: nn.Module, metric, source: Any, vmodel: Optional[nn.Module]) -> InfluenceScorer:
+        """The scorer of one model (a checkpoint): its metric fitted (factors; LESS: the optimiser state saved with
+        ``source``) and its validation gradients, all-reduced under several processes."""
+        from ..console import show_progress
+        from ..io.fingerprint import model_identity
+        from .less import attach_optimizer_state
+
+        scorer = InfluenceScorer(net, self.config, metric=attach_optimizer_state(metric, source))
+        val, fac = self._loaders()
+        strategy = self.trainer.strategy
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
+        fac_fp = None
+        if fac is not None and self.hparams.factors_dir:
+            from ..io.fingerprint import loader_digest
+
+            identity = self.model_identity() if self.checkpoints is None else model_identity(source, net)
+            fac_fp = {"model": identity, "data": loader_digest(fac), "kfac_split": self.hparams.kfac_split,
+                      "load_dtype": self.hparams.dtype}
+        with torch.inference_mode(False), torch.enable_grad():
+            scorer.fit(val, fac, shard=(rank, world), reduce=reduce, gather=_gather_objects if world > 1 else None,
+                       progress=show_progress(self.trainer), factors_dir=self.hparams.factors_dir,
+                       factors_fingerprint=fac_fp, validation_model=vmodel)
+            if scorer.pending_groups:  # column groups: a pass over this rank's pool per earlier group
+                loaders = self.trainer.predict_dataloaders
+                loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+                scorer.earlier_passes(_Chained(_replay(dl) for dl in loaders), skip_ids=self.skip_ids)
+        return scorer
 
     def _load_validation_model(self) -> Optional[nn.Module]:
         """``validation_model`` loaded like ``model`` (same dtype and kernel)."""
@@ -277,6 +340,7 @@ class InfluenceScoringModule(L.LightningModule):
         self.n_skipped += int((~keep).sum())
         names = self.scorer.task_names
         if not bool(keep.any()):
+            self.scorer.take_part(batch)  # (shard_layers: the other ranks' pairs of this rank's weights)
             return _empty_result(names)
         if not bool(keep.all()):
             from .features import trim_batch
@@ -284,6 +348,15 @@ class InfluenceScoringModule(L.LightningModule):
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
         with torch.inference_mode(False), torch.enable_grad():
             out = self.scorer.score_batch(batch)
+            if len(self.scorers) > 1:  # several checkpoints: Σ_c w_c · score_c
+                from .influence import checkpoint_sum
+
+                parts = [out] + [sc.score_batch(batch) for _, sc in self.scorers[1:]]
+                if any(p["id"] != out["id"] for p in parts) or any(sc.task_names != names for _, sc in self.scorers):
+                    raise RuntimeError("checkpoints scored different rows or validation tasks")
+                out["score"], out["task_scores"], out["zero_grad"], out["nonfinite"] = checkpoint_sum(
+                    [w for w, _ in self.scorers], *([p[k] for p in parts]
+                                                    for k in ("score", "task_scores", "zero_grad", "nonfinite")))
         self.n_scored += len(out["id"])
         self.n_tokens += int(np.asarray(out["n_tokens"]).sum())
         self.n_nonfinite += int(np.asarray(out.get("nonfinite", ())).sum())

@@ -104,7 +104,8 @@ class GradientStoreModule(L.LightningModule):
         from ..models.loading import load_model
 
         hp = self.hparams
-        self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False)
+        self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False,
+                                 merge_adapters=False)
         self.net.eval()
 
     def model_identity(self) -> Any:
@@ -122,6 +123,10 @@ class GradientStoreModule(L.LightningModule):
                "target_patterns": None if patterns is None else list(patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
+        from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
+
+        if scores_adapters(hp.get("model", self.net)):  # a peft adapter: its adapters' gradients
+            out.update(ADAPTER_GRADIENTS)
         if hp.projection == "pca":  # (a gaussian store's fingerprint is as before the option)
             out.update(projection="pca", kfac_examples=self.config.kfac_examples, kfac_split=hp.kfac_split)
         precision = str(self.trainer.precision) if self._trainer is not None else None
@@ -166,6 +171,11 @@ class GradientStoreModule(L.LightningModule):
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         if self.metric.needs_factor_data:
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
+        elif not self.metric.fitted:  # fitted on no data (LESS: the checkpoint's optimiser state, read from the model)
+            from .less import attach_optimizer_state
+
+            attach_optimizer_state(self.metric, hp.get("model", self.net))
+            self.stats.update(self.metric.fit(self.net, modules, [v.key for v in linears], None, dtype=dtype))
         if projections is None and hp.projection == "pca":
             c = self.config  # the second moments of K-FAC's first pass, on the store's examples and loss
             moments = ScoringConfig(method="kfac", damping=c.damping, damping_mode=c.damping_mode,

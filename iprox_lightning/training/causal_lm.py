@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..engine.batch import check_batch, scored_logits
+from ..engine.fsdp import apply_fully_shard, is_sharded  # noqa: F401  (used here and by alignment/)
 from ..errors import UserInputError
 from .memory_levers import enable_checkpointing
 
@@ -97,30 +98,6 @@ def linear_warmup_decay(optimizer, total_steps: int, warmup_ratio: float, schedu
         return max(0.0, (total - step) / max(total - warm, 1))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def apply_fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool = True, offload_policy=None) -> int:
-    """FSDP2: ``fully_shard`` each decoder block (classes in ``model._no_split_modules``), then the root.
-    ``offload_policy``: FSDP2's (e.g. :func:`~.memory_levers.cpu_offload_policy`). Returns the number of blocks
-    sharded."""
-    from torch.distributed.fsdp import fully_shard
-
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    extra = {} if offload_policy is None else {"offload_policy": offload_policy}
-    for m in blocks:
-        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
-    return len(blocks)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 (``fully_shard``) manages ``model`` or one of its submodules."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -307,6 +284,12 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------- saving
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.lora_settings is not None:  # each step's learning rate: an epoch's mean is its LESS weight
+            from .lora import note_step_lr
+
+            note_step_lr(self, optimizer)
+
     def on_train_epoch_end(self) -> None:
         if self.lora_settings is not None and self.hparams.save_dir:
             from .lora import save_epoch_adapter

@@ -1,0 +1,259 @@
+"""LESS (issue 66): the Adam-preconditioned training gradient from a checkpoint's saved optimiser state against a real
+``torch.optim.AdamW`` step and a hand-computed update, SGD validation gradients, and its optimiser-state file."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from iprox_lightning.engine.batch import per_example_loss
+from iprox_lightning.errors import InputNotFoundError, UserInputError
+from iprox_lightning.io.optimizer_state import adam_state_of, read_adam_state, save_adam_state
+from iprox_lightning.scoring import influence_scores
+from iprox_lightning.scoring.config import ScoringConfig
+
+from test_lora_scoring import adapted_model
+from test_scoring_influence import BATCHING_ATOL, TRAIN, VAL, batches, collate
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
+
+BETAS, EPS = (0.9, 0.99), 1e-6  # not AdamW's defaults: the file's must be the ones used
+
+
+def trained(steps=3, seed=0):
+    """A LoRA-adapted tiny float64 model after ``steps`` AdamW steps on the training examples, and its optimiser."""
+    model = adapted_model(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.0)
+    for s in range(steps):
+        b = collate(TRAIN[3 * s:3 * s + 3])
+        loss, _ = per_example_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                   b["labels"])
+        opt.zero_grad()
+        loss.mean().backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model.eval(), opt
+
+
+def example_grad(model, ex) -> dict[str, torch.Tensor]:
+    """The autograd gradient of ``L(z)`` over the trained (adapter) parameters, by name."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    ids = ex["input_ids"][None]
+    loss, _ = per_example_loss(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, ex["labels"][None])
+    return dict(zip(names, torch.autograd.grad(loss.sum(), params)))
+
+
+def adamw_step_direction(model, opt, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``-(θ' − θ) / lr`` of one real AdamW step (weight decay 0) from a copy of the checkpoint's optimiser state with
+    the example's gradient: Adam's own update direction ``m̂ / (√v̂ + ε)``."""
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach().clone().requires_grad_(True) for n in grads}
+    step = torch.optim.AdamW(list(params.values()), lr=1.0, betas=BETAS, eps=EPS, weight_decay=0.0)
+    for n, p in params.items():
+        st = copy.deepcopy(opt.state[named[n]])
+        step.state[p] = st
+        p.grad = grads[n].clone()
+    before = {n: p.detach().clone() for n, p in params.items()}
+    step.step()
+    return {n: before[n] - p.detach() for n, p in params.items()}
+
+
+def less_repo_direction(model, opt, grads):
+    """princeton-nlp/LESS's ``obtain_gradients_with_adam``, written out: ``m' / √(v' + ε)``, no bias correction."""
+    named = dict(model.named_parameters())
+    out = {}
+    for n, g in grads.items():
+        st = opt.state[named[n]]
+        m1 = BETAS[0] * st["exp_avg"] + (1 - BETAS[0]) * g
+        v1 = BETAS[1] * st["exp_avg_sq"] + (1 - BETAS[1]) * g * g
+        out[n] = m1 / torch.sqrt(v1 + EPS)
+    return out
+
+
+def reference(model, opt, direction):
+    """LESS scores by brute force: cos(Γ(g(z)), ḡ_T) per validation task T, and against the mean of every task."""
+    flat = lambda d: torch.cat([t.reshape(-1) for t in d.values()])  # noqa: E731
+    train = [flat(direction(model, opt, example_grad(model, e))) if (e["labels"][1:] != -100).any() else None
+             for e in TRAIN]
+    val = [flat(example_grad(model, e)) for e in VAL]
+    tasks = sorted({e["task"] for e in VAL})
+    vt = {t: sum(v for v, e in zip(val, VAL) if e["task"] == t) for t in tasks}
+    vall = sum(val)
+    cos = lambda a, b: 0.0 if a is None else float(a @ b / (a.norm() * b.norm()))  # noqa: E731
+    return np.array([cos(g, vall) for g in train]), np.array([[cos(g, vt[t]) for t in tasks] for g in train])
+
+
+@pytest.mark.parametrize("adam", ["paper", "less_repo"])
+def test_less_scores_equal_the_adam_update_from_the_saved_moments(tmp_path, adam):
+    model, opt = trained()
+    path = save_adam_state(tmp_path / "optimizer_state.safetensors",
+                           adam_state_of(dict(model.named_parameters()), opt))
+    state = read_adam_state(tmp_path)
+    assert state.betas == BETAS and state.eps == EPS and set(state.step.values()) == {3}
+    metric = ScoringConfig(method="less", options={"adam": adam}).build_metric().use_optimizer_state(state)
+    table = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), metric=metric, progress=False)
+    want, want_t = reference(model, opt, adamw_step_direction if adam == "paper" else less_repo_direction)
+    # float64; batched and padded against one example at a time (BATCHING_ATOL, of the largest |score|)
+    np.testing.assert_allclose(table.scores, want, rtol=0, atol=BATCHING_ATOL)
+    np.testing.assert_allclose(table.task_scores, want_t, rtol=0, atol=BATCHING_ATOL)
+    assert table.settings["method"] == "less" and table.settings["adam"] == adam
+    # not TracIn: the preconditioning changes the scores
+    sgd = influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), progress=False)
+    assert np.abs(sgd.scores - table.scores).max() > 1e-2
+    assert path.name == "optimizer_state.safetensors"
+
+
+def test_a_missing_or_foreign_optimizer_state_is_refused(tmp_path):
+    model, opt = trained(steps=1)
+    with pytest.raises(InputNotFoundError, match="no Adam optimizer state"):
+        read_adam_state(tmp_path)
+    with pytest.raises(UserInputError, match="method less needs the checkpoint's Adam optimizer state"):
+        influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), method="less", progress=False)
+    state = adam_state_of({f"other.{n}": p for n, p in model.named_parameters()}, opt)
+    metric = ScoringConfig(method="less").build_metric().use_optimizer_state(state)
+    with pytest.raises(UserInputError, match="holds no Adam moments for 'base_model"):
+        influence_scores(model, batches(TRAIN, 4), batches(VAL, 3), metric=metric, progress=False)
+    with pytest.raises(UserInputError, match="options.adam of method less must be one of"):
+        ScoringConfig(method="less", options={"adam": "sgd"}).build_metric()
+
+
+# ------------------------------------------------------------------------------------------------- the commands
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+DEMO_DATA = {"builtin_size": 120, "max_length": 64, "batch_size": 16}
+
+
+def guide_commands() -> list[list[str]]:
+    """The arguments of the GUIDE's "Reproduce LESS on the demo" commands, as written: the tests below run them
+    (with a smaller pool, fewer epochs and their outputs in a temporary directory given after them)."""
+    import re
+    import shlex
+
+    from test_readme import GUIDE, bash_commands, doc_section
+
+    (block,) = re.findall(r"```bash\n(.*?)```", doc_section(GUIDE, "## LoRA: adapter gradients and LESS"), re.S)
+    cmds = [shlex.split(c) for c in bash_commands(block)]
+    assert [c[:3] for c in cmds] == [["python", "train.py", s] for s in ("fit", "predict", "select")]
+    return [[str(ROOT / a) if a.startswith("configs/") else a for a in c[2:]] for c in cmds]
+
+
+@pytest.fixture(scope="module")
+def less_warmup(tmp_path_factory):
+    """``configs/less/warmup.yaml`` on the demo (2 epochs here, r 8, a small pool): the LoRA warm-up's directory."""
+    from iprox_lightning.cli import main
+
+    root = tmp_path_factory.mktemp("less")
+    main([*guide_commands()[0], "--trainer.max_epochs", "2",
+          "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+          str(root), "--model.init_args.save_dir", str(root / "warmup"),
+          "--model.init_args.lora", '{"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}',
+          *[a for k, v in DEMO_DATA.items() for a in (f"--data.init_args.{k}", str(v))]])
+    return root / "warmup"
+
+
+def _score(tmp_path, name, warm, **init_args):
+    """``configs/less/score.yaml`` (with ``init_args`` over it) on the demo: the score table."""
+    import yaml
+
+    from iprox_lightning.cli import main
+    from iprox_lightning.scoring.influence import ScoreTable
+
+    out = tmp_path / name
+    cfg = {"trainer": {"logger": False, "enable_progress_bar": False, "default_root_dir": str(tmp_path), "callbacks": [
+        {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(out)}}]},
+        "model": {"init_args": init_args}, "data": {"init_args": {"tokenizer": str(warm), **DEMO_DATA}}}
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    main([*guide_commands()[1], "--config", str(tmp_path / f"{name}.yaml")])
+    return ScoreTable.load(str(out))
+
+
+def test_less_checkpoint_sum_equals_each_checkpoint_scored_alone_and_summed(less_warmup, tmp_path):
+    """``--model.checkpoints`` (configs/less/score.yaml): the LESS scores summed over the warm-up's checkpoints with
+    the epochs' mean learning rates equal each checkpoint scored on its own (``--model.model``) and summed with those
+    weights; then ``select --rule max`` selects from the table."""
+    from iprox_lightning.cli import main
+    from iprox_lightning.io.optimizer_state import read_adam_state
+
+    ckpts = [less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2)]
+    lrs = [read_adam_state(c).lr for c in ckpts]
+    assert lrs[0] != lrs[1] and all(lr > 0 for lr in lrs)  # the linear schedule: each epoch its own mean
+    both = _score(tmp_path, "both", less_warmup, checkpoints=[{"path": str(c)} for c in ckpts])
+    alone = [_score(tmp_path, f"alone{j}", less_warmup, checkpoints=None, model=str(c)) for j, c in enumerate(ckpts)]
+    assert both.ids == alone[0].ids == alone[1].ids and len(both) == 120 and len(both.task_names) > 1
+    recorded = both.settings["fingerprint"]["settings"]
+    assert recorded["method"] == "less" and recorded["gradients"] == "adapters" and recorded["checkpoint_weights"] == lrs
+    # the same per-checkpoint numbers (the same computation, batch by batch), summed in float64: equal to rounding
+    want = lrs[0] * alone[0].scores + lrs[1] * alone[1].scores
+    np.testing.assert_allclose(both.scores, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    want_t = lrs[0] * alone[0].task_scores + lrs[1] * alone[1].task_scores
+    np.testing.assert_allclose(both.task_scores, want_t, rtol=1e-12, atol=1e-12 * np.abs(want_t).max())
+    assert np.abs(alone[0].scores - alone[1].scores).max() > 1e-3  # the checkpoints differ
+    # a changed weight is another result: never reused
+    from iprox_lightning.io.fingerprint import FingerprintMismatch
+
+    with pytest.raises(FingerprintMismatch):
+        _score(tmp_path, "both", less_warmup, checkpoints=[{"path": str(c), "weight": 1.0} for c in ckpts])
+    out = tmp_path / "less.jsonl"
+    main([*guide_commands()[2], "--scores_path", str(tmp_path / "both"), "--k", "6", "--output", str(out),
+          "--builtin_size", "120", "--quiet", "true"])
+    rows = [l for l in out.read_text().splitlines() if l.strip()]
+    assert len(rows) == 6
+
+
+def test_less_store_unprojected_equals_exact_less_scoring(less_warmup, tmp_path):
+    """``build_store --method less`` on a checkpoint's adapter directory, unprojected (k above every side), queried
+    with the plain validation gradients: the exact LESS scores of that checkpoint (``predict``)."""
+    from iprox_lightning.cli import main
+    from iprox_lightning.io.scores import read_settings
+    from iprox_lightning.scoring.influence import ScoreTable
+
+    ckpt = less_warmup / "adapters" / "epoch_1"
+    exact = _score(tmp_path, "exact", less_warmup, checkpoints=[{"path": str(ckpt), "weight": 1.0}])
+    store, out = tmp_path / "store", tmp_path / "query"
+    main(["build_store", "--model", str(ckpt), "--tokenizer", str(less_warmup), "--pool", "builtin",
+          "--builtin_size", "120", "--max_length", "64", "--batch_size", "16", "--method", "less", "--k", "100000",
+          "--output_dir", str(store), "--progress", "false"])
+    main(["query", "--store", str(store), "--validation", "builtin", "--output_dir", str(out), "--progress", "false"])
+    got = ScoreTable.load(str(out / "scores.parquet"))
+    assert read_settings(out)["scorer"]["method"] == "less"
+    assert got.ids == exact.ids and got.task_names == exact.task_names
+    # float32 rows and a float32 exact run, in other batches and orders; Γ divides each gradient entry by √v̂ + ε, which
+    # scales float32 rounding up where v̂ is small: up to 1.05e-5 of these cosines measured, 1e-4 allowed
+    np.testing.assert_allclose(got.task_scores, exact.task_scores, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got.scores, exact.scores, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("a/b", r"checkpoints must be a non-empty list of \{path, weight\}"),
+    ([], r"checkpoints must be a non-empty list"),
+    ([{"weight": 1.0}], r"checkpoints\[0\] must be \{path, weight\}"),
+    ([{"path": "x", "weight": 1.0, "lr": 2}], r"checkpoints\[0\] must be \{path, weight\}"),
+    ([{"path": "x", "weight": "big"}], r"checkpoints\[0\]\.weight must be a finite number"),
+    ([{"path": "x", "weight": float("nan")}], r"checkpoints\[0\]\.weight must be a finite number"),
+])
+def test_bad_checkpoints_are_refused_naming_the_entry(bad, message):
+    from iprox_lightning.scoring import InfluenceScoringModule
+
+    with pytest.raises(UserInputError, match=message):
+        InfluenceScoringModule(checkpoints=bad)
+
+
+def test_a_checkpoint_without_weight_or_optimizer_state_is_refused(tmp_path):
+    from iprox_lightning.scoring import InfluenceScoringModule
+
+    with pytest.raises(InputNotFoundError, match=r"checkpoints\[1\]: no weight given and no optimizer_state"):
+        InfluenceScoringModule(checkpoints=[{"path": str(tmp_path), "weight": 1.0}, {"path": str(tmp_path)}])
+
+
+def test_check_refuses_less_before_loading_anything(tmp_path):
+    """LESS scores a LoRA checkpoint with its Adam moments: ``check`` (a proxy against its dense target) refuses it
+    at once, naming the metrics it takes (``pipeline --method less``: tests/test_hostile_inputs.py)."""
+    from iprox_lightning.cli import main
+
+    with pytest.raises(UserInputError, match="check with tracin, kfac or ekfac"):
+        main(["check", "--target", "builtin", "--proxy", "builtin", "--output_dir", str(tmp_path / "c"),
+              "--method", "less"])
+    assert not (tmp_path / "c").exists()
