@@ -46,6 +46,15 @@ GGUF = "/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 POOL = "/work/shared/data/pool/instructions.jsonl"
 
 
+def append_run(out: Path, result: dict) -> None:
+    """Add ``result`` to the record ``out`` (``{"runs": [...]}``, made if absent) and print its ratio."""
+    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    record["runs"].append(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
+
+
 def _status_bytes(key: str) -> int | None:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -400,12 +409,7 @@ def stage1_main(argv: list[str]) -> None:
     result = stage1_measure(args)
     result["code"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result["command_line"] = "python bench/plan_memory.py --stage1 " + " ".join(argv)
-    out = Path(a.out)
-    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    record["runs"].append(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
+    append_run(Path(a.out), result)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -544,12 +548,7 @@ def scoring_main(argv: list[str]) -> None:
               "ratio": [plan["peak"] / m for m in measured], "seconds": time.time() - t0, "plan": plan,
               "code": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
               "command_line": "python bench/plan_memory.py --scoring " + " ".join(argv)}
-    out = Path(a.out)
-    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    record["runs"].append(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
+    append_run(Path(a.out), result)
 
 
 def main() -> None:

@@ -11,24 +11,18 @@ Tolerance ±20%, the issue's target.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "plan"
 
 
 def _bench():
-    if "plan_scoring_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("plan_scoring_bench", ROOT / "bench" / "plan_scoring.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["plan_scoring_bench"] = module
-    return sys.modules["plan_scoring_bench"]
+    return load_bench("plan_scoring")
 
 
 def _recorded():

@@ -6,20 +6,17 @@ settings (no model run: a plan change that breaks the agreement fails). Toleranc
 take 15-20 minutes each on this (loaded) CPU: the commands are in the JSON, ``command_line``."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("plan_memory_bench", ROOT / "bench" / "plan_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("plan_memory")
 
 
 def _recorded_runs():

@@ -8,23 +8,17 @@ lock above ~2 GB); each JSON holds its command (``command``).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))  # (plan_stage2 imports plan_memory's shapes)
-    spec = importlib.util.spec_from_file_location("plan_stage2_bench", ROOT / "bench" / "plan_stage2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("plan_stage2")
 
 
 def _recorded():

@@ -319,14 +319,9 @@ def _recorded_levers():
 def test_plan_is_within_20_percent_of_the_measured_warm_up_per_lever(args, setting, run):
     """This checkout's plan against the warm-up peaks ``bench/plan_levers.py`` measured on the CPU per memory lever
     (a live measurement takes minutes per setting, too slow for the suite): within ±20%, the issue's target."""
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import load_bench
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("plan_levers_bench", root / "bench" / "plan_levers.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    plan = bench.predicted({**args, "setting": setting})
+    plan = load_bench("plan_levers").predicted({**args, "setting": setting})
     assert 0.8 <= plan["peak"] / run["measured_bytes"] <= 1.2, (plan["parts"], run["measured_bytes"])
 
 
