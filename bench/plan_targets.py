@@ -90,7 +90,15 @@ def _cell(s: dict) -> str:
     if s["fits"]:
         return f"yes, {gib:.1f}" + (f": {levers}" if levers else "")
     parts = ", ".join(f"{k} {v / 1024**3:.1f}" for k, v in s["largest_parts"].items())
-    return f"**no**, {gib:.1f} at {levers or 'no lever'} ({parts})"
+    fits_at = ""
+    if s.get("nearest_fitting"):
+        words = []
+        for near in s["nearest_fitting"]:
+            (key, value), = near["setting"].items()
+            words.append(f"{'T' if key == 'max_length' else key} {value} ({near['peak'] / 1024**3:.1f}"
+                         + (f": {short_levers(near['settings'])})" if near["settings"] else ")"))
+        fits_at = "; fits at " + " or ".join(words)
+    return f"**no**, {gib:.1f} at {levers or 'no lever'} ({parts}){fits_at}"
 
 
 def markdown(results: dict) -> str:

@@ -91,6 +91,35 @@ def test_nothing_fits_gives_the_lowest_setting_and_its_largest_parts(counts):
     assert f"largest: {top}" in F.reason(f, 1e6)
 
 
+def test_a_stage_that_fits_at_no_lever_names_the_nearest_run_setting_it_fits_at(model, counts):
+    """Stage 2 on a device between its lowest peak at T 256 and at T 384 (the paper's T 512 fits at no lever): the
+    nearest settings named are T 256 (the first T, longest first, at which the search fits; at T 448 and 384 it
+    does not) and bf16-true where it fits; each is the fit the search gives at that setting."""
+    run = counts[0]
+    stage = F.STAGE2
+
+    def lowest(**over):
+        alt = dataclasses.replace(run, **over)
+        return F.fit_stages(*M.model_counts(model, alt), alt, 1.0, [stage])[0].plan.peak
+
+    at = {t: lowest(max_length=t) for t in (512, 448, 384, 256)}
+    assert at[512] > at[448] > at[384] > at[256]
+    memory = (at[384] + at[256]) / 2
+    report = F.fit_report(*counts[1], run, memory, model=model)
+    f = next(f for f in report["stages"] if f.stage == stage)
+    assert not f.fits
+    near = {tuple(n["setting"].items())[0]: n for n in f.nearest_fitting}
+    assert ("max_length", 256) in near and not any(k == "max_length" and v != 256 for k, v in near)
+    bf16 = lowest(precision="bf16-true")
+    assert (("precision", "bf16-true") in near) == (bf16 <= memory)
+    for (key, value), n in near.items():
+        alt = dataclasses.replace(run, **{key: value})
+        again = F.fit_stages(*M.model_counts(model, alt), alt, memory, [stage])[0]
+        assert again.fits and n["peak"] == again.plan.peak <= memory and n["settings"] == again.settings
+    assert "fits at max_length 256" in "\n".join(F.table_lines(report["stages"], memory, run.method))
+    assert f.to_dict(memory)["nearest_fitting"] == f.nearest_fitting
+
+
 def test_a_roomy_device_needs_no_lever_and_no_overlay(counts):
     run = counts[0]
     report = F.fit_report(*counts[1], run, 1e13)

@@ -171,6 +171,7 @@ class StageFit:
     base: M.StagePlan
     run: M.RunSettings = field(repr=False)
     tried: int = 0
+    nearest_fitting: list[dict[str, Any]] | None = None  # (fits at no lever) the run settings it fits at
 
     @property
     def levers(self) -> list[str]:
@@ -185,6 +186,7 @@ class StageFit:
             out["over_by"] = self.plan.peak - device_memory
             out["reason"] = reason(self, device_memory)
             out["plan_levers"] = list(self.plan.levers)
+            out["nearest_fitting"] = self.nearest_fitting
         return out
 
 
@@ -220,6 +222,35 @@ def fit_stages(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activations, 
     if unknown:
         raise ValueError(f"no such plan stage(s): {unknown}; the stages: {list(fns)}")
     return [fit_stage(s, fns[s], sizes, run, device_memory) for s in names]
+
+
+NEAREST_SETTINGS = (("max_length", 448), ("max_length", 384), ("max_length", 256), ("precision", "bf16-true"))
+"""Run settings outside the levers, tried for a stage that fits at no lever: the first that fits of each (the longest
+T, then bf16-true) is named, never applied (each changes what is computed: a shorter T truncates examples, bf16-true
+trains in bfloat16)."""
+
+
+def nearest_fitting(model: str, run: M.RunSettings, stage: str, device_memory: float) -> list[dict[str, Any]]:
+    """Per run setting of :data:`NEAREST_SETTINGS` (T, precision), the first value at which ``stage`` of ``model`` fits,
+    with the levers the search then needs: ``[{"setting": {key: value}, "peak": bytes, "settings": {lever: value},
+    "levers": [in words]}]`` (empty: none fits)."""
+    found: dict[str, dict[str, Any]] = {}
+    for key, value in NEAREST_SETTINGS:
+        if key in found or getattr(run, key) == value or (key == "max_length" and value >= run.max_length):
+            continue
+        alt = dataclasses.replace(run, **{key: value})
+        sizes, acts, acts32 = M.model_counts(model, alt)
+        f = fit_stages(sizes, acts, acts32, alt, device_memory, [stage])[0]
+        if f.fits:
+            found[key] = {"setting": {key: value}, "peak": f.plan.peak, "settings": f.settings, "levers": f.levers}
+    return list(found.values())
+
+
+def with_nearest_fitting(fits: list[StageFit], model: str, run: M.RunSettings, device_memory: float) -> None:
+    """Each stage that fits at no lever gets its :func:`nearest_fitting` settings (in place)."""
+    for f in fits:
+        if not f.fits:
+            f.nearest_fitting = nearest_fitting(model, run, f.stage, device_memory)
 
 
 def applies(stage: str, method: str) -> bool:
@@ -410,16 +441,27 @@ def table_lines(fits: Iterable[StageFit], device_memory: float, method: str) -> 
             what = "; ".join(f.levers) or "none (the configs' settings)"
         else:
             what = f"nearest: {'; '.join(f.levers) or 'the configs settings'} — {reason(f, device_memory)}"
+            if f.nearest_fitting:
+                what += "; fits at " + " or ".join(nearest_words(n) for n in f.nearest_fitting)
         rows.append((f.stage, "yes" if f.fits else "NO", size(f.plan.peak), what + info))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
 
 
+def nearest_words(n: Mapping[str, Any]) -> str:
+    """A :func:`nearest_fitting` result in words: ``precision bf16-true (54.4 GiB: micro-batch 1)``."""
+    (key, value), = n["setting"].items()
+    return f"{key} {value} ({size(n['peak'])}" + (f": {'; '.join(n['levers'])})" if n["levers"] else ")")
+
+
 def fit_report(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activations, run: M.RunSettings,
-               device_memory: float) -> dict[str, Any]:
+               device_memory: float, model: str | None = None) -> dict[str, Any]:
     """Every stage's fit, exact TracIn's route and the overlay: ``{"stages": [StageFit], "tracin": ..., "overlay":
-    ...}`` (what ``plan --fit`` prints and writes)."""
+    ...}`` (what ``plan --fit`` prints and writes); with ``model``, a stage that fits at no lever names its
+    :func:`nearest_fitting` setting."""
     fits = fit_stages(sizes, acts, acts32, run, device_memory)
+    if model is not None:
+        with_nearest_fitting(fits, model, run, device_memory)
     by = {f.stage: f for f in fits}
     route = tracin_route(sizes, run, device_memory, by["scoring (tracin)"], by[STORE]) \
         if "scoring (tracin)" in by and STORE in by else None
@@ -434,6 +476,7 @@ def fit_target(model: str, run: M.RunSettings, device_memory: str | float,
     memory = M.parse_bytes(device_memory)
     sizes, acts, acts32 = M.model_counts(model, run)
     fits = fit_stages(sizes, acts, acts32, run, memory, stages)
+    with_nearest_fitting(fits, model, run, memory)
     by = {f.stage: f for f in fits}
     route = None
     if "scoring (tracin)" in by:

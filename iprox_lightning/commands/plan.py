@@ -198,7 +198,7 @@ def _fit(sizes, acts, acts32, run, device_bytes, args: dict):
     from ..analysis import fit as F
     from ..errors import UserInputError
 
-    report = F.fit_report(sizes, acts, acts32, run, device_bytes)
+    report = F.fit_report(sizes, acts, acts32, run, device_bytes, model=args["model"])
     import json
 
     # the command's own settings that differ from plan's defaults (the levers are the fit's; --batch_size the fit's
