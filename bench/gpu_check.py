@@ -628,8 +628,8 @@ def score_part(args, rec: PartRecord) -> None:
 
     import plan_memory
     from iprox_lightning.analysis import ModelSizes, RunSettings, saved_activation_bytes
-    from iprox_lightning.analysis.memory import scoring_plan
-    from iprox_lightning.scoring.module import InfluenceScoringModule
+    from iprox_lightning.analysis import scoring_plan
+    from iprox_lightning.scoring import InfluenceScoringModule
 
     cuda = args.device == "cuda"
     B, T = args.score_batch_size, args.score_max_length

@@ -442,7 +442,7 @@ def scoring_child(args: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import transformers.models.llama.modeling_llama  # noqa: F401  (before the baseline)
-    from iprox_lightning.scoring.module import InfluenceScoringModule
+    from iprox_lightning.scoring import InfluenceScoringModule
 
     torch.set_num_threads(args["threads"])
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -497,7 +497,7 @@ def scoring_plan_of(args: dict) -> dict:
     from transformers import AutoConfig
 
     from iprox_lightning.analysis import ModelSizes, RunSettings, saved_activation_bytes
-    from iprox_lightning.analysis.memory import scoring_plan
+    from iprox_lightning.analysis import scoring_plan
 
     d = dict(SCORING_SHAPES[args["shape"]])
     config = AutoConfig.for_model(d.pop("model_type"), **d)

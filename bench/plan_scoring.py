@@ -80,7 +80,7 @@ def child(args: dict) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     from iprox_lightning.scoring import influence_scores  # noqa: F401
-    from iprox_lightning.scoring.store import GradientStoreModule, GradientStoreWriter  # noqa: F401
+    from iprox_lightning.scoring import GradientStoreModule, GradientStoreWriter  # noqa: F401
     from plan_memory import PeakSampler, stage1_config, vm_hwm
 
     torch.set_num_threads(args["threads"])
@@ -106,7 +106,7 @@ def child(args: dict) -> None:
     else:
         import lightning as L
 
-        from iprox_lightning.scoring.store import GradientStoreModule, GradientStoreWriter
+        from iprox_lightning.scoring import GradientStoreModule, GradientStoreWriter
 
         module = GradientStoreModule(model, k=args["k"], **STORE_SETTINGS[args["setting"]])
         writer = GradientStoreWriter(args["out_dir"], write_every_n_batches=args["write_every_n_batches"])

@@ -47,7 +47,7 @@ def config_of(shape: str, layers: int):
     from plan_memory import STAGE1_SHAPES, stage1_config
 
     from iprox_lightning.analysis import load_config, with_layers
-    from iprox_lightning.analysis.memory import NAMED_SHAPES
+    from iprox_lightning.analysis import NAMED_SHAPES
 
     if shape in NAMED_SHAPES or shape not in STAGE1_SHAPES:
         return with_layers(load_config(shape), layers)
