@@ -1,5 +1,6 @@
 """The README's "Your own model" recipe, exactly as written, on the real SmolLM2-135M GGUF, the real pool and the eval
-suites (slow: 22 minutes on 2 idle AMD EPYC cores, 9 on Intel AVX-512, the README's measured number; asserted within twice that).
+suites (slow: 13 minutes on 2 idle AMD EPYC cores at two torch threads, as CI runs it, the README's measured number;
+asserted within twice that).
 
 It runs from a temporary directory laid out like a clone, where ``../shared`` is the shared folder, so every path of the
 block resolves as it does for a user and the outputs land in the temporary directory. Asserted: what the recipe
