@@ -5,7 +5,8 @@ functions ``plan`` prints (:func:`stage_functions`: no second memory model). Eve
 lever on (the configs' batch, no micro-batches, checkpointing, partitions or offloading) and tries, in order, tiers of
 levers from the cheapest to the dearest; within a tier the batch (or micro-batch, or probe group) from the largest
 down. The first candidate that fits is the stage's setting; a stage where none fits gets the candidate with the
-lowest peak (the nearest setting) and the parts that keep it above the device.
+lowest peak (the nearest setting) and the parts that keep it above the device; :func:`nearest_fitting` then names
+the run settings outside the levers (a shorter T, bf16-true) at which it would fit, without applying them.
 
 ==========================  ===========================================================  ==================================
 stage                       tiers, cheapest first                                        largest first within a tier
@@ -17,9 +18,9 @@ Stage 1 (IPSVD)             none                                                
                                                                                          of the share, then fewer per group
 Stage 2 (alignment)         none; activation checkpointing                               ``align_micro_batch_size``: divisors
                                                                                          of the build batch (accumulated)
-scoring (each metric)       ordered by the dearest lever used: column groups > host      ``batch_size`` of scoring: divisors
-                            holding > K-FAC offload > K-FAC partitions > bfloat16        of the batch (each example's score
-                            holding of the validation gradients                          is its own)
+scoring (each metric)       ordered by the dearest lever used: column groups >           ``batch_size`` of scoring: divisors
+                            ``shard_layers`` (several devices) > host holding > K-FAC    of the batch (each example's score
+                            offload > K-FAC partitions > bfloat16 validation gradients   is its own)
 store build                 none; ``gradient_checkpointing``                             ``batch_size``: divisors
 ==========================  ===========================================================  ==================================
 
