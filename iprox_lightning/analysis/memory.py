@@ -729,12 +729,9 @@ def planned_metrics() -> dict:
     """The influence metrics ``plan`` prices, by name: every registered one (each class declares its memory,
     ``memory_parts`` / ``memory_levers``, and its factor passes) but those that score a LoRA checkpoint's adapter
     gradients with its optimiser state (``needs_optimizer_state``: LESS), which do not score the dense model."""
-    # (torch; the other scoring imports here are made where used). LESS registers on import: imported here so the
-    # registry is whole whichever scoring module came first
-    from ..scoring import less  # noqa: F401
-    from ..scoring.metrics import InfluenceMetric
+    from ..scoring.config import metric_registry  # (torch, on call: the scoring imports here are made where used)
 
-    return {n: c for n, c in InfluenceMetric.registry.items() if not getattr(c, "needs_optimizer_state", False)}
+    return {n: c for n, c in metric_registry().items() if not getattr(c, "needs_optimizer_state", False)}
 
 
 def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,

@@ -95,15 +95,14 @@ class ScoringConfig:
         # the metric registry, the feature modes and the losses live beside torch: read when a config is built,
         # never by a command's --help (which reads this module for the commands' signatures)
         from ..engine.batch import check_loss_reduction
-        from . import less  # noqa: F401  (registers method "less" beside metrics' own)
         from .features import FEATURE_MODES
-        from .metrics import InfluenceMetric, metric_names
+        from .metrics import metric_names
 
         if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
             object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
         if self.feature_mode not in FEATURE_MODES:
             raise UserInputError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}")
-        if self.method not in InfluenceMetric.registry:
+        if self.method not in metric_registry():
             raise UserInputError(f"method must be one of {metric_names()}, got {self.method!r}")
         check_damping(self.damping, self.damping_mode)
         if self.kfac_examples < 1:
@@ -123,7 +122,7 @@ class ScoringConfig:
         if self.damping_target not in DAMPING_TARGETS:
             raise UserInputError(f"damping_target must be one of {DAMPING_TARGETS}, got {self.damping_target!r}")
         object.__setattr__(self, "validation_gradients", check_validation_gradients(self.validation_gradients))
-        own = InfluenceMetric.registry[self.method].options
+        own = metric_registry()[self.method].options
         unknown = sorted(set(self.options or {}) - set(own))
         if unknown:
             raise UserInputError(f"options {unknown} are not options of method {self.method!r} (its options: "
@@ -177,6 +176,15 @@ VALIDATION_GRADIENTS = {"dtype": ("float32", "bfloat16"), "device": ("same", "cp
 """The keys of :attr:`ScoringConfig.validation_gradients` and their choices (``None``: an integer >= 1)."""
 VALIDATION_DEFAULTS = {"dtype": "float32", "device": "same", "column_groups": 1}
 """Today's holding: float32 (the scoring precision) on the model's device, every column in one pass."""
+
+
+def metric_registry() -> dict:
+    """Every influence metric by name (``InfluenceMetric.registry``), whole: LESS's metric, which lives in its own
+    module and registers when imported, is imported here first (what every reader of the registry calls)."""
+    from . import less  # noqa: F401
+    from .metrics import InfluenceMetric
+
+    return InfluenceMetric.registry
 
 
 def check_validation_gradients(value: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
