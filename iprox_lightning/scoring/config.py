@@ -64,12 +64,10 @@ class ScoringConfig:
             columns split into ``N`` groups, one group's validation gradients held at a time, each scored in its own
             pass over the validation set and the pool (``N`` times the scoring work, ``1/N`` of the bytes; at most one
             group per column). ``train.py plan`` counts the holding (:mod:`iprox_lightning.analysis.memory`).
-        shard_layers: under several processes, each rank holds the K-FAC / EK-FAC factor sums and factors and the
-            validation gradients of its share of the tracked weights only (largest first within each of the
-            ``kfac_partitions`` groups), and every rank's pairs ``(h, δ)`` of a weight are sent to its owner, which
-            computes that weight's part of every rank's statistics and scores (:mod:`.layer_shards`). The same
-            scores up to the order of the sums (default ``False``: every rank holds every weight's; one process: no
-            effect). Not with ``factors_dir``.
+        shard_layers: under several processes, each rank holds the K-FAC / EK-FAC factors and validation gradients of
+            its largest-first share of the tracked weights only; each weight's pairs ``(h, δ)`` go to its owner
+            (:mod:`.layer_shards`). Same scores up to the order of the sums (default ``False``). Not with
+            ``factors_dir``.
     """
 
     method: str = "tracin"

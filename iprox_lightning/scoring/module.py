@@ -69,13 +69,10 @@ class InfluenceScoringModule(L.LightningModule):
             :class:`~iprox_lightning.scoring.features.FactorSpaceView`); loaded for the preparation only.
             ``None``: ``model``'s own.
         checkpoints: score at several checkpoints and sum the scores (LESS; multi-checkpoint TracIn, K-FAC, ...): a
-            list of ``{path, weight}`` (a path alone: ``{path}``), each loaded like ``model`` (an adapter directory
-            with its base, unmerged) and scored with the same settings against its own validation gradients (and its
-            own factors, or its own optimiser state for ``method: less``); a row's score is ``Σ_c weight_c ·
-            score_c``, per task likewise (:func:`~.influence.checkpoint_sum`, as the API's
-            :func:`~.influence.multi_checkpoint_scores`). ``weight`` omitted: the learning rate recorded in the
-            checkpoint's ``optimizer_state.safetensors`` (LESS's weights). ``model`` is then not read. Every
-            checkpoint's model is held while the pool is scored.
+            list of ``{path, weight}``, each loaded like ``model`` (an adapter directory with its base) and scored
+            against its own validation gradients; a row's score is ``Σ_c weight_c · score_c``
+            (:func:`~.influence.checkpoint_sum`). ``weight`` omitted: the learning rate in the checkpoint's
+            ``optimizer_state.safetensors``. ``model`` is then not read.
     """
 
     @takes_settings(ScoringConfig, "scoring")
