@@ -1,6 +1,7 @@
 """Build a gradient store: the pool's projected per-example gradients, once, for any later query."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from ..engine.settings import takes_settings
@@ -73,20 +74,18 @@ def build_store(
             input, the backward recomputes one block at a time): less memory, about one more forward of time, the
             same vectors.
     """
-    import time
+    import lightning as L  # lazy: --help
 
-    import lightning as L
-
-    from ..console import progress_lines, quiet_lightning_tips, quiet_stage
-    from ..data import SFTDataModule
-    from ..io.gradient_store import read_info
-    from ..scoring.store import GradientStoreModule, GradientStoreWriter
-    from .lightning import StopOnSigterm
+    from ..console import progress_lines, quiet_lightning_tips, quiet_stage  # lazy: --help
+    from ..data import SFTDataModule  # lazy: --help
+    from ..io.gradient_store import read_info  # lazy: --help
+    from ..scoring.store import GradientStoreModule, GradientStoreWriter  # lazy: --help
+    from .lightning import StopOnSigterm  # lazy: --help
 
     quiet_lightning_tips()
-    from ..data.pool import check_output_is_not_input
-    from ..engine.precision import check_precision
-    from ..io.output_guard import check_output_not_input
+    from ..data.pool import check_output_is_not_input  # lazy: --help
+    from ..engine.precision import check_precision  # lazy: --help
+    from ..io.output_guard import check_output_not_input  # lazy: --help
 
     check_output_is_not_input(output_dir, pool, "output_dir")
     check_output_not_input(output_dir, {"model": model}, "output_dir")
@@ -109,7 +108,7 @@ def build_store(
         trainer.predict(module, datamodule=dm, return_predictions=False)
     info = read_info(output_dir)
     if trainer.global_rank == 0:
-        from ..io.gradient_store import write_info
+        from ..io.gradient_store import write_info  # lazy: --help
 
         info["build_seconds"] = time.perf_counter() - t0  # of this run (a resumed build: its part)
         write_info(output_dir, info)

@@ -1,6 +1,11 @@
 """Baseline scores: RDS+ (cosine of position-weighted mean-pooled final hidden states to each validation task)."""
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+from ..errors import OutputExistsError
+
 
 def rds_scores(
     model: str,
@@ -33,19 +38,15 @@ def rds_scores(
         overwrite: replace the scores of an ``output_dir`` that holds another run's (another selector's table or
             other settings); the same settings again are re-written.
     """
-    import time
-    from pathlib import Path
+    from ..baselines.rds import rds_table  # lazy: --help
+    from ..engine.batch import resolve_device  # lazy: --help
+    from ..data import SFTDataModule  # lazy: --help
+    from ..io.fingerprint import loader_digest, source_identity  # lazy: --help
+    from ..io.score_dir import write_settings  # lazy: --help
+    from ..models.loading import load_model  # lazy: --help
 
-    from ..baselines.rds import rds_table
-    from ..engine.batch import resolve_device
-    from ..data import SFTDataModule
-    from ..io.fingerprint import loader_digest, source_identity
-    from ..io.score_dir import write_settings
-    from ..models.loading import load_model
-
-    from ..data.pool import check_output_is_not_input
-    from ..errors import OutputExistsError
-    from ..io.scores import read_settings
+    from ..data.pool import check_output_is_not_input  # lazy: --help
+    from ..io.scores import read_settings  # lazy: --help
 
     out = Path(output_dir)
     check_output_is_not_input(out, pool, "output_dir")
@@ -53,7 +54,7 @@ def rds_scores(
     settings = {"method": "rds+", "max_length": max_length}
     other_run = old is not None and (old.get("fingerprint") or {}).get("settings") != settings
     if other_run and overwrite:
-        from ..io.ownership import check_owned
+        from ..io.ownership import check_owned  # lazy: --help
 
         check_owned(out, "scores", option="--overwrite true", what="its scores would be replaced")
     if other_run and not overwrite:
@@ -69,7 +70,7 @@ def rds_scores(
     t0 = time.perf_counter()
     table = rds_table(dm.predict_dataloader(), dm.validation_dataloader(), net)
     wall = time.perf_counter() - t0
-    from ..io.ownership import make_owned_dir
+    from ..io.ownership import make_owned_dir  # lazy: --help
 
     make_owned_dir(out, "scores")
     path = table.save(str(out / "scores.parquet"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from ..errors import OutputExistsError, OutputIsDirectoryError, UserInputError
+
 
 def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 0, overwrite: bool = False) -> str:
     """Draw ``n`` records of ``pool`` without replacement, each stratum (value of the field ``by``) getting its share
@@ -20,10 +22,9 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
         seed: seed of the draw within each stratum.
         overwrite: replace ``output`` even when it holds something else.
     """
-    from ..data.sources import iter_rows, write_records_jsonl
-    from ..data.splits import stratified_sample
-    from ..errors import OutputExistsError, OutputIsDirectoryError, UserInputError
-    from ..io.records import DataFormatError, json_id, normalize_row
+    from ..data.sources import iter_rows, write_records_jsonl  # lazy: --help
+    from ..data.splits import stratified_sample  # lazy: --help
+    from ..io.records import DataFormatError, json_id, normalize_row  # lazy: --help
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserInputError(f"--n must be >= 1, got {n}")
@@ -38,7 +39,7 @@ def sample_pool(pool: str, n: int, output: str, by: str = "source", seed: int = 
     if src.exists() and (out.resolve() == src.resolve() or (src.is_dir() and out.resolve().is_relative_to(src.resolve()))):
         raise UserInputError(f"--output {out} would {'replace' if src.is_file() else 'go inside'} the pool {pool}; "
                          "choose another output file")
-    from ..io.output_guard import check_output_not_input
+    from ..io.output_guard import check_output_not_input  # lazy: --help
 
     check_output_not_input(out, {"pool": str(pool)}, "--output")  # by identity: a hard link of the pool too
     rows, seen, counters = [], {}, {}
