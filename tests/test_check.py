@@ -215,7 +215,7 @@ def test_check_stratified_sample_cached_gradients_and_estimate(models, tmp_path,
 
 
 def test_check_resumes_after_an_interrupted_run(models, tmp_path, spy, monkeypatch):
-    import iprox_lightning.commands.check as check_cmd
+    import iprox_lightning.workflow.check as check_cmd
 
     real = check_cmd._load
 
@@ -245,7 +245,7 @@ def test_check_scores_an_iprox_proxy_against_the_targets_validation_gradients(mo
     table equals the product's ``tracin_scores(proxy, ..., validation_model=target)`` on the check's own sample;
     ``--proxy_validation proxy`` gives its own, another cache entry and another ranking; a plain model's default is
     its own."""
-    import iprox_lightning.commands.check as check_cmd
+    import iprox_lightning.workflow.check as check_cmd
     from iprox_lightning import compress_model, save_proxy
     from iprox_lightning.models.builtin import builtin_model
     from iprox_lightning.scoring.influence import ScoreTable, tracin_scores

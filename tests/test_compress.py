@@ -190,7 +190,7 @@ def test_summary_states_what_the_proxy_cannot_compress_and_warns_once(caplog, tm
     warning says it once when the whole model saves less than half of ρ."""
     import logging
 
-    from iprox_lightning.commands.pipeline import _uncompressible
+    from iprox_lightning.workflow.summary import _uncompressible
 
     vocab, hidden = 4096, 32
     model = tiny_causal_lm("gemma3", seed=0, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=True)

@@ -152,6 +152,7 @@ WING_FLOORS = [
     {"analysis"},
     {"baselines"},
     {"callbacks", "modules"},
+    {"workflow"},  # the pipeline's orchestration: its stages run or reused, per-task selection, summary
     {"commands"},
     {"cli", "iprox_lightning"},
 ]

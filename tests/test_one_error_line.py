@@ -148,7 +148,7 @@ def test_a_trainer_the_machine_cannot_run_is_one_line(tmp_path):
 def test_a_failed_stage_process_is_one_line_naming_its_log(tmp_path, monkeypatch):
     """A stage run in its own processes (``--devices 2``) that failed ended the pipeline in a RuntimeError
     traceback with 30 lines of the stage's output; it is one line: the stage's last line and the log's path."""
-    from iprox_lightning.commands.pipeline import StageProcessFailed, _run_stage_process
+    from iprox_lightning.workflow.stages import StageProcessFailed, _run_stage_process
     from iprox_lightning.errors import UserError
 
     monkeypatch.setenv("IPROX_DEBUG", "1")  # the stage's own error keeps its traceback: a failure, not a user error

@@ -137,7 +137,8 @@ def test_cache_keeps_a_symlinked_and_a_hard_linked_copy_of_its_own_cache(tmp_pat
 def test_cache_under_root_lists_no_system_folder_and_a_vanishing_folder_is_skipped(tmp_path, monkeypatch, capsys):
     """``cache --under /`` listed 67 system folders named ``cache`` (site-packages too) as the package's, and a temp
     folder that vanished during the walk gave ``FileNotFoundError``."""
-    import iprox_lightning.commands.cache as cache_cmd
+    import iprox_lightning.io.caches as caches
+    from iprox_lightning.models.loading import cache_root
     from iprox_lightning.io import ownership
 
     monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "ipx"))
@@ -159,14 +160,14 @@ def test_cache_under_root_lists_no_system_folder_and_a_vanishing_folder_is_skipp
     assert main(["cache", "--under", str(tmp_path)]) == []
     monkeypatch.setattr(ownership, "owned_kind", real)
     assert all((site / p).is_dir() for p in ("pip/_internal/cache", "jedi/cache", "torch/cache"))
-    listed = cache_cmd.cache_entries([str(Path(sys.prefix))])  # a real site-packages: none of its folders is ours
+    listed = caches.cache_entries(cache_root(), [str(Path(sys.prefix))])  # a real site-packages: none of its folders is ours
     assert [e for e in listed if e.ours] == []
 
 
 def test_an_older_versions_cache_without_marker_is_listed_kept_and_left_to_the_user(tmp_path, monkeypatch, capsys):
     """Caches written before markers hold none: ``cache --under`` lists one that looks like a check / store cache as
     not ours and says to delete it by hand; ``--clear`` and ``check --keep_validation_cache false`` keep it."""
-    from iprox_lightning.commands.check import _drop_validation_cache
+    from iprox_lightning.workflow.check import _drop_validation_cache
     from iprox_lightning.scoring.check_cache import CheckCache
 
     monkeypatch.setenv("IPROX_CACHE", str(tmp_path / "ipx"))

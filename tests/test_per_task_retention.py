@@ -208,7 +208,7 @@ def demo(tmp_path_factory):
 
 
 def test_pipeline_summary_reports_each_validation_task(demo, capsys):
-    from iprox_lightning.commands.pipeline import _format_summary
+    from iprox_lightning.workflow.summary import _format_summary
 
     wd, s = demo
     target, lengths = _read(wd / "scores" / "target" / "scores.parquet")

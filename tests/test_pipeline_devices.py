@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from iprox_lightning.commands import pipeline as pipeline_command
+from iprox_lightning.workflow import pipeline as workflow, settings as workflow_settings, stages as workflow_stages
 from iprox_lightning.errors import UserInputError
 
 HARDWARE = dict(accelerator="cpu", devices=1, num_nodes=1, strategy="ddp", precision="bf16-mixed")
@@ -28,16 +29,16 @@ def test_every_stage_overlay_gets_the_trainer_hardware_and_evaluation_its_device
         ran.append(args)
         raise _Stop
 
-    hardware = pipeline_command.trainer_hardware(**HARDWARE)
-    stages = pipeline_command._stage_runner(tmp_path, None, True, False, {"target": "builtin", "pool": "builtin",
+    hardware = workflow_settings.trainer_hardware(**HARDWARE)
+    stages = workflow_stages._stage_runner(tmp_path, None, True, False, {"target": "builtin", "pool": "builtin",
                                                                           "validation": "builtin"}, hardware, stop)
     data = {"pool": "builtin", "validation": "builtin", "seed": 0}
     warm, proxy = tmp_path / "warmup" / "model", tmp_path / "proxy" / "model"
     steps = {
-        "warmup": lambda: pipeline_command._warm_up(stages, "builtin", data, 0),
-        "build_proxy": lambda: pipeline_command._build_proxy(stages, warm, data, 0, 0.5, None),
-        "score_target": lambda: pipeline_command._score_pool(stages, warm, proxy, data, 0, "tracin"),
-        "finetune_random": lambda: pipeline_command._finetune_and_evaluate(
+        "warmup": lambda: workflow._warm_up(stages, "builtin", data, 0),
+        "build_proxy": lambda: workflow._build_proxy(stages, warm, data, 0, 0.5, None),
+        "score_target": lambda: workflow._score_pool(stages, warm, proxy, data, 0, "tracin"),
+        "finetune_random": lambda: workflow._finetune_and_evaluate(
             stages, warm, {"random": tmp_path / "random.jsonl"}, [], "builtin", "builtin", data, 0, None),
     }
     for name, step in steps.items():
@@ -48,15 +49,15 @@ def test_every_stage_overlay_gets_the_trainer_hardware_and_evaluation_its_device
         assert ran[-1][-1] == str(tmp_path / "configs" / f"{name}.yaml")  # the overlay is the last config
     # the held-out evaluation (not a Trainer: one process) gets the accelerator's device and the precision
     seen = {}
-    monkeypatch.setattr(pipeline_command._StageRunner, "run", lambda self, *a, **k: None)
+    monkeypatch.setattr(workflow_stages._StageRunner, "run", lambda self, *a, **k: None)
     monkeypatch.setattr("iprox_lightning.evaluation.effect.selection_effect",
                         lambda *a, **k: seen.update(k) or {"metrics": {}})
-    pipeline_command._finetune_and_evaluate(stages, warm, {"random": tmp_path / "random.jsonl"}, [], "builtin",
+    workflow._finetune_and_evaluate(stages, warm, {"random": tmp_path / "random.jsonl"}, [], "builtin",
                                             "builtin", data, 0, None)
     assert (seen["device"], seen["precision"]) == ("cpu", "bf16-mixed")
     # not given: the stage configs' own values (no key in the overlay)
-    assert pipeline_command.trainer_hardware("cpu", 1, None, None, None) == {"accelerator": "cpu", "devices": 1}
-    assert pipeline_command.trainer_hardware("gpu", 2, None, "lightning.pytorch.strategies.ModelParallelStrategy",
+    assert workflow_settings.trainer_hardware("cpu", 1, None, None, None) == {"accelerator": "cpu", "devices": 1}
+    assert workflow_settings.trainer_hardware("gpu", 2, None, "lightning.pytorch.strategies.ModelParallelStrategy",
                                              "bf16-true")["strategy"] == {
         "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}
 

@@ -195,7 +195,7 @@ def test_plan_fit_refuses_what_fits_at_no_setting(model, capsys):
 
 
 def _demo_plan(plan, device_memory=None, **kw):
-    from iprox_lightning.commands.pipeline import stage_plan
+    from iprox_lightning.workflow.plan import stage_plan
 
     args = dict(target="builtin", hardware={"accelerator": "cpu", "devices": 1}, config_dir=None, demo=True,
                 data_args={"pool": "builtin", "validation": "builtin", "seed": 0}, sparsity=0.5, align_epochs=None,

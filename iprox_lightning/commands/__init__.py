@@ -12,7 +12,9 @@ defines ``<name>(...)``, then add the name to :data:`COMMANDS`. A command that i
 """
 from __future__ import annotations
 
+import ast
 from importlib import import_module
+from importlib.util import find_spec
 from typing import Callable
 
 TRAINER_COMMANDS = {
@@ -45,9 +47,6 @@ def command(name: str) -> Callable:
 def summary(name: str) -> str:
     """One line saying what command ``name`` does (the first line of its module's docstring), read from the module's
     source without importing it: ``train.py --help`` lists every command without loading torch or Lightning."""
-    import ast
-    from importlib.util import find_spec
-
     spec = find_spec(COMMAND_HOMES.get(name, f".{name}"), __name__)
     with open(spec.origin, encoding="utf-8") as f:
         doc = ast.get_docstring(ast.parse(f.read())) or ""

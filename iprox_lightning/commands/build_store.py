@@ -73,58 +73,14 @@ def build_store(
             input, the backward recomputes one block at a time): less memory, about one more forward of time, the
             same vectors.
     """
-    import time
+    from ..scoring.store_build import BuildStoreSettings, run_build_store  # lazy: --help (it loads Lightning)
+    from .lightning import StopOnSigterm  # lazy: --help
 
-    import lightning as L
-
-    from ..console import progress_lines, quiet_lightning_tips, quiet_stage
-    from ..data import SFTDataModule
-    from ..io.gradient_store import read_info
-    from ..scoring.store import GradientStoreModule, GradientStoreWriter
-    from .lightning import StopOnSigterm
-
-    quiet_lightning_tips()
-    from ..data.pool import check_output_is_not_input
-    from ..engine.precision import check_precision
-    from ..io.output_guard import check_output_not_input
-
-    check_output_is_not_input(output_dir, pool, "output_dir")
-    check_output_not_input(output_dir, {"model": model}, "output_dir")
-    check_precision(precision, "build_store")
-    module = GradientStoreModule(model, k=k, seed=seed, projection=projection, dtype=dtype,
-                                 attn_implementation=attn_implementation, factors_dir=factors_dir,
-                                 gradient_checkpointing=gradient_checkpointing, scoring=scoring)
-    dm = SFTDataModule(pool=pool, validation=None, tokenizer=tokenizer or model, max_length=max_length,
-                       batch_size=batch_size, seed=data_seed, builtin_size=builtin_size)
-    data = {"tokenizer": tokenizer or model, "max_length": max_length, "prompt_template": dm.prompt_template,
-            "truncation": dm.truncation, "builtin_size": builtin_size, "batch_size": batch_size}
-    writer = GradientStoreWriter(output_dir, store_dtype=store_dtype, write_every_n_batches=write_every_n_batches,
-                                 overwrite=overwrite, extra_info={"tokenization": data})
-    t0 = time.perf_counter()
-    with quiet_stage():  # one summary line, not Lightning's "GPU available" / "TPU available" lines (warnings show)
-        trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_model_summary=False,
-                            enable_progress_bar=progress, inference_mode=False,
-                            callbacks=[writer, StopOnSigterm(), *progress_lines()],
-                            enable_checkpointing=False, **({"precision": precision} if precision else {}))
-        trainer.predict(module, datamodule=dm, return_predictions=False)
-    info = read_info(output_dir)
-    if trainer.global_rank == 0:
-        from ..io.gradient_store import write_info
-
-        info["build_seconds"] = time.perf_counter() - t0  # of this run (a resumed build: its part)
-        write_info(output_dir, info)
-        print(f"build_store: {info['rows']} pool examples, {info['dim']} numbers each ({store_dtype}; "
-              f"{_size(info['bytes_per_example'])} per example, {_size(info['bytes'])} in all), "
-              f"in {time.perf_counter() - t0:.1f} s -> {output_dir}")
-    return output_dir
-
-
-def _size(n: float | None) -> str:
-    """``n`` bytes for a reader: ``"120 B"``, ``"1.5 KiB"``, ``"3.2 MiB"``."""
-    if n is None:
-        return "?"
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    i = 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+    return run_build_store(BuildStoreSettings(
+        model=model, output_dir=output_dir, pool=pool, tokenizer=tokenizer, k=k, seed=seed,
+        projection=projection, store_dtype=store_dtype, max_length=max_length, batch_size=batch_size,
+        builtin_size=builtin_size, data_seed=data_seed, dtype=dtype, attn_implementation=attn_implementation,
+        devices=devices, accelerator=accelerator, write_every_n_batches=write_every_n_batches,
+        overwrite=overwrite, progress=progress, factors_dir=factors_dir, precision=precision,
+        gradient_checkpointing=gradient_checkpointing, scoring=scoring),
+        [StopOnSigterm()])

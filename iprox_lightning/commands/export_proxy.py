@@ -15,7 +15,7 @@ def export_proxy(proxy: str, output: str, dtype: str | None = None, overwrite: b
         dtype: dtype of the exported weights (float32, bfloat16, float16, float64); default: the proxy's.
         overwrite: replace the contents of a non-empty output directory (never a proxy directory).
     """
-    from ..io.proxy import export_proxy as export
+    from ..io.proxy import export_proxy as export  # lazy: --help
 
     out = export(proxy, output, dtype=dtype, overwrite=overwrite)
     print(f"export_proxy: wrote a dense Hugging Face model of {proxy} to {out} "

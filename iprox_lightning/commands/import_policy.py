@@ -6,8 +6,15 @@ Kept apart from :mod:`.lightning` so that every command's parsing (and ``--help`
 """
 from __future__ import annotations
 
+import os
+import re
+import sys
+from argparse import Namespace
 from contextlib import contextmanager
 from pathlib import Path
+
+import yaml
+from jsonargparse import ArgumentParser, _common, _typehints, _util, set_parsing_settings
 
 from ..errors import UserInputError
 
@@ -20,9 +27,6 @@ IMPORTS_ENV = "IPROX_ALLOW_IMPORTS"
 
 def allowed_imports() -> list[str] | None:
     """:data:`ALLOWED_IMPORTS` plus the packages named in ``$IPROX_ALLOW_IMPORTS`` (``None``: any import allowed)."""
-    import os
-    import re
-
     extra = [e.strip() for e in os.environ.get(IMPORTS_ENV, "").split(",") if e.strip()]
     bad = [e for e in extra if e != "*" and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", e)]
     if bad:
@@ -74,7 +78,6 @@ def restricted_imports():
     if allowed is None:
         yield
         return
-    from jsonargparse import _common, _typehints, _util, set_parsing_settings
 
     saved = {k: _common.parsing_settings[k] for k in ("import_path_verdicts", "import_paths_enforced")}
     check = _common.check_import_path
@@ -116,8 +119,6 @@ _GROUP_KEYS = {"init_args", "dict_kwargs"}  # spelled or not on the command line
 def allowed_code() -> set[str]:
     """The :data:`CODE_OPT_INS` keys ``$IPROX_ALLOW_CODE`` allows (every key for ``1`` / ``true`` / ``yes`` / ``*``);
     a name that is none of these is refused, naming the variable."""
-    import os
-
     given = [k.strip() for k in os.environ.get(CODE_ENV, "").split(",") if k.strip()]
     if any(k.lower() in _ALL for k in given):
         return set(CODE_OPT_INS)
@@ -139,8 +140,6 @@ def _runs_code(key: str, v) -> bool:
 
 def _yaml_value(text: str):
     """A command-line value as jsonargparse reads it (YAML: ``true``, ``True``, ``yes``, ``on`` are true)."""
-    import yaml
-
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
@@ -195,8 +194,6 @@ def command_line_opt_ins(argv: list[str]) -> dict[tuple[str, ...], object]:
 def _opt_ins_set(node, path: tuple[str, ...] = (), source=None):
     """``(dotted path, key, source)`` for every :data:`CODE_OPT_INS` key of a resolved config (jsonargparse
     ``Namespace``, dicts, lists) set to its code-running value; ``source``: the group file it was read from, if any."""
-    from argparse import Namespace
-
     if isinstance(node, Namespace):
         node = vars(node)
     if isinstance(node, dict):
@@ -218,8 +215,6 @@ def check_code_opt_ins(config, argv: list[str]) -> None:
     ``argv`` sets that very key to that value itself or :data:`CODE_ENV` allows the key. The error names the key and
     the file it came from. A same-named key of another group on the command line (``--data.init_args.
     trust_remote_code``) does not count, nor a value that does not run code."""
-    from argparse import Namespace
-
     allowed = allowed_code()
     given = None
     for path, key, source in _opt_ins_set(config):
@@ -248,8 +243,6 @@ def _source_file(source, configs: list, path: tuple[str, ...], key: str) -> str:
 
     if source is not None:
         return name(source)
-    import yaml
-
     for cfg in reversed(configs):
         try:
             data = yaml.safe_load(Path(name(cfg)).read_text())
@@ -264,13 +257,10 @@ def _source_file(source, configs: list, path: tuple[str, ...], key: str) -> str:
 def opt_in_checking_parser():
     """A jsonargparse ``ArgumentParser`` class whose ``parse_args`` checks the resolved configuration with
     :func:`check_code_opt_ins` before the caller builds or runs anything (the ``parser_class`` of a command's CLI)."""
-    from jsonargparse import ArgumentParser
 
     class OptInCheckingParser(ArgumentParser):
         def parse_args(self, args=None, *rest, **kwargs):
             cfg = super().parse_args(args, *rest, **kwargs)
-            import sys
-
             check_code_opt_ins(cfg, list(sys.argv[1:] if args is None else args))
             return cfg
 

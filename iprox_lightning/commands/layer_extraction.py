@@ -29,10 +29,10 @@ def layer_extraction(
         seed: seed of the sample.
         dtype: dtype of the saved model.
     """
-    from ..baselines.layer_extraction import run_layer_extraction
-    from ..data.pool import check_output_is_not_input
-    from ..data.sft import pool_sample_datamodule
-    from ..io.output_guard import check_output_not_input
+    from ..baselines.layer_extraction import run_layer_extraction  # lazy: --help
+    from ..data.pool import check_output_is_not_input  # lazy: --help
+    from ..data.sft import pool_sample_datamodule  # lazy: --help
+    from ..io.output_guard import check_output_not_input  # lazy: --help
 
     check_output_not_input(output_dir, {"model": model, "tokenizer": tokenizer}, "output_dir")
     check_output_is_not_input(output_dir, pool, "output_dir")

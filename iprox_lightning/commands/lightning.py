@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 
 import torch
+from jsonargparse import set_parsing_settings
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ..console import add_console_callbacks, quiet_lightning_tips
 from ..errors import UserInputError
 from .import_policy import (ALLOWED_IMPORTS, CODE_ENV, CODE_OPT_INS, IMPORTS_ENV, MOVED_MODULES,  # noqa: F401
                             allowed_imports, check_code_opt_ins, moved_path, restricted_imports)
@@ -31,8 +35,6 @@ def hide_torch_module_subclasses() -> None:
     of that option, which buries a module's own options under ``--model.help <Name>``. Declared a type without
     subclasses on the command line, ``nn.Module`` keeps accepting its Python objects and the help lists only the
     module's options. (Process-wide jsonargparse setting; idempotent.)"""
-    from jsonargparse import set_parsing_settings
-
     set_parsing_settings(subclasses_disabled=[is_torch_module_base])
 
 
@@ -83,10 +85,6 @@ class IProXCLI(LightningCLI):
         check_manual_optimization(self.model, self.trainer)
 
     def _instantiate_trainer(self, config, callbacks):
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-        from ..console import add_console_callbacks
-
         config = add_console_callbacks(config)
         config["callbacks"] = list(config["callbacks"]) + [StopOnSigterm()]
         try:
@@ -118,8 +116,6 @@ class StopOnSigterm(Callback):
 
     def on_predict_batch_end(self, trainer, *args, **kwargs) -> None:
         if getattr(trainer, "received_sigterm", False):
-            from lightning.pytorch.utilities.exceptions import SIGTERMException
-
             raise SIGTERMException()
 
 
@@ -130,8 +126,6 @@ def run_lightning(args: list[str] | None = None, *, run: bool = True) -> IProXCL
     LightningCLI while it runs: it would otherwise warn that both were given, although only
     ``args`` are parsed. Re-runs may reuse a log dir (the saved config is overwritten).
     """
-    from ..console import quiet_lightning_tips
-
     quiet_lightning_tips()
     hide_torch_module_subclasses()
     saved = sys.argv

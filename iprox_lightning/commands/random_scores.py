@@ -1,6 +1,11 @@
 """Baseline scores: seeded random scores for every pool example (random selection through the same select step)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from ..errors import OutputExistsError, OutputIsDirectoryError
+
 
 def random_scores(output: str, pool: str = "builtin", seed: int = 0, overwrite: bool = False) -> str:
     """Seeded random scores for every pool example (random selection via ``select``).
@@ -12,13 +17,9 @@ def random_scores(output: str, pool: str = "builtin", seed: int = 0, overwrite: 
         overwrite: replace an existing ``output`` that holds other scores (another selector's table, another seed
             or pool); the same scores again are left as they are.
     """
-    import os
-    from pathlib import Path
-
-    from ..baselines.random_selection import random_scores as draw
-    from ..data.pool import check_output_is_not_input, read_pool
-    from ..errors import OutputExistsError, OutputIsDirectoryError
-    from ..io.scores import read_scores, write_scores
+    from ..baselines.random_selection import random_scores as draw  # lazy: --help
+    from ..data.pool import check_output_is_not_input, read_pool  # lazy: --help
+    from ..io.scores import read_scores, write_scores  # lazy: --help
 
     out = Path(output)
     check_output_is_not_input(out, pool, "output")

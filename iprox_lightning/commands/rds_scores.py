@@ -1,6 +1,8 @@
 """Baseline scores: RDS+ (cosine of position-weighted mean-pooled final hidden states to each validation task)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def rds_scores(
     model: str,
@@ -33,50 +35,8 @@ def rds_scores(
         overwrite: replace the scores of an ``output_dir`` that holds another run's (another selector's table or
             other settings); the same settings again are re-written.
     """
-    import time
-    from pathlib import Path
+    from ..baselines.rds_run import write_rds_scores  # lazy: --help
 
-    from ..baselines.rds import rds_table
-    from ..engine.batch import resolve_device
-    from ..data import SFTDataModule
-    from ..io.fingerprint import loader_digest, source_identity
-    from ..io.score_dir import write_settings
-    from ..models.loading import load_model
-
-    from ..data.pool import check_output_is_not_input
-    from ..errors import OutputExistsError
-    from ..io.scores import read_settings
-
-    out = Path(output_dir)
-    check_output_is_not_input(out, pool, "output_dir")
-    old = read_settings(out) or None
-    settings = {"method": "rds+", "max_length": max_length}
-    other_run = old is not None and (old.get("fingerprint") or {}).get("settings") != settings
-    if other_run and overwrite:
-        from ..io.ownership import check_owned
-
-        check_owned(out, "scores", option="--overwrite true", what="its scores would be replaced")
-    if other_run and not overwrite:
-        raise OutputExistsError(f"output_dir {out} holds another run's scores ({out / 'settings.json'}: method "
-                                f"{old.get('method')!r}); pass --overwrite true to replace them, or choose another "
-                                "output_dir")
-    dm = SFTDataModule(pool=pool, validation=validation, tokenizer=tokenizer or model, max_length=max_length,
-                       batch_size=batch_size, seed=seed, builtin_size=builtin_size)
-    dm.setup("predict")
-    dm.setup("validate")
-    net, _ = load_model(model, tokenizer=False)
-    net.to(resolve_device(device))
-    t0 = time.perf_counter()
-    table = rds_table(dm.predict_dataloader(), dm.validation_dataloader(), net)
-    wall = time.perf_counter() - t0
-    from ..io.ownership import make_owned_dir
-
-    make_owned_dir(out, "scores")
-    path = table.save(str(out / "scores.parquet"))
-    write_settings(out, {"method": "rds+", **table.settings, "wall_s": wall, "pool": dm.pool_provenance(),
-                         "fingerprint": {
-        "model": source_identity(model), "settings": settings,
-        "pool": loader_digest(dm.predict_dataloader()), "validation": loader_digest(dm.validation_dataloader())}})
-    print(f"rds_scores: RDS+ scores of {len(table)} pool examples against {len(table.task_names)} validation "
-          f"task(s) in {wall:.1f} s -> {path}")
-    return path
+    return write_rds_scores(model, Path(output_dir), pool=pool, validation=validation, tokenizer=tokenizer,
+                            max_length=max_length, batch_size=batch_size, seed=seed, builtin_size=builtin_size,
+                            device=device, overwrite=overwrite)

@@ -41,9 +41,9 @@ def regression_scorer(
         batch_size: examples per batch.
         seed: seed of the hold-out split and training.
     """
-    from ..io.scores import read_scores, write_scores
-    from ..data.sft import pool_sample_datamodule
-    from ..baselines.regression_scorer import build_regression_lm, fit_regression_scorer, predict_scores
+    from ..io.scores import read_scores, write_scores  # lazy: --help
+    from ..data.sft import pool_sample_datamodule  # lazy: --help
+    from ..baselines.regression_scorer import build_regression_lm, fit_regression_scorer, predict_scores  # lazy: --help
 
     dm = pool_sample_datamodule(pool, tokenizer or backbone, holdout_fraction, max_length=max_length,
                                 batch_size=batch_size, seed=seed)
@@ -53,7 +53,7 @@ def regression_scorer(
                                     weight_decay=weight_decay, seed=seed)
     scores = predict_scores(scorer, dm.dataloader("pool"))
     path = write_scores(scores, output)
-    from ..io.jsonfile import write_json
+    from ..io.jsonfile import write_json  # lazy: --help
 
     write_json(Path(str(path) + ".json"), {"baseline": "regression_scorer", "backbone": backbone,
                                            "holdout": len(dm.ids("construction")), "history": history})

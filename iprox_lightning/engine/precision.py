@@ -3,7 +3,7 @@
 ``bf16-mixed`` runs the forward under ``torch.autocast`` (matmuls in bfloat16, the weights and their gradients
 float32); ``bf16-true`` casts the weights to bfloat16 and runs everything in it; ``32-true`` (``None``) changes
 nothing. Lightning's ``Trainer(precision=...)`` does this for every stage it runs; the store query
-(``commands/query.py``) computes its validation gradients by hand and uses :func:`precision_context` so that a store
+(``scoring/store_query.py``) computes its validation gradients by hand, under :func:`precision_context` so that a store
 built under a precision is queried under the same one. What stays float32/64 in every precision:
 ``docs/GUIDE.md`` (Precision).
 """
