@@ -39,6 +39,9 @@ VARIANTS = {  # name: ProxyAlignModule settings
     "checkpointing": {"activation_checkpointing": True},
     "micro_batch_1": {"micro_batch_size": 1},
     "checkpointing+micro_batch_1": {"activation_checkpointing": True, "micro_batch_size": 1},
+    # (FSDP only: the proxy gathered one decoder block at a time, issue 63)
+    "reshard_proxy": {"reshard_proxy": True},
+    "reshard_proxy+micro_batch_1": {"reshard_proxy": True, "micro_batch_size": 1},
 }
 
 
@@ -150,6 +153,7 @@ def plan(args: dict) -> dict:
     run = RunSettings(max_length=args["max_length"], align_batch_size=args["batch_size"], precision="32-true",
                       device_kind="cpu", response_share=0.5, align_checkpointing=s.get("activation_checkpointing", False),
                       align_micro_batch_size=s.get("micro_batch_size"), devices=devices,
+                      align_reshard_proxy=s.get("reshard_proxy", False),
                       strategy="fsdp" if devices > 1 else "ddp")
     acts, acts32 = run_activations(config, run)
     return build_proxy_plan(ModelSizes.from_config(config, name=args["shape"]), acts, run, acts32)[1].to_dict()

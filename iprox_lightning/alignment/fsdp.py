@@ -22,6 +22,8 @@ import copy
 import torch
 from torch import nn
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..engine.lowrank import LowRankLinear
 from ..engine.target_layers import set_submodule
 from ..training.causal_lm import apply_fully_shard, is_sharded
@@ -235,6 +237,24 @@ class _LazyFactors(dict):
         return tuple(self.blocks.regather(x, self.dtype) for x in super().__getitem__(name))
 
 
+class _Casts(TorchDispatchMode):
+    """Registers a cast (``aten._to_copy``: autocast's bfloat16 copies under ``bf16-mixed``, a dtype promotion) of a
+    gathered parameter as gathered too, so the graph saves a handle for it and not the copy."""
+
+    def __init__(self, blocks: "ProxyBlocks") -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and args \
+                and isinstance(args[0], torch.Tensor):
+            slot = self.blocks.slot_of(args[0])
+            if slot is not None:
+                self.blocks._remember(out, slot, out.dtype)
+        return out
+
+
 class ProxyBlocks:
     """The Stage 2 step of a proxy FSDP2 gathers one decoder block at a time (:func:`shard_proxy` with
     ``per_block=True``: each block resharded after its forward and after its backward) through the ``create_graph``
@@ -260,7 +280,7 @@ class ProxyBlocks:
         self.owners: dict[int, list] = {}  # storage id -> [(its weakref, slot, dtype, the tensor's dtype/offset/numel)]
         self.handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._slot_of: dict[int, tuple[nn.Module, str]] = {}
+        self._param_slots: dict[int, tuple[nn.Module, str]] = {}
 
     # -- recording which storages are gathered parameters
     def _remember(self, t: torch.Tensor, slot, dtype=None) -> None:
@@ -277,11 +297,21 @@ class ProxyBlocks:
                 p = getattr(*slot)
                 if not hasattr(p, "full_tensor"):  # gathered (a plain tensor while FSDP2 holds it unsharded)
                     self._remember(p, slot)
-                    self._slot_of[id(p)] = slot
+                    self._param_slots[id(p)] = slot
         return hook
 
+    def slot_of(self, t: torch.Tensor):
+        """The slot of the gathered parameter ``t`` is the whole of (``None``: not one)."""
+        if hasattr(t, "full_tensor") or t.layout != torch.strided or t.device.type == "meta":
+            return None
+        storage = t.untyped_storage()
+        for ref, slot, dtype, owner_dtype, start, numel in self.owners.get(storage._cdata, ()):
+            if ref() is storage and owner_dtype == t.dtype and t.storage_offset() == start and t.numel() == numel:
+                return slot
+        return None
+
     def _pack(self, t: torch.Tensor):
-        if t.layout != torch.strided or t.device.type == "meta":
+        if hasattr(t, "full_tensor") or t.layout != torch.strided or t.device.type == "meta":
             return t
         storage = t.untyped_storage()
         for ref, slot, dtype, owner_dtype, start, numel in self.owners.get(storage._cdata, ()):
@@ -314,7 +344,7 @@ class ProxyBlocks:
     def regather(self, param: torch.Tensor, dtype=None) -> torch.Tensor:
         """``param`` (an unsharded parameter a block's forward used, possibly freed since) gathered again, as
         ``dtype``; differentiable (its gradient goes to ``param``)."""
-        slot = self._slot_of.get(id(param))
+        slot = self._param_slots.get(id(param))
         if slot is None:
             return param if dtype is None else param.to(dtype)
         return _Regathered.apply(param, self, slot, dtype)
@@ -326,9 +356,17 @@ class ProxyBlocks:
     def __enter__(self) -> "ProxyBlocks":
         self.handles = [unit.register_forward_pre_hook(self._pre_forward(slots)) for unit, slots in self.units]
         self._hooks.__enter__()
+        # autocast (bf16-mixed): its copies of the gathered parameters registered (_Casts), and not cached for the
+        # step (the cache would hold every block's copy)
+        self._autocast_cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        self._casts = _Casts(self)
+        self._casts.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._casts.__exit__(*exc)
+        torch.set_autocast_cache_enabled(self._autocast_cache)
         self._hooks.__exit__(*exc)
         for h in self.handles:
             h.remove()

@@ -410,11 +410,6 @@ class ProxyAlignModule(L.LightningModule):
         self._set_trainable()
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):
-            precision = str(self.trainer.precision) if self._trainer is not None else ""
-            if self.config.reshard_proxy and precision.endswith("-mixed"):
-                # autocast's copies of the gathered factors are saved tensors of their own (whole-proxy memory again)
-                raise UserInputError(f"reshard_proxy: true cannot be combined with trainer.precision={precision!r}: "
-                                     "use precision 32-true or bf16-true, or reshard_proxy: false")
             shard_proxy(self.proxy, self._device_mesh, per_block=self.config.reshard_proxy)
             # after Stage 1 (which ran on the whole teacher): its skeleton rebuilds the saved proxy
             object.__setattr__(self, "_teacher_skeleton", shard_teacher(self._teacher, self._device_mesh))
