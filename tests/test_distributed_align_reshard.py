@@ -56,7 +56,19 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true") ->
     teacher = teacher_model()
     module = ProxyAlignModule(target=teacher, proxy=svd_proxy(teacher), kl_weight=0.1, lr=LR_ALIGN,
                               log_layer_cosines=False, save_dir=f"{out}/{mode}-proxy", keep_best=False, **options)
-    record = {"loss": [], "gathered_before_backward": []}
+    record = {"loss": [], "gathered_before_backward": [], "handles": {}}
+    from iprox_lightning.alignment import fsdp
+
+    pack = fsdp.ProxyBlocks._pack
+
+    def counting_pack(self, t):  # the saved tensors packed as handles, by the dtype they are regathered in
+        out = pack(self, t)
+        if isinstance(out, tuple):
+            key = str(out[2] or t.dtype)
+            record["handles"][key] = record["handles"].get(key, 0) + 1
+        return out
+
+    fsdp.ProxyBlocks._pack = counting_pack
 
     class Record(L.Callback):
         def on_before_backward(self, trainer, pl_module, loss):
@@ -76,7 +88,10 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true") ->
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[Record()], precision=precision)
-    trainer.fit(module, data)
+    try:
+        trainer.fit(module, data)
+    finally:
+        fsdp.ProxyBlocks._pack = pack
     save_file({k: v.contiguous() for k, v in record["grads"].items()}, f"{out}/{mode}-grads-rank{rank}.safetensors")
     record["block_parameters"] = _gathered_blocks(module.proxy) * 0 + sum(
         1 for b in __import__("iprox_lightning.engine.blocks", fromlist=["x"]).decoder_blocks(module.proxy)[1]
@@ -164,6 +179,7 @@ def test_fsdp2_proxy_resharded_per_block_equals_the_replicated_run(reshard_out, 
         torch.testing.assert_close(record["loss"], losses[r], rtol=1e-5, atol=0)
         assert record["block_parameters"] > 0
         assert record["gathered_before_backward"] == [0] * STEPS  # no block held gathered for the loss's backward
+        assert record["handles"].get("torch.float32", 0) > 0
     init, ref = states[0], states[-1]
     assert set(r0) == set(ref)
     _assert_close(r0, ref, atol=1e-5)
@@ -187,6 +203,8 @@ def test_fsdp2_proxy_resharded_per_block_under_bf16_mixed_equals_the_gathered_pr
                 for m in ("reshard_bf16_mixed", "whole_bf16_mixed"))
         torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-6, atol=0)
         assert a["gathered_before_backward"] == [0] * STEPS and b["gathered_before_backward"] != [0] * STEPS
+        # autocast's bfloat16 copies of the factors are handles too (not held by the graph), and the whole path packs none
+        assert a["handles"].get("torch.bfloat16", 0) > 0 and not b["handles"]
 
 
 def test_reshard_proxy_refuses_activation_checkpointing_and_task_terms():
@@ -200,6 +218,25 @@ def test_reshard_proxy_refuses_activation_checkpointing_and_task_terms():
     with pytest.raises(UserInputError, match="reshard_proxy must be true or false"):
         AlignConfig(reshard_proxy="yes")
     assert AlignConfig().reshard_proxy is False
+
+
+def test_recorded_per_rank_peak_falls_with_the_proxy_resharded():
+    """``bench/plan_stage2.py --devices 2`` (the JSON under bench/results/plan/, its command inside): with
+    ``reshard_proxy`` each rank's measured peak is lower than with the proxy gathered whole (with and without
+    micro-batches), and so is the plan's proxy part; ``tests/test_plan_stage2_measured.py`` checks every variant
+    within ±20% of the plan."""
+    from bench_scripts import load_bench
+
+    bench = load_bench("plan_stage2")
+    root = HERE.parents[1] / "bench" / "results" / "plan"
+    for name in ("stage2_small-4l-2ranks.json", "stage2_small-2l-2ranks-reshard.json"):
+        runs = json.loads((root / name).read_text())["variants"]
+        for whole, per_block in (("default", "reshard_proxy"), ("micro_batch_1", "reshard_proxy+micro_batch_1")):
+            a, b = runs[whole], runs[per_block]
+            assert b["settings"].get("reshard_proxy") and not a["settings"].get("reshard_proxy")
+            for ra, rb in zip(a["ranks"], b["ranks"]):
+                assert rb["peak_bytes"] < ra["peak_bytes"], (name, per_block)
+            assert bench.plan(b)["parts"]["proxy"] < bench.plan(a)["parts"]["proxy"]
 
 
 if __name__ == "__main__":
