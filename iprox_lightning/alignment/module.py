@@ -192,12 +192,8 @@ class AlignConfig:
             time; measured on CPU, the step's peak does not fall: GUIDE "Stage 2 at scale"). ``False``: off.
         micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (2 target, 2 proxy
             passes each; FSDP2: the global batch's; no task terms). ``None``: the whole batch.
-        reshard_proxy: under FSDP2, gather the proxy one decoder block at a time through the step (each block freed
-            after its forward and its backward, gathered again where the double backward's graph reads it:
-            :class:`~iprox_lightning.alignment.fsdp.ProxyBlocks`), instead of gathered whole for the step: the proxy's
-            per-rank memory falls from the whole proxy to its shard plus about a block. The same losses and
-            gradients; more all-gathers. Not with ``activation_checkpointing`` nor under ``bf16-mixed``/``16-mixed``
-            precision (refused). ``False`` (default): gathered whole. Without FSDP2: no effect.
+        reshard_proxy: FSDP2: gather the proxy one decoder block at a time, not whole for the step (the same
+            losses; more all-gathers; :class:`~iprox_lightning.alignment.fsdp.ProxyBlocks`). Not with checkpointing.
     """
 
     lr: float = 5e-5
