@@ -240,5 +240,32 @@ def test_recorded_per_rank_peak_falls_with_the_proxy_resharded():
             assert bench.plan(b)["parts"]["proxy"] < bench.plan(a)["parts"]["proxy"]
 
 
+def test_plan_counts_the_proxy_per_block_with_align_reshard_proxy(tmp_path):
+    """``train.py plan --align_reshard_proxy true`` (FSDP, 8 devices): Stage 2's proxy is its shard plus the larger of
+    two blocks and the embedding / LM head matrix, not the whole proxy gathered beside its shard; nothing else
+    changes. Without FSDP the option changes nothing."""
+    from iprox_lightning.analysis import ModelSizes, load_config
+    from iprox_lightning.analysis.memory import proxy_sizes
+    from iprox_lightning.cli import main
+
+    def stage2(*extra):
+        out = tmp_path / f"plan{len(list(tmp_path.iterdir()))}.json"
+        main(["plan", "--model", "smollm2-135m", "--accelerator", "cpu", "--max_length", "64", "--output", str(out),
+              *extra])
+        rows = {r["stage"]: r for r in json.loads(out.read_text())["stages"]}
+        return rows["build_proxy: Stage 2 (alignment)"]["parts"]
+
+    fsdp = ["--devices", "8", "--strategy", "fsdp"]
+    whole, per_block = stage2(*fsdp), stage2(*fsdp, "--align_reshard_proxy", "true")
+    sizes = ModelSizes.from_config(load_config("smollm2-135m"))
+    _, proxy_params = proxy_sizes(sizes, 0.5)
+    L, V, H = sizes.shape.num_layers, sizes.shape.vocab_size, sizes.shape.hidden_size
+    outside = sizes.params - L * sizes.largest_block
+    assert whole["proxy"] == pytest.approx(proxy_params * 4 * (1 / 8 + 1))
+    assert per_block["proxy"] == pytest.approx(proxy_params * 4 / 8 + max(2 * (proxy_params - outside) / L, V * H) * 4)
+    assert {k: v for k, v in per_block.items() if k != "proxy"} == {k: v for k, v in whole.items() if k != "proxy"}
+    assert stage2() == stage2("--align_reshard_proxy", "true")
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1])
