@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))
 from test_distributed_align_scale import _single_process_global  # noqa: E402  (the global batch's reference)
 from test_distributed_train import (  # noqa: E402  (the shared 2-rank harness and reference)
     LR_ALIGN, STEPS, _assert_close, _assert_only_factors_moved_and_saved, _results, micro_batch, svd_proxy,
-    teacher_model, torchrun_two_ranks,
+    teacher_model, torchrun_two_ranks, val_micro_batch,
 )
 
 MODES = {"reshard": {"reshard_proxy": True}, "reshard_micro": {"reshard_proxy": True, "micro_batch_size": 1}}
@@ -85,12 +85,17 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true", st
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             record["loss"].append(float(outputs["loss"]))
 
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                record["val_loss"] = float(trainer.callback_metrics["val/loss"])
+
     trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_checkpointing=False,
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[Record()], precision=precision)
+                        callbacks=[Record()], precision=precision, num_sanity_val_steps=0)
     try:
-        trainer.fit(module, data)
+        # (the plain mode also runs a held-out check after its last step: alignment_step without create_graph)
+        trainer.fit(module, data, DataLoader([val_micro_batch(0, rank)], batch_size=None) if mode == "reshard" else None)
     finally:
         fsdp.ProxyBlocks._pack = pack
     save_file({k: v.contiguous() for k, v in record["grads"].items()}, f"{out}/{mode}-grads-rank{rank}.safetensors")
@@ -185,6 +190,15 @@ def test_fsdp2_proxy_resharded_per_block_equals_the_replicated_run(reshard_out, 
     assert set(r0) == set(ref)
     _assert_close(r0, ref, atol=1e-5)
     _assert_only_factors_moved_and_saved(r0, init, reshard_out / f"{mode}-proxy")
+    if mode == "reshard":  # the held-out loss after the last step: the mean of the ranks' batches' (sync_dist)
+        from iprox_lightning.alignment.losses import alignment_losses
+        from iprox_lightning.compression.apply import load_proxy
+
+        proxy, _ = load_proxy(reshard_out / f"{mode}-proxy")
+        teacher = teacher_model()
+        want = sum(float(alignment_losses(teacher, proxy, val_micro_batch(0, r), kl_weight=0.1, create_graph=False).loss)
+                   for r in (0, 1)) / 2
+        assert record["val_loss"] == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.distributed

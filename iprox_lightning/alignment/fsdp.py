@@ -300,20 +300,30 @@ class ProxyBlocks:
                     self._param_slots[id(p)] = slot
         return hook
 
-    def slot_of(self, t: torch.Tensor):
-        """The slot of the gathered parameter ``t`` is the whole of (``None``: not one)."""
+    @staticmethod
+    def _storage(t: torch.Tensor):
+        """``t``'s storage, or ``None`` for a tensor that is no plain strided one (a DTensor, sparse, meta...)."""
         if hasattr(t, "full_tensor") or t.layout != torch.strided or t.device.type == "meta":
             return None
-        storage = t.untyped_storage()
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # (a tensor subclass without a storage of its own)
+            return None
+
+    def slot_of(self, t: torch.Tensor):
+        """The slot of the gathered parameter ``t`` is the whole of (``None``: not one)."""
+        storage = self._storage(t)
+        if storage is None:
+            return None
         for ref, slot, dtype, owner_dtype, start, numel in self.owners.get(storage._cdata, ()):
             if ref() is storage and owner_dtype == t.dtype and t.storage_offset() == start and t.numel() == numel:
                 return slot
         return None
 
     def _pack(self, t: torch.Tensor):
-        if hasattr(t, "full_tensor") or t.layout != torch.strided or t.device.type == "meta":
+        storage = self._storage(t)
+        if storage is None:
             return t
-        storage = t.untyped_storage()
         for ref, slot, dtype, owner_dtype, start, numel in self.owners.get(storage._cdata, ()):
             if ref() is storage and owner_dtype == t.dtype and start <= t.storage_offset() < start + numel:
                 return ("ProxyBlocks", slot, dtype, t.size(), t.stride(), t.storage_offset() - start)
