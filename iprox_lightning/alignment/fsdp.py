@@ -1,5 +1,6 @@
 """FSDP2 handling of Stage 2's models: shard the proxy and the teacher, gather / free the proxy's parameters around a
-step, rebuild the proxy unsharded.
+step (or, with ``reshard_proxy``, one decoder block at a time through the step: :class:`ProxyBlocks`), rebuild the
+proxy unsharded.
 
 The alignment step differentiates the proxy's gradients (double backward), so under ``ModelParallelStrategy`` the
 proxy is sharded per decoder block with its unsharded parameters kept alive through both backward passes
