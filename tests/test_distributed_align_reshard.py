@@ -245,7 +245,7 @@ def test_recorded_per_rank_peak_falls_with_the_proxy_resharded():
     bench = load_bench("plan_stage2")
     root = HERE.parents[1] / "bench" / "results" / "plan"
     for name in ("stage2_small-4l-2ranks.json", "stage2_small-2l-2ranks-reshard.json",
-                 "stage2_small-4l-2ranks-bf16-mixed.json"):
+                 "stage2_small-4l-2ranks-bf16-mixed.json", "stage2_smollm2-135m-2l-2ranks-reshard.json"):
         runs = json.loads((root / name).read_text())["variants"]
         pairs = [("default", "reshard_proxy"), ("micro_batch_1", "reshard_proxy+micro_batch_1")]
         for whole, per_block in [p for p in pairs if p[1] in runs]:
