@@ -39,6 +39,9 @@ VARIANTS = {  # name: ProxyAlignModule settings
     "checkpointing": {"activation_checkpointing": True},
     "micro_batch_1": {"micro_batch_size": 1},
     "checkpointing+micro_batch_1": {"activation_checkpointing": True, "micro_batch_size": 1},
+    # (FSDP only: the proxy gathered one decoder block at a time, issue 63)
+    "reshard_proxy": {"reshard_proxy": True},
+    "reshard_proxy+micro_batch_1": {"reshard_proxy": True, "micro_batch_size": 1},
 }
 
 
@@ -136,7 +139,8 @@ def fsdp_child(args: dict) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=args["devices"], max_steps=args["steps"], logger=False,
                         strategy=ModelParallelStrategy(data_parallel_size=args["devices"], tensor_parallel_size=1),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[Peak()])
+                        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[Peak()],
+                        precision=args.get("precision", "32-true"))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
 
 
@@ -147,9 +151,11 @@ def plan(args: dict) -> dict:
     config = config_of(args["shape"], args["layers"])
     s = args["settings"]
     devices = args.get("devices", 1)
-    run = RunSettings(max_length=args["max_length"], align_batch_size=args["batch_size"], precision="32-true",
+    run = RunSettings(max_length=args["max_length"], align_batch_size=args["batch_size"],
+                      precision=args.get("precision", "32-true"),
                       device_kind="cpu", response_share=0.5, align_checkpointing=s.get("activation_checkpointing", False),
                       align_micro_batch_size=s.get("micro_batch_size"), devices=devices,
+                      align_reshard_proxy=s.get("reshard_proxy", False),
                       strategy="fsdp" if devices > 1 else "ddp")
     acts, acts32 = run_activations(config, run)
     return build_proxy_plan(ModelSizes.from_config(config, name=args["shape"]), acts, run, acts32)[1].to_dict()
@@ -164,6 +170,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--devices", type=int, default=1, help="gloo processes under FSDP2 (> 1), or one process")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--precision", default="32-true", help="trainer.precision of --devices N > 1 (default 32-true)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -173,6 +180,10 @@ def main() -> None:
     for name in a.variants:
         args = {"shape": a.shape, "layers": a.layers, "max_length": a.max_length, "batch_size": a.batch_size,
                 "steps": a.steps, "settings": VARIANTS[name], "devices": a.devices}
+        if a.precision != "32-true":
+            if a.devices < 2:
+                raise SystemExit("--precision: only with --devices N > 1 (the Trainer's precision plugin)")
+            args["precision"] = a.precision
         # glibc: freed blocks leave the RSS at every size (as bench/plan_memory.py --stage1)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(ROOT),
                "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "PYTHONWARNINGS": "ignore"}

@@ -206,8 +206,9 @@ class FactorProjectionTracker(PairTracker):
     def on_pair(self, name: str, h: torch.Tensor, delta: torch.Tensor) -> None:
         if self.keep_tokens:
             self.tokens[name] = (h.reshape(-1, h.shape[-1]), delta.reshape(-1, delta.shape[-1]))
-        else:
-            self.projections[name] = factor_projections(h, delta, *self.factors[name])
+        else:  # (FSDP2's sharded factors, ``reshard_proxy``: this layer's gathered for its projections, a collective)
+            A, B = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in self.factors[name])
+            self.projections[name] = factor_projections(h, delta, A, B)
 
 
 @dataclass
@@ -298,6 +299,7 @@ def alignment_losses(
     teacher_trackers: Sequence[PairTracker] = (),
     proxy_trackers: Sequence[PairTracker] = (),
     checkpointing: bool = False,
+    blocks=None,
 ) -> AlignmentOutput:
     """``L = L_GA + λ_KL · L_KL`` on one batch (see the module docstring for the definitions).
 
@@ -316,6 +318,8 @@ def alignment_losses(
     ``checkpointing``: both forwards run their decoder blocks checkpointed
     (:func:`~iprox_lightning.engine.checkpointing.checkpointed_blocks`): the same losses and gradients, each
     backward recomputing the blocks (the proxy's twice: the ``create_graph`` backward and the one of ``loss``).
+    ``blocks`` (FSDP2 with ``reshard_proxy``: :class:`~iprox_lightning.alignment.fsdp.ProxyBlocks`, whose context the
+    call runs in): the projections read each layer's factors regathered, one layer at a time.
     """
     lowrank = proxy_factor_layers(proxy, layers)
     names = list(lowrank)
@@ -327,7 +331,8 @@ def alignment_losses(
         logits, l_proxy, factors, proxy_grads = _proxy_factor_grads(proxy, batch, lowrank, factor_tensors,
                                                                     proxy_trackers, create_graph, checkpointing)
         if t.tokens:
-            projections = t.projections_for({n: factors[n] for n in names})
+            projections = t.projections_for({n: factors[n] for n in names} if blocks is None else
+                                            blocks.lazy({n: factors[n] for n in names}, _projection_dtype(factors)))
         else:
             projections = t.projections
         l_ga, cos_a, cos_b = gradient_alignment_loss(proxy_grads, projections)
@@ -347,6 +352,11 @@ def alignment_losses(
         cos_a=cos_a,
         cos_b=cos_b,
     )
+
+
+def _projection_dtype(factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.dtype:
+    """The dtype :func:`factor_projections` computes in for these factors."""
+    return torch.promote_types(next(iter(factors.values()))[0].dtype, torch.float32)
 
 
 def _proxy_factor_grads(proxy: nn.Module, batch: Mapping, lowrank: Mapping[str, nn.Module],
@@ -433,6 +443,7 @@ def accumulated_alignment_losses(
     layers: Iterable[str] | None = None,
     checkpointing: bool = False,
     shards=None,
+    blocks=None,
 ) -> AlignmentOutput:
     """:func:`alignment_losses` of the whole ``batch``, computed ``micro_batch_size`` rows at a time: the same loss
     and the same gradient of ``loss`` w.r.t. the factors (up to float summation order), with every pass's memory
@@ -468,6 +479,7 @@ def accumulated_alignment_losses(
     :class:`_GatheredDot`, which gathers it (one layer's, transient) only in the backward. Each rank's returned
     ``loss`` is scaled so that FSDP2's mean of the ranks' gradients is ``∂L/∂θ`` of the global batch; every rank runs
     the same number of passes (a rank with fewer micro-batches repeats its last one with weight 0).
+    ``blocks``: as :func:`alignment_losses`'s.
     """
     if isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
@@ -478,10 +490,11 @@ def accumulated_alignment_losses(
     counts = [int(shifted_token_mask(p["labels"]).sum()) for p in parts]
     total = sum(counts)
     if shards is None and (len(parts) == 1 or total == 0):
-        return alignment_losses(teacher, proxy, batch, create_graph=create_graph, **common)
+        return alignment_losses(teacher, proxy, batch, create_graph=create_graph, blocks=blocks, **common)
     if shards is None:  # one process (or DDP: each rank its own batch's objective), the buffers whole
         shards = _WholeBuffers(proxy_factor_layers(proxy, layers), batch["input_ids"].device)
-    return _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, create_graph=create_graph, **common)
+    return _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, create_graph=create_graph, blocks=blocks,
+                                **common)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -579,7 +592,7 @@ def _sharded_cosines(g: Mapping[str, Sequence[torch.Tensor]], p: Mapping[str, Se
 
 
 def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_weight, temperature,
-                         grad_through_projection, create_graph, layers, checkpointing) -> AlignmentOutput:
+                         grad_through_projection, create_graph, layers, checkpointing, blocks=None) -> AlignmentOutput:
     """:func:`accumulated_alignment_losses` with ``shards`` (see there): the global batch, the buffers in rows."""
     lowrank = proxy_factor_layers(proxy, layers)
     names = list(lowrank)
@@ -648,8 +661,10 @@ def _sharded_accumulated(teacher, proxy, batch, parts, counts, shards, *, kl_wei
                 proxy, part, lowrank, None, (), True, checkpointing,
                 on_grad=lambda n, j, g: terms.append(_GatheredDot.apply(g, c_g[n][j], shards)))
             if grad_through_projection:
+                # (FSDP2 with reshard_proxy: each layer's factors regathered when its projections are made)
+                read = factors if blocks is None else blocks.lazy(factors, _projection_dtype(factors))
                 for n in names:
-                    proj = factor_projections(*t.tokens.pop(n), *factors[n])
+                    proj = factor_projections(*t.tokens.pop(n), *read[n])
                     terms += [_GatheredDot.apply(x, c, shards) for c, x in zip(c_p[n], proj)]
                     del proj
             s = torch.stack(terms).sum()

@@ -68,6 +68,7 @@ At the end of ``fit`` the aligned proxy is written to ``save_dir`` with
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,7 +93,9 @@ from ..engine.target_layers import is_compressed
 from ..engine.settings import takes_settings
 from ..scoring.influence import tracin_scores
 from ..training.causal_lm import full_state_dict, is_sharded, linear_warmup_decay, resolve_model
-from .fsdp import factor_shards, reshard_proxy, shard_proxy, shard_teacher, unshard_proxy, unsharded_copy
+from .fsdp import (
+    ProxyBlocks, factor_shards, reshard_proxy, shard_proxy, shard_teacher, sharded_modules, unshard_proxy, unsharded_copy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +192,8 @@ class AlignConfig:
             time; measured on CPU, the step's peak does not fall: GUIDE "Stage 2 at scale"). ``False``: off.
         micro_batch_size: rows per pass; the batch's loss and gradient accumulated exactly (2 target, 2 proxy
             passes each; FSDP2: the global batch's; no task terms). ``None``: the whole batch.
+        reshard_proxy: FSDP2: gather the proxy one decoder block at a time, not whole for the step (the same
+            losses; more all-gathers; :class:`~iprox_lightning.alignment.fsdp.ProxyBlocks`). Not with checkpointing.
     """
 
     lr: float = 5e-5
@@ -214,6 +219,7 @@ class AlignConfig:
     proxy_validation: str = "proxy"
     activation_checkpointing: bool = False
     micro_batch_size: Optional[int] = None
+    reshard_proxy: bool = False
 
     @property
     def task_terms(self) -> bool:
@@ -272,6 +278,15 @@ class AlignConfig:
                 raise UserInputError(f"micro_batch_size={self.micro_batch_size} cannot be combined with the task terms "
                                      f"(val_grad_weight={self.val_grad_weight}, score_weight={self.score_weight}): "
                                      "set micro_batch_size: null, or turn the task terms off")
+        if not isinstance(self.reshard_proxy, bool):
+            raise UserInputError(f"reshard_proxy must be true or false, got {self.reshard_proxy!r}")
+        if self.reshard_proxy and self.activation_checkpointing:
+            # a checkpointed block's recomputation runs outside FSDP2's hooks: its parameters are not gathered then
+            raise UserInputError("reshard_proxy: true cannot be combined with activation_checkpointing: true (the "
+                                 "recomputed blocks would read freed parameters): turn one of them off")
+        if self.reshard_proxy and self.task_terms:
+            raise UserInputError(f"reshard_proxy: true cannot be combined with the task terms (val_grad_weight="
+                                 f"{self.val_grad_weight}, score_weight={self.score_weight}): turn one of them off")
         if self.keep_best and self.monitor == FIDELITY_WORST:
             raise UserInputError(f"monitor={FIDELITY_WORST!r} is higher-is-better and keep_best keeps the lowest value: "
                              f"use {FIDELITY_WORST_LOSS!r} (= 1 − the worst task's Spearman)")
@@ -391,7 +406,7 @@ class ProxyAlignModule(L.LightningModule):
         self._set_trainable()
         if self._device_mesh is not None and not is_sharded(self.proxy) and any(
                 isinstance(m, LowRankLinear) for m in self.proxy.modules()):
-            shard_proxy(self.proxy, self._device_mesh)
+            shard_proxy(self.proxy, self._device_mesh, per_block=self.config.reshard_proxy)
             # after Stage 1 (which ran on the whole teacher): its skeleton rebuilds the saved proxy
             object.__setattr__(self, "_teacher_skeleton", shard_teacher(self._teacher, self._device_mesh))
 
@@ -448,14 +463,18 @@ class ProxyAlignModule(L.LightningModule):
         cfg = self.config
         # FSDP2 with micro-batches: the global batch's objective, its accumulation buffers sharded as the factors
         shards = None if cfg.micro_batch_size is None else factor_shards(self.proxy, self._device_mesh, cfg.layers)
-        unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
+        per_block = cfg.reshard_proxy and bool(sharded_modules(self.proxy))
+        if not per_block:
+            unshard_proxy(self.proxy)  # FSDP2: the teacher pass projects with the factors the proxy forward uses
         common = dict(kl_weight=cfg.kl_weight, temperature=cfg.temperature,
                       grad_through_projection=cfg.grad_through_projection, create_graph=create_graph,
                       layers=cfg.layers, checkpointing=cfg.activation_checkpointing)
-        if cfg.micro_batch_size is not None:
-            return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size,
-                                                shards=shards, **common)
-        return alignment_losses(self._teacher, self.proxy, batch, **common)
+        # reshard_proxy: one block gathered at a time, again where the double backward's graph reads it
+        with (ProxyBlocks(self.proxy) if per_block else contextlib.nullcontext()) as blocks:
+            if cfg.micro_batch_size is not None:
+                return accumulated_alignment_losses(self._teacher, self.proxy, batch, cfg.micro_batch_size,
+                                                    shards=shards, blocks=blocks, **common)
+            return alignment_losses(self._teacher, self.proxy, batch, blocks=blocks, **common)
 
     @staticmethod
     def _output_metrics(out: AlignmentOutput, prefix: str, per_layer: bool) -> dict[str, torch.Tensor]:

@@ -374,6 +374,7 @@ class RunSettings:
     align_batch_size: int = 4  # build_proxy's data.batch_size
     align_checkpointing: bool = False  # ProxyAlignModule activation_checkpointing (Stage 2)
     align_micro_batch_size: int | None = None  # ProxyAlignModule micro_batch_size (Stage 2; None: the whole batch)
+    align_reshard_proxy: bool = False  # ProxyAlignModule reshard_proxy (Stage 2 under FSDP: the proxy per block)
     response_share: float = 1.0  # share of a batch's tokens that are scored (the LM head's rows); 1 = upper bound
     precision: str = "32-true"  # trainer.precision
     devices: int = 1  # trainer.devices × trainer.num_nodes
@@ -662,8 +663,11 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     shares of the gradient, three factor-sized float32 tensors, live through the step, a micro-batch's tensors going
     into them one at a time; under FSDP each rank keeps its rows of the three,
     :class:`~iprox_lightning.alignment.fsdp.FactorShards`).
-    Under FSDP the proxy is sharded and gathered whole for the step (both are held); the teacher is sharded per
-    decoder block, its largest block gathered twice (FSDP2's prefetch). The proxy's activations: the forward's, the
+    Under FSDP the proxy is sharded and gathered whole for the step (both are held), or with ``align_reshard_proxy``
+    one decoder block at a time: its shard and, gathered, the larger of two blocks and the embedding / LM head matrix
+    (regathered one at a time in the double backward; measured on 2 gloo ranks, the 512-wide shape with 4 layers:
+    the proxy's gathered share fell from 0.0606 GiB to ~0.0125); the teacher is sharded per decoder block, its largest block gathered
+    twice (FSDP2's prefetch). The proxy's activations: the forward's, the
     ``create_graph`` graph and the double backward's transients, measured at 5.4 forwards' worth (SmolLM2 shapes
     with 2 and 4 layers, bench/results/plan/stage2_*.json), the same with ``align_checkpointing`` (measured on CPU: the
     recomputed tensors the ``create_graph`` graph references stay in it, and the double backward recomputes beside
@@ -678,9 +682,14 @@ def stage_two_parts(sizes: ModelSizes, acts: Activations, run: RunSettings, prox
     # recomputes the blocks again beside it
     activations = fixed + STAGE2_FORWARDS * (acts.total(L, b) - fixed)
     micro = b < run.align_batch_size
+    proxy = proxy_params * wb / S + (proxy_params * wb if S > 1 else 0)
+    if S > 1 and run.align_reshard_proxy:
+        outside = max(sizes.params - L * sizes.largest_block, 0)  # embeddings, LM head, final norm (the root's)
+        block = max(proxy_params - outside, 0) / L
+        proxy = proxy_params * wb / S + max(2 * block, V * sizes.shape.hidden_size) * wb
     return {
         "teacher": sizes.params * wb / S + (2 * sizes.largest_block * wb if S > 1 else 0),
-        "proxy": proxy_params * wb / S + (proxy_params * wb if S > 1 else 0),
+        "proxy": proxy,
         "gradients": factors * wb / S + _optimizer_temp(run, factors * wb / S),
         "adamw": 2 * factors * wb / S,
         "teacher_tokens": b * run.max_length * io_sum * ab,

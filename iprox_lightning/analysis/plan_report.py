@@ -48,6 +48,7 @@ class PlanSettings:
     align_epochs: int
     align_checkpointing: bool
     align_micro_batch_size: Optional[int]
+    align_reshard_proxy: bool
     validation_examples: int
     tasks: int
     k: int
@@ -79,7 +80,7 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
                         store_gradient_checkpointing=p.store_gradient_checkpointing, sparsity=p.sparsity,
                         num_probe_tokens=p.num_probe_tokens, probe_group_layers=p.probe_group_layers,
                         align_epochs=p.align_epochs, align_checkpointing=p.align_checkpointing,
-                        align_micro_batch_size=p.align_micro_batch_size,
+                        align_micro_batch_size=p.align_micro_batch_size, align_reshard_proxy=p.align_reshard_proxy,
                         validation_examples=p.validation_examples, tasks=p.tasks, method=method,
                         kfac_examples=p.scoring.kfac_examples, kfac_dtype=p.scoring.kfac_dtype,
                         kfac_partitions=p.scoring.kfac_partitions, kfac_offload=p.scoring.kfac_offload, store_k=p.k,

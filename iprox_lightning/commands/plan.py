@@ -35,6 +35,7 @@ def plan(
     align_epochs: int = 2,
     align_checkpointing: bool = False,
     align_micro_batch_size: Optional[int] = None,
+    align_reshard_proxy: bool = False,
     validation_examples: int = 300,
     tasks: int = 3,
     k: int = 16,
@@ -84,6 +85,8 @@ def plan(
             activation_checkpointing); measured on CPU not to lower Stage 2's peak, so it changes no number here.
         align_micro_batch_size: Stage 2's rows per pass (ProxyAlignModule micro_batch_size; default: the whole build
             batch).
+        align_reshard_proxy: Stage 2 under FSDP with the proxy gathered one decoder block at a time
+            (ProxyAlignModule reshard_proxy).
         validation_examples: validation examples scored for the validation gradients.
         tasks: score columns: validation tasks, or subtasks with validation_subtasks (scoring keeps one float32
             gradient per column, held as ``validation_gradients`` says; the pipeline at the paper's sizes has 93).
@@ -111,7 +114,8 @@ def plan(
         fsdp_cpu_offload=fsdp_cpu_offload, store_gradient_checkpointing=store_gradient_checkpointing,
         sparsity=sparsity, num_probe_tokens=num_probe_tokens, probe_group_layers=probe_group_layers,
         align_epochs=align_epochs, align_checkpointing=align_checkpointing,
-        align_micro_batch_size=align_micro_batch_size, validation_examples=validation_examples, tasks=tasks,
+        align_micro_batch_size=align_micro_batch_size, align_reshard_proxy=align_reshard_proxy,
+        validation_examples=validation_examples, tasks=tasks,
         k=k, select_k=select_k, speed_results=speed_results, output=output, lora=lora, fit=fit,
         scoring=scoring),
         defaults)
