@@ -42,11 +42,14 @@ def plan(
     speed_results: Optional[str] = None,
     output: Optional[str] = None,
     lora: Optional[dict] = None,
+    checkpoints: int = 1,
     fit: bool = False,
     scoring: Optional[ScoringConfig] = None,
 ) -> list[dict]:
     """Print, per stage (warm-up; build_proxy's Stage 1 (IPSVD) and Stage 2 (alignment); scoring with each registered
-    metric: TracIn, K-FAC, EK-FAC, ...; a gradient store's build; fine-tune), the peak memory per device, what makes it up, its time and
+    metric: TracIn, K-FAC, EK-FAC, ...; a gradient store's build; with the proxy: TracIn scoring against the target's
+    validation gradients and the store build; the query of a store (the target's, the proxy's); fine-tune), the peak
+    memory per device, what makes it up, its time and
     whether it fits ``device_memory``. Memory from the model's shapes (meta device) and the saved activations of its
     own decoder counted on fake tensors (:mod:`iprox_lightning.analysis.memory` says what each stage holds); time from
     a throughput measured by ``bench/speed.py`` for a model of the same size on the same kind of device, else from the
@@ -93,6 +96,9 @@ def plan(
         output: also write the plan as JSON to this file.
         lora: LoRA warm-up and fine-tune (``{r, alpha, dropout, target_modules}``, the modules' ``lora``): the base
             weights frozen (no gradients, no AdamW state), the adapters trained.
+        checkpoints: scoring checkpoints summed (the scoring module's ``checkpoints``; LESS: 4): each checkpoint's
+            model (an adapter with its own base), metric state and validation gradients are held while the pool is
+            scored. ``method: less`` needs ``lora`` (it scores the adapters' gradients).
         fit: also find, per stage, the largest per-device batch and the fewest memory levers (micro-batches,
             checkpointing, probe groups, the validation gradients' holding, K-FAC partitions and offload) that fit
             ``device_memory`` (:mod:`iprox_lightning.analysis.fit`: an ordered search priced by this plan), and print
@@ -111,6 +117,12 @@ def plan(
         raise UserInputError("--fit true needs --device_memory (e.g. 80GB): the memory the stages must fit in")
     if devices < 1 or num_nodes < 1:
         raise UserInputError(f"devices and num_nodes must be >= 1, got {devices} and {num_nodes}")
+    from ..models.loading import check_model_config
+
+    if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
+        check_model_config(model)
+    if lora is not None:
+        lora = M.with_lora_targets(lora, model)
     run = M.RunSettings(pool_size=pool_size, max_length=max_length, batch_size=batch_size,
                         align_batch_size=align_batch_size, response_share=response_share, precision=precision,
                         devices=devices * num_nodes, strategy=strategy, device_kind=accelerator,
@@ -124,15 +136,7 @@ def plan(
                         kfac_examples=scoring.kfac_examples, kfac_dtype=scoring.kfac_dtype,
                         kfac_partitions=scoring.kfac_partitions, kfac_offload=scoring.kfac_offload, store_k=k,
                         select_k=select_k, validation_gradients=scoring.validation_gradients,
-                        shard_layers=scoring.shard_layers)
-    from ..models.loading import check_model_config
-
-    if model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
-        check_model_config(model)
-    if lora is not None:
-        from dataclasses import replace
-
-        run = replace(run, lora=M.with_lora_targets(lora, model))
+                        shard_layers=scoring.shard_layers, checkpoints=checkpoints, lora=lora)
     sizes, acts, acts32 = M.model_counts(model, run)  # cached per architecture, T and precision
     stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)
     speeds = M.measured_throughput(sizes.params, accelerator, speed_results or _RESULTS)
@@ -238,7 +242,9 @@ def _check_output(output: str, model: str, speed_results: Optional[str]) -> None
 
 def _applies(stage: str, method: str) -> bool:
     """Whether a stage runs with this scoring ``method`` (the other methods' rows are information)."""
-    return not stage.startswith("scoring (") or stage == f"scoring ({method})"
+    from ..analysis.fit import applies  # lazy: --help
+
+    return applies(stage, method)
 
 
 # a setting a lever names that the run may use already: (the words, whether the run uses it, what to say instead:
