@@ -46,14 +46,15 @@ def build_proxy(target, ranks: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from iprox_lightning.engine.lowrank import LowRankLinear
-    from iprox_lightning.engine.target_layers import set_submodule
+    from iprox_lightning.engine import LowRankLinear
 
     with torch.device("meta"):
         proxy = AutoModelForCausalLM.from_config(target.config, attn_implementation="eager")
         for name, r in ranks.items():
             old = proxy.get_submodule(name)
-            set_submodule(proxy, name, LowRankLinear(old.in_features, old.out_features, r, bias=old.bias is not None))
+            parent, _, leaf = name.rpartition(".")
+            setattr(proxy.get_submodule(parent), leaf,
+                    LowRankLinear(old.in_features, old.out_features, r, bias=old.bias is not None))
     proxy = proxy.to_empty(device="cpu")
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -70,8 +71,7 @@ def build_proxy(target, ranks: dict):
 
 
 def _ranks(config, sparsity: float) -> dict:
-    from iprox_lightning.analysis import ModelSizes
-    from iprox_lightning.analysis.memory import proxy_sizes
+    from iprox_lightning.analysis import ModelSizes, proxy_sizes
 
     shape, _ = proxy_sizes(ModelSizes.from_config(config), sparsity)
     return {l.name: l.rank for l in shape.linears if l.rank is not None}
@@ -86,8 +86,7 @@ def child(args: dict) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     from iprox_lightning.scoring import InfluenceScorer, ScoringConfig  # noqa: F401
-    from iprox_lightning.scoring.projection import GradientProjector  # noqa: F401
-    from iprox_lightning.scoring.query import query_table, task_sums  # noqa: F401
+    from iprox_lightning.scoring import GradientProjector, query_table, task_sums  # noqa: F401
     from plan_memory import PeakSampler, stage1_config, vm_hwm
     from plan_scoring import batches
 
@@ -106,6 +105,8 @@ def child(args: dict) -> None:
     sampler.stop()  # the construction's transients are not the stage's: the peak from here, over the same baseline
     sampler = PeakSampler(0.005, base=sampler.base)
     if args["kind"] == "score_proxy":
+        from iprox_lightning.scoring import InfluenceScorer, ScoringConfig
+
         scorer = InfluenceScorer(proxy, ScoringConfig(method="tracin", per_task=True))
         scorer.fit(val, validation_model=target)
         del target  # InfluenceScoringModule.on_predict_start: the module's reference goes (the scorer's went in fit)
@@ -113,6 +114,8 @@ def child(args: dict) -> None:
         n = sum(len(scorer.score_batch(b)["id"]) for b in pool)
         assert n == args["pool"]
     else:
+        from iprox_lightning.scoring import GradientProjector, query_table, task_sums
+
         projector = GradientProjector(proxy, k=args["k"], pairs_from=target)
         names, S, counts = task_sums(projector.project_batch(b) for b in val)
         dim = projector.dim
