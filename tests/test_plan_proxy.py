@@ -19,6 +19,8 @@ from iprox_lightning.models.tiny import tiny_causal_lm
 from iprox_lightning.scoring import InfluenceScoringModule
 from test_scoring_influence import TINY, collate, make_examples, make_proxy
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
 POOL = make_examples(6, seed=11, tasks=["x", "y"])
 VAL = make_examples(6, seed=12, tasks=["mmlu", "bbh", "tydiqa"])
 
@@ -146,3 +148,70 @@ def test_less_is_planned_over_the_adapters_and_needs_lora(capsys):
         assert four["scoring (less)"].parts[k] == 4 * less.parts[k]
     assert four["scoring (less)"].parts["activations"] == less.parts["activations"]
     assert four["scoring (tracin)"].parts["weights"] == 4 * one["scoring (tracin)"].parts["weights"]
+
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+LESS_DATA = {"builtin_size": 24, "max_length": 32, "batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def lora_warmup(tmp_path_factory):
+    """A LoRA warm-up of the demo's model (``configs/warmup.yaml`` with ``lora``, 2 epochs on 24 examples): its
+    directory, with an adapter and its Adam state per epoch."""
+    from iprox_lightning.cli import main
+
+    root = tmp_path_factory.mktemp("lora")
+    main(["fit", "--config", str(ROOT / "configs" / "warmup.yaml"), "--config",
+          str(ROOT / "configs" / "builtin" / "warmup.yaml"), "--trainer.max_epochs", "2", "--trainer.logger", "false",
+          "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root),
+          "--model.init_args.save_dir", str(root / "warmup"), "--model.init_args.lora", json.dumps(LORA),
+          *[a for k, v in LESS_DATA.items() for a in (f"--data.init_args.{k}", str(v))]])
+    return root / "warmup"
+
+
+class Held(L.Callback):
+    """The bytes of what the scorers hold at the first scored batch: the models' distinct parameter storages, the
+    metrics' Adam moments, the validation gradients."""
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx:
+            return
+        seen, weights = set(), 0
+        for _, sc in pl_module.scorers:
+            for p in sc.model.parameters():
+                if p.untyped_storage().data_ptr() not in seen:
+                    seen.add(p.untyped_storage().data_ptr())
+                    weights += p.untyped_storage().nbytes()
+        self.held = {"weights": weights,
+                     "adam_moments": sum(m.nbytes + v.nbytes for _, sc in pl_module.scorers
+                                         for m, v, _ in sc.metric.moments.values()),
+                     "validation_gradients": sum(V.nbytes for _, sc in pl_module.scorers for V in sc.V.values()),
+                     "tasks": len(pl_module.scorer.task_names)}
+
+
+def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
+    """``method: less`` with ``checkpoints`` (two epochs' adapters): every checkpoint's model (its own base and
+    adapters), Adam moments (two float32 per adapter parameter) and validation gradients are held while the pool is
+    scored: the bytes of those tensors equal ``plan``'s ``scoring (less)`` parts at ``checkpoints`` 2 (exactly: the
+    same tensors counted)."""
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.models.builtin import builtin_model
+
+    ckpts = [{"path": str(lora_warmup / "adapters" / f"epoch_{e}")} for e in (1, 2)]
+    module = InfluenceScoringModule(checkpoints=ckpts, method="less", per_task=True)
+    held = Held()
+    dm = SFTDataModule(tokenizer=str(lora_warmup), pool="builtin", validation="builtin", **LESS_DATA)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[held],
+                        inference_mode=False)  # (as configs/score.yaml)
+    trainer.predict(module, datamodule=dm, return_predictions=False)
+    config = builtin_model().config
+    run = M.RunSettings(precision="32-true", batch_size=LESS_DATA["batch_size"], max_length=LESS_DATA["max_length"],
+                        method="less", tasks=held.held["tasks"], checkpoints=len(ckpts),
+                        lora={**LORA, "target_modules": list(LORA["target_modules"])})
+    acts, acts32 = M.run_activations(config, run)
+    sizes = M.ModelSizes.from_config(config, name="builtin")
+    plan = M.less_scoring_plan(sizes, acts, run)
+    for k in ("weights", "adam_moments", "validation_gradients"):
+        assert plan.parts[k] == held.held[k], (k, plan.parts[k], held.held[k])
+    assert held.held["tasks"] > 1 and len(module.scorers) == 2
