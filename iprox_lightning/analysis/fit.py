@@ -649,8 +649,11 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
             probe_fraction=float(data("build_proxy", "probe_fraction", 0.1)),
             num_probe_tokens=int(_callback_arg(bp, IPSVD_CALLBACK, "num_probe_tokens", 1024)),
             align_epochs=int(align_epochs if align_epochs is not None else _get(bp, "trainer", "max_epochs", default=2)))),
-        ([f"scoring ({method})"], dataclasses.replace(base, batch_size=int(data("score", "batch_size", 8)),
-                                                      max_length=int(data("score", "max_length", 512)))),
+        # the proxy is scored against the target's validation gradients (pipeline --proxy_validation target, the
+        # default): its own row beside the target's, both under configs/score.yaml (TracIn's: plan prices TracIn's)
+        ([f"scoring ({method})"] + ([M.PROXY_SCORING] if method == "tracin" else []),
+         dataclasses.replace(base, batch_size=int(data("score", "batch_size", 8)),
+                             max_length=int(data("score", "max_length", 512)))),
         (["fine-tune"], dataclasses.replace(
             base, batch_size=int(data("finetune", "batch_size", 8)), max_length=int(data("finetune", "max_length", 512)),
             finetune_epochs=int(_get(configs["finetune"], "trainer", "max_epochs", default=1)))),
