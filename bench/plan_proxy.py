@@ -67,6 +67,7 @@ def build_proxy(target, ranks: dict):
         tb = dict(target.named_buffers())
         for n, b in proxy.named_buffers():
             b.copy_(tb[n])
+    proxy.tie_weights()  # to_empty allocates a tied head apart from the embeddings: tied again, as a loaded proxy is
     return proxy.eval()
 
 
