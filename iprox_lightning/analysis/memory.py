@@ -1075,6 +1075,15 @@ def _features_bytes(linears: Iterable[tuple[int, int]], T: int, rows: int, colum
     return feat
 
 
+def fused_head_bytes(sizes: ModelSizes, run: RunSettings, batch_size: int) -> float:
+    """The backward-pairs engine's fused LM head + cross-entropy transient: one row chunk of logits (about ``2²⁵``
+    logits, :func:`~iprox_lightning.engine.batch.linear_cross_entropy`) in float32, plus the bfloat16 matmul output it
+    is widened from under ``bf16-mixed``."""
+    V = sizes.shape.vocab_size
+    rows = min(_head_rows(run, batch_size), max(1, (1 << 25) // max(V, 1)))
+    return rows * V * (4.0 + (2.0 if run.precision == "bf16-mixed" else 0.0))
+
+
 def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
     """Scoring the pool with the proxy against its target's validation gradients (TracIn;
     ``InfluenceScoringModule(model=<proxy>, validation_model=<target>)``, the pipeline's proxy scoring), per device,
@@ -1094,11 +1103,14 @@ def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -
     proxy_w = psizes.params * wb
     pool = {"proxy": proxy_w, "activations": pacts.total(psizes.shape.num_layers, B),
             "validation_gradients": vg["device"], "validation_layer": vg["layer"],
-            "features": _features_bytes(linears, T, B, vg["group_columns"])}
-    # the preparation: Σ over a batch's tokens of δᵀh per proxy weight (one batched product per layer, float32)
+            "features": _features_bytes(linears, T, B, vg["group_columns"]),
+            "lm_head_chunk": fused_head_bytes(psizes, run, B)}
+    # the preparation: Σ over a batch's tokens of δᵀh per proxy weight and task (float32; a batch whose rows are each
+    # its own task's, possible only when B <= K, as one batched [B, out, in] product: ValidationGradientTracker)
     prep = {"proxy": proxy_w, "target": sizes.params * wb, "target_activations": acts.total(sizes.shape.num_layers, B),
             "validation_gradients": vg["device"],
-            "features": 4.0 * max((i * o * (B if K > 1 else 1) for i, o in linears), default=0)}
+            "features": 4.0 * max((i * o * (B if 1 < B <= K else 1) for i, o in linears), default=0),
+            "lm_head_chunk": fused_head_bytes(sizes, run, B)}
     parts = prep if sum(prep.values()) >= sum(pool.values()) else pool
     n_val = run.validation_examples * (vg["passes"] + 1 if vg["passes"] > 1 else 1)
     f = (scoring_flops(psizes.shape, n_train=run.pool_size * vg["passes"], n_val=0, seq_len=T,
@@ -1138,7 +1150,7 @@ def query_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, proxy:
     val = {"weights": model.params * wb, "target": sizes.params * wb if proxy else 0.0,
            "activations": acts.total(sizes.shape.num_layers, B),
            "projections": 4.0 * sum(min(k, o) * o + min(k, i) * i for i, o in linears),
-           "store_vectors": 4.0 * B * dim + 8.0 * K * dim}
+           "store_vectors": 4.0 * B * dim + 8.0 * K * dim, "lm_head_chunk": fused_head_bytes(sizes, run, B)}
     # then the models are dropped: a shard's rows (float16 as stored, widened to float64) and the table's columns
     table = {"store_vectors": (2.0 + 8.0) * rows * dim + 8.0 * K * dim, "scores": 2 * 8.0 * run.pool_size * (K + 1)}
     parts = val if sum(val.values()) >= sum(table.values()) else table
