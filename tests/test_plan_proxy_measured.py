@@ -23,7 +23,7 @@ RUNS = [pytest.param(run, id=f"{path.stem}:{i}:{run['args']['kind']}")
 
 def test_scoring_with_the_proxy_and_the_query_are_recorded():
     seen = {(r.values[0]["args"]["shape"], r.values[0]["args"]["kind"]) for r in RUNS}
-    assert {("small", "score_proxy"), ("small", "query")} <= seen
+    assert {(shape, kind) for shape in ("small", "llama-3.2-1b") for kind in ("score_proxy", "query")} <= seen
 
 
 @pytest.mark.parametrize("run", RUNS)
