@@ -52,6 +52,7 @@ _HOMES = {
     'fit_target': '.fit',  # bench/plan_targets.py: the README's target table
     'scoring_plan': '.memory',  # bench/plan_memory.py, bench/gpu_check.py: scoring's plan beside its measured peak
     'NAMED_SHAPES': '.memory',  # bench/plan_stage2.py
+    'proxy_sizes': '.memory',  # bench/plan_proxy.py: the proxy's ranks, built and measured against the plan
 }
 """Each public name and the module it lives in: imported on first use (PEP 562), so importing the package loads
 none of them (``train.py <command> --help`` stays fast)."""
@@ -69,5 +70,5 @@ __all__ = [
     "group_table", "layer_blocks", "layer_contributions", "task_layer_table", "spearman_columns",
     "Activations", "ModelSizes", "RunSettings", "load_config", "plan_stages", "training_plan",
     "build_proxy_plan", "saved_activation_bytes", "run_activations", "validation_gradient_bytes", "with_layers",
-    "fit_target", "scoring_plan", "NAMED_SHAPES",
+    "fit_target", "scoring_plan", "NAMED_SHAPES", "proxy_sizes",
 ]

@@ -63,7 +63,14 @@ def stage_functions(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activati
     }
     for m in M.planned_metrics():
         out[f"scoring ({m})"] = lambda r, m=m: M.scoring_plan(sizes, acts, r, m)
+    if run.lora is not None:
+        for m in M.lora_metrics():
+            out[f"scoring ({m})"] = lambda r, m=m: M.less_scoring_plan(sizes, acts, r, m)
     out[STORE] = lambda r: M.store_plan(sizes, acts, r)
+    out[M.PROXY_SCORING] = lambda r: M.proxy_scoring_plan(sizes, acts, r)
+    out[M.PROXY_STORE] = lambda r: M.proxy_store_plan(sizes, acts, r)
+    out[M.QUERY] = lambda r: M.query_plan(sizes, acts, r)
+    out[M.PROXY_QUERY] = lambda r: M.query_plan(sizes, acts, r, proxy=True)
     out["fine-tune"] = lambda r: M.training_plan(sizes, acts, r, stage="fine-tune", n_examples=r.select_k,
                                                  epochs=r.finetune_epochs)
     return out
@@ -151,8 +158,16 @@ def candidates(stage: str, sizes: M.ModelSizes, run: M.RunSettings) -> Iterator[
         metric = M.planned_metrics()[stage[9:-1]]
         n_tracked = sum(1 for l in sizes.shape.linears if l.tracked)
         yield from _tiered(_scoring_tiers(run, metric, n_tracked), "batch_size", divisors_down(run.batch_size))
-    elif stage == STORE:
+    elif stage.startswith("scoring (") and stage[9:-1] in M.lora_metrics():  # LESS: the holdings, the batch
+        tiers = [t for t in _scoring_tiers(run, M.planned_metrics()["tracin"], 0) if not t["shard_layers"]]
+        yield from _tiered(tiers, "batch_size", divisors_down(run.batch_size))
+    elif stage == M.PROXY_SCORING:  # TracIn's holdings (one process: no shard_layers)
+        tiers = [t for t in _scoring_tiers(run, M.planned_metrics()["tracin"], 0) if not t["shard_layers"]]
+        yield from _tiered(tiers, "batch_size", divisors_down(run.batch_size))
+    elif stage in (STORE, M.PROXY_STORE):
         yield from _tiered([{}, {"store_gradient_checkpointing": True}], "batch_size", divisors_down(run.batch_size))
+    elif stage in (M.QUERY, M.PROXY_QUERY):  # query --batch_size: validation examples per backward
+        yield from _tiered([{}], "batch_size", divisors_down(run.batch_size))
     else:
         yield {}
 
@@ -255,7 +270,10 @@ def with_nearest_fitting(fits: list[StageFit], model: str, run: M.RunSettings, d
 
 
 def applies(stage: str, method: str) -> bool:
-    """Whether a stage runs with scoring ``method`` (the other metrics' rows are information), as ``plan`` refuses."""
+    """Whether a stage runs with scoring ``method`` (the other metrics' rows are information), as ``plan`` refuses;
+    scoring with the proxy is TracIn's."""
+    if stage == M.PROXY_SCORING:
+        return method == "tracin"
     return not stage.startswith("scoring (") or stage == f"scoring ({method})"
 
 
@@ -328,6 +346,7 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
     stages: dict[str, dict] = {}
     plan: dict[str, Any] = {}
     store: list[str] = []
+    store_batch, store_ckpt, query_batch = None, False, None
     init = ("model", "init_args")
     for f in fits:
         s = f.settings
@@ -358,14 +377,42 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
             if "batch_size" in s:
                 _deep_set(stages.setdefault("score", {}), ("data", "init_args", "batch_size"), s["batch_size"])
                 plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
-        elif f.stage == STORE:
-            if "batch_size" in s:
-                store += ["--batch_size", str(s["batch_size"])]
+        elif f.stage == STORE or f.stage == M.PROXY_STORE:  # one build_store setting for both stores: the smaller
+            if "batch_size" in s:  # batch, checkpointing where either needs it
+                store_batch = min(store_batch or s["batch_size"], s["batch_size"])
                 plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
             if s.get("store_gradient_checkpointing"):
-                store += ["--gradient_checkpointing", "true"]
-                plan["store_gradient_checkpointing"] = True
-    return {"stages": stages, "build_store": store, "plan": plan_flags(plan)}
+                store_ckpt = plan["store_gradient_checkpointing"] = True
+        elif f.stage == M.PROXY_SCORING and method == "tracin":  # the pipeline's proxy scoring: configs/score.yaml
+            score = stages.setdefault("score", {})
+            if s.get("validation_gradients"):  # the dearer of the two scorings' holdings (fits both)
+                have = _get(score, *init, "validation_gradients")
+                pick = max((have, s["validation_gradients"]), key=_holding_rank) if have else s["validation_gradients"]
+                _deep_set(score, init + ("validation_gradients",), pick)
+                plan["validation_gradients"] = pick
+            if "batch_size" in s:
+                now = _get(score, "data", "init_args", "batch_size", default=s["batch_size"])
+                _deep_set(score, ("data", "init_args", "batch_size"), min(now, s["batch_size"]))
+                plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
+            if not score:
+                del stages["score"]
+        elif f.stage in (M.QUERY, M.PROXY_QUERY) and "batch_size" in s:
+            query_batch = min(query_batch or s["batch_size"], s["batch_size"])
+            plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
+    if store_batch:
+        store += ["--batch_size", str(store_batch)]
+    if store_ckpt:
+        store += ["--gradient_checkpointing", "true"]
+    out = {"stages": stages, "build_store": store, "plan": plan_flags(plan)}
+    if query_batch:
+        out["query"] = ["--batch_size", str(query_batch)]
+    return out
+
+
+def _holding_rank(h: Mapping[str, Any] | None) -> int:
+    """A validation-gradient holding's place in :func:`holdings` order (the dearer, the later; 0: the default)."""
+    h = {**VALIDATION_DEFAULTS, **dict(h or {})}
+    return (int(h["column_groups"]) * 4 + (2 if h["device"] == "cpu" else 0) + (1 if h["dtype"] == "bfloat16" else 0))
 
 
 def plan_flags(settings: Mapping[str, Any]) -> list[str]:
@@ -499,7 +546,7 @@ def report_lines(report: Mapping[str, Any], device_memory: float, method: str, p
                       "exact TracIn stays exact: ") + r["why"])
     ov = report["overlay"]
     stages = ov["stages"]
-    if not stages and not ov["build_store"]:
+    if not stages and not ov["build_store"] and not ov.get("query"):
         lines.append("overlay: none: every stage fits at the configs' settings")
         return lines
     lines.append("overlay (the settings above, as each command takes them):")
@@ -509,6 +556,8 @@ def report_lines(report: Mapping[str, Any], device_memory: float, method: str, p
                      f"configs/{name}.yaml --config " + _quote(json.dumps(overlay)))
     if ov["build_store"]:
         lines.append("  build_store: python train.py build_store ... " + " ".join(ov["build_store"]))
+    if ov.get("query"):
+        lines.append("  query:       python train.py query ... " + " ".join(ov["query"]))
     lines.append("  plan:        python train.py plan " + " ".join(_quote(a) for a in plan_args + ov["plan"]))
     return lines
 
@@ -600,8 +649,11 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
             probe_fraction=float(data("build_proxy", "probe_fraction", 0.1)),
             num_probe_tokens=int(_callback_arg(bp, IPSVD_CALLBACK, "num_probe_tokens", 1024)),
             align_epochs=int(align_epochs if align_epochs is not None else _get(bp, "trainer", "max_epochs", default=2)))),
-        ([f"scoring ({method})"], dataclasses.replace(base, batch_size=int(data("score", "batch_size", 8)),
-                                                      max_length=int(data("score", "max_length", 512)))),
+        # the proxy is scored against the target's validation gradients (pipeline --proxy_validation target, the
+        # default): its own row beside the target's, both under configs/score.yaml (TracIn's: plan prices TracIn's)
+        ([f"scoring ({method})"] + ([M.PROXY_SCORING] if method == "tracin" else []),
+         dataclasses.replace(base, batch_size=int(data("score", "batch_size", 8)),
+                             max_length=int(data("score", "max_length", 512)))),
         (["fine-tune"], dataclasses.replace(
             base, batch_size=int(data("finetune", "batch_size", 8)), max_length=int(data("finetune", "max_length", 512)),
             finetune_epochs=int(_get(configs["finetune"], "trainer", "max_epochs", default=1)))),

@@ -57,6 +57,11 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   its float32 scales ``[out, in]``.
 * **Store build**: the frozen model, one batch's activations, the projections ``k × (in + out)`` per tracked weight,
   the per-example projected vectors ``B × Σ k_out·k_in`` buffered for ``write_every_n_batches`` batches.
+* **With the proxy** (:func:`proxy_model`: its factors at the plan's ranks): scoring against the target's validation
+  gradients (the preparation with both models, then the pool with the proxy alone: :func:`proxy_scoring_plan`), its
+  store build (:func:`proxy_store_plan`) and a store's query (:func:`query_plan`). **LESS** and ``checkpoints``:
+  :func:`less_scoring_plan` (the adapters' gradients and Adam moments), :func:`with_checkpoints` (each checkpoint's
+  model and state held).
 
 Times come from :mod:`.flops` (FLOPs per stage), converted to seconds where a measured throughput of the same model
 size on the same device kind is known (``bench/results/speed_*.json``); otherwise the FLOPs are reported as such.
@@ -406,15 +411,21 @@ class RunSettings:
     select_k: int = 800  # examples the fine-tune trains on
     finetune_epochs: int = 1
     lora: Mapping[str, Any] | None = None  # warm-up / fine-tune model.lora {r, alpha, dropout, target_modules}
+    checkpoints: int = 1  # scoring model.checkpoints: checkpoints summed (LESS: 4), each held while the pool is scored
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("method", self.method, planned_metrics())
+        from ..scoring.config import metric_registry
+
+        _check_choice("method", self.method, metric_registry())
+        if getattr(metric_registry()[self.method], "needs_optimizer_state", False) and self.lora is None:
+            raise UserInputError(f"method {self.method} scores a LoRA checkpoint's adapter gradients: give the "
+                                 "adapters' settings (plan --lora '{r: 8, target_modules: [q_proj, v_proj]}')")
         _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
         for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
                      "tasks", "store_k", "select_k", "write_every_n_batches", "validation_examples", "kfac_examples",
-                     "finetune_epochs"):
+                     "finetune_epochs", "checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise UserInputError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if int(self.align_epochs) < 0:  # 0: the IPSVD-only proxy, no alignment
@@ -743,6 +754,14 @@ def planned_metrics() -> dict:
     return {n: c for n, c in metric_registry().items() if not getattr(c, "needs_optimizer_state", False)}
 
 
+def lora_metrics() -> list[str]:
+    """The registered metrics ``plan`` prices over a LoRA checkpoint's adapters (:func:`less_scoring_plan`): those that
+    read its optimiser state (``needs_optimizer_state``: LESS)."""
+    from ..scoring.config import metric_registry
+
+    return [n for n, c in metric_registry().items() if getattr(c, "needs_optimizer_state", False)]
+
+
 def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
                                holding: Mapping[str, Any] | None = None, scoring_bytes: int = 4) -> dict[str, float]:
     """What the exact scorer's validation gradients take (:class:`~iprox_lightning.scoring.influence.InfluenceScorer`,
@@ -866,6 +885,60 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
                       head_share=run.response_share)["total"] / run.devices
     if metric.factor_passes:  # a pass over the factor data per K-FAC partition
         f *= 1 + run.kfac_partitions * run.kfac_examples / (run.pool_size * passes)
+    parts, f = with_checkpoints(parts, f, run)
+    return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
+
+
+CHECKPOINT_HELD = ("weights", "validation_gradients", "kfac_factors", "ekfac_corrections", "adam_moments")
+"""The parts of a scoring stage that each checkpoint holds while the pool is scored (``InfluenceScoringModule``'s
+``checkpoints``: one scorer per checkpoint, each with its model, metric state and validation gradients); the
+activations, features and transients are one checkpoint's at a time (the checkpoints score a batch in turn)."""
+
+
+def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings) -> tuple[dict[str, float], float]:
+    """``(parts, flops)`` of a scoring stage over ``run.checkpoints`` checkpoints: :data:`CHECKPOINT_HELD` parts and
+    the FLOPs times the checkpoints (every checkpoint's model loaded whole: a peft adapter with its own base)."""
+    c = run.checkpoints
+    if c == 1:
+        return parts, flops
+    return {k: v * c if k in CHECKPOINT_HELD else v for k, v in parts.items()}, flops * c
+
+
+def lora_weights(sizes: ModelSizes, lora: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """``(in_features, out_features)`` of every LoRA adapter matrix (``lora_A: in -> r``, ``lora_B: r -> out``) of the
+    adapted linears (:func:`lora_params`' layers): the weights LoRA-gradient scoring tracks."""
+    from ..models.lora import LoraSettings, matches_target
+
+    settings = LoraSettings.of(lora)
+    r = settings.r
+    return [w for l in sizes.shape.linears if matches_target(settings, "", l.name)
+            for w in ((l.in_features, r), (r, l.out_features))]
+
+
+def less_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str = "less") -> StagePlan:
+    """Scoring a LoRA checkpoint's adapter gradients with a metric that reads its optimiser state (LESS,
+    ``scoring/less.py``), per device, at ``run.checkpoints`` checkpoints (:func:`with_checkpoints`). Per checkpoint:
+    the base model and its adapters (the run's weights dtype), the metric's own parts (LESS's ``memory_parts``: the
+    Adam moments ``m``, ``v`` of every adapter matrix, float32), the validation gradients of the adapter matrices
+    (:func:`lora_weights`, held as ``run.validation_gradients`` says); once: one batch's activations and LESS's
+    per-example transient (``[B, out, in]`` per adapter matrix, and the Adam direction's four temporaries of that
+    size: ``adam_direction``)."""
+    from ..scoring.config import metric_registry
+
+    metric = metric_registry()[method]
+    if run.lora is None:
+        raise UserInputError(f"method {method} scores LoRA adapters: plan it with --lora")
+    wb, B, K = weight_bytes(run.precision), run.batch_size, run.tasks
+    linears = lora_weights(sizes, run.lora)
+    vg = validation_gradient_bytes(linears, K, run.validation_gradients)
+    parts = {"weights": (sizes.params + lora_params(sizes, run.lora)) * wb,
+             "activations": acts.total(sizes.shape.num_layers, B),
+             "validation_gradients": vg["device"], "validation_layer": vg["layer"],
+             "features": 5 * 4.0 * B * max((i * o for i, o in linears), default=0)}
+    parts.update(metric.memory_parts(linears))
+    f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=run.max_length,
+                      head_share=run.response_share)["total"] / run.devices
+    parts, f = with_checkpoints(parts, f, run)
     return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
 
 
@@ -966,6 +1039,143 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
     return _stage("store build", parts, f)
 
 
+# --------------------------------------------------------------------------------------------
+# with the proxy: scoring, the store build and the query (issue 64: 8B on one device)
+# --------------------------------------------------------------------------------------------
+def proxy_model(sizes: ModelSizes, acts: Activations, run: RunSettings) -> tuple[ModelSizes, Activations]:
+    """The proxy of ``sizes`` at ``run.sparsity`` (:func:`proxy_sizes`: the rank per layer that keeps ``1 - sparsity``
+    of its weights, the shapes Stage 2 is planned with) as a model of its own: its sizes (its tracked weights are
+    the factors ``A: [out, r]``, ``B: [r, in]``, :func:`tracked_weights`) and its saved activations: the dense
+    model's, plus per factorised layer its rank-``r`` bottleneck ``B h`` (the input of ``A``, saved for its backward),
+    the weight copies ``bf16-mixed`` saves scaled to the factors."""
+    shape, params = proxy_sizes(sizes, run.sparsity)
+    L = max(sizes.shape.num_layers, 1)
+    bottleneck = sum(l.rank for l in shape.linears if l.rank is not None) / L  # per layer, per token
+    ab = activation_bytes(run.precision)
+    ratio = shape.tracked_params / max(sizes.shape.tracked_params, 1)
+    pacts = dataclasses.replace(acts, per_layer=int(acts.per_layer + run.max_length * bottleneck * ab),
+                                fixed_per_layer=int(acts.fixed_per_layer * ratio),
+                                tracked_input=int(acts.tracked_input + run.max_length * bottleneck * ab))
+    block = sizes.largest_block - (sizes.shape.tracked_params - shape.tracked_params) // L
+    return ModelSizes(shape, params, sizes.frozen, max(block, 0)), pacts
+
+
+def tracked_weights(shape: ModelShape) -> list[tuple[int, int]]:
+    """``(in_features, out_features)`` of every weight matrix scoring tracks in ``shape``: a dense layer's ``W``, a
+    factorised layer's ``A: (r -> out)`` and ``B: (in -> r)`` (:func:`~iprox_lightning.scoring.features.virtual_linears`)."""
+    out: list[tuple[int, int]] = []
+    for l in shape.linears:
+        if not l.tracked:
+            continue
+        out += [(l.in_features, l.out_features)] if l.rank is None else [(l.rank, l.out_features),
+                                                                          (l.in_features, l.rank)]
+    return out
+
+
+def _features_bytes(linears: Iterable[tuple[int, int]], T: int, rows: int, columns: int) -> float:
+    """The per-layer feature transient of scoring (the larger over the layers: per-example gradients where
+    :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``)."""
+    from ..scoring.features import choose_mode
+
+    feat = 0.0
+    for i, o in linears:
+        size = rows * o * i if choose_mode(T, i, o, columns) == "materialize" else rows * T * columns * o
+        feat = max(feat, 4.0 * size)
+    return feat
+
+
+def fused_head_bytes(sizes: ModelSizes, run: RunSettings, batch_size: int) -> float:
+    """The backward-pairs engine's fused LM head + cross-entropy transient: one row chunk of logits (about ``2²⁵``
+    logits, :func:`~iprox_lightning.engine.batch.linear_cross_entropy`) in float32, plus the bfloat16 matmul output it
+    is widened from under ``bf16-mixed``."""
+    V = sizes.shape.vocab_size
+    rows = min(_head_rows(run, batch_size), max(1, (1 << 25) // max(V, 1)))
+    return rows * V * (4.0 + (2.0 if run.precision == "bf16-mixed" else 0.0))
+
+
+def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
+    """Scoring the pool with the proxy against its target's validation gradients (TracIn;
+    ``InfluenceScoringModule(model=<proxy>, validation_model=<target>)``, the pipeline's proxy scoring), per device,
+    one process. Two phases, as the code runs them: the preparation (the proxy and the dense target on the device,
+    the target's backward on one validation batch, its pairs projected into the proxy's factor coordinates by
+    :class:`~iprox_lightning.scoring.features.FactorSpaceView` and summed into the validation gradients of the proxy's
+    tracked weights, :func:`tracked_weights`); then the pool pass (the proxy alone: the scorer drops the target once
+    every column is prepared, ``InfluenceScorer.release_validation_model``, and the module its own reference; the
+    proxy's activations, its validation gradients as ``run.validation_gradients`` holds them, the feature transient).
+    The peak is the larger phase. Column groups keep the target through every pass's preparation: counted by the
+    preparation's phase, which holds it. On several devices: DDP, each rank holding both models (a proxy sharded by
+    FSDP cannot be scored against another model's validation gradients: ``FactorSpaceView`` refuses it)."""
+    wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
+    psizes, pacts = proxy_model(sizes, acts, run)
+    linears = tracked_weights(psizes.shape)
+    vg = validation_gradient_bytes(linears, K, run.validation_gradients)
+    proxy_w = psizes.params * wb
+    pool = {"proxy": proxy_w, "activations": pacts.total(psizes.shape.num_layers, B),
+            "validation_gradients": vg["device"], "validation_layer": vg["layer"],
+            "features": _features_bytes(linears, T, B, vg["group_columns"]),
+            "lm_head_chunk": fused_head_bytes(psizes, run, B)}
+    # the preparation: Σ over a batch's tokens of δᵀh per proxy weight and task (float32; a batch whose rows are each
+    # its own task's, possible only when B <= K, as one batched [B, out, in] product: ValidationGradientTracker)
+    prep = {"proxy": proxy_w, "target": sizes.params * wb, "target_activations": acts.total(sizes.shape.num_layers, B),
+            "validation_gradients": vg["device"],
+            "features": 4.0 * max((i * o * (B if 1 < B <= K else 1) for i, o in linears), default=0),
+            "lm_head_chunk": fused_head_bytes(sizes, run, B)}
+    parts = prep if sum(prep.values()) >= sum(pool.values()) else pool
+    n_val = run.validation_examples * (vg["passes"] + 1 if vg["passes"] > 1 else 1)
+    f = (scoring_flops(psizes.shape, n_train=run.pool_size * vg["passes"], n_val=0, seq_len=T,
+                       head_share=run.response_share)["total"]
+         + scoring_flops(sizes.shape, n_train=0, n_val=n_val, seq_len=T, head_share=run.response_share)["total"])
+    return _stage(PROXY_SCORING, parts, f / run.devices,
+                  {"target": "data.batch_size of scoring (the target's validation batch), or precision bf16-true",
+                   "target_activations": "data.batch_size of scoring (the target's backward on a validation batch)",
+                   "proxy": "a higher sparsity, or precision bf16-true"})
+
+
+def proxy_store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
+    """A gradient store's build with the proxy (``build_store --model <proxy>``): :func:`store_plan` of the proxy's
+    own sizes and activations (:func:`proxy_model`): the projections and vectors of its tracked factors. The target
+    is not read."""
+    psizes, pacts = proxy_model(sizes, acts, run)
+    s = store_plan(psizes, pacts, run)
+    s.stage = PROXY_STORE
+    return s
+
+
+def query_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, *, proxy: bool = False) -> StagePlan:
+    """``train.py query`` of a gradient store, per device (one process): the validation examples' projected
+    gradients (``batch_size`` per backward: the run's), summed per task (``[K, D]`` float64, ``D`` the store's
+    dimension; the per-example vectors of every validation example only with ``neighbours``, not counted), then the
+    pool's stored vectors streamed shard by shard (``write_every_n_batches · B`` rows, widened to float64 for the
+    cosines), never the pool's gradients. ``proxy``: a proxy's store queried with its target's validation gradients
+    (``--validation_model``): the target's backward, the proxy held beside it (its factors map the pairs, its
+    projections); else the store's own model."""
+    wb, B, k, K = weight_bytes(run.precision), run.batch_size, run.store_k, run.tasks
+    model, macts = proxy_model(sizes, acts, run) if proxy else (sizes, acts)
+    linears = tracked_weights(model.shape)
+    dim = sum(min(k, o) * min(k, i) for i, o in linears)
+    rows = B * run.write_every_n_batches
+    # the validation gradients: the models, one batch's backward (on the dense model), the projections, a batch's
+    # projected rows (float32) and the per-task sums (float64)
+    val = {"weights": model.params * wb, "target": sizes.params * wb if proxy else 0.0,
+           "activations": acts.total(sizes.shape.num_layers, B),
+           "projections": 4.0 * sum(min(k, o) * o + min(k, i) * i for i, o in linears),
+           "store_vectors": 4.0 * B * dim + 8.0 * K * dim, "lm_head_chunk": fused_head_bytes(sizes, run, B)}
+    # then the models are dropped: a shard's rows (float16 as stored, widened to float64) and the table's columns
+    table = {"store_vectors": (2.0 + 8.0) * rows * dim + 8.0 * K * dim, "scores": 2 * 8.0 * run.pool_size * (K + 1)}
+    parts = val if sum(val.values()) >= sum(table.values()) else table
+    f = scoring_flops(sizes.shape, n_train=0, n_val=run.validation_examples, seq_len=run.max_length,
+                      head_share=run.response_share)["total"] + 2.0 * run.pool_size * dim * (K + 1)
+    return _stage(PROXY_QUERY if proxy else QUERY, parts, f,
+                  {"target": "precision bf16-true (the target's weights beside the proxy's)",
+                   "activations": "query --batch_size (validation examples per backward)"})
+
+
+PROXY_SCORING = "scoring with the proxy (tracin)"
+PROXY_STORE = "store build (proxy)"
+QUERY = "query"
+PROXY_QUERY = "query (proxy store)"
+
+
 def run_activations(config, run: "RunSettings") -> tuple[Activations, Activations]:
     """``(activations at run.precision, float32 activations)`` of ``config`` at ``run.max_length`` (counted on fake
     tensors; the float32 ones are the same count under ``32-true``)."""
@@ -988,6 +1198,10 @@ def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activation
     # over the dense model's layers: LESS (a LoRA checkpoint's adapter gradients and Adam moments) is not planned here
     stages += [scoring_plan(sizes, acts, run, m) for m in planned_metrics()]
     stages.append(store_plan(sizes, acts, run))
+    if run.lora is not None:  # LESS: the LoRA checkpoint's adapter gradients with its Adam moments
+        stages += [less_scoring_plan(sizes, acts, run, m) for m in lora_metrics()]
+    stages += [proxy_scoring_plan(sizes, acts, run), proxy_store_plan(sizes, acts, run), query_plan(sizes, acts, run),
+               query_plan(sizes, acts, run, proxy=True)]
     stages.append(training_plan(sizes, acts, run, stage="fine-tune", n_examples=run.select_k,
                                 epochs=run.finetune_epochs))
     return stages

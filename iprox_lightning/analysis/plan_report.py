@@ -5,7 +5,7 @@ comparison, with ``fit`` the levers that fit (:mod:`.fit`), and a stage that wil
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +56,7 @@ class PlanSettings:
     speed_results: Optional[str]
     output: Optional[str]
     lora: Optional[dict]
+    checkpoints: int
     fit: bool
     scoring: ScoringConfig
 
@@ -72,6 +73,9 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
         raise UserInputError("--fit true needs --device_memory (e.g. 80GB): the memory the stages must fit in")
     if p.devices < 1 or p.num_nodes < 1:
         raise UserInputError(f"devices and num_nodes must be >= 1, got {p.devices} and {p.num_nodes}")
+    if p.model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
+        check_model_config(p.model)
+    lora = M.with_lora_targets(p.lora, p.model) if p.lora is not None else None
     run = M.RunSettings(pool_size=p.pool_size, max_length=p.max_length, batch_size=p.batch_size,
                         align_batch_size=p.align_batch_size, response_share=p.response_share, precision=p.precision,
                         devices=p.devices * p.num_nodes, strategy=p.strategy, device_kind=p.accelerator,
@@ -85,11 +89,7 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
                         kfac_examples=p.scoring.kfac_examples, kfac_dtype=p.scoring.kfac_dtype,
                         kfac_partitions=p.scoring.kfac_partitions, kfac_offload=p.scoring.kfac_offload, store_k=p.k,
                         select_k=p.select_k, validation_gradients=p.scoring.validation_gradients,
-                        shard_layers=p.scoring.shard_layers)
-    if p.model not in M.NAMED_SHAPES:  # sizes read from a file bounded before a config or meta model is built
-        check_model_config(p.model)
-    if p.lora is not None:
-        run = replace(run, lora=M.with_lora_targets(p.lora, p.model))
+                        shard_layers=p.scoring.shard_layers, checkpoints=p.checkpoints, lora=lora)
     sizes, acts, acts32 = M.model_counts(p.model, run)  # cached per architecture, T and precision
     stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)
     speeds = M.measured_throughput(sizes.params, p.accelerator, p.speed_results or _RESULTS)
@@ -185,7 +185,7 @@ def _check_output(output: str, model: str, speed_results: Optional[str]) -> None
 
 def _applies(stage: str, method: str) -> bool:
     """Whether a stage runs with this scoring ``method`` (the other methods' rows are information)."""
-    return not stage.startswith("scoring (") or stage == f"scoring ({method})"
+    return F.applies(stage, method)
 
 
 # a setting a lever names that the run may use already: (the words, whether the run uses it, what to say instead:

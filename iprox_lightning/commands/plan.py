@@ -43,11 +43,14 @@ def plan(
     speed_results: Optional[str] = None,
     output: Optional[str] = None,
     lora: Optional[dict] = None,
+    checkpoints: int = 1,
     fit: bool = False,
     scoring: Optional[ScoringConfig] = None,
 ) -> list[dict]:
     """Print, per stage (warm-up; build_proxy's Stage 1 (IPSVD) and Stage 2 (alignment); scoring with each registered
-    metric: TracIn, K-FAC, EK-FAC, ...; a gradient store's build; fine-tune), the peak memory per device, what makes it up, its time and
+    metric: TracIn, K-FAC, EK-FAC, ...; a gradient store's build; with the proxy: TracIn scoring against the target's
+    validation gradients and the store build; the query of a store (the target's, the proxy's); fine-tune), the peak
+    memory per device, what makes it up, its time and
     whether it fits ``device_memory``. Memory from the model's shapes (meta device) and the saved activations of its
     own decoder counted on fake tensors (:mod:`iprox_lightning.analysis.memory` says what each stage holds); time from
     a throughput measured by ``bench/speed.py`` for a model of the same size on the same kind of device, else from the
@@ -96,6 +99,9 @@ def plan(
         output: also write the plan as JSON to this file.
         lora: LoRA warm-up and fine-tune (``{r, alpha, dropout, target_modules}``, the modules' ``lora``): the base
             weights frozen (no gradients, no AdamW state), the adapters trained.
+        checkpoints: scoring checkpoints summed (the scoring module's ``checkpoints``; LESS: 4): each checkpoint's
+            model (an adapter with its own base), metric state and validation gradients are held while the pool is
+            scored. ``method: less`` needs ``lora`` (it scores the adapters' gradients).
         fit: also find, per stage, the largest per-device batch and the fewest memory levers (micro-batches,
             checkpointing, probe groups, the validation gradients' holding, K-FAC partitions and offload) that fit
             ``device_memory`` (:mod:`iprox_lightning.analysis.fit`: an ordered search priced by this plan), and print
@@ -116,6 +122,7 @@ def plan(
         align_epochs=align_epochs, align_checkpointing=align_checkpointing,
         align_micro_batch_size=align_micro_batch_size, align_reshard_proxy=align_reshard_proxy,
         validation_examples=validation_examples, tasks=tasks,
-        k=k, select_k=select_k, speed_results=speed_results, output=output, lora=lora, fit=fit,
+        k=k, select_k=select_k, speed_results=speed_results, output=output, lora=lora, checkpoints=checkpoints,
+        fit=fit,
         scoring=scoring),
         defaults)

@@ -19,6 +19,8 @@ _HOMES = {
     # public for the benchmarks (bench/speed.py times the engine's pieces and the store's projection;
     # bench/neighbours.py the store's blocked nearest neighbours)
     "GradientProjector": ".projection", "nearest": ".query",
+    # bench/plan_proxy.py: the query's validation sums and table measured against the plan
+    "task_sums": ".query", "query_table": ".query",
     # bench/plan_scoring.py: the store build's measured peak
     "GradientStoreModule": ".store", "GradientStoreWriter": ".store",
 }
@@ -28,7 +30,8 @@ __all__ = [
     "tracked_modules", "virtual_linears", "InfluenceScorer", "KFACFactors", "ScoreTable", "ScoringConfig",
     "InfluenceMetric", "TracIn", "KFAC", "influence_metric", "influence_scores",
     "multi_checkpoint_scores", "tracin_scores", "InfluenceScoringModule", "InfluenceWriter", "done_ids", "merge_shards",
-    "trim_batch", "GradientProjector", "nearest", "GradientStoreModule", "GradientStoreWriter",
+    "trim_batch", "GradientProjector", "nearest", "GradientStoreModule", "GradientStoreWriter", "task_sums",
+    "query_table",
 ]
 
 __getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -480,7 +480,16 @@ class InfluenceScorer:
             self.stats["column_groups"] = len(groups)
             if len(groups) == 1:
                 self.collect_columns(groups[0], **self._passes)
+        if not self.pending_groups:
+            self.release_validation_model()
         return self
+
+    def release_validation_model(self) -> None:
+        """Drop the scorer's reference to the validation model once every column's validation gradients are
+        prepared: a proxy's pool pass then holds the proxy alone (the target is freed when its caller drops it too,
+        as :class:`~.module.InfluenceScoringModule` does; ``train.py plan``'s scoring with the proxy counts it so)."""
+        if getattr(self, "_passes", None) is not None:
+            self._passes["model"] = None
 
     @property
     def pending_groups(self) -> list[list[int]]:
@@ -511,6 +520,7 @@ class InfluenceScorer:
             self.V = {}
         if groups:
             self.collect_columns(groups[-1], **self._passes)
+        self.release_validation_model()
 
     # ------------------------------------------------------------------------------------
     def _features(self, batch: Mapping, active: torch.Tensor | None = None):
