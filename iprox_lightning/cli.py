@@ -21,7 +21,6 @@ import sys
 
 from .commands import COMMANDS, TRAINER_COMMANDS, command, summary
 from .errors import UserError
-from .models.hub import SourceUnreachable
 
 
 def usage() -> str:
@@ -51,6 +50,8 @@ def one_line_errors(command_line: bool = True) -> tuple[type[BaseException], ...
     option), the formats' errors and a hub id that cannot be reached. From Python (``main([...])``, ``command_line``
     false) only the unreachable hub id (:class:`~iprox_lightning.models.hub.SourceUnreachable`); the others are raised
     to the caller. Any other error (a bug, a library's own error) keeps its traceback."""
+    from .models.hub import SourceUnreachable  # lazy: --help (models.hub loads socket; train.py --help needs none)
+
     return (UserError,) if command_line else (SourceUnreachable,)
 
 
