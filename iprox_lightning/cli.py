@@ -13,13 +13,18 @@ other command is a function in :mod:`iprox_lightning.commands` parsed by jsonarg
 """
 from __future__ import annotations
 
+import errno
+import os
+import select
+import signal
 import sys
+
+from .commands import COMMANDS, TRAINER_COMMANDS, command, summary
+from .errors import UserError
 
 
 def usage() -> str:
     """The top-level help: every command with one line saying what it does."""
-    from .commands import COMMANDS, TRAINER_COMMANDS, summary
-
     rows = list(TRAINER_COMMANDS.items()) + [(name, summary(name)) for name in COMMANDS]
     width = max(len(name) for name, _ in rows)
     lines = ["usage: python train.py <command> [--config FILE ...] [options]", "",
@@ -45,8 +50,7 @@ def one_line_errors(command_line: bool = True) -> tuple[type[BaseException], ...
     option), the formats' errors and a hub id that cannot be reached. From Python (``main([...])``, ``command_line``
     false) only the unreachable hub id (:class:`~iprox_lightning.models.hub.SourceUnreachable`); the others are raised
     to the caller. Any other error (a bug, a library's own error) keeps its traceback."""
-    from .errors import UserError
-    from .models.hub import SourceUnreachable
+    from .models.hub import SourceUnreachable  # lazy: --help (models.hub loads socket; train.py --help needs none)
 
     return (UserError,) if command_line else (SourceUnreachable,)
 
@@ -86,8 +90,6 @@ def main(args: list[str] | None = None):
 
 def _stdout_closed() -> bool:
     """Whether the reader of stdout is gone (a pipe whose other end is closed reports an error to ``poll``)."""
-    import select
-
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
@@ -99,8 +101,6 @@ def _stdout_closed() -> bool:
 def _output_closed() -> None:
     """The reader of our output went away (``train.py --help | head``): say nothing more, as the Python docs
     recommend for SIGPIPE: what is left to flush goes to ``os.devnull`` instead of a ``BrokenPipeError`` at exit."""
-    import os
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -114,8 +114,6 @@ def disk_full_message(e: OSError) -> str | None:
     """One line for a write the disk (or quota) refused, naming the file; ``None`` for any other ``OSError``. Every
     artifact is written to a temporary file and renamed when complete, so nothing half-written is left under its
     name: what was finished before is kept and the same command resumes once there is room."""
-    import errno
-
     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return None
     where = f" writing {e.filename}" if e.filename else ""
@@ -130,8 +128,6 @@ STOP_CODES = {"Ctrl-C": 130, "SIGTERM": 143}
 def _watch_ctrl_c() -> list[bool]:
     """Record a Ctrl-C (SIGINT) before Python turns it into ``KeyboardInterrupt`` (Lightning turns that into
     ``sys.exit(1)`` after its own clean-up, so the exit alone cannot tell it apart)."""
-    import signal
-
     seen = [False]
 
     def handler(signum, frame):
@@ -156,21 +152,19 @@ def _stop_signal(e: BaseException, interrupted: list[bool] | None) -> tuple[str,
 
 
 def _run(argv: list[str], args: list[str] | None):
-    from .commands import COMMANDS, command
-
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         if not argv:
             raise SystemExit(2)
         return None
     if argv[0] in COMMANDS:
-        from jsonargparse import CLI
+        from jsonargparse import CLI  # lazy: --help (0.08 s; train.py --help needs none)
 
-        from .commands.import_policy import opt_in_checking_parser, restricted_imports
+        from .commands.import_policy import opt_in_checking_parser, restricted_imports  # lazy: --help
 
         with restricted_imports():
             return CLI(command(argv[0]), args=argv[1:], as_positional=False, parser_class=opt_in_checking_parser())
-    from .commands.lightning import run_lightning
+    from .commands.lightning import run_lightning  # lazy: --help
 
     return run_lightning(None if args is None and argv == sys.argv[1:] else argv)
 

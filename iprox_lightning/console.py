@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar as _ProgressBarBase, TQDMProgressBar
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+from transformers.utils import logging as hf_logging
 
 from .progress import ProgressLines, interval_s, is_terminal, touch
 
@@ -94,7 +96,6 @@ class Summary(ModelSummary):
         if total_flops:
             return ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
                                           total_training_modes, total_flops, **summarize_kwargs)
-        from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
         cols = [c for c in summary_data if c[0] != "FLOPs"]
         table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, 0, *cols)
@@ -224,8 +225,6 @@ def interactive() -> bool:
 @contextmanager
 def transformers_bars_off() -> Iterator[None]:
     """transformers' (and huggingface_hub's) tqdm bars off inside the block, restored after."""
-    from transformers.utils import logging as hf_logging
-
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

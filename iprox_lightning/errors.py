@@ -15,6 +15,10 @@ formats' own errors (``DataFormatError``, ``EvalDataError``, ``ProxyFormatError`
 """
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 
 class UserError(Exception):
     """An error about the user's input whose message says everything (see the module doc)."""
@@ -47,8 +51,6 @@ DEBUG_FLAG = "--debug"
 
 def debug_requested(argv) -> bool:
     """True when ``argv`` holds :data:`DEBUG_FLAG` or the environment sets ``IPROX_DEBUG`` (1 / true / yes)."""
-    import os
-
     return DEBUG_FLAG in argv or os.environ.get("IPROX_DEBUG", "").lower() in ("1", "true", "yes")
 
 
@@ -56,8 +58,6 @@ def run_command_line(fn, argv=None):
     """``fn(argv)`` for a module's own command line (``python -m iprox_lightning.io.proxy ...``): ``argv`` (default
     ``sys.argv[1:]``) without :data:`DEBUG_FLAG`; a :class:`UserError` is printed as one ``error:`` line on stderr
     (exit status 2), like ``python train.py`` does, unless :func:`debug_requested`."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     try:
@@ -76,8 +76,6 @@ PROXY_VALIDATIONS = ("target", "proxy")
 def check_output_dir(path, option: str) -> None:
     """Raise :class:`OutputNotDirectoryError` naming ``option`` when ``path`` (an output directory, made later) or a
     folder above it exists as something other than a directory."""
-    from pathlib import Path
-
     for p in (Path(path), *Path(path).parents):
         if p.exists() or p.is_symlink():
             if not p.is_dir():

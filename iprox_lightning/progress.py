@@ -251,7 +251,7 @@ class _Silent:
 
 def _bar_class():
     """tqdm's bar, telling the heartbeat that it moved (:func:`touch`)."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # lazy: --help (0.06 s)
 
     class Bar(tqdm):
         def update(self, n=1):

@@ -21,13 +21,17 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.lowrank import LowRankLinear
 from ..engine.target_layers import set_submodule
 from ..training.causal_lm import apply_fully_shard, is_sharded
+from .losses import proxy_factor_layers
 
 
 def _data_parallel(mesh):
@@ -63,7 +67,6 @@ def sharded_modules(proxy: nn.Module | None) -> list:
     """The proxy's FSDP2-sharded modules (none when it is not sharded)."""
     if proxy is None or not is_sharded(proxy):
         return []
-    from torch.distributed.fsdp import FSDPModule
 
     return [m for m in proxy.modules() if isinstance(m, FSDPModule)]
 
@@ -111,9 +114,6 @@ class FactorShards:
     Every rank must make the same calls in the same order (they are collectives)."""
 
     def __init__(self, mesh, factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
         self.group = _data_parallel(mesh).get_group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -142,8 +142,6 @@ class FactorShards:
 
     def scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``Σ_ranks full`` (every rank passes its own ``full``, of the same shape)."""
-        import torch.distributed as dist
-
         n = full.shape[0]
         start, stop, chunk = self.rows(n)
         padded = full.new_zeros((chunk * self.world, *full.shape[1:]))
@@ -154,8 +152,6 @@ class FactorShards:
 
     def gather(self, local: torch.Tensor, full_rows: int) -> torch.Tensor:
         """The full ``full_rows``-row tensor whose rows each rank holds (its :meth:`rows`) in ``local``."""
-        import torch.distributed as dist
-
         start, stop, chunk = self.rows(full_rows)
         padded = local.new_zeros((chunk, *local.shape[1:]))
         padded[: stop - start] = local
@@ -165,16 +161,12 @@ class FactorShards:
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """``Σ_ranks t`` (a copy)."""
-        import torch.distributed as dist
-
         out = t.detach().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
     def max(self, n: int) -> int:
         """The largest ``n`` over the ranks."""
-        import torch.distributed as dist
-
         out = torch.tensor([int(n)], dtype=torch.long, device=self.device)
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return int(out)
@@ -185,7 +177,6 @@ def factor_shards(proxy: nn.Module | None, mesh, layers=None) -> FactorShards | 
     FSDP2 shards ``proxy`` (call it between steps), else ``None`` (the buffers stay whole, as on one process)."""
     if not sharded_modules(proxy) or mesh is None:
         return None
-    from .losses import proxy_factor_layers
 
     return FactorShards(mesh, {n: (m.A, m.B) for n, m in proxy_factor_layers(proxy, layers).items()})
 

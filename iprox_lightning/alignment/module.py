@@ -76,8 +76,12 @@ from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from ..compression.apply import read_manifest, save_proxy
+from ..io.output_guard import check_output_not_input
+from ..models.loading import PROXY_MANIFEST
 from .losses import AlignmentOutput, accumulated_alignment_losses, alignment_losses, proxy_factor_layers
 from .task import (
     SCORE_LOSSES, TASK_REDUCTIONS, TaskDirections, projected_directions, proxy_directions, task_alignment_losses,
@@ -106,8 +110,6 @@ DEFAULT_FIDELITY_SCORES = "tracin (default ScoringConfig), score = cos(g(z), mea
 
 
 def _is_proxy_dir(source: Any) -> bool:
-    from ..models.loading import PROXY_MANIFEST
-
     return isinstance(source, str) and (Path(source) / PROXY_MANIFEST).is_file()
 
 
@@ -330,8 +332,6 @@ class ProxyAlignModule(L.LightningModule):
         # frame does not hold (takes_settings); the hyper-parameters are given whole below instead
         L.LightningModule.__init__(self)
         if save_dir:  # before any training: the proxy never replaces its target (or the proxy it starts from)
-            from ..io.output_guard import check_output_not_input
-
             check_output_not_input(save_dir, {"target": target, "proxy": proxy}, "save_dir")
         self.config = config = alignment
         # the hyper-parameters (checkpoints, hparams.yaml): the module's own arguments and the settings, flat as the
@@ -655,8 +655,6 @@ class ProxyAlignModule(L.LightningModule):
 
     def save_proxy(self, save_dir: str) -> Path:
         """Write the proxy directory (:func:`iprox_lightning.compression.apply.save_proxy`) on rank 0."""
-        from ..compression.apply import read_manifest, save_proxy
-
         path = Path(save_dir)
         zero = self.trainer.is_global_zero if self._trainer is not None else True
         full = full_state_dict(self.proxy)  # collective under FSDP2 (full tensors on rank 0)
@@ -671,7 +669,6 @@ class ProxyAlignModule(L.LightningModule):
             if isinstance(self.target_source, str) and not (isinstance(manifest, dict) and manifest.get("target_model")):
                 extra["target_model"] = self.target_source
             save_proxy(proxy, self.tokenizer, path, manifest, **extra)
-            from lightning.pytorch.utilities import rank_zero_info
 
             rank_zero_info(f"ProxyAlignModule: saved the {'aligned ' if self.config.align else ''}proxy to {path}")
         if self._trainer is not None:

@@ -34,10 +34,16 @@ import dataclasses
 import functools
 import json
 import math
+import shlex
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from ..scoring.config import VALIDATION_DEFAULTS
+from ..compression.schedule import assign_layers
+from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES
+from ..models.builtin import builtin_model
+from ..models.lora import LoraSettings
+from ..scoring.config import VALIDATION_DEFAULTS, ScoringConfig
 from . import memory as M
 
 TRAINING = ("warm-up", "fine-tune")
@@ -99,10 +105,6 @@ def _tiered(tiers: Iterable[Mapping[str, Any]], key: str, values: Iterable[Any])
 
 def _probe_share(sizes: M.ModelSizes, run: M.RunSettings) -> int:
     """The most tracked layers any rank decomposes in Stage 1 (:func:`~..compression.schedule.assign_layers`)."""
-    from collections import Counter
-
-    from ..compression.schedule import assign_layers
-
     shapes = {l.name: (l.out_features, l.in_features) for l in sizes.shape.linears if l.tracked}
     return max(Counter(assign_layers(shapes, run.devices).values()).values(), default=1)
 
@@ -563,8 +565,6 @@ def report_lines(report: Mapping[str, Any], device_memory: float, method: str, p
 
 
 def _quote(text: str) -> str:
-    import shlex
-
     return shlex.quote(text)
 
 
@@ -589,8 +589,6 @@ def _callback_arg(config: Mapping, class_path: str, name: str, default: Any) -> 
 @functools.lru_cache(maxsize=8)
 def _builtin_counts(max_length: int, precision: str, attn: str) -> tuple:
     """The built-in demo model's counts (the demo's tiny Llama: not a file ``model_counts`` caches)."""
-    from ..models.builtin import builtin_model
-
     config = builtin_model().config
     acts, acts32 = M.run_activations(config, M.RunSettings(max_length=max_length, precision=precision,
                                                            attn_implementation=attn))
@@ -605,8 +603,6 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
     ``build_proxy``, ``score``, ``finetune``): each stage's batch, sequence length, fractions and epochs from its
     config, the precision, devices and strategy from ``hardware`` (else the configs'), the score columns of the
     built-in validation data (else ``plan``'s default, 3). ``target`` ``builtin``: the demo's tiny Llama."""
-    from ..scoring.config import ScoringConfig
-
     def data(stage: str, key: str, default: Any) -> Any:
         return _get(configs[stage], "data", "init_args", key, default=default)
 
@@ -616,17 +612,11 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
     builtin_pool = data("warmup", "pool", "builtin") == "builtin"
     tasks = 3
     if validation == "builtin":
-        from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES
-
         tasks = len(BUILTIN_VALIDATION_FAMILIES)
     config = None
     if target == "builtin":
-        from ..models.builtin import builtin_model
-
         config = builtin_model().config
     if lora is not None:
-        from ..models.lora import LoraSettings
-
         lora = (M.with_lora_targets(lora, target) if config is None else
                 {**LoraSettings.of(lora).to_dict(),
                  "target_modules": LoraSettings.of(lora).resolved_targets(config.model_type)})

@@ -42,6 +42,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..engine.lowrank import LowRankLinear
+from ..engine.target_layers import BLOCK_RE, find_target_linears, is_linear_like, linear_shape
+
 log = logging.getLogger(__name__)
 
 
@@ -89,9 +92,6 @@ class ModelShape:
     @classmethod
     def from_model(cls, model: nn.Module, *, name: str = "") -> "ModelShape":
         """Read the shapes of a (possibly meta-device, possibly low-rank) HF causal LM."""
-        from ..engine.lowrank import LowRankLinear
-        from ..engine.target_layers import BLOCK_RE, find_target_linears, is_linear_like, linear_shape
-
         tracked = set(find_target_linears(model))
         linears = []
         for mname, m in model.named_modules():
@@ -124,7 +124,7 @@ class ModelShape:
         ``config`` is a ``PretrainedConfig``, a dict, or a local directory / hub id readable by
         ``AutoConfig``. ``ranks`` (layer name -> rank) turns it into a proxy's shape.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
         if isinstance(config, (str, os.PathLike)):
             config = AutoConfig.from_pretrained(config)

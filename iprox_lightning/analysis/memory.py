@@ -71,16 +71,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..compression.ipsvd import whitened_bytes
+from ..compression.schedule import assign_layers, kept_whitened, probe_groups, whitened_keep, whitened_room
+from ..engine.target_layers import find_target_linears
 from ..errors import UserInputError
-from .flops import ModelShape, alignment_flops, probe_flops, scoring_flops
+from ..io.jsonfile import Fields, read_json, write_json
+from ..models.loading import cache_root
+from ..models.lora import LoraSettings, matches_target
+from ..scoring.config import VALIDATION_DEFAULTS, ScoringConfig, check_validation_gradients, metric_registry
+from ..scoring.features import choose_mode
+from ..scoring.metrics import owners_by_size
+from .flops import LinearShape, ModelShape, alignment_flops, probe_flops, scoring_flops
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "fsdp")
@@ -132,7 +145,7 @@ def _check_choice(option: str, value: str, choices: Iterable[str]) -> None:
 def load_config(model: str):
     """The Hugging Face config of ``model``: a named shape (:data:`NAMED_SHAPES`), a ``.gguf`` file, a local model
     directory (a saved proxy directory reads its target's ``config.json``) or a hub id."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     if model in NAMED_SHAPES:
         d = dict(NAMED_SHAPES[model])
@@ -155,7 +168,7 @@ def load_config(model: str):
 
 
 def _meta_model(config):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -203,8 +216,7 @@ def _saved_bytes(config, batch_size: int, seq_len: int, precision: str, attn_imp
                  trainable: bool) -> int:
     """Bytes of every non-parameter storage the decoder stack (``model.model``, no LM head) saves for its backward
     on ``batch_size × seq_len`` tokens; the model is built and run on fake tensors (nothing allocated)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     with FakeTensorMode():
@@ -232,10 +244,7 @@ def _saved_bytes(config, batch_size: int, seq_len: int, precision: str, attn_imp
 def _tracked_input_bytes(config, seq_len: int, precision: str, attn_implementation: str) -> int:
     """Bytes of the distinct inputs of one decoder layer's tracked linears on one sequence (what the backward-pairs
     engine's hooks hold per layer until the backward), counted on fake tensors of a one-layer model."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
-
-    from ..engine.target_layers import find_target_linears
+    from transformers import AutoModelForCausalLM  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     with FakeTensorMode():
@@ -307,8 +316,6 @@ PLAN_CACHE_VERSION = 2  # 2: Activations.tracked_input
 def _config_key(model: str) -> dict | None:
     """What names ``model``'s config without reading it through transformers: a named shape's fields, a model
     directory's ``config.json`` digest, a ``.gguf`` file's path, size and time; ``None`` for a hub id."""
-    import hashlib
-
     if model in NAMED_SHAPES:
         return {"named": model, **NAMED_SHAPES[model]}
     p = Path(model)
@@ -321,8 +328,6 @@ def _config_key(model: str) -> dict | None:
 
 
 def _sizes_from_dict(d: Mapping[str, Any]) -> ModelSizes:
-    from .flops import LinearShape
-
     sh = dict(d["shape"])
     shape = ModelShape(**{**sh, "linears": [LinearShape(**l) for l in sh["linears"]],
                           "lm_head": tuple(sh["lm_head"]) if sh["lm_head"] else None})
@@ -335,12 +340,6 @@ def model_counts(model: str, run: "RunSettings") -> tuple[ModelSizes, Activation
     torch / transformers versions were counted before; else counted (the config read by transformers, the model built on
     the meta device, the activations on fake tensors: tens of seconds) and saved there. A hub id's config is read
     each time (its contents are the key)."""
-    import hashlib
-    from importlib.metadata import version
-
-    from ..io.jsonfile import read_json, write_json
-    from ..models.loading import cache_root
-
     config = None
     ckey = _config_key(model)
     if ckey is None:
@@ -446,12 +445,9 @@ class RunSettings:
         if self.fsdp_cpu_offload and self.strategy != "fsdp":
             raise UserInputError("fsdp_cpu_offload offloads FSDP2's sharded state: it needs strategy fsdp, got "
                                  f"strategy {self.strategy!r}")
-        from ..scoring.config import check_validation_gradients
 
         object.__setattr__(self, "validation_gradients", check_validation_gradients(self.validation_gradients))
         if self.lora is not None:
-            from ..models.lora import LoraSettings
-
             LoraSettings.of(self.lora)
             if self.strategy == "fsdp":
                 raise UserInputError("lora: LoRA warm-up and fine-tuning run under strategy ddp (not fsdp)")
@@ -541,8 +537,6 @@ def _optimizer_temp(run: RunSettings, n: float) -> float:
 def lora_params(sizes: ModelSizes, lora: Mapping[str, Any]) -> int:
     """The LoRA adapters' parameters, ``r · (in + out)`` per adapted linear of the decoder blocks (peft's rule: which
     layers ``target_modules`` names; resolved ones: :func:`with_lora_targets`)."""
-    from ..models.lora import LoraSettings, matches_target
-
     settings = LoraSettings.of(lora)
     if settings.target_modules is None:
         raise ValueError("lora_params needs resolved target_modules (with_lora_targets)")
@@ -552,8 +546,6 @@ def lora_params(sizes: ModelSizes, lora: Mapping[str, Any]) -> int:
 
 def with_lora_targets(lora: Mapping[str, Any], model: str) -> dict:
     """``lora`` with ``target_modules`` resolved: as given, or peft's default for ``model``'s architecture."""
-    from ..models.lora import LoraSettings
-
     settings = LoraSettings.of(lora)
     if settings.target_modules is not None:
         return settings.to_dict()
@@ -630,8 +622,6 @@ def stage_one_share(sizes: ModelSizes, run: RunSettings) -> dict[str, float]:
     float32 columns of its largest probe group; ``decompositions`` — its kept
     :class:`~iprox_lightning.compression.ipsvd.WhitenedSVD` (float64); ``ipsvd_float64`` — the float64 work of its
     largest layer's :func:`~iprox_lightning.compression.ipsvd.ipsvd_factors` (mode exact)."""
-    from ..compression.ipsvd import whitened_bytes
-    from ..compression.schedule import assign_layers, kept_whitened, probe_groups, whitened_keep, whitened_room
 
     N, group = run.num_probe_tokens, run.probe_group_layers
     shapes = {l.name: (l.out_features, l.in_features) for l in sizes.shape.linears if l.tracked}
@@ -749,7 +739,6 @@ def planned_metrics() -> dict:
     """The influence metrics ``plan`` prices, by name: every registered one (each class declares its memory,
     ``memory_parts`` / ``memory_levers``, and its factor passes) but those that score a LoRA checkpoint's adapter
     gradients with its optimiser state (``needs_optimizer_state``: LESS), which do not score the dense model."""
-    from ..scoring.config import metric_registry  # (torch, on call: the scoring imports here are made where used)
 
     return {n: c for n, c in metric_registry().items() if not getattr(c, "needs_optimizer_state", False)}
 
@@ -772,8 +761,6 @@ def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
     ``held`` (the bytes of the validation gradients as held while the pool is scored, wherever). Held on the host or
     in bfloat16, the sums are accumulated on the host in the scoring precision (``host`` counts them: the host's peak)
     and reach the device one layer at a time."""
-    from ..scoring.config import VALIDATION_DEFAULTS
-
     h = {**VALIDATION_DEFAULTS, **dict(holding or {})}
     passes = min(int(h["column_groups"]), max(int(columns), 1))
     kg = -(-int(columns) // passes)  # the largest group (groups differ by at most one column)
@@ -789,11 +776,8 @@ def validation_gradient_bytes(linears: Iterable[tuple[int, int]], columns: int,
 def _metric_settings(metric, run: RunSettings) -> tuple:
     """``(config,)``: the scoring settings of the run for a metric whose ``memory_parts`` takes them (K-FAC's, by its
     ``kfac_*`` options), else ``()`` (``memory_parts(linears)`` of a metric that takes none)."""
-    import inspect
-
     if "config" not in inspect.signature(metric.memory_parts).parameters:
         return ()
-    from ..scoring.config import ScoringConfig
 
     return (ScoringConfig(method=metric.name, kfac_examples=run.kfac_examples, kfac_dtype=run.kfac_dtype,
                           kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload,
@@ -810,7 +794,6 @@ def _layer_shares(linears: list[tuple[int, int]], run: RunSettings) -> list[list
     several ranks each rank's owned ones (:func:`~iprox_lightning.scoring.metrics.owners_by_size`, the scorer's)."""
     if not (run.shard_layers and run.devices > 1):
         return [list(range(len(linears)))]
-    from ..scoring.metrics import owners_by_size
 
     owner = owners_by_size({str(j): i * i + o * o for j, (i, o) in enumerate(linears)}, run.kfac_partitions,
                            run.devices)
@@ -832,8 +815,6 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     a pass's sums beside one batch's activations, then the sums beside one decomposition, when FSDP's gathered root
     and blocks are freed) before the scoring's (the activations, validation gradients, features, exchange): the larger
     of the two phases is counted, beside the weights' shard and the fitted state both hold."""
-    from ..scoring.features import choose_mode
-
     metric = planned_metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
@@ -863,7 +844,6 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         "layer_exchange": ((1 + 2 * run.devices) * B * T * max((i + o for i, o in linears), default=0) * 4.0
                            if sharded else 0.0),
     }
-    import inspect
 
     world = {"world": run.devices} if "world" in inspect.signature(metric.memory_parts).parameters else {}
     own = metric.memory_parts(linears, *_metric_settings(metric, run), **world)
@@ -1003,8 +983,6 @@ def tracin_or_store(sizes: ModelSizes, acts: Activations, run: RunSettings,
 
 def validation_holding_dict(run: RunSettings) -> dict[str, Any]:
     """``run.validation_gradients`` with every key (the defaults where not given)."""
-    from ..scoring.config import VALIDATION_DEFAULTS
-
     return {**VALIDATION_DEFAULTS, **dict(run.validation_gradients or {})}
 
 
@@ -1217,8 +1195,6 @@ _SPEED_KEYS = {"warm-up": "c2", "fine-tune": "c2", "scoring (tracin)": "a", "sto
 def measured_throughput(params: int, device_kind: str, results_dir: str | Path) -> dict[str, tuple[float, str]]:
     """``{speed key: (tokens/s, file)}`` from the ``speed_*.json`` files of ``bench/speed.py`` measured on a model
     of ``params`` parameters (within 1%) on ``device_kind``; the newest file per key wins (sorted by name)."""
-    from ..io.jsonfile import Fields, read_json
-
     out: dict[str, tuple[float, str]] = {}
     for f in sorted(Path(results_dir).glob("speed_*.json")):
         d = read_json(f, what="a bench/speed.py measurement",

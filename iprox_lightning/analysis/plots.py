@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import matplotlib
 
+from .retention import pearson, spearman, topk_overlap
+
 matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -77,8 +79,6 @@ def plot_score_scatter(
     One point per shared id; the dashed lines are the k-th largest proxy / target scores
     (``k = round(frac · n)``) and the shaded upper-right box holds the examples both select.
     """
-    from .retention import pearson, spearman, topk_overlap
-
     _, p, t = align_scores(proxy, target, names=(proxy_name, target_name))
     k = topk_count(float(frac), len(p))
     p_thr = p[topk_indices(p, k)].min()

@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import InputNotFoundError
+from ..evaluation.effect import format_effect
+from ..io.jsonfile import read_json
+from ..io.proxy import PROXY_MANIFEST, read_manifest
+from ..selection.summary import format_selection
+from .tables import format_table
 
 LEGEND = {
     "spearman / pearson / kendall": "rank / linear / pair-order correlation of the proxy's scores with the target's (higher is better; 1 = same ranking)",
@@ -56,7 +61,6 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
     models = {"proxy": wd / "proxy" / "model", "layer_extraction": wd / "layer_extraction" / "model"}
     out["proxy_models"] = {k: str(v) for k, v in models.items() if k in proxies and (v / "config.json").exists()}
     out["selections"] = {}
-    from ..io.jsonfile import read_json
 
     for meta in sorted((wd / "selected").glob("*.jsonl.meta.json")) if (wd / "selected").is_dir() else []:
         e = read_json(meta, what="selection meta").get("explanation")
@@ -70,8 +74,6 @@ def discover_workdir(wd: str | Path) -> dict[str, Any]:
 
 def manifest_sizes(proxy_dir: str | Path, align_batch_size: int = 4) -> dict[str, int]:
     """``n_probe_examples`` and (≈ steps × batch size) ``n_align_examples`` from a proxy's manifest."""
-    from ..io.proxy import PROXY_MANIFEST, read_manifest
-
     if not (Path(proxy_dir) / PROXY_MANIFEST).exists():
         return {}
     m = read_manifest(proxy_dir)
@@ -81,9 +83,6 @@ def manifest_sizes(proxy_dir: str | Path, align_batch_size: int = 4) -> dict[str
 
 def render_markdown(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], plots: Sequence[str],
                     selections: Mapping[str, Any] | None = None, summary: Mapping[str, Any] | None = None) -> str:
-    from ..selection.summary import format_selection
-    from .tables import format_table
-
     cols = []
     for r in rows:
         cols += [c for c in r if c not in cols]
@@ -103,8 +102,6 @@ def render_markdown(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, An
             fam = ", ".join(f"{f} {v:.3f}" for f, v in o.get("per_family", {}).get(who, {}).items())
             lines.append(f"- {who}: {o[f'{who}_selection']:.3f}" + (f" ({fam})" if fam else ""))
     if summary and summary.get("selection_effect"):
-        from ..evaluation.effect import format_effect
-
         lines += ["", "## Fine-tuned effect", "", "```"] + format_effect(summary["selection_effect"]) + ["```"]
     for name, e in (selections or {}).items():
         lines += ["", f"## Selection `{name}` explained", "", "```", format_selection(e), "```"]

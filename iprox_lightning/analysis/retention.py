@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+from scipy.stats import kendalltau, rankdata as average_ranks, spearmanr
 
-from ..selection.topk import topk_count, topk_indices
+from ..io.scores import read_table, task_names_of
+from ..selection.topk import shortest_cut, topk_count, topk_indices
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,6 @@ def align_scores(
 def rankdata(x: np.ndarray) -> np.ndarray:
     """1-based ranks with ties replaced by their average rank: ``scipy.stats.rankdata(x)`` (float64; a NaN in ``x``
     makes every rank NaN)."""
-    from scipy.stats import rankdata as average_ranks
-
     return np.asarray(average_ranks(x), dtype=np.float64)
 
 
@@ -107,8 +108,6 @@ def partial_spearman(x: np.ndarray, y: np.ndarray, control: np.ndarray) -> float
 
 def kendall(x: np.ndarray, y: np.ndarray) -> float:
     """Kendall's τ_b (tie-corrected), via ``scipy.stats.kendalltau``."""
-    from scipy.stats import kendalltau
-
     return float(kendalltau(x, y, variant="b").statistic)
 
 
@@ -152,8 +151,6 @@ def retention_metrics(
 def length_confound(target: dict[str, float], proxy: dict[str, float], lengths: dict[str, float]) -> dict[str, float]:
     """How much of the target's ranking response length alone explains (``length_floor``: Spearman of
     shortest-first with the target) and the proxy's retention with length partialled out."""
-    import numpy as np
-
     ids = sorted(set(target) & set(proxy) & set(lengths))
     t, p, n = (np.array([d[i] for i in ids], dtype=float) for d in (target, proxy, lengths))
     return {"length_floor": spearman(-n, t), "spearman_length_partialled": partial_spearman(p, t, n)}
@@ -176,8 +173,6 @@ def per_task_scores(source: Any) -> dict[str, dict[str, float]]:
     if hasattr(source, "task_names") and hasattr(source, "task_scores"):
         ids, names, ts = list(source.ids), list(source.task_names), np.asarray(source.task_scores, dtype=np.float64)
     else:
-        from ..io.scores import read_table, task_names_of
-
         _, table = read_table(source)
         names = task_names_of(table)
         ids = [str(i) for i in table.column("id").to_pylist()]
@@ -188,10 +183,6 @@ def per_task_scores(source: Any) -> dict[str, dict[str, float]]:
 
 def _rank_corr(*cols: np.ndarray) -> np.ndarray:
     """Spearman correlation matrix of the columns (``scipy.stats.spearmanr``; NaN where a column is constant)."""
-    import warnings
-
-    from scipy.stats import spearmanr
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # constant input: NaN, as documented
         r = np.asarray(spearmanr(np.stack(cols, axis=1)).statistic, dtype=np.float64)
@@ -258,8 +249,6 @@ def per_task_retention(
     c = None if lengths is None else np.array([float(lengths[i]) for i in ids], dtype=np.float64)
     short = None
     if c is not None and shortest_fraction is not None:
-        from ..selection.topk import shortest_cut
-
         short = c <= shortest_cut(c, topk_count(float(shortest_fraction), len(ids)))
     out: dict[str, dict[str, Any]] = {}
     for task in tasks:

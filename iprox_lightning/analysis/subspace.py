@@ -36,6 +36,7 @@ from ..engine.batch import check_batch, per_example_loss
 from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import eval_mode
 from ..engine.target_layers import conv1d_class, find_target_linears
+from ..progress import progress as progress_of
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +225,6 @@ def per_example_gradients(
 
     ids: list[str] = []
     rows: list[torch.Tensor] = []
-    from ..progress import progress as progress_of
 
     bar = progress_of(total=max_examples, desc="per-example gradients", unit="ex", enabled=progress)
     try:

@@ -10,10 +10,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from ..io.jsonfile import write_json
 from ..selection.topk import topk_count, topk_indices
-from .flops import ModelShape
+from .flops import ModelShape, pipeline_flops
 from .retention import DEFAULT_TOPK, retention_metrics
 from .subspace import mean_nn_distance, subspace_affinity
 
@@ -21,7 +23,6 @@ from .subspace import mean_nn_distance, subspace_affinity
 def select_top(scores: Mapping[str, float], frac: float) -> list[str]:
     """Ids of the top ``round(frac · n)`` scores (ties broken by id) — the paper's selection rule (5 %)."""
     ids = sorted(map(str, scores))
-    import numpy as np
 
     vals = np.array([float(scores[i]) for i in ids])
     return [ids[i] for i in topk_indices(vals, topk_count(float(frac), len(ids)))]
@@ -76,8 +77,6 @@ def flops_rows(
     ``n_train``, ``n_val``, probe / alignment sizes); off-the-shelf proxies should pass no probe /
     alignment examples — give them their own call or ``ModelShape`` with ``n_probe_examples=0``.
     """
-    from .flops import pipeline_flops
-
     rows = []
     for name, shape in proxies.items():
         f = pipeline_flops(target, shape, **pipeline_kwargs)
@@ -123,7 +122,5 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
 
 def write_rows(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
     """Write rows as a JSON list (NaN written as ``null``)."""
-    from ..io.jsonfile import write_json
-
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     return write_json(path, clean)

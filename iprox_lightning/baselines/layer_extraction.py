@@ -29,6 +29,8 @@ from ..engine.blocks import (
 )
 from ..errors import UserInputError
 from ..io.jsonfile import write_json
+from ..io.ownership import make_owned_dir
+from ..models.loading import load_model
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,6 @@ def layer_extraction_proxy(
 
 def save_layer_extraction(proxy: nn.Module, info: Mapping, output_dir: str | os.PathLike, tokenizer=None) -> Path:
     """``save_pretrained`` the proxy (safetensors) + ``layer_extraction.json`` (+ tokenizer) into ``output_dir``."""
-    from ..io.ownership import make_owned_dir
-
     out = Path(output_dir)
     make_owned_dir(out, "model")
     proxy.save_pretrained(out, safe_serialization=True)
@@ -97,8 +97,6 @@ def run_layer_extraction(
 
     ``batches`` is the (e.g. 1 %) sample of the pool in the project's batch format.
     """
-    from ..models.loading import load_model
-
     m, tok = load_model(model, dtype=dtype)
     m.to(device)
     proxy, info = layer_extraction_proxy(m, batches, sparsity=sparsity, max_batches=max_batches)

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from ..analysis.tables import select_top
 from ..io.scores import write_scores
 
 
@@ -40,8 +41,6 @@ def random_subset(ids: Iterable[str], fraction: float, seed: int = 0) -> list[st
 
     Used for the paper's 1 % samples (layer-extraction calibration, regression-scorer hold-out).
     """
-    from ..analysis.tables import select_top
-
     return select_top(random_scores(ids, seed), fraction)
 
 

@@ -15,14 +15,15 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from ..engine.batch import IGNORE_INDEX, model_device, to_device
+from ..engine.model_modes import eval_mode
+from ..scoring.influence import ScoreTable
+
 
 @torch.no_grad()
 def embed(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], list, np.ndarray, np.ndarray]:
     """``(ids, tasks, embeddings [N, d] (unit rows, float64), response_tokens [N])`` of SFT ``batches`` (on the
     model's device)."""
-    from ..engine.batch import IGNORE_INDEX, model_device, to_device
-    from ..engine.model_modes import eval_mode
-
     body = getattr(model, "base_model", model)  # the decoder without the LM head: no vocabulary-size logits
     ids, tasks, embs, n_resp = [], [], [], []
     device = model_device(model)
@@ -46,8 +47,6 @@ def embed(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], l
 def rds_table(pool_batches: Iterable[dict], validation_batches: Iterable[dict], model: torch.nn.Module):
     """The RDS+ score table (:class:`~iprox_lightning.scoring.ScoreTable`) of the pool against the validation
     tasks (see the module doc)."""
-    from ..scoring.influence import ScoreTable
-
     vids, vtasks, V, _ = embed(model, validation_batches)
     if not vids:
         raise ValueError("RDS+: the validation set is empty")

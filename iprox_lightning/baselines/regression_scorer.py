@@ -27,9 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..analysis.retention import pearson, spearman
 from ..engine.batch import check_batch
 from ..engine.blocks import decoder_blocks
 from ..errors import UserInputError
+from ..models.loading import load_model
+from ..progress import progress as progress_of
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +101,6 @@ class RegressionLM(nn.Module):
 def build_regression_lm(backbone: str | nn.Module, *, pooling: str = "mean", trainable_blocks: int = 0,
                         dtype: str = "float32") -> RegressionLM:
     """A :class:`RegressionLM` on ``backbone`` (hub id / dir / .gguf / ``"builtin"`` via ``load_model``, or a module)."""
-    from ..models.loading import load_model
-
     lm, _ = load_model(backbone, dtype=dtype, tokenizer=False) if not isinstance(backbone, nn.Module) else (backbone, None)
     return RegressionLM(lm, pooling=pooling, trainable_blocks=trainable_blocks)
 
@@ -156,7 +157,6 @@ def fit_regression_scorer(
                                for b in eval_batches]
     ys = [scorer.standardize(lookup_targets([str(i) for i in b["id"]], targets)).to(dev) for b in batches]
     history = []
-    from ..progress import progress as progress_of
 
     bar = progress_of(total=epochs * len(batches), desc="regression scorer", unit="batch", enabled=progress)
     try:
@@ -193,8 +193,6 @@ def fit_regression_scorer(
 def _eval_agreement(scorer: RegressionLM, eval_batches, eval_cached, targets: Mapping[str, float]) -> dict[str, float]:
     """Spearman and Pearson of the scorer's predictions on ``eval_batches`` (from their cached backbone features
     when there are any) against ``targets``."""
-    from ..analysis.retention import pearson, spearman
-
     if eval_cached is not None:
         with torch.no_grad():
             pred = {i: float(v) for ids_, f in eval_cached
@@ -213,7 +211,6 @@ def predict_scores(scorer: RegressionLM, batches: Iterable[Mapping], *, progress
     dev = _device_of(scorer)
     scorer.eval()
     out: dict[str, float] = {}
-    from ..progress import progress as progress_of
 
     it = progress_of(batches, desc="scoring with regression scorer", unit="batch", enabled=progress)
     for b in it:

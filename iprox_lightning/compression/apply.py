@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from ..engine.blocks import remove_blocks
 from ..errors import UserInputError
 from ..progress import progress as progress_of
 from .ipsvd import WhitenedSVD, compute_factors, weighted_objective
@@ -541,8 +542,6 @@ def apply_report_structure(model: nn.Module, report: CompressionReport) -> None:
     if is_compressed(model):
         raise UserInputError("model already holds LowRankLinear layers (already compressed)")
     if report.block_drop is not None:
-        from ..engine.blocks import remove_blocks
-
         remove_blocks(model, report.block_drop.kept, inplace=True)
     targets = list(report.compression.targets) if report.compression and report.compression.targets else None
     modules = find_target_linears(model, targets)

@@ -33,13 +33,18 @@ The :class:`~iprox_lightning.compression.apply.CompressionReport` is kept as ``c
 from __future__ import annotations
 
 import logging
+from itertools import chain, islice
 from typing import Any, Iterable, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from ..console import show_progress
+from ..errors import UserInputError
+from . import health
 from .apply import (
     CompressionConfig,
     CompressionReport,
@@ -121,8 +126,6 @@ class IPSVDCallback(Callback):
         """
         if probe_group_layers is not None and (isinstance(probe_group_layers, bool) or
                                                not isinstance(probe_group_layers, int) or probe_group_layers < 1):
-            from ..errors import UserInputError
-
             raise UserInputError(f"IPSVDCallback probe_group_layers must be an integer >= 1 or null (every layer in "
                                  f"one pass), got {probe_group_layers!r}")
         super().__init__()
@@ -159,15 +162,11 @@ class IPSVDCallback(Callback):
     @staticmethod
     def _validation_loader(trainer: pl.Trainer, pl_module: pl.LightningModule):
         """The validation batches of the influence weights (per task): the datamodule's, else the module's."""
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
         dm = trainer.datamodule
         owners = [o for o in (dm, pl_module) if o is not None and is_overridden("val_dataloader", o)]
         for owner in owners:
             loader = owner.val_dataloader()
             if isinstance(loader, (list, tuple)):  # Lightning allows several loaders: one stream of batches
-                from itertools import chain
-
                 loader = list(chain.from_iterable(loader)) if loader else None
             if loader:
                 return loader
@@ -214,7 +213,6 @@ class IPSVDCallback(Callback):
             if self.config.method == "ipsvd":
                 raise
             loader = None  # svd / random need no probes (the report then has no objective)
-        from ..console import show_progress
 
         validation = (self._validation_loader(trainer, pl_module) if self.config.rank_weighting == "influence"
                       else None)
@@ -272,16 +270,13 @@ class IPSVDCallback(Callback):
         dm = trainer.datamodule
         if not self.health_batches or teacher is None or not isinstance(dm, SplitSource):
             return
-        from itertools import islice
-
-        from .health import proxy_health
 
         try:
             batches = list(islice(iter(dm.dataloader("align")), self.health_batches))
         except (KeyError, ValueError) as e:  # a datamodule without an alignment split
             log.info("IPSVDCallback: no health check (%s)", e)
             return
-        h = proxy_health(teacher, model, batches)
+        h = health.proxy_health(teacher, model, batches)  # (looked up on call: tests replace it)
         h["batches"] = len(batches)
         report.health = h
         aligning = pl_module.aligns

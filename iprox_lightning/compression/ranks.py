@@ -16,6 +16,7 @@ factorised layer then holds at least its share of the budget, so the plan holds 
 """
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Mapping
 
@@ -158,8 +159,6 @@ def allocate_ranks(
     of its fractional relaxation up to the last block that did not fit.
     Returns ``{name: rank or None (dense)}``; raises if even the minimum ranks exceed the budget.
     """
-    import heapq
-
     mult = int(rank_multiple)
     if mult < 1:
         raise UserInputError(f"rank_multiple must be >= 1, got {rank_multiple}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..engine.work_split import largest_first
 from .ipsvd import whitened_bytes
@@ -135,21 +136,16 @@ class TorchExchange(Exchange):
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__()
-        import torch.distributed as dist
 
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device) if device is not None else None
 
     def all_gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        import torch.distributed as dist
-
         buf = tensor if self.device is None or tensor.device == self.device else tensor.to(self.device)
         dist.broadcast(buf, src=src)
         if buf is not tensor:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass, field
+from io import StringIO
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import InputNotFoundError, UserInputError
+from ..io.records import read_utf8
 
 MMLU_CHOICES = ("A", "B", "C", "D")
 
@@ -67,9 +70,6 @@ def read_mmlu_csv(path: str | os.PathLike, subject: str | None = None, split: st
         subject = subject or name_subject or stem
         split = split or name_split or "test"
     out: list[MMLUQuestion] = []
-    from io import StringIO
-
-    from ..io.records import read_utf8
 
     with StringIO(read_utf8(path, error=EvalDataError), newline="") as f:
         for row_idx, row in enumerate(csv.reader(f)):
@@ -170,7 +170,6 @@ def read_bbh_cot_prompt(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_file():
         raise InputNotFoundError(f"BBH CoT prompt not found: {path}")
-    from ..io.records import read_utf8
 
     lines = read_utf8(path, error=EvalDataError).splitlines(keepends=True)
     if len(lines) >= 2 and "canary" in lines[0].lower() and lines[1].strip().startswith("---"):
@@ -198,7 +197,6 @@ def list_bbh_tasks(root: str | os.PathLike, *, allow_partial: bool = False) -> l
                 f"{root}: partial BBH directory, {len(missing)} task(s) incomplete: " + "; ".join(missing[:10])
                 + (f"; ... and {len(missing) - 10} more" if len(missing) > 10 else "")
                 + " (restore the files, or pass allow_partial=True to use the complete tasks only)")
-        import logging
 
         logging.getLogger(__name__).warning("%s: partial BBH directory, dropped %d task(s): %s", root, len(missing),
                                             "; ".join(missing))
@@ -384,7 +382,6 @@ def sample_per_group(items: Sequence[Any], n: int | None, seed: int, group: str)
 def _load_json(path: Path) -> Any:
     if not path.is_file():
         raise InputNotFoundError(f"file not found: {path}")
-    from ..io.records import read_utf8
 
     try:
         return json.loads(read_utf8(path, error=EvalDataError))

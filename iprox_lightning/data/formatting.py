@@ -56,12 +56,16 @@ An example left with no scored response token (no response token at position ≥
 """
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import UserInputError
+from ..progress import progress as progress_of
 
 PROMPT_TEMPLATES = ("auto", "chat", "plain")
 TRUNCATIONS = ("prompt_left", "right")
@@ -121,10 +125,6 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float, message: str) ->
     """``fn()``, stopped after ``seconds`` with :class:`ChatTemplateTimeout` (``message``). In the main thread a
     ``SIGALRM`` timer interrupts ``fn`` itself (an earlier timer is restored); elsewhere ``fn`` runs in a daemon
     thread that is abandoned when it overruns."""
-    import signal
-    import threading
-    import time
-
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         def on_alarm(signum, frame):
             raise ChatTemplateTimeout(message)
@@ -309,13 +309,11 @@ def tokenize_records(
     bos_text = getattr(tokenizer, "bos_token", None) if mode == "chat" else None  # rendered by the template
     examples: list[TokenizedExample] = []
     dropped: list[str] = []
-    import threading
 
     # every rendering is timed in the main thread (a signal timer costs microseconds); elsewhere the first one only
     in_main = threading.current_thread() is threading.main_thread()
     _limit = lambda j: None if in_main or j == 0 else 0  # noqa: E731
     starts = range(0, len(records), chunk_size)
-    from ..progress import progress as progress_of
 
     starts = progress_of(starts, desc=desc, unit="chunk", total=len(starts), enabled=progress, leave=True)
     for s in starts:

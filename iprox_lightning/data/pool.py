@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
+from ..io.output_guard import check_output_not_input
+from .sources import DataFormatError, normalize_row, read_records, resolve_field_map
+from .synthetic import generate_builtin_dataset
 
 BUILTIN = "builtin"
 
@@ -36,9 +39,6 @@ def describe(pool: Any) -> str:
 
 def read_pool(pool: Any, field_map: dict[str, str] | None = None, builtin_size: int = 2000) -> list[dict]:
     """Canonical records of ``pool`` (see the module doc), ids unique across all of it."""
-    from .sources import DataFormatError, normalize_row, read_records, resolve_field_map
-    from .synthetic import generate_builtin_dataset
-
     if is_in_memory(pool):
         fm = resolve_field_map(field_map)
         out = [normalize_row(dict(row), field_map=fm, where=f"pool[{i}]", default_id=f"pool-{i:06d}", default_task="pool")
@@ -63,7 +63,5 @@ def check_output_is_not_input(out: str | os.PathLike, pool: Any, what: str) -> N
     """Refuse an output (``what``: the option's name) that is a pool file (by device and inode: a hard or symbolic
     link of it too), lies inside a pool directory, or contains a pool source: writing it would replace the pool, or
     make the next read of the pool take the output for pool data (:func:`~iprox_lightning.io.output_guard.check_output_not_input`)."""
-    from ..io.output_guard import check_output_not_input
-
     sources = [pool] if isinstance(pool, (str, os.PathLike)) else list(pool) if isinstance(pool, (list, tuple)) else []
     check_output_not_input(out, {"pool": [s for s in sources if isinstance(s, (str, os.PathLike))]}, what)

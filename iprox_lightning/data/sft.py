@@ -46,6 +46,7 @@ import logging
 import zlib
 from typing import Any, Iterator, Sequence
 
+import datasets
 import lightning as L
 import numpy as np
 import torch
@@ -53,9 +54,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..engine.batch import IGNORE_INDEX
 from ..errors import UserInputError
+from ..io.records import records_digest
+from ..io.selection import read_selection
+from ..models.hub import check_dataset_source
+from ..models.loading import load_tokenizer
+from .eval_validation import eval_validation_records, parse_eval_source
 from .formatting import PROMPT_TEMPLATES, TRUNCATIONS, TokenizedExample, tokenize_records
+from .pool import describe, is_in_memory, read_pool
 from .sources import is_hub_dataset, parse_hub_id, read_records
-from .splits import PoolSplits, make_splits, sample_per_task
+from .splits import PoolSplits, make_splits, sample_per_task, split_validation
+from .synthetic import builtin_validation, generate_builtin_dataset
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +238,6 @@ class SFTDataModule(L.LightningDataModule):
                              "set apart from the ones that monitor")
         if train_split == "selected" and not selected:
             raise UserInputError("train_split='selected' needs `selected`: the JSONL file written by the selection stage")
-        from .pool import is_in_memory
 
         self._pool_in_memory = pool if is_in_memory(pool) else None
         self.save_hyperparameters(ignore=(["tokenizer"] if not isinstance(tokenizer, str) else [])
@@ -302,12 +309,8 @@ class SFTDataModule(L.LightningDataModule):
     def pool_records(self) -> list[dict]:
         """Canonical records of the candidate pool (in read order)."""
         if self._pool_records is None and self._pool_in_memory is not None:
-            from .pool import read_pool
-
             self._pool_records = read_pool(self._pool_in_memory, self.field_map)
         if self._pool_records is None:
-            from .synthetic import generate_builtin_dataset
-
             self._pool_records = self._read(self.pool_sources, lambda: generate_builtin_dataset(self.builtin_size, seed=0))
         return self._pool_records
 
@@ -331,13 +334,8 @@ class SFTDataModule(L.LightningDataModule):
             records: list[dict] = []
             for src in self.validation_sources:
                 if src == BUILTIN:
-                    from .synthetic import builtin_validation
-
                     records.extend(builtin_validation(self.val_per_task or BUILTIN_VAL_PER_TASK, seed=0))
                 elif src.startswith("eval:"):  # the paper's suites: "eval:<dir>[:mmlu,bbh,tydiqa]"
-                    from .eval_validation import eval_validation_records, parse_eval_source
-                    from .splits import sample_per_task
-
                     eval_dir, suites = parse_eval_source(src)
                     recs = eval_validation_records(eval_dir, suites)
                     if self.val_per_task:
@@ -372,8 +370,6 @@ class SFTDataModule(L.LightningDataModule):
         ``subtask`` field, which ``eval:`` sources keep and file sources do not — their split is then random within each
         task)."""
         if self._val_split is None:
-            from .splits import split_validation
-
             recs = self.validation_records
             self._val_split = split_validation([r["id"] for r in recs], [r["category"] for r in recs],
                                                self.val_train_fraction, self.seed, [r.get("subtask") for r in recs])
@@ -419,17 +415,12 @@ class SFTDataModule(L.LightningDataModule):
     def _selected_records(self) -> list[dict]:
         """The selection file (:mod:`iprox_lightning.io.selection`): its records, or its ids resolved
         against this module's pool."""
-        from ..io.selection import read_selection
-
         return read_selection(self.selected, lambda: self.pool_records, self.pool_sources)
 
     def pool_provenance(self) -> dict[str, Any]:
         """What the pool is, for the score table's settings (``"pool"``): its sources, the digest of its records
         (:func:`~iprox_lightning.io.records.records_digest`), and how to read it again (``builtin_size``,
         ``field_map``); ``select`` checks the pool it copies records from against it."""
-        from ..io.records import records_digest
-        from .pool import describe
-
         return {"source": describe(self._pool_in_memory if self._pool_in_memory is not None else
                                    (self.pool_sources[0] if len(self.pool_sources) == 1 else self.pool_sources)),
                 "records": records_digest(self.pool_records), "builtin_size": self.builtin_size,
@@ -504,10 +495,6 @@ class SFTDataModule(L.LightningDataModule):
         srcs = self.pool_sources + (self.validation_sources or [])
         hub = [s for s in srcs if s != BUILTIN and not s.startswith("eval:") and is_hub_dataset(s)]
         if hub:
-            import datasets
-
-            from ..models.hub import check_dataset_source
-
             for s in hub:
                 name, split = parse_hub_id(s)
                 check_dataset_source(name, f"data source {s!r}: data set")
@@ -642,6 +629,4 @@ def pool_sample_datamodule(pool: str, tokenizer: str, fraction: float, *, max_le
 
 
 def _load_tokenizer(name: str, trust_remote_code: bool = False):
-    from ..models.loading import load_tokenizer
-
     return load_tokenizer(name, trust_remote_code=trust_remote_code)

@@ -42,8 +42,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import datasets
+import pyarrow.parquet as pq
+
 from ..errors import InputNotFoundError, UserInputError
+from ..io.atomic import open_atomic
 from ..io.records import DataFormatError, iter_jsonl, json_id, normalize_row, read_utf8, resolve_field_map
+from ..models.hub import check_dataset_source
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +75,6 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for corrupt files
@@ -87,10 +90,6 @@ def parse_hub_id(source: str) -> tuple[str, str]:
 
 
 def _iter_hub(source: str) -> Iterator[tuple[str, Any]]:
-    import datasets
-
-    from ..models.hub import check_dataset_source
-
     name, split = parse_hub_id(source)
     check_dataset_source(name, f"data source {source!r}: data set")
     try:
@@ -208,8 +207,6 @@ def write_records_jsonl(records: Iterable[Mapping], path: str | os.PathLike) -> 
     Written to a temporary file and renamed, so readers never see a half-written file (and a failed write, e.g. a
     full disk, leaves none).
     """
-    from ..io.atomic import open_atomic
-
     path = Path(path)
     with open_atomic(path) as f:
         for r in records:

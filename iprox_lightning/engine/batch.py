@@ -20,6 +20,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserInputError
+
 IGNORE_INDEX = -100
 
 
@@ -331,8 +333,6 @@ the summed cross-entropy (kronfluence's and bergson's)."""
 
 def check_loss_reduction(reduction: str) -> None:
     if reduction not in LOSS_REDUCTIONS:
-        from ..errors import UserInputError
-
         raise UserInputError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {reduction!r}")
 
 

@@ -17,6 +17,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..progress import progress as progress_of
 from .batch import check_batch
 from .model_modes import eval_mode
 
@@ -89,7 +90,6 @@ def block_importance(
         handles.append(blk.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(blk.register_forward_hook(post, with_kwargs=True))
     dev = next(model.parameters()).device
-    from ..progress import progress as progress_of
 
     bar = progress_of(total=max_batches, desc="block importance", unit="batch", enabled=progress)
     try:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
+try:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+except ImportError:  # pragma: no cover - torch without FSDP2 (before 2.6): no model is sharded
+    FSDPModule = fully_shard = None
+
 
 def apply_fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool = True, offload_policy=None) -> int:
     """FSDP2: ``fully_shard`` each decoder block (classes in ``model._no_split_modules``), then the root.
     ``offload_policy``: FSDP2's (e.g. :func:`~iprox_lightning.training.memory_levers.cpu_offload_policy`). Returns the
     number of blocks sharded."""
-    from torch.distributed.fsdp import fully_shard
-
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     extra = {} if offload_policy is None else {"offload_policy": offload_policy}
@@ -22,9 +25,7 @@ def apply_fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool = T
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 (``fully_shard``) manages ``model`` or one of its submodules."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
+    if FSDPModule is None:  # pragma: no cover - torch without FSDP2
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
 

@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .lowrank import LowRankLinear
+
 
 
 def conv1d_class() -> type | None:
@@ -37,8 +39,6 @@ BLOCK_RE = re.compile(r"(^|\.)(layers|h|blocks|block|decoder_layers)\.\d+\.")
 
 
 def is_linear_like(module: nn.Module) -> bool:
-    from .lowrank import LowRankLinear
-
     conv = conv1d_class()
     return isinstance(module, (nn.Linear, LowRankLinear)) or (conv is not None and isinstance(module, conv))
 
@@ -53,8 +53,6 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
 
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear-like layer."""
-    from .lowrank import LowRankLinear
-
     if isinstance(module, LowRankLinear):
         return module.out_features, module.in_features
     w = linear_weight(module)
@@ -78,8 +76,6 @@ def find_target_linears(
     :func:`default_patterns`), any other the projections (:data:`DEFAULT_TARGET_PATTERNS`).
     Raises ``ValueError`` when nothing matches (so a wrong pattern never silently tracks nothing).
     """
-    from .lowrank import LowRankLinear
-
     patterns = list(patterns or default_patterns(model))
     pats = [re.compile(rf"^(?:{p})$") for p in patterns]
     excl = [re.compile(p) for p in EXCLUDED_PATTERNS]
@@ -151,8 +147,6 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def lowrank_layers(model: nn.Module) -> dict:
     """``{name: LowRankLinear}`` of a model (empty for an uncompressed one)."""
-    from .lowrank import LowRankLinear
-
     return {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
 
 

@@ -14,6 +14,9 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from ..data import formatting
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -128,8 +131,6 @@ def greedy_generate(
     Returns ``(texts, token_ids)``: the decoded continuation of each row cut before its first stop
     string (special tokens skipped), and its generated ids up to (excluding) the first EOS.
     """
-    from transformers import GenerationConfig, StoppingCriteriaList
-
     if not hasattr(model, "generate"):
         raise TypeError(f"{type(model).__name__} has no .generate(); pass a Hugging Face causal LM")
     if not bool((attention_mask[:, -1] == 1).all()):
@@ -178,8 +179,6 @@ def chat_prompt(tokenizer: Any, user_text: str, assistant_prefix: str) -> str:
     """open-instruct's chat formatting with the tokenizer's own template: one user turn, the
     generation prompt, then ``assistant_prefix`` (joined with a space unless the template already
     ends in whitespace). A rendering slower than ``CHAT_TEMPLATE_SECONDS`` stops naming the tokenizer."""
-    from ..data import formatting
-
     limit = formatting.CHAT_TEMPLATE_SECONDS
     text = formatting.call_with_time_limit(
         lambda: tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,

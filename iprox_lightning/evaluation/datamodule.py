@@ -20,9 +20,11 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from ..errors import InputNotFoundError, UserInputError
+from ..models.loading import load_tokenizer
 from . import bbh, mmlu, tydiqa
 from .bbh import BBHConfig
 from .common import pad_token_id
+from .inputs import check_inputs
 from .mmlu import MMLUConfig
 from .suite import EvalCollator, SuiteData
 from .tydiqa import TyDiQAConfig
@@ -97,8 +99,6 @@ class EvalDataModule(LightningDataModule):
         self.suite_data: dict[str, SuiteData] = {}
 
     def _check_inputs(self) -> None:
-        from .inputs import check_inputs
-
         requested = self.__dict__.setdefault("_requested_suites", list(self.suites))
         self.suites, self.skipped = check_inputs(requested, self.configs, self.data_dir)
         for name, why in self.skipped.items():
@@ -116,8 +116,6 @@ class EvalDataModule(LightningDataModule):
         if self._tokenizer is not None:
             return self._tokenizer
         if self.tokenizer_name is not None:
-            from ..models.loading import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.tokenizer_name)
             return self._tokenizer
         lm = self.trainer.lightning_module if self.trainer is not None else None

@@ -18,6 +18,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..data import SFTDataModule
+from .bootstrap import paired_gain
+from .heldout import evaluate_heldout, heldout_records
+
 WHO = ("base", "proxy", "target", "random")
 
 
@@ -29,14 +33,10 @@ def selection_effect(wd: str | Path, warm: str | Path, *, pool: Any, validation:
     per task, those the scoring's validation sample left out first (:func:`heldout_records`); on the built-in data it
     replaces ``n_per_task``. ``device`` and ``precision`` (a Trainer precision: ``bf16-mixed``, ``bf16-true``, ...):
     where and how each model is evaluated (:func:`~iprox_lightning.evaluation.heldout.evaluate_heldout`)."""
-    from .heldout import evaluate_heldout, heldout_records
-
     wd = Path(wd)
     data_args = data_args or {}
     val_records, steered = None, None
     if not (pool == "builtin" and validation == "builtin"):
-        from ..data import SFTDataModule
-
         val_records = SFTDataModule(pool=pool, validation=validation, tokenizer=str(warm)).validation_records
         if eval_per_task is not None:  # the validation examples the scoring used (val_per_task of them per task)
             same = {k: data_args[k] for k in ("val_per_task", "seed", "field_map", "builtin_size") if k in data_args}
@@ -88,8 +88,6 @@ def gains_vs_random(metrics: Mapping[str, Mapping[str, Any]], seed: int = 0, n_b
     held-out loss minus ``who``'s, example by example (positive = ``who``'s selection is better), its mean and paired
     percentile-bootstrap 95% CI (:func:`iprox_lightning.evaluation.bootstrap.paired_gain`). ``metrics``: per model
     :func:`~iprox_lightning.evaluation.heldout.heldout_metrics` with ``examples``; ``{}`` without a random row."""
-    from .bootstrap import paired_gain
-
     if "random" not in metrics:
         return {}
     rand = {(e["task"], e["id"]): e["loss"] for e in metrics["random"]["examples"]}

@@ -18,11 +18,22 @@ overall and per task (``category``).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Collection, Sequence
 
 import torch
 
+from ..data import SFTDataModule
+from ..data.eval_readers import read_bbh, read_mmlu, sample_per_group
+from ..data.eval_validation import LETTERS
+from ..data.splits import sample_per_task
+from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, builtin_validation
+from ..engine.batch import example_means, model_device, resolve_device, scored_logits, to_device
+from ..engine.model_modes import eval_mode
 from ..errors import UserInputError
+from ..models.loading import load_model
+from ..progress import progress
 
 HELDOUT_SEED_OFFSET = 1000
 
@@ -34,8 +45,6 @@ def heldout_records(pool: Any, validation: Any, n_per_task: int = 50, seed: int 
     many validation records per task (``category``), drawn with ``seed`` from those whose id is not in ``steered``
     (the validation examples the scoring used; default: all of them), topped up from the steered ones."""
     if pool == "builtin" and validation == "builtin":
-        from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES, builtin_validation
-
         recs = builtin_validation(n_per_task, seed=HELDOUT_SEED_OFFSET + seed)
         for r in recs:
             r["id"] = r["id"].replace("builtin-val-", "builtin-heldout-")
@@ -46,7 +55,6 @@ def heldout_records(pool: Any, validation: Any, n_per_task: int = 50, seed: int 
     if per_task is None:
         return list(validation_records), (f"the {len(validation_records)} validation examples (they also steered the "
                                           "selection: an in-sample check, not a held-out one)")
-    from ..data.splits import sample_per_task
 
     used = {r["id"] for r in validation_records} if steered is None else set(steered)
     by_task: dict[str, list[dict]] = {}
@@ -73,11 +81,6 @@ def suite_heldout_records(eval_dir: str, suites: Sequence[str] = ("mmlu", "bbh")
     and BBH task examples (the validation set holds the CoT-prompt exemplars). Formatted like the validation
     records, zero-shot: MMLU question + lettered choices + ``Answer:``, response the gold letter; BBH the task
     input, response the gold answer. ``category`` is the suite, ``subtask`` the subject / task."""
-    from pathlib import Path
-
-    from ..data.eval_readers import read_bbh, read_mmlu, sample_per_group
-    from ..data.eval_validation import LETTERS
-
     out: list[dict] = []
     for suite in suites:
         root = Path(eval_dir) / suite
@@ -104,10 +107,6 @@ def heldout_metrics(model: torch.nn.Module, batches, per_example: bool = False, 
     """Loss and teacher-forced exact match on SFT ``batches`` (see the module doc), on the model's device;
     ``per_example`` adds ``examples``: ``[{"id", "task", "loss", "exact_match"}]`` (for paired statistics over
     examples). ``desc``: progress lines (:func:`iprox_lightning.progress.progress`) in examples, of ``total``."""
-    from ..engine.batch import example_means, model_device, scored_logits, to_device
-    from ..engine.model_modes import eval_mode
-    from ..progress import progress
-
     per_task: dict[str, list[tuple[float, bool]]] = {}
     examples: list[dict] = []
     device = model_device(model)
@@ -143,12 +142,6 @@ def evaluate_heldout(model_dir: str, records: Sequence[dict], tokenizer: str, ma
     ``records`` (tokenized like training), in ``precision`` (a Trainer precision, as the training stages ran:
     ``*-true`` casts the weights to that dtype, ``*-mixed`` runs the forward under ``torch.autocast``; ``None`` or
     ``32-true``: the weights as saved)."""
-    from contextlib import nullcontext
-
-    from ..engine.batch import resolve_device
-    from ..data import SFTDataModule
-    from ..models.loading import load_model
-
     dm = SFTDataModule(pool=list(records), validation=None, tokenizer=tokenizer, max_length=max_length)
     model, _ = load_model(model_dir, tokenizer=False)
     model.to(resolve_device(device))

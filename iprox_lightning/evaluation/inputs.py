@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from ..data.eval_readers import EvalDataError, bbh_dropped_tasks
 from ..errors import InputNotFoundError
 
 GOLDP_DEV = "tydiqa-goldp-v1.1-dev.json"
@@ -68,8 +69,6 @@ def check_inputs(suites: list[str], configs: dict[str, Any], data_dir: Optional[
                 _need(root / f"{t}.json", "bbh.tasks")
                 _need(root / "cot-prompts" / f"{t}.txt", "bbh.tasks")
             if not cfg.tasks:
-                from ..data.eval_readers import EvalDataError, bbh_dropped_tasks
-
                 missing = bbh_dropped_tasks(root)
                 if missing and not getattr(cfg, "allow_partial", False):
                     raise EvalDataError(

@@ -20,9 +20,13 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from ..io.atomic import open_atomic
+from ..io.jsonfile import write_json
+from ..io.ownership import make_owned_dir
+from ..models.loading import load_model, load_tokenizer
 from .datamodule import SUITES
 from .metrics import flatten_results, format_results
 
@@ -56,7 +60,6 @@ class EvaluationModule(LightningModule):
         save_predictions: bool = True,
     ):
         super().__init__()
-        from ..models.loading import load_model, load_tokenizer
 
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.save_hyperparameters({"model": self.model_name, "dtype": dtype, "attn_implementation": attn_implementation})
@@ -164,8 +167,6 @@ class EvaluationModule(LightningModule):
         return Path(base) / "eval"
 
     def _write(self, prefix: str, results: dict[str, float], preds: dict[str, list[dict[str, Any]]]) -> None:
-        from ..io.ownership import make_owned_dir
-
         out = self._out_dir()
         make_owned_dir(out, "evaluation")
         dm = self.trainer.datamodule
@@ -178,8 +179,6 @@ class EvaluationModule(LightningModule):
             "suites": info,
             "skipped": dict(getattr(dm, "skipped", {})),
         }
-        from ..io.atomic import open_atomic
-        from ..io.jsonfile import write_json
 
         write_json(out / f"{prefix}_metrics.json", summary, ensure_ascii=False)
         if self.save_predictions:
@@ -189,7 +188,6 @@ class EvaluationModule(LightningModule):
                 with open_atomic(pdir / f"{suite}.jsonl") as f:
                     for r in sorted(recs, key=lambda r: r["id"]):
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        from lightning.pytorch.utilities import rank_zero_info
 
         rank_zero_info(format_results(results, f"evaluation ({self.model_name})"))
         rank_zero_info(f"EvaluationModule: saved the metrics to {out / f'{prefix}_metrics.json'}"

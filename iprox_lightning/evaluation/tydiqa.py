@@ -34,6 +34,7 @@ from torch import nn
 from ..data.eval_readers import EvalDataError, TyDiQAExample, read_tydiqa_goldp, read_tydiqa_one_shot, sample_per_group
 from ..errors import InputNotFoundError
 from .common import chat_prompt, encode_prompts, greedy_generate, resolve_chat_template, truncate_text_tokens
+from .inputs import resolve_in
 from .metrics import ExactMatch, SquadF1, squad_exact_match, squad_f1
 from .suite import SuiteData
 
@@ -114,7 +115,6 @@ def tydiqa_prompt(example: TyDiQAExample, demos: Sequence[TyDiQAExample]) -> tup
 def build(cfg: TyDiQAConfig, tokenizer: Any, data_dir: Optional[str]) -> SuiteData:
     root = Path(cfg.path) if cfg.path else Path(data_dir or ".") / "tydiqa"
     chat = resolve_chat_template(tokenizer, cfg.chat_template)
-    from .inputs import resolve_in
 
     eval_path = resolve_in(root, cfg.eval_file, GOLDP_DEV)
     examples = read_eval_file(eval_path)

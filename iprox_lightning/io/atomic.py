@@ -11,6 +11,7 @@ as that ``OSError``, naming the file, so a full disk is one line on the command 
 """
 from __future__ import annotations
 
+import errno as errno_
 import os
 import re
 import secrets
@@ -18,6 +19,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
+
+from ..errors import UserError
 
 
 def temporary_name(path: str | os.PathLike) -> Path:
@@ -44,10 +47,6 @@ def as_os_error(error: BaseException, filename: str | os.PathLike, temporary: st
     """``error`` as an ``OSError`` naming ``filename``: an ``OSError`` about ``temporary`` (or about no file) renamed to
     the file it stands for, or a library's error carrying an operating-system error (``(os error 28)``); ``None``
     otherwise (a user error, an error about another file, any other error)."""
-    import errno as errno_
-
-    from ..errors import UserError
-
     if isinstance(error, UserError) or not isinstance(error, Exception):
         return None
     if isinstance(error, OSError):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from .atomic import atomic_path
 from .fingerprint import FingerprintMismatch, diff, digest, tensors_digest
 from .gradient_store import StoreFormatError, load_tensors, save_tensors
 
@@ -65,10 +67,6 @@ def copy_factors(path: str | os.PathLike, into: str | os.PathLike) -> Path:
     """A factor file copied into directory ``into`` under its own name (atomically, the directory made if needed), for
     a store that keeps its own copy or a shared ``factors_dir`` that lost one; an existing copy is left as it is (the
     name is the fingerprint's digest, so it holds the same factors)."""
-    import shutil
-
-    from .atomic import atomic_path
-
     dst = Path(into) / Path(path).name
     if not dst.exists():
         with atomic_path(dst) as tmp:

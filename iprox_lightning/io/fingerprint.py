@@ -18,10 +18,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+import torch
+
 from ..errors import UserInputError
+from .jsonfile import Fields, read_json
 
 HASH_LIMIT = 256 * 2**20  # files above this size are identified by size + mtime, not content
 
@@ -79,8 +85,6 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
 def adapter_base(path: str | os.PathLike) -> str:
     """The base model a peft adapter directory names (``base_model_name_or_path`` of its ``adapter_config.json``): a
     path relative to the working directory or, failing that, to the adapter directory; else a hub id as given."""
-    from .jsonfile import Fields, read_json
-
     cfg = Path(path) / ADAPTER_CONFIG
     base = Fields(cfg).get(read_json(cfg, what="a peft adapter's settings"), "base_model_name_or_path", "str")
     if not base:
@@ -112,8 +116,6 @@ def model_identity(model: Any, net: Any = None) -> Any:
 
 def module_identity(module) -> str:
     """Hash of a module's parameter and buffer bytes (names, shapes, dtypes, values)."""
-    import torch
-
     h = hashlib.sha256()
     for name, t in list(module.state_dict().items()):
         if not isinstance(t, torch.Tensor):
@@ -132,8 +134,6 @@ def module_identity(module) -> str:
 def examples_digest(items: Iterable[Mapping]) -> dict:
     """``{"n": count, "ids": digest of the ids, "content": digest of ids + tasks + tokens}`` of data-set
     items (``SFTDataset`` items: ``id``, ``task``, ``input_ids``, ``prompt_len``; or collated batches)."""
-    import numpy as np
-
     h_ids, h_all, n = hashlib.sha256(), hashlib.sha256(), 0
     for it in items:
         ids = it["id"]
@@ -160,8 +160,6 @@ def examples_digest(items: Iterable[Mapping]) -> dict:
 
 def _item_bytes(obj) -> bytes:
     """Canonical bytes of an arbitrary data-set item (dicts, sequences, tensors, arrays, scalars)."""
-    import numpy as np
-
     if hasattr(obj, "detach"):
         obj = obj.detach().cpu().numpy()
     if isinstance(obj, np.ndarray):
@@ -192,7 +190,6 @@ def loader_digest(loader, *, iterate: bool = True) -> dict:
                 if isinstance(it, Mapping) and "id" in it:
                     h_ids.update(str(it["id"]).encode() + b"\0")
             return {"n": n, "ids": h_ids.hexdigest()[:16], "content": h_all.hexdigest()[:16]}
-    from collections.abc import Iterator
 
     if not iterate or isinstance(loader, Iterator):  # a one-shot iterator must not be consumed here
         return {"n": None, "content": "not fingerprinted (iterable data set)"}
@@ -245,8 +242,6 @@ def sort_safetensors_metadata(path: str | os.PathLike) -> None:
     an identical re-built artifact changed. The header is compact JSON of the same length whatever the order, so the
     sorted one takes its place byte for byte; the tensor entries keep their order.
     """
-    import struct
-
     with open(path, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         raw = f.read(n)
@@ -265,8 +260,6 @@ def sort_safetensors_metadata(path: str | os.PathLike) -> None:
 
 def tensors_digest(tensors: Mapping[str, Any]) -> str:
     """SHA-256 of every tensor's name, dtype, shape and bytes, in name order (a saved entry's content check)."""
-    import torch
-
     h = hashlib.sha256()
     for k in sorted(tensors):
         v = tensors[k].detach().cpu().contiguous()

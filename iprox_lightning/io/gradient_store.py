@@ -38,14 +38,23 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from ..errors import UserInputError
+from .atomic import atomic_path
 from .fingerprint import FingerprintMismatch, diff, digest, file_identity, sort_safetensors_metadata
+from .jsonfile import Fields, read_json, read_safetensors_header
+from .ownership import check_owned
 from .scores import write_json_atomic
 from .tensor_cache import TensorCache
 
@@ -65,8 +74,6 @@ class StoreFormatError(UserInputError):
 
 
 def storage_dtype(name: str):
-    import torch
-
     if name not in STORAGE_DTYPES:
         raise UserInputError(f"store dtype must be one of {STORAGE_DTYPES}, got {name!r}")
     return getattr(torch, name)
@@ -81,7 +88,6 @@ def read_info(store_dir: str | os.PathLike, *, required: bool = True) -> dict:
             raise StoreFormatError(f"{store_dir} is not a gradient store: {p} not found (build one with "
                                    "`python train.py build_store`)")
         return {}
-    from .jsonfile import read_json
 
     info = read_json(p, error=StoreFormatError, what="gradient store record")
     if info.get("schema_version") != SCHEMA_VERSION:
@@ -95,8 +101,6 @@ def check_info_fields(p: Path, info: Mapping) -> None:
     """Every field of ``store.json`` a build or query reads has its type and a possible value, and the layout adds up:
     each tracked weight's block (``k_out × k_in`` numbers, ``1 <= k <= `` the weight's side) starts where the previous
     one ended, and the blocks fill ``dim``. Refused naming the file and field (an edited or foreign record)."""
-    from .jsonfile import Fields
-
     f = Fields(p, StoreFormatError)
     fp = f.get(info, "fingerprint", "object")
     f.get(fp, "settings", "object", at="fingerprint")
@@ -168,8 +172,6 @@ def clear_store(store_dir: str | os.PathLike) -> None:
     """Remove a store's shards, settings, projections and factors (a build then starts fresh); only from a directory
     the package marked as a gradient store (:mod:`.ownership`), else
     :class:`~iprox_lightning.errors.OutputExistsError`."""
-    from .ownership import check_owned
-
     out = Path(store_dir)
     if (any(os.path.lexists(out / n) for n in (SHARD_DIR, CACHE_DIR, STORE_FILE, PROJECTION_FILE))
             or any(out.glob("*kfac-*.safetensors"))):
@@ -185,10 +187,6 @@ def clear_store(store_dir: str | os.PathLike) -> None:
 # ----------------------------------------------------------------------------------- tensors files
 def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> Path:
     """Write ``tensors`` as safetensors, atomically (temp file + ``os.replace``)."""
-    from safetensors.torch import save_file
-
-    from .atomic import atomic_path
-
     with atomic_path(path) as tmp:
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata=dict(metadata) if metadata else None)
@@ -198,12 +196,9 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: 
 
 def load_tensors(path: str | os.PathLike) -> tuple[dict, dict]:
     """``(tensors, metadata)`` of a safetensors file; a missing or unreadable one raises naming it."""
-    from safetensors import safe_open
-
     p = Path(path)
     if not p.exists():
         raise StoreFormatError(f"{p} not found")
-    from .jsonfile import read_safetensors_header
 
     read_safetensors_header(p, error=StoreFormatError)
     try:
@@ -248,8 +243,6 @@ def shard_name(rank: int, run: str, seq: int) -> str:
 def write_shard(store_dir: str | os.PathLike, name: str, *, ids: Sequence[str], tasks: Sequence[Any], vectors,
                 n_tokens, zero_grad, nonfinite) -> Path:
     """One shard of ``len(ids)`` rows (``vectors`` already in the store's dtype)."""
-    import torch
-
     n = len(ids)
     if vectors.shape[0] != n:
         raise ValueError(f"shard {name}: {vectors.shape[0]} vectors for {n} ids")
@@ -261,8 +254,6 @@ def write_shard(store_dir: str | os.PathLike, name: str, *, ids: Sequence[str], 
 
 
 def _read_shard(path: str, vectors: bool = True) -> dict:
-    from safetensors import safe_open
-
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
         ids, tasks = json.loads(meta["ids"]), json.loads(meta["tasks"])
@@ -275,8 +266,6 @@ def _read_shard(path: str, vectors: bool = True) -> dict:
 
 
 def _quarantine(path: str, error: Exception) -> dict:
-    import logging
-
     src = Path(path)
     dest = src.parent / CORRUPT_DIR / src.name
     dest.parent.mkdir(exist_ok=True)
@@ -314,8 +303,6 @@ def iter_shards(store_dir: str | os.PathLike, *, vectors: bool = True) -> Iterat
     """The store's rows shard by shard, each id once (first occurrence in shard name order): dicts with ``ids``,
     ``tasks``, ``vectors`` (as stored), ``n_tokens``, ``zero_grad``, ``nonfinite``. An unreadable shard raises
     naming it."""
-    import torch
-
     seen: set[str] = set()
     for f in shard_files(store_dir):
         try:
@@ -333,8 +320,6 @@ def iter_shards(store_dir: str | os.PathLike, *, vectors: bool = True) -> Iterat
 
 
 def _sha256(path: str | os.PathLike) -> str:
-    from .fingerprint import file_identity
-
     return file_identity(path, hash_limit=None)["sha256"]
 
 
@@ -390,8 +375,6 @@ def check_layout_against_files(store_dir: str | os.PathLike, info: Mapping) -> N
     """``store.json``'s layout, ``dim``, ``dtype`` and shard rows agree with the files (their headers only: nothing is
     read): each projection ``[k, side]`` as the layout says (identity where absent), each shard's ``vectors`` ``[rows,
     dim]`` in ``dtype``. Refused naming ``store.json``'s field and the file (an edited record)."""
-    from safetensors import safe_open
-
     where = Path(store_dir) / STORE_FILE
     proj = Path(store_dir) / PROJECTION_FILE
     shapes: dict[str, list[int]] = {}
@@ -462,8 +445,6 @@ def load_validation_gradients(store_dir: str | os.PathLike, fp: str, *, vectors:
     """The entry :func:`save_validation_gradients` wrote under ``fp`` (``None``: none, or — ``vectors`` — one
     without the per-example vectors): ``{"task_names", "sums", "counts", "seconds", "path"}`` (+ ``"vectors"``,
     ``"ids"``, ``"tasks"``)."""
-    import numpy as np
-
     cache = validation_cache(store_dir)
     entry = cache.load("validation", fp)
     if entry is None:

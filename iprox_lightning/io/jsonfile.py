@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ..errors import UserInputError
+from .atomic import write_text_atomic
 
 _MISSING = object()
 
@@ -41,8 +43,6 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sor
                default=None, ensure_ascii: bool = True, newline: bool = False) -> Path:
     """Write ``obj`` as JSON to ``path`` atomically (:func:`~.atomic.write_text_atomic`: a full disk or a stop
     leaves the old file whole or none, never a cut one); ``newline`` ends the file with one. Returns ``path``."""
-    from .atomic import write_text_atomic
-
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default, ensure_ascii=ensure_ascii)
     return write_text_atomic(path, text + ("\n" if newline else ""))
 
@@ -120,8 +120,6 @@ def read_safetensors_header(path: str | os.PathLike, *, error: type[Exception] =
     header's length, each tensor's ``dtype``, ``shape`` and ``data_offsets`` (inside the data, the size its shape and
     dtype need). ``error`` names the file and the tensor (a cut download, a damaged or hand-made file) instead of the
     library's ``SafetensorError`` without a file name."""
-    import struct
-
     p = Path(path)
     size = p.stat().st_size
     with open(p, "rb") as f:

@@ -22,6 +22,7 @@ import torch
 from ..errors import InputNotFoundError, UserInputError
 from .fingerprint import tensors_digest
 from .gradient_store import StoreFormatError, load_tensors, save_tensors
+from .jsonfile import read_safetensors_header
 
 OPTIMIZER_STATE = "optimizer_state.safetensors"
 SCHEMA_VERSION = 1
@@ -109,8 +110,6 @@ def read_adam_state(path: str | os.PathLike) -> AdamState:
 def recorded_lr(path: str | os.PathLike, what: str = "the checkpoint") -> float:
     """The learning rate recorded in a checkpoint's optimiser state (``path``: the file or its directory), read from
     the header alone: LESS's weight of the checkpoint. A checkpoint without one is refused naming ``what``."""
-    from .jsonfile import read_safetensors_header
-
     p = Path(path)
     if p.is_dir():
         p = p / OPTIMIZER_STATE

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import OutputExistsError
+from ..errors import OutputExistsError, UserError
+from .atomic import write_text_atomic
+from .jsonfile import read_json
 
 MARKER = ".iprox-dir.json"
 """The marker file in a directory the package created."""
@@ -41,8 +46,6 @@ KINDS = CACHE_KINDS + ("scores", "gradient store", "proxy", "proxy export", "mod
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:  # the installed package's version, without importing the package's root (io sits below it)
         return version("iprox_lightning")
     except PackageNotFoundError:
@@ -75,16 +78,12 @@ def _record(kind: str, st: os.stat_result, what: str) -> str:
 
 def mark(path: str | os.PathLike, kind: str) -> Path:
     """Write the marker of ``kind`` into the directory ``path`` (which the caller just created or found empty)."""
-    from .atomic import write_text_atomic
-
     p = Path(path)
     return write_text_atomic(p / MARKER, _record(kind, os.stat(p), "dir"))
 
 
 def mark_file(path: str | os.PathLike, kind: str) -> Path:
     """Write the sidecar marker of the file ``path`` (which the package just wrote)."""
-    from .atomic import write_text_atomic
-
     p = Path(path)
     return write_text_atomic(sidecar(p), _record(kind, os.stat(p), "file"))
 
@@ -118,12 +117,9 @@ def _read_marker(marker: Path, target_st: os.stat_result, what: str) -> str | No
         mst = os.lstat(marker)
     except OSError:
         return None
-    import stat
 
     if not stat.S_ISREG(mst.st_mode) or mst.st_size > 4096:
         return None
-    from ..errors import UserError
-    from .jsonfile import read_json
 
     try:
         data = read_json(marker, what="the package's marker")
@@ -137,8 +133,6 @@ def _read_marker(marker: Path, target_st: os.stat_result, what: str) -> str | No
 def owned_kind(path: str | os.PathLike) -> str | None:
     """The kind the package marked ``path`` with, or ``None`` when it is not the package's: no marker (or a
     damaged one), a marker copied or linked from another directory or file, or ``path`` a symbolic link."""
-    import stat
-
     p = Path(path)
     try:
         st = os.lstat(p)
@@ -173,8 +167,6 @@ def check_owned(path: str | os.PathLike, kinds: str | Iterable[str], *, option: 
 
 def remove_owned(path: str | os.PathLike) -> None:
     """Delete an entry :func:`owned_kind` names (a directory with its marker, or a file and its sidecar)."""
-    import shutil
-
     p = Path(path)
     if owned_kind(p) is None:  # checked again right before deleting
         raise OutputExistsError(f"{p} is not marked as written by iprox_lightning; not deleted")

@@ -38,15 +38,27 @@ iprox_lightning.io.proxy upgrade <dir>``) re-saves it as version 2 in place, aft
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..engine.lowrank import LowRankLinear
+from ..engine.target_layers import (
+    count_parameters, is_compressed, linear_shape, linear_weight, lowrank_layers, set_submodule,
+)
 from ..errors import InputNotFoundError, OutputExistsError, UserInputError
+from .atomic import atomic_path, write_text_atomic
+from .fingerprint import file_identity, sort_safetensors_metadata
+from .jsonfile import Fields, read_json, read_safetensors_header, write_json
+from .ownership import make_owned_dir
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +98,12 @@ def weights_file(path: str | Path) -> Path | None:
 
 def tensor_shapes(file: str | Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` from a safetensors header (no tensor is read)."""
-    from safetensors import safe_open
-
     with safe_open(str(file), framework="pt") as f:
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def tensor_dtypes(file: str | Path) -> dict[str, str]:
     """``{name: dtype}`` from a safetensors header, as torch dtype names (``"float32"``); unknown codes as written."""
-    from safetensors import safe_open
-
     with safe_open(str(file), framework="pt") as f:
         return {k: _ST_DTYPES.get(f.get_slice(k).get_dtype(), f.get_slice(k).get_dtype()) for k in f.keys()}
 
@@ -108,8 +116,6 @@ MANIFEST_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def _metadata(file: Path) -> dict:
-    from safetensors import safe_open
-
     with safe_open(str(file), framework="pt") as f:
         return dict(f.metadata() or {})
 
@@ -151,8 +157,6 @@ def build_manifest(model: nn.Module, report: Any = None, **extra: Any) -> dict:
     """The ``iprox_proxy.json`` content: per-layer shapes/ranks read from ``model`` plus the compression
     settings and parameter counts of ``report`` (a ``CompressionReport`` — any fields of its ``to_dict()`` —
     or a dict) and any ``extra`` keys."""
-    from ..engine.target_layers import count_parameters, lowrank_layers
-
     layers = {}
     for name, m in lowrank_layers(model).items():
         layers[name] = {"rank": m.rank, "in_features": m.in_features, "out_features": m.out_features,
@@ -187,13 +191,6 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     """Write a proxy directory (module docstring). ``manifest`` is the ``CompressionReport`` (or a dict) of
     the compression; ``extra`` keys (e.g. ``target_model="HuggingFaceTB/SmolLM2-135M-Instruct"``) are added
     to the manifest."""
-    from safetensors.torch import save_model
-
-    from ..engine.target_layers import is_compressed
-    from .fingerprint import file_identity, sort_safetensors_metadata
-
-    from .ownership import make_owned_dir
-
     path = Path(path)
     if not is_compressed(model):
         raise ValueError("save_proxy: the model holds no LowRankLinear layer (compress it first)")
@@ -212,15 +209,12 @@ def save_proxy(model: nn.Module, tokenizer: Any, path: str | Path, manifest: Any
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     (path / LEGACY_WEIGHTS).unlink(missing_ok=True)  # never leave a file transformers would load
-    from .atomic import atomic_path
 
     with atomic_path(path / PROXY_WEIGHTS) as tmp:
         save_model(model, str(tmp), metadata={"format": "pt", "iprox_proxy": str(MANIFEST_VERSION)})
         sort_safetensors_metadata(tmp)  # a re-built identical proxy has the same weights digest
     man = build_manifest(model, manifest, **extra)
     man["weights"] = {"file": PROXY_WEIGHTS, **file_identity(path / PROXY_WEIGHTS, hash_limit=None)}
-    from .atomic import write_text_atomic
-    from .jsonfile import write_json
 
     write_json(path / PROXY_MANIFEST, man, default=float, newline=True)
     write_text_atomic(path / "README.md", README.format(path=path))
@@ -233,7 +227,6 @@ def read_manifest(path: str | Path) -> dict:
     man_file = Path(path) / PROXY_MANIFEST
     if not man_file.is_file():
         raise InputNotFoundError(f"{man_file} not found: {path} is not an IProX proxy directory")
-    from .jsonfile import Fields, read_json
 
     manifest = read_json(man_file, error=ProxyFormatError, what="proxy manifest")
     f = Fields(man_file, ProxyFormatError)
@@ -271,9 +264,7 @@ def read_manifest(path: str | Path) -> dict:
 def read_config(path: str | Path) -> Any:
     """The transformers config of a proxy directory's ``config.json``, or a :class:`ProxyFormatError` naming the file
     (cut short, not JSON, no ``model_type``, a field of the wrong type) instead of transformers' own error."""
-    from transformers import AutoConfig
-
-    from .jsonfile import Fields, read_json
+    from transformers import AutoConfig  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
@@ -290,8 +281,6 @@ def read_config(path: str | Path) -> Any:
 
 def _check_tensors(model: nn.Module, weights: Path, man_file: Path, layers: Mapping[str, dict]) -> None:
     """Compare the weights file's header with the model built from config + manifest, before loading."""
-    from .jsonfile import read_safetensors_header
-
     read_safetensors_header(weights, error=ProxyFormatError)  # sizes against the file, naming it
     try:
         have = tensor_shapes(weights)
@@ -348,8 +337,6 @@ def _check_weights_digest(weights: Path, manifest: Mapping[str, Any], man_file: 
                                "proxy's weights: the file was replaced or cut short after the proxy was saved")
     want = rec.get("sha256")
     if want:
-        from .fingerprint import file_identity
-
         found = file_identity(weights, hash_limit=None)["sha256"]
         if found[:len(want)] != want[:len(found)]:
             raise ProxyFormatError(f"{weights}: sha256 {found} differs from {want} recorded in {man_file.name}: the "
@@ -380,9 +367,6 @@ def _check_block_drop(config: Any, manifest: Mapping[str, Any], man_file: Path) 
 
 def _swap_in_factor_layers(model: nn.Module, layers: dict, man_file: Path) -> None:
     """Replace each manifest layer of ``model`` by a ``LowRankLinear`` of the recorded rank (shapes checked)."""
-    from ..engine.lowrank import LowRankLinear
-    from ..engine.target_layers import linear_shape, linear_weight, set_submodule
-
     for name, spec in layers.items():
         try:
             old = model.get_submodule(name)
@@ -403,9 +387,8 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     """Rebuild a proxy saved by :func:`save_proxy`: the architecture from ``config.json``, the
     ``LowRankLinear`` layers of the recorded ranks, the weights file checked against them, then loaded
     strictly. Returns ``(model in eval mode, tokenizer or None when the directory holds none)``."""
-    from safetensors.torch import load_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.initialization import no_init_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
+    from transformers.initialization import no_init_weights  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     path = Path(path)
     man_file = path / PROXY_MANIFEST
@@ -431,8 +414,6 @@ def load_proxy(path: str | Path, *, attn_implementation: str = "eager", dtype: t
     def build(on_meta: bool) -> nn.Module:
         # every tensor is overwritten by the strict load below: skip the random initialisation (a second of CPU per
         # 100M parameters, the dense model's and the factors')
-        import contextlib
-
         with no_init_weights(), (torch.device("meta") if on_meta else contextlib.nullcontext()):
             m = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=build_dtype)
             _swap_in_factor_layers(m, layers, man_file)
@@ -499,8 +480,6 @@ def upgrade_proxy(path: str | Path) -> Path:
             raise ProxyFormatError(f"{path}: the re-saved weights do not load back identically; {LEGACY_WEIGHTS} kept")
     except Exception:
         (path / PROXY_WEIGHTS).unlink(missing_ok=True)
-        from .atomic import write_text_atomic
-
         write_text_atomic(path / PROXY_MANIFEST, old_manifest)
         moved.rename(legacy)
         raise
@@ -510,8 +489,6 @@ def upgrade_proxy(path: str | Path) -> Path:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m iprox_lightning.io.proxy",
                                  description="IProX proxy directories: upgrade a version-1 directory in place, or export a proxy as a dense Hugging Face model.",
                                  epilog="--debug (anywhere) shows the traceback of an error otherwise reported in one line.")
@@ -553,13 +530,11 @@ def add_from_pretrained_note(path: str | Path) -> None:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         return
-    from .jsonfile import read_json
 
     cfg = read_json(cfg_file, error=ProxyFormatError, what="the proxy's architecture")
     if cfg.get("transformers_weights") == FROM_PRETRAINED_NOTE:
         return
     cfg["transformers_weights"] = FROM_PRETRAINED_NOTE
-    from .jsonfile import write_json
 
     write_json(cfg_file, cfg, sort_keys=True, newline=True)
 
@@ -573,7 +548,7 @@ def export_proxy(path: str | Path, output: str | Path, *, dtype: str | torch.dty
     with the proxy's before it is moved into place. ``dtype``: of the exported weights (default: the proxy's).
     Refuses ``output`` == ``path`` (or inside / around it), an existing proxy directory, and a non-empty directory
     unless ``overwrite``. Returns ``output``."""
-    from .proxy_export import check_export_target, write_export
+    from .proxy_export import check_export_target, write_export  # lazy: a cached plan loads no transformers (test_plan_memory)
 
     path, output = Path(path), Path(output)
     check_export_target(path, output, overwrite=overwrite)

@@ -22,15 +22,21 @@ import logging
 import os
 import shutil
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, GenerationConfig
 
+from ..engine.target_layers import conv1d_class, count_parameters, lowrank_layers
 from ..errors import OutputExistsError, UserInputError
 from .atomic import named_os_errors, write_text_atomic
+from .fingerprint import file_identity
 from .jsonfile import read_json, write_json
+from .output_guard import check_output_not_input, same_file
+from .ownership import check_owned, mark
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +80,6 @@ def check_export_target(proxy_dir: str | Path, output: str | Path, *, overwrite:
     """Refuse an output that is the proxy directory, lies inside it or contains it (by device and inode), is a
     file or a symbolic link, or is a non-empty directory (unless ``overwrite``, and then only a previous export:
     marked by the package as a ``proxy export`` (:mod:`.ownership`) and holding nothing but an export's files)."""
-    from .output_guard import check_output_not_input, same_file
-    from .ownership import check_owned
-
     src = Path(proxy_dir).expanduser().resolve()
     out = Path(output).expanduser().absolute()
     if same_file(out, src) or out.resolve() == src:
@@ -116,8 +119,6 @@ def _export_file(path: Path) -> bool:
 
 def _reference_modules(config: Any) -> dict[str, type]:
     """``{module name: class}`` of the architecture ``config`` describes (built on the meta device: no memory)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         ref = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     return {n: m for n, m in ref.named_modules()}
@@ -128,8 +129,6 @@ def dense_state_dict(proxy: nn.Module, dtype: torch.dtype, reference: Mapping[st
     layout of the ``reference`` module at ``<name>``: ``[out, in]`` for ``nn.Linear``, ``[in, out]`` for
     ``Conv1D``) and ``<name>.bias`` (zeros when the architecture has a bias the proxy layer lacks); every other
     tensor copied; all cast to ``dtype``."""
-    from ..engine.target_layers import conv1d_class, lowrank_layers
-
     low = lowrank_layers(proxy)
     out: dict[str, torch.Tensor] = {}
     for key, t in proxy.state_dict().items():
@@ -155,8 +154,6 @@ def dense_state_dict(proxy: nn.Module, dtype: torch.dtype, reference: Mapping[st
 
 def dense_model(proxy: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A dense copy of ``proxy`` (:func:`dense_state_dict`) built from its config and loaded strictly."""
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(proxy.config)
     if hasattr(config, "transformers_weights"):  # the proxy dir's note for plain from_pretrained: not for the export
         delattr(config, "transformers_weights")
@@ -196,10 +193,6 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
     """Write the dense export of ``proxy`` (loaded from ``proxy_dir``, whose manifest is ``manifest``) to
     ``output``: built in a temporary directory beside it, loaded back with ``from_pretrained`` and compared with
     the proxy, then moved into place (replacing ``output``'s contents only when ``overwrite``). Returns ``output``."""
-    from transformers import GenerationConfig
-
-    from ..engine.target_layers import count_parameters, lowrank_layers
-
     proxy_dir, output = Path(proxy_dir), Path(output)
     check_export_target(proxy_dir, output, overwrite=overwrite)
     first = next(proxy.parameters())
@@ -218,8 +211,6 @@ def write_export(proxy: nn.Module, tokenizer: Any, proxy_dir: str | Path, output
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
     try:
-        from .ownership import mark
-
         mark(tmp, "proxy export")  # the marker keeps the folder's identity through the move into place
         with named_os_errors(output):  # safetensors' own error on a full disk: an OSError naming the output
             dense.save_pretrained(tmp)
@@ -246,8 +237,6 @@ def _check_round_trip(proxy: nn.Module, tmp: Path, out_dtype: torch.dtype, outpu
     """Load the dense model saved in ``tmp`` back the way a user will and compare its logits with the proxy's (at
     the export's precision when it is float32/64: then they must agree to 1e-4 relative; else only be finite);
     the check's record. Raises, saying nothing was written to ``output``, when they do not."""
-    from transformers import AutoModelForCausalLM
-
     first = next(proxy.parameters())
     again, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=out_dtype, attn_implementation="eager",
                                                        output_loading_info=True)
@@ -275,10 +264,6 @@ def _export_record(proxy_dir: Path, manifest: Mapping[str, Any], layers: Mapping
                    params: dict, has_tokenizer: bool, check: dict) -> dict:
     """The export's record (``EXPORT_RECORD``): the proxy it came from (path, manifest identity, weights, ranks),
     its dtype, parameter counts and the round-trip check."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .fingerprint import file_identity
-
     try:  # the installed package's version, without importing the package's root (io sits below it)
         __version__ = version("iprox_lightning")
     except PackageNotFoundError:

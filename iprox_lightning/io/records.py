@@ -4,6 +4,7 @@ whose errors name the file, line and byte offset, and the canonical SFT record (
 read (files, directories, the hub) is :mod:`iprox_lightning.data.sources`; its module doc describes the schema."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Iterable, Iterator, Mapping
@@ -176,8 +177,6 @@ def records_digest(records: Iterable[Mapping]) -> dict:
     """``{"n": count, "content": digest}`` of canonical records, taken in id order: the same records under the same
     ids give the same digest whatever their order; a record edited, added or removed, or ids that moved to other
     records (a re-sorted pool whose ids are row numbers) change it."""
-    import hashlib
-
     h = hashlib.sha256()
     rows = sorted((str(r["id"]), json.dumps(dict(r), sort_keys=True, ensure_ascii=False)) for r in records)
     for _, line in rows:

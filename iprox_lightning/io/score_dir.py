@@ -21,6 +21,7 @@ holds shards but no fingerprint — raises :class:`FingerprintMismatch` naming e
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import logging
@@ -31,8 +32,13 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from ..errors import InputNotFoundError, UserError, UserInputError
 from .fingerprint import FingerprintMismatch, diff
+from .jsonfile import Fields, read_json
+from .ownership import check_owned
 from .scores import (
     SCHEMA_VERSION, SCORES_FILE, SETTINGS_FILE, flag_counts, read_settings, write_json_atomic, write_parquet_atomic,
 )
@@ -82,8 +88,6 @@ class ScoreDirLock:
     def holder(self) -> str:
         """Who holds (or last held) the lock, from the lock file (read with its checks: a damaged or edited file,
         a pid that is no process id, says so instead of failing)."""
-        from .jsonfile import Fields, read_json
-
         try:
             if not self.path.stat().st_size:
                 return "holder unknown"
@@ -107,8 +111,6 @@ class ScoreDirLock:
         return f"pid {pid} on host {host}, started {started}{alive}"
 
     def acquire(self) -> "ScoreDirLock":
-        import fcntl
-
         self.dir.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -141,7 +143,6 @@ class ScoreDirLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        import fcntl
 
         fd, self._fd = self._fd, None
         try:
@@ -184,8 +185,6 @@ def _quarantine(path: str, error: Exception) -> dict:
 def read_shards(output_dir: str | os.PathLike, columns: Sequence[str] | None = None, *, repair: bool = True):
     """``(files, tables, repairs)``: every readable shard; an unreadable one (truncated by a crash) is
     moved to ``shards/corrupt/`` and listed in ``repairs`` (``repair=False``: raise naming the file)."""
-    import pyarrow.parquet as pq
-
     files, tables, repairs = [], [], []
     for f in shard_files(output_dir):
         try:
@@ -209,8 +208,6 @@ def done_ids(output_dir: str | os.PathLike) -> set[str]:
 def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None) -> str:
     """Merge ``output_dir/shards/*.parquet`` into ``output_dir/scores.parquet`` (one row per id, first
     occurrence kept, rows sorted by id) and update ``settings.json``. Returns the path."""
-    import pyarrow as pa
-
     out_dir = Path(output_dir)
     files, tables, repairs = read_shards(out_dir)
     if not files:
@@ -241,8 +238,6 @@ def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None)
 def clear_output(output_dir: str | os.PathLike) -> None:
     """Remove a scoring output (shards, merged table, settings) so a run starts fresh; only from a directory the
     package marked as a scoring output (:mod:`.ownership`), else :class:`~iprox_lightning.errors.OutputExistsError`."""
-    from .ownership import check_owned
-
     out = Path(output_dir)
     if any(os.path.lexists(out / n) for n in (SHARD_DIR, SCORES_FILE, SETTINGS_FILE)):
         check_owned(out, "scores", option="overwrite", what="scores would be cleared")

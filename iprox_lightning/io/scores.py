@@ -20,8 +20,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ..errors import InputNotFoundError, UserInputError
+from .atomic import atomic_path, open_atomic
+from .jsonfile import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,6 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # ----------------------------------------------------------------------------------- columns
 def arrow_table(ids, scores, task_names, task_scores, n_tokens, zero_grad, nonfinite=None, tasks=None):
     """The score table's Arrow layout (the only place the column list is defined)."""
-    import pyarrow as pa
-
     n = len(ids)
     ts = np.asarray(task_scores, dtype=np.float64).reshape(n, len(task_names))
     nonfinite = np.zeros(n, bool) if nonfinite is None else np.asarray(nonfinite, bool).reshape(n)
@@ -84,8 +87,6 @@ def predictions_to_arrow(preds: Sequence[dict]):
 
 
 def flag_counts(table) -> dict[str, int]:
-    import pyarrow.compute as pc
-
     return {f: int(pc.sum(table.column(f)).as_py() or 0) for f in FLAG_COLUMNS if f in table.column_names}
 
 
@@ -112,7 +113,7 @@ def check_scored_pool(table_path: str | os.PathLike, scored: Mapping, records: S
     """Compare the pool ``select`` copies records from with the one that was scored (:func:`scored_pool`); returns
     ``"match"``, ``"not recorded"`` or ``"mismatch allowed"``. A mismatch raises ``ValueError`` saying what differs
     and how to override: the ids would pick records that did not earn the scores."""
-    from .records import records_digest
+    from .records import records_digest  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     want = scored.get("records") if isinstance(scored, Mapping) else None
     if not isinstance(want, Mapping):
@@ -134,8 +135,6 @@ def check_scored_pool(table_path: str | os.PathLike, scored: Mapping, records: S
 # ----------------------------------------------------------------------------------- merged table
 def read_table(path: str | os.PathLike):
     """``(path, pyarrow.Table)`` of a merged score table (a directory means its ``scores.parquet``)."""
-    import pyarrow.parquet as pq
-
     p = Path(path)
     if p.is_dir():
         p = p / SCORES_FILE
@@ -155,9 +154,6 @@ def read_table(path: str | os.PathLike):
 def check_columns(table, where: Any) -> None:
     """Refuse a score table whose score columns (``score``, ``score_max``, ``score/<task>``) are not numeric or hold
     nulls, or whose ``id`` column holds nulls: ``ValueError`` naming the file, the column and the first bad row."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     for c in table.column_names:
         if c != "id" and c != "score" and c != "score_max" and not c.startswith("score/"):
             continue
@@ -224,8 +220,6 @@ def _merge(out: dict[str, float], new: Mapping[str, float], where: str) -> None:
 
 
 def _read_parquet(path: Path, id_column: str, score_column: str) -> dict[str, float]:
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:
@@ -254,7 +248,7 @@ def _score_value(v: Any, where: str, rid: str, column: str) -> float:
 
 
 def _read_jsonl(path: Path, id_column: str, score_column: str) -> dict[str, float]:
-    from .records import iter_jsonl
+    from .records import iter_jsonl  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     out: dict[str, float] = {}
     for where, rec in iter_jsonl(path):
@@ -279,12 +273,8 @@ def write_scores(scores: Mapping[str, float], path: str | os.PathLike, **extra_c
     for name, col in extra_columns.items():
         cols[name] = [col.get(k) for k in ids]
     if path.suffix in PARQUET_SUFFIXES:
-        import pyarrow as pa
-
         write_parquet_atomic(pa.table(cols), path)
     else:
-        from .atomic import open_atomic
-
         with open_atomic(path) as f:
             for i in range(len(ids)):
                 f.write(json.dumps({c: v[i] for c, v in cols.items()}) + "\n")
@@ -296,16 +286,10 @@ def write_scores(scores: Mapping[str, float], path: str | os.PathLike, **extra_c
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """An artifact's JSON (sorted keys, indent 2), atomically (:func:`~.jsonfile.write_json`)."""
-    from .jsonfile import write_json
-
     return write_json(path, obj, sort_keys=True, default=str)
 
 
 def write_parquet_atomic(table, path: str | os.PathLike) -> Path:
-    import pyarrow.parquet as pq
-
-    from .atomic import atomic_path
-
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
     return Path(path)
@@ -315,6 +299,5 @@ def read_settings(output_dir: str | os.PathLike) -> dict:
     p = Path(output_dir) / SETTINGS_FILE
     if not p.exists():
         return {}
-    from .jsonfile import read_json
 
     return read_json(p, what="score settings; remove the directory or pass overwrite=True to start fresh")

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import UserInputError
+from .atomic import open_atomic
+from .jsonfile import read_json
+from .scores import write_json_atomic
 
 SCHEMA_VERSION = 1
 RECORD_KEYS = ("instruction", "response", "messages")
@@ -32,10 +36,7 @@ def meta_path(path: str | os.PathLike) -> Path:
 def write_selection(path: str | os.PathLike, rows: Sequence[tuple[str, float]], records: Mapping[str, dict] | None,
                     meta: Mapping[str, Any]) -> Path:
     """Write ``rows`` (``(id, score)``, best first) with their pool ``records`` (or ``None``) and the meta."""
-    from .records import json_id
-    from .scores import write_json_atomic
-
-    from .atomic import open_atomic
+    from .records import json_id  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     out = Path(path)
     with open_atomic(out) as f:
@@ -53,7 +54,6 @@ def read_meta(path: str | os.PathLike) -> dict | None:
     p = meta_path(path)
     if not p.exists():
         return None
-    from .jsonfile import read_json
 
     return read_json(p, what="selection meta")
 
@@ -62,7 +62,7 @@ def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Calla
                    pool_name: Any = None) -> list[dict]:
     """The selected examples as canonical records (file order). Lines without records are resolved by id
     against ``pool_records`` (a list, or a callable returning it, called only when needed); raises naming the file and line on a bad line or an id not in the pool."""
-    from .records import DataFormatError, iter_jsonl, normalize_row
+    from .records import DataFormatError, iter_jsonl, normalize_row  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     meta = read_meta(path)
     if meta is not None and meta.get("schema_version", SCHEMA_VERSION) > SCHEMA_VERSION:
@@ -95,7 +95,6 @@ def read_selection(path: str | os.PathLike, pool_records: Sequence[dict] | Calla
     if missing:
         raise DataFormatError(f"{path}: {len(missing)} selected id(s) are not in the pool {pool_name}, e.g. "
                               f"{', '.join(missing[:3])}")
-    from collections import Counter
 
     twice = sorted(i for i, n in Counter(str(r["id"]) for r in out).items() if n > 1)
     if twice:

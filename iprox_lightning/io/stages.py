@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .fingerprint import FingerprintMismatch, diff, digest, file_identity, source_identity
+from .jsonfile import read_json
+from .scores import read_settings, write_json_atomic
 
 STAGES_DIR = "stages"
 
@@ -122,8 +124,6 @@ class StageLedger:
         """Mark stage ``key`` running before it writes its output, then drop its old record (which no longer
         describes the output once it is being rewritten): a fault before :meth:`record` leaves the mark, and the next
         run redoes the stage (:meth:`reuse`). The mark is written first, so a fault while writing it changes nothing."""
-        from .scores import write_json_atomic
-
         output = self.output_paths.get(key)
         path = write_json_atomic(self.running_path(key), {
             "stage": key, "fingerprint": self.fingerprints.get(key), "output": None if output is None else str(output),
@@ -208,8 +208,6 @@ class StageLedger:
     def read_record(self, key: str, done: str | os.PathLike) -> dict:
         """The record of stage ``key``; an unreadable one (cut short, not a JSON object) is refused like a missing
         one: what produced ``done`` is unknown."""
-        from .jsonfile import read_json
-
         rec_path = self.record_path(key)
 
         class Unreadable(Exception):
@@ -228,8 +226,6 @@ class StageLedger:
     def record(self, key: str, output: str | os.PathLike | None = None) -> Path:
         """Write the record of stage ``key`` (after it succeeded), with the content digest of its ``output``
         (default: the one :meth:`reuse` was told)."""
-        from .scores import write_json_atomic
-
         rec = {"stage": key, "fingerprint": self.fingerprints[key], "inputs": self.inputs[key],
                "upstream_outputs": self._upstream_outputs(key)}
         output = output if output is not None else self.output_paths.get(key)
@@ -265,8 +261,6 @@ def pipeline_provenance(ledger: StageLedger, *, method: str, sparsity: float,
     """The pipeline summary's provenance fields: method, ρ, whose validation gradients the proxy scored against,
     each stage's status and fingerprint, and the examples the scoring stages dropped (no response token left after
     truncation), from their settings."""
-    from .scores import read_settings
-
     dropped = {}
     for who, d in score_dirs.items():
         data = read_settings(d).get("data") or {}

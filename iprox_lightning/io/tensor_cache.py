@@ -16,8 +16,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from safetensors.torch import load_file, save_file
+
 from .fingerprint import tensors_digest
 from .jsonfile import read_json
+from .ownership import make_owned_dir
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,6 @@ class TensorCache:
 
     def ensure_root(self) -> None:
         """Create ``root`` marked as :attr:`kind` (an existing, non-empty unmarked root stays unmarked: not ours)."""
-        from .ownership import make_owned_dir
-
         make_owned_dir(self.root, self.kind)
 
     def path(self, kind: str, fp: str) -> Path:
@@ -48,8 +49,6 @@ class TensorCache:
 
     def load(self, kind: str, fp: str, device: str = "cpu") -> tuple[dict[str, Any], dict] | None:
         """``(tensors, meta)`` of an entry, or ``None`` when it is absent or unreadable."""
-        from safetensors.torch import load_file
-
         if not self.exists(kind, fp):
             return None
         path = self.path(kind, fp)
@@ -65,8 +64,6 @@ class TensorCache:
 
     def save(self, kind: str, fp: str, tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
         """Write an entry (the tensors, then the JSON); returns the tensors file."""
-        from safetensors.torch import save_file
-
         path = self.path(kind, fp)
         self.ensure_root()
         with atomic_path(path) as tmp:

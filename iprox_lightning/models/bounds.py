@@ -12,6 +12,10 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
 from ..errors import UserInputError
 
 SIZE_BOUNDS: dict[str, tuple[tuple[str, ...], int]] = {
@@ -73,10 +77,6 @@ def gguf_config(path: str | os.PathLike, elements: int):
     a 1,344-byte GGUF of one 1-element tensor (architecture llama, no sizes) made ``predict`` build a default-size
     Llama (4 GB in 17 s before it was killed). Pass the config on to ``from_pretrained`` (``config=``): the file's
     metadata is then parsed once."""
-    import torch
-    from transformers import AutoModelForCausalLM, PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     p = Path(path)
     raw, _ = PretrainedConfig.get_config_dict(str(p.parent), gguf_file=p.name)
     check_config_sizes(raw, p)

@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import string
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from .tiny import tiny_causal_lm
+
 BUILTIN_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 BUILTIN_ALPHABET: str = string.ascii_lowercase + string.ascii_uppercase + string.digits + " \n.,:;?!'\"+-*/=()[]<>_#%&|"
 """The characters of the built-in tokenizer's vocabulary, in id order after the special tokens."""
@@ -37,9 +42,6 @@ def builtin_tokenizer():
     characters of :data:`BUILTIN_ALPHABET`. Encoding with ``add_special_tokens=True`` prepends
     ``<s>``; decoding concatenates characters. Padding is on the right.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(BUILTIN_SPECIAL_TOKENS)}
     for ch in BUILTIN_ALPHABET:
         vocab[ch] = len(vocab)
@@ -71,8 +73,6 @@ def builtin_model(seed: int = 0, **overrides):
     2 layers, 4 attention heads, 2 KV heads, untied embeddings, eager attention (double backward
     works), ~86k parameters. ``overrides`` go to :func:`~iprox_lightning.models.tiny.tiny_causal_lm`.
     """
-    from .tiny import tiny_causal_lm
-
     kwargs = dict(
         vocab_size=len(BUILTIN_SPECIAL_TOKENS) + len(BUILTIN_ALPHABET),
         hidden_size=64,

@@ -35,7 +35,7 @@ def is_hub_id(name: str) -> bool:
 
 def _in_cache(repo_id: str) -> bool:
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # lazy: --help
 
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str) or isinstance(
             try_to_load_from_cache(repo_id, "tokenizer_config.json"), str)
@@ -85,12 +85,12 @@ def check_model_source(name: str, what: str = "model", timeout: float = 3.0) -> 
 def _dataset_in_cache(repo_id: str) -> bool:
     """A data set id that ``datasets`` or the hub cache holds (a processed copy, or its card)."""
     try:
-        import datasets
+        import datasets  # lazy: --help
 
         owner_name = repo_id.replace("/", "___")
         if any(Path(datasets.config.HF_DATASETS_CACHE).glob(f"{owner_name}*")):
             return True
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # lazy: --help
 
         return isinstance(try_to_load_from_cache(repo_id, "README.md", repo_type="dataset"), str)
     except Exception:

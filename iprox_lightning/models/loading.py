@@ -21,7 +21,10 @@ import contextlib
 import hashlib
 import logging
 import math
+import mmap
 import os
+import struct
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,11 +32,18 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import InputNotFoundError, UserInputError
+from ..io.atomic import atomic_path
+from ..io.fingerprint import is_adapter_dir
+from ..io.jsonfile import Fields, read_json, read_safetensors_header
+from ..io.ownership import mark
+from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS, check_not_a_bare_proxy, is_proxy_dir, load_proxy
+from ..progress import progress
+from .hub import check_model_source
+from .lora import adapter_base, attach_saved_adapter, check_adapter_dir, merge
+
 log = logging.getLogger(__name__)
 
-from ..errors import InputNotFoundError, UserInputError
-from ..io.fingerprint import is_adapter_dir
-from ..io.proxy import PROXY_MANIFEST, PROXY_WEIGHTS
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "32-true": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -109,9 +119,6 @@ def _scan_gguf(p: Path, size: int) -> None:
     array count is checked against the bytes left in the file before anything is read for it, the array entries are
     bounded by the vocabulary (:data:`GGUF_ARRAY_ENTRIES_PER_VOCAB`), and the tensors must end inside the file. Each
     failure is a :class:`UserInputError` naming the file, the key or tensor, and the byte offset."""
-    import mmap
-    import struct
-
     with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         pos = 24
         _, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
@@ -191,7 +198,7 @@ def _scan_gguf(p: Path, size: int) -> None:
                              f"{vocab if vocab is not None else 'no'} token-embedding rows has ({budget} at most; a "
                              "GGUF reader keeps over 1 KB per entry): damaged or not a model file")
     try:
-        import gguf
+        import gguf  # lazy: a cached plan loads no gguf (0.7 s to import)
     except ImportError:
         return elements
     end = data_start
@@ -228,7 +235,7 @@ def _is_size_key(key: str) -> bool:
 def _check_gguf_sizes(p: Path, sizes: dict[str, int]) -> None:
     """The GGUF's layer count, widths, heads and vocabulary bounded (:mod:`.bounds`) before any reader or config is
     built from them."""
-    from .bounds import check_config_sizes
+    from .bounds import check_config_sizes  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     for key, v in sizes.items():
         check_config_sizes({_GGUF_SIZE_KEYS[key.partition(".")[2]]: v}, f"{p}: metadata {key}")
@@ -238,8 +245,6 @@ def _check_gguf_counts(p: Path, size: int) -> None:
     """The header's tensor and key-value counts, bounded by the file's size before any reader allocates for them
     (a tensor entry takes at least 32 bytes, a key-value at least 13), and at least one tensor: a GGUF without
     tensors is no model (transformers would build a default-size model from it)."""
-    import struct
-
     with open(p, "rb") as f:
         head = f.read(24)
     if len(head) < 24:
@@ -258,7 +263,7 @@ def check_model_config(model: str) -> None:
     """Check the sizes of ``model``'s config (a ``.gguf`` file, a model directory or a hub id) on its raw values
     (:mod:`.bounds`), before a config object is built from them (the plan's
     :func:`~iprox_lightning.analysis.memory.load_config`)."""
-    from .bounds import check_config_sizes
+    from .bounds import check_config_sizes  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     p = Path(model)
     if p.suffix == ".gguf":
@@ -269,11 +274,9 @@ def check_model_config(model: str) -> None:
     if p.is_dir():
         cfg = p / "config.json"
         if cfg.is_file():
-            from ..io.jsonfile import read_json
-
             check_config_sizes(read_json(cfg, what="the model's architecture"), cfg)
         return
-    from transformers import PretrainedConfig  # a hub id only: the cached plan of a file or directory loads no transformers
+    from transformers import PretrainedConfig  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)  # a hub id only: the cached plan of a file or directory loads no transformers
 
     try:
         raw, _ = PretrainedConfig.get_config_dict(model)
@@ -292,10 +295,10 @@ def _finish_tokenizer(tok):
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
     """The tokenizer for ``name_or_path`` (same resolution rules as :func:`load_model`)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     if name_or_path == "builtin":
-        from .builtin import builtin_tokenizer
+        from .builtin import builtin_tokenizer  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
         return builtin_tokenizer()
     p = Path(name_or_path)
@@ -308,10 +311,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
         check_gguf(p)
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
     if is_adapter_dir(p) and not (p / "tokenizer_config.json").is_file():
-        from .lora import adapter_base
-
         return load_tokenizer(adapter_base(p), trust_remote_code=trust_remote_code)  # a peft adapter: its base's
-    from .hub import check_model_source
 
     check_model_source(str(name_or_path), "tokenizer")
     return _finish_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
@@ -398,7 +398,7 @@ def load_model(
 @register_loader("builtin", lambda r: r.name == "builtin")
 def _load_builtin(r: LoadRequest):
     """The demo's tiny Llama and its tokenizer (:mod:`.builtin`)."""
-    from .builtin import builtin_model, builtin_tokenizer
+    from .builtin import builtin_model, builtin_tokenizer  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     model = builtin_model()
     if r.dtype is not None:
@@ -407,8 +407,6 @@ def _load_builtin(r: LoadRequest):
 
 
 def _is_proxy_dir(r: LoadRequest) -> bool:
-    from ..io.proxy import check_not_a_bare_proxy, is_proxy_dir
-
     if not r.path.is_dir():
         return False
     check_not_a_bare_proxy(r.path)  # factor tensors without a manifest: never load them as a plain model
@@ -418,8 +416,6 @@ def _is_proxy_dir(r: LoadRequest) -> bool:
 @register_loader("proxy", _is_proxy_dir)
 def _load_proxy_dir(r: LoadRequest):
     """A saved IProX proxy directory (:func:`iprox_lightning.io.proxy.load_proxy`)."""
-    from ..io.proxy import load_proxy
-
     # the attention kernel asked for, as for any other model (a proxy is scored beside its target)
     model, tok = load_proxy(r.path, **({"attn_implementation": r.attn_implementation} if r.attn_implementation else {}))
     if r.dtype is not None:
@@ -449,8 +445,6 @@ def load_adapter(path: str | os.PathLike, *, merged: bool = True, dtype: str | t
     asked), the adapters put on it from ``adapter_model.safetensors`` (:mod:`.lora`; a pickle is refused), merged into
     a dense model (``merged``) or the peft model; eval mode either way. The tokenizer is the adapter directory's when it
     holds one, else the base's."""
-    from .lora import attach_saved_adapter, check_adapter_dir, merge
-
     p = Path(path)
     base = check_adapter_dir(p)
     own_tok = tokenizer and (p / "tokenizer_config.json").is_file()
@@ -469,11 +463,9 @@ def load_adapter(path: str | os.PathLike, *, merged: bool = True, dtype: str | t
 def _load_dense(r: LoadRequest):
     """A Hugging Face causal LM from a hub id or a local directory (``AutoModelForCausalLM``); a proxy's own file or
     any other file is refused naming what to pass instead."""
-    from contextlib import nullcontext
+    from transformers import AutoModelForCausalLM  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
-    from transformers import AutoModelForCausalLM
-
-    from ..console import transformers_bars_off
+    from ..console import transformers_bars_off  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     p, name = r.path, r.name
     if p.is_file() and p.parent.is_dir() and is_proxy_file(p):
@@ -482,7 +474,6 @@ def _load_dense(r: LoadRequest):
                              f"model with `python -m iprox_lightning.io.proxy export {p.parent} <output directory>`")
     if p.exists() and not p.is_dir():
         raise UserInputError(f"{p} is a file but not a .gguf model; pass a model directory, a hub id or a .gguf file")
-    from .hub import check_model_source
 
     check_model_source(name, "model")
     if p.is_dir():
@@ -499,13 +490,11 @@ def check_model_dir(path: Path) -> None:
     header (sizes and offsets inside the file) are read before transformers is: each fault is one
     :class:`UserInputError` naming the file and field, instead of transformers' ``OSError`` or the safetensors
     library's error without a file name."""
-    from ..io.jsonfile import Fields, read_json, read_safetensors_header
-
     cfg = path / "config.json"
     if cfg.is_file():
         raw = read_json(cfg, what="the model's architecture")
         Fields(cfg).get(raw, "model_type", "str")
-        from .bounds import check_config_sizes
+        from .bounds import check_config_sizes  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
         check_config_sizes(raw, cfg)  # layers, widths, vocabulary bounded before transformers builds from them
     for f in sorted(path.glob("*.safetensors")):
@@ -515,9 +504,9 @@ def check_model_dir(path: Path) -> None:
 def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer: bool):
     """``(model, tokenizer)`` of a ``.gguf`` file: its cached float copy when there is one (and ``use_cache``), else
     dequantized by transformers (then cached)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
-    from ..console import transformers_bars_off
+    from ..console import transformers_bars_off  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     if not p.is_file():
         raise InputNotFoundError(f"GGUF file not found: {p}")
@@ -529,7 +518,7 @@ def _load_gguf(p: Path, torch_dtype, kwargs: dict, *, use_cache: bool, tokenizer
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype, **kwargs)
         tok = load_tokenizer(str(p)) if tokenizer else None
         return model.eval(), tok
-    from .bounds import gguf_config
+    from .bounds import gguf_config  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     # its tensors are the model its metadata describes, checked before that model is built (the config, read once here,
     # is the one transformers would read)
@@ -550,9 +539,7 @@ def _dequantizing_progress(name: str):
     """transformers' de-quantisation loop (its own ``tqdm.auto`` bar, which its progress-bar switch does not turn off)
     shown as the package's progress (:func:`iprox_lightning.progress.progress`): the bar on a terminal, a line a
     minute in a log, never the bar's ``\r`` noise in a piped log."""
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    from ..progress import progress
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     real = gguf_utils.tqdm
     gguf_utils.tqdm = lambda it, *a, **k: progress(it, desc=f"de-quantizing {name}", unit="tensor")
@@ -581,12 +568,8 @@ def _drop_gguf_marker(model) -> None:
 
 
 def _write_cache(model, tok, target: Path) -> None:
-    from ..io.atomic import atomic_path
-
     try:
         with atomic_path(target, directory=True) as tmp:
-            from ..io.ownership import mark
-
             mark(tmp, "gguf copy")  # the marker keeps the folder's identity through the rename
             model.save_pretrained(tmp, safe_serialization=True)
             if tok is not None:

@@ -20,15 +20,22 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+from safetensors.torch import load_file
 from torch import nn
 
+from ..engine.target_layers import has_adapters
 from ..errors import InputNotFoundError, UserInputError
+from ..io.atomic import named_os_errors
 from ..io.fingerprint import ADAPTER_CONFIG, adapter_base  # noqa: F401  (the base an adapter names: one reader)
+from ..io.fingerprint import is_adapter_dir, sort_safetensors_metadata
+from ..io.jsonfile import read_safetensors_header
+from ..io.ownership import make_owned_dir
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -91,7 +98,7 @@ class LoraSettings:
         """``target_modules``, or peft's default for ``model_type`` (refused when peft has none)."""
         if self.target_modules is not None:
             return list(self.target_modules) if isinstance(self.target_modules, tuple) else self.target_modules
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS  # lazy: optional extra peft
 
         if model_type not in DEFAULTS:
             raise UserInputError(f"lora.target_modules: peft has no default for the architecture {model_type!r}; "
@@ -99,7 +106,7 @@ class LoraSettings:
         return list(DEFAULTS[model_type])
 
     def peft_config(self, model_type: str):
-        from peft import LoraConfig
+        from peft import LoraConfig  # lazy: optional extra peft
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=float(self.dropout), bias="none",
                           target_modules=self.resolved_targets(model_type), task_type="CAUSAL_LM")
@@ -107,8 +114,6 @@ class LoraSettings:
 
 def require_peft() -> None:
     """Refuse LoRA, naming the extra to install, where ``peft`` is not installed."""
-    import importlib.util
-
     if importlib.util.find_spec("peft") is None:
         raise UserInputError("lora: LoRA needs the peft package, which is not installed: "
                              "pip install 'iprox_lightning[peft]'")
@@ -116,7 +121,7 @@ def require_peft() -> None:
 
 def matches_target(settings: LoraSettings, model_type: str, module_path: str) -> bool:
     """Whether peft puts an adapter on the module at ``module_path`` (peft's own rule), for the plan's counts."""
-    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.tuners.tuners_utils import check_target_module_exists  # lazy: optional extra peft
 
     return bool(check_target_module_exists(settings.peft_config(model_type), module_path))
 
@@ -133,7 +138,7 @@ def _peft_quiet():
 def add_adapters(model: nn.Module, settings: LoraSettings, base: Optional[str] = None) -> nn.Module:
     """``model`` wrapped by ``peft.get_peft_model`` with fresh adapters (base weights frozen). ``base``: the source
     the model was loaded from (recorded as ``base_model_name_or_path``; a local path made absolute)."""
-    from peft import get_peft_model
+    from peft import get_peft_model  # lazy: optional extra peft
 
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     cfg = settings.peft_config(model_type)
@@ -156,7 +161,7 @@ def base_reference(source: str) -> str:
 
 def is_adapted(model: nn.Module) -> bool:
     try:
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: optional extra peft
     except ImportError:  # pragma: no cover - peft not installed: nothing is adapted
         return False
     return isinstance(model, PeftModel)
@@ -169,10 +174,7 @@ def scores_adapters(model: Any) -> bool:
     settings record ``gradients: adapters`` (:data:`ADAPTER_GRADIENTS`), so no result over the merged dense model's
     gradients is reused for them."""
     if isinstance(model, (str, Path)):
-        from ..io.fingerprint import is_adapter_dir
-
         return is_adapter_dir(model)
-    from ..engine.target_layers import has_adapters
 
     return has_adapters(model) if isinstance(model, nn.Module) else False
 
@@ -185,10 +187,6 @@ other model: their fingerprints are as before)."""
 def save_adapter(model: nn.Module, path: Union[str, Path]) -> Path:
     """The adapters of the peft ``model`` into the directory ``path`` (peft's format, safetensors), marked as the
     package's; a full disk is an ``OSError`` naming it."""
-    from ..io.atomic import named_os_errors
-    from ..io.fingerprint import sort_safetensors_metadata
-    from ..io.ownership import make_owned_dir
-
     path = Path(path)
     make_owned_dir(path, "model")
     with named_os_errors(path), _peft_quiet():
@@ -217,7 +215,6 @@ def check_adapter_dir(path: Union[str, Path]) -> str:
         pickled = " (its adapter_model.bin is a pickle, which is never loaded: save it with safe_serialization)" \
             if (p / "adapter_model.bin").exists() else ""
         raise InputNotFoundError(f"{p}: no {ADAPTER_WEIGHTS}{pickled}")
-    from ..io.jsonfile import read_safetensors_header
 
     read_safetensors_header(weights)
     base = adapter_base(p)
@@ -229,8 +226,7 @@ def check_adapter_dir(path: Union[str, Path]) -> str:
 def attach_saved_adapter(model: nn.Module, path: Union[str, Path]) -> nn.Module:
     """``model`` (the adapter's base, loaded) wrapped by peft with the adapters of the directory ``path`` (read from
     its safetensors file; :func:`check_adapter_dir` first), for inference."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict  # lazy: optional extra peft
 
     p = Path(path)
     try:

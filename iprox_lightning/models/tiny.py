@@ -5,7 +5,10 @@ Used by the tests and the built-in demo: no download, a few hundred thousand par
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, PretrainedConfig,
+    Qwen2Config, Qwen3Config,
+)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "phi3", "gpt2")
 
@@ -42,33 +45,19 @@ def tiny_config(
         eos_token_id=eos_token_id,
     )
     if arch == "llama":
-        from transformers import LlamaConfig as C
-
-        cfg = C(**common, head_dim=head_dim)
+        cfg = LlamaConfig(**common, head_dim=head_dim)
     elif arch == "qwen2":
-        from transformers import Qwen2Config as C
-
-        cfg = C(**common)
+        cfg = Qwen2Config(**common)
     elif arch == "qwen3":
-        from transformers import Qwen3Config as C
-
-        cfg = C(**common, head_dim=head_dim)
+        cfg = Qwen3Config(**common, head_dim=head_dim)
     elif arch == "mistral":
-        from transformers import MistralConfig as C
-
-        cfg = C(**common, head_dim=head_dim, sliding_window=None)
+        cfg = MistralConfig(**common, head_dim=head_dim, sliding_window=None)
     elif arch == "gemma3":
-        from transformers import Gemma3TextConfig as C
-
-        cfg = C(**common, head_dim=head_dim, sliding_window=64, query_pre_attn_scalar=head_dim)
+        cfg = Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=64, query_pre_attn_scalar=head_dim)
     elif arch == "phi3":  # fused qkv_proj and gate_up_proj
-        from transformers import Phi3Config as C
-
-        cfg = C(**common)
+        cfg = Phi3Config(**common)
     elif arch == "gpt2":  # Conv1D layers (transposed weights), fused c_attn
-        from transformers import GPT2Config as C
-
-        cfg = C(
+        cfg = GPT2Config(
             vocab_size=vocab_size,
             n_embd=hidden_size,
             n_layer=num_layers,

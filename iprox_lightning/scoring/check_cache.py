@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..io.fingerprint import digest
+from ..io.fingerprint import digest, file_identity
 from ..io.atomic import write_text_atomic as _atomic_write_text
 from ..io.jsonfile import read_json
 from ..io.tensor_cache import TensorCache
@@ -100,7 +100,6 @@ class CheckCache:
         meta = path.with_suffix(".json")
         if not (path.is_file() and meta.is_file()):
             return None
-        from ..io.fingerprint import file_identity
 
         try:  # a cut, damaged or edited entry is computed again, as for the validation gradients
             settings = read_json(meta, what="check cache entry")
@@ -119,7 +118,6 @@ class CheckCache:
         path = self.scores_path(fp)
         self.files.ensure_root()
         table.save(str(path))
-        from ..io.fingerprint import file_identity
 
         _atomic_write_text(path.with_suffix(".json"), json.dumps(
             {"format": FORMAT, "model": who, "seconds": seconds, "settings": table.settings,

@@ -92,9 +92,9 @@ class ScoringConfig:
         """Every field's check (whatever the method, so a config is valid or not independently of ``method``)."""
         # the metric registry, the feature modes and the losses live beside torch: read when a config is built,
         # never by a command's --help (which reads this module for the commands' signatures)
-        from ..engine.batch import check_loss_reduction
-        from .features import FEATURE_MODES
-        from .metrics import metric_names
+        from ..engine.batch import check_loss_reduction  # lazy: --help
+        from .features import FEATURE_MODES  # lazy: --help
+        from .metrics import metric_names  # lazy: --help
 
         if self.target_patterns is not None:  # a list from YAML / callers: frozen as a tuple
             object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
@@ -130,7 +130,7 @@ class ScoringConfig:
     def from_settings(cls, settings: Mapping[str, Any]) -> "ScoringConfig":
         """The config of recorded settings (a store's ``fingerprint.settings``, a score table's ``scoring``): the
         fields they hold, the rest at their defaults; the metric's own options from its recorded settings."""
-        from .metrics import KFAC_DTYPE_UNRECORDED, InfluenceMetric  # (torch: see __post_init__)
+        from .metrics import KFAC_DTYPE_UNRECORDED, InfluenceMetric  # lazy: --help (torch)
 
         kw = {f.name: settings[f.name] for f in fields(cls) if f.name in settings and f.name != "options"}
         metric = InfluenceMetric.registry.get(kw.get("method", cls.method))
@@ -142,7 +142,7 @@ class ScoringConfig:
     def build_metric(self) -> "InfluenceMetric":
         """A new :class:`~.metrics.InfluenceMetric` named by ``method``, built from this config (the registry's
         class, :meth:`~.metrics.InfluenceMetric.from_config`)."""
-        from .metrics import InfluenceMetric  # (torch: see __post_init__)
+        from .metrics import InfluenceMetric  # lazy: --help (torch)
 
         return InfluenceMetric.registry[self.method].from_config(self)
 
@@ -157,7 +157,7 @@ class ScoringConfig:
                      "shard_layers"):
             if d[name] == getattr(ScoringConfig, name):
                 del d[name]
-        from .metrics import KFAC_DTYPE_UNRECORDED
+        from .metrics import KFAC_DTYPE_UNRECORDED  # lazy: --help
 
         if d["kfac_dtype"] == KFAC_DTYPE_UNRECORDED or "kfac_dtype" not in self.metric_class().uses:
             del d["kfac_dtype"]
@@ -165,7 +165,7 @@ class ScoringConfig:
 
     def metric_class(self) -> type:
         """The registry's :class:`~.metrics.InfluenceMetric` class named by ``method``."""
-        from .metrics import InfluenceMetric  # (torch: see __post_init__)
+        from .metrics import InfluenceMetric  # lazy: --help (torch)
 
         return InfluenceMetric.registry[self.method]
 
@@ -179,8 +179,8 @@ VALIDATION_DEFAULTS = {"dtype": "float32", "device": "same", "column_groups": 1}
 def metric_registry() -> dict:
     """Every influence metric by name (``InfluenceMetric.registry``), whole: LESS's metric, which lives in its own
     module and registers when imported, is imported here first (what every reader of the registry calls)."""
-    from . import less  # noqa: F401
-    from .metrics import InfluenceMetric
+    from . import less  # lazy: --help  # noqa: F401
+    from .metrics import InfluenceMetric  # lazy: --help
 
     return InfluenceMetric.registry
 

@@ -43,6 +43,7 @@ from ..engine.lowrank import LowRankLinear
 from ..engine.model_modes import eval_mode
 from ..engine.target_layers import conv1d_class, find_target_linears, linear_shape
 from ..engine.tracking import PairTracker
+from ..progress import progress
 
 FEATURE_MODES = ("auto", "ghost", "materialize")
 
@@ -373,8 +374,6 @@ def slice_rows(batch: Mapping, n: int) -> dict:
 def progress_bar(it, enabled: bool, desc: str, total=None):
     """``it`` with progress (:func:`iprox_lightning.progress.progress`): tqdm's bar on a terminal when ``enabled``,
     a line a minute off a terminal."""
-    from ..progress import progress
-
     return progress(it, desc=desc, total=total, enabled=enabled, unit="batch")
 
 

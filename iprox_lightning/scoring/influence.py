@@ -52,12 +52,15 @@ from ..errors import UserInputError
 from ..engine.settings import takes_settings
 from ..engine.fsdp import is_sharded
 from ..engine.tracking import backward_pairs
+from ..io.optimizer_state import recorded_lr
+from ..io.scores import arrow_table, read_settings, read_table, task_names_of, write_parquet_atomic
 from .config import METRIC_FIELDS, ScoringConfig, validation_holding
 from .features import (
     FactorSpaceView, ScoreFeatureTracker, ValidationGradientTracker, eval_mode, has_response_tokens,
     progress_bar, to_device, tracked_modules, trim_batch, virtual_linears,
 )
-from .metrics import InfluenceMetric
+from .layer_shards import OwnedLayers, equal_steps, idle_batch
+from .metrics import InfluenceMetric, fit_or_load, layer_owners
 
 ALL_TASKS = "all"
 
@@ -119,15 +122,11 @@ class ScoreTable(Mapping):
 
     # Arrow (layout and files: iprox_lightning.io.scores) ----------------------------------
     def to_arrow(self):
-        from ..io.scores import arrow_table
-
         return arrow_table(self.ids, self.scores, self.task_names, self.task_scores, self.n_tokens, self.zero_grad,
                            self.nonfinite, self.tasks)
 
     @classmethod
     def from_arrow(cls, table, settings=None) -> "ScoreTable":
-        from ..io.scores import task_names_of
-
         names = task_names_of(table)
         n = table.num_rows
         ts = np.stack([table.column(f"score/{t}").to_numpy() for t in names], axis=1) if names else np.zeros((n, 0))
@@ -141,17 +140,12 @@ class ScoreTable(Mapping):
 
     def save(self, path: str) -> str:
         """Write as Parquet (atomic: temp file + ``os.replace``)."""
-        from ..io.scores import write_parquet_atomic
-
         write_parquet_atomic(self.to_arrow(), path)
         return path
 
     @classmethod
     def load(cls, path: str) -> "ScoreTable":
         """Read a merged score table (a file, or a scoring directory with its ``settings.json``)."""
-        from ..io.scores import read_settings
-        from ..io.scores import read_table
-
         p, table = read_table(path)
         return cls.from_arrow(table, read_settings(p.parent) if p.name == "scores.parquet" else None)
 
@@ -269,8 +263,6 @@ class InfluenceScorer:
                                             groups=groups, device=hold)
         pairs = owned = tracker
         if self.owners is not None:  # shard_layers: each weight's pairs to its owner
-            from .layer_shards import OwnedLayers
-
             pairs = owned = OwnedLayers(tracker, self.owners, rank, world)
         if model is not None:
             target_patterns = None if self.config.target_patterns is None else list(self.config.target_patterns)
@@ -298,8 +290,6 @@ class InfluenceScorer:
         """:meth:`_validation_sums`'s loop under ``shard_layers`` or a sharded model (FSDP2: each forward a
         collective): every rank makes the same number of steps (idle ones send no row or track nothing:
         :func:`~.layer_shards.equal_steps`), a batch without a response token too."""
-        from .layer_shards import equal_steps
-
         vdevice = next(vmodel.parameters()).device
         for batch, real in equal_steps(progress_bar(batches, progress, desc), *shard):
             if real:
@@ -313,8 +303,6 @@ class InfluenceScorer:
         """One step that every rank makes (``shard_layers``: ``owned``, the :class:`~.layer_shards.OwnedLayers`; or a
         sharded model: ``owned`` None): the rows ``keep``, or none: an idle step on the batch with every token a
         label, so that every layer's exchange and every block's gathering runs (tracking nothing)."""
-        from .layer_shards import idle_batch
-
         if bool(keep.any()):
             b = trim_batch(b, keep)
             if owned is not None:
@@ -457,13 +445,9 @@ class InfluenceScorer:
         :func:`~.metrics.fit_or_load`) then the validation gradients (of ``validation_model`` when given:
         :meth:`collect_validation`). With several column groups only the last group's columns are prepared here:
         :meth:`earlier_passes` scores the pool against the others first."""
-        from .metrics import fit_or_load
-
         keys = [v.key for v in self.linears]
         self.shard, self._reduce = shard, reduce
         if self.config.shard_layers and shard[1] > 1 and reduce is not None:
-            from .metrics import layer_owners
-
             self.owners = layer_owners(self.modules, keys, self.config.kfac_partitions, shard[1])
         self.stats.update(fit_or_load(self.metric, self.model, self.modules, keys,
                                       factor_batches, factors_dir=factors_dir, fingerprint=factors_fingerprint,
@@ -546,8 +530,6 @@ class InfluenceScorer:
                 elif self.owners is None:
                     self._owned_step(self.model, b, keep.to(b["input_ids"].device), [tracker], None)
                 else:
-                    from .layer_shards import OwnedLayers
-
                     owned = OwnedLayers(tracker, self.owners, *self.shard)
                     self._owned_step(self.model, b, keep.to(b["input_ids"].device), [owned], owned)
             if bool(keep.any()):
@@ -720,8 +702,6 @@ def check_checkpoints(value: Any) -> list[dict] | None:
             raise UserInputError(f"checkpoints[{j}] must be {{path, weight}} (weight optional), got {c!r}")
         w = c.get("weight")
         if w is None:
-            from ..io.optimizer_state import recorded_lr
-
             w = recorded_lr(c["path"], f"checkpoints[{j}]")
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise UserInputError(f"checkpoints[{j}].weight must be a finite number, got {w!r}")

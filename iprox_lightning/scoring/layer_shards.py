@@ -25,6 +25,7 @@ import math
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .features import WeightPairTracker
 
@@ -44,8 +45,6 @@ class OwnedLayers(WeightPairTracker):
         self.active: torch.Tensor | None = None
 
     def start_step(self, batch: Mapping) -> None:
-        import torch.distributed as dist
-
         super().start_step(batch)
         ids = batch["input_ids"]
         B, T = ids.shape
@@ -78,8 +77,6 @@ class OwnedLayers(WeightPairTracker):
         return torch.cat([p[:n] for p, n in zip(parts, self.counts)])
 
     def on_weight(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         owner = self.owners[key]
         mine = owner == self.rank
         out = []
@@ -92,8 +89,6 @@ class OwnedLayers(WeightPairTracker):
             self.inner.on_weight(key, *out)
 
     def end_step(self) -> None:
-        import torch.distributed as dist
-
         self.inner.end_step()
         start = sum(self.counts[:self.rank])
         for field in getattr(self.inner, "row_fields", ()):

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import UserInputError
+from ..io.optimizer_state import read_adam_state
 from .features import materialize_grads
 from .metrics import InfluenceMetric
 
@@ -110,7 +111,6 @@ def attach_optimizer_state(metric: InfluenceMetric, source: Any) -> InfluenceMet
         if not isinstance(source, (str, bytes)) and not hasattr(source, "__fspath__"):
             raise UserInputError("method less needs the checkpoint's Adam optimizer state: score an adapter directory "
                                  "(from Python: metric.use_optimizer_state(read_adam_state(dir)))")
-        from ..io.optimizer_state import read_adam_state
 
         metric.use_optimizer_state(read_adam_state(source))
     return metric

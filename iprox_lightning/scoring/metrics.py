@@ -37,10 +37,14 @@ from torch import nn
 from ..engine.batch import example_loss_fn
 from ..engine.damping import damping_value
 from ..engine.fsdp import is_sharded
+from ..engine.lowrank import LowRankLinear
 from ..errors import UserInputError
 from ..engine.tracking import backward_pairs
 from ..engine.work_split import largest_first
+from ..io.factors import factors_path, load_factors, save_factors
+from ..io.fingerprint import digest
 from .features import WeightPairTracker, eval_mode, materialize_grads, progress_bar, slice_rows, to_device, trim_batch
+from .layer_shards import OwnedLayers, equal_steps, idle_batch
 
 if TYPE_CHECKING:
     from .config import ScoringConfig
@@ -109,8 +113,6 @@ def factor_layer_sizes(modules: Mapping[str, nn.Module]) -> dict[str, int]:
     """Entries of the K-FAC factors (``in² + out²`` per tracked weight) of each tracked module: what a module
     partition (:func:`balanced_groups`) balances. A ``LowRankLinear`` has two weights, ``A`` (``r² + out²``) and
     ``B`` (``in² + r²``)."""
-    from ..engine.lowrank import LowRankLinear
-
     out = {}
     for name, m in modules.items():
         if isinstance(m, LowRankLinear):
@@ -504,7 +506,6 @@ def _factor_batches(model, batches, examples: int, shard, progress: bool, desc: 
                                sample_seed=FISHER_SEED + j if sampled else None)
                 done += batch["input_ids"].shape[0]
             return done
-        from .layer_shards import OwnedLayers, equal_steps, idle_batch
 
         # every rank the same steps: under FSDP each forward is a collective, under shard_layers each pair
         owned = trackers if owners is None else [OwnedLayers(t, owners, rank, world) for t in trackers]
@@ -863,8 +864,6 @@ def fit_or_load(metric: InfluenceMetric, model: nn.Module, modules: Mapping[str,
                           owners=owners)
     if factors_dir is None or not metric.needs_factor_data:
         return metric.fit(model, modules, keys, batches, dtype=dtype, shard=shard, reduce=reduce, progress=progress)
-    from ..io.factors import factors_path, load_factors, save_factors
-    from ..io.fingerprint import digest
 
     def where(m):
         fp = {**dict(fingerprint or {}), **m.fit_settings(), "weights": digest(list(keys)), "dtype": str(dtype)}

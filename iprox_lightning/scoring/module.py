@@ -24,6 +24,7 @@ flags), ``scoring/skipped_resumed``; at the start ``scoring/prepare_seconds`` an
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -32,13 +33,21 @@ from typing import Any, Optional, Union
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
+from ..console import show_progress
 from ..engine.fsdp import apply_fully_shard, data_parallel_mesh, is_sharded
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
+from ..io.fingerprint import loader_digest, model_identity
+from ..models.loading import load_model
+from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
 from .config import ScoringConfig
-from .influence import InfluenceScorer
+from .features import trim_batch
+from .influence import InfluenceScorer, check_checkpoints, checkpoint_sum
+from .less import attach_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +110,6 @@ class InfluenceScoringModule(L.LightningModule):
                        trust_remote_code=trust_remote_code)
         if isinstance(validation_model, str):
             hparams["validation_model"] = validation_model
-        from .influence import check_checkpoints
 
         self.checkpoints = check_checkpoints(checkpoints)
         if self.checkpoints is not None:  # (hyper-parameters as before the option when it is not given)
@@ -129,8 +137,6 @@ class InfluenceScoringModule(L.LightningModule):
         gathered for its forward and again for its backward (:func:`~iprox_lightning.engine.fsdp.apply_fully_shard`;
         the engine's hooks take activations and their gradients, never a parameter)."""
         if self.net is None:
-            from ..models.loading import load_model
-
             hp = self.hparams
             self.net, _ = load_model(hp.model, gguf_file=hp.gguf_file, dtype=hp.dtype,
                                      attn_implementation=hp.attn_implementation,
@@ -161,8 +167,6 @@ class InfluenceScoringModule(L.LightningModule):
     def scoring_config(self) -> dict[str, Any]:
         """The settings that must not change between a run and its resumption: the model's name, the
         :class:`ScoringConfig`, the factor split and the loading dtype."""
-        from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
-
         out = {"model": self.model_name, **self.config.to_dict(), "kfac_split": self.hparams.kfac_split,
                "dtype": self.hparams.dtype}
         if scores_adapters(self.hparams.get("model", self.net)):  # a peft adapter: its adapters' gradients
@@ -181,8 +185,6 @@ class InfluenceScoringModule(L.LightningModule):
         predict data) and of the validation set; ``data`` counts and lists the examples the data module
         dropped (no response token left after truncation). Used by ``InfluenceWriter`` to refuse resuming
         or reusing an output directory produced from different inputs."""
-        from ..io.fingerprint import loader_digest
-
         fp: dict[str, Any] = {"model": self.model_identity(), "settings": self.scoring_config()}
         if self.validation_model is not None:
             fp["validation_model"] = self.validation_model_identity()
@@ -207,7 +209,6 @@ class InfluenceScoringModule(L.LightningModule):
             self.configure_model()
         if getattr(self, "_identity", None) is not None:
             return self._identity
-        from ..io.fingerprint import model_identity
 
         if self.checkpoints is not None:
             return [model_identity(c["path"], self.net if j == 0 else None) for j, c in enumerate(self.checkpoints)]
@@ -219,7 +220,6 @@ class InfluenceScoringModule(L.LightningModule):
         vm = self.validation_model
         if isinstance(vm, str) and not Path(vm).exists() and self._vnet is None:
             self._vnet = self._load_validation_model()
-        from ..io.fingerprint import model_identity
 
         return model_identity(vm, self._vnet)
 
@@ -256,8 +256,6 @@ class InfluenceScoringModule(L.LightningModule):
 
     def _load(self, source: str) -> nn.Module:
         """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`)."""
-        from ..models.loading import load_model
-
         hp = self.hparams
         net, _ = load_model(source, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
                             trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
@@ -266,10 +264,6 @@ class InfluenceScoringModule(L.LightningModule):
     def _prepare(self, net: nn.Module, metric, source: Any, vmodel: Optional[nn.Module]) -> InfluenceScorer:
         """The scorer of one model (a checkpoint): its metric fitted (factors; LESS: the optimiser state saved with
         ``source``) and its validation gradients, all-reduced under several processes."""
-        from ..console import show_progress
-        from ..io.fingerprint import model_identity
-        from .less import attach_optimizer_state
-
         scorer = InfluenceScorer(net, self.config, metric=attach_optimizer_state(metric, source))
         val, fac = self._loaders()
         strategy = self.trainer.strategy
@@ -277,8 +271,6 @@ class InfluenceScoringModule(L.LightningModule):
         reduce = (lambda t: strategy.reduce(t, reduce_op="sum")) if world > 1 else None
         fac_fp = None
         if fac is not None and self.hparams.factors_dir:
-            from ..io.fingerprint import loader_digest
-
             identity = self.model_identity() if self.checkpoints is None else model_identity(source, net)
             fac_fp = {"model": identity, "data": loader_digest(fac), "kfac_split": self.hparams.kfac_split,
                       "load_dtype": self.hparams.dtype}
@@ -297,7 +289,6 @@ class InfluenceScoringModule(L.LightningModule):
         vm = self.validation_model
         if vm is None or isinstance(vm, nn.Module):
             return vm
-        from ..models.loading import load_model
 
         hp = self.hparams
         net, _ = load_model(vm, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
@@ -340,14 +331,10 @@ class InfluenceScoringModule(L.LightningModule):
             self.scorer.take_part(batch)  # (shard_layers: the other ranks' pairs of this rank's weights)
             return _empty_result(names)
         if not bool(keep.all()):
-            from .features import trim_batch
-
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
         with torch.inference_mode(False), torch.enable_grad():
             out = self.scorer.score_batch(batch)
             if len(self.scorers) > 1:  # several checkpoints: Σ_c w_c · score_c
-                from .influence import checkpoint_sum
-
                 parts = [out] + [sc.score_batch(batch) for _, sc in self.scorers[1:]]
                 if any(p["id"] != out["id"] for p in parts) or any(sc.task_names != names for _, sc in self.scorers):
                     raise RuntimeError("checkpoints scored different rows or validation tasks")
@@ -394,8 +381,6 @@ def _empty_result(task_names: list[str]) -> dict:
 def _replay(loader):
     """A loader of the same batches as the trainer's predict ``loader`` (this rank's share), iterated apart from it:
     Lightning's batch-sampler wrapper holds one shared iterator, which iterating the live loader would consume."""
-    from torch.utils.data import DataLoader
-
     inner = getattr(loader.batch_sampler, "_batch_sampler", None) if isinstance(loader, DataLoader) else None
     if inner is None:
         raise RuntimeError("column groups (validation_gradients.column_groups > 1) need the predict data as a torch "
@@ -410,14 +395,10 @@ class _Chained:
         self.loaders = list(loaders)
 
     def __iter__(self):
-        import itertools
-
         return itertools.chain.from_iterable(self.loaders)
 
 
 def _gather_objects(obj) -> list:
-    import torch.distributed as dist
-
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

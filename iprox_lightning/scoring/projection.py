@@ -39,7 +39,12 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .features import VirtualLinear, WeightPairTracker
+from ..engine.batch import example_loss_fn
+from ..engine.tracking import backward_pairs
+from .features import (
+    FactorSpaceView, VirtualLinear, WeightPairTracker, eval_mode, has_response_tokens, to_device, tracked_modules,
+    trim_batch, virtual_linears,
+)
 
 
 @dataclass
@@ -208,8 +213,6 @@ class GradientProjector:
                  target_patterns: Sequence[str] | None = None, projections: Mapping[str, LayerProjection] | None = None,
                  dtype: torch.dtype | None = None, pairs_from: nn.Module | None = None,
                  loss_reduction: str | None = None) -> None:
-        from .features import tracked_modules, virtual_linears
-
         self.model = model
         self.pairs_from = pairs_from
         self.modules = tracked_modules(model, None if target_patterns is None else list(target_patterns))
@@ -231,7 +234,6 @@ class GradientProjector:
         self.layout = layout(self.projections)
         self.dim = sum(d for _, d in self.layout.values())
         self.metric = metric
-        from ..engine.batch import example_loss_fn
 
         # the per-example loss: the metric's (its ScoringConfig's loss_reduction), or loss_reduction for TracIn
         self.loss_fn = example_loss_fn(loss_reduction or getattr(metric, "loss_reduction", "mean"))
@@ -241,9 +243,6 @@ class GradientProjector:
         self._factors_moved: dict = {}  # with pairs_from: the proxy's factors on the dense model's device, once
 
     def project_batch(self, batch: Mapping) -> dict:
-        from ..engine.tracking import backward_pairs
-        from .features import FactorSpaceView, eval_mode, has_response_tokens, to_device, trim_batch
-
         net = self.model if self.pairs_from is None else self.pairs_from
         device = next(net.parameters()).device
         b = to_device(batch, device)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import UserInputError
+from .influence import ScoreTable
 
 
 def task_sums(parts: Iterable[Mapping]) -> tuple[list[str], torch.Tensor, np.ndarray]:
@@ -71,8 +72,6 @@ def cosine_scores(X: torch.Tensor, S: torch.Tensor, zero_grad, nonfinite) -> tup
 def query_table(shards: Iterable[Mapping], names: Sequence[str], S: torch.Tensor, settings: Mapping | None = None):
     """The :class:`~.influence.ScoreTable` of every stored example (rows sorted by id) against the task sums ``S``
     (one matrix product per shard; ``shards`` as :func:`iprox_lightning.io.gradient_store.iter_shards` yields them)."""
-    from .influence import ScoreTable
-
     ids, tasks, scores, task_scores, n_tok, zero, bad = [], [], [], [], [], [], []
     for s in shards:
         sc, ts = cosine_scores(s["vectors"], S, s["zero_grad"].numpy(), s["nonfinite"].numpy())

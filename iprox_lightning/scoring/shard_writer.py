@@ -19,6 +19,7 @@ from typing import Any
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from ..errors import UserInputError
+from ..io.ownership import make_owned_dir
 from ..io.score_dir import OutputLocked
 
 
@@ -72,8 +73,6 @@ class BufferedShardWriter(BasePredictionWriter):
         self._rank = trainer.global_rank
         refused = None
         if trainer.global_rank == 0:  # one run at a time per directory (a second one would mix its shards in)
-            from ..io.ownership import make_owned_dir
-
             make_owned_dir(self.output_dir, self.owned_kind)  # marked when created (or found empty): ours to clear
             try:
                 self._lock = self.make_lock().acquire()

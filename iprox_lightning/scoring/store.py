@@ -20,11 +20,21 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..console import show_progress
+from ..engine.checkpointing import checkpointed_blocks
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from ..io import gradient_store as gs
+from ..io.factors import copy_factors
+from ..io.fingerprint import loader_digest, model_identity
+from ..io.score_dir import ScoreDirLock
+from ..models.loading import load_model
+from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
 from .config import STORE_FIELDS, ScoringConfig
+from .features import tracked_modules, trim_batch, virtual_linears
+from .less import attach_optimizer_state
 from .metrics import fit_or_load
+from .module import check_predict_examples
 from .projection import GradientProjector, LayerProjection, make_projections, pca_projections
 from .shard_writer import BufferedShardWriter
 
@@ -101,7 +111,6 @@ class GradientStoreModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.net is not None:
             return
-        from ..models.loading import load_model
 
         hp = self.hparams
         self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False,
@@ -109,8 +118,6 @@ class GradientStoreModule(L.LightningModule):
         self.net.eval()
 
     def model_identity(self) -> Any:
-        from ..io.fingerprint import model_identity
-
         if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
         return model_identity(self.hparams.get("model", self.net), self.net)
@@ -123,7 +130,6 @@ class GradientStoreModule(L.LightningModule):
                "target_patterns": None if patterns is None else list(patterns), "dtype": hp.dtype}
         if self.metric.needs_factor_data:  # projected in the weights' coordinates (:mod:`.projection`)
             out["basis"] = BASIS
-        from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
 
         if scores_adapters(hp.get("model", self.net)):  # a peft adapter: its adapters' gradients
             out.update(ADAPTER_GRADIENTS)
@@ -136,8 +142,6 @@ class GradientStoreModule(L.LightningModule):
 
     def provenance(self) -> dict:
         """``{"fingerprint": {model, settings, pool}, "pool": records provenance, "data": dropped report}``."""
-        from ..io.fingerprint import loader_digest
-
         fp: dict[str, Any] = {"model": self.model_identity(), "settings": self.settings()}
         loaders = self.trainer.predict_dataloaders if self._trainer is not None else None
         if loaders is not None:
@@ -157,7 +161,6 @@ class GradientStoreModule(L.LightningModule):
             return
         if self.net is None:
             self.configure_model()
-        from .features import tracked_modules, virtual_linears
 
         hp, patterns = self.hparams, self.config.target_patterns
         modules = tracked_modules(self.net, None if patterns is None else list(patterns))
@@ -172,8 +175,6 @@ class GradientStoreModule(L.LightningModule):
         if self.metric.needs_factor_data:
             self.stats.update(self._fit_factors(self.metric, modules, linears, store_dir, dtype, save))
         elif not self.metric.fitted:  # fitted on no data (LESS: the checkpoint's optimiser state, read from the model)
-            from .less import attach_optimizer_state
-
             attach_optimizer_state(self.metric, hp.get("model", self.net))
             self.stats.update(self.metric.fit(self.net, modules, [v.key for v in linears], None, dtype=dtype))
         if projections is None and hp.projection == "pca":
@@ -201,9 +202,6 @@ class GradientStoreModule(L.LightningModule):
         if dm is None or not hasattr(dm, "dataloader"):
             raise RuntimeError(f"method={self.metric.name!r} / projection={self.hparams.projection!r} "
                                "needs a data module with dataloader(split) for its factors")
-        from ..console import show_progress
-        from ..io.factors import copy_factors
-        from ..io.fingerprint import loader_digest
 
         hp = self.hparams
         fac = dm.dataloader(hp.kfac_split)
@@ -215,7 +213,6 @@ class GradientStoreModule(L.LightningModule):
             own = gs.read_info(store_dir, required=False).get("factors")
             if own and (Path(store_dir) / own).exists():
                 copy_factors(Path(store_dir) / own, shared)
-        from ..engine.checkpointing import checkpointed_blocks
 
         with torch.inference_mode(False), torch.enable_grad(), checkpointed_blocks(
                 self.net, enabled=bool(hp.get("gradient_checkpointing"))):
@@ -239,8 +236,6 @@ class GradientStoreModule(L.LightningModule):
         return {k: LayerProjection(p.key, p.out_features, p.in_features, *mats[k]) for k, p in projections.items()}
 
     def setup(self, stage: str) -> None:
-        from .module import check_predict_examples
-
         check_predict_examples(self, stage)  # fewer pool examples than processes: one line, not rank 1's assert
 
     def on_predict_start(self) -> None:
@@ -252,10 +247,7 @@ class GradientStoreModule(L.LightningModule):
         if not bool(keep.any()):
             return None
         if not bool(keep.all()):
-            from .features import trim_batch
-
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
-        from ..engine.checkpointing import checkpointed_blocks
 
         net = self.projector.pairs_from if self.projector.pairs_from is not None else self.net
         with checkpointed_blocks(net, enabled=bool(self.hparams.get("gradient_checkpointing"))):
@@ -292,8 +284,6 @@ class GradientStoreWriter(BufferedShardWriter):
     owned_kind = "gradient store"
 
     def make_lock(self):
-        from ..io.score_dir import ScoreDirLock
-
         return ScoreDirLock(self.output_dir, gs.LOCK_FILE, "store build", "build into another directory")
 
     def clear_output(self) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
+from lightning.pytorch.utilities import rank_zero_info
+
 from ..io.score_dir import (
     SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, merge_shards, read_shards,
     shard_files, write_settings,
@@ -138,7 +140,6 @@ class InfluenceWriter(BufferedShardWriter):
             if isinstance(pl_module, ScoringModule) and pl_module.scorer is not None:
                 extra["scorer"] = pl_module.scorer.settings()
             self.merged_path = merge_shards(self.output_dir, extra)
-            from lightning.pytorch.utilities import rank_zero_info
 
             rank_zero_info(f"InfluenceWriter: saved the scores to {self.merged_path}")
         trainer.strategy.barrier()

@@ -23,6 +23,8 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from ..errors import UserInputError
+from .rules import rule_columns, rule_order
+from .topk import shortest_cut
 
 TEXT_FIELDS = ("instruction", "context", "response")
 
@@ -162,8 +164,6 @@ def _ranked_rows(src: Path, table, rule: str, task: str | None, *, dedup: bool, 
     are ``(value, id)`` best first (ties by id), without the rows flagged ``zero_grad`` or non-finite (``bad``:
     ``(id, score)``, an error unless ``skip_flagged``) and, with ``dedup``, one per id; with ``candidates``, the rule
     ranks those ids only (its standardisation and round-robin among them)."""
-    from .rules import rule_columns, rule_order
-
     used = rule_columns(rule, table.column_names, task)
     col = used[0] if len(used) == 1 else f"{rule}({', '.join(used)})"
     ids = [str(i) for i in table.column("id").to_pylist()]
@@ -204,7 +204,6 @@ def _shortest(src: Path, table, ranked: list[str], count: int) -> tuple[set[str]
         raise UserInputError(f"{src}: 'n_tokens' is missing for {len(missing)} row(s), e.g. {missing[:3]}")
     if not ranked:
         return set(), 0.0
-    from .topk import shortest_cut
 
     cut = shortest_cut([float(n_tok[i]) for i in ranked], count)
     return {i for i in ranked if float(n_tok[i]) <= cut}, cut

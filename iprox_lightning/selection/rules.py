@@ -28,6 +28,7 @@ from typing import ClassVar, Mapping, Sequence
 import numpy as np
 
 from ..errors import UserInputError
+from .topk import topk_order
 
 def task_columns(columns: Mapping[str, np.ndarray], task: str | None) -> dict[str, np.ndarray]:
     """``{column name: values}`` of the per-task columns of ``task`` (its parts), or of every task when
@@ -44,8 +45,6 @@ def task_columns(columns: Mapping[str, np.ndarray], task: str | None) -> dict[st
 
 
 def _order(values: np.ndarray, ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    from .topk import topk_order
-
     return topk_order(values, ids), values
 
 

@@ -41,14 +41,14 @@ from .topk import topk_count
 
 def _table_fingerprint(settings: dict) -> str | None:
     """Digest of the fingerprint recorded next to a merged score table (``None`` for other tables)."""
-    from ..io.fingerprint import digest
+    from ..io.fingerprint import digest  # lazy: --help
 
     fp = settings.get("fingerprint")
     return digest(fp) if fp else None
 
 
 def _default_pool(ids: Sequence[str]):
-    from ..data.synthetic import builtin_family
+    from ..data.synthetic import builtin_family  # lazy: --help
 
     try:
         for i in ids:
@@ -74,11 +74,11 @@ def _check_output(out: Path, src: Path, pool) -> None:
     (where the next read of the pool would take the selection for pool data)."""
     if out.is_dir():
         raise OutputIsDirectoryError(f"output {out} is a directory; name a file, e.g. {out / 'selected.jsonl'}")
-    from ..io.output_guard import same_file
+    from ..io.output_guard import same_file  # lazy: --help
 
     if out.resolve() == Path(src).resolve() or same_file(out, src):
         raise UserInputError(f"output {out} is the score table being read; choose another output file")
-    from ..data.pool import check_output_is_not_input
+    from ..data.pool import check_output_is_not_input  # lazy: --help
 
     check_output_is_not_input(out, pool, "output")
 
@@ -99,7 +99,7 @@ def _check_not_another_selectors(out: Path, src: Path) -> None:
     meta = out.with_name(out.name + ".meta.json")
     prev = None
     if meta.is_file():
-        from ..io.jsonfile import read_json
+        from ..io.jsonfile import read_json  # lazy: --help
 
         try:
             prev = read_json(meta, what="selection meta").get("scores")
@@ -119,8 +119,8 @@ def _check_not_another_selectors(out: Path, src: Path) -> None:
 def _read_scored_pool(src: Path, settings: dict, pool, builtin_size: int | None, allow_mismatch: bool):
     """``(pool descriptions, builtin size, pool records, pool check)`` of ``pool`` (``None``: no pool), checked to be
     the pool the table ``src`` scored (its records digest, in its ``settings``) unless ``allow_mismatch``."""
-    from ..data.pool import describe, read_pool
-    from ..io.scores import check_scored_pool, scored_pool
+    from ..data.pool import describe, read_pool  # lazy: --help
+    from ..io.scores import check_scored_pool, scored_pool  # lazy: --help
 
     pools = [] if pool is None else [describe(pool)]
     scored = scored_pool(settings)  # how the scored pool was read, and its records digest
@@ -186,7 +186,7 @@ def select(
     """
     restrictions = ([ExcludeCategories(exclude_categories)] if exclude_categories else []) + \
         ([WithinShortest(within_shortest)] if within_shortest is not None else [])
-    from ..io.scores import read_scored
+    from ..io.scores import read_scored  # lazy: --help
 
     src, table, settings = read_scored(scores_path)  # the table and its settings, read once
     cands = Candidates.rank(src, table, rule, task, dedup=dedup, skip_flagged=skip_flagged)
@@ -233,11 +233,11 @@ def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tu
     """Write the chosen ``(score, id)`` rows (with their pool records and the explanation of what was picked, when
     a pool was read: ``pool`` = its records and the same by id) and ``meta`` to ``out``, then print what was written
     unless ``quiet``."""
-    from ..io.selection import write_selection
+    from ..io.selection import write_selection  # lazy: --help
 
     pool_records, records = pool if pool is not None else (None, None)
     if pool_records is not None:
-        from .summary import explain_selection
+        from .summary import explain_selection  # lazy: --help
 
         table_rows = {str(r["id"]): r for r in table.to_pylist()}
         label = meta["column"] if "(" not in meta["column"] else f"{meta['rule']} value"  # e.g. score/mmlu, max value
@@ -260,6 +260,6 @@ def _write_selection(out: Path, chosen: list[tuple[float, str]], table, pool: tu
                      if left - zero - nonfinite else ""]
             print(f"select: {left} of the table's {table.num_rows} rows not ranked: " + ", ".join(x for x in parts if x))
         if pool_records is not None:
-            from .summary import format_selection
+            from .summary import format_selection  # lazy: --help
 
             print(format_selection(meta["explanation"]))

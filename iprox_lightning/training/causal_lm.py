@@ -32,12 +32,21 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..engine.batch import check_batch, scored_logits
+from ..console import transformers_bars_off
+from ..engine.batch import check_batch, micro_batches, scored_logits
 from ..engine.fsdp import apply_fully_shard, is_sharded  # noqa: F401  (used here and by alignment/)
 from ..errors import UserInputError
-from .memory_levers import enable_checkpointing
+from ..io.atomic import named_os_errors
+from ..io.output_guard import check_output_not_input
+from ..io.ownership import make_owned_dir
+from ..models.loading import load_model
+from ..models.lora import LoraSettings
+from .lora import note_step_lr, save_epoch_adapter, save_final_and_merge, with_adapters
+from .memory_levers import cpu_offload_policy, enable_checkpointing, response_tokens
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +55,6 @@ LR_SCHEDULES = ("linear", "constant")
 
 def resolve_model(model: Union[str, nn.Module], dtype: str = "float32", attn_implementation: Optional[str] = "eager"):
     """``(model, tokenizer)`` from a name/path (:func:`~iprox_lightning.models.loading.load_model`) or a module."""
-    from ..models.loading import load_model
-
     if isinstance(model, nn.Module):
         return model, None
     return load_model(model, dtype=dtype, attn_implementation=attn_implementation)
@@ -104,7 +111,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full (unsharded, CPU) state dict; a collective under FSDP2 — call it on every rank."""
     if not is_sharded(model):
         return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -153,7 +159,6 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         if micro_batch_size is not None and (type(micro_batch_size) is not int or micro_batch_size < 1):
             raise UserInputError(f"micro_batch_size must be an integer >= 1 or null, got {micro_batch_size!r}")
-        from ..models.lora import LoraSettings
 
         self.lora_settings = LoraSettings.of(lora)  # checked before any training
         if lr_schedule not in LR_SCHEDULES:
@@ -161,8 +166,6 @@ class CausalLMModule(L.LightningModule):
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserInputError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
         if save_dir:  # before any training: the trained model never replaces the model it starts from
-            from ..io.output_guard import check_output_not_input
-
             check_output_not_input(save_dir, {"model": model}, "save_dir")
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
         object.__setattr__(self, "model_source", model)  # never a registered submodule
@@ -184,8 +187,6 @@ class CausalLMModule(L.LightningModule):
             frozen = freeze_embeddings_and_head(model)
             log.info("frozen embeddings / LM head: %s", frozen)
         if self.lora_settings is not None:
-            from .lora import with_adapters
-
             model = with_adapters(model, self.lora_settings, self.model_source, self._device_mesh)
         if self.hparams.gradient_checkpointing:
             enable_checkpointing(model)
@@ -197,7 +198,6 @@ class CausalLMModule(L.LightningModule):
             if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
                 raise ValueError("tensor parallelism is not supported: use ModelParallelStrategy(data_parallel_size=N, "
                                  "tensor_parallel_size=1) for FSDP2")
-            from .memory_levers import cpu_offload_policy
 
             apply_fully_shard(model, dp, reshard_after_forward=self.hparams.fsdp_reshard_after_forward,
                               offload_policy=cpu_offload_policy() if self.hparams.fsdp_cpu_offload else None)
@@ -230,9 +230,6 @@ class CausalLMModule(L.LightningModule):
 
     def _micro_batch_step(self, batch: dict) -> torch.Tensor:
         """One optimiser step over ``batch`` in micro-batches of ``micro_batch_size`` (see the module docstring)."""
-        from ..engine.batch import micro_batches
-        from .memory_levers import response_tokens
-
         check_batch(batch)
         world = self.trainer.world_size
         local_n = response_tokens(batch).float()
@@ -256,8 +253,6 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         check_batch(batch)
         if self.hparams.get("micro_batch_size") is not None:  # the LM head's [N, V] logits of one micro-batch at a time
-            from ..engine.batch import micro_batches
-
             sums = []
             for micro in micro_batches(batch, self.hparams.micro_batch_size):
                 logits, scored = scored_logits(self.model, micro, use_cache=False)
@@ -286,21 +281,15 @@ class CausalLMModule(L.LightningModule):
     # ------------------------------------------------------------------------------------- saving
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.lora_settings is not None:  # each step's learning rate: an epoch's mean is its LESS weight
-            from .lora import note_step_lr
-
             note_step_lr(self, optimizer)
 
     def on_train_epoch_end(self) -> None:
         if self.lora_settings is not None and self.hparams.save_dir:
-            from .lora import save_epoch_adapter
-
             save_epoch_adapter(self, f"epoch_{self.current_epoch + 1}")
 
     def on_fit_end(self) -> None:
         if self.hparams.save_dir:
             if self.lora_settings is not None:
-                from .lora import save_final_and_merge
-
                 save_final_and_merge(self)  # the adapters, then self.model the merged dense model
             self.save_model(self.hparams.save_dir)
 
@@ -309,16 +298,10 @@ class CausalLMModule(L.LightningModule):
         sd = full_state_dict(self.model)  # collective under FSDP2
         path = Path(save_dir)
         if self.trainer.is_global_zero if self._trainer is not None else True:
-            from ..io.ownership import make_owned_dir
-
             make_owned_dir(path, "model")  # marked when created (or found empty): ours to replace
             kwargs: dict[str, Any] = {"safe_serialization": True}
             if sd is not None:
                 kwargs["state_dict"] = sd
-            from lightning.pytorch.utilities import rank_zero_info
-
-            from ..console import transformers_bars_off
-            from ..io.atomic import named_os_errors
 
             # a full disk in safetensors' writer (SafetensorError '(os error 28)') is an OSError naming the directory:
             # one line on the command line, and the pipeline redoes the stage (issue 61)

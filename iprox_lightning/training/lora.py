@@ -12,6 +12,8 @@ from typing import Any
 from torch import nn
 
 from ..errors import UserInputError
+from ..io.optimizer_state import OPTIMIZER_STATE, adam_state_of, save_adam_state
+from ..io.ownership import make_owned_dir
 from ..models.lora import LoraSettings, add_adapters, is_adapted, merge, save_adapter
 
 ADAPTERS_DIR = "adapters"
@@ -38,14 +40,10 @@ def save_epoch_adapter(module, name: str) -> Path | None:
     path = adapter_dir(module.hparams.save_dir, name)
     trainer = module._trainer
     if trainer is None or trainer.is_global_zero:
-        from ..io.ownership import make_owned_dir
-
         make_owned_dir(module.hparams.save_dir, "model")  # created (and marked) before the first adapter goes in
         save_adapter(module.model, path)
         optimizers = trainer.optimizers if trainer is not None else []
         if optimizers and any(optimizers[0].state.values()):
-            from ..io.optimizer_state import OPTIMIZER_STATE, adam_state_of, save_adam_state
-
             state = adam_state_of(dict(module.model.named_parameters()), optimizers[0])
             lrs = module.__dict__.get("_step_lrs")
             if lrs:  # the mean learning rate of the epoch's steps (LESS's weight); "final": its last epoch's

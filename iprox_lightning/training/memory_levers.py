@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from ..engine.batch import shifted_token_mask
 
@@ -28,8 +29,6 @@ def cpu_offload_policy():
     """FSDP2's ``CPUOffloadPolicy``: the sharded weights, their gradients and the AdamW moments live in host memory
     (the optimiser steps there); each block's weights are copied to the device for its forward and backward.
     Pinned host memory when CUDA is present."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
