@@ -18,10 +18,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "iprox_lightning"
 
-PENDING = ("commands/",)
-"""Path prefixes (relative to the package) not checked yet: the lead removes this when the ``commands`` helper's
-work (issue 62: thin ``commands/``, with the same ``# lazy:`` convention) is merged."""
-
 REASONS = ("--help", "optional extra ", "a cached plan loads no ")
 """The accepted kinds of reason: the first words of the comment after ``# lazy: ``."""
 
@@ -68,8 +64,7 @@ def test_every_import_inside_a_function_says_why_it_is_lazy():
     bad = []
     for path in files:
         rel = path.relative_to(PACKAGE).as_posix()
-        if not rel.startswith(PENDING):
-            bad += unexplained_imports(path, rel)
+        bad += unexplained_imports(path, rel)
     assert not bad, "\n".join(bad)
 
 

@@ -19,6 +19,7 @@ no-op on an unsharded proxy. :class:`FactorShards` shards the micro-batch path's
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -260,13 +261,11 @@ class ProxyBlocks:
     parameter itself while FSDP2 holds it gathered, else ``DTensor.full_tensor()``, a collective: every rank unpacks
     in the same order, as it runs the same graph). A read outside the block's forward (the projections of the
     teacher's gradient into factor space) goes through :meth:`regather` (one layer at a time, its gradient to the
-    unsharded parameter). Not combined with activation checkpointing (its recomputation runs outside FSDP2's hooks)
-    nor with autocast (bf16-mixed: its copies of the factors are saved tensors of their own): AlignConfig refuses
-    both."""
+    unsharded parameter). Under autocast (bf16-mixed) its copies of the gathered factors are registered too
+    (:class:`_Casts`) and not cached. Not combined with activation checkpointing (its recomputation runs outside
+    FSDP2's hooks) nor with the task terms: AlignConfig refuses both."""
 
     def __init__(self, proxy: nn.Module) -> None:
-        import weakref
-
         self._weakref = weakref.ref
         self.units = _managed_parameters(proxy)
         self.owners: dict[int, list] = {}  # storage id -> [(its weakref, slot, dtype, the tensor's dtype/offset/numel)]

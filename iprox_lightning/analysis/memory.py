@@ -415,7 +415,6 @@ class RunSettings:
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        from ..scoring.config import metric_registry
 
         _check_choice("method", self.method, metric_registry())
         if getattr(metric_registry()[self.method], "needs_optimizer_state", False) and self.lora is None:
@@ -746,7 +745,6 @@ def planned_metrics() -> dict:
 def lora_metrics() -> list[str]:
     """The registered metrics ``plan`` prices over a LoRA checkpoint's adapters (:func:`less_scoring_plan`): those that
     read its optimiser state (``needs_optimizer_state``: LESS)."""
-    from ..scoring.config import metric_registry
 
     return [n for n, c in metric_registry().items() if getattr(c, "needs_optimizer_state", False)]
 
@@ -887,7 +885,6 @@ def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings) ->
 def lora_weights(sizes: ModelSizes, lora: Mapping[str, Any]) -> list[tuple[int, int]]:
     """``(in_features, out_features)`` of every LoRA adapter matrix (``lora_A: in -> r``, ``lora_B: r -> out``) of the
     adapted linears (:func:`lora_params`' layers): the weights LoRA-gradient scoring tracks."""
-    from ..models.lora import LoraSettings, matches_target
 
     settings = LoraSettings.of(lora)
     r = settings.r
@@ -903,7 +900,6 @@ def less_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, me
     (:func:`lora_weights`, held as ``run.validation_gradients`` says); once: one batch's activations and LESS's
     per-example transient (``[B, out, in]`` per adapter matrix, and the Adam direction's four temporaries of that
     size: ``adam_direction``)."""
-    from ..scoring.config import metric_registry
 
     metric = metric_registry()[method]
     if run.lora is None:
@@ -1053,7 +1049,6 @@ def tracked_weights(shape: ModelShape) -> list[tuple[int, int]]:
 def _features_bytes(linears: Iterable[tuple[int, int]], T: int, rows: int, columns: int) -> float:
     """The per-layer feature transient of scoring (the larger over the layers: per-example gradients where
     :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``)."""
-    from ..scoring.features import choose_mode
 
     feat = 0.0
     for i, o in linears:
