@@ -84,6 +84,8 @@ def short_levers(settings: dict) -> str:
             words.append("factors on the host")
         elif k == "shard_layers" and v:
             words.append("factors split over ranks")
+        elif k == "align_reshard_proxy" and v:
+            words.append("proxy per block")
     return ", ".join(words)
 
 

@@ -16,8 +16,8 @@ warm-up, fine-tune          none; activation checkpointing; + FSDP2 CPU offload 
                                                                                          micro-batches accumulate)
 Stage 1 (IPSVD)             none                                                         ``probe_group_layers``: every layer
                                                                                          of the share, then fewer per group
-Stage 2 (alignment)         none; activation checkpointing                               ``align_micro_batch_size``: divisors
-                                                                                         of the build batch (accumulated)
+Stage 2 (alignment)         none; activation checkpointing; the proxy gathered per       ``align_micro_batch_size``: divisors
+                            block (``reshard_proxy``, fsdp over several devices)         of the build batch (accumulated)
 scoring (each metric)       ordered by the dearest lever used: column groups >           ``batch_size`` of scoring: divisors
                             ``shard_layers`` (several devices) > host holding > K-FAC    of the batch (each example's score
                             offload > K-FAC partitions > bfloat16 validation gradients   is its own)
@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ..compression.schedule import assign_layers
-from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES
-from ..models.builtin import builtin_model
 from ..models.lora import LoraSettings
 from ..scoring.config import VALIDATION_DEFAULTS, ScoringConfig
 from . import memory as M
@@ -52,8 +50,8 @@ STAGE2 = "build_proxy: Stage 2 (alignment)"
 STORE = "store build"
 
 LEVERS_OFF = dict(micro_batch_size=None, gradient_checkpointing=False, fsdp_cpu_offload=False, probe_group_layers=None,
-                  align_micro_batch_size=None, align_checkpointing=False, kfac_partitions=1, kfac_offload=False,
-                  validation_gradients=None, shard_layers=False, store_gradient_checkpointing=False)
+                  align_micro_batch_size=None, align_checkpointing=False, align_reshard_proxy=False, kfac_partitions=1,
+                  kfac_offload=False, validation_gradients=None, shard_layers=False, store_gradient_checkpointing=False)
 """The run's memory levers, all off: where every stage's search starts."""
 
 
@@ -154,8 +152,10 @@ def candidates(stage: str, sizes: M.ModelSizes, run: M.RunSettings) -> Iterator[
     elif stage == STAGE1:
         yield from _tiered([{}], "probe_group_layers", [None] + fewer_per_group(_probe_share(sizes, run)))
     elif stage == STAGE2:
-        yield from _tiered([{}, {"align_checkpointing": True}], "align_micro_batch_size",
-                           [None] + divisors_down(run.align_batch_size)[1:])
+        tiers = [{}, {"align_checkpointing": True}]
+        if run.strategy == "fsdp" and run.devices > 1:  # 1.4-2x slower steps (regathered in both backwards): last
+            tiers.append({"align_reshard_proxy": True})
+        yield from _tiered(tiers, "align_micro_batch_size", [None] + divisors_down(run.align_batch_size)[1:])
     elif stage.startswith("scoring (") and stage[9:-1] in M.planned_metrics():
         metric = M.planned_metrics()[stage[9:-1]]
         n_tracked = sum(1 for l in sizes.shape.linears if l.tracked)
@@ -300,6 +300,8 @@ def lever_words(settings: Mapping[str, Any], run: M.RunSettings) -> list[str]:
                        f"{run.align_batch_size // v} accumulated micro-batches)")
         elif k == "align_checkpointing" and v:
             out.append("ProxyAlignModule activation_checkpointing true")
+        elif k == "align_reshard_proxy" and v:
+            out.append("ProxyAlignModule reshard_proxy true (the proxy gathered one decoder block at a time)")
         elif k == "batch_size":
             out.append(f"data.batch_size {v} (of {run.batch_size})")
         elif k == "validation_gradients" and v:
@@ -367,7 +369,8 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
                 {"class_path": IPSVD_CALLBACK, "init_args": {"probe_group_layers": s["probe_group_layers"]}}]
             plan["probe_group_layers"] = s["probe_group_layers"]
         elif f.stage == STAGE2:
-            for k, key in (("align_micro_batch_size", "micro_batch_size"), ("align_checkpointing", "activation_checkpointing")):
+            for k, key in (("align_micro_batch_size", "micro_batch_size"), ("align_checkpointing", "activation_checkpointing"),
+                           ("align_reshard_proxy", "reshard_proxy")):
                 if k in s:
                     _deep_set(stages.setdefault("build_proxy", {}), init + (key,), s[k])
                     plan[k] = s[k]
@@ -589,6 +592,8 @@ def _callback_arg(config: Mapping, class_path: str, name: str, default: Any) -> 
 @functools.lru_cache(maxsize=8)
 def _builtin_counts(max_length: int, precision: str, attn: str) -> tuple:
     """The built-in demo model's counts (the demo's tiny Llama: not a file ``model_counts`` caches)."""
+    from ..models.builtin import builtin_model  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
+
     config = builtin_model().config
     acts, acts32 = M.run_activations(config, M.RunSettings(max_length=max_length, precision=precision,
                                                            attn_implementation=attn))
@@ -605,6 +610,9 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
     built-in validation data (else ``plan``'s default, 3). ``target`` ``builtin``: the demo's tiny Llama."""
     def data(stage: str, key: str, default: Any) -> Any:
         return _get(configs[stage], "data", "init_args", key, default=default)
+
+    from ..data.synthetic import BUILTIN_VALIDATION_FAMILIES  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
+    from ..models.builtin import builtin_model  # lazy: a cached plan loads no transformers/Lightning (test_plan_memory)
 
     devices = int(hardware.get("devices") or 1) * int(hardware.get("num_nodes") or 1)
     strategy = str(hardware.get("strategy") or _get(configs["warmup"], "trainer", "strategy", default="ddp")).lower()
