@@ -371,3 +371,20 @@ def test_layer_sharded_factors_on_two_ranks_equal_one_process(tmp_path, method, 
     vg = max((M.validation_gradient_bytes([linears[j] for j in share], 2, None, scoring_bytes=8)
               for share in M._layer_shares(linears, run)), key=lambda v: v["device"])
     assert vg["device"] == max(r["bytes"]["V"] for r in ranks) < ref["bytes"]["V"]
+
+
+def test_float32_factor_sums_keep_smollm2s_ranking_as_recorded():
+    """The same bar on SmolLM2-135M-Instruct (the shared GGUF), recorded by ``bench/kfac_dtype.py`` (minutes under the
+    machine's model lock; its command in the JSON): ``train.py predict`` with the shipped ``configs/score.yaml``,
+    ``kfac_dtype`` float32 against float64, every score column (``score`` and a column per eval task) with Spearman
+    >= 0.999 and the same top 5%. No model run here: the check reads the record."""
+    doc = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "plan" /
+                      "kfac_dtype_smollm2.json").read_text())
+    assert doc["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and "--pool-rows" in doc["command"]
+    assert "kfac" in doc["results"]
+    for method, r in doc["results"].items():
+        assert r["reference"] == "kfac_dtype float64" and r["compared"] == "kfac_dtype float32"
+        assert r["columns"] == len(r["per_column"]) >= 4, method  # ``score`` and the three eval tasks
+        for column, c in r["per_column"].items():
+            assert c["spearman"] >= 0.999 and c["top5%"] == 1.0, (method, column, c)
+        assert r["max_abs_diff"] > 0  # two precisions, not one path twice
