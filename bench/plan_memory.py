@@ -55,6 +55,23 @@ def append_run(out: Path, result: dict) -> None:
     print(json.dumps({k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio", "seconds")}))
 
 
+def measured_child(script: str, payload: dict, label: str, plan: dict, *, threads: int, cwd: str | None = None,
+                   timeout: float | None = None) -> dict:
+    """Run ``script --child <payload>`` in a fresh process and compare its peak with ``plan`` (``{"peak": bytes, ...}``):
+    the record the plan benches append. glibc's mmap threshold is fixed at 128 KiB (each large tensor its own mapping,
+    returned when freed, so RssAnon follows the live tensors); the child prints ``{"peak", "baseline", ...}`` last."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
+           "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    p = subprocess.run([sys.executable, script, "--child", json.dumps(payload)], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{label} failed (rc {p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
+    m = json.loads(p.stdout.strip().splitlines()[-1])
+    meas = m["peak"] - m["baseline"]
+    return {"measured": m, "measured_bytes": meas, "predicted_bytes": plan["peak"], "ratio": plan["peak"] / meas,
+            "plan": plan}
+
+
 def _status_bytes(key: str) -> int | None:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):

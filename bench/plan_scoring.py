@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -183,21 +182,12 @@ def cpu_peak(args: dict) -> dict:
 
 
 def measure(args: dict, timeout: float | None = None) -> dict:
-    # glibc's mmap threshold fixed at 128 KiB (as bench/plan_memory.py --stage1 and bench/plan_levers.py): each large
-    # tensor its own mapping, returned when freed, so RssAnon follows the live tensors
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args["threads"]),
-           "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    from plan_memory import measured_child
+
     with tempfile.TemporaryDirectory() as tmp:
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
-                            json.dumps({**args, "out_dir": str(Path(tmp) / "store")})], cwd=tmp, env=env,
-                           capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise RuntimeError(f"{args['setting']} failed (rc {p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
-    m = json.loads(p.stdout.strip().splitlines()[-1])
-    plan = cpu_peak(args)
-    meas = m["peak"] - m["baseline"]
-    return {"args": args, "measured": m, "measured_bytes": meas, "predicted_bytes": plan["peak"],
-            "ratio": plan["peak"] / meas, "plan": plan}
+        run = measured_child(str(Path(__file__).resolve()), {**args, "out_dir": str(Path(tmp) / "store")},
+                             args["setting"], cpu_peak(args), threads=args["threads"], cwd=tmp, timeout=timeout)
+    return {"args": args, **run}
 
 
 def main() -> None:
