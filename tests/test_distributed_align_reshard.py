@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))
 from test_distributed_align_scale import _single_process_global  # noqa: E402  (the global batch's reference)
 from test_distributed_train import (  # noqa: E402  (the shared 2-rank harness and reference)
     LR_ALIGN, STEPS, _assert_close, _assert_only_factors_moved_and_saved, _results, micro_batch, svd_proxy,
-    teacher_model, torchrun_two_ranks, val_micro_batch,
+    run_modes, teacher_model, torchrun_two_ranks, val_micro_batch,
 )
 
 MODES = {"reshard": {"reshard_proxy": True}, "reshard_micro": {"reshard_proxy": True, "micro_batch_size": 1}}
@@ -109,19 +109,9 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true", st
 
 
 def _worker(out: str) -> None:
-    torch.set_num_threads(1)
-    for mode, options in MODES.items():
-        try:
-            _run_mode(mode, out, options)
-        except Exception as e:
-            Path(f"{out}/{mode}-rank{os.environ['RANK']}.error").write_text(f"{type(e).__name__}: {e}")
-            raise
-    for mode, options in MIXED.items():
-        try:
-            _run_mode(mode, out, options, "bf16-mixed", steps=MIXED_STEPS)
-        except Exception as e:
-            Path(f"{out}/{mode}-rank{os.environ['RANK']}.error").write_text(f"{type(e).__name__}: {e}")
-            raise
+    run_modes(out, [(mode, functools.partial(_run_mode, mode, out, options)) for mode, options in MODES.items()]
+              + [(mode, functools.partial(_run_mode, mode, out, options, "bf16-mixed", steps=MIXED_STEPS))
+                 for mode, options in MIXED.items()])
 
 
 @pytest.fixture(scope="module")

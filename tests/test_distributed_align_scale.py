@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from test_distributed_train import (  # noqa: E402  (the shared 2-rank harness and reference)
     LR_ALIGN, STEPS, _assert_close, _assert_only_factors_moved_and_saved, _results, concat, micro_batch, svd_proxy,
-    teacher_model, torchrun_two_ranks,
+    run_modes, teacher_model, torchrun_two_ranks,
 )
 
 # (the default settings' FSDP2 runs, with the teacher sharded too: test_distributed_train's align_fsdp2* modes)
@@ -81,13 +81,7 @@ def _run_mode(mode: str, out: str) -> None:
 
 
 def _worker(out: str) -> None:
-    torch.set_num_threads(1)
-    for mode in MODES:
-        try:
-            _run_mode(mode, out)
-        except Exception as e:
-            Path(f"{out}/{mode}-rank{os.environ['RANK']}.error").write_text(f"{type(e).__name__}: {e}")
-            raise
+    run_modes(out, [(mode, functools.partial(_run_mode, mode, out)) for mode in MODES])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ ranks with each other and with a single-process reference computed here:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import socket
@@ -139,14 +140,20 @@ def _run_mode(mode: str, out: str) -> None:
               f"{out}/{mode}-rank{rank}.safetensors")
 
 
-def _worker(out: str) -> None:
+def run_modes(out: str, runs) -> None:
+    """On one rank, run each ``(mode, callable)`` of ``runs`` in turn; a failure is written to
+    ``out/<mode>-rank<r>.error`` (what the tests report) before it is raised."""
     torch.set_num_threads(1)
-    for mode in MODES:
+    for mode, run in runs:
         try:
-            _run_mode(mode, out)
-        except Exception as e:  # record and go on, so one failing strategy does not hide the others
+            run()
+        except Exception as e:
             Path(f"{out}/{mode}-rank{os.environ['RANK']}.error").write_text(f"{type(e).__name__}: {e}")
             raise
+
+
+def _worker(out: str) -> None:
+    run_modes(out, [(mode, functools.partial(_run_mode, mode, out)) for mode in MODES])
 
 
 # ------------------------------------------------------------------------------------------------ tests
