@@ -143,7 +143,7 @@ NOT_ATOMIC = {
     ("io/proxy_export.py", "os.replace"): "the export directory (written whole in a temporary) swapped with the old",
     ("io/proxy_export.py", "tempfile.mkdtemp"): "the export's temporary directory and the old one's place",
     ("io/fingerprint.py", "open"): "sort_safetensors_metadata rewrites the header of a temporary inside atomic_path",
-    ("commands/pipeline.py", "open"): "a stage process's log, streamed while it runs (not an artifact)",
+    ("workflow/stages.py", "open"): "a stage process's log, streamed while it runs (not an artifact)",
     ("io/atomic.py", "open"): "the helper itself",
     ("io/atomic.py", "os.replace"): "the helper itself",
     ("io/atomic.py", "write_bytes"): "the helper itself",

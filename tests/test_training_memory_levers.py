@@ -246,9 +246,12 @@ def test_plan_follows_micro_batches_checkpointing_and_offload():
     held = acts.fixed_outside + L * acts.fixed_per_layer + 8 * (
         acts.outside + L * (acts.layer_input + acts.tracked_input) + acts.per_layer)
     assert store["store build"]["parts"]["activations"] == held < base["store build"]["parts"]["activations"]
+    # the proxy's store build (build_store --gradient_checkpointing too) follows the same setting; micro-batches do not
+    assert store[M.PROXY_STORE]["parts"]["activations"] < base[M.PROXY_STORE]["parts"]["activations"]
+    assert micro[M.PROXY_STORE] == base[M.PROXY_STORE]
     for rows in (micro, store):
         for stage in base:
-            if stage not in ("warm-up", "fine-tune", "store build"):
+            if stage not in ("warm-up", "fine-tune", "store build", M.PROXY_STORE):  # (the proxy's store: below)
                 assert rows[stage] == base[stage]
     fsdp = dict(common, devices=4, strategy="fsdp")
     sharded = {r["stage"]: r["parts"] for r in plan(**fsdp)}
