@@ -154,15 +154,16 @@ def less_warmup(tmp_path_factory):
     return root / "warmup"
 
 
-def _score(tmp_path, name, warm, **init_args):
-    """``configs/less/score.yaml`` (with ``init_args`` over it) on the demo: the score table."""
+def _score(tmp_path, name, warm, trainer=None, **init_args):
+    """``configs/less/score.yaml`` (with ``init_args`` over it, and ``trainer`` over its trainer) on the demo: the score
+    table."""
     import yaml
 
     from iprox_lightning.cli import main
     from iprox_lightning.scoring.influence import ScoreTable
 
     out = tmp_path / name
-    cfg = {"trainer": {"logger": False, "enable_progress_bar": False, "default_root_dir": str(tmp_path), "callbacks": [
+    cfg = {"trainer": {**(trainer or {}), "logger": False, "enable_progress_bar": False, "default_root_dir": str(tmp_path), "callbacks": [
         {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(out)}}]},
         "model": {"init_args": init_args}, "data": {"init_args": {"tokenizer": str(warm), **DEMO_DATA}}}
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
@@ -191,6 +192,11 @@ def test_less_checkpoint_sum_equals_each_checkpoint_scored_alone_and_summed(less
     want_t = lrs[0] * alone[0].task_scores + lrs[1] * alone[1].task_scores
     np.testing.assert_allclose(both.task_scores, want_t, rtol=1e-12, atol=1e-12 * np.abs(want_t).max())
     assert np.abs(alone[0].scores - alone[1].scores).max() > 1e-3  # the checkpoints differ
+    # under Lightning's default inference mode too (configs/score.yaml turns it off): the later checkpoints are loaded
+    # outside it, as the first is, so their backward works and the scores are the same numbers
+    inf = _score(tmp_path, "both_inference", less_warmup, trainer={"inference_mode": True},
+                 checkpoints=[{"path": str(c)} for c in ckpts])
+    np.testing.assert_array_equal(inf.scores, both.scores)
     # a changed weight is another result: never reused
     from iprox_lightning.io.fingerprint import FingerprintMismatch
 

@@ -255,10 +255,13 @@ class InfluenceScoringModule(L.LightningModule):
             self.logger.log_metrics(metrics, step=0)
 
     def _load(self, source: str) -> nn.Module:
-        """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`)."""
+        """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`); outside inference mode (this runs in
+        ``on_predict_start``, under the Trainer's ``inference_mode``: its weights would be inference tensors, which
+        the backward cannot save)."""
         hp = self.hparams
-        net, _ = load_model(source, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
-                            trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
+        with torch.inference_mode(False):
+            net, _ = load_model(source, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                                trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
         return net.to(next(self.net.parameters()).device).eval()
 
     def _prepare(self, net: nn.Module, metric, source: Any, vmodel: Optional[nn.Module]) -> InfluenceScorer:
@@ -291,8 +294,9 @@ class InfluenceScoringModule(L.LightningModule):
             return vm
 
         hp = self.hparams
-        net, _ = load_model(vm, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
-                            trust_remote_code=hp.trust_remote_code, tokenizer=False)
+        with torch.inference_mode(False):  # (as :meth:`_load`)
+            net, _ = load_model(vm, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                                trust_remote_code=hp.trust_remote_code, tokenizer=False)
         return net.eval()
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
