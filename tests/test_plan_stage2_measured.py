@@ -32,7 +32,7 @@ RUNS = list(_recorded())
 
 def test_one_process_and_sharded_runs_are_recorded():
     got = {(r.values[0]["shape"], r.values[0].get("devices", 1)) for r in RUNS}
-    assert {("small", 1), ("small", 2), ("smollm2-135m", 1), ("llama-3.2-1b", 1), ("wide", 1)} <= got
+    assert {("small", 1), ("small", 2), ("smollm2-135m", 1), ("llama-3.2-1b", 1), ("llama-3.2-1b", 2), ("wide", 1)} <= got
     assert any(r.values[0].get("devices", 1) > 1 and r.values[0]["settings"].get("micro_batch_size") for r in RUNS)
 
 
