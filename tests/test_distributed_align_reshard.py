@@ -22,7 +22,7 @@ import torch
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from test_distributed_align_scale import _single_process_global  # noqa: E402  (the global batch's reference)
+from test_distributed_align_scale import RecordSteps, _single_process_global  # noqa: E402  (the global batch's reference)
 from test_distributed_train import (  # noqa: E402  (the shared 2-rank harness and reference)
     LR_ALIGN, STEPS, _assert_close, _assert_only_factors_moved_and_saved, _results, micro_batch, svd_proxy,
     run_modes, teacher_model, torchrun_two_ranks, val_micro_batch,
@@ -48,7 +48,6 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true", st
     from safetensors.torch import save_file
     from torch.utils.data import DataLoader
 
-    from iprox_lightning.alignment.losses import proxy_factor_layers
     from iprox_lightning.modules import ProxyAlignModule
     from iprox_lightning.training.causal_lm import full_state_dict
 
@@ -71,19 +70,9 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true", st
 
     fsdp.ProxyBlocks._pack = counting_pack
 
-    class Record(L.Callback):
+    class Record(RecordSteps):
         def on_before_backward(self, trainer, pl_module, loss):
             record["gathered_before_backward"].append(_gathered_blocks(pl_module.proxy))
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 0:  # the first step's gradients, gathered (a collective)
-                names = [f"{n}.{f}" for n in proxy_factor_layers(pl_module.proxy) for f in "AB"]
-                params = optimizer.param_groups[0]["params"]  # the sharded factors, in model order
-                assert len(names) == len(params)
-                record["grads"] = {n: p.grad.full_tensor() for n, p in zip(names, params)}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            record["loss"].append(float(outputs["loss"]))
 
         def on_validation_end(self, trainer, pl_module):
             if not trainer.sanity_checking:
@@ -92,7 +81,7 @@ def _run_mode(mode: str, out: str, options: dict, precision: str = "32-true", st
     trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_checkpointing=False,
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[Record()], precision=precision, num_sanity_val_steps=0)
+                        callbacks=[Record(record)], precision=precision, num_sanity_val_steps=0)
     try:
         # (the plain mode also runs a held-out check after its last step: alignment_step without create_graph)
         trainer.fit(module, data, DataLoader([val_micro_batch(0, rank)], batch_size=None) if mode == "reshard" else None)

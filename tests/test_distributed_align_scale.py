@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -25,11 +26,29 @@ from test_distributed_train import (  # noqa: E402  (the shared 2-rank harness a
     LR_ALIGN, STEPS, _assert_close, _assert_only_factors_moved_and_saved, _results, concat, micro_batch, svd_proxy,
     run_modes, teacher_model, torchrun_two_ranks,
 )
+from iprox_lightning.alignment.losses import proxy_factor_layers  # noqa: E402
 
 # (the default settings' FSDP2 runs, with the teacher sharded too: test_distributed_train's align_fsdp2* modes)
 MODES = {"fsdp2_checkpointing_micro": {"activation_checkpointing": True, "micro_batch_size": 1},
          # one micro-batch a rank (the rank's whole batch): the global batch's objective all the same
          "fsdp2_micro_whole": {"micro_batch_size": 2}}
+
+
+class RecordSteps(L.Callback):
+    """Into ``record``: the first step's factor gradients, gathered (a collective), and every step's loss."""
+
+    def __init__(self, record: dict) -> None:
+        self.record = record
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 0:
+            names = [f"{n}.{f}" for n in proxy_factor_layers(pl_module.proxy) for f in "AB"]
+            params = optimizer.param_groups[0]["params"]  # the sharded factors, in model order
+            assert len(names) == len(params)
+            self.record["grads"] = {n: p.grad.full_tensor() for n, p in zip(names, params)}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.record["loss"].append(float(outputs["loss"]))
 
 
 def _run_mode(mode: str, out: str) -> None:
@@ -38,7 +57,6 @@ def _run_mode(mode: str, out: str) -> None:
     from safetensors.torch import save_file
     from torch.utils.data import DataLoader
 
-    from iprox_lightning.alignment.losses import proxy_factor_layers
     from iprox_lightning.modules import ProxyAlignModule
     from iprox_lightning.training.causal_lm import full_state_dict, is_sharded
 
@@ -50,21 +68,10 @@ def _run_mode(mode: str, out: str) -> None:
                               **MODES[mode])
     record = {"loss": []}
 
-    class Record(L.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 0:  # the first step's gradients, gathered (a collective)
-                names = [f"{n}.{f}" for n in proxy_factor_layers(pl_module.proxy) for f in "AB"]
-                params = optimizer.param_groups[0]["params"]  # the sharded factors, in model order
-                assert len(names) == len(params)
-                record["grads"] = {n: p.grad.full_tensor() for n, p in zip(names, params)}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            record["loss"].append(float(outputs["loss"]))
-
     trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[Record()])
+                        callbacks=[RecordSteps(record)])
     trainer.fit(module, data)
     save_file({k: v.contiguous() for k, v in record["grads"].items()}, f"{out}/{mode}-grads-rank{rank}.safetensors")
     Path(f"{out}/{mode}-loss-rank{rank}.json").write_text(json.dumps(record["loss"]))
