@@ -177,6 +177,8 @@ def measure(args: dict, timeout: float | None = None) -> dict:
 
 
 def main() -> None:
+    from plan_memory import append_run
+
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -194,7 +196,6 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON file; each run is appended under 'runs'")
     a = ap.parse_args()
     out = Path(a.out)
-    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
     code = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for kind in a.kinds:
         args = {"kind": kind, "shape": a.shape, "layers": a.layers, "max_length": a.max_length,
@@ -204,11 +205,8 @@ def main() -> None:
         result = measure(args)
         result.update(seconds=time.time() - t0, code=code,
                       command_line="python bench/plan_proxy.py " + " ".join(sys.argv[1:]))
-        record["runs"].append(result)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1))
-        print(kind, {k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio")},
-              f"{result['seconds']:.0f} s", flush=True)
+        print(kind, end=" ")
+        append_run(out, result)
 
 
 if __name__ == "__main__":

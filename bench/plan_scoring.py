@@ -191,6 +191,8 @@ def measure(args: dict, timeout: float | None = None) -> dict:
 
 
 def main() -> None:
+    from plan_memory import append_run
+
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -214,7 +216,6 @@ def main() -> None:
     if bad:
         ap.error(f"unknown settings {bad} for {a.kind}: {list(table)}")
     out = Path(a.out)
-    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
     code = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for setting in settings:
         args = {"kind": a.kind, "setting": setting, "shape": a.shape, "layers": a.layers, "max_length": a.max_length,
@@ -228,11 +229,8 @@ def main() -> None:
             continue
         result.update(seconds=time.time() - t0, code=code,
                       command_line="python bench/plan_scoring.py " + " ".join(sys.argv[1:]))
-        record["runs"].append(result)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1))
-        print(setting, {k: result[k] for k in ("measured_bytes", "predicted_bytes", "ratio")},
-              f"{result['seconds']:.0f} s", flush=True)
+        print(setting, end=" ")
+        append_run(out, result)
 
 
 if __name__ == "__main__":
