@@ -125,7 +125,9 @@ def module_identity(module) -> str:
             continue
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         try:
-            h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # the array itself (the buffer protocol), not ``.tobytes()``: a copy of the largest weight (the embedding:
+            # 1.96 GiB at the 8B width) would be the store build's and the scorer's peak
+            h.update(t.cpu().contiguous().view(torch.uint8).numpy())
         except (RuntimeError, TypeError):  # sharded / exotic tensors: shape and dtype only
             pass
     return h.hexdigest()[:16]
@@ -264,5 +266,5 @@ def tensors_digest(tensors: Mapping[str, Any]) -> str:
     for k in sorted(tensors):
         v = tensors[k].detach().cpu().contiguous()
         h.update(f"{k}|{v.dtype}|{tuple(v.shape)}|".encode())
-        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(v.reshape(-1).view(torch.uint8).numpy())  # (no copy: the buffer protocol)
     return h.hexdigest()
