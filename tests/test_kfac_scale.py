@@ -388,3 +388,23 @@ def test_float32_factor_sums_keep_smollm2s_ranking_as_recorded():
         for column, c in r["per_column"].items():
             assert c["spearman"] >= 0.999 and c["top5%"] == 1.0, (method, column, c)
         assert r["max_abs_diff"] > 0  # two precisions, not one path twice
+
+
+def test_plan_time_counts_each_metrics_factor_passes_per_partition():
+    """The scoring row's FLOPs: the pool pass, plus ``factor_passes`` passes over the factor data per partition (K-FAC
+    one: its sums; EK-FAC two: the sums, then the eigenvalue corrections in their eigenbases, :class:`EKFAC`)."""
+    from iprox_lightning.analysis import ModelSizes, RunSettings, load_config, plan_stages, run_activations
+
+    config = load_config("smollm2-135m")
+    sizes = ModelSizes.from_config(config, name="smollm2-135m")
+    flops = {}
+    for method in ("tracin", "kfac", "ekfac"):
+        for parts in (1, 3):
+            run = RunSettings(max_length=64, method=method, kfac_partitions=parts, pool_size=1000, kfac_examples=200)
+            acts = run_activations(config, run)
+            rows = {s.stage: s for s in plan_stages(sizes, config, run, acts=acts[0], acts32=acts[1])}
+            flops[method, parts] = rows[f"scoring ({method})"].flops
+    pool = flops["tracin", 1]  # one pass over the pool (the validation side's pass included)
+    for method, passes in (("kfac", 1), ("ekfac", 2)):
+        for parts in (1, 3):
+            assert flops[method, parts] == pytest.approx(pool * (1 + passes * parts * 200 / 1000), rel=1e-12)

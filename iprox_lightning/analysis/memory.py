@@ -861,8 +861,8 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,
                       head_share=run.response_share)["total"] / run.devices
-    if metric.factor_passes:  # a pass over the factor data per K-FAC partition
-        f *= 1 + run.kfac_partitions * run.kfac_examples / (run.pool_size * passes)
+    if metric.factor_passes:  # the metric's passes over the factor data (EK-FAC: 2) per K-FAC partition
+        f *= 1 + metric.factor_passes * run.kfac_partitions * run.kfac_examples / (run.pool_size * passes)
     parts, f = with_checkpoints(parts, f, run)
     return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
 
