@@ -365,7 +365,9 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
     "plan": [flags]}``. The stage overlays (``warmup``, ``build_proxy``, ``score``, ``finetune``) go after
     ``configs/<stage>.yaml`` (``--config``) and are what ``pipeline --plan`` takes; a stage that needs nothing has
     none. ``plan``'s flags price every applied stage at its setting (``--batch_size``: the smallest batch a stage
-    needs; warm-up and fine-tune share the micro-batch and checkpointing flags: the smaller / either)."""
+    needs; warm-up and fine-tune share the micro-batch and checkpointing flags: the smaller / either). The score
+    stage's ``validation_batch_size`` is the proxy row's, written only below the stage's batch (the target's scoring
+    may lower it to or below the validation batch: the default then)."""
     stages: dict[str, dict] = {}
     plan: dict[str, Any] = {}
     store: list[str] = []

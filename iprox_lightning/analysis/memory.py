@@ -1136,7 +1136,8 @@ def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -
                              "bf16-true",
                    "target_activations": "model.validation_batch_size of scoring (the target's backward on a "
                                          "validation batch)",
-                   "activations": "data.batch_size of scoring",
+                   "activations": "data.batch_size of scoring (the pool pass), or model.validation_batch_size (the "
+                                  "proxy's own validation pass)",
                    "proxy": "a higher sparsity, or precision bf16-true"})
 
 

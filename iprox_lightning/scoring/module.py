@@ -85,7 +85,8 @@ class InfluenceScoringModule(L.LightningModule):
         validation_batch_size: the validation pass's batch (the validation loader's examples re-batched; ``None``: the
             data module's batch, as the pool's). With ``validation_model`` its backward is the target's: a smaller
             batch than the pool's keeps the preparation within the device (``train.py plan --fit`` chooses it). The
-            scores do not depend on it beyond the order of the sums, so it is not fingerprinted (as the batch size).
+            scores do not depend on it beyond rounding (the sums' order, the padded length), so it is not
+            fingerprinted (as the batch size is not).
     """
 
     @takes_settings(ScoringConfig, "scoring")
