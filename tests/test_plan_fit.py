@@ -255,7 +255,8 @@ def _pipeline_configs() -> dict:
     out = {}
     for name in ("warmup", "build_proxy", "score", "finetune"):
         cfg = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
-        out[name] = F.merge_overlay(cfg, {"data": {"init_args": {"pool": "builtin", "validation": "builtin", "seed": 0}}})
+        data = {"pool": "builtin", "validation": "builtin", "seed": 0}
+        out[name] = F.merge_overlay(cfg, {"data": {"init_args": data}})
     return out
 
 

@@ -21,8 +21,8 @@ Stage 2 (alignment)         none; activation checkpointing; the proxy gathered p
 scoring (each metric)       ordered by the dearest lever used: column groups >           ``batch_size`` of scoring: divisors
                             ``shard_layers`` (several devices) > host holding > K-FAC    of the batch (each example's score
                             offload > K-FAC partitions > bfloat16 validation gradients   is its own); with the proxy
-                                                                                         per batch its validation batch
-                                                                                         (``validation_batch_size``) from
+                                                                                         per batch its validation batch,
+                                                                                         ``validation_batch_size``, from
                                                                                          the batch down
 store build                 none; ``gradient_checkpointing``                             ``batch_size``: divisors
 ==========================  ===========================================================  ==================================

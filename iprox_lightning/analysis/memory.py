@@ -397,7 +397,7 @@ class RunSettings:
     probe_fraction: float = 0.1
     align_epochs: int = 2
     validation_examples: int = 300
-    validation_batch_size: int | None = None  # scoring model.validation_batch_size (the validation pass; None: batch_size)
+    validation_batch_size: int | None = None  # scoring model.validation_batch_size (validation pass; None: batch_size)
     proxy_validation: str = "target"  # pipeline --proxy_validation: the proxy scored against whose validation gradients
     tasks: int = 3  # validation tasks (V holds one gradient per task)
     method: str = "tracin"  # scoring method (tracin | kfac | ekfac)
