@@ -205,6 +205,31 @@ def test_same_inputs_resume_and_corrupt_last_shard_is_rescored(tmp_path, caplog)
     assert f"score shard {last} is unreadable" in caplog.text and "scored again" in caplog.text
 
 
+def test_done_ids_only_reads_and_the_resume_repairs_a_torn_shard_once(tmp_path):
+    """``done_ids`` is a query: a torn shard is left where it is (the directory byte for byte as before) and its ids
+    are not done; the resuming writer moves it aside (``repair_shards``, recorded in ``settings.json``) and scores its
+    ids again, once (no duplicate merged, every other id skipped); a second ``repair_shards`` finds nothing."""
+    from iprox_lightning.io.score_dir import done_ids, repair_shards
+
+    score(tmp_path, DM())
+    ref = ScoreTable.load(str(tmp_path))
+    last = shard_files(tmp_path)[-1]
+    last_ids = pq.read_table(last).column("id").to_pylist()
+    Path(last).write_bytes(Path(last).read_bytes()[:100])
+    (tmp_path / SCORES_FILE).unlink()
+    tree = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert done_ids(tmp_path) == set(ref.ids) - set(last_ids)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == tree  # nothing moved
+    m = score(tmp_path, DM())
+    assert m.n_scored == len(last_ids) == 1 and m.n_skipped == len(POOL_A) - 1
+    table = ScoreTable.load(str(tmp_path))
+    assert table.ids == ref.ids and np.array_equal(table.scores, ref.scores)
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    assert settings["merge"]["duplicates_dropped"] == 0 and [r["shard"] for r in settings["repairs"]] == [last]
+    assert (tmp_path / "shards" / "corrupt" / Path(last).name).exists() and not Path(last).exists()
+    assert repair_shards(tmp_path) == [] and done_ids(tmp_path) == set(ref.ids)
+
+
 # ------------------------------------------------------------------------------------------------ (4) proxies
 @pytest.fixture
 def proxy_dir(tmp_path):

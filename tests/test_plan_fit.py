@@ -226,6 +226,63 @@ def test_pipeline_plan_auto_on_the_demo(capsys):
         _demo_plan(None, "13MB")
 
 
+def test_pipeline_plan_auto_follows_proxy_validation(capsys):
+    """``pipeline --plan auto --proxy_validation proxy`` plans the proxy's scoring against its own validation gradients
+    (no target held): Llama-3.2-1B on 8 devices of 20 GB under FSDP (the proxy's scoring is DDP: both models on every
+    rank), where with the target's validation gradients (the default) the proxy's row needs a validation batch below
+    the scoring batch and with its own needs none; each overlay is the fit of its own run's rows."""
+    kw = dict(target="llama-3.2-1b", demo=False,
+              hardware={"accelerator": "gpu", "devices": 8, "strategy": "fsdp", "precision": "bf16-mixed"})
+    plans, proxy_rows = {}, {}
+    for pv in ("target", "proxy"):
+        plans[pv] = _demo_plan("auto", "20GB", proxy_validation=pv, **kw)["score"]
+        proxy_rows[pv] = capsys.readouterr().out.split("scoring with the proxy (tracin): ", 1)[1].split(" | ")[0]
+        runs, sizes_of = F.pipeline_runs(_pipeline_configs(), target=kw["target"], hardware=kw["hardware"],
+                                         sparsity=0.5, align_epochs=None, method="tracin", lora=None,
+                                         validation="builtin", proxy_validation=pv)
+        (run,) = [r for stages, r in runs if M.PROXY_SCORING in stages]
+        (f,) = F.fit_stages(*sizes_of(run), run, M.parse_bytes("20GB"), [M.PROXY_SCORING])
+        assert run.proxy_validation == pv and proxy_rows[pv] == "; ".join(f.levers)
+    vb = plans["target"]["model"]["init_args"]["validation_batch_size"]
+    assert 1 <= vb < plans["target"]["data"]["init_args"]["batch_size"]
+    assert "validation_batch_size" not in json.dumps(plans["proxy"]) and "validation_batch_size" in proxy_rows["target"]
+
+
+def _pipeline_configs() -> dict:
+    """The stage configs as ``pipeline --plan auto`` merges them (no demo overlays), with the demo's data arguments."""
+    import yaml
+
+    out = {}
+    for name in ("warmup", "build_proxy", "score", "finetune"):
+        cfg = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+        data = {"pool": "builtin", "validation": "builtin", "seed": 0}
+        out[name] = F.merge_overlay(cfg, {"data": {"init_args": data}})
+    return out
+
+
+def test_pipeline_passes_its_proxy_validation_to_the_plan(tmp_path, monkeypatch):
+    """Through the CLI: ``pipeline --plan auto --proxy_validation proxy`` hands its setting to the plan (stopped there,
+    before any stage runs)."""
+    from iprox_lightning.cli import main
+    from iprox_lightning.workflow import pipeline as P
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["proxy_validation"])
+        raise Stop
+
+    monkeypatch.setattr(P, "stage_plan", spy)
+    for pv in ("proxy", "target"):
+        with pytest.raises(Stop):
+            main(["pipeline", "--workdir", str(tmp_path / pv), "--plan", "auto", "--device_memory", "13MB",
+                  "--proxy_validation", pv])
+    assert seen == ["proxy", "target"] and not (tmp_path / "proxy").exists()
+
+
 def test_a_stage_overlay_merges_into_the_pipelines_callbacks():
     base = {"trainer": {"callbacks": [{"class_path": F.IPSVD_CALLBACK, "init_args": {"sparsity": 0.5}}]},
             "model": {"init_args": {"target": "w"}}}

@@ -20,7 +20,10 @@ Stage 2 (alignment)         none; activation checkpointing; the proxy gathered p
                             block (``reshard_proxy``, fsdp over several devices)         of the build batch (accumulated)
 scoring (each metric)       ordered by the dearest lever used: column groups >           ``batch_size`` of scoring: divisors
                             ``shard_layers`` (several devices) > host holding > K-FAC    of the batch (each example's score
-                            offload > K-FAC partitions > bfloat16 validation gradients   is its own)
+                            offload > K-FAC partitions > bfloat16 validation gradients   is its own); with the proxy
+                                                                                         per batch its validation batch,
+                                                                                         ``validation_batch_size``, from
+                                                                                         the batch down
 store build                 none; ``gradient_checkpointing``                             ``batch_size``: divisors
 ==========================  ===========================================================  ==================================
 
@@ -51,7 +54,8 @@ STORE = "store build"
 
 LEVERS_OFF = dict(micro_batch_size=None, gradient_checkpointing=False, fsdp_cpu_offload=False, probe_group_layers=None,
                   align_micro_batch_size=None, align_checkpointing=False, align_reshard_proxy=False, kfac_partitions=1,
-                  kfac_offload=False, validation_gradients=None, shard_layers=False, store_gradient_checkpointing=False)
+                  kfac_offload=False, validation_gradients=None, shard_layers=False, store_gradient_checkpointing=False,
+                  validation_batch_size=None)
 """The run's memory levers, all off: where every stage's search starts."""
 
 
@@ -163,9 +167,11 @@ def candidates(stage: str, sizes: M.ModelSizes, run: M.RunSettings) -> Iterator[
     elif stage.startswith("scoring (") and stage[9:-1] in M.lora_metrics():  # LESS: the holdings, the batch
         tiers = [t for t in _scoring_tiers(run, M.planned_metrics()["tracin"], 0) if not t["shard_layers"]]
         yield from _tiered(tiers, "batch_size", divisors_down(run.batch_size))
-    elif stage == M.PROXY_SCORING:  # TracIn's holdings (one process: no shard_layers)
+    elif stage == M.PROXY_SCORING:  # TracIn's holdings (one process: no shard_layers); per pool batch the validation
         tiers = [t for t in _scoring_tiers(run, M.planned_metrics()["tracin"], 0) if not t["shard_layers"]]
-        yield from _tiered(tiers, "batch_size", divisors_down(run.batch_size))
+        for c in _tiered(tiers, "batch_size", divisors_down(run.batch_size)):  # batch from the largest down (None:
+            for vb in [None, *range(c["batch_size"] - 1, 0, -1)]:  # the pool's batch, as before the setting)
+                yield {**c, "validation_batch_size": vb}
     elif stage in (STORE, M.PROXY_STORE):
         yield from _tiered([{}, {"store_gradient_checkpointing": True}], "batch_size", divisors_down(run.batch_size))
     elif stage in (M.QUERY, M.PROXY_QUERY):  # query --batch_size: validation examples per backward
@@ -304,6 +310,9 @@ def lever_words(settings: Mapping[str, Any], run: M.RunSettings) -> list[str]:
             out.append("ProxyAlignModule reshard_proxy true (the proxy gathered one decoder block at a time)")
         elif k == "batch_size":
             out.append(f"data.batch_size {v} (of {run.batch_size})")
+        elif k == "validation_batch_size" and v:
+            out.append(f"model.validation_batch_size {v} (the validation pass's batch; the pool's: "
+                       f"{settings.get('batch_size', run.batch_size)})")
         elif k == "validation_gradients" and v:
             out.append(f"validation_gradients {json.dumps(dict(v))}")
         elif k == "kfac_partitions":
@@ -341,16 +350,28 @@ def _deep_set(d: dict, path: tuple, value: Any) -> None:
     d[path[-1]] = value
 
 
+def _deep_del(d: dict, path: tuple) -> None:
+    """Remove ``path`` from ``d`` and the mappings it leaves empty."""
+    if len(path) > 1:
+        _deep_del(d[path[0]], path[1:])
+        if not d[path[0]]:
+            del d[path[0]]
+    else:
+        del d[path[0]]
+
+
 def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
     """A fit as what the commands take: ``{"stages": {config stage: YAML overlay}, "build_store": [flags],
     "plan": [flags]}``. The stage overlays (``warmup``, ``build_proxy``, ``score``, ``finetune``) go after
     ``configs/<stage>.yaml`` (``--config``) and are what ``pipeline --plan`` takes; a stage that needs nothing has
     none. ``plan``'s flags price every applied stage at its setting (``--batch_size``: the smallest batch a stage
-    needs; warm-up and fine-tune share the micro-batch and checkpointing flags: the smaller / either)."""
+    needs; warm-up and fine-tune share the micro-batch and checkpointing flags: the smaller / either). The score
+    stage's ``validation_batch_size`` is the proxy row's, written only below the stage's batch (the target's scoring
+    may lower it to or below the validation batch: the default then)."""
     stages: dict[str, dict] = {}
     plan: dict[str, Any] = {}
     store: list[str] = []
-    store_batch, store_ckpt, query_batch = None, False, None
+    store_batch, store_ckpt, query_batch, score_batch = None, False, None, None
     init = ("model", "init_args")
     for f in fits:
         s = f.settings
@@ -399,11 +420,24 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
                 now = _get(score, "data", "init_args", "batch_size", default=s["batch_size"])
                 _deep_set(score, ("data", "init_args", "batch_size"), min(now, s["batch_size"]))
                 plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
+            if s.get("validation_batch_size"):  # the target's validation pass (kept below the scoring batch: after)
+                _deep_set(score, init + ("validation_batch_size",), s["validation_batch_size"])
+                plan["validation_batch_size"] = s["validation_batch_size"]
+                score_batch = f.run.batch_size
             if not score:
                 del stages["score"]
         elif f.stage in (M.QUERY, M.PROXY_QUERY) and "batch_size" in s:
             query_batch = min(query_batch or s["batch_size"], s["batch_size"])
             plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
+    if score_batch is not None:  # a validation batch not below the scoring batch is that batch (the default): none
+        score = stages["score"]
+        if _get(score, *init, "validation_batch_size") >= _get(score, "data", "init_args", "batch_size",
+                                                                 default=score_batch):
+            _deep_del(score, init + ("validation_batch_size",))
+            if not score:
+                del stages["score"]
+        if plan["validation_batch_size"] >= plan.get("batch_size", score_batch):
+            del plan["validation_batch_size"]
     if store_batch:
         store += ["--batch_size", str(store_batch)]
     if store_ckpt:
@@ -601,13 +635,15 @@ def _builtin_counts(max_length: int, precision: str, attn: str) -> tuple:
 
 
 def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapping[str, Any], sparsity: float,
-                  align_epochs: int | None, method: str, lora: Mapping | None, validation: Any
-                  ) -> tuple[list[tuple[list[str], M.RunSettings]], Callable]:
+                  align_epochs: int | None, method: str, lora: Mapping | None, validation: Any,
+                  proxy_validation: str = "target") -> tuple[list[tuple[list[str], M.RunSettings]], Callable]:
     """``([(plan stages, their run settings)], run -> (sizes, activations, float32 activations))`` of a pipeline
     whose stage configs, merged as it runs them (its data arguments included), are ``configs`` (``warmup``,
     ``build_proxy``, ``score``, ``finetune``): each stage's batch, sequence length, fractions and epochs from its
     config, the precision, devices and strategy from ``hardware`` (else the configs'), the score columns of the
-    built-in validation data (else ``plan``'s default, 3). ``target`` ``builtin``: the demo's tiny Llama."""
+    built-in validation data (else ``plan``'s default, 3). ``target`` ``builtin``: the demo's tiny Llama.
+    ``proxy_validation``: the pipeline's ``--proxy_validation`` (whose validation gradients the proxy is scored
+    against: its row holds the target only with ``target``)."""
     def data(stage: str, key: str, default: Any) -> Any:
         return _get(configs[stage], "data", "init_args", key, default=default)
 
@@ -648,10 +684,13 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
             num_probe_tokens=int(_callback_arg(bp, IPSVD_CALLBACK, "num_probe_tokens", 1024)),
             align_epochs=int(align_epochs if align_epochs is not None else _get(bp, "trainer", "max_epochs", default=2)))),
         # the proxy is scored against the target's validation gradients (pipeline --proxy_validation target, the
-        # default): its own row beside the target's, both under configs/score.yaml (TracIn's: plan prices TracIn's)
+        # default) or its own (proxy): its own row beside the target's, both under configs/score.yaml (TracIn's: plan
+        # prices TracIn's)
         ([f"scoring ({method})"] + ([M.PROXY_SCORING] if method == "tracin" else []),
          dataclasses.replace(base, batch_size=int(data("score", "batch_size", 8)),
-                             max_length=int(data("score", "max_length", 512)))),
+                             max_length=int(data("score", "max_length", 512)), proxy_validation=proxy_validation,
+                             validation_batch_size=_get(configs["score"], "model", "init_args",
+                                                        "validation_batch_size", default=None))),
         (["fine-tune"], dataclasses.replace(
             base, batch_size=int(data("finetune", "batch_size", 8)), max_length=int(data("finetune", "max_length", 512)),
             finetune_epochs=int(_get(configs["finetune"], "trainer", "max_epochs", default=1)))),

@@ -86,7 +86,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..compression.ipsvd import whitened_bytes
 from ..compression.schedule import assign_layers, kept_whitened, probe_groups, whitened_keep, whitened_room
 from ..engine.target_layers import find_target_linears
-from ..errors import UserInputError
+from ..errors import PROXY_VALIDATIONS, UserInputError
 from ..io.jsonfile import Fields, read_json, write_json
 from ..models.loading import cache_root
 from ..models.lora import LoraSettings, matches_target
@@ -397,6 +397,8 @@ class RunSettings:
     probe_fraction: float = 0.1
     align_epochs: int = 2
     validation_examples: int = 300
+    validation_batch_size: int | None = None  # scoring model.validation_batch_size (validation pass; None: batch_size)
+    proxy_validation: str = "target"  # pipeline --proxy_validation: the proxy scored against whose validation gradients
     tasks: int = 3  # validation tasks (V holds one gradient per task)
     method: str = "tracin"  # scoring method (tracin | kfac | ekfac)
     validation_gradients: Mapping[str, Any] | None = None  # ScoringConfig.validation_gradients (None: the defaults)
@@ -433,6 +435,9 @@ class RunSettings:
                 raise UserInputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.response_share <= 1.0:
             raise UserInputError(f"response_share must be in (0, 1], got {self.response_share!r}")
+        if self.validation_batch_size is not None and int(self.validation_batch_size) < 1:
+            raise UserInputError(f"validation_batch_size must be >= 1 or None, got {self.validation_batch_size!r}")
+        _check_choice("proxy_validation", self.proxy_validation, PROXY_VALIDATIONS)
         if self.align_micro_batch_size is not None and int(self.align_micro_batch_size) < 1:
             raise UserInputError(f"align_micro_batch_size must be >= 1 or None, got {self.align_micro_batch_size!r}")
         if self.probe_group_layers is not None and int(self.probe_group_layers) < 1:
@@ -450,6 +455,11 @@ class RunSettings:
             LoraSettings.of(self.lora)
             if self.strategy == "fsdp":
                 raise UserInputError("lora: LoRA warm-up and fine-tuning run under strategy ddp (not fsdp)")
+
+    @property
+    def validation_batch(self) -> int:
+        """The validation pass's batch: ``validation_batch_size``, else the scoring batch."""
+        return int(self.validation_batch_size or self.batch_size)
 
     @property
     def shards(self) -> int:
@@ -835,7 +845,7 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         weights, gathered = sizes.params * wb / run.devices, (root + 2 * sizes.largest_block) * wb
     parts = {
         "weights": weights + gathered,
-        "activations": acts.total(sizes.shape.num_layers, B),
+        "activations": acts.total(sizes.shape.num_layers, max(B, run.validation_batch)),  # the larger pass's
         "validation_gradients": vg["device"],
         "validation_layer": vg["layer"],
         "features": feat,
@@ -1066,19 +1076,14 @@ def fused_head_bytes(sizes: ModelSizes, run: RunSettings, batch_size: int) -> fl
     return rows * V * (4.0 + (2.0 if run.precision == "bf16-mixed" else 0.0))
 
 
-def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
-    """Scoring the pool with the proxy against its target's validation gradients (TracIn;
-    ``InfluenceScoringModule(model=<proxy>, validation_model=<target>)``, the pipeline's proxy scoring), per device,
-    one process. Two phases, as the code runs them: the preparation (the proxy and the dense target on the device,
-    the target's backward on one validation batch, its pairs projected into the proxy's factor coordinates by
-    :class:`~iprox_lightning.scoring.features.FactorSpaceView` and summed into the validation gradients of the proxy's
-    tracked weights, :func:`tracked_weights`); then the pool pass (the proxy alone: the scorer drops the target once
-    every column is prepared, ``InfluenceScorer.release_validation_model``, and the module its own reference; the
-    proxy's activations, its validation gradients as ``run.validation_gradients`` holds them, the feature transient).
-    The peak is the larger phase. Column groups keep the target through every pass's preparation: counted by the
-    preparation's phase, which holds it. On several devices: DDP, each rank holding both models (a proxy sharded by
-    FSDP cannot be scored against another model's validation gradients: ``FactorSpaceView`` refuses it)."""
-    wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
+def proxy_scoring_phases(sizes: ModelSizes, acts: Activations, run: RunSettings) -> tuple[dict[str, float],
+                                                                                         dict[str, float]]:
+    """``(preparation, pool pass)``: the parts of each phase of :func:`proxy_scoring_plan` (the peak is the larger).
+    The preparation's backward runs on a validation batch (``run.validation_batch``: ``validation_batch_size``, else
+    the scoring batch), the pool pass's on a scoring batch (``run.batch_size``). ``run.proxy_validation``
+    ``"target"``: the preparation holds the proxy and the dense target, the target's backward; ``"proxy"``
+    (``pipeline --proxy_validation proxy``): the proxy's own validation gradients, no target."""
+    wb, T, B, Bv, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.validation_batch, run.tasks
     psizes, pacts = proxy_model(sizes, acts, run)
     linears = tracked_weights(psizes.shape)
     vg = validation_gradient_bytes(linears, K, run.validation_gradients)
@@ -1089,18 +1094,50 @@ def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -
             "lm_head_chunk": fused_head_bytes(psizes, run, B)}
     # the preparation: Σ over a batch's tokens of δᵀh per proxy weight and task (float32; a batch whose rows are each
     # its own task's, possible only when B <= K, as one batched [B, out, in] product: ValidationGradientTracker)
-    prep = {"proxy": proxy_w, "target": sizes.params * wb, "target_activations": acts.total(sizes.shape.num_layers, B),
-            "validation_gradients": vg["device"],
-            "features": 4.0 * max((i * o * (B if 1 < B <= K else 1) for i, o in linears), default=0),
-            "lm_head_chunk": fused_head_bytes(sizes, run, B)}
+    features = 4.0 * max((i * o * (Bv if 1 < Bv <= K else 1) for i, o in linears), default=0)
+    if run.proxy_validation == "proxy":  # the proxy's own backward on the validation batch
+        prep = {"proxy": proxy_w, "activations": pacts.total(psizes.shape.num_layers, Bv),
+                "validation_gradients": vg["device"], "features": features,
+                "lm_head_chunk": fused_head_bytes(psizes, run, Bv)}
+    else:
+        prep = {"proxy": proxy_w, "target": sizes.params * wb,
+                "target_activations": acts.total(sizes.shape.num_layers, Bv),
+                "validation_gradients": vg["device"], "features": features,
+                "lm_head_chunk": fused_head_bytes(sizes, run, Bv)}
+    return prep, pool
+
+
+def proxy_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
+    """Scoring the pool with the proxy against its target's validation gradients (TracIn;
+    ``InfluenceScoringModule(model=<proxy>, validation_model=<target>)``, the pipeline's proxy scoring), per device,
+    one process. Two phases, as the code runs them (:func:`proxy_scoring_phases`): the preparation (the proxy and the
+    dense target on the device, the target's backward on one validation batch, ``model.validation_batch_size`` or the
+    scoring batch, its pairs projected into the proxy's factor coordinates by
+    :class:`~iprox_lightning.scoring.features.FactorSpaceView` and summed into the validation gradients of the proxy's
+    tracked weights, :func:`tracked_weights`); then the pool pass (the proxy alone: the scorer drops the target once
+    every column is prepared, ``InfluenceScorer.release_validation_model``, and the module its own reference; the
+    proxy's activations, its validation gradients as ``run.validation_gradients`` holds them, the feature transient).
+    The peak is the larger phase. Column groups keep the target through every pass's preparation: counted by the
+    preparation's phase, which holds it. On several devices: DDP, each rank holding both models (a proxy sharded by
+    FSDP cannot be scored against another model's validation gradients: ``FactorSpaceView`` refuses it). With
+    ``run.proxy_validation`` ``"proxy"`` the proxy is scored against its own validation gradients (no target)."""
+    T = run.max_length
+    psizes, _ = proxy_model(sizes, acts, run)
+    vg = validation_gradient_bytes(tracked_weights(psizes.shape), run.tasks, run.validation_gradients)
+    prep, pool = proxy_scoring_phases(sizes, acts, run)
     parts = prep if sum(prep.values()) >= sum(pool.values()) else pool
     n_val = run.validation_examples * (vg["passes"] + 1 if vg["passes"] > 1 else 1)
+    val_shape = psizes.shape if run.proxy_validation == "proxy" else sizes.shape
     f = (scoring_flops(psizes.shape, n_train=run.pool_size * vg["passes"], n_val=0, seq_len=T,
                        head_share=run.response_share)["total"]
-         + scoring_flops(sizes.shape, n_train=0, n_val=n_val, seq_len=T, head_share=run.response_share)["total"])
+         + scoring_flops(val_shape, n_train=0, n_val=n_val, seq_len=T, head_share=run.response_share)["total"])
     return _stage(PROXY_SCORING, parts, f / run.devices,
-                  {"target": "data.batch_size of scoring (the target's validation batch), or precision bf16-true",
-                   "target_activations": "data.batch_size of scoring (the target's backward on a validation batch)",
+                  {"target": "model.validation_batch_size of scoring (the target's validation batch), or precision "
+                             "bf16-true",
+                   "target_activations": "model.validation_batch_size of scoring (the target's backward on a "
+                                         "validation batch)",
+                   "activations": "data.batch_size of scoring (the pool pass), or model.validation_batch_size (the "
+                                  "proxy's own validation pass)",
                    "proxy": "a higher sparsity, or precision bf16-true"})
 
 

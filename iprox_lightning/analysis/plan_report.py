@@ -30,6 +30,8 @@ class PlanSettings:
     pool_size: int
     max_length: int
     batch_size: int
+    validation_batch_size: Optional[int]
+    proxy_validation: str
     align_batch_size: int
     response_share: float
     precision: str
@@ -77,6 +79,7 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
         check_model_config(p.model)
     lora = M.with_lora_targets(p.lora, p.model) if p.lora is not None else None
     run = M.RunSettings(pool_size=p.pool_size, max_length=p.max_length, batch_size=p.batch_size,
+                        validation_batch_size=p.validation_batch_size, proxy_validation=p.proxy_validation,
                         align_batch_size=p.align_batch_size, response_share=p.response_share, precision=p.precision,
                         devices=p.devices * p.num_nodes, strategy=p.strategy, device_kind=p.accelerator,
                         gradient_checkpointing=p.gradient_checkpointing, micro_batch_size=p.micro_batch_size,
@@ -103,7 +106,9 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
     print(f"plan: {p.model} — {sizes.params / 1e6:,.0f}M parameters ({trained} trained in warm-up), "
           f"{p.precision}, {run.devices} {p.accelerator} device(s), {p.strategy}; T = {p.max_length}, "
           f"batch {p.batch_size} "
-          f"(build_proxy {p.align_batch_size}), pool {p.pool_size}")
+          + (f"(validation {p.validation_batch_size}, " if p.validation_batch_size else "(")
+          + f"build_proxy {p.align_batch_size}), pool {p.pool_size}"
+          + ("; the proxy scored against its own validation gradients" if p.proxy_validation == "proxy" else ""))
     if device_bytes is None:
         print(f"device memory: not given (--device_memory, e.g. 80GB): assumed {run.devices} {p.accelerator} "
               "device(s) of any size, so the fits column is not checked (-)")

@@ -17,6 +17,8 @@ def plan(
     pool_size: int = 16000,
     max_length: int = 512,
     batch_size: int = 8,
+    validation_batch_size: Optional[int] = None,
+    proxy_validation: str = "target",
     align_batch_size: int = 4,
     response_share: float = 1.0,
     precision: str = "32-true",
@@ -64,6 +66,10 @@ def plan(
         pool_size: candidate examples scored (and the base of the warm-up / construction fractions).
         max_length: tokens per example (data.max_length): the padded length the plan assumes.
         batch_size: per-device batch of warm-up, scoring, store build and fine-tune (data.batch_size).
+        validation_batch_size: scoring's validation-pass batch (the scoring module's validation_batch_size; default:
+            ``batch_size``): with the proxy, the target's backward on the validation examples.
+        proxy_validation: the proxy scored against the target's validation gradients (``target``, the pipeline's
+            default) or its own (``proxy``: no target held), as ``pipeline --proxy_validation``.
         align_batch_size: per-device batch of build_proxy (its data.batch_size).
         response_share: share of a batch's tokens that are scored (the LM head's rows); 1 is the upper bound.
         precision: trainer.precision: 32-true, bf16-mixed or bf16-true.
@@ -114,6 +120,7 @@ def plan(
     defaults = {k: p.default for k, p in inspect.signature(plan).parameters.items()}
     return run_plan(PlanSettings(
         model=model, pool_size=pool_size, max_length=max_length, batch_size=batch_size,
+        validation_batch_size=validation_batch_size, proxy_validation=proxy_validation,
         align_batch_size=align_batch_size, response_share=response_share, precision=precision, devices=devices,
         num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, device_memory=device_memory,
         gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size,

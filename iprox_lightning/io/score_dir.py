@@ -3,7 +3,8 @@
 Layout::
 
     shards/rank000-<run>-00000.parquet   # per-rank shards, written atomically (temp file + os.replace)
-    shards/corrupt/...                    # unreadable shards moved aside on resume (their ids re-scored)
+    shards/corrupt/...                    # unreadable shards moved aside on resume (their ids re-scored) by
+                                          # :func:`repair_shards`, the resuming writer's first step
     scores.parquet                        # merged: one row per id, sorted by id (the table: :mod:`.scores`)
     settings.json                         # schema_version, fingerprint, scoring settings, merge summary
     .scoring.lock                         # held (flock) by the run writing here: a second run is refused
@@ -199,10 +200,24 @@ def read_shards(output_dir: str | os.PathLike, columns: Sequence[str] | None = N
     return files, tables, repairs
 
 
+def repair_shards(output_dir: str | os.PathLike) -> list[dict]:
+    """Move the unreadable shards of ``output_dir`` (truncated by a crash) to ``shards/corrupt/``, each logged; returns
+    what was moved (``settings.json``'s ``repairs``). Run where a scoring run resumes (``InfluenceWriter``), before its
+    ids are read: their examples are then scored again, once."""
+    return read_shards(output_dir, ["id"])[2]
+
+
 def done_ids(output_dir: str | os.PathLike) -> set[str]:
-    """Example ids already written to the readable shards of ``output_dir``."""
-    _, tables, _ = read_shards(output_dir, ["id"])
-    return {i for t in tables for i in t.column("id").to_pylist()}
+    """Example ids already written to the readable shards of ``output_dir``; a query: an unreadable shard is left where
+    it is and its ids are not done (:func:`repair_shards` moves it aside where a run resumes)."""
+    out: set[str] = set()
+    for f in shard_files(output_dir):
+        try:
+            t = pq.read_table(f, columns=["id"])
+        except Exception:  # pyarrow raises several types for truncated files; repaired by repair_shards
+            continue
+        out.update(t.column("id").to_pylist())
+    return out
 
 
 def merge_shards(output_dir: str | os.PathLike, settings: Optional[dict] = None) -> str:

@@ -82,6 +82,11 @@ class InfluenceScoringModule(L.LightningModule):
             against its own validation gradients; a row's score is ``Σ_c weight_c · score_c``
             (:func:`~.influence.checkpoint_sum`). ``weight`` omitted: the learning rate in the checkpoint's
             ``optimizer_state.safetensors``. ``model`` is then not read.
+        validation_batch_size: the validation pass's batch (the validation loader's examples re-batched; ``None``: the
+            data module's batch, as the pool's). With ``validation_model`` its backward is the target's: a smaller
+            batch than the pool's keeps the preparation within the device (``train.py plan --fit`` chooses it). The
+            scores do not depend on it beyond rounding (the sums' order, the padded length), so it is not
+            fingerprinted (as the batch size is not).
     """
 
     @takes_settings(ScoringConfig, "scoring")
@@ -97,6 +102,7 @@ class InfluenceScoringModule(L.LightningModule):
         trust_remote_code: bool = False,
         validation_model: Union[str, nn.Module, None] = None,
         checkpoints: Optional[list] = None,
+        validation_batch_size: Optional[int] = None,
         scoring: Optional[ScoringConfig] = None,
     ) -> None:
         # not super(): the hyper-parameters are given whole (ProxyAlignModule.__init__ says why)
@@ -110,6 +116,13 @@ class InfluenceScoringModule(L.LightningModule):
                        trust_remote_code=trust_remote_code)
         if isinstance(validation_model, str):
             hparams["validation_model"] = validation_model
+        if validation_batch_size is not None:  # (hyper-parameters as before the option when it is not given)
+            if isinstance(validation_batch_size, bool) or not isinstance(validation_batch_size, int) \
+                    or validation_batch_size < 1:
+                raise UserInputError(f"validation_batch_size must be an integer >= 1 (or null: the data's batch), "
+                                     f"got {validation_batch_size!r}")
+            hparams["validation_batch_size"] = validation_batch_size
+        self.validation_batch_size = validation_batch_size
 
         self.checkpoints = check_checkpoints(checkpoints)
         if self.checkpoints is not None:  # (hyper-parameters as before the option when it is not given)
@@ -159,6 +172,8 @@ class InfluenceScoringModule(L.LightningModule):
             raise RuntimeError("InfluenceScoringModule needs validation data: pass a data module with "
                                "validation_dataloader() / val_dataloader() (trainer.predict(module, datamodule=dm))")
         val = dm.validation_dataloader() if hasattr(dm, "validation_dataloader") else dm.val_dataloader()
+        if self.validation_batch_size is not None:
+            val = _rebatched(val, self.validation_batch_size)
         fac = None
         if self.metric.needs_factor_data:
             fac = dm.dataloader(self.hparams.kfac_split) if hasattr(dm, "dataloader") else dm.predict_dataloader()
@@ -390,6 +405,18 @@ def _replay(loader):
         raise RuntimeError("column groups (validation_gradients.column_groups > 1) need the predict data as a torch "
                            f"DataLoader with a batch sampler, got {type(loader).__name__}")
     return DataLoader(loader.dataset, batch_sampler=inner, collate_fn=loader.collate_fn, num_workers=loader.num_workers)
+
+
+def _rebatched(loader, batch_size: int) -> DataLoader:
+    """The examples of ``loader`` (a torch DataLoader over a map-style data set) in batches of ``batch_size``, in the
+    data set's order, collated as ``loader`` collates them (``validation_batch_size``)."""
+    ds = getattr(loader, "dataset", None)
+    if not isinstance(loader, DataLoader) or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+        raise UserInputError("validation_batch_size re-batches the validation examples: it needs the data module's "
+                             f"validation loader as a torch DataLoader over a map-style data set, got "
+                             f"{type(loader).__name__}; leave validation_batch_size unset and batch it there")
+    return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=loader.collate_fn,
+                      num_workers=loader.num_workers)
 
 
 class _Chained:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..io.score_dir import (
-    SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, merge_shards, read_shards,
+    SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, merge_shards, repair_shards,
     shard_files, write_settings,
 )
 from ..io.scores import SCORES_FILE, SETTINGS_FILE, predictions_to_arrow, read_settings, write_parquet_atomic
@@ -117,7 +117,7 @@ class InfluenceWriter(BufferedShardWriter):
             check_fingerprint(self.output_dir, prov["fingerprint"], hint=self._hint())
         trainer.strategy.barrier()
         if trainer.global_rank == 0:
-            _, _, repairs = read_shards(self.output_dir, ["id"])  # moves unreadable shards aside, logs it
+            repairs = repair_shards(self.output_dir)  # moves unreadable shards aside, logs it (before done_ids)
             s = read_settings(self.output_dir)
             if repairs:
                 s["repairs"] = list(s.get("repairs", [])) + repairs

@@ -45,7 +45,8 @@ def run_pipeline(s: PipelineSettings, run_lightning: Callable[[list[str]], Any])
     lora = lora_settings.to_dict() if lora_settings is not None else None
     plan_overlays = stage_plan(s.plan, s.device_memory, target=s.target, hardware=hardware, config_dir=s.config_dir,
                                demo=s.demo, data_args=s.data_args, sparsity=s.sparsity, align_epochs=s.align_epochs,
-                               method=s.method, lora=lora, validation=s.validation)
+                               method=s.method, lora=lora, validation=s.validation,
+                               proxy_validation=s.proxy_validation)
     check_output_not_input(wd, s.sources, "--workdir")
     make_owned_dir(wd, "pipeline workdir")
     # SIGTERM stops the run with the CLI's one 'stopped' line, the lock released and removed on the way out

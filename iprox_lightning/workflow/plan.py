@@ -19,10 +19,12 @@ PLAN_STAGES = ("warmup", "build_proxy", "score", "finetune")
 
 
 def stage_plan(plan, device_memory, *, target, hardware: dict, config_dir, demo: bool, data_args, sparsity,
-               align_epochs, method: str, lora, validation) -> dict[str, dict]:
+               align_epochs, method: str, lora, validation, proxy_validation: str = "target") -> dict[str, dict]:
     """``pipeline --plan``: ``{stage config: overlay}`` to merge into the stages (``{}`` without ``plan``): the
     overlay given, or with ``auto`` the fit of this run's settings (the stage configs as the pipeline merges them)
-    to ``device_memory``; a stage that fits at no setting is refused here, before any stage runs."""
+    to ``device_memory``; a stage that fits at no setting is refused here, before any stage runs.
+    ``proxy_validation``: the run's ``--proxy_validation`` (the proxy's scoring holds the target only with
+    ``target``)."""
     if plan is None:
         if device_memory is not None:
             raise UserInputError("device_memory is the memory --plan auto fits the stages to: pass --plan auto too")
@@ -46,7 +48,8 @@ def stage_plan(plan, device_memory, *, target, hardware: dict, config_dir, demo:
         configs[name] = merged
     memory = M.parse_bytes(device_memory) if device_memory is not None else _device_memory(hardware)
     runs, sizes_of = F.pipeline_runs(configs, target=target, hardware=hardware, sparsity=sparsity,
-                                     align_epochs=align_epochs, method=method, lora=lora, validation=validation)
+                                     align_epochs=align_epochs, method=method, lora=lora, validation=validation,
+                                     proxy_validation=proxy_validation)
     fits = []
     for stages, run in runs:
         sizes, acts, acts32 = sizes_of(run)
