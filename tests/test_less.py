@@ -309,10 +309,10 @@ def test_checkpoints_over_other_bases_are_each_loaded_with_their_base(less_warmu
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_adapters_read_into_a_shared_base_equal_the_ones_loaded_with_it(less_warmup, dtype):
-    """A checkpoint's adapter tensors read into another checkpoint's peft model (one base) are bit for bit the ones
-    loading it whole holds, in float32 and in bfloat16 (peft's float32 adapters cast to the model's dtype); the
-    tensors in place before are kept, and put back."""
+def test_adapters_read_for_a_shared_base_equal_the_ones_loaded_with_it(less_warmup, dtype):
+    """A checkpoint's adapter tensors read through another checkpoint's peft model (one base) are bit for bit the ones
+    loading it whole holds, in float32 and in bfloat16 (peft's float32 adapters cast to the model's dtype); the model
+    keeps the tensors in place before until the new ones are put in place, and takes them back."""
     from iprox_lightning.models.loading import load_model
     from iprox_lightning.models.lora import adapter_weights, read_adapter_weights, use_adapter_weights
 
@@ -322,6 +322,9 @@ def test_adapters_read_into_a_shared_base_equal_the_ones_loaded_with_it(less_war
     own = {k: t.clone() for k, t in adapter_weights(net).items()}
     kept = adapter_weights(net)
     read = read_adapter_weights(net, second)
+    assert all(adapter_weights(net)[k].data_ptr() == t.data_ptr() for k, t in kept.items())  # nothing in place yet
+    use_adapter_weights(net, read)
+    assert all(adapter_weights(net)[k].data_ptr() == t.data_ptr() for k, t in read.items())
     whole = adapter_weights(load_model(second, **kw)[0])
     assert set(read) == set(whole) == set(own) and len(read) > 0
     for k in whole:

@@ -207,7 +207,7 @@ def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[held],
                         inference_mode=False)  # (as configs/score.yaml)
-    trainer.predict(module, datamodule=dm, return_predictions=False)
+    first = trainer.predict(module, datamodule=dm)
     config = builtin_model().config
     run = M.RunSettings(precision="32-true", batch_size=LESS_DATA["batch_size"], max_length=LESS_DATA["max_length"],
                         method="less", tasks=held.held["tasks"], checkpoints=len(ckpts),
@@ -218,3 +218,12 @@ def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
     for k in ("weights", "adam_moments", "validation_gradients"):
         assert plan.parts[k] == held.held[k], (k, plan.parts[k], held.held[k])
     assert held.held["tasks"] > 1 and len(module.scorers) == 2 and held.shared  # one model, two adapters
+    # between batches and after the run the model holds the first checkpoint's adapters: a second run scores the same
+    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.models.lora import adapter_weights
+
+    own = adapter_weights(load_model(ckpts[0]["path"], tokenizer=False, merge_adapters=False)[0])
+    assert all(torch.equal(t, own[k]) for k, t in adapter_weights(module.net).items())
+    again = trainer.predict(module, datamodule=dm)
+    for a, b in zip(first, again):
+        assert a["id"] == b["id"] and (a["task_scores"] == b["task_scores"]).all()

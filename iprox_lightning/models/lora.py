@@ -279,12 +279,12 @@ def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def read_adapter_weights(model: nn.Module, path: Union[str, Path]) -> dict[str, torch.Tensor]:
-    """The adapters of the directory ``path`` put into the peft ``model`` (loaded from another directory over the same
-    base, with the same adapter settings: :func:`shared_base_key`), in new tensors (the ones in place before are
-    left as they were, to be put back by :func:`use_adapter_weights`); returns them by name. The values are the ones
-    ``path`` loaded on its own holds (:func:`~iprox_lightning.models.loading.load_adapter`): peft makes the adapters
-    float32 over a half-precision base and loads the file's tensors into them, then the model is cast to its dtype;
-    here each file tensor takes the same two casts."""
+    """The adapters of the directory ``path`` for the peft ``model`` (loaded from another directory over the same
+    base, with the same adapter settings: :func:`shared_base_key`), read through it into new tensors, by name, to be
+    put in place by :func:`use_adapter_weights` (the model keeps the ones in place before, whatever fails). The
+    values are the ones ``path`` loaded on its own holds (:func:`~iprox_lightning.models.loading.load_adapter`): peft
+    makes the adapters float32 over a half-precision base and loads the file's tensors into them, then the model is
+    cast to its dtype; here each file tensor takes the same two casts."""
     from peft import set_peft_model_state_dict  # lazy: optional extra peft
 
     p = Path(path)
@@ -295,17 +295,21 @@ def read_adapter_weights(model: nn.Module, path: Union[str, Path]) -> dict[str, 
     loaded = torch.float32 if dtypes <= {torch.float16, torch.bfloat16} else None  # (peft's autocast_adapter_dtype)
     if loaded is not None:
         state = {k: t.to(loaded) for k, t in state.items()}
-    with torch.no_grad():
-        for q in params.values():
-            q.data = torch.empty_like(q.data)
-        with _peft_quiet():
-            result = set_peft_model_state_dict(model, state)
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
-        raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit the adapters of the base it shares "
-                             f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
-                             f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
-    return adapter_weights(model)
+    before = adapter_weights(model)
+    try:
+        with torch.no_grad():
+            for q in params.values():
+                q.data = torch.empty_like(q.data)
+            with _peft_quiet():
+                result = set_peft_model_state_dict(model, state)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit the adapters of the base it shares "
+                                 f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
+                                 f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
+        return adapter_weights(model)
+    finally:  # the model as it was: the caller puts the new ones in place when it uses them
+        use_adapter_weights(model, before)
 
 
 def use_adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:

@@ -244,10 +244,13 @@ class InfluenceScoringModule(L.LightningModule):
         else:  # one scorer per checkpoint, each with its model (or adapters), metric and validation gradients
             self.scorers = []
             self.checkpoint_adapters = self._checkpoint_models()
-            for j, c in enumerate(self.checkpoints):
-                net = self._use_checkpoint(j)
-                metric = self.metric if j == 0 else self.config.build_metric()
-                self.scorers.append((c["weight"], self._prepare(net, metric, c["path"], vmodel)))
+            try:
+                for j, c in enumerate(self.checkpoints):
+                    net = self._use_checkpoint(j)
+                    metric = self.metric if j == 0 else self.config.build_metric()
+                    self.scorers.append((c["weight"], self._prepare(net, metric, c["path"], vmodel)))
+            finally:
+                self._at_rest()
             self.scorer = self.scorers[0][1]
         del vmodel  # only the preparation needs it
         st = self.scorer.settings()
@@ -264,9 +267,9 @@ class InfluenceScoringModule(L.LightningModule):
 
     def _checkpoint_models(self) -> list[dict[str, torch.Tensor] | None]:
         """Each checkpoint's model: ``self.net`` for the first; a later adapter directory over the base of an earlier
-        one (:func:`~iprox_lightning.models.lora.shared_base_key`: the same base files and adapter settings) puts its
-        adapter tensors into that checkpoint's model, and this returns them (each such checkpoint's, the first's
-        too); any other checkpoint is loaded whole (:meth:`_load`: a dense checkpoint, or an adapter over another
+        one (:func:`~iprox_lightning.models.lora.shared_base_key`: the same base files and adapter settings) shares
+        that checkpoint's model and holds its own adapter tensors, which this returns (each such checkpoint's, the
+        first's too: the ones in place); any other checkpoint is loaded whole (:meth:`_load`: a dense checkpoint, or an adapter over another
         base). A sharded model (FSDP2) is not shared: each checkpoint loads as it did before."""
         shared: dict[str, nn.Module] = {}  # shared_base_key -> the model its checkpoints share
         owner: list[nn.Module] = []
@@ -287,6 +290,15 @@ class InfluenceScoringModule(L.LightningModule):
         # a model no later checkpoint shares keeps its adapters as they are: nothing to swap
         users = {id(n): sum(o is n for o in owner) for n in owner}
         return [a if users[id(n)] > 1 else None for a, n in zip(adapters, owner)]
+
+    def _at_rest(self) -> None:
+        """Each shared model with its first checkpoint's adapters in place, as loaded (between batches, and after a
+        run: the next run's :meth:`_checkpoint_models` reads them from the model, wherever it was moved since)."""
+        first: dict[int, int] = {}
+        for j, net in enumerate(self._checkpoint_nets):
+            first.setdefault(id(net), j)
+        for j in first.values():
+            self._use_checkpoint(j)
 
     def _use_checkpoint(self, j: int) -> nn.Module:
         """Checkpoint ``j``'s model, with its adapters in place where it shares its base."""
@@ -379,11 +391,12 @@ class InfluenceScoringModule(L.LightningModule):
         if not bool(keep.all()):
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
         with torch.inference_mode(False), torch.enable_grad():
-            if self.checkpoints is not None:
-                self._use_checkpoint(0)
             out = self.scorer.score_batch(batch)
             if len(self.scorers) > 1:  # several checkpoints: Σ_c w_c · score_c
-                parts = [out] + [self._score_at(j, batch) for j in range(1, len(self.scorers))]
+                try:
+                    parts = [out] + [self._score_at(j, batch) for j in range(1, len(self.scorers))]
+                finally:
+                    self._at_rest()
                 if any(p["id"] != out["id"] for p in parts) or any(sc.task_names != names for _, sc in self.scorers):
                     raise RuntimeError("checkpoints scored different rows or validation tasks")
                 out["score"], out["task_scores"], out["zero_grad"], out["nonfinite"] = checkpoint_sum(
