@@ -19,8 +19,8 @@ tokens ``(h, δ)`` of a per-example gradient (:meth:`InfluenceMetric.tokens`, th
 A fitted metric's state (eigenbases, eigenvalues) is saved and reused by fingerprint (:mod:`iprox_lightning.io.factors`,
 :func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` with a class keyword ``name=``: it registers
 itself once (:data:`InfluenceMetric.registry`, a :class:`MetricRegistry`: the package's metrics that live in their own
-module, LESS's, are imported when it is first read), and ``method: <name>`` then selects it everywhere. A metric is built
-from the one scoring settings object, :class:`~.config.ScoringConfig` (:meth:`InfluenceMetric.from_config`), which
+module, LESS's, are imported when it is first read), and ``method: <name>`` then selects it everywhere. A metric is
+built from the one scoring settings object, :class:`~.config.ScoringConfig` (:meth:`InfluenceMetric.from_config`), which
 declares every shared option once with its default and its check; a metric class declares which of them it reads
 (``uses``, ``conventions``), its own options (``options``: name -> default, given as ``ScoringConfig(options={...})``),
 its fit passes (``factor_passes``) and its memory (:meth:`InfluenceMetric.memory_parts`, what ``train.py plan`` reads).

@@ -269,8 +269,8 @@ class InfluenceScoringModule(L.LightningModule):
         """Each checkpoint's model: ``self.net`` for the first; a later adapter directory over the base of an earlier
         one (:func:`~iprox_lightning.models.lora.shared_base_key`: the same base files and adapter settings) shares
         that checkpoint's model and holds its own adapter tensors, which this returns (each such checkpoint's, the
-        first's too: the ones in place); any other checkpoint is loaded whole (:meth:`_load`: a dense checkpoint, or an adapter over another
-        base). A sharded model (FSDP2) is not shared: each checkpoint loads as it did before."""
+        first's too: the ones in place); any other checkpoint is loaded whole (:meth:`_load`: a dense checkpoint, or
+        an adapter over another base). A sharded model (FSDP2) is not shared: each checkpoint loads as before."""
         shared: dict[str, nn.Module] = {}  # shared_base_key -> the model its checkpoints share
         owner: list[nn.Module] = []
         adapters: list[dict[str, torch.Tensor] | None] = []
