@@ -232,6 +232,109 @@ def test_less_store_unprojected_equals_exact_less_scoring(less_warmup, tmp_path)
     np.testing.assert_allclose(got.scores, exact.scores, rtol=0, atol=1e-4)
 
 
+def _counting_loads(monkeypatch) -> list[str]:
+    """The sources the scoring module loads a whole model from (its ``load_model`` calls), recorded."""
+    from iprox_lightning.scoring import module
+
+    loads, load = [], module.load_model
+
+    def counted(source, *a, **kw):
+        loads.append(str(source))
+        return load(source, *a, **kw)
+
+    monkeypatch.setattr(module, "load_model", counted)
+    return loads
+
+
+@pytest.mark.parametrize("method", ["less", "tracin"])
+def test_checkpoints_over_one_base_load_it_once_and_score_as_each_loaded_whole(less_warmup, tmp_path, monkeypatch,
+                                                                               method):
+    """A LoRA warm-up's epochs (adapter directories over one base) share one loaded base, each checkpoint's adapter
+    tensors put in place in turn: the scores (LESS, and multi-checkpoint TracIn) are bit for bit the ones of loading a
+    base per checkpoint (the same tensors in the same operations), under Lightning's inference mode too (the adapters
+    are read outside it); the fingerprint is the same, so a run recorded before resumes."""
+    from iprox_lightning.scoring import module
+
+    ckpts = [{"path": str(less_warmup / "adapters" / f"epoch_{e}")} for e in (1, 2)]
+    loads = _counting_loads(monkeypatch)
+    shared = _score(tmp_path, "shared", less_warmup, method=method, checkpoints=ckpts)
+    assert loads == [ckpts[0]["path"]]  # one base (with the first checkpoint's adapters) for both
+    inference = _score(tmp_path, "inference", less_warmup, trainer={"inference_mode": True}, method=method,
+                       checkpoints=ckpts)
+    loads.clear()
+    with monkeypatch.context() as m:  # the path of a model loaded whole per checkpoint, as before
+        m.setattr(module, "shared_base_key", lambda path: None)
+        whole = _score(tmp_path, "whole", less_warmup, method=method, checkpoints=ckpts)
+    assert loads == [c["path"] for c in ckpts]
+    assert shared.ids == whole.ids == inference.ids and shared.task_names == whole.task_names
+    for got in (shared, inference):
+        np.testing.assert_array_equal(got.scores, whole.scores)
+        np.testing.assert_array_equal(got.task_scores, whole.task_scores)
+    assert shared.settings["fingerprint"] == whole.settings["fingerprint"]
+    assert shared.settings["fingerprint"]["settings"]["method"] == method
+    # the whole-model run's directory resumes under the shared path: nothing to score again, the same table
+    again = _score(tmp_path, "whole", less_warmup, method=method, checkpoints=ckpts)
+    np.testing.assert_array_equal(again.scores, whole.scores)
+
+
+def test_checkpoints_over_other_bases_are_each_loaded_with_their_base(less_warmup, tmp_path, monkeypatch):
+    """An adapter over another base (here the same adapters named over the warm-up's merged model) shares nothing:
+    each checkpoint loads whole with its own base, as before (summing the scores of other models' checkpoints is
+    what ``checkpoints`` does for dense checkpoints too); a dense checkpoint likewise."""
+    import json
+    import shutil
+
+    from iprox_lightning.models.lora import shared_base_key
+
+    first, second = (less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2))
+    other = tmp_path / "other_base"
+    shutil.copytree(second, other)
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(less_warmup)  # the merged dense model the warm-up saved
+    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    assert shared_base_key(first) == shared_base_key(second) is not None
+    assert shared_base_key(other) not in (None, shared_base_key(first))
+    assert shared_base_key(less_warmup) is None  # a dense model
+    loads = _counting_loads(monkeypatch)
+    table = _score(tmp_path, "mixed", less_warmup, method="tracin", checkpoints=[
+        {"path": str(first), "weight": 1.0}, {"path": str(other), "weight": 1.0}, {"path": str(second), "weight": 1.0}])
+    # the third shares the first's base; the second loads whole
+    assert loads == [str(first), str(other)]
+    alone = _score(tmp_path, "alone", less_warmup, method="tracin", checkpoints=[{"path": str(other), "weight": 1.0}])
+    pair = _score(tmp_path, "pair", less_warmup, method="tracin", checkpoints=[
+        {"path": str(first), "weight": 1.0}, {"path": str(second), "weight": 1.0}])
+    # float64 sums of the same per-checkpoint numbers in another order: equal to rounding
+    want = pair.scores + alone.scores
+    np.testing.assert_allclose(table.scores, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapters_read_for_a_shared_base_equal_the_ones_loaded_with_it(less_warmup, dtype):
+    """A checkpoint's adapter tensors read through another checkpoint's peft model (one base) are bit for bit the ones
+    loading it whole holds, in float32 and in bfloat16 (peft's float32 adapters cast to the model's dtype); the model
+    keeps the tensors in place before until the new ones are put in place, and takes them back."""
+    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.models.lora import adapter_weights, read_adapter_weights, use_adapter_weights
+
+    first, second = (str(less_warmup / "adapters" / f"epoch_{e}") for e in (1, 2))
+    kw = dict(dtype=dtype, tokenizer=False, merge_adapters=False)
+    net, _ = load_model(first, **kw)
+    own = {k: t.clone() for k, t in adapter_weights(net).items()}
+    kept = adapter_weights(net)
+    read = read_adapter_weights(net, second)
+    assert all(adapter_weights(net)[k].data_ptr() == t.data_ptr() for k, t in kept.items())  # nothing in place yet
+    use_adapter_weights(net, read)
+    assert all(adapter_weights(net)[k].data_ptr() == t.data_ptr() for k, t in read.items())
+    whole = adapter_weights(load_model(second, **kw)[0])
+    assert set(read) == set(whole) == set(own) and len(read) > 0
+    for k in whole:
+        assert read[k].dtype == whole[k].dtype == getattr(torch, dtype)
+        assert torch.equal(read[k], whole[k]), k
+        assert torch.equal(kept[k], own[k]) and not torch.equal(kept[k], read[k]), k
+    use_adapter_weights(net, kept)
+    assert all(torch.equal(t, own[k]) for k, t in adapter_weights(net).items())
+
+
 @pytest.mark.parametrize("bad, message", [
     ("a/b", r"checkpoints must be a non-empty list of \{path, weight\}"),
     ([], r"checkpoints must be a non-empty list"),

@@ -128,8 +128,8 @@ def test_plan_fit_lowers_the_proxy_rows_and_prints_their_overlay(capsys, tmp_pat
 
 def test_less_is_planned_over_the_adapters_and_needs_lora(capsys):
     """``plan --method less`` needs ``--lora`` (LESS scores the adapters' gradients); with it the LESS row's Adam
-    moments are the adapters' (two float32 per adapter parameter), and ``--checkpoints 4`` holds four of every
-    checkpoint's model, moments and validation gradients."""
+    moments are the adapters' (two float32 per adapter parameter), and ``--checkpoints 4`` holds one base and four of
+    every checkpoint's adapters, moments and validation gradients (dense checkpoints: four models)."""
     from iprox_lightning.cli import main
 
     from iprox_lightning.errors import UserInputError
@@ -144,8 +144,9 @@ def test_less_is_planned_over_the_adapters_and_needs_lora(capsys):
     assert less.parts["adam_moments"] == 2 * 4.0 * n
     assert less.parts["weights"] == (sizes.params + n) * 4
     assert less.parts["validation_gradients"] == run.tasks * 4.0 * n
-    for k in ("weights", "adam_moments", "validation_gradients"):
+    for k in ("adam_moments", "validation_gradients"):
         assert four["scoring (less)"].parts[k] == 4 * less.parts[k]
+    assert four["scoring (less)"].parts["weights"] == (sizes.params + 4 * n) * 4
     assert four["scoring (less)"].parts["activations"] == less.parts["activations"]
     assert four["scoring (tracin)"].parts["weights"] == 4 * one["scoring (tracin)"].parts["weights"]
 
@@ -170,18 +171,20 @@ def lora_warmup(tmp_path_factory):
 
 
 class Held(L.Callback):
-    """The bytes of what the scorers hold at the first scored batch: the models' distinct parameter storages, the
-    metrics' Adam moments, the validation gradients."""
+    """The bytes of what the scorers hold at the first scored batch: the models' distinct parameter storages and the
+    checkpoints' adapter tensors (those in place and those held aside), the metrics' Adam moments, the validation
+    gradients."""
 
     def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if batch_idx:
             return
         seen, weights = set(), 0
-        for _, sc in pl_module.scorers:
-            for p in sc.model.parameters():
-                if p.untyped_storage().data_ptr() not in seen:
-                    seen.add(p.untyped_storage().data_ptr())
-                    weights += p.untyped_storage().nbytes()
+        held = [t for a in pl_module.checkpoint_adapters if a is not None for t in a.values()]
+        for t in [p for _, sc in pl_module.scorers for p in sc.model.parameters()] + held:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                weights += t.untyped_storage().nbytes()
+        self.shared = len({id(sc.model) for _, sc in pl_module.scorers}) == 1 and len(held) > 0
         self.held = {"weights": weights,
                      "adam_moments": sum(m.nbytes + v.nbytes for _, sc in pl_module.scorers
                                          for m, v, _ in sc.metric.moments.values()),
@@ -190,8 +193,8 @@ class Held(L.Callback):
 
 
 def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
-    """``method: less`` with ``checkpoints`` (two epochs' adapters): every checkpoint's model (its own base and
-    adapters), Adam moments (two float32 per adapter parameter) and validation gradients are held while the pool is
+    """``method: less`` with ``checkpoints`` (two epochs' adapters over one base): the base once, every checkpoint's
+    adapters, Adam moments (two float32 per adapter parameter) and validation gradients are held while the pool is
     scored: the bytes of those tensors equal ``plan``'s ``scoring (less)`` parts at ``checkpoints`` 2 (exactly: the
     same tensors counted)."""
     from iprox_lightning.data import SFTDataModule
@@ -204,7 +207,7 @@ def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[held],
                         inference_mode=False)  # (as configs/score.yaml)
-    trainer.predict(module, datamodule=dm, return_predictions=False)
+    first = trainer.predict(module, datamodule=dm)
     config = builtin_model().config
     run = M.RunSettings(precision="32-true", batch_size=LESS_DATA["batch_size"], max_length=LESS_DATA["max_length"],
                         method="less", tasks=held.held["tasks"], checkpoints=len(ckpts),
@@ -214,4 +217,13 @@ def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
     plan = M.less_scoring_plan(sizes, acts, run)
     for k in ("weights", "adam_moments", "validation_gradients"):
         assert plan.parts[k] == held.held[k], (k, plan.parts[k], held.held[k])
-    assert held.held["tasks"] > 1 and len(module.scorers) == 2
+    assert held.held["tasks"] > 1 and len(module.scorers) == 2 and held.shared  # one model, two adapters
+    # between batches and after the run the model holds the first checkpoint's adapters: a second run scores the same
+    from iprox_lightning.models.loading import load_model
+    from iprox_lightning.models.lora import adapter_weights
+
+    own = adapter_weights(load_model(ckpts[0]["path"], tokenizer=False, merge_adapters=False)[0])
+    assert all(torch.equal(t, own[k]) for k, t in adapter_weights(module.net).items())
+    again = trainer.predict(module, datamodule=dm)
+    for a, b in zip(first, again):
+        assert a["id"] == b["id"] and (a["task_scores"] == b["task_scores"]).all()

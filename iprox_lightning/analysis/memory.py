@@ -61,7 +61,7 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   gradients (the preparation with both models, then the pool with the proxy alone: :func:`proxy_scoring_plan`), its
   store build (:func:`proxy_store_plan`) and a store's query (:func:`query_plan`). **LESS** and ``checkpoints``:
   :func:`less_scoring_plan` (the adapters' gradients and Adam moments), :func:`with_checkpoints` (each checkpoint's
-  model and state held).
+  model, or adapters over one shared base, and state held).
 
 Times come from :mod:`.flops` (FLOPs per stage), converted to seconds where a measured throughput of the same model
 size on the same device kind is known (``bench/results/speed_*.json``); otherwise the FLOPs are reported as such.
@@ -883,13 +883,21 @@ CHECKPOINT_HELD = ("weights", "validation_gradients", "kfac_factors", "ekfac_cor
 activations, features and transients are one checkpoint's at a time (the checkpoints score a batch in turn)."""
 
 
-def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings) -> tuple[dict[str, float], float]:
+def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings,
+                     adapters: float | None = None) -> tuple[dict[str, float], float]:
     """``(parts, flops)`` of a scoring stage over ``run.checkpoints`` checkpoints: :data:`CHECKPOINT_HELD` parts and
-    the FLOPs times the checkpoints (every checkpoint's model loaded whole: a peft adapter with its own base)."""
+    the FLOPs times the checkpoints. Every checkpoint's model is loaded whole (dense checkpoints), unless
+    ``adapters`` (the bytes of one checkpoint's adapter weights, in ``parts["weights"]``) says the checkpoints are
+    peft adapters over one base (a LoRA warm-up's epochs): the base is loaded once and each checkpoint holds its
+    adapters (``InfluenceScoringModule``'s ``checkpoint_adapters``), so the weights are one base and ``checkpoints``
+    adapters."""
     c = run.checkpoints
     if c == 1:
         return parts, flops
-    return {k: v * c if k in CHECKPOINT_HELD else v for k, v in parts.items()}, flops * c
+    out = {k: v * c if k in CHECKPOINT_HELD else v for k, v in parts.items()}
+    if adapters is not None:
+        out["weights"] = parts["weights"] + (c - 1) * adapters
+    return out, flops * c
 
 
 def lora_weights(sizes: ModelSizes, lora: Mapping[str, Any]) -> list[tuple[int, int]]:
@@ -904,12 +912,12 @@ def lora_weights(sizes: ModelSizes, lora: Mapping[str, Any]) -> list[tuple[int, 
 
 def less_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method: str = "less") -> StagePlan:
     """Scoring a LoRA checkpoint's adapter gradients with a metric that reads its optimiser state (LESS,
-    ``scoring/less.py``), per device, at ``run.checkpoints`` checkpoints (:func:`with_checkpoints`). Per checkpoint:
-    the base model and its adapters (the run's weights dtype), the metric's own parts (LESS's ``memory_parts``: the
-    Adam moments ``m``, ``v`` of every adapter matrix, float32), the validation gradients of the adapter matrices
-    (:func:`lora_weights`, held as ``run.validation_gradients`` says); once: one batch's activations and LESS's
-    per-example transient (``[B, out, in]`` per adapter matrix, and the Adam direction's four temporaries of that
-    size: ``adam_direction``)."""
+    ``scoring/less.py``), per device, at ``run.checkpoints`` checkpoints (:func:`with_checkpoints`: adapters over one
+    base, loaded once). The base model once; per checkpoint: its adapters (the run's weights dtype), the metric's own
+    parts (LESS's ``memory_parts``: the Adam moments ``m``, ``v`` of every adapter matrix, float32), the validation
+    gradients of the adapter matrices (:func:`lora_weights`, held as ``run.validation_gradients`` says); once: one
+    batch's activations and LESS's per-example transient (``[B, out, in]`` per adapter matrix, and the Adam
+    direction's four temporaries of that size: ``adam_direction``)."""
 
     metric = metric_registry()[method]
     if run.lora is None:
@@ -917,14 +925,15 @@ def less_scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, me
     wb, B, K = weight_bytes(run.precision), run.batch_size, run.tasks
     linears = lora_weights(sizes, run.lora)
     vg = validation_gradient_bytes(linears, K, run.validation_gradients)
-    parts = {"weights": (sizes.params + lora_params(sizes, run.lora)) * wb,
+    adapters = lora_params(sizes, run.lora) * wb
+    parts = {"weights": sizes.params * wb + adapters,
              "activations": acts.total(sizes.shape.num_layers, B),
              "validation_gradients": vg["device"], "validation_layer": vg["layer"],
              "features": 5 * 4.0 * B * max((i * o for i, o in linears), default=0)}
     parts.update(metric.memory_parts(linears))
     f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=run.validation_examples, seq_len=run.max_length,
                       head_share=run.response_share)["total"] / run.devices
-    parts, f = with_checkpoints(parts, f, run)
+    parts, f = with_checkpoints(parts, f, run, adapters=adapters)  # the checkpoints share one base
     return _stage(f"scoring ({method})", parts, f, metric.memory_levers)
 
 

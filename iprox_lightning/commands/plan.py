@@ -106,8 +106,9 @@ def plan(
         lora: LoRA warm-up and fine-tune (``{r, alpha, dropout, target_modules}``, the modules' ``lora``): the base
             weights frozen (no gradients, no AdamW state), the adapters trained.
         checkpoints: scoring checkpoints summed (the scoring module's ``checkpoints``; LESS: 4): each checkpoint's
-            model (an adapter with its own base), metric state and validation gradients are held while the pool is
-            scored. ``method: less`` needs ``lora`` (it scores the adapters' gradients).
+            model (LESS's adapters: one base shared, each checkpoint's adapters), metric state and validation
+            gradients are held while the pool is scored. ``method: less`` needs ``lora`` (it scores the adapters'
+            gradients).
         fit: also find, per stage, the largest per-device batch and the fewest memory levers (micro-batches,
             checkpointing, probe groups, the validation gradients' holding, K-FAC partitions and offload) that fit
             ``device_memory`` (:mod:`iprox_lightning.analysis.fit`: an ordered search priced by this plan), and print

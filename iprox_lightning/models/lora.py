@@ -16,16 +16,21 @@
   :func:`~iprox_lightning.models.loading.load_adapter` loads through the package's own loaders (``trust_remote_code``
   only when asked); :func:`~iprox_lightning.models.loading.load_model` loads such a directory merged (the ``peft``
   loader).
+* :func:`shared_base_key`, :func:`adapter_weights`, :func:`read_adapter_weights`, :func:`use_adapter_weights` —
+  several adapter directories over one base scored with that base loaded once (the scoring module's
+  ``checkpoints``): each directory's adapter tensors held, put in place in turn.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from safetensors.torch import load_file
 from torch import nn
 
@@ -33,8 +38,8 @@ from ..engine.target_layers import has_adapters
 from ..errors import InputNotFoundError, UserInputError
 from ..io.atomic import named_os_errors
 from ..io.fingerprint import ADAPTER_CONFIG, adapter_base  # noqa: F401  (the base an adapter names: one reader)
-from ..io.fingerprint import is_adapter_dir, sort_safetensors_metadata
-from ..io.jsonfile import read_safetensors_header
+from ..io.fingerprint import is_adapter_dir, sort_safetensors_metadata, source_identity
+from ..io.jsonfile import read_json, read_safetensors_header
 from ..io.ownership import make_owned_dir
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -248,3 +253,68 @@ def attach_saved_adapter(model: nn.Module, path: Union[str, Path]) -> nn.Module:
                              f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
                              f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
     return adapted
+
+
+def shared_base_key(path: Union[str, Path]) -> Optional[str]:
+    """What adapter directories must have in common to be scored over one loaded base, their adapter tensors swapped
+    (:func:`read_adapter_weights`): the base's identity (its files, as a fingerprint records it:
+    :func:`~iprox_lightning.io.fingerprint.source_identity`) and the adapter settings (``adapter_config.json`` but
+    the base's name), as a string. ``None`` for anything else: not an adapter directory, or one whose weights hold
+    more than LoRA matrices (``modules_to_save``, ...: loaded whole, each with its base)."""
+    p = Path(path)
+    if not is_adapter_dir(p) or not (p / ADAPTER_WEIGHTS).is_file():
+        return None
+    names = [k for k in read_safetensors_header(p / ADAPTER_WEIGHTS) if k != "__metadata__"]
+    if not names or any("lora_" not in k for k in names):
+        return None
+    settings = dict(read_json(p / ADAPTER_CONFIG, what="a peft adapter's settings"))
+    settings.pop("base_model_name_or_path", None)
+    return json.dumps({"base": source_identity(adapter_base(p)), "adapter": settings}, sort_keys=True, default=str)
+
+
+def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA adapter tensors of a peft ``model`` in place now, by parameter name (the tensors themselves, no
+    copy)."""
+    return {n: p.data for n, p in model.named_parameters() if "lora_" in n}
+
+
+def read_adapter_weights(model: nn.Module, path: Union[str, Path]) -> dict[str, torch.Tensor]:
+    """The adapters of the directory ``path`` for the peft ``model`` (loaded from another directory over the same
+    base, with the same adapter settings: :func:`shared_base_key`), read through it into new tensors, by name, to be
+    put in place by :func:`use_adapter_weights` (the model keeps the ones in place before, whatever fails). The
+    values are the ones ``path`` loaded on its own holds (:func:`~iprox_lightning.models.loading.load_adapter`): peft
+    makes the adapters float32 over a half-precision base and loads the file's tensors into them, then the model is
+    cast to its dtype; here each file tensor takes the same two casts."""
+    from peft import set_peft_model_state_dict  # lazy: optional extra peft
+
+    p = Path(path)
+    check_adapter_dir(p)
+    params = {n: q for n, q in model.named_parameters() if "lora_" in n}
+    state = load_file(str(p / ADAPTER_WEIGHTS))
+    dtypes = {q.dtype for q in params.values()}
+    loaded = torch.float32 if dtypes <= {torch.float16, torch.bfloat16} else None  # (peft's autocast_adapter_dtype)
+    if loaded is not None:
+        state = {k: t.to(loaded) for k, t in state.items()}
+    before = adapter_weights(model)
+    try:
+        with torch.no_grad():
+            for q in params.values():
+                q.data = torch.empty_like(q.data)
+            with _peft_quiet():
+                result = set_peft_model_state_dict(model, state)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit the adapters of the base it shares "
+                                 f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
+                                 f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
+        return adapter_weights(model)
+    finally:  # the model as it was: the caller puts the new ones in place when it uses them
+        use_adapter_weights(model, before)
+
+
+def use_adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Put the adapter tensors ``weights`` (:func:`adapter_weights`, :func:`read_adapter_weights` of ``model``) in
+    place in ``model``: its parameters then hold them (no copy; the modules and their paths stay as they are)."""
+    params = dict(model.named_parameters())
+    for n, t in weights.items():
+        params[n].data = t

@@ -43,7 +43,9 @@ from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from ..io.fingerprint import loader_digest, model_identity
 from ..models.loading import load_model
-from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
+from ..models.lora import (
+    ADAPTER_GRADIENTS, adapter_weights, read_adapter_weights, scores_adapters, shared_base_key, use_adapter_weights,
+)
 from .config import ScoringConfig
 from .features import trim_batch
 from .influence import InfluenceScorer, check_checkpoints, checkpoint_sum
@@ -81,7 +83,9 @@ class InfluenceScoringModule(L.LightningModule):
             list of ``{path, weight}``, each loaded like ``model`` (an adapter directory with its base) and scored
             against its own validation gradients; a row's score is ``Σ_c weight_c · score_c``
             (:func:`~.influence.checkpoint_sum`). ``weight`` omitted: the learning rate in the checkpoint's
-            ``optimizer_state.safetensors``. ``model`` is then not read.
+            ``optimizer_state.safetensors``. ``model`` is then not read. Adapter directories over one base (the
+            same base files and adapter settings: a LoRA warm-up's epochs) share one loaded base: each holds only
+            its adapter tensors (``checkpoint_adapters``), put in place while it is prepared and scores a batch.
         validation_batch_size: the validation pass's batch (the validation loader's examples re-batched; ``None``: the
             data module's batch, as the pool's). With ``validation_model`` its backward is the target's: a smaller
             batch than the pool's keeps the preparation within the device (``train.py plan --fit`` chooses it). The
@@ -135,6 +139,9 @@ class InfluenceScoringModule(L.LightningModule):
         self.net: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.scorer: InfluenceScorer | None = None  # the first checkpoint's with several
         self.scorers: list[tuple[float, InfluenceScorer]] = []  # (weight, scorer) of each checkpoint
+        # each checkpoint's adapter tensors where checkpoints share their model's base (else None: its own model)
+        self.checkpoint_adapters: list[dict[str, torch.Tensor] | None] = []
+        self._checkpoint_nets: list[nn.Module] = []  # each checkpoint's model (shared ones: the same)
         self.skip_ids: set[str] = set()
         self.n_scored = 0
         self.n_skipped = 0
@@ -249,12 +256,16 @@ class InfluenceScoringModule(L.LightningModule):
         if self.checkpoints is None:
             self.scorer = self._prepare(self.net, self.metric, self.hparams.get("model", self.net), vmodel)
             self.scorers = [(1.0, self.scorer)]
-        else:  # one scorer per checkpoint, each with its model, metric and validation gradients
+        else:  # one scorer per checkpoint, each with its model (or adapters), metric and validation gradients
             self.scorers = []
-            for j, c in enumerate(self.checkpoints):
-                net = self.net if j == 0 else self._load(c["path"])
-                metric = self.metric if j == 0 else self.config.build_metric()
-                self.scorers.append((c["weight"], self._prepare(net, metric, c["path"], vmodel)))
+            self.checkpoint_adapters = self._checkpoint_models()
+            try:
+                for j, c in enumerate(self.checkpoints):
+                    net = self._use_checkpoint(j)
+                    metric = self.metric if j == 0 else self.config.build_metric()
+                    self.scorers.append((c["weight"], self._prepare(net, metric, c["path"], vmodel)))
+            finally:
+                self._at_rest()
             self.scorer = self.scorers[0][1]
         del vmodel  # only the preparation needs it
         st = self.scorer.settings()
@@ -268,6 +279,49 @@ class InfluenceScoringModule(L.LightningModule):
                 metrics[f"scoring/val_examples/{t}"] = float(c)
             metrics["scoring/prepare_seconds"] = prepare_s
             self.logger.log_metrics(metrics, step=0)
+
+    def _checkpoint_models(self) -> list[dict[str, torch.Tensor] | None]:
+        """Each checkpoint's model: ``self.net`` for the first; a later adapter directory over the base of an earlier
+        one (:func:`~iprox_lightning.models.lora.shared_base_key`: the same base files and adapter settings) shares
+        that checkpoint's model and holds its own adapter tensors, which this returns (each such checkpoint's, the
+        first's too: the ones in place); any other checkpoint is loaded whole (:meth:`_load`: a dense checkpoint, or
+        an adapter over another base). A sharded model (FSDP2) is not shared: each checkpoint loads as before."""
+        shared: dict[str, nn.Module] = {}  # shared_base_key -> the model its checkpoints share
+        owner: list[nn.Module] = []
+        adapters: list[dict[str, torch.Tensor] | None] = []
+        with torch.inference_mode(False):  # (as :meth:`_load`: tensors the backward can use)
+            for j, c in enumerate(self.checkpoints):
+                key = None if is_sharded(self.net) else shared_base_key(c["path"])
+                if key is not None and key in shared:
+                    net = shared[key]
+                    adapters.append(read_adapter_weights(net, c["path"]))
+                else:
+                    net = self.net if j == 0 else self._load(c["path"])
+                    if key is not None:
+                        shared[key] = net
+                    adapters.append(adapter_weights(net) if key is not None else None)
+                owner.append(net)
+        self._checkpoint_nets = owner
+        # a model no later checkpoint shares keeps its adapters as they are: nothing to swap
+        users = {id(n): sum(o is n for o in owner) for n in owner}
+        return [a if users[id(n)] > 1 else None for a, n in zip(adapters, owner)]
+
+    def _at_rest(self) -> None:
+        """Each shared model with its first checkpoint's adapters in place, as loaded (between batches, and after a
+        run: the next run's :meth:`_checkpoint_models` reads them from the model, wherever it was moved since)."""
+        first: dict[int, int] = {}
+        for j, net in enumerate(self._checkpoint_nets):
+            first.setdefault(id(net), j)
+        for j in first.values():
+            self._use_checkpoint(j)
+
+    def _use_checkpoint(self, j: int) -> nn.Module:
+        """Checkpoint ``j``'s model, with its adapters in place where it shares its base."""
+        net = self._checkpoint_nets[j]
+        if self.checkpoint_adapters[j] is not None:
+            with torch.inference_mode(False):
+                use_adapter_weights(net, self.checkpoint_adapters[j])
+        return net
 
     def _load(self, source: str) -> nn.Module:
         """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`); outside inference mode (this runs in
@@ -354,7 +408,10 @@ class InfluenceScoringModule(L.LightningModule):
         with torch.inference_mode(False), torch.enable_grad():
             out = self.scorer.score_batch(batch)
             if len(self.scorers) > 1:  # several checkpoints: Σ_c w_c · score_c
-                parts = [out] + [sc.score_batch(batch) for _, sc in self.scorers[1:]]
+                try:
+                    parts = [out] + [self._score_at(j, batch) for j in range(1, len(self.scorers))]
+                finally:
+                    self._at_rest()
                 if any(p["id"] != out["id"] for p in parts) or any(sc.task_names != names for _, sc in self.scorers):
                     raise RuntimeError("checkpoints scored different rows or validation tasks")
                 out["score"], out["task_scores"], out["zero_grad"], out["nonfinite"] = checkpoint_sum(
@@ -366,6 +423,11 @@ class InfluenceScoringModule(L.LightningModule):
         self.n_zero_grad += int(np.asarray(out.get("zero_grad", ())).sum())
         out["task_names"] = list(names)
         return out
+
+    def _score_at(self, j: int, batch: dict) -> dict:
+        """The batch scored by checkpoint ``j``'s scorer, its adapters in place."""
+        self._use_checkpoint(j)
+        return self.scorers[j][1].score_batch(batch)
 
     def forward(self, *args, **kwargs):
         return self.net(*args, **kwargs)
