@@ -61,24 +61,6 @@ def extension():
     RULES.pop("worst_task_for_test")
 
 
-def test_the_registry_holds_the_packages_metrics_whoever_reads_it_first():
-    """A process that reads the registry before anything imported LESS's module (a store's query reads it by the
-    recorded method) finds LESS there, as the scoring settings do; nothing imports its module to register it."""
-    import subprocess
-    import sys
-
-    code = ("import sys; from iprox_lightning.scoring.metrics import InfluenceMetric, metric_names; "
-            "assert 'iprox_lightning.scoring.less' not in sys.modules; "
-            "print(InfluenceMetric.registry.get('less').__name__, ','.join(metric_names())); "
-            "from iprox_lightning.scoring.config import ScoringConfig; "
-            "print(type(ScoringConfig(method='less').build_metric()).__name__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] == "LESS" and out[1].split(",")[:4] == ["tracin", "kfac", "ekfac", "less"] and out[2] == "LESS"
-    with pytest.raises(TypeError, match="influence metric name 'less' is taken by LESS"):
-        class Again(InfluenceMetric, name="less"):
-            pass
-
-
 def _columns(path):
     _, table = read_table(path)
     return {c: np.asarray(table.column(c).to_pylist(), np.float64) for c in table.column_names if c.startswith("score")}

@@ -105,20 +105,6 @@ def test_package_has_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_the_scoring_settings_do_not_import_a_metric_to_register_it():
-    """LESS's module joins the metric registry (``scoring/metrics.py``'s, which reads the package's metric modules when
-    first read): the scoring settings (``scoring/config.py``) reach neither it nor any module that imports it."""
-    graph = import_graph()
-    less = "iprox_lightning.scoring.less"
-    seen, todo = set(), ["iprox_lightning.scoring.config"]
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo.extend(graph.get(m, ()))
-    assert less not in seen and graph[less] >= {"iprox_lightning.scoring.metrics"}, sorted(seen)
-
-
 def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """``graph`` with each sub-package's modules merged into one node (``iprox_lightning.data.sft`` ->
     ``data``); a top-level module is its own node (``iprox_lightning.compression.apply`` -> ``compress``)."""

@@ -176,9 +176,10 @@ VALIDATION_DEFAULTS = {"dtype": "float32", "device": "same", "column_groups": 1}
 """Today's holding: float32 (the scoring precision) on the model's device, every column in one pass."""
 
 
-def metric_registry() -> Mapping[str, type]:
-    """Every influence metric by name (``InfluenceMetric.registry``: the package's own, LESS's too, and the ones a
-    user's code defined)."""
+def metric_registry() -> dict:
+    """Every influence metric by name (``InfluenceMetric.registry``), whole: LESS's metric, which lives in its own
+    module and registers when imported, is imported here first (what every reader of the registry calls)."""
+    from . import less  # lazy: --help  # noqa: F401
     from .metrics import InfluenceMetric  # lazy: --help
 
     return InfluenceMetric.registry

@@ -18,9 +18,8 @@ tokens ``(h, δ)`` of a per-example gradient (:meth:`InfluenceMetric.tokens`, th
 
 A fitted metric's state (eigenbases, eigenvalues) is saved and reused by fingerprint (:mod:`iprox_lightning.io.factors`,
 :func:`fit_or_load`). A new metric subclasses :class:`InfluenceMetric` with a class keyword ``name=``: it registers
-itself once (:data:`InfluenceMetric.registry`, a :class:`MetricRegistry`: the package's metrics that live in their own
-module, LESS's, are imported when it is first read), and ``method: <name>`` then selects it everywhere. A metric is
-built from the one scoring settings object, :class:`~.config.ScoringConfig` (:meth:`InfluenceMetric.from_config`), which
+itself once (:data:`InfluenceMetric.registry`), and ``method: <name>`` then selects it everywhere. A metric is built
+from the one scoring settings object, :class:`~.config.ScoringConfig` (:meth:`InfluenceMetric.from_config`), which
 declares every shared option once with its default and its check; a metric class declares which of them it reads
 (``uses``, ``conventions``), its own options (``options``: name -> default, given as ``ScoringConfig(options={...})``),
 its fit passes (``factor_passes``) and its memory (:meth:`InfluenceMetric.memory_parts`, what ``train.py plan`` reads).
@@ -29,9 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
-from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
@@ -325,66 +322,6 @@ class EigenCorrection(WeightPairTracker):
 # --------------------------------------------------------------------------------------------
 # the interface
 # --------------------------------------------------------------------------------------------
-class MetricRegistry(MutableMapping):
-    """The influence metrics by name (``method: <name>``): every :class:`InfluenceMetric` subclass with a ``name``
-    joins it when its class is defined. The package's metrics that live in their own module over this one
-    (:data:`PACKAGE_METRIC_MODULES`: LESS) are imported the first time the registry is read, so every reader (the
-    scoring settings, ``plan``, a store's query) sees them and no reader imports them itself."""
-
-    def __init__(self, modules: Iterable[str] = ()) -> None:
-        self._classes: dict[str, type] = {}
-        self._modules = tuple(modules)
-        self._complete = False
-
-    def _complete_with_modules(self) -> None:
-        if not self._complete:
-            self._complete = True  # (first: each module's classes register while it is imported)
-            try:
-                for module in self._modules:
-                    import_module(module)
-            except BaseException:
-                self._complete = False
-                raise
-
-    def register(self, name: str, cls: type) -> None:
-        """``cls`` as ``method: name`` (a name taken by another class is a ``TypeError``; a class from outside the
-        package's metric modules is checked against all of them)."""
-        if cls.__module__ not in (__name__, *self._modules):
-            self._complete_with_modules()
-        if name in self._classes:
-            raise TypeError(f"influence metric name {name!r} is taken by {self._classes[name].__name__}")
-        self._classes[name] = cls
-
-    def __getitem__(self, name: str) -> type:
-        if name not in self._classes:
-            self._complete_with_modules()
-        return self._classes[name]
-
-    def __contains__(self, name: object) -> bool:
-        if name not in self._classes:
-            self._complete_with_modules()
-        return name in self._classes
-
-    def __iter__(self) -> Iterator[str]:
-        self._complete_with_modules()
-        return iter(self._classes)
-
-    def __len__(self) -> int:
-        self._complete_with_modules()
-        return len(self._classes)
-
-    def __setitem__(self, name: str, cls: type) -> None:
-        self._classes[name] = cls
-
-    def __delitem__(self, name: str) -> None:
-        del self._classes[name]
-
-
-PACKAGE_METRIC_MODULES = ("iprox_lightning.scoring.less",)
-"""The package's metric modules besides this one (each imports this module and subclasses :class:`InfluenceMetric`):
-read into :data:`InfluenceMetric.registry` when it is first read."""
-
-
 class InfluenceMetric:
     """The metric of the scores (see the module docstring). ``name`` is what ``method:`` selects in configs.
 
@@ -401,7 +338,7 @@ class InfluenceMetric:
     :meth:`fit` makes over the training batches) and :meth:`memory_parts` / ``memory_levers`` (its memory, which
     ``train.py plan`` adds to the scoring stage). It is built from the scoring settings by :meth:`from_config`."""
 
-    registry: ClassVar[MetricRegistry] = MetricRegistry(PACKAGE_METRIC_MODULES)  # name -> class: __init_subclass__
+    registry: ClassVar[dict[str, type["InfluenceMetric"]]] = {}  # name -> class, filled by __init_subclass__
     name: ClassVar[str]
     factor_passes: ClassVar[int] = 0  # passes fit() makes over the training batches (0: nothing to fit)
     token_factored: ClassVar[bool] = True  # tokens() exists; False: matrix() on materialised per-example gradients
@@ -416,8 +353,10 @@ class InfluenceMetric:
         ``name`` (a helper base) is not registered."""
         super().__init_subclass__(**kwargs)
         if name is not None:
-            InfluenceMetric.registry.register(name, cls)
+            if name in InfluenceMetric.registry:
+                raise TypeError(f"influence metric name {name!r} is taken by {InfluenceMetric.registry[name].__name__}")
             cls.name = name
+            InfluenceMetric.registry[name] = cls
 
     def __init__(self, config: "ScoringConfig") -> None:
         """``config``: the scoring settings, checked when built (:meth:`~.config.ScoringConfig.build_metric` builds a
