@@ -74,6 +74,8 @@ def short_levers(settings: dict) -> str:
             words.append(f"probe groups of {v}")
         elif k == "batch_size":
             words.append(f"batch {v}")
+        elif k == "validation_batch_size":
+            words.append(f"validation batch {v}")
         elif k == "validation_gradients" and v:
             where = " on the host" if v.get("device") == "cpu" else ""
             groups = f", {v['column_groups']} column groups" if v.get("column_groups", 1) > 1 else ""
