@@ -283,12 +283,6 @@ STAGE1_SHAPES = {  # random-init shapes (Hugging Face configs): name -> (named s
     "wide": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                  tie_word_embeddings=False, max_position_embeddings=131072),
-    # the same with the LM head tied to the embedding: warm-up's float32 weights, gradients and AdamW moments of
-    # ``wide`` (16 B a parameter, 24 GB) are this 24 GiB machine's whole memory, and bf16-true computes at 0.15
-    # GFLOP/s on an AVX2 CPU (no bfloat16 kernels; 50 in float32): warm-up at the 8B width is measured on this one
-    "wide-tied": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                      tie_word_embeddings=True, max_position_embeddings=131072),
 }
 
 

@@ -51,6 +51,7 @@ from torch import nn
 from ..errors import UserInputError
 from ..engine.settings import takes_settings
 from ..engine.fsdp import is_sharded
+from ..engine.norms import squared_norms
 from ..engine.tracking import backward_pairs
 from ..io.optimizer_state import recorded_lr
 from ..io.scores import arrow_table, read_settings, read_table, task_names_of, write_parquet_atomic
@@ -405,8 +406,9 @@ class InfluenceScorer:
         sq_task = torch.zeros(len(names) if cols is not None else 1, dtype=torch.float64)
         sq_all = 0.0
         for key, V in self.V.items():
-            sq_task += V.double().pow(2).sum(dim=(1, 2)).cpu()
-            sq_all += float(V.double().sum(0).pow(2).sum())
+            per_column, of_sum = squared_norms(V)
+            sq_task += per_column.cpu()
+            sq_all += float(of_sum)
         if self.owners is not None:  # shard_layers: each rank's owned weights' part of the squared norms
             both = self._reduce(torch.cat([sq_task, torch.tensor([sq_all], dtype=torch.float64)]).to(self.device))
             sq_task, sq_all = both[:-1].cpu(), float(both[-1])

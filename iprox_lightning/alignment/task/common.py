@@ -11,6 +11,7 @@ from torch import nn
 from ..losses import proxy_factor_layers
 from ...engine.batch import check_batch, model_device, to_device
 from ...engine.lowrank import LowRankLinear
+from ...engine.norms import squared_norms
 from ...engine.target_layers import is_linear_like
 from ...engine.tracking import PairTracker, backward_pairs
 
@@ -176,7 +177,7 @@ def task_directions(teacher: nn.Module, batches: Iterable[Mapping], layers: Iter
     for b in batches:
         check_batch(b)
         backward_pairs(teacher, to_device(b, device), [tracker])
-    sq = sum(v.double().pow(2).sum(dim=(1, 2)) for v in tracker.sums.values())
+    sq = sum(squared_norms(v, column_sum=False)[0] for v in tracker.sums.values())
     return TaskDirections(tasks=tasks, target=tracker.sums, target_sq=sq.to(next(iter(tracker.sums.values())).dtype),
                           examples=sum(len(b["id"]) for b in batches))
 
@@ -218,7 +219,7 @@ def proxy_directions(proxy: nn.Module, batches: Iterable[Mapping], tasks: Sequen
 def _squared_norms(V: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``‖v_k‖² [K]`` of per-task factor-space directions ``{name: (V_A [K, ...], V_B [K, ...])}`` (summed in float64,
     returned in their dtype)."""
-    sq = sum(a.double().pow(2).sum(dim=(1, 2)) + b.double().pow(2).sum(dim=(1, 2)) for a, b in V.values())
+    sq = sum(squared_norms(a, column_sum=False)[0] + squared_norms(b, column_sum=False)[0] for a, b in V.values())
     return sq.to(next(iter(V.values()))[0].dtype)
 
 
