@@ -465,7 +465,7 @@ def scoring_child(args: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import transformers.models.llama.modeling_llama  # noqa: F401  (before the baseline)
-    from iprox_lightning.scoring import InfluenceScoringModule
+    from iprox_lightning.scoring import GradientStoreModule, GradientStoreWriter, InfluenceScoringModule
 
     torch.set_num_threads(args["threads"])
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -503,6 +503,20 @@ def scoring_child(args: dict) -> None:
             return DataLoader(val, batch_size=None)
 
     world = args["devices"]
+    if args.get("kind", "score") == "store":  # build_store's predict: DDP ranks, each its share of the pool
+        store = GradientStoreModule(model, k=args["k"], gradient_checkpointing=args["store_checkpointing"])
+        del model
+        writer = GradientStoreWriter(str(Path(args["out"], "store")), write_every_n_batches=args["write_every_n_batches"])
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            inference_mode=False, callbacks=[writer], precision="32-true")
+        trainer.predict(store, DataLoader(pool, batch_size=None), return_predictions=False)
+        peak = sampler.stop()
+        rows = json.loads(Path(args["out"], "store", "store.json").read_text())["rows"]  # (rank 0's, after a barrier)
+        Path(args["out"], f"rank{rank}.json").write_text(json.dumps(
+            {"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(), "seconds": time.time() - t0,
+             "store_rows": rows, "store_dim": store.projector.dim}))
+        return
     module = InfluenceScoringModule(model, **scoring_settings(args))
     del model
     strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if world > 1 else "auto"
@@ -512,7 +526,8 @@ def scoring_child(args: dict) -> None:
     peak = sampler.stop()
     Path(args["out"], f"rank{rank}.json").write_text(json.dumps(
         {"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(), "seconds": time.time() - t0,
-         "factors_held": len(module.metric.eigens) if hasattr(module.metric, "eigens") else 0}))
+         "factors_held": len(module.metric.eigens) if hasattr(module.metric, "eigens") else 0,
+         "validation_gradients_held": len(module.scorer.V)}))
 
 
 def scoring_plan_of(args: dict) -> dict:
@@ -525,6 +540,17 @@ def scoring_plan_of(args: dict) -> dict:
     d = dict(SCORING_SHAPES[args["shape"]])
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     sizes = ModelSizes.from_config(config, name=args["shape"])
+    if args.get("kind", "score") == "store":  # the "store build" row train.py plan prints (plan_scoring.cpu_peak's)
+        from iprox_lightning.analysis import plan_stages
+
+        T = args["max_length"]
+        run = RunSettings(max_length=T, batch_size=args["batch_size"], precision="32-true", devices=args["devices"],
+                          strategy=args["strategy"], device_kind="cpu", attn_implementation="eager",
+                          response_share=(T - T // 2) / T, pool_size=args["pool_batches"] * args["batch_size"],
+                          store_k=args["k"], write_every_n_batches=args["write_every_n_batches"],
+                          store_gradient_checkpointing=args["store_checkpointing"])
+        acts = saved_activation_bytes(config, seq_len=T, precision=run.precision, attn_implementation="eager")
+        return {s.stage: s for s in plan_stages(sizes, config, run, acts=acts, acts32=acts)}["store build"].to_dict()
     run = RunSettings(max_length=args["max_length"], batch_size=args["batch_size"], precision="32-true",
                       devices=args["devices"], strategy="fsdp" if args["devices"] > 1 else "ddp", device_kind="cpu",
                       tasks=args["tasks"], kfac_examples=args["kfac_examples"], kfac_partitions=args["partitions"],
@@ -547,9 +573,16 @@ def scoring_main(argv: list[str]) -> None:
     ap.add_argument("--pool-batches", type=int, default=4)
     ap.add_argument("--val-batches", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--store", action="store_true",
+                    help="the store build instead (build_store's GradientStoreModule + GradientStoreWriter; DDP ranks)")
+    ap.add_argument("--k", type=int, default=16, help="--store: projection rows per side")
+    ap.add_argument("--store-checkpointing", action="store_true", help="--store: gradient_checkpointing")
+    ap.add_argument("--write-every-n-batches", type=int, default=50, help="--store: batches per shard")
     ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
     a = ap.parse_args(argv)
-    args = {"shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
+    store = {"kind": "store", "strategy": "ddp", "k": a.k, "store_checkpointing": a.store_checkpointing,
+             "write_every_n_batches": a.write_every_n_batches} if a.store else {}
+    args = {**store, "shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
             "partitions": a.partitions, "kfac_examples": a.kfac_examples, "tasks": a.tasks, "batch_size": a.batch_size,
             "max_length": a.max_length, "pool_batches": a.pool_batches, "val_batches": a.val_batches,
             "threads": a.threads}
