@@ -503,7 +503,7 @@ def scoring_child(args: dict) -> None:
             return DataLoader(val, batch_size=None)
 
     world = args["devices"]
-    if args.get("kind", "score") == "store":  # build_store's predict: DDP ranks, each its share of the pool
+    if args.get("store"):  # build_store's predict: DDP ranks, each its share of the pool
         store = GradientStoreModule(model, k=args["k"], gradient_checkpointing=args["store_checkpointing"])
         del model
         writer = GradientStoreWriter(str(Path(args["out"], "store")), write_every_n_batches=args["write_every_n_batches"])
@@ -540,7 +540,7 @@ def scoring_plan_of(args: dict) -> dict:
     d = dict(SCORING_SHAPES[args["shape"]])
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     sizes = ModelSizes.from_config(config, name=args["shape"])
-    if args.get("kind", "score") == "store":  # the "store build" row train.py plan prints (plan_scoring.cpu_peak's)
+    if args.get("store"):  # the "store build" row train.py plan prints (plan_scoring.cpu_peak's)
         from iprox_lightning.analysis import plan_stages
 
         T = args["max_length"]
@@ -580,7 +580,8 @@ def scoring_main(argv: list[str]) -> None:
     ap.add_argument("--write-every-n-batches", type=int, default=50, help="--store: batches per shard")
     ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
     a = ap.parse_args(argv)
-    store = {"kind": "store", "strategy": "ddp", "k": a.k, "store_checkpointing": a.store_checkpointing,
+    # ("store", not plan_scoring.py's "kind": tests/test_plan_scoring_levers_measured.py reads that script's records)
+    store = {"store": True, "strategy": "ddp", "k": a.k, "store_checkpointing": a.store_checkpointing,
              "write_every_n_batches": a.write_every_n_batches} if a.store else {}
     args = {**store, "shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
             "partitions": a.partitions, "kfac_examples": a.kfac_examples, "tasks": a.tasks, "batch_size": a.batch_size,
