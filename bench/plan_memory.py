@@ -28,6 +28,18 @@ the machine's model lock:
 
   flock /tmp/iprox-model.lock python bench/plan_memory.py --stage1 --shape wide --precision bf16-true --devices 2 \
       --out bench/results/plan/stage1_wide.json
+
+``--scoring`` measures scoring per rank: the product's ``InfluenceScoringModule`` under ``ModelParallelStrategy``
+(FSDP2 over ``--devices`` gloo processes; ``--shard-layers``: each rank holds its share of the K-FAC factors or the
+TracIn validation gradients) on a random model of a ``SCORING_SHAPES`` shape, against ``scoring_plan``; with
+``--store``, build_store's gradient store build instead (``GradientStoreModule`` + ``GradientStoreWriter`` in a
+``trainer.predict`` on ``--devices`` DDP processes, ``--store-checkpointing`` its ``gradient_checkpointing``),
+against ``train.py plan``'s ``store build`` row:
+
+  python bench/plan_memory.py --scoring --shape kfac --method tracin --shard-layers \
+      --out bench/results/plan/scoring_shard_kfac.json
+  python bench/plan_memory.py --scoring --shape kfac --store --store-checkpointing --batch-size 8 --max-length 256 \
+      --out bench/results/plan/store_shard_kfac.json
 """
 from __future__ import annotations
 
@@ -443,6 +455,10 @@ SCORING_SHAPES = {
     "kfac": dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False,
                  max_position_embeddings=2048),
+    # wider (issue 64 item 5): 2 blocks of width 2048 / MLP 8192, a 32k vocabulary (~1 GB of float32 weights)
+    "wide2k": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                   num_attention_heads=16, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+                   max_position_embeddings=2048),
     "tiny": STAGE1_SHAPES["tiny"],
 }
 

@@ -1,6 +1,7 @@
 """``train.py plan``'s scoring stage under FSDP2 with ``shard_layers``, and its store build on several processes,
 against the measured per-rank peak of the product's code (``bench/plan_memory.py --scoring``: 2 gloo processes, a
-random model of 4 blocks 1024 wide with MLP 4096; each rank's peak ``RssAnon`` over its baseline after the imports):
+random model of 4 blocks 1024 wide with MLP 4096, ``kfac``, or of 2 blocks 2048 wide with MLP 8192 and a 32k
+vocabulary, ``wide2k``; each rank's peak ``RssAnon`` over its baseline after the imports):
 
 * ``scoring_shard_*.json``: ``InfluenceScoringModule`` under ``ModelParallelStrategy`` (K-FAC; TracIn, whose
   validation gradients are split over the ranks by ``shard_layers``), against ``scoring_plan``;
@@ -20,11 +21,21 @@ import pytest
 from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACKED = 28  # the shape's tracked weights: 4 blocks x 7 linears
 
 
 def _bench():
     return load_bench("plan_memory")
+
+
+def _tracked(shape: str) -> int:
+    """The tracked weights of a ``--scoring`` shape (``kfac``: 4 blocks x 7 linears)."""
+    from transformers import AutoConfig
+
+    from iprox_lightning.analysis import ModelSizes
+
+    d = dict(_bench().SCORING_SHAPES[shape])
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
+    return sum(l.tracked for l in ModelSizes.from_config(config, name=shape).shape.linears)
 
 
 def _recorded_runs():
@@ -70,9 +81,9 @@ def test_recorded_scoring_peaks_are_within_20_percent_of_todays_plan(run):
     if a.get("store"):
         assert all(r["store_rows"] == a["pool_batches"] * a["batch_size"] for r in run["ranks"])
     elif a["method"] == "tracin":
-        assert sum(r["validation_gradients_held"] for r in run["ranks"]) == TRACKED
+        assert sum(r["validation_gradients_held"] for r in run["ranks"]) == _tracked(a["shape"])
     else:
-        assert sum(r["factors_held"] for r in run["ranks"]) == TRACKED
+        assert sum(r["factors_held"] for r in run["ranks"]) == _tracked(a["shape"])
     for measured in run["measured_bytes"]:
         assert 0.8 <= plan["peak"] / measured <= 1.2, (
             f"{run['command_line']}: plan {plan['peak'] / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB",
