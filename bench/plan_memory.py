@@ -28,6 +28,18 @@ the machine's model lock:
 
   flock /tmp/iprox-model.lock python bench/plan_memory.py --stage1 --shape wide --precision bf16-true --devices 2 \
       --out bench/results/plan/stage1_wide.json
+
+``--scoring`` measures scoring per rank: the product's ``InfluenceScoringModule`` under ``ModelParallelStrategy``
+(FSDP2 over ``--devices`` gloo processes; ``--shard-layers``: each rank holds its share of the K-FAC factors or the
+TracIn validation gradients) on a random model of a ``SCORING_SHAPES`` shape, against ``scoring_plan``; with
+``--store``, build_store's gradient store build instead (``GradientStoreModule`` + ``GradientStoreWriter`` in a
+``trainer.predict`` on ``--devices`` DDP processes, ``--store-checkpointing`` its ``gradient_checkpointing``),
+against ``train.py plan``'s ``store build`` row:
+
+  python bench/plan_memory.py --scoring --shape kfac --method tracin --shard-layers \
+      --out bench/results/plan/scoring_shard_kfac.json
+  python bench/plan_memory.py --scoring --shape kfac --store --store-checkpointing --batch-size 8 --max-length 256 \
+      --out bench/results/plan/store_shard_kfac.json
 """
 from __future__ import annotations
 
@@ -437,6 +449,10 @@ SCORING_SHAPES = {
     "kfac": dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False,
                  max_position_embeddings=2048),
+    # wider (issue 64 item 5): 2 blocks of width 2048 / MLP 8192, a 32k vocabulary (~1 GB of float32 weights)
+    "wide2k": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                   num_attention_heads=16, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+                   max_position_embeddings=2048),
     "tiny": STAGE1_SHAPES["tiny"],
 }
 
@@ -459,7 +475,7 @@ def scoring_child(args: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import transformers.models.llama.modeling_llama  # noqa: F401  (before the baseline)
-    from iprox_lightning.scoring import InfluenceScoringModule
+    from iprox_lightning.scoring import GradientStoreModule, GradientStoreWriter, InfluenceScoringModule
 
     torch.set_num_threads(args["threads"])
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -497,6 +513,20 @@ def scoring_child(args: dict) -> None:
             return DataLoader(val, batch_size=None)
 
     world = args["devices"]
+    if args.get("store"):  # build_store's predict: DDP ranks, each its share of the pool
+        store = GradientStoreModule(model, k=args["k"], gradient_checkpointing=args["store_checkpointing"])
+        del model
+        writer = GradientStoreWriter(str(Path(args["out"], "store")), write_every_n_batches=args["write_every_n_batches"])
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            inference_mode=False, callbacks=[writer], precision="32-true")
+        trainer.predict(store, DataLoader(pool, batch_size=None), return_predictions=False)
+        peak = sampler.stop()
+        rows = json.loads(Path(args["out"], "store", "store.json").read_text())["rows"]  # (rank 0's, after a barrier)
+        Path(args["out"], f"rank{rank}.json").write_text(json.dumps(
+            {"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(), "seconds": time.time() - t0,
+             "store_rows": rows, "store_dim": store.projector.dim}))
+        return
     module = InfluenceScoringModule(model, **scoring_settings(args))
     del model
     strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if world > 1 else "auto"
@@ -506,7 +536,8 @@ def scoring_child(args: dict) -> None:
     peak = sampler.stop()
     Path(args["out"], f"rank{rank}.json").write_text(json.dumps(
         {"baseline": sampler.base, "peak": peak, "vm_hwm": vm_hwm(), "seconds": time.time() - t0,
-         "factors_held": len(module.metric.eigens) if hasattr(module.metric, "eigens") else 0}))
+         "factors_held": len(module.metric.eigens) if hasattr(module.metric, "eigens") else 0,
+         "validation_gradients_held": len(module.scorer.V)}))
 
 
 def scoring_plan_of(args: dict) -> dict:
@@ -519,6 +550,17 @@ def scoring_plan_of(args: dict) -> dict:
     d = dict(SCORING_SHAPES[args["shape"]])
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     sizes = ModelSizes.from_config(config, name=args["shape"])
+    if args.get("store"):  # the "store build" row train.py plan prints (plan_scoring.cpu_peak's)
+        from iprox_lightning.analysis import plan_stages
+
+        T = args["max_length"]
+        run = RunSettings(max_length=T, batch_size=args["batch_size"], precision="32-true", devices=args["devices"],
+                          strategy=args["strategy"], device_kind="cpu", attn_implementation="eager",
+                          response_share=(T - T // 2) / T, pool_size=args["pool_batches"] * args["batch_size"],
+                          store_k=args["k"], write_every_n_batches=args["write_every_n_batches"],
+                          store_gradient_checkpointing=args["store_checkpointing"])
+        acts = saved_activation_bytes(config, seq_len=T, precision=run.precision, attn_implementation="eager")
+        return {s.stage: s for s in plan_stages(sizes, config, run, acts=acts, acts32=acts)}["store build"].to_dict()
     run = RunSettings(max_length=args["max_length"], batch_size=args["batch_size"], precision="32-true",
                       devices=args["devices"], strategy="fsdp" if args["devices"] > 1 else "ddp", device_kind="cpu",
                       tasks=args["tasks"], kfac_examples=args["kfac_examples"], kfac_partitions=args["partitions"],
@@ -541,9 +583,17 @@ def scoring_main(argv: list[str]) -> None:
     ap.add_argument("--pool-batches", type=int, default=4)
     ap.add_argument("--val-batches", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--store", action="store_true",
+                    help="the store build instead (build_store's GradientStoreModule + GradientStoreWriter; DDP ranks)")
+    ap.add_argument("--k", type=int, default=16, help="--store: projection rows per side")
+    ap.add_argument("--store-checkpointing", action="store_true", help="--store: gradient_checkpointing")
+    ap.add_argument("--write-every-n-batches", type=int, default=50, help="--store: batches per shard")
     ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
     a = ap.parse_args(argv)
-    args = {"shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
+    # ("store", not plan_scoring.py's "kind": tests/test_plan_scoring_levers_measured.py reads that script's records)
+    store = {"store": True, "strategy": "ddp", "k": a.k, "store_checkpointing": a.store_checkpointing,
+             "write_every_n_batches": a.write_every_n_batches} if a.store else {}
+    args = {**store, "shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
             "partitions": a.partitions, "kfac_examples": a.kfac_examples, "tasks": a.tasks, "batch_size": a.batch_size,
             "max_length": a.max_length, "pool_batches": a.pool_batches, "val_batches": a.val_batches,
             "threads": a.threads}

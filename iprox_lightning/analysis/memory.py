@@ -1014,8 +1014,37 @@ def store_disk_bytes(sizes: ModelSizes, run: RunSettings) -> float:
     return 2.0 * dim * run.pool_size
 
 
+_DDP_SYNC_BUCKET = 250 * 2**20  # lightning.pytorch.overrides.distributed._sync_module_states's bucket (bytes)
+
+
+def ddp_state_broadcast_bytes(sizes: ModelSizes, wb: float) -> float:
+    """The transient of Lightning's DDP outside ``fit`` (a predict: ``build_store --devices N``): before the loop it
+    broadcasts rank 0's parameters to the other ranks (``_sync_module_states``: torch's ``_broadcast_coalesced``),
+    the parameters in order in buckets closed once they reach 250 MiB, two buckets in flight, each a flat copy on
+    every rank (measured at 4 blocks of width 1024, 2 gloo ranks: the whole 304 MiB of weights a second time). The
+    parameters' order is the model's: the embedding, each block's linears (a factorised layer's two factors), the
+    head if untied; the norms are too small to count."""
+    s = sizes.shape
+    tensors = [s.vocab_size * s.hidden_size]
+    for l in s.linears:
+        tensors += [l.in_features * l.out_features] if l.rank is None else [l.rank * l.out_features,
+                                                                           l.in_features * l.rank]
+    if sizes.params - sum(tensors) >= s.vocab_size * s.hidden_size:  # an untied head (a tied one is the embedding)
+        tensors.append(s.vocab_size * s.hidden_size)
+    buckets, size = [], 0.0
+    for n in tensors:
+        size += n * wb
+        if size >= _DDP_SYNC_BUCKET:
+            buckets, size = buckets + [size], 0.0
+    buckets += [size] if size else []
+    return max((a + b for a, b in zip(buckets, buckets[1:])), default=sum(buckets))
+
+
 def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StagePlan:
-    """A gradient store's build (TracIn, random projections of ``k`` rows per side), per device."""
+    """A gradient store's build (TracIn, random projections of ``k`` rows per side), per device. On several devices
+    (DDP ranks, each its share of the pool with the whole model) the build starts with rank 0's weights broadcast to
+    the others (:func:`ddp_state_broadcast_bytes`), beside the weights alone: the larger of it and the loop's parts
+    is counted."""
     wb, B, k = weight_bytes(run.precision), run.batch_size, run.store_k
     tracked = [l for l in sizes.shape.linears if l.tracked]
     dim = sum(min(k, l.out_features) * min(k, l.in_features) for l in tracked)
@@ -1027,9 +1056,13 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
                                  for l in tracked),
         "store_vectors": 4.0 * B * dim * run.write_every_n_batches,
     }
+    broadcast = ddp_state_broadcast_bytes(sizes, wb) if run.devices > 1 else 0.0
+    if broadcast > sum(parts.values()) - parts["weights"]:  # the broadcast, before the loop holds anything else
+        parts = {"weights": parts["weights"], "weights_broadcast": broadcast}
     f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=0, seq_len=run.max_length,
                       head_share=run.response_share)["total"] / run.devices
-    return _stage("store build", parts, f)
+    return _stage("store build", parts, f, {"weights_broadcast": "devices 1, or precision bf16-true (Lightning "
+                                                                 "broadcasts rank 0's weights before a predict)"})
 
 
 # --------------------------------------------------------------------------------------------
