@@ -92,7 +92,7 @@ def test_recorded_scoring_peaks_are_within_20_percent_of_todays_plan(run):
 
 @pytest.mark.parametrize("shape,layers,dtype", [("kfac", None, "float32"), ("small", None, "float32"),
                                                 ("llama-3.2-1b", 4, "bfloat16"), ("wide", None, "bfloat16"),
-                                                ("wide-tied", None, "float32")])
+                                                ("wide", None, "float32")])
 def test_the_planned_ddp_weight_broadcast_is_torchs_bucketing_of_the_models_parameters(shape, layers, dtype):
     """The store build's weight broadcast on several ranks (Lightning's ``_sync_module_states`` before a predict:
     torch's ``_broadcast_coalesced``, two 250 MiB buckets in flight) against torch's own bucket assignment of the
