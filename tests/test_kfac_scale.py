@@ -373,15 +373,15 @@ def test_layer_sharded_factors_on_two_ranks_equal_one_process(tmp_path, method, 
     assert vg["device"] == max(r["bytes"]["V"] for r in ranks) < ref["bytes"]["V"]
 
 
-def test_float32_factor_sums_keep_smollm2s_ranking_as_recorded():
-    """The same bar on SmolLM2-135M-Instruct (the shared GGUF), recorded by ``bench/kfac_dtype.py`` (minutes under the
-    machine's model lock; its command in the JSON): ``train.py predict`` with the shipped ``configs/score.yaml``,
-    ``kfac_dtype`` float32 against float64, every score column (``score`` and a column per eval task) with Spearman
-    >= 0.999 and the same top 5%. No model run here: the check reads the record."""
-    doc = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "plan" /
-                      "kfac_dtype_smollm2.json").read_text())
+@pytest.mark.parametrize("record,method", [("kfac_dtype_smollm2.json", "kfac"), ("ekfac_dtype_smollm2.json", "ekfac")])
+def test_float32_factor_sums_keep_smollm2s_ranking_as_recorded(record, method):
+    """The same bar on SmolLM2-135M-Instruct (the shared GGUF), recorded by ``bench/kfac_dtype.py`` (K-FAC and EK-FAC
+    each tens of minutes under the machine's model lock; its command in the JSON): ``train.py predict`` with the
+    shipped ``configs/score.yaml``, ``kfac_dtype`` float32 against float64, every score column (``score`` and a
+    column per eval task) with Spearman >= 0.999 and the same top 5%. No model run here: the check reads the record."""
+    doc = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "plan" / record).read_text())
     assert doc["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and "--pool-rows" in doc["command"]
-    assert "kfac" in doc["results"]
+    assert method in doc["results"]
     for method, r in doc["results"].items():
         assert r["reference"] == "kfac_dtype float64" and r["compared"] == "kfac_dtype float32"
         assert r["columns"] == len(r["per_column"]) >= 4, method  # ``score`` and the three eval tasks
