@@ -363,6 +363,15 @@ def test_two_process_build_equals_the_one_process_build_and_queries_alike(files,
     np.testing.assert_allclose(qb.task_scores, qa.task_scores, rtol=0, atol=1e-4)
 
 
+def test_an_unknown_strategy_is_refused_before_the_build(files, tmp_path):
+    from iprox_lightning.errors import UserInputError
+
+    _, pool, _, _ = files
+    with pytest.raises(UserInputError, match="--strategy must be one of ddp, fsdp, got 'deepspeed'"):
+        _build(tmp_path / "s", pool, "--strategy", "deepspeed")
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.distributed
 def test_fsdp_build_on_two_processes_equals_the_one_process_build(files, tmp_path):
     """``build_store --strategy fsdp --devices 2 --accelerator cpu`` (``ModelParallelStrategy``: FSDP2 over two gloo
