@@ -118,6 +118,7 @@ class GradientStoreModule(L.LightningModule):
         self.stats: dict[str, Any] = {}
         self._identity: Any = None  # the whole weights' identity, taken before sharding
         self._steps = self._max_steps = 0  # under FSDP2: this rank's steps, and the most any rank makes
+        self._last: dict | None = None  # the last batch seen (a batch for the idle steps)
 
     def configure_model(self) -> None:
         """Load the model (idempotent); under ``ModelParallelStrategy`` (FSDP2) shard it per decoder block as
@@ -259,7 +260,7 @@ class GradientStoreModule(L.LightningModule):
     def on_predict_start(self) -> None:
         self.prepare()
         self._steps = self._max_steps = 0
-        self._last: dict | None = None
+        self._last = None
         if is_sharded(self.net) and self.trainer.world_size > 1:  # the most batches any rank has (before any step)
             mine = torch.tensor(float(sum(self.trainer.num_predict_batches)), device=self.device)
             self._max_steps = int(self.trainer.strategy.reduce(mine, reduce_op="max").item())
