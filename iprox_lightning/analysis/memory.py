@@ -1044,19 +1044,26 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
     """A gradient store's build (TracIn, random projections of ``k`` rows per side), per device. On several devices
     (DDP ranks, each its share of the pool with the whole model) the build starts with rank 0's weights broadcast to
     the others (:func:`ddp_state_broadcast_bytes`), beside the weights alone: the larger of it and the loop's parts
-    is counted."""
+    is counted. Under strategy ``fsdp`` (``build_store --strategy fsdp``: ``GradientStoreModule`` under
+    ``ModelParallelStrategy``) the model is sharded per decoder block, as :func:`scoring_plan` counts it: the shard,
+    the root's weights and two gathered blocks; no broadcast."""
     wb, B, k = weight_bytes(run.precision), run.batch_size, run.store_k
     tracked = [l for l in sizes.shape.linears if l.tracked]
     dim = sum(min(k, l.out_features) * min(k, l.in_features) for l in tracked)
+    weights = sizes.params * wb
+    fsdp = run.strategy == "fsdp" and run.devices > 1
+    if fsdp:  # the shard, and while the model runs the root and two blocks (as scoring_plan)
+        root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
+        weights = sizes.params * wb / run.devices + (root + 2 * sizes.largest_block) * wb
     parts = {
-        "weights": sizes.params * wb,
+        "weights": weights,
         "activations": acts.total(sizes.shape.num_layers, B, checkpointing=run.store_gradient_checkpointing,
                                   hold_tracked=True),
         "projections": 4.0 * sum(min(k, l.out_features) * l.out_features + min(k, l.in_features) * l.in_features
                                  for l in tracked),
         "store_vectors": 4.0 * B * dim * run.write_every_n_batches,
     }
-    broadcast = ddp_state_broadcast_bytes(sizes, wb) if run.devices > 1 else 0.0
+    broadcast = ddp_state_broadcast_bytes(sizes, wb) if run.devices > 1 and not fsdp else 0.0
     if broadcast > sum(parts.values()) - parts["weights"]:  # the broadcast, before the loop holds anything else
         parts = {"weights": parts["weights"], "weights_broadcast": broadcast}
     f = scoring_flops(sizes.shape, n_train=run.pool_size, n_val=0, seq_len=run.max_length,

@@ -25,6 +25,7 @@ def build_store(
     attn_implementation: str = "sdpa",
     devices: int = 1,
     accelerator: str = "auto",
+    strategy: str = "ddp",
     write_every_n_batches: int = 50,
     overwrite: bool = False,
     progress: bool = True,
@@ -59,6 +60,9 @@ def build_store(
             store's fingerprint.
         devices: processes (DDP when > 1).
         accelerator: ``auto``, ``cpu``, ``gpu``.
+        strategy: ``ddp`` (each process holds the whole model and stores its share of the pool) or ``fsdp``
+            (``ModelParallelStrategy``, FSDP2: the model sharded per decoder block over the ``devices`` processes, as
+            scoring's; the same store).
         write_every_n_batches: write a shard every this many batches.
         overwrite: delete an earlier store in ``output_dir`` first.
         progress: show a progress bar.
@@ -80,7 +84,7 @@ def build_store(
         model=model, output_dir=output_dir, pool=pool, tokenizer=tokenizer, k=k, seed=seed,
         projection=projection, store_dtype=store_dtype, max_length=max_length, batch_size=batch_size,
         builtin_size=builtin_size, data_seed=data_seed, dtype=dtype, attn_implementation=attn_implementation,
-        devices=devices, accelerator=accelerator, write_every_n_batches=write_every_n_batches,
+        devices=devices, accelerator=accelerator, strategy=strategy, write_every_n_batches=write_every_n_batches,
         overwrite=overwrite, progress=progress, factors_dir=factors_dir, precision=precision,
         gradient_checkpointing=gradient_checkpointing, scoring=scoring),
         [StopOnSigterm()])

@@ -1,8 +1,12 @@
 """Building a gradient store as a Lightning predict loop: ``GradientStoreModule`` (projected gradients of each batch,
 :class:`~.projection.GradientProjector`) and ``GradientStoreWriter`` (per-rank safetensors shards,
 :mod:`iprox_lightning.io.gradient_store`). Under DDP each rank projects its share of the pool and writes its own
-shards; the metric's factors are fitted with all-reduced statistics and saved once. ``python train.py build_store``
-(:mod:`iprox_lightning.commands.build_store`) runs it.
+shards; the metric's factors are fitted with all-reduced statistics and saved once. Under ``ModelParallelStrategy``
+(FSDP2, ``build_store --strategy fsdp``) the model is sharded per decoder block as the scorer's is
+(:func:`~iprox_lightning.engine.fsdp.apply_fully_shard`: the hooks take activations and their gradients, never a
+parameter), and every rank makes the same steps (each forward gathers the blocks from every rank): a rank with a
+batch fewer, or a batch of only resumed rows or none with a response token, makes an idle step.
+``python train.py build_store`` (:mod:`iprox_lightning.commands.build_store`) runs it.
 
 Resume: the writer compares the directory's fingerprint with this run's (a mismatch stops naming what differs), moves
 unreadable shards aside, reloads the saved projections and factors, and hands the ids already stored to the module,
@@ -21,8 +25,12 @@ import torch
 from torch import nn
 
 from ..console import show_progress
+from ..engine.batch import to_device
 from ..engine.checkpointing import checkpointed_blocks
+from ..engine.fsdp import apply_fully_shard, data_parallel_mesh, is_sharded
+from ..engine.model_modes import eval_mode
 from ..engine.settings import takes_settings
+from ..engine.tracking import backward_pairs
 from ..errors import UserInputError
 from ..io import gradient_store as gs
 from ..io.factors import copy_factors
@@ -31,7 +39,8 @@ from ..io.score_dir import ScoreDirLock
 from ..models.loading import load_model
 from ..models.lora import ADAPTER_GRADIENTS, scores_adapters
 from .config import STORE_FIELDS, ScoringConfig
-from .features import tracked_modules, trim_batch, virtual_linears
+from .features import has_response_tokens, tracked_modules, trim_batch, virtual_linears
+from .layer_shards import idle_batch
 from .less import attach_optimizer_state
 from .metrics import fit_or_load
 from .module import check_predict_examples
@@ -107,17 +116,27 @@ class GradientStoreModule(L.LightningModule):
         self.projector: GradientProjector | None = None
         self.skip_ids: set[str] = set()
         self.stats: dict[str, Any] = {}
+        self._identity: Any = None  # the whole weights' identity, taken before sharding
+        self._steps = self._max_steps = 0  # under FSDP2: this rank's steps, and the most any rank makes
+        self._last: dict | None = None  # the last batch seen (a batch for the idle steps)
 
     def configure_model(self) -> None:
-        if self.net is not None:
-            return
-
-        hp = self.hparams
-        self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation, tokenizer=False,
-                                 merge_adapters=False)
-        self.net.eval()
+        """Load the model (idempotent); under ``ModelParallelStrategy`` (FSDP2) shard it per decoder block as
+        :meth:`~.module.InfluenceScoringModule.configure_model` does."""
+        if self.net is None:
+            hp = self.hparams
+            self.net, _ = load_model(hp.model, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                                     tokenizer=False, merge_adapters=False)
+            self.net.eval()
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not is_sharded(self.net):
+            self._identity = self.model_identity()  # (of the whole weights: a shard hashes as its shape only)
+            self.net.requires_grad_(False)  # (no parameter gradient is ever taken: nothing to reduce-scatter)
+            apply_fully_shard(self.net, data_parallel_mesh(mesh), reshard_after_forward=True)
 
     def model_identity(self) -> Any:
+        if self._identity is not None:
+            return self._identity
         if self.net is None and not (isinstance(self.hparams.get("model"), str) and Path(self.hparams.model).exists()):
             self.configure_model()
         return model_identity(self.hparams.get("model", self.net), self.net)
@@ -240,18 +259,45 @@ class GradientStoreModule(L.LightningModule):
 
     def on_predict_start(self) -> None:
         self.prepare()
+        self._steps = self._max_steps = 0
+        self._last = None
+        if is_sharded(self.net) and self.trainer.world_size > 1:  # the most batches any rank has (before any step)
+            mine = torch.tensor(float(sum(self.trainer.num_predict_batches)), device=self.device)
+            self._max_steps = int(self.trainer.strategy.reduce(mine, reduce_op="max").item())
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict | None:
+        self._steps += 1
+        self._last = batch
+        lockstep = is_sharded(self.net)
         ids = [str(i) for i in batch["id"]]
         keep = torch.tensor([i not in self.skip_ids for i in ids], dtype=torch.bool)
         if not bool(keep.any()):
+            if lockstep:
+                self._idle_step(batch)
             return None
         if not bool(keep.all()):
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
 
         net = self.projector.pairs_from if self.projector.pairs_from is not None else self.net
         with checkpointed_blocks(net, enabled=bool(self.hparams.get("gradient_checkpointing"))):
+            if lockstep and not bool(has_response_tokens(batch).any()):  # the projector makes no step for it
+                self._idle_step(batch)
             return self.projector.project_batch(batch)
+
+    def on_predict_epoch_end(self) -> None:
+        """Under FSDP2: the idle steps of a rank with fewer batches than another (each forward gathers the blocks
+        from every rank), before any other collective."""
+        while self._max_steps and self._steps < self._max_steps:
+            self._steps += 1
+            with checkpointed_blocks(self.net, enabled=bool(self.hparams.get("gradient_checkpointing"))):
+                self._idle_step(self._last)
+
+    def _idle_step(self, batch: dict) -> None:
+        """A step that stores nothing (FSDP2: every rank's forward and backward gather the same blocks): ``batch``
+        with every attended token a label, through the model with no tracker."""
+        b = to_device(batch, next(self.net.parameters()).device)
+        with eval_mode(self.net), torch.inference_mode(False), torch.enable_grad():
+            backward_pairs(self.net, idle_batch(b), [], loss_fn=self.projector.loss_fn)
 
     def forward(self, *args, **kwargs):
         return self.net(*args, **kwargs)

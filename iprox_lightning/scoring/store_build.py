@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import lightning as L
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ..console import progress_lines, quiet_lightning_tips, quiet_stage
 from ..data import SFTDataModule
 from ..data.pool import check_output_is_not_input
 from ..engine.precision import check_precision
+from ..errors import UserInputError
 from ..io.gradient_store import read_info, write_info
 from ..io.output_guard import check_output_not_input
 from .config import ScoringConfig
@@ -40,6 +42,7 @@ class BuildStoreSettings:
     attn_implementation: str
     devices: int
     accelerator: str
+    strategy: str
     write_every_n_batches: int
     overwrite: bool
     progress: bool
@@ -56,6 +59,7 @@ def run_build_store(s: BuildStoreSettings, callbacks: list) -> str:
     check_output_is_not_input(s.output_dir, s.pool, "output_dir")
     check_output_not_input(s.output_dir, {"model": s.model}, "output_dir")
     check_precision(s.precision, "build_store")
+    strategy = trainer_strategy(s.strategy, s.devices)
     module = GradientStoreModule(s.model, k=s.k, seed=s.seed, projection=s.projection, dtype=s.dtype,
                                  attn_implementation=s.attn_implementation, factors_dir=s.factors_dir,
                                  gradient_checkpointing=s.gradient_checkpointing, scoring=s.scoring)
@@ -71,7 +75,8 @@ def run_build_store(s: BuildStoreSettings, callbacks: list) -> str:
         trainer = L.Trainer(accelerator=s.accelerator, devices=s.devices, logger=False, enable_model_summary=False,
                             enable_progress_bar=s.progress, inference_mode=False,
                             callbacks=[writer, *callbacks, *progress_lines()],
-                            enable_checkpointing=False, **({"precision": s.precision} if s.precision else {}))
+                            enable_checkpointing=False, **strategy,
+                            **({"precision": s.precision} if s.precision else {}))
         trainer.predict(module, datamodule=dm, return_predictions=False)
     info = read_info(s.output_dir)
     if trainer.global_rank == 0:
@@ -81,6 +86,20 @@ def run_build_store(s: BuildStoreSettings, callbacks: list) -> str:
               f"{_size(info['bytes_per_example'])} per example, {_size(info['bytes'])} in all), "
               f"in {time.perf_counter() - t0:.1f} s -> {s.output_dir}")
     return s.output_dir
+
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def trainer_strategy(strategy: str, devices: int) -> dict:
+    """The Trainer's ``strategy`` of ``build_store --strategy``: ``ddp`` Lightning's own choice (DDP on several
+    devices, as before the option), ``fsdp`` ``ModelParallelStrategy`` (FSDP2 over ``devices``: the model sharded per
+    decoder block, :meth:`~.store.GradientStoreModule.configure_model`; CPUs too, over gloo)."""
+    if strategy not in STRATEGIES:
+        raise UserInputError(f"build_store: --strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy == "ddp":
+        return {}
+    return {"strategy": ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)}
 
 
 def _size(n: float | None) -> str:
