@@ -83,14 +83,10 @@ class InfluenceScoringModule(L.LightningModule):
             list of ``{path, weight}``, each loaded like ``model`` (an adapter directory with its base) and scored
             against its own validation gradients; a row's score is ``Σ_c weight_c · score_c``
             (:func:`~.influence.checkpoint_sum`). ``weight`` omitted: the learning rate in the checkpoint's
-            ``optimizer_state.safetensors``. ``model`` is then not read. Adapter directories over one base (the
-            same base files and adapter settings: a LoRA warm-up's epochs) share one loaded base: each holds only
-            its adapter tensors (``checkpoint_adapters``), put in place while it is prepared and scores a batch.
-        validation_batch_size: the validation pass's batch (the validation loader's examples re-batched; ``None``: the
-            data module's batch, as the pool's). With ``validation_model`` its backward is the target's: a smaller
-            batch than the pool's keeps the preparation within the device (``train.py plan --fit`` chooses it). The
-            scores do not depend on it beyond rounding (the sums' order, the padded length), so it is not
-            fingerprinted (as the batch size is not).
+            ``optimizer_state.safetensors``. ``model`` is then not read. Adapters over one base share it (each
+            holds only its adapter tensors).
+        validation_batch_size: the validation pass's batch (``None``: the data's); with ``validation_model`` the
+            target's backward (``plan --fit`` chooses it). Scores differ by rounding only: not fingerprinted.
     """
 
     @takes_settings(ScoringConfig, "scoring")
