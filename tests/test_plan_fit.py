@@ -301,3 +301,19 @@ def test_the_target_table_is_what_the_plan_gives_today():
     import plan_targets
 
     assert plan_targets.main(["--check"]) == 0
+
+
+def test_the_fits_build_store_line_runs_sharded_where_the_plan_priced_it_so(capsys):
+    """Under ``--strategy fsdp`` on several devices the plan prices the store build sharded per block (the shard,
+    the root and two gathered blocks), so the printed ``build_store`` command carries ``--strategy fsdp``; under DDP
+    (each process holding the whole model) it does not."""
+    from iprox_lightning.cli import main
+
+    common = ["plan", "--model", "llama-3.2-1b", "--devices", "8", "--precision", "bf16-mixed", "--max_length", "512",
+              "--device_memory", "80GB", "--fit", "true", "--speed_results", "/nonexistent"]
+    lines = {}
+    for strategy in ("fsdp", "ddp"):
+        main([*common, "--strategy", strategy])
+        lines[strategy] = [l for l in capsys.readouterr().out.splitlines() if "train.py build_store" in l]
+    assert len(lines["fsdp"]) == 1 and lines["fsdp"][0].endswith("--strategy fsdp")
+    assert not any("--strategy" in l for l in lines["ddp"])

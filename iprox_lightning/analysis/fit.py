@@ -371,7 +371,7 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
     stages: dict[str, dict] = {}
     plan: dict[str, Any] = {}
     store: list[str] = []
-    store_batch, store_ckpt, query_batch, score_batch = None, False, None, None
+    store_batch, store_ckpt, store_fsdp, query_batch, score_batch = None, False, False, None, None
     init = ("model", "init_args")
     for f in fits:
         s = f.settings
@@ -404,6 +404,8 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
                 _deep_set(stages.setdefault("score", {}), ("data", "init_args", "batch_size"), s["batch_size"])
                 plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
         elif f.stage == STORE or f.stage == M.PROXY_STORE:  # one build_store setting for both stores: the smaller
+            if f.run.strategy == "fsdp" and f.run.devices > 1:  # priced sharded per block: build it so
+                store_fsdp = True
             if "batch_size" in s:  # batch, checkpointing where either needs it
                 store_batch = min(store_batch or s["batch_size"], s["batch_size"])
                 plan["batch_size"] = min(plan.get("batch_size", s["batch_size"]), s["batch_size"])
@@ -442,6 +444,8 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
         store += ["--batch_size", str(store_batch)]
     if store_ckpt:
         store += ["--gradient_checkpointing", "true"]
+    if store_fsdp:
+        store += ["--strategy", "fsdp"]
     out = {"stages": stages, "build_store": store, "plan": plan_flags(plan)}
     if query_batch:
         out["query"] = ["--batch_size", str(query_batch)]
