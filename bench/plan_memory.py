@@ -513,11 +513,14 @@ def scoring_child(args: dict) -> None:
             return DataLoader(val, batch_size=None)
 
     world = args["devices"]
-    if args.get("store"):  # build_store's predict: DDP ranks, each its share of the pool
+    if args.get("store"):  # build_store's predict: each rank its share of the pool (DDP, or FSDP2 per block)
         store = GradientStoreModule(model, k=args["k"], gradient_checkpointing=args["store_checkpointing"])
         del model
         writer = GradientStoreWriter(str(Path(args["out"], "store")), write_every_n_batches=args["write_every_n_batches"])
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", logger=False,
+        sharded = args.get("strategy") == "fsdp" and world > 1  # build_store --strategy fsdp: FSDP2 per block
+        trainer = L.Trainer(accelerator="cpu", devices=world, logger=False,
+                            strategy=(ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+                                      if sharded else "ddp" if world > 1 else "auto"),
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             inference_mode=False, callbacks=[writer], precision="32-true")
         trainer.predict(store, DataLoader(pool, batch_size=None), return_predictions=False)
@@ -587,11 +590,13 @@ def scoring_main(argv: list[str]) -> None:
                     help="the store build instead (build_store's GradientStoreModule + GradientStoreWriter; DDP ranks)")
     ap.add_argument("--k", type=int, default=16, help="--store: projection rows per side")
     ap.add_argument("--store-checkpointing", action="store_true", help="--store: gradient_checkpointing")
+    ap.add_argument("--store-strategy", default="ddp", choices=["ddp", "fsdp"],
+                    help="--store: build_store --strategy (fsdp: the model sharded per block, FSDP2)")
     ap.add_argument("--write-every-n-batches", type=int, default=50, help="--store: batches per shard")
     ap.add_argument("--out", required=True, help="JSON file; a record per run is appended under 'runs'")
     a = ap.parse_args(argv)
     # ("store", not plan_scoring.py's "kind": tests/test_plan_scoring_levers_measured.py reads that script's records)
-    store = {"store": True, "strategy": "ddp", "k": a.k, "store_checkpointing": a.store_checkpointing,
+    store = {"store": True, "strategy": a.store_strategy, "k": a.k, "store_checkpointing": a.store_checkpointing,
              "write_every_n_batches": a.write_every_n_batches} if a.store else {}
     args = {**store, "shape": a.shape, "method": a.method, "devices": a.devices, "shard_layers": a.shard_layers,
             "partitions": a.partitions, "kfac_examples": a.kfac_examples, "tasks": a.tasks, "batch_size": a.batch_size,
