@@ -40,6 +40,16 @@ def _build(store, pool, *extra):
           "--batch_size", "3", "--write_every_n_batches", "1", "--progress", "false", *extra])
 
 
+
+def _vectors(store) -> dict:
+    """``{id: vector}`` of a store's shards, each id once."""
+    out = {}
+    for s in gs.iter_shards(store):
+        for i, v in zip(s["ids"], s["vectors"]):
+            assert i not in out
+            out[i] = v.clone()
+    return out
+
 def test_identity_store_query_equals_exact_tracin_and_select_reads_it(files, capsys):
     from iprox_lightning.data import SFTDataModule
     from iprox_lightning.models.loading import load_model
@@ -347,12 +357,7 @@ def test_two_process_build_equals_the_one_process_build_and_queries_alike(files,
     assert (len(raw["rank000"]), len(raw["rank001"])) == (6, 5)
     assert sorted(raw["rank000"] + raw["rank001"]) == sorted(f"p-{j}" for j in range(11))
     assert b["bytes"] == sum(os.path.getsize(f) for f in gs.shard_files(two))
-    va = {i: v.clone() for s in gs.iter_shards(one) for i, v in zip(s["ids"], s["vectors"])}
-    vb = {}
-    for s in gs.iter_shards(two):
-        for i, v in zip(s["ids"], s["vectors"]):
-            assert i not in vb
-            vb[i] = v.clone()
+    va, vb = _vectors(one), _vectors(two)
     assert sorted(va) == sorted(vb) == sorted(f"p-{j}" for j in range(11))
     for i in va:  # the factors' statistics summed in another order; float32 vectors (measured: 1.4e-5 of the largest)
         torch.testing.assert_close(vb[i], va[i], rtol=0, atol=1e-4 * float(va[i].abs().max()))
@@ -407,12 +412,7 @@ def test_fsdp_build_on_two_processes_equals_the_one_process_build(files, tmp_pat
     # the fingerprint holds the whole model's identity (taken before sharding), the same settings and pool
     assert a["fingerprint"] == b["fingerprint"] and a["layout"] == b["layout"]
     assert {Path(f).name[:7] for f in gs.shard_files(two)} == {"rank000", "rank001"}
-    va = {i: v.clone() for s in gs.iter_shards(one) for i, v in zip(s["ids"], s["vectors"])}
-    vb = {}
-    for s in gs.iter_shards(two):
-        for i, v in zip(s["ids"], s["vectors"]):
-            assert i not in vb
-            vb[i] = v.clone()
+    va, vb = _vectors(one), _vectors(two)
     assert sorted(va) == sorted(vb) == sorted(f"p-{j}" for j in range(7))
     for i in va:  # float32 products with FSDP2's gathered weights (views of one all-gather buffer) round otherwise:
         # measured 5.1e-7 of the largest (default and ATEN_CPU_CAPABILITY=avx2; the DDP build of the same batches:

@@ -30,6 +30,14 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def shard_frozen_per_block(model: nn.Module, mesh) -> None:
+    """Shard ``model`` per decoder block over a ``ModelParallelStrategy`` mesh's data-parallel dimension for a pass
+    that takes no parameter gradient (scoring, the store build): frozen first, so nothing is reduce-scattered; each
+    block regathered for its backward."""
+    model.requires_grad_(False)
+    apply_fully_shard(model, data_parallel_mesh(mesh), reshard_after_forward=True)
+
+
 def data_parallel_mesh(mesh):
     """The data-parallel dimension of a ``ModelParallelStrategy`` mesh (tensor parallelism is refused)."""
     if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..console import show_progress
-from ..engine.fsdp import apply_fully_shard, data_parallel_mesh, is_sharded
+from ..engine.fsdp import is_sharded, shard_frozen_per_block
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from ..io.fingerprint import loader_digest, model_identity
@@ -162,8 +162,7 @@ class InfluenceScoringModule(L.LightningModule):
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not is_sharded(self.net):
             self._identity = self.model_identity()  # (of the whole weights: a shard hashes as its shape only)
-            self.net.requires_grad_(False)  # (no parameter gradient is ever taken: nothing to reduce-scatter)
-            apply_fully_shard(self.net, data_parallel_mesh(mesh), reshard_after_forward=True)
+            shard_frozen_per_block(self.net, mesh)
 
     def setup(self, stage: str) -> None:
         check_predict_examples(self, stage)

@@ -27,7 +27,7 @@ from torch import nn
 from ..console import show_progress
 from ..engine.batch import to_device
 from ..engine.checkpointing import checkpointed_blocks
-from ..engine.fsdp import apply_fully_shard, data_parallel_mesh, is_sharded
+from ..engine.fsdp import is_sharded, shard_frozen_per_block
 from ..engine.model_modes import eval_mode
 from ..engine.settings import takes_settings
 from ..engine.tracking import backward_pairs
@@ -131,8 +131,7 @@ class GradientStoreModule(L.LightningModule):
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not is_sharded(self.net):
             self._identity = self.model_identity()  # (of the whole weights: a shard hashes as its shape only)
-            self.net.requires_grad_(False)  # (no parameter gradient is ever taken: nothing to reduce-scatter)
-            apply_fully_shard(self.net, data_parallel_mesh(mesh), reshard_after_forward=True)
+            shard_frozen_per_block(self.net, mesh)
 
     def model_identity(self) -> Any:
         if self._identity is not None:
