@@ -247,12 +247,18 @@ def attach_saved_adapter(model: nn.Module, path: Union[str, Path]) -> nn.Module:
         adapted = get_peft_model(model, cfg)
         result = set_peft_model_state_dict(adapted, load_file(str(p / ADAPTER_WEIGHTS)))
     adapted.peft_config["default"].base_model_name_or_path = base
+    _check_fit(result, p / ADAPTER_WEIGHTS, f"its base {cfg.base_model_name_or_path}")
+    return adapted
+
+
+def _check_fit(result, weights: Path, against: str) -> None:
+    """A ``UserInputError`` naming ``weights`` when peft's ``set_peft_model_state_dict`` ``result`` left adapter tensors
+    missing or found unexpected ones (``against``: what they were loaded into)."""
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
-        raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit its base {cfg.base_model_name_or_path} "
+        raise UserInputError(f"{weights}: does not fit {against} "
                              f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
                              f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
-    return adapted
 
 
 def shared_base_key(path: Union[str, Path]) -> Optional[str]:
@@ -302,11 +308,7 @@ def read_adapter_weights(model: nn.Module, path: Union[str, Path]) -> dict[str, 
                 q.data = torch.empty_like(q.data)
             with _peft_quiet():
                 result = set_peft_model_state_dict(model, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserInputError(f"{p / ADAPTER_WEIGHTS}: does not fit the adapters of the base it shares "
-                                 f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; "
-                                 f"{len(result.unexpected_keys)} unexpected, e.g. {list(result.unexpected_keys)[:2]})")
+        _check_fit(result, p / ADAPTER_WEIGHTS, "the adapters of the base it shares")
         return adapter_weights(model)
     finally:  # the model as it was: the caller puts the new ones in place when it uses them
         use_adapter_weights(model, before)
