@@ -153,10 +153,8 @@ def cpu_peak(args: dict) -> dict:
     figure: the device peak plus what the plan holds in host memory, which on a CPU is the same memory — the
     validation gradients' host sums (held on the host, or accumulated there in float32 before they are held in
     bfloat16: :func:`~iprox_lightning.analysis.validation_gradient_bytes`, the larger of the host's and the held
-    bytes, less what the device part already counts) and offloaded K-FAC factors (their host bytes: the plan without
-    ``kfac_offload``, whose device copy of one layer is then the host's own tensor)."""
-    import dataclasses
-
+    bytes, less what the device part already counts). Offloaded K-FAC factors are the plan's own: on a CPU
+    (``device_kind``) it counts ``kfac_offload`` as what it is there, no move."""
     from iprox_lightning.analysis import plan_stages, validation_gradient_bytes
 
     config, sizes, (acts, acts32) = _counts(args["shape"], args["layers"], args["max_length"])
@@ -168,12 +166,8 @@ def cpu_peak(args: dict) -> dict:
     if args["kind"] == "store":
         plan = stage(run, "store build")
         return {"plan": plan.to_dict(), "host": 0.0, "peak": plan.peak}
-    plan = stage(run, f"scoring ({run.method})")
+    plan = stage(run, f"scoring ({run.method})")  # (kfac_offload on a CPU: the plan counts the factors held)
     host = 0.0
-    if run.kfac_offload:  # the host's factors are the device's on a CPU (.to("cpu") of a CPU tensor is itself)
-        whole = stage(dataclasses.replace(run, kfac_offload=False), f"scoring ({run.method})")
-        host = sum(whole.parts.get(k, 0.0) for k in ("kfac_factors", "ekfac_corrections")) - \
-            plan.parts.get("kfac_factors", 0.0)
     if run.method == "tracin":
         tracked = [(l.in_features, l.out_features) for l in sizes.shape.linears if l.tracked]
         vg = validation_gradient_bytes(tracked, run.tasks, run.validation_gradients)

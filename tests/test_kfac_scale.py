@@ -408,3 +408,56 @@ def test_plan_time_counts_each_metrics_factor_passes_per_partition():
     for method, passes in (("kfac", 1), ("ekfac", 2)):
         for parts in (1, 3):
             assert flops[method, parts] == pytest.approx(pool * (1 + passes * parts * 200 / 1000), rel=1e-12)
+
+
+def _live_storages() -> dict[int, int]:
+    """``{storage address: bytes}`` of every tensor a Python object holds now (the garbage collector's view)."""
+    import gc
+
+    out = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and not o.is_meta:  # (type(): no attribute of a foreign object read)
+            s = o.untyped_storage()
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+@pytest.mark.parametrize("method,kw", [("kfac", {}), ("kfac", {"kfac_partitions": 3}),
+                                       ("kfac", {"kfac_partitions": 2, "kfac_dtype": "float64"}),
+                                       ("ekfac", {"kfac_partitions": 3, "kfac_offload": True})])
+def test_plan_fit_moments_are_the_bytes_held_at_each_eigendecomposition(method, kw, monkeypatch):
+    """``train.py plan``'s K-FAC fit moments (``fit_moments``: per module group its pass, then each weight's two
+    float64 eigendecompositions, each with the factors made before it beside the group's sums) against the tensors
+    alive when each ``torch.linalg.eigh`` is called during a real fit, brute force: every tensor any Python object
+    holds (the garbage collector's view), less those alive before the fit (the model, the batches) and the matrix
+    being decomposed. Same count, same order, and the bytes within 1 KiB each (the last batch's token mask and
+    scalars). On a CPU ``kfac_offload`` keeps the factors in the same memory (``.to("cpu")`` of a CPU tensor is
+    itself): the plan's moments for a CPU are those without it, and with it on a GPU the device holds none."""
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.float32, **SMALL)
+    mods = tracked_modules(model)
+    linears = [(v.in_features, v.out_features) for v in virtual_linears(mods)]
+    config = ScoringConfig(method=method, damping=1e-3, kfac_examples=len(FACTOR), **kw)
+    on_cpu = ScoringConfig(method=method, damping=1e-3, kfac_examples=len(FACTOR), **{**kw, "kfac_offload": False})
+    planned = [m for m in type(config.build_metric()).fit_moments(linears, on_cpu) if m["phase"] == "decompose"]
+    # (measured: 48-56 bytes over each, the scalars of the eigendecomposition under way)
+    if kw.get("kfac_offload"):
+        assert all(m["kfac_factors"] == 0 for m in type(config.build_metric()).fit_moments(linears, config))
+    factor_batches = batches(FACTOR, 6)
+    before = _live_storages()
+    seen = []
+    eigh = torch.linalg.eigh
+
+    def spy(C, *a, **k):
+        live = _live_storages()
+        seen.append((C.shape[0], sum(b for p, b in live.items() if p not in before and p != C.untyped_storage().data_ptr())))
+        return eigh(C, *a, **k)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    metric = config.build_metric()
+    metric.fit(model, mods, [v.key for v in virtual_linears(mods)], factor_batches, dtype=torch.float32)
+    assert len(seen) == len(planned) == 2 * len(linears)
+    for (n, live), m in zip(seen, planned):
+        assert m["kfac_eigh"] == 5 * 8 * n * n
+        assert 0 <= live - (m["kfac_factors"] + m["kfac_factor_sums"]) <= 1024, (n, live, m)
+    passes = [m for m in type(metric).fit_moments(linears, on_cpu) if m["phase"] == "pass"]
+    assert len(passes) == type(metric).factor_passes * kw.get("kfac_partitions", 1)  # (EK-FAC: the corrections')

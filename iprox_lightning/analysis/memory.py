@@ -53,8 +53,9 @@ device: no weights, no memory) and the run's settings. ``B`` is the per-device b
   feature transient (``[B, out, in]`` per-example gradients
   where :func:`~iprox_lightning.scoring.features.choose_mode` materialises them, else the ghost ``[B, T, K, out]``);
   K-FAC adds its factors ``in² + out²`` per tracked weight (``kfac_dtype``, float32 by default; with ``kfac_offload``
-  one layer's) and one fit pass's sums (the largest of ``kfac_partitions`` groups): ``KFAC.memory_parts``; EK-FAC also
-  its float32 scales ``[out, in]``.
+  one layer's; ``KFAC.memory_parts``), EK-FAC also its float32 scales ``[out, in]``; or, if larger, the fit's
+  largest moment (``KFAC.fit_moments``: one ``kfac_partitions`` group's sums beside a pass's activations or one
+  float64 eigendecomposition, with the factors made before it).
 * **Store build**: the frozen model, one batch's activations, the projections ``k × (in + out)`` per tracked weight,
   the per-example projected vectors ``B × Σ k_out·k_in`` buffered for ``write_every_n_batches`` batches.
 * **With the proxy** (:func:`proxy_model`: its factors at the plan's ranks): scoring against the target's validation
@@ -788,13 +789,13 @@ def _metric_settings(metric, run: RunSettings) -> tuple:
         return ()
 
     return (ScoringConfig(method=metric.name, kfac_examples=run.kfac_examples, kfac_dtype=run.kfac_dtype,
-                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload,
+                          kfac_partitions=run.kfac_partitions, kfac_offload=run.kfac_offload and run.device_kind != "cpu",
                           shard_layers=run.shard_layers),)
 
 
 FIT_PARTS = ("kfac_factor_sums", "kfac_eigh")
-"""A metric's memory parts held only while it is fitted (before the pool is scored): :func:`scoring_plan` counts the
-fit or the scoring, whichever holds more, beside the fitted state."""
+"""A metric's memory parts held only while it is fitted (before the pool is scored; ``memory_parts`` gives their
+largest): :func:`scoring_plan` counts the fit's moments (``fit_moments``) or the scoring, whichever holds more."""
 
 
 def _layer_shares(linears: list[tuple[int, int]], run: RunSettings) -> list[list[int]]:
@@ -819,10 +820,11 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
     weights' validation gradients and K-FAC state (the rank holding the most is counted), the features are computed
     for every rank's rows (``devices × B``), and one weight's pairs of every rank are gathered
     (``layer_exchange``: the sent copy, the received parts and their concatenation, ``(1 + 2·devices)·B·T·(in + out)``
-    float32 for the widest weight). A metric fitted on data (K-FAC, EK-FAC) holds its fit's parts (:data:`FIT_PARTS`:
-    a pass's sums beside one batch's activations, then the sums beside one decomposition, when FSDP's gathered root
-    and blocks are freed) before the scoring's (the activations, validation gradients, features, exchange): the larger
-    of the two phases is counted, beside the weights' shard and the fitted state both hold."""
+    float32 for the widest weight). A metric fitted on data (K-FAC, EK-FAC) runs its fit before the scoring: of its
+    moments (``fit_moments``: a pass's sums beside one batch's activations, then the sums beside one decomposition,
+    when FSDP's gathered root and blocks are freed; each with the factors made before it) the largest is counted if
+    it exceeds the scoring's parts (the fitted state, activations, validation gradients, features, exchange). On a
+    CPU (``device_kind``) ``kfac_offload`` moves nothing: the host is the device."""
     metric = planned_metrics()[method]
 
     wb, T, B, K = weight_bytes(run.precision), run.max_length, run.batch_size, run.tasks
@@ -853,20 +855,18 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
                            if sharded else 0.0),
     }
 
+    settings = _metric_settings(metric, run)
     world = {"world": run.devices} if "world" in inspect.signature(metric.memory_parts).parameters else {}
-    own = metric.memory_parts(linears, *_metric_settings(metric, run), **world)
-    fit = {k: own.pop(k) for k in FIT_PARTS if k in own}
-    parts.update(own)
-    if fit:  # the fit, then the scoring: the larger of the two is the peak (the other phase's parts are not held)
-        # fit: a pass holds its sums beside one batch's activations, then the decompositions beside the sums
-        # (the decompositions run after the pass: FSDP's gathered root and blocks are freed then)
-        fit_phase = {"kfac_factor_sums": fit.get("kfac_factor_sums", 0.0)}
-        fit_phase.update({"activations": parts["activations"], "weights": weights + gathered}
-                         if parts["activations"] + gathered >= fit.get("kfac_eigh", 0.0)
-                         else {"kfac_eigh": fit.get("kfac_eigh", 0.0), "weights": weights})
-        scoring_only = ("activations", "validation_gradients", "validation_layer", "features", "layer_exchange")
-        if sum(fit_phase.values()) > sum(parts[k] for k in (*scoring_only, "weights")):
-            parts = {**{k: v for k, v in parts.items() if k not in scoring_only}, **fit_phase}
+    own = metric.memory_parts(linears, *settings, **world)
+    parts.update({k: v for k, v in own.items() if k not in FIT_PARTS})
+    # the fit, then the scoring: the larger of the two is the peak (the other phase's parts are not held). A pass
+    # holds one batch's activations (and FSDP's gathered root and blocks); the decompositions run after it
+    moments = [{**{k: v for k, v in m.items() if k != "phase"},
+                **({"activations": parts["activations"], "weights": weights + gathered} if m["phase"] == "pass"
+                   else {"weights": weights})} for m in metric.fit_moments(linears, *settings, **world)]
+    fit_phase = max(moments, key=lambda m: sum(m.values()), default=None)
+    if fit_phase is not None and sum(fit_phase.values()) > sum(parts.values()):
+        parts = fit_phase
     passes = vg["passes"]
     n_val = run.validation_examples * (passes + 1 if passes > 1 else 1)  # column groups: the norm's pass, then each
     f = scoring_flops(sizes.shape, n_train=run.pool_size * passes, n_val=n_val, seq_len=T,

@@ -151,6 +151,24 @@ def owners_by_size(sizes: Mapping[str, float], partitions: int, world: int) -> d
     return owner
 
 
+def _rank_groups(linears: Sequence[tuple[int, int]], config, world: int) -> list[list[list[int]]]:
+    """Per rank counted by the plan, the module groups of a K-FAC fit (indexes into ``linears``, the model's order):
+    the ``kfac_partitions`` groups of :func:`balanced_groups` (every rank's, without ``shard_layers``), or with
+    ``shard_layers`` on ``world`` ranks each rank's owned share of each (:func:`owners_by_size`)."""
+    sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
+    groups = [sorted(int(j) for j in g) for g in balanced_groups(sizes, config.kfac_partitions)]
+    if not (getattr(config, "shard_layers", False) and world > 1):
+        return [groups]
+    owner = owners_by_size(sizes, config.kfac_partitions, world)
+    return [[[j for j in g if owner[str(j)] == r] for g in groups] for r in range(world)]
+
+
+def _eigens_bytes(n: int, factor_bytes: float) -> float:
+    """One side's eigendecomposition as :meth:`KFACFactors.eigens` keeps it: ``n × n`` eigenvectors in the sums'
+    dtype, ``n`` float64 eigenvalues and a float64 trace."""
+    return factor_bytes * n * n + 8.0 * n + 8.0
+
+
 def _weight_module(key: str) -> str:
     """The tracked module of weight ``key`` (``<module>.weight``, a LowRankLinear's ``<module>.A`` / ``.B``)."""
     return key.rsplit(".", 1)[0]
@@ -207,9 +225,11 @@ class KFACFactors(WeightPairTracker):
                 if owned is None or key in owned:
                     C = S.double() / n
                     C = 0.5 * (C + C.t())
+                    tr = torch.trace(C).reshape(())
                     e, Q = torch.linalg.eigh(C)
-                    part = {f"Q_{side}": Q.to(S.dtype), f"e_{side}": e, f"tr_{side}": torch.trace(C).reshape(())}
                     del C
+                    part = {f"Q_{side}": Q.to(S.dtype), f"e_{side}": e, f"tr_{side}": tr}
+                    del Q  # (float64: freed before the next decomposition, where it would sit beside its workspace)
                 else:
                     part = {f"Q_{side}": torch.zeros_like(S), f"e_{side}": S.new_zeros(len(S), dtype=torch.float64),
                             f"tr_{side}": S.new_zeros((), dtype=torch.float64)}
@@ -380,6 +400,14 @@ class InfluenceMetric:
         the setting that lowers each part). A metric whose memory depends on the scoring settings takes them as a
         second parameter ``config`` (the run's :class:`~.config.ScoringConfig`; K-FAC's ``kfac_*`` options)."""
         return {}
+
+    @classmethod
+    def fit_moments(cls, linears: Sequence[tuple[int, int]], *settings, world: int = 1) -> list[dict[str, Any]]:
+        """The moments of most memory per device while :meth:`fit` runs, in their order (``[]``: nothing to fit;
+        ``settings`` as :meth:`memory_parts` takes them): dicts of bytes by part, each with a ``phase``: ``"pass"``
+        (a pass over the factor data: the caller adds one batch's activations) or ``"decompose"`` (after a pass).
+        ``train.py plan`` counts the largest of them, or the scoring's parts if those are larger."""
+        return []
 
     @property
     def needs_factor_data(self) -> bool:
@@ -588,6 +616,31 @@ class KFAC(InfluenceMetric, name="kfac"):
         eigh = 5 * 8.0 * max((max(i, o) ** 2 for i, o in linears), default=0)
         return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}, mine
 
+    @classmethod
+    def fit_moments(cls, linears, config: "ScoringConfig", world: int = 1) -> list[dict[str, Any]]:
+        """See :meth:`InfluenceMetric.fit_moments`: per module group (``kfac_partitions``, :func:`balanced_groups` as
+        :meth:`fit` makes them) its pass (the group's sums, ``kfac_factor_sums``) and then each of its weights'
+        two float64 eigendecompositions, input side first (``kfac_eigh``: ``5 · 8 · n²`` for the side's ``n``, as
+        :meth:`memory_parts`), beside the sums; each moment with ``kfac_factors``, the factors decomposed before it
+        and held on the device (the eigenvectors in the sums' dtype, float64 eigenvalues and traces; none with
+        ``kfac_offload``, which moves each side's to the host when it is made). So a partitioned fit holds the early
+        groups' factors beside a later group's sums, never every factor beside the largest sums. With
+        ``shard_layers`` on several ranks each rank sums and decomposes its owned share of each group (every rank's
+        moments are listed); without it every rank holds the group's sums and, after each weight, its factors."""
+        fb = 8.0 if config.kfac_dtype == "float64" else 4.0
+        moments = []
+        for rank_groups in _rank_groups(linears, config, world):
+            held = 0.0
+            for g in rank_groups:
+                sums = fb * sum(i * i + o * o for i, o in (linears[j] for j in g))
+                moments.append({"phase": "pass", "kfac_factors": held, "kfac_factor_sums": sums})
+                for j in g:
+                    for n in linears[j]:  # (in, out): C_h, then C_δ
+                        moments.append({"phase": "decompose", "kfac_factors": held, "kfac_factor_sums": sums,
+                                        "kfac_eigh": 5 * 8.0 * n * n})
+                        held += 0.0 if config.kfac_offload else _eigens_bytes(n, fb)
+        return moments
+
     def __init__(self, config: "ScoringConfig") -> None:
         super().__init__(config)
         c = self.config
@@ -793,6 +846,21 @@ class EKFAC(KFAC, name="ekfac"):
         parts, mine = KFAC._memory_parts(linears, dataclasses.replace(c, method="ekfac"), world)
         scales = 0.0 if c.kfac_offload else sum(4.0 * linears[j][0] * linears[j][1] for j in mine)
         return {**parts, "kfac_factors": parts["kfac_factors"] - scales, "ekfac_corrections": scales}
+
+    @classmethod
+    def fit_moments(cls, linears, config: "ScoringConfig", world: int = 1) -> list[dict[str, Any]]:
+        """K-FAC's fit moments (:meth:`KFAC.fit_moments`), then per group the pass of the eigenvalue corrections:
+        every factor of the rank held (on the device unless ``kfac_offload``) beside the group's correction sums
+        (``in · out`` per weight in the sums' dtype); each group's corrections go to the host after its pass."""
+        c = dataclasses.replace(config, method="ekfac")
+        fb = 8.0 if c.kfac_dtype == "float64" else 4.0
+        moments = KFAC.fit_moments(linears, c, world)
+        for rank_groups in _rank_groups(linears, c, world):
+            held = 0.0 if c.kfac_offload else sum(_eigens_bytes(n, fb) for g in rank_groups for j in g
+                                                  for n in linears[j])
+            moments += [{"phase": "pass", "kfac_factors": held,
+                         "kfac_factor_sums": fb * sum(linears[j][0] * linears[j][1] for j in g)} for g in rank_groups]
+        return moments
 
     def base_metric(self) -> KFAC:
         """The K-FAC metric whose eigenbases this one corrects (same options): its factors are shared on disk."""
