@@ -198,9 +198,13 @@ class Effect:
         warm = self.out / "less" / "warmup"
         builtin = a.pool == "builtin"
         demo = [cfg / "builtin" / "warmup.yaml"] if builtin else []
+        resume = warm / "resume"  # a Lightning checkpoint per epoch: an interrupted warm-up goes on from its last
         wov = {"seed_everything": a.seed,
                "trainer": {"default_root_dir": str(self.out / "lightning"), "limit_val_batches": 0,
-                           "num_sanity_val_steps": 0, "logger": False},
+                           "num_sanity_val_steps": 0, "logger": False, "enable_checkpointing": True,
+                           "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                          "init_args": {"dirpath": str(resume), "filename": "last",
+                                                        "enable_version_counter": False}}]},  # (one file, each epoch's)
                "model": {"init_args": {"model": a.model, "save_dir": str(warm)}},
                "data": {"init_args": {"pool": a.pool, "validation": None, "tokenizer": a.model, "seed": a.seed,
                                       "max_length": a.max_length, "train_split": "warmup"}}}
@@ -209,7 +213,10 @@ class Effect:
         epochs = 4  # configs/less/warmup.yaml's
         last = warm / "adapters" / f"epoch_{epochs}" / "optimizer_state.safetensors"
         self.st.run("less:warmup", "fit", [cfg / "warmup.yaml", *demo, cfg / "less" / "warmup.yaml"], wov, wfp, last,
-                    clean=warm)
+                    clean=warm, resume=lambda: {"ckpt_path": str(resume / "last.ckpt")}
+                    if (resume / "last.ckpt").exists() else {})
+        if resume.exists():  # (the base model's weights and the optimiser: not a result)
+            shutil.rmtree(resume)
         d = self.out / "scores" / "less"
         val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
         sov = {"seed_everything": a.seed,
@@ -225,7 +232,7 @@ class Effect:
                "validation": val, "config": config_text(cfg / "less" / "score.yaml"),
                "settings": {k: sov["data"]["init_args"][k] for k in ("max_length", "batch_size")}}
         self.st.run("score:less", "predict", [cfg / "score.yaml", cfg / "less" / "score.yaml"], sov, sfp,
-                    d / "scores.parquet", clean=d)
+                    d / "scores.parquet", clean=d, resume=lambda: {})  # (the writer skips the ids it holds)
         return d / "scores.parquet"
 
     def store_paths(self, source: str) -> tuple[Path, Path]:

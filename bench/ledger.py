@@ -82,6 +82,14 @@ def check_local_inputs(ap, args, names=("model", "pool", "eval_dir")) -> None:
                      f"{ROOT.parent / 'shared'}; pass the path)")
 
 
+def _merged(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra``'s entries, nested dicts merged (a stage's overlay and its resumption's)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _remove(path: Path) -> None:
     """Delete a stage output, a directory or a file."""
     shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -135,12 +143,19 @@ class Stages:
         write_kept(self.path, self.state)
 
     def run(self, key: str, subcommand: str, configs: list[Path], overlay: dict, fingerprint: dict,
-            done: Path, clean: Path | None = None) -> dict:
+            done: Path, clean: Path | None = None, resume: Callable[[], dict] | None = None) -> dict:
+        """Run stage ``key`` unless its record has these settings and ``done`` exists. ``resume`` (a stage whose
+        command continues its own partial output: a score directory's writer skips the ids it holds, a fit restarts
+        from its last checkpoint): a run of the same settings that did not finish (its ``pending`` mark in the
+        state, written before the command starts) keeps its partial output, which is not set aside, and the command
+        gets ``resume()``'s overlay too (e.g. ``ckpt_path``); the record lists the resumed attempts."""
         rec = self.state["stages"].get(key)
         fp = json.dumps(fingerprint, sort_keys=True)
-        # the record's settings equal these, up to outcome-neutral lines
-        same = rec is not None and (rec.get("fingerprint") == fp or canonical_fingerprint(
-            rec["fingerprint"]) == canonical_fingerprint(fp))
+
+        def equal(a: str | None) -> bool:  # the settings equal these, up to outcome-neutral lines
+            return a is not None and (a == fp or canonical_fingerprint(a) == canonical_fingerprint(fp))
+
+        same = rec is not None and equal(rec.get("fingerprint"))
         if same and (done.exists() or self.read_only):
             # the stored record (stages downstream were fingerprinted with it); a read-only summary rewrite takes it
             # for an output deleted since
@@ -154,8 +169,18 @@ class Stages:
             self.log(f"stage {key}: would run")
             return {}
         target = clean or done
+        pending = self.state.setdefault("pending", {})
+        resuming = resume is not None and not same and equal(pending.get(key, {}).get("fingerprint")) \
+            and target.exists()
+        if resuming:
+            overlay = _merged(overlay, resume())
+            self.log(f"stage {key}: resuming the unfinished run of these settings in {target}")
         set_aside = self._set_aside(key, target, "no record" if rec is None else "settings changed") \
-            if done.exists() or (clean is not None and clean.exists()) else None
+            if not resuming and (done.exists() or (clean is not None and clean.exists())) else None
+        if resume is not None:
+            attempts = pending[key]["attempts"] if resuming else []
+            pending[key] = {"fingerprint": fp, "attempts": [*attempts, time.strftime("%Y-%m-%d %H:%M:%S")]}
+            self.save()
         try:
             printable, wall, cpu_s, peak_rss = self._execute(key, subcommand, configs, overlay, done)
         except BaseException:  # a failure or Ctrl-C: the previous output comes back, whatever was half-written goes
@@ -181,6 +206,9 @@ class Stages:
             rec = {**rec, "rebuilt": [*rec.get("rebuilt", []), run]}
         else:
             rec = {"fingerprint": fp, **run}
+        if resume is not None and len(pending.get(key, {}).get("attempts", [])) > 1:
+            rec["resumed"] = pending[key]["attempts"]  # this run's starts: the first, then each resumption
+        pending.pop(key, None)
         self.state["stages"][key] = rec
         self.save()
         self.log(f"stage {key}: done in {wall:.0f}s (CPU {cpu_s:.0f}s)")

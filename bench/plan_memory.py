@@ -454,6 +454,7 @@ SCORING_SHAPES = {
                    num_attention_heads=16, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
                    max_position_embeddings=2048),
     "tiny": STAGE1_SHAPES["tiny"],
+    "wide": STAGE1_SHAPES["wide"],  # the 8B width and vocabulary, two blocks (~6 GB of float32 weights per rank)
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from lightning.pytorch.callbacks import Callback
 from reference_rules import balanced_brute
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -740,10 +741,28 @@ def test_fresh_selectors_leave_out_the_heldout_source_and_face_random_subsets_of
     assert "Fresh-candidates control" in (out / "summary.md").read_text()
 
 
-def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_max(fidelity_dir, tmp_path):
+class StopAtEpoch(Callback):
+    """Records each training epoch it sees in ``log`` and fails at the start of epoch ``stop`` (0-based) while ``flag``
+    exists, removing it: an interrupted warm-up (a callback the stage's command imports by class path)."""
+
+    def __init__(self, log: str, flag: str, stop: int) -> None:
+        self.epochs_file, self.flag, self.stop = log, Path(flag), stop
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        with open(self.epochs_file, "a") as f:
+            f.write(f"{trainer.current_epoch}\n")
+        if trainer.current_epoch == self.stop and self.flag.exists():
+            self.flag.unlink()
+            raise RuntimeError("interrupted (test)")
+
+
+def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_max(fidelity_dir, tmp_path,
+                                                                                   monkeypatch):
     """Selector ``less+max`` (issue 66): its own LoRA warm-up (``configs/less/warmup.yaml``, a checkpoint per epoch),
     ``method: less`` over the 4 checkpoints (``configs/less/score.yaml``), then the product's select with LESS's max;
-    a second invocation re-runs nothing."""
+    a second invocation re-runs nothing. The warm-up is interrupted at the start of its third epoch: the next
+    invocation keeps the two epochs' adapters (same bytes) and goes on from the last Lightning checkpoint (epochs 2
+    and 3 only), the record listing both starts; the checkpoint is removed once the warm-up is done."""
     from iprox_lightning.selection.select import select
 
     out = tmp_path / "effect"
@@ -751,9 +770,34 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
             "--eval-dir", "builtin", "--tasks", "addition", "--priority-tasks", "addition", "--selectors", "less+max",
             "--random-seeds", "0", "--k", "0.2", "--epochs", "1", "--max-length", "48", "--eval-max-length", "48",
             "--builtin-per-task", "8", "--bootstrap", "50", "--threads", "1", "--in-process"]
-    effect.main(argv)
+    epochs, flag = tmp_path / "epochs.txt", tmp_path / "interrupt"
+    flag.touch()
+    execute = ledger.Stages._execute
+
+    def with_stop(self, key, subcommand, configs, overlay, done):
+        if key == "less:warmup":
+            stop = {"class_path": "test_bench_effect.StopAtEpoch",
+                    "init_args": {"log": str(epochs), "flag": str(flag), "stop": 2}}
+            overlay = {**overlay, "trainer": {**overlay["trainer"],
+                                              "callbacks": [*overlay["trainer"]["callbacks"], stop]}}
+        return execute(self, key, subcommand, configs, overlay, done)
+
+    monkeypatch.setattr(ledger.Stages, "_execute", with_stop)
+    monkeypatch.setenv("IPROX_ALLOW_IMPORTS", "test_bench_effect")
+    effect.main(argv)  # (a selector that fails is reported, the others go on)
+    state = json.loads((out / "state.json").read_text())
+    assert "less:warmup" not in state["stages"] and len(state["pending"]["less:warmup"]["attempts"]) == 1
     warm = out / "less" / "warmup" / "adapters"
+    assert sorted(p.name for p in warm.iterdir()) == ["epoch_1", "epoch_2"]
+    first = {p: p.read_bytes() for p in sorted(warm.rglob("*.safetensors"))}
+    assert (out / "less" / "warmup" / "resume" / "last.ckpt").exists()
+    effect.main(argv)
+    assert epochs.read_text().split() == ["0", "1", "2", "2", "3"]  # the resumption starts at the third epoch
     assert sorted(p.name for p in warm.iterdir()) == ["epoch_1", "epoch_2", "epoch_3", "epoch_4", "final"]
+    assert all(p.read_bytes() == b for p, b in first.items())
+    assert not (out / "less" / "warmup" / "resume").exists()
+    record = json.loads((out / "state.json").read_text())
+    assert len(record["stages"]["less:warmup"]["resumed"]) == 2 and not record["pending"]
     table = out / "scores" / "less" / "scores.parquet"
     settings = json.loads((table.parent / "settings.json").read_text())["fingerprint"]["settings"]
     assert settings["method"] == "less" and len(settings["checkpoint_weights"]) == 4
