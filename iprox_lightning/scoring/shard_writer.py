@@ -88,7 +88,7 @@ class BufferedShardWriter(BasePredictionWriter):
         trainer.strategy.barrier()
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        if prediction is None:
+        if not prediction:  # (None, or {}: a batch with nothing left to write)
             return
         self._buffer.append(prediction)
         self._batches += 1

@@ -264,7 +264,9 @@ class GradientStoreModule(L.LightningModule):
             mine = torch.tensor(float(sum(self.trainer.num_predict_batches)), device=self.device)
             self._max_steps = int(self.trainer.strategy.reduce(mine, reduce_op="max").item())
 
-    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict | None:
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        """The batch's projected rows; ``{}`` where every row is stored already (a resumed build: nothing to write,
+        and no ``None``, which Lightning takes for a forgotten return and warns about)."""
         self._steps += 1
         self._last = batch
         lockstep = is_sharded(self.net)
@@ -273,7 +275,7 @@ class GradientStoreModule(L.LightningModule):
         if not bool(keep.any()):
             if lockstep:
                 self._idle_step(batch)
-            return None
+            return {}
         if not bool(keep.all()):
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
 
