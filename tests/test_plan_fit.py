@@ -228,20 +228,20 @@ def test_pipeline_plan_auto_on_the_demo(capsys):
 
 def test_pipeline_plan_auto_follows_proxy_validation(capsys):
     """``pipeline --plan auto --proxy_validation proxy`` plans the proxy's scoring against its own validation gradients
-    (no target held): Llama-3.2-1B on 8 devices of 20 GB under FSDP (the proxy's scoring is DDP: both models on every
+    (no target held): Llama-3.2-1B on 8 devices of 21 GB under FSDP (the proxy's scoring is DDP: both models on every
     rank), where with the target's validation gradients (the default) the proxy's row needs a validation batch below
     the scoring batch and with its own needs none; each overlay is the fit of its own run's rows."""
     kw = dict(target="llama-3.2-1b", demo=False,
               hardware={"accelerator": "gpu", "devices": 8, "strategy": "fsdp", "precision": "bf16-mixed"})
     plans, proxy_rows = {}, {}
     for pv in ("target", "proxy"):
-        plans[pv] = _demo_plan("auto", "20GB", proxy_validation=pv, **kw)["score"]
+        plans[pv] = _demo_plan("auto", "21GB", proxy_validation=pv, **kw)["score"]
         proxy_rows[pv] = capsys.readouterr().out.split("scoring with the proxy (tracin): ", 1)[1].split(" | ")[0]
         runs, sizes_of = F.pipeline_runs(_pipeline_configs(), target=kw["target"], hardware=kw["hardware"],
                                          sparsity=0.5, align_epochs=None, method="tracin", lora=None,
                                          validation="builtin", proxy_validation=pv)
         (run,) = [r for stages, r in runs if M.PROXY_SCORING in stages]
-        (f,) = F.fit_stages(*sizes_of(run), run, M.parse_bytes("20GB"), [M.PROXY_SCORING])
+        (f,) = F.fit_stages(*sizes_of(run), run, M.parse_bytes("21GB"), [M.PROXY_SCORING])
         assert run.proxy_validation == pv and proxy_rows[pv] == "; ".join(f.levers)
     vb = plans["target"]["model"]["init_args"]["validation_batch_size"]
     assert 1 <= vb < plans["target"]["data"]["init_args"]["batch_size"]

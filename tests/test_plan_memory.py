@@ -98,8 +98,9 @@ def test_fsdp_divides_the_sharded_state_and_bf16_true_halves_it():
 
 def test_the_fsdp_store_build_counts_the_sharded_weights_as_scoring_does():
     """``build_store --strategy fsdp`` shards the model per decoder block as the scorer does: the store build's
-    weights are the shard, the root's weights and two gathered blocks (scoring's under fsdp), with no DDP broadcast;
-    the DDP row keeps the whole weights and the broadcast."""
+    weights are the shard, the root's weights, two gathered blocks and FSDP2's gather transient (the larger of the
+    root and a block once more: a group's all-gather buffer beside its unsharded copy; scoring's under fsdp), with no
+    DDP broadcast; the DDP row keeps the whole weights and the broadcast."""
     config = M.load_config("llama-3.1-8b")
     sizes = M.ModelSizes.from_config(config)
     acts = M.Activations(outside=0, per_layer=0, layer_input=0)
@@ -108,7 +109,8 @@ def test_the_fsdp_store_build_counts_the_sharded_weights_as_scoring_does():
     fsdp = M.store_plan(sizes, acts, M.RunSettings(**common, strategy="fsdp")).parts
     scoring = M.scoring_plan(sizes, acts, M.RunSettings(**common, strategy="fsdp"), "tracin").parts
     root = sizes.params - config.num_hidden_layers * sizes.largest_block
-    assert fsdp["weights"] == scoring["weights"] == 4 * (sizes.params / 8 + root + 2 * sizes.largest_block)
+    gathered = root + 2 * sizes.largest_block + max(root, sizes.largest_block)
+    assert fsdp["weights"] == scoring["weights"] == 4 * (sizes.params / 8 + gathered)
     assert "weights_broadcast" not in fsdp and fsdp["weights"] < ddp["weights"] == 4 * sizes.params
     assert ddp["weights_broadcast"] == M.ddp_state_broadcast_bytes(sizes, 4)  # (acts 0: the broadcast is larger)
     one = M.store_plan(sizes, acts, M.RunSettings(precision="bf16-mixed", strategy="fsdp")).parts

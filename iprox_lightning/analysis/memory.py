@@ -842,9 +842,8 @@ def scoring_plan(sizes: ModelSizes, acts: Activations, run: RunSettings, method:
         size = rows * l.out_features * l.in_features if mode == "materialize" else rows * T * Kg * l.out_features
         feat = max(feat, 4.0 * size)
     weights, gathered = sizes.params * wb, 0.0
-    if run.strategy == "fsdp" and run.devices > 1:  # the shard, and while the model runs the root and two blocks
-        root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
-        weights, gathered = sizes.params * wb / run.devices, (root + 2 * sizes.largest_block) * wb
+    if run.strategy == "fsdp" and run.devices > 1:  # the shard, and while the model runs the gathered root and blocks
+        weights, gathered = sizes.params * wb / run.devices, fsdp_frozen_gathered_bytes(sizes, wb)
     parts = {
         "weights": weights + gathered,
         "activations": acts.total(sizes.shape.num_layers, max(B, run.validation_batch)),  # the larger pass's
@@ -1014,6 +1013,19 @@ def store_disk_bytes(sizes: ModelSizes, run: RunSettings) -> float:
     return 2.0 * dim * run.pool_size
 
 
+def fsdp_frozen_gathered_bytes(sizes: ModelSizes, wb: float) -> float:
+    """Beside its shard, what a rank holds gathered while a model sharded per decoder block by FSDP2
+    (``engine/fsdp.shard_frozen_per_block``: scoring and the store build under strategy ``fsdp``) runs: the root's
+    weights (embeddings, head, norm: gathered through the step), two blocks (the one running and the next, prefetched),
+    and a gather's transient: FSDP2 all-gathers a group into one buffer and copies it out into the group's unsharded
+    weights, so the group is held twice until the copy is done (the root's, at the step's start, when it is the
+    larger; else a block's). Measured on 2 gloo ranks: an embedding alone peaks at twice its size over the shard; an
+    embedding and head of 256 MiB with 32 MiB blocks at 585 MiB over the shards, this count 576; the store build at
+    width 2048 / vocabulary 32k 0.77 of the plan without the transient."""
+    root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
+    return (root + 2 * sizes.largest_block + max(root, sizes.largest_block)) * wb
+
+
 _DDP_SYNC_BUCKET = 250 * 2**20  # lightning.pytorch.overrides.distributed._sync_module_states's bucket (bytes)
 
 
@@ -1052,9 +1064,8 @@ def store_plan(sizes: ModelSizes, acts: Activations, run: RunSettings) -> StageP
     dim = sum(min(k, l.out_features) * min(k, l.in_features) for l in tracked)
     weights = sizes.params * wb
     fsdp = run.strategy == "fsdp" and run.devices > 1
-    if fsdp:  # the shard, and while the model runs the root and two blocks (as scoring_plan)
-        root = max(sizes.params - sizes.shape.num_layers * sizes.largest_block, 0)
-        weights = sizes.params * wb / run.devices + (root + 2 * sizes.largest_block) * wb
+    if fsdp:  # the shard, and while the model runs the gathered root and blocks (as scoring_plan)
+        weights = sizes.params * wb / run.devices + fsdp_frozen_gathered_bytes(sizes, wb)
     parts = {
         "weights": weights,
         "activations": acts.total(sizes.shape.num_layers, B, checkpointing=run.store_gradient_checkpointing,
