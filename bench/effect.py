@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
 from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, logger_overlay,  # bench/: the stage ledger
-                    read_kept, recorded_hosts, splice_docs)
+                    read_kept, recorded_hosts, same_settings, splice_docs)
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 # the benchmark's three other jobs, each its own file: the selector grammar, the statistics, the tables (their public
 # names are this script's too: bench/tables.py and the tests read them here)
@@ -443,7 +443,9 @@ class Effect:
             key = self.ft_key(key, ft_seed)
             rec = self.st.state["stages"].get(f"finetune:{key}")
             fp = json.dumps(self.finetune_fingerprint(selection, ft_seed), sort_keys=True)
-            if rec is not None and rec["fingerprint"] == fp and not self.evals_todo(key, fp, tasks)[2]:
+            # the ledger's equality (up to outcome-neutral config lines), and the recorded text the evaluations carry
+            if rec is not None and same_settings(rec["fingerprint"], fp) and \
+                    not self.evals_todo(key, rec["fingerprint"], tasks)[2]:
                 return  # fine-tuned and evaluated with these settings (the weights were not kept)
             model_dir, rec = self.finetune(key, selection, ft_seed)
             fp = rec.get("fingerprint", "")

@@ -65,6 +65,12 @@ def canonical_fingerprint(fp: str) -> str:
     return json.dumps(norm(json.loads(fp)), sort_keys=True)
 
 
+def same_settings(recorded: str | None, fp: str) -> bool:
+    """Whether a recorded stage fingerprint and ``fp`` (JSON) are the same settings, up to outcome-neutral lines
+    (:func:`canonical_fingerprint`): what decides that a recorded stage stands."""
+    return recorded is not None and (recorded == fp or canonical_fingerprint(recorded) == canonical_fingerprint(fp))
+
+
 LOCAL_SUFFIXES = (".gguf", ".jsonl", ".json", ".parquet", ".arrow", ".csv", ".safetensors")
 
 
@@ -152,8 +158,8 @@ class Stages:
         rec = self.state["stages"].get(key)
         fp = json.dumps(fingerprint, sort_keys=True)
 
-        def equal(a: str | None) -> bool:  # the settings equal these, up to outcome-neutral lines
-            return a is not None and (a == fp or canonical_fingerprint(a) == canonical_fingerprint(fp))
+        def equal(a: str | None) -> bool:
+            return same_settings(a, fp)
 
         same = rec is not None and equal(rec.get("fingerprint"))
         if same and (done.exists() or self.read_only):

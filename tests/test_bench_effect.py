@@ -798,6 +798,19 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
     assert not (out / "less" / "warmup" / "resume").exists()
     record = json.loads((out / "state.json").read_text())
     assert len(record["stages"]["less:warmup"]["resumed"]) == 2 and not record["pending"]
+    # a fine-tune recorded under a config text that differs by a comment (the shipped config edited since) stands:
+    # its weights are gone (not kept), its evaluations carry the recorded text, and nothing is fine-tuned again
+    ft = record["stages"]["finetune:random:0"]
+    fp = json.loads(ft["fingerprint"])
+    ft["fingerprint"] = json.dumps({**fp, "config": "# an older comment\n" + fp["config"]}, sort_keys=True)
+    evals = out / "evals" / f"{fv2.dir_name('random:0')}.json"
+    e = json.loads(evals.read_text())
+    for t in e["tasks"].values():  # (as they were made: from the recorded text)
+        t["fingerprint"] = effect.json_digest([ft["fingerprint"], t["heldout_digest"], 48])
+    evals.write_text(json.dumps(e, indent=1))
+    (out / "state.json").write_text(json.dumps(record, indent=1))
+    effect.main(argv)
+    assert json.loads((out / "state.json").read_text())["stages"] == record["stages"]
     table = out / "scores" / "less" / "scores.parquet"
     settings = json.loads((table.parent / "settings.json").read_text())["fingerprint"]["settings"]
     assert settings["method"] == "less" and len(settings["checkpoint_weights"]) == 4
