@@ -589,6 +589,7 @@ class Effect:
         score tables); ``None`` when ``key`` names no selector of this run."""
         if key == "base":
             return self.target_fp
+        stage = f"finetune:{key}"
         key, ft_seed = split_finetune_seed(key)
         task, _, sel = key.rpartition("/")
         known = sel.startswith("random:") or sel in self.args.selectors
@@ -596,8 +597,10 @@ class Effect:
             return None
         memo = self.__dict__.setdefault("_model_fp", {})  # one select per key and process: settings do not change
         if (key, ft_seed) not in memo:
-            memo[key, ft_seed] = json.dumps(self.finetune_fingerprint(self.selection(task or None, sel), ft_seed),
-                                            sort_keys=True)
+            fp = json.dumps(self.finetune_fingerprint(self.selection(task or None, sel), ft_seed), sort_keys=True)
+            rec = self.st.state["stages"].get(stage)  # the same settings recorded in other words: their text
+            memo[key, ft_seed] = rec["fingerprint"] if rec is not None and same_settings(rec["fingerprint"], fp) \
+                else fp
         return memo[key, ft_seed]
 
     def store_vs_exact(self, source: str = "target") -> dict | None:

@@ -811,6 +811,8 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
     (out / "state.json").write_text(json.dumps(record, indent=1))
     effect.main(argv)
     assert json.loads((out / "state.json").read_text())["stages"] == record["stages"]
+    meta = json.loads((out / "summary.json").read_text())["meta"]
+    assert meta["not_reported"] == []  # and its evaluations are reported
     table = out / "scores" / "less" / "scores.parquet"
     settings = json.loads((table.parent / "settings.json").read_text())["fingerprint"]["settings"]
     assert settings["method"] == "less" and len(settings["checkpoint_weights"]) == 4
