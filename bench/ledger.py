@@ -157,11 +157,7 @@ class Stages:
         gets ``resume()``'s overlay too (e.g. ``ckpt_path``); the record lists the resumed attempts."""
         rec = self.state["stages"].get(key)
         fp = json.dumps(fingerprint, sort_keys=True)
-
-        def equal(a: str | None) -> bool:
-            return same_settings(a, fp)
-
-        same = rec is not None and equal(rec.get("fingerprint"))
+        same = rec is not None and same_settings(rec.get("fingerprint"), fp)
         if same and (done.exists() or self.read_only):
             # the stored record (stages downstream were fingerprinted with it); a read-only summary rewrite takes it
             # for an output deleted since
@@ -176,7 +172,7 @@ class Stages:
             return {}
         target = clean or done
         pending = self.state.setdefault("pending", {})
-        resuming = resume is not None and not same and equal(pending.get(key, {}).get("fingerprint")) \
+        resuming = resume is not None and not same and same_settings(pending.get(key, {}).get("fingerprint"), fp) \
             and target.exists()
         if resuming:
             overlay = _merged(overlay, resume())
