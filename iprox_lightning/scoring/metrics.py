@@ -597,13 +597,9 @@ class KFAC(InfluenceMetric, name="kfac"):
         def whitening(i, o):  # float32, on the device
             return copy * (i * i + o * o) + (8.0 + 4.0 * i * o if scaled else 4.0 * (i + o))
 
-        sizes = {str(j): i * i + o * o for j, (i, o) in enumerate(linears)}
-        groups = balanced_groups(sizes, c.kfac_partitions)
-        ranks = [list(range(len(linears)))]  # the layers each rank holds
-        if getattr(c, "shard_layers", False) and world > 1:
-            owner = owners_by_size(sizes, c.kfac_partitions, world)
-            ranks = [[j for j in range(len(linears)) if owner[str(j)] == r] for r in range(world)]
-            groups = [[j for j in g if owner[j] == r] for g in groups for r in range(world)]
+        rank_groups = _rank_groups(linears, c, world)
+        ranks = [sorted(j for g in rg for j in g) for rg in rank_groups]  # the layers each rank holds
+        groups = [g for rg in rank_groups for g in rg]
         if c.kfac_offload:
             held = max((4.0 * (i * i + o * o) + (4.0 * i * o if scaled else 4.0 * (i + o)) for i, o in linears),
                        default=0.0)
@@ -612,7 +608,7 @@ class KFAC(InfluenceMetric, name="kfac"):
             per = [fb * (i * i + o * o) + 8.0 * (i + o) + 16.0 + whitening(i, o) for i, o in linears]
             mine = max(ranks, key=lambda r: sum(per[j] for j in r))
             held = sum(per[j] for j in mine)
-        sums = max((fb * sum(sizes[j] for j in g) for g in groups), default=0.0)
+        sums = max((fb * sum(linears[j][0] ** 2 + linears[j][1] ** 2 for j in g) for g in groups), default=0.0)
         eigh = 5 * 8.0 * max((max(i, o) ** 2 for i, o in linears), default=0)
         return {"kfac_factors": held, "kfac_factor_sums": sums, "kfac_eigh": eigh}, mine
 
