@@ -132,11 +132,8 @@ class Effect:
         fid_state = read_kept(self.fid / "state.json")
         self.fid_stages = fid_state["stages"]
         self.warmed_up = "warmup" in self.fid_stages
-        if self.warmed_up and not args.summary_only and not (self.fid / "warmed" / "config.json").exists():
-            raise SystemExit(f"{self.fid}/warmed is missing: run bench/fidelity_v2.py --out {self.fid} first (it "
-                             "re-makes the warmed target from its recorded stage)")
         # the target every row fine-tunes: the fidelity run's warmed target (or, for a --no-warmup run, the model)
-        self.warmed = str(self.fid / "warmed") if self.warmed_up else args.model
+        self._warmed = str(self.fid / "warmed") if self.warmed_up else args.model
         self.target_fp = self.fid_stages["warmup"]["fingerprint"] if self.warmed_up else args.model
         self.sample = self.fid / "sample.jsonl"
         self.validation = self.fid / "validation.jsonl"
@@ -144,6 +141,15 @@ class Effect:
         self.k = max(1, int(round(args.k * len(self.sample_ids)))) if args.k < 1 else int(args.k)
         self.evals_dir = self.out / "evals"
         self.evals_dir.mkdir(exist_ok=True)
+
+    @property
+    def warmed(self) -> str:
+        """The warmed target's directory; asked for only by the stages that use it (a LESS table, a LoRA warm-up of
+        the model as shipped, is made without it)."""
+        if self.warmed_up and not self.args.summary_only and not (Path(self._warmed) / "config.json").exists():
+            raise SystemExit(f"{self._warmed} is missing: run bench/fidelity_v2.py --out {self.fid} first (it "
+                             "re-makes the warmed target from its recorded stage)")
+        return self._warmed
 
     def log(self, msg: str) -> None:
         print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
@@ -212,13 +218,22 @@ class Effect:
                "config": [config_text(c) for c in (cfg / "warmup.yaml", *demo, cfg / "less" / "warmup.yaml")]}
         epochs = 4  # configs/less/warmup.yaml's
         last = warm / "adapters" / f"epoch_{epochs}" / "optimizer_state.safetensors"
+        d = self.out / "scores" / "less"
+        val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
+        settings = {"max_length": a.max_length, "batch_size": a.batch_size}
+
+        def score_fp() -> dict:  # the score table's settings, the warm-up's recorded fingerprint among them
+            return {"warmup": self.st.state["stages"]["less:warmup"]["fingerprint"], "data": self.sample_ids,
+                    "validation": val, "config": config_text(cfg / "less" / "score.yaml"), "settings": settings}
+
+        if a.recorded_tables and (d / "scores.parquet").exists() and self.st.recorded("less:warmup", wfp) \
+                and self.st.recorded("score:less", score_fp()):
+            return d / "scores.parquet"  # recorded with these settings: the warm-up's adapters are not needed
         self.st.run("less:warmup", "fit", [cfg / "warmup.yaml", *demo, cfg / "less" / "warmup.yaml"], wov, wfp, last,
                     clean=warm, resume=lambda: {"ckpt_path": str(resume / "last.ckpt")}
                     if (resume / "last.ckpt").exists() else {})
         if resume.exists():  # (the base model's weights and the optimiser: not a result)
             shutil.rmtree(resume)
-        d = self.out / "scores" / "less"
-        val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
         sov = {"seed_everything": a.seed,
                "trainer": {"default_root_dir": str(self.out / "lightning"), "logger": False, "callbacks": [
                    {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(d)}}]},
@@ -228,10 +243,7 @@ class Effect:
                                       "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed,
                                       # the suites' subtasks (the demo's validation file names none)
                                       "validation_subtasks": a.eval_dir != "builtin"}}}
-        sfp = {"warmup": self.st.state["stages"]["less:warmup"]["fingerprint"], "data": self.sample_ids,
-               "validation": val, "config": config_text(cfg / "less" / "score.yaml"),
-               "settings": {k: sov["data"]["init_args"][k] for k in ("max_length", "batch_size")}}
-        self.st.run("score:less", "predict", [cfg / "score.yaml", cfg / "less" / "score.yaml"], sov, sfp,
+        self.st.run("score:less", "predict", [cfg / "score.yaml", cfg / "less" / "score.yaml"], sov, score_fp(),
                     d / "scores.parquet", clean=d, resume=lambda: {})  # (the writer skips the ids it holds)
         return d / "scores.parquet"
 
@@ -509,7 +521,8 @@ class Effect:
         """Wall-clock of a selector's scoring (and of building its proxy) and its ratios to the target's: a store
         selector's to the target's store (build + one query; ``cost_reference``: ``"target store"``), any other's to
         the target's exact scoring (``"target scoring"``; a store selector too where the target's store has no record
-        on its host). A ratio needs every stage in it to have run on one host: a GPU's seconds over a CPU's are no
+        on its host). LESS is compared with the target's store too (a pool pass of gradients each), its LoRA warm-up
+        counted as its build. A ratio needs every stage in it to have run on one host: a GPU's seconds over a CPU's are no
         cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same."""
         selector = split_rule(selector, self.args.rule)[0]
         st, own = self.fid_stages, self.st.state["stages"]
@@ -536,13 +549,17 @@ class Effect:
             if model != "target":
                 recs.append(run_on_host(st.get(f"build:{self.sources[model].removesuffix(TARGET_VALIDATION)}", {}), recs[0]))
             build = recs[2].get("wall_s", 0.0) if len(recs) > 2 else 0.0
+        elif is_less(selector):  # scoring the 4 checkpoints; its LoRA warm-up is what it builds (as a proxy's build)
+            recs = [own.get("score:less", {})]
+            recs.append(run_on_host(own.get("less:warmup", {}), recs[0]))
+            score, build = recs[0].get("wall_s"), recs[1].get("wall_s", 0.0)
         elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None
         else:
             score, build = 0.0, 0.0
         host_set = lambda rs: {host_key(r) for r in rs} - {None}  # noqa: E731
         differ, reference = len(host_set([tgt_rec, *recs])) > 1, "target scoring"
-        if is_store(selector):
+        if is_store(selector) or is_less(selector):
             # like for like: a store is compared with the target's own store on its host (build + its first query:
             # the same pool pass and one validation set), not with the target's exact scoring (another method);
             # the exact scoring only where the target's store has no record on this row's host

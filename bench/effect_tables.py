@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ledger import hosts_text, splice_docs  # bench/
-from effect_selectors import SHORT_SUFFIX, is_store, split_form, split_rule, split_shortlist, store_source  # bench/
+from effect_selectors import SHORT_SUFFIX, is_less, is_store, split_form, split_rule, split_shortlist, store_source  # bench/
 
 from iprox_lightning.data import VALIDATION_FORMS
 
@@ -221,7 +221,8 @@ def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss"
             cost_sel = members.get(None, next(iter(members.values())))  # the default-form query's cost
             c = next(by_key[(t, cost_sel)] for t in tasks if (t, cost_sel) in by_key)
             row["cost"] = (c.get("scoring_cost_ratio"), c.get("total_cost_ratio"), c.get("hosts_differ"),
-                           is_store(split_rule(cost_sel, m["rule"])[0]) and c.get("cost_reference") == "target scoring")
+                           (is_store(b := split_rule(cost_sel, m["rule"])[0]) or is_less(b))
+                           and c.get("cost_reference") == "target scoring")
             worst = min(tasks, key=lambda t: row["tasks"][t]["diff"])
             row["worst"] = (worst, row["tasks"][worst]["diff"])
             out.append(row)
@@ -248,8 +249,8 @@ def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
               f"{m['k']} of {m['pool_sample']} pool examples, held-out examples per task; rule `{m['rule']}` unless "
               "the selector names one after `+`." + (f" † queried in the {', '.join(used)} validation form." if used
                                                      else "") + " Cost: the selector's scoring wall-clock over the "
-              "target's — a `store` selector's (store build + one query) over the target's store — and with building the "
-              "proxy."]
+              "target's — a `store` selector's (store build + one query) and LESS's over the target's store — and with building the "
+              "proxy (LESS: its LoRA warm-up)."]
     return "\n".join(lines)
 
 

@@ -148,6 +148,12 @@ class Stages:
     def save(self) -> None:
         write_kept(self.path, self.state)
 
+    def recorded(self, key: str, fingerprint: dict) -> dict | None:
+        """Stage ``key``'s record when it ran with these settings (:func:`same_settings`), else None."""
+        rec = self.state["stages"].get(key)
+        ok = rec is not None and same_settings(rec.get("fingerprint"), json.dumps(fingerprint, sort_keys=True))
+        return rec if ok else None
+
     def run(self, key: str, subcommand: str, configs: list[Path], overlay: dict, fingerprint: dict,
             done: Path, clean: Path | None = None, resume: Callable[[], dict] | None = None) -> dict:
         """Run stage ``key`` unless its record has these settings and ``done`` exists. ``resume`` (a stage whose

@@ -4,6 +4,7 @@ every summary number; a second invocation re-runs nothing."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -811,8 +812,19 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
     (out / "state.json").write_text(json.dumps(record, indent=1))
     effect.main(argv)
     assert json.loads((out / "state.json").read_text())["stages"] == record["stages"]
-    meta = json.loads((out / "summary.json").read_text())["meta"]
-    assert meta["not_reported"] == []  # and its evaluations are reported
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["not_reported"] == []  # and its evaluations are reported
+    # LESS's cost: its 4-checkpoint scoring, its LoRA warm-up as its build, over the target's (exact, as the demo
+    # has no target store) scoring on the same host
+    rows = [r for r in summary["rows"] if r["selector"] == "less+max"]  # (a row per metric)
+    stages, target = record["stages"], json.loads((fidelity_dir / "state.json").read_text())["stages"]["score:target"]
+    score_s, warm_s = stages["score:less"]["wall_s"], stages["less:warmup"]["wall_s"]
+    assert rows and score_s > 0 and warm_s > 0
+    for row in rows:
+        assert (row["scoring_wall_s"], row["build_wall_s"], row["cost_reference"]) == (score_s, warm_s,
+                                                                                       "target scoring")
+        assert row["scoring_cost_ratio"] == pytest.approx(score_s / target["wall_s"], rel=1e-12)
+        assert row["total_cost_ratio"] == pytest.approx((score_s + warm_s) / target["wall_s"], rel=1e-12)
     table = out / "scores" / "less" / "scores.parquet"
     settings = json.loads((table.parent / "settings.json").read_text())["fingerprint"]["settings"]
     assert settings["method"] == "less" and len(settings["checkpoint_weights"]) == 4
@@ -824,3 +836,24 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
     assert {"less:warmup", "score:less"} <= set(state)
     effect.main(argv)
     assert json.loads((out / "state.json").read_text())["stages"] == state
+    # a checkout without the warm-up's adapters (never kept): --recorded-tables takes the table recorded with these
+    # settings and runs no stage ...
+    shutil.rmtree(out / "less")
+    kept_table = table.read_bytes()
+    effect.main([*argv, "--recorded-tables", "--tables-only"])
+    assert not (out / "less").exists() and table.read_bytes() == kept_table
+    assert json.loads((out / "state.json").read_text())["stages"] == state
+
+    class Ran(Exception):
+        pass
+
+    def refuse(self, key, *a, **k):
+        raise Ran(key)
+
+    # ... but not one recorded under other settings: the warm-up runs again
+    monkeypatch.setattr(ledger.Stages, "_execute", refuse)
+    changed = {**state, "score:less": {**state["score:less"], "fingerprint": json.dumps(
+        {**json.loads(state["score:less"]["fingerprint"]), "settings": {"max_length": 40, "batch_size": 8}})}}
+    (out / "state.json").write_text(json.dumps({**json.loads((out / "state.json").read_text()), "stages": changed}))
+    with pytest.raises(Ran, match="less:warmup"):
+        effect.main([*argv, "--recorded-tables", "--tables-only"])
