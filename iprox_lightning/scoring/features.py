@@ -316,7 +316,7 @@ class ValidationGradientTracker(WeightPairTracker):
         if g not in acc:
             acc[g] = G.clone() if G._base is not None else G  # a row of a batched product: its own memory
         else:
-            acc[g] = acc[g] + G
+            acc[g].add_(G)  # in place: a new sum per step fragments the heap (RSS 16.8 GiB for 3.2 live)
 
 
 class ScoreFeatureTracker(WeightPairTracker):

@@ -51,6 +51,7 @@ from torch import nn
 from ..errors import UserInputError
 from ..engine.settings import takes_settings
 from ..engine.fsdp import is_sharded
+from ..engine.host_memory import release_freed_host_memory
 from ..engine.norms import squared_norms
 from ..engine.tracking import backward_pairs
 from ..io.optimizer_state import recorded_lr
@@ -337,6 +338,8 @@ class InfluenceScorer:
             st = torch.stack([acc[t] if t in acc else torch.zeros(v.out_features, v.in_features, dtype=self.dtype,
                                                                   device=where) for t in names])
             sums[v.key] = acc = {}
+            if where.type == "cpu":  # the column sums just freed: their pages back before the next layer's stack
+                release_freed_host_memory()
             if reduce is not None:
                 st = reduce(st.to(self.device))
             self.V[v.key] = st.cpu() if self.host_sums else st.to(self.device)
@@ -400,6 +403,8 @@ class InfluenceScorer:
             if self.host_sums:
                 V = V.to(device=self.hold_device, dtype=self.hold_dtype)
             self.V[key] = V
+        if self.host_sums or self.device.type == "cpu":  # the float32 sums just replaced
+            release_freed_host_memory()
         n = torch.as_tensor(self.val_counts, dtype=torch.float64)
         cols = self.columns
         names = self.task_names if cols is None else [self.task_names[c] for c in cols]
