@@ -220,7 +220,10 @@ class Effect:
         last = warm / "adapters" / f"epoch_{epochs}" / "optimizer_state.safetensors"
         d = self.out / "scores" / "less"
         val = str(self.validation) if a.eval_dir == "builtin" else f"eval:{a.eval_dir}"
-        settings = {"max_length": a.max_length, "batch_size": a.batch_size}
+        # the 4 checkpoints' validation gradients are held together, one [K, out, in] per adapter weight each: with the
+        # suites' 93 subtasks and LESS's LoRA (r 128 on q/k/v/o, 14.7M parameters at 135M) 22 GB in float32, which
+        # ran this 24 GB machine out of memory; held in bfloat16 (ScoringConfig.validation_gradients), 11 GB
+        settings = {"max_length": a.max_length, "batch_size": a.batch_size, "validation_gradients": {"dtype": "bfloat16"}}
 
         def score_fp() -> dict:  # the score table's settings, the warm-up's recorded fingerprint among them
             return {"warmup": self.st.state["stages"]["less:warmup"]["fingerprint"], "data": self.sample_ids,
@@ -238,7 +241,8 @@ class Effect:
                "trainer": {"default_root_dir": str(self.out / "lightning"), "logger": False, "callbacks": [
                    {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(d)}}]},
                "model": {"init_args": {"checkpoints": [{"path": str(warm / "adapters" / f"epoch_{e}")}
-                                                       for e in range(1, epochs + 1)]}},
+                                                       for e in range(1, epochs + 1)],
+                                       "validation_gradients": settings["validation_gradients"]}},
                "data": {"init_args": {"pool": str(self.sample), "validation": val, "tokenizer": str(warm),
                                       "max_length": a.max_length, "batch_size": a.batch_size, "seed": a.seed,
                                       # the suites' subtasks (the demo's validation file names none)
