@@ -245,12 +245,13 @@ def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
         lines.append(f"| {r['selector']} | " + " | ".join(cells) + f" | {r['worst'][1]:+.3f} ({r['worst'][0]}) | {cost} | "
                      + (" / ".join(f"{f:.2f}" for f in fid) if all(f is not None for f in fid) else "—") + " |")
     used = sorted({x["form"] for r in rows for x in r["tasks"].values() if x["form"]})
+    less = any(is_less(split_rule(r["selector"], m["rule"])[0]) for r in rows)
     lines += ["", f"Gold-answer NLL gain over the mean of {len(m['random_seeds'])} random seeds [paired 95% CI], k = "
               f"{m['k']} of {m['pool_sample']} pool examples, held-out examples per task; rule `{m['rule']}` unless "
               "the selector names one after `+`." + (f" † queried in the {', '.join(used)} validation form." if used
                                                      else "") + " Cost: the selector's scoring wall-clock over the "
-              "target's — a `store` selector's (store build + one query) and LESS's over the target's store — and with building the "
-              "proxy (LESS: its LoRA warm-up)."]
+              "target's — a `store` selector's (store build + one query)" + (" and LESS's" if less else "") + " over the "
+              "target's store — and with building the proxy" + (" (LESS: its LoRA warm-up)" if less else "") + "."]
     return "\n".join(lines)
 
 
