@@ -150,12 +150,10 @@ def _counts(shape: str, layers: int | None, max_length: int):
 
 def cpu_peak(args: dict) -> dict:
     """The plan's stage for ``args`` (``scoring_plan`` / ``store_plan``, what ``train.py plan`` prints) and its CPU
-    figure: the device peak plus what the plan holds in host memory, which on a CPU is the same memory — the
-    validation gradients' host sums (held on the host, or accumulated there in float32 before they are held in
-    bfloat16: :func:`~iprox_lightning.analysis.validation_gradient_bytes`, the larger of the host's and the held
-    bytes, less what the device part already counts). Offloaded K-FAC factors are the plan's own: on a CPU
-    (``device_kind``) it counts ``kfac_offload`` as what it is there, no move."""
-    from iprox_lightning.analysis import plan_stages, validation_gradient_bytes
+    figure, the same: on a CPU (``device_kind``) the plan counts what it holds in host memory, the same memory (the
+    validation gradients where they are held and their float32 sums while they are prepared; ``kfac_offload`` as
+    no move)."""
+    from iprox_lightning.analysis import plan_stages
 
     config, sizes, (acts, acts32) = _counts(args["shape"], args["layers"], args["max_length"])
     run = run_settings(args)
@@ -166,13 +164,10 @@ def cpu_peak(args: dict) -> dict:
     if args["kind"] == "store":
         plan = stage(run, "store build")
         return {"plan": plan.to_dict(), "host": 0.0, "peak": plan.peak}
-    plan = stage(run, f"scoring ({run.method})")  # (kfac_offload on a CPU: the plan counts the factors held)
-    host = 0.0
-    if run.method == "tracin":
-        tracked = [(l.in_features, l.out_features) for l in sizes.shape.linears if l.tracked]
-        vg = validation_gradient_bytes(tracked, run.tasks, run.validation_gradients)
-        host += max(vg["host"], vg["held"]) - vg["device"]
-    return {"plan": plan.to_dict(), "host": host, "peak": plan.peak + host}
+    # (on a CPU the plan counts the host's parts itself: kfac_offload moves nothing, and the validation gradients
+    # count where they are held, their float32 sums at their preparation: memory.with_validation_preparation)
+    plan = stage(run, f"scoring ({run.method})")
+    return {"plan": plan.to_dict(), "host": 0.0, "peak": plan.peak}
 
 
 def measure(args: dict, timeout: float | None = None) -> dict:

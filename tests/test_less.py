@@ -366,3 +366,44 @@ def test_check_refuses_less_before_loading_anything(tmp_path):
         main(["check", "--target", "builtin", "--proxy", "builtin", "--output_dir", str(tmp_path / "c"),
               "--method", "less"])
     assert not (tmp_path / "c").exists()
+
+
+def test_plan_on_a_cpu_counts_the_last_checkpoints_preparation_the_scorers_hold(less_warmup, tmp_path, monkeypatch):
+    """On a CPU the plan's LESS stage over several checkpoints is the last checkpoint's preparation (bfloat16 holding):
+    the earlier checkpoints' validation gradients as held beside this one's float32 sums — the bytes the scorers hold
+    at its stacking (SmolLM2-135M, 4 checkpoints, 93 columns: this moment ran a 24 GB machine out of memory in
+    float32; measured peak 19.4 GiB resident in bfloat16, plan 15.4 GiB)."""
+    import json
+
+    from iprox_lightning.analysis import memory as M
+    from iprox_lightning.scoring.influence import InfluenceScorer
+
+    ckpts = [less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2)]
+    seen: list[tuple[float, float]] = []  # at each stacking: (this scorer's sums, every earlier scorer's V), bytes
+    scorers: list[InfluenceScorer] = []
+    stacked = InfluenceScorer._stacked
+
+    def counting(self, sums, names, reduce):
+        if self not in scorers:
+            scorers.append(self)
+        held = sum(t.numel() * t.element_size() for s in scorers if s is not self for t in s.V.values())
+        seen.append((float(sum(t.numel() * t.element_size() for acc in sums.values() for t in acc.values())), held))
+        return stacked(self, sums, names, reduce)
+
+    monkeypatch.setattr(InfluenceScorer, "_stacked", counting)
+    table = _score(tmp_path, "plan", less_warmup, checkpoints=[{"path": str(c)} for c in ckpts],
+                   validation_gradients={"dtype": "bfloat16"})
+    assert len(seen) == 2 and seen[1][1] > 0
+    lora = json.loads((ckpts[0] / "adapter_config.json").read_text())
+    run = M.RunSettings(tasks=len(table.task_names), checkpoints=2, method="less", device_kind="cpu",
+                        validation_gradients={"dtype": "bfloat16"}, max_length=16, batch_size=4,
+                        lora={"r": lora["r"], "alpha": lora["lora_alpha"], "target_modules": sorted(lora["target_modules"])})
+    sizes, acts, _ = M.model_counts(str(less_warmup), run)
+    plan = M.less_scoring_plan(sizes, acts, run)
+    vg = M.validation_gradient_bytes(M.lora_weights(sizes, run.lora), run.tasks, run.validation_gradients)
+    prep = M.validation_preparation(plan.parts, vg, run)
+    assert prep["validation_sums"] == seen[1][0]  # this checkpoint's float32 sums
+    assert prep["validation_gradients"] == seen[1][1]  # the first checkpoint's, in bfloat16
+    assert plan.peak >= sum(prep.values()) and plan.parts["validation_gradients"] in (2 * seen[1][1], seen[1][1])
+    cuda = M.less_scoring_plan(sizes, acts, M.RunSettings(**{**run.__dict__, "device_kind": "cuda"})).parts
+    assert "validation_sums" not in cuda and cuda["validation_gradients"] == 2 * seen[1][1]  # the device's: both held
