@@ -163,7 +163,7 @@ class Stages:
         gets ``resume()``'s overlay too (e.g. ``ckpt_path``); the record lists the resumed attempts."""
         rec = self.state["stages"].get(key)
         fp = json.dumps(fingerprint, sort_keys=True)
-        same = rec is not None and same_settings(rec.get("fingerprint"), fp)
+        same = self.recorded(key, fingerprint) is not None
         if same and (done.exists() or self.read_only):
             # the stored record (stages downstream were fingerprinted with it); a read-only summary rewrite takes it
             # for an output deleted since
