@@ -1,6 +1,8 @@
 """``train.py plan`` and its memory model (:mod:`iprox_lightning.analysis.memory`) against brute-force counts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -246,3 +248,38 @@ def test_plan_states_its_assumptions_units_and_times_and_never_advises_a_setting
     msg = str(e.value)
     assert "bf16-true" not in msg.split("change ", 1)[1] and "model.gradient_checkpointing" not in msg
     assert "strategy fsdp" not in msg
+
+
+def test_plan_times_the_warm_up_and_fine_tune_epochs_the_configs_run(tmp_path):
+    """The plan's warm-up and fine-tune epochs default to the shipped configs' ``trainer.max_epochs`` (before, it
+    timed one fine-tune epoch where configs/finetune.yaml runs 4, and LESS's 4 warm-up epochs as one), and each
+    stage's time is its examples x epochs x T at the measured tokens/s."""
+    import inspect
+    import json
+
+    import yaml
+
+    from iprox_lightning.commands.plan import plan
+
+    root = Path(__file__).resolve().parents[1]
+    epochs = {name: yaml.safe_load((root / "configs" / f"{name}.yaml").read_text())["trainer"]["max_epochs"]
+              for name in ("warmup", "finetune")}
+    defaults = {k: p.default for k, p in inspect.signature(plan).parameters.items()}
+    assert (defaults["warmup_epochs"], defaults["finetune_epochs"]) == (epochs["warmup"], epochs["finetune"])
+    assert (M.RunSettings().warmup_epochs, M.RunSettings().finetune_epochs) == (epochs["warmup"], epochs["finetune"])
+    less = yaml.safe_load((root / "configs" / "less" / "warmup.yaml").read_text())["trainer"]["max_epochs"]
+
+    sizes = M.ModelSizes.from_config(M.load_config("smollm2-135m"))
+    (tmp_path / "speed_x.json").write_text(json.dumps({"device": "cpu", "params": sizes.params,
+                                                        "tokens_per_s": {"a": 100.0, "c2": 50.0}}))
+    kw = dict(model="smollm2-135m", accelerator="cpu", max_length=64, pool_size=1000, select_k=40,
+              speed_results=str(tmp_path))
+    rows = {r["stage"]: r for r in plan(**kw, output=str(tmp_path / "a.json"))}
+    less_rows = {r["stage"]: r for r in plan(**kw, warmup_epochs=less, finetune_epochs=2,
+                                                output=str(tmp_path / "b.json"))}
+    # 50 warm-up examples (5% of 1000) and 40 fine-tune examples of 64 tokens at the measured 50 tokens/s
+    assert rows["warm-up"]["seconds"] == pytest.approx(50 * epochs["warmup"] * 64 / 50.0, rel=1e-6)
+    assert rows["fine-tune"]["seconds"] == pytest.approx(40 * epochs["finetune"] * 64 / 50.0, rel=1e-6)
+    assert less_rows["warm-up"]["seconds"] == pytest.approx(50 * less * 64 / 50.0, rel=1e-6)
+    assert less_rows["fine-tune"]["seconds"] == pytest.approx(40 * 2 * 64 / 50.0, rel=1e-6)
+    assert less_rows["warm-up"]["peak"] == rows["warm-up"]["peak"]  # epochs are time, not memory

@@ -65,7 +65,8 @@ def stage_functions(sizes: M.ModelSizes, acts: M.Activations, acts32: M.Activati
     search prices hundreds of candidates; a test checks these equal ``plan_stages``' rows)."""
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
     out: dict[str, Callable[[M.RunSettings], M.StagePlan]] = {
-        "warm-up": lambda r: M.training_plan(sizes, acts, r, stage="warm-up", n_examples=n_warm),
+        "warm-up": lambda r: M.training_plan(sizes, acts, r, stage="warm-up", n_examples=n_warm,
+                                             epochs=r.warmup_epochs),
         STAGE1: lambda r: M.build_proxy_plan(sizes, acts, r, acts32)[0],
         STAGE2: lambda r: M.build_proxy_plan(sizes, acts, r, acts32)[1],
     }
@@ -679,7 +680,9 @@ def pipeline_runs(configs: Mapping[str, Mapping], *, target: str, hardware: Mapp
     runs = [
         (["warm-up"], dataclasses.replace(base, batch_size=int(data("warmup", "batch_size", 8)),
                                           max_length=int(data("warmup", "max_length", 512)),
-                                          warmup_fraction=float(data("warmup", "warmup_fraction", 0.05)))),
+                                          warmup_fraction=float(data("warmup", "warmup_fraction", 0.05)),
+                                          warmup_epochs=int(_get(configs["warmup"], "trainer", "max_epochs",
+                                                                 default=1)))),
         ([STAGE1, STAGE2], dataclasses.replace(
             base, align_batch_size=int(data("build_proxy", "batch_size", 4)),
             max_length=int(data("build_proxy", "max_length", 512)),

@@ -411,7 +411,8 @@ class RunSettings:
     store_k: int = 16  # build_store k
     write_every_n_batches: int = 50
     select_k: int = 800  # examples the fine-tune trains on
-    finetune_epochs: int = 1
+    warmup_epochs: int = 1  # the warm-up's trainer.max_epochs (configs/warmup.yaml; LESS's configs/less/warmup.yaml: 4)
+    finetune_epochs: int = 4  # the fine-tune's trainer.max_epochs (configs/finetune.yaml)
     lora: Mapping[str, Any] | None = None  # warm-up / fine-tune model.lora {r, alpha, dropout, target_modules}
     checkpoints: int = 1  # scoring model.checkpoints: checkpoints summed (LESS: 4), each held while the pool is scored
 
@@ -426,7 +427,7 @@ class RunSettings:
         _check_choice("device_kind", self.device_kind, ("cuda", "cpu"))
         for name in ("pool_size", "max_length", "batch_size", "align_batch_size", "devices", "num_probe_tokens",
                      "tasks", "store_k", "select_k", "write_every_n_batches", "validation_examples", "kfac_examples",
-                     "finetune_epochs", "checkpoints"):
+                     "warmup_epochs", "finetune_epochs", "checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise UserInputError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if int(self.align_epochs) < 0:  # 0: the IPSVD-only proxy, no alignment
@@ -1290,7 +1291,7 @@ def plan_stages(sizes: ModelSizes, config, run: RunSettings, *, acts: Activation
     if acts is None or acts32 is None:
         acts, acts32 = run_activations(config, run)
     n_warm = max(1, round(run.pool_size * run.warmup_fraction))
-    stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm)]
+    stages = [training_plan(sizes, acts, run, stage="warm-up", n_examples=n_warm, epochs=run.warmup_epochs)]
     stages += list(build_proxy_plan(sizes, acts, run, acts32))
     # over the dense model's layers: LESS (a LoRA checkpoint's adapter gradients and Adam moments) is not planned here
     stages += [scoring_plan(sizes, acts, run, m) for m in planned_metrics()]

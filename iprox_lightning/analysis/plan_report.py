@@ -55,6 +55,8 @@ class PlanSettings:
     tasks: int
     k: int
     select_k: int
+    warmup_epochs: int
+    finetune_epochs: int
     speed_results: Optional[str]
     output: Optional[str]
     lora: Optional[dict]
@@ -91,7 +93,8 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
                         validation_examples=p.validation_examples, tasks=p.tasks, method=method,
                         kfac_examples=p.scoring.kfac_examples, kfac_dtype=p.scoring.kfac_dtype,
                         kfac_partitions=p.scoring.kfac_partitions, kfac_offload=p.scoring.kfac_offload, store_k=p.k,
-                        select_k=p.select_k, validation_gradients=p.scoring.validation_gradients,
+                        select_k=p.select_k, warmup_epochs=p.warmup_epochs, finetune_epochs=p.finetune_epochs,
+                        validation_gradients=p.scoring.validation_gradients,
                         shard_layers=p.scoring.shard_layers, checkpoints=p.checkpoints, lora=lora)
     sizes, acts, acts32 = M.model_counts(p.model, run)  # cached per architecture, T and precision
     stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)

@@ -42,6 +42,8 @@ def plan(
     tasks: int = 3,
     k: int = 16,
     select_k: int = 800,
+    warmup_epochs: int = 1,
+    finetune_epochs: int = 4,
     speed_results: Optional[str] = None,
     output: Optional[str] = None,
     lora: Optional[dict] = None,
@@ -101,6 +103,9 @@ def plan(
             gradient per column, held as ``validation_gradients`` says; the pipeline at the paper's sizes has 93).
         k: a gradient store's projection rows per side (build_store k).
         select_k: examples the fine-tune trains on.
+        warmup_epochs: the warm-up's epochs (its trainer.max_epochs: configs/warmup.yaml 1; LESS's LoRA warm-up,
+            configs/less/warmup.yaml, 4): its time.
+        finetune_epochs: the fine-tune's epochs (its trainer.max_epochs: configs/finetune.yaml 4): its time.
         speed_results: directory of bench/speed.py's speed_*.json (default: the repository's bench/results).
         output: also write the plan as JSON to this file.
         lora: LoRA warm-up and fine-tune (``{r, alpha, dropout, target_modules}``, the modules' ``lora``): the base
@@ -130,7 +135,8 @@ def plan(
         align_epochs=align_epochs, align_checkpointing=align_checkpointing,
         align_micro_batch_size=align_micro_batch_size, align_reshard_proxy=align_reshard_proxy,
         validation_examples=validation_examples, tasks=tasks,
-        k=k, select_k=select_k, speed_results=speed_results, output=output, lora=lora, checkpoints=checkpoints,
+        k=k, select_k=select_k, warmup_epochs=warmup_epochs, finetune_epochs=finetune_epochs,
+        speed_results=speed_results, output=output, lora=lora, checkpoints=checkpoints,
         fit=fit,
         scoring=scoring),
         defaults)
