@@ -50,8 +50,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 from fidelity_v2 import DEFAULT_EVAL, DEFAULT_MODEL, DEFAULT_POOL  # bench/: the fidelity run's inputs
-from ledger import (Stages, check_local_inputs, config_text, git_commit, host_info, logger_overlay,  # bench/: the stage ledger
-                    read_kept, recorded_hosts, same_settings, splice_docs)
+from ledger import (Stages, attempts_wall, check_local_inputs, config_text, git_commit, host_info,  # bench/: the ledger
+                    logger_overlay, read_kept, recorded_hosts, same_settings, splice_docs)
 from variants import TARGET_VALIDATION, dir_name  # bench/: the variant grammar
 # the benchmark's three other jobs, each its own file: the selector grammar, the statistics, the tables (their public
 # names are this script's too: bench/tables.py and the tests read them here)
@@ -526,37 +526,46 @@ class Effect:
         selector's to the target's store (build + one query; ``cost_reference``: ``"target store"``), any other's to
         the target's exact scoring (``"target scoring"``; a store selector too where the target's store has no record
         on its host). LESS is compared with the target's store too (a pool pass of gradients each), its LoRA warm-up
-        counted as its build. A ratio needs every stage in it to have run on one host: a GPU's seconds over a CPU's are no
+        counted as its build. A stage resumed over several attempts counts every attempt's seconds
+        (:func:`ledger.attempts_wall`); where an attempt's were not recorded the ratio is a lower bound
+        (``cost_lower_bound``). A ratio needs every stage in it to have run on one host: a GPU's seconds over a CPU's are no
         cost ratio (``None``, and ``hosts_differ``); stages recorded before hosts were count as the same."""
         selector = split_rule(selector, self.args.rule)[0]
         st, own = self.fid_stages, self.st.state["stages"]
         tgt_rec = st.get("score:target", {})
         tgt = tgt_rec.get("wall_s")
         recs: list[dict] = []  # the stage records the cost is made of
+        partial: list[dict] = []  # those resumed with an attempt's seconds unrecorded
+
+        def wall(r: dict, default: float | None = None) -> float | None:
+            w, complete = attempts_wall(r)
+            if not complete:
+                partial.append(r)
+            return default if w is None else w
         if selector in self.sources:
             v = self.sources[selector]
             recs = [st.get(f"score:{v}", {})]
-            score = recs[0].get("wall_s")
+            score = wall(recs[0])
             if v not in ("target", "target_unwarmed"):  # the proxy's build (shared by a +tval row)
                 recs.append(run_on_host(st.get(f"build:{v.removesuffix(TARGET_VALIDATION)}", {}), recs[0]))
-            build = recs[1].get("wall_s", 0.0) if len(recs) > 1 else 0.0
+            build = wall(recs[1], 0.0) if len(recs) > 1 else 0.0
         elif is_rds(selector):
             recs = [own.get(f"score:{selector}", {})]
-            score, build = recs[0].get("wall_s"), 0.0
+            score, build = wall(recs[0]), 0.0
         elif is_store(selector):
             # building the store is the pool pass; each new validation set is one query; a proxy's build counts too
             src = store_source(selector)
             model = store_model(self.sources, split_store_source(src)[0])
             recs = [own.get(f"store:{model}", {}), own.get(f"query:{src}", {})]
-            b, q = (r.get("wall_s") for r in recs)
+            b, q = (wall(r) for r in recs)
             score = b + q if b is not None and q is not None else None
             if model != "target":
                 recs.append(run_on_host(st.get(f"build:{self.sources[model].removesuffix(TARGET_VALIDATION)}", {}), recs[0]))
-            build = recs[2].get("wall_s", 0.0) if len(recs) > 2 else 0.0
+            build = wall(recs[2], 0.0) if len(recs) > 2 else 0.0
         elif is_less(selector):  # scoring the 4 checkpoints; its LoRA warm-up is what it builds (as a proxy's build)
             recs = [own.get("score:less", {})]
             recs.append(run_on_host(own.get("less:warmup", {}), recs[0]))
-            score, build = recs[0].get("wall_s"), recs[1].get("wall_s", 0.0)
+            score, build = wall(recs[0]), wall(recs[1], 0.0)
         elif lenmatch_reference(selector):  # a control (needs the target's selection), not a selector
             score, build = None, None
         else:
@@ -574,7 +583,8 @@ class Effect:
         total = ((score + build) / tgt) if (score is not None and tgt and not differ) else None
         return {"scoring_wall_s": score, "build_wall_s": build, "scoring_cost_ratio": ratio,
                 "total_cost_ratio": total, **({"hosts_differ": True} if differ else {}),
-                **({"cost_reference": reference} if ratio is not None else {})}
+                **({"cost_reference": reference} if ratio is not None else {}),
+                **({"cost_lower_bound": True} if partial and ratio is not None else {})}
 
     def selection_path(self, task: str | None, selector: str) -> Path:
         """Where :meth:`selection` writes ``selector``'s subset for ``task`` (``None``: the task-free subset)."""

@@ -68,8 +68,10 @@ def metric_tables(summary: dict) -> list[str]:
                          f"{fmt(r.get('diff_vs_random'), r.get('diff_ci'), '{:+.4f}')} | "
                          f"{fmt(r.get('diff_vs_best_random_seed'), None, '{:+.4f}')} | "
                          + ("other host¹ | " if r.get("hosts_differ") else
-                            f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
-                            f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')}"
+                            ("≥" if r.get("cost_lower_bound") else "")
+                            + f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
+                            + ("≥" if r.get("cost_lower_bound") else "")
+                            + f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')}"
                             + ("²" if r.get("cost_reference") == "target store" else "") + " | ") +
                          f"{fmt(r.get('selected_response_tokens'), None, '{:.1f}')} |")
         lines.append("")
@@ -79,6 +81,8 @@ def metric_tables(summary: dict) -> list[str]:
         if any(r.get("cost_reference") == "target store" for r in summary["rows"]):
             lines += ["² ratio to the target's gradient store on this row's host (store build + one query, the same "
                       "pool pass), not to its exact scoring.", ""]
+        if any(r.get("cost_lower_bound") for r in summary["rows"]):
+            lines += [LOWER_BOUND_NOTE, ""]
     return lines
 
 
@@ -188,6 +192,10 @@ def selector_family(selector: str) -> tuple[str, str | None]:
     return head + plus + rule + ("" if mult is None else f"{SHORT_SUFFIX}{mult:g}"), form
 
 
+LOWER_BOUND_NOTE = ("≥: a lower bound — the scoring was resumed and an earlier attempt's seconds were not recorded "
+                    "(the record counts the last attempt's).")
+
+
 def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss") -> list[dict]:
     """One row per selector family (a selector with and without a validation form is one family): per task the gain
     over random [CI] of the family's row queried in the task's form when ``forms`` names one (BBH's direct-answer
@@ -222,7 +230,7 @@ def headline_rows(summary: dict, forms: Iterable[str] = (), metric: str = "loss"
             c = next(by_key[(t, cost_sel)] for t in tasks if (t, cost_sel) in by_key)
             row["cost"] = (c.get("scoring_cost_ratio"), c.get("total_cost_ratio"), c.get("hosts_differ"),
                            (is_store(b := split_rule(cost_sel, m["rule"])[0]) or is_less(b))
-                           and c.get("cost_reference") == "target scoring")
+                           and c.get("cost_reference") == "target scoring", bool(c.get("cost_lower_bound")))
             worst = min(tasks, key=lambda t: row["tasks"][t]["diff"])
             row["worst"] = (worst, row["tasks"][worst]["diff"])
             out.append(row)
@@ -237,10 +245,11 @@ def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
              "(" + " / ".join(tasks) + ") |", "|---|" + "---|" * (len(tasks) + 3)]
     for r in rows:
         cells = [f"{fmt(x['diff'], x['ci'], '{:+.3f}')}" + ("†" if x["form"] else "") for x in r["tasks"].values()]
-        ratio, total, differ, vs_exact = r["cost"]
-        cost = "other host" if differ else (f"{ratio:.2f}" + (f" ({total:.2f} with build)" if total and total != ratio
-                                                               else "") + (" vs exact scoring" if vs_exact else "")
-                                            if ratio is not None else "—")
+        ratio, total, differ, vs_exact, lower = r["cost"]
+        ge = "≥" if lower else ""
+        cost = "other host" if differ else (f"{ge}{ratio:.2f}" + (f" ({ge}{total:.2f} with build)" if total and
+                                                                   total != ratio else "")
+                                            + (" vs exact scoring" if vs_exact else "") if ratio is not None else "—")
         fid = [x["fidelity"] for x in r["tasks"].values()]
         lines.append(f"| {r['selector']} | " + " | ".join(cells) + f" | {r['worst'][1]:+.3f} ({r['worst'][0]}) | {cost} | "
                      + (" / ".join(f"{f:.2f}" for f in fid) if all(f is not None for f in fid) else "—") + " |")
@@ -251,7 +260,8 @@ def headline_markdown(summary: dict, forms: Iterable[str] = ()) -> str:
               "the selector names one after `+`." + (f" † queried in the {', '.join(used)} validation form." if used
                                                      else "") + " Cost: the selector's scoring wall-clock over the "
               "target's — a `store` selector's (store build + one query)" + (" and LESS's" if less else "") + " over the "
-              "target's store — and with building the proxy" + (" (LESS: its LoRA warm-up)" if less else "") + "."]
+              "target's store — and with building the proxy" + (" (LESS: its LoRA warm-up)" if less else "") + "."
+              + (" " + LOWER_BOUND_NOTE if any(r["cost"][4] for r in rows) else "")]
     return "\n".join(lines)
 
 

@@ -186,12 +186,17 @@ class Stages:
         set_aside = self._set_aside(key, target, "no record" if rec is None else "settings changed") \
             if not resuming and (done.exists() or (clean is not None and clean.exists())) else None
         if resume is not None:
-            attempts = pending[key]["attempts"] if resuming else []
-            pending[key] = {"fingerprint": fp, "attempts": [*attempts, time.strftime("%Y-%m-%d %H:%M:%S")]}
+            attempts, walls = (pending[key]["attempts"], pending[key].get("walls", [])) if resuming else ([], [])
+            pending[key] = {"fingerprint": fp, "attempts": [*attempts, time.strftime("%Y-%m-%d %H:%M:%S")],
+                            "walls": walls}
             self.save()
+        t0 = time.perf_counter()
         try:
             printable, wall, cpu_s, peak_rss = self._execute(key, subcommand, configs, overlay, done)
         except BaseException:  # a failure or Ctrl-C: the previous output comes back, whatever was half-written goes
+            if resume is not None:  # the attempt's seconds, which a resumption's record adds up
+                pending[key]["walls"].append(time.perf_counter() - t0)
+                self.save()
             if set_aside is not None:
                 if target.exists():
                     _remove(target)
@@ -216,6 +221,7 @@ class Stages:
             rec = {"fingerprint": fp, **run}
         if resume is not None and len(pending.get(key, {}).get("attempts", [])) > 1:
             rec["resumed"] = pending[key]["attempts"]  # this run's starts: the first, then each resumption
+            rec["attempt_walls_s"] = [*pending[key].get("walls", []), wall]  # each attempt's seconds where known
         pending.pop(key, None)
         self.state["stages"][key] = rec
         self.save()
@@ -310,6 +316,19 @@ class Stages:
             torch.set_num_threads(threads)
             random.setstate(states[0])
             np.random.set_state(states[1])
+
+
+def attempts_wall(rec: dict) -> tuple[float | None, bool]:
+    """``(seconds, complete)`` a stage's record took: its ``wall_s``, or for a run resumed over several attempts the
+    sum of every attempt's seconds (``attempt_walls_s``). ``complete`` is False where an attempt's seconds were not
+    recorded (an attempt killed outright, or one recorded before attempts were timed): then the seconds are the last
+    attempt's, a lower bound."""
+    wall = rec.get("wall_s")
+    n = len(rec.get("resumed") or [])
+    if wall is None or n < 2:
+        return wall, True
+    walls = rec.get("attempt_walls_s") or []
+    return (float(sum(walls)), True) if len(walls) == n else (wall, False)
 
 
 def host_info() -> dict:

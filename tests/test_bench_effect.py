@@ -818,8 +818,11 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
     # has no target store) scoring on the same host
     rows = [r for r in summary["rows"] if r["selector"] == "less+max"]  # (a row per metric)
     stages, target = record["stages"], json.loads((fidelity_dir / "state.json").read_text())["stages"]["score:target"]
-    score_s, warm_s = stages["score:less"]["wall_s"], stages["less:warmup"]["wall_s"]
-    assert rows and score_s > 0 and warm_s > 0
+    # the interrupted warm-up's seconds were recorded and its resumed record counts both attempts'
+    walls = stages["less:warmup"]["attempt_walls_s"]
+    assert len(walls) == 2 and walls[0] > 0 and walls[1] == stages["less:warmup"]["wall_s"]
+    score_s, warm_s = stages["score:less"]["wall_s"], sum(walls)
+    assert rows and score_s > 0 and warm_s > 0 and not any(r.get("cost_lower_bound") for r in rows)
     for row in rows:
         assert (row["scoring_wall_s"], row["build_wall_s"], row["cost_reference"]) == (score_s, warm_s,
                                                                                        "target scoring")
@@ -843,6 +846,18 @@ def test_less_selector_warms_up_with_lora_scores_the_checkpoints_and_selects_by_
     effect.main([*argv, "--recorded-tables", "--tables-only"])
     assert not (out / "less").exists() and table.read_bytes() == kept_table
     assert json.loads((out / "state.json").read_text())["stages"] == state
+    # a resumed record without its earlier attempts' seconds (an attempt killed outright, or recorded before the
+    # attempts were timed): the cost counts the last attempt's and says it is a lower bound
+    whole = json.loads((out / "state.json").read_text())
+    untimed = {**state, "less:warmup": {k: v for k, v in state["less:warmup"].items() if k != "attempt_walls_s"}}
+    (out / "state.json").write_text(json.dumps({**whole, "stages": untimed}))
+    effect.main([*argv, "--summary-only"])
+    rows = [r for r in json.loads((out / "summary.json").read_text())["rows"] if r["selector"] == "less+max"]
+    assert rows and all(r["cost_lower_bound"] and r["build_wall_s"] == state["less:warmup"]["wall_s"] for r in rows)
+    head = (out / "headline.md").read_text()
+    assert f"≥{rows[0]['scoring_cost_ratio']:.2f} (≥{rows[0]['total_cost_ratio']:.2f} with build)" in head
+    assert "≥: a lower bound" in head
+    (out / "state.json").write_text(json.dumps(whole))
 
     class Ran(Exception):
         pass
