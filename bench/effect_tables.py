@@ -64,14 +64,13 @@ def metric_tables(summary: dict) -> list[str]:
         for r in summary["rows"]:
             if r["metric"] != metric:
                 continue
+            ge = "≥" if r.get("cost_lower_bound") else ""
             lines.append(f"| {r['task']} | {r['selector']} | {fmt(r['value'], r['ci'])} | "
                          f"{fmt(r.get('diff_vs_random'), r.get('diff_ci'), '{:+.4f}')} | "
                          f"{fmt(r.get('diff_vs_best_random_seed'), None, '{:+.4f}')} | "
                          + ("other host¹ | " if r.get("hosts_differ") else
-                            ("≥" if r.get("cost_lower_bound") else "")
-                            + f"{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
-                            + ("≥" if r.get("cost_lower_bound") else "")
-                            + f"{fmt(r.get('total_cost_ratio'), None, '{:.2f}')}"
+                            f"{ge}{fmt(r.get('scoring_cost_ratio'), None, '{:.2f}')}, "
+                            f"{ge}{fmt(r.get('total_cost_ratio'), None, '{:.2f}')}"
                             + ("²" if r.get("cost_reference") == "target store" else "") + " | ") +
                          f"{fmt(r.get('selected_response_tokens'), None, '{:.1f}')} |")
         lines.append("")
