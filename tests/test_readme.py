@@ -126,6 +126,18 @@ def readme_recipe() -> tuple[list[str], list[str]]:
     return bash_commands(cpu), bash_commands(gpu)
 
 
+def readme_recipe_stated_minutes() -> int:
+    """The recipe's measured wall time the README states (minutes), which ``test_recipe_smollm`` holds it to."""
+    stated = re.search(r"Measured on 2 idle CPU cores: \*\*(\d+) minutes\*\*", doc_section(README, RECIPE_HEADING))
+    assert stated, "the README's recipe states its measured time as 'Measured on 2 idle CPU cores: **N minutes**'"
+    return int(stated.group(1))
+
+
+def test_readme_recipe_states_its_measured_minutes():
+    """Fast guard of the slow recipe test's reading: a rewording of the sentence fails here, not after 30 minutes."""
+    assert 5 <= readme_recipe_stated_minutes() <= 60
+
+
 def test_bash_commands_joins_continuations():
     assert bash_commands("# c\npython a \\\n  --b '{\"x\": 1}'\n\npython c\n") == ["python a    --b '{\"x\": 1}'", "python c"]
 
