@@ -154,9 +154,9 @@ def less_warmup(tmp_path_factory):
     return root / "warmup"
 
 
-def _score(tmp_path, name, warm, trainer=None, **init_args):
-    """``configs/less/score.yaml`` (with ``init_args`` over it, and ``trainer`` over its trainer) on the demo: the score
-    table."""
+def _score(tmp_path, name, warm, trainer=None, callbacks=(), **init_args):
+    """``configs/less/score.yaml`` (with ``init_args`` over it, ``trainer`` over its trainer and ``callbacks`` after
+    its writer) on the demo: the score table."""
     import yaml
 
     from iprox_lightning.cli import main
@@ -164,7 +164,7 @@ def _score(tmp_path, name, warm, trainer=None, **init_args):
 
     out = tmp_path / name
     cfg = {"trainer": {**(trainer or {}), "logger": False, "enable_progress_bar": False, "default_root_dir": str(tmp_path), "callbacks": [
-        {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(out)}}]},
+        {"class_path": "iprox_lightning.scoring.InfluenceWriter", "init_args": {"output_dir": str(out)}}, *callbacks]},
         "model": {"init_args": init_args}, "data": {"init_args": {"tokenizer": str(warm), **DEMO_DATA}}}
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     main([*guide_commands()[1], "--config", str(tmp_path / f"{name}.yaml")])
@@ -308,6 +308,120 @@ def test_checkpoints_over_other_bases_are_each_loaded_with_their_base(less_warmu
     np.testing.assert_allclose(table.scores, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
 
+def _scorers_alive(monkeypatch) -> list[int]:
+    """At each scorer's preparation (its validation gradients stacked): how many other scorers are alive then."""
+    import gc
+    import weakref
+
+    from iprox_lightning.scoring.influence import InfluenceScorer
+
+    alive, seen, stacked = weakref.WeakSet(), [], InfluenceScorer._stacked
+
+    def counting(self, sums, names, reduce):
+        gc.collect()
+        seen.append(sum(1 for s in alive if s is not self))
+        alive.add(self)
+        return stacked(self, sums, names, reduce)
+
+    monkeypatch.setattr(InfluenceScorer, "_stacked", counting)
+    return seen
+
+
+def test_checkpoints_in_turn_score_bit_for_bit_as_batch_by_batch_holding_one_scorer(less_warmup, tmp_path,
+                                                                                     monkeypatch):
+    """``checkpoints_in_turn``: LESS over a LoRA warm-up's epochs scored one checkpoint at a time (a pass over the pool
+    each, the adapters over the shared base put in place in turn) equals the batch-by-batch scores bit for bit (the
+    same tensors in the same operations, summed in the same order), while one checkpoint's scorer (its Adam moments
+    and validation gradients) is alive at a time instead of every one; the fingerprint is the same, so either way
+    resumes the other's directory."""
+    ckpts = [{"path": str(less_warmup / "adapters" / f"epoch_{e}")} for e in (1, 2)]
+    alive = _scorers_alive(monkeypatch)
+    together = _score(tmp_path, "together", less_warmup, checkpoints=ckpts)
+    assert alive == list(range(len(ckpts)))  # batch by batch: every earlier checkpoint's scorer is held
+    alive.clear()
+    loads = _counting_loads(monkeypatch)
+    in_turn = _score(tmp_path, "in_turn", less_warmup, checkpoints=ckpts, checkpoints_in_turn=True)
+    assert alive == [0] * len(ckpts)  # in turn: the one being prepared only
+    assert loads == [ckpts[0]["path"]]  # the base once, each later checkpoint's adapters put in place over it
+    assert in_turn.ids == together.ids and in_turn.task_names == together.task_names and len(in_turn) == 120
+    np.testing.assert_array_equal(in_turn.scores, together.scores)
+    np.testing.assert_array_equal(in_turn.task_scores, together.task_scores)
+    np.testing.assert_array_equal(in_turn.zero_grad, together.zero_grad)
+    assert in_turn.settings["fingerprint"] == together.settings["fingerprint"]
+    # the batch-by-batch directory resumed in turn: every row done, the same table
+    again = _score(tmp_path, "together", less_warmup, checkpoints=ckpts, checkpoints_in_turn=True)
+    np.testing.assert_array_equal(again.scores, together.scores)
+
+
+def test_checkpoints_in_turn_load_each_other_model_in_turn_and_resume_after_a_crash(less_warmup, tmp_path,
+                                                                                    monkeypatch):
+    """Multi-checkpoint TracIn over checkpoints of several kinds (an adapter over another base and a dense model,
+    each loaded whole; an adapter over the first's base, swapped in) in turn: bit for bit the batch-by-batch scores,
+    at most one loaded model beside the first's at a time. Stopped after 3 of the live loop's 8 batches and run
+    again, the earlier checkpoints' passes score only the rows not written, and the table is the same."""
+    import json
+    import shutil
+    import weakref
+
+    from iprox_lightning.scoring import module
+
+    first, second = (less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2))
+    other = tmp_path / "other_base"
+    shutil.copytree(second, other)
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(less_warmup)  # the merged dense model the warm-up saved
+    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    ckpts = [{"path": str(first), "weight": 1.0}, {"path": str(other), "weight": 0.5},
+             {"path": str(less_warmup), "weight": 0.25}, {"path": str(second), "weight": 2.0}]
+    together = _score(tmp_path, "together", less_warmup, method="tracin", checkpoints=ckpts)
+    loaded, most, load = weakref.WeakSet(), [], module.load_model
+
+    def counted(source, *a, **kw):
+        import gc
+
+        gc.collect()
+        net, tok = load(source, *a, **kw)
+        loaded.add(net)
+        most.append(len(loaded))
+        return net, tok
+
+    monkeypatch.setattr(module, "load_model", counted)
+    in_turn = _score(tmp_path, "in_turn", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True)
+    assert most == [1, 2, 2]  # the first; then the other base's, dropped before the dense one is loaded
+    np.testing.assert_array_equal(in_turn.scores, together.scores)
+    np.testing.assert_array_equal(in_turn.task_scores, together.task_scores)
+    passes = []
+    pass_at = module.InfluenceScoringModule._pass_at_checkpoint
+
+    def recorded(self, j, vmodel):
+        names, rows = pass_at(self, j, vmodel)
+        passes.append(len(rows))
+        return names, rows
+
+    monkeypatch.setattr(module.InfluenceScoringModule, "_pass_at_checkpoint", recorded)
+    monkeypatch.setenv("IPROX_ALLOW_IMPORTS", "test_writer_scoring")  # the command line imports the test's callback
+    crash = {"class_path": "test_writer_scoring.Crash", "init_args": {"after": 3}}
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _score(tmp_path, "crashed", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True,
+               callbacks=[crash])
+    assert passes == [120] * 3
+    passes.clear()
+    resumed = _score(tmp_path, "crashed", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True)
+    assert passes == [120 - 48] * 3  # the 3 batches of 16 written before the stop (the writer flushes on it)
+    assert sorted(resumed.ids) == sorted(together.ids)
+    order = [resumed.ids.index(i) for i in together.ids]
+    np.testing.assert_array_equal(resumed.scores[order], together.scores)
+
+
+def test_checkpoints_in_turn_needs_checkpoints():
+    from iprox_lightning.scoring import InfluenceScoringModule
+
+    with pytest.raises(UserInputError, match="checkpoints_in_turn scores the checkpoints of `checkpoints`"):
+        InfluenceScoringModule(checkpoints_in_turn=True)
+    with pytest.raises(UserInputError, match="checkpoints_in_turn must be true or false"):
+        InfluenceScoringModule(checkpoints=[{"path": "x", "weight": 1.0}], checkpoints_in_turn="yes")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_adapters_read_for_a_shared_base_equal_the_ones_loaded_with_it(less_warmup, dtype):
     """A checkpoint's adapter tensors read through another checkpoint's peft model (one base) are bit for bit the ones
@@ -407,3 +521,61 @@ def test_plan_on_a_cpu_counts_the_last_checkpoints_preparation_the_scorers_hold(
     assert plan.peak >= sum(prep.values()) and plan.parts["validation_gradients"] in (2 * seen[1][1], seen[1][1])
     cuda = M.less_scoring_plan(sizes, acts, M.RunSettings(**{**run.__dict__, "device_kind": "cuda"})).parts
     assert "validation_sums" not in cuda and cuda["validation_gradients"] == 2 * seen[1][1]  # the device's: both held
+
+
+def test_plan_counts_one_checkpoint_held_in_turn(less_warmup, tmp_path, monkeypatch):
+    """``plan --checkpoints_in_turn``: the scorers alive at each checkpoint's preparation hold no other checkpoint's
+    validation gradients (measured at the stacking, as above), and the plan's LESS stage holds one checkpoint's
+    validation gradients and Adam moments (the device's: a half of the batch-by-batch two here), the base with one
+    more checkpoint's adapters, and the earlier checkpoints' scores of its rows."""
+    import gc
+    import json
+    import weakref
+
+    from iprox_lightning.analysis import memory as M
+    from iprox_lightning.scoring.influence import InfluenceScorer
+
+    ckpts = [less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2)]
+    alive, seen, held, stacked, score = weakref.WeakSet(), [], set(), InfluenceScorer._stacked, InfluenceScorer.score_batch
+
+    def counting(self, sums, names, reduce):
+        gc.collect()
+        seen.append(sum(t.numel() * t.element_size() for s in alive if s is not self for t in s.V.values()))
+        alive.add(self)
+        return stacked(self, sums, names, reduce)
+
+    def scoring(self, batch):  # what a scorer holds while it scores (its validation gradients as narrowed)
+        held.add(sum(t.numel() * t.element_size() for t in self.V.values()))
+        return score(self, batch)
+
+    monkeypatch.setattr(InfluenceScorer, "_stacked", counting)
+    monkeypatch.setattr(InfluenceScorer, "score_batch", scoring)
+    table = _score(tmp_path, "plan", less_warmup, checkpoints=[{"path": str(c)} for c in ckpts],
+                   validation_gradients={"dtype": "bfloat16"}, checkpoints_in_turn=True)
+    (own,) = held
+    assert seen == [0, 0] and own > 0  # no other checkpoint's validation gradients at a preparation
+    lora = json.loads((ckpts[0] / "adapter_config.json").read_text())
+    settings = dict(tasks=len(table.task_names), checkpoints=2, method="less", validation_gradients={"dtype": "bfloat16"},
+                    max_length=16, batch_size=4, pool_size=120,
+                    lora={"r": lora["r"], "alpha": lora["lora_alpha"], "target_modules": sorted(lora["target_modules"])})
+    sizes, acts, _ = M.model_counts(str(less_warmup), M.RunSettings(**settings))
+    plans = {(kind, turn): M.less_scoring_plan(sizes, acts, M.RunSettings(**settings, device_kind=kind,
+                                                                          checkpoints_in_turn=turn))
+             for kind in ("cpu", "cuda") for turn in (False, True)}
+    vg = M.validation_gradient_bytes(M.lora_weights(sizes, M.RunSettings(**settings).lora), len(table.task_names),
+                                     {"dtype": "bfloat16"})
+    assert vg["held"] == own  # one checkpoint's, as the scorer holds them
+    turn, together = plans[("cuda", True)].parts, plans[("cuda", False)].parts
+    assert turn["validation_gradients"] == own and together["validation_gradients"] == 2 * own
+    assert 2 * turn["adam_moments"] == together["adam_moments"] > 0
+    assert turn["weights"] == together["weights"]  # two checkpoints: the base and two adapter sets either way
+    four = {turn: M.less_scoring_plan(sizes, acts, M.RunSettings(**{**settings, "checkpoints": 4},
+                                                                 checkpoints_in_turn=turn)).parts for turn in (0, 1)}
+    adapters = (four[0]["weights"] - together["weights"]) / 2  # one checkpoint's adapters
+    assert adapters > 0 and four[1]["weights"] == together["weights"]  # four in turn: still the base and two sets
+    assert turn["earlier_scores"] == 1 * 120 * (len(table.task_names) + 1) * 8  # the other checkpoint's rows
+    prep = M.validation_preparation(plans[("cpu", True)].parts, vg, M.RunSettings(**settings, device_kind="cpu",
+                                                                                  checkpoints_in_turn=True))
+    assert prep["validation_gradients"] == 0  # no other checkpoint's held at a preparation
+    assert plans[("cpu", True)].peak < plans[("cpu", False)].peak
+

@@ -227,3 +227,52 @@ def test_less_over_checkpoints_holds_what_plan_counts(lora_warmup):
     again = trainer.predict(module, datamodule=dm)
     for a, b in zip(first, again):
         assert a["id"] == b["id"] and (a["task_scores"] == b["task_scores"]).all()
+
+
+def test_less_over_checkpoints_in_turn_holds_what_plan_counts(lora_warmup, monkeypatch):
+    """``checkpoints_in_turn``: while each checkpoint scores the pool (its own pass, or the live loop for the first)
+    only its Adam moments and validation gradients are alive (no earlier scorer's), equal to ``plan --checkpoints_in_turn``'s
+    ``scoring (less)`` parts exactly, and the scores are the batch-by-batch ones bit for bit."""
+    import gc
+    import weakref
+
+    from iprox_lightning.data import SFTDataModule
+    from iprox_lightning.models.builtin import builtin_model
+    from iprox_lightning.scoring.influence import InfluenceScorer
+
+    ckpts = [{"path": str(lora_warmup / "adapters" / f"epoch_{e}")} for e in (1, 2)]
+    alive, held, score = weakref.WeakSet(), [], InfluenceScorer.score_batch
+
+    def scoring(self, batch):  # at each scorer's first batch: what every scorer alive holds
+        if self not in alive:
+            gc.collect()
+            alive.add(self)
+            held.append({"scorers": len(alive),
+                         "adam_moments": sum(m.nbytes + v.nbytes for sc in alive
+                                             for m, v, _ in sc.metric.moments.values()),
+                         "validation_gradients": sum(V.nbytes for sc in alive for V in sc.V.values())})
+        return score(self, batch)
+
+    dm = SFTDataModule(tokenizer=str(lora_warmup), pool="builtin", validation="builtin", **LESS_DATA)
+
+    def run(in_turn):
+        module = InfluenceScoringModule(checkpoints=ckpts, method="less", per_task=True, checkpoints_in_turn=in_turn)
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, inference_mode=False)
+        return trainer.predict(module, datamodule=dm)
+
+    together = run(False)
+    monkeypatch.setattr(InfluenceScorer, "score_batch", scoring)
+    in_turn = run(True)
+    assert [h["scorers"] for h in held] == [1, 1]  # the second checkpoint's pass, then the first's live loop
+    config = builtin_model().config
+    settings = dict(precision="32-true", batch_size=LESS_DATA["batch_size"], max_length=LESS_DATA["max_length"],
+                    method="less", checkpoints=len(ckpts), lora={**LORA, "target_modules": list(LORA["target_modules"])})
+    tasks = len(in_turn[0]["task_names"])
+    acts, _ = M.run_activations(config, M.RunSettings(**settings, tasks=tasks))
+    sizes = M.ModelSizes.from_config(config, name="builtin")
+    plan = M.less_scoring_plan(sizes, acts, M.RunSettings(**settings, tasks=tasks, checkpoints_in_turn=True))
+    for k in ("adam_moments", "validation_gradients"):
+        assert all(plan.parts[k] == h[k] for h in held), (k, plan.parts[k], held)
+    for a, b in zip(together, in_turn):
+        assert a["id"] == b["id"] and (a["score"] == b["score"]).all() and (a["task_scores"] == b["task_scores"]).all()

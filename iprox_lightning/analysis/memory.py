@@ -75,6 +75,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -415,6 +416,7 @@ class RunSettings:
     finetune_epochs: int = 4  # the fine-tune's trainer.max_epochs (configs/finetune.yaml)
     lora: Mapping[str, Any] | None = None  # warm-up / fine-tune model.lora {r, alpha, dropout, target_modules}
     checkpoints: int = 1  # scoring model.checkpoints: checkpoints summed (LESS: 4), each held while the pool is scored
+    checkpoints_in_turn: bool = False  # scoring model.checkpoints_in_turn: one checkpoint held at a time, a pass each
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
@@ -886,7 +888,7 @@ def validation_preparation(parts: dict[str, float], vg: Mapping[str, float], run
     ``host``: float32 before a bfloat16 holding narrows them), beside the earlier checkpoints' validation gradients
     as held and one batch's activations, without the scoring's transients."""
     prep = {k: v for k, v in parts.items() if k not in ("features", "validation_layer", "layer_exchange")}
-    prep["validation_gradients"] = vg["held"] * (run.checkpoints - 1)
+    prep["validation_gradients"] = vg["held"] * (held_checkpoints(run) - 1)
     prep["validation_sums"] = vg["host"] or vg["held"]
     return prep
 
@@ -898,7 +900,7 @@ def with_validation_preparation(parts: dict[str, float], vg: Mapping[str, float]
     the fourth checkpoint's preparation is the peak."""
     if run.device_kind != "cpu":
         return parts
-    scoring = {**parts, "validation_gradients": vg["held"] * run.checkpoints}
+    scoring = {**parts, "validation_gradients": vg["held"] * held_checkpoints(run)}
     prep = validation_preparation(scoring, vg, run)
     return prep if sum(prep.values()) > sum(scoring.values()) else scoring
 
@@ -909,6 +911,12 @@ CHECKPOINT_HELD = ("weights", "validation_gradients", "kfac_factors", "ekfac_cor
 activations, features and transients are one checkpoint's at a time (the checkpoints score a batch in turn)."""
 
 
+def held_checkpoints(run: RunSettings) -> int:
+    """How many checkpoints' scorers (metric state, validation gradients) are held at once: every one of
+    ``run.checkpoints``, or one with ``checkpoints_in_turn``."""
+    return 1 if run.checkpoints_in_turn else run.checkpoints
+
+
 def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings,
                      adapters: float | None = None) -> tuple[dict[str, float], float]:
     """``(parts, flops)`` of a scoring stage over ``run.checkpoints`` checkpoints: :data:`CHECKPOINT_HELD` parts and
@@ -916,10 +924,22 @@ def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings,
     ``adapters`` (the bytes of one checkpoint's adapter weights, in ``parts["weights"]``) says the checkpoints are
     peft adapters over one base (a LoRA warm-up's epochs): the base is loaded once and each checkpoint holds its
     adapters (``InfluenceScoringModule``'s ``checkpoint_adapters``), so the weights are one base and ``checkpoints``
-    adapters."""
+    adapters.
+
+    ``run.checkpoints_in_turn`` (the module's ``checkpoints_in_turn``: a pass over the pool per checkpoint): one
+    checkpoint's metric state and validation gradients at a time; the weights the first checkpoint's model and the
+    one in turn (dense: two models; adapters over one base: the base, the first's adapters kept aside and the ones in
+    place); and the earlier checkpoints' scores of this device's rows (``earlier_scores``: float64 score and per-task
+    scores per row and checkpoint). The same FLOPs."""
     c = run.checkpoints
     if c == 1:
         return parts, flops
+    if run.checkpoints_in_turn:
+        out = dict(parts)
+        out["weights"] = parts["weights"] + (adapters if adapters is not None else parts["weights"])
+        rows = math.ceil(run.pool_size / run.devices)
+        out["earlier_scores"] = float((c - 1) * rows * (run.tasks + 1) * 8)
+        return out, flops * c
     out = {k: v * c if k in CHECKPOINT_HELD else v for k, v in parts.items()}
     if adapters is not None:
         out["weights"] = parts["weights"] + (c - 1) * adapters

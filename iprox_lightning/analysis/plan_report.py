@@ -61,6 +61,7 @@ class PlanSettings:
     output: Optional[str]
     lora: Optional[dict]
     checkpoints: int
+    checkpoints_in_turn: bool
     fit: bool
     scoring: ScoringConfig
 
@@ -95,7 +96,8 @@ def run_plan(p: PlanSettings, defaults: dict) -> list[dict]:
                         kfac_partitions=p.scoring.kfac_partitions, kfac_offload=p.scoring.kfac_offload, store_k=p.k,
                         select_k=p.select_k, warmup_epochs=p.warmup_epochs, finetune_epochs=p.finetune_epochs,
                         validation_gradients=p.scoring.validation_gradients,
-                        shard_layers=p.scoring.shard_layers, checkpoints=p.checkpoints, lora=lora)
+                        shard_layers=p.scoring.shard_layers, checkpoints=p.checkpoints,
+                        checkpoints_in_turn=p.checkpoints_in_turn, lora=lora)
     sizes, acts, acts32 = M.model_counts(p.model, run)  # cached per architecture, T and precision
     stages = M.plan_stages(sizes, None, run, acts=acts, acts32=acts32)
     speeds = M.measured_throughput(sizes.params, p.accelerator, p.speed_results or _RESULTS)

@@ -48,6 +48,7 @@ def plan(
     output: Optional[str] = None,
     lora: Optional[dict] = None,
     checkpoints: int = 1,
+    checkpoints_in_turn: bool = False,
     fit: bool = False,
     scoring: Optional[ScoringConfig] = None,
 ) -> list[dict]:
@@ -114,6 +115,8 @@ def plan(
             model (LESS's adapters: one base shared, each checkpoint's adapters), metric state and validation
             gradients are held while the pool is scored. ``method: less`` needs ``lora`` (it scores the adapters'
             gradients).
+        checkpoints_in_turn: the scoring module's ``checkpoints_in_turn``: the checkpoints scored one at a time (a
+            pass over the pool each), one checkpoint's metric state and validation gradients held at a time.
         fit: also find, per stage, the largest per-device batch and the fewest memory levers (micro-batches,
             checkpointing, probe groups, the validation gradients' holding, K-FAC partitions and offload) that fit
             ``device_memory`` (:mod:`iprox_lightning.analysis.fit`: an ordered search priced by this plan), and print
@@ -137,6 +140,6 @@ def plan(
         validation_examples=validation_examples, tasks=tasks,
         k=k, select_k=select_k, warmup_epochs=warmup_epochs, finetune_epochs=finetune_epochs,
         speed_results=speed_results, output=output, lora=lora, checkpoints=checkpoints,
-        fit=fit,
+        checkpoints_in_turn=checkpoints_in_turn, fit=fit,
         scoring=scoring),
         defaults)

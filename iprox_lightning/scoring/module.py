@@ -24,6 +24,7 @@ flags), ``scoring/skipped_resumed``; at the start ``scoring/prepare_seconds`` an
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -39,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from ..console import show_progress
 from ..engine.fsdp import is_sharded, shard_frozen_per_block
+from ..engine.host_memory import release_freed_host_memory
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from ..io.fingerprint import loader_digest, model_identity
@@ -47,7 +49,7 @@ from ..models.lora import (
     ADAPTER_GRADIENTS, adapter_weights, read_adapter_weights, scores_adapters, shared_base_key, use_adapter_weights,
 )
 from .config import ScoringConfig
-from .features import trim_batch
+from .features import progress_bar, trim_batch
 from .influence import InfluenceScorer, check_checkpoints, checkpoint_sum
 from .less import attach_optimizer_state
 
@@ -85,6 +87,14 @@ class InfluenceScoringModule(L.LightningModule):
             (:func:`~.influence.checkpoint_sum`). ``weight`` omitted: the learning rate in the checkpoint's
             ``optimizer_state.safetensors``. ``model`` is then not read. Adapters over one base share it (each
             holds only its adapter tensors).
+        checkpoints_in_turn: with ``checkpoints``, score the pool at one checkpoint at a time instead of every
+            checkpoint batch by batch: each later checkpoint in turn is loaded (or its adapters put in place),
+            prepared, passed over this process's pool (a replay of the predict loader) and dropped, its rows' scores
+            kept by id; then the first checkpoint scores the live predict loop and each row's sum is written. One
+            checkpoint's model (a dense one: beside the first's), metric state and validation gradients are held at
+            a time instead of all of them (LESS at 4 checkpoints: a quarter of the validation gradients); the same
+            work and the same scores bit for bit, so not fingerprinted. Rows are written in the last pass only: an
+            interrupted run repeats the earlier checkpoints' passes over the rows not written yet.
         validation_batch_size: the validation pass's batch (``None``: the data's); with ``validation_model`` the
             target's backward (``plan --fit`` chooses it). Scores differ by rounding only: not fingerprinted.
     """
@@ -102,6 +112,7 @@ class InfluenceScoringModule(L.LightningModule):
         trust_remote_code: bool = False,
         validation_model: Union[str, nn.Module, None] = None,
         checkpoints: Optional[list] = None,
+        checkpoints_in_turn: bool = False,
         validation_batch_size: Optional[int] = None,
         scoring: Optional[ScoringConfig] = None,
     ) -> None:
@@ -128,6 +139,14 @@ class InfluenceScoringModule(L.LightningModule):
         if self.checkpoints is not None:  # (hyper-parameters as before the option when it is not given)
             hparams["checkpoints"] = self.checkpoints
             hparams["model"] = model = self.checkpoints[0]["path"]
+        if not isinstance(checkpoints_in_turn, bool):
+            raise UserInputError(f"checkpoints_in_turn must be true or false, got {checkpoints_in_turn!r}")
+        if checkpoints_in_turn:  # (hyper-parameters as before the option when it is off)
+            if self.checkpoints is None:
+                raise UserInputError("checkpoints_in_turn scores the checkpoints of `checkpoints` one at a time: give "
+                                     "checkpoints (a list of {path, weight}) or leave checkpoints_in_turn off")
+            hparams["checkpoints_in_turn"] = True
+        self.checkpoints_in_turn = checkpoints_in_turn
         self.save_hyperparameters(hparams)
         self.validation_model = validation_model
         self._vnet: nn.Module | None = None  # validation_model once loaded
@@ -138,6 +157,8 @@ class InfluenceScoringModule(L.LightningModule):
         # each checkpoint's adapter tensors where checkpoints share their model's base (else None: its own model)
         self.checkpoint_adapters: list[dict[str, torch.Tensor] | None] = []
         self._checkpoint_nets: list[nn.Module] = []  # each checkpoint's model (shared ones: the same)
+        # checkpoints_in_turn: each later checkpoint's scores of this process's rows, by id (from its own pass)
+        self.checkpoint_rows: list[tuple[list[str], dict[str, tuple]]] = []
         self.skip_ids: set[str] = set()
         self.n_scored = 0
         self.n_skipped = 0
@@ -251,6 +272,12 @@ class InfluenceScoringModule(L.LightningModule):
         if self.checkpoints is None:
             self.scorer = self._prepare(self.net, self.metric, self.hparams.get("model", self.net), vmodel)
             self.scorers = [(1.0, self.scorer)]
+        elif self.checkpoints_in_turn:  # each later checkpoint's pass first, then the first's scorer for the live loop
+            self.checkpoint_rows = [self._pass_at_checkpoint(j, vmodel) for j in range(1, len(self.checkpoints))]
+            self.scorer = self._prepare(self.net, self.metric, self.checkpoints[0]["path"], vmodel)
+            self.scorers = [(self.checkpoints[0]["weight"], self.scorer)]
+            if any(names != self.scorer.task_names for names, _ in self.checkpoint_rows):
+                raise RuntimeError("checkpoints scored different validation tasks")
         else:  # one scorer per checkpoint, each with its model (or adapters), metric and validation gradients
             self.scorers = []
             self.checkpoint_adapters = self._checkpoint_models()
@@ -274,6 +301,61 @@ class InfluenceScoringModule(L.LightningModule):
                 metrics[f"scoring/val_examples/{t}"] = float(c)
             metrics["scoring/prepare_seconds"] = prepare_s
             self.logger.log_metrics(metrics, step=0)
+
+    def _pass_at_checkpoint(self, j: int, vmodel: Optional[nn.Module]) -> tuple[list[str], dict[str, tuple]]:
+        """``checkpoints_in_turn``: checkpoint ``j``'s model (its adapters put in place over the first's base where
+        they share it, :func:`~iprox_lightning.models.lora.shared_base_key`; else loaded whole), its scorer prepared
+        and a pass over this process's pool (the rows not resumed), then both dropped: ``(task names, {id: (score,
+        task scores, zero_grad, nonfinite)})``."""
+        c = self.checkpoints[j]
+        first_key = None if is_sharded(self.net) else shared_base_key(self.checkpoints[0]["path"])
+        shared = first_key is not None and shared_base_key(c["path"]) == first_key
+        with torch.inference_mode(False):
+            if shared:
+                first = adapter_weights(self.net)
+                use_adapter_weights(self.net, read_adapter_weights(self.net, c["path"]))
+                net = self.net
+            else:
+                net = self._load(c["path"])
+        try:
+            scorer = self._prepare(net, self.config.build_metric(), c["path"], vmodel)
+            rows: dict[str, tuple] = {}
+            loaders = self.trainer.predict_dataloaders
+            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+            pool = _Chained(_replay(dl, "checkpoints_in_turn") for dl in loaders)
+            for batch in progress_bar(pool, show_progress(self.trainer), f"checkpoint {j + 1}/{len(self.checkpoints)}"):
+                keep = torch.tensor([str(i) not in self.skip_ids for i in batch["id"]], dtype=torch.bool)
+                if not bool(keep.any()):
+                    scorer.take_part(batch)
+                    continue
+                if not bool(keep.all()):
+                    batch = trim_batch(batch, keep.to(batch["input_ids"].device))
+                with torch.inference_mode(False), torch.enable_grad():
+                    out = scorer.score_batch(batch)
+                for r, i in enumerate(out["id"]):
+                    rows[i] = (out["score"][r], out["task_scores"][r].copy(), out["zero_grad"][r], out["nonfinite"][r])
+            names = list(scorer.task_names)
+        finally:
+            if shared:
+                with torch.inference_mode(False):
+                    use_adapter_weights(self.net, first)
+        del scorer, net
+        gc.collect()  # (the scorer's validation gradients freed now, before the next checkpoint's are made)
+        release_freed_host_memory()
+        log.info("checkpoint %d/%d scored in turn: %d rows", j + 1, len(self.checkpoints), len(rows))
+        return names, rows
+
+    def _rows_at(self, j: int, ids: list[str]) -> dict:
+        """``checkpoints_in_turn``: the rows ``ids`` as checkpoint ``j`` (``>= 1``) scored them in its pass (taken
+        out of what it holds)."""
+        _, rows = self.checkpoint_rows[j - 1]
+        missing = [i for i in ids if i not in rows]
+        if missing:
+            raise RuntimeError(f"example {missing[0]!r} was not scored in checkpoint {j + 1}'s pass: the pool batches "
+                               "differ between passes (checkpoints_in_turn needs a deterministic pool loader)")
+        got = [rows.pop(i) for i in ids]
+        return {"id": list(ids), **{k: np.asarray([g[n] for g in got]) for n, k in
+                                    enumerate(("score", "task_scores", "zero_grad", "nonfinite"))}}
 
     def _checkpoint_models(self) -> list[dict[str, torch.Tensor] | None]:
         """Each checkpoint's model: ``self.net`` for the first; a later adapter directory over the base of an earlier
@@ -374,6 +456,7 @@ class InfluenceScoringModule(L.LightningModule):
         return out
 
     def on_predict_end(self) -> None:
+        self.checkpoint_rows = []  # (rows a limited live loop did not reach)
         if self.logger is not None:
             self.logger.log_metrics(self.scoring_counters(reduce=True), step=max(self._log_step, 1))
 
@@ -402,16 +485,19 @@ class InfluenceScoringModule(L.LightningModule):
             batch = trim_batch(batch, keep.to(batch["input_ids"].device))
         with torch.inference_mode(False), torch.enable_grad():
             out = self.scorer.score_batch(batch)
-            if len(self.scorers) > 1:  # several checkpoints: Σ_c w_c · score_c
-                try:
-                    parts = [out] + [self._score_at(j, batch) for j in range(1, len(self.scorers))]
-                finally:
-                    self._at_rest()
+            if self.checkpoints is not None and len(self.checkpoints) > 1:  # several: Σ_c w_c · score_c
+                if self.checkpoints_in_turn:  # the later checkpoints' rows from their passes
+                    parts = [out] + [self._rows_at(j, out["id"]) for j in range(1, len(self.checkpoints))]
+                else:
+                    try:
+                        parts = [out] + [self._score_at(j, batch) for j in range(1, len(self.scorers))]
+                    finally:
+                        self._at_rest()
                 if any(p["id"] != out["id"] for p in parts) or any(sc.task_names != names for _, sc in self.scorers):
                     raise RuntimeError("checkpoints scored different rows or validation tasks")
+                keys = ("score", "task_scores", "zero_grad", "nonfinite")
                 out["score"], out["task_scores"], out["zero_grad"], out["nonfinite"] = checkpoint_sum(
-                    [w for w, _ in self.scorers], *([p[k] for p in parts]
-                                                    for k in ("score", "task_scores", "zero_grad", "nonfinite")))
+                    [c["weight"] for c in self.checkpoints], *([p[k] for p in parts] for k in keys))
         self.n_scored += len(out["id"])
         self.n_tokens += int(np.asarray(out["n_tokens"]).sum())
         self.n_nonfinite += int(np.asarray(out.get("nonfinite", ())).sum())
@@ -454,13 +540,13 @@ def _empty_result(task_names: list[str]) -> dict:
             "zero_grad": np.zeros(0, bool), "nonfinite": np.zeros(0, bool), "task": None, "task_names": list(task_names)}
 
 
-def _replay(loader):
+def _replay(loader, what: str = "column groups (validation_gradients.column_groups > 1)"):
     """A loader of the same batches as the trainer's predict ``loader`` (this rank's share), iterated apart from it:
     Lightning's batch-sampler wrapper holds one shared iterator, which iterating the live loader would consume."""
     inner = getattr(loader.batch_sampler, "_batch_sampler", None) if isinstance(loader, DataLoader) else None
     if inner is None:
-        raise RuntimeError("column groups (validation_gradients.column_groups > 1) need the predict data as a torch "
-                           f"DataLoader with a batch sampler, got {type(loader).__name__}")
+        raise RuntimeError(f"{what} need(s) the predict data as a torch DataLoader with a batch sampler, got "
+                           f"{type(loader).__name__}")
     return DataLoader(loader.dataset, batch_sampler=inner, collate_fn=loader.collate_fn, num_workers=loader.num_workers)
 
 
