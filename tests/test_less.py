@@ -395,7 +395,7 @@ def test_checkpoints_in_turn_load_each_other_model_in_turn_and_resume_after_a_cr
 
     def recorded(self, j, vmodel):
         names, rows = pass_at(self, j, vmodel)
-        passes.append(len(rows))
+        passes.append(len(rows["row"]))
         return names, rows
 
     monkeypatch.setattr(module.InfluenceScoringModule, "_pass_at_checkpoint", recorded)
@@ -573,7 +573,9 @@ def test_plan_counts_one_checkpoint_held_in_turn(less_warmup, tmp_path, monkeypa
                                                                  checkpoints_in_turn=turn)).parts for turn in (0, 1)}
     adapters = (four[0]["weights"] - together["weights"]) / 2  # one checkpoint's adapters
     assert adapters > 0 and four[1]["weights"] == together["weights"]  # four in turn: still the base and two sets
-    assert turn["earlier_scores"] == 1 * 120 * (len(table.task_names) + 1) * 8  # the other checkpoint's rows
+    assert "earlier_scores" not in turn  # host memory, not the device's
+    cpu = plans[("cpu", True)].parts
+    assert cpu["earlier_scores"] == 1 * 120 * (8 * (len(table.task_names) + 1) + 2)  # the other checkpoint's rows
     prep = M.validation_preparation(plans[("cpu", True)].parts, vg, M.RunSettings(**settings, device_kind="cpu",
                                                                                   checkpoints_in_turn=True))
     assert prep["validation_gradients"] == 0  # no other checkpoint's held at a preparation

@@ -317,3 +317,29 @@ def test_the_fits_build_store_line_runs_sharded_where_the_plan_priced_it_so(caps
         lines[strategy] = [l for l in capsys.readouterr().out.splitlines() if "train.py build_store" in l]
     assert len(lines["fsdp"]) == 1 and lines["fsdp"][0].endswith("--strategy fsdp")
     assert not any("--strategy" in l for l in lines["ddp"])
+
+
+def test_the_fit_scores_several_checkpoints_in_turn_before_any_dearer_lever(model, capsys, tmp_path):
+    """LESS over 4 checkpoints (``--method less --checkpoints 4``, 2,000 score columns) on a device that their
+    batch-by-batch scoring overflows at any batch and one checkpoint at a time fits at the configs' batch: the fit
+    takes ``checkpoints_in_turn`` alone (the same work, no other holding), prints it as the score stage's
+    ``model.init_args`` and as ``plan``'s flag, which price it so."""
+    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    run = M.RunSettings(**PAPER, method="less", checkpoints=4, tasks=2000, lora=M.with_lora_targets(lora, model))
+    sizes, acts, acts32 = M.model_counts(model, run)
+    together = M.less_scoring_plan(sizes, acts, dataclasses.replace(run, batch_size=1))
+    in_turn = M.less_scoring_plan(sizes, acts, dataclasses.replace(run, checkpoints_in_turn=True))
+    assert in_turn.peak < together.peak
+    memory = (in_turn.peak + together.peak) / 2
+    (f,) = F.fit_stages(sizes, acts, acts32, run, memory, ["scoring (less)"])
+    assert f.fits and f.settings == {"checkpoints_in_turn": True} and f.plan.peak == in_turn.peak
+    assert F.lever_words(f.settings, run)[0].startswith("model.checkpoints_in_turn true (one of the 4 checkpoints")
+    out = F.overlays([f], "less")
+    assert out["stages"]["score"]["model"]["init_args"] == {"checkpoints_in_turn": True}
+    assert out["plan"] == ["--checkpoints_in_turn", "true"]
+    args = ["--model", model, *[a for k, v in PAPER.items() for a in (f"--{k}", str(v))], "--method", "less",
+            "--checkpoints", "4", "--tasks", "2000", "--lora", json.dumps(lora), "--output", str(tmp_path / "p.json")]
+    code, _, err = _plan(args + out["plan"], capsys)
+    assert code == 0, err
+    (row,) = [s for s in json.loads((tmp_path / "p.json").read_text())["stages"] if s["stage"] == "scoring (less)"]
+    assert row["peak"] == in_turn.peak

@@ -21,7 +21,7 @@ Stage 2 (alignment)         none; activation checkpointing; the proxy gathered p
 scoring (each metric)       ordered by the dearest lever used: column groups >           ``batch_size`` of scoring: divisors
                             ``shard_layers`` (several devices) > host holding > K-FAC    of the batch (each example's score
                             offload > K-FAC partitions > bfloat16 validation gradients   is its own); with the proxy
-                                                                                         per batch its validation batch,
+                            > ``checkpoints_in_turn`` (several checkpoints)              per batch its validation batch,
                                                                                          ``validation_batch_size``, from
                                                                                          the batch down
 store build                 none; ``gradient_checkpointing``                             ``batch_size``: divisors
@@ -55,7 +55,7 @@ STORE = "store build"
 LEVERS_OFF = dict(micro_batch_size=None, gradient_checkpointing=False, fsdp_cpu_offload=False, probe_group_layers=None,
                   align_micro_batch_size=None, align_checkpointing=False, align_reshard_proxy=False, kfac_partitions=1,
                   kfac_offload=False, validation_gradients=None, shard_layers=False, store_gradient_checkpointing=False,
-                  validation_batch_size=None)
+                  validation_batch_size=None, checkpoints_in_turn=False)
 """The run's memory levers, all off: where every stage's search starts."""
 
 
@@ -139,11 +139,13 @@ def _scoring_tiers(run: M.RunSettings, metric, n_tracked: int) -> list[dict]:
         for offload in ((False, True) if metric.factor_passes else (False,)):
             for p in parts:
                 for shard in ((False, True) if run.devices > 1 else (False,)):
-                    h = h or {}
-                    key = (int(h.get("column_groups", 1)), shard, h.get("device") == "cpu", offload, p,
-                           h.get("dtype") == "bfloat16")
-                    tiers.append((key, {"validation_gradients": h or None, "kfac_partitions": p, "kfac_offload": offload,
-                                        "shard_layers": shard}))
+                    for in_turn in ((False, True) if run.checkpoints > 1 else (False,)):
+                        h = h or {}
+                        key = (int(h.get("column_groups", 1)), shard, h.get("device") == "cpu", offload, p,
+                               h.get("dtype") == "bfloat16", in_turn)
+                        tier = {"validation_gradients": h or None, "kfac_partitions": p, "kfac_offload": offload,
+                                "shard_layers": shard}
+                        tiers.append((key, {**tier, "checkpoints_in_turn": True} if in_turn else tier))
     return [t for _, t in sorted(tiers, key=lambda kv: kv[0])]
 
 
@@ -324,6 +326,9 @@ def lever_words(settings: Mapping[str, Any], run: M.RunSettings) -> list[str]:
             out.append("shard_layers true (each rank holds its weights' factors and validation gradients)")
         elif k == "store_gradient_checkpointing" and v:
             out.append("gradient_checkpointing true")
+        elif k == "checkpoints_in_turn" and v:
+            out.append(f"model.checkpoints_in_turn true (one of the {run.checkpoints} checkpoints held at a time, a "
+                       "pass over the pool each)")
     return out
 
 
@@ -397,7 +402,7 @@ def overlays(fits: Iterable[StageFit], method: str) -> dict[str, Any]:
                     _deep_set(stages.setdefault("build_proxy", {}), init + (key,), s[k])
                     plan[k] = s[k]
         elif f.stage == f"scoring ({method})":
-            for k in ("validation_gradients", "kfac_partitions", "kfac_offload", "shard_layers"):
+            for k in ("validation_gradients", "kfac_partitions", "kfac_offload", "shard_layers", "checkpoints_in_turn"):
                 if k in s:
                     _deep_set(stages.setdefault("score", {}), init + (k,), s[k])
                     plan[k] = s[k]

@@ -929,16 +929,17 @@ def with_checkpoints(parts: dict[str, float], flops: float, run: RunSettings,
     ``run.checkpoints_in_turn`` (the module's ``checkpoints_in_turn``: a pass over the pool per checkpoint): one
     checkpoint's metric state and validation gradients at a time; the weights the first checkpoint's model and the
     one in turn (dense: two models; adapters over one base: the base, the first's adapters kept aside and the ones in
-    place); and the earlier checkpoints' scores of this device's rows (``earlier_scores``: float64 score and per-task
-    scores per row and checkpoint). The same FLOPs."""
+    place); and on a CPU (host memory elsewhere) the earlier checkpoints' scores of this process's rows
+    (``earlier_scores``: a float64 score and per-task scores and two flags per row and checkpoint). The same FLOPs."""
     c = run.checkpoints
     if c == 1:
         return parts, flops
     if run.checkpoints_in_turn:
         out = dict(parts)
         out["weights"] = parts["weights"] + (adapters if adapters is not None else parts["weights"])
-        rows = math.ceil(run.pool_size / run.devices)
-        out["earlier_scores"] = float((c - 1) * rows * (run.tasks + 1) * 8)
+        if run.device_kind == "cpu":
+            rows = math.ceil(run.pool_size / run.devices)
+            out["earlier_scores"] = float((c - 1) * rows * (8 * (run.tasks + 1) + 2))
         return out, flops * c
     out = {k: v * c if k in CHECKPOINT_HELD else v for k, v in parts.items()}
     if adapters is not None:

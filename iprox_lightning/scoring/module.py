@@ -54,6 +54,8 @@ from .influence import InfluenceScorer, check_checkpoints, checkpoint_sum
 from .less import attach_optimizer_state
 
 log = logging.getLogger(__name__)
+ROW_KEYS = ("score", "task_scores", "zero_grad", "nonfinite")
+"""What a checkpoint's score of a row is made of (:func:`~.influence.checkpoint_sum` sums them over checkpoints)."""
 
 
 class InfluenceScoringModule(L.LightningModule):
@@ -158,7 +160,7 @@ class InfluenceScoringModule(L.LightningModule):
         self.checkpoint_adapters: list[dict[str, torch.Tensor] | None] = []
         self._checkpoint_nets: list[nn.Module] = []  # each checkpoint's model (shared ones: the same)
         # checkpoints_in_turn: each later checkpoint's scores of this process's rows, by id (from its own pass)
-        self.checkpoint_rows: list[tuple[list[str], dict[str, tuple]]] = []
+        self.checkpoint_rows: list[tuple[list[str], dict[str, Any]]] = []
         self.skip_ids: set[str] = set()
         self.n_scored = 0
         self.n_skipped = 0
@@ -302,11 +304,11 @@ class InfluenceScoringModule(L.LightningModule):
             metrics["scoring/prepare_seconds"] = prepare_s
             self.logger.log_metrics(metrics, step=0)
 
-    def _pass_at_checkpoint(self, j: int, vmodel: Optional[nn.Module]) -> tuple[list[str], dict[str, tuple]]:
+    def _pass_at_checkpoint(self, j: int, vmodel: Optional[nn.Module]) -> tuple[list[str], dict[str, Any]]:
         """``checkpoints_in_turn``: checkpoint ``j``'s model (its adapters put in place over the first's base where
         they share it, :func:`~iprox_lightning.models.lora.shared_base_key`; else loaded whole), its scorer prepared
-        and a pass over this process's pool (the rows not resumed), then both dropped: ``(task names, {id: (score,
-        task scores, zero_grad, nonfinite)})``."""
+        and a pass over this process's pool (the rows not resumed), then both dropped: ``(task names, {"row": {id:
+        row}, "score": [N], "task_scores": [N, K], "zero_grad": [N], "nonfinite": [N]})``."""
         c = self.checkpoints[j]
         first_key = None if is_sharded(self.net) else shared_base_key(self.checkpoints[0]["path"])
         shared = first_key is not None and shared_base_key(c["path"]) == first_key
@@ -319,7 +321,7 @@ class InfluenceScoringModule(L.LightningModule):
                 net = self._load(c["path"])
         try:
             scorer = self._prepare(net, self.config.build_metric(), c["path"], vmodel)
-            rows: dict[str, tuple] = {}
+            parts: list[dict] = []
             loaders = self.trainer.predict_dataloaders
             loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
             pool = _Chained(_replay(dl, "checkpoints_in_turn") for dl in loaders)
@@ -332,8 +334,7 @@ class InfluenceScoringModule(L.LightningModule):
                     batch = trim_batch(batch, keep.to(batch["input_ids"].device))
                 with torch.inference_mode(False), torch.enable_grad():
                     out = scorer.score_batch(batch)
-                for r, i in enumerate(out["id"]):
-                    rows[i] = (out["score"][r], out["task_scores"][r].copy(), out["zero_grad"][r], out["nonfinite"][r])
+                parts.append({k: out[k] for k in ("id", *ROW_KEYS)})
             names = list(scorer.task_names)
         finally:
             if shared:
@@ -342,20 +343,22 @@ class InfluenceScoringModule(L.LightningModule):
         del scorer, net
         gc.collect()  # (the scorer's validation gradients freed now, before the next checkpoint's are made)
         release_freed_host_memory()
-        log.info("checkpoint %d/%d scored in turn: %d rows", j + 1, len(self.checkpoints), len(rows))
+        ids = [i for p in parts for i in p["id"]]
+        rows = {"row": {i: r for r, i in enumerate(ids)},
+                **{k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in ROW_KEYS}}
+        log.info("checkpoint %d/%d scored in turn: %d rows", j + 1, len(self.checkpoints), len(ids))
         return names, rows
 
     def _rows_at(self, j: int, ids: list[str]) -> dict:
-        """``checkpoints_in_turn``: the rows ``ids`` as checkpoint ``j`` (``>= 1``) scored them in its pass (taken
-        out of what it holds)."""
+        """``checkpoints_in_turn``: the rows ``ids`` as checkpoint ``j`` (``>= 1``) scored them in its pass (each
+        taken once)."""
         _, rows = self.checkpoint_rows[j - 1]
-        missing = [i for i in ids if i not in rows]
+        missing = [i for i in ids if i not in rows["row"]]
         if missing:
             raise RuntimeError(f"example {missing[0]!r} was not scored in checkpoint {j + 1}'s pass: the pool batches "
                                "differ between passes (checkpoints_in_turn needs a deterministic pool loader)")
-        got = [rows.pop(i) for i in ids]
-        return {"id": list(ids), **{k: np.asarray([g[n] for g in got]) for n, k in
-                                    enumerate(("score", "task_scores", "zero_grad", "nonfinite"))}}
+        at = [rows["row"].pop(i) for i in ids]
+        return {"id": list(ids), **{k: rows[k][at] for k in ROW_KEYS}}
 
     def _checkpoint_models(self) -> list[dict[str, torch.Tensor] | None]:
         """Each checkpoint's model: ``self.net`` for the first; a later adapter directory over the base of an earlier
@@ -495,9 +498,8 @@ class InfluenceScoringModule(L.LightningModule):
                         self._at_rest()
                 if any(p["id"] != out["id"] for p in parts) or any(sc.task_names != names for _, sc in self.scorers):
                     raise RuntimeError("checkpoints scored different rows or validation tasks")
-                keys = ("score", "task_scores", "zero_grad", "nonfinite")
                 out["score"], out["task_scores"], out["zero_grad"], out["nonfinite"] = checkpoint_sum(
-                    [c["weight"] for c in self.checkpoints], *([p[k] for p in parts] for k in keys))
+                    [c["weight"] for c in self.checkpoints], *([p[k] for p in parts] for k in ROW_KEYS))
         self.n_scored += len(out["id"])
         self.n_tokens += int(np.asarray(out["n_tokens"]).sum())
         self.n_nonfinite += int(np.asarray(out.get("nonfinite", ())).sum())
