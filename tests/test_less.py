@@ -348,6 +348,10 @@ def test_checkpoints_in_turn_score_bit_for_bit_as_batch_by_batch_holding_one_sco
     np.testing.assert_array_equal(in_turn.task_scores, together.task_scores)
     np.testing.assert_array_equal(in_turn.zero_grad, together.zero_grad)
     assert in_turn.settings["fingerprint"] == together.settings["fingerprint"]
+    # under Lightning's default inference mode too (the passes replay the pool inside it)
+    inference = _score(tmp_path, "in_turn_inference", less_warmup, trainer={"inference_mode": True}, checkpoints=ckpts,
+                       checkpoints_in_turn=True)
+    np.testing.assert_array_equal(inference.scores, together.scores)
     # the batch-by-batch directory resumed in turn: every row done, the same table
     again = _score(tmp_path, "together", less_warmup, checkpoints=ckpts, checkpoints_in_turn=True)
     np.testing.assert_array_equal(again.scores, together.scores)

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Collection, Iterable, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -495,16 +495,10 @@ class InfluenceScorer:
         pass, the inner products kept per example id; then prepare the last group's, so :meth:`score_batch` gives
         every column (``skip_ids``: examples not to score, e.g. resumed ones)."""
         groups = self.pending_groups
-        skip = set(skip_ids)
         for group in groups[:-1]:
             self.collect_columns(group, **self._passes)
-            for batch in progress_bar(pool_batches, self._passes["progress"], f"scoring ({len(group)} columns)"):
-                keep = torch.tensor([str(i) not in skip for i in batch["id"]], dtype=torch.bool)
-                if not bool(keep.any()):
-                    self.take_part(batch)
-                    continue
-                if not bool(keep.all()):
-                    batch = trim_batch(batch, keep.to(batch["input_ids"].device))
+            batches = progress_bar(pool_batches, self._passes["progress"], f"scoring ({len(group)} columns)")
+            for batch in self.rows_to_score(batches, skip_ids):
                 _, dots, _, _ = self._features(batch)
                 for i, d in zip(batch["id"], dots.numpy()):
                     self.earlier.setdefault(str(i), np.zeros(len(self.task_names)))[group] = d
@@ -512,6 +506,17 @@ class InfluenceScorer:
         if groups:
             self.collect_columns(groups[-1], **self._passes)
         self.release_validation_model()
+
+    def rows_to_score(self, pool_batches: Iterable[Mapping], skip_ids: Collection[str] = ()) -> Iterator[dict]:
+        """The batches of a replayed pass over the pool with the rows of ``skip_ids`` (e.g. resumed ones) trimmed
+        off; a batch with no row left is not yielded, its step taken (:meth:`take_part`) where the ranks keep in step."""
+        skip = set(skip_ids)
+        for batch in pool_batches:
+            keep = torch.tensor([str(i) not in skip for i in batch["id"]], dtype=torch.bool)
+            if not bool(keep.any()):
+                self.take_part(batch)
+            else:
+                yield batch if bool(keep.all()) else trim_batch(batch, keep.to(batch["input_ids"].device))
 
     # ------------------------------------------------------------------------------------
     def _features(self, batch: Mapping, active: torch.Tensor | None = None):

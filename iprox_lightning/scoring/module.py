@@ -325,13 +325,8 @@ class InfluenceScoringModule(L.LightningModule):
             loaders = self.trainer.predict_dataloaders
             loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
             pool = _Chained(_replay(dl, "checkpoints_in_turn") for dl in loaders)
-            for batch in progress_bar(pool, show_progress(self.trainer), f"checkpoint {j + 1}/{len(self.checkpoints)}"):
-                keep = torch.tensor([str(i) not in self.skip_ids for i in batch["id"]], dtype=torch.bool)
-                if not bool(keep.any()):
-                    scorer.take_part(batch)
-                    continue
-                if not bool(keep.all()):
-                    batch = trim_batch(batch, keep.to(batch["input_ids"].device))
+            pool = progress_bar(pool, show_progress(self.trainer), f"checkpoint {j + 1}/{len(self.checkpoints)}")
+            for batch in scorer.rows_to_score(pool, self.skip_ids):
                 with torch.inference_mode(False), torch.enable_grad():
                     out = scorer.score_batch(batch)
                 parts.append({k: out[k] for k in ("id", *ROW_KEYS)})
