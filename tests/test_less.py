@@ -277,21 +277,27 @@ def test_checkpoints_over_one_base_load_it_once_and_score_as_each_loaded_whole(l
     np.testing.assert_array_equal(again.scores, whole.scores)
 
 
+def _over_another_base(adapter, base, out):
+    """A copy of the adapter directory ``adapter`` at ``out`` naming ``base`` (the warm-up's merged dense model) as its
+    base: the same adapter tensors over another base."""
+    import json
+    import shutil
+
+    shutil.copytree(adapter, out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(base)
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def test_checkpoints_over_other_bases_are_each_loaded_with_their_base(less_warmup, tmp_path, monkeypatch):
     """An adapter over another base (here the same adapters named over the warm-up's merged model) shares nothing:
     each checkpoint loads whole with its own base, as before (summing the scores of other models' checkpoints is
     what ``checkpoints`` does for dense checkpoints too); a dense checkpoint likewise."""
-    import json
-    import shutil
-
     from iprox_lightning.models.lora import shared_base_key
 
     first, second = (less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2))
-    other = tmp_path / "other_base"
-    shutil.copytree(second, other)
-    cfg = json.loads((other / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = str(less_warmup)  # the merged dense model the warm-up saved
-    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    other = _over_another_base(second, less_warmup, tmp_path / "other_base")
     assert shared_base_key(first) == shared_base_key(second) is not None
     assert shared_base_key(other) not in (None, shared_base_key(first))
     assert shared_base_key(less_warmup) is None  # a dense model
@@ -363,18 +369,12 @@ def test_checkpoints_in_turn_load_each_other_model_in_turn_and_resume_after_a_cr
     each loaded whole; an adapter over the first's base, swapped in) in turn: bit for bit the batch-by-batch scores,
     at most one loaded model beside the first's at a time. Stopped after 3 of the live loop's 8 batches and run
     again, the earlier checkpoints' passes score only the rows not written, and the table is the same."""
-    import json
-    import shutil
     import weakref
 
     from iprox_lightning.scoring import module
 
     first, second = (less_warmup / "adapters" / f"epoch_{e}" for e in (1, 2))
-    other = tmp_path / "other_base"
-    shutil.copytree(second, other)
-    cfg = json.loads((other / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = str(less_warmup)  # the merged dense model the warm-up saved
-    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    other = _over_another_base(second, less_warmup, tmp_path / "other_base")
     ckpts = [{"path": str(first), "weight": 1.0}, {"path": str(other), "weight": 0.5},
              {"path": str(less_warmup), "weight": 0.25}, {"path": str(second), "weight": 2.0}]
     together = _score(tmp_path, "together", less_warmup, method="tracin", checkpoints=ckpts)
