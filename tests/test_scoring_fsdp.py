@@ -137,3 +137,77 @@ def test_fsdp2_scoring_module_with_layer_shards_equals_one_process(tmp_path, met
     for field in ("V", "factors"):
         a, b = (set(t[field]) for t in ranks)
         assert a and b and a.isdisjoint(b) and len(a | b) == 7  # 7 linears, each on one rank
+
+
+CHECKPOINTS_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from lightning.pytorch.strategies import ModelParallelStrategy
+from test_writer_scoring import TinyDM
+from iprox_lightning.engine.fsdp import is_sharded
+from iprox_lightning.scoring import module as M
+from iprox_lightning.scoring.writer import InfluenceWriter
+
+if __name__ == "__main__":
+    devices, in_turn, out = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+    seen, prepare = [], M.InfluenceScoringModule._prepare
+
+    def recorded(self, net, metric, source, vmodel):
+        seen.append([os.path.basename(str(source)), is_sharded(net)])
+        return prepare(self, net, metric, source, vmodel)
+
+    M.InfluenceScoringModule._prepare = recorded
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if devices > 1 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False, strategy=strategy,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[InfluenceWriter(out, write_every_n_batches=1)])
+    module = M.InfluenceScoringModule(checkpoints=[{{"path": p, "weight": w}} for p, w in {ckpts!r}],
+                                      checkpoints_in_turn=in_turn)
+    trainer.predict(module, datamodule=TinyDM(), return_predictions=False)
+    json.dump(seen, open(os.path.join(out, f"seen{{trainer.global_rank}}.json"), "w"))
+"""
+
+
+@pytest.mark.distributed
+def test_fsdp2_checkpoints_are_each_sharded_and_score_as_one_process_in_turn_or_together(tmp_path):
+    """Multi-checkpoint scoring under ``ModelParallelStrategy`` (FSDP2, 2 CPU gloo ranks) of two dense checkpoints:
+    every checkpoint's model is sharded per decoder block as the first is (before, a later checkpoint was loaded whole
+    on every rank), batch by batch and ``checkpoints_in_turn`` (its pass over the pool replayed in step on both
+    ranks): the two tables are the same numbers, and one process's batch-by-batch scores to 1e-5 (float32 checkpoints;
+    the sampler's repeated example in another batch, as above)."""
+    import os
+
+    import numpy as np
+
+    from iprox_lightning.models.tiny import tiny_causal_lm
+    from iprox_lightning.scoring import ScoreTable
+    from iprox_lightning.scoring.writer import SCORES_FILE
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_scoring_influence import TINY
+    from test_writer_scoring import assert_table_equal
+
+    ckpts = []
+    for seed, weight in ((21, 1.0), (22, 0.5)):
+        d = tmp_path / f"ckpt{seed}"
+        tiny_causal_lm("llama", seed=seed, **TINY).save_pretrained(d)
+        ckpts.append((str(d), weight))
+    script = tmp_path / "fsdp_checkpoints.py"
+    script.write_text(textwrap.dedent(CHECKPOINTS_SCRIPT.format(tests=str(Path(__file__).parent), ckpts=ckpts)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    tables, seen = {}, {}
+    for devices, in_turn in ((1, "0"), (2, "0"), (2, "1")):
+        out = tmp_path / f"scores_{devices}_{in_turn}"
+        r = subprocess.run([sys.executable, str(script), str(devices), in_turn, str(out)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-4000:]
+        tables[devices, in_turn] = ScoreTable.load(str(out / SCORES_FILE))
+        seen[devices, in_turn] = [json.loads((out / f"seen{k}.json").read_text()) for k in range(devices)]
+    assert seen[1, "0"] == [[["ckpt21", False], ["ckpt22", False]]]
+    assert seen[2, "0"] == [[["ckpt21", True], ["ckpt22", True]]] * 2  # every checkpoint sharded on both ranks
+    assert seen[2, "1"] == [[["ckpt22", True], ["ckpt21", True]]] * 2  # the later checkpoint's pass first
+    together, in_turn = tables[2, "0"], tables[2, "1"]
+    assert together.ids == in_turn.ids  # the same rows in the same batches: the same numbers
+    np.testing.assert_array_equal(in_turn.task_scores, together.task_scores)
+    assert_table_equal(together, tables[1, "0"], rtol=1e-5)

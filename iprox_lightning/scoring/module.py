@@ -360,7 +360,7 @@ class InfluenceScoringModule(L.LightningModule):
         one (:func:`~iprox_lightning.models.lora.shared_base_key`: the same base files and adapter settings) shares
         that checkpoint's model and holds its own adapter tensors, which this returns (each such checkpoint's, the
         first's too: the ones in place); any other checkpoint is loaded whole (:meth:`_load`: a dense checkpoint, or
-        an adapter over another base). A sharded model (FSDP2) is not shared: each checkpoint loads as before."""
+        an adapter over another base). A sharded model (FSDP2) is not shared: each checkpoint loads, sharded as it is."""
         shared: dict[str, nn.Module] = {}  # shared_base_key -> the model its checkpoints share
         owner: list[nn.Module] = []
         adapters: list[dict[str, torch.Tensor] | None] = []
@@ -399,14 +399,18 @@ class InfluenceScoringModule(L.LightningModule):
         return net
 
     def _load(self, source: str) -> nn.Module:
-        """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`); outside inference mode (this runs in
-        ``on_predict_start``, under the Trainer's ``inference_mode``: its weights would be inference tensors, which
-        the backward cannot save)."""
+        """A checkpoint's model, loaded as ``model`` is (:meth:`configure_model`; sharded per decoder block as it is
+        under FSDP2); outside inference mode (this runs in ``on_predict_start``, under the Trainer's
+        ``inference_mode``: its weights would be inference tensors, which the backward cannot save)."""
         hp = self.hparams
         with torch.inference_mode(False):
             net, _ = load_model(source, gguf_file=hp.gguf_file, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
                                 trust_remote_code=hp.trust_remote_code, tokenizer=False, merge_adapters=False)
-        return net.to(next(self.net.parameters()).device).eval()
+            net = net.to(next(self.net.parameters()).device).eval()
+            mesh = getattr(self, "_device_mesh", None)
+            if mesh is not None and is_sharded(self.net):
+                shard_frozen_per_block(net, mesh)
+        return net
 
     def _prepare(self, net: nn.Module, metric, source: Any, vmodel: Optional[nn.Module]) -> InfluenceScorer:
         """The scorer of one model (a checkpoint): its metric fitted (factors; LESS: the optimiser state saved with
