@@ -89,14 +89,9 @@ class InfluenceScoringModule(L.LightningModule):
             (:func:`~.influence.checkpoint_sum`). ``weight`` omitted: the learning rate in the checkpoint's
             ``optimizer_state.safetensors``. ``model`` is then not read. Adapters over one base share it (each
             holds only its adapter tensors).
-        checkpoints_in_turn: with ``checkpoints``, score the pool at one checkpoint at a time instead of every
-            checkpoint batch by batch: each later checkpoint in turn is loaded (or its adapters put in place),
-            prepared, passed over this process's pool (a replay of the predict loader) and dropped, its rows' scores
-            kept by id; then the first checkpoint scores the live predict loop and each row's sum is written. One
-            checkpoint's model (a dense one: beside the first's), metric state and validation gradients are held at
-            a time instead of all of them (LESS at 4 checkpoints: a quarter of the validation gradients); the same
-            work and the same scores bit for bit, so not fingerprinted. Rows are written in the last pass only: an
-            interrupted run repeats the earlier checkpoints' passes over the rows not written yet.
+        checkpoints_in_turn: score ``checkpoints`` one at a time, a pass over the pool each (the first's last):
+            one checkpoint's scorer held at a time, the same scores bit for bit (not fingerprinted); a stopped run
+            repeats the earlier passes over the rows not written.
         validation_batch_size: the validation pass's batch (``None``: the data's); with ``validation_model`` the
             target's backward (``plan --fit`` chooses it). Scores differ by rounding only: not fingerprinted.
     """
@@ -274,7 +269,8 @@ class InfluenceScoringModule(L.LightningModule):
         if self.checkpoints is None:
             self.scorer = self._prepare(self.net, self.metric, self.hparams.get("model", self.net), vmodel)
             self.scorers = [(1.0, self.scorer)]
-        elif self.checkpoints_in_turn:  # each later checkpoint's pass first, then the first's scorer for the live loop
+        elif self.checkpoints_in_turn:  # each later checkpoint's pass first (loaded, or its adapters put in place,
+            # prepared, passed over this process's pool and dropped), then the first's scorer for the live loop
             self.checkpoint_rows = [self._pass_at_checkpoint(j, vmodel) for j in range(1, len(self.checkpoints))]
             self.scorer = self._prepare(self.net, self.metric, self.checkpoints[0]["path"], vmodel)
             self.scorers = [(self.checkpoints[0]["weight"], self.scorer)]
