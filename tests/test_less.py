@@ -367,8 +367,11 @@ def test_checkpoints_in_turn_load_each_other_model_in_turn_and_resume_after_a_cr
                                                                                     monkeypatch):
     """Multi-checkpoint TracIn over checkpoints of several kinds (an adapter over another base and a dense model,
     each loaded whole; an adapter over the first's base, swapped in) in turn: bit for bit the batch-by-batch scores,
-    at most one loaded model beside the first's at a time. Stopped after 3 of the live loop's 8 batches and run
-    again, the earlier checkpoints' passes score only the rows not written, and the table is the same."""
+    at most one loaded model beside the first's at a time. Stopped inside the second checkpoint's pass, then after 3
+    of the live loop's 8 batches, and run again: nothing is scored twice. Each earlier checkpoint's pass keeps its rows
+    in the output directory (``checkpoint_passes/``, removed with the merge), read back by the next run; a stop inside
+    a pass keeps the rows scored before it. The table is the uninterrupted one, bit for bit; another setting never
+    resumes those rows."""
     import weakref
 
     from iprox_lightning.scoring import module
@@ -394,27 +397,54 @@ def test_checkpoints_in_turn_load_each_other_model_in_turn_and_resume_after_a_cr
     assert most == [1, 2, 2]  # the first; then the other base's, dropped before the dense one is loaded
     np.testing.assert_array_equal(in_turn.scores, together.scores)
     np.testing.assert_array_equal(in_turn.task_scores, together.task_scores)
-    passes = []
-    pass_at = module.InfluenceScoringModule._pass_at_checkpoint
+    from iprox_lightning.io.score_dir import PASSES_DIR
+    from iprox_lightning.scoring.influence import InfluenceScorer
 
-    def recorded(self, j, vmodel):
-        names, rows = pass_at(self, j, vmodel)
-        passes.append(len(rows["row"]))
-        return names, rows
+    scored, score = [], InfluenceScorer.score_batch  # rows scored per call, in order; a stop at a chosen call
 
-    monkeypatch.setattr(module.InfluenceScoringModule, "_pass_at_checkpoint", recorded)
+    def counting(self, batch):
+        if len(scored) + 1 == stop_at:
+            raise RuntimeError("simulated crash")
+        scored.append(len(batch["id"]))
+        return score(self, batch)
+
+    monkeypatch.setattr(InfluenceScorer, "score_batch", counting)
+    # a stop in the second checkpoint's pass (its third batch of 8: the three passes come before the live loop)
+    stop_at = 8 + 3
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _score(tmp_path, "crashed", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True)
+    assert sum(scored) == 120 + 32
+    passes = tmp_path / "crashed" / PASSES_DIR
+    assert sorted(p.name for p in passes.iterdir()) == ["checkpoint_1", "checkpoint_2"]  # the rows kept on the stop
+    # then a stop in the live loop (after 3 of its batches, written by the writer's flush)
     monkeypatch.setenv("IPROX_ALLOW_IMPORTS", "test_writer_scoring")  # the command line imports the test's callback
     crash = {"class_path": "test_writer_scoring.Crash", "init_args": {"after": 3}}
+    scored.clear()
+    stop_at = None
     with pytest.raises(RuntimeError, match="simulated crash"):
         _score(tmp_path, "crashed", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True,
                callbacks=[crash])
-    assert passes == [120] * 3
-    passes.clear()
+    assert sum(scored) == (120 - 32) + 120 + 48  # the second pass's rest, the third pass, 3 live batches
+    scored.clear()
     resumed = _score(tmp_path, "crashed", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True)
-    assert passes == [120 - 48] * 3  # the 3 batches of 16 written before the stop (the writer flushes on it)
+    assert sum(scored) == 120 - 48  # every pass's rows read back; the live loop's rest
+    assert not passes.exists()  # removed with the merge
     assert sorted(resumed.ids) == sorted(together.ids)
     order = [resumed.ids.index(i) for i in together.ids]
     np.testing.assert_array_equal(resumed.scores[order], together.scores)
+    np.testing.assert_array_equal(resumed.task_scores[order], together.task_scores)
+    # a changed setting (another weight) is never resumed from the passes of the first
+    scored.clear()
+    stop_at = 3
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _score(tmp_path, "stopped", less_warmup, method="tracin", checkpoints=ckpts, checkpoints_in_turn=True)
+    assert (tmp_path / "stopped" / PASSES_DIR).exists()
+    stop_at = None
+    from iprox_lightning.io.fingerprint import FingerprintMismatch
+
+    with pytest.raises(FingerprintMismatch, match="produced from different inputs"):
+        _score(tmp_path, "stopped", less_warmup, method="tracin", checkpoints_in_turn=True,
+               checkpoints=[{**c, "weight": 3.0} for c in ckpts])
 
 
 def test_checkpoints_in_turn_needs_checkpoints():

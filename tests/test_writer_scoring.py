@@ -185,3 +185,38 @@ def test_ddp_two_processes_equal_single_process(tmp_path, method):
     assert ranks == {"rank000", "rank001"}  # both ranks scored a share
     table = ScoreTable.load(str(out / SCORES_FILE))
     assert_table_equal(table, reference(method), rtol=1e-5)
+
+
+def test_checkpoint_pass_shards_are_read_back_count_for_the_fingerprint_and_are_cleared(tmp_path):
+    """``checkpoints_in_turn``'s pass shards (``io/score_dir.py``): read back one row per id (the first written), in
+    the run's task columns (others refused); a directory holding only them is still checked against its fingerprint
+    (none recorded: refused); ``overwrite`` clears them with the rest."""
+    from iprox_lightning.errors import UserInputError
+    from iprox_lightning.io.fingerprint import FingerprintMismatch
+    from iprox_lightning.io.ownership import make_owned_dir
+    from iprox_lightning.io.score_dir import (
+        PASSES_DIR, check_fingerprint, checkpoint_pass_dir, clear_output, read_pass_rows, write_pass_shard,
+    )
+
+    def rows(ids, base):
+        n = len(ids)
+        return {"id": ids, "score": base + np.arange(n, dtype=np.float64), "task_names": ["a", "b"],
+                "task_scores": base + np.arange(2 * n, dtype=np.float64).reshape(n, 2), "n_tokens": np.ones(n, int),
+                "zero_grad": np.array([False] * (n - 1) + [True]), "nonfinite": np.zeros(n, bool), "task": None}
+
+    make_owned_dir(tmp_path, "scores")
+    d = checkpoint_pass_dir(tmp_path, 2)
+    write_pass_shard(d, [rows(["x", "y"], 0.0)], 0, "r1", 0)
+    write_pass_shard(d, [rows(["y", "z"], 10.0)], 1, "r1", 0)  # "y" again (another rank's repeated example)
+    got = read_pass_rows(d, ["a", "b"])
+    assert got["ids"] == ["x", "y", "z"]
+    np.testing.assert_array_equal(got["score"], [0.0, 1.0, 11.0])
+    np.testing.assert_array_equal(got["task_scores"], [[0, 1], [2, 3], [12, 13]])
+    np.testing.assert_array_equal(got["zero_grad"], [False, True, True])
+    with pytest.raises(UserInputError, match="other score columns than this run's tasks"):
+        read_pass_rows(d, ["a"])
+    with pytest.raises(FingerprintMismatch, match="2 shard"):
+        check_fingerprint(tmp_path, {"model": "m"}, hint="start fresh")
+    clear_output(tmp_path)
+    assert not (tmp_path / PASSES_DIR).exists()
+    check_fingerprint(tmp_path, {"model": "m"}, hint="start fresh")  # nothing left to resume

@@ -31,8 +31,9 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -41,7 +42,8 @@ from .fingerprint import FingerprintMismatch, diff
 from .jsonfile import Fields, read_json
 from .ownership import check_owned
 from .scores import (
-    SCHEMA_VERSION, SCORES_FILE, SETTINGS_FILE, flag_counts, read_settings, write_json_atomic, write_parquet_atomic,
+    SCHEMA_VERSION, SCORES_FILE, SETTINGS_FILE, flag_counts, predictions_to_arrow, read_settings, write_json_atomic,
+    write_parquet_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,11 @@ CORRUPT_DIR = "corrupt"
 
 
 LOCK_FILE = ".scoring.lock"
+
+PASSES_DIR = "checkpoint_passes"
+"""``checkpoints_in_turn``: each earlier checkpoint's pass over the pool as shards of its own
+(``<output_dir>/checkpoint_passes/checkpoint_<j>/shards/``, the score shards' layout), read back where a stopped run
+resumes and removed once the table is merged; under the directory's fingerprint like the score shards."""
 
 
 def write_settings(output_dir: str | os.PathLike, settings: Mapping) -> Path:
@@ -254,20 +261,73 @@ def clear_output(output_dir: str | os.PathLike) -> None:
     """Remove a scoring output (shards, merged table, settings) so a run starts fresh; only from a directory the
     package marked as a scoring output (:mod:`.ownership`), else :class:`~iprox_lightning.errors.OutputExistsError`."""
     out = Path(output_dir)
-    if any(os.path.lexists(out / n) for n in (SHARD_DIR, SCORES_FILE, SETTINGS_FILE)):
+    if any(os.path.lexists(out / n) for n in (SHARD_DIR, PASSES_DIR, SCORES_FILE, SETTINGS_FILE)):
         check_owned(out, "scores", option="overwrite", what="scores would be cleared")
     shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+    drop_checkpoint_passes(out)
     for name in (SCORES_FILE, SETTINGS_FILE):
         (out / name).unlink(missing_ok=True)
+
+
+def checkpoint_pass_dir(output_dir: str | os.PathLike, j: int) -> Path:
+    """Where checkpoint ``j``'s pass of a ``checkpoints_in_turn`` run keeps its shards (:data:`PASSES_DIR`)."""
+    return Path(output_dir) / PASSES_DIR / f"checkpoint_{j}"
+
+
+def pass_shard_files(output_dir: str | os.PathLike) -> list[str]:
+    """Every earlier checkpoint's pass shards in ``output_dir`` (:data:`PASSES_DIR`), in name order."""
+    return sorted(glob.glob(os.path.join(str(output_dir), PASSES_DIR, "checkpoint_*", SHARD_DIR, "rank*.parquet")))
+
+
+def read_pass_rows(pass_dir: str | os.PathLike, task_names: Sequence[str]) -> dict[str, Any]:
+    """The rows a checkpoint's pass wrote to ``pass_dir`` (:func:`checkpoint_pass_dir`; an unreadable shard moved
+    aside, its rows scored again): ``{"ids", "score" [N], "task_scores" [N, K], "zero_grad" [N], "nonfinite" [N]}``,
+    one row per id (the first written), the columns of ``task_names`` (a shard with others is refused)."""
+    files, tables, _ = read_shards(pass_dir)
+    want = [f"score/{t}" for t in task_names]
+    for f, t in zip(files, tables):
+        if [c for c in t.column_names if c.startswith("score/")] != want:
+            raise UserInputError(f"checkpoint pass shard {f} has other score columns than this run's tasks "
+                                 f"{list(task_names)}")
+    if not tables:
+        return {"ids": [], "score": np.zeros(0), "task_scores": np.zeros((0, len(want))),
+                "zero_grad": np.zeros(0, bool), "nonfinite": np.zeros(0, bool)}
+    table = pa.concat_tables(tables)
+    first: dict[str, int] = {}
+    for r, i in enumerate(table.column("id").to_pylist()):
+        first.setdefault(i, r)
+    rows = np.fromiter(first.values(), dtype=np.int64, count=len(first))
+
+    def col(name: str) -> np.ndarray:
+        return table.column(name).to_numpy(zero_copy_only=False)[rows]
+
+    return {"ids": list(first), "score": col("score").astype(np.float64),
+            "task_scores": np.stack([col(c).astype(np.float64) for c in want], axis=1) if want
+            else np.zeros((len(rows), 0)),
+            "zero_grad": col("zero_grad").astype(bool), "nonfinite": col("nonfinite").astype(bool)}
+
+
+def write_pass_shard(pass_dir: str | os.PathLike, predictions: Sequence[dict], rank: int, run: str, seq: int) -> None:
+    """One shard of a checkpoint's pass (``predict_step``-shaped rows with ``task_names``) in ``pass_dir``
+    (:func:`checkpoint_pass_dir`), named as the score shards are."""
+    table = predictions_to_arrow(predictions)
+    if table is not None:
+        write_parquet_atomic(table, Path(pass_dir) / SHARD_DIR / f"rank{rank:03d}-{run}-{seq:05d}.parquet")
+
+
+def drop_checkpoint_passes(output_dir: str | os.PathLike) -> None:
+    """Remove the earlier checkpoints' pass shards (:data:`PASSES_DIR`) of ``output_dir`` once its table is merged."""
+    shutil.rmtree(Path(output_dir) / PASSES_DIR, ignore_errors=True)
 
 
 def check_fingerprint(output_dir: str | os.PathLike, fingerprint: Mapping, *, hint: str) -> None:
     """Refuse to resume into ``output_dir`` unless its recorded fingerprint equals ``fingerprint``.
 
-    Raises :class:`FingerprintMismatch` when the directory holds shards or a merged table that were
-    produced from different inputs, or whose inputs are unknown (no ``settings.json`` fingerprint)."""
+    Raises :class:`FingerprintMismatch` when the directory holds shards (an earlier checkpoint's pass's too) or a
+    merged table that were produced from different inputs, or whose inputs are unknown (no ``settings.json``
+    fingerprint)."""
     out = Path(output_dir)
-    n_shards = len(shard_files(out))
+    n_shards = len(shard_files(out)) + len(pass_shard_files(out))
     has_table = (out / SCORES_FILE).exists()
     if not n_shards and not has_table:
         return

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -44,6 +45,7 @@ from ..engine.host_memory import release_freed_host_memory
 from ..engine.settings import takes_settings
 from ..errors import UserInputError
 from ..io.fingerprint import loader_digest, model_identity
+from ..io.score_dir import checkpoint_pass_dir, read_pass_rows, write_pass_shard
 from ..models.loading import load_model
 from ..models.lora import (
     ADAPTER_GRADIENTS, adapter_weights, read_adapter_weights, scores_adapters, shared_base_key, use_adapter_weights,
@@ -90,8 +92,8 @@ class InfluenceScoringModule(L.LightningModule):
             ``optimizer_state.safetensors``. ``model`` is then not read. Adapters over one base share it (each
             holds only its adapter tensors).
         checkpoints_in_turn: score ``checkpoints`` one at a time, a pass over the pool each (the first's last):
-            one checkpoint's scorer held at a time, the same scores bit for bit (not fingerprinted); a stopped run
-            repeats the earlier passes over the rows not written.
+            one checkpoint's scorer held at a time, the same scores bit for bit (not fingerprinted); each pass's rows
+            kept beside the writer's shards (``checkpoint_passes/``), so a stopped run resumes.
         validation_batch_size: the validation pass's batch (``None``: the data's); with ``validation_model`` the
             target's backward (``plan --fit`` chooses it). Scores differ by rounding only: not fingerprinted.
     """
@@ -156,6 +158,9 @@ class InfluenceScoringModule(L.LightningModule):
         self._checkpoint_nets: list[nn.Module] = []  # each checkpoint's model (shared ones: the same)
         # checkpoints_in_turn: each later checkpoint's scores of this process's rows, by id (from its own pass)
         self.checkpoint_rows: list[tuple[list[str], dict[str, Any]]] = []
+        # checkpoints_in_turn: (output directory, batches per shard) where the passes keep their rows, set by the
+        # writer (InfluenceWriter): a stopped run resumes them; None: kept in memory only
+        self.checkpoint_passes: Optional[tuple[str, int]] = None
         self.skip_ids: set[str] = set()
         self.n_scored = 0
         self.n_skipped = 0
@@ -317,16 +322,29 @@ class InfluenceScoringModule(L.LightningModule):
                 net = self._load(c["path"])
         try:
             scorer = self._prepare(net, self.config.build_metric(), c["path"], vmodel)
-            parts: list[dict] = []
+            names = list(scorer.task_names)
+            store = None if self.checkpoint_passes is None else checkpoint_pass_dir(self.checkpoint_passes[0], j)
+            kept = read_pass_rows(store, names) if store is not None else None  # a stopped run's rows of this pass
+            parts: list[dict] = [] if kept is None else [{"id": kept.pop("ids"), **kept}]
+            pending: list[dict] = []  # rows not written to the pass's shards yet
+            run, seq = f"{os.getpid()}-{time.time_ns()}", 0
             loaders = self.trainer.predict_dataloaders
             loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
             pool = _Chained(_replay(dl, "checkpoints_in_turn") for dl in loaders)
             pool = progress_bar(pool, show_progress(self.trainer), f"checkpoint {j + 1}/{len(self.checkpoints)}")
-            for batch in scorer.rows_to_score(pool, self.skip_ids):
-                with torch.inference_mode(False), torch.enable_grad():
-                    out = scorer.score_batch(batch)
-                parts.append({k: out[k] for k in ("id", *ROW_KEYS)})
-            names = list(scorer.task_names)
+            try:
+                for batch in scorer.rows_to_score(pool, self.skip_ids.union(*(p["id"] for p in parts))):
+                    with torch.inference_mode(False), torch.enable_grad():
+                        out = scorer.score_batch(batch)
+                    parts.append({k: out[k] for k in ("id", *ROW_KEYS)})
+                    if store is not None:
+                        pending.append({**out, "task_names": names})
+                        if len(pending) >= self.checkpoint_passes[1]:
+                            write_pass_shard(store, pending, self.trainer.global_rank, run, seq)
+                            pending, seq = [], seq + 1
+            finally:  # (on a stop too: what was scored is kept)
+                if pending:
+                    write_pass_shard(store, pending, self.trainer.global_rank, run, seq)
         finally:
             if shared:
                 with torch.inference_mode(False):
@@ -337,7 +355,8 @@ class InfluenceScoringModule(L.LightningModule):
         ids = [i for p in parts for i in p["id"]]
         rows = {"row": {i: r for r, i in enumerate(ids)},
                 **{k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in ROW_KEYS}}
-        log.info("checkpoint %d/%d scored in turn: %d rows", j + 1, len(self.checkpoints), len(ids))
+        log.info("checkpoint %d/%d scored in turn: %d rows (%d from an earlier run)", j + 1, len(self.checkpoints),
+                 len(ids), len(parts[0]["id"]) if kept is not None else 0)
         return names, rows
 
     def _rows_at(self, j: int, ids: list[str]) -> dict:

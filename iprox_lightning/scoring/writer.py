@@ -14,7 +14,8 @@ resumes: the ids already present in ``shards/`` are handed to the module (``pl_m
 ``predict_step`` skips them. A mismatch, or shards without a recorded fingerprint, stops with an error
 naming what differs; ``overwrite=True`` clears the directory first. A shard left unreadable by a crash is
 moved to ``shards/corrupt/``, its examples are scored again and the repair is logged in ``settings.json``
-(``repairs``). The merge de-duplicates by id (custom samplers may repeat examples), keeping the first shard
+(``repairs``). With ``checkpoints_in_turn`` each earlier checkpoint's pass writes shards of its own
+(``checkpoint_passes/``, every ``write_every_n_batches`` batches), read back on resume and removed after the merge. The merge de-duplicates by id (custom samplers may repeat examples), keeping the first shard
 in name order.
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..io.score_dir import (
-    SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, merge_shards, repair_shards,
-    shard_files, write_settings,
+    SHARD_DIR, OutputLocked, ScoreDirLock, check_fingerprint, clear_output, done_ids, drop_checkpoint_passes,
+    merge_shards, repair_shards, shard_files, write_settings,
 )
 from ..io.scores import SCORES_FILE, SETTINGS_FILE, predictions_to_arrow, read_settings, write_parquet_atomic
 from .shard_writer import BufferedShardWriter
@@ -129,6 +130,8 @@ class InfluenceWriter(BufferedShardWriter):
         done = done_ids(self.output_dir)
         if scoring:
             pl_module.skip_ids = set(done)
+        if hasattr(pl_module, "checkpoint_passes"):  # checkpoints_in_turn: its earlier passes kept here too
+            pl_module.checkpoint_passes = (str(self.output_dir), self.write_every_n_batches)
         if done and trainer.global_rank == 0:
             log.info("InfluenceWriter: resuming, %d ids already scored in %s", len(done), self.output_dir)
 
@@ -140,6 +143,7 @@ class InfluenceWriter(BufferedShardWriter):
             if isinstance(pl_module, ScoringModule) and pl_module.scorer is not None:
                 extra["scorer"] = pl_module.scorer.settings()
             self.merged_path = merge_shards(self.output_dir, extra)
+            drop_checkpoint_passes(self.output_dir)  # (checkpoints_in_turn: the sums are in the table now)
 
             rank_zero_info(f"InfluenceWriter: saved the scores to {self.merged_path}")
         trainer.strategy.barrier()
