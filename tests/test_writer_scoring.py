@@ -220,3 +220,18 @@ def test_checkpoint_pass_shards_are_read_back_count_for_the_fingerprint_and_are_
     clear_output(tmp_path)
     assert not (tmp_path / PASSES_DIR).exists()
     check_fingerprint(tmp_path, {"model": "m"}, hint="start fresh")  # nothing left to resume
+
+
+def test_an_unreadable_checkpoint_pass_shard_is_skipped_and_left_in_place(tmp_path, caplog):
+    """A pass shard truncated by a stop: its rows are not read back (scored again), the file stays where it is (every
+    rank reads the directory: none moves a file another may be reading), with a warning naming it."""
+    from iprox_lightning.io.score_dir import SHARD_DIR, checkpoint_pass_dir, read_pass_rows
+
+    d = checkpoint_pass_dir(tmp_path, 1)
+    (d / SHARD_DIR).mkdir(parents=True)
+    bad = d / SHARD_DIR / "rank000-r-00000.parquet"
+    bad.write_bytes(b"PAR1 truncated")
+    with caplog.at_level("WARNING"):
+        got = read_pass_rows(d, ["a"])
+    assert got["ids"] == [] and got["task_scores"].shape == (0, 1) and bad.exists()
+    assert str(bad) in caplog.text

@@ -280,10 +280,18 @@ def pass_shard_files(output_dir: str | os.PathLike) -> list[str]:
 
 
 def read_pass_rows(pass_dir: str | os.PathLike, task_names: Sequence[str]) -> dict[str, Any]:
-    """The rows a checkpoint's pass wrote to ``pass_dir`` (:func:`checkpoint_pass_dir`; an unreadable shard moved
-    aside, its rows scored again): ``{"ids", "score" [N], "task_scores" [N, K], "zero_grad" [N], "nonfinite" [N]}``,
-    one row per id (the first written), the columns of ``task_names`` (a shard with others is refused)."""
-    files, tables, _ = read_shards(pass_dir)
+    """The rows a checkpoint's pass wrote to ``pass_dir`` (:func:`checkpoint_pass_dir`; an unreadable shard, truncated
+    by a stop, is skipped with a warning and left where it is: its rows are scored again; every rank reads the
+    directory): ``{"ids", "score" [N], "task_scores" [N, K], "zero_grad" [N], "nonfinite" [N]}``, one row per id (the
+    first written), the columns of ``task_names`` (a shard with others is refused)."""
+    files, tables = [], []
+    for f in shard_files(pass_dir):
+        try:
+            tables.append(pq.read_table(f))
+            files.append(f)
+        except Exception as e:  # pyarrow raises several types for truncated files
+            log.warning("checkpoint pass shard %s is unreadable (%s): its rows will be scored again", f,
+                        type(e).__name__)
     want = [f"score/{t}" for t in task_names]
     for f, t in zip(files, tables):
         if [c for c in t.column_names if c.startswith("score/")] != want:

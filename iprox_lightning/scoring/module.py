@@ -474,6 +474,7 @@ class InfluenceScoringModule(L.LightningModule):
 
     def on_predict_end(self) -> None:
         self.checkpoint_rows = []  # (rows a limited live loop did not reach)
+        self.checkpoint_passes = None  # (set by this run's writer)
         if self.logger is not None:
             self.logger.log_metrics(self.scoring_counters(reduce=True), step=max(self._log_step, 1))
 
