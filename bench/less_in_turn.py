@@ -39,23 +39,45 @@ def overlay(recorded: dict, pool: Path, out: Path, in_turn: bool) -> dict:
     return cfg
 
 
-def plan_peak(recorded: dict, rows: int, tasks: int, in_turn: bool) -> dict:
-    """``train.py plan``'s LESS scoring row on a CPU for these settings: ``{"peak", "parts"}`` (bytes)."""
-    from iprox_lightning.analysis import ModelSizes, RunSettings, load_config, plan_stages, run_activations
+SHAPE = "smollm2-135m"  # the named shape of SmolLM2-135M (train.py plan --model smollm2-135m): no file needed
 
+
+def plan_settings(recorded: dict, rows: int, tasks: int) -> dict:
+    """What the plan of this measurement takes (recorded with it, so a test prices it again with no model file): the
+    shape, the rows, columns, checkpoints, T, batch, holding and the warm-up's LoRA settings."""
     ckpts = recorded["model"]["init_args"]["checkpoints"]
     lora = json.loads((Path(ckpts[0]["path"]) / "adapter_config.json").read_text())
     d = recorded["data"]["init_args"]
-    run = RunSettings(pool_size=rows, tasks=tasks, checkpoints=len(ckpts), checkpoints_in_turn=in_turn,
-                        method="less", device_kind="cpu", max_length=d["max_length"], batch_size=d["batch_size"],
-                        validation_gradients=recorded["model"]["init_args"].get("validation_gradients"),
-                        lora={"r": lora["r"], "alpha": lora["lora_alpha"], "dropout": lora["lora_dropout"],
-                              "target_modules": sorted(lora["target_modules"])})
-    config = load_config(str(Path(ckpts[0]["path"]).parents[1]))  # the warm-up's merged model: the base's shape
+    return {"model": SHAPE, "pool_size": rows, "tasks": tasks, "checkpoints": len(ckpts),
+            "max_length": d["max_length"], "batch_size": d["batch_size"],
+            "validation_gradients": recorded["model"]["init_args"].get("validation_gradients"),
+            "lora": {"r": lora["r"], "alpha": lora["lora_alpha"], "dropout": lora["lora_dropout"],
+                     "target_modules": sorted(lora["target_modules"])}}
+
+
+def plan_peak(settings: dict, in_turn: bool) -> dict:
+    """``train.py plan``'s LESS scoring row on a CPU for ``settings`` (:func:`plan_settings`): ``{"peak", "parts"}``."""
+    from iprox_lightning.analysis import ModelSizes, RunSettings, load_config, plan_stages, run_activations
+
+    s = dict(settings)
+    config = load_config(s.pop("model"))
+    run = RunSettings(**s, checkpoints_in_turn=in_turn, method="less", device_kind="cpu")
     acts, acts32 = run_activations(config, run)
-    (stage,) = [s for s in plan_stages(ModelSizes.from_config(config), config, run, acts=acts, acts32=acts32)
-                if s.stage == "scoring (less)"]
+    (stage,) = [x for x in plan_stages(ModelSizes.from_config(config), config, run, acts=acts, acts32=acts32)
+                if x.stage == "scoring (less)"]
     return {"peak": stage.peak, "parts": stage.parts}
+
+
+def check_shape(recorded: dict) -> None:
+    """The warm-up's model has the named shape the plan prices."""
+    from iprox_lightning.analysis import load_config
+
+    ckpt = Path(recorded["model"]["init_args"]["checkpoints"][0]["path"])
+    got, want = load_config(str(ckpt.parents[1])).to_dict(), load_config(SHAPE).to_dict()
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    if [got.get(k) for k in keys] != [want.get(k) for k in keys]:
+        sys.exit(f"the warm-up's model is not the {SHAPE} shape: {[got.get(k) for k in keys]}")
 
 
 def main() -> None:
@@ -73,6 +95,7 @@ def main() -> None:
         if not (Path(c["path"]) / "optimizer_state.safetensors").is_file():
             sys.exit(f"{c['path']}: the effect run's LESS warm-up checkpoint is not here (bench/effect.py "
                      "--selectors less+max makes it; docs/GUIDE.md 'LoRA')")
+    check_shape(recorded)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     pool = work / f"pool_{a.rows}.jsonl"
@@ -97,7 +120,8 @@ def main() -> None:
             sys.exit(f"{mode} failed (rc {p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
         m = json.loads(p.stdout.strip().splitlines()[-1])
         tables[mode] = t = ScoreTable.load(str(out / "scores"))
-        plan = plan_peak(recorded, a.rows, len(t.task_names), MODES[mode])
+        result["plan_settings"] = settings = plan_settings(recorded, len(t), len(t.task_names))
+        plan = plan_peak(settings, MODES[mode])
         meas = m["peak"] - m["baseline"]
         result["modes"][mode] = {"argv": argv, "measured": m, "measured_bytes": meas, "seconds": time.time() - t0,
                                  "predicted_bytes": plan["peak"], "ratio": plan["peak"] / meas, "plan": plan,
