@@ -84,13 +84,14 @@ def main() -> None:
     import yaml
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recorded", default=str(RECORDED), help="the effect run's LESS scoring overlay (not in git)")
     ap.add_argument("--rows", type=int, default=16, help="pool rows scored (the first of the recorded sample)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/less_in_turn")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    recorded = yaml.safe_load(RECORDED.read_text())
+    recorded = yaml.safe_load(Path(a.recorded).read_text())
     for c in recorded["model"]["init_args"]["checkpoints"]:
         if not (Path(c["path"]) / "optimizer_state.safetensors").is_file():
             sys.exit(f"{c['path']}: the effect run's LESS warm-up checkpoint is not here (bench/effect.py "
