@@ -10,7 +10,7 @@ Needs that warm-up's adapters (``bench/effect.py --selectors less+max``; not in 
 
   flock /tmp/iprox-model.lock python bench/less_in_turn.py --rows 16 --out bench/results/plan/less_in_turn_smollm2.json
 
-Each run is appended to the JSON's ``runs``; ``tests/test_less.py`` checks the record against today's plan.
+Each run is appended to the JSON's ``runs``; ``tests/test_plan_less_in_turn_measured.py`` checks it against today's plan.
 """
 from __future__ import annotations
 
